@@ -1,0 +1,3 @@
+from kvtune.cli import main
+
+main()

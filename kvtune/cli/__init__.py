@@ -1,0 +1,72 @@
+"""The `kvtune` command group: one module per command, loaded only when that command runs.
+
+The group is also the one place where a KvtuneError becomes an error line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from kvtune import __version__
+from kvtune.errors import KvtuneError
+
+# command name -> (module under kvtune.cli, attribute, one-line help shown by `kvtune --help`)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "kv": ("kv", "kv", "KV-cache bytes per token for a model, by layer kind, TP and PP."),
+    "capacity": ("capacity", "capacity", "How many tokens, blocks and requests fit on given GPUs."),
+    "profile": ("profile", "profile", "Per-route output and prompt length distributions from logs."),
+}
+
+
+class KvtuneGroup(click.Group):
+    """A click group whose commands import lazily and whose user errors exit 2 in one line."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if self._module_exists(name)]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS or not self._module_exists(name):
+            return None
+        module_name, attr, _ = COMMANDS[name]
+        module = importlib.import_module(f"kvtune.cli.{module_name}")
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KvtuneError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(2)
+
+    @staticmethod
+    def _module_exists(name: str) -> bool:
+        return importlib.util.find_spec(f"kvtune.cli.{COMMANDS[name][0]}") is not None
+
+
+@click.group(cls=KvtuneGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvtune")
+def cli() -> None:
+    """Size KV cache, output caps and admission for self-hosted LLM serving.
+
+    \b
+    Example:
+        kvtune capacity llama-3.1-8b --gpu H100-80GB --prompt-tokens 2000 --max-tokens 512
+    """
+
+
+def main() -> None:
+    cli(prog_name="kvtune")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
