@@ -1,0 +1,607 @@
+"""HF config.json → ModelSpec: the facts about a model that KV-cache and weight arithmetic need.
+
+The config is parsed once, here, the way vLLM reads it (vllm/transformers_utils/config.py,
+vllm/config/model.py); raw dicts never travel further. Sources: a config.json path, a model
+directory, a bundled preset (kvtune/presets/*.json) or a Hugging Face hub id.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtune.errors import InputError, KvtuneError, ModelConfigError, UnknownNameError
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+
+class LayerKind(enum.Enum):
+    """What one decoder layer keeps per request."""
+
+    FULL = "full"  # full attention: K and V for every token
+    SLIDING = "sliding"  # sliding-window attention (window = ModelSpec.sliding_window)
+    CHUNKED = "chunked"  # chunked-local attention, Llama-4 (window = attention_chunk_size)
+    MLA = "mla"  # multi-head latent attention, DeepSeek: one latent per token
+    MAMBA = "mamba"  # state-space layer: fixed conv + ssm state per sequence
+    LINEAR = "linear"  # linear attention (gated delta net): fixed state per sequence
+    NONE = "none"  # no cache at all (Nemotron-H MLP/MoE-only layers)
+
+
+ATTENTION_KINDS = frozenset({LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED, LayerKind.MLA})
+STATE_KINDS = frozenset({LayerKind.MAMBA, LayerKind.LINEAR})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model's architecture as vLLM sizes it. Counts are totals, before any TP split."""
+
+    name: str
+    architecture: str | None
+    model_type: str | None
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int  # K head size (MLA: kv_lora_rank + qk_rope_head_dim)
+    head_dim_v: int  # V head size (== head_dim normally; 0 for MLA, which has no separate V)
+    layer_kinds: tuple[LayerKind, ...]
+    sliding_window: int | None
+    attention_chunk_size: int | None
+    hidden_size: int
+    intermediate_size: int | None
+    vocab_size: int | None
+    tie_word_embeddings: bool
+    # MoE (None when dense)
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None  # one routed expert's FFN width
+    num_shared_experts: int | None = None
+    first_k_dense_layers: int | None = None
+    moe_layer_freq: int | None = None
+    # MLA (None when not MLA)
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # Mamba layers (None when absent). Mamba-1: d_inner × (d_conv−1) conv + d_inner × d_state ssm;
+    # Mamba-2: (d_inner + 2·groups·d_state) × (d_conv−1) conv + heads × head_dim × d_state ssm.
+    mamba_version: int | None = None
+    ssm_inner_size: int | None = None
+    ssm_state_size: int | None = None
+    ssm_conv_kernel: int | None = None
+    ssm_num_heads: int | None = None
+    ssm_head_dim: int | None = None
+    ssm_num_groups: int | None = None
+    # Linear-attention layers (gated delta net, Qwen3-Next; None when absent)
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel: int | None = None
+    dtype: str = "bfloat16"
+    quantization: str | None = None
+    quantization_bits: int | None = None
+    max_position_embeddings: int | None = None
+    source_dir: str | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return LayerKind.MLA in self.layer_kinds
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def count(self, kind: LayerKind) -> int:
+        """How many layers are of `kind`."""
+        return sum(1 for k in self.layer_kinds if k is kind)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(1 for k in self.layer_kinds if k in ATTENTION_KINDS)
+
+
+# --- reading files ---------------------------------------------------------------------------
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a config.json. Python's json accepts the Infinity/NaN literals some real configs hold."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("no such file", path=str(p)) from None
+    except IsADirectoryError:
+        raise InputError("is a directory, expected a config.json file", path=str(p)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {exc}", path=str(p)) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"invalid JSON: {exc.msg} (column {exc.colno})", path=str(p), line=exc.lineno) from None
+    if not isinstance(data, dict):
+        raise InputError(f"expected a JSON object, found {type(data).__name__}", path=str(p))
+    return data
+
+
+# --- typed field access ----------------------------------------------------------------------
+
+
+class _Fields:
+    """Typed reads from one config dict; every error names the file and the field path."""
+
+    def __init__(self, data: dict[str, Any], *, path: str | None, prefix: str = "") -> None:
+        self.data = data
+        self.path = path
+        self.prefix = prefix
+
+    def error(self, key: str, message: str) -> ModelConfigError:
+        return ModelConfigError(message, path=self.path, field=self.prefix + key)
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def first(self, *keys: str) -> str | None:
+        """The first of `keys` present with a non-null value."""
+        return next((k for k in keys if self.data.get(k) is not None), None)
+
+    def int_(self, *keys: str, minimum: int = 0) -> int | None:
+        """The first present key as an integer ≥ minimum; floats only when whole and finite."""
+        key = self.first(*keys)
+        if key is None:
+            return None
+        value = self.data[key]
+        if isinstance(value, bool):
+            raise self.error(key, f"expected an integer, found {json.dumps(value)}")
+        if isinstance(value, float):
+            if not math.isfinite(value) or not value.is_integer():
+                raise self.error(key, f"expected an integer, found {value!r}")
+            value = int(value)
+        if not isinstance(value, int):
+            raise self.error(key, f"expected an integer, found {json.dumps(value)[:40]}")
+        if value < minimum:
+            raise self.error(key, f"must be at least {minimum}, found {value}")
+        return value
+
+    def require_int(self, *keys: str, minimum: int = 1, what: str) -> int:
+        value = self.int_(*keys, minimum=minimum)
+        if value is None:
+            raise ModelConfigError(
+                f"missing {what} (looked for {', '.join(keys)})", path=self.path, field=self.prefix + keys[0]
+            )
+        return value
+
+    def str_(self, *keys: str) -> str | None:
+        key = self.first(*keys)
+        if key is None:
+            return None
+        value = self.data[key]
+        if not isinstance(value, str):
+            raise self.error(key, f"expected a string, found {json.dumps(value)[:40]}")
+        return value
+
+    def bool_(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, found {json.dumps(value)[:40]}")
+        return value
+
+    def list_(self, key: str) -> list[Any] | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise self.error(key, f"expected a list, found {json.dumps(value)[:40]}")
+        return value
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+# vLLM's is_deepseek_mla model types (vllm/transformers_utils/model_arch_config_convertor.py).
+_MLA_MODEL_TYPES = frozenset(
+    {"deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2", "kimi_linear",
+     "longcat_flash", "pangu_ultra_moe", "pangu_ultra_moe_mtp"}
+)
+_FALCON_MODEL_TYPES = frozenset({"falcon", "RefinedWeb", "RefinedWebModel"})
+# vLLM's CONFIG_FIELD_ALIASES order for the KV head count.
+_KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "model_dim")
+# vLLM derive_max_model_len: the smallest of these that is present.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+# transformers Gemma3TextConfig defaults, for keys a multimodal gemma-3 text_config leaves out.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rope_theta": 1_000_000.0, "sliding_window": 4096, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}
+_LAYER_TYPE_NAMES = {
+    "full_attention": LayerKind.FULL, "attention": LayerKind.FULL, "global": LayerKind.FULL,
+    "sliding_attention": LayerKind.SLIDING, "sliding_window": LayerKind.SLIDING, "local": LayerKind.SLIDING,
+    "chunked_attention": LayerKind.CHUNKED,
+    "linear_attention": LayerKind.LINEAR,
+    "mamba": LayerKind.MAMBA, "mamba2": LayerKind.MAMBA,
+}
+_DTYPE_NAMES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+_QUANT_BITS = {"fp8": 8, "fbgemm_fp8": 8, "mxfp4": 4, "nvfp4": 4, "modelopt_fp4": 4, "bitsandbytes": None}
+
+
+def parse_model_spec(
+    config: dict[str, Any], *, name: str, source_dir: str | None = None, path: str | None = None
+) -> ModelSpec:
+    """Turn a config.json dict into a ModelSpec, or raise ModelConfigError naming file and field."""
+    top = _Fields(config, path=path)
+    text, prefix = _text_config(config)
+    model_type = top.str_("model_type")
+    f = _Fields(text, path=path, prefix=prefix)
+    text_type = f.str_("model_type") or model_type
+    if text_type == "gemma3_text":
+        f = _Fields({**_GEMMA3_TEXT_DEFAULTS, **text}, path=path, prefix=prefix)
+
+    num_layers = f.require_int(*_LAYER_KEYS, what="layer count")
+    num_heads = f.require_int(*_HEAD_KEYS, what="attention head count")
+    hidden = f.require_int(*_HIDDEN_KEYS, what="hidden size")
+    architectures = top.list_("architectures")
+    architecture = architectures[0] if architectures and isinstance(architectures[0], str) else None
+
+    is_mla = text_type in _MLA_MODEL_TYPES and f.has("kv_lora_rank")
+    if is_mla:
+        kv_lora_rank = f.require_int("kv_lora_rank", what="MLA kv_lora_rank")
+        qk_rope = f.require_int("qk_rope_head_dim", what="MLA qk_rope_head_dim")
+        num_kv_heads, head_dim, head_dim_v = 1, kv_lora_rank + qk_rope, 0
+    else:
+        num_kv_heads = _num_kv_heads(f, model_type, num_heads)
+        head_dim = _head_dim(f, hidden, num_heads)
+        head_dim_v = head_dim
+
+    sliding_window = f.int_("sliding_window", minimum=1)
+    if f.data.get("use_sliding_window") is False:  # Qwen2/Qwen3 carry a window they do not use
+        sliding_window = None
+    chunk = f.int_("attention_chunk_size", minimum=1)
+    kinds = _layer_kinds(f, text_type, num_layers, is_mla, sliding_window, chunk)
+    if LayerKind.SLIDING not in kinds:
+        sliding_window = None
+    elif sliding_window is None:
+        raise f.error("sliding_window", "layers are marked sliding but no window is given")
+    if LayerKind.CHUNKED not in kinds:
+        chunk = None
+
+    state = _state_fields(f, text_type, hidden, kinds)
+    quant, bits = _quantization(top, f)
+    return ModelSpec(
+        name=name,
+        architecture=architecture,
+        model_type=text_type,
+        num_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        layer_kinds=kinds,
+        sliding_window=sliding_window,
+        attention_chunk_size=chunk,
+        hidden_size=hidden,
+        intermediate_size=f.int_("intermediate_size", "n_inner", "ffn_hidden_size", minimum=1),
+        vocab_size=f.int_("vocab_size", minimum=1) or top.int_("vocab_size", minimum=1),
+        tie_word_embeddings=f.bool_("tie_word_embeddings", top.bool_("tie_word_embeddings", True)),
+        **_moe_fields(f),
+        kv_lora_rank=f.int_("kv_lora_rank", minimum=1) if is_mla else None,
+        q_lora_rank=f.int_("q_lora_rank", minimum=1) if is_mla else None,
+        qk_rope_head_dim=f.int_("qk_rope_head_dim", minimum=1) if is_mla else None,
+        qk_nope_head_dim=f.int_("qk_nope_head_dim", minimum=1) if is_mla else None,
+        v_head_dim=f.int_("v_head_dim", minimum=1) if is_mla else None,
+        **state,
+        dtype=_dtype(f, top),
+        quantization=quant,
+        quantization_bits=bits,
+        max_position_embeddings=_max_model_len(f, text_type),
+        source_dir=source_dir,
+    )
+
+
+def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The text model's config: multimodal configs nest it (vLLM get_hf_text_config)."""
+    for key in _TEXT_CONFIG_KEYS:
+        sub = config.get(key)
+        if isinstance(sub, dict):
+            return sub, f"{key}."
+    return config, ""
+
+
+def _num_kv_heads(f: _Fields, model_type: str | None, num_heads: int) -> int:
+    """vLLM ModelConfig.get_total_num_kv_heads, including the Falcon and MQA special cases."""
+    new_falcon = model_type in _FALCON_MODEL_TYPES and f.bool_("new_decoder_architecture", False)
+    if not new_falcon and f.data.get("multi_query") is True:
+        return 1
+    if model_type in ("mpt", "dbrx") and isinstance(f.data.get("attn_config"), dict):
+        sub = _Fields(f.data["attn_config"], path=f.path, prefix=f"{f.prefix}attn_config.")
+        return sub.int_("kv_n_heads", minimum=1) or num_heads
+    kv = f.int_(*_KV_HEAD_KEYS, minimum=1)
+    if kv is None:
+        return num_heads
+    if kv > num_heads:
+        raise f.error(f.first(*_KV_HEAD_KEYS) or "num_key_value_heads",
+                      f"{kv} KV heads is more than the {num_heads} attention heads")
+    return kv
+
+
+def _head_dim(f: _Fields, hidden: int, num_heads: int) -> int:
+    """vLLM get_head_size order: head_dim (> 0), hidden_size_per_head, hidden_size // heads."""
+    explicit = f.int_("head_dim", minimum=0)
+    if explicit:
+        return explicit
+    per_head = f.int_("hidden_size_per_head", minimum=1)
+    if per_head:
+        return per_head
+    if hidden % num_heads:
+        raise f.error("hidden_size", f"{hidden} is not divisible by {num_heads} attention heads and no head_dim is given")
+    return hidden // num_heads
+
+
+def _layer_kinds(
+    f: _Fields, model_type: str | None, num_layers: int, is_mla: bool, window: int | None, chunk: int | None
+) -> tuple[LayerKind, ...]:
+    """One LayerKind per decoder layer, from whichever layout key this family uses."""
+    if is_mla:
+        return (LayerKind.MLA,) * num_layers
+    pattern = f.str_("hybrid_override_pattern")  # Nemotron-H: M mamba, * attention, - MLP, E MoE
+    if pattern is not None:
+        if len(pattern) != num_layers:
+            raise f.error("hybrid_override_pattern", f"has {len(pattern)} characters for {num_layers} layers")
+        table = {"M": LayerKind.MAMBA, "*": LayerKind.FULL, "-": LayerKind.NONE, "E": LayerKind.NONE}
+        bad = sorted(set(pattern) - set(table))
+        if bad:
+            raise f.error("hybrid_override_pattern", f"unknown layer symbol {bad[0]!r} (known: M * - E)")
+        return tuple(table[c] for c in pattern)
+    types = f.list_("layer_types")
+    if types is not None:
+        if len(types) < num_layers:
+            raise f.error("layer_types", f"has {len(types)} entries for {num_layers} layers")
+        kinds = []
+        for i, t in enumerate(types[:num_layers]):
+            kind = _LAYER_TYPE_NAMES.get(t) if isinstance(t, str) else None
+            if kind is None:
+                raise f.error(f"layer_types[{i}]", f"unknown layer type {json.dumps(t)[:40]} "
+                              f"(known: {', '.join(sorted(_LAYER_TYPE_NAMES))})")
+            kinds.append(kind)
+        return tuple(kinds)
+    if f.has("attn_layer_period"):  # Jamba: attention where i % period == offset, Mamba elsewhere
+        period = f.require_int("attn_layer_period", what="attention layer period")
+        offset = f.int_("attn_layer_offset", minimum=0) or 0
+        return tuple(LayerKind.FULL if i % period == offset else LayerKind.MAMBA for i in range(num_layers))
+    if chunk is not None:  # Llama-4: RoPE layers use chunked-local attention, NoPE layers are global
+        no_rope = f.list_("no_rope_layers")
+        if no_rope:
+            if len(no_rope) < num_layers:
+                raise f.error("no_rope_layers", f"has {len(no_rope)} entries for {num_layers} layers")
+            return tuple(LayerKind.CHUNKED if flag else LayerKind.FULL for flag in no_rope[:num_layers])
+        interval = f.int_("no_rope_layer_interval", minimum=1) or 4
+        return tuple(LayerKind.FULL if (i + 1) % interval == 0 else LayerKind.CHUNKED for i in range(num_layers))
+    if window is None:
+        return (LayerKind.FULL,) * num_layers
+    if model_type in ("gemma2",):  # even layers slide (transformers Gemma2: not layer_idx % 2)
+        return tuple(LayerKind.SLIDING if i % 2 == 0 else LayerKind.FULL for i in range(num_layers))
+    sw_pattern = f.int_("sliding_window_pattern", minimum=1)
+    if sw_pattern is not None:  # Gemma-3, Cohere2: every pattern-th layer is global
+        return tuple(LayerKind.FULL if (i + 1) % sw_pattern == 0 else LayerKind.SLIDING for i in range(num_layers))
+    return (LayerKind.SLIDING,) * num_layers  # Mistral, Phi-3: the window applies to every layer
+
+
+def _state_fields(f: _Fields, model_type: str | None, hidden: int, kinds: tuple[LayerKind, ...]) -> dict[str, Any]:
+    """Shapes of the per-sequence state of Mamba and linear-attention layers."""
+    out: dict[str, Any] = {}
+    if LayerKind.MAMBA in kinds:
+        n_heads = f.int_("mamba_num_heads", "mamba_n_heads", minimum=1)
+        if n_heads is not None:  # Mamba-2 (Nemotron-H, Falcon-H1, Granite-4)
+            head_dim = f.require_int("mamba_head_dim", "mamba_d_head", what="Mamba-2 head dimension")
+            out.update(
+                mamba_version=2,
+                ssm_num_heads=n_heads,
+                ssm_head_dim=head_dim,
+                ssm_inner_size=n_heads * head_dim,
+                ssm_state_size=f.require_int("ssm_state_size", "mamba_d_state", what="SSM state size"),
+                ssm_conv_kernel=f.require_int("conv_kernel", "mamba_d_conv", what="SSM conv kernel"),
+                ssm_num_groups=f.int_("n_groups", "mamba_n_groups", minimum=1) or 1,
+            )
+        else:  # Mamba-1 (Jamba)
+            expand = f.int_("mamba_expand", "expand", minimum=1) or 2
+            out.update(
+                mamba_version=1,
+                ssm_inner_size=f.int_("mamba_d_inner", minimum=1) or expand * hidden,
+                ssm_state_size=f.require_int("mamba_d_state", "state_size", "ssm_state_size", what="SSM state size"),
+                ssm_conv_kernel=f.require_int("mamba_d_conv", "conv_kernel", what="SSM conv kernel"),
+                ssm_num_groups=1,
+            )
+    if LayerKind.LINEAR in kinds:  # gated delta net (Qwen3-Next)
+        out.update(
+            linear_num_key_heads=f.require_int("linear_num_key_heads", what="linear-attention key heads"),
+            linear_num_value_heads=f.require_int("linear_num_value_heads", what="linear-attention value heads"),
+            linear_key_head_dim=f.require_int("linear_key_head_dim", what="linear-attention key head dim"),
+            linear_value_head_dim=f.require_int("linear_value_head_dim", what="linear-attention value head dim"),
+            linear_conv_kernel=f.require_int("linear_conv_kernel_dim", what="linear-attention conv kernel"),
+        )
+    return out
+
+
+def _moe_fields(f: _Fields) -> dict[str, Any]:
+    experts = f.int_("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", minimum=0)
+    if not experts:
+        return {}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=f.int_("num_experts_per_tok", "experts_per_token", "moe_top_k", minimum=1),
+        moe_intermediate_size=f.int_("moe_intermediate_size", "intermediate_size", minimum=1),
+        num_shared_experts=f.int_("n_shared_experts", "num_shared_experts", minimum=0),
+        first_k_dense_layers=f.int_("first_k_dense_replace", minimum=0),
+        moe_layer_freq=f.int_("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step",
+                              "expert_layer_period", minimum=1),
+    )
+
+
+def _dtype(f: _Fields, top: _Fields) -> str:
+    """torch_dtype/dtype of the text model, else of the whole config, else bfloat16."""
+    for fields in (f, top):
+        key = fields.first("torch_dtype", "dtype")
+        if key is None:
+            continue
+        raw = fields.data[key]
+        if isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES:
+            return _DTYPE_NAMES[raw.removeprefix("torch.")]
+        raise fields.error(key, f"unknown dtype {json.dumps(raw)[:40]} (known: {', '.join(sorted(_DTYPE_NAMES))})")
+    return "bfloat16"
+
+
+def _quantization(top: _Fields, f: _Fields) -> tuple[str | None, int | None]:
+    for fields in (top, f):
+        q = fields.data.get("quantization_config")
+        if isinstance(q, dict):
+            break
+    else:
+        return None, None
+    qf = _Fields(q, path=top.path, prefix="quantization_config.")
+    method = qf.str_("quant_method")
+    bits = qf.int_("bits", "w_bit", "weight_bits", "num_bits", minimum=1)
+    if bits is None and method == "compressed-tensors":
+        for group in (q.get("config_groups") or {}).values():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if isinstance(weights, dict) and isinstance(weights.get("num_bits"), int):
+                bits = weights["num_bits"]
+                break
+    if bits is None and method is not None:
+        bits = _QUANT_BITS.get(method)
+    return method, bits
+
+
+def _max_model_len(f: _Fields, model_type: str | None) -> int | None:
+    """vLLM's derived max_model_len: smallest length key, model_max_length wins, RoPE factor applied."""
+    lengths = {}
+    for key in _MAX_LEN_KEYS:
+        value = f.data.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            lengths[key] = value
+    if not lengths:
+        return None
+    derived: float = lengths.get("model_max_length") or min(lengths.values())
+    rope = f.data.get("rope_scaling") or f.data.get("rope_parameters")
+    if isinstance(rope, dict) and "gemma3" not in (model_type or ""):
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type not in ("su", "longrope", "llama3", None, "default"):
+            factor = rope.get("factor", 1.0)
+            if rope_type == "yarn" and isinstance(rope.get("original_max_position_embeddings"), (int, float)):
+                derived = rope["original_max_position_embeddings"]
+            if isinstance(factor, (int, float)) and math.isfinite(factor):
+                derived *= factor
+    return int(derived)
+
+
+# --- resolving a MODEL argument --------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    """Names of the bundled presets, sorted."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> ModelSpec:
+    """A bundled preset by (case-insensitive) name."""
+    path = PRESETS_DIR / f"{name.lower()}.json"
+    if not path.is_file():
+        raise _unknown(name)
+    return parse_model_spec(load_config_file(path), name=name.lower(), path=str(path))
+
+
+def resolve_model(source: str) -> ModelSpec:
+    """A config.json path, a model directory, a preset name, or a Hugging Face hub id."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        config = p / "config.json"
+        if not config.is_file():
+            raise InputError("model directory has no config.json", path=str(p))
+        return parse_model_spec(load_config_file(config), name=source, source_dir=str(p), path=str(config))
+    if p.is_file():
+        source_dir = str(p.parent) if p.name == "config.json" else None
+        return parse_model_spec(load_config_file(p), name=source, source_dir=source_dir, path=str(p))
+    if (PRESETS_DIR / f"{source.lower()}.json").is_file():
+        return load_preset(source)
+    if _looks_like_path(source):
+        raise InputError("no such file or directory", path=source)
+    if _HUB_ID.fullmatch(source):
+        return _from_hub(source)
+    raise _unknown(source)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.endswith(".json") or source.startswith(("/", "./", "../", "~")) or os.sep + os.sep in source
+
+
+def _unknown(name: str) -> UnknownNameError:
+    names = preset_names()
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"presets: {', '.join(names)}"
+    return UnknownNameError(
+        f"unknown model {name!r}: not a file, a directory, a preset or a hub id (owner/name); {hint}"
+    )
+
+
+def _from_hub(repo_id: str) -> ModelSpec:
+    """config.json from the Hugging Face hub, or from the local cache when offline."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise KvtuneError("huggingface_hub is not installed: pip install huggingface_hub") from exc
+    try:
+        local = hf_hub_download(repo_id, "config.json")
+    except Exception as exc:  # noqa: BLE001 - every hub failure is a user-facing one
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        reason = ("offline (HF_HUB_OFFLINE=1) and not in the local Hugging Face cache" if offline
+                  else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}")
+        hint = _preset_for_hub_id(repo_id)
+        raise KvtuneError(
+            f"cannot get config.json for hub model {repo_id!r}: {reason}; "
+            + (f"the bundled preset {hint!r} has this model's config" if hint
+               else "pass a config.json path, a model directory or a preset name")
+        ) from exc
+    return parse_model_spec(load_config_file(local), name=repo_id, source_dir=str(Path(local).parent), path=local)
+
+
+def _preset_for_hub_id(repo_id: str) -> str | None:
+    """The preset whose `_source` names this hub id, if any (for the error hint only)."""
+    for path in sorted(PRESETS_DIR.glob("*.json")):
+        try:
+            source = json.loads(path.read_text(encoding="utf-8")).get("_source", "")
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, str) and source.split()[0].lower() == repo_id.lower():
+            return path.stem
+    return None
+
+
+__all__ = [
+    "LayerKind",
+    "ModelSpec",
+    "ATTENTION_KINDS",
+    "STATE_KINDS",
+    "load_config_file",
+    "parse_model_spec",
+    "resolve_model",
+    "load_preset",
+    "preset_names",
+]
