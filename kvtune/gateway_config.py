@@ -1,0 +1,213 @@
+"""The admission gateway's configuration: what `kvtune recommend` renders as gateway.yaml and
+what `kvtune gateway` and `kvtune check` read back.
+
+Parsing is strict (unknown keys, a zero budget or a route without a cap are errors at load time),
+so a typo fails when the file is read, not at the first request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtune.errors import InputError
+
+SCHEMA_VERSION = 1
+PROMPT_COUNT_METHODS = ("upstream-tokenize", "tokenizer", "estimate")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteMatch:
+    """A request belongs to a route when every given key matches; none given matches everything."""
+
+    path: str | None = None
+    model: str | None = None
+
+    def matches(self, path: str, model: str | None) -> bool:
+        if self.path is not None:
+            if self.path.endswith("*"):
+                if not path.startswith(self.path[:-1]):
+                    return False
+            elif path != self.path:
+                return False
+        return self.model is None or self.model == model
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayRoute:
+    name: str
+    match: RouteMatch
+    max_new_tokens: int
+    upstream: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCounting:
+    """How the gateway counts prompt tokens: exactly (upstream /tokenize or a local tokenizer) or by
+    an estimate that must carry a safety margin."""
+
+    method: str = "upstream-tokenize"
+    tokenizer: str | None = None
+    chars_per_token: float | None = None
+    margin_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    upstream: str
+    block_size: int
+    block_budget: int
+    max_model_len: int
+    routes: tuple[GatewayRoute, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model: str | None = None
+    prompt_tokens: PromptCounting = field(default_factory=PromptCounting)
+    retry_after_min_s: int = 1
+    retry_after_max_s: int = 60
+    queue_max_waiting: int = 0
+    queue_timeout_s: float = 30.0
+
+    def route_for(self, path: str, model: str | None) -> GatewayRoute | None:
+        """The first route, in file order, whose match accepts the request."""
+        return next((r for r in self.routes if r.match.matches(path, model)), None)
+
+    def reservation_blocks(self, prompt_tokens: int, max_new_tokens: int, sequences: int = 1) -> int:
+        return sequences * -(-(prompt_tokens + max_new_tokens) // self.block_size)
+
+
+class _Reader:
+    """Walks a parsed YAML mapping, rejecting unknown keys and wrong types with the key path."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, where: str, message: str) -> InputError:
+        return InputError(message, path=self.path, field=where)
+
+    def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(where, "expected a mapping")
+        unknown = sorted(set(map(str, value)) - allowed)
+        if unknown:
+            raise self.fail(f"{where}.{unknown[0]}" if where else unknown[0],
+                            f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        missing = sorted(required - set(value))
+        if missing:
+            raise self.fail(f"{where}.{missing[0]}" if where else missing[0], "missing")
+        return value
+
+    def integer(self, value: Any, where: str, minimum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(where, f"expected an integer, got {value!r}")
+        if value < minimum:
+            raise self.fail(where, f"must be at least {minimum}, got {value}")
+        return value
+
+    def number(self, value: Any, where: str, minimum: float) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(where, f"expected a number, got {value!r}")
+        if value < minimum:
+            raise self.fail(where, f"must be at least {minimum:g}, got {value}")
+        return float(value)
+
+    def string(self, value: Any, where: str, optional: bool = False) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            raise self.fail(where, f"expected a non-empty string, got {value!r}")
+        return value
+
+
+def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayConfig:
+    """Validate a parsed gateway.yaml document into a GatewayConfig."""
+    r = _Reader(path)
+    top = r.mapping(
+        data, "",
+        {"version", "listen", "upstream", "model", "block_size", "block_budget", "max_model_len",
+         "prompt_tokens", "retry_after", "queue", "routes"},
+        {"version", "upstream", "block_size", "block_budget", "max_model_len", "routes"},
+    )
+    if top["version"] != SCHEMA_VERSION:
+        raise r.fail("version", f"unsupported version {top['version']!r} (this kvtune reads {SCHEMA_VERSION})")
+    listen = r.mapping(top.get("listen") or {}, "listen", {"host", "port"})
+    retry = r.mapping(top.get("retry_after") or {}, "retry_after", {"min_s", "max_s"})
+    queue = r.mapping(top.get("queue") or {}, "queue", {"max_waiting", "timeout_s"})
+    counting = r.mapping(top.get("prompt_tokens") or {}, "prompt_tokens",
+                         {"method", "tokenizer", "chars_per_token", "margin_tokens"})
+
+    method = counting.get("method", "upstream-tokenize")
+    if method not in PROMPT_COUNT_METHODS:
+        raise r.fail("prompt_tokens.method", f"{method!r} is not one of {', '.join(PROMPT_COUNT_METHODS)}")
+    prompt_counting = PromptCounting(
+        method=method,
+        tokenizer=r.string(counting.get("tokenizer"), "prompt_tokens.tokenizer", optional=True),
+        chars_per_token=(r.number(counting["chars_per_token"], "prompt_tokens.chars_per_token", 0.1)
+                         if counting.get("chars_per_token") is not None else None),
+        margin_tokens=r.integer(counting.get("margin_tokens", 0), "prompt_tokens.margin_tokens", 0),
+    )
+    if method == "tokenizer" and prompt_counting.tokenizer is None:
+        raise r.fail("prompt_tokens.tokenizer", "method 'tokenizer' needs a tokenizer path or hub id")
+    if method == "estimate" and (prompt_counting.chars_per_token is None or prompt_counting.margin_tokens == 0):
+        raise r.fail("prompt_tokens", "an estimate needs chars_per_token and a margin_tokens above 0")
+
+    raw_routes = top["routes"]
+    if not isinstance(raw_routes, list) or not raw_routes:
+        raise r.fail("routes", "expected a non-empty list of routes")
+    routes = []
+    for i, raw in enumerate(raw_routes):
+        where = f"routes[{i}]"
+        item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream"}, {"name", "max_new_tokens"})
+        match = r.mapping(item.get("match") or {}, f"{where}.match", {"path", "model"})
+        routes.append(GatewayRoute(
+            name=r.string(item["name"], f"{where}.name"),
+            match=RouteMatch(
+                path=r.string(match.get("path"), f"{where}.match.path", optional=True),
+                model=r.string(match.get("model"), f"{where}.match.model", optional=True),
+            ),
+            max_new_tokens=r.integer(item["max_new_tokens"], f"{where}.max_new_tokens", 1),
+            upstream=r.string(item.get("upstream"), f"{where}.upstream", optional=True),
+        ))
+
+    config = GatewayConfig(
+        upstream=r.string(top["upstream"], "upstream"),
+        block_size=r.integer(top["block_size"], "block_size", 1),
+        block_budget=r.integer(top["block_budget"], "block_budget", 1),
+        max_model_len=r.integer(top["max_model_len"], "max_model_len", 1),
+        routes=tuple(routes),
+        host=r.string(listen.get("host", "127.0.0.1"), "listen.host"),
+        port=r.integer(listen.get("port", 8080), "listen.port", 0),
+        model=r.string(top.get("model"), "model", optional=True),
+        prompt_tokens=prompt_counting,
+        retry_after_min_s=r.integer(retry.get("min_s", 1), "retry_after.min_s", 1),
+        retry_after_max_s=r.integer(retry.get("max_s", 60), "retry_after.max_s", 1),
+        queue_max_waiting=r.integer(queue.get("max_waiting", 0), "queue.max_waiting", 0),
+        queue_timeout_s=r.number(queue.get("timeout_s", 30), "queue.timeout_s", 0),
+    )
+    if config.retry_after_max_s < config.retry_after_min_s:
+        raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")
+    for i, route in enumerate(config.routes):
+        if route.max_new_tokens >= config.max_model_len:
+            raise r.fail(f"routes[{i}].max_new_tokens",
+                         f"cap {route.max_new_tokens} leaves no room for a prompt in max_model_len "
+                         f"{config.max_model_len}")
+    return config
+
+
+def load_gateway_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a gateway.yaml file."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(p)) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise InputError(f"not valid YAML: {getattr(exc, 'problem', None) or exc}", path=str(p),
+                         line=mark.line + 1 if mark else None) from exc
+    return parse_gateway_config(data, path=str(p))

@@ -1,0 +1,237 @@
+"""The rules behind every recommended number: small pure functions, each docstring states its rule.
+
+Each rule returns a `Decision`: the value, the rule's name as it appears in the output, and a
+one-line reason with the inputs filled in. `recommend.py` assembles them; nothing here reads files.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_SAFETY_FRACTION = 0.9
+CURRENT_VLLM_VERSION = "0.33"
+# vLLM releases before this one ran the V0 engine by default, with swap and --preemption-mode.
+FIRST_V1_DEFAULT_VERSION = (0, 8)
+# V0-era rule of thumb: swapping a sequence beats recomputing it once it is this long.
+SWAP_MIN_SEQUENCE_TOKENS = 4000
+V0_DEFAULT_SWAP_SPACE_GIB = 4
+# The cap percentile by tail class: p95 covers light tails, heavy tails need p99.
+CAP_PERCENTILE = {"light": 0.95, "heavy": 0.99}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One recommended setting with the rule that produced it and why."""
+
+    value: int | float | str | bool | None
+    rule: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "rule": self.rule, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """Nearest-rank summary of an integer quantity weighted by request counts."""
+
+    p50: int
+    p90: int
+    p99: int
+    max: int
+    mean: float
+
+    def to_dict(self) -> dict:
+        return {"p50": self.p50, "p90": self.p90, "p99": self.p99, "max": self.max,
+                "mean": round(self.mean, 3)}
+
+
+def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distribution:
+    """Nearest-rank percentiles (numpy's inverted_cdf) of `values` repeated `counts` times."""
+    values = np.asarray(values, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    keep = counts > 0
+    values, counts = values[keep], counts[keep]
+    if values.size == 0:
+        raise ValueError("empty distribution")
+    order = np.argsort(values, kind="stable")
+    values, counts = values[order], counts[order]
+    cumulative = np.cumsum(counts)
+    total = int(cumulative[-1])
+
+    def rank(q: float) -> int:
+        # smallest value whose cumulative count reaches q * total (nearest rank, at least 1)
+        needed = max(1, math.ceil(q * total - 1e-9))
+        return int(values[np.searchsorted(cumulative, needed)])
+
+    mean = float(np.dot(values.astype(np.float64), counts) / total)
+    return Distribution(p50=rank(0.5), p90=rank(0.9), p99=rank(0.99), max=int(values[-1]), mean=mean)
+
+
+def reservation_blocks(prompt_tokens: int | np.ndarray, cap: int, block_size: int):
+    """Blocks a gateway reserves for a request: ceil((prompt + cap) / block_size), held for its life."""
+    return -(-(prompt_tokens + cap) // block_size)
+
+
+def cap_by_tail(tail_class: str, quantile: int, lower_bound: bool, context_cap: int) -> Decision:
+    """Cap = p95 of the censoring-aware output distribution for light tails, p99 for heavy ones.
+
+    `quantile` is that percentile; a lower bound (censored beyond it) is kept, since the logs
+    cannot show more. Never above what the context allows.
+    """
+    q = CAP_PERCENTILE[tail_class]
+    label = f"p{q * 100:g}"
+    value = min(quantile, context_cap)
+    note = " (a lower bound: responses were cut at their own cap)" if lower_bound else ""
+    clipped = f", clipped to the context limit {context_cap}" if value < quantile else ""
+    return Decision(
+        value=int(value),
+        rule=f"cap-{label}-{tail_class}-tail",
+        reason=f"{label} of output tokens for a {tail_class}-tailed route is {quantile}{note}{clipped}",
+    )
+
+
+def cap_by_truncation(
+    candidates: np.ndarray, truncation_shares: np.ndarray, max_truncation: float, context_cap: int
+) -> Decision:
+    """Cap = the smallest logged length whose expected truncation share is at most F.
+
+    `candidates` are increasing output lengths and `truncation_shares` the Kaplan–Meier share of
+    requests that would run past each; if none gets down to F the largest candidate is used.
+    """
+    ok = np.nonzero(truncation_shares <= max_truncation)[0]
+    if ok.size:
+        value = int(candidates[ok[0]])
+        reason = f"smallest cap with expected truncation ≤ {max_truncation:.2%} is {value}"
+    else:
+        value = int(candidates[-1])
+        reason = (f"no logged length brings truncation down to {max_truncation:.2%}; "
+                  f"using the longest logged output {value}")
+    if value > context_cap:
+        reason += f", clipped to the context limit {context_cap}"
+        value = context_cap
+    return Decision(value=value, rule="cap-max-truncation", reason=reason)
+
+
+def safety_fraction(requested: float | None, measured: bool) -> Decision:
+    """Reserve at most this share of the usable KV blocks; the rest absorbs what a gateway cannot see.
+
+    Default 0.9, the 85–90 % production gateways use. The margin covers prompt-count drift
+    between the gateway's tokenizer and the engine's (chat template, special tokens), speculative
+    lookahead slots, and error in the capacity itself when it is estimated, not measured.
+    """
+    if requested is not None:
+        if not 0 < requested <= 1:
+            raise ValueError("safety fraction must be in (0, 1]")
+        return Decision(requested, "safety-user", f"set by --safety-fraction to {requested:g}")
+    basis = "measured capacity" if measured else "estimated capacity (arithmetic can be tens of % off)"
+    return Decision(
+        DEFAULT_SAFETY_FRACTION,
+        "safety-default",
+        f"default {DEFAULT_SAFETY_FRACTION:g} on a {basis}: margin for prompt-count drift between gateway "
+        "and engine, speculative lookahead and capacity error",
+    )
+
+
+def block_budget(num_blocks: int, safety: float) -> Decision:
+    """Budget = floor((num_blocks − 1) × safety): vLLM keeps one block as its permanent null block."""
+    usable = max(0, num_blocks - 1)
+    value = math.floor(usable * safety)
+    return Decision(value, "budget-usable-blocks-x-safety",
+                    f"floor(({num_blocks} blocks − 1 null block) × {safety:g}) = {value}")
+
+
+def admitted_concurrency(budget_blocks: int, mean_reservation_blocks: float) -> int:
+    """Requests the budget holds at once when reservations average `mean_reservation_blocks`."""
+    if mean_reservation_blocks <= 0:
+        return 0
+    return int(budget_blocks // mean_reservation_blocks)
+
+
+def worst_case_reservation_blocks(context_tokens: int, block_size: int) -> int:
+    """An unset max_tokens lets a request grow to the whole context: ceil(context / block_size)."""
+    return -(-context_tokens // block_size)
+
+
+def parse_vllm_version(text: str) -> tuple[int, ...]:
+    """'0.6', '0.6.3', 'v0.10.1.post1' → (0, 6), (0, 6, 3), (0, 10, 1)."""
+    match = re.fullmatch(r"[vV]?(\d+(?:\.\d+)*)(?:[.+-]?[A-Za-z][\w.+-]*)?", text.strip())
+    if not match:
+        raise ValueError(f"not a vLLM version: {text!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def is_v1_engine(version: tuple[int, ...]) -> bool:
+    """vLLM runs the V1 engine by default from 0.8 on; before that the V0 engine could swap."""
+    return version >= FIRST_V1_DEFAULT_VERSION
+
+
+def preemption_mode(version: tuple[int, ...], p99_sequence_tokens: int) -> Decision:
+    """V1 only recomputes (no flag exists); V0 swaps sequences of ~4,000+ tokens, recomputes shorter."""
+    shown = ".".join(map(str, version))
+    if is_v1_engine(version):
+        return Decision("recompute", "preemption-v1-recompute-only",
+                        f"vLLM {shown} runs the V1 engine, which preempts by recompute only; "
+                        "--preemption-mode and --swap-space do not exist there")
+    if p99_sequence_tokens >= SWAP_MIN_SEQUENCE_TOKENS:
+        return Decision("swap", "preemption-v0-long-sequences-swap",
+                        f"p99 prompt + cap is {p99_sequence_tokens} tokens ≥ {SWAP_MIN_SEQUENCE_TOKENS}: "
+                        "copying KV to CPU is cheaper than recomputing it")
+    return Decision("recompute", "preemption-v0-short-sequences-recompute",
+                    f"p99 prompt + cap is {p99_sequence_tokens} tokens < {SWAP_MIN_SEQUENCE_TOKENS}: "
+                    "recomputing is cheaper than a swap round trip")
+
+
+def swap_space_gib(kv_pool_bytes_per_gpu: int, preemption: str) -> Decision | None:
+    """V0 swap space: a tenth of the GPU KV pool in CPU memory, at least vLLM's default 4 GiB."""
+    if preemption != "swap":
+        return None
+    gib = max(V0_DEFAULT_SWAP_SPACE_GIB, math.ceil(kv_pool_bytes_per_gpu / 10 / 2**30))
+    return Decision(gib, "swap-space-tenth-of-kv",
+                    f"room to swap out a tenth of the {kv_pool_bytes_per_gpu / 2**30:.1f} GiB KV pool, "
+                    f"at least vLLM's default {V0_DEFAULT_SWAP_SPACE_GIB} GiB")
+
+
+def max_model_len(longest_request_tokens: int, model_limit: int, block_size: int) -> Decision:
+    """max_model_len = the largest logged prompt + its route cap, rounded up to the block size,
+    never above the model's own limit: no real request is rejected and no context is wasted."""
+    rounded = -(-longest_request_tokens // block_size) * block_size
+    if rounded >= model_limit:
+        return Decision(model_limit, "max-model-len-model-limit",
+                        f"the longest logged prompt + cap ({longest_request_tokens}) reaches the "
+                        f"model's limit {model_limit}")
+    return Decision(rounded, "max-model-len-longest-request",
+                    f"longest logged prompt + its cap is {longest_request_tokens} tokens, "
+                    f"rounded up to the block size {block_size}")
+
+
+def max_num_seqs(budget_blocks: int, min_reservation_blocks: int) -> Decision:
+    """At least what the budget admits: budget ÷ the smallest reservation, rounded up to 8."""
+    most = budget_blocks // max(1, min_reservation_blocks)
+    value = max(8, -(-most // 8) * 8)
+    return Decision(value, "max-num-seqs-budget-admits",
+                    f"the budget admits at most {budget_blocks} ÷ {min_reservation_blocks} = {most} "
+                    "requests at once; the engine must be able to run them all")
+
+
+def max_num_batched_tokens(
+    p95_prompt_tokens: int, engine_default: int, max_num_seqs_value: int, max_model_len_value: int
+) -> Decision:
+    """Chunked-prefill budget: the next power of two ≥ p95 prompt, so most prompts prefill in one
+    step; at least the engine's default and max_num_seqs, at most max_model_len × max_num_seqs."""
+    pow2 = 1 << max(0, (max(1, p95_prompt_tokens) - 1).bit_length())
+    value = max(pow2, engine_default, max_num_seqs_value)
+    value = min(value, max_model_len_value * max_num_seqs_value)
+    return Decision(value, "batched-tokens-p95-prompt",
+                    f"p95 prompt is {p95_prompt_tokens} tokens (next power of two {pow2}); "
+                    f"engine default {engine_default}, max_num_seqs {max_num_seqs_value}")
+
+
+def longest_request(prompt_max_by_route: Sequence[int], cap_by_route: Sequence[int]) -> int:
+    """The longest sequence any logged route can produce: its largest prompt plus its cap."""
+    return max(p + c for p, c in zip(prompt_max_by_route, cap_by_route, strict=True))
