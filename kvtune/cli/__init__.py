@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "kv": ("kv", "kv", "KV-cache bytes per token for a model, by layer kind, TP and PP."),
     "capacity": ("capacity", "capacity", "How many tokens, blocks and requests fit on given GPUs."),
     "profile": ("profile", "profile", "Per-route output and prompt length distributions from logs."),
+    "recommend": ("recommend", "recommend", "Caps, KV budget and engine settings from traffic; renders deploy files."),
+    "check": ("check", "check", "Gate a deployed vllm/gateway/nginx config against traffic (exit 1 on risk)."),
 }
 
 
