@@ -85,6 +85,7 @@ class ModelSpec:
     linear_key_head_dim: int | None = None
     linear_value_head_dim: int | None = None
     linear_conv_kernel: int | None = None
+    ssm_state_dtype: str | None = None  # dtype of the ssm/recurrent state when the config pins one (Qwen3.5: float32)
     dtype: str = "bfloat16"
     quantization: str | None = None
     quantization_bits: int | None = None
@@ -342,7 +343,7 @@ def _num_kv_heads(f: _Fields, model_type: str | None, num_heads: int) -> int:
 
 def _head_dim(f: _Fields, hidden: int, num_heads: int) -> int:
     """vLLM get_head_size order: head_dim (> 0), hidden_size_per_head, hidden_size // heads."""
-    explicit = f.int_("head_dim", minimum=0)
+    explicit = f.int_("head_dim", "attention_head_dim", minimum=0)
     if explicit:
         return explicit
     per_head = f.int_("hidden_size_per_head", minimum=1)
@@ -435,6 +436,13 @@ def _state_fields(f: _Fields, model_type: str | None, hidden: int, kinds: tuple[
             linear_value_head_dim=f.require_int("linear_value_head_dim", what="linear-attention value head dim"),
             linear_conv_kernel=f.require_int("linear_conv_kernel_dim", what="linear-attention conv kernel"),
         )
+    if out:
+        key = f.first("mamba_ssm_dtype")
+        if key is not None:
+            raw = f.data[key]
+            if not (isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES):
+                raise f.error(key, f"unknown dtype {json.dumps(raw)[:40]}")
+            out["ssm_state_dtype"] = _DTYPE_NAMES[raw.removeprefix("torch.")]
     return out
 
 
