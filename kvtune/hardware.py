@@ -1,0 +1,124 @@
+"""GPU catalog and memory-size parsing: the hardware side of the capacity arithmetic.
+
+Memory is the total a device reports (nvidia-smi / rocm-smi "total", i.e. what
+`torch.cuda.mem_get_info` calls total and what vLLM multiplies by gpu_memory_utilization),
+not the marketing figure: an "80 GB" H100 reports 81,559 MiB. Bandwidth is the vendor's
+peak HBM/GDDR figure for the SXM/OAM part where one exists (decimal GB/s).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from kvtune.errors import KvtuneError, UnknownNameError
+
+MiB = 1024**2
+GiB = 1024**3
+GB = 1000**3
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One accelerator model: how much memory vLLM can see and how fast it streams."""
+
+    name: str
+    memory_bytes: int
+    hbm_bandwidth_bytes_per_s: int
+    vendor: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GiB
+
+
+def _gpu(name: str, memory_mib: int, bandwidth_gb_s: int, vendor: str, *aliases: str) -> Gpu:
+    return Gpu(name, memory_mib * MiB, bandwidth_gb_s * GB, vendor, aliases)
+
+
+# Reported totals in MiB (nvidia-smi `memory.total`; MI300X from rocm-smi's 205,822,885,888 B).
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in (
+        _gpu("A10G", 23_028, 600, "NVIDIA", "a10g", "a10"),
+        _gpu("L4", 23_034, 300, "NVIDIA", "l4"),
+        _gpu("L40S", 46_068, 864, "NVIDIA", "l40s"),
+        _gpu("A100-40GB", 40_960, 1_555, "NVIDIA", "a100-40", "a100-40g", "a100_40gb"),
+        _gpu("A100-80GB", 81_920, 2_039, "NVIDIA", "a100", "a100-80", "a100-80g", "a100_80gb"),
+        _gpu("H100-80GB", 81_559, 3_350, "NVIDIA", "h100", "h100-sxm", "h100-80", "h100_80gb"),
+        _gpu("H200", 143_771, 4_800, "NVIDIA", "h200-141gb", "h200-sxm"),
+        _gpu("B200", 183_359, 8_000, "NVIDIA", "b200-180gb"),
+        _gpu("MI300X", 196_288, 5_300, "AMD", "mi300", "mi300x-192gb"),
+        _gpu("RTX-3090", 24_576, 936, "NVIDIA", "3090", "rtx3090", "rtx 3090", "geforce rtx 3090"),
+        _gpu("RTX-4090", 24_564, 1_008, "NVIDIA", "4090", "rtx4090", "rtx 4090", "geforce rtx 4090"),
+    )
+}
+
+
+def _key(name: str) -> str:
+    """Case, spaces, dashes and underscores do not distinguish GPU names."""
+    return re.sub(r"[\s_\-]+", "", name.strip().lower())
+
+
+_LOOKUP: dict[str, Gpu] = {}
+for _g in GPUS.values():
+    for _n in (_g.name, *_g.aliases):
+        _LOOKUP[_key(_n)] = _g
+
+
+def find_gpu(name: str, *, field: str = "--gpu") -> Gpu:
+    """The catalog entry for `name` (any case, aliases like `h100`), or an error naming close ones."""
+    gpu = _LOOKUP.get(_key(name))
+    if gpu is not None:
+        return gpu
+    close = difflib.get_close_matches(_key(name), list(_LOOKUP), n=3, cutoff=0.5)
+    names = sorted({_LOOKUP[c].name for c in close})
+    hint = f"did you mean {', '.join(names)}? " if names else ""
+    raise UnknownNameError(
+        f"unknown GPU {name!r}; {hint}known: {', '.join(GPUS)} "
+        "(or give --gpu-memory, e.g. 79.2GiB)",
+        field=field,
+    )
+
+
+_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}  # fmt: skip
+_SIZE = re.compile(r"(?P<num>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[a-zA-Z]+)")
+
+
+def parse_memory_size(text: str, *, field: str = "--gpu-memory") -> int:
+    """Bytes in `text` such as `79.2GiB`, `80GB`, `24576MiB`; a unit is required (GiB ≠ GB)."""
+    match = _SIZE.fullmatch(text.strip())
+    unit = match.group("unit").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise KvtuneError(
+            f"cannot read memory size {text!r}; write a number and a unit, "
+            "e.g. 79.2GiB, 80GB, 24576MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+            field=field,
+        )
+    size_bytes = int(float(match.group("num")) * _UNITS[unit])
+    if size_bytes <= 0:
+        raise KvtuneError(f"memory size must be positive, got {text!r}", field=field)
+    return size_bytes
+
+
+def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:
+    """vLLM 0.33's `vllm serve` defaults (max_num_batched_tokens, max_num_seqs) for a device.
+
+    From `EngineArgs.get_batch_defaults`: ≥160 GiB → 16384/1024; ≥70 GiB and not an A100 or
+    GB10 → 8192/1024; any other GPU → 2048/256. Unknown name counts as "not A100".
+    """
+    name = (device_name or "").lower()
+    if memory_bytes >= 160 * GiB:
+        return 16_384, 1_024
+    if memory_bytes >= 70 * GiB and "a100" not in name and "gb10" not in name:
+        return 8_192, 1_024
+    return 2_048, 256
+
+
+__all__ = ["Gpu", "GPUS", "GiB", "MiB", "GB", "find_gpu", "parse_memory_size", "default_batch_limits"]

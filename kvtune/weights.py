@@ -1,0 +1,304 @@
+"""How many bytes of weights a model puts on each GPU: the first thing the KV pool loses.
+
+The checkpoint's own size wins when a local model directory has one (the safetensors index's
+`metadata.total_size`, or a single model.safetensors). Otherwise the parameters are counted from
+the config (embeddings, attention or MLA projections, dense MLPs, routed and shared experts,
+Mamba / linear-attention mixers, lm_head unless tied) and priced at the weight format: 16-bit,
+fp8/int8 1 byte, int4 (AWQ/GPTQ) about 4.16 bits with group-128 scales, mxfp4 4.25 bits on the
+experts only. Biases are ignored. Every such choice is listed in `WeightsEstimate.assumptions`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtune.errors import InputError
+from kvtune.model import LayerKind, ModelSpec
+
+# Bits per weight, scales included, for formats that quantize the linear layers.
+INT4_GROUP128_BITS = 4 + (16 + 4) / 128  # 4-bit weight + a 16-bit scale and a 4-bit zero per 128
+NVFP4_BITS = 4 + 8 / 16  # 4-bit weight + an fp8 scale per 16
+MXFP4_BITS = 4 + 8 / 32  # 4-bit weight + an 8-bit shared exponent per 32
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_NON_GATED_MLP = {"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "falcon", "opt", "bloom", "phi", "starcoder2", "mpt"}
+
+
+class WeightsSource(enum.Enum):
+    """Where a weights figure came from."""
+
+    SAFETENSORS_INDEX = "safetensors-index"  # metadata.total_size of model.safetensors.index.json
+    SAFETENSORS_FILE = "safetensors-file"  # size of a single model.safetensors
+    PARAMETER_COUNT = "parameter-count"  # counted from the config, priced per format
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterCount:
+    """Parameters by part, whole model (before any TP/PP split)."""
+
+    embedding: int
+    lm_head: int
+    attention: int  # q/k/v/o or the MLA projections, all attention layers
+    mixer: int  # Mamba and linear-attention layers' projections
+    dense_mlp: int
+    routed_experts: int
+    shared_experts: int
+    router: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.embedding + self.lm_head + self.attention + self.mixer + self.dense_mlp
+            + self.routed_experts + self.shared_experts + self.router + self.norms
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsEstimate:
+    """Weight bytes held in GPU memory for the whole model, with how they were found."""
+
+    weights_bytes: int
+    source: WeightsSource
+    weight_format: str
+    parameter_count: int | None
+    assumptions: tuple[str, ...]
+
+    def bytes_per_gpu(self, tp: int = 1, pp: int = 1) -> int:
+        """Largest per-GPU share, assuming an even split over tp × pp ranks."""
+        return math.ceil(self.weights_bytes / (tp * pp))
+
+
+# --- counting --------------------------------------------------------------------------------
+
+
+def _attention_params(spec: ModelSpec, kind: LayerKind) -> int:
+    h = spec.hidden_size
+    heads = spec.num_attention_heads
+    if kind is LayerKind.MLA:
+        rope = spec.qk_rope_head_dim or 0
+        nope = spec.qk_nope_head_dim or 0
+        v_dim = spec.v_head_dim or nope
+        rank = spec.kv_lora_rank or 0
+        if spec.q_lora_rank:  # q_a (+ its norm) then q_b
+            q = h * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * heads * (nope + rope)
+        else:
+            q = h * heads * (nope + rope)
+        kv_a = h * (rank + rope) + rank  # the latent and the shared rope key, + latent norm
+        kv_b = rank * heads * (nope + v_dim)
+        o = heads * v_dim * h
+        return q + kv_a + kv_b + o
+    q = h * heads * spec.head_dim
+    k = h * spec.num_kv_heads * spec.head_dim
+    v = h * spec.num_kv_heads * spec.head_dim_v
+    o = heads * spec.head_dim_v * h
+    return q + k + v + o
+
+
+def _mixer_params(spec: ModelSpec, kind: LayerKind) -> int:
+    h = spec.hidden_size
+    if kind is LayerKind.MAMBA:
+        d_inner = spec.ssm_inner_size or 2 * h
+        d_state = spec.ssm_state_size or 16
+        kernel = spec.ssm_conv_kernel or 4
+        if spec.mamba_version == 2:
+            groups = spec.ssm_num_groups or 1
+            heads = spec.ssm_num_heads or max(1, d_inner // (spec.ssm_head_dim or 64))
+            conv_dim = d_inner + 2 * groups * d_state
+            in_proj = h * (2 * d_inner + 2 * groups * d_state + heads)
+            return in_proj + conv_dim * kernel + d_inner * h + 3 * heads + d_inner
+        dt_rank = math.ceil(h / 16)
+        in_proj = h * 2 * d_inner
+        x_proj = d_inner * (dt_rank + 2 * d_state)
+        dt_proj = dt_rank * d_inner + d_inner
+        return in_proj + d_inner * kernel + x_proj + dt_proj + d_inner * d_state + d_inner + d_inner * h
+    if kind is LayerKind.LINEAR:
+        nk = spec.linear_num_key_heads or spec.num_attention_heads
+        nv = spec.linear_num_value_heads or nk
+        dk = spec.linear_key_head_dim or spec.head_dim
+        dv = spec.linear_value_head_dim or spec.head_dim
+        kernel = spec.linear_conv_kernel or 4
+        qkvz = h * (2 * nk * dk + 2 * nv * dv)
+        ba = h * 2 * nv
+        conv = (2 * nk * dk + nv * dv) * kernel
+        return qkvz + ba + conv + nv * dv * h
+    return 0
+
+
+def _is_moe_layer(spec: ModelSpec, index: int) -> bool:
+    """DeepSeek's rule: dense for the first k layers, then MoE every `moe_layer_freq`-th layer."""
+    if not spec.num_experts:
+        return False
+    if index < (spec.first_k_dense_layers or 0):
+        return False
+    return index % (spec.moe_layer_freq or 1) == 0
+
+
+def count_parameters(spec: ModelSpec) -> ParameterCount:
+    """Parameters from the architecture alone; biases and rotary buffers are left out."""
+    h = spec.hidden_size
+    vocab = spec.vocab_size or 0
+    gated = (spec.model_type or "") not in _NON_GATED_MLP
+    mlp_mats = 3 if gated else 2
+    dense_width = spec.intermediate_size or 4 * h
+    expert_width = spec.moe_intermediate_size or dense_width
+    # Nemotron-H: each layer is one of attention, mamba or MLP; elsewhere every layer has an MLP.
+    mlp_only_on_plain_layers = (spec.model_type or "") == "nemotron_h"
+
+    attention = mixer = dense = routed = shared = router = 0
+    for i, kind in enumerate(spec.layer_kinds):
+        if kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED, LayerKind.MLA):
+            attention += _attention_params(spec, kind)
+        else:
+            mixer += _mixer_params(spec, kind)
+        if mlp_only_on_plain_layers and kind is not LayerKind.NONE:
+            continue
+        if _is_moe_layer(spec, i):
+            routed += spec.num_experts * mlp_mats * h * expert_width
+            shared += (spec.num_shared_experts or 0) * mlp_mats * h * expert_width
+            router += h * spec.num_experts
+        else:
+            dense += mlp_mats * h * dense_width
+    return ParameterCount(
+        embedding=vocab * h,
+        lm_head=0 if spec.tie_word_embeddings else vocab * h,
+        attention=attention,
+        mixer=mixer,
+        dense_mlp=dense,
+        routed_experts=routed,
+        shared_experts=shared,
+        router=router,
+        norms=2 * h * spec.num_layers + h,
+    )
+
+
+# --- pricing ---------------------------------------------------------------------------------
+
+
+def _linear_bits(spec: ModelSpec) -> tuple[float | None, str]:
+    """Bits per weight of the quantized linear layers, or None when the model is not quantized."""
+    method = (spec.quantization or "").lower()
+    bits = spec.quantization_bits
+    if not method:
+        return None, spec.dtype
+    if method == "mxfp4":
+        return MXFP4_BITS, "mxfp4 experts (4.25 bits), rest 16-bit"
+    if "nvfp4" in method or method == "modelopt_fp4":
+        return NVFP4_BITS, "nvfp4 (4.5 bits with fp8 scales per 16)"
+    if bits is not None and bits <= 4 or method in {"awq", "gptq", "awq_marlin", "gptq_marlin", "marlin"}:
+        b = bits or 4
+        return b + (16 + 4) / 128, f"{method} int{b} (group-128 scales and zeros)"
+    if bits == 8 or "fp8" in method or "int8" in method or "w8a8" in method:
+        return 8.0, f"{method} 8-bit"
+    if bits is not None:
+        return float(bits), f"{method} {bits}-bit"
+    return None, f"{method} (unknown width, priced as {spec.dtype})"
+
+
+def estimate_from_parameters(spec: ModelSpec) -> WeightsEstimate:
+    """Price the parameter count at the model's weight format."""
+    count = count_parameters(spec)
+    dtype_bytes = _DTYPE_BYTES.get(spec.dtype, 2)
+    linear_bits, fmt = _linear_bits(spec)
+    assumptions = [
+        f"parameters counted from the config: {count.total:,} (biases and norms' bias terms ignored)",
+        "embeddings, lm_head, router and norms stay 16-bit",
+    ]
+    if spec.dtype == "float32":
+        assumptions.append("float32 checkpoint served as 16-bit, as vLLM's dtype=auto does")
+    if (spec.model_type or "") in _NON_GATED_MLP:
+        assumptions.append("MLP with 2 matrices (not gated)")
+    else:
+        assumptions.append("gated MLP with 3 matrices (gate, up, down)")
+    if spec.num_experts:
+        assumptions.append(
+            f"MoE layers: from layer {spec.first_k_dense_layers or 0}, every {spec.moe_layer_freq or 1} "
+            f"layer(s); {spec.num_experts} routed + {spec.num_shared_experts or 0} shared experts each"
+        )
+    if any(k in (LayerKind.MAMBA, LayerKind.LINEAR) for k in spec.layer_kinds):
+        assumptions.append("Mamba / linear-attention mixer parameters from the state sizes in the config")
+
+    sixteen_bit = count.embedding + count.lm_head + count.router + count.norms
+    linear = count.attention + count.mixer + count.dense_mlp + count.routed_experts + count.shared_experts
+    if linear_bits is None:
+        weights = (sixteen_bit + linear) * dtype_bytes
+    elif (spec.quantization or "").lower() == "mxfp4":  # gpt-oss: only the experts are mxfp4
+        experts = count.routed_experts + count.shared_experts
+        weights = (sixteen_bit + linear - experts) * 2 + math.ceil(experts * linear_bits / 8)
+    else:
+        weights = sixteen_bit * 2 + math.ceil(linear * linear_bits / 8)
+    return WeightsEstimate(
+        weights_bytes=weights,
+        source=WeightsSource.PARAMETER_COUNT,
+        weight_format=fmt,
+        parameter_count=count.total,
+        assumptions=tuple(assumptions),
+    )
+
+
+def estimate_weights(spec: ModelSpec, *, checkpoint_bytes: int | None = None,
+                     checkpoint_source: WeightsSource | None = None) -> WeightsEstimate:
+    """The checkpoint size when known (halved for float32 checkpoints served as 16-bit), else a count."""
+    if checkpoint_bytes is None:
+        return estimate_from_parameters(spec)
+    assumptions = [f"checkpoint size from {(checkpoint_source or WeightsSource.SAFETENSORS_INDEX).value}"]
+    weights = checkpoint_bytes
+    if spec.dtype == "float32" and not spec.quantization:
+        weights = checkpoint_bytes // 2
+        assumptions.append("float32 checkpoint served as 16-bit: half its size, as vLLM's dtype=auto does")
+    return WeightsEstimate(
+        weights_bytes=weights,
+        source=checkpoint_source or WeightsSource.SAFETENSORS_INDEX,
+        weight_format=spec.quantization or spec.dtype,
+        parameter_count=None,
+        assumptions=tuple(assumptions),
+    )
+
+
+# --- the edge: reading a local checkpoint -----------------------------------------------------
+
+
+def read_checkpoint_bytes(model_dir: str | os.PathLike[str]) -> tuple[int, WeightsSource] | None:
+    """Tensor bytes of a local safetensors checkpoint, or None when the directory has none."""
+    directory = Path(model_dir)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"cannot read safetensors index: {exc}", path=str(index)) from exc
+        total = data.get("metadata", {}).get("total_size") if isinstance(data, dict) else None
+        if isinstance(total, float) and total.is_integer():
+            total = int(total)
+        if not isinstance(total, int) or isinstance(total, bool) or total <= 0:
+            raise InputError("expected a positive integer", path=str(index), field="metadata.total_size")
+        return total, WeightsSource.SAFETENSORS_INDEX
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return single.stat().st_size, WeightsSource.SAFETENSORS_FILE
+    return None
+
+
+def weights_for(spec: ModelSpec) -> WeightsEstimate:
+    """Weights of `spec`: from its local checkpoint when there is one, else counted."""
+    found = read_checkpoint_bytes(spec.source_dir) if spec.source_dir else None
+    if found is None:
+        return estimate_from_parameters(spec)
+    return estimate_weights(spec, checkpoint_bytes=found[0], checkpoint_source=found[1])
+
+
+__all__ = [
+    "WeightsSource",
+    "ParameterCount",
+    "WeightsEstimate",
+    "count_parameters",
+    "estimate_from_parameters",
+    "estimate_weights",
+    "read_checkpoint_bytes",
+    "weights_for",
+]
