@@ -1,0 +1,109 @@
+"""Ingest: production request logs of many shapes → normalized Arrow batches, one row per request.
+
+`read_logs` expands paths, detects each file's container (JSONL, CSV, Parquet; plain, .gz, .zst)
+and schema (OpenAI, Anthropic, LiteLLM, Langfuse, Helicone, OTel GenAI, public traces, kvtune's
+own flat format), and streams `pyarrow.RecordBatch`es with exactly `COLUMNS`. Rows that cannot be
+used are counted in `IngestStats.skipped` with a reason, or raise with `on_error="fail"`/`strict`.
+pyarrow is imported lazily so that `kvtune --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtune.ingest.paths import expand_paths
+from kvtune.ingest.schemas import FORMATS
+
+if TYPE_CHECKING:
+    import pyarrow
+
+COLUMNS = (
+    "route",
+    "model",
+    "prompt_tokens",
+    "output_tokens",
+    "max_tokens",
+    "finish_reason",
+    "censored",
+    "timestamp_s",
+    "latency_ms",
+    "ttft_ms",
+)
+
+
+@dataclass
+class FileInfo:
+    """One input file: its path, the format detected (or forced) and the data rows read from it."""
+
+    path: str
+    format: str
+    rows: int = 0
+
+
+@dataclass
+class IngestStats:
+    """What was read: files, rows read, rows kept, and skipped rows by reason.
+
+    `examples` holds the first location (`path:line: field: message`) of each skip reason so a
+    summary can point at a line to look at.
+    """
+
+    files: list[FileInfo] = field(default_factory=list)
+    rows_read: int = 0
+    rows_ok: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def skip(self, reason: str, where: str, count: int = 1) -> None:
+        self.skipped[reason] += count
+        self.examples.setdefault(reason, where)
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    """How to read logs: forced format, field mapping, route choice, tokenizer, error policy.
+
+    fields maps a target column (COLUMNS, or `path`, `prompt_text`, `output_text`) to a dotted
+    source path such as `usage.completion_tokens` or `choices[0].finish_reason`.
+    route_by is "path", "model" or a source field path; None means the request path when logged.
+    assume_cap treats outputs >= this value as cut at a cap (for traces without finish reasons).
+    """
+
+    format: str | None = None
+    fields: Mapping[str, str] = field(default_factory=dict)
+    route_by: str | None = None
+    tokenizer: str | None = None
+    on_error: str = "skip"
+    strict: bool = False
+    assume_cap: int | None = None
+
+
+def read_logs(
+    paths: Sequence[str],
+    options: IngestOptions,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Iterator[pyarrow.RecordBatch], IngestStats]:
+    """Stream normalized batches from log files; stats fill in as the iterator runs.
+
+    Options, paths and every file's format are checked before this returns, so a typo fails
+    before any work; row-level problems surface while iterating.
+    """
+    from kvtune.ingest.readers import open_logs
+
+    return open_logs(paths, options, progress=progress)
+
+
+__all__ = [
+    "COLUMNS",
+    "FORMATS",
+    "FileInfo",
+    "IngestOptions",
+    "IngestStats",
+    "expand_paths",
+    "read_logs",
+]

@@ -1,0 +1,70 @@
+"""Turning the user's PATH arguments (files, directories, globs) into a list of log files."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvtune.errors import InputError
+
+# Data extensions looked for inside directories; explicit file arguments are taken as given.
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet", ".pq")
+COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd")
+
+
+def is_log_name(name: str) -> bool:
+    """True for names like `a.jsonl`, `b.csv.gz`, `c.parquet` (hidden files excluded)."""
+    if name.startswith("."):
+        return False
+    lower = name.lower()
+    for comp in ("", *COMPRESSION_SUFFIXES):
+        if lower.endswith(comp) and lower[: len(lower) - len(comp)].endswith(DATA_SUFFIXES):
+            return True
+    return False
+
+
+def _walk(directory: Path) -> list[Path]:
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found.extend(Path(root, f) for f in sorted(files) if is_log_name(f))
+    return found
+
+
+def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """Files as given, directories recursively (log-like names only), globs expanded; no duplicates.
+
+    An argument that matches nothing is an error: a typo must not become an empty profile.
+    """
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for arg in paths:
+        text = os.fspath(arg)
+        p = Path(text)
+        if p.is_dir():
+            matches = _walk(p)
+            if not matches:
+                raise InputError(
+                    "directory holds no log files (.jsonl, .json, .csv, .tsv, .parquet, "
+                    "optionally .gz/.zst)",
+                    path=text,
+                )
+        elif p.exists():
+            matches = [p]
+        elif glob.has_magic(text):
+            matches = []
+            for m in sorted(glob.glob(text, recursive=True)):
+                mp = Path(m)
+                matches.extend(_walk(mp) if mp.is_dir() else [mp])
+            if not matches:
+                raise InputError("no files match this pattern", path=text)
+        else:
+            raise InputError("no such file or directory", path=text)
+        for m in matches:
+            key = m.resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append(m)
+    return out
