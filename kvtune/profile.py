@@ -1,0 +1,634 @@
+"""Per-route traffic profiles: censoring-aware length distributions, tail class, arrival rate.
+
+Pure: takes histograms, returns frozen dataclasses. Building a profile from log batches lives in
+`kvtune.profiler`; this module only knows numbers.
+
+Censoring: a response cut at its cap (finish_reason `length`) has a true length ≥ the logged
+one. Output (and prompt+output) percentiles therefore come from the Kaplan–Meier estimate;
+without censoring they are exactly numpy's nearest-rank (`inverted_cdf`) percentiles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtune.errors import InputError
+from kvtune.histogram import Histogram, JointHistogram, LogHistogram
+
+__all__ = [
+    "PERCENTILES",
+    "SCHEMA_VERSION",
+    "Quantile",
+    "LengthSummary",
+    "CensoredHistogram",
+    "TailClass",
+    "Tail",
+    "classify_tail",
+    "Arrival",
+    "RouteProfile",
+    "InputFile",
+    "Profile",
+]
+
+#: Reported percentiles: JSON key -> percent (as passed to np.percentile).
+PERCENTILES: tuple[tuple[str, float], ...] = (
+    ("p50", 50),
+    ("p90", 90),
+    ("p95", 95),
+    ("p99", 99),
+    ("p999", 99.9),
+)
+
+SCHEMA_VERSION = 1
+PROFILE_KIND = "kvtune-profile"
+
+# F(t) ≥ q is tested with this slack: the KM product of floats can land a hair below a q it
+# reaches exactly in real arithmetic (e.g. 0.5 after 1 − 1/2 · …); 1e-12 is far below any step.
+_KM_SLACK = 1e-12
+
+
+@dataclass(frozen=True, slots=True)
+class Quantile:
+    """A length in tokens; `lower_bound` when censoring hides where the true value lies."""
+
+    value_tokens: int
+    lower_bound: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LengthSummary:
+    """The reported percentiles of one length distribution."""
+
+    requests: int
+    percentiles: Mapping[str, Quantile]  # PERCENTILES keys and "max"
+    mean_tokens: float
+    mean_lower_bound: bool
+
+    def __getitem__(self, key: str) -> Quantile:
+        return self.percentiles[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: q.value_tokens for k, q in self.percentiles.items()}
+        out["mean"] = round(self.mean_tokens, 3)
+        out["lower_bound"] = {k: q.lower_bound for k, q in self.percentiles.items()}
+        out["lower_bound"]["mean"] = self.mean_lower_bound
+        return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CensoredHistogram:
+    """Lengths with right-censored observations, summarised by the Kaplan–Meier estimate.
+
+    `uncensored[t]` counts completions that ended on their own at t tokens; `censored[t]` counts
+    responses cut at t (true length ≥ t). At a tie, events come before censorings: a response
+    cut at t was still running at t, so it is at risk there.
+    """
+
+    uncensored: Histogram
+    censored: Histogram
+    _times: np.ndarray = field(init=False, repr=False)  # distinct observed lengths
+    _survival: np.ndarray = field(init=False, repr=False)  # KM S(t) at each of _times
+
+    def __post_init__(self) -> None:
+        times = np.union1d(self.uncensored.values, self.censored.values)
+        if self.censored.total == 0:
+            survival = np.zeros(0)  # not needed: the exact nearest-rank path is used
+        else:
+            events = np.zeros(times.size, np.int64)
+            events[np.searchsorted(times, self.uncensored.values)] = self.uncensored.counts
+            cuts = np.zeros(times.size, np.int64)
+            cuts[np.searchsorted(times, self.censored.values)] = self.censored.counts
+            observed = events + cuts
+            at_risk = observed[::-1].cumsum()[::-1]  # number with length ≥ t
+            survival = np.cumprod(1.0 - events / at_risk)
+        times.setflags(write=False)
+        survival.setflags(write=False)
+        object.__setattr__(self, "_times", times)
+        object.__setattr__(self, "_survival", survival)
+
+    @classmethod
+    def empty(cls) -> CensoredHistogram:
+        return cls(Histogram.empty(), Histogram.empty())
+
+    @classmethod
+    def of(cls, lengths: Any, censored: Any) -> CensoredHistogram:
+        """From raw samples and a parallel boolean censoring flag (tests, small inputs)."""
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        mask = np.asarray(censored, dtype=bool).reshape(-1)
+        return cls(Histogram.of(lengths[~mask]), Histogram.of(lengths[mask]))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CensoredHistogram):
+            return NotImplemented
+        return self.uncensored == other.uncensored and self.censored == other.censored
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def total(self) -> int:
+        return self.uncensored.total + self.censored.total
+
+    @property
+    def censored_count(self) -> int:
+        return self.censored.total
+
+    @property
+    def censored_share(self) -> float:
+        total = self.total
+        return self.censored.total / total if total else 0.0
+
+    @property
+    def observed(self) -> Histogram:
+        """All logged lengths, censored or not (what a naive percentile would use)."""
+        return self.uncensored.merge(self.censored)
+
+    def survival(self, t_tokens: float) -> float:
+        """Estimated P(length > t). Beyond the largest observation it stays at its last value."""
+        total = self.total
+        if total == 0:
+            raise ValueError("survival of an empty distribution")
+        if self.censored.total == 0:
+            return (total - self.uncensored.count_le(t_tokens)) / total
+        i = int(np.searchsorted(self._times, t_tokens, side="right"))
+        return 1.0 if i == 0 else float(self._survival[i - 1])
+
+    def truncation_share(self, cap_tokens: int) -> float:
+        """Estimated share of requests whose true output would exceed `cap_tokens` (1 − F(cap))."""
+        return self.survival(cap_tokens)
+
+    def quantile(self, q: float) -> Quantile:
+        """Smallest t with F(t) ≥ q; the largest observed length, flagged, if F never gets there."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile {q} outside [0, 1]")
+        if self.total == 0:
+            raise ValueError("quantile of an empty distribution")
+        if self.censored.total == 0:
+            return Quantile(self.uncensored.quantile(q))  # type: ignore[arg-type]
+        reached = np.flatnonzero(1.0 - self._survival >= q - _KM_SLACK)
+        if reached.size == 0:
+            return Quantile(int(self._times[-1]), lower_bound=True)
+        return Quantile(int(self._times[reached[0]]))
+
+    def percentile(self, p: float) -> Quantile:
+        """p in percent, divided exactly as np.percentile divides it."""
+        return self.quantile(float(np.float64(p) / 100))
+
+    @property
+    def max(self) -> Quantile:
+        """Largest logged length; a lower bound when some response was cut at that length."""
+        top = int(self._times[-1])
+        return Quantile(top, lower_bound=(self.censored.max or -1) >= top)
+
+    def summary(self) -> LengthSummary:
+        if self.total == 0:
+            raise ValueError("summary of an empty distribution")
+        percentiles = {key: self.percentile(p) for key, p in PERCENTILES}
+        percentiles["max"] = self.max
+        return LengthSummary(
+            requests=self.total,
+            percentiles=percentiles,
+            mean_tokens=self.observed.mean or 0.0,
+            mean_lower_bound=self.censored.total > 0,
+        )
+
+    def merge(self, other: CensoredHistogram) -> CensoredHistogram:
+        return CensoredHistogram(
+            self.uncensored.merge(other.uncensored), self.censored.merge(other.censored)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uncensored": self.uncensored.to_dict(), "censored": self.censored.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> CensoredHistogram:
+        if not isinstance(data, Mapping):
+            raise InputError("expected an object with uncensored and censored", field=where)
+        return cls(
+            Histogram.from_dict(data.get("uncensored"), f"{where}.uncensored"),
+            Histogram.from_dict(data.get("censored"), f"{where}.censored"),
+        )
+
+
+def summarize_plain(histogram: Histogram) -> LengthSummary:
+    """Percentiles of an uncensored histogram (prompt lengths, requested max_tokens)."""
+    return CensoredHistogram(histogram, Histogram.empty()).summary()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tail class
+
+_EXP_P99_OVER_P50 = math.log(100) / math.log(2)  # 6.64
+_EXP_P999_OVER_P99 = math.log(1000) / math.log(100)  # 1.5
+_MIN_REQUESTS_FOR_P999 = 1000
+
+TAIL_RULE = (
+    f"heavy when the tail is heavier than an exponential with the same median: "
+    f"p99/p50 > {_EXP_P99_OVER_P50:.2f} or p99.9/p99 > {_EXP_P999_OVER_P99:.2f} "
+    f"(the second with ≥ {_MIN_REQUESTS_FOR_P999} requests)"
+)
+
+
+class TailClass:
+    """Closed set of tail classes (strings, so they read well in JSON)."""
+
+    LIGHT = "light"
+    HEAVY = "heavy"
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """Tail class of an output distribution and the ratios that decided it."""
+
+    class_: str
+    p99_over_p50: float
+    p999_over_p99: float | None  # None with fewer than 1000 requests
+    lower_bound: bool  # ratios rest on lower-bound percentiles (censoring)
+    rule: str = TAIL_RULE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "class": self.class_,
+            "rule": self.rule,
+            "p99_over_p50": round(self.p99_over_p50, 3),
+            "p999_over_p99": None if self.p999_over_p99 is None else round(self.p999_over_p99, 3),
+            "lower_bound": self.lower_bound,
+        }
+
+
+def classify_tail(summary: LengthSummary) -> Tail:
+    """Light or heavy, against the exponential distribution — the textbook light/heavy boundary.
+
+    An exponential has p99/p50 = ln100/ln2 ≈ 6.64 and p99.9/p99 = ln1000/ln100 = 1.5 whatever
+    its rate; a ratio above either means the tail decays slower than exponentially at that depth,
+    so a p95 cap would cut a long, expensive tail. On the real traces: Azure code (p50 13,
+    p99 251: 19.4) is heavy on the first test; Azure conv (p50 129, p99 601: 4.66) passes the
+    first but its p99.9 is 954 (954/601 = 1.59), so it is heavy too — its outputs run up to
+    the 1000-token cap, as DESIGN.md says real outputs do. A lognormal with σ = 0.5
+    (p99/p50 3.2, p99.9/p99 1.46) is light. p99.9 counts only with ≥ 1000 requests; below that it
+    is just the sample maximum.
+    """
+    p = summary.percentiles
+    p50 = max(p["p50"].value_tokens, 1)
+    p99 = max(p["p99"].value_tokens, 1)
+    first = p["p99"].value_tokens / p50
+    second = None
+    if summary.requests >= _MIN_REQUESTS_FOR_P999:
+        second = p["p999"].value_tokens / p99
+    heavy = first > _EXP_P99_OVER_P50 or (second is not None and second > _EXP_P999_OVER_P99)
+    used = ("p50", "p99", "p999") if second is not None else ("p50", "p99")
+    return Tail(
+        class_=TailClass.HEAVY if heavy else TailClass.LIGHT,
+        p99_over_p50=first,
+        p999_over_p99=second,
+        lower_bound=any(p[k].lower_bound for k in used),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrivals
+
+PEAK_WINDOW_S = 60
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Arrival:
+    """Request arrivals: counts per whole second (sparse), so rates merge exactly."""
+
+    per_second: Histogram  # floor(timestamp_s) -> requests
+    first_s: float
+    last_s: float
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Arrival):
+            return NotImplemented
+        return (self.per_second, self.first_s, self.last_s) == (other.per_second, other.first_s, other.last_s)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def requests(self) -> int:
+        return self.per_second.total
+
+    @property
+    def duration_s(self) -> float:
+        return self.last_s - self.first_s
+
+    @property
+    def mean_rate_rps(self) -> float | None:
+        return self.requests / self.duration_s if self.duration_s > 0 else None
+
+    @property
+    def peak_1s_requests(self) -> int:
+        return int(self.per_second.counts.max()) if self.per_second.counts.size else 0
+
+    @property
+    def peak_window_requests(self) -> int:
+        """Most requests in any PEAK_WINDOW_S-second window (whole seconds)."""
+        seconds, counts = self.per_second.values, self.per_second.counts
+        if seconds.size == 0:
+            return 0
+        cumulative = np.concatenate([[0], np.cumsum(counts)])
+        ends = np.searchsorted(seconds, seconds + PEAK_WINDOW_S, side="left")
+        return int((cumulative[ends] - cumulative[: seconds.size]).max())
+
+    @property
+    def peak_rate_rps(self) -> float:
+        return self.peak_window_requests / PEAK_WINDOW_S
+
+    def merge(self, other: Arrival) -> Arrival:
+        return Arrival(
+            self.per_second.merge(other.per_second),
+            min(self.first_s, other.first_s),
+            max(self.last_s, other.last_s),
+        )
+
+    def summary_dict(self) -> dict[str, Any]:
+        mean = self.mean_rate_rps
+        return {
+            "requests": self.requests,
+            "first_s": self.first_s,
+            "last_s": self.last_s,
+            "duration_s": round(self.duration_s, 3),
+            "mean_rate_rps": None if mean is None else round(mean, 4),
+            "peak_window_s": PEAK_WINDOW_S,
+            "peak_window_requests": self.peak_window_requests,
+            "peak_rate_rps": round(self.peak_rate_rps, 4),
+            "peak_1s_requests": self.peak_1s_requests,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first_s": self.first_s, "last_s": self.last_s, "per_second": self.per_second.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Arrival:
+        if not isinstance(data, Mapping):
+            raise InputError("expected an object", field=where)
+        for key in ("first_s", "last_s"):
+            value = data.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InputError("expected a number", field=f"{where}.{key}")
+        return cls(
+            Histogram.from_dict(data.get("per_second"), f"{where}.per_second"),
+            float(data["first_s"]),
+            float(data["last_s"]),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Route and whole profile
+
+
+def _merge_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    merged = Counter(a)
+    merged.update(b)
+    return dict(sorted(merged.items()))
+
+
+def _merge_optional(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a.merge(b)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RouteProfile:
+    """Everything measured for one route. Histograms are exact; derived numbers are properties."""
+
+    route: str
+    output: CensoredHistogram  # output tokens
+    total: CensoredHistogram  # prompt + output tokens, rows that logged a prompt
+    prompt: Histogram  # prompt tokens
+    max_tokens: Histogram  # requested max_tokens, rows that logged one
+    joint: JointHistogram  # (prompt, output) on log bins
+    finish_reasons: Mapping[str, int]
+    models: Mapping[str, int]
+    arrival: Arrival | None = None
+    latency_ms: LogHistogram | None = None
+    ttft_ms: LogHistogram | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RouteProfile):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _ROUTE_FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def requests(self) -> int:
+        return self.output.total
+
+    @property
+    def tail(self) -> Tail:
+        return classify_tail(self.output.summary())
+
+    def merge(self, other: RouteProfile) -> RouteProfile:
+        if other.route != self.route:
+            raise ValueError(f"cannot merge route {other.route!r} into {self.route!r}")
+        return RouteProfile(
+            route=self.route,
+            output=self.output.merge(other.output),
+            total=self.total.merge(other.total),
+            prompt=self.prompt.merge(other.prompt),
+            max_tokens=self.max_tokens.merge(other.max_tokens),
+            joint=self.joint.merge(other.joint),
+            finish_reasons=_merge_counts(self.finish_reasons, other.finish_reasons),
+            models=_merge_counts(self.models, other.models),
+            arrival=_merge_optional(self.arrival, other.arrival),
+            latency_ms=_merge_optional(self.latency_ms, other.latency_ms),
+            ttft_ms=_merge_optional(self.ttft_ms, other.ttft_ms),
+        )
+
+    def renamed(self, route: str) -> RouteProfile:
+        return RouteProfile(**{f: getattr(self, f) for f in _ROUTE_FIELDS} | {"route": route})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The saved form: histograms, not percentiles."""
+        return {
+            "route": self.route,
+            "output_tokens": self.output.to_dict(),
+            "total_tokens": self.total.to_dict(),
+            "prompt_tokens": self.prompt.to_dict(),
+            "max_tokens": self.max_tokens.to_dict(),
+            "joint": self.joint.to_dict(),
+            "finish_reasons": dict(self.finish_reasons),
+            "models": dict(self.models),
+            "arrival": None if self.arrival is None else self.arrival.to_dict(),
+            "latency_ms": None if self.latency_ms is None else self.latency_ms.to_dict(),
+            "ttft_ms": None if self.ttft_ms is None else self.ttft_ms.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> RouteProfile:
+        if not isinstance(data, Mapping):
+            raise InputError("expected an object", field=where)
+        route = data.get("route")
+        if not isinstance(route, str):
+            raise InputError("expected a string", field=f"{where}.route")
+
+        def optional(key, parse):
+            value = data.get(key)
+            return None if value is None else parse(value, f"{where}.{key}")
+
+        output = CensoredHistogram.from_dict(data.get("output_tokens"), f"{where}.output_tokens")
+        if output.total == 0:
+            raise InputError("a route needs at least one request", field=f"{where}.output_tokens")
+        return cls(
+            route=route,
+            output=output,
+            total=CensoredHistogram.from_dict(data.get("total_tokens"), f"{where}.total_tokens"),
+            prompt=Histogram.from_dict(data.get("prompt_tokens"), f"{where}.prompt_tokens"),
+            max_tokens=Histogram.from_dict(data.get("max_tokens"), f"{where}.max_tokens"),
+            joint=JointHistogram.from_dict(data.get("joint"), f"{where}.joint"),
+            finish_reasons=_count_map(data.get("finish_reasons"), f"{where}.finish_reasons"),
+            models=_count_map(data.get("models"), f"{where}.models"),
+            arrival=optional("arrival", Arrival.from_dict),
+            latency_ms=optional("latency_ms", LogHistogram.from_dict),
+            ttft_ms=optional("ttft_ms", LogHistogram.from_dict),
+        )
+
+
+_ROUTE_FIELDS = tuple(RouteProfile.__dataclass_fields__)
+
+
+def _count_map(data: Any, where: str) -> dict[str, int]:
+    if not isinstance(data, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in data.items()
+    ):
+        raise InputError("expected an object of non-negative integer counts", field=where)
+    return dict(sorted(data.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class InputFile:
+    """One input that went into a profile: a log file (rows, detected format) or a saved profile."""
+
+    path: str
+    format: str
+    rows: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "format": self.format, "rows": self.rows}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> InputFile:
+        if (
+            not isinstance(data, Mapping)
+            or not isinstance(data.get("path"), str)
+            or not isinstance(data.get("format"), str)
+            or not isinstance(data.get("rows"), int)
+            or isinstance(data.get("rows"), bool)
+        ):
+            raise InputError("expected {path: str, format: str, rows: int}", field=where)
+        return cls(data["path"], data["format"], data["rows"])
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Route profiles (sorted by route) plus where they came from and what was skipped."""
+
+    routes: tuple[RouteProfile, ...]
+    inputs: tuple[InputFile, ...] = ()
+    skipped: Mapping[str, int] = field(default_factory=dict)  # reason -> rows
+
+    def __post_init__(self) -> None:
+        names = [r.route for r in self.routes]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate route names in a profile")
+        object.__setattr__(self, "routes", tuple(sorted(self.routes, key=lambda r: r.route)))
+        object.__setattr__(self, "skipped", dict(sorted(self.skipped.items())))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Profile):
+            return NotImplemented
+        return (self.routes, self.inputs, dict(self.skipped)) == (
+            other.routes,
+            other.inputs,
+            dict(other.skipped),
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def requests(self) -> int:
+        return sum(r.requests for r in self.routes)
+
+    @property
+    def skipped_rows(self) -> int:
+        return sum(self.skipped.values())
+
+    def route(self, name: str) -> RouteProfile:
+        for r in self.routes:
+            if r.route == name:
+                return r
+        raise KeyError(name)
+
+    def combined(self, name: str = "*") -> RouteProfile:
+        """All routes as one (for a single server-wide setting)."""
+        if not self.routes:
+            raise ValueError("empty profile")
+        merged = self.routes[0].renamed(name)
+        for r in self.routes[1:]:
+            merged = merged.merge(r.renamed(name))
+        return merged
+
+    def merge(self, other: Profile) -> Profile:
+        """Exact and order-independent in every histogram; inputs are listed in order."""
+        by_name = {r.route: r for r in self.routes}
+        for r in other.routes:
+            by_name[r.route] = by_name[r.route].merge(r) if r.route in by_name else r
+        return Profile(
+            routes=tuple(by_name.values()),
+            inputs=self.inputs + other.inputs,
+            skipped=_merge_counts(self.skipped, other.skipped),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": PROFILE_KIND,
+            "schema_version": SCHEMA_VERSION,
+            "routes": [r.to_dict() for r in self.routes],
+            "inputs": [i.to_dict() for i in self.inputs],
+            "skipped": dict(self.skipped),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        """Parse a saved profile; errors name the field (the caller adds the file)."""
+        if not isinstance(data, Mapping) or data.get("kind") != PROFILE_KIND:
+            raise InputError(f"not a kvtune profile (expected kind = {PROFILE_KIND!r})", field="kind")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise InputError(
+                f"unsupported version {version!r}; this kvtune reads version {SCHEMA_VERSION}",
+                field="schema_version",
+            )
+        routes = data.get("routes")
+        if not isinstance(routes, list):
+            raise InputError("expected a list", field="routes")
+        inputs = data.get("inputs", [])
+        if not isinstance(inputs, list):
+            raise InputError("expected a list", field="inputs")
+        parsed = [RouteProfile.from_dict(r, f"routes[{i}]") for i, r in enumerate(routes)]
+        if len({r.route for r in parsed}) != len(parsed):
+            raise InputError("duplicate route names", field="routes")
+        return cls(
+            routes=tuple(parsed),
+            inputs=tuple(InputFile.from_dict(x, f"inputs[{i}]") for i, x in enumerate(inputs)),
+            skipped=_count_map(data.get("skipped", {}), "skipped"),
+        )
+
+
+def merge_profiles(profiles: Iterable[Profile]) -> Profile:
+    merged = Profile(routes=())
+    for p in profiles:
+        merged = merged.merge(p)
+    return merged

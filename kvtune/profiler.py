@@ -1,0 +1,402 @@
+"""Build profiles from normalized log batches, and load or save them.
+
+`ProfileBuilder.add_batch` folds one pyarrow RecordBatch (columns of `kvtune.ingest.COLUMNS`)
+into per-route dense count arrays with a handful of vectorized numpy passes, so memory is bounded
+by routes × the largest token count, not by rows. `result()` freezes them into a `Profile`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtune.errors import InputError, KvtuneError
+from kvtune.files import write_text_atomic
+from kvtune.histogram import (
+    JOINT_EDGES,
+    Histogram,
+    JointHistogram,
+    LogHistogram,
+    joint_bin,
+    log_bin,
+)
+from kvtune.profile import (
+    Arrival,
+    CensoredHistogram,
+    InputFile,
+    Profile,
+    RouteProfile,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+
+__all__ = [
+    "ProfileBuilder",
+    "profile_logs",
+    "load_profile",
+    "save_profile",
+    "load_profile_or_logs",
+    "is_saved_profile",
+]
+
+#: Token counts at or above this go to a sparse overflow instead of the dense arrays, so one
+#: absurd row (10^12 tokens) cannot allocate terabytes. 4M tokens is beyond any context window.
+DENSE_LIMIT = 1 << 22
+
+_JOINT_WIDTH = JOINT_EDGES.size
+_JOINT_TABLE_SIZE = 1 << 17  # lookup table for joint bins of counts below 131072
+_joint_table: np.ndarray | None = None
+
+
+def _joint_bins(tokens: np.ndarray) -> np.ndarray:
+    """Joint bin of each token count: a table lookup for common sizes, a search above."""
+    global _joint_table
+    if _joint_table is None:
+        _joint_table = joint_bin(np.arange(_JOINT_TABLE_SIZE)).astype(np.int16)
+    small = tokens < _JOINT_TABLE_SIZE
+    if small.all():
+        return _joint_table[tokens]
+    out = np.empty(tokens.size, np.int64)
+    out[small] = _joint_table[tokens[small]]
+    out[~small] = joint_bin(tokens[~small])
+    return out
+
+
+class _Table:
+    """Counts per (group, value) in one growable groups × width int64 array.
+
+    Small tables take one bincount of the combined key group·width + value per batch; wide ones
+    (long prompts, many routes) take `np.add.at` straight into the table, which costs O(rows)
+    whatever the width. Values ≥ DENSE_LIMIT go to a sparse overflow per group.
+    """
+
+    __slots__ = ("counts", "overflow")
+
+    def __init__(self) -> None:
+        self.counts = np.zeros((0, 0), np.int64)
+        self.overflow: dict[int, list[Histogram]] = {}
+
+    def _ensure(self, groups: int, width: int) -> None:
+        rows, cols = self.counts.shape
+        if groups <= rows and width <= cols:
+            return
+        grown = np.zeros((max(groups, rows), max(width, 2 * cols)), np.int64)
+        grown[:rows, :cols] = self.counts
+        self.counts = grown
+
+    def add(self, groups: int, gid: np.ndarray, values: np.ndarray) -> None:
+        """Count `values` (non-negative int64) under group `gid` (< groups)."""
+        if values.size == 0:
+            return
+        big = values >= DENSE_LIMIT
+        if big.any():
+            for g in np.unique(gid[big]):
+                self.overflow.setdefault(int(g), []).append(Histogram.of(values[big & (gid == g)]))
+            gid, values = gid[~big], values[~big]
+            if values.size == 0:
+                return
+        width = int(values.max()) + 1
+        self._ensure(groups, width)
+        if groups * width <= 4 * values.size + 4096:
+            self.counts[:groups, :width] += np.bincount(
+                gid * width + values, minlength=groups * width
+            ).reshape(groups, width)
+        else:
+            np.add.at(self.counts.reshape(-1), gid * self.counts.shape[1] + values, 1)
+
+    def histogram(self, group: int) -> Histogram:
+        h = Histogram.from_dense(self.counts[group]) if group < self.counts.shape[0] else Histogram.empty()
+        for extra in self.overflow.get(group, ()):
+            h = h.merge(extra)
+        return h
+
+
+class _Vocab:
+    """Global ids for the strings of a column, stable across batches."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def id(self, name: str) -> int:
+        return self.ids.setdefault(name, len(self.ids))
+
+    def encode(self, column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+        """(global id per row with nulls as 0, valid mask or None when no nulls)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        if not pa.types.is_dictionary(column.type):
+            column = pc.dictionary_encode(column)
+        mapping = np.array([self.id(str(s)) for s in column.dictionary.to_pylist()] or [0], np.int64)
+        indices = column.indices
+        valid = None if indices.null_count == 0 else ~np.asarray(indices.is_null())
+        codes = indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return mapping[codes], valid
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.ids)
+
+
+def _ints(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """(int64 values with nulls as 0, valid mask or None when there are no nulls)."""
+    if column.null_count == 0:
+        return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), None
+    valid = ~np.asarray(column.is_null())
+    return column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), valid
+
+
+def _floats(column: pa.Array) -> np.ndarray:
+    """float64 with nulls as NaN."""
+    import pyarrow as pa
+
+    return column.cast(pa.float64()).to_numpy(zero_copy_only=False)
+
+
+def _where(ok: np.ndarray | None, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The rows of each array where `ok` (all rows when ok is None or all true)."""
+    if ok is None or ok.all():
+        return arrays
+    return tuple(a[ok] for a in arrays)
+
+
+class ProfileBuilder:
+    """Streaming accumulator: `add_batch` per RecordBatch, then `result()`.
+
+    Rows must already be valid (ingest skips bad ones): output_tokens non-null and ≥ 0. Null or
+    negative optional fields are left out of their own histograms only.
+    """
+
+    def __init__(self) -> None:
+        self._routes, self._finish, self._models = _Vocab(), _Vocab(), _Vocab()
+        # censored tables use group 2·route + censored
+        self._output, self._total = _Table(), _Table()
+        self._prompt, self._max_tokens, self._joint = _Table(), _Table(), _Table()
+        self._latency, self._ttft = _Table(), _Table()
+        self._finish_counts = np.zeros((0, 0), np.int64)
+        self._model_counts = np.zeros((0, 0), np.int64)
+        self._seconds: dict[int, list[Histogram]] = {}
+        self._first_s: dict[int, float] = {}
+        self._last_s: dict[int, float] = {}
+
+    def add_batch(self, batch: pa.RecordBatch) -> None:
+        n = batch.num_rows
+        if n == 0:
+            return
+        names = set(batch.schema.names)
+        if "route" in names:
+            gid, valid = self._routes.encode(batch.column("route"))
+            if valid is not None:
+                gid[~valid] = self._routes.id("*")
+        else:
+            gid = np.full(n, self._routes.id("*"), np.int64)
+        groups = len(self._routes.ids)
+
+        output, out_valid = _ints(batch.column("output_tokens"))
+        if out_valid is not None or output.min() < 0:
+            raise ValueError("output_tokens must be non-null and non-negative (ingest skips such rows)")
+        cut = None
+        if "censored" in names:
+            flags = batch.column("censored").fill_null(False).to_numpy(zero_copy_only=False)
+            if flags.any():
+                cut = flags.astype(np.int64)
+        self._output.add(2 * groups, 2 * gid if cut is None else 2 * gid + cut, output)
+
+        if "prompt_tokens" in names:
+            prompt, ok = _ints(batch.column("prompt_tokens"))
+            ok = prompt >= 0 if ok is None else ok & (prompt >= 0)
+            g, p, o = _where(ok, gid, prompt, output)
+            self._prompt.add(groups, g, p)
+            if cut is None:
+                self._total.add(2 * groups, 2 * g, p + o)
+            else:
+                (c,) = _where(ok, cut)
+                self._total.add(2 * groups, 2 * g + c, p + o)
+            self._joint.add(groups, g, _joint_bins(p).astype(np.int64) * _JOINT_WIDTH + _joint_bins(o))
+
+        if "max_tokens" in names:
+            requested, ok = _ints(batch.column("max_tokens"))
+            ok = requested >= 0 if ok is None else ok & (requested >= 0)
+            self._max_tokens.add(groups, *_where(ok, gid, requested))
+
+        if "finish_reason" in names:
+            codes, ok = self._finish.encode(batch.column("finish_reason"))
+            self._finish_counts = _count_pairs(
+                self._finish_counts, groups, len(self._finish.ids), *_where(ok, gid, codes)
+            )
+        if "model" in names:
+            codes, ok = self._models.encode(batch.column("model"))
+            self._model_counts = _count_pairs(
+                self._model_counts, groups, len(self._models.ids), *_where(ok, gid, codes)
+            )
+
+        if "timestamp_s" in names:
+            self._add_arrivals(gid, _floats(batch.column("timestamp_s")))
+        for column, table in (("latency_ms", self._latency), ("ttft_ms", self._ttft)):
+            if column in names:
+                ms = _floats(batch.column(column))
+                ok = np.isfinite(ms) & (ms >= 0)
+                if ok.any():
+                    g, v = _where(ok, gid, ms)
+                    table.add(groups, g, log_bin(v))
+
+    def _add_arrivals(self, gid: np.ndarray, ts: np.ndarray) -> None:
+        ok = np.isfinite(ts) & (ts >= 0)
+        if not ok.any():
+            return
+        g, t = _where(ok, gid, ts)
+        seconds = np.floor(t).astype(np.int64)
+        base = int(seconds.min())
+        span = int(seconds.max()) - base + 1
+        keys, counts = np.unique(g * span + (seconds - base), return_counts=True)
+        owner = keys // span
+        bounds = np.searchsorted(owner, np.arange(int(g.max()) + 2))
+        firsts = np.full(bounds.size - 1, np.inf)
+        lasts = np.full(bounds.size - 1, -np.inf)
+        np.minimum.at(firsts, g, t)
+        np.maximum.at(lasts, g, t)
+        for r in np.flatnonzero(np.diff(bounds)):
+            r = int(r)
+            lo, hi = bounds[r], bounds[r + 1]
+            pending = self._seconds.setdefault(r, [])
+            pending.append(Histogram(keys[lo:hi] - r * span + base, counts[lo:hi]))
+            if len(pending) > 64:  # keep the pending list short: fold it
+                self._seconds[r] = [_merge_all(pending)]
+            self._first_s[r] = min(self._first_s.get(r, np.inf), float(firsts[r]))
+            self._last_s[r] = max(self._last_s.get(r, -np.inf), float(lasts[r]))
+
+    def result(self, inputs: Sequence[InputFile] = (), skipped: dict[str, int] | None = None) -> Profile:
+        """Freeze the counts so far into a Profile (the builder can keep adding afterwards)."""
+        finish_names, model_names = self._finish.names, self._models.names
+        routes = []
+        for name, gid in self._routes.ids.items():
+            output = CensoredHistogram(self._output.histogram(2 * gid), self._output.histogram(2 * gid + 1))
+            if output.total == 0:
+                continue
+            cells = self._joint.histogram(gid)
+            arrival = None
+            if gid in self._seconds:
+                arrival = Arrival(_merge_all(self._seconds[gid]), self._first_s[gid], self._last_s[gid])
+            latency, ttft = self._latency.histogram(gid), self._ttft.histogram(gid)
+            routes.append(
+                RouteProfile(
+                    route=name,
+                    output=output,
+                    total=CensoredHistogram(self._total.histogram(2 * gid), self._total.histogram(2 * gid + 1)),
+                    prompt=self._prompt.histogram(gid),
+                    max_tokens=self._max_tokens.histogram(gid),
+                    joint=JointHistogram(cells.values // _JOINT_WIDTH, cells.values % _JOINT_WIDTH, cells.counts),
+                    finish_reasons=_names_counts(finish_names, self._finish_counts, gid),
+                    models=_names_counts(model_names, self._model_counts, gid),
+                    arrival=arrival,
+                    latency_ms=LogHistogram(latency) if latency.total else None,
+                    ttft_ms=LogHistogram(ttft) if ttft.total else None,
+                )
+            )
+        return Profile(routes=tuple(routes), inputs=tuple(inputs), skipped=dict(skipped or {}))
+
+
+def _merge_all(histograms: Sequence[Histogram]) -> Histogram:
+    if len(histograms) == 1:
+        return histograms[0]
+    return Histogram(
+        np.concatenate([h.values for h in histograms]), np.concatenate([h.counts for h in histograms])
+    )
+
+
+def _count_pairs(table: np.ndarray, groups: int, vocab: int, gid: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Add counts of (route, code) pairs to a routes × vocab table, growing it as needed."""
+    if table.shape != (groups, vocab):
+        grown = np.zeros((groups, vocab), np.int64)
+        grown[: table.shape[0], : table.shape[1]] = table
+        table = grown
+    if gid.size:
+        table += np.bincount(gid * vocab + codes, minlength=groups * vocab).reshape(groups, vocab)
+    return table
+
+
+def _names_counts(names: list[str], table: np.ndarray, gid: int) -> dict[str, int]:
+    if gid >= table.shape[0]:
+        return {}
+    row = table[gid]
+    return dict(sorted((names[i], int(row[i])) for i in np.flatnonzero(row)))
+
+
+# ---------------------------------------------------------------------------------------------
+# I/O edges: logs → profile, saved profiles
+
+ProgressCallback = Callable[..., Any]
+
+
+def profile_logs(paths: Sequence[str], options: Any, *, progress: ProgressCallback | None = None) -> Profile:
+    """Read logs through `kvtune.ingest` and profile them; skipped rows are kept in the profile."""
+    from kvtune.ingest import read_logs
+
+    batches, stats = read_logs(list(paths), options, progress=progress)
+    builder = ProfileBuilder()
+    for batch in batches:
+        builder.add_batch(batch)
+    inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]
+    return builder.result(inputs=inputs, skipped=dict(stats.skipped))
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read a saved profile; any problem is an InputError naming the file and field."""
+    where = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read profile: {exc}", path=where) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not valid JSON: {exc.msg}", path=where, line=exc.lineno) from exc
+    try:
+        return Profile.from_dict(data)
+    except KvtuneError as exc:
+        raise InputError(exc.message, path=where, field=exc.field) from exc
+    except ValueError as exc:  # histogram invariants
+        raise InputError(str(exc), path=where) from exc
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
+    write_text_atomic(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
+
+
+def is_saved_profile(path: str | os.PathLike[str]) -> bool:
+    """A .json file whose first bytes announce a kvtune profile (cheap: reads 256 bytes)."""
+    p = Path(path)
+    if p.suffix.lower() != ".json" or not p.is_file():
+        return False
+    with p.open("rb") as f:
+        head = f.read(256)
+    return b'"kind"' in head and b"kvtune-profile" in head
+
+
+def load_profile_or_logs(
+    paths: Sequence[str], options: Any = None, *, progress: ProgressCallback | None = None
+) -> Profile:
+    """For later commands: one saved-profile .json loads it; anything else is read as logs."""
+    if len(paths) == 1 and is_saved_profile(paths[0]):
+        return load_profile(paths[0])
+    if options is None:
+        from kvtune.ingest import IngestOptions
+
+        options = IngestOptions()
+    return profile_logs(paths, options, progress=progress)
+
+
+def merge_saved(paths: Iterable[str]) -> Profile:
+    """Merge saved profiles exactly."""
+    merged = Profile(routes=())
+    for path in paths:
+        merged = merged.merge(load_profile(path))
+    return merged
