@@ -520,6 +520,7 @@ class CapacityReport:
     max_num_batched_tokens: int | None
     max_num_seqs: int | None
     weights_bytes_total: int
+    weights_bytes_per_gpu: int
     weights_source: str
     weights_format: str
     capacity: Capacity
@@ -550,7 +551,7 @@ class CapacityReport:
             "max_num_seqs": self.max_num_seqs,
             "max_concurrency_at_max_model_len": round(c.max_concurrency_at_max_model_len, 4),
             "requested_memory_bytes": m.requested_memory_bytes if m else None,
-            "weights_bytes": m.weights_bytes if m else None,
+            "weights_bytes": self.weights_bytes_per_gpu,
             "weights_bytes_total": self.weights_bytes_total,
             "weights_source": self.weights_source,
             "weights_format": self.weights_format,
@@ -691,6 +692,7 @@ def plan_capacity(
         max_num_batched_tokens=batched,
         max_num_seqs=seqs,
         weights_bytes_total=weights.weights_bytes,
+        weights_bytes_per_gpu=weights.bytes_per_gpu(tp, pp),
         weights_source=weights.source.value,
         weights_format=weights.weight_format,
         capacity=capacity,
