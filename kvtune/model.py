@@ -557,7 +557,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _looks_like_path(source: str) -> bool:
-    return source.endswith(".json") or source.startswith(("/", "./", "../", "~")) or os.sep + os.sep in source
+    return source.endswith(".json") or source.startswith(("/", "./", "../", "~"))
 
 
 def _unknown(name: str) -> UnknownNameError:
