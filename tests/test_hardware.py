@@ -1,0 +1,92 @@
+"""GPU catalog lookups, memory-size parsing and vLLM's batch defaults by GPU size."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtune.errors import KvtuneError, UnknownNameError
+from kvtune.hardware import GPUS, GiB, MiB, default_batch_limits, find_gpu, parse_memory_size
+
+REQUIRED = ["A10G", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X",
+            "RTX-3090", "RTX-4090"]
+
+
+def test_catalog_has_every_required_gpu_with_memory_and_bandwidth():
+    for name in REQUIRED:
+        gpu = GPUS[name]
+        assert gpu.memory_bytes > 16 * GiB
+        assert gpu.hbm_bandwidth_bytes_per_s >= 300 * 10**9
+
+
+def test_memory_is_the_reported_total_not_the_marketing_figure():
+    # nvidia-smi reports 81,559 MiB on an H100 80GB: 81,559 × 1,048,576 = 85,520,809,984 B ≈ 79.65 GiB
+    assert GPUS["H100-80GB"].memory_bytes == 85_520_809_984
+    assert round(GPUS["H100-80GB"].memory_gib, 2) == 79.65
+    assert GPUS["H100-80GB"].hbm_bandwidth_bytes_per_s == 3_350_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("given_name", "expected"),
+    [("h100", "H100-80GB"), ("H100_80GB", "H100-80GB"), ("a100", "A100-80GB"), ("A100-40gb", "A100-40GB"),
+     ("rtx 4090", "RTX-4090"), ("4090", "RTX-4090"), ("mi300x", "MI300X"), ("  l40s ", "L40S")],
+)
+def test_find_gpu_ignores_case_spacing_and_knows_aliases(given_name, expected):
+    assert find_gpu(given_name).name == expected
+
+
+def test_unknown_gpu_names_close_matches_and_the_option():
+    with pytest.raises(UnknownNameError) as info:
+        find_gpu("H1000")
+    text = str(info.value)
+    assert text.startswith("--gpu: unknown GPU 'H1000'; did you mean H100-80GB?")
+    assert "MI300X" in text  # the known list follows
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("79.2GiB", int(79.2 * 1024**3)),  # 85,040,352,870.4 → 85,040,352,870
+        ("80GB", 80_000_000_000),
+        ("80 gb", 80_000_000_000),
+        ("24576MiB", 24_576 * MiB),  # 25,769,803,776
+        ("1TiB", 1024**4),
+        ("512B", 512),
+    ],
+)
+def test_parse_memory_size(text, expected):
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80", "GiB", "-5GiB", "80GiBs", "0GiB", "1e3GB", "eighty GB", ""])
+def test_bad_memory_sizes_name_the_option(text):
+    with pytest.raises(KvtuneError) as info:
+        parse_memory_size(text)
+    assert str(info.value).startswith("--gpu-memory: ")
+
+
+@given(st.integers(min_value=1, max_value=10**7))
+def test_mib_and_mb_are_exact(n):
+    assert parse_memory_size(f"{n}MiB") == n * 2**20
+    assert parse_memory_size(f"{n}MB") == n * 10**6
+
+
+@pytest.mark.parametrize(
+    ("gpu", "expected"),
+    [
+        ("H100-80GB", (8192, 1024)),  # 79.65 GiB ≥ 70, not an A100
+        ("H200", (8192, 1024)),  # 140.4 GiB: ≥ 70 but < 160
+        ("B200", (16384, 1024)),  # 179.1 GiB ≥ 160
+        ("A100-80GB", (2048, 256)),  # ≥ 70 GiB but an A100: vLLM keeps the small default
+        ("L4", (2048, 256)),
+    ],
+)
+def test_vllm_serve_batch_defaults_by_gpu(gpu, expected):
+    g = GPUS[gpu]
+    assert default_batch_limits(g.memory_bytes, g.name) == expected
+
+
+def test_batch_defaults_without_a_name_use_memory_alone():
+    assert default_batch_limits(80 * GiB, None) == (8192, 1024)
+    assert default_batch_limits(69 * GiB, None) == (2048, 256)
