@@ -48,6 +48,7 @@ class FileInfo:
 class IngestStats:
     """What was read: files, rows read, rows kept, and skipped rows by reason.
 
+    Invariant: rows_read == rows_ok + sum(skipped.values()).
     `examples` holds the first location (`path:line: field: message`) of each skip reason so a
     summary can point at a line to look at.
     """
@@ -57,6 +58,9 @@ class IngestStats:
     rows_ok: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
+    # Records that are not requests (OTel spans without gen_ai attributes, Langfuse SPAN/EVENT
+    # observations, Batch API input lines): reported, never fatal, not part of rows_read.
+    ignored: Counter[str] = field(default_factory=Counter)
 
     def skip(self, reason: str, where: str, count: int = 1) -> None:
         self.skipped[reason] += count

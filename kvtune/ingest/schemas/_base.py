@@ -18,6 +18,7 @@ from kvtune.ingest.schemas._fields import (
     as_int,
     as_str,
     as_time,
+    dig,
 )
 
 # Row keys an adapter may fill: the output COLUMNS (route is the adapter's natural route, if any),
@@ -72,7 +73,7 @@ def convert_flat(flat: Flat, record: Mapping[str, Any]) -> Row:
     row: Row = {"_out": flat.columns.get("output_tokens")}
     lat_scale = 1000.0 if flat.latency_unit == "s" else 1.0
     for target, source in flat.columns.items():
-        value = record.get(source)
+        value = dig(record, source)
         if target in INT_TARGETS:
             row[target] = as_int(value, source)
         elif target in STR_TARGETS or target in ("prompt_text", "output_text"):

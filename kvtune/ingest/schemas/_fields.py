@@ -160,6 +160,9 @@ def as_time(value: Any, field: str, unit: str = "s") -> float | None:
     """Seconds (epoch or trace-relative) from a number in `unit` or an ISO 8601 string."""
     if value is None or value == "":
         return None
+    if isinstance(value, datetime):  # Parquet timestamp columns read row by row
+        dt = value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+        return dt.timestamp()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise RowError(field, f"not a time: {show(value)}", BAD_TIME)

@@ -1,0 +1,1077 @@
+"""Reading log files into normalized Arrow batches: containers, compression, detection, two paths.
+
+Fast path (flat schemas: kvtune rows, public traces, --field mappings): JSONL is cut into byte
+blocks at line ends and each block parsed by `pyarrow.json.read_json` with an explicit schema;
+CSV streams through `pyarrow.csv.open_csv`; Parquet through `ParquetFile.iter_batches`. All
+checks and normalization are pyarrow.compute over whole columns.
+
+Slow path (nested schemas, and any fast block that fails to parse): one record at a time through
+the adapter's `rows`, so every bad line is reported with its exact line number. A failed JSON
+block is bisected first, so one bad line costs a few re-parses, not a whole block in Python.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtune.errors import InputError, KvtuneError, UnknownNameError
+from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats
+from kvtune.ingest.paths import expand_paths
+from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
+from kvtune.ingest.schemas._base import (
+    FLOAT_TARGETS,
+    INT_TARGETS,
+    STR_TARGETS,
+    TARGETS,
+    as_bool,
+    flat_rows,
+)
+from kvtune.ingest.schemas._fields import (
+    BAD_NUMBER,
+    FAILED,
+    MALFORMED_CSV,
+    MALFORMED_JSON,
+    MISSING_OUTPUT,
+    NEGATIVE_TOKENS,
+    NO_TOKENIZER,
+    NOT_GENERATION,
+    NOT_OBJECT,
+    RowError,
+    as_float,
+    as_int,
+    as_str,
+    as_time,
+    dig,
+)
+from kvtune.ingest.schemas.openai import batch_input_entry
+
+BLOCK_BYTES = 8 << 20  # JSONL bytes per pyarrow parse
+BISECT_MIN_LINES = 64  # below this a failed block is read line by line
+SINK_ROWS = 32768  # rows per batch on the slow path
+HEAD_BYTES = 1 << 20  # bytes read for detection
+SAMPLE_RECORDS = 200
+
+SCHEMA = pa.schema(
+    [
+        ("route", pa.string()),
+        ("model", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("max_tokens", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("censored", pa.bool_()),
+        ("timestamp_s", pa.float64()),
+        ("latency_ms", pa.float64()),
+        ("ttft_ms", pa.float64()),
+    ]
+)
+assert tuple(SCHEMA.names) == COLUMNS
+
+# finish reasons of every family, lower-cased, onto the OpenAI words; others pass through raw
+FINISH = {
+    "stop": "stop",
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "eos": "stop",
+    "eos_token": "stop",
+    "length": "length",
+    "max_tokens": "length",
+    "max_output_tokens": "length",
+    "max_length": "length",
+    "model_context_window_exceeded": "length",
+    "incomplete": "length",
+    "tool_calls": "tool_calls",
+    "tool_use": "tool_calls",
+    "function_call": "tool_calls",
+    "content_filter": "content_filter",
+    "safety": "content_filter",
+}
+
+_TYPES: dict[str, pa.DataType] = {
+    **{t: pa.int64() for t in INT_TARGETS},
+    **{t: pa.string() for t in (*STR_TARGETS, "_route")},
+    **{t: pa.float64() for t in (*FLOAT_TARGETS, "timestamp_s")},
+    "censored": pa.bool_(),
+}
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+# --- compression ------------------------------------------------------------------------------
+
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+class _Decompressed(io.RawIOBase):
+    """Decompressed bytes of a gzip or zstd file (multi-member), failing loudly on truncation.
+
+    `raw.tell()` gives the compressed position for progress.
+    """
+
+    def __init__(self, raw: Any, codec: str, path: str) -> None:
+        self.raw = raw
+        self.codec = codec
+        self.path = path
+        self._buf = b""
+        self._pos = 0
+        self._done = False
+        self._new()
+
+    def _new(self) -> None:
+        if self.codec == "gzip":
+            self._d = zlib.decompressobj(wbits=31)
+        else:
+            import zstandard
+
+            self._d = zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> None:
+        data = self.raw.read(1 << 20)
+        if not data:
+            if not self._d.eof:
+                raise InputError(
+                    f"truncated {self.codec} file: the compressed stream ends early", path=self.path
+                )
+            self._done = True
+            return
+        try:
+            out = self._d.decompress(data)
+            while self._d.eof and self._d.unused_data:  # next gzip member / zstd frame
+                rest = self._d.unused_data
+                self._new()
+                out += self._d.decompress(rest)
+        except Exception as exc:  # zlib.error, zstandard.ZstdError
+            raise InputError(f"corrupt {self.codec} data: {exc}", path=self.path) from exc
+        self._buf, self._pos = out, 0
+
+    def readinto(self, b: Any) -> int:
+        while self._pos >= len(self._buf) and not self._done:
+            self._fill()
+        n = min(len(b), len(self._buf) - self._pos)
+        b[:n] = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def open_bytes(path: Path) -> tuple[Any, Any]:
+    """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes."""
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
+    magic = raw.read(4)
+    raw.seek(0)
+    if magic.startswith(GZIP_MAGIC):
+        return io.BufferedReader(_Decompressed(raw, "gzip", str(path)), 1 << 20), raw
+    if magic.startswith(ZSTD_MAGIC):
+        return io.BufferedReader(_Decompressed(raw, "zstd", str(path)), 1 << 20), raw
+    return raw, raw
+
+
+def _container(path: Path, head: bytes) -> str:
+    name = path.name.lower()
+    for comp in (".gz", ".zst", ".zstd"):
+        if name.endswith(comp):
+            name = name[: -len(comp)]
+    if name.endswith((".parquet", ".pq")):
+        return "parquet"
+    if name.endswith(".csv"):
+        return "csv"
+    if name.endswith(".tsv"):
+        return "tsv"
+    if name.endswith((".jsonl", ".ndjson", ".json")):
+        return "json"
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    return "json" if head.lstrip()[:1] in (b"{", b"[") else "csv"
+
+
+# --- per-file plan ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    path: Path
+    container: str  # json, csv, tsv, parquet
+    adapter: Adapter | None  # None: --format fields
+    flat: Flat | None = None  # effective flat spec (with --field overrides)
+    fast: bool = False
+    document: list[Any] | None = None  # a whole-file JSON document's records
+    columns: list[str] = field(default_factory=list)  # CSV header / Parquet columns
+    ts_type: pa.DataType | None = None  # CSV timestamp column type
+
+    @property
+    def format(self) -> str:
+        return self.adapter.name if self.adapter else "fields"
+
+
+def _head(path: Path) -> bytes:
+    stream, raw = open_bytes(path)
+    try:
+        return stream.read(HEAD_BYTES)
+    finally:
+        stream.close()
+        raw.close()
+
+
+def _json_sample(plan: _Plan, head: bytes) -> list[Any]:
+    lines = [ln for ln in head.split(b"\n")[:SAMPLE_RECORDS] if ln.strip()]
+    if len(head) == HEAD_BYTES and lines and not head.endswith(b"\n"):
+        lines = lines[:-1] or lines  # last line may be cut by the head size
+    records = []
+    for ln in lines:
+        try:
+            records.append(json.loads(ln))
+        except (ValueError, RecursionError):
+            continue
+    whole = len(head) < HEAD_BYTES
+    if head.lstrip()[:1] == b"[" or (lines and lines[0].strip() == b"{") or (whole and len(lines) == 1):
+        document = _load_document(plan.path)
+        if document is not None:
+            plan.document = document
+            return document[:SAMPLE_RECORDS]
+    return records
+
+
+def _load_document(path: Path) -> list[Any] | None:
+    """A whole-file JSON array or object (Helicone/Langfuse exports, pretty OTLP), or None."""
+    stream, raw = open_bytes(path)
+    try:
+        data = stream.read()
+    finally:
+        stream.close()
+        raw.close()
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(doc, list):
+        return doc
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list) and "resourceSpans" not in doc:
+        return doc["data"]  # an API page: {data: [...], meta: {...}}
+    return [doc]
+
+
+def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, Any]]:
+    text = head.decode("utf-8-sig", errors="replace")
+    if len(head) == HEAD_BYTES and "\n" in text:
+        text = text[: text.rindex("\n")]
+    reader = csv.reader(io.StringIO(text), delimiter="\t" if plan.container == "tsv" else ",")
+    header = next(reader, None)
+    if not header or not any(h.strip() for h in header):
+        raise InputError("empty CSV file: no header", path=str(plan.path))
+    plan.columns = header
+    rows = []
+    for values in reader:
+        if values:
+            rows.append(dict(zip(header, values)))
+        if len(rows) >= SAMPLE_RECORDS:
+            break
+    if not rows:
+        raise InputError("CSV file has a header but no data rows", path=str(plan.path))
+    return rows
+
+
+def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(plan.path)
+    except Exception as exc:
+        raise InputError(f"not a readable Parquet file: {exc}", path=str(plan.path)) from exc
+    plan.columns = pf.schema_arrow.names
+    if pf.metadata.num_rows == 0:
+        raise InputError("Parquet file has no rows", path=str(plan.path))
+    try:
+        first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS))
+    except Exception as exc:
+        raise InputError(f"corrupt Parquet file: {exc}", path=str(plan.path)) from exc
+    return first.to_pylist()
+
+
+def _detect(records: list[Any], container: str) -> Adapter | None:
+    votes: dict[str, int] = {}
+    for rec in records:
+        if not isinstance(rec, dict):
+            continue
+        for adapter in ADAPTERS:
+            kind = "csv" if container == "tsv" else container
+            if kind in adapter.containers and adapter.match(rec):
+                votes[adapter.name] = votes.get(adapter.name, 0) + 1
+                break
+    if not votes:
+        return None
+    best = max(votes.values())
+    return next(a for a in ADAPTERS if votes.get(a.name) == best)
+
+
+def _plan(path: Path, options: IngestOptions) -> _Plan:
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
+    if size == 0:
+        raise InputError("empty file", path=str(path))
+    head = _head(path)
+    if not head.strip():
+        raise InputError("empty file (no data after decompression)", path=str(path))
+    container = _container(path, head)
+    plan = _Plan(path, container, None)
+    if container == "parquet":
+        if head[:4] != b"PAR1":
+            raise InputError(
+                "not a Parquet file (compressed Parquet is not supported: Parquet compresses "
+                "internally)",
+                path=str(path),
+            )
+        sample: list[Any] = _parquet_sample(plan)
+    elif container == "json":
+        sample = _json_sample(plan, head)
+    else:
+        sample = _csv_sample(plan, head)
+
+    if options.format == "fields":
+        adapter = None
+    elif options.format:
+        adapter = BY_NAME[options.format]
+        kind = "csv" if container == "tsv" else container
+        if kind not in adapter.containers:
+            raise InputError(
+                f"format {adapter.name} is read from JSON, not {container.upper()}", path=str(path)
+            )
+    else:
+        adapter = _detect(sample, container)
+        if adapter is None and "output_tokens" not in options.fields:
+            keys = sorted({k for r in sample[:20] if isinstance(r, dict) for k in r})[:12]
+            raise InputError(
+                "no known log schema (keys seen: "
+                + (", ".join(keys) or "none")
+                + "); name one with --format, or map columns with --field output_tokens=COLUMN",
+                path=str(path),
+            )
+    plan.adapter = adapter
+    _plan_flat(plan, options, sample)
+    return plan
+
+
+def _plan_flat(plan: _Plan, options: IngestOptions, sample: list[Any]) -> None:
+    """Decide the effective flat spec and whether the vectorized path applies."""
+    adapter = plan.adapter
+    if adapter is None:
+        if "output_tokens" not in options.fields:
+            raise InputError(
+                "--format fields needs --field output_tokens=COLUMN", path=str(plan.path)
+            )
+        plan.flat = Flat(columns=dict(options.fields))
+    elif adapter.flat is not None and adapter.rows is None:
+        columns = dict(adapter.flat.columns)
+        columns.update(options.fields)
+        base = adapter.flat
+        plan.flat = Flat(columns, base.time_unit, base.latency_unit, base.zero_output_failed)
+    if plan.flat is None:
+        return
+    sources = dict(plan.flat.columns)
+    route_field = _route_field(options)
+    if route_field:
+        sources["_route"] = route_field
+    if plan.container in ("csv", "tsv", "parquet"):
+        present = set(plan.columns)
+        out_src = sources["output_tokens"]
+        if out_src not in present:
+            raise InputError(
+                f"no column {out_src!r} for output_tokens (columns: {', '.join(plan.columns[:12])})",
+                path=str(plan.path),
+                field=out_src,
+            )
+        if route_field and route_field not in present:
+            raise InputError(
+                f"no column {route_field!r} to route by (columns: {', '.join(plan.columns[:12])})",
+                path=str(plan.path),
+                field=route_field,
+            )
+        kept = {t: s for t, s in plan.flat.columns.items() if s in present}
+        plan.flat = Flat(kept, plan.flat.time_unit, plan.flat.latency_unit, plan.flat.zero_output_failed)
+        plan.fast = True
+        if plan.container != "parquet" and "timestamp_s" in kept:
+            plan.ts_type = _csv_time_type(sample, kept["timestamp_s"])
+    elif plan.document is None:
+        keys = {k for r in sample if isinstance(r, dict) for k in r}
+        plan.fast = all(
+            "[" not in s and ("." not in s or s in keys) for s in sources.values()
+        )
+
+
+def _csv_time_type(sample: list[dict[str, Any]], column: str) -> pa.DataType:
+    values = [r.get(column) for r in sample if r.get(column)]
+    if not values:
+        return pa.float64()
+    try:
+        float(values[0])
+        return pa.float64()
+    except ValueError:
+        pass
+    text = values[0].strip()
+    has_zone = text.endswith(("Z", "z")) or (len(text) > 6 and text[-6] in "+-" and text[-3] == ":")
+    return pa.timestamp("ns", tz="UTC") if has_zone else pa.timestamp("ns")
+
+
+def _route_field(options: IngestOptions) -> str | None:
+    return options.route_by if options.route_by not in (None, "path", "model") else None
+
+
+def check_options(options: IngestOptions) -> None:
+    """Fail on a typo in an option before any file is opened."""
+    if options.format is not None and options.format not in BY_NAME and options.format != "fields":
+        raise UnknownNameError(
+            f"unknown format {options.format!r}; known: {', '.join([*BY_NAME, 'fields'])}",
+            field="--format",
+        )
+    for target in options.fields:
+        if target not in TARGETS:
+            raise UnknownNameError(
+                f"unknown field target {target!r}; known: {', '.join(TARGETS)}", field="--field"
+            )
+        if not options.fields[target]:
+            raise InputError(f"empty source path for {target}", field="--field")
+    if options.on_error not in ("skip", "fail"):
+        raise UnknownNameError(
+            f"unknown on_error {options.on_error!r}; use skip or fail", field="--on-error"
+        )
+    if options.assume_cap is not None and options.assume_cap <= 0:
+        raise InputError(f"assume_cap must be positive, got {options.assume_cap}", field="--assume-cap")
+    if options.route_by == "":
+        raise InputError("empty --route-by", field="--route-by")
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def open_logs(
+    paths: Sequence[str],
+    options: IngestOptions,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
+    check_options(options)
+    files = expand_paths(paths)
+    plans = [_plan(p, options) for p in files]
+    tokenizer = None
+    if options.tokenizer:
+        from kvtune.ingest.tokenize import load_tokenizer
+
+        tokenizer = load_tokenizer(options.tokenizer)
+    stats = IngestStats(files=[FileInfo(str(p.path), p.format) for p in plans])
+    reader = _Reader(options, stats, tokenizer, progress, sum(p.path.stat().st_size for p in plans))
+    return reader.run(plans), stats
+
+
+class _Reader:
+    """Runs the plans; owns stats, the error policy, the Batch API join and progress."""
+
+    def __init__(self, options, stats, tokenizer, progress, total_bytes) -> None:
+        self.options = options
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.progress = progress
+        self.total = total_bytes
+        self.done_before = 0  # bytes of files finished
+        self.fail = options.on_error == "fail" or options.strict
+        self.batch_inputs: dict[str, dict[str, Any]] = {}
+        self.route_field = _route_field(options)
+
+    # -- driver
+
+    def run(self, plans: list[_Plan]) -> Iterator[pa.RecordBatch]:
+        # Batch API inputs first: their url and max_tokens join onto the outputs by custom_id
+        order = sorted(range(len(plans)), key=lambda i: plans[i].format != "openai-batch-input")
+        for i in order:
+            plan, info = plans[i], self.stats.files[i]
+            self.info = info
+            self.path = str(plan.path)
+            if plan.format == "openai-batch-input":
+                self._read_batch_input(plan)
+            elif plan.container == "parquet":
+                yield from self._parquet(plan)
+            elif plan.container == "json":
+                if plan.document is not None:
+                    yield from self._records(plan, ((None, i, r) for i, r in enumerate(plan.document)))
+                elif plan.fast:
+                    yield from self._json_fast(plan)
+                else:
+                    yield from self._json_slow(plan)
+            else:
+                yield from self._csv(plan)
+            self.done_before += plan.path.stat().st_size
+            self._progress(0)
+
+    def _progress(self, pos: int) -> None:
+        if self.progress is not None:
+            self.progress(min(self.done_before + pos, self.total), self.total)
+
+    # -- skips and errors
+
+    def _where(self, line: int | None, index: int | None, field: str | None) -> tuple[int | None, str | None]:
+        if line is None and index is not None:  # a record of a JSON document
+            field = f"[{index}]" + ("." + field if field else "")
+        return line, field
+
+    def skip(self, reason: str, message: str, line: int | None, field: str | None, index: int | None = None, count: int = 1) -> None:
+        line, field = self._where(line, index, field)
+        err = InputError(message, path=self.path, line=line, field=field)
+        if self.fail:
+            raise err
+        self.stats.skip(reason, str(err), count)
+
+    def _need_example(self, reason: str) -> bool:
+        return self.fail or reason not in self.stats.examples
+
+    # -- Batch API input
+
+    def _read_batch_input(self, plan: _Plan) -> None:
+        for line, index, record in self._json_records(plan):
+            if isinstance(record, RowError):
+                self.stats.ignored["Batch API input line unreadable"] += 1
+                continue
+            try:
+                custom_id, extra = batch_input_entry(record)
+            except RowError:
+                self.stats.ignored["Batch API input line without custom_id"] += 1
+                continue
+            self.batch_inputs[custom_id] = extra
+            self.stats.ignored["Batch API input lines (joined by custom_id)"] += 1
+            self.info.rows += 1
+
+    # -- slow path: records one at a time
+
+    def _json_records(self, plan: _Plan) -> Iterator[tuple[int | None, int | None, Any]]:
+        if plan.document is not None:
+            for i, rec in enumerate(plan.document):
+                yield None, i, rec
+            return
+        stream, raw = open_bytes(plan.path)
+        try:
+            for lineno, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                yield lineno, None, _parse_line(line)
+                if lineno % 65536 == 0:
+                    self._progress(raw.tell())
+        finally:
+            stream.close()
+            raw.close()
+
+    def _json_slow(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        yield from self._records(plan, self._json_records(plan))
+
+    def _records(self, plan: _Plan, records: Iterator[tuple[int | None, int | None, Any]]) -> Iterator[pa.RecordBatch]:
+        sink = _Sink(self, plan)
+        for line, index, record in records:
+            if isinstance(record, RowError):
+                self.info.rows += 1
+                self.stats.rows_read += 1
+                self.skip(record.reason, record.message, line, record.field, index)
+                continue
+            if not isinstance(record, dict):
+                self.info.rows += 1
+                self.stats.rows_read += 1
+                self.skip(NOT_OBJECT, f"not a JSON object: {type(record).__name__}", line, None, index)
+                continue
+            if plan.flat is not None:
+                items = flat_rows(plan.flat, record)
+            else:
+                assert plan.adapter is not None
+                items = plan.adapter.extract(record)
+            for item in items:
+                if isinstance(item, RowError) and item.reason == NOT_GENERATION:
+                    self.stats.ignored[item.message] += 1
+                    continue
+                self.info.rows += 1
+                self.stats.rows_read += 1
+                if isinstance(item, RowError):
+                    self.skip(item.reason, item.message, line, item.field, index)
+                    continue
+                try:
+                    row = self._complete(item, record, plan)
+                except RowError as err:
+                    self.skip(err.reason, err.message, line, err.field, index)
+                    continue
+                sink.add(row, line, index)
+                if len(sink) >= SINK_ROWS:
+                    yield from sink.flush()
+        yield from sink.flush()
+
+    def _complete(self, row: dict[str, Any], record: Mapping[str, Any], plan: _Plan) -> dict[str, Any]:
+        """--field overrides, --route-by FIELD and the Batch API join, on one extracted row."""
+        ctx = row.pop("_ctx", record)
+        if plan.flat is None:
+            for target, source in self.options.fields.items():
+                row[target] = _coerce(target, dig(ctx, source), source)
+                if target == "output_tokens":
+                    row["_out"] = source
+        if self.route_field:
+            row["_route"] = as_str(dig(ctx, self.route_field), self.route_field)
+        custom_id = row.pop("_custom_id", None)
+        if custom_id is not None and custom_id in self.batch_inputs:
+            for key, value in self.batch_inputs[custom_id].items():
+                if value is not None and row.get(key) is None:
+                    row[key] = value
+        return row
+
+    # -- fast path: JSONL blocks
+
+    def _json_fast(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        import pyarrow.json as pj
+
+        assert plan.flat is not None
+        sources = self._sources(plan)
+        types: dict[str, pa.DataType] = {}
+        for t, src in sources.items():  # one column per source, typed by its first target
+            types.setdefault(src, _TYPES[t])
+        schema = pa.schema(list(types.items()))
+        parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+        stream, raw = open_bytes(plan.path)
+        try:
+            line0 = 1
+            tail = b""
+            while True:
+                chunk = stream.read(BLOCK_BYTES)
+                data = tail + chunk
+                if not chunk:
+                    block, tail = data, b""
+                else:
+                    cut = data.rfind(b"\n")
+                    if cut < 0:
+                        tail = data
+                        continue
+                    block, tail = data[: cut + 1], data[cut + 1 :]
+                if block:
+                    yield from self._json_block(plan, block, line0, sources, parse)
+                    line0 += block.count(b"\n")
+                self._progress(raw.tell())
+                if not chunk:
+                    break
+        finally:
+            stream.close()
+            raw.close()
+
+    def _json_block(self, plan, block: bytes, line0: int, sources, parse) -> Iterator[pa.RecordBatch]:
+        import pyarrow.json as pj
+
+        try:
+            table = pj.read_json(pa.BufferReader(block), parse_options=parse)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            nlines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+            if nlines <= BISECT_MIN_LINES:
+                lines = block.split(b"\n")
+                yield from self._records(
+                    plan,
+                    ((line0 + i, None, _parse_line(ln)) for i, ln in enumerate(lines) if ln.strip()),
+                )
+                return
+            mid = block.find(b"\n", len(block) // 2)
+            if mid < 0 or mid == len(block) - 1:
+                mid = block.rfind(b"\n", 0, len(block) // 2)
+            left, right = block[: mid + 1], block[mid + 1 :]
+            yield from self._json_block(plan, left, line0, sources, parse)
+            yield from self._json_block(plan, right, line0 + left.count(b"\n"), sources, parse)
+            return
+        n = table.num_rows
+        self.info.rows += n
+        self.stats.rows_read += n
+        cols = {t: table.column(src).combine_chunks() for t, src in sources.items()}
+
+        def locate(i: int) -> int:
+            seen = -1
+            for k, ln in enumerate(block.split(b"\n")):
+                if ln.strip():
+                    seen += 1
+                    if seen == i:
+                        return line0 + k
+            return line0
+
+        batch = self._finalize(plan, cols, n, locate)
+        if batch is not None:
+            yield batch
+
+    def _sources(self, plan: _Plan) -> dict[str, str]:
+        assert plan.flat is not None
+        sources = {t: s for t, s in plan.flat.columns.items() if t in _TYPES}
+        if self.route_field:
+            sources["_route"] = self.route_field
+        return sources
+
+    # -- fast path: CSV
+
+    def _csv(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        if plan.flat is None:  # a record adapter over CSV (LiteLLM, Helicone exports)
+            yield from self._records(plan, self._csv_records(plan, 0))
+            return
+        import pyarrow.csv as pcsv
+
+        sources = self._sources(plan)
+        types = {}
+        for t, src in sources.items():
+            ts = t == "timestamp_s" and plan.ts_type is not None
+            types.setdefault(src, plan.ts_type if ts else _TYPES[t])
+        convert = pcsv.ConvertOptions(
+            column_types=types,
+            include_columns=list(dict.fromkeys(sources.values())),
+            null_values=[""],
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=True,
+        )
+        parse = pcsv.ParseOptions(delimiter="\t" if plan.container == "tsv" else ",", newlines_in_values=True)
+        read = pcsv.ReadOptions(block_size=4 << 20)
+        stream, raw = open_bytes(plan.path)
+        done = 0
+        try:
+            try:
+                reader = pcsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                reader = None
+            while reader is not None:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    return
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    break  # finish the file row by row from the first unread row
+                n = batch.num_rows
+                self.info.rows += n
+                self.stats.rows_read += n
+                cols = {t: batch.column(src) for t, src in sources.items()}
+                start = done
+                out = self._finalize(plan, cols, n, lambda i, s=start: s + i + 2)
+                done += n
+                if out is not None:
+                    yield out
+                self._progress(raw.tell())
+        finally:
+            stream.close()
+            raw.close()
+        yield from self._records(plan, self._csv_records(plan, done))
+
+    def _csv_records(self, plan: _Plan, skip_rows: int) -> Iterator[tuple[int | None, int | None, Any]]:
+        stream, raw = open_bytes(plan.path)
+        try:
+            text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="strict", newline="")
+            reader = csv.reader(text, delimiter="\t" if plan.container == "tsv" else ",")
+            try:
+                header = next(reader)
+                seen = 0
+                line = reader.line_num
+                while True:
+                    try:
+                        values = next(reader)
+                    except StopIteration:
+                        break
+                    except csv.Error as exc:
+                        yield reader.line_num, None, RowError(None, f"bad CSV: {exc}", MALFORMED_CSV)
+                        continue
+                    line = reader.line_num
+                    if not values:
+                        continue
+                    seen += 1
+                    if seen <= skip_rows:
+                        continue
+                    if len(values) != len(header):
+                        yield line, None, RowError(
+                            None, f"{len(values)} fields, header has {len(header)}", MALFORMED_CSV
+                        )
+                        continue
+                    yield line, None, dict(zip(header, values))
+                    if seen % 65536 == 0:
+                        self._progress(raw.tell())
+            except UnicodeDecodeError as exc:
+                raise InputError(f"not UTF-8 text: {exc.reason}", path=self.path) from exc
+        finally:
+            stream.close()
+            raw.close()
+
+    # -- fast path: Parquet
+
+    def _parquet(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(plan.path)
+        size = plan.path.stat().st_size
+        groups = max(pf.metadata.num_row_groups, 1)
+        if plan.flat is None:
+            columns = None
+            sources: dict[str, str] = {}
+        else:
+            sources = self._sources(plan)
+            columns = list(dict.fromkeys(sources.values()))
+        done = 0
+        try:
+            batches = pf.iter_batches(batch_size=1 << 20, columns=columns)
+            for batch in batches:
+                n = batch.num_rows
+                if plan.flat is None:
+                    rows = batch.to_pylist()
+                    yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
+                    done += n
+                    continue
+                try:
+                    cols = {t: _cast(batch.column(src), t) for t, src in sources.items()}
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                    rows = batch.to_pylist()
+                    yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
+                    done += n
+                    continue
+                self.info.rows += n
+                self.stats.rows_read += n
+                start = done
+                out = self._finalize(plan, cols, n, lambda i, s=start: s + i + 1)
+                done += n
+                if out is not None:
+                    yield out
+                self._progress(int(size * min(done / max(pf.metadata.num_rows, 1), 1.0)))
+        except KvtuneError:
+            raise
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"corrupt Parquet file: {exc}", path=self.path, line=done + 1 if done else None) from exc
+        del groups
+
+    # -- shared: checks and normalization over columns
+
+    def _finalize(self, plan: _Plan, cols: dict[str, pa.Array], n: int, locate: Callable[[int], int]) -> pa.RecordBatch | None:
+        flat = plan.flat
+        sources = flat.columns if flat is not None else {}
+        if "timestamp_s" in cols:
+            cols["timestamp_s"] = _seconds(cols["timestamp_s"], flat.time_unit if flat else "s")
+        if flat is not None and flat.latency_unit == "s":
+            for t in FLOAT_TARGETS:
+                if t in cols:
+                    cols[t] = pc.multiply(cols[t], 1000.0)
+        out = cols.get("output_tokens")
+        if out is None:
+            out = pa.nulls(n, pa.int64())
+            cols["output_tokens"] = out
+        checks: list[tuple[str, str, pa.Array, Callable[[Any], str]]] = [
+            (MISSING_OUTPUT, "output_tokens", pc.is_null(out), lambda v: "missing")
+        ]
+        for t in INT_TARGETS:
+            if t in cols:
+                checks.append((NEGATIVE_TOKENS, t, pc.less(cols[t], 0), lambda v: f"negative count: {v}"))
+        for t in (*FLOAT_TARGETS, "timestamp_s"):
+            if t in cols and cols[t].null_count < n:
+                checks.append((BAD_NUMBER, t, pc.invert(pc.is_finite(cols[t])), lambda v: f"not a finite number: {v}"))
+        if flat is not None and flat.zero_output_failed:
+            checks.append((FAILED, "output_tokens", pc.equal(out, 0), lambda v: "0 response tokens (a failed request)"))
+        bad = np.zeros(n, dtype=bool)
+        found = []
+        for reason, target, mask, msg in checks:
+            m = mask.fill_null(False).to_numpy(zero_copy_only=False) & ~bad
+            if m.any():
+                first = int(np.argmax(m))
+                found.append((first, reason, target, msg, int(m.sum())))
+                bad |= m
+        if found:
+            found.sort()
+            for first, reason, target, msg, count in found:
+                if self._need_example(reason) or self.fail:
+                    col = cols.get(target)
+                    value = col[first].as_py() if col is not None else None
+                    self.skip(reason, msg(value), locate(first), sources.get(target, target), count=count)
+                else:
+                    self.stats.skipped[reason] += count
+            keep = pa.array(~bad)
+            cols = {t: pc.filter(c, keep) for t, c in cols.items()}
+            n = int((~bad).sum())
+        if n == 0:
+            return None
+        return self._assemble(cols, n)
+
+    def _assemble(self, cols: dict[str, pa.Array], n: int) -> pa.RecordBatch:
+        for t in ("route", "path", "model", "finish_reason", "_route"):
+            if t in cols:
+                c = cols[t]
+                if c.type != pa.string():
+                    c = c.cast(pa.string())
+                cols[t] = pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c)
+        rb = self.options.route_by
+        if rb is None:
+            candidates = [cols.get("route"), cols.get("path")]
+        elif rb == "path":
+            candidates = [cols.get("path")]
+        elif rb == "model":
+            candidates = [cols.get("model")]
+        else:
+            candidates = [cols.get("_route")]
+        present = [c for c in candidates if c is not None]
+        route = pc.coalesce(*present, pa.scalar("*")) if present else pa.array(["*"] * n, pa.string())
+        if isinstance(route, pa.ChunkedArray):
+            route = route.combine_chunks()
+
+        out = cols["output_tokens"]
+        finish = cols.get("finish_reason")
+        if finish is not None and finish.null_count < n:
+            finish = _normalize_finish(finish)
+        censored = pa.array(np.zeros(n, dtype=bool))
+        if finish is not None:
+            censored = pc.or_(censored, pc.equal(finish, "length").fill_null(False))
+        mx = cols.get("max_tokens")
+        if mx is not None and mx.null_count < n:
+            over = pc.greater_equal(out, mx).fill_null(False)
+            if finish is not None:
+                over = pc.and_(over, pc.is_null(finish))
+            censored = pc.or_(censored, over)
+        given = cols.get("censored")
+        if given is not None and given.null_count < n:
+            censored = pc.or_(censored, given.fill_null(False))
+        if self.options.assume_cap is not None:
+            censored = pc.or_(censored, pc.greater_equal(out, self.options.assume_cap))
+        arrays = {
+            "route": route,
+            "finish_reason": finish,
+            "censored": censored,
+        }
+        result = []
+        for name in COLUMNS:
+            arr = arrays[name] if name in arrays else cols.get(name)
+            typ = SCHEMA.field(name).type
+            if arr is None:
+                arr = pa.nulls(n, typ)
+            elif isinstance(arr, pa.ChunkedArray):
+                arr = arr.combine_chunks()
+            if arr.type != typ:
+                arr = arr.cast(typ)
+            result.append(arr)
+        self.stats.rows_ok += n
+        return pa.RecordBatch.from_arrays(result, schema=SCHEMA)
+
+
+def _normalize_finish(finish: pa.Array) -> pa.Array:
+    if pa.types.is_dictionary(finish.type):
+        finish = finish.cast(pa.string())
+    uniq = pc.unique(finish)
+    values = uniq.to_pylist()
+    mapped = [None if v is None else FINISH.get(v.lower(), v) for v in values]
+    if mapped == values:
+        return finish
+    idx = pc.index_in(finish, value_set=uniq)
+    return pa.array(mapped, pa.string()).take(idx)
+
+
+def _seconds(col: pa.Array, unit: str) -> pa.Array:
+    if pa.types.is_timestamp(col.type):
+        ns = col.cast(pa.timestamp("ns", tz=col.type.tz)) if col.type.unit != "ns" else col
+        return pc.divide(pc.cast(ns.cast(pa.int64()), pa.float64(), safe=False), 1e9)
+    col = col.cast(pa.float64())
+    scale = _SECONDS[unit]
+    return col if scale == 1.0 else pc.multiply(col, scale)
+
+
+def _cast(col: pa.Array, target: str) -> pa.Array:
+    """A Parquet column onto the target's type; a failed safe cast sends the batch row by row."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if target == "timestamp_s":
+        if pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
+            return col
+        raise pa.ArrowInvalid("timestamp column needs the row path")
+    typ = _TYPES[target]
+    if col.type == typ:
+        return col
+    if pa.types.is_dictionary(col.type) and typ == pa.string():
+        return col
+    if typ == pa.string() and not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise pa.ArrowInvalid("non-string label column needs the row path")
+    return col.cast(typ)  # safe: fractional floats or text raise ArrowInvalid
+
+
+def _parse_line(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except RecursionError:
+        return RowError(None, "JSON nested too deeply", MALFORMED_JSON)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+        return RowError(None, f"malformed JSON: {detail}", MALFORMED_JSON)
+
+
+def _coerce(target: str, value: Any, source: str) -> Any:
+    if target in INT_TARGETS:
+        return as_int(value, source)
+    if target == "timestamp_s":
+        return as_time(value, source)
+    if target in FLOAT_TARGETS:
+        return as_float(value, source)
+    if target == "censored":
+        return as_bool(value, source)
+    return as_str(value, source)
+
+
+class _Sink:
+    """Rows from the slow path, tokenized in batches and handed to the shared normalization."""
+
+    def __init__(self, reader: _Reader, plan: _Plan) -> None:
+        self.reader = reader
+        self.plan = plan
+        self.rows: list[dict[str, Any]] = []
+        self.where: list[tuple[int | None, int | None]] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: dict[str, Any], line: int | None, index: int | None) -> None:
+        if row.get("output_tokens") is None:
+            if row.get("output_text") is None:
+                self.reader.skip(MISSING_OUTPUT, "missing", line, row.get("_out") or "output_tokens", index)
+                return
+            if self.reader.tokenizer is None:
+                self.reader.skip(
+                    NO_TOKENIZER, "text but no token counts: pass --tokenizer", line, row.get("_out"), index
+                )
+                return
+        self.rows.append(row)
+        self.where.append((line, index))
+
+    def flush(self) -> Iterator[pa.RecordBatch]:
+        if not self.rows:
+            return
+        rows, where = self.rows, self.where
+        self.rows, self.where = [], []
+        tok = self.reader.tokenizer
+        if tok is not None:
+            from kvtune.ingest.tokenize import count_tokens
+
+            for target, text_key in (("output_tokens", "output_text"), ("prompt_tokens", "prompt_text")):
+                need = [i for i, r in enumerate(rows) if r.get(target) is None and r.get(text_key)]
+                counts = count_tokens(tok, [rows[i][text_key] for i in need])
+                for i, c in zip(need, counts):
+                    rows[i][target] = c
+                if target == "output_tokens":  # empty output text is zero tokens
+                    for r in rows:
+                        if r.get(target) is None and r.get(text_key) == "":
+                            r[target] = 0
+        cols = {}
+        for t in (*_TYPES,):
+            values = [r.get(t) for r in rows]
+            if any(v is not None for v in values):
+                cols[t] = pa.array(values, _TYPES[t])
+        sink_plan = _Plan(self.plan.path, self.plan.container, self.plan.adapter)  # units done
+        batch = self.reader._finalize(
+            sink_plan, cols, len(rows), lambda i: where[i][0] or 0
+        )
+        if batch is not None:
+            yield batch
