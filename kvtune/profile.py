@@ -34,6 +34,9 @@ __all__ = [
     "RouteProfile",
     "InputFile",
     "Profile",
+    "merge_profiles",
+    "route_summary",
+    "summarize_plain",
 ]
 
 #: Reported percentiles: JSON key -> percent (as passed to np.percentile).
@@ -509,6 +512,39 @@ def _count_map(data: Any, where: str) -> dict[str, int]:
     return dict(sorted(data.items()))
 
 
+def _string_map(data: Any, where: str) -> dict[str, str]:
+    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise InputError("expected an object of strings", field=where)
+    return dict(data)
+
+
+def _latency_summary(h: LogHistogram | None) -> dict[str, Any] | None:
+    if h is None or h.total == 0:
+        return None
+    return {"requests": h.total, **{k: h.quantile(float(np.float64(p) / 100)) for k, p in PERCENTILES},
+            "max": h.quantile(1.0)}
+
+
+def route_summary(route: RouteProfile) -> dict[str, Any]:
+    """One route of the `--json` output: percentiles and shares, not histograms."""
+    output = route.output.summary()
+    return {
+        "route": route.route,
+        "requests": route.requests,
+        "censored": {"count": route.output.censored_count, "share": round(route.output.censored_share, 6)},
+        "output_tokens": output.to_dict(),
+        "prompt_tokens": summarize_plain(route.prompt).to_dict() if route.prompt.total else None,
+        "total_tokens": route.total.summary().to_dict() if route.total.total else None,
+        "tail": classify_tail(output).to_dict(),
+        "max_tokens_requested": summarize_plain(route.max_tokens).to_dict() if route.max_tokens.total else None,
+        "finish_reasons": dict(route.finish_reasons),
+        "models": dict(route.models),
+        "arrival": None if route.arrival is None else route.arrival.summary_dict(),
+        "latency_ms": _latency_summary(route.latency_ms),
+        "ttft_ms": _latency_summary(route.ttft_ms),
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class InputFile:
     """One input that went into a profile: a log file (rows, detected format) or a saved profile."""
@@ -540,6 +576,7 @@ class Profile:
     routes: tuple[RouteProfile, ...]
     inputs: tuple[InputFile, ...] = ()
     skipped: Mapping[str, int] = field(default_factory=dict)  # reason -> rows
+    skip_examples: Mapping[str, str] = field(default_factory=dict)  # reason -> first location
 
     def __post_init__(self) -> None:
         names = [r.route for r in self.routes]
@@ -547,14 +584,16 @@ class Profile:
             raise ValueError("duplicate route names in a profile")
         object.__setattr__(self, "routes", tuple(sorted(self.routes, key=lambda r: r.route)))
         object.__setattr__(self, "skipped", dict(sorted(self.skipped.items())))
+        object.__setattr__(self, "skip_examples", dict(self.skip_examples))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Profile):
             return NotImplemented
-        return (self.routes, self.inputs, dict(self.skipped)) == (
+        return (self.routes, self.inputs, self.skipped, self.skip_examples) == (
             other.routes,
             other.inputs,
-            dict(other.skipped),
+            other.skipped,
+            other.skip_examples,
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -591,6 +630,7 @@ class Profile:
             routes=tuple(by_name.values()),
             inputs=self.inputs + other.inputs,
             skipped=_merge_counts(self.skipped, other.skipped),
+            skip_examples={**other.skip_examples, **self.skip_examples},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -600,6 +640,7 @@ class Profile:
             "routes": [r.to_dict() for r in self.routes],
             "inputs": [i.to_dict() for i in self.inputs],
             "skipped": dict(self.skipped),
+            "skip_examples": dict(self.skip_examples),
         }
 
     @classmethod
@@ -626,7 +667,21 @@ class Profile:
             routes=tuple(parsed),
             inputs=tuple(InputFile.from_dict(x, f"inputs[{i}]") for i, x in enumerate(inputs)),
             skipped=_count_map(data.get("skipped", {}), "skipped"),
+            skip_examples=_string_map(data.get("skip_examples", {}), "skip_examples"),
         )
+
+    def summary_dict(self) -> dict[str, Any]:
+        """The stable `kvtune profile --json` object (fields documented in `kvtune profile --help`)."""
+        return {
+            "requests": self.requests,
+            "routes": [route_summary(r) for r in self.routes],
+            "skipped": {
+                "count": self.skipped_rows,
+                "reasons": dict(self.skipped),
+                "examples": {k: v for k, v in self.skip_examples.items() if k in self.skipped},
+            },
+            "inputs": [i.to_dict() for i in self.inputs],
+        }
 
 
 def merge_profiles(profiles: Iterable[Profile]) -> Profile:

@@ -273,7 +273,12 @@ class ProfileBuilder:
             self._first_s[r] = min(self._first_s.get(r, np.inf), float(firsts[r]))
             self._last_s[r] = max(self._last_s.get(r, -np.inf), float(lasts[r]))
 
-    def result(self, inputs: Sequence[InputFile] = (), skipped: dict[str, int] | None = None) -> Profile:
+    def result(
+        self,
+        inputs: Sequence[InputFile] = (),
+        skipped: dict[str, int] | None = None,
+        skip_examples: dict[str, str] | None = None,
+    ) -> Profile:
         """Freeze the counts so far into a Profile (the builder can keep adding afterwards)."""
         finish_names, model_names = self._finish.names, self._models.names
         routes = []
@@ -301,7 +306,12 @@ class ProfileBuilder:
                     ttft_ms=LogHistogram(ttft) if ttft.total else None,
                 )
             )
-        return Profile(routes=tuple(routes), inputs=tuple(inputs), skipped=dict(skipped or {}))
+        return Profile(
+            routes=tuple(routes),
+            inputs=tuple(inputs),
+            skipped=dict(skipped or {}),
+            skip_examples=dict(skip_examples or {}),
+        )
 
 
 def _merge_all(histograms: Sequence[Histogram]) -> Histogram:
@@ -336,8 +346,30 @@ def _names_counts(names: list[str], table: np.ndarray, gid: int) -> dict[str, in
 ProgressCallback = Callable[..., Any]
 
 
-def profile_logs(paths: Sequence[str], options: Any, *, progress: ProgressCallback | None = None) -> Profile:
-    """Read logs through `kvtune.ingest` and profile them; skipped rows are kept in the profile."""
+def profile_logs(
+    paths: Sequence[str],
+    options: Any,
+    *,
+    progress: ProgressCallback | None = None,
+    trace_max_is_cap: bool = False,
+) -> Profile:
+    """Read logs through `kvtune.ingest` and profile them; skipped rows are kept in the profile.
+
+    trace_max_is_cap: for traces without finish reasons whose largest output is a generation
+    cap (Mooncake conversation: 30 rows at exactly 2000), read twice: once to find the largest
+    output, then with outputs at that value treated as cut (ingest's assume_cap).
+    """
+    profile = _profile_once(paths, options, progress)
+    if trace_max_is_cap and profile.routes:
+        import dataclasses
+
+        top = max(r.output.observed.max or 0 for r in profile.routes)
+        if top > 0:
+            profile = _profile_once(paths, dataclasses.replace(options, assume_cap=top), progress)
+    return profile
+
+
+def _profile_once(paths: Sequence[str], options: Any, progress: ProgressCallback | None) -> Profile:
     from kvtune.ingest import read_logs
 
     batches, stats = read_logs(list(paths), options, progress=progress)
@@ -345,7 +377,9 @@ def profile_logs(paths: Sequence[str], options: Any, *, progress: ProgressCallba
     for batch in batches:
         builder.add_batch(batch)
     inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]
-    return builder.result(inputs=inputs, skipped=dict(stats.skipped))
+    return builder.result(
+        inputs=inputs, skipped=dict(stats.skipped), skip_examples=dict(getattr(stats, "examples", {}))
+    )
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

@@ -1,0 +1,110 @@
+"""`kvtune profile PATH...`: per-route output and prompt length distributions from logs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kvtune.errors import InputError, KvtuneError
+from kvtune.ingest import FORMATS
+
+JSON_FIELDS = """\b
+--json prints one object:
+  requests        rows profiled (all routes)
+  routes[]        one per route, sorted by name:
+    route, requests
+    censored        {count, share}: responses cut at their cap (finish_reason length, …)
+    output_tokens   {p50, p90, p95, p99, p999, max, mean, lower_bound: {p50: bool, …}}
+                    Kaplan–Meier when censored; lower_bound = the true value may be higher
+    prompt_tokens   same keys (never censored); null when no prompt lengths were logged
+    total_tokens    prompt + output, same keys; null without prompt lengths
+    tail            {class: light|heavy, rule, p99_over_p50, p999_over_p99, lower_bound}
+    max_tokens_requested  percentiles of the requested max_tokens, or null
+    finish_reasons, models   {name: count}
+    arrival         {requests, first_s, last_s, duration_s, mean_rate_rps,
+                     peak_window_s, peak_window_requests, peak_rate_rps, peak_1s_requests} or null
+    latency_ms, ttft_ms   {requests, p50, p90, p95, p99, p999, max} (±1%) or null
+  skipped         {count, reasons: {reason: rows}, examples: {reason: first location}}
+  inputs[]        {path, format, rows}: each log file (format detected) or saved profile
+"""
+
+
+def _parse_fields(values: tuple[str, ...]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for item in values:
+        target, sep, source = item.partition("=")
+        if not sep or not target.strip() or not source.strip():
+            raise click.BadParameter(f"expected target=path, got {item!r}", param_hint="'--field'")
+        fields[target.strip()] = source.strip()
+    return fields
+
+
+@click.command(epilog=JSON_FIELDS)
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...")
+@click.option("--format", "format_", metavar="NAME", help="Force a log format instead of detecting it: " + ", ".join(FORMATS) + ".")
+@click.option("--field", "fields", multiple=True, metavar="TARGET=PATH",
+              help="Map a column from a source field, e.g. output_tokens=usage.completion_tokens. Repeatable.")
+@click.option("--route-by", metavar="path|model|FIELD", help="What names a route: the request path (default), the model, or a field.")
+@click.option("--tokenizer", metavar="T", help="tokenizer.json, model dir or hub id, to count tokens in logs that carry only text.")
+@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+              help="Bad rows: count them under `skipped`, or stop at the first.")
+@click.option("--strict", is_flag=True, help="Any skipped row is an error.")
+@click.option("--assume-cap", type=click.IntRange(min=1), metavar="N",
+              help="Treat outputs ≥ N as cut at a cap (traces without finish reasons).")
+@click.option("--trace-max-is-cap", is_flag=True,
+              help="Treat the largest output in the input as a cap (reads the input twice).")
+@click.option("--save", "save_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the profile (histograms, mergeable) to FILE as JSON.")
+@click.option("--merge", is_flag=True, help="PATHs may be saved profiles: merge them exactly (with any logs given).")
+@click.option("--json", "json_", is_flag=True, help="Print one JSON object (fields below) instead of tables.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def profile(paths, format_, fields, route_by, tokenizer, on_error, strict, assume_cap, trace_max_is_cap,
+            save_path, merge, json_, quiet) -> None:
+    """Per-route output and prompt length distributions from request logs.
+
+    PATH: files, directories or globs of JSONL, CSV or Parquet (.gz, .zst), any mix of schemas.
+
+    \b
+    Example:
+        kvtune profile sample_logs/openai_chat.jsonl
+        kvtune profile logs/ --save week1.json --json
+        kvtune profile --merge week1.json week2.json
+    """
+    from kvtune.profiler import is_saved_profile, load_profile, profile_logs
+    from kvtune.profile import merge_profiles
+
+    if assume_cap is not None and trace_max_is_cap:
+        raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
+    saved = [p for p in paths if is_saved_profile(p)]
+    if saved and not merge:
+        raise InputError("this is a saved profile; pass --merge to combine saved profiles", path=saved[0])
+    logs = [p for p in paths if p not in saved]
+    parts = [load_profile(p) for p in saved]
+    if logs:
+        from kvtune.ingest import IngestOptions
+
+        options = IngestOptions(format=format_, fields=_parse_fields(fields), route_by=route_by,
+                                tokenizer=tokenizer, on_error=on_error, strict=strict, assume_cap=assume_cap)
+        from kvtune.cli._profile_view import progress_bar
+
+        with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
+            parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap))
+    result = merge_profiles(parts)
+    if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
+        reason, count = next(iter(result.skipped.items()))
+        raise KvtuneError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
+    if save_path:
+        from kvtune.profiler import save_profile
+
+        save_profile(result, save_path)
+    if json_:
+        click.echo(json.dumps(result.summary_dict()))
+    else:
+        from kvtune.cli._profile_view import render_profile, render_skipped
+
+        render_profile(result)
+        render_skipped(result)
+    if save_path and not json_:
+        click.echo(f"saved profile to {save_path}", err=True)
