@@ -173,6 +173,7 @@ def fetch_metrics(url: str, *, timeout_s: float = METRICS_TIMEOUT_S) -> Measured
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             body = response.read(METRICS_MAX_BYTES + 1)
     except urllib.error.HTTPError as exc:
+        exc.close()  # the error carries the open response
         raise EndpointError(f"HTTP {exc.code} {exc.reason}", path=target, field="--metrics-url") from None
     except urllib.error.URLError as exc:
         raise EndpointError(f"cannot reach: {exc.reason}", path=target, field="--metrics-url") from None
