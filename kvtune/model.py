@@ -91,6 +91,7 @@ class ModelSpec:
     quantization_bits: int | None = None
     max_position_embeddings: int | None = None
     source_dir: str | None = None
+    serve_id: str | None = None  # what `vllm serve` loads: a hub id or a model directory
 
     @property
     def is_mla(self) -> bool:
@@ -243,7 +244,8 @@ _QUANT_BITS = {"fp8": 8, "fbgemm_fp8": 8, "mxfp4": 4, "nvfp4": 4, "modelopt_fp4"
 
 
 def parse_model_spec(
-    config: dict[str, Any], *, name: str, source_dir: str | None = None, path: str | None = None
+    config: dict[str, Any], *, name: str, source_dir: str | None = None, path: str | None = None,
+    serve_id: str | None = None,
 ) -> ModelSpec:
     """Turn a config.json dict into a ModelSpec, or raise ModelConfigError naming file and field."""
     top = _Fields(config, path=path)
@@ -312,7 +314,16 @@ def parse_model_spec(
         quantization_bits=bits,
         max_position_embeddings=_max_model_len(f, text_type),
         source_dir=source_dir,
+        serve_id=serve_id or source_dir or _hub_id_of(config),
     )
+
+
+def _hub_id_of(config: dict[str, Any]) -> str | None:
+    """A preset names its hub id as the first word of `_source`."""
+    source = config.get("_source")
+    if isinstance(source, str) and _HUB_ID.fullmatch(source.split()[0] if source.split() else ""):
+        return source.split()[0]
+    return None
 
 
 def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -587,7 +598,8 @@ def _from_hub(repo_id: str) -> ModelSpec:
             + (f"the bundled preset {hint!r} has this model's config" if hint
                else "pass a config.json path, a model directory or a preset name")
         ) from exc
-    return parse_model_spec(load_config_file(local), name=repo_id, source_dir=str(Path(local).parent), path=local)
+    return parse_model_spec(load_config_file(local), name=repo_id, source_dir=str(Path(local).parent), path=local,
+                            serve_id=repo_id)
 
 
 def _preset_for_hub_id(repo_id: str) -> str | None:

@@ -129,11 +129,11 @@ def safety_fraction(requested: float | None, measured: bool) -> Decision:
         if not 0 < requested <= 1:
             raise ValueError("safety fraction must be in (0, 1]")
         return Decision(requested, "safety-user", f"set by --safety-fraction to {requested:g}")
-    basis = "measured capacity" if measured else "estimated capacity (arithmetic can be tens of % off)"
+    basis = "a measured capacity" if measured else "an estimated capacity (arithmetic can be tens of % off)"
     return Decision(
         DEFAULT_SAFETY_FRACTION,
         "safety-default",
-        f"default {DEFAULT_SAFETY_FRACTION:g} on a {basis}: margin for prompt-count drift between gateway "
+        f"default {DEFAULT_SAFETY_FRACTION:g} on {basis}: margin for prompt-count drift between gateway "
         "and engine, speculative lookahead and capacity error",
     )
 
