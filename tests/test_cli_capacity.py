@@ -1,0 +1,195 @@
+"""`kvtune capacity` end to end through CliRunner: JSON fields, tables, measured sources, error lines."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtune.cli import cli
+
+DATA = Path(__file__).parent / "data"
+README_ARGS = ["capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--prompt-tokens", "2000", "--max-tokens", "512",
+               "--prompt-tokens", "200", "--max-tokens", "4000"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def run_json(*args: str) -> dict:
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@contextmanager
+def serve(body: bytes):
+    """A real HTTP server on 127.0.0.1 with an ephemeral port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_readme_command_json():
+    d = run_json(*README_ARGS)
+    required = {"kv_cache_bytes", "kv_cache_tokens", "num_blocks", "block_size", "weights_bytes", "overhead_bytes",
+                "source", "max_concurrency_at_max_model_len", "requests"}
+    assert required <= set(d)
+    assert (d["source"], d["block_size"], d["gpu"], d["kv_bytes_per_token_per_gpu"]) == (
+        "estimate", 16, "H100-80GB", 131_072)
+    assert d["num_blocks"] == d["kv_cache_bytes"] // (16 * 131_072)
+    assert d["kv_cache_tokens"] == d["num_blocks"] * 16
+    assert d["max_concurrency_at_max_model_len"] == round(d["num_blocks"] / (131_072 // 16), 4)
+    # 2,000 + 512 = 2,512 → 157 blocks; 200 + 4,000 = 4,200 → 263 blocks
+    assert [(r["prompt_tokens"], r["max_tokens"], r["reserved_blocks"]) for r in d["requests"]] == [
+        (2000, 512, 157), (200, 4000, 263)]
+    usable = d["num_blocks"] - 1
+    assert [r["max_concurrent"] for r in d["requests"]] == [usable // 157, usable // 263]
+    assert d["weights_bytes"] + d["overhead_bytes"] + d["kv_cache_bytes"] == d["requested_memory_bytes"]
+
+
+def test_issue_example_long_cap_costs_more_blocks_than_long_prompt():
+    d = run_json("capacity", "llama-3.1-8b", "--gpu", "h100", "--prompt-tokens", "200", "--max-tokens", "4000",
+                 "--prompt-tokens", "3000", "--max-tokens", "200")
+    long_cap, long_prompt = d["requests"]
+    assert long_cap["reserved_blocks"] == 263 > long_prompt["reserved_blocks"] == 200
+    assert long_cap["max_concurrent"] < long_prompt["max_concurrent"]
+
+
+def test_single_max_tokens_pairs_with_every_prompt():
+    d = run_json("capacity", "llama-3.1-8b", "--gpu", "L40S", "--prompt-tokens", "100", "--prompt-tokens", "1000",
+                 "--max-tokens", "500")
+    assert [(r["prompt_tokens"], r["max_tokens"]) for r in d["requests"]] == [(100, 500), (1000, 500)]
+    assert d["max_num_batched_tokens"] == 2048  # L40S: 45 GiB < 70 GiB
+
+
+def test_table_output_names_source_breakdown_and_assumptions():
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(cli, README_ARGS)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for text in ("memory per GPU (estimate)", "− weights", "− activation peak", "= KV pool", "source: estimate",
+                 "max concurrency at max_model_len 131,072", "reserved blocks", "Assumptions", "CUDA graphs"):
+        assert text in out
+
+
+def test_gpu_memory_option_and_tp():
+    d = run_json("capacity", "llama-3.1-70b", "--gpu-memory", "79.2GiB", "--tp", "4")
+    assert d["gpu_memory_bytes"] == int(79.2 * 2**30)
+    assert d["tensor_parallel_size"] == 4 and d["gpu"] is None
+    assert d["weights_bytes"] == -(-d["weights_bytes_total"] // 4)
+
+
+def test_kv_tokens_wins_over_the_estimate():
+    d = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--kv-tokens", "100000", "--max-model-len", "8k")
+    assert (d["source"], d["kv_cache_tokens"], d["num_blocks"], d["max_model_len"]) == (
+        "kv-tokens", 100_000, 6250, 8000)
+    assert d["estimated_num_blocks"] > d["num_blocks"]  # the estimate is kept beside it for comparison
+
+
+def test_vllm_log_two_line_format():
+    d = run_json("capacity", "llama-3.1-8b", "--vllm-log", str(DATA / "vllm-0.12-tp2-startup.log"))
+    assert (d["source"], d["kv_cache_tokens"], d["num_blocks"], d["max_model_len"]) == (
+        "vllm-log", 686_320, 42_895, 100_000)
+    assert d["max_concurrency_at_max_model_len"] == 6.8632  # vLLM logged 6.86x
+    assert d["measured_from"].endswith("vllm-0.12-tp2-startup.log")
+
+
+def test_cpu_log_defaults_to_block_size_128():
+    d = run_json("capacity", "llama-3.1-8b", "--vllm-log", str(DATA / "vllm-cpu-0.32-startup.log"),
+                 "--prompt-tokens", "24", "--max-tokens", "400")
+    assert (d["block_size"], d["num_blocks"], d["max_concurrency_at_max_model_len"]) == (128, 32, 8.0)
+    assert d["requests"][0]["reserved_blocks"] == 4 and d["requests"][0]["max_concurrent"] == 7
+
+
+def test_v0_log_blocks_are_authoritative():
+    d = run_json("capacity", "llama-2-7b", "--vllm-log", str(DATA / "vllm-0.1-v0-startup.log"))
+    assert (d["num_blocks"], d["kv_cache_tokens"]) == (865, 865 * 16)
+
+
+def test_metrics_url_over_real_http():
+    with serve((DATA / "metrics-cpu-0.32.txt").read_bytes()) as base:
+        d = run_json("capacity", "llama-3.1-8b", "--metrics-url", f"{base}/metrics", "--max-model-len", "512")
+    assert (d["source"], d["num_blocks"], d["block_size"], d["kv_cache_tokens"]) == ("metrics", 32, 128, 4096)
+    assert d["max_concurrency_at_max_model_len"] == 8.0
+
+
+def test_shape_that_does_not_fit_reports_zero_with_a_note():
+    d = run_json("capacity", "llama-3.1-8b", "--kv-tokens", "1600", "--max-model-len", "32768",
+                 "--prompt-tokens", "1000", "--max-tokens", "1000")
+    (r,) = d["requests"]
+    assert r["max_concurrent"] == 0 and r["note"] == "does not fit: needs 125 blocks, only 99 usable"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--gpu", "H1000"], "Error: --gpu: unknown GPU 'H1000'; did you mean H100-80GB?"),
+        (["--gpu-memory", "80"], "Error: --gpu-memory: cannot read memory size '80'"),
+        (["--gpu-memory", "lots"], "Error: --gpu-memory: cannot read memory size 'lots'"),
+        (["--vllm-log", "absent.log"], "Error: absent.log: --vllm-log: no such file"),
+        (["--vllm-log", str(DATA / "vllm-startup-no-capacity.log")],
+         f"Error: {DATA / 'vllm-startup-no-capacity.log'}: no KV cache capacity in this log"),
+        (["--metrics-url", "ftp://x/metrics"], "Error: ftp://x/metrics: --metrics-url: expected an http://"),
+        ([], "Error: --gpu: give --gpu or --gpu-memory to estimate, or a measured capacity"),
+        (["--gpu", "L4", "--gpu-memory", "24GiB"], "Error: --gpu-memory: give --gpu or --gpu-memory, not both"),
+        (["--gpu", "L4", "--prompt-tokens", "1", "--prompt-tokens", "2", "--prompt-tokens", "3", "--max-tokens", "4",
+          "--max-tokens", "5"], "Error: --max-tokens: 3 --prompt-tokens but 2 --max-tokens"),
+        (["--gpu", "L4", "--prompt-tokens", "100"], "Error: --max-tokens: a request shape needs both"),
+        (["--gpu", "L4", "--max-model-len", "long"], "Error: --max-model-len: expected a positive integer"),
+        (["--kv-tokens", "5", "--vllm-log", "x.log"], "Error: --vllm-log: give one measured capacity"),
+    ],
+)
+def test_bad_inputs_are_one_error_line_and_exit_2(args, line):
+    result = run("capacity", "llama-3.1-8b", *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(line), result.stderr
+    assert result.stderr.count("\n") == 1  # one line, no traceback
+    assert result.stdout == ""
+
+
+def test_weights_larger_than_the_gpu_is_a_capacity_error():
+    # Llama-3.1-70B bf16: 70,553,706,496 params × 2 B = 131.42 GiB; an L4 offers 22.49 GiB × 0.92 = 20.69 GiB
+    result = run("capacity", "llama-3.1-70b", "--gpu", "L4")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(
+        "Error: weights alone exceed the usable memory per GPU: weights 131.42 GiB + overhead ")
+    assert "> 22.49 GiB × 0.92 = 20.69 GiB; use more GPUs (--tp/--pp)" in result.stderr
+
+
+def test_unreachable_metrics_url_is_one_line():
+    with serve(b"") as base:
+        pass  # closed again: the port refuses connections
+    result = run("capacity", "llama-3.1-8b", "--metrics-url", base)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {base}/metrics: --metrics-url: cannot reach:")
+    assert result.stderr.count("\n") == 1
+
+
+def test_help_documents_the_pairing():
+    result = run("capacity", "--help")
+    assert result.exit_code == 0
+    assert "paired in order with --max-tokens" in result.output
+    assert "kvtune capacity llama-3.1-8b --gpu H100-80GB" in result.output
