@@ -1,0 +1,152 @@
+"""`kvtune profile` through CliRunner: JSON fields, save/merge, errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import REPO
+from kvtune.cli import cli
+from kvtune.profiler import load_profile
+
+SAMPLES = REPO / "sample_logs"
+ROUTE_KEYS = {
+    "route", "requests", "censored", "output_tokens", "prompt_tokens", "total_tokens", "tail",
+    "max_tokens_requested", "finish_reasons", "models", "arrival", "latency_ms", "ttft_ms",
+}
+LENGTH_KEYS = {"p50", "p90", "p95", "p99", "p999", "max", "mean", "lower_bound"}
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, ["profile", *args], catch_exceptions=False)
+
+
+def write_flat(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_json_fields_are_present_and_stable():
+    result = run(str(SAMPLES / "openai_chat_pairs.jsonl"), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert set(data) == {"requests", "routes", "skipped", "inputs"}
+    assert data["inputs"] == [{"path": str(SAMPLES / "openai_chat_pairs.jsonl"), "format": "openai-pair", "rows": 2400}]
+    assert data["skipped"] == {"count": 0, "reasons": {}, "examples": {}}
+    assert [r["route"] for r in data["routes"]] == ["/v1/chat/completions", "/v1/code/completions", "/v1/summarize"]
+    for route in data["routes"]:
+        assert set(route) == ROUTE_KEYS
+        for key in ("output_tokens", "prompt_tokens", "total_tokens", "max_tokens_requested"):
+            assert set(route[key]) == LENGTH_KEYS
+            assert set(route[key]["lower_bound"]) == LENGTH_KEYS - {"lower_bound"}
+        assert set(route["censored"]) == {"count", "share"}
+        assert route["censored"]["count"] == route["finish_reasons"].get("length", 0)
+        assert set(route["tail"]) == {"class", "rule", "p99_over_p50", "p999_over_p99", "lower_bound"}
+        assert route["arrival"]["peak_window_s"] == 60 and route["latency_ms"]["p50"] > 0
+    assert data["requests"] == sum(r["requests"] for r in data["routes"]) == 2400
+    # every summarize request asked for ≤ 1024 tokens and the longest were cut there: a lower bound
+    summarize = data["routes"][2]["output_tokens"]
+    assert summarize["max"] == 1024 and summarize["lower_bound"]["max"] is True
+
+
+def test_percentiles_match_numpy_on_flat_logs(tmp_path):
+    rng = np.random.default_rng(9)
+    out = rng.integers(1, 3000, 3000)
+    prompt = rng.integers(1, 9000, 3000)
+    rows = [{"route": "/a" if i % 3 else "/b", "prompt_tokens": int(p), "output_tokens": int(o),
+             "finish_reason": "stop"} for i, (p, o) in enumerate(zip(prompt, out))]
+    result = run(str(write_flat(tmp_path / "flat.jsonl", rows)), "--json")
+    data = json.loads(result.output)
+    mask_b = np.arange(3000) % 3 == 0
+    for route, mask in (("/a", ~mask_b), ("/b", mask_b)):
+        (got,) = [r for r in data["routes"] if r["route"] == route]
+        for key, q in (("p50", 50), ("p90", 90), ("p95", 95), ("p99", 99), ("p999", 99.9)):
+            assert got["output_tokens"][key] == np.percentile(out[mask], q, method="inverted_cdf")
+            assert got["prompt_tokens"][key] == np.percentile(prompt[mask], q, method="inverted_cdf")
+            assert got["total_tokens"][key] == np.percentile((prompt + out)[mask], q, method="inverted_cdf")
+
+
+def test_human_output_has_table_histogram_and_rule():
+    result = run(str(SAMPLES / "litellm_spend_logs.csv"))
+    assert result.exit_code == 0
+    assert "/v1/code/completions" in result.output and "out p99" in result.output
+    assert "heavier than an exponential" in result.output
+    assert "█" in result.output and "read " in result.output
+
+
+def test_save_then_merge_equals_profiling_everything(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert run(str(SAMPLES / "openai_chat_pairs.jsonl"), "--save", str(a), "--json").exit_code == 0
+    assert run(str(SAMPLES / "litellm_spend_logs.csv"), "--save", str(b), "--json").exit_code == 0
+    merged = run("--merge", str(a), str(b), "--json")
+    both = run(str(SAMPLES / "openai_chat_pairs.jsonl"), str(SAMPLES / "litellm_spend_logs.csv"), "--json")
+    assert merged.exit_code == 0
+    assert json.loads(merged.output)["routes"] == json.loads(both.output)["routes"]
+    # a saved profile plus more logs
+    mixed = run("--merge", str(a), str(SAMPLES / "litellm_spend_logs.csv"), "--json", "--save", str(tmp_path / "m.json"))
+    assert json.loads(mixed.output)["routes"] == json.loads(both.output)["routes"]
+    assert load_profile(tmp_path / "m.json").requests == 3600
+
+
+def test_saved_profile_without_merge_is_an_error(tmp_path):
+    saved = tmp_path / "p.json"
+    run(str(SAMPLES / "azure_style_trace.csv"), "--save", str(saved), "--json")
+    result = run(str(saved))
+    assert result.exit_code == 2
+    assert result.output == f"Error: {saved}: this is a saved profile; pass --merge to combine saved profiles\n"
+
+
+def test_bad_profile_file_exits_2_with_one_line(tmp_path):
+    saved = tmp_path / "p.json"
+    run(str(SAMPLES / "azure_style_trace.csv"), "--save", str(saved), "--json")
+    data = json.loads(saved.read_text())
+    data["schema_version"] = 7
+    saved.write_text(json.dumps(data))
+    result = run("--merge", str(saved))
+    assert result.exit_code == 2
+    assert result.output == (
+        f"Error: {saved}: schema_version: unsupported version 7; this kvtune reads version 1\n"
+    )
+
+
+def test_trace_max_is_cap_marks_the_maximum_censored():
+    plain = json.loads(run(str(SAMPLES / "azure_style_trace.csv"), "--json").output)["routes"][0]
+    capped = json.loads(run(str(SAMPLES / "azure_style_trace.csv"), "--trace-max-is-cap", "--json").output)["routes"][0]
+    assert plain["censored"]["count"] == 0 and plain["output_tokens"]["lower_bound"]["max"] is False
+    assert capped["censored"]["count"] > 0
+    assert capped["output_tokens"]["max"] == 1000 and capped["output_tokens"]["lower_bound"]["max"] is True
+    assert capped["output_tokens"]["p50"] == plain["output_tokens"]["p50"]
+
+
+def test_skips_are_counted_and_strict_makes_them_fatal(tmp_path):
+    path = tmp_path / "logs.jsonl"
+    path.write_text('{"route": "/a", "output_tokens": 5}\n{oops\n{"route": "/a", "output_tokens": 7}\n')
+    data = json.loads(run(str(path), "--json").output)
+    assert data["skipped"]["count"] == 1 and data["requests"] == 2
+    assert data["skipped"]["examples"]
+    result = run(str(path), "--strict")
+    assert result.exit_code == 2
+    assert result.output.startswith(f"Error: {path}:2:") and result.output.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--assume-cap", "5", "--trace-max-is-cap"), "--assume-cap and --trace-max-is-cap exclude each other"),
+        (("--field", "output_tokens"), "Invalid value for '--field': expected target=path, got 'output_tokens'"),
+    ],
+)
+def test_usage_errors_exit_2(args, message):
+    result = run(str(SAMPLES / "azure_style_trace.csv"), *args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_help_documents_json_fields():
+    result = run("--help")
+    assert result.exit_code == 0
+    for name in ("lower_bound", "max_tokens_requested", "peak_rate_rps", "skipped", "inputs[]"):
+        assert name in result.output
