@@ -1,0 +1,161 @@
+"""The policy on real traces (Azure LLM inference 2023), checked against numbers computed
+independently with numpy from the same CSV files."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from conftest import TRACES
+from kvtune.capacity import CapacitySource, MeasuredCapacity, plan_capacity
+from kvtune.hardware import default_batch_limits, find_gpu
+from kvtune.kv import kv_bytes
+from kvtune.model import resolve_model
+from kvtune.profiler import ProfileBuilder
+from kvtune.recommend import RecommendOptions, recommend
+from kvtune.weights import weights_for
+
+
+def _azure(name: str) -> pd.DataFrame:
+    return pd.read_csv(TRACES / f"AzureLLMInferenceTrace_{name}.csv")
+
+
+def _profile(frames: dict[str, pd.DataFrame], censored_at: int | None = None):
+    builder = ProfileBuilder()
+    for route, df in frames.items():
+        out = df["GeneratedTokens"].to_numpy(np.int64)
+        builder.add_batch(pa.RecordBatch.from_pydict({
+            "route": [route] * len(df),
+            "prompt_tokens": df["ContextTokens"].to_numpy(np.int64),
+            "output_tokens": out,
+            "censored": (out >= censored_at) if censored_at else np.zeros(len(df), bool),
+        }))
+    return builder.result()
+
+
+def _h100_llama(measured: MeasuredCapacity | None = None):
+    spec = resolve_model("llama-3.1-8b")
+    kv = kv_bytes(spec)
+    gpu = find_gpu("H100-80GB")
+    report = plan_capacity(spec, kv, weights_for(spec), gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
+                           measured=measured)
+    options = RecommendOptions(gpu=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
+                               engine_default_batched_tokens=default_batch_limits(gpu.memory_bytes, gpu.name)[0])
+    return kv, report.capacity, options
+
+
+def _expected_route(df: pd.DataFrame, q: float, block_size: int, budget: int):
+    out = df["GeneratedTokens"].to_numpy()
+    prompt = df["ContextTokens"].to_numpy()
+    cap = int(np.percentile(out, q * 100, method="inverted_cdf"))
+    reservations = -(-(prompt + cap) // block_size)
+    return cap, reservations, budget // reservations.mean()
+
+
+def test_azure_conv_and_code_on_h100():
+    conv, code = _azure("conv"), _azure("code")
+    kv, capacity, options = _h100_llama()
+    rec = recommend(_profile({"/conv": conv, "/code": code}), kv, capacity, options, model="llama-3.1-8b")
+    bs = capacity.block_size
+    budget = math.floor((capacity.num_blocks - 1) * 0.9)
+    assert rec.block_budget.value == budget
+
+    by_route = {r.route: r for r in rec.routes}
+    # Both Azure routes are heavy-tailed (p99/p50: code 252/13, conv 601/129 with p99.9 954/601 > 1.5),
+    # so each is capped at its own p99.
+    for route, df in (("/conv", conv), ("/code", code)):
+        r = by_route[route]
+        cap, reservations, admitted = _expected_route(df, 0.99, bs, budget)
+        assert r.tail == "heavy"
+        assert r.max_new_tokens.value == cap
+        assert r.max_new_tokens.rule == "cap-p99-heavy-tail"
+        # share of logged requests longer than the cap
+        assert r.truncation_share == pytest.approx((df["GeneratedTokens"] > cap).mean())
+        assert r.reservation_blocks.max == reservations.max()
+        assert r.reservation_blocks.mean == pytest.approx(reservations.mean())
+        assert r.concurrency == int(admitted)
+    assert by_route["/conv"].max_new_tokens.value == 601
+    assert by_route["/code"].max_new_tokens.value == 252  # nearest rank (linear interpolation: 251.46)
+
+    # max_model_len: the longest prompt + its route cap (conv: 14050 + 601 = 14651) rounded up to 16
+    assert rec.settings["max_model_len"].value == 14656
+    worst_blocks = 14656 // 16
+    assert rec.worst_case_reservation_blocks == worst_blocks
+    assert rec.worst_case_concurrency == budget // worst_blocks
+    # the mix: reservations weighted by each route's share of requests
+    all_res = np.concatenate([
+        -(-(conv["ContextTokens"].to_numpy() + 601) // 16), -(-(code["ContextTokens"].to_numpy() + 252) // 16)])
+    assert rec.mean_reservation_blocks == pytest.approx(all_res.mean())
+    assert rec.admitted_concurrency == int(budget // all_res.mean())
+    assert rec.gain > 5  # the headline: caps from traffic admit several times more than worst case
+
+    assert rec.settings["preemption_mode"].value == "recompute"
+    assert rec.settings["swap_space"] is None
+    assert rec.settings["max_new_tokens_backstop"].value == 601
+    seqs = rec.settings["max_num_seqs"].value
+    assert seqs >= budget // all_res.min() and seqs % 8 == 0
+    assert rec.settings["max_num_batched_tokens"].value >= seqs
+
+
+def test_max_truncation_picks_the_smallest_cap_under_target():
+    conv = _azure("conv")
+    kv, capacity, options = _h100_llama()
+    options = RecommendOptions(**{**{f: getattr(options, f) for f in options.__slots__}, "max_truncation": 0.02})
+    rec = recommend(_profile({"/conv": conv}), kv, capacity, options, model="llama-3.1-8b")
+    out = conv["GeneratedTokens"].to_numpy()
+    cap = rec.routes[0].max_new_tokens.value
+    assert (out > cap).mean() <= 0.02
+    smaller = np.unique(out)[np.unique(out) < cap]
+    assert ((out > smaller.max()).mean() > 0.02) if smaller.size else True
+    assert rec.routes[0].max_new_tokens.rule == "cap-max-truncation"
+
+
+def test_censored_outputs_make_the_cap_a_lower_bound():
+    # Azure conv outputs stop at 1000: treating ≥ 1000 as cut at a cap makes the top censored
+    conv = _azure("conv")
+    kv, capacity, options = _h100_llama()
+    rec = recommend(_profile({"/conv": conv}, censored_at=1000), kv, capacity, options, model="m")
+    route = rec.routes[0]
+    assert route.output_tokens["lower_bound"]["max"] is True
+    assert route.max_new_tokens.value <= 1000
+
+
+def test_v0_vllm_swaps_long_sequences():
+    code = _azure("code")  # p99 prompt 7436 + cap 252 ≥ 4000 tokens
+    kv, capacity, options = _h100_llama()
+    options = RecommendOptions(**{**{f: getattr(options, f) for f in options.__slots__}, "vllm_version": "0.6.3"})
+    rec = recommend(_profile({"/code": code}), kv, capacity, options, model="m")
+    assert rec.settings["preemption_mode"].value == "swap"
+    assert rec.settings["swap_space"].value >= 4
+    assert rec.v1_engine is False
+
+
+def test_measured_capacity_drives_the_budget():
+    measured = MeasuredCapacity(source=CapacitySource.KV_TOKENS, kv_cache_tokens=160_000, origin="--kv-tokens")
+    kv, capacity, options = _h100_llama(measured)
+    rec = recommend(_profile({"/conv": _azure("conv")}), kv, capacity, options, model="m")
+    # 160,000 tokens / 16 = 10,000 blocks; (10,000 − 1) × 0.9 = 8999.1 → 8999
+    assert rec.block_budget.value == 8999
+    assert "measured" in rec.safety_fraction.reason
+    assert not any("estimate" in n for n in rec.notes)
+
+
+def test_to_dict_has_the_documented_fields():
+    kv, capacity, options = _h100_llama()
+    data = recommend(_profile({"/conv": _azure("conv")}), kv, capacity, options, model="m").to_dict()
+    for key in ("schema_version", "model", "served_model", "engine", "upstream", "hardware", "kv", "capacity",
+                "safety_fraction", "block_budget", "routes", "concurrency", "settings", "notes"):
+        assert key in data
+    route = data["routes"][0]
+    for key in ("route", "match", "requests", "share", "tail", "max_new_tokens", "truncation_share",
+                "output_tokens", "prompt_tokens", "requested_max_tokens", "reservation_blocks", "concurrency",
+                "output_histogram"):
+        assert key in route
+    hist = route["output_histogram"]
+    assert len(hist["counts"]) == len(hist["edges"]) - 1 and sum(hist["counts"]) == route["requests"]
+    for decision in data["settings"].values():
+        assert decision is None or set(decision) == {"value", "rule", "reason"}
