@@ -1,0 +1,457 @@
+"""Turn a recommendation (the plain dict of recommendation.json) into files that deploy.
+
+Every template renders through one jinja2 environment with StrictUndefined, so a missing field
+fails loudly instead of rendering an empty flag. Anything that came from logs (route names, model
+ids) reaches a target only through that target's escaping filter: `shell`, `yaml`, `json`, `lua`,
+`md`, and HTML autoescape. Comments are squeezed to one printable line by `one_line`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+from urllib.parse import urlsplit
+
+import jinja2
+
+from kvtune import __version__
+from kvtune.errors import InputError, KvtuneError
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+# output file name -> template name
+TARGETS: dict[str, str] = {
+    "vllm-serve.sh": "vllm-serve.sh.j2",
+    "gateway.yaml": "gateway.yaml.j2",
+    "nginx.conf": "nginx.conf.j2",
+    "recommendation.json": "",  # json.dumps, no template
+    "report.html": "report.html.j2",
+    "report.md": "report.md.j2",
+}
+EXECUTABLE = frozenset({"vllm-serve.sh"})
+# Markers around the Lua table that `kvtune check` reads back from a rendered nginx.conf.
+NGINX_CONFIG_BEGIN = "-- kvtune:config begin"
+NGINX_CONFIG_END = "-- kvtune:config end"
+CATCH_ALL_ROUTE = "default"
+# Characters YAML 1.1 (PyYAML) or a shell/nginx comment would treat as a line break.
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+_HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)$")
+
+
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """Deployment details a recommendation does not know: where the gateway listens and where
+    nginx keeps its files. Relative nginx paths resolve against nginx's prefix (`nginx -p DIR`)."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8080
+    nginx_user: str | None = None  # `user` directive; only meaningful when nginx starts as root
+    nginx_worker_processes: str = "auto"
+    nginx_pid: str = "logs/nginx.pid"
+    nginx_error_log: str = "logs/error.log"
+    nginx_access_log: str | None = None  # None = off
+    nginx_modules_dir: str = "/usr/lib/nginx/modules"
+    lua_cpath: str = "/usr/lib/x86_64-linux-gnu/lua/5.1/?.so"
+    max_body_bytes: int = 16 * 1024 * 1024
+    retry_after_min_s: int = 1
+    retry_after_max_s: int = 60
+    # Fallback when the upstream's /tokenize fails: bytes / estimate_bytes_per_token + margin.
+    estimate_bytes_per_token: int = 3
+    estimate_margin_tokens: int = 64
+
+
+# ---------------------------------------------------------------- filters (one per target)
+
+def one_line(value: Any) -> str:
+    """Any text as one printable line: line breaks and other control or format characters become
+    spaces, so a comment in a shell script, YAML or nginx.conf cannot end early."""
+    text = "" if value is None else str(value)
+    out = []
+    for ch in text:
+        if ch in _LINE_BREAKS or unicodedata.category(ch)[0] == "C":
+            out.append(" ")
+        else:
+            out.append(ch)
+    return " ".join("".join(out).split())
+
+
+def shell_quote(value: Any) -> str:
+    """One shell word, single-quoted unless plainly safe: no expansion or substitution survives."""
+    return shlex.quote(str(value))
+
+
+def json_scalar(value: Any) -> str:
+    """A JSON value in pure ASCII (also a valid YAML flow scalar)."""
+    return json.dumps(value, ensure_ascii=True)
+
+
+def yaml_scalar(value: Any) -> str:
+    """A YAML scalar that reads back exactly: strings double-quoted in pure ASCII with \\u/\\U
+    escapes (JSON's surrogate pairs would not round-trip through PyYAML), numbers as JSON."""
+    if not isinstance(value, str):
+        return json.dumps(value)
+    out = ['"']
+    for ch in value:
+        code = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    out.append('"')
+    return "".join(out)
+
+
+_LUA_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 _-./:,+=@")
+
+
+def lua_string(value: Any) -> str:
+    """A Lua string literal for any text: every byte outside a small safe set becomes a 3-digit
+    decimal escape, so quotes, backslashes, newlines, `]]`, braces and `$` never reach the Lua or
+    nginx lexers as themselves. Non-string values render as Lua literals."""
+    if value is None:
+        return "nil"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"cannot render {value!r} as a Lua number")
+        return repr(value)
+    data = str(value).encode("utf-8", "surrogateescape")
+    return '"' + "".join(chr(b) if b in _LUA_PLAIN else f"\\{b:03d}" for b in data) + '"'
+
+
+_NGINX_UNSAFE = re.compile(r'[\x00-\x1f\x7f"\\$]')
+
+
+def nginx_word(value: Any) -> str:
+    """An operator-given path or name as one double-quoted nginx token; the characters nginx would
+    still interpret inside quotes (quote, backslash, `$`, control characters) are refused."""
+    text = str(value)
+    if not text or _NGINX_UNSAFE.search(text):
+        raise KvtuneError(f"{text!r} cannot be used in nginx.conf: no quotes, backslashes, $ or control characters")
+    return f'"{text}"'
+
+
+def nginx_listen(value: Any) -> str:
+    """host:port for `listen`, validated."""
+    host, _, port = str(value).rpartition(":")
+    if not _HOSTNAME.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise KvtuneError(f"cannot listen on {value!r}: expected host:port")
+    return f"{host}:{int(port)}"
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|#!~{}])")
+
+
+def md_cell(value: Any) -> str:
+    """Text safe in a Markdown table cell: one line, pipes/backticks/brackets/HTML escaped."""
+    text = one_line(value).replace("&", "&amp;")
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+def human_number(value: Any, digits: int = 3) -> str:
+    """1234567 → '1,234,567'; 0.123456 → '0.123'; 5.77 → '5.77'."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) >= 1000):
+        return f"{int(value):,}"
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        magnitude = math.floor(math.log10(abs(value)))
+        decimals = max(0, digits - 1 - magnitude)
+        return f"{value:,.{decimals}f}"
+    return str(value)
+
+
+def human_bytes(value: Any) -> str:
+    """Bytes in binary units: 16060522496 → '14.96 GiB'."""
+    if value is None:
+        return "–"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def percent(value: Any, decimals: int = 1) -> str:
+    if value is None:
+        return "–"
+    return f"{float(value) * 100:.{decimals}f}%"
+
+
+# ---------------------------------------------------------------- environment
+
+def _autoescape(name: str | None) -> bool:
+    return bool(name) and name.endswith((".html.j2", ".html", ".svg.j2"))
+
+
+def make_environment() -> jinja2.Environment:
+    """The one environment every target renders through."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=_autoescape,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(
+        shell=shell_quote, json=json_scalar, nginx=nginx_word, nginx_listen=nginx_listen, yaml=yaml_scalar, lua=lua_string, md=md_cell,
+        one_line=one_line, human=human_number, bytes=human_bytes, percent=percent,
+    )
+    return env
+
+
+# ---------------------------------------------------------------- derived view of a recommendation
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def host_port(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_upstream(url: str) -> Upstream:
+    """http(s)://host[:port][/]; anything else would be interpolated into nginx.conf, so refuse it."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InputError(f"not a valid upstream URL: {url!r}", field="upstream") from exc
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host or parts.path not in ("", "/") \
+            or parts.query or parts.fragment or parts.username or parts.password:
+        raise InputError(f"upstream must look like http://host:port, got {url!r}", field="upstream")
+    if ":" in host:
+        host = f"[{host}]"
+    if not _HOSTNAME.match(host):
+        raise InputError(f"upstream host {host!r} is not a hostname or IP address", field="upstream")
+    return Upstream(parts.scheme, host, port or (443 if parts.scheme == "https" else 80))
+
+
+def _value(decision: Any) -> Any:
+    return decision.get("value") if isinstance(decision, Mapping) else decision
+
+
+def vllm_flags(rec: Mapping[str, Any]) -> list[dict]:
+    """The `vllm serve` flags for the recommendation's engine version, each with its rule and
+    reason. V1 (0.8+) has no --preemption-mode/--swap-space, so they render only on V0."""
+    settings = rec["settings"]
+    v1 = bool(rec["engine"].get("v1", True))
+    upstream = parse_upstream(rec["upstream"])
+    flags: list[dict] = [
+        {"flag": "--host", "value": upstream.host.strip("[]"), "rule": "upstream",
+         "reason": f"the gateway's upstream is {rec['upstream']}"},
+        {"flag": "--port", "value": upstream.port, "rule": "upstream",
+         "reason": f"the gateway's upstream is {rec['upstream']}"},
+    ]
+    order = [
+        ("tensor_parallel_size", "--tensor-parallel-size"),
+        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+        ("max_model_len", "--max-model-len"),
+        ("max_num_seqs", "--max-num-seqs"),
+        ("max_num_batched_tokens", "--max-num-batched-tokens"),
+        ("gpu_memory_utilization", "--gpu-memory-utilization"),
+        ("kv_cache_dtype", "--kv-cache-dtype"),
+        ("block_size", "--block-size"),
+    ]
+    if not v1:
+        order += [("preemption_mode", "--preemption-mode"), ("swap_space", "--swap-space")]
+    for key, flag in order:
+        decision = settings.get(key)
+        if decision is None or _value(decision) is None:
+            continue
+        flags.append({"flag": flag, "value": _value(decision), "rule": decision["rule"],
+                      "reason": decision["reason"]})
+    backstop = settings["max_new_tokens_backstop"]
+    flags.append({
+        "flag": "--override-generation-config",
+        "value": json.dumps({"max_new_tokens": int(_value(backstop))}),
+        "rule": backstop["rule"], "reason": backstop["reason"],
+    })
+    return flags
+
+
+def gateway_routes(rec: Mapping[str, Any]) -> list[dict]:
+    """The gateway's route table: one route per recommended route, in order, then a catch-all
+    capped at the backstop so no request is ever uncapped."""
+    routes = []
+    for route in rec["routes"]:
+        match = route.get("match") or {}
+        cap = route["max_new_tokens"]
+        routes.append({
+            "name": str(route["route"]) or "(unnamed)",
+            "path": match.get("path") or None,
+            "model": match.get("model") or None,
+            "max_new_tokens": int(_value(cap)),
+            "rule": cap.get("rule", "") if isinstance(cap, Mapping) else "",
+            "reason": cap.get("reason", "") if isinstance(cap, Mapping) else "",
+        })
+    backstop = rec["settings"]["max_new_tokens_backstop"]
+    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None,
+                   "max_new_tokens": int(_value(backstop)),
+                   "rule": backstop["rule"], "reason": "catch-all: " + str(backstop["reason"])})
+    return routes
+
+
+def histogram_bars(edges: list, counts: list, cap: int | None, *, width: int = 560,
+                   height: int = 140) -> dict:
+    """Geometry of one inline SVG bar chart of output lengths with the cap marked as a line."""
+    if not counts or len(edges) != len(counts) + 1:
+        return {"width": width, "height": height, "bars": [], "cap_x": None, "max_edge": 0}
+    lo, hi = float(edges[0]), float(edges[-1])
+    span = max(hi - lo, 1.0)
+    peak = max(max(counts), 1)
+    plot_h = height - 20
+    bars = []
+    for i, count in enumerate(counts):
+        x0 = (float(edges[i]) - lo) / span * width
+        x1 = (float(edges[i + 1]) - lo) / span * width
+        h = count / peak * plot_h
+        bars.append({"x": round(x0, 2), "w": round(max(x1 - x0 - 0.5, 0.5), 2),
+                     "y": round(plot_h - h, 2), "h": round(h, 2), "count": count,
+                     "lo": edges[i], "hi": edges[i + 1], "above_cap": cap is not None and edges[i] >= cap})
+    cap_x = None
+    if cap is not None:
+        cap_x = round(min(max((cap - lo) / span, 0.0), 1.0) * width, 2)
+    return {"width": width, "height": height, "plot_h": plot_h, "bars": bars, "cap_x": cap_x,
+            "min_edge": edges[0], "max_edge": edges[-1]}
+
+
+def capacity_segments(rec: Mapping[str, Any]) -> list[dict]:
+    """Weights, overhead, KV and what is left, as shares of the GPUs' total memory."""
+    cap = rec["capacity"]
+    hw = rec["hardware"]
+    gpus = int(hw.get("tensor_parallel_size", 1)) * int(hw.get("pipeline_parallel_size", 1))
+    total = hw.get("gpu_memory_bytes")
+    total = int(total) * gpus if total else None
+    parts = [("weights", cap.get("weights_bytes")), ("overhead", cap.get("overhead_bytes")),
+             ("KV cache", cap.get("kv_cache_bytes"))]
+    known = sum(int(v) for _, v in parts if v)
+    denominator = max(total or 0, known, 1)
+    segments = [{"name": n, "bytes": int(v), "share": int(v) / denominator} for n, v in parts if v]
+    if total and total > known:
+        segments.append({"name": "unused", "bytes": total - known, "share": (total - known) / denominator})
+    x = 0.0
+    for seg in segments:
+        seg["x"] = round(x * 100, 3)
+        seg["w"] = round(seg["share"] * 100, 3)
+        x += seg["share"]
+    return segments
+
+
+def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
+    routes = gateway_routes(rec)
+    upstream = parse_upstream(rec["upstream"])
+    settings = rec["settings"]
+    report_routes = []
+    for route in rec["routes"]:
+        hist = route.get("output_histogram") or {"edges": [], "counts": []}
+        cap = int(_value(route["max_new_tokens"]))
+        report_routes.append({**route, "cap": cap,
+                              "chart": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap)})
+    setting_rows = [{"name": k, **v} for k, v in settings.items() if isinstance(v, Mapping)]
+    lua_config = {
+        "block_size": int(rec["capacity"]["block_size"]),
+        "block_budget": int(_value(rec["block_budget"])),
+        "max_model_len": int(_value(settings["max_model_len"])),
+        "retry_after_min_s": options.retry_after_min_s,
+        "retry_after_max_s": options.retry_after_max_s,
+        "estimate_bytes_per_token": options.estimate_bytes_per_token,
+        "estimate_margin_tokens": options.estimate_margin_tokens,
+    }
+    if options.retry_after_max_s < options.retry_after_min_s:
+        raise KvtuneError("retry_after_max_s must be at least retry_after_min_s")
+    return {
+        "rec": rec,
+        "options": options,
+        "kvtune_version": __version__,
+        "upstream": upstream,
+        "flags": vllm_flags(rec),
+        "served_model": rec.get("served_model") or rec["model"],
+        "routes": routes,
+        "report_routes": report_routes,
+        "settings_rows": setting_rows,
+        "segments": capacity_segments(rec),
+        "lua_config": lua_config,
+        "config_begin": NGINX_CONFIG_BEGIN,
+        "config_end": NGINX_CONFIG_END,
+    }
+
+
+def render_files(rec: Mapping[str, Any], *, targets: Iterable[str] | None = None,
+                 options: RenderOptions | None = None) -> dict[str, str]:
+    """Render the recommendation into file name → text for each requested target."""
+    wanted = list(TARGETS) if targets is None else list(targets)
+    unknown = [t for t in wanted if t not in TARGETS]
+    if unknown:
+        raise KvtuneError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
+    options = options or RenderOptions()
+    env = make_environment()
+    try:
+        context = _context(rec, options)
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"recommendation lacks or mistypes a field: {exc}") from exc
+    files: dict[str, str] = {}
+    for name in wanted:
+        if name == "recommendation.json":
+            files[name] = json.dumps(rec, indent=2) + "\n"
+        else:
+            files[name] = env.get_template(TARGETS[name]).render(context)
+    return files
+
+
+def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
+    """Write every file or none: all go to a temp folder inside out_dir first, then each is
+    renamed into place, so a failure never leaves a half-written file behind."""
+    target = Path(out_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".kvtune-render-", dir=target))
+    written: list[Path] = []
+    try:
+        staged = []
+        for name, text in files.items():
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise KvtuneError(f"refusing to write {name!r}: not a plain file name")
+            path = staging / name
+            with open(path, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
+            os.chmod(path, 0o755 if name in EXECUTABLE else 0o644)
+            staged.append((path, target / name))
+        for src, dst in staged:
+            os.replace(src, dst)
+            written.append(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return written
+
+
+__all__ = [
+    "RenderOptions", "TARGETS", "render_files", "write_files", "make_environment",
+    "one_line", "shell_quote", "json_scalar", "yaml_scalar", "lua_string", "md_cell",
+    "human_number", "human_bytes", "parse_upstream", "vllm_flags", "gateway_routes",
+    "histogram_bars", "capacity_segments", "NGINX_CONFIG_BEGIN", "NGINX_CONFIG_END",
+]
