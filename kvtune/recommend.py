@@ -269,6 +269,8 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
             output_histogram=_output_histogram(route, cap_tokens),
         ))
 
+    # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
+    routes.sort(key=lambda r: r.match["path"] is None and r.match["model"] is None)
     mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)
     admitted = rules.admitted_concurrency(budget_blocks, mean_reservation)
     if options.route_by not in ROUTE_BY_MATCH and len(routes) > 1:

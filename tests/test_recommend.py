@@ -159,3 +159,12 @@ def test_to_dict_has_the_documented_fields():
     assert len(hist["counts"]) == len(hist["edges"]) - 1 and sum(hist["counts"]) == route["requests"]
     for decision in data["settings"].values():
         assert decision is None or set(decision) == {"value", "rule", "reason"}
+
+
+def test_catch_all_routes_come_after_specific_ones():
+    conv, code = _azure("conv"), _azure("code")
+    kv, capacity, options = _h100_llama()
+    rec = recommend(_profile({"*": conv, "/v1/code": code}), kv, capacity, options, model="m")
+    assert [r.route for r in rec.routes] == ["/v1/code", "*"]
+    assert rec.routes[0].match == {"path": "/v1/code", "model": None}
+    assert rec.routes[1].match == {"path": None, "model": None}
