@@ -583,6 +583,9 @@ def _layer_notes(spec: ModelSpec, kv: KvBytes) -> list[str]:
             if window else
             "sliding-window/chunked layers are counted as holding every token; measure the real capacity"
         )
+    if LayerKind.MLA in kinds:
+        notes.append("MLA: vLLM's MLA attention backends may use their own block size (e.g. 64); "
+                     "pass --block-size to match the server")
     if kinds & {LayerKind.MAMBA, LayerKind.LINEAR}:
         notes.append(
             "hybrid model: vLLM raises the attention block size to fit the state page and groups layers; "

@@ -26,7 +26,9 @@ NVFP4_BITS = 4 + 8 / 16  # 4-bit weight + an fp8 scale per 16
 MXFP4_BITS = 4 + 8 / 32  # 4-bit weight + an 8-bit shared exponent per 32
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-_NON_GATED_MLP = {"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "falcon", "opt", "bloom", "phi", "starcoder2", "mpt"}
+# Two-matrix MLPs (up, down); Nemotron-H's is a squared-ReLU MLP. Everything else is gated (3 matrices).
+_NON_GATED_MLP = {"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "falcon", "opt", "bloom", "phi", "starcoder2", "mpt",
+                  "nemotron_h"}
 
 
 class WeightsSource(enum.Enum):

@@ -292,3 +292,12 @@ def test_reservations_never_oversubscribe(prompt, cap, usable, block_size):
     assert fit.max_concurrent * fit.reserved_blocks <= usable
     if fit.max_concurrent:
         assert (fit.max_concurrent + 1) * fit.reserved_blocks > usable
+
+
+def test_plan_notes_mla_block_size():
+    spec = resolve_model("deepseek-v3")
+    report = plan_capacity(spec, kv_bytes(spec, tp=8), estimate_from_parameters(spec),
+                           gpu_memory_bytes=GPUS["H200"].memory_bytes)
+    assert any(n.startswith("MLA:") for n in report.capacity.notes)
+    # MLA is replicated on every TP rank: 61 layers × (512 + 64) × 2 B = 70,272 B per token per GPU
+    assert report.capacity.kv_bytes_per_token_per_gpu == 70_272

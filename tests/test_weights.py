@@ -145,3 +145,8 @@ def test_bad_safetensors_index_is_an_input_error(tmp_path, index):
     with pytest.raises(InputError) as info:
         read_checkpoint_bytes(tmp_path)
     assert str(info.value).startswith(str(path))
+
+
+def test_nemotron_h_mlp_layers_are_two_matrix_and_only_on_mlp_layers():
+    spec = resolve_model("nemotron-h-56b")
+    assert round(count_parameters(spec).total / 1e9) == 56  # the published 56B
