@@ -623,8 +623,12 @@ def plan_capacity(
             "(--kv-tokens, --vllm-log, --metrics-url)",
             field="--gpu",
         )
+    derived_len = spec.max_position_embeddings
+    if max_model_len is not None and derived_len is not None and max_model_len > derived_len:
+        notes.append(f"max_model_len {max_model_len:,} is above the model's derived {derived_len:,}: vLLM refuses "
+                     "it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
     if max_model_len is None:
-        max_model_len = (measured.max_model_len if measured else None) or spec.max_position_embeddings
+        max_model_len = (measured.max_model_len if measured else None) or derived_len
         if max_model_len is None:
             max_model_len = 2048
             notes.append("the config names no context length; max_model_len 2048, as vLLM defaults")

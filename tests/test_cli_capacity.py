@@ -193,3 +193,17 @@ def test_help_documents_the_pairing():
     assert result.exit_code == 0
     assert "paired in order with --max-tokens" in result.output
     assert "kvtune capacity llama-3.1-8b --gpu H100-80GB" in result.output
+
+
+def test_local_model_dir_uses_its_safetensors_index(tmp_path):
+    from tests.conftest import CONFIGS
+
+    (tmp_path / "config.json").write_text((CONFIGS / "Llama-3.1-8B.json").read_text())
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 16060522496}}')
+    d = run_json("capacity", str(tmp_path), "--gpu", "H100-80GB")
+    assert (d["weights_source"], d["weights_bytes"]) == ("safetensors-index", 16_060_522_496)
+
+
+def test_max_model_len_above_the_derived_length_is_noted():
+    d = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--max-model-len", "200000")
+    assert any("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in n for n in d["notes"])
