@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 
 import click
 
+from kvtune.cli.options import capacity_options, plan_from_options
 from kvtune.errors import KvtuneError
-
-_COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def _parse_count(text: str | None, field: str) -> int | None:
-    """A positive integer, also in vLLM's forms: 8k = 8,000, 8K = 8,192, 25.6k = 25,600."""
-    if text is None:
-        return None
-    m = _COUNT.fullmatch(text.strip().replace(",", "").replace("_", ""))
-    if m is None:
-        raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {text!r}", field=field)
-    value = float(m["num"]) * _SUFFIX[m["suffix"]]
-    if not value.is_integer() or value < 1:
-        raise KvtuneError(f"expected a positive integer, got {text!r}", field=field)
-    return int(value)
 
 
 def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
@@ -50,110 +34,26 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
 
 @click.command()
 @click.argument("model")
-@click.option("--gpu", help="GPU model from the catalog: A10G, L4, L40S, A100-40GB, A100-80GB, H100-80GB, "
-              "H200, B200, MI300X, RTX-3090, RTX-4090 (any case; h100, a100 … work).")
-@click.option("--gpu-memory", help="Memory per GPU instead of --gpu, with a unit: 79.2GiB, 80GB, 24576MiB.")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
-@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size.")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), default=0.92,
-              show_default=True, help="vLLM's fraction of each GPU's memory for this instance.")
-@click.option("--max-model-len", help="Context length; default the model's derived length (or the log's).")
-@click.option("--max-num-batched-tokens", help="Token budget per step; default vllm serve's for the GPU size.")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="KV block size in tokens.  [default: 16; 128 for a CPU server's log]")
-@click.option("--kv-cache-dtype", default="auto", show_default=True,
-              help="vLLM's --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, …")
-@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: do not reserve memory for them.")
+@capacity_options
 @click.option("--prompt-tokens", "prompt_tokens", type=click.IntRange(min=1), multiple=True,
               help="Prompt length of a request shape; repeat, paired in order with --max-tokens.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(min=1), multiple=True,
               help="Output cap of a request shape; repeat, paired in order with --prompt-tokens.")
-@click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line).")
-@click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from.")
-@click.option("--metrics-url", help="A running vLLM's /metrics URL to read the measured capacity from.")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object instead of tables.")
-def capacity(
-    model: str,
-    gpu: str | None,
-    gpu_memory: str | None,
-    tp: int,
-    pp: int,
-    gpu_memory_utilization: float,
-    max_model_len: str | None,
-    max_num_batched_tokens: str | None,
-    block_size: int | None,
-    kv_cache_dtype: str,
-    enforce_eager: bool,
-    prompt_tokens: tuple[int, ...],
-    max_tokens: tuple[int, ...],
-    kv_tokens: str | None,
-    vllm_log: str | None,
-    metrics_url: str | None,
-    json_: bool,
-) -> None:
+def capacity(model: str, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...], json_: bool,
+             **opts) -> None:
     """How many tokens, blocks and requests of given shapes fit for MODEL on given GPUs.
 
     Each request shape reserves ceil((prompt + max_tokens) / block size) blocks, as an
-    admitting gateway must. A measured capacity (--kv-tokens, --vllm-log, --metrics-url)
-    replaces the memory estimate; the output names the source used.
+    admitting gateway must. A measured capacity (--kv-tokens, --vllm-log, --metrics-url,
+    --capacity) replaces the memory estimate; the output names the source used.
 
     \b
     Example:
         kvtune capacity llama-3.1-8b --gpu H100-80GB \\
           --prompt-tokens 2000 --max-tokens 512 --prompt-tokens 200 --max-tokens 4000
     """
-    from kvtune.capacity import CapacitySource, MeasuredCapacity, plan_capacity
-    from kvtune.hardware import find_gpu, parse_memory_size
-    from kvtune.kv import kv_bytes
-    from kvtune.model import resolve_model
-    from kvtune.weights import weights_for
-
-    if gpu and gpu_memory:
-        raise KvtuneError("give --gpu or --gpu-memory, not both", field="--gpu-memory")
-    measured_options = [name for name, value in
-                        (("--kv-tokens", kv_tokens), ("--vllm-log", vllm_log), ("--metrics-url", metrics_url))
-                        if value is not None]
-    if len(measured_options) > 1:
-        raise KvtuneError(f"give one measured capacity, not {' and '.join(measured_options)}",
-                          field=measured_options[1])
-    gpu_name = memory_bytes = None
-    if gpu:
-        found = find_gpu(gpu)
-        gpu_name, memory_bytes = found.name, found.memory_bytes
-    elif gpu_memory:
-        memory_bytes = parse_memory_size(gpu_memory, field="--gpu-memory")
-    shapes = _shapes(prompt_tokens, max_tokens)
-    max_len = _parse_count(max_model_len, "--max-model-len")
-    batched = _parse_count(max_num_batched_tokens, "--max-num-batched-tokens")
-
-    measured = None
-    if kv_tokens is not None:
-        measured = MeasuredCapacity(source=CapacitySource.KV_TOKENS,
-                                    kv_cache_tokens=_parse_count(kv_tokens, "--kv-tokens"), origin="--kv-tokens")
-    elif vllm_log is not None:
-        from kvtune.engine_capacity import read_vllm_log
-
-        measured = read_vllm_log(vllm_log)
-    elif metrics_url is not None:
-        from kvtune.engine_capacity import fetch_metrics
-
-        measured = fetch_metrics(metrics_url)
-
-    spec = resolve_model(model)
-    report = plan_capacity(
-        spec,
-        kv_bytes(spec, kv_cache_dtype=kv_cache_dtype, tp=tp, pp=pp),
-        weights_for(spec),
-        gpu_name=gpu_name,
-        gpu_memory_bytes=memory_bytes,
-        gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_len,
-        max_num_batched_tokens=batched,
-        block_size=block_size,
-        shapes=shapes,
-        measured=measured,
-        enforce_eager=enforce_eager,
-    )
+    report = plan_from_options(model, opts, shapes=_shapes(prompt_tokens, max_tokens)).report
     if json_:
         click.echo(json.dumps(report.to_dict()))
     else:
