@@ -1,0 +1,368 @@
+"""Readers: real traces against pandas, compression, Parquet/CSV/JSONL paths, bad input, fuzzing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import TRACES
+from kvtune.errors import InputError, KvtuneError, UnknownNameError
+from kvtune.ingest import COLUMNS, IngestOptions, expand_paths, read_logs
+from kvtune.ingest import readers
+
+LOGS = Path(__file__).parent / "data" / "logs"
+
+
+def read(paths, **opts):
+    it, stats = read_logs([str(p) for p in paths], IngestOptions(**opts))
+    batches = list(it)
+    table = pa.Table.from_batches(batches, schema=readers.SCHEMA)
+    return table, stats
+
+
+@pytest.mark.parametrize(
+    "name, out_col, in_col, reader",
+    [
+        ("AzureLLMInferenceTrace_conv.csv", "GeneratedTokens", "ContextTokens", pd.read_csv),
+        ("AzureLLMInferenceTrace_code.csv", "GeneratedTokens", "ContextTokens", pd.read_csv),
+        ("mooncake_conversation_trace.jsonl", "output_length", "input_length", None),
+        ("mooncake_synthetic_trace.jsonl", "output_length", "input_length", None),
+        (
+            "vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+            "num_decode_tokens",
+            "num_prefill_tokens",
+            pd.read_csv,
+        ),
+    ],
+)
+def test_real_traces_match_pandas(name, out_col, in_col, reader):
+    path = TRACES / name
+    frame = reader(path) if reader else pd.read_json(path, lines=True)
+    table, stats = read([path])
+    assert table.num_rows == len(frame) == stats.rows_ok == stats.rows_read
+    assert not stats.skipped
+    assert table.column("output_tokens").to_numpy().sum() == frame[out_col].sum()
+    assert table.column("prompt_tokens").to_numpy().sum() == frame[in_col].sum()
+    assert table.schema == readers.SCHEMA
+
+
+def test_azure_timestamps_and_mooncake_ms():
+    table, _ = read([TRACES / "AzureLLMInferenceTrace_code.csv"])
+    expected = pd.to_datetime(pd.read_csv(TRACES / "AzureLLMInferenceTrace_code.csv")["TIMESTAMP"])
+    got = table.column("timestamp_s").to_numpy()
+    assert abs(got - expected.astype("int64").to_numpy() / 1e9).max() < 1e-6
+    table, _ = read([TRACES / "mooncake_synthetic_trace.jsonl"])
+    frame = pd.read_json(TRACES / "mooncake_synthetic_trace.jsonl", lines=True)
+    assert table.column("timestamp_s").to_numpy()[-1] == frame["timestamp"].iloc[-1] / 1000
+
+
+def _native_table(n=5000, seed=1):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = rng.integers(1, 600, n)
+    return pa.table(
+        {
+            "route": rng.choice(["chat", "code", "/v1/completions"], n),
+            "prompt_tokens": rng.integers(1, 5000, n),
+            "output_tokens": out,
+            "max_tokens": np.full(n, 512),
+            "finish_reason": np.where(out >= 512, "length", "stop"),
+            "timestamp_s": np.arange(n) * 0.25,
+        }
+    )
+
+
+def _write_jsonl(table, path, opener=open):
+    with opener(path, "wt") as f:
+        for row in table.to_pylist():
+            f.write(json.dumps(row) + "\n")
+
+
+def test_native_formats_agree(tmp_path):
+    src = _native_table()
+    pq.write_table(src, tmp_path / "a.parquet", row_group_size=1000)
+    _write_jsonl(src, tmp_path / "a.jsonl")
+    src.to_pandas().to_csv(tmp_path / "a.csv", index=False)
+    tables = [read([tmp_path / f"a.{ext}"])[0] for ext in ("parquet", "jsonl", "csv")]
+    for t in tables:
+        assert t.num_rows == src.num_rows
+        assert t.column("output_tokens").to_pylist() == src.column("output_tokens").to_pylist()
+        assert t.column("route").to_pylist() == src.column("route").to_pylist()
+        assert t.column("censored").to_pylist() == [o >= 512 for o in src.column("output_tokens").to_pylist()]
+    assert tables[0].equals(tables[1]) and tables[1].equals(tables[2])
+
+
+def test_gzip_and_zstd_round_trips(tmp_path):
+    src = _native_table(3000)
+    plain = tmp_path / "p.jsonl"
+    _write_jsonl(src, plain)
+    data = plain.read_bytes()
+    (tmp_path / "g.jsonl.gz").write_bytes(gzip.compress(data[:50000]) + gzip.compress(data[50000:]))
+    (tmp_path / "z.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    src.to_pandas().to_csv(tmp_path / "c.csv.gz", index=False, compression="gzip")
+    expected = read([plain])[0]
+    for name in ("g.jsonl.gz", "z.jsonl.zst", "c.csv.gz"):
+        table, stats = read([tmp_path / name])
+        assert table.equals(expected), name
+        assert stats.files[0].rows == 3000
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd"])
+def test_truncated_compression_is_a_file_error(tmp_path, codec):
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in _native_table(3000).to_pylist())
+    packed = gzip.compress(data) if codec == "gzip" else zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / ("t.jsonl.gz" if codec == "gzip" else "t.jsonl.zst")
+    path.write_bytes(packed[: len(packed) * 2 // 3])
+    with pytest.raises(InputError, match=f"truncated {codec}"):
+        read([path])
+
+
+def test_malformed_lines_counted_with_exact_line_numbers(tmp_path):
+    lines = [json.dumps({"route": "a", "output_tokens": i}) for i in range(1, 301)]
+    lines[16] = '{"route": "a", "output_tokens": "abc"}'  # line 17
+    lines[40] = '{"route": "a", "output_tokens": 5'  # line 41: cut JSON
+    lines[99] = '{"route": "a", "output_tokens": -3}'  # line 100
+    lines[150] = '{"route": "a"}'  # line 151
+    lines[200] = "[1, 2]"  # line 201
+    lines[250] = '{"route": "a", "output_tokens": 7.5}'  # line 251
+    path = tmp_path / "logs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    table, stats = read([path])
+    assert stats.rows_read == 300 and stats.rows_ok == 294 == table.num_rows
+    assert stats.skipped == {
+        "token count not an integer": 2,
+        "malformed JSON": 1,
+        "negative token count": 1,
+        "missing output token count": 1,
+        "not a JSON object": 1,
+    }
+    assert stats.examples["token count not an integer"] == f'{path}:17: output_tokens: not an integer: "abc"'
+    assert stats.examples["malformed JSON"].startswith(f"{path}:41: malformed JSON")
+    assert stats.examples["negative token count"] == f"{path}:100: output_tokens: negative count: -3"
+    assert stats.examples["missing output token count"] == f"{path}:151: output_tokens: missing"
+
+
+def test_on_error_fail_and_strict_raise_at_the_first_bad_line(tmp_path):
+    path = tmp_path / "logs.jsonl"
+    good = [json.dumps({"route": "a", "output_tokens": 3})] * 100
+    path.write_text("\n".join(good[:16] + ['{"route": "a", "output_tokens": "abc"}'] + good) + "\n")
+    for opts in ({"on_error": "fail"}, {"strict": True}):
+        with pytest.raises(InputError) as exc:
+            read([path], **opts)
+        assert str(exc.value) == f'{path}:17: output_tokens: not an integer: "abc"'
+
+
+def test_negative_count_in_fast_path_fails_with_line(tmp_path):
+    path = tmp_path / "n.jsonl"
+    rows = [{"route": "a", "output_tokens": 1}] * 10 + [{"route": "a", "output_tokens": -1}]
+    path.write_text("\n\n".join(json.dumps(r) for r in rows))  # blank lines between records
+    with pytest.raises(InputError, match=r"n.jsonl:21: output_tokens: negative count: -1"):
+        read([path], on_error="fail")
+
+
+def test_nested_schema_bad_field_names_its_path(tmp_path):
+    record = json.loads((LOGS / "openai_chat.jsonl").read_text().splitlines()[0])
+    record["usage"]["completion_tokens"] = "abc"
+    path = tmp_path / "chat.jsonl"
+    path.write_text((LOGS / "openai_chat.jsonl").read_text() + json.dumps(record) + "\n")
+    with pytest.raises(InputError) as exc:
+        read([path], on_error="fail")
+    assert str(exc.value) == f'{path}:4: usage.completion_tokens: not an integer: "abc"'
+
+
+def test_csv_errors(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(InputError, match="no known log schema"):
+        read([bad])
+    mapped = tmp_path / "m.csv"
+    mapped.write_text("a,b\n1,2\n")
+    with pytest.raises(InputError, match="no column 'out'"):
+        read([mapped], fields={"output_tokens": "out"})
+    header = tmp_path / "h.csv"
+    header.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(InputError, match="no data rows"):
+        read([header])
+
+
+def test_csv_bad_value_falls_back_to_rows(tmp_path):
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:15:46.68,{i},{i}" for i in range(1, 2001)]
+    lines[1500] = "2023-11-16 18:15:46.68,10,abc"
+    lines[1700] = "2023-11-16 18:15:46.68,10"
+    path = tmp_path / "azure.csv"
+    path.write_text("\n".join(lines) + "\n")
+    table, stats = read([path])
+    assert stats.rows_read == 2000 and table.num_rows == 1998
+    assert stats.examples["token count not an integer"] == f'{path}:1501: GeneratedTokens: not an integer: "abc"'
+    assert stats.examples["malformed CSV row"].startswith(f"{path}:1701:")
+
+
+def test_file_level_errors(tmp_path):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(InputError, match="empty file"):
+        read([empty])
+    blank = tmp_path / "b.jsonl.gz"
+    blank.write_bytes(gzip.compress(b"\n\n"))
+    with pytest.raises(InputError, match="empty file"):
+        read([blank])
+    unknown = tmp_path / "u.jsonl"
+    unknown.write_text('{"foo": 1}\n')
+    with pytest.raises(InputError, match=r"no known log schema \(keys seen: foo\)"):
+        read([unknown])
+    with pytest.raises(UnknownNameError, match="unknown format 'nope'"):
+        read([LOGS / "kvtune.jsonl"], format="nope")
+    with pytest.raises(UnknownNameError, match="unknown field target"):
+        read([LOGS / "kvtune.jsonl"], fields={"outputs": "x"})
+    with pytest.raises(InputError, match="is read from JSON, not CSV"):
+        read([LOGS / "azure_conv.csv"], format="openai")
+    notpq = tmp_path / "x.parquet"
+    notpq.write_text("hello")
+    with pytest.raises(InputError, match="not a Parquet file"):
+        read([notpq])
+
+
+def test_expand_paths(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for name in ("d/a.jsonl", "d/sub/b.csv.gz", "d/sub/notes.txt", "d/.hidden.jsonl"):
+        (tmp_path / name).write_text("x")
+    found = expand_paths([str(tmp_path / "d")])
+    assert [p.name for p in found] == ["a.jsonl", "b.csv.gz"]
+    assert [p.name for p in expand_paths([str(tmp_path / "d" / "**" / "*.gz")])] == ["b.csv.gz"]
+    with pytest.raises(InputError, match="no files match"):
+        expand_paths([str(tmp_path / "*.parquet")])
+    with pytest.raises(InputError, match="no such file"):
+        expand_paths([str(tmp_path / "missing.jsonl")])
+
+
+def test_parquet_with_field_mapping_and_dictionary_routes(tmp_path):
+    table = pa.table(
+        {
+            "endpoint": pa.array(["a", "b", "a"]).dictionary_encode(),
+            "gen": pa.array([1, 2, 3], pa.int32()),
+            "stop": ["stop", "MAX_TOKENS", None],
+        }
+    )
+    pq.write_table(table, tmp_path / "m.parquet")
+    out, stats = read(
+        [tmp_path / "m.parquet"],
+        format="fields",
+        fields={"output_tokens": "gen", "route": "endpoint", "finish_reason": "stop"},
+    )
+    assert out.column("route").to_pylist() == ["a", "b", "a"]
+    assert out.column("finish_reason").to_pylist() == ["stop", "length", None]
+    assert out.column("censored").to_pylist() == [False, True, False]
+    assert stats.files[0].format == "fields"
+
+
+def test_parquet_float_counts_go_row_by_row(tmp_path):
+    pq.write_table(pa.table({"route": ["a", "b"], "output_tokens": [3.0, 2.5]}), tmp_path / "f.parquet")
+    out, stats = read([tmp_path / "f.parquet"])
+    assert out.column("output_tokens").to_pylist() == [3]
+    assert stats.examples["token count not an integer"] == f"{tmp_path / 'f.parquet'}:2: output_tokens: not an integer: 2.5"
+
+
+def test_progress_reaches_total(tmp_path):
+    src = _native_table(2000)
+    _write_jsonl(src, tmp_path / "a.jsonl")
+    seen = []
+    it, _ = read_logs([str(tmp_path / "a.jsonl")], IngestOptions(), progress=lambda d, t: seen.append((d, t)))
+    list(it)
+    assert seen and seen[-1][0] == seen[-1][1] == (tmp_path / "a.jsonl").stat().st_size
+
+
+def test_tokenizer_counts_text_without_usage(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    record = {
+        "request": {"model": "m", "messages": [{"role": "user", "content": "hello hello world"}]},
+        "response": {
+            "object": "chat.completion",
+            "model": "m",
+            "choices": [{"message": {"content": "hello world again"}, "finish_reason": "stop"}],
+        },
+    }
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    _, stats = read([path])
+    assert stats.skipped == {"no token counts (use --tokenizer)": 1}
+    out, _ = read([path], tokenizer=str(tmp_path))
+    assert out.column("output_tokens").to_pylist() == [3]
+    assert out.column("prompt_tokens").to_pylist() == [3]
+    with pytest.raises(InputError, match="no such tokenizer file"):
+        read([path], tokenizer=str(tmp_path / "nowhere" / "x"))
+    (tmp_path / "empty-model").mkdir()
+    with pytest.raises(InputError, match="has no tokenizer.json"):
+        read([path], tokenizer=str(tmp_path / "empty-model"))
+
+
+def test_fast_and_row_paths_agree(tmp_path, monkeypatch):
+    """A block that fails to parse is bisected and read row by row; rows are the same."""
+    src = _native_table(3000)
+    path = tmp_path / "a.jsonl"
+    _write_jsonl(src, path)
+    fast, _ = read([path])
+    text = path.read_text().splitlines()
+    text[1234] = text[1234].replace('"route": ', '"route": 7, "x": ')  # pyarrow rejects, rows accept
+    path.write_text("\n".join(text) + "\n")
+    monkeypatch.setattr(readers, "BLOCK_BYTES", 20000)
+    mixed, stats = read([path])
+    assert mixed.num_rows == 3000 and not stats.skipped
+    assert mixed.column("output_tokens").to_pylist() == fast.column("output_tokens").to_pylist()
+    assert mixed.column("route").to_pylist()[1234] == "7"
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_keys = st.sampled_from(
+    ["route", "output_tokens", "prompt_tokens", "max_tokens", "finish_reason", "timestamp_s",
+     "latency_ms", "censored", "model", "usage", "object", "choices", "type", "stop_reason",
+     "resourceSpans", "custom_id", "response", "error", "input_length", "output_length"]
+)
+_records = st.dictionaries(_keys | st.text(max_size=5), _json_values, max_size=6)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lines=st.lists(
+        st.one_of(
+            _records.map(json.dumps),
+            _json_values.map(json.dumps),
+            st.text(max_size=30),
+            st.binary(max_size=30).map(lambda b: b.decode("latin-1")),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    fmt=st.sampled_from([None, "kvtune", "openai", "otel", "anthropic", "openai-batch", "langfuse", "helicone", "litellm-payload", "openai-responses", "openai-pair", "mooncake"]),
+)
+def test_fuzzed_lines_give_kvtune_errors_or_counted_skips(tmp_path, lines, fmt):
+    good = json.dumps({"route": "r", "output_tokens": 5})
+    path = tmp_path / "fuzz.jsonl"
+    path.write_text("\n".join([good, *(ln.replace("\n", " ") for ln in lines)]) + "\n", encoding="utf-8")
+    for on_error in ("skip", "fail"):
+        try:
+            table, stats = read([path], format=fmt, on_error=on_error)
+        except KvtuneError:
+            continue
+        assert stats.rows_read == stats.rows_ok + sum(stats.skipped.values())
+        assert table.num_rows == stats.rows_ok
+        assert table.schema.names == list(COLUMNS)
+        assert all(v >= 0 for v in table.column("output_tokens").to_pylist())
