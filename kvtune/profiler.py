@@ -191,7 +191,8 @@ class ProfileBuilder:
         n = batch.num_rows
         if n == 0:
             return
-        names = set(batch.schema.names)
+        # columns a log format never fills arrive all-null: skip them without touching the data
+        names = {name for name, col in zip(batch.schema.names, batch.columns) if col.null_count < n}
         if "route" in names:
             gid, valid = self._routes.encode(batch.column("route"))
             if valid is not None:
@@ -208,18 +209,19 @@ class ProfileBuilder:
             flags = batch.column("censored").fill_null(False).to_numpy(zero_copy_only=False)
             if flags.any():
                 cut = flags.astype(np.int64)
-        self._output.add(2 * groups, 2 * gid if cut is None else 2 * gid + cut, output)
+        gid2 = 2 * gid
+        self._output.add(2 * groups, gid2 if cut is None else gid2 + cut, output)
 
         if "prompt_tokens" in names:
             prompt, ok = _ints(batch.column("prompt_tokens"))
             ok = prompt >= 0 if ok is None else ok & (prompt >= 0)
-            g, p, o = _where(ok, gid, prompt, output)
+            g, g2, p, o = _where(ok, gid, gid2, prompt, output)
             self._prompt.add(groups, g, p)
             if cut is None:
-                self._total.add(2 * groups, 2 * g, p + o)
+                self._total.add(2 * groups, g2, p + o)
             else:
                 (c,) = _where(ok, cut)
-                self._total.add(2 * groups, 2 * g + c, p + o)
+                self._total.add(2 * groups, g2 + c, p + o)
             self._joint.add(groups, g, _joint_bins(p).astype(np.int64) * _JOINT_WIDTH + _joint_bins(o))
 
         if "max_tokens" in names:
