@@ -301,8 +301,9 @@ def parse_model_spec(
         hidden_size=hidden,
         intermediate_size=f.int_("intermediate_size", "n_inner", "ffn_hidden_size", minimum=1),
         vocab_size=f.int_("vocab_size", minimum=1) or top.int_("vocab_size", minimum=1),
-        tie_word_embeddings=f.bool_("tie_word_embeddings", top.bool_("tie_word_embeddings", True)),
-        **_moe_fields(f),
+        tie_word_embeddings=f.bool_("tie_word_embeddings", top.bool_(
+            "tie_word_embeddings", (text_type or model_type) in _TIED_BY_DEFAULT)),
+        **_moe_fields(f, text_type),
         kv_lora_rank=f.int_("kv_lora_rank", minimum=1) if is_mla else None,
         q_lora_rank=f.int_("q_lora_rank", minimum=1) if is_mla else None,
         qk_rope_head_dim=f.int_("qk_rope_head_dim", minimum=1) if is_mla else None,
@@ -457,15 +458,26 @@ def _state_fields(f: _Fields, model_type: str | None, hidden: int, kinds: tuple[
     return out
 
 
-def _moe_fields(f: _Fields) -> dict[str, Any]:
+# Model types whose transformers config ties embeddings when config.json omits the key; the
+# others (Llama, Llama 4, Mistral, Qwen, DeepSeek, …) default to an untied lm_head.
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gpt2", "falcon"})
+
+# Llama 4's MoE layers always add one shared expert; its config has no key for it.
+_ALWAYS_ONE_SHARED_EXPERT = frozenset({"llama4", "llama4_text"})
+
+
+def _moe_fields(f: _Fields, model_type: str | None) -> dict[str, Any]:
     experts = f.int_("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", minimum=0)
     if not experts:
         return {}
+    shared = f.int_("n_shared_experts", "num_shared_experts", minimum=0)
+    if shared is None and model_type in _ALWAYS_ONE_SHARED_EXPERT:
+        shared = 1
     return dict(
         num_experts=experts,
         num_experts_per_tok=f.int_("num_experts_per_tok", "experts_per_token", "moe_top_k", minimum=1),
         moe_intermediate_size=f.int_("moe_intermediate_size", "intermediate_size", minimum=1),
-        num_shared_experts=f.int_("n_shared_experts", "num_shared_experts", minimum=0),
+        num_shared_experts=shared,
         first_k_dense_layers=f.int_("first_k_dense_replace", minimum=0),
         moe_layer_freq=f.int_("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step",
                               "expert_layer_period", minimum=1),

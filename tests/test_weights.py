@@ -150,3 +150,15 @@ def test_bad_safetensors_index_is_an_input_error(tmp_path, index):
 def test_nemotron_h_mlp_layers_are_two_matrix_and_only_on_mlp_layers():
     spec = resolve_model("nemotron-h-56b")
     assert round(count_parameters(spec).total / 1e9) == 56  # the published 56B
+
+
+def test_llama4_counts_its_shared_expert_and_untied_head():
+    """Llama 4 configs name neither the shared expert nor tie_word_embeddings; transformers'
+    defaults are one shared expert per MoE layer and an untied lm_head (Scout: 109B with vision)."""
+    from kvtune.model import resolve_model
+    from kvtune.weights import count_parameters
+
+    count = count_parameters(resolve_model("llama-4-scout"))
+    assert count.shared_experts > 0
+    # lm_head = vocab 202,048 × hidden 5,120
+    assert count.lm_head == 202_048 * 5_120
