@@ -317,9 +317,27 @@ def gateway_routes(rec: Mapping[str, Any]) -> list[dict]:
     return routes
 
 
+def coarsen_histogram(edges: list, counts: list, max_bins: int) -> tuple[list, list]:
+    """Merge runs of adjacent bins so at most `max_bins` remain (a context-wide histogram of
+    16-token bins has hundreds); trailing empty bins are dropped first."""
+    if len(edges) != len(counts) + 1:
+        return list(edges), list(counts)
+    last = max((i for i, c in enumerate(counts) if c), default=-1)
+    edges, counts = list(edges[: last + 2]), list(counts[: last + 1])
+    group = max(1, math.ceil(len(counts) / max_bins))
+    if group == 1:
+        return edges, counts
+    new_edges = edges[::group]
+    if new_edges[-1] != edges[-1]:
+        new_edges.append(edges[-1])
+    new_counts = [sum(counts[i:i + group]) for i in range(0, len(counts), group)]
+    return new_edges, new_counts
+
+
 def histogram_bars(edges: list, counts: list, cap: int | None, *, width: int = 560,
-                   height: int = 140) -> dict:
+                   height: int = 140, max_bins: int = 80) -> dict:
     """Geometry of one inline SVG bar chart of output lengths with the cap marked as a line."""
+    edges, counts = coarsen_histogram(edges, counts, max_bins)
     if not counts or len(edges) != len(counts) + 1:
         return {"width": width, "height": height, "bars": [], "cap_x": None, "max_edge": 0}
     lo, hi = float(edges[0]), float(edges[-1])
@@ -372,7 +390,9 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
         hist = route.get("output_histogram") or {"edges": [], "counts": []}
         cap = int(_value(route["max_new_tokens"]))
         report_routes.append({**route, "cap": cap,
-                              "chart": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap)})
+                              "chart": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap),
+                              "table": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap,
+                                                      max_bins=24)})
     setting_rows = [{"name": k, **v} for k, v in settings.items() if isinstance(v, Mapping)]
     lua_config = {
         "block_size": int(rec["capacity"]["block_size"]),
@@ -419,8 +439,11 @@ def render_files(rec: Mapping[str, Any], *, targets: Iterable[str] | None = None
     for name in wanted:
         if name == "recommendation.json":
             files[name] = json.dumps(rec, indent=2) + "\n"
-        else:
+            continue
+        try:
             files[name] = env.get_template(TARGETS[name]).render(context)
+        except jinja2.UndefinedError as exc:
+            raise InputError(f"recommendation lacks a field that {name} needs: {exc.message}") from exc
     return files
 
 
@@ -453,5 +476,5 @@ __all__ = [
     "RenderOptions", "TARGETS", "render_files", "write_files", "make_environment",
     "one_line", "shell_quote", "json_scalar", "yaml_scalar", "lua_string", "md_cell",
     "human_number", "human_bytes", "parse_upstream", "vllm_flags", "gateway_routes",
-    "histogram_bars", "capacity_segments", "NGINX_CONFIG_BEGIN", "NGINX_CONFIG_END",
+    "histogram_bars", "coarsen_histogram", "capacity_segments", "NGINX_CONFIG_BEGIN", "NGINX_CONFIG_END",
 ]

@@ -1,0 +1,287 @@
+"""Rendering: every target from one recommendation, escaped for its own syntax."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtune.errors import InputError, KvtuneError
+from kvtune.gateway_config import load_gateway_config, parse_gateway_config
+from kvtune.render import (
+    RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, lua_string, md_cell,
+    one_line, parse_upstream, render_files, write_files, yaml_scalar,
+)
+
+DATA = Path(__file__).parent / "data"
+NASTY = [
+    'quote " and \' apostrophe',
+    "$(touch /tmp/kvtune-pwned-render)",
+    "`touch /tmp/kvtune-pwned-render`",
+    "new\nline\r\nand\ttab",
+    "{{ 7 * 7 }} {% if true %}x{% endif %} {# c #}",
+    "]] [[ ]=] --[[ comment",
+    "100% & <script>alert(1)</script> | pipe ` tick",
+    "é ü 中文 😀 \u2028 \u2029 \x85 \x00 \x7f",
+    "back\\slash \\n not a newline",
+]
+
+
+def rec() -> dict:
+    return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
+
+
+def hostile_rec() -> dict:
+    r = rec()
+    template = r["routes"][0]
+    routes = []
+    for i, name in enumerate(NASTY):
+        route = json.loads(json.dumps(template))
+        route["route"] = name
+        route["match"] = {"path": "/v1/chat/completions", "model": name}
+        route["max_new_tokens"]["value"] = 100 + i
+        route["max_new_tokens"]["reason"] = "reason with " + name
+        routes.append(route)
+    r["routes"] = routes
+    r["model"] = NASTY[4]
+    r["served_model"] = NASTY[1] + NASTY[3]
+    r["notes"] = list(NASTY)
+    r["settings"]["max_model_len"]["reason"] = NASTY[3] + NASTY[5]
+    return r
+
+
+# ---------------------------------------------------------------- filters
+
+def test_one_line_leaves_no_line_break_of_any_kind():
+    for text in NASTY:
+        out = one_line(text)
+        assert not any(ch in out for ch in "\n\r\x0b\x0c\x85\u2028\u2029\x00")
+        assert len(out.splitlines()) <= 1
+
+
+@pytest.mark.parametrize("text", NASTY)
+def test_yaml_scalar_round_trips_exactly(text):
+    if "\x00" in text:
+        text = text.replace("\x00", "")  # YAML has no NUL; route names never carry one
+    assert yaml.safe_load(f"k: {yaml_scalar(text)}\n") == {"k": text}
+    assert yaml_scalar(text).isascii()
+
+
+def test_lua_string_escapes_everything_but_plain_characters():
+    out = lua_string('a"b\\c\n]]{x}$é')
+    assert out == '"a\\034b\\092c\\010\\093\\093\\123x\\125\\036\\195\\169"'
+    assert lua_string(None) == "nil" and lua_string(12) == "12" and lua_string(True) == "true"
+
+
+def test_md_cell_escapes_table_syntax():
+    out = md_cell("a|b`c\nd <b>x</b> & [l](u)")
+    assert "\n" not in out
+    assert "\\|" in out and "\\`" in out and "\\<b\\>" in out and "&amp;" in out and "\\[l\\]" in out
+    assert re.search(r"(?<!\\)\|", out) is None
+
+
+def test_human_numbers():
+    assert human_number(1234567) == "1,234,567"
+    assert human_number(5.77) == "5.77"
+    assert human_number(0.123456) == "0.123"
+    assert human_number(None) == "–"
+    assert human_bytes(16060522496) == "14.96 GiB"
+
+
+def test_histogram_bars_mark_the_cap():
+    chart = histogram_bars([0, 10, 20, 30, 40], [5, 10, 1, 0], 15, width=300, height=120)
+    assert [b["above_cap"] for b in chart["bars"]] == [False, False, True]
+    assert chart["cap_x"] == 150.0
+    assert chart["bars"][1]["h"] == chart["plot_h"]  # the tallest bar fills the plot
+
+
+def test_parse_upstream_refuses_what_it_cannot_render():
+    assert parse_upstream("http://127.0.0.1:8000").host_port == "127.0.0.1:8000"
+    assert parse_upstream("https://vllm.internal").host_port == "vllm.internal:443"
+    assert parse_upstream("http://[::1]:9000/").host_port == "[::1]:9000"
+    for bad in ("ftp://x", "http://x:80/v1", "http://a b:80", "http://x;y:80", "127.0.0.1:8000"):
+        with pytest.raises(InputError):
+            parse_upstream(bad)
+
+
+# ---------------------------------------------------------------- targets
+
+def test_render_files_gives_every_target_and_refuses_unknown():
+    files = render_files(rec())
+    assert set(files) == set(TARGETS)
+    assert json.loads(files["recommendation.json"]) == rec()
+    assert set(render_files(rec(), targets=["gateway.yaml"])) == {"gateway.yaml"}
+    with pytest.raises(KvtuneError, match="unknown render target"):
+        render_files(rec(), targets=["docker-compose.yml"])
+
+
+def test_missing_field_is_a_clear_error():
+    r = rec()
+    del r["concurrency"]["gain"]
+    with pytest.raises(InputError, match="report"):
+        render_files(r, targets=["report.md"])
+    r = rec()
+    del r["settings"]["max_new_tokens_backstop"]
+    with pytest.raises(InputError):
+        render_files(r)
+
+
+def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
+    r = rec()
+    path = tmp_path / "gateway.yaml"
+    path.write_text(render_files(r, targets=["gateway.yaml"],
+                                 options=RenderOptions(listen_port=9123))["gateway.yaml"])
+    config = load_gateway_config(path)
+    assert config.upstream == "http://127.0.0.1:8000"
+    assert (config.block_size, config.block_budget, config.max_model_len) == (16, 26999, 14512)
+    assert config.port == 9123 and config.model == "meta-llama/Llama-3.1-8B"
+    assert config.prompt_tokens.method == "upstream-tokenize"
+    assert [(x.name, x.match.path, x.match.model, x.max_new_tokens) for x in config.routes] == [
+        ("/v1/chat/completions", "/v1/chat/completions", None, 451),
+        ("/v1/completions", "/v1/completions", None, 700),
+        ("default", None, None, 700),
+    ]
+    # the catch-all caps anything the recommended routes do not match
+    assert config.route_for("/v1/responses", "other").max_new_tokens == 700
+
+
+def test_gateway_yaml_round_trips_hostile_names():
+    r = hostile_rec()
+    text = render_files(r, targets=["gateway.yaml"])["gateway.yaml"]
+    assert all(line.isascii() for line in text.splitlines() if not line.lstrip().startswith("#"))
+    config = parse_gateway_config(yaml.safe_load(text))
+    assert [x.name for x in config.routes[:-1]] == NASTY
+    assert [x.match.model for x in config.routes[:-1]] == NASTY
+    assert [x.max_new_tokens for x in config.routes] == [100 + i for i in range(len(NASTY))] + [700]
+    assert config.model == NASTY[1] + NASTY[3]
+
+
+def test_shell_script_has_no_command_substitution(tmp_path):
+    r = hostile_rec()
+    script = render_files(r, targets=["vllm-serve.sh"])["vllm-serve.sh"]
+    # every line is either a comment, a known statement or part of the exec command
+    body = [line for line in script.splitlines() if line and not line.startswith("#")]
+    assert body[0] == "set -euo pipefail"
+    assert body[1].startswith("exec vllm serve ")
+    words = shlex.split(script.split("set -euo pipefail", 1)[1].replace("\\\n", " "))
+    assert words[:3] == ["exec", "vllm", "serve"]
+    assert words[3] == NASTY[1] + NASTY[3]
+    assert words[-1] == "$@"
+    # bash agrees: run it with a stand-in vllm
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "vllm").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    (bindir / "vllm").chmod(0o755)
+    (tmp_path / "s.sh").write_text(script)
+    marker = Path("/tmp/kvtune-pwned-render")
+    marker.unlink(missing_ok=True)
+    out = subprocess.run(["bash", str(tmp_path / "s.sh")], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(out.stdout)
+    assert argv[:2] == ["serve", NASTY[1] + NASTY[3]]
+    assert not marker.exists()
+    # each flag's reason is a one-line comment
+    assert "# --max-model-len 14512: max-model-len-longest-request: new line and tab]] [[ ]=] --[[ comment" in script
+
+
+def test_nginx_conf_embeds_names_as_lua_escapes_only():
+    text = render_files(hostile_rec(), targets=["nginx.conf"])["nginx.conf"]
+    config = text.split("-- kvtune:config begin", 1)[1].split("-- kvtune:config end", 1)[0]
+    assert config.isascii()
+    assert "$(" not in config and "`" not in config and "]]" not in config and "{{" not in config
+    # comments outside Lua carry reasons on one line each
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert "\r" not in line and "\u2028" not in line
+
+
+def test_html_report_escapes_and_is_self_contained():
+    text = render_files(hostile_rec(), targets=["report.html"])["report.html"]
+    assert "<script>alert(1)</script>" not in text
+    assert html.escape("<script>alert(1)</script>") in text
+    assert "{{ 7 * 7 }}" in html.unescape(text)  # shown, never evaluated
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text)
+    assert "<link" not in text and "@import" not in text
+    assert text.count("<svg") >= len(NASTY) + 1
+
+
+def test_reports_show_headline_routes_capacity_settings_and_notes():
+    files = render_files(rec(), targets=["report.md", "report.html"])
+    for text in files.values():
+        assert "5.77" in text  # the gain
+        assert "300" in text and "52" in text
+        assert "26,999" in text
+        assert "14.96 GiB" in text  # weights
+        for name in rec()["settings"]:
+            if rec()["settings"][name] is not None:
+                assert name in text.replace("\\_", "_")
+        assert "calibrate with --vllm-log" in text
+    md = files["report.md"]
+    assert "| /v1/chat/completions |" in md and "cap-p95-light-tail" in md
+    assert "✂ above cap" in md
+    html_text = files["report.html"]
+    assert html_text.count('class="capline"') == 2
+
+
+def test_markdown_report_keeps_hostile_names_inside_their_cells():
+    md = render_files(hostile_rec(), targets=["report.md"])["report.md"]
+    table = md.split("## Routes", 1)[1].split("###", 1)[0]
+    rows = [l for l in table.splitlines() if l.startswith("| ") and "---" not in l][1:]
+    assert len(rows) == len(NASTY)
+    widths = {len(re.split(r"(?<!\\)\|", row)) for row in rows}
+    assert len(widths) == 1
+
+
+def test_write_files_is_all_or_nothing(tmp_path, monkeypatch):
+    files = render_files(rec())
+    out = tmp_path / "out"
+    written = write_files(out, files)
+    assert sorted(p.name for p in written) == sorted(files)
+    assert os.stat(out / "vllm-serve.sh").st_mode & stat.S_IXUSR
+    assert not os.stat(out / "gateway.yaml").st_mode & stat.S_IXUSR
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no temp folder left
+
+    # a failure while writing leaves the previous files intact and nothing half-written
+    before = {p.name: p.read_text() for p in out.iterdir()}
+    changed = {name: "new " + text for name, text in files.items()}
+    real_chmod = os.chmod
+    calls = []
+
+    def failing_chmod(path, mode):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real_chmod(path, mode)
+
+    monkeypatch.setattr(os, "chmod", failing_chmod)
+    with pytest.raises(OSError):
+        write_files(out, changed)
+    monkeypatch.undo()
+    assert {p.name: p.read_text() for p in out.iterdir()} == before
+
+
+def test_write_files_refuses_paths():
+    with pytest.raises(KvtuneError):
+        write_files("/tmp", {"../x": "y"})
+
+
+def test_coarsen_histogram_keeps_totals_and_edges():
+    from kvtune.render import coarsen_histogram
+
+    edges = list(range(0, 16 * 513, 16))
+    counts = [i % 7 for i in range(512)]
+    counts[-5:] = [0] * 5
+    new_edges, new_counts = coarsen_histogram(edges, counts, 24)
+    assert len(new_counts) <= 24 and len(new_edges) == len(new_counts) + 1
+    assert sum(new_counts) == sum(counts)
+    assert new_edges[0] == 0 and new_edges[-1] == edges[507]
