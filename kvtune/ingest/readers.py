@@ -15,7 +15,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +59,7 @@ from kvtune.ingest.schemas._fields import (
 )
 from kvtune.ingest.schemas.openai import batch_input_entry
 
-BLOCK_BYTES = 8 << 20  # JSONL bytes per pyarrow parse
+BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
 BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 SINK_ROWS = 32768  # rows per batch on the slow path
 HEAD_BYTES = 1 << 20  # bytes read for detection
@@ -64,7 +67,7 @@ SAMPLE_RECORDS = 200
 
 SCHEMA = pa.schema(
     [
-        ("route", pa.string()),
+        ("route", pa.dictionary(pa.int32(), pa.string())),
         ("model", pa.string()),
         ("prompt_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
@@ -648,29 +651,30 @@ class _Reader:
         schema = pa.schema(list(types.items()))
         parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
         stream, raw = open_bytes(plan.path)
+        workers = max(1, os.cpu_count() or 1)
+        pending: deque[tuple[Any, bytes, int, int]] = deque()
         try:
-            line0 = 1
-            tail = b""
-            while True:
-                chunk = stream.read(BLOCK_BYTES)
-                data = tail + chunk
-                if not chunk:
-                    block, tail = data, b""
-                else:
-                    cut = data.rfind(b"\n")
-                    if cut < 0:
-                        tail = data
-                        continue
-                    block, tail = data[: cut + 1], data[cut + 1 :]
-                if block:
-                    yield from self._json_block(plan, block, line0, sources, parse)
-                    line0 += block.count(b"\n")
-                self._progress(raw.tell())
-                if not chunk:
-                    break
+            # blocks parse in parallel, one thread each; results are used in file order
+            with ThreadPoolExecutor(workers) as pool:
+                for block, line0, pos in _line_blocks(stream, raw):
+                    pending.append((pool.submit(_parse_block, block, parse), block, line0, pos))
+                    if len(pending) > workers:
+                        yield from self._json_parsed(plan, *pending.popleft(), sources, parse)
+                while pending:
+                    yield from self._json_parsed(plan, *pending.popleft(), sources, parse)
         finally:
+            for future, *_ in pending:
+                future.cancel()
             stream.close()
             raw.close()
+
+    def _json_parsed(self, plan, future, block, line0, pos, sources, parse) -> Iterator[pa.RecordBatch]:
+        table = future.result()
+        if table is None:  # some line does not fit the fast schema: find it by bisection
+            yield from self._json_block(plan, block, line0, sources, parse)
+        else:
+            yield from self._json_table(plan, table, block, line0, sources)
+        self._progress(pos)
 
     def _json_block(self, plan, block: bytes, line0: int, sources, parse) -> Iterator[pa.RecordBatch]:
         import pyarrow.json as pj
@@ -693,6 +697,9 @@ class _Reader:
             yield from self._json_block(plan, left, line0, sources, parse)
             yield from self._json_block(plan, right, line0 + left.count(b"\n"), sources, parse)
             return
+        yield from self._json_table(plan, table, block, line0, sources)
+
+    def _json_table(self, plan, table, block: bytes, line0: int, sources) -> Iterator[pa.RecordBatch]:
         n = table.num_rows
         self.info.rows += n
         self.stats.rows_read += n
@@ -811,7 +818,10 @@ class _Reader:
     def _parquet(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(plan.path)
+        label_sources = []
+        if plan.flat is not None:
+            label_sources = [s for t, s in self._sources(plan).items() if t in ("route", "path", "_route", "model", "finish_reason")]
+        pf = pq.ParquetFile(plan.path, read_dictionary=label_sources or None)
         size = plan.path.stat().st_size
         groups = max(pf.metadata.num_row_groups, 1)
         if plan.flat is None:
@@ -901,13 +911,8 @@ class _Reader:
             return None
         return self._assemble(cols, n)
 
-    def _assemble(self, cols: dict[str, pa.Array], n: int) -> pa.RecordBatch:
-        for t in ("route", "path", "model", "finish_reason", "_route"):
-            if t in cols:
-                c = cols[t]
-                if c.type != pa.string():
-                    c = c.cast(pa.string())
-                cols[t] = pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c)
+    def _route(self, cols: dict[str, pa.Array], n: int) -> pa.DictionaryArray:
+        """The route column, always dictionary<int32, string>: few distinct values, cheap group-by."""
         rb = self.options.route_by
         if rb is None:
             candidates = [cols.get("route"), cols.get("path")]
@@ -917,11 +922,34 @@ class _Reader:
             candidates = [cols.get("model")]
         else:
             candidates = [cols.get("_route")]
-        present = [c for c in candidates if c is not None]
-        route = pc.coalesce(*present, pa.scalar("*")) if present else pa.array(["*"] * n, pa.string())
-        if isinstance(route, pa.ChunkedArray):
-            route = route.combine_chunks()
+        present = [c for c in candidates if c is not None and c.null_count < n]
+        if not present:
+            return pa.DictionaryArray.from_arrays(
+                pa.array(np.zeros(n, dtype=np.int32)), pa.array(["*"], pa.string())
+            )
+        if len(present) == 1 and pa.types.is_dictionary(present[0].type):
+            col = present[0]
+            if col.type.index_type != pa.int32():
+                col = col.cast(pa.dictionary(pa.int32(), col.type.value_type))
+            return _route_dictionary(col)
+        strings = [c.cast(pa.string()) if pa.types.is_dictionary(c.type) else c for c in present]
+        strings = [pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c) for c in strings]
+        route = pc.coalesce(*strings, pa.scalar("*"))
+        return pc.dictionary_encode(route)
 
+    def _assemble(self, cols: dict[str, pa.Array], n: int) -> pa.RecordBatch:
+        for t in ("route", "path", "model", "finish_reason", "_route"):
+            c = cols.get(t)
+            if c is None:
+                continue
+            if pa.types.is_dictionary(c.type) and t in ("route", "path", "_route"):
+                continue  # route candidates are cleaned on their dictionary values (_route)
+            if c.type != pa.string():
+                c = c.cast(pa.string())
+            if c.null_count < n and pc.any(pc.equal(c, "")).as_py():
+                c = pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c)
+            cols[t] = c
+        route = self._route(cols, n)
         out = cols["output_tokens"]
         finish = cols.get("finish_reason")
         if finish is not None and finish.null_count < n:
@@ -958,6 +986,16 @@ class _Reader:
             result.append(arr)
         self.stats.rows_ok += n
         return pa.RecordBatch.from_arrays(result, schema=SCHEMA)
+
+
+def _route_dictionary(col: pa.DictionaryArray) -> pa.DictionaryArray:
+    """A dictionary route column with "" and null mapped to "*", on the dictionary values only."""
+    values = [v if v else "*" for v in col.dictionary.to_pylist()]
+    unique = list(dict.fromkeys([*values, "*"]))
+    position = {v: i for i, v in enumerate(unique)}
+    remap = pa.array([position[v] for v in values], pa.int32())
+    indices = remap.take(col.indices).fill_null(position["*"])
+    return pa.DictionaryArray.from_arrays(indices, pa.array(unique, pa.string()))
 
 
 def _normalize_finish(finish: pa.Array) -> pa.Array:
@@ -997,6 +1035,37 @@ def _cast(col: pa.Array, target: str) -> pa.Array:
     if typ == pa.string() and not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
         raise pa.ArrowInvalid("non-string label column needs the row path")
     return col.cast(typ)  # safe: fractional floats or text raise ArrowInvalid
+
+
+def _line_blocks(stream: Any, raw: Any) -> Iterator[tuple[bytes, int, int]]:
+    """(block of whole lines, its first line number, compressed position) over a byte stream."""
+    line0 = 1
+    tail = b""
+    while True:
+        chunk = stream.read(BLOCK_BYTES)
+        if not chunk:
+            if tail:
+                yield tail, line0, raw.tell()
+            return
+        data = tail + chunk if tail else chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            tail = data
+            continue
+        block, tail = data[: cut + 1], data[cut + 1 :]
+        yield block, line0, raw.tell()
+        line0 += block.count(b"\n")
+
+
+def _parse_block(block: bytes, parse: Any) -> pa.Table | None:
+    """One block with the fast schema on one thread, or None when any line does not fit it."""
+    import pyarrow.json as pj
+
+    read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
+    try:
+        return pj.read_json(pa.BufferReader(block), read_options=read, parse_options=parse)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
 
 
 def _parse_line(line: bytes) -> Any:
