@@ -68,6 +68,9 @@ class GatewayConfig:
     retry_after_max_s: int = 60
     queue_max_waiting: int = 0
     queue_timeout_s: float = 30.0
+    upstream_connect_timeout_s: float = 10.0
+    upstream_read_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0
 
     def route_for(self, path: str, model: str | None) -> GatewayRoute | None:
         """The first route, in file order, whose match accepts the request."""
@@ -126,7 +129,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     top = r.mapping(
         data, "",
         {"version", "listen", "upstream", "model", "block_size", "block_budget", "max_model_len",
-         "prompt_tokens", "retry_after", "queue", "routes"},
+         "prompt_tokens", "retry_after", "queue", "timeouts", "routes"},
         {"version", "upstream", "block_size", "block_budget", "max_model_len", "routes"},
     )
     if top["version"] != SCHEMA_VERSION:
@@ -134,6 +137,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     listen = r.mapping(top.get("listen") or {}, "listen", {"host", "port"})
     retry = r.mapping(top.get("retry_after") or {}, "retry_after", {"min_s", "max_s"})
     queue = r.mapping(top.get("queue") or {}, "queue", {"max_waiting", "timeout_s"})
+    timeouts = r.mapping(top.get("timeouts") or {}, "timeouts", {"connect_s", "read_s", "drain_s"})
     counting = r.mapping(top.get("prompt_tokens") or {}, "prompt_tokens",
                          {"method", "tokenizer", "chars_per_token", "margin_tokens"})
 
@@ -184,6 +188,9 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         retry_after_max_s=r.integer(retry.get("max_s", 60), "retry_after.max_s", 1),
         queue_max_waiting=r.integer(queue.get("max_waiting", 0), "queue.max_waiting", 0),
         queue_timeout_s=r.number(queue.get("timeout_s", 30), "queue.timeout_s", 0),
+        upstream_connect_timeout_s=r.number(timeouts.get("connect_s", 10), "timeouts.connect_s", 0.001),
+        upstream_read_timeout_s=r.number(timeouts.get("read_s", 600), "timeouts.read_s", 0.001),
+        drain_timeout_s=r.number(timeouts.get("drain_s", 30), "timeouts.drain_s", 0),
     )
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")

@@ -1,0 +1,58 @@
+"""`kvtune gateway --config gateway.yaml`: run the admission gateway in front of vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+from kvtune.errors import InputError
+
+
+@click.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="gateway.yaml, as rendered by `kvtune recommend`.")
+@click.option("--upstream", default=None, help="Upstream base URL (overrides the file), e.g. http://127.0.0.1:8000.")
+@click.option("--host", default=None, help="Address to listen on (overrides listen.host).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=None,
+              help="Port to listen on (overrides listen.port; 0 picks a free one).")
+def gateway(config_path: str, upstream: str | None, host: str | None, port: int | None) -> None:
+    """Reserve KV blocks per request, cap outputs, answer 429 + Retry-After when full.
+
+    Proxies the OpenAI-compatible API to the upstream; /metrics, /healthz and /kvtune/ledger are
+    served by the gateway itself. SIGINT/SIGTERM drain in-flight streams, then exit.
+
+    \b
+    Example:
+        kvtune gateway --config out/gateway.yaml --upstream http://127.0.0.1:8000 --port 8080
+    """
+    import asyncio
+    import signal
+
+    from kvtune.gateway.proxy import serve
+    from kvtune.gateway_config import load_gateway_config
+
+    config = load_gateway_config(config_path)
+    overrides = {k: v for k, v in {"upstream": upstream, "host": host, "port": port}.items() if v is not None}
+    if upstream is not None and not upstream.startswith(("http://", "https://")):
+        raise InputError(f"must look like http://host:port, got {upstream!r}", field="--upstream")
+    config = dataclasses.replace(config, **overrides)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+        def ready(addresses: str) -> None:
+            click.echo(f"kvtune gateway listening on {addresses} -> {config.upstream} "
+                       f"(budget {config.block_budget} blocks of {config.block_size} tokens)", err=True)
+
+        gw = await serve(config, stop=stop, on_ready=ready)
+        click.echo(f"kvtune gateway stopped; {gw.ledger.reserved_blocks} blocks still reserved", err=True)
+
+    try:
+        asyncio.run(run())
+    except OSError as exc:
+        raise InputError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+                         field="listen") from exc

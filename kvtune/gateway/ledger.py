@@ -1,0 +1,136 @@
+"""The block ledger: how many KV blocks admitted requests hold, and how fast they give them back.
+
+Pure and synchronous: reserve and release never await, so a release placed first in a `finally`
+block runs even when the task is being cancelled, and no other task can interleave between the
+check and the add. The clock is injected so Retry-After is testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Releases are averaged over about this many seconds (same constant as the rendered nginx.conf).
+RATE_WINDOW_S = 30.0
+
+
+class Reservation:
+    """Blocks held by one admitted request; `release()` gives them back once, later calls do nothing."""
+
+    __slots__ = ("blocks", "_ledger", "_released")
+
+    def __init__(self, ledger: BlockLedger, blocks: int) -> None:
+        self.blocks = blocks
+        self._ledger = ledger
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> bool:
+        """Return the blocks to the ledger; True the first time, False on any later call."""
+        if self._released:
+            return False
+        self._released = True
+        self._ledger._give_back(self.blocks)
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSnapshot:
+    budget_blocks: int
+    reserved_blocks: int
+    inflight_requests: int
+    release_rate_blocks_per_s: float
+
+
+class BlockLedger:
+    """A budget of KV blocks; reservations are all-or-nothing and never push it over the budget."""
+
+    def __init__(self, budget_blocks: int, *, clock: Callable[[], float] = time.monotonic,
+                 rate_window_s: float = RATE_WINDOW_S) -> None:
+        if budget_blocks < 1:
+            raise ValueError(f"budget_blocks must be at least 1, got {budget_blocks}")
+        self.budget_blocks = budget_blocks
+        self._clock = clock
+        self._window_s = rate_window_s
+        self._reserved = 0
+        self._inflight = 0
+        # Exponentially decayed sum of released blocks and when it was last updated.
+        self._released_sum = 0.0
+        self._released_at: float | None = None
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved
+
+    @property
+    def inflight_requests(self) -> int:
+        return self._inflight
+
+    @property
+    def free_blocks(self) -> int:
+        return self.budget_blocks - self._reserved
+
+    def fits(self, blocks: int) -> bool:
+        return self._reserved + blocks <= self.budget_blocks
+
+    def try_reserve(self, blocks: int) -> Reservation | None:
+        """Hold `blocks` if they fit in what is free now, else None (nothing is held)."""
+        if blocks < 1:
+            raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
+        if not self.fits(blocks):
+            return None
+        self._reserved += blocks
+        self._inflight += 1
+        return Reservation(self, blocks)
+
+    def _give_back(self, blocks: int) -> None:
+        if blocks > self._reserved or self._inflight < 1:  # only reachable through a bug
+            raise RuntimeError(f"ledger underflow: releasing {blocks} of {self._reserved} blocks")
+        self._reserved -= blocks
+        self._inflight -= 1
+        now = self._clock()
+        self._released_sum = self._decayed_sum(now) + blocks
+        self._released_at = now
+
+    def _decayed_sum(self, now: float) -> float:
+        if self._released_at is None:
+            return 0.0
+        return self._released_sum * math.exp(-max(0.0, now - self._released_at) / self._window_s)
+
+    def release_rate(self) -> float | None:
+        """Blocks released per second, exponentially weighted over the window; None before any."""
+        if self._released_at is None:
+            return None
+        return self._decayed_sum(self._clock()) / self._window_s
+
+    def retry_after_s(self, blocks: int, *, min_s: int, max_s: int) -> int:
+        """Seconds until `blocks` more are expected to be free at the observed release rate,
+        clamped to [min_s, max_s]. No release seen yet: min_s (nothing to go on, ask soon)."""
+        need = max(1, self._reserved + blocks - self.budget_blocks)
+        rate = self.release_rate()
+        if rate is None:
+            secs = min_s
+        elif rate <= 0:
+            secs = max_s
+        else:
+            secs = math.ceil(need / rate)
+        return max(min_s, min(max_s, secs))
+
+    def snapshot(self) -> LedgerSnapshot:
+        return LedgerSnapshot(self.budget_blocks, self._reserved, self._inflight,
+                              self.release_rate() or 0.0)
+
+
+def reservation_blocks(prompt_tokens: list[int], cap_tokens: int, sequences: int, block_size: int) -> int:
+    """Blocks for a request's whole life: every prompt it carries, each grown by the cap, rounded
+    up to whole blocks, times the sequences generated per prompt (n / best_of)."""
+    per_sequence = sum(-(-(p + cap_tokens) // block_size) for p in prompt_tokens)
+    return sequences * per_sequence
+
+
+__all__ = ["BlockLedger", "Reservation", "LedgerSnapshot", "reservation_blocks", "RATE_WINDOW_S"]
