@@ -1,0 +1,349 @@
+"""`kvtune check`: compare what is deployed with what the traffic needs, as findings.
+
+Pure: it takes parsed deployed files (kvtune.deployed) and a recommendation dict (the shape of
+recommendation.json) and returns findings. Severities:
+    risk  the deployment will hurt under the logged traffic (uncapped output, a budget above the KV
+          capacity, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses)
+    warn  it drifted from the current recommendation, or works but wastes capacity
+    info  context worth stating
+Several files can be checked together (vllm-serve.sh + gateway.yaml): a gateway in front changes
+which engine settings are risky, because then the gateway bounds KV reservations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from kvtune.deployed import Deployed
+
+SEVERITIES = ("risk", "warn", "info")
+# vLLM's GPU defaults when a flag is not given (reference/vllm-facts.md §1).
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS_BIG_GPU = 1024  # >= 70 GiB
+DEFAULT_MAX_NUM_SEQS = 256
+BIG_GPU_BYTES = 70 * 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    severity: str
+    code: str
+    message: str
+    why: str
+    source: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"severity": self.severity, "code": self.code, "message": self.message, "why": self.why,
+                "source": self.source}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    deployed: tuple[Deployed, ...]
+    findings: tuple[Finding, ...]
+
+    @property
+    def passed(self) -> bool:
+        """No risk findings: what CI gates on (exit 0 vs 1)."""
+        return not any(f.severity == "risk" for f in self.findings)
+
+    def to_dict(self) -> dict:
+        return {"deployed": {d.source: d.to_dict() for d in self.deployed},
+                "findings": [f.to_dict() for f in self.findings], "passed": self.passed}
+
+
+def _value(decision: Any) -> Any:
+    return decision.get("value") if isinstance(decision, Mapping) else decision
+
+
+def truncation_share(histogram: Mapping[str, Sequence[int]] | None, cap: int) -> float | None:
+    """Share of logged outputs longer than `cap`, from the route's integer histogram; inside the bin
+    holding the cap, its integers are taken as evenly spread."""
+    if not histogram:
+        return None
+    edges, counts = list(histogram["edges"]), list(histogram["counts"])
+    total = sum(counts)
+    if total == 0 or len(edges) != len(counts) + 1:
+        return None
+    above = 0.0
+    for lo, hi, count in zip(edges, edges[1:], counts):
+        if lo > cap:
+            above += count
+        elif hi - 1 > cap:  # the bin [lo, hi) holds the cap: integers cap+1 .. hi-1 are cut
+            above += count * (hi - 1 - cap) / (hi - lo)
+    return above / total
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class _Checker:
+    def __init__(self, deployed: Sequence[Deployed], rec: Mapping[str, Any], max_truncation: float | None):
+        self.deployed = tuple(deployed)
+        self.rec = rec
+        self.max_truncation = max_truncation
+        self.findings: list[Finding] = []
+        cap = rec["capacity"]
+        self.block_size = int(cap["block_size"])
+        self.usable_blocks = int(cap["num_blocks"]) - 1  # vLLM keeps one null block
+        self.usable_tokens = self.usable_blocks * self.block_size
+        self.budget = int(_value(rec["block_budget"]))
+        self.settings = rec["settings"]
+        self.gateways = [d for d in self.deployed if d.is_gateway]
+        self.engines = [d for d in self.deployed if d.kind == "vllm"]
+        self.risky: set[tuple[str, str]] = set()  # (source, field) already reported as risk
+
+    def add(self, severity: str, code: str, message: str, why: str, source: str | None,
+            field: str | None = None) -> None:
+        if severity == "risk" and field:
+            self.risky.add((source or "", field))
+        self.findings.append(Finding(severity, code, message, why, source))
+
+    # ------------------------------------------------------------ per-route caps
+
+    def _route_caps(self, d: Deployed) -> list[tuple[Mapping, int | None]]:
+        """(recommended route, the cap the deployment applies to its traffic or None if uncapped)."""
+        out = []
+        for route in self.rec["routes"]:
+            match = route.get("match") or {}
+            if d.is_gateway:
+                hit = d.route_for(match.get("path"), match.get("model"))
+                out.append((route, hit.max_new_tokens if hit else None))
+            else:
+                out.append((route, d.max_new_tokens))
+        return out
+
+    def check_caps(self, d: Deployed) -> None:
+        for route, cap in self._route_caps(d):
+            name = route["route"]
+            recommended = int(_value(route["max_new_tokens"]))
+            if cap is None:
+                if d.is_gateway:
+                    self.add("risk", "uncapped-route",
+                             f"route {name!r} matches no route in the gateway, so its output is not capped",
+                             "a request without max_tokens may grow to the whole context: the gateway "
+                             "cannot reserve for it and the KV budget no longer bounds memory",
+                             d.source, f"route:{name}")
+                continue
+            hist = route.get("output_histogram")
+            deployed_share = truncation_share(hist, cap)
+            recommended_share = truncation_share(hist, recommended)
+            if deployed_share is None:
+                deployed_share = 0.0 if cap >= recommended else None
+            budget = self.max_truncation
+            if budget is None:
+                budget = recommended_share if recommended_share is not None else route.get("truncation_share")
+            if cap < recommended and deployed_share is not None and budget is not None \
+                    and deployed_share > budget + 1e-9:
+                self.add("risk", "cap-truncates",
+                         f"route {name!r}: cap {cap} cuts {deployed_share:.1%} of logged responses "
+                         f"(budget {budget:.1%}; recommended cap {recommended} cuts "
+                         f"{route.get('truncation_share', recommended_share or 0):.1%})",
+                         "a response stopped at its cap is lost or truncated output for the user; "
+                         "raise the cap to the recommended value", d.source, f"cap:{name}")
+            elif cap > recommended:
+                extra = _blocks(cap - recommended, self.block_size)
+                self.add("warn", "cap-above-recommendation",
+                         f"route {name!r}: cap {cap} is above the recommended {recommended}",
+                         f"every request reserves up to {extra} more blocks than the traffic needs, "
+                         "so fewer requests fit in the budget", d.source)
+            elif cap < recommended:
+                self.add("warn", "cap-below-recommendation",
+                         f"route {name!r}: cap {cap} is below the recommended {recommended} "
+                         f"(cuts {deployed_share:.1%} of logged responses)" if deployed_share is not None
+                         else f"route {name!r}: cap {cap} is below the recommended {recommended}",
+                         "within the truncation budget, but it drifted from the recommendation", d.source)
+
+    # ------------------------------------------------------------ context length
+
+    def check_max_model_len(self, d: Deployed) -> None:
+        """A prompt at or over max_model_len is rejected (400); prompt + cap over it is cut short
+        (current vLLM clamps max_tokens to max_model_len − prompt)."""
+        if d.max_model_len is None:
+            return
+        capper = self.gateways[0] if self.gateways and not d.is_gateway else d
+        caps = {r["route"]: c for r, c in self._route_caps(capper)}
+        rejected, cut = None, None
+        for route in self.rec["routes"]:
+            prompt_max = int(route["prompt_tokens"]["max"])
+            cap = caps.get(route["route"]) or int(_value(route["max_new_tokens"]))
+            if prompt_max >= d.max_model_len and (rejected is None or prompt_max > rejected[1]):
+                rejected = (route["route"], prompt_max)
+            elif prompt_max + cap > d.max_model_len and (cut is None or prompt_max + cap > cut[1]):
+                cut = (route["route"], prompt_max + cap, prompt_max, cap)
+        recommended = _value(self.settings["max_model_len"])
+        if rejected:
+            name, prompt_max = rejected
+            self.add("risk", "max-model-len-rejects",
+                     f"max_model_len {d.max_model_len} rejects the longest logged prompts of route {name!r} "
+                     f"({prompt_max} tokens)",
+                     f"those requests fail with 400; raise max_model_len to {recommended}", d.source,
+                     "max_model_len")
+        elif cut:
+            name, need, prompt_max, cap = cut
+            self.add("warn", "max-model-len-cuts-output",
+                     f"max_model_len {d.max_model_len} < longest logged prompt + cap ({prompt_max} + {cap} = "
+                     f"{need}) on route {name!r}",
+                     f"vLLM clamps such a request's output to {d.max_model_len - prompt_max} tokens "
+                     f"(older releases rejected it); recommended max_model_len is {recommended}",
+                     d.source, None)
+
+    # ------------------------------------------------------------ engine
+
+    def check_engine(self, d: Deployed) -> None:
+        engine = self.rec["engine"]
+        served = self.rec.get("served_model") or self.rec["model"]
+        if d.model is not None and d.model not in (served, self.rec["model"]):
+            self.add("warn", "model-mismatch",
+                     f"serves {d.model!r} but the recommendation is for {served!r}",
+                     "KV per token, capacity and caps were computed for another model", d.source)
+        if engine.get("v1", True):
+            for flag in ("preemption-mode", "swap-space"):
+                if flag in d.flags:
+                    self.add("risk", "invalid-flag",
+                             f"--{flag} does not exist in vLLM {engine.get('version')} (V1 engine)",
+                             "vLLM refuses to start on an unknown flag; V1 preempts by recompute only",
+                             d.source, flag.replace("-", "_"))
+        if d.max_new_tokens is None:
+            if self.gateways:
+                self.add("warn", "no-backstop-cap",
+                         "no --override-generation-config max_new_tokens: only the gateway caps output",
+                         "a request that reaches vLLM without passing the gateway may generate up to the "
+                         "whole context", d.source, None)
+            else:
+                self.add("risk", "no-output-cap",
+                         "no cap on output: neither --override-generation-config max_new_tokens nor a "
+                         "gateway config",
+                         "chat and responses requests without max_tokens default to max_model_len − prompt, "
+                         "so each may hold KV for the whole context", d.source, "max_new_tokens")
+        self.check_preemption(d)
+
+    def check_preemption(self, d: Deployed) -> None:
+        """Without a gateway, vLLM admits up to max_num_seqs sequences that each grow to prompt + cap."""
+        context = d.max_model_len or int(self.rec["concurrency"].get("context_tokens")
+                                         or _value(self.settings["max_model_len"]))
+        block_size = d.block_size or DEFAULT_BLOCK_SIZE
+        gpu_bytes = int(self.rec["hardware"].get("gpu_memory_bytes") or 0)
+        seqs = d.max_num_seqs or (DEFAULT_MAX_NUM_SEQS_BIG_GPU if gpu_bytes >= BIG_GPU_BYTES
+                                  else DEFAULT_MAX_NUM_SEQS)
+        prompt_max = max(int(r["prompt_tokens"]["max"]) for r in self.rec["routes"])
+        cap = d.max_new_tokens or context
+        per_seq_tokens = _blocks(min(context, prompt_max + cap), block_size) * block_size
+        total = seqs * per_seq_tokens
+        if total <= self.usable_tokens:
+            return
+        message = (f"max_num_seqs {seqs}{'' if d.max_num_seqs else ' (default)'} × {per_seq_tokens} tokens "
+                   f"per sequence (longest prompt {prompt_max} + cap {cap}) = {total:,} tokens > KV capacity "
+                   f"{self.usable_tokens:,} tokens")
+        if self.gateways:
+            self.add("info", "engine-bounded-by-gateway", message,
+                     "the gateway's block budget, not max_num_seqs, bounds what is reserved", d.source)
+        else:
+            self.add("risk", "preemption-risk", message,
+                     "vLLM does not reserve KV for output: when blocks run out it preempts and recomputes "
+                     "running requests. Put kvtune's gateway (gateway.yaml or nginx.conf) in front and pass "
+                     "it with another --deployed", d.source, "max_num_seqs")
+
+    # ------------------------------------------------------------ gateway
+
+    def check_gateway(self, d: Deployed) -> None:
+        assert d.block_budget is not None and d.block_size is not None
+        budget_tokens = d.block_budget * d.block_size
+        if budget_tokens > self.usable_tokens:
+            self.add("risk", "budget-over-capacity",
+                     f"block budget {d.block_budget} × {d.block_size} tokens = {budget_tokens:,} tokens exceeds "
+                     f"the KV capacity of {self.usable_tokens:,} tokens ({self.usable_blocks} blocks)",
+                     "the gateway admits more reservations than the engine can hold: preemptions or OOM "
+                     f"under load; use the recommended budget {self.budget}", d.source, "block_budget")
+        elif budget_tokens > self.budget * self.block_size:
+            self.add("warn", "budget-above-safety",
+                     f"block budget {d.block_budget} is above the recommended {self.budget} "
+                     f"(safety fraction {_value(self.rec['safety_fraction'])})",
+                     "it fits the estimated capacity but leaves less margin for prompt-count drift "
+                     "and capacity error", d.source, None)
+        engine_block = next((e.block_size for e in self.engines if e.block_size), None) or self.block_size
+        if d.block_size < engine_block:
+            self.add("risk", "block-size-mismatch",
+                     f"the gateway counts {d.block_size}-token blocks but the engine allocates "
+                     f"{engine_block}-token blocks",
+                     "reservations round up to smaller blocks than the engine uses, so they under-count "
+                     "what each request occupies", d.source, "block_size")
+        elif d.block_size > engine_block:
+            self.add("warn", "block-size-mismatch",
+                     f"the gateway counts {d.block_size}-token blocks, the engine {engine_block}",
+                     "reservations round up more than needed, which wastes a little budget", d.source, None)
+        if d.route_for("/v1/__any__", "__any__") is None:
+            self.add("warn", "no-catch-all-route",
+                     "no route matches every request: requests on other paths or models are not capped",
+                     "a final route without match (kvtune renders one named 'default') caps everything "
+                     "else at the backstop", d.source, None)
+        for engine in self.engines:
+            if engine.max_model_len and d.max_model_len and d.max_model_len > engine.max_model_len:
+                self.add("warn", "max-model-len-differs",
+                         f"gateway max_model_len {d.max_model_len} > engine max_model_len {engine.max_model_len}",
+                         "the gateway admits prompts the engine then rejects", d.source, None)
+        self.add("info", "gateway-budget",
+                 f"{d.kind} budget {d.block_budget} blocks of {d.block_size} tokens; "
+                 f"{len(d.routes)} routes", "reservations are bounded by this budget", d.source)
+
+    # ------------------------------------------------------------ drift
+
+    def check_drift(self, d: Deployed) -> None:
+        if d.kind == "vllm":
+            defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
+                        "block_size": DEFAULT_BLOCK_SIZE}
+            fields = ["tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
+                      "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_dtype", "block_size"]
+            pairs = [(f, getattr(d, f) if getattr(d, f) is not None else defaults.get(f),
+                      getattr(d, f) is None, _value(self.settings.get(f))) for f in fields]
+            backstop = _value(self.settings.get("max_new_tokens_backstop"))
+            pairs.append(("max_new_tokens_backstop", d.max_new_tokens, d.max_new_tokens is None, backstop))
+        else:
+            pairs = [("block_budget", d.block_budget, False, self.budget),
+                     ("block_size", d.block_size, False, self.block_size),
+                     ("max_model_len", d.max_model_len, False, _value(self.settings.get("max_model_len")))]
+        for name, have, unset, want in pairs:
+            if want is None or (d.source, name) in self.risky:
+                continue
+            if name == "max_new_tokens_backstop" and unset:
+                continue  # reported as no-output-cap / no-backstop-cap
+            same = have == want if not isinstance(want, float) else (
+                have is not None and math.isclose(float(have), want, rel_tol=1e-6))
+            if same:
+                continue
+            shown = "not set (engine default)" if unset and have is None else (
+                f"{have} (engine default)" if unset else str(have))
+            rule = (self.settings.get(name) or {}).get("reason", "") if isinstance(self.settings.get(name), Mapping) else ""
+            self.add("warn", "drift", f"{name}: deployed {shown}, recommended {want}",
+                     rule or "differs from the current recommendation", d.source)
+
+    def run(self) -> CheckResult:
+        for d in self.deployed:
+            if d.kind == "vllm":
+                self.check_engine(d)
+            else:
+                self.check_gateway(d)
+        for d in self.deployed:
+            # caps: a gateway's per-route caps govern when present; the engine's backstop otherwise
+            if d.is_gateway or not self.gateways:
+                self.check_caps(d)
+            self.check_max_model_len(d)
+        for d in self.deployed:
+            self.check_drift(d)
+        order = {s: i for i, s in enumerate(SEVERITIES)}
+        findings = sorted(self.findings, key=lambda f: order[f.severity])
+        return CheckResult(self.deployed, tuple(findings))
+
+
+def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
+                     max_truncation: float | None = None) -> CheckResult:
+    """Findings for deployed files (checked together) against a recommendation dict."""
+    if not deployed:
+        raise ValueError("nothing to check")
+    return _Checker(deployed, rec, max_truncation).run()
+
+
+__all__ = ["Finding", "CheckResult", "check_deployment", "truncation_share", "SEVERITIES"]
