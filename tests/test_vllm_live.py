@@ -1,0 +1,56 @@
+"""The test bed itself against a real vLLM on CPU: its KV arithmetic and its token-counting rule.
+
+Other live tests (calibrate, bench, gateway) trust these numbers, so they are checked against
+what the server says, not against the fixture's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from vllm_server import cache_config_labels, chat_prompt_tokens, logged_kv_cache_tokens, synth_prompt
+
+pytestmark = pytest.mark.vllm
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def test_default_server_has_the_worked_example_capacity(vllm_server):
+    # vllm-facts.md §3: 2 layers × 2 kv heads × 32 dim × K+V × 2 B × 128 tokens = 65,536 B per block
+    assert (vllm_server.block_size, vllm_server.num_blocks) == (128, 32)
+    assert vllm_server.kv_cache_tokens == 4096
+    assert "CPU KV cache size: 4,096 tokens, Maximum concurrency for 512 tokens per request: 8.00x" \
+        in vllm_server.log_text()
+    labels = cache_config_labels(vllm_server.metrics_text())
+    assert labels["num_gpu_blocks"] == "32" and labels["block_size"] == "128"
+    with urllib.request.urlopen(vllm_server.url + "/v1/models", timeout=10) as response:
+        models = json.load(response)["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 512)]
+
+
+def test_one_token_per_word_on_completions_and_chat(vllm_server):
+    prompt = synth_prompt(37)
+    done = _post(vllm_server.url + "/v1/completions",
+                 {"model": "tiny", "prompt": prompt, "max_tokens": 5, "ignore_eos": True})
+    assert done["usage"]["prompt_tokens"] == 37
+    assert done["usage"]["completion_tokens"] == 5
+    messages = [{"role": "system", "content": synth_prompt(3)}, {"role": "user", "content": synth_prompt(11)}]
+    chat = _post(vllm_server.url + "/v1/chat/completions",
+                 {"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": True})
+    assert chat["usage"]["prompt_tokens"] == chat_prompt_tokens(messages) == 1 + 5 + 13 + 1
+    assert chat["usage"]["completion_tokens"] == 4
+
+
+def test_num_gpu_blocks_override_replaces_the_profiled_count(vllm_factory):
+    server = vllm_factory(max_model_len=512, num_gpu_blocks_override=8)
+    assert (server.num_blocks, server.block_size) == (8, 128)
+    log = server.log_text()
+    assert "num_gpu_blocks_override=8" in log
+    assert logged_kv_cache_tokens(log) == server.kv_cache_tokens == 8 * 128
