@@ -1,0 +1,82 @@
+"""`kvtune check`: gate deployed configs against the traffic in CI (exit 1 on risk findings)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvtune.cli.options import capacity_options, log_options
+from kvtune.cli.recommend import build_recommendation, recommend_options
+from kvtune.errors import InputError, KvtuneError
+
+_STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", "blue")}
+
+
+def _saved_recommendation(paths: tuple[str, ...]) -> dict | None:
+    """A recommendation.json written by `kvtune recommend --out` instead of logs, or None."""
+    if len(paths) != 1 or not paths[0].endswith(".json") or not Path(paths[0]).is_file():
+        return None
+    try:
+        data = json.loads(Path(paths[0]).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(data, dict) and {"schema_version", "block_budget", "settings", "routes"} <= set(data):
+        return data
+    return None
+
+
+@click.command()
+@click.argument("logs", nargs=-1, required=True)
+@click.option("--deployed", "deployed_paths", multiple=True, required=True, type=click.Path(dir_okay=False),
+              help="A vllm serve command line or script, a gateway.yaml, or an nginx.conf rendered by "
+                   "kvtune. Repeat to check an engine and its gateway together.")
+@recommend_options
+@capacity_options
+@log_options
+@click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed} as JSON.")
+def check(logs: tuple[str, ...], model: str, deployed_paths: tuple[str, ...], json_: bool,
+          **opts: Any) -> None:
+    """Check deployed configs against real traffic: exit 1 on risk, 0 when fine.
+
+    LOGS are the logs (or a saved profile) the recommendation is computed from, or a
+    recommendation.json written by `kvtune recommend --out`. Findings cover uncapped output,
+    caps that truncate more than the budget, KV reservations beyond capacity, max_model_len
+    that rejects logged prompts, and drift from the current recommendation.
+
+    \b
+    Example:
+        kvtune check sample_logs/ --model llama-3.1-8b --gpu H100-80GB \\
+            --deployed deploy/vllm-serve.sh --deployed deploy/gateway.yaml
+    """
+    from kvtune.check import check_deployment
+    from kvtune.deployed import load_deployed
+
+    deployed = [load_deployed(path) for path in deployed_paths]
+    rec = _saved_recommendation(logs)
+    if rec is None:
+        rec = build_recommendation(logs, model, opts).to_dict()
+    elif model not in (rec.get("model"), rec.get("served_model")):
+        raise InputError(f"the recommendation is for {rec.get('model')!r}, not {model!r}", path=logs[0],
+                         field="model")
+    try:
+        result = check_deployment(deployed, rec, max_truncation=opts.get("max_truncation"))
+    except (KeyError, TypeError) as exc:
+        raise KvtuneError(f"the recommendation lacks or mistypes a field: {exc}") from exc
+
+    if json_:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        for finding in result.findings:
+            label, color = _STYLE[finding.severity]
+            where = f" [{finding.source}]" if finding.source and len(deployed) > 1 else ""
+            click.echo(f"{click.style(label, fg=color, bold=True)} {finding.code}{where}: {finding.message}")
+            click.echo(f"     why: {finding.why}")
+        risks = sum(f.severity == "risk" for f in result.findings)
+        warns = sum(f.severity == "warn" for f in result.findings)
+        verdict = "passed" if result.passed else "FAILED"
+        click.echo(f"{verdict}: {risks} risk, {warns} warning(s) in {', '.join(deployed_paths)}")
+    if not result.passed:
+        click.get_current_context().exit(1)
