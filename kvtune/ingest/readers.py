@@ -656,25 +656,28 @@ class _Reader:
         try:
             # blocks parse in parallel, one thread each; results are used in file order
             with ThreadPoolExecutor(workers) as pool:
-                for block, line0, pos in _line_blocks(stream, raw):
-                    pending.append((pool.submit(_parse_block, block, parse), block, line0, pos))
+                line0 = 1
+                for block, pos in _line_blocks(stream, raw):
+                    pending.append((pool.submit(_parse_block, block, parse), block, pos))
                     if len(pending) > workers:
-                        yield from self._json_parsed(plan, *pending.popleft(), sources, parse)
+                        line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
                 while pending:
-                    yield from self._json_parsed(plan, *pending.popleft(), sources, parse)
+                    line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
         finally:
             for future, *_ in pending:
                 future.cancel()
             stream.close()
             raw.close()
 
-    def _json_parsed(self, plan, future, block, line0, pos, sources, parse) -> Iterator[pa.RecordBatch]:
-        table = future.result()
+    def _json_parsed(self, plan, future, block, pos, line0, sources, parse):
+        """Use one parsed block (or bisect it when it failed); returns the next block's line."""
+        table, lines = future.result()
         if table is None:  # some line does not fit the fast schema: find it by bisection
-            yield from self._json_block(plan, block, line0, sources, parse)
+            yield from self._json_block(plan, bytes(block), line0, sources, parse)
         else:
             yield from self._json_table(plan, table, block, line0, sources)
         self._progress(pos)
+        return line0 + lines
 
     def _json_block(self, plan, block: bytes, line0: int, sources, parse) -> Iterator[pa.RecordBatch]:
         import pyarrow.json as pj
@@ -707,7 +710,7 @@ class _Reader:
 
         def locate(i: int) -> int:
             seen = -1
-            for k, ln in enumerate(block.split(b"\n")):
+            for k, ln in enumerate(bytes(block).split(b"\n")):
                 if ln.strip():
                     seen += 1
                     if seen == i:
@@ -890,6 +893,8 @@ class _Reader:
         bad = np.zeros(n, dtype=bool)
         found = []
         for reason, target, mask, msg in checks:
+            if not pc.any(mask).as_py():  # the common case: one pass, no numpy copy
+                continue
             m = mask.fill_null(False).to_numpy(zero_copy_only=False) & ~bad
             if m.any():
                 first = int(np.argmax(m))
@@ -991,10 +996,14 @@ class _Reader:
 def _route_dictionary(col: pa.DictionaryArray) -> pa.DictionaryArray:
     """A dictionary route column with "" and null mapped to "*", on the dictionary values only."""
     values = [v if v else "*" for v in col.dictionary.to_pylist()]
-    unique = list(dict.fromkeys([*values, "*"]))
+    unique = list(dict.fromkeys([*values, *(["*"] if col.null_count else [])]))
+    if unique == col.dictionary.to_pylist():
+        return col
     position = {v: i for i, v in enumerate(unique)}
     remap = pa.array([position[v] for v in values], pa.int32())
-    indices = remap.take(col.indices).fill_null(position["*"])
+    indices = remap.take(col.indices)
+    if col.null_count:
+        indices = indices.fill_null(position["*"])
     return pa.DictionaryArray.from_arrays(indices, pa.array(unique, pa.string()))
 
 
@@ -1037,35 +1046,45 @@ def _cast(col: pa.Array, target: str) -> pa.Array:
     return col.cast(typ)  # safe: fractional floats or text raise ArrowInvalid
 
 
-def _line_blocks(stream: Any, raw: Any) -> Iterator[tuple[bytes, int, int]]:
-    """(block of whole lines, its first line number, compressed position) over a byte stream."""
-    line0 = 1
+def _line_blocks(stream: Any, raw: Any) -> Iterator[tuple[memoryview, int]]:
+    """(block of whole lines, compressed position) over a byte stream, copying only line tails."""
     tail = b""
     while True:
-        chunk = stream.read(BLOCK_BYTES)
-        if not chunk:
+        buf = bytearray(len(tail) + BLOCK_BYTES)
+        buf[: len(tail)] = tail
+        view = memoryview(buf)
+        filled = len(tail)
+        while filled < len(buf):
+            got = stream.readinto(view[filled:])
+            if not got:
+                break
+            filled += got
+        if filled == len(tail):  # end of input
             if tail:
-                yield tail, line0, raw.tell()
+                yield memoryview(tail), raw.tell()
             return
-        data = tail + chunk if tail else chunk
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            tail = data
+        cut = buf.rfind(b"\n", 0, filled)
+        if cut < 0 and filled == len(buf):  # one line longer than a block: grow
+            tail = bytes(view[:filled])
             continue
-        block, tail = data[: cut + 1], data[cut + 1 :]
-        yield block, line0, raw.tell()
-        line0 += block.count(b"\n")
+        if filled < len(buf):  # last block: everything that is left
+            cut = filled - 1
+        tail = bytes(view[cut + 1 : filled])
+        yield view[: cut + 1], raw.tell()
 
 
-def _parse_block(block: bytes, parse: Any) -> pa.Table | None:
-    """One block with the fast schema on one thread, or None when any line does not fit it."""
+def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
+    """Parse one block with the fast schema on one thread (None when a line does not fit it),
+    and count its newlines for line numbers, off the main thread."""
     import pyarrow.json as pj
 
+    lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == 10))
     read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
     try:
-        return pj.read_json(pa.BufferReader(block), read_options=read, parse_options=parse)
+        table = pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return None
+        table = None
+    return table, lines
 
 
 def _parse_line(line: bytes) -> Any:
