@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "profile": ("profile", "profile", "Per-route output and prompt length distributions from logs."),
     "recommend": ("recommend", "recommend", "Caps, KV budget and engine settings from traffic; renders deploy files."),
     "check": ("check", "check", "Gate a deployed vllm/gateway/nginx config against traffic (exit 1 on risk)."),
+    "bench": ("bench", "bench", "Replay profiled traffic against a live server, scrape /metrics, judge (exit 1 on fail)."),
     "gateway": ("gateway", "gateway", "Run the admission gateway: reserve KV per request, 429 + Retry-After when full."),
 }
 

@@ -1,0 +1,130 @@
+"""Load shapes: when each request is sent.
+
+Open loop (the server cannot slow the sender down): `poisson` (exponential gaps, GuideLLM's
+word), `gamma` (vLLM's `--burstiness`: shape B, same mean rate; B < 1 burstier, B > 1 smoother)
+and `replay` (the logs' own timestamps divided by a speedup). Closed loop: `concurrent` (C
+requests always in flight; `synchronous` is C = 1). Every shape is bounded by a request count
+and/or a duration; sending stops at the first bound reached, in-flight requests then finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LoadShape", "arrival_offsets", "drive"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadShape:
+    """What the sender does; `kind` is one of synchronous, concurrent, poisson, gamma, replay."""
+
+    kind: str
+    rate_rps: float | None = None
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    speedup: float = 1.0
+    offsets_s: tuple[float, ...] | None = None  # replay: send times from the start, already sped up
+
+    @classmethod
+    def rate(cls, rate_rps: float, burstiness: float = 1.0) -> LoadShape:
+        if not rate_rps > 0 or not burstiness > 0:
+            raise ValueError("rate and burstiness must be positive")
+        return cls("poisson" if burstiness == 1.0 else "gamma", rate_rps=rate_rps, burstiness=burstiness)
+
+    @classmethod
+    def closed(cls, concurrency: int) -> LoadShape:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        return cls("synchronous" if concurrency == 1 else "concurrent", concurrency=concurrency)
+
+    @classmethod
+    def replay(cls, timestamps_s: Sequence[float], speedup: float = 1.0) -> LoadShape:
+        """Send times from log timestamps (any origin, any order), divided by `speedup`."""
+        if not speedup > 0:
+            raise ValueError("speedup must be positive")
+        ts = np.sort(np.asarray(timestamps_s, dtype=np.float64))
+        offsets = (ts - ts[0]) / speedup if ts.size else ts
+        return cls("replay", speedup=speedup, offsets_s=tuple(offsets.tolist()))
+
+    @property
+    def open_loop(self) -> bool:
+        return self.concurrency is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "rate_rps": self.rate_rps,
+            "burstiness": self.burstiness if self.rate_rps is not None else None,
+            "concurrency": self.concurrency,
+            "speedup": self.speedup if self.kind == "replay" else None,
+        }
+
+
+def arrival_offsets(shape: LoadShape, rng: np.random.Generator, block: int = 4096) -> Iterator[float]:
+    """Send offsets in seconds from the start, increasing; endless for rate shapes."""
+    if shape.offsets_s is not None:
+        yield from shape.offsets_s
+        return
+    assert shape.rate_rps is not None
+    b = shape.burstiness
+    t = 0.0
+    while True:
+        gaps = rng.gamma(shape=b, scale=1.0 / (shape.rate_rps * b), size=block)
+        times = t + np.cumsum(gaps)
+        # the first request goes at t = 0, as a sender starts; then the gaps
+        yield t
+        yield from times[:-1].tolist()
+        t = float(times[-1])
+
+
+async def drive(
+    shape: LoadShape,
+    launch: Callable[[int], Awaitable[Any]],
+    *,
+    max_requests: int | None,
+    duration_s: float | None,
+    rng: np.random.Generator,
+    clock: Callable[[], float] = time.perf_counter,
+) -> int:
+    """Call `launch(i)` for i = 0, 1, … in the shape's rhythm until a bound; wait for all.
+
+    Returns how many were launched. Each launch runs in this call's TaskGroup, so cancelling
+    the caller cancels every request in flight (each records its own partial result).
+    """
+    if max_requests is None and duration_s is None and shape.offsets_s is None:
+        raise ValueError("a load needs a bound: max_requests and/or duration_s")
+    start = clock()
+    deadline = None if duration_s is None else start + duration_s
+    launched = 0
+    async with asyncio.TaskGroup() as tg:
+        if shape.open_loop:
+            for offset in arrival_offsets(shape, rng):
+                if max_requests is not None and launched >= max_requests:
+                    break
+                if duration_s is not None and offset >= duration_s:
+                    break
+                delay = start + offset - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tg.create_task(launch(launched))
+                launched += 1
+        else:
+            counter = iter(range(max_requests if max_requests is not None else 1 << 62))
+
+            async def worker() -> None:
+                nonlocal launched
+                for i in counter:
+                    if deadline is not None and clock() >= deadline:
+                        return
+                    launched += 1
+                    await launch(i)
+
+            for _ in range(shape.concurrency or 1):
+                tg.create_task(worker())
+    return launched

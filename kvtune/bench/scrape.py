@@ -1,0 +1,214 @@
+"""The server's side of a benchmark: vLLM's /metrics before, about once a second during, and after.
+
+Why: the client sees latencies; only the engine knows whether it preempted, how full its KV cache
+got and how many requests it ran at once, which is what a recommendation predicts. Peaks are
+sampled (1 s by default), so a spike shorter than the interval can be missed; counters are exact
+deltas of before and after. Pages are parsed with prometheus-client's text parser, keeping only
+the lines of the metrics used here so a large exposition costs little CPU mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MetricsSnapshot", "ServerMetrics", "MetricsScraper", "parse_snapshot"]
+
+PREEMPTIONS = "vllm:num_preemptions_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM 0.10
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+CACHE_CONFIG = "vllm:cache_config_info"
+_WANTED = (PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, CACHE_CONFIG)
+_FAMILIES = tuple(
+    name.removesuffix("_total") for name in _WANTED
+)  # `# TYPE vllm:num_preemptions counter` names the family without _total
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """One /metrics page reduced to the numbers a verdict needs (summed over engines)."""
+
+    t_s: float
+    values: dict[str, float]  # sample name -> sum over label sets (kv usage: max)
+    cache_config: dict[str, str] | None
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+
+def parse_snapshot(text: str, t_s: float) -> MetricsSnapshot:
+    """Parse the few metrics used here; raises ValueError if the page is not an exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2] in _FAMILIES:
+                keep.append(line)
+        elif line.startswith(_WANTED):
+            keep.append(line)
+    values: dict[str, float] = {}
+    cache_config = None
+    for family in text_string_to_metric_families("\n".join(keep) + "\n"):
+        for s in family.samples:
+            if s.name == CACHE_CONFIG:
+                cache_config = cache_config or dict(s.labels)
+            elif s.name in (KV_USAGE, KV_USAGE_OLD):
+                values[KV_USAGE] = max(values.get(KV_USAGE, 0.0), float(s.value))
+            elif s.name in _WANTED:
+                values[s.name] = values.get(s.name, 0.0) + float(s.value)
+    return MetricsSnapshot(t_s, values, cache_config)
+
+
+def _label_int(labels: dict[str, str] | None, name: str) -> int | None:
+    raw = (labels or {}).get(name)
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return int(value) if value.is_integer() and value >= 0 else None
+
+
+@dataclass(slots=True)
+class ServerMetrics:
+    """Before/after snapshots and sampled peaks; `available` False when /metrics cannot be read."""
+
+    url: str
+    available: bool = False
+    reason: str | None = None
+    before: MetricsSnapshot | None = None
+    after: MetricsSnapshot | None = None
+    samples: int = 0
+    failed_scrapes: int = 0
+    peaks: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, snap: MetricsSnapshot) -> None:
+        self.samples += 1
+        for name in (KV_USAGE, RUNNING, WAITING):
+            v = snap.get(name)
+            if v is not None:
+                self.peaks[name] = max(self.peaks.get(name, v), v)
+
+    def _delta(self, name: str) -> float | None:
+        if self.before is None or self.after is None:
+            return None
+        a, b = self.before.get(name), self.after.get(name)
+        return None if a is None or b is None else b - a
+
+    def to_dict(self) -> dict[str, Any] | None:
+        """The `server` section of the results; None when the server has no readable /metrics."""
+        if not self.available:
+            return None
+        config = (self.after or self.before).cache_config if (self.after or self.before) else None
+        preemptions = self._delta(PREEMPTIONS)
+        generation = self._delta(GENERATION_TOKENS)
+        prompt = self._delta(PROMPT_TOKENS)
+        return {
+            "metrics_url": self.url,
+            "preemptions": None if preemptions is None else int(preemptions),
+            "kv_cache_usage_peak": self.peaks.get(KV_USAGE),
+            "running_peak": _int_or_none(self.peaks.get(RUNNING)),
+            "waiting_peak": _int_or_none(self.peaks.get(WAITING)),
+            "generation_tokens": None if generation is None else int(generation),
+            "prompt_tokens": None if prompt is None else int(prompt),
+            "num_blocks": _label_int(config, "num_gpu_blocks"),
+            "block_size": _label_int(config, "block_size"),
+            "samples": self.samples,
+            "failed_scrapes": self.failed_scrapes,
+        }
+
+
+def _int_or_none(v: float | None) -> int | None:
+    return None if v is None else int(v)
+
+
+class MetricsScraper:
+    """Scrapes one /metrics URL over the run's aiohttp session into a ServerMetrics."""
+
+    def __init__(self, session: Any, url: str, *, interval_s: float = 1.0, timeout_s: float = 5.0,
+                 on_snapshot: Callable[[MetricsSnapshot], None] | None = None) -> None:
+        self.session = session
+        self.metrics = ServerMetrics(url)
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.on_snapshot = on_snapshot
+
+    async def scrape(self) -> MetricsSnapshot | None:
+        """One page; None (and a reason kept) when it cannot be fetched or parsed."""
+        import aiohttp
+
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.session.get(self.metrics.url) as resp:
+                    if resp.status != 200:
+                        self.metrics.reason = f"HTTP {resp.status} from {self.metrics.url}"
+                        await resp.read()
+                        return None
+                    text = await resp.text(errors="replace")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.metrics.reason = f"cannot read {self.metrics.url}: {type(exc).__name__}: {exc}"
+            return None
+        try:
+            snap = parse_snapshot(text, time.perf_counter())
+        except (ValueError, TypeError, IndexError) as exc:
+            self.metrics.reason = f"{self.metrics.url} is not a Prometheus exposition: {exc}"
+            return None
+        if not snap.values and snap.cache_config is None:
+            self.metrics.reason = f"{self.metrics.url} has no vLLM metrics"
+            return None
+        self.metrics.observe(snap)
+        if self.on_snapshot is not None:
+            self.on_snapshot(snap)
+        return snap
+
+    async def before(self) -> None:
+        snap = await self.scrape()
+        self.metrics.before = snap
+        self.metrics.available = snap is not None
+
+    async def during(self, stop: asyncio.Event) -> None:
+        """Scrape every interval until `stop` is set (run it as a background task)."""
+        if not self.metrics.available:
+            return
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await stop.wait()
+            if stop.is_set():
+                return
+            if await self.scrape() is None:
+                self.metrics.failed_scrapes += 1
+
+    async def after(self, settle_s: float = 3.0, poll_s: float = 0.2) -> None:
+        """Final page once the engine is idle and its counters stop moving (at most `settle_s`).
+
+        vLLM updates counters from its engine loop, a moment after the last response is sent.
+        """
+        if not self.metrics.available:
+            return
+        deadline = time.perf_counter() + settle_s
+        previous = None
+        while True:
+            snap = await self.scrape()
+            if snap is None:
+                self.metrics.failed_scrapes += 1
+            else:
+                idle = not snap.get(RUNNING) and not snap.get(WAITING)
+                stable = previous is not None and previous.values.get(GENERATION_TOKENS) == snap.values.get(
+                    GENERATION_TOKENS)
+                self.metrics.after = snap
+                if idle and stable:
+                    return
+                previous = snap
+            if time.perf_counter() >= deadline:
+                return
+            await asyncio.sleep(poll_s)

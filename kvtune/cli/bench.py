@@ -1,0 +1,226 @@
+"""`kvtune bench URL [LOGS...]`: replay profiled traffic against a live server and judge it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvtune.cli.options import ingest_options_from, log_options
+from kvtune.errors import InputError, KvtuneError
+
+JSON_FIELDS = """\b
+--json / --out write one object:
+  target          {url, endpoint, model, max_model_len, ignore_eos}
+  load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
+                   concurrency, speedup, max_requests, duration_s, timeout_s, max_connections, retry}
+  workload        {routes, seed, prompts: {method: tokenize|tokenizer|assumed, overhead_tokens, …},
+                   prompt_check: {checked, exact}, clamped: {reason: requests}}
+  requests        {sent, completed, failed: {429, 503, 4xx, 5xx, timeout, disconnect, connect,
+                   stream_error, cancelled}, retries, retry_wait_s}
+  duration_s      first send to last answer
+  output_tokens_total            sum of the server's usage.completion_tokens
+  output_tokens_requested_total  sum of max_tokens sent, completed requests
+  output_length   {completed_without_usage, mismatched, shortfall_tokens, excess_tokens}
+  prompt_tokens_total, prompt_tokens_requested_total, prompt_length {checked, mismatched}
+  latency_ms      {ttft, itl, tpot, e2e}: each {count, mean, p50, p90, p99} (nearest rank)
+  throughput      {requests_per_s, output_tokens_per_s}
+  goodput         {slo, requests_met, attainment, requests_per_s} with --slo, else null
+  finish_reasons, routes {route: {sent, completed, truncated, truncation_share, finish_reasons}}
+  server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
+                   generation_tokens, prompt_tokens, num_blocks, block_size, samples, …}
+                  or null when /metrics cannot be read (server_note says why)
+  verdict         {passed, slo?, preemptions?, kv_cache_usage?, admitted_concurrency?,
+                   truncation_share?} or null; each check {passed, evaluated, observed, expected, …}
+
+\b
+Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 bad input.
+"""
+
+
+def _parse_expect(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError("no such file", path=path, field="--expect") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"invalid JSON: {exc.msg}", path=path, line=exc.lineno) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {exc}", path=path, field="--expect") from None
+    if not isinstance(data, dict) or not isinstance((data.get("block_budget") or {}).get("value"), int):
+        raise InputError("not a recommendation.json (no block_budget.value); write one with "
+                         "`kvtune recommend --out DIR`", path=path, field="--expect")
+    return data
+
+
+@click.command(epilog=JSON_FIELDS)
+@click.argument("url")
+@click.argument("logs", nargs=-1)
+@click.option("--profile", "profile_path", metavar="FILE", help="A profile saved by `kvtune profile --save` instead of LOGS.")
+@click.option("--route", "routes", multiple=True, metavar="NAME", help="Only these routes (repeatable).  [default: all, by share]")
+@log_options
+@click.option("--model", help="Served model name.  [default: the first of /v1/models]")
+@click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
+              help="/v1/chat/completions or /v1/completions.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="R",
+              help="Open loop: R requests/s, Poisson gaps (gamma with --burstiness).")
+@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Gamma shape of the gaps at --rate: 1 Poisson, <1 burstier, >1 smoother.")
+@click.option("--concurrency", type=click.IntRange(min=1), metavar="C",
+              help="Closed loop: C requests always in flight (1 = synchronous).  [default: 1]")
+@click.option("--replay", is_flag=True, help="Send LOGS' requests at their own timestamps.")
+@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="With --replay: divide the logs' time gaps by X.")
+@click.option("--requests", "max_requests", type=click.IntRange(min=1), metavar="N", help="Send at most N requests.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), metavar="S",
+              help="Stop sending after S seconds (in-flight requests finish).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Per-request limit in seconds, first byte to [DONE].")
+@click.option("--retry", is_flag=True, help="Retry 429 (and 503 with Retry-After), waiting as Retry-After says.")
+@click.option("--max-retries", type=click.IntRange(min=1), default=3, show_default=True, help="Retries per request with --retry.")
+@click.option("--slo", metavar="SPEC", help="Latency objectives in ms, e.g. ttft=500,tpot=50,e2e=10000.")
+@click.option("--slo-attainment", type=click.FloatRange(min=0, max=1), default=0.99, show_default=True,
+              help="With --slo: exit 1 unless this share of requests meets every objective.")
+@click.option("--expect", "expect_path", metavar="FILE",
+              help="recommendation.json to check: preemptions, KV peak, admitted concurrency, truncation.")
+@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+              help="Force each output to its drawn length (vLLM's ignore_eos); off for servers without it.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for lengths, prompts and arrival gaps.")
+@click.option("--metrics-url", help="The server's Prometheus page.  [default: URL/metrics]")
+@click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between /metrics samples during the run.")
+@click.option("--max-connections", type=click.IntRange(min=1), help="Connection pool size.  [default: C, else 4096]")
+@click.option("--api-key", envvar="KVTUNE_API_KEY", help="Bearer token (or $KVTUNE_API_KEY).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), metavar="FILE", help="Write the results JSON to FILE.")
+@click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table.")
+@click.option("--requests-log", type=click.Path(dir_okay=False), metavar="FILE",
+              help="One JSON line per request (timings, tokens, outcome; never text).")
+@click.option("--progress/--no-progress", default=None, help="Live progress on stderr.  [default: when a terminal]")
+def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], **opts: Any) -> None:
+    """Replay profiled traffic against a live OpenAI-compatible server, scrape its /metrics, judge.
+
+    Each request draws (prompt, output) lengths from the profile's routes, builds a prompt of
+    exactly that many tokens under the server's tokenizer, and forces the output length with
+    max_tokens + ignore_eos. With --expect, exit 1 when the server contradicts the recommendation.
+
+    \b
+    Example:
+        kvtune bench http://127.0.0.1:8000 --profile profile.json --rate 5 --duration 60 \\
+            --slo ttft=500,tpot=50 --expect deploy/recommendation.json --out results.json
+    """
+    from kvtune.bench.client import RetryPolicy
+    from kvtune.bench.loads import LoadShape
+    from kvtune.bench.report import parse_slo
+    from kvtune.bench.run import BenchConfig, BenchRecorder, normalize_url, run_bench
+    from kvtune.bench.workload import Workload, replay_rows
+
+    base_url = normalize_url(url)
+    slo = parse_slo(opts["slo"]) if opts["slo"] else None
+    expect = _parse_expect(opts["expect_path"]) if opts["expect_path"] else None
+    shapes = [name for name, on in (("--rate", opts["rate"] is not None), ("--concurrency", opts["concurrency"] is not None),
+                                    ("--replay", opts["replay"])) if on]
+    if len(shapes) > 1:
+        raise KvtuneError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
+    if profile_path and logs:
+        raise KvtuneError("give --profile or LOGS, not both", field="--profile")
+    if not profile_path and not logs:
+        raise KvtuneError("give LOGS or --profile FILE for the workload", field="LOGS")
+    if opts["replay"] and not logs:
+        raise KvtuneError("--replay needs LOGS with per-request timestamps (a profile keeps none)", field="--replay")
+    if not opts["replay"] and opts["max_requests"] is None and opts["duration_s"] is None:
+        raise KvtuneError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
+
+    ingest = ingest_options_from(opts)
+    tokenizer = None
+    if opts.get("tokenizer"):
+        from kvtune.ingest.tokenize import load_tokenizer
+
+        tokenizer = load_tokenizer(opts["tokenizer"])
+
+    if opts["replay"]:
+        rows, stamps, skipped = replay_rows(logs, ingest, routes)
+        if not rows:
+            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
+            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
+                             field="LOGS")
+        load = LoadShape.replay(stamps, opts["speedup"])
+
+        def build(synth):
+            return Workload.from_rows(rows, synth, opts["seed"])
+    else:
+        from kvtune.bench.workload import select_routes
+        from kvtune.profiler import load_profile, load_profile_or_logs
+
+        profile = load_profile(profile_path) if profile_path else load_profile_or_logs(list(logs), ingest)
+        for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
+            if r.prompt.total == 0:
+                raise InputError(f"route {r.route!r} logs no prompt lengths; a benchmark needs them", field="--route")
+        if opts["rate"] is not None:
+            load = LoadShape.rate(opts["rate"], opts["burstiness"])
+        else:
+            load = LoadShape.closed(opts["concurrency"] or 1)
+
+        def build(synth):
+            return Workload.from_profile(profile, routes, synth, opts["seed"])
+
+    config = BenchConfig(
+        base_url=base_url, load=load, max_requests=opts["max_requests"], duration_s=opts["duration_s"],
+        endpoint=opts["endpoint"], model=opts["model"], ignore_eos=opts["ignore_eos"], timeout_s=opts["timeout_s"],
+        retry=RetryPolicy(enabled=opts["retry"], max_retries=opts["max_retries"]), slo=slo,
+        metrics_url=opts["metrics_url"], scrape_interval_s=opts["scrape_interval"],
+        max_connections=opts["max_connections"], seed=opts["seed"], api_key=opts["api_key"], expect=expect,
+        slo_attainment=opts["slo_attainment"],
+    )
+
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    show = opts["progress"] if opts["progress"] is not None else err.is_terminal
+    progress = None
+    if show:
+        from kvtune.cli._bench_view import RichBenchProgress
+
+        progress = RichBenchProgress(err)
+
+    with contextlib.ExitStack() as stack:
+        log_file = None
+        if opts["requests_log"]:
+            try:
+                log_file = stack.enter_context(open(opts["requests_log"], "w", encoding="utf-8"))
+            except OSError as exc:
+                raise InputError(f"cannot write: {exc.strerror or exc}", path=opts["requests_log"],
+                                 field="--requests-log") from None
+        recorder = BenchRecorder(requests_log=log_file, progress=progress)
+        try:
+            report = asyncio.run(run_bench(config, build, tokenizer=tokenizer, recorder=recorder))
+        except KeyboardInterrupt:
+            report = recorder.report(server=None, slo=slo, expect=None, interrupted=True)
+            _emit(report, opts)
+            click.echo("interrupted: partial results written", err=True)
+            sys.exit(130)
+    _emit(report, opts)
+    verdict = report.get("verdict")
+    if verdict is not None and not verdict["passed"]:
+        sys.exit(1)
+
+
+def _emit(report: dict[str, Any], opts: dict[str, Any]) -> None:
+    text = json.dumps(report, indent=2, default=dict)
+    if opts["out_path"]:
+        from kvtune.files import write_text_atomic
+
+        write_text_atomic(opts["out_path"], text + "\n")
+    if opts["json_"]:
+        click.echo(text)
+    else:
+        from rich.console import Console
+
+        from kvtune.cli._bench_view import render_summary
+
+        render_summary(report, Console())
