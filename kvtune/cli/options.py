@@ -137,17 +137,25 @@ def plan_from_options(model: str, opts: dict[str, Any], shapes: tuple = (),
     return Planned(spec, kv, report, gpu_name, memory_bytes)
 
 
+def _format_help() -> str:
+    from kvtune.ingest import FORMATS
+
+    return "Force a log format instead of detecting it: " + ", ".join(FORMATS) + "."
+
+
 log_options = compose([
-    click.option("--format", "format_", help="Force a log format instead of detecting it (see `kvtune profile --help`)."),
+    click.option("--format", "format_", metavar="NAME", help=_format_help()),
     click.option("--field", "fields", multiple=True, metavar="TARGET=PATH",
-                 help="Map a column: --field output_tokens=usage.completion_tokens (repeatable)."),
-    click.option("--route-by", help="Route key: path, model, or a dotted field of the record.  [default: path]"),
-    click.option("--tokenizer", help="tokenizer.json, model directory or hub id, for logs with text but no counts."),
+                 help="Map a column from a source field, e.g. output_tokens=usage.completion_tokens. Repeatable."),
+    click.option("--route-by", metavar="path|model|FIELD",
+                 help="What names a route: the request path (default), the model, or a field."),
+    click.option("--tokenizer", metavar="T",
+                 help="tokenizer.json, model dir or hub id, to count tokens in logs that carry only text."),
     click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-                 help="A malformed row: count it under `skipped`, or stop with its location."),
+                 help="Bad rows: count them under `skipped`, or stop at the first."),
     click.option("--strict", is_flag=True, help="Any skipped row is an error."),
-    click.option("--assume-cap", type=click.IntRange(min=1),
-                 help="Treat outputs ≥ N tokens as cut at a cap (traces without finish reasons)."),
+    click.option("--assume-cap", type=click.IntRange(min=1), metavar="N",
+                 help="Treat outputs ≥ N as cut at a cap (traces without finish reasons)."),
 ])
 
 
