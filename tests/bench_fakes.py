@@ -182,7 +182,7 @@ class FakeServer:
         self.runner: web.AppRunner | None = None
 
     async def __aenter__(self) -> str:
-        self.runner = web.AppRunner(make_app(self.cfg), handle_signals=False)
+        self.runner = web.AppRunner(make_app(self.cfg), handle_signals=False, shutdown_timeout=0.2)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
