@@ -32,6 +32,7 @@ class FakeConfig:
     tokenize: bool = True
     max_model_len: int = 4096
     preemptions: int = 0
+    preempt_per_request: int = 0  # preemptions counted for each completion served
     num_blocks: int = 100
     block_size: int = 16
     # observed
@@ -111,6 +112,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     chat = "messages" in body
     n = max(0, int(body["max_tokens"]) - cfg.short_by)
     prompt_tokens = (2 + sum(2 + _words(m["content"]) for m in body["messages"])) if chat else 1 + _words(body["prompt"])
+    cfg.preemptions += cfg.preempt_per_request
     cfg.in_flight += 1
     cfg.peak_in_flight = max(cfg.peak_in_flight, cfg.in_flight)
     try:

@@ -1,0 +1,202 @@
+"""`kvtune bench` through click: exit codes, exact error lines, JSON fields, files written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from bench_fakes import FakeConfig, FakeServer
+from kvtune.cli import cli
+from kvtune.histogram import Histogram, JointHistogram, joint_bin
+from kvtune.profile import CensoredHistogram, Profile, RouteProfile
+from kvtune.profiler import save_profile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ThreadServer:
+    """The fake server on its own event loop in a thread, for a CLI that runs asyncio.run itself."""
+
+    def __init__(self, cfg: FakeConfig) -> None:
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = FakeServer(cfg)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return asyncio.run_coroutine_threadsafe(self.server.__aenter__(), self.loop).result(10)
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.__aexit__(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def fake():
+    cfg = FakeConfig()
+    with ThreadServer(cfg) as url:
+        yield url, cfg
+
+
+@pytest.fixture
+def profile_path(tmp_path) -> str:
+    prompts = np.array([20, 40, 80] * 10)
+    outputs = np.array([5, 10, 20] * 10)
+    r = RouteProfile(route="/v1/chat/completions", output=CensoredHistogram.of(outputs, np.zeros(30, bool)),
+                     total=CensoredHistogram.empty(), prompt=Histogram.of(prompts), max_tokens=Histogram.empty(),
+                     joint=JointHistogram(joint_bin(prompts), joint_bin(outputs), np.ones(30, np.int64)),
+                     finish_reasons={}, models={})
+    path = tmp_path / "profile.json"
+    save_profile(Profile(routes=(r,)), path)
+    return str(path)
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, ["bench", *args], catch_exceptions=False)
+
+
+def test_json_report_has_every_documented_field(fake, profile_path, tmp_path):
+    url, cfg = fake
+    out, log = tmp_path / "results.json", tmp_path / "requests.jsonl"
+    r = run(url, "--profile", profile_path, "--concurrency", "4", "--requests", "30", "--json",
+            "--out", str(out), "--requests-log", str(log), "--slo", "ttft=5000,tpot=1000", "--scrape-interval", "0.1")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data == json.loads(out.read_text())
+    assert data["requests"]["sent"] == 30 and data["requests"]["completed"] == 30
+    assert set(data["requests"]["failed"]) >= {"429", "503", "4xx", "5xx", "timeout", "disconnect"}
+    assert data["output_tokens_total"] == data["output_tokens_requested_total"] == cfg.generation_tokens
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        assert set(data["latency_ms"][name]) >= {"mean", "p50", "p90", "p99"}
+    assert set(data["throughput"]) == {"requests_per_s", "output_tokens_per_s"}
+    assert data["goodput"]["attainment"] == 1.0
+    assert data["server"]["generation_tokens"] == cfg.generation_tokens
+    assert set(data["server"]) >= {"preemptions", "kv_cache_usage_peak", "running_peak", "waiting_peak",
+                                   "generation_tokens", "num_blocks", "block_size"}
+    assert data["verdict"] == {"passed": True, "slo": data["verdict"]["slo"]}
+    assert data["prompt_length"] == {"checked": 30, "mismatched": 0}
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == 30 and all("prompt" not in x and "text" not in x for x in lines)
+    assert {x["outcome"] for x in lines} == {"ok"}
+    assert cfg.peak_in_flight <= 4
+
+
+def test_table_output_names_the_numbers(fake, profile_path):
+    url, _ = fake
+    r = run(url, "--profile", profile_path, "--rate", "200", "--requests", "20", "--endpoint", "completions")
+    assert r.exit_code == 0, r.output
+    assert "20 sent, 20 completed" in r.output and "TTFT" in r.output and "preemptions 0" in r.output
+
+
+def expectation(tmp_path, **over) -> str:
+    rec = {"block_budget": {"value": 89}, "capacity": {"num_blocks": 100, "block_size": 16},
+           "concurrency": {"admitted": 9},
+           "routes": [{"route": "/v1/chat/completions", "max_new_tokens": {"value": 64}, "truncation_share": 0.0}]}
+    path = tmp_path / "recommendation.json"
+    path.write_text(json.dumps(rec | over))
+    return str(path)
+
+
+def test_expect_passes_then_fails_on_preemptions(fake, profile_path, tmp_path):
+    url, cfg = fake
+    r = run(url, "--profile", profile_path, "--concurrency", "2", "--requests", "10", "--json",
+            "--expect", expectation(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["verdict"]["passed"] is True
+
+    cfg.preempt_per_request = 1  # the fake engine now preempts once per request
+    r = run(url, "--profile", profile_path, "--concurrency", "2", "--requests", "10", "--json",
+            "--expect", expectation(tmp_path))
+    assert r.exit_code == 1
+    v = json.loads(r.output)["verdict"]
+    assert v["passed"] is False and v["preemptions"]["observed"] == 10
+
+
+def test_server_without_metrics_is_allowed_and_said(fake, profile_path, tmp_path):
+    url, cfg = fake
+    cfg.metrics = False
+    r = run(url, "--profile", profile_path, "--requests", "3", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["server"] is None and data["server_note"].startswith("no server metrics: HTTP 404")
+    r = run(url, "--profile", profile_path, "--requests", "3", "--json", "--expect", expectation(tmp_path))
+    assert r.exit_code == 1 and json.loads(r.output)["verdict"]["preemptions"]["evaluated"] is False
+
+
+def test_replay_sends_the_logs_own_requests(fake, tmp_path):
+    url, cfg = fake
+    logs = tmp_path / "logs.jsonl"
+    rows = [{"timestamp": 1000 + i * 0.5, "url": "/v1/chat/completions",
+             "request": {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64},
+             "response": {"object": "chat.completion", "model": "m",
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "y"},
+                                       "finish_reason": "stop"}],
+                          "usage": {"prompt_tokens": 10 + i, "completion_tokens": 3 + i}}}
+            for i in reversed(range(6))]  # out of order: replay sorts by time
+    logs.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    r = run(url, str(logs), "--replay", "--speedup", "10", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["load"]["kind"] == "replay" and data["requests"]["completed"] == 6
+    assert sorted(b["max_tokens"] for b in cfg.bodies) == [3, 4, 5, 6, 7, 8]
+    assert data["prompt_tokens_requested_total"] == sum(range(10, 16))
+    assert 0.2 <= data["duration_s"] < 2  # 2.5 s of log at 10× speed
+
+
+@pytest.mark.parametrize("args,message", [
+    (["ftp://x", "--profile", "P", "--requests", "1"],
+     "Error: ftp://x: URL: expected an http:// or https:// server URL, e.g. http://127.0.0.1:8000"),
+    (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--slo", "ttft=abc"],
+     "Error: --slo: ttft: expected milliseconds, got 'abc'"),
+    (["http://127.0.0.1:8000", "--profile", "P"],
+     "Error: --requests: a run must be bounded: give --requests N and/or --duration S"),
+    (["http://127.0.0.1:8000", "--profile", "P", "--rate", "1", "--concurrency", "2", "--requests", "1"],
+     "Error: --concurrency: give one load shape, not --rate and --concurrency"),
+    (["http://127.0.0.1:8000", "--requests", "1"], "Error: LOGS: give LOGS or --profile FILE for the workload"),
+    (["http://127.0.0.1:8000", "--profile", "P", "--replay"],
+     "Error: --replay: --replay needs LOGS with per-request timestamps (a profile keeps none)"),
+    (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--route", "/nope"],
+     "Error: --route: no route '/nope' in the profile; routes: /v1/chat/completions"),
+])
+def test_usage_errors_exit_2_with_one_line(args, message, profile_path):
+    args = [profile_path if a == "P" else a for a in args]
+    r = run(*args)
+    assert r.exit_code == 2
+    assert r.output.strip() == message
+
+
+def test_empty_workload_exits_2(tmp_path):
+    path = tmp_path / "empty.json"
+    save_profile(Profile(routes=()), path)
+    r = run("http://127.0.0.1:8000", "--profile", str(path), "--requests", "1")
+    assert r.exit_code == 2
+    assert r.output.strip() == "Error: the workload is empty: no requests in the profile or logs"
+
+
+def test_unreachable_server_exits_2(profile_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens after close
+    r = run(f"http://127.0.0.1:{port}", "--profile", profile_path, "--requests", "1")
+    assert r.exit_code == 2
+    assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach the server (")
+
+
+def test_bad_expect_file_exits_2(profile_path, tmp_path):
+    bad = tmp_path / "r.json"
+    bad.write_text("{}")
+    r = run("http://127.0.0.1:8000", "--profile", profile_path, "--requests", "1", "--expect", str(bad))
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"Error: {bad}: --expect: not a recommendation.json (no block_budget.value); "
+                                "write one with `kvtune recommend --out DIR`")
