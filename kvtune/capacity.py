@@ -66,15 +66,18 @@ class MeasuredCapacity:
     model: str | None = None
     kv_cache_dtype: str | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool | None = None  # /metrics cache_config_info; None when not reported
+    gpu_memory_utilization: float | None = None  # the server's setting (ignored when kv_cache_memory_bytes is set)
+    kv_cache_memory_bytes: int | None = None  # the explicit KV size it was started with, if any
     origin: str | None = None  # the log path or URL it was read from
     line: int | None = None  # the log line it was read from
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens is None and self.num_blocks is None:
             raise KvtuneError("a measured capacity needs kv_cache_tokens or num_blocks", path=self.origin)
-        for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len"):
+        for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len", "kv_cache_memory_bytes"):
             value = getattr(self, name)
-            if value is not None and value < (0 if name in ("kv_cache_tokens", "num_blocks") else 1):
+            if value is not None and value < (1 if name in ("block_size", "max_model_len") else 0):
                 raise KvtuneError(f"must be positive, got {value}", path=self.origin, field=name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,6 +93,9 @@ class MeasuredCapacity:
             "model": self.model,
             "kv_cache_dtype": self.kv_cache_dtype,
             "num_gpu_blocks_override": self.num_gpu_blocks_override,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "origin": self.origin,
             "line": self.line,
         }
@@ -117,6 +123,8 @@ class MeasuredCapacity:
                 values[name] = float(value)
             elif kind is int and isinstance(value, int) and not isinstance(value, bool):
                 values[name] = value
+            elif kind is bool and isinstance(value, bool):
+                values[name] = value
             elif kind is str and isinstance(value, str):
                 values[name] = value
             else:
@@ -137,6 +145,9 @@ _FIELD_TYPES: dict[str, type] = {
     "model": str,
     "kv_cache_dtype": str,
     "num_gpu_blocks_override": int,
+    "enable_prefix_caching": bool,
+    "gpu_memory_utilization": float,
+    "kv_cache_memory_bytes": int,
     "origin": str,
     "line": int,
 }

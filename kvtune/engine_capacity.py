@@ -102,6 +102,17 @@ def _label_int(labels: dict[str, str], name: str, origin: str) -> int | None:
     return int(value)
 
 
+def _label_float(labels: dict[str, str], name: str) -> float | None:
+    try:
+        return float(labels[name])
+    except (KeyError, ValueError):  # absent, or "None" on servers that leave it unset
+        return None
+
+
+def _label_bool(labels: dict[str, str], name: str) -> bool | None:
+    return {"true": True, "false": False}.get(labels.get(name, "").lower())
+
+
 def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapacity:
     """Capacity from the `vllm:cache_config_info` labels of a Prometheus exposition.
 
@@ -128,21 +139,19 @@ def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapac
             path=origin,
         )
     override = _label_int(labels, "num_gpu_blocks_override", origin)
-    concurrency = labels.get("kv_cache_max_concurrency")
-    try:
-        max_concurrency = float(concurrency) if concurrency not in (None, "None", "") else None
-    except ValueError:
-        max_concurrency = None
     try:
         return MeasuredCapacity(
             source=CapacitySource.METRICS,
             num_blocks=blocks,
             block_size=block_size,
             kv_cache_tokens=_label_int(labels, "kv_cache_size_tokens", origin),
-            max_concurrency=max_concurrency,
+            max_concurrency=_label_float(labels, "kv_cache_max_concurrency"),
             model=labels.get("model_name"),
             kv_cache_dtype=labels.get("cache_dtype"),
             num_gpu_blocks_override=override,
+            enable_prefix_caching=_label_bool(labels, "enable_prefix_caching"),
+            gpu_memory_utilization=_label_float(labels, "gpu_memory_utilization"),
+            kv_cache_memory_bytes=_label_int(labels, "kv_cache_memory_bytes", origin),
             origin=origin,
         )
     except KvtuneError as exc:

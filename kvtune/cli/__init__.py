@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "capacity": ("capacity", "capacity", "How many tokens, blocks and requests fit on given GPUs."),
     "profile": ("profile", "profile", "Per-route output and prompt length distributions from logs."),
     "recommend": ("recommend", "recommend", "Caps, KV budget and engine settings from traffic; renders deploy files."),
+    "calibrate": ("calibrate", "calibrate", "Read the real KV capacity of a running vLLM (/v1/models, /metrics) into a file."),
     "check": ("check", "check", "Gate a deployed vllm/gateway/nginx config against traffic (exit 1 on risk)."),
     "bench": ("bench", "bench", "Replay profiled traffic against a live server, scrape /metrics, judge (exit 1 on fail)."),
     "gateway": ("gateway", "gateway", "Run the admission gateway: reserve KV per request, 429 + Retry-After when full."),

@@ -1,0 +1,90 @@
+"""`kvtune calibrate URL`: the KV capacity a running vLLM really has, saved for `recommend --capacity`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import click
+
+
+@click.command()
+@click.argument("url", required=False)
+@click.option("--out", "out", type=click.Path(dir_okay=False, writable=True),
+              help="Write the capacity file here (atomically), for `kvtune recommend --capacity FILE`.")
+@click.option("--json", "json_", is_flag=True, help="Print the capacity as one JSON object instead of a table.")
+@click.option("--vllm-log", "vllm_log", type=click.Path(),
+              help="The server's startup log: calibrate from it alone, or cross-check URL against it.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Seconds to wait for each of the server's answers.")
+def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | None, timeout_s: float) -> None:
+    """Read the real KV capacity of a running vLLM from /v1/models and /metrics.
+
+    URL is the server's root or its /metrics. The result (blocks, block size, tokens,
+    max_model_len, cache dtype, prefix caching) replaces kvtune's memory estimate when
+    passed to `kvtune recommend --capacity FILE`.
+
+    \b
+    Example:
+        kvtune calibrate http://127.0.0.1:8000 --out capacity.json
+        kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
+    """
+    from kvtune.calibrate import calibrate as run_calibrate
+
+    measured = asyncio.run(run_calibrate(url, vllm_log=vllm_log, timeout_s=timeout_s))
+    if out is not None:
+        from kvtune.engine_capacity import write_capacity_file
+
+        write_capacity_file(out, measured)
+    if json_:
+        click.echo(json.dumps(measured.to_dict()))
+    else:
+        _print_table(measured, out=out, cross_checked=url is not None and vllm_log is not None)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
+    """A small rich table for people; rich is imported only here so `--json` stays fast."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"KV capacity of {escape(m.model or 'the server')}", title_justify="left")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    rows = [
+        ("source", m.source.value),
+        ("read from", m.origin),
+        ("model", m.model),
+        ("max_model_len", m.max_model_len),
+        ("block_size", m.block_size),
+        ("num_blocks", m.num_blocks),
+        ("kv_cache_tokens", m.kv_cache_tokens),
+        ("max concurrency at max_model_len", None if m.max_concurrency is None else f"{m.max_concurrency:g}x"),
+        ("kv_cache_dtype", m.kv_cache_dtype),
+        ("prefix caching", m.enable_prefix_caching),
+        ("kv_cache_memory_bytes", m.kv_cache_memory_bytes),
+        ("gpu_memory_utilization", m.gpu_memory_utilization),
+        ("num_gpu_blocks_override", m.num_gpu_blocks_override),
+    ]
+    for name, value in rows:
+        table.add_row(name, escape(_fmt(value)))
+    console = Console(highlight=False)
+    console.print(table)
+    if cross_checked:
+        console.print("The startup log agrees with the server.", soft_wrap=True)
+    if out is not None:
+        console.print(f"Wrote {out}; use it with: kvtune recommend LOGS --model MODEL --capacity {out}",
+                      soft_wrap=True, markup=False)
+    else:
+        console.print("Pass --out FILE to save it for: kvtune recommend LOGS --model MODEL --capacity FILE",
+                      soft_wrap=True)

@@ -1,0 +1,159 @@
+"""`kvtune calibrate`: JSON fields, the capacity file recommend reads, the table, exact error lines.
+
+The server is a real HTTP server on loopback answering byte-for-byte captures of vllm-cpu 0.32.0
+(tests/data/CAPACITY_SOURCES.md); the live vLLM versions of these checks are in test_vllm_live.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from conftest import REPO, serve_routes
+
+from kvtune.cli import cli
+from kvtune.engine_capacity import read_capacity_file
+
+DATA = Path(__file__).parent / "data"
+METRICS = (DATA / "metrics-cpu-0.32-live.txt").read_bytes()
+MODELS = (DATA / "v1-models-cpu-0.32.json").read_bytes()
+LOG = DATA / "vllm-cpu-0.32-live-startup.log"
+ROUTES = {"/v1/models": (200, "application/json", MODELS), "/metrics": (200, "text/plain; version=0.0.4", METRICS)}
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, ["calibrate", *args], catch_exceptions=False)
+
+
+def test_json_and_the_capacity_file(tmp_path):
+    out = tmp_path / "sub" / "capacity.json"
+    with serve_routes(ROUTES) as (base, _):
+        result = run(f"{base}/metrics", "--out", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert {k: data[k] for k in ("model", "max_model_len", "block_size", "num_blocks", "kv_cache_tokens",
+                                 "source", "kv_cache_dtype", "enable_prefix_caching", "origin")} == {
+        "model": "tiny", "max_model_len": 512, "block_size": 128, "num_blocks": 32, "kv_cache_tokens": 4096,
+        "source": "metrics", "kv_cache_dtype": "auto", "enable_prefix_caching": True, "origin": base,
+    }
+    assert json.loads(out.read_text()) == data
+    assert read_capacity_file(out).to_dict() == data
+    assert [p.name for p in out.parent.iterdir()] == ["capacity.json"]  # no temp file left beside it
+
+
+def test_table_for_people(tmp_path):
+    with serve_routes(ROUTES) as (base, _):
+        result = run(base, "--out", str(tmp_path / "c.json"))
+    assert result.exit_code == 0, result.output
+    assert "KV capacity of tiny" in result.stdout
+    for row in (("source", "metrics"), ("read from", base), ("num_blocks", "32"), ("kv_cache_tokens", "4,096"), ("block_size", "128"),
+                ("max_model_len", "512"), ("prefix caching", "on"), ("max concurrency at max_model_len", "8x")):
+        assert any(row[0] in line and line.rstrip(" │").endswith(row[1]) for line in result.stdout.splitlines()), row
+    assert f"Wrote {tmp_path / 'c.json'}; use it with: kvtune recommend" in result.stdout
+
+
+def test_without_out_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with serve_routes(ROUTES) as (base, _):
+        result = run(base)
+    assert result.exit_code == 0
+    assert "Pass --out FILE" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_url_cross_checked_with_its_log():
+    with serve_routes(ROUTES) as (base, _):
+        result = run(base, "--vllm-log", str(LOG), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["source"], data["device"], data["num_blocks"], data["kv_cache_tokens"]) == ("metrics", "CPU", 32, 4096)
+
+
+def test_a_log_from_another_server_is_refused():
+    other = DATA / "vllm-0.12-tp2-startup.log"
+    with serve_routes(ROUTES) as (base, _):
+        result = run(base, "--vllm-log", str(other))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: --vllm-log: the server reports max_model_len 512 but the log ")
+    assert result.stderr.endswith("is the log from this server's latest start?\n")
+    assert result.stderr.count("\n") == 1
+
+
+def test_log_alone(tmp_path):
+    result = run("--vllm-log", str(LOG), "--json", "--out", str(tmp_path / "c.json"))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["source"], data["kv_cache_tokens"], data["max_model_len"], data["device"]) == ("vllm-log", 4096, 512, "CPU")
+    assert data["num_blocks"] is None and data["block_size"] is None  # a log does not say them
+
+
+def test_recommend_uses_the_file(tmp_path):
+    cap = tmp_path / "capacity.json"
+    with serve_routes(ROUTES) as (base, _):
+        assert run(base, "--out", str(cap)).exit_code == 0
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
+        "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
+    result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
+                                      "--model", str(model), "--capacity", str(cap), "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)["recommendation"]
+    assert (rec["capacity"]["source"], rec["capacity"]["num_blocks"], rec["capacity"]["block_size"]) == ("metrics", 32, 128)
+    assert rec["block_budget"]["value"] == 27  # floor((32 − 1) × 0.9)
+
+
+# --- errors: one line on stderr, exit 2 ---------------------------------------------------------
+
+
+def test_unreachable():
+    with serve_routes({}) as (base, _):
+        pass  # closed again: its port refuses
+    result = run(base, "--timeout", "2")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {base}/v1/models: cannot reach: ")
+    assert result.stderr.count("\n") == 1
+
+
+def test_not_vllm():
+    routes = {"/v1/models": ROUTES["/v1/models"], "/metrics": (200, "text/plain", b"# TYPE up gauge\nup 1\n")}
+    with serve_routes(routes) as (base, _):
+        result = run(base)
+    assert result.exit_code == 2
+    assert result.stderr == f"Error: {base}/metrics: no vllm:cache_config_info metric; is this a vLLM /metrics endpoint?\n"
+
+
+def test_not_an_openai_server():
+    with serve_routes({"/v1/models": (200, "text/html", b"<html></html>")}) as (base, _):
+        result = run(base)
+    assert result.exit_code == 2
+    assert result.stderr == (f"Error: {base}/v1/models: not an OpenAI-compatible server: "
+                             "/v1/models did not answer JSON\n")
+
+
+def test_bad_url():
+    result = run("localhost:8000")
+    assert result.exit_code == 2
+    assert result.stderr == "Error: localhost:8000: expected an http:// or https:// URL such as http://127.0.0.1:8000\n"
+
+
+def test_nothing_to_calibrate_from():
+    result = run()
+    assert result.exit_code == 2
+    assert result.stderr == "Error: URL: give the server's URL, a startup log (--vllm-log FILE), or both\n"
+
+
+def test_missing_log():
+    result = run("--vllm-log", "/nonexistent/vllm.log")
+    assert result.exit_code == 2
+    assert result.stderr == "Error: /nonexistent/vllm.log: --vllm-log: no such file\n"
+
+
+def test_help_names_the_command():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert "calibrate" in result.stdout
+    assert "kvtune calibrate http://127.0.0.1:8000 --out capacity.json" in run("--help").stdout
