@@ -383,10 +383,12 @@ def make_app(config: GatewayConfig, *, counter: Any = None) -> web.Application:
 
 
 async def serve(config: GatewayConfig, *, stop: asyncio.Event,
-                on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> Gateway:
+                on_ready: Callable[[str], Awaitable[None] | None] | None = None,
+                app: web.Application | None = None) -> Gateway:
     """Serve until `stop` is set, then drain: stop accepting, give in-flight streams up to
-    drain_timeout_s to finish, cancel the rest (their reservations release in `finally`)."""
-    app = make_app(config)
+    drain_timeout_s to finish, cancel the rest (their reservations release in `finally`).
+    `app` is make_app(config) unless given (tests keep a handle on its Gateway)."""
+    app = app if app is not None else make_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
                            access_log=None)
     await runner.setup()

@@ -1,0 +1,433 @@
+"""The Python gateway in process, in front of a fake vLLM on loopback that the request body steers
+(stream slowly, fail, hang, die mid-stream): pass-through, counting failures, the wait queue,
+upstream errors and timeouts, disconnects, metrics and graceful shutdown. The policy itself
+(clamping, 429/400/413) is held to the nginx enforcer's behaviour in test_enforcer_parity.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvtune.gateway.proxy import GATEWAY, make_app, serve
+from kvtune.gateway_config import parse_gateway_config
+from test_gateway_counting import model_dir  # noqa: F401  (fixture)
+
+
+class FakeVllm:
+    """/tokenize counts words; generation paths obey `x_mode` in the body; anything else echoes
+    what arrived. Records which requests were cut off and the peak of concurrent generations."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+        self.echoed: list[dict] = []
+        self.cancelled = 0
+        self.active = 0
+        self.peak_active = 0
+        self.tokenize_status = 200
+        self.last_chunk_sent_at: dict[str, float] = {}
+        self.gate = asyncio.Event()
+        self.app = web.Application()
+        self.app.router.add_post("/tokenize", self.tokenize)
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+            self.app.router.add_post(path, self.generate)
+        self.app.router.add_route("*", "/{tail:.*}", self.echo)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenize_status != 200:
+            return web.json_response({"error": {"message": "down"}}, status=self.tokenize_status)
+        body = await request.json()
+        text = body.get("prompt") or " ".join(str(m.get("content", "")) for m in body["messages"])
+        return web.json_response({"count": len(text.split()), "tokens": []})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        mode = body.get("x_mode", "ok")
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+        try:
+            if mode == "fail":
+                return web.json_response({"error": {"message": "engine died"}}, status=500)
+            if mode == "hang":
+                await asyncio.sleep(30)
+            if mode == "gate":
+                await self.gate.wait()
+            if not body.get("stream"):
+                return web.json_response({"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(int(body.get("x_chunks", 3))):
+                await resp.write(f'data: {{"i": {i}}}\n\n'.encode())
+                await asyncio.sleep(float(body.get("x_delay", 0.01)))
+                if mode == "die" and i == 0:
+                    request.transport.close()
+                    return resp
+            self.last_chunk_sent_at[str(body.get("x_id"))] = time.monotonic()
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self.echoed.append({"method": request.method, "path_qs": request.raw_path,
+                            "headers": dict(request.headers), "body": await request.read()})
+        return web.Response(status=207, body=b"echo", headers={"X-Upstream": "yes", "Keep-Alive": "timeout=5"})
+
+
+def config_for(upstream_url: str, **overrides: Any):
+    doc = {
+        "version": 1, "upstream": upstream_url, "block_size": 16, "block_budget": 100,
+        "max_model_len": 2048,
+        "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
+                   {"name": "default", "max_new_tokens": 32}],
+    }
+    doc.update(overrides)
+    return parse_gateway_config(doc)
+
+
+@contextlib.asynccontextmanager
+async def running(fake: FakeVllm | None = None, **overrides: Any):
+    """Upstream and gateway (run by `serve`, as the CLI runs it) on 127.0.0.1:0; yields
+    (session, gateway base URL, Gateway, fake)."""
+    fake = fake or FakeVllm()
+    up = TestServer(fake.app)
+    await up.start_server()
+    overrides.setdefault("listen", {"port": 0})
+    config = config_for(str(up.make_url("")).rstrip("/"), **overrides)
+    app = make_app(config)
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result, app=app))
+    try:
+        base = (await asyncio.wait_for(ready, 10)).split(",")[0]
+        async with aiohttp.ClientSession() as session:
+            yield session, base, app[GATEWAY], fake
+    finally:
+        stop.set()
+        await asyncio.wait_for(server, 40)
+        await up.close()
+
+
+def chat(words: int, **extra: Any) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": " ".join(["w"] * words)}], **extra}
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- pass-through
+
+def test_other_requests_pass_through_untouched():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            headers = {"X-Custom": "1", "Authorization": "Bearer t", "TE": "trailers",
+                       "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "gone"}
+            payload = bytes(range(256)) * 1000
+            async with session.put(f"{base}/v1/files/a%2Fb?x=1&x=2&y=%20", data=payload,
+                                   headers=headers) as resp:
+                assert resp.status == 207 and await resp.read() == b"echo"
+                assert resp.headers["X-Upstream"] == "yes" and "Keep-Alive" not in resp.headers
+            async with session.get(f"{base}/v1/models") as resp:
+                assert resp.status == 207
+            put, get = fake.echoed
+            assert put["method"] == "PUT" and put["path_qs"] == "/v1/files/a%2Fb?x=1&x=2&y=%20"
+            assert put["headers"]["X-Custom"] == "1" and put["headers"]["Authorization"] == "Bearer t"
+            assert "TE" not in put["headers"] and "X-Drop-Me" not in put["headers"]
+            assert put["body"] == payload
+            assert get["method"] == "GET" and get["body"] == b""
+            assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- counting at the edge
+
+def test_tokenize_failure_without_an_estimate_is_503_not_a_guess():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            fake.tokenize_status = 500
+            async with session.post(f"{base}/v1/chat/completions", json=chat(10)) as resp:
+                assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
+                assert (await resp.json())["error"]["code"] == "prompt_count_unavailable"
+            assert fake.seen == [] and gateway.ledger.reserved_blocks == 0
+
+    asyncio.run(run())
+
+
+def test_tokenize_failure_with_a_configured_estimate_falls_back():
+    async def run():
+        counting = {"method": "upstream-tokenize", "chars_per_token": 2, "margin_tokens": 50}
+        async with running(prompt_tokens=counting) as (session, base, gateway, fake):
+            fake.tokenize_status = 500
+            body = chat(10)
+            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                messages = json.dumps(body["messages"], separators=(",", ":"))
+                expected = -(-(-(-len(messages) // 2) + 50 + 64) // 16)
+                assert resp.headers["X-Kvtune-Reserved-Blocks"] == str(expected)
+
+    asyncio.run(run())
+
+
+def test_local_tokenizer_counts_with_the_chat_template(model_dir):  # noqa: F811
+    async def run():
+        counting = {"method": "tokenizer", "tokenizer": str(model_dir)}
+        async with running(prompt_tokens=counting) as (session, base, gateway, fake):
+            fake.tokenize_status = 500  # never asked
+            body = {"model": "m", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 10}
+            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                # <s> <|user|> hello world <|end|> <|assistant|> = 6 tokens + 10 → 1 block
+                assert resp.headers["X-Kvtune-Reserved-Blocks"] == "1"
+            body["messages"][0]["content"] = "hello " * 30
+            async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                assert resp.headers["X-Kvtune-Reserved-Blocks"] == str(-(-(34 + 10) // 16))
+
+    asyncio.run(run())
+
+
+def test_responses_endpoint_gets_max_output_tokens():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            async with session.post(f"{base}/v1/responses", json={"model": "m", "input": "a b c"}) as resp:
+                assert resp.status == 200
+            assert fake.seen[-1]["max_output_tokens"] == 32 and "max_tokens" not in fake.seen[-1]
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- the wait queue
+
+def test_queue_is_fifo_bounded_and_times_out():
+    async def run():
+        async with running(queue={"max_waiting": 2, "timeout_s": 5}) as (session, base, gateway, fake):
+            post = lambda body: session.post(f"{base}/v1/chat/completions", json=body)  # noqa: E731
+
+            async def call(body):
+                async with post(body) as resp:
+                    await resp.read()
+                    return resp.status, time.monotonic()
+
+            # A: 736 + 64 = 800 tokens = 50 blocks, held at the upstream
+            a = asyncio.create_task(call(chat(736, x_mode="gate")))
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 50)
+            # B needs 60 (does not fit) and waits; C needs 30 (would fit) but must not overtake B
+            b = asyncio.create_task(call(chat(896, x_mode="gate")))
+            await wait_for(lambda: gateway.admission.waiting == 1)
+            c = asyncio.create_task(call(chat(416)))
+            await wait_for(lambda: gateway.admission.waiting == 2)
+            assert gateway.ledger.reserved_blocks == 50
+            # a third waiter has no room: 429 at once
+            async with post(chat(1)) as resp:
+                assert resp.status == 429 and (await resp.json())["error"]["code"] == "queue_full"
+                assert int(resp.headers["Retry-After"]) >= 1
+            fake.gate.set()
+            results = await asyncio.gather(a, b, c)
+            assert [s for s, _ in results] == [200, 200, 200]
+            assert gateway.ledger.reserved_blocks == 0 and gateway.admission.waiting == 0
+            assert [len(m["messages"][0]["content"].split()) for m in fake.seen] == [736, 896, 416]
+
+    asyncio.run(run())
+
+
+def test_queue_timeout_answers_429_and_leaves_nothing_behind():
+    async def run():
+        async with running(queue={"max_waiting": 4, "timeout_s": 0.2}) as (session, base, gateway, fake):
+            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="gate")))
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 100)
+            started = time.monotonic()
+            async with session.post(f"{base}/v1/chat/completions", json=chat(5)) as resp:
+                assert resp.status == 429 and (await resp.json())["error"]["code"] == "queue_timeout"
+                assert "Retry-After" in resp.headers
+            assert time.monotonic() - started >= 0.2
+            assert gateway.admission.waiting == 0
+            fake.gate.set()
+            (await hold).release()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
+
+    asyncio.run(run())
+
+
+def test_waiter_cancelled_by_its_client_leaves_the_queue():
+    async def run():
+        async with running(queue={"max_waiting": 4, "timeout_s": 30}) as (session, base, gateway, fake):
+            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="gate")))
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 100)
+            waiter = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(5)))
+            await wait_for(lambda: gateway.admission.waiting == 1)
+            waiter.cancel()  # the client goes away while queued
+            await wait_for(lambda: gateway.admission.waiting == 0)
+            fake.gate.set()
+            (await hold).release()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0)
+            assert len(fake.seen) == 1
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- upstream failures and disconnects
+
+def test_upstream_error_status_is_passed_on_and_released():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            async with session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="fail")) as resp:
+                assert resp.status == 500 and (await resp.json())["error"]["message"] == "engine died"
+            assert gateway.ledger.reserved_blocks == 0
+
+    asyncio.run(run())
+
+
+def test_upstream_timeout_is_504_and_released():
+    async def run():
+        async with running(timeouts={"read_s": 0.3}) as (session, base, gateway, fake):
+            async with session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="hang")) as resp:
+                assert resp.status == 504 and (await resp.json())["error"]["code"] == "upstream_timeout"
+            assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
+
+    asyncio.run(run())
+
+
+def test_upstream_unreachable_is_502():
+    async def run():
+        async with running(routes=[{"name": "dead", "upstream": "http://127.0.0.1:9", "max_new_tokens": 8}],
+                           prompt_tokens={"method": "estimate", "chars_per_token": 3, "margin_tokens": 8}) \
+                as (session, base, gateway, fake):
+            async with session.post(f"{base}/v1/chat/completions", json=chat(5)) as resp:
+                assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_unavailable"
+            assert gateway.ledger.reserved_blocks == 0
+
+    asyncio.run(run())
+
+
+def test_upstream_dying_mid_stream_cuts_the_client_and_releases():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            async with session.post(f"{base}/v1/chat/completions",
+                                    json=chat(5, stream=True, x_mode="die", x_chunks=5)) as resp:
+                assert resp.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
+
+    asyncio.run(run())
+
+
+def test_client_disconnect_mid_stream_cancels_upstream_and_releases():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            resp = await session.post(f"{base}/v1/chat/completions",
+                                      json=chat(100, stream=True, x_chunks=200, x_delay=0.02))
+            assert await resp.content.readuntil(b"\n\n") == b'data: {"i": 0}\n\n'
+            assert gateway.ledger.reserved_blocks == -(-(100 + 64) // 16)
+            resp.close()  # drop the connection mid-stream
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
+            await wait_for(lambda: fake.cancelled == 1)  # the upstream call was cut, not left running
+            assert gateway.ledger.inflight_requests == 0
+
+    asyncio.run(run())
+
+
+def test_client_leaving_before_the_upstream_answers_releases_at_once():
+    """Nothing is being written, so only handler cancellation notices the client is gone."""
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            task = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="gate")))
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 5 and fake.active == 1)
+            task.cancel()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0, timeout=2)
+            await wait_for(lambda: fake.cancelled == 1)
+            assert not fake.gate.is_set()
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- /metrics, /healthz
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if m and m.group(1) == name:
+            found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if found == labels:
+                return float(m.group(3))
+    raise AssertionError(f"{name}{labels} not in metrics")
+
+
+def test_metrics_and_healthz():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            async with session.get(f"{base}/healthz") as resp:
+                assert resp.status == 200 and (await resp.json()) == {"status": "ok"}
+            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="gate")))
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 100)
+            for body in (chat(5), chat(5), chat(3000)):
+                async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+            async with session.get(f"{base}/metrics") as resp:
+                text = await resp.text()
+            assert _sample(text, "kvtune_gateway_budget_blocks") == 100
+            assert _sample(text, "kvtune_gateway_reserved_blocks") == 100
+            assert _sample(text, "kvtune_gateway_inflight_requests") == 1
+            assert _sample(text, "kvtune_gateway_admitted_total", route="chat") == 1
+            assert _sample(text, "kvtune_gateway_rejected_total", route="chat", reason="kv_budget_exhausted") == 2
+            assert _sample(text, "kvtune_gateway_rejected_total", route="chat", reason="context_length_exceeded") == 1
+            assert _sample(text, "kvtune_gateway_retry_after_seconds_count") == 2
+            fake.gate.set()
+            (await hold).release()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
+            async with session.get(f"{base}/metrics") as resp:
+                assert _sample(await resp.text(), "kvtune_gateway_reserved_blocks") == 0
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- graceful shutdown
+
+def test_shutdown_drains_short_streams_and_cuts_long_ones():
+    async def run():
+        fake = FakeVllm()
+        up = TestServer(fake.app)
+        await up.start_server()
+        config = config_for(str(up.make_url("")).rstrip("/"), listen={"port": 0}, timeouts={"drain_s": 1.0})
+        stop = asyncio.Event()
+        ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result))
+        base = (await ready).split(",")[0]
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def stream(chunks: int) -> bytes:
+                    async with session.post(f"{base}/v1/chat/completions",
+                                            json=chat(5, stream=True, x_chunks=chunks, x_delay=0.05)) as resp:
+                        return await resp.read()
+
+                short = asyncio.create_task(stream(6))     # ~0.3 s: finishes inside the drain
+                long = asyncio.create_task(stream(400))    # ~20 s: cut at the drain deadline
+                await wait_for(lambda: fake.active == 2)
+                stop.set()
+                gateway = await asyncio.wait_for(server, 10)
+                assert (await short).endswith(b"data: [DONE]\n\n")
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await long
+                assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
+        finally:
+            stop.set()
+            await up.close()
+
+    asyncio.run(run())
