@@ -1,0 +1,74 @@
+"""`kvtune bench` against a real vLLM on CPU: token accounting and preemptions under tight KV."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvtune.cli import cli
+from kvtune.histogram import Histogram, JointHistogram, joint_bin
+from kvtune.profile import CensoredHistogram, Profile, RouteProfile
+from kvtune.profiler import save_profile
+
+pytestmark = pytest.mark.vllm
+
+
+def profile_file(tmp_path, prompts, outputs, route="/v1/chat/completions") -> str:
+    prompts, outputs = np.asarray(prompts), np.asarray(outputs)
+    r = RouteProfile(route=route, output=CensoredHistogram.of(outputs, np.zeros(outputs.size, bool)),
+                     total=CensoredHistogram.empty(), prompt=Histogram.of(prompts), max_tokens=Histogram.empty(),
+                     joint=JointHistogram(joint_bin(prompts), joint_bin(outputs), np.ones(prompts.size, np.int64)),
+                     finish_reasons={}, models={})
+    path = tmp_path / "profile.json"
+    save_profile(Profile(routes=(r,)), path)
+    return str(path)
+
+
+def bench(*args: str):
+    return CliRunner().invoke(cli, ["bench", *args, "--json", "--scrape-interval", "0.2"], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_counted_output_tokens_equal_the_server_counter(vllm_server, tmp_path, endpoint):
+    rng = np.random.default_rng(0)
+    path = profile_file(tmp_path, rng.integers(8, 120, 40), rng.integers(1, 60, 40))
+    r = bench(vllm_server.url, "--profile", path, "--endpoint", endpoint, "--concurrency", "4",
+              "--requests", "24", "--seed", "3")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["requests"]["completed"] == 24
+    assert data["workload"]["prompts"]["method"] == "tokenize"
+    assert data["workload"]["prompt_check"]["checked"] == data["workload"]["prompt_check"]["exact"] == 8
+    # every prompt had the intended length and every output the drawn one, by the server's usage …
+    assert data["prompt_length"]["mismatched"] == 0
+    assert data["output_tokens_total"] == data["output_tokens_requested_total"]
+    # … and the server's own counter agrees with the sum the bench counted
+    assert data["server"]["generation_tokens"] == data["output_tokens_total"]
+    assert data["server"]["prompt_tokens"] == data["prompt_tokens_total"]
+    assert (data["server"]["num_blocks"], data["server"]["block_size"]) == (32, 128)
+    assert data["server"]["preemptions"] == 0
+    assert data["latency_ms"]["ttft"]["count"] == 24
+
+
+def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_path):
+    # 32 blocks × 128 tokens; 16 requests × (24 + 400) tokens need ~64 blocks at the end
+    path = profile_file(tmp_path, [24] * 10, [400] * 10)
+    expect = tmp_path / "recommendation.json"
+    expect.write_text(json.dumps({
+        "block_budget": {"value": 27}, "capacity": {"num_blocks": 32, "block_size": 128},
+        "concurrency": {"admitted": 6},
+        "routes": [{"route": "/v1/chat/completions", "max_new_tokens": {"value": 400}, "truncation_share": 0.0}],
+    }))
+    r = bench(vllm_server.url, "--profile", path, "--concurrency", "16", "--requests", "16",
+              "--expect", str(expect), "--timeout", "240")
+    assert r.exit_code == 1, r.output
+    data = json.loads(r.output)
+    assert data["requests"]["completed"] == 16
+    assert data["server"]["preemptions"] > 0
+    assert data["server"]["generation_tokens"] == data["output_tokens_total"] == 16 * 400
+    v = data["verdict"]
+    assert v["passed"] is False and v["preemptions"]["passed"] is False
+    assert v["preemptions"]["observed"] == data["server"]["preemptions"]
