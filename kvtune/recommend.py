@@ -54,7 +54,8 @@ class RouteRecommendation:
     prompt_tokens: dict[str, Any] | None
     requested_max_tokens: dict[str, Any] | None
     reservation_blocks: Distribution
-    min_reservation_blocks: int
+    reservation_values: np.ndarray = field(repr=False, compare=False)
+    reservation_counts: np.ndarray = field(repr=False, compare=False)
     concurrency: int
     worst_case_concurrency: int
     output_histogram: dict[str, list[int]]
@@ -245,12 +246,11 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
         prompt = route.prompt if route.prompt.total else None
         if prompt is not None:
             reservations = rules.reservation_blocks(prompt.values, cap_tokens, block_size)
-            dist = rules.weighted_distribution(reservations, prompt.counts)
-            min_reservation = int(reservations.min())
+            counts = prompt.counts
         else:
-            only = rules.reservation_blocks(0, cap_tokens, block_size)
-            dist = Distribution(only, only, only, only, float(only))
-            min_reservation = only
+            reservations = np.array([rules.reservation_blocks(0, cap_tokens, block_size)])
+            counts = np.array([route.requests])
+        dist = rules.weighted_distribution(reservations, counts)
         routes.append(RouteRecommendation(
             route=route.route,
             match=_route_match(route.route, options.route_by),
@@ -263,7 +263,8 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
             prompt_tokens=None if prompt is None else _plain_summary(prompt),
             requested_max_tokens=_requested(route, cap_tokens),
             reservation_blocks=dist,
-            min_reservation_blocks=min_reservation,
+            reservation_values=reservations,
+            reservation_counts=counts,
             concurrency=rules.admitted_concurrency(budget_blocks, dist.mean),
             worst_case_concurrency=worst_concurrency,
             output_histogram=_output_histogram(route, cap_tokens),
@@ -283,7 +284,9 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
     )
     preemption = rules.preemption_mode(version, sequence_p99)
     kv_pool = capacity.kv_cache_bytes or capacity.num_blocks * block_size * kv.kv_bytes_per_token_per_gpu
-    seqs = rules.max_num_seqs(budget_blocks, min(r.min_reservation_blocks for r in routes))
+    p1_reservation = rules.weighted_quantile(np.concatenate([r.reservation_values for r in routes]),
+                                             np.concatenate([r.reservation_counts for r in routes]), 0.01)
+    seqs = rules.max_num_seqs(budget_blocks, p1_reservation)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
     batched = rules.max_num_batched_tokens(p95_prompt, options.engine_default_batched_tokens,

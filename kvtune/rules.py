@@ -51,8 +51,7 @@ class Distribution:
                 "mean": round(self.mean, 3)}
 
 
-def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distribution:
-    """Nearest-rank percentiles (numpy's inverted_cdf) of `values` repeated `counts` times."""
+def _sorted_weights(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values = np.asarray(values, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     keep = counts > 0
@@ -60,17 +59,28 @@ def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distributio
     if values.size == 0:
         raise ValueError("empty distribution")
     order = np.argsort(values, kind="stable")
-    values, counts = values[order], counts[order]
-    cumulative = np.cumsum(counts)
+    return values[order], np.cumsum(counts[order])
+
+
+def weighted_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> int:
+    """Nearest-rank quantile (numpy's inverted_cdf) of `values` repeated `counts` times."""
+    values, cumulative = _sorted_weights(values, counts)
+    needed = max(1, math.ceil(q * int(cumulative[-1]) - 1e-9))
+    return int(values[np.searchsorted(cumulative, needed)])
+
+
+def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distribution:
+    """Nearest-rank summary of `values` repeated `counts` times."""
+    sorted_values, cumulative = _sorted_weights(values, counts)
     total = int(cumulative[-1])
-
-    def rank(q: float) -> int:
-        # smallest value whose cumulative count reaches q * total (nearest rank, at least 1)
-        needed = max(1, math.ceil(q * total - 1e-9))
-        return int(values[np.searchsorted(cumulative, needed)])
-
-    mean = float(np.dot(values.astype(np.float64), counts) / total)
-    return Distribution(p50=rank(0.5), p90=rank(0.9), p99=rank(0.99), max=int(values[-1]), mean=mean)
+    mean = float(np.dot(np.asarray(values, dtype=np.float64), np.asarray(counts, dtype=np.float64)) / total)
+    return Distribution(
+        p50=weighted_quantile(values, counts, 0.5),
+        p90=weighted_quantile(values, counts, 0.9),
+        p99=weighted_quantile(values, counts, 0.99),
+        max=int(sorted_values[-1]),
+        mean=mean,
+    )
 
 
 def reservation_blocks(prompt_tokens: int | np.ndarray, cap: int, block_size: int):
@@ -210,13 +220,15 @@ def max_model_len(longest_request_tokens: int, model_limit: int, block_size: int
                     f"rounded up to the block size {block_size}")
 
 
-def max_num_seqs(budget_blocks: int, min_reservation_blocks: int) -> Decision:
-    """At least what the budget admits: budget ÷ the smallest reservation, rounded up to 8."""
-    most = budget_blocks // max(1, min_reservation_blocks)
+def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int) -> Decision:
+    """At least what the budget admits: budget ÷ the 1st-percentile reservation of the traffic mix
+    (the concurrency when the budget fills with the shortest 1 % of requests), rounded up to 8.
+    Shorter requests beyond that wait in vLLM's queue; they are never preempted."""
+    most = budget_blocks // max(1, p1_reservation_blocks)
     value = max(8, -(-most // 8) * 8)
     return Decision(value, "max-num-seqs-budget-admits",
-                    f"the budget admits at most {budget_blocks} ÷ {min_reservation_blocks} = {most} "
-                    "requests at once; the engine must be able to run them all")
+                    f"the budget admits {budget_blocks} ÷ {p1_reservation_blocks} = {most} requests at once "
+                    "when it fills with the shortest 1 % of logged requests; the engine must run them all")
 
 
 def max_num_batched_tokens(

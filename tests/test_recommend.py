@@ -97,7 +97,9 @@ def test_azure_conv_and_code_on_h100():
     assert rec.settings["swap_space"] is None
     assert rec.settings["max_new_tokens_backstop"].value == 601
     seqs = rec.settings["max_num_seqs"].value
-    assert seqs >= budget // all_res.min() and seqs % 8 == 0
+    # at least what the budget admits when it fills with the shortest 1 % of requests
+    p1 = int(np.percentile(all_res, 1, method="inverted_cdf"))
+    assert seqs >= budget // p1 and seqs % 8 == 0 and seqs - budget // p1 < 8
     assert rec.settings["max_num_batched_tokens"].value >= seqs
 
 

@@ -117,8 +117,14 @@ def test_max_model_len_rounds_to_blocks_within_model_limit():
 
 
 def test_max_num_seqs_covers_what_the_budget_admits():
-    # 27 blocks ÷ 2-block minimum reservation = 13 → rounded up to 16
+    # 27 blocks ÷ 2-block p1 reservation = 13 → rounded up to 16
     assert rules.max_num_seqs(27, 2).value == 16
+
+
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=300), st.floats(0, 1))
+def test_weighted_quantile_matches_numpy(samples, q):
+    values, counts = np.unique(samples, return_counts=True)
+    assert rules.weighted_quantile(values, counts, q) == int(np.quantile(samples, q, method="inverted_cdf"))
 
 
 def test_max_num_batched_tokens():
