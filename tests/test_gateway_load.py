@@ -1,0 +1,155 @@
+"""Concurrent load through the Python gateway with everything going wrong at once: an upstream that
+streams slowly, fails, hangs past the read timeout or dies mid-stream; clients that disconnect
+mid-stream, read slowly, or are cancelled. A sampler watches the ledger the whole time, and the
+upstream keeps its own independent tally of the blocks its running requests can grow to."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from test_gateway_proxy import FakeVllm, chat, running
+
+pytestmark = pytest.mark.slow
+
+BUDGET = 100
+BLOCK = 16
+
+
+class TallyingVllm(FakeVllm):
+    """Adds up ceil((prompt + max_tokens) / 16) × n for the requests it is running right now: what
+    the engine's KV could grow to. It must never exceed the gateway's budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running_blocks = 0
+        self.peak_running_blocks = 0
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        words = len(body["messages"][0]["content"].split())
+        blocks = max(body.get("n", 1), body.get("best_of", 1)) * -(-(words + body["max_tokens"]) // BLOCK)
+        self.running_blocks += blocks
+        self.peak_running_blocks = max(self.peak_running_blocks, self.running_blocks)
+        try:
+            return await super().generate(request)
+        finally:
+            self.running_blocks -= blocks
+
+
+async def _load(queue: dict | None, requests: int, seed: int) -> None:
+    rng = random.Random(seed)
+    fake = TallyingVllm()
+    overrides = {"timeouts": {"read_s": 0.4, "drain_s": 5}}
+    if queue:
+        overrides["queue"] = queue
+    async with running(fake, **overrides) as (session, base, gateway, _):
+        peak = {"reserved": 0, "samples": 0}
+        done = asyncio.Event()
+
+        async def sampler() -> None:
+            while not done.is_set():
+                reserved = gateway.ledger.reserved_blocks
+                assert 0 <= reserved <= BUDGET, reserved
+                assert fake.running_blocks <= BUDGET, fake.running_blocks
+                peak["reserved"] = max(peak["reserved"], reserved)
+                peak["samples"] += 1
+                await asyncio.sleep(0.001)
+
+        outcomes: Counter[str] = Counter()
+        retry_afters: list[int] = []
+        unbuffered: list[bool] = []
+
+        async def client(i: int) -> None:
+            await asyncio.sleep(rng.random() * 3.0)
+            behaviour = rng.choices(["normal", "disconnect", "slow", "cancel"], [55, 15, 15, 15])[0]
+            mode = rng.choices(["ok", "fail", "hang", "die"], [80, 7, 5, 8])[0]
+            chunks = rng.randint(3, 10)
+            body = chat(rng.randint(5, 250), stream=True, x_mode=mode, x_chunks=chunks,
+                        x_delay=rng.choice([0.005, 0.02, 0.05]), x_id=i,
+                        n=rng.choice([1, 1, 1, 2]))
+
+            async def talk() -> None:
+                async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+                    if resp.status == 429:
+                        retry_afters.append(int(resp.headers["Retry-After"]))
+                        assert (await resp.json())["error"]["code"] in (
+                            "kv_budget_exhausted", "queue_full", "queue_timeout")
+                        outcomes["429"] += 1
+                        return
+                    if resp.status != 200:
+                        outcomes[str(resp.status)] += 1
+                        await resp.read()
+                        return
+                    first = await resp.content.readuntil(b"\n\n")
+                    first_at = time.monotonic()
+                    assert first.startswith(b"data: ")
+                    if behaviour == "disconnect":
+                        await asyncio.sleep(rng.random() * 0.05)
+                        resp.close()
+                        outcomes["client_disconnect"] += 1
+                        return
+                    try:
+                        while True:
+                            part = await resp.content.read(7 if behaviour == "slow" else 65536)
+                            if not part:
+                                break
+                            if behaviour == "slow":
+                                await asyncio.sleep(0.002)
+                    except aiohttp.ClientPayloadError:
+                        outcomes["cut_mid_stream"] += 1
+                        return
+                    sent_last = fake.last_chunk_sent_at.get(str(i))
+                    if mode == "ok" and sent_last is not None:
+                        unbuffered.append(first_at < sent_last)
+                    outcomes["200"] += 1
+
+            if behaviour == "cancel":
+                try:
+                    async with asyncio.timeout(rng.random() * 0.3):
+                        await talk()
+                except TimeoutError:
+                    outcomes["client_cancelled"] += 1
+            else:
+                await talk()
+
+        sampling = asyncio.create_task(sampler())
+        async with asyncio.timeout(90):
+            async with asyncio.TaskGroup() as tg:
+                for i in range(requests):
+                    tg.create_task(client(i))
+            # every request has ended for its client; the gateway finishes its own cleanup
+            deadline = time.monotonic() + 5
+            while (gateway.ledger.reserved_blocks or fake.active) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        done.set()
+        await sampling
+
+        assert gateway.ledger.reserved_blocks == 0
+        assert gateway.ledger.inflight_requests == 0
+        assert gateway.admission.waiting == 0
+        assert fake.active == 0 and fake.running_blocks == 0  # hung upstream calls were cut too
+        assert peak["reserved"] <= BUDGET and peak["samples"] > 100
+        assert fake.peak_running_blocks <= BUDGET
+        # the run exercised what it claims to
+        assert outcomes["200"] > 10 and outcomes["429"] > 5, outcomes
+        assert outcomes["client_disconnect"] + outcomes["client_cancelled"] > 5, outcomes
+        assert outcomes["504"] + outcomes["500"] + outcomes["cut_mid_stream"] > 3, outcomes
+        assert retry_afters and all(1 <= r <= 60 for r in retry_afters)
+        assert len(unbuffered) > 5 and all(unbuffered)
+        assert peak["reserved"] > BUDGET // 2  # the budget was really under pressure
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_load_without_queue(seed):
+    asyncio.run(_load(None, requests=300, seed=seed))
+
+
+def test_load_with_queue():
+    asyncio.run(_load({"max_waiting": 20, "timeout_s": 0.3}, requests=300, seed=3))
