@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.errors import InputError
+from kvtune.gateway_config import RouteMatch
 from kvtune.render import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 
 # Short options vLLM accepts, by their long names.
@@ -33,16 +34,8 @@ class DeployedRoute:
     max_new_tokens: int
 
     def matches(self, path: str | None, model: str | None) -> bool:
-        """Same rule as the gateways: exact path or a prefix ending in `*`, model equality."""
-        if self.path is not None:
-            if path is None:
-                return False
-            if self.path.endswith("*"):
-                if not path.startswith(self.path[:-1]):
-                    return False
-            elif path != self.path:
-                return False
-        return self.model is None or self.model == model
+        """Same rule as the gateways (gateway_config.RouteMatch)."""
+        return RouteMatch(self.path, self.model).matches(path, model)
 
 
 @dataclass(frozen=True, slots=True)

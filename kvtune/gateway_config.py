@@ -24,8 +24,12 @@ class RouteMatch:
     path: str | None = None
     model: str | None = None
 
-    def matches(self, path: str, model: str | None) -> bool:
+    def matches(self, path: str | None, model: str | None) -> bool:
+        """Exact path or a prefix ending in `*`, and model equality; a request without a known
+        path never matches a route that names one."""
         if self.path is not None:
+            if path is None:
+                return False
             if self.path.endswith("*"):
                 if not path.startswith(self.path[:-1]):
                     return False
