@@ -204,7 +204,10 @@ class LocalTokenizerCounter:
         supplies the chat template and bos/eos tokens)."""
         from kvtune.ingest.tokenize import load_tokenizer
 
-        tokenizer = load_tokenizer(spec)
+        try:
+            tokenizer = load_tokenizer(spec)
+        except InputError as exc:  # name the gateway.yaml key, not the profile command's option
+            raise InputError(exc.message, path=exc.path, field="prompt_tokens.tokenizer") from exc
         path = Path(spec).expanduser()
         folder = path if path.is_dir() else path.parent if path.is_file() else None
         config: dict = {}
