@@ -10,7 +10,11 @@ import json
 import urllib.request
 
 import pytest
+from click.testing import CliRunner
+from conftest import REPO
 from vllm_server import cache_config_labels, chat_prompt_tokens, logged_kv_cache_tokens, synth_prompt
+
+from kvtune.cli import cli
 
 pytestmark = pytest.mark.vllm
 
@@ -48,9 +52,41 @@ def test_one_token_per_word_on_completions_and_chat(vllm_server):
     assert chat["usage"]["completion_tokens"] == 4
 
 
+def _calibrate(*args: str) -> dict:
+    result = CliRunner().invoke(cli, ["calibrate", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server, tmp_path):
+    cap = tmp_path / "capacity.json"
+    data = _calibrate(vllm_server.url, "--out", str(cap), "--vllm-log", str(vllm_server.log_path))
+    logged = logged_kv_cache_tokens(vllm_server.log_text())
+    labels = cache_config_labels(vllm_server.metrics_text())
+    assert data["kv_cache_tokens"] == logged == int(labels["kv_cache_size_tokens"]) == 4096
+    assert data["num_blocks"] == int(labels["num_gpu_blocks"]) == 32
+    assert data["block_size"] == int(labels["block_size"]) == 128
+    assert (data["model"], data["max_model_len"], data["source"], data["device"]) == ("tiny", 512, "metrics", "CPU")
+    assert (data["kv_cache_memory_bytes"], data["enable_prefix_caching"]) == (2097152, True)
+    assert json.loads(cap.read_text()) == data
+    # the same through the /metrics URL, without the log
+    assert {**_calibrate(vllm_server.url + "/metrics"), "device": "CPU"} == data
+
+    result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
+                                      "--model", str(vllm_server.model_dir), "--capacity", str(cap), "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)["recommendation"]
+    assert (rec["capacity"]["source"], rec["capacity"]["num_blocks"], rec["capacity"]["block_size"]) == ("metrics", 32, 128)
+    assert rec["block_budget"]["value"] == 27  # floor((32 − 1 null block) × 0.9)
+
+
 def test_num_gpu_blocks_override_replaces_the_profiled_count(vllm_factory):
     server = vllm_factory(max_model_len=512, num_gpu_blocks_override=8)
     assert (server.num_blocks, server.block_size) == (8, 128)
     log = server.log_text()
     assert "num_gpu_blocks_override=8" in log
     assert logged_kv_cache_tokens(log) == server.kv_cache_tokens == 8 * 128
+
+    data = _calibrate(server.url, "--vllm-log", str(server.log_path))
+    assert (data["num_blocks"], data["num_gpu_blocks_override"], data["kv_cache_tokens"]) == (8, 8, 1024)
