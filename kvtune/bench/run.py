@@ -151,8 +151,9 @@ async def run_bench(
     rec = recorder or BenchRecorder()
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     connector = aiohttp.TCPConnector(limit=config.connections, limit_per_host=0, ttl_dns_cache=300)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(config.timeout_s, PROBE_TIMEOUT_S),
-                                    sock_read=config.timeout_s)
+    # the per-request limit is one asyncio.timeout around each attempt (client.py); a sock_read
+    # timer here would be re-armed on every chunk, which costs more than it adds
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(config.timeout_s, PROBE_TIMEOUT_S))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
                                      auto_decompress=False) as session:
         model, max_model_len = await _probe(session, config.base_url, config.model)

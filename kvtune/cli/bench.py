@@ -39,6 +39,17 @@ JSON_FIELDS = """\b
                    truncation_share?} or null; each check {passed, evaluated, observed, expected, …}
 
 \b
+Verdict checks (--expect recommendation.json; a check that cannot be evaluated fails):
+  preemptions           vllm:num_preemptions_total delta == 0
+  kv_cache_usage        peak vllm:kv_cache_usage_perc <= (block_budget + 1 null block) / num_blocks
+  admitted_concurrency  peak vllm:num_requests_running <= block_budget // smallest reservation
+                        among the requests sent, ceil((prompt + min(max_tokens, route cap)) / block_size)
+  truncation_share      per route, share of responses cut short (finish_reason length with fewer
+                        tokens than drawn) within 0.01 + 3 binomial sigma of the predicted share
+  slo                   with --slo: share meeting every objective >= --slo-attainment
+Peaks are sampled every --scrape-interval; counters are exact before/after deltas.
+
+\b
 Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 bad input.
 """
 
@@ -108,6 +119,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     Each request draws (prompt, output) lengths from the profile's routes, builds a prompt of
     exactly that many tokens under the server's tokenizer, and forces the output length with
     max_tokens + ignore_eos. With --expect, exit 1 when the server contradicts the recommendation.
+    Prompt lengths are checked with the server's /tokenize; --tokenizer (also used for logs) is
+    the fallback for servers without it.
 
     \b
     Example:
