@@ -51,6 +51,8 @@ def test_counted_output_tokens_equal_the_server_counter(vllm_server, tmp_path, e
     assert (data["server"]["num_blocks"], data["server"]["block_size"]) == (32, 128)
     assert data["server"]["preemptions"] == 0
     assert data["latency_ms"]["ttft"]["count"] == 24
+    print(f"\n{endpoint}: counted {data['output_tokens_total']} output tokens, server generation delta "
+          f"{data['server']['generation_tokens']}")
 
 
 def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_path):
@@ -72,3 +74,6 @@ def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_
     v = data["verdict"]
     assert v["passed"] is False and v["preemptions"]["passed"] is False
     assert v["preemptions"]["observed"] == data["server"]["preemptions"]
+    print(f"\nsqueezed: {data['server']['preemptions']} preemptions, peak KV {data['server']['kv_cache_usage_peak']}, "
+          f"peak running {data['server']['running_peak']}, waiting {data['server']['waiting_peak']}, "
+          f"failed checks {[k for k, c in v.items() if k != 'passed' and not c['passed']]}")
