@@ -44,6 +44,8 @@ class FakeVllm:
     async def tokenize(self, request: web.Request) -> web.Response:
         if self.tokenize_status != 200:
             return web.json_response({"error": {"message": "down"}}, status=self.tokenize_status)
+        if request.content_type != "application/json":  # as vLLM: 400 Unsupported Media Type
+            return web.json_response({"error": {"message": "Only 'application/json' is allowed"}}, status=400)
         body = await request.json()
         text = body.get("prompt") or " ".join(str(m.get("content", "")) for m in body["messages"])
         return web.json_response({"count": len(text.split()), "tokens": []})

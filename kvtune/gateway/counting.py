@@ -134,7 +134,9 @@ class UpstreamTokenizeCounter:
         else:
             payload["prompt"] = prompt.text
         try:
-            async with self.session.post(self.url, json=payload) as resp:
+            # explicit Content-Type: vLLM refuses JSON without it, and the gateway's session adds none
+            async with self.session.post(self.url, data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"}) as resp:
                 data = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
