@@ -44,7 +44,7 @@ class RecommendOptions:
 @dataclass(frozen=True, slots=True)
 class RouteRecommendation:
     route: str
-    match: dict[str, str | None]
+    match: dict[str, str | None] | None
     requests: int
     share: float
     tail: str
@@ -63,7 +63,7 @@ class RouteRecommendation:
     def to_dict(self) -> dict[str, Any]:
         return {
             "route": self.route,
-            "match": dict(self.match),
+            "match": None if self.match is None else dict(self.match),
             "requests": self.requests,
             "share": round(self.share, 6),
             "tail": self.tail,
@@ -164,11 +164,16 @@ def _ratio(a: int, b: int) -> float | None:
     return None if b == 0 else round(a / b, 3)
 
 
-def _route_match(route: str, route_by: str) -> dict[str, str | None]:
-    key = ROUTE_BY_MATCH.get(route_by)
+def _route_match(route: str, route_by: str) -> dict[str, str | None] | None:
+    """What a gateway matches this route on: its path or model; everything for the unnamed
+    route `*`; None when routes come from a field a gateway cannot see (the catch-all serves)."""
     match: dict[str, str | None] = {"path": None, "model": None}
-    if key is not None and route != "*":
-        match[key] = route
+    if route == "*":
+        return match
+    key = ROUTE_BY_MATCH.get(route_by)
+    if key is None:
+        return None
+    match[key] = route
     return match
 
 
@@ -271,12 +276,12 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
         ))
 
     # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
-    routes.sort(key=lambda r: r.match["path"] is None and r.match["model"] is None)
+    routes.sort(key=lambda r: r.match is None or (r.match["path"] is None and r.match["model"] is None))
     mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)
     admitted = rules.admitted_concurrency(budget_blocks, mean_reservation)
     if options.route_by not in ROUTE_BY_MATCH and len(routes) > 1:
         notes.append(f"routes come from the field {options.route_by!r}, which a gateway cannot match on; "
-                     "gateway configs match every request to the catch-all route with the largest cap")
+                     "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
     sequence_p99 = max(
         (r.prompt_tokens["p99"] if r.prompt_tokens else 0) + int(r.max_new_tokens.value)  # type: ignore[arg-type]

@@ -300,6 +300,8 @@ def gateway_routes(rec: Mapping[str, Any]) -> list[dict]:
     capped at the backstop so no request is ever uncapped."""
     routes = []
     for route in rec["routes"]:
+        if route.get("match", {}) is None:
+            continue  # routes from a field no gateway sees: the catch-all below serves them
         match = route.get("match") or {}
         cap = route["max_new_tokens"]
         routes.append({

@@ -170,3 +170,22 @@ def test_catch_all_routes_come_after_specific_ones():
     assert [r.route for r in rec.routes] == ["/v1/code", "*"]
     assert rec.routes[0].match == {"path": "/v1/code", "model": None}
     assert rec.routes[1].match == {"path": None, "model": None}
+
+
+def test_routes_from_a_field_are_not_gateway_matches():
+    """Routes keyed by a log field (say metadata.team) cannot be matched by a gateway; rendering
+    them as match-everything entries would send all traffic to whichever came first."""
+    from kvtune.gateway_config import parse_gateway_config
+    from kvtune.render import render_files
+    import yaml
+
+    conv, code = _azure("conv"), _azure("code")
+    kv, capacity, options = _h100_llama()
+    options = RecommendOptions(**{**{f: getattr(options, f) for f in options.__slots__},
+                                  "route_by": "metadata.team"})
+    rec = recommend(_profile({"team-a": conv, "team-b": code}), kv, capacity, options, model="m")
+    assert all(r.match is None for r in rec.routes)
+    assert any("cannot match" in n for n in rec.notes)
+    gateway = parse_gateway_config(yaml.safe_load(render_files(rec.to_dict(), targets=["gateway.yaml"])["gateway.yaml"]))
+    assert [r.name for r in gateway.routes] == ["default"]
+    assert gateway.routes[0].max_new_tokens == max(int(r.max_new_tokens.value) for r in rec.routes)
