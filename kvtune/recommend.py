@@ -211,6 +211,38 @@ def _requested(route: RouteProfile, cap: int) -> dict[str, Any] | None:
     }
 
 
+def _route_recommendation(route: RouteProfile, cap: Decision, route_by: str, *, block_size: int,
+                          budget_blocks: int, worst_concurrency: int, total_requests: int) -> RouteRecommendation:
+    """One route's cap with what it costs: reservations over the route's real prompts."""
+    cap_tokens = int(cap.value)  # type: ignore[arg-type]
+    prompt = route.prompt if route.prompt.total else None
+    if prompt is not None:
+        reservations = rules.reservation_blocks(prompt.values, cap_tokens, block_size)
+        counts = prompt.counts
+    else:
+        reservations = np.array([rules.reservation_blocks(0, cap_tokens, block_size)])
+        counts = np.array([route.requests])
+    dist = rules.weighted_distribution(reservations, counts)
+    return RouteRecommendation(
+        route=route.route,
+        match=_route_match(route.route, route_by),
+        requests=route.requests,
+        share=route.requests / total_requests,
+        tail=route.tail.class_,
+        max_new_tokens=cap,
+        truncation_share=route.output.truncation_share(cap_tokens),
+        output_tokens=route.output.summary().to_dict(),
+        prompt_tokens=None if prompt is None else _plain_summary(prompt),
+        requested_max_tokens=_requested(route, cap_tokens),
+        reservation_blocks=dist,
+        reservation_values=reservations,
+        reservation_counts=counts,
+        concurrency=rules.admitted_concurrency(budget_blocks, dist.mean),
+        worst_case_concurrency=worst_concurrency,
+        output_histogram=_output_histogram(route, cap_tokens),
+    )
+
+
 def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: RecommendOptions,
               *, model: str) -> Recommendation:
     """Apply every rule; the result says which rule produced each number."""
@@ -245,35 +277,11 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
     worst_blocks = rules.worst_case_reservation_blocks(context_tokens, block_size)
     worst_concurrency = budget_blocks // worst_blocks
 
-    routes = []
-    for route, cap in drafts:
-        cap_tokens = int(cap.value)  # type: ignore[arg-type]
-        prompt = route.prompt if route.prompt.total else None
-        if prompt is not None:
-            reservations = rules.reservation_blocks(prompt.values, cap_tokens, block_size)
-            counts = prompt.counts
-        else:
-            reservations = np.array([rules.reservation_blocks(0, cap_tokens, block_size)])
-            counts = np.array([route.requests])
-        dist = rules.weighted_distribution(reservations, counts)
-        routes.append(RouteRecommendation(
-            route=route.route,
-            match=_route_match(route.route, options.route_by),
-            requests=route.requests,
-            share=route.requests / total_requests,
-            tail=route.tail.class_,
-            max_new_tokens=cap,
-            truncation_share=route.output.truncation_share(cap_tokens),
-            output_tokens=route.output.summary().to_dict(),
-            prompt_tokens=None if prompt is None else _plain_summary(prompt),
-            requested_max_tokens=_requested(route, cap_tokens),
-            reservation_blocks=dist,
-            reservation_values=reservations,
-            reservation_counts=counts,
-            concurrency=rules.admitted_concurrency(budget_blocks, dist.mean),
-            worst_case_concurrency=worst_concurrency,
-            output_histogram=_output_histogram(route, cap_tokens),
-        ))
+    routes = [
+        _route_recommendation(route, cap, options.route_by, block_size=block_size, budget_blocks=budget_blocks,
+                              worst_concurrency=worst_concurrency, total_requests=total_requests)
+        for route, cap in drafts
+    ]
 
     # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
     routes.sort(key=lambda r: r.match is None or (r.match["path"] is None and r.match["model"] is None))
@@ -283,6 +291,41 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
         notes.append(f"routes come from the field {options.route_by!r}, which a gateway cannot match on; "
                      "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
+    settings = _engine_settings(profile, routes, kv, capacity, options, version=version,
+                                budget_blocks=budget_blocks, max_len=max_len)
+    if not measured:
+        notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
+                     "`kvtune calibrate`) before trusting the budget to the block")
+    notes.extend(capacity.notes)
+    return Recommendation(
+        model=model,
+        served_model=options.served_model or model,
+        vllm_version=options.vllm_version,
+        v1_engine=rules.is_v1_engine(version),
+        upstream=options.upstream,
+        gpu=options.gpu,
+        gpu_memory_bytes=options.gpu_memory_bytes,
+        kv=kv,
+        capacity=capacity,
+        safety_fraction=safety,
+        block_budget=budget,
+        routes=tuple(routes),
+        mean_reservation_blocks=mean_reservation,
+        admitted_concurrency=admitted,
+        worst_case_reservation_blocks=worst_blocks,
+        worst_case_concurrency=worst_concurrency,
+        settings=settings,
+        notes=tuple(notes),
+    )
+
+
+def _engine_settings(profile: Profile, routes: list[RouteRecommendation], kv: KvBytes, capacity: Capacity,
+                     options: RecommendOptions, *, version: tuple[int, ...], budget_blocks: int,
+                     max_len: Decision) -> dict[str, Decision | None]:
+    """The vLLM flags, each from its rule: scheduler limits sized for what the budget admits."""
+    block_size = capacity.block_size
+    context_tokens = int(max_len.value)  # type: ignore[arg-type]
+    caps = [int(r.max_new_tokens.value) for r in routes]  # type: ignore[arg-type]
     sequence_p99 = max(
         (r.prompt_tokens["p99"] if r.prompt_tokens else 0) + int(r.max_new_tokens.value)  # type: ignore[arg-type]
         for r in routes
@@ -297,7 +340,7 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
     batched = rules.max_num_batched_tokens(p95_prompt, options.engine_default_batched_tokens,
                                            int(seqs.value), context_tokens)  # type: ignore[arg-type]
     backstop = max(caps)
-    settings: dict[str, Decision | None] = {
+    return {
         "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given",
                                          f"{kv.kv_bytes_per_token_per_gpu:,} KV bytes per token per GPU at "
                                          f"tensor parallel {kv.tensor_parallel_size}"),
@@ -323,30 +366,6 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
             f"--override-generation-config max_new_tokens is a server-wide default and cap in vLLM; "
             f"the largest route cap {backstop} never clamps a route below its own cap"),
     }
-    if not measured:
-        notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
-                     "`kvtune calibrate`) before trusting the budget to the block")
-    notes.extend(capacity.notes)
-    return Recommendation(
-        model=model,
-        served_model=options.served_model or model,
-        vllm_version=options.vllm_version,
-        v1_engine=rules.is_v1_engine(version),
-        upstream=options.upstream,
-        gpu=options.gpu,
-        gpu_memory_bytes=options.gpu_memory_bytes,
-        kv=kv,
-        capacity=capacity,
-        safety_fraction=safety,
-        block_budget=budget,
-        routes=tuple(routes),
-        mean_reservation_blocks=mean_reservation,
-        admitted_concurrency=admitted,
-        worst_case_reservation_blocks=worst_blocks,
-        worst_case_concurrency=worst_concurrency,
-        settings=settings,
-        notes=tuple(notes),
-    )
 
 
 def _plain_summary(histogram) -> dict[str, Any]:
