@@ -341,9 +341,7 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], kv: Kv
                                            int(seqs.value), context_tokens)  # type: ignore[arg-type]
     backstop = max(caps)
     return {
-        "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given",
-                                         f"{kv.kv_bytes_per_token_per_gpu:,} KV bytes per token per GPU at "
-                                         f"tensor parallel {kv.tensor_parallel_size}"),
+        "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given", _tp_reason(kv, capacity)),
         "pipeline_parallel_size": Decision(kv.pipeline_parallel_size, "pp-given",
                                            f"pipeline parallel {kv.pipeline_parallel_size} as given"),
         "max_model_len": max_len,
@@ -366,6 +364,17 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], kv: Kv
             f"--override-generation-config max_new_tokens is a server-wide default and cap in vLLM; "
             f"the largest route cap {backstop} never clamps a route below its own cap"),
     }
+
+
+def _tp_reason(kv: KvBytes, capacity: Capacity) -> str:
+    """Why this tensor-parallel size serves: what each GPU holds at it."""
+    per_gpu = f"{kv.kv_bytes_per_token_per_gpu:,} KV bytes per token per GPU"
+    memory = capacity.memory
+    if memory is None:
+        return f"{per_gpu} at tensor parallel {kv.tensor_parallel_size}; capacity measured on the server"
+    return (f"at tensor parallel {kv.tensor_parallel_size} each GPU holds {memory.weights_bytes / 2**30:.1f} GiB "
+            f"of weights and a {memory.kv_cache_bytes / 2**30:.1f} GiB KV pool ({capacity.num_blocks:,} blocks); "
+            f"{per_gpu}")
 
 
 def _plain_summary(histogram) -> dict[str, Any]:
