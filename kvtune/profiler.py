@@ -49,19 +49,22 @@ __all__ = [
 #: absurd row (10^12 tokens) cannot allocate terabytes. 4M tokens is beyond any context window.
 DENSE_LIMIT = 1 << 22
 
+#: Batches ingest reads ahead in its own thread while this one aggregates (bounded memory).
+PREFETCH_BATCHES = 1
+
 _JOINT_WIDTH = JOINT_EDGES.size
 _JOINT_TABLE_SIZE = 1 << 17  # lookup table for joint bins of counts below 131072
 _joint_table: np.ndarray | None = None
 
 
 def _joint_bins(tokens: np.ndarray) -> np.ndarray:
-    """Joint bin of each token count: a table lookup for common sizes, a search above."""
+    """Joint bin (int64) of each token count: a table lookup for common sizes, a search above."""
     global _joint_table
     if _joint_table is None:
-        _joint_table = joint_bin(np.arange(_JOINT_TABLE_SIZE)).astype(np.int16)
-    small = tokens < _JOINT_TABLE_SIZE
-    if small.all():
+        _joint_table = joint_bin(np.arange(_JOINT_TABLE_SIZE)).astype(np.int64)
+    if tokens.size == 0 or int(tokens.max()) < _JOINT_TABLE_SIZE:
         return _joint_table[tokens]
+    small = tokens < _JOINT_TABLE_SIZE
     out = np.empty(tokens.size, np.int64)
     out[small] = _joint_table[tokens[small]]
     out[~small] = joint_bin(tokens[~small])
@@ -94,21 +97,25 @@ class _Table:
         """Count `values` (non-negative int64) under group `gid` (< groups)."""
         if values.size == 0:
             return
-        big = values >= DENSE_LIMIT
-        if big.any():
+        top = int(values.max())
+        if top >= DENSE_LIMIT:
+            big = values >= DENSE_LIMIT
             for g in np.unique(gid[big]):
                 self.overflow.setdefault(int(g), []).append(Histogram.of(values[big & (gid == g)]))
             gid, values = gid[~big], values[~big]
             if values.size == 0:
                 return
-        width = int(values.max()) + 1
+            top = int(values.max())
+        width = top + 1
         self._ensure(groups, width)
         if groups * width <= 4 * values.size + 4096:
-            self.counts[:groups, :width] += np.bincount(
-                gid * width + values, minlength=groups * width
-            ).reshape(groups, width)
+            key = gid * width
+            key += values
+            self.counts[:groups, :width] += np.bincount(key, minlength=groups * width).reshape(groups, width)
         else:
-            np.add.at(self.counts.reshape(-1), gid * self.counts.shape[1] + values, 1)
+            key = gid * self.counts.shape[1]
+            key += values
+            np.add.at(self.counts.reshape(-1), key, 1)
 
     def histogram(self, group: int) -> Histogram:
         h = Histogram.from_dense(self.counts[group]) if group < self.counts.shape[0] else Histogram.empty()
@@ -127,18 +134,21 @@ class _Vocab:
         return self.ids.setdefault(name, len(self.ids))
 
     def encode(self, column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
-        """(global id per row with nulls as 0, valid mask or None when no nulls)."""
+        """(global id per row with nulls as 0, valid mask or None when no nulls).
+
+        Works on the dictionary: only its few values go through Python, the rows are one take.
+        """
         import pyarrow as pa
         import pyarrow.compute as pc
+
+        from kvtune.ingest import arrays
 
         if isinstance(column, pa.ChunkedArray):
             column = column.combine_chunks()
         if not pa.types.is_dictionary(column.type):
             column = pc.dictionary_encode(column)
         mapping = np.array([self.id(str(s)) for s in column.dictionary.to_pylist()] or [0], np.int64)
-        indices = column.indices
-        valid = None if indices.null_count == 0 else ~np.asarray(indices.is_null())
-        codes = indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        codes, valid = arrays.ints(column.indices)
         return mapping[codes], valid
 
     @property
@@ -146,19 +156,15 @@ class _Vocab:
         return list(self.ids)
 
 
-def _ints(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
-    """(int64 values with nulls as 0, valid mask or None when there are no nulls)."""
-    if column.null_count == 0:
-        return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), None
-    valid = ~np.asarray(column.is_null())
-    return column.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), valid
+def _censored(column: pa.Array) -> np.ndarray | None:
+    """The censored flags, or None when no row is censored (the common case: one cheap pass)."""
+    import pyarrow.compute as pc
 
+    from kvtune.ingest import arrays
 
-def _floats(column: pa.Array) -> np.ndarray:
-    """float64 with nulls as NaN."""
-    import pyarrow as pa
-
-    return column.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    if not pc.any(column).as_py():
+        return None
+    return arrays.flags(column)
 
 
 def _where(ok: np.ndarray | None, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -188,6 +194,8 @@ class ProfileBuilder:
         self._last_s: dict[int, float] = {}
 
     def add_batch(self, batch: pa.RecordBatch) -> None:
+        from kvtune.ingest import arrays
+
         n = batch.num_rows
         if n == 0:
             return
@@ -201,32 +209,31 @@ class ProfileBuilder:
             gid = np.full(n, self._routes.id("*"), np.int64)
         groups = len(self._routes.ids)
 
-        output, out_valid = _ints(batch.column("output_tokens"))
+        output, out_valid = arrays.ints(batch.column("output_tokens"))
         if out_valid is not None or output.min() < 0:
             raise ValueError("output_tokens must be non-null and non-negative (ingest skips such rows)")
-        cut = None
-        if "censored" in names:
-            flags = batch.column("censored").fill_null(False).to_numpy(zero_copy_only=False)
-            if flags.any():
-                cut = flags.astype(np.int64)
-        gid2 = 2 * gid
-        self._output.add(2 * groups, gid2 if cut is None else gid2 + cut, output)
+        cut = _censored(batch.column("censored")) if "censored" in names else None
+        gid2 = 2 * gid  # censored tables use group 2·route + censored
+        if cut is not None:
+            gid2 += cut
+        self._output.add(2 * groups, gid2, output)
 
         if "prompt_tokens" in names:
-            prompt, ok = _ints(batch.column("prompt_tokens"))
-            ok = prompt >= 0 if ok is None else ok & (prompt >= 0)
+            prompt, ok = arrays.ints(batch.column("prompt_tokens"))
+            if ok is not None or prompt.min() < 0:
+                ok = prompt >= 0 if ok is None else ok & (prompt >= 0)
             g, g2, p, o = _where(ok, gid, gid2, prompt, output)
             self._prompt.add(groups, g, p)
-            if cut is None:
-                self._total.add(2 * groups, g2, p + o)
-            else:
-                (c,) = _where(ok, cut)
-                self._total.add(2 * groups, g2 + c, p + o)
-            self._joint.add(groups, g, _joint_bins(p).astype(np.int64) * _JOINT_WIDTH + _joint_bins(o))
+            self._total.add(2 * groups, g2, p + o)
+            cells = _joint_bins(p)
+            cells *= _JOINT_WIDTH
+            cells += _joint_bins(o)
+            self._joint.add(groups, g, cells)
 
         if "max_tokens" in names:
-            requested, ok = _ints(batch.column("max_tokens"))
-            ok = requested >= 0 if ok is None else ok & (requested >= 0)
+            requested, ok = arrays.ints(batch.column("max_tokens"))
+            if ok is not None or requested.min() < 0:
+                ok = requested >= 0 if ok is None else ok & (requested >= 0)
             self._max_tokens.add(groups, *_where(ok, gid, requested))
 
         if "finish_reason" in names:
@@ -241,10 +248,10 @@ class ProfileBuilder:
             )
 
         if "timestamp_s" in names:
-            self._add_arrivals(gid, _floats(batch.column("timestamp_s")))
+            self._add_arrivals(gid, arrays.floats(batch.column("timestamp_s")))
         for column, table in (("latency_ms", self._latency), ("ttft_ms", self._ttft)):
             if column in names:
-                ms = _floats(batch.column(column))
+                ms = arrays.floats(batch.column(column))
                 ok = np.isfinite(ms) & (ms >= 0)
                 if ok.any():
                     g, v = _where(ok, gid, ms)
@@ -331,7 +338,9 @@ def _count_pairs(table: np.ndarray, groups: int, vocab: int, gid: np.ndarray, co
         grown[: table.shape[0], : table.shape[1]] = table
         table = grown
     if gid.size:
-        table += np.bincount(gid * vocab + codes, minlength=groups * vocab).reshape(groups, vocab)
+        key = gid * vocab
+        key += codes
+        table += np.bincount(key, minlength=groups * vocab).reshape(groups, vocab)
     return table
 
 
@@ -374,7 +383,7 @@ def profile_logs(
 def _profile_once(paths: Sequence[str], options: Any, progress: ProgressCallback | None) -> Profile:
     from kvtune.ingest import read_logs
 
-    batches, stats = read_logs(list(paths), options, progress=progress)
+    batches, stats = read_logs(list(paths), options, progress=progress, prefetch=PREFETCH_BATCHES)
     builder = ProfileBuilder()
     for batch in batches:
         builder.add_batch(batch)

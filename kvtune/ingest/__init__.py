@@ -91,15 +91,18 @@ def read_logs(
     options: IngestOptions,
     *,
     progress: Callable[[int, int], None] | None = None,
+    prefetch: int = 0,
 ) -> tuple[Iterator[pyarrow.RecordBatch], IngestStats]:
     """Stream normalized batches from log files; stats fill in as the iterator runs.
 
     Options, paths and every file's format are checked before this returns, so a typo fails
-    before any work; row-level problems surface while iterating.
+    before any work; row-level problems surface while iterating. prefetch > 0 reads that many
+    batches ahead in a background thread (progress is then called from that thread), so reading
+    overlaps with whatever the caller does with each batch.
     """
     from kvtune.ingest.readers import open_logs
 
-    return open_logs(paths, options, progress=progress)
+    return open_logs(paths, options, progress=progress, prefetch=prefetch)
 
 
 __all__ = [

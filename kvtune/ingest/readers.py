@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
-from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats
+from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats, arrays
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
 from kvtune.ingest.schemas._base import (
@@ -62,17 +62,18 @@ from kvtune.ingest.schemas.openai import batch_input_entry
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
 BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 SINK_ROWS = 32768  # rows per batch on the slow path
+PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
 HEAD_BYTES = 1 << 20  # bytes read for detection
 SAMPLE_RECORDS = 200
 
 SCHEMA = pa.schema(
     [
         ("route", pa.dictionary(pa.int32(), pa.string())),
-        ("model", pa.string()),
+        ("model", pa.dictionary(pa.int32(), pa.string())),
         ("prompt_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
         ("max_tokens", pa.int64()),
-        ("finish_reason", pa.string()),
+        ("finish_reason", pa.dictionary(pa.int32(), pa.string())),
         ("censored", pa.bool_()),
         ("timestamp_s", pa.float64()),
         ("latency_ms", pa.float64()),
@@ -472,6 +473,7 @@ def open_logs(
     options: IngestOptions,
     *,
     progress: Callable[[int, int], None] | None = None,
+    prefetch: int = 0,
 ) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
     check_options(options)
     files = expand_paths(paths)
@@ -483,7 +485,56 @@ def open_logs(
         tokenizer = load_tokenizer(options.tokenizer)
     stats = IngestStats(files=[FileInfo(str(p.path), p.format) for p in plans])
     reader = _Reader(options, stats, tokenizer, progress, sum(p.path.stat().st_size for p in plans))
-    return reader.run(plans), stats
+    batches = reader.run(plans)
+    return (_ahead(batches, prefetch) if prefetch else batches), stats
+
+
+def _ahead(batches: Iterator[pa.RecordBatch], depth: int) -> Iterator[pa.RecordBatch]:
+    """The same batches, produced by a background thread up to `depth` ahead of the consumer.
+
+    Decoding (pyarrow) and much of the numpy work release the GIL, so reading the next batch
+    overlaps with aggregating this one. Errors are raised in the consumer, in order; a consumer
+    that stops early stops the thread.
+    """
+    import queue
+    import threading
+
+    slots: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(("batch", batch)):
+                    return
+            put(("end", None))
+        except Exception as exc:  # handed to the consumer, raised there
+            put(("error", exc))
+        finally:
+            batches.close()
+
+    worker = threading.Thread(target=produce, name="kvtune-ingest", daemon=True)
+    worker.start()
+    try:
+        while True:
+            kind, value = slots.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        worker.join()
 
 
 class _Reader:
@@ -835,7 +886,10 @@ class _Reader:
             columns = list(dict.fromkeys(sources.values()))
         done = 0
         try:
-            batches = pf.iter_batches(batch_size=1 << 20, columns=columns)
+            # whole row groups per batch where they are of a sane size: no re-slicing across groups
+            rows = max(pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)) if pf.metadata.num_row_groups else 0
+            batch_size = min(max(rows, PARQUET_MIN_BATCH), PARQUET_MAX_BATCH)
+            batches = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True)
             for batch in batches:
                 n = batch.num_rows
                 if plan.flat is None:
@@ -869,38 +923,27 @@ class _Reader:
     def _finalize(self, plan: _Plan, cols: dict[str, pa.Array], n: int, locate: Callable[[int], int]) -> pa.RecordBatch | None:
         flat = plan.flat
         sources = flat.columns if flat is not None else {}
+        cols = {t: c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for t, c in cols.items()}
         if "timestamp_s" in cols:
             cols["timestamp_s"] = _seconds(cols["timestamp_s"], flat.time_unit if flat else "s")
         if flat is not None and flat.latency_unit == "s":
             for t in FLOAT_TARGETS:
                 if t in cols:
-                    cols[t] = pc.multiply(cols[t], 1000.0)
+                    cols[t] = arrays.scaled(cols[t], 1000.0)
         out = cols.get("output_tokens")
         if out is None:
             out = pa.nulls(n, pa.int64())
             cols["output_tokens"] = out
-        checks: list[tuple[str, str, pa.Array, Callable[[Any], str]]] = [
-            (MISSING_OUTPUT, "output_tokens", pc.is_null(out), lambda v: "missing")
-        ]
-        for t in INT_TARGETS:
-            if t in cols:
-                checks.append((NEGATIVE_TOKENS, t, pc.less(cols[t], 0), lambda v: f"negative count: {v}"))
-        for t in (*FLOAT_TARGETS, "timestamp_s"):
-            if t in cols and cols[t].null_count < n:
-                checks.append((BAD_NUMBER, t, pc.invert(pc.is_finite(cols[t])), lambda v: f"not a finite number: {v}"))
-        if flat is not None and flat.zero_output_failed:
-            checks.append((FAILED, "output_tokens", pc.equal(out, 0), lambda v: "0 response tokens (a failed request)"))
-        bad = np.zeros(n, dtype=bool)
-        found = []
-        for reason, target, mask, msg in checks:
-            if not pc.any(mask).as_py():  # the common case: one pass, no numpy copy
-                continue
-            m = mask.fill_null(False).to_numpy(zero_copy_only=False) & ~bad
-            if m.any():
-                first = int(np.argmax(m))
-                found.append((first, reason, target, msg, int(m.sum())))
-                bad |= m
-        if found:
+        bad = _bad_rows(cols, n, flat is not None and flat.zero_output_failed)
+        if bad:
+            drop = np.zeros(n, dtype=bool)
+            found = []
+            for reason, target, mask, msg in bad:
+                m = mask & ~drop
+                if m.any():
+                    first = int(np.argmax(m))
+                    found.append((first, reason, target, msg, int(m.sum())))
+                    drop |= m
             found.sort()
             for first, reason, target, msg, count in found:
                 if self._need_example(reason) or self.fail:
@@ -909,9 +952,9 @@ class _Reader:
                     self.skip(reason, msg(value), locate(first), sources.get(target, target), count=count)
                 else:
                     self.stats.skipped[reason] += count
-            keep = pa.array(~bad)
+            keep = arrays.bool_array(~drop)
             cols = {t: pc.filter(c, keep) for t, c in cols.items()}
-            n = int((~bad).sum())
+            n = int((~drop).sum())
         if n == 0:
             return None
         return self._assemble(cols, n)
@@ -927,70 +970,118 @@ class _Reader:
             candidates = [cols.get("model")]
         else:
             candidates = [cols.get("_route")]
-        present = [c for c in candidates if c is not None and c.null_count < n]
+        present = [_labels(c) for c in candidates if c is not None and c.null_count < n]
         if not present:
-            return pa.DictionaryArray.from_arrays(
-                pa.array(np.zeros(n, dtype=np.int32)), pa.array(["*"], pa.string())
-            )
-        if len(present) == 1 and pa.types.is_dictionary(present[0].type):
-            col = present[0]
-            if col.type.index_type != pa.int32():
-                col = col.cast(pa.dictionary(pa.int32(), col.type.value_type))
-            return _route_dictionary(col)
-        strings = [c.cast(pa.string()) if pa.types.is_dictionary(c.type) else c for c in present]
-        strings = [pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c) for c in strings]
-        route = pc.coalesce(*strings, pa.scalar("*"))
-        return pc.dictionary_encode(route)
+            return arrays.dictionary(np.zeros(n, np.int32), ["*"])
+        if len(present) == 1:
+            return _route_dictionary(present[0])
+        # the first non-empty candidate per row: codes into the union of the dictionaries
+        names: dict[str, int] = {}
+        codes = np.full(n, -1, np.int64)
+        for col in present:
+            remap = np.array([names.setdefault(v, len(names)) for v in col.dictionary.to_pylist()] or [0], np.int64)
+            idx, ok = arrays.ints(col.indices)
+            take = codes < 0 if ok is None else (codes < 0) & ok
+            codes[take] = remap[idx[take]]
+        star = codes < 0
+        if star.any():
+            codes[star] = names.setdefault("*", len(names))
+        return arrays.dictionary(codes, list(names))
 
     def _assemble(self, cols: dict[str, pa.Array], n: int) -> pa.RecordBatch:
-        for t in ("route", "path", "model", "finish_reason", "_route"):
-            c = cols.get(t)
-            if c is None:
-                continue
-            if pa.types.is_dictionary(c.type) and t in ("route", "path", "_route"):
-                continue  # route candidates are cleaned on their dictionary values (_route)
-            if c.type != pa.string():
-                c = c.cast(pa.string())
-            if c.null_count < n and pc.any(pc.equal(c, "")).as_py():
-                c = pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c)
-            cols[t] = c
         route = self._route(cols, n)
-        out = cols["output_tokens"]
+        out, _ = arrays.ints(cols["output_tokens"])
         finish = cols.get("finish_reason")
-        if finish is not None and finish.null_count < n:
-            finish = _normalize_finish(finish)
-        censored = pa.array(np.zeros(n, dtype=bool))
+        finish = _normalize_finish(_labels(finish)) if finish is not None and finish.null_count < n else None
+        model = cols.get("model")
+        model = _labels(model) if model is not None and model.null_count < n else None
+        censored = np.zeros(n, dtype=bool)
         if finish is not None:
-            censored = pc.or_(censored, pc.equal(finish, "length").fill_null(False))
+            cut = np.array([v == "length" for v in finish.dictionary.to_pylist()] + [False])
+            codes, ok = arrays.ints(finish.indices)
+            censored |= cut[codes] if ok is None else cut[codes] & ok
         mx = cols.get("max_tokens")
         if mx is not None and mx.null_count < n:
-            over = pc.greater_equal(out, mx).fill_null(False)
-            if finish is not None:
-                over = pc.and_(over, pc.is_null(finish))
-            censored = pc.or_(censored, over)
+            requested, ok = arrays.ints(mx)
+            over = out >= requested
+            if ok is not None:
+                over &= ok
+            if finish is not None and finish.null_count:
+                over &= ~arrays.valid(finish)
+            elif finish is not None:
+                over[:] = False
+            censored |= over
         given = cols.get("censored")
         if given is not None and given.null_count < n:
-            censored = pc.or_(censored, given.fill_null(False))
+            censored |= arrays.flags(given)
         if self.options.assume_cap is not None:
-            censored = pc.or_(censored, pc.greater_equal(out, self.options.assume_cap))
-        arrays = {
-            "route": route,
-            "finish_reason": finish,
-            "censored": censored,
-        }
+            censored |= out >= self.options.assume_cap
+        built = {"route": route, "model": model, "finish_reason": finish, "censored": arrays.bool_array(censored)}
         result = []
         for name in COLUMNS:
-            arr = arrays[name] if name in arrays else cols.get(name)
+            arr = built[name] if name in built else cols.get(name)
             typ = SCHEMA.field(name).type
             if arr is None:
-                arr = pa.nulls(n, typ)
-            elif isinstance(arr, pa.ChunkedArray):
-                arr = arr.combine_chunks()
-            if arr.type != typ:
+                arr = arrays.nulls(n, typ)
+            elif arr.type != typ:
                 arr = arr.cast(typ)
             result.append(arr)
         self.stats.rows_ok += n
         return pa.RecordBatch.from_arrays(result, schema=SCHEMA)
+
+
+def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool) -> list[tuple[str, str, np.ndarray, Callable[[Any], str]]]:
+    """Row-level checks as (reason, target, numpy mask, message) for the checks that fail somewhere.
+
+    Each check first asks a cheap whole-column question (null count, min/max), so a clean batch
+    costs a few passes over its numbers and builds no masks.
+    """
+    found: list[tuple[str, str, np.ndarray, Callable[[Any], str]]] = []
+    out = cols["output_tokens"]
+    if out.null_count:
+        found.append((MISSING_OUTPUT, "output_tokens", ~arrays.valid(out), lambda v: "missing"))
+    for t in INT_TARGETS:
+        col = cols.get(t)
+        if col is None or col.null_count == n:
+            continue
+        low = pc.min_max(col)["min"].as_py()
+        if low is not None and low < 0:
+            values, ok = arrays.ints(col)
+            mask = values < 0 if ok is None else (values < 0) & ok
+            found.append((NEGATIVE_TOKENS, t, mask, lambda v: f"negative count: {v}"))
+    for t in (*FLOAT_TARGETS, "timestamp_s"):
+        col = cols.get(t)
+        if col is None or col.null_count == n:
+            continue
+        finite = pc.is_finite(col)
+        if not pc.all(finite).as_py():
+            found.append((BAD_NUMBER, t, ~arrays.flags(finite) & _not_null(col), lambda v: f"not a finite number: {v}"))
+    if zero_failed and out.null_count < n and pc.min_max(out)["min"].as_py() == 0:
+        values, ok = arrays.ints(out)
+        mask = values == 0 if ok is None else (values == 0) & ok
+        found.append((FAILED, "output_tokens", mask, lambda v: "0 response tokens (a failed request)"))
+    return found
+
+
+def _not_null(col: pa.Array) -> np.ndarray:
+    mask = arrays.valid(col)
+    return np.ones(len(col), bool) if mask is None else mask
+
+
+def _labels(col: pa.Array) -> pa.DictionaryArray:
+    """A label column as dictionary<int32, string> with "" as null, working on the dictionary."""
+    if not pa.types.is_dictionary(col.type):
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            col = col.cast(pa.string())
+        col = pc.dictionary_encode(col)
+    if col.type.index_type != pa.int32() or col.type.value_type != pa.string():
+        col = col.cast(pa.dictionary(pa.int32(), pa.string()))
+    values = col.dictionary.to_pylist()
+    if "" not in values:
+        return col
+    codes, ok = arrays.ints(col.indices)
+    keep = codes != values.index("")
+    return arrays.dictionary(codes, values, keep if ok is None else keep & ok)
 
 
 def _route_dictionary(col: pa.DictionaryArray) -> pa.DictionaryArray:
@@ -1000,32 +1091,32 @@ def _route_dictionary(col: pa.DictionaryArray) -> pa.DictionaryArray:
     if unique == col.dictionary.to_pylist():
         return col
     position = {v: i for i, v in enumerate(unique)}
-    remap = pa.array([position[v] for v in values], pa.int32())
-    indices = remap.take(col.indices)
-    if col.null_count:
-        indices = indices.fill_null(position["*"])
-    return pa.DictionaryArray.from_arrays(indices, pa.array(unique, pa.string()))
+    remap = np.array([position[v] for v in values] or [0], np.int32)
+    codes, ok = arrays.ints(col.indices)
+    codes = remap[codes]
+    if ok is not None:
+        codes[~ok] = position["*"]
+    return arrays.dictionary(codes, unique)
 
 
-def _normalize_finish(finish: pa.Array) -> pa.Array:
-    if pa.types.is_dictionary(finish.type):
-        finish = finish.cast(pa.string())
-    uniq = pc.unique(finish)
-    values = uniq.to_pylist()
-    mapped = [None if v is None else FINISH.get(v.lower(), v) for v in values]
+def _normalize_finish(finish: pa.DictionaryArray) -> pa.DictionaryArray:
+    """Finish reasons onto the OpenAI words (FINISH), on the dictionary values only."""
+    values = finish.dictionary.to_pylist()
+    mapped = [FINISH.get(v.lower(), v) for v in values]
     if mapped == values:
         return finish
-    idx = pc.index_in(finish, value_set=uniq)
-    return pa.array(mapped, pa.string()).take(idx)
+    unique = list(dict.fromkeys(mapped))
+    remap = np.array([unique.index(v) for v in mapped], np.int32)
+    codes, ok = arrays.ints(finish.indices)
+    return arrays.dictionary(remap[codes], unique, ok)
 
 
 def _seconds(col: pa.Array, unit: str) -> pa.Array:
     if pa.types.is_timestamp(col.type):
         ns = col.cast(pa.timestamp("ns", tz=col.type.tz)) if col.type.unit != "ns" else col
-        return pc.divide(pc.cast(ns.cast(pa.int64()), pa.float64(), safe=False), 1e9)
-    col = col.cast(pa.float64())
-    scale = _SECONDS[unit]
-    return col if scale == 1.0 else pc.multiply(col, scale)
+        seconds = pc.cast(ns.cast(pa.int64()), pa.float64(), safe=False)
+        return arrays.numeric_array(arrays.values(seconds) / 1e9, arrays.valid(seconds))
+    return arrays.scaled(col, _SECONDS[unit])
 
 
 def _cast(col: pa.Array, target: str) -> pa.Array:

@@ -1,0 +1,139 @@
+"""Arrow ↔ numpy without copies and without pandas, for the hot paths of ingest and profiling.
+
+pyarrow imports pandas (a third of a second) the first time it converts Python or numpy objects
+(`pa.array`, `pa.scalar`, `Array.to_numpy`). These helpers read and build Arrow buffers directly,
+so profiling a large file never pays that import, and numeric columns are numpy views, not copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+_NUMPY_TYPES = {
+    "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+    "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+    "float": np.float32, "double": np.float64,
+}
+
+
+def values(column: pa.Array) -> np.ndarray | None:
+    """A primitive array's value buffer as a read-only numpy view (null slots unspecified);
+    None for types without one (strings, booleans, dictionaries)."""
+    dtype = _NUMPY_TYPES.get(str(column.type))
+    if dtype is None:
+        return None
+    buf = column.buffers()[1]
+    if buf is None:
+        return np.zeros(len(column), dtype)
+    return np.frombuffer(buf, dtype, count=len(column), offset=column.offset * np.dtype(dtype).itemsize)
+
+
+def bits(buf: Any, offset: int, n: int) -> np.ndarray:
+    """An Arrow bitmap (validity or boolean values) as a numpy bool array."""
+    raw = np.frombuffer(buf, np.uint8, count=(offset % 8 + n + 7) // 8, offset=offset // 8)
+    return np.unpackbits(raw, count=offset % 8 + n, bitorder="little")[offset % 8 :].view(bool)
+
+
+def valid(column: pa.Array) -> np.ndarray | None:
+    """Valid-row mask, or None when the column has no nulls."""
+    if column.null_count == 0:
+        return None
+    if column.null_count == len(column):
+        return np.zeros(len(column), bool)
+    return bits(column.buffers()[0], column.offset, len(column))
+
+
+def ints(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """(int64 values with nulls as 0, valid mask or None when there are no nulls)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    view = values(column)
+    if view is None or view.dtype.kind == "f":
+        column = column.cast(pa.int64())
+        view = values(column)
+    view = view.astype(np.int64, copy=False)
+    mask = valid(column)
+    if mask is not None:
+        view = np.where(mask, view, 0)
+    return view, mask
+
+
+def floats(column: pa.Array) -> np.ndarray:
+    """float64 with nulls as NaN."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.type != pa.float64():
+        column = column.cast(pa.float64())
+    view = values(column)
+    mask = valid(column)
+    return view if mask is None else np.where(mask, view, np.nan)
+
+
+def flags(column: pa.Array) -> np.ndarray:
+    """A boolean column as numpy bools, nulls as False."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not pa.types.is_boolean(column.type):
+        column = column.cast(pa.bool_())
+    if column.null_count == len(column):
+        return np.zeros(len(column), bool)
+    out = bits(column.buffers()[1], column.offset, len(column))
+    mask = valid(column)
+    return out if mask is None else out & mask
+
+
+def bool_array(mask: np.ndarray) -> pa.BooleanArray:
+    """numpy bools → Arrow booleans without nulls."""
+    mask = np.ascontiguousarray(mask, dtype=bool)
+    packed = np.packbits(mask, bitorder="little")
+    return pa.Array.from_buffers(pa.bool_(), mask.size, [None, pa.py_buffer(packed)])
+
+
+def numeric_array(data: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
+    """numpy numbers → an Arrow array of the same type; `mask` marks the valid rows."""
+    data = np.ascontiguousarray(data)
+    typ = pa.from_numpy_dtype(data.dtype)
+    validity = None if mask is None or mask.all() else pa.py_buffer(np.packbits(mask, bitorder="little"))
+    return pa.Array.from_buffers(typ, data.size, [validity, pa.py_buffer(data)])
+
+
+def string_array(items: list[str]) -> pa.StringArray:
+    """A few Python strings (a dictionary) → an Arrow string array."""
+    encoded = [s.encode() for s in items]
+    offsets = np.zeros(len(encoded) + 1, np.int32)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    )
+
+
+def dictionary(indices: np.ndarray, names: list[str], mask: np.ndarray | None = None) -> pa.DictionaryArray:
+    """dictionary<int32, string> from numpy codes into `names`; `mask` marks the valid rows."""
+    return pa.DictionaryArray.from_arrays(numeric_array(indices.astype(np.int32, copy=False), mask), string_array(names))
+
+
+def scaled(column: pa.Array, factor: float) -> pa.DoubleArray:
+    """float64(column) × factor, nulls kept (numpy's multiply: the same IEEE result as Arrow's)."""
+    if column.type != pa.float64():
+        column = column.cast(pa.float64())
+    if factor == 1.0:
+        return column
+    mask = valid(column)
+    data = values(column) if mask is None else np.where(mask, values(column), 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and nan stay, as Arrow's multiply
+        return numeric_array(data * factor, mask)
+
+
+_NULLS: dict[pa.DataType, pa.Array] = {}
+
+
+def nulls(n: int, typ: pa.DataType) -> pa.Array:
+    """An all-null array, sliced from one shared array per type: a column a log format never
+    fills costs no memory per batch (Arrow arrays are immutable, so sharing is safe)."""
+    shared = _NULLS.get(typ)
+    if shared is None or len(shared) < n:
+        shared = _NULLS[typ] = pa.nulls(max(n, 1 << 16), typ)
+    return shared.slice(0, n)
