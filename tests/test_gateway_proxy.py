@@ -86,7 +86,10 @@ class FakeVllm:
     async def echo(self, request: web.Request) -> web.Response:
         self.echoed.append({"method": request.method, "path_qs": request.raw_path,
                             "headers": dict(request.headers), "body": await request.read()})
-        return web.Response(status=207, body=b"echo", headers={"X-Upstream": "yes", "Keep-Alive": "timeout=5"})
+        headers = {"X-Upstream": "yes", "Keep-Alive": "timeout=5"}
+        if request.path == "/v1/login":
+            headers["Set-Cookie"] = "sid=secret; Path=/"
+        return web.Response(status=207, body=b"echo", headers=headers)
 
 
 def config_for(upstream_url: str, **overrides: Any):
@@ -101,14 +104,14 @@ def config_for(upstream_url: str, **overrides: Any):
 
 
 @contextlib.asynccontextmanager
-async def running(fake: FakeVllm | None = None, **overrides: Any):
+async def running(fake: FakeVllm | None = None, *, upstream_host: str = "127.0.0.1", **overrides: Any):
     """Upstream and gateway (run by `serve`, as the CLI runs it) on 127.0.0.1:0; yields
-    (session, gateway base URL, Gateway, fake)."""
+    (session, gateway base URL, Gateway, fake). The gateway reaches the upstream as upstream_host."""
     fake = fake or FakeVllm()
-    up = TestServer(fake.app)
+    up = TestServer(fake.app, host="127.0.0.1")
     await up.start_server()
     overrides.setdefault("listen", {"port": 0})
-    config = config_for(str(up.make_url("")).rstrip("/"), **overrides)
+    config = config_for(f"http://{upstream_host}:{up.port}", **overrides)
     app = make_app(config)
     stop = asyncio.Event()
     ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -155,6 +158,42 @@ def test_other_requests_pass_through_untouched():
             assert put["body"] == payload
             assert get["method"] == "GET" and get["body"] == b""
             assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
+
+    asyncio.run(run())
+
+
+def test_upstream_cookies_reach_the_client_and_are_never_replayed_for_others():
+    async def run():
+        # by name: aiohttp's default jar never stores cookies for a bare IP address
+        async with running(upstream_host="localhost") as (_, base, gateway, fake):
+            for path in ("/v1/login", "/v1/models"):  # two clients, neither keeps cookies
+                async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client:
+                    async with client.get(base + path) as resp:
+                        assert resp.status == 207
+                        if path == "/v1/login":
+                            assert resp.headers["Set-Cookie"] == "sid=secret; Path=/"
+            assert "Cookie" not in fake.echoed[1]["headers"]
+
+    asyncio.run(run())
+
+
+def test_streams_go_chunk_by_chunk_and_whole_answers_in_one_piece():
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            async with session.post(base + "/v1/chat/completions", json=chat(3)) as resp:
+                body = await resp.read()
+                assert resp.status == 200 and resp.headers["Content-Length"] == str(len(body))
+                assert json.loads(body)["usage"] == {"completion_tokens": 1}
+            async with session.post(base + "/v1/chat/completions",
+                                    json=chat(3, stream=True, x_chunks=2, x_delay=0.3)) as resp:
+                assert resp.headers["Content-Type"] == "text/event-stream"
+                first = await resp.content.readany()
+                got_first_at = time.monotonic()
+                rest = await resp.read()
+            assert first.startswith(b'data: {"i": 0}')
+            assert fake.last_chunk_sent_at["None"] - got_first_at > 0.2  # before the upstream finished
+            assert rest.endswith(b"data: [DONE]\n\n")
+            assert gateway.ledger.reserved_blocks == 0
 
     asyncio.run(run())
 

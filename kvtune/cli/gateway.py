@@ -29,7 +29,7 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     import asyncio
     import signal
 
-    from kvtune.gateway.proxy import serve
+    from kvtune.gateway.proxy import loop_factory, serve
     from kvtune.gateway_config import load_gateway_config
 
     config = load_gateway_config(config_path)
@@ -52,7 +52,8 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
         click.echo(f"kvtune gateway stopped; {gw.ledger.reserved_blocks} blocks still reserved", err=True)
 
     try:
-        asyncio.run(run())
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(run())
     except OSError as exc:
         raise InputError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
                          field="listen") from exc

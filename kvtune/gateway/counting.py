@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.errors import InputError
+from kvtune.gateway import _json
 from kvtune.gateway_config import PromptCounting
 
 # Request fields that change what the chat template renders (vLLM's /tokenize accepts them too).
@@ -87,7 +88,7 @@ def prompts_of(body: dict) -> list[Prompt]:
             items += [{"role": "user", "content": inp}] if isinstance(inp, str) else list(inp)
             return [Prompt(messages=items, template_args=template_args)]
     # Nothing recognisable as a prompt: charge the whole body as text, never zero.
-    return [Prompt(text=json.dumps(body, ensure_ascii=False, separators=(",", ":")))]
+    return [Prompt(text=_json.dumps_text(body))]
 
 
 class EstimateCounter:
@@ -103,8 +104,7 @@ class EstimateCounter:
     def estimate(self, prompt: Prompt) -> int:
         if prompt.token_count is not None:
             return prompt.token_count
-        text = prompt.text if prompt.text is not None else json.dumps(
-            prompt.messages, ensure_ascii=False, separators=(",", ":"))
+        text = prompt.text if prompt.text is not None else _json.dumps_text(prompt.messages)
         return math.ceil(len(text) / self.chars_per_token) + self.margin_tokens
 
     async def count(self, body: dict) -> PromptCount:
@@ -135,7 +135,7 @@ class UpstreamTokenizeCounter:
             payload["prompt"] = prompt.text
         try:
             # explicit Content-Type: vLLM refuses JSON without it, and the gateway's session adds none
-            async with self.session.post(self.url, data=json.dumps(payload).encode(),
+            async with self.session.post(self.url, data=_json.dumps_bytes(payload),
                                          headers={"Content-Type": "application/json"}) as resp:
                 data = await resp.read()
                 status = resp.status
@@ -144,7 +144,7 @@ class UpstreamTokenizeCounter:
                 return self.fallback.estimate(prompt), False
             raise PromptCountError(f"the upstream /tokenize failed: {type(exc).__name__}") from exc
         try:
-            parsed = json.loads(data)
+            parsed = _json.loads(data)
         except ValueError:
             parsed = None
         if status == 200 and isinstance(parsed, dict) and isinstance(parsed.get("count"), int):
@@ -270,12 +270,23 @@ class LocalTokenizerCounter:
         import asyncio
 
         prompts = prompts_of(body)
-        size = sum(len(p.text or "") + len(str(p.messages or "")) for p in prompts)
+        size = sum(_chars(p) for p in prompts)
         if size <= self.INLINE_CHARS:
             tokens = self._count_sync(prompts)
         else:
             tokens = await asyncio.to_thread(self._count_sync, prompts)
         return PromptCount(tokens, self.method, True)
+
+
+def _chars(prompt: Prompt) -> int:
+    """About how many characters a prompt holds (to decide whether to encode it off the loop)."""
+    if prompt.text is not None:
+        return len(prompt.text)
+    size = 0
+    for message in prompt.messages or ():
+        content = message.get("content") if isinstance(message, dict) else message
+        size += len(content) if isinstance(content, str) else len(str(content))
+    return size
 
 
 def _compile_template(source: str) -> Any:

@@ -38,6 +38,23 @@ class GatewayMetrics:
                                     "Time admitted requests spent in the wait queue.",
                                     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
 
+        # labels() hashes and locks on every call; children are looked up once per label set
+        self._admitted: dict[str, tuple] = {}
+        self._rejected: dict[tuple[str, str], object] = {}
+
+    def count_admitted(self, route: str, blocks: int) -> None:
+        children = self._admitted.get(route)
+        if children is None:
+            children = self._admitted[route] = (self.admitted.labels(route), self.reserved_blocks.labels(route))
+        children[0].inc()
+        children[1].inc(blocks)
+
+    def count_rejected(self, route: str, reason: str) -> None:
+        child = self._rejected.get((route, reason))
+        if child is None:
+            child = self._rejected[(route, reason)] = self.rejected.labels(route, reason)
+        child.inc()
+
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

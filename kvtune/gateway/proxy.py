@@ -12,7 +12,6 @@ ending (completion, client disconnect, upstream error, cancellation, shutdown) r
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +22,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from kvtune.gateway import _json
 from kvtune.gateway.counting import (
     EstimateCounter, PromptCountError, PromptRejectedError, make_counter,
 )
@@ -148,8 +148,10 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.upstream_connect_timeout_s,
                                         sock_read=cfg.upstream_read_timeout_s)
+        # No cookie jar: a proxy must not keep one client's Set-Cookie and replay it for the
+        # next (and the jar's per-request filtering is pure overhead).
         session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False,
+            connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
         counters: dict[str, Any] = {}
@@ -177,7 +179,7 @@ class Gateway:
     async def _governed(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
-            doc = json.loads(raw)
+            doc = _json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             doc = None
         if not isinstance(doc, dict):
@@ -196,12 +198,11 @@ class Gateway:
             return self._reject(route, rejection)
         # Admitted: from here every path out of this function gives the blocks back once.
         try:
-            self.metrics.admitted.labels(route.name).inc()
-            self.metrics.reserved_blocks.labels(route.name).inc(blocks)
+            self.metrics.count_admitted(route.name, blocks)
             present = [k for k in CAP_FIELDS if k in doc]
             for key in present or ["max_output_tokens" if request.path == "/v1/responses" else "max_tokens"]:
                 doc[key] = cap
-            body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+            body = _json.dumps_bytes(doc)
             extra = {"X-Kvtune-Reserved-Blocks": str(blocks), "X-Kvtune-Max-Tokens": str(cap)}
             return await self._forward(request, route.upstream or self.config.upstream, body, extra)
         finally:
@@ -270,7 +271,7 @@ class Gateway:
 
     def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
-        self.metrics.rejected.labels(route.name if route else "", rejection.code).inc()
+        self.metrics.count_rejected(route.name if route else "", rejection.code)
         return rejection.response()
 
     async def _forward(self, request: web.Request, upstream: str, body: bytes | None,
@@ -292,13 +293,23 @@ class Gateway:
                              f"the upstream could not be reached: {type(exc).__name__}").response()
         finished = False
         try:
-            response = web.StreamResponse(status=up.status, reason=up.reason)
+            whole = _whole_body(request.method, up)
+            if whole:
+                # A complete answer of known, small length (vLLM's non-streaming JSON): read it and
+                # send status, headers and body in one write instead of three.
+                body = await up.read()
+                finished = True
+                response = web.Response(status=up.status, reason=up.reason, body=body)
+            else:
+                response = web.StreamResponse(status=up.status, reason=up.reason)
             for name, value in up.headers.items():
-                if name.lower() not in _DROP_RESPONSE:
+                if name.lower() not in _DROP_RESPONSE and not (whole and name.lower() == "content-length"):
                     response.headers.add(name, value)
             for name in _connection_tokens(up.headers):
                 response.headers.popall(name, None)
             response.headers.update(extra_headers)
+            if whole:
+                return response
             await response.prepare(request)
             async for chunk in up.content.iter_any():
                 await response.write(chunk)
@@ -320,6 +331,21 @@ def _count(key: str, value: Any) -> int:
         raise Rejection(400, f"invalid_{key}" if key in SEQUENCE_FIELDS else "invalid_max_tokens",
                         f"{key} must be a positive integer")
     return int(value)
+
+
+_WHOLE_BODY_MAX_BYTES = 1024 * 1024
+
+
+def _whole_body(method: str, up: aiohttp.ClientResponse) -> bool:
+    """True for an answer sent with a Content-Length of at most 1 MiB that is not an event
+    stream: it can go back as one response without delaying a single byte a client could use.
+    Streams (chunked, SSE) and anything large go through chunk by chunk."""
+    if method == "HEAD" or up.status < 200 or up.status in (204, 304):
+        return False
+    length = up.content_length
+    if length is None or length > _WHOLE_BODY_MAX_BYTES:
+        return False
+    return not up.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
 def _connection_tokens(headers: Any) -> list[str]:
@@ -382,6 +408,16 @@ def make_app(config: GatewayConfig, *, counter: Any = None) -> web.Application:
     return app
 
 
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (it cuts the proxy's per-request CPU, mostly in
+    socket writes), else None: asyncio's own. For asyncio.Runner(loop_factory=...)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 async def serve(config: GatewayConfig, *, stop: asyncio.Event,
                 on_ready: Callable[[str], Awaitable[None] | None] | None = None,
                 app: web.Application | None = None) -> Gateway:
@@ -407,4 +443,4 @@ async def serve(config: GatewayConfig, *, stop: asyncio.Event,
     return app[GATEWAY]
 
 
-__all__ = ["make_app", "serve", "Gateway", "Admission", "Rejection", "GATEWAY", "GENERATION_PATHS"]
+__all__ = ["make_app", "serve", "loop_factory", "Gateway", "Admission", "Rejection", "GATEWAY", "GENERATION_PATHS"]
