@@ -8,10 +8,21 @@ Three measurements, each direct and through `kvtune gateway` (a separate process
   ceiling     a closed loop at --concurrency for --seconds: completed requests/s
 
 The gateway runs once per prompt-counting method: `upstream-tokenize` (an extra round trip to the
-upstream's /tokenize per request, the default) and `estimate` (no round trip). Each figure is the
-median over --runs runs. Prints a table and, with --json, one JSON object.
+upstream's /tokenize per request, the default), `tokenizer` (tokenizers + the chat template in
+process, exact, no round trip; the tiny test model's tokenizer from tests/vllm_server.py) and
+`estimate` (characters / 3 + margin). Each figure is the median over --runs runs.
 
-    python bench/gateway_bench.py --runs 3
+Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
+gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
+affinity, as taskset does): client and upstream share one core in the direct and the gateway runs
+alike and the gateway has the other to itself, so the ceiling compares like with like. The ceiling
+phase also reports each process's CPU milliseconds per request; 1000 / the gateway's figure is the
+rate it would sustain on one core of its own. --max-load waits before each run until the
+1-minute load average is at or below it (other benchmarks on the machine skew every figure).
+Prints a table and, with --json, one JSON object.
+
+    python bench/gateway_bench.py --runs 3 --max-load 1.5
+    python bench/gateway_bench.py --runs 3 --max-load 1.5 --pin client=0,upstream=0,gateway=1
 """
 
 from __future__ import annotations
@@ -81,10 +92,12 @@ def _wait_http(url: str, deadline_s: float = 20) -> None:
 
 
 class Proc:
-    """A child process stopped with SIGTERM → wait → kill."""
+    """A child process stopped with SIGTERM → wait → kill; pinned to `cpus` when given."""
 
-    def __init__(self, args: list[str], **kw) -> None:
-        self.p = subprocess.Popen(args, **kw)
+    def __init__(self, args: list[str], cpus: set[int] | None = None, **kw) -> None:
+        # pinned before exec, so every thread it ever starts inherits the mask
+        preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.p = subprocess.Popen(args, preexec_fn=preexec, **kw)
 
     def stop(self) -> None:
         if self.p.poll() is None:
@@ -96,20 +109,30 @@ class Proc:
                 self.p.wait(5)
 
 
-def start_upstream() -> tuple[Proc, str]:
+def start_upstream(cpus: set[int] | None = None) -> tuple[Proc, str]:
     port = _free_port()
-    proc = Proc([sys.executable, "-c", UPSTREAM_SRC, str(port)])
+    proc = Proc([sys.executable, "-c", UPSTREAM_SRC, str(port)], cpus)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/")
     return proc, url
 
 
-def start_gateway(upstream: str, method: str, workdir: Path) -> tuple[Proc, str]:
+def tiny_tokenizer(workdir: Path) -> Path:
+    """The test bed's tiny model directory (tokenizer.json + chat template in tokenizer_config.json)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from vllm_server import write_tiny_model
+
+    return write_tiny_model(workdir / "tiny-model")
+
+
+def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | None = None) -> tuple[Proc, str]:
     import yaml
 
-    counting = {"method": method}
+    counting: dict = {"method": method}
     if method == "estimate":
         counting.update(chars_per_token=3, margin_tokens=16)
+    if method == "tokenizer":
+        counting["tokenizer"] = str(tiny_tokenizer(workdir))
     config = {
         "version": 1, "upstream": upstream, "block_size": 16, "block_budget": 10_000_000,
         "max_model_len": 4096, "prompt_tokens": counting,
@@ -120,7 +143,7 @@ def start_gateway(upstream: str, method: str, workdir: Path) -> tuple[Proc, str]
     path.write_text(yaml.safe_dump(config))
     port = _free_port()
     proc = Proc([sys.executable, "-m", "kvtune", "gateway", "--config", str(path), "--port", str(port)],
-                stderr=subprocess.DEVNULL)
+                cpus, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/healthz")
     return proc, url
@@ -199,15 +222,36 @@ async def ceiling(base: str, concurrency: int, seconds: float) -> dict:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-    return {"rps": done / elapsed}
+    return {"rps": done / elapsed, "requests": done}
 
 
-async def measure(base: str, args: argparse.Namespace) -> dict:
-    return {
-        "latency": await latency(base, args.requests),
-        "open": await open_loop(base, args.rate, args.seconds),
-        "ceiling": await ceiling(base, args.concurrency, args.seconds),
-    }
+def cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) a process has used: this one when pid is None."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(base: str, args: argparse.Namespace, pids: dict[str, int | None]) -> dict:
+    """The three loads; during the ceiling, CPU milliseconds per request of each process
+    (client, gateway, upstream): what the sustained rate costs, whoever's core it runs on."""
+    lat = await latency(base, args.requests)
+    opened = await open_loop(base, args.rate, args.seconds)
+    before = {role: cpu_s(pid) for role, pid in pids.items()}
+    ceil = await ceiling(base, args.concurrency, args.seconds)
+    ceil["cpu_ms_per_request"] = {role: (cpu_s(pid) - before[role]) * 1000 / ceil["requests"]
+                                  for role, pid in pids.items()}
+    return {"latency": lat, "open": opened, "ceiling": ceil}
+
+
+def _run(coro) -> dict:
+    """The client on uvloop when installed, as the gateway is: less client CPU, less noise."""
+    from kvtune.gateway.proxy import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coro)
 
 
 def _median(runs: list[dict]) -> dict:
@@ -220,6 +264,25 @@ def _median(runs: list[dict]) -> dict:
     return out
 
 
+def parse_pin(text: str) -> dict[str, set[int]]:
+    """"client=0,gateway=1,upstream=1" (a role may name several CPUs: gateway=1+2) -> {role: cpus}."""
+    pins: dict[str, set[int]] = {}
+    for item in filter(None, text.split(",")):
+        role, _, cpus = item.partition("=")
+        if role not in ("client", "gateway", "upstream") or not cpus:
+            raise SystemExit(f"--pin: expected client=N,gateway=N,upstream=N, got {item!r}")
+        pins[role] = {int(c) for c in cpus.split("+")}
+    return pins
+
+
+def wait_for_quiet(max_load: float | None, wait_s: float) -> float:
+    """Block until the 1-minute load average is <= max_load (or wait_s passes); return the load."""
+    end = time.monotonic() + wait_s
+    while max_load is not None and os.getloadavg()[0] > max_load and time.monotonic() < end:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -227,33 +290,48 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=1000.0, help="open-loop requests/s")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--methods", default="upstream-tokenize,estimate")
+    ap.add_argument("--methods", default="upstream-tokenize,tokenizer,estimate")
+    ap.add_argument("--pin", default="", help="client=CPU,gateway=CPU,upstream=CPU (CPUs joined by +)")
+    ap.add_argument("--max-load", type=float, default=None,
+                    help="wait before each run until the 1-minute load average is at most this")
+    ap.add_argument("--load-wait-s", type=float, default=600, help="give up waiting for quiet after this")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     methods = [m for m in args.methods.split(",") if m]
+    pins = parse_pin(args.pin)
+    if "client" in pins:
+        os.sched_setaffinity(0, pins["client"])
     results: dict[str, list[dict]] = {"direct": [], **{m: [] for m in methods}}
-    upstream, up_url = start_upstream()
+    loads: list[float] = []
+    upstream, up_url = start_upstream(pins.get("upstream"))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for run in range(args.runs):
-                results["direct"].append(asyncio.run(measure(up_url, args)))
+                loads.append(wait_for_quiet(args.max_load, args.load_wait_s))
+                pids = {"client": None, "upstream": upstream.p.pid}
+                results["direct"].append(_run(measure(up_url, args, pids)))
                 for method in methods:
-                    gw, gw_url = start_gateway(up_url, method, Path(tmp))
+                    gw, gw_url = start_gateway(up_url, method, Path(tmp), pins.get("gateway"))
                     try:
-                        results[method].append(asyncio.run(measure(gw_url, args)))
+                        results[method].append(_run(measure(gw_url, args, {**pids, "gateway": gw.p.pid})))
                     finally:
                         gw.stop()
-                print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
+                print(f"run {run + 1}/{args.runs} done (load at start {loads[-1]:.2f})", file=sys.stderr)
     finally:
         upstream.stop()
 
     med = {k: _median(v) for k, v in results.items()}
     d = med["direct"]
-    summary = {"runs": args.runs, "cpus": os.cpu_count(), "median": med, "gateway": {}}
+    pin_text = ",".join(f"{k}={'+'.join(map(str, sorted(v)))}" for k, v in pins.items()) or "none"
+    summary = {"runs": args.runs, "cpus": os.cpu_count(), "pin": pin_text, "load_at_start": loads,
+               "median": med, "gateway": {}}
     for m in methods:
         g = med[m]
+        gw_cpu_ms = g["ceiling"]["cpu_ms_per_request"]["gateway"]
         summary["gateway"][m] = {
+            "cpu_ms_per_request": gw_cpu_ms,
+            "one_core_rps": 1000 / gw_cpu_ms if gw_cpu_ms else None,
             "added_p50_ms": g["latency"]["p50_ms"] - d["latency"]["p50_ms"],
             "added_p99_ms": g["latency"]["p99_ms"] - d["latency"]["p99_ms"],
             "open_achieved_ratio": g["open"]["achieved_rps"] / d["open"]["achieved_rps"],
@@ -262,19 +340,22 @@ def main() -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"median of {args.runs} runs, {os.cpu_count()} CPUs, loopback; upstream answers instantly")
-    print(f"{'target':<22}{'p50 ms':>8}{'p99 ms':>8}{'open rps':>10}{'open p50':>10}{'open p99':>10}"
-          f"{'ceiling rps':>13}")
+    print(f"median of {args.runs} runs, {os.cpu_count()} CPUs, pin {pin_text}, load at start "
+          f"{', '.join(f'{x:.2f}' for x in loads)}; loopback; upstream answers instantly")
+    print(f"{'target':<27}{'p50 ms':>8}{'p99 ms':>8}{'open rps':>10}{'open p50':>10}{'open p99':>10}"
+          f"{'ceiling rps':>13}   CPU ms/request at the ceiling")
     for name in ["direct", *methods]:
         r = med[name]
         label = name if name == "direct" else f"gateway/{name}"
-        print(f"{label:<22}{r['latency']['p50_ms']:>8.3f}{r['latency']['p99_ms']:>8.3f}"
+        cpu = "  ".join(f"{k} {v:.3f}" for k, v in r["ceiling"]["cpu_ms_per_request"].items())
+        print(f"{label:<27}{r['latency']['p50_ms']:>8.3f}{r['latency']['p99_ms']:>8.3f}"
               f"{r['open']['achieved_rps']:>10.0f}{r['open']['p50_ms']:>10.3f}{r['open']['p99_ms']:>10.3f}"
-              f"{r['ceiling']['rps']:>13.0f}")
+              f"{r['ceiling']['rps']:>13.0f}   {cpu}")
     for m, s in summary["gateway"].items():
         print(f"gateway/{m}: added p50 {s['added_p50_ms']:.3f} ms, p99 {s['added_p99_ms']:.3f} ms; "
               f"at {args.rate:.0f} rps offered {s['open_achieved_ratio']:.2f}x direct; "
-              f"ceiling {s['ceiling_ratio']:.2f}x direct")
+              f"ceiling {s['ceiling_ratio']:.2f}x direct; gateway CPU {s['cpu_ms_per_request']:.3f} ms/request "
+              f"= {s['one_core_rps'] or 0:.0f} rps on one core of its own")
     return 0
 
 
