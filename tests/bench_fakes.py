@@ -110,7 +110,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if action in ("503", "500", "400"):
         return web.json_response({"error": {"message": f"status {action}"}}, status=int(action))
     chat = "messages" in body
-    n = max(0, int(body["max_tokens"]) - cfg.short_by)
+    if "max_tokens" in body:
+        n = int(body["max_tokens"])
+    elif body.get("logit_bias"):  # as vLLM: EOS held back min_tokens tokens, then biased in, and counted
+        n = int(body.get("min_tokens", 0)) + 1
+    else:
+        n = 16
+    n = max(0, n - cfg.short_by)
     prompt_tokens = (2 + sum(2 + _words(m["content"]) for m in body["messages"])) if chat else 1 + _words(body["prompt"])
     cfg.preemptions += cfg.preempt_per_request
     cfg.in_flight += 1

@@ -80,6 +80,18 @@ def test_body_forces_length_and_streams_usage():
     assert plain["prompt"] == "a b c" and "ignore_eos" not in plain
 
 
+def test_body_with_min_tokens_declares_no_max_tokens():
+    spec = RequestSpec(0, "/r", 3, 7, "a b c")
+    body = json.loads(build_body(Target("http://x", "m", "chat", length_control="min-tokens", eos_token_id=2), spec))
+    assert body["min_tokens"] == 6 and body["logit_bias"] == {"2": 100}  # EOS is the 7th token
+    assert "max_tokens" not in body and "ignore_eos" not in body  # ignore_eos would never stop
+    one = json.loads(build_body(Target("http://x", "m", "completions", length_control="min-tokens",
+                                       eos_token_id=9), RequestSpec(0, "/r", 3, 1, "a")))
+    assert one["min_tokens"] == 0 and one["logit_bias"] == {"9": 100} and one["prompt"] == "a"
+    with pytest.raises(ValueError):
+        build_body(Target("http://x", "m", length_control="min-tokens"), spec)
+
+
 # ---------------------------------------------------------------------------------------------
 # Against the server
 

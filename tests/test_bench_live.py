@@ -77,3 +77,25 @@ def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_
     print(f"\nsqueezed: {data['server']['preemptions']} preemptions, peak KV {data['server']['kv_cache_usage_peak']}, "
           f"peak running {data['server']['running_peak']}, waiting {data['server']['waiting_peak']}, "
           f"failed checks {[k for k, c in v.items() if k != 'passed' and not c['passed']]}")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_min_tokens_gives_exact_lengths_without_max_tokens(vllm_server, tmp_path, endpoint):
+    # /v1/completions defaults an unset max_tokens to 16, so its outputs stay at 16 or below there
+    top = 120 if endpoint == "chat" else 16
+    rng = np.random.default_rng(1)
+    path = profile_file(tmp_path, rng.integers(8, 120, 40), rng.integers(1, top + 1, 40))
+    log = tmp_path / "requests.jsonl"
+    eos = json.loads((vllm_server.model_dir / "generation_config.json").read_text())["eos_token_id"]
+    r = bench(vllm_server.url, "--profile", path, "--endpoint", endpoint, "--concurrency", "4",
+              "--requests", "16", "--seed", "5", "--length-control", "min-tokens",
+              "--eos-token-id", str(eos), "--requests-log", str(log))
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["requests"]["completed"] == 16
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [x["output_tokens"] for x in rows] == [x["output_tokens_requested"] for x in rows]
+    assert {x["finish_reason"] for x in rows} == {"stop"}  # ended by EOS, not by a limit
+    assert data["server"]["generation_tokens"] == data["output_tokens_total"] == data["output_tokens_requested_total"]
+    print(f"\n{endpoint} min-tokens: {len(rows)} outputs of exactly the drawn length, "
+          f"{data['output_tokens_total']} tokens")

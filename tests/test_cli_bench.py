@@ -152,7 +152,25 @@ def test_replay_sends_the_logs_own_requests(fake, tmp_path):
     assert 0.2 <= data["duration_s"] < 2  # 2.5 s of log at 10× speed
 
 
+def test_min_tokens_length_control_sends_no_max_tokens(fake, profile_path):
+    url, cfg = fake
+    r = run(url, "--profile", profile_path, "--requests", "6", "--concurrency", "3",
+            "--length-control", "min-tokens", "--eos-token-id", "2", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["target"]["length_control"] == "min-tokens" and data["requests"]["completed"] == 6
+    assert len(cfg.bodies) == 6
+    for body in cfg.bodies:
+        assert "max_tokens" not in body and "ignore_eos" not in body
+        assert body["logit_bias"] == {"2": 100} and body["min_tokens"] >= 0
+    # the fake answers min_tokens + 1 (EOS counted), so every output has its drawn length
+    assert data["output_tokens_total"] == data["output_tokens_requested_total"] == \
+        sum(b["min_tokens"] + 1 for b in cfg.bodies)
+
+
 @pytest.mark.parametrize("args,message", [
+    (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--length-control", "min-tokens"],
+     "Error: --eos-token-id: --length-control min-tokens needs the model's EOS token id"),
     (["ftp://x", "--profile", "P", "--requests", "1"],
      "Error: ftp://x: URL: expected an http:// or https:// server URL, e.g. http://127.0.0.1:8000"),
     (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--slo", "ttft=abc"],

@@ -104,6 +104,10 @@ class Target:
     endpoint: str = "chat"  # "chat" → /v1/chat/completions, "completions" → /v1/completions
     ignore_eos: bool = True
     headers: tuple[tuple[str, str], ...] = ()
+    # "max-tokens": max_tokens = L (+ ignore_eos); "min-tokens": no max_tokens, min_tokens = L - 1
+    # and a +100 logit_bias on eos_token_id, so EOS (counted as the L-th token) comes right after
+    length_control: str = "max-tokens"
+    eos_token_id: int | None = None
 
     @property
     def url(self) -> str:
@@ -193,19 +197,31 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
+# vLLM adds logit_bias to the logits; +100 makes EOS all but certain the moment min_tokens lifts
+# its suppression, at any temperature.
+EOS_LOGIT_BIAS = 100
+
+
 def build_body(target: Target, spec: RequestSpec) -> bytes:
-    """The JSON request body: streaming with usage, max_tokens forced, ignore_eos unless told not."""
-    body: dict[str, Any] = {
-        "model": target.model,
-        "max_tokens": spec.output_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    """The JSON request body, streaming with usage. The output length is forced one of two ways:
+    max-tokens sends max_tokens = L (and ignore_eos unless told not); min-tokens declares no
+    max_tokens, as clients that leave it unset, and gets exactly L tokens from vLLM with
+    min_tokens = L - 1 plus a strong logit_bias on EOS, which vLLM counts as the L-th token."""
+    body: dict[str, Any] = {"model": target.model}
+    if target.length_control == "min-tokens":
+        if target.eos_token_id is None:
+            raise ValueError("min-tokens length control needs the model's EOS token id")
+        body["min_tokens"] = spec.output_tokens - 1
+        body["logit_bias"] = {str(target.eos_token_id): EOS_LOGIT_BIAS}
+    else:
+        body["max_tokens"] = spec.output_tokens
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
     if target.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
-    if target.ignore_eos:
+    if target.ignore_eos and target.length_control != "min-tokens":
         body["ignore_eos"] = True
     return json.dumps(body, separators=(",", ":")).encode()
 

@@ -58,6 +58,8 @@ class BenchConfig:
     endpoint: str = "chat"
     model: str | None = None
     ignore_eos: bool = True
+    length_control: str = "max-tokens"  # or "min-tokens" (see Target)
+    eos_token_id: int | None = None
     timeout_s: float = 300.0
     retry: RetryPolicy = RetryPolicy()
     slo: Slo | None = None
@@ -160,7 +162,8 @@ async def run_bench(
         synth = await calibrate_prompts(session, config.base_url, model, config.endpoint,
                                         tokenizer=tokenizer, max_model_len=max_model_len)
         workload = build_workload(synth)
-        target = Target(config.base_url, model, config.endpoint, config.ignore_eos)
+        target = Target(config.base_url, model, config.endpoint, config.ignore_eos,
+                        length_control=config.length_control, eos_token_id=config.eos_token_id)
         first = [workload.spec(i) for i in range(min(PROMPT_CHECKS, config.max_requests or PROMPT_CHECKS,
                                                      len(workload.rows) if workload.rows is not None else PROMPT_CHECKS))]
         prompt_check = (await check_prompts(session, config.base_url, model, config.endpoint, first)
@@ -172,7 +175,8 @@ async def run_bench(
         await scraper.before()
         rec.context.update({
             "target": {"url": config.base_url, "endpoint": config.endpoint, "model": model,
-                       "max_model_len": synth.max_model_len, "ignore_eos": config.ignore_eos},
+                       "max_model_len": synth.max_model_len, "ignore_eos": config.ignore_eos,
+                       "length_control": config.length_control},
             "load": {**config.load.to_dict(), "max_requests": config.max_requests,
                      "duration_s": config.duration_s, "timeout_s": config.timeout_s,
                      "max_connections": config.connections, "retry": config.retry.enabled},

@@ -102,6 +102,15 @@ def _parse_expect(path: str) -> dict[str, Any]:
               help="recommendation.json to check: preemptions, KV peak, admitted concurrency, truncation.")
 @click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
               help="Force each output to its drawn length (vLLM's ignore_eos); off for servers without it.")
+@click.option("--length-control", type=click.Choice(["max-tokens", "min-tokens"]), default="max-tokens",
+              show_default=True,
+              help="How each output is held to its drawn length L. max-tokens sends max_tokens = L. "
+                   "min-tokens forces lengths without declaring max_tokens, as clients that leave it "
+                   "unset do: use it to test a gateway (it sends min_tokens = L - 1 and a +100 "
+                   "logit_bias on --eos-token-id; vLLM refuses min_tokens above max_tokens, so a "
+                   "gateway cap below L, or /v1/completions' default max_tokens of 16, answers 400).")
+@click.option("--eos-token-id", type=click.IntRange(min=0), metavar="ID",
+              help="The model's EOS token id (generation_config.json eos_token_id), for --length-control min-tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for lengths, prompts and arrival gaps.")
 @click.option("--metrics-url", help="The server's Prometheus page.  [default: URL/metrics]")
 @click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
@@ -118,7 +127,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
     Each request draws (prompt, output) lengths from the profile's routes, builds a prompt of
     exactly that many tokens under the server's tokenizer, and forces the output length with
-    max_tokens + ignore_eos. With --expect, exit 1 when the server contradicts the recommendation.
+    max_tokens + ignore_eos (--length-control min-tokens: without declaring max_tokens).
+    With --expect, exit 1 when the server contradicts the recommendation.
     Prompt lengths are checked with the server's /tokenize; --tokenizer (also used for logs) is
     the fallback for servers without it.
 
@@ -146,6 +156,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         raise KvtuneError("give LOGS or --profile FILE for the workload", field="LOGS")
     if opts["replay"] and not logs:
         raise KvtuneError("--replay needs LOGS with per-request timestamps (a profile keeps none)", field="--replay")
+    if opts["length_control"] == "min-tokens" and opts["eos_token_id"] is None:
+        raise KvtuneError("--length-control min-tokens needs the model's EOS token id", field="--eos-token-id")
     if not opts["replay"] and opts["max_requests"] is None and opts["duration_s"] is None:
         raise KvtuneError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
 
@@ -184,7 +196,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
     config = BenchConfig(
         base_url=base_url, load=load, max_requests=opts["max_requests"], duration_s=opts["duration_s"],
-        endpoint=opts["endpoint"], model=opts["model"], ignore_eos=opts["ignore_eos"], timeout_s=opts["timeout_s"],
+        endpoint=opts["endpoint"], model=opts["model"], ignore_eos=opts["ignore_eos"],
+        length_control=opts["length_control"], eos_token_id=opts["eos_token_id"], timeout_s=opts["timeout_s"],
         retry=RetryPolicy(enabled=opts["retry"], max_retries=opts["max_retries"]), slo=slo,
         metrics_url=opts["metrics_url"], scrape_interval_s=opts["scrape_interval"],
         max_connections=opts["max_connections"], seed=opts["seed"], api_key=opts["api_key"], expect=expect,
