@@ -16,7 +16,7 @@ from kvtune.errors import InputError, KvtuneError
 
 JSON_FIELDS = """\b
 --json / --out write one object:
-  target          {url, endpoint, model, max_model_len, ignore_eos}
+  target          {url, endpoint, model, max_model_len, ignore_eos, length_control}
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, timeout_s, max_connections, retry}
   workload        {routes, seed, prompts: {method: tokenize|tokenizer|assumed, overhead_tokens, …},
@@ -25,7 +25,7 @@ JSON_FIELDS = """\b
                    stream_error, cancelled}, retries, retry_wait_s}
   duration_s      first send to last answer
   output_tokens_total            sum of the server's usage.completion_tokens
-  output_tokens_requested_total  sum of max_tokens sent, completed requests
+  output_tokens_requested_total  sum of drawn lengths (max_tokens or min_tokens + 1 sent), completed requests
   output_length   {completed_without_usage, mismatched, shortfall_tokens, excess_tokens}
   prompt_tokens_total, prompt_tokens_requested_total, prompt_length {checked, mismatched}
   latency_ms      {ttft, itl, tpot, e2e}: each {count, mean, p50, p90, p99} (nearest rank)
