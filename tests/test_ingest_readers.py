@@ -369,3 +369,66 @@ def test_fuzzed_lines_give_kvtune_errors_or_counted_skips(tmp_path, lines, fmt):
         assert table.num_rows == stats.rows_ok
         assert table.schema.names == list(COLUMNS)
         assert all(v >= 0 for v in table.column("output_tokens").to_pylist())
+
+
+# values DuckDB would convert leniently (12.5 → 12, true → 1, numbers and objects → text), lines
+# it rejects, and checks that fail: each must give exactly what the block reader gives
+_TRICKY = [
+    '{"route": "a", "output_tokens": 12.5}', '{"route": "a", "output_tokens": 12.0}',
+    '{"route": "a", "output_tokens": "12"}', '{"route": "a", "output_tokens": true}', "null", "[1]",
+    '{"route": 7, "output_tokens": 3}', '{"route": 1.5, "output_tokens": 3}', '{"route": {"x": 1}, "output_tokens": 3}',
+    '{"route": "", "output_tokens": 3}', '{"output_tokens": -1}', '{"route": "b"}', '{"route": "b", "output_tokens": 3',
+    "", "   ", '{"route": "b", "output_tokens": 3, "output_tokens": 4}',
+    '{"route": "b\\u00e9\\/", "output_tokens": 3, "finish_reason": "max_tokens"}',
+    '{"route": "a", "output_tokens": 99999999999999999999}', '{"route": "a", "output_tokens": 5, "latency_ms": 1e400}',
+    '{"route": "a", "output_tokens": 5, "timestamp_s": "2024-01-01T00:00:00Z"}', '{"route": "a", "output_tokens": 5, "censored": 1}',
+    '{"route": "a", "output_tokens": 5, "finish_reason": 3}', '{"Route": "a", "output_tokens": 5}',
+]
+
+
+def _through_blocks(monkeypatch, paths, **opts):
+    monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+    try:
+        return read(paths, **opts)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("position", [None, 0, 4000, 11999])
+@pytest.mark.parametrize("codec", ["", ".gz", ".zst"])
+def test_duckdb_jsonl_path_equals_block_reader(tmp_path, monkeypatch, position, codec):
+    pytest.importorskip("duckdb")
+    import random
+
+    rng = random.Random(position)
+    rows = [
+        {"route": rng.choice(["/v1/chat", "/v1/code"]), "output_tokens": rng.randint(1, 900),
+         "prompt_tokens": rng.randint(1, 5000), "finish_reason": rng.choice(["stop", "length"]),
+         "latency_ms": rng.random() * 1000, "timestamp_s": 1.7e9 + i * 0.37}
+        for i in range(12000)
+    ]
+    lines = [json.dumps(r) for r in rows]
+    if position is not None:  # a few tricky lines from there on: DuckDB hands over mid-file
+        for k, bad in enumerate(rng.sample(_TRICKY, 3)):
+            lines.insert(position + 7 * k, bad)
+    data = ("\n".join(lines) + "\n").encode()
+    packed = {"": data, ".gz": gzip.compress(data), ".zst": zstandard.ZstdCompressor().compress(data)}[codec]
+    path = tmp_path / f"t.jsonl{codec}"
+    path.write_bytes(packed)
+    for opts in ({}, {"assume_cap": 800}):
+        table, stats = read([path], **opts)
+        expected, expected_stats = _through_blocks(monkeypatch, [path], **opts)
+        assert table.equals(expected)
+        assert dict(stats.skipped) == dict(expected_stats.skipped)
+        assert stats.examples == expected_stats.examples
+        assert (stats.rows_read, stats.rows_ok) == (expected_stats.rows_read, expected_stats.rows_ok)
+
+
+def test_skip_records_finds_the_next_line(tmp_path):
+    import io
+
+    data = b'{"a": 1}\n\n  \n{"a": 2}\r\n{"a": 3}\n\n{"a": 4}'
+    assert readers._skip_records(io.BytesIO(data), 1) == (b'\n  \n{"a": 2}\r\n{"a": 3}\n\n{"a": 4}', 2)
+    assert readers._skip_records(io.BytesIO(data), 2) == (b'{"a": 3}\n\n{"a": 4}', 5)
+    assert readers._skip_records(io.BytesIO(data), 3) == (b'\n{"a": 4}', 6)
+    assert readers._skip_records(io.BytesIO(data), 4) == (b"", 8)

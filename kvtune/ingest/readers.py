@@ -1,9 +1,11 @@
 """Reading log files into normalized Arrow batches: containers, compression, detection, two paths.
 
-Fast path (flat schemas: kvtune rows, public traces, --field mappings): JSONL is cut into byte
-blocks at line ends and each block parsed by `pyarrow.json.read_json` with an explicit schema;
-CSV streams through `pyarrow.csv.open_csv`; Parquet through `ParquetFile.iter_batches`. All
-checks and normalization are pyarrow.compute over whole columns.
+Fast path (flat schemas: kvtune rows, public traces, --field mappings): JSONL streams through
+DuckDB's JSON reader (every value as JSON text, converted here under kvtune's rules); from the
+first batch that is not entirely clean, or any DuckDB error, the rest of the file is cut into
+byte blocks at line ends, each parsed by `pyarrow.json.read_json` with an explicit schema. CSV
+streams through `pyarrow.csv.open_csv`; Parquet through `ParquetFile.iter_batches` by row group.
+Checks and normalization work on whole columns (numpy views of Arrow buffers, dictionaries).
 
 Slow path (nested schemas, and any fast block that fails to parse): one record at a time through
 the adapter's `rows`, so every bad line is reported with its exact line number. A failed JSON
@@ -62,6 +64,8 @@ from kvtune.ingest.schemas.openai import batch_input_entry
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
 BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 SINK_ROWS = 32768  # rows per batch on the slow path
+DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
+DUCKDB_MEMORY = "1GB"  # DuckDB's own memory limit (it streams; this bounds its buffers)
 PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
 HEAD_BYTES = 1 << 20  # bytes read for detection
 SAMPLE_RECORDS = 200
@@ -221,6 +225,7 @@ class _Plan:
     document: list[Any] | None = None  # a whole-file JSON document's records
     columns: list[str] = field(default_factory=list)  # CSV header / Parquet columns
     ts_type: pa.DataType | None = None  # CSV timestamp column type
+    bytes_per_record: float = 256.0  # JSONL: from the head, for progress where only rows are known
 
     @property
     def format(self) -> str:
@@ -238,6 +243,8 @@ def _head(path: Path) -> bytes:
 
 def _json_sample(plan: _Plan, head: bytes) -> list[Any]:
     lines = [ln for ln in head.split(b"\n")[:SAMPLE_RECORDS] if ln.strip()]
+    if lines:
+        plan.bytes_per_record = sum(len(ln) + 1 for ln in lines) / len(lines)
     if len(head) == HEAD_BYTES and lines and not head.endswith(b"\n"):
         lines = lines[:-1] or lines  # last line may be cut by the head size
     records = []
@@ -568,7 +575,7 @@ class _Reader:
                 if plan.document is not None:
                     yield from self._records(plan, ((None, i, r) for i, r in enumerate(plan.document)))
                 elif plan.fast:
-                    yield from self._json_fast(plan)
+                    yield from self._json_duckdb(plan)
                 else:
                     yield from self._json_slow(plan)
             else:
@@ -691,7 +698,67 @@ class _Reader:
 
     # -- fast path: JSONL blocks
 
-    def _json_fast(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+    def _json_duckdb(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        """Flat JSONL through DuckDB's JSON reader (about twice pyarrow's speed), strictly.
+
+        DuckDB converts leniently (12.5 → 12 for an integer column, numbers and objects → text
+        for a string column), so every column is read as JSON text and converted here with
+        kvtune's own rules: integers must be integer literals, labels must be JSON strings. A
+        batch that is not entirely clean (anything the reference reading would turn into a skip
+        or treat differently), or any DuckDB error, hands the rest of the file from that batch's
+        first record to the block reader (`_json_fast`), which reports exact lines. DuckDB keeps
+        file order (preserve_insertion_order), so the records already used are known by count.
+        """
+        try:
+            import duckdb
+        except ImportError:  # an install without it: the pyarrow block reader does the same work
+            yield from self._json_fast(plan)
+            return
+        sources = self._sources(plan)
+        keys = list(dict.fromkeys(sources.values()))
+        codec = _compression(plan.path)
+        if codec is None:
+            yield from self._json_fast(plan)
+            return
+        con = duckdb.connect(config={
+            "threads": max(1, os.cpu_count() or 1),
+            "memory_limit": DUCKDB_MEMORY,
+            "preserve_insertion_order": True,
+        })
+        done = 0  # records used, in file order
+        size = plan.path.stat().st_size
+        try:
+            try:
+                relation = con.read_json(
+                    str(plan.path),
+                    format="newline_delimited",
+                    columns={k: "JSON" for k in keys},
+                    compression=codec,
+                )
+                # to_arrow_reader since DuckDB 1.4; fetch_arrow_reader before (the same stream)
+                to_reader = getattr(relation, "to_arrow_reader", None) or relation.fetch_arrow_reader
+                stream = to_reader(DUCKDB_BATCH_ROWS)
+                for batch in stream:
+                    cols = _strict_columns(batch, sources)
+                    n = batch.num_rows
+                    if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed):
+                        break
+                    self.info.rows += n
+                    self.stats.rows_read += n
+                    out = self._finalize(plan, cols, n, lambda i: 0)  # clean: never locates
+                    done += n
+                    if out is not None:
+                        yield out
+                    self._progress(min(size, int(done * plan.bytes_per_record)))
+                else:
+                    return
+            except (duckdb.Error, pa.ArrowException, OSError):
+                pass  # DuckDB's errors arrive as either while streaming; the fallback re-reads
+        finally:
+            con.close()
+        yield from self._json_fast(plan, skip_records=done)
+
+    def _json_fast(self, plan: _Plan, skip_records: int = 0) -> Iterator[pa.RecordBatch]:
         import pyarrow.json as pj
 
         assert plan.flat is not None
@@ -707,8 +774,8 @@ class _Reader:
         try:
             # blocks parse in parallel, one thread each; results are used in file order
             with ThreadPoolExecutor(workers) as pool:
-                line0 = 1
-                for block, pos in _line_blocks(stream, raw):
+                head, line0 = _skip_records(stream, skip_records) if skip_records else (b"", 1)
+                for block, pos in _line_blocks(stream, raw, head):
                     pending.append((pool.submit(_parse_block, block, parse), block, pos))
                     if len(pending) > workers:
                         line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
@@ -1137,9 +1204,10 @@ def _cast(col: pa.Array, target: str) -> pa.Array:
     return col.cast(typ)  # safe: fractional floats or text raise ArrowInvalid
 
 
-def _line_blocks(stream: Any, raw: Any) -> Iterator[tuple[memoryview, int]]:
-    """(block of whole lines, compressed position) over a byte stream, copying only line tails."""
-    tail = b""
+def _line_blocks(stream: Any, raw: Any, head: bytes = b"") -> Iterator[tuple[memoryview, int]]:
+    """(block of whole lines, compressed position) over a byte stream, copying only line tails;
+    `head` is input already read from the stream, to go first."""
+    tail = head
     while True:
         buf = bytearray(len(tail) + BLOCK_BYTES)
         buf[: len(tail)] = tail
@@ -1162,6 +1230,93 @@ def _line_blocks(stream: Any, raw: Any) -> Iterator[tuple[memoryview, int]]:
             cut = filled - 1
         tail = bytes(view[cut + 1 : filled])
         yield view[: cut + 1], raw.tell()
+
+
+_BLANK = np.zeros(256, bool)
+_BLANK[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
+
+
+def _skip_records(stream: Any, k: int) -> tuple[bytes, int]:
+    """Read past the first `k` records (non-blank lines) of a JSONL stream.
+
+    Returns the bytes read beyond them and the line number those start at, so the block reader
+    can go on from record k + 1 with exact line numbers.
+    """
+    line0, seen, rest = 1, 0, b""
+    while True:
+        chunk = stream.read(BLOCK_BYTES)
+        data = rest + chunk
+        cut = data.rfind(b"\n") + 1 if chunk else len(data)
+        if cut == 0:
+            if not chunk:
+                return b"", line0
+            rest = data  # no line end yet: read on
+            continue
+        view = np.frombuffer(data, np.uint8, count=cut)
+        newline = view == 10
+        line_of = np.cumsum(newline) - newline  # a line's bytes, its newline included
+        filled = np.bincount(line_of, weights=~_BLANK[view]) > 0
+        records = np.cumsum(filled)
+        if seen + int(records[-1]) >= k:
+            last = int(np.searchsorted(records, k - seen))  # the line holding record k
+            ends = np.flatnonzero(newline)
+            start = int(ends[last]) + 1 if last < ends.size else cut
+            return data[start:], line0 + last + 1
+        seen += int(records[-1])
+        line0 += int(newline.sum())
+        rest = data[cut:]
+        if not chunk:
+            return b"", line0
+
+
+def _compression(path: Path) -> str | None:
+    """DuckDB's name for a file's compression, by magic bytes as `open_bytes` decides it."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic.startswith(GZIP_MAGIC):
+        return "gzip"
+    if magic.startswith(ZSTD_MAGIC):
+        return "zstd"
+    return "none"
+
+
+def _strict_columns(batch: pa.RecordBatch, sources: Mapping[str, str]) -> dict[str, pa.Array] | None:
+    """DuckDB's JSON texts → typed columns under kvtune's rules, or None when any value is not
+    one the fast reading takes as it is (the block reader then decides what it is)."""
+    cols: dict[str, pa.Array] = {}
+    for target, source in sources.items():
+        text = batch.column(source)
+        typ = _TYPES[target]
+        try:
+            if typ == pa.string():
+                col = _json_labels(text)
+                if col is None:
+                    return None
+            else:  # JSON number (or true/false) texts; a JSON string is quoted and fails here
+                col = text.cast(typ)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        cols[target] = col
+    return cols
+
+
+def _json_labels(text: pa.Array) -> pa.DictionaryArray | None:
+    """A column of JSON texts → dictionary of the strings they hold; None unless every value is
+    a JSON string or null (decoded per distinct value, with Python's json: exact)."""
+    if text.null_count == len(text):
+        return arrays.nulls(len(text), pa.dictionary(pa.int32(), pa.string()))
+    coded = pc.dictionary_encode(text)
+    decoded = []
+    for item in coded.dictionary.to_pylist():
+        value = json.loads(item)
+        if not isinstance(value, str):
+            return None
+        decoded.append(value)
+    unique = list(dict.fromkeys(decoded))
+    codes, ok = arrays.ints(coded.indices)
+    if len(unique) < len(decoded):
+        codes = np.array([unique.index(v) for v in decoded], np.int32)[codes]
+    return arrays.dictionary(codes, unique, ok)
 
 
 def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
