@@ -717,9 +717,6 @@ class _Reader:
         sources = self._sources(plan)
         keys = list(dict.fromkeys(sources.values()))
         codec = _compression(plan.path)
-        if codec is None:
-            yield from self._json_fast(plan)
-            return
         con = duckdb.connect(config={
             "threads": max(1, os.cpu_count() or 1),
             "memory_limit": DUCKDB_MEMORY,
@@ -738,22 +735,26 @@ class _Reader:
                 # to_arrow_reader since DuckDB 1.4; fetch_arrow_reader before (the same stream)
                 to_reader = getattr(relation, "to_arrow_reader", None) or relation.fetch_arrow_reader
                 stream = to_reader(DUCKDB_BATCH_ROWS)
-                for batch in stream:
-                    cols = _strict_columns(batch, sources)
-                    n = batch.num_rows
-                    if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed):
-                        break
-                    self.info.rows += n
-                    self.stats.rows_read += n
-                    out = self._finalize(plan, cols, n, lambda i: 0)  # clean: never locates
-                    done += n
-                    if out is not None:
-                        yield out
-                    self._progress(min(size, int(done * plan.bytes_per_record)))
-                else:
+            except Exception:  # any DuckDB failure: the block reader reads the file instead
+                stream = None
+            while stream is not None:
+                try:
+                    batch = stream.read_next_batch()
+                except StopIteration:
                     return
-            except (duckdb.Error, pa.ArrowException, OSError):
-                pass  # DuckDB's errors arrive as either while streaming; the fallback re-reads
+                except Exception:  # parse errors, invalid UTF-8, memory: from here, the block reader
+                    break
+                cols = _strict_columns(batch, sources)
+                n = batch.num_rows
+                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed):
+                    break
+                self.info.rows += n
+                self.stats.rows_read += n
+                out = self._finalize(plan, cols, n, lambda i: 0)  # clean: never locates
+                done += n
+                if out is not None:
+                    yield out
+                self._progress(min(size, int(done * plan.bytes_per_record)))
         finally:
             con.close()
         yield from self._json_fast(plan, skip_records=done)
@@ -1269,7 +1270,7 @@ def _skip_records(stream: Any, k: int) -> tuple[bytes, int]:
             return b"", line0
 
 
-def _compression(path: Path) -> str | None:
+def _compression(path: Path) -> str:
     """DuckDB's name for a file's compression, by magic bytes as `open_bytes` decides it."""
     with open(path, "rb") as f:
         magic = f.read(4)
