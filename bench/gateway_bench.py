@@ -10,7 +10,9 @@ Three measurements, each direct and through `kvtune gateway` (a separate process
 The gateway runs once per prompt-counting method: `upstream-tokenize` (an extra round trip to the
 upstream's /tokenize per request, the default), `tokenizer` (tokenizers + the chat template in
 process, exact, no round trip; the tiny test model's tokenizer from tests/vllm_server.py) and
-`estimate` (characters / 3 + margin). Each figure is the median over --runs runs.
+`estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a 15-line pass-through aiohttp
+proxy without any admission logic: the floor for a proxy built on aiohttp. Each figure is the
+median over --runs runs.
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
 gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
@@ -60,6 +62,27 @@ UPSTREAM_SRC = textwrap.dedent("""
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+""")
+
+# The floor: a pass-through aiohttp proxy with no admission logic, on uvloop like the gateway.
+BARE_PROXY_SRC = textwrap.dedent("""
+    import sys, aiohttp, uvloop
+    from aiohttp import web
+    UPSTREAM = sys.argv[2]
+    async def forward(request):
+        body = await request.read()
+        async with request.app["s"].post(UPSTREAM + request.path, data=body,
+                                         headers={"Content-Type": "application/json"}) as up:
+            return web.Response(status=up.status, body=await up.read(), content_type="application/json")
+    async def session(app):
+        app["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["s"].close()
+    app = web.Application()
+    app.cleanup_ctx.append(session)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None,
+                loop=uvloop.new_event_loop())
 """)
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say ok, briefly please."}],
@@ -127,6 +150,13 @@ def tiny_tokenizer(workdir: Path) -> Path:
 
 def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | None = None) -> tuple[Proc, str]:
     import yaml
+
+    if method == "bare-aiohttp":
+        port = _free_port()
+        proc = Proc([sys.executable, "-c", BARE_PROXY_SRC, str(port), upstream], cpus)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/healthz")
+        return proc, url
 
     counting: dict = {"method": method}
     if method == "estimate":
@@ -290,7 +320,9 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=1000.0, help="open-loop requests/s")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--methods", default="upstream-tokenize,tokenizer,estimate")
+    ap.add_argument("--methods", default="upstream-tokenize,tokenizer,estimate,bare-aiohttp",
+                    help="counting methods to run the gateway with; bare-aiohttp is no gateway but a "
+                         "plain aiohttp pass-through proxy, the floor any aiohttp proxy pays")
     ap.add_argument("--pin", default="", help="client=CPU,gateway=CPU,upstream=CPU (CPUs joined by +)")
     ap.add_argument("--max-load", type=float, default=None,
                     help="wait before each run until the 1-minute load average is at most this")
@@ -346,7 +378,7 @@ def main() -> int:
           f"{'ceiling rps':>13}   CPU ms/request at the ceiling")
     for name in ["direct", *methods]:
         r = med[name]
-        label = name if name == "direct" else f"gateway/{name}"
+        label = {"direct": "direct", "bare-aiohttp": "proxy/bare-aiohttp"}.get(name, f"gateway/{name}")
         cpu = "  ".join(f"{k} {v:.3f}" for k, v in r["ceiling"]["cpu_ms_per_request"].items())
         print(f"{label:<27}{r['latency']['p50_ms']:>8.3f}{r['latency']['p99_ms']:>8.3f}"
               f"{r['open']['achieved_rps']:>10.0f}{r['open']['p50_ms']:>10.3f}{r['open']['p99_ms']:>10.3f}"
