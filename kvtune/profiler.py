@@ -57,18 +57,43 @@ _JOINT_TABLE_SIZE = 1 << 17  # lookup table for joint bins of counts below 13107
 _joint_table: np.ndarray | None = None
 
 
-def _joint_bins(tokens: np.ndarray) -> np.ndarray:
-    """Joint bin (int64) of each token count: a table lookup for common sizes, a search above."""
+def _joint_bins(tokens: np.ndarray, scale: int = 1) -> np.ndarray:
+    """scale × joint bin (int64) of each token count: a table lookup for common sizes, a search above."""
     global _joint_table
     if _joint_table is None:
         _joint_table = joint_bin(np.arange(_JOINT_TABLE_SIZE)).astype(np.int64)
+    table = _joint_table if scale == 1 else _scaled_joint_table(scale)
     if tokens.size == 0 or int(tokens.max()) < _JOINT_TABLE_SIZE:
-        return _joint_table[tokens]
+        return table[tokens]
     small = tokens < _JOINT_TABLE_SIZE
     out = np.empty(tokens.size, np.int64)
-    out[small] = _joint_table[tokens[small]]
-    out[~small] = joint_bin(tokens[~small])
+    out[small] = table[tokens[small]]
+    out[~small] = joint_bin(tokens[~small]) * scale
     return out
+
+
+_scaled_tables: dict[int, np.ndarray] = {}
+
+
+def _scaled_joint_table(scale: int) -> np.ndarray:
+    table = _scaled_tables.get(scale)
+    if table is None:
+        _joint_bins(np.zeros(0, np.int64))  # builds the unscaled table
+        assert _joint_table is not None
+        table = _scaled_tables[scale] = _joint_table * scale
+    return table
+
+
+def _keys(gid: np.ndarray, stride: int, values: np.ndarray, half: int = 0, cut: np.ndarray | None = None) -> np.ndarray:
+    """gid·stride + values (+ half where cut), int64, in as few passes as numpy allows.
+
+    gid may be int32 (route codes): multiplying by an int64 scalar widens it in the same pass.
+    """
+    key = np.multiply(gid, np.int64(stride), dtype=np.int64)
+    key += values
+    if cut is not None:
+        np.add(key, half, out=key, where=cut)
+    return key
 
 
 class _Table:
@@ -76,14 +101,16 @@ class _Table:
 
     Small tables take one bincount of the combined key group·width + value per batch; wide ones
     (long prompts, many routes) take `np.add.at` straight into the table, which costs O(rows)
-    whatever the width. Values ≥ DENSE_LIMIT go to a sparse overflow per group.
+    whatever the width. Values ≥ DENSE_LIMIT go to a sparse overflow per group. `halves` = 2
+    makes a censored table: row 2·route + censored.
     """
 
-    __slots__ = ("counts", "overflow")
+    __slots__ = ("counts", "overflow", "halves")
 
-    def __init__(self) -> None:
+    def __init__(self, halves: int = 1) -> None:
         self.counts = np.zeros((0, 0), np.int64)
         self.overflow: dict[int, list[Histogram]] = {}
+        self.halves = halves
 
     def _ensure(self, groups: int, width: int) -> None:
         rows, cols = self.counts.shape
@@ -93,29 +120,33 @@ class _Table:
         grown[:rows, :cols] = self.counts
         self.counts = grown
 
-    def add(self, groups: int, gid: np.ndarray, values: np.ndarray) -> None:
-        """Count `values` (non-negative int64) under group `gid` (< groups)."""
+    def add(self, routes: int, gid: np.ndarray, values: np.ndarray, cut: np.ndarray | None = None) -> None:
+        """Count `values` (non-negative int64) under route `gid` (< routes), in row
+        gid·halves + cut. gid may be int32; cut (bool) only for a censored table."""
         if values.size == 0:
             return
         top = int(values.max())
         if top >= DENSE_LIMIT:
             big = values >= DENSE_LIMIT
-            for g in np.unique(gid[big]):
-                self.overflow.setdefault(int(g), []).append(Histogram.of(values[big & (gid == g)]))
-            gid, values = gid[~big], values[~big]
+            group = gid.astype(np.int64) * self.halves
+            if cut is not None:
+                group += cut
+            for g in np.unique(group[big]):
+                self.overflow.setdefault(int(g), []).append(Histogram.of(values[big & (group == g)]))
+            keep = ~big
+            gid, values = gid[keep], values[keep]
+            cut = None if cut is None else cut[keep]
             if values.size == 0:
                 return
             top = int(values.max())
-        width = top + 1
+        groups, width = routes * self.halves, top + 1
         self._ensure(groups, width)
-        if groups * width <= 4 * values.size + 4096:
-            key = gid * width
-            key += values
-            self.counts[:groups, :width] += np.bincount(key, minlength=groups * width).reshape(groups, width)
-        else:
-            key = gid * self.counts.shape[1]
-            key += values
-            np.add.at(self.counts.reshape(-1), key, 1)
+        if groups * width > 4 * values.size + 4096:  # wide: bincount would allocate more than it counts
+            stride = self.counts.shape[1]
+            np.add.at(self.counts.reshape(-1), _keys(gid, self.halves * stride, values, stride, cut), 1)
+            return
+        key = _keys(gid, self.halves * width, values, width, cut)
+        self.counts[:groups, :width] += np.bincount(key, minlength=groups * width).reshape(groups, width)
 
     def histogram(self, group: int) -> Histogram:
         h = Histogram.from_dense(self.counts[group]) if group < self.counts.shape[0] else Histogram.empty()
@@ -134,21 +165,25 @@ class _Vocab:
         return self.ids.setdefault(name, len(self.ids))
 
     def encode(self, column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
-        """(global id per row with nulls as 0, valid mask or None when no nulls).
+        """(global id per row, int32 or int64, with nulls as 0; valid mask or None when no nulls).
 
-        Works on the dictionary: only its few values go through Python, the rows are one take.
+        Works on the dictionary: only its few values go through Python, the rows are one take,
+        or none when the dictionary lists the names in id order (the usual case: one file).
         """
         import pyarrow as pa
-        import pyarrow.compute as pc
 
         from kvtune.ingest import arrays
 
         if isinstance(column, pa.ChunkedArray):
             column = column.combine_chunks()
         if not pa.types.is_dictionary(column.type):
+            import pyarrow.compute as pc
+
             column = pc.dictionary_encode(column)
         mapping = np.array([self.id(str(s)) for s in column.dictionary.to_pylist()] or [0], np.int64)
-        codes, valid = arrays.ints(column.indices)
+        codes, valid = arrays.codes(column.indices)
+        if np.array_equal(mapping, np.arange(mapping.size)):
+            return codes, valid
         return mapping[codes], valid
 
     @property
@@ -158,11 +193,9 @@ class _Vocab:
 
 def _censored(column: pa.Array) -> np.ndarray | None:
     """The censored flags, or None when no row is censored (the common case: one cheap pass)."""
-    import pyarrow.compute as pc
-
     from kvtune.ingest import arrays
 
-    if not pc.any(column).as_py():
+    if column.true_count == 0:
         return None
     return arrays.flags(column)
 
@@ -183,8 +216,8 @@ class ProfileBuilder:
 
     def __init__(self) -> None:
         self._routes, self._finish, self._models = _Vocab(), _Vocab(), _Vocab()
-        # censored tables use group 2·route + censored
-        self._output, self._total = _Table(), _Table()
+        # censored tables use row 2·route + censored
+        self._output, self._total = _Table(halves=2), _Table(halves=2)
         self._prompt, self._max_tokens, self._joint = _Table(), _Table(), _Table()
         self._latency, self._ttft = _Table(), _Table()
         self._finish_counts = np.zeros((0, 0), np.int64)
@@ -213,20 +246,20 @@ class ProfileBuilder:
         if out_valid is not None or output.min() < 0:
             raise ValueError("output_tokens must be non-null and non-negative (ingest skips such rows)")
         cut = _censored(batch.column("censored")) if "censored" in names else None
-        gid2 = 2 * gid  # censored tables use group 2·route + censored
-        if cut is not None:
-            gid2 += cut
-        self._output.add(2 * groups, gid2, output)
+        self._output.add(groups, gid, output, cut)
 
         if "prompt_tokens" in names:
             prompt, ok = arrays.ints(batch.column("prompt_tokens"))
             if ok is not None or prompt.min() < 0:
                 ok = prompt >= 0 if ok is None else ok & (prompt >= 0)
-            g, g2, p, o = _where(ok, gid, gid2, prompt, output)
+            if ok is not None and ok.all():
+                ok = None
+            g, p, o = _where(ok, gid, prompt, output)
+            c = None if cut is None or ok is None else cut[ok]
             self._prompt.add(groups, g, p)
-            self._total.add(2 * groups, g2, p + o)
-            cells = _joint_bins(p)
-            cells *= _JOINT_WIDTH
+            self._total.add(groups, g, p + o, cut if ok is None else c)
+            # joint cell = prompt bin · width + output bin, both from lookup tables
+            cells = _joint_bins(p, _JOINT_WIDTH)
             cells += _joint_bins(o)
             self._joint.add(groups, g, cells)
 
@@ -262,6 +295,7 @@ class ProfileBuilder:
         if not ok.any():
             return
         g, t = _where(ok, gid, ts)
+        g = g.astype(np.int64, copy=False)
         seconds = np.floor(t).astype(np.int64)
         base = int(seconds.min())
         span = int(seconds.max()) - base + 1
@@ -338,8 +372,7 @@ def _count_pairs(table: np.ndarray, groups: int, vocab: int, gid: np.ndarray, co
         grown[: table.shape[0], : table.shape[1]] = table
         table = grown
     if gid.size:
-        key = gid * vocab
-        key += codes
+        key = _keys(gid, vocab, codes)
         table += np.bincount(key, minlength=groups * vocab).reshape(groups, vocab)
     return table
 

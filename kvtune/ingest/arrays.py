@@ -61,6 +61,24 @@ def ints(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     return view, mask
 
 
+def codes(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """Dictionary indices as int32 (int64 when wider) with nulls as 0, and the valid mask or None.
+
+    Without nulls the result is a read-only view of the Arrow buffer (int32 indices: no copy).
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    view = values(column)
+    if view is None:
+        return ints(column)
+    if view.dtype != np.int32 and view.dtype != np.int64:
+        view = view.astype(np.int64 if view.dtype.itemsize == 8 else np.int32)
+    mask = valid(column)
+    if mask is not None:
+        view = np.where(mask, view, 0)
+    return view, mask
+
+
 def floats(column: pa.Array) -> np.ndarray:
     """float64 with nulls as NaN."""
     if isinstance(column, pa.ChunkedArray):

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats, arrays
@@ -66,7 +65,7 @@ BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 SINK_ROWS = 32768  # rows per batch on the slow path
 DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
 DUCKDB_MEMORY = "1GB"  # DuckDB's own memory limit (it streams; this bounds its buffers)
-PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
+PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 20  # rows per Parquet batch: a row group within these
 HEAD_BYTES = 1 << 20  # bytes read for detection
 SAMPLE_RECORDS = 200
 
@@ -1020,6 +1019,8 @@ class _Reader:
                     self.skip(reason, msg(value), locate(first), sources.get(target, target), count=count)
                 else:
                     self.stats.skipped[reason] += count
+            import pyarrow.compute as pc
+
             keep = arrays.bool_array(~drop)
             cols = {t: pc.filter(c, keep) for t, c in cols.items()}
             n = int((~drop).sum())
@@ -1112,7 +1113,7 @@ def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool) -> list[tupl
         col = cols.get(t)
         if col is None or col.null_count == n:
             continue
-        low = pc.min_max(col)["min"].as_py()
+        low = _int_min(col)
         if low is not None and low < 0:
             values, ok = arrays.ints(col)
             mask = values < 0 if ok is None else (values < 0) & ok
@@ -1121,14 +1122,27 @@ def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool) -> list[tupl
         col = cols.get(t)
         if col is None or col.null_count == n:
             continue
+        import pyarrow.compute as pc
+
         finite = pc.is_finite(col)
         if not pc.all(finite).as_py():
             found.append((BAD_NUMBER, t, ~arrays.flags(finite) & _not_null(col), lambda v: f"not a finite number: {v}"))
-    if zero_failed and out.null_count < n and pc.min_max(out)["min"].as_py() == 0:
+    if zero_failed and out.null_count < n and _int_min(out) == 0:
         values, ok = arrays.ints(out)
         mask = values == 0 if ok is None else (values == 0) & ok
         found.append((FAILED, "output_tokens", mask, lambda v: "0 response tokens (a failed request)"))
     return found
+
+
+def _int_min(col: pa.Array) -> int | None:
+    """The smallest non-null value of an integer column (None when all null): a numpy pass over
+    the Arrow buffer when there are no nulls, Arrow's min_max otherwise."""
+    view = arrays.values(col) if col.null_count == 0 and len(col) else None
+    if view is not None and view.dtype.kind in "iu":
+        return int(view.min())
+    import pyarrow.compute as pc
+
+    return pc.min_max(col)["min"].as_py()
 
 
 def _not_null(col: pa.Array) -> np.ndarray:
@@ -1141,6 +1155,8 @@ def _labels(col: pa.Array) -> pa.DictionaryArray:
     if not pa.types.is_dictionary(col.type):
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             col = col.cast(pa.string())
+        import pyarrow.compute as pc
+
         col = pc.dictionary_encode(col)
     if col.type.index_type != pa.int32() or col.type.value_type != pa.string():
         col = col.cast(pa.dictionary(pa.int32(), pa.string()))
@@ -1181,6 +1197,8 @@ def _normalize_finish(finish: pa.DictionaryArray) -> pa.DictionaryArray:
 
 def _seconds(col: pa.Array, unit: str) -> pa.Array:
     if pa.types.is_timestamp(col.type):
+        import pyarrow.compute as pc
+
         ns = col.cast(pa.timestamp("ns", tz=col.type.tz)) if col.type.unit != "ns" else col
         seconds = pc.cast(ns.cast(pa.int64()), pa.float64(), safe=False)
         return arrays.numeric_array(arrays.values(seconds) / 1e9, arrays.valid(seconds))
@@ -1306,6 +1324,8 @@ def _json_labels(text: pa.Array) -> pa.DictionaryArray | None:
     a JSON string or null (decoded per distinct value, with Python's json: exact)."""
     if text.null_count == len(text):
         return arrays.nulls(len(text), pa.dictionary(pa.int32(), pa.string()))
+    import pyarrow.compute as pc
+
     coded = pc.dictionary_encode(text)
     decoded = []
     for item in coded.dictionary.to_pylist():
