@@ -3,10 +3,11 @@
 Generates (seeded, once, into --data-dir) a Parquet file and a JSONL file of flat rows
 (route, prompt_tokens, output_tokens, finish_reason), then for each file times, in the same run:
     kvtune   `python -m kvtune profile FILE --json` as a subprocess
-    duckdb   quantile_disc at .5/.9/.95/.99/.999, max and mean of output and prompt, GROUP BY route
+    duckdb   quantile_disc at .5/.9/.95/.99/.999, max and mean of output and prompt, GROUP BY route,
+             as a subprocess (`python` importing only duckdb), so both CLIs pay interpreter startup
     pandas   read, then groupby(route) with np.percentile(method="inverted_cdf") per group
 Each measurement runs in its own child process (this script re-invoked with `_measure`), which
-reports its wall time and peak RSS (ru_maxrss of itself, or of its one child for kvtune). Prints
+reports its wall time and peak RSS (ru_maxrss of itself, or of its one child for kvtune and duckdb). Prints
 the median of --repeat runs, the ratios kvtune/duckdb and kvtune/pandas, and whether all three
 agree. With --small-rows it also profiles a smaller file, to show kvtune's memory does not grow
 with rows. Outputs here are uncensored (finish_reason only stop), so kvtune's Kaplan–Meier
@@ -27,8 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 QS = (0.5, 0.9, 0.95, 0.99, 0.999)
 KEYS = ("p50", "p90", "p95", "p99", "p999")
@@ -52,6 +51,7 @@ def _paths(rows: int, data_dir: Path) -> tuple[Path, Path]:
 
 def generate(rows: int, data_dir: Path, seed: int = 7) -> tuple[Path, Path]:
     """Write flat-ROWS.parquet and flat-ROWS.jsonl (skipped when already there)."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -100,6 +100,13 @@ def run_kvtune(path: str) -> dict:
 
 
 def run_duckdb(path: str) -> dict:
+    """The DuckDB query in a fresh interpreter (this script's `_duckdb` mode, which imports only
+    duckdb), timed from spawn to exit like the kvtune CLI."""
+    proc = subprocess.run([sys.executable, __file__, "_duckdb", path], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+def duckdb_query(path: str) -> dict:
     import duckdb
 
     source = (f"read_parquet('{path}')" if path.endswith(".parquet") else
@@ -115,6 +122,7 @@ def run_duckdb(path: str) -> dict:
 
 
 def run_pandas(path: str) -> dict:
+    import numpy as np
     import pandas as pd
 
     cols = ["route", "prompt_tokens", "output_tokens"]
@@ -143,7 +151,7 @@ def measure_child(tool: str, path: str) -> None:
     start = time.perf_counter()
     result = TOOLS[tool](path)
     wall = time.perf_counter() - start
-    who = resource.RUSAGE_CHILDREN if tool == "kvtune" else resource.RUSAGE_SELF
+    who = resource.RUSAGE_CHILDREN if tool in ("kvtune", "duckdb") else resource.RUSAGE_SELF
     print(json.dumps({"wall_s": wall, "peak_rss_mib": resource.getrusage(who).ru_maxrss / 1024, "result": result}))
 
 
@@ -185,6 +193,9 @@ def compare(a: dict, b: dict) -> list[str]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_measure":
         measure_child(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_duckdb":
+        print(json.dumps(duckdb_query(sys.argv[2])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_generate":
         generate(int(sys.argv[2]), Path(sys.argv[3]))
