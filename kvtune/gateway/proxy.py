@@ -42,6 +42,11 @@ _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
 _DROP_RESPONSE = HOP_BY_HOP
 _LOOPBACK = frozenset({"127.0.0.1", "::1"})
 _MAX_COUNT = 2**31
+# Idle upstream connections are dropped after this, under the 5 s after which vLLM's server
+# (uvicorn, --timeout-keep-alive) closes them: a longer pool hands out connections the upstream
+# is closing, and the request fails with a reset (seen as 502s when a burst of /tokenize calls
+# left a pool of connections idle behind a slow queue).
+UPSTREAM_KEEPALIVE_S = 4.0
 
 
 class Rejection(Exception):
@@ -145,7 +150,7 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.upstream_connect_timeout_s,
                                         sock_read=cfg.upstream_read_timeout_s)
         # No cookie jar: a proxy must not keep one client's Set-Cookie and replay it for the
