@@ -65,7 +65,7 @@ BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 SINK_ROWS = 32768  # rows per batch on the slow path
 DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
 DUCKDB_MEMORY = "1GB"  # DuckDB's own memory limit (it streams; this bounds its buffers)
-PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 20  # rows per Parquet batch: a row group within these
+PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
 HEAD_BYTES = 1 << 20  # bytes read for detection
 SAMPLE_RECORDS = 200
 
