@@ -165,7 +165,7 @@ def parse_fields(pairs: tuple[str, ...]) -> dict[str, str]:
     for pair in pairs:
         target, sep, path = pair.partition("=")
         if not sep or not target.strip() or not path.strip():
-            raise KvtuneError(f"expected TARGET=PATH, got {pair!r}", field="--field")
+            raise click.BadParameter(f"expected target=path, got {pair!r}", param_hint="'--field'")
         fields[target.strip()] = path.strip()
     return fields
 

@@ -7,8 +7,8 @@ import sys
 
 import click
 
+from kvtune.cli.options import ingest_options_from, log_options
 from kvtune.errors import InputError, KvtuneError
-from kvtune.ingest import FORMATS
 
 JSON_FIELDS = """\b
 --json prints one object:
@@ -31,28 +31,9 @@ JSON_FIELDS = """\b
 """
 
 
-def _parse_fields(values: tuple[str, ...]) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for item in values:
-        target, sep, source = item.partition("=")
-        if not sep or not target.strip() or not source.strip():
-            raise click.BadParameter(f"expected target=path, got {item!r}", param_hint="'--field'")
-        fields[target.strip()] = source.strip()
-    return fields
-
-
 @click.command(epilog=JSON_FIELDS)
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
-@click.option("--format", "format_", metavar="NAME", help="Force a log format instead of detecting it: " + ", ".join(FORMATS) + ".")
-@click.option("--field", "fields", multiple=True, metavar="TARGET=PATH",
-              help="Map a column from a source field, e.g. output_tokens=usage.completion_tokens. Repeatable.")
-@click.option("--route-by", metavar="path|model|FIELD", help="What names a route: the request path (default), the model, or a field.")
-@click.option("--tokenizer", metavar="T", help="tokenizer.json, model dir or hub id, to count tokens in logs that carry only text.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-              help="Bad rows: count them under `skipped`, or stop at the first.")
-@click.option("--strict", is_flag=True, help="Any skipped row is an error.")
-@click.option("--assume-cap", type=click.IntRange(min=1), metavar="N",
-              help="Treat outputs ≥ N as cut at a cap (traces without finish reasons).")
+@log_options
 @click.option("--trace-max-is-cap", is_flag=True,
               help="Treat the largest output in the input as a cap (reads the input twice).")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), metavar="FILE",
@@ -60,8 +41,7 @@ def _parse_fields(values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--merge", is_flag=True, help="PATHs may be saved profiles: merge them exactly (with any logs given).")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object (fields below) instead of tables.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def profile(paths, format_, fields, route_by, tokenizer, on_error, strict, assume_cap, trace_max_is_cap,
-            save_path, merge, json_, quiet) -> None:
+def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> None:
     """Per-route output and prompt length distributions from request logs.
 
     PATH: files, directories or globs of JSONL, CSV or Parquet (.gz, .zst), any mix of schemas.
@@ -75,7 +55,8 @@ def profile(paths, format_, fields, route_by, tokenizer, on_error, strict, assum
     from kvtune.profiler import is_saved_profile, load_profile, profile_logs
     from kvtune.profile import merge_profiles
 
-    if assume_cap is not None and trace_max_is_cap:
+    strict = opts["strict"]
+    if opts["assume_cap"] is not None and trace_max_is_cap:
         raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
     saved = [p for p in paths if is_saved_profile(p)]
     if saved and not merge:
@@ -83,10 +64,7 @@ def profile(paths, format_, fields, route_by, tokenizer, on_error, strict, assum
     logs = [p for p in paths if p not in saved]
     parts = [load_profile(p) for p in saved]
     if logs:
-        from kvtune.ingest import IngestOptions
-
-        options = IngestOptions(format=format_, fields=_parse_fields(fields), route_by=route_by,
-                                tokenizer=tokenizer, on_error=on_error, strict=strict, assume_cap=assume_cap)
+        options = ingest_options_from(opts)
         from kvtune.cli._profile_view import progress_bar
 
         with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
