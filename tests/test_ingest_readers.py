@@ -432,3 +432,19 @@ def test_skip_records_finds_the_next_line(tmp_path):
     assert readers._skip_records(io.BytesIO(data), 2) == (b'{"a": 3}\n\n{"a": 4}', 5)
     assert readers._skip_records(io.BytesIO(data), 3) == (b'\n{"a": 4}', 6)
     assert readers._skip_records(io.BytesIO(data), 4) == (b"", 8)
+
+
+@pytest.mark.parametrize("line", [
+    '{"resourceSpans": true}',
+    '{"resourceSpans": [{"scopeSpans": 7}]}',
+    '{"resourceSpans": [{"scopeSpans": [{"spans": "x"}]}]}',
+])
+def test_mistyped_otlp_arrays_are_counted_skips(tmp_path, line):
+    """Found by the fuzz test: an OTLP array of the wrong type skips the record, naming the field."""
+    path = tmp_path / "spans.jsonl"
+    path.write_text(line + "\n")
+    table, stats = read([path], format="otel")
+    assert table.num_rows == 0
+    assert stats.skipped == {"malformed record structure": 1}
+    with pytest.raises(KvtuneError, match="expected a list"):
+        read([path], format="otel", on_error="fail")

@@ -18,7 +18,6 @@ import csv
 import io
 import json
 import os
-import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ import pyarrow as pa
 
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats, arrays
+from kvtune.ingest.compression import compression_of, open_bytes
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
 from kvtune.ingest.schemas._base import (
@@ -112,85 +112,6 @@ _TYPES: dict[str, pa.DataType] = {
     "censored": pa.bool_(),
 }
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
-
-
-# --- compression ------------------------------------------------------------------------------
-
-GZIP_MAGIC = b"\x1f\x8b"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
-
-class _Decompressed(io.RawIOBase):
-    """Decompressed bytes of a gzip or zstd file (multi-member), failing loudly on truncation.
-
-    `raw.tell()` gives the compressed position for progress.
-    """
-
-    def __init__(self, raw: Any, codec: str, path: str) -> None:
-        self.raw = raw
-        self.codec = codec
-        self.path = path
-        self._buf = b""
-        self._pos = 0
-        self._done = False
-        self._new()
-
-    def _new(self) -> None:
-        if self.codec == "gzip":
-            self._d = zlib.decompressobj(wbits=31)
-        else:
-            import zstandard
-
-            self._d = zstandard.ZstdDecompressor().decompressobj()
-
-    def readable(self) -> bool:
-        return True
-
-    def _fill(self) -> None:
-        data = self.raw.read(1 << 20)
-        if not data:
-            if not self._d.eof:
-                raise InputError(
-                    f"truncated {self.codec} file: the compressed stream ends early", path=self.path
-                )
-            self._done = True
-            return
-        try:
-            out = self._d.decompress(data)
-            while self._d.eof and self._d.unused_data:  # next gzip member / zstd frame
-                rest = self._d.unused_data
-                self._new()
-                out += self._d.decompress(rest)
-        except Exception as exc:  # zlib.error, zstandard.ZstdError
-            raise InputError(f"corrupt {self.codec} data: {exc}", path=self.path) from exc
-        self._buf, self._pos = out, 0
-
-    def readinto(self, b: Any) -> int:
-        while self._pos >= len(self._buf) and not self._done:
-            self._fill()
-        n = min(len(b), len(self._buf) - self._pos)
-        b[:n] = self._buf[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def close(self) -> None:
-        self.raw.close()
-        super().close()
-
-
-def open_bytes(path: Path) -> tuple[Any, Any]:
-    """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes."""
-    try:
-        raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
-    magic = raw.read(4)
-    raw.seek(0)
-    if magic.startswith(GZIP_MAGIC):
-        return io.BufferedReader(_Decompressed(raw, "gzip", str(path)), 1 << 20), raw
-    if magic.startswith(ZSTD_MAGIC):
-        return io.BufferedReader(_Decompressed(raw, "zstd", str(path)), 1 << 20), raw
-    return raw, raw
 
 
 def _container(path: Path, head: bytes) -> str:
@@ -715,7 +636,7 @@ class _Reader:
             return
         sources = self._sources(plan)
         keys = list(dict.fromkeys(sources.values()))
-        codec = _compression(plan.path)
+        codec = compression_of(plan.path)
         con = duckdb.connect(config={
             "threads": max(1, os.cpu_count() or 1),
             "memory_limit": DUCKDB_MEMORY,
@@ -1286,17 +1207,6 @@ def _skip_records(stream: Any, k: int) -> tuple[bytes, int]:
         rest = data[cut:]
         if not chunk:
             return b"", line0
-
-
-def _compression(path: Path) -> str:
-    """DuckDB's name for a file's compression, by magic bytes as `open_bytes` decides it."""
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic.startswith(GZIP_MAGIC):
-        return "gzip"
-    if magic.startswith(ZSTD_MAGIC):
-        return "zstd"
-    return "none"
 
 
 def _strict_columns(batch: pa.RecordBatch, sources: Mapping[str, str]) -> dict[str, pa.Array] | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtune.ingest.schemas._base import Adapter, Row
 from kvtune.ingest.schemas._fields import (
+    BAD_STRUCTURE,
     FAILED,
     NOT_GENERATION,
     RowError,
@@ -130,14 +131,25 @@ def span_row(attrs: Mapping[str, Any], span: Mapping[str, Any], path: str | None
     return row
 
 
+def _list(value: Any, field: str) -> list[Any]:
+    """An OTLP array, or a RowError: a mistyped array makes the whole record unusable."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RowError(field, f"expected a list, got {type(value).__name__}", BAD_STRUCTURE)
+    return value
+
+
 def _spans(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     spans: list[Mapping[str, Any]] = []
-    for rs in record.get("resourceSpans") or []:
+    for rs in _list(record.get("resourceSpans"), "resourceSpans"):
         if not isinstance(rs, Mapping):
             continue
-        for ss in (rs.get("scopeSpans") or []) + (rs.get("instrumentationLibrarySpans") or []):
+        scopes = (_list(rs.get("scopeSpans"), "resourceSpans[].scopeSpans")
+                  + _list(rs.get("instrumentationLibrarySpans"), "resourceSpans[].instrumentationLibrarySpans"))
+        for ss in scopes:
             if isinstance(ss, Mapping):
-                spans.extend(s for s in ss.get("spans") or [] if isinstance(s, Mapping))
+                spans.extend(s for s in _list(ss.get("spans"), "scopeSpans[].spans") if isinstance(s, Mapping))
     return spans
 
 
@@ -150,7 +162,11 @@ def _otlp_rows(record: Mapping[str, Any]) -> Iterator[Row | RowError]:
         except RowError as err:
             yield err
         return
-    spans = _spans(record)
+    try:
+        spans = _spans(record)
+    except RowError as err:
+        yield err
+        return
     decoded = [attributes(s.get("attributes")) for s in spans]
     by_id = {s.get("spanId"): i for i, s in enumerate(spans) if s.get("spanId")}
 
