@@ -76,7 +76,7 @@ def convert_flat(flat: Flat, record: Mapping[str, Any]) -> Row:
         value = dig(record, source)
         if target in INT_TARGETS:
             row[target] = as_int(value, source)
-        elif target in STR_TARGETS or target in ("prompt_text", "output_text"):
+        elif target in STR_TARGETS or target in TEXT_TARGETS:
             row[target] = as_str(value, source)
         elif target == "timestamp_s":
             row[target] = as_time(value, source, flat.time_unit)

@@ -5,21 +5,10 @@ Any container works (JSONL, CSV, Parquet); it is the fastest path and what the b
 
 from __future__ import annotations
 
-from kvtune.ingest.schemas._base import Adapter, Flat
+from kvtune.ingest.schemas._base import TARGETS, TEXT_TARGETS, Adapter, Flat
 
-_NATIVE_COLUMNS = (
-    "route",
-    "path",
-    "model",
-    "prompt_tokens",
-    "output_tokens",
-    "max_tokens",
-    "finish_reason",
-    "censored",
-    "timestamp_s",
-    "latency_ms",
-    "ttft_ms",
-)
+# Every target a row can fill but the raw texts: the native format carries counts, not prompts.
+_NATIVE_COLUMNS = tuple(t for t in TARGETS if t not in TEXT_TARGETS)
 
 
 def _match(record) -> bool:
