@@ -35,8 +35,6 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 16, 4
 
 
 def serve(port: int) -> None:
-    import asyncio
-
     from aiohttp import web
 
     def event(obj) -> bytes:
@@ -101,8 +99,6 @@ def wait_up(port: int, deadline_s: float = 20) -> None:
 
 
 def write_profile(path: Path) -> None:
-    import numpy as np
-
     from kvtune.histogram import Histogram, JointHistogram
     from kvtune.profile import CensoredHistogram, Profile, RouteProfile
     from kvtune.profiler import save_profile

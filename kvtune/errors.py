@@ -12,8 +12,6 @@ Anything else that escapes is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 
 class KvtuneError(Exception):
     """A user error, reported as `path:line: field: message` on one line."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtune.bench.client import FAILURE_KINDS, Outcome, RequestResult
+from kvtune.bench.client import FAILURE_KINDS, RequestResult
 from kvtune.errors import KvtuneError
 
 __all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]

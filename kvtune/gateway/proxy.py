@@ -24,7 +24,7 @@ from yarl import URL
 
 from kvtune.gateway import _json
 from kvtune.gateway.counting import (
-    EstimateCounter, PromptCountError, PromptRejectedError, make_counter,
+    PromptCountError, PromptRejectedError, make_counter,
 )
 from kvtune.gateway.ledger import BlockLedger, Reservation, reservation_blocks
 from kvtune.gateway.metrics import GatewayMetrics
