@@ -319,8 +319,10 @@ class RequestFit:
         }
 
 
-def reserved_blocks(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """Blocks a request can grow into: ceil((prompt + max_tokens) / block_size)."""
+def reserved_blocks(prompt_tokens, max_tokens: int, block_size: int):
+    """Blocks a request can grow into: ceil((prompt + max_tokens) / block_size).
+
+    `prompt_tokens` may be an int or a numpy array of prompt lengths (one result per prompt)."""
     return -(-(prompt_tokens + max_tokens) // block_size)
 
 

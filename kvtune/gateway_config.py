@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtune.capacity import reserved_blocks
 from kvtune.errors import InputError
 
 SCHEMA_VERSION = 1
@@ -81,7 +82,7 @@ class GatewayConfig:
         return next((r for r in self.routes if r.match.matches(path, model)), None)
 
     def reservation_blocks(self, prompt_tokens: int, max_new_tokens: int, sequences: int = 1) -> int:
-        return sequences * -(-(prompt_tokens + max_new_tokens) // self.block_size)
+        return sequences * reserved_blocks(prompt_tokens, max_new_tokens, self.block_size)
 
 
 class _Reader:

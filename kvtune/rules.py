@@ -13,6 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
+# The gateway's reservation: ceil((prompt + cap) / block_size) blocks, held for the request's life
+# (one definition, in capacity; it takes ints or numpy arrays).
+from kvtune.capacity import reserved_blocks as reservation_blocks
+
 DEFAULT_SAFETY_FRACTION = 0.9
 CURRENT_VLLM_VERSION = "0.33"
 # vLLM releases before this one ran the V0 engine by default, with swap and --preemption-mode.
@@ -81,11 +85,6 @@ def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distributio
         max=int(sorted_values[-1]),
         mean=mean,
     )
-
-
-def reservation_blocks(prompt_tokens: int | np.ndarray, cap: int, block_size: int):
-    """Blocks a gateway reserves for a request: ceil((prompt + cap) / block_size), held for its life."""
-    return -(-(prompt_tokens + cap) // block_size)
 
 
 def cap_by_tail(tail_class: str, quantile: int, lower_bound: bool, context_cap: int) -> Decision:
@@ -165,7 +164,7 @@ def admitted_concurrency(budget_blocks: int, mean_reservation_blocks: float) -> 
 
 def worst_case_reservation_blocks(context_tokens: int, block_size: int) -> int:
     """An unset max_tokens lets a request grow to the whole context: ceil(context / block_size)."""
-    return -(-context_tokens // block_size)
+    return reservation_blocks(context_tokens, 0, block_size)
 
 
 def parse_vllm_version(text: str) -> tuple[int, ...]:

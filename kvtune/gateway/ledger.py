@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtune.capacity import reserved_blocks
+
 # Releases are averaged over about this many seconds (same constant as the rendered nginx.conf).
 RATE_WINDOW_S = 30.0
 
@@ -129,7 +131,7 @@ class BlockLedger:
 def reservation_blocks(prompt_tokens: list[int], cap_tokens: int, sequences: int, block_size: int) -> int:
     """Blocks for a request's whole life: every prompt it carries, each grown by the cap, rounded
     up to whole blocks, times the sequences generated per prompt (n / best_of)."""
-    per_sequence = sum(-(-(p + cap_tokens) // block_size) for p in prompt_tokens)
+    per_sequence = sum(reserved_blocks(p, cap_tokens, block_size) for p in prompt_tokens)
     return sequences * per_sequence
 
 
