@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
+from kvtune.capacity import reserved_blocks
 from kvtune.errors import KvtuneError
 
 __all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]
@@ -266,7 +267,7 @@ def _expect_checks(expect: Mapping[str, Any], summary: Mapping[str, Any],
         def reservation(r: RequestResult) -> int:
             cap = caps.get(r.route, caps[next(iter(caps))] if len(caps) == 1 else fallback)
             out = r.output_tokens_requested if cap is None else min(r.output_tokens_requested, cap)
-            return -(-(r.prompt_tokens_requested + out) // block_size)
+            return reserved_blocks(r.prompt_tokens_requested, out, block_size)
 
         smallest = min(reservation(r) for r in sent)
         bound = budget // max(1, smallest)
