@@ -28,6 +28,7 @@ class FakeConfig:
     no_usage: bool = False
     short_by: int = 0  # return this many fewer tokens than asked, finish_reason length
     finish_reason: str = "length"
+    silent_tokens: bool = False  # tokens that decode to no text: as vLLM, only the finishing chunk is sent
     metrics: bool = True
     tokenize: bool = True
     max_model_len: int = 4096
@@ -130,10 +131,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await resp.write(_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
         events = []
         for i in range(n):
+            if cfg.silent_tokens and i < n - 1:
+                continue
             if chat:
-                choice = {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}
+                choice = {"index": 0, "delta": {"content": "" if cfg.silent_tokens else f" w{i}"},
+                          "finish_reason": None}
             else:
-                choice = {"index": 0, "text": f" w{i}", "finish_reason": None}
+                choice = {"index": 0, "text": "" if cfg.silent_tokens else f" w{i}", "finish_reason": None}
             if i == n - 1:
                 choice["finish_reason"] = cfg.finish_reason
             events.append(_event({"choices": [choice]}))

@@ -396,6 +396,11 @@ def _on_event(data: bytes, result: RequestResult, start: float, now: float,
         reason = choice.get("finish_reason")
         if reason is not None:
             result.finish_reason = reason
+            if last_token is None:
+                # every token so far decoded to no text (servers send no empty deltas): the
+                # finishing chunk is the first sign of generated output
+                result.ttft_ms = (now - start) * 1000
+                last_token = now
     usage = event.get("usage")
     if usage:
         result.output_tokens = usage.get("completion_tokens")
