@@ -171,8 +171,12 @@ def parse_fields(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 def ingest_options_from(opts: dict[str, Any]):
-    """An IngestOptions from the values of `log_options`."""
+    """An IngestOptions from the values of `log_options`; the process is about to read logs, so
+    malloc is tuned for it (kvtune.allocator)."""
+    from kvtune.allocator import tune_for_streaming
     from kvtune.ingest import IngestOptions
+
+    tune_for_streaming()
 
     return IngestOptions(
         format=opts.get("format_"),
