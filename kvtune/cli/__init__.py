@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
-import click
+# kvtune does no linear algebra: OpenBLAS's thread pool would only add ~50 ms to numpy's import
+# (and idle threads). Set before anything imports numpy; a value the user set wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from kvtune import __version__
-from kvtune.errors import KvtuneError
+import click  # noqa: E402
+
+from kvtune import __version__  # noqa: E402
+from kvtune.errors import KvtuneError  # noqa: E402
 
 # command name -> (module under kvtune.cli, attribute, one-line help shown by `kvtune --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
