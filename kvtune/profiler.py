@@ -53,12 +53,12 @@ DENSE_LIMIT = 1 << 22
 PREFETCH_BATCHES = 1
 
 _JOINT_WIDTH = JOINT_EDGES.size
-_JOINT_TABLE_SIZE = 1 << 17  # lookup tables cover counts below 131072 (above: a search)
+_JOINT_TABLE_SIZE = 1 << 18  # lookup tables cover counts below 262144, past 128k contexts (above: a search)
 _joint_tables: dict[int, np.ndarray] = {}
 
 
 def _joint_table(scale: int) -> np.ndarray:
-    """scale × joint bin of 0 … _JOINT_TABLE_SIZE-1, int32: 512 KiB, so lookups stay in cache."""
+    """scale × joint bin of 0 … _JOINT_TABLE_SIZE-1, int32: 1 MiB, so lookups stay in cache."""
     table = _joint_tables.get(scale)
     if table is None:
         table = _joint_tables[scale] = (joint_bin(np.arange(_JOINT_TABLE_SIZE)) * scale).astype(np.int32)
