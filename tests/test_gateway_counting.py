@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtune.errors import InputError
@@ -15,6 +15,7 @@ from kvtune.gateway.counting import (
     EstimateCounter, LocalTokenizerCounter, Prompt, PromptCountError, PromptRejectedError,
     UpstreamTokenizeCounter, make_counter, prompts_of,
 )
+from kvtune.gateway.upstream import UpstreamClient
 from kvtune.gateway_config import PromptCounting
 
 TEMPLATE = (
@@ -138,10 +139,11 @@ async def _with_tokenizer_server(handler, fn):
     app.router.add_post("/tokenize", handler)
     server = TestServer(app)
     await server.start_server()
+    client = UpstreamClient(str(server.make_url("/")))
     try:
-        async with ClientSession() as session:
-            return await fn(session, str(server.make_url("/")))
+        return await fn(client)
     finally:
+        await client.close()
         await server.close()
 
 
@@ -154,8 +156,8 @@ def test_upstream_tokenize_sends_messages_and_prompts():
         text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
         return web.json_response({"count": len(text.split()) + 3, "max_model_len": 512, "tokens": []})
 
-    async def run(session, url):
-        counter = UpstreamTokenizeCounter(session, url)
+    async def run(client):
+        counter = UpstreamTokenizeCounter(client)
         chat = await counter.count({"model": "m", "messages": [{"role": "user", "content": "a b"}],
                                     "tools": [{"t": 1}], "max_tokens": 5})
         many = await counter.count({"model": "m", "prompt": ["a", "b c", [1, 2]]})
@@ -176,12 +178,12 @@ def test_upstream_400_rejects_and_500_errors_or_falls_back():
                                                  "type": "BadRequestError"}}, status=400)
         return web.json_response({"error": "down"}, status=500)
 
-    async def run(session, url):
+    async def run(client):
         with pytest.raises(PromptRejectedError, match="maximum context length"):
-            await UpstreamTokenizeCounter(session, url).count({"prompt": "long"})
+            await UpstreamTokenizeCounter(client).count({"prompt": "long"})
         with pytest.raises(PromptCountError, match="500"):
-            await UpstreamTokenizeCounter(session, url).count({"prompt": "x y"})
-        fallback = UpstreamTokenizeCounter(session, url, fallback=EstimateCounter(1.0, 7))
+            await UpstreamTokenizeCounter(client).count({"prompt": "x y"})
+        fallback = UpstreamTokenizeCounter(client, fallback=EstimateCounter(1.0, 7))
         return await fallback.count({"prompt": "x y"})
 
     counted = asyncio.run(_with_tokenizer_server(tokenize, run))
@@ -190,9 +192,8 @@ def test_upstream_400_rejects_and_500_errors_or_falls_back():
 
 def test_upstream_unreachable_is_a_count_error():
     async def run():
-        async with ClientSession() as session:
-            counter = UpstreamTokenizeCounter(session, "http://127.0.0.1:9")
-            with pytest.raises(PromptCountError, match="failed"):
-                await counter.count({"prompt": "a"})
+        counter = UpstreamTokenizeCounter(UpstreamClient("http://127.0.0.1:9"))
+        with pytest.raises(PromptCountError, match="failed"):
+            await counter.count({"prompt": "a"})
 
     asyncio.run(run())

@@ -111,19 +111,23 @@ class EstimateCounter:
         return PromptCount(tuple(self.estimate(p) for p in prompts_of(body)), self.method, False)
 
 
+# vLLM refuses a /tokenize body without this Content-Type
+_TOKENIZE_HEADERS = (("Content-Type", "application/json"),)
+
+
 class UpstreamTokenizeCounter:
     """The engine's POST /tokenize: {"model", "prompt"} or {"model", "messages", ...} → {"count"}.
-    One call per prompt (issued together); ids already tokenized are counted locally."""
+    One call per prompt (issued together) on the gateway's keep-alive connections to that
+    upstream (an UpstreamClient); ids already tokenized are counted locally."""
 
     method = "upstream-tokenize"
 
-    def __init__(self, session: Any, base_url: str, *, fallback: EstimateCounter | None = None) -> None:
-        self.session = session
-        self.url = base_url.rstrip("/") + "/tokenize"
+    def __init__(self, client: Any, *, fallback: EstimateCounter | None = None) -> None:
+        self.client = client
         self.fallback = fallback
 
     async def _one(self, model: Any, prompt: Prompt) -> tuple[int, bool]:
-        import aiohttp
+        from kvtune.gateway.upstream import UpstreamError
 
         if prompt.token_count is not None:
             return prompt.token_count, True
@@ -134,15 +138,18 @@ class UpstreamTokenizeCounter:
         else:
             payload["prompt"] = prompt.text
         try:
-            # explicit Content-Type: vLLM refuses JSON without it, and the gateway's session adds none
-            async with self.session.post(self.url, data=_json.dumps_bytes(payload),
-                                         headers={"Content-Type": "application/json"}) as resp:
+            resp = await self.client.request("POST", "/tokenize", _TOKENIZE_HEADERS, _json.dumps_bytes(payload))
+            try:
                 data = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            except BaseException:
+                resp.close()
+                raise
+            resp.release()
+            status = resp.status
+        except UpstreamError as exc:
             if self.fallback is not None:
                 return self.fallback.estimate(prompt), False
-            raise PromptCountError(f"the upstream /tokenize failed: {type(exc).__name__}") from exc
+            raise PromptCountError(f"the upstream /tokenize failed: {exc}") from exc
         try:
             parsed = _json.loads(data)
         except ValueError:
@@ -313,7 +320,7 @@ def _compile_template(source: str) -> Any:
         raise InputError(f"the chat template does not compile: {exc}", field="prompt_tokens.tokenizer") from exc
 
 
-def make_counter(counting: PromptCounting, *, session: Any = None, upstream: str | None = None) -> Any:
+def make_counter(counting: PromptCounting, *, client: Any = None) -> Any:
     """The counter a gateway.yaml asks for. An estimate configured beside upstream-tokenize is
     its fallback when /tokenize fails; without one, a failure is an error, never a guess."""
     estimate = None
@@ -323,9 +330,9 @@ def make_counter(counting: PromptCounting, *, session: Any = None, upstream: str
         return estimate
     if counting.method == "tokenizer":
         return LocalTokenizerCounter.load(counting.tokenizer)
-    if session is None or upstream is None:
-        raise ValueError("upstream-tokenize needs a session and an upstream URL")
-    return UpstreamTokenizeCounter(session, upstream, fallback=estimate)
+    if client is None:
+        raise ValueError("upstream-tokenize needs the upstream's client (kvtune.gateway.upstream.UpstreamClient)")
+    return UpstreamTokenizeCounter(client, fallback=estimate)
 
 
 __all__ = [

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from yarl import URL
 
 from kvtune.gateway import _json
@@ -28,6 +29,7 @@ from kvtune.gateway.counting import (
 )
 from kvtune.gateway.ledger import BlockLedger, Reservation, reservation_blocks
 from kvtune.gateway.metrics import GatewayMetrics
+from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeoutError
 from kvtune.gateway_config import GatewayConfig, GatewayRoute
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -125,7 +127,8 @@ class Admission:
 
 @dataclass
 class _Upstreams:
-    session: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # pass-through traffic (streamed bodies, anything not governed)
+    clients: dict[str, UpstreamClient]  # governed requests and /tokenize, by upstream URL
     counters: dict[str, Any]
 
 
@@ -159,14 +162,19 @@ class Gateway:
             connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
+        clients: dict[str, UpstreamClient] = {}
         counters: dict[str, Any] = {}
         for upstream in {cfg.upstream, *(r.upstream for r in cfg.routes if r.upstream)}:
-            counters[upstream] = self._fixed_counter or make_counter(
-                cfg.prompt_tokens, session=session, upstream=upstream)
-        self._up = _Upstreams(session, counters)
+            clients[upstream] = UpstreamClient(
+                upstream, connect_timeout_s=cfg.upstream_connect_timeout_s,
+                read_timeout_s=cfg.upstream_read_timeout_s, keepalive_s=UPSTREAM_KEEPALIVE_S)
+            counters[upstream] = self._fixed_counter or make_counter(cfg.prompt_tokens, client=clients[upstream])
+        self._up = _Upstreams(session, clients, counters)
 
     async def close(self) -> None:
         if self._up is not None:
+            for client in self._up.clients.values():
+                await client.close()
             await self._up.session.close()
             self._up = None
 
@@ -176,7 +184,7 @@ class Gateway:
         path = request.path
         if request.method == "POST" and (path in GENERATION_PATHS or self._route_path(path)):
             return await self._governed(request)
-        return await self._forward(request, self.config.upstream, None, {})
+        return await self._forward(request, self.config.upstream)
 
     def _route_path(self, path: str) -> bool:
         return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.route_paths)
@@ -192,7 +200,7 @@ class Gateway:
         model = doc.get("model") if isinstance(doc.get("model"), str) else None
         route = self.config.route_for(request.path, model)
         if route is None:
-            return await self._forward(request, self.config.upstream, raw, {})
+            return await self._send(request, self.config.upstream, raw, {})
         try:
             cap, sequences = self._clamp(route, doc)
             blocks = await self._blocks(route, doc, cap, sequences)
@@ -209,7 +217,7 @@ class Gateway:
                 doc[key] = cap
             body = _json.dumps_bytes(doc)
             extra = {"X-Kvtune-Reserved-Blocks": str(blocks), "X-Kvtune-Max-Tokens": str(cap)}
-            return await self._forward(request, route.upstream or self.config.upstream, body, extra)
+            return await self._send(request, route.upstream or self.config.upstream, body, extra)
         finally:
             reservation.release()
             self.admission.wake()
@@ -279,14 +287,22 @@ class Gateway:
         self.metrics.count_rejected(route.name if route else "", rejection.code)
         return rejection.response()
 
-    async def _forward(self, request: web.Request, upstream: str, body: bytes | None,
-                       extra_headers: dict[str, str]) -> web.StreamResponse:
-        """Send the request on and stream the answer back chunk by chunk as it arrives."""
+    async def _send(self, request: web.Request, upstream: str, body: bytes,
+                    extra_headers: dict[str, str]) -> web.StreamResponse:
+        """A request whose body is in hand, through the gateway's own upstream client."""
+        try:
+            up = await self._up.clients[upstream].request(
+                request.method, request.raw_path, _forward_headers(request.headers), body)
+        except UpstreamTimeoutError:
+            return Rejection(504, "upstream_timeout", "the upstream did not answer in time").response()
+        except UpstreamError as exc:
+            return Rejection(502, "upstream_unavailable", f"the upstream could not be reached: {exc}").response()
+        return await self._relay(request, up, up.iter_chunks, extra_headers)
+
+    async def _forward(self, request: web.Request, upstream: str) -> web.StreamResponse:
+        """Anything not governed, body streamed as it arrives, through aiohttp's client."""
         headers = _forward_headers(request.headers)
-        if body is None and request.body_exists:
-            data: Any = request.content
-        else:
-            data = body
+        data = request.content if request.body_exists else None
         url = URL(upstream.rstrip("/") + request.raw_path, encoded=True)
         try:
             up = await self._up.session.request(request.method, url, headers=headers, data=data,
@@ -296,27 +312,25 @@ class Gateway:
         except aiohttp.ClientError as exc:
             return Rejection(502, "upstream_unavailable",
                              f"the upstream could not be reached: {type(exc).__name__}").response()
+        return await self._relay(request, up, up.content.iter_any, {})
+
+    async def _relay(self, request: web.Request, up: Any, chunks: Callable[[], AsyncIterator[bytes]],
+                     extra_headers: dict[str, str]) -> web.StreamResponse:
+        """Send the upstream's answer back, chunk by chunk as it arrives."""
         finished = False
         try:
             whole = _whole_body(request.method, up)
+            headers = _response_headers(up.headers, whole)
+            headers.update(extra_headers)
             if whole:
                 # A complete answer of known, small length (vLLM's non-streaming JSON): read it and
                 # send status, headers and body in one write instead of three.
                 body = await up.read()
                 finished = True
-                response = web.Response(status=up.status, reason=up.reason, body=body)
-            else:
-                response = web.StreamResponse(status=up.status, reason=up.reason)
-            for name, value in up.headers.items():
-                if name.lower() not in _DROP_RESPONSE and not (whole and name.lower() == "content-length"):
-                    response.headers.add(name, value)
-            for name in _connection_tokens(up.headers):
-                response.headers.popall(name, None)
-            response.headers.update(extra_headers)
-            if whole:
-                return response
+                return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
+            response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
             await response.prepare(request)
-            async for chunk in up.content.iter_any():
+            async for chunk in chunks():
                 await response.write(chunk)
             finished = True
             await response.write_eof()
@@ -341,7 +355,7 @@ def _count(key: str, value: Any) -> int:
 _WHOLE_BODY_MAX_BYTES = 1024 * 1024
 
 
-def _whole_body(method: str, up: aiohttp.ClientResponse) -> bool:
+def _whole_body(method: str, up: Any) -> bool:
     """True for an answer sent with a Content-Length of at most 1 MiB that is not an event
     stream: it can go back as one response without delaying a single byte a client could use.
     Streams (chunked, SSE) and anything large go through chunk by chunk."""
@@ -360,6 +374,15 @@ def _connection_tokens(headers: Any) -> list[str]:
 def _forward_headers(headers: Any) -> list[tuple[str, str]]:
     named = {t.lower() for t in _connection_tokens(headers)}
     return [(k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST and k.lower() not in named]
+
+
+def _response_headers(headers: Any, whole: bool) -> CIMultiDict:
+    """The upstream's answer headers less hop-by-hop ones and those its Connection names; less
+    Content-Length too for a whole body, which the gateway's server sets itself."""
+    drop = {*_DROP_RESPONSE, *(t.lower() for t in _connection_tokens(headers))}
+    if whole:
+        drop.add("content-length")
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
 
 
 # ---------------------------------------------------------------- the app
