@@ -87,6 +87,20 @@ def test_local_counter_applies_the_chat_template(model_dir):
     assert tools.tokens[0] > 11
 
 
+def test_chat_template_kwargs_are_merged_last_as_vllm_does(model_dir):
+    counter = LocalTokenizerCounter.load(str(model_dir))
+    body = {"messages": [{"role": "user", "content": "how are you"}]}
+    plain = asyncio.run(counter.count(body)).tokens[0]
+    # they override the request's own template fields and the special tokens
+    no_gen = {"chat_template_kwargs": {"add_generation_prompt": False}}
+    assert asyncio.run(counter.count({**body, **no_gen})).tokens == (plain - 1,)
+    no_bos = {"chat_template_kwargs": {"bos_token": ""}}
+    assert asyncio.run(counter.count({**body, **no_bos})).tokens == (plain - 1,)
+    for bad in ({"messages": []}, ["think"]):
+        with pytest.raises(PromptRejectedError, match="chat_template_kwargs"):
+            asyncio.run(counter.count({**body, "chat_template_kwargs": bad}))
+
+
 def test_local_counter_plain_prompts_get_bos(model_dir):
     counter = LocalTokenizerCounter.load(str(model_dir / "tokenizer.json"))
     counted = asyncio.run(counter.count({"prompt": ["the quick brown fox", [1, 2, 3, 4, 5, 6, 7]]}))

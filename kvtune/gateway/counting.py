@@ -206,6 +206,10 @@ class LocalTokenizerCounter:
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens
         self.template = _compile_template(chat_template) if chat_template else None
+        # What every render starts from: the template's globals (a ChainMap that jinja would
+        # flatten on every render, most of a short render's time) and the special tokens.
+        self._base_vars = {**self.template.globals, **special_tokens} if self.template else {}
+        self._encode = tokenizer.encode
 
     @classmethod
     def load(cls, spec: str) -> LocalTokenizerCounter:
@@ -252,25 +256,45 @@ class LocalTokenizerCounter:
         return cls(tokenizer, template, specials)
 
     def render(self, prompt: Prompt) -> str:
-        if self.template is None:
+        """The chat template applied as vLLM applies it: the special tokens, the messages, the
+        request's template fields, then chat_template_kwargs over all of them (vLLM merges them
+        last; only `messages` cannot be replaced, a repeated argument in transformers)."""
+        template = self.template
+        if template is None:
             raise PromptCountError("no chat template to render messages with")
-        args = dict(prompt.template_args or {})
-        extra = args.pop("chat_template_kwargs", None) or {}
-        args.setdefault("add_generation_prompt", True)
+        context = self._base_vars.copy()
+        context["messages"] = prompt.messages
+        context["add_generation_prompt"] = True
+        extra = None
+        if prompt.template_args:
+            for key, value in prompt.template_args.items():
+                if key == "chat_template_kwargs":
+                    extra = value
+                else:
+                    context[key] = value
+        if extra:
+            if not isinstance(extra, dict):
+                raise PromptRejectedError("chat_template_kwargs must be an object")
+            if "messages" in extra:
+                raise PromptRejectedError("chat_template_kwargs cannot replace the messages")
+            context.update(extra)
         try:
-            return self.template.render(messages=prompt.messages, **self.special_tokens, **args, **extra)
+            # Template.render(**context) minus its per-call copy of the globals (shared=True
+            # hands `context`, which already holds them, to the template as is)
+            return "".join(template.root_render_func(template.new_context(context, shared=True)))
         except Exception as exc:  # a template raising on a bad conversation, via raise_exception
             raise PromptRejectedError(f"the chat template refused the messages: {exc}") from exc
 
     def _count_sync(self, prompts: list[Prompt]) -> tuple[int, ...]:
+        encode = self._encode
         out = []
         for p in prompts:
             if p.token_count is not None:
                 out.append(p.token_count)
             elif p.messages is not None:
-                out.append(len(self.tokenizer.encode(self.render(p), add_special_tokens=False).ids))
+                out.append(len(encode(self.render(p), add_special_tokens=False)))
             else:
-                out.append(len(self.tokenizer.encode(p.text, add_special_tokens=True).ids))
+                out.append(len(encode(p.text, add_special_tokens=True)))
         return tuple(out)
 
     async def count(self, body: dict) -> PromptCount:
