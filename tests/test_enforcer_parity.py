@@ -128,6 +128,25 @@ def test_every_present_alias_gets_the_cap_and_the_rest_is_untouched(enforcer, up
     assert seen["messages"] == body["messages"]
 
 
+@pytest.mark.parametrize("extra, max_tokens, min_tokens", [
+    ({"max_tokens": 5000, "min_tokens": 100}, 64, 64),   # above the clamped cap: comes down to it
+    ({"min_tokens": 5000}, 64, 64),                       # no max_tokens: the route's cap is set
+    ({"max_tokens": 10, "min_tokens": 20}, 10, 10),       # the client's own cap is the limit too
+    ({"max_tokens": 5000, "min_tokens": 64}, 64, 64),     # equal is allowed
+    ({"max_tokens": 5000, "min_tokens": 70.5}, 64, 64),
+    ({"max_tokens": 5000, "min_tokens": 5}, 64, 5),       # below: untouched
+    ({"max_tokens": 5000, "min_tokens": "lots"}, 64, "lots"),  # not a number: vLLM's to judge
+])
+def test_min_tokens_above_the_cap_comes_down_to_it(enforcer, upstream, extra, max_tokens, min_tokens):
+    """vLLM answers 400 to min_tokens > max_tokens: clamping the cap must not create one."""
+    status, headers, _ = enforcer.request("/v1/chat/completions", chat(10, **extra))
+    assert status == 200
+    seen = upstream.seen[-1]
+    assert (seen["max_tokens"], seen["min_tokens"]) == (max_tokens, min_tokens)
+    assert headers["X-Kvtune-Max-Tokens"] == str(max_tokens)
+    assert enforcer.wait_ledger(0)["reserved"] == 0
+
+
 def test_model_route_and_path_route(enforcer, upstream):
     body = chat(10, max_tokens=999)
     body["model"] = HOSTILE_MODEL

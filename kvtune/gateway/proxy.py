@@ -1,7 +1,8 @@
 """The admission gateway: an aiohttp reverse proxy that enforces the reservation policy.
 
 A generation request (POST to chat, completions, responses, or a path in the route table) is
-matched to a route, its output cap is clamped to the route's cap (and set when absent), its prompt
+matched to a route, its output cap is clamped to the route's cap (and set when absent; a
+min_tokens above it comes down to it, which vLLM requires), its prompt
 is counted, and sequences x ceil((prompt + cap) / block_size) KV blocks are reserved for its whole
 life. A full budget answers 429 with Retry-After from the observed release rate; a request that
 can never fit answers 400/413 at once. Everything else is passed through untouched. Responses
@@ -215,6 +216,10 @@ class Gateway:
             present = [k for k in CAP_FIELDS if k in doc]
             for key in present or ["max_output_tokens" if request.path == "/v1/responses" else "max_tokens"]:
                 doc[key] = cap
+            # vLLM refuses min_tokens > max_tokens: a floor above the cap comes down with it
+            floor = doc.get("min_tokens")
+            if isinstance(floor, (int, float)) and not isinstance(floor, bool) and floor > cap:
+                doc["min_tokens"] = cap
             body = _json.dumps_bytes(doc)
             extra = {"X-Kvtune-Reserved-Blocks": str(blocks), "X-Kvtune-Max-Tokens": str(cap)}
             return await self._send(request, route.upstream or self.config.upstream, body, extra)
