@@ -66,6 +66,32 @@ class RenderOptions:
     # Fallback when the upstream's /tokenize fails: bytes / estimate_bytes_per_token + margin.
     estimate_bytes_per_token: int = 3
     estimate_margin_tokens: int = 64
+    # gateway.yaml counts prompts in process with this tokenizer (a model directory holding
+    # tokenizer.json and a chat template, see local_chat_tokenizer): exact like /tokenize, without
+    # its round trip. None: the upstream's /tokenize.
+    gateway_tokenizer: str | None = None
+
+
+def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
+    """The absolute model directory behind `spec` (a directory, or a file in it such as
+    config.json or tokenizer.json) when it holds what `kvtune gateway` needs to count prompts
+    exactly in process: tokenizer.json and a chat template (tokenizer_config.json's
+    chat_template, or chat_template.jinja). None otherwise: a hub id, a preset name, a folder
+    without a template."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    folder = path if path.is_dir() else path.parent if path.is_file() else None
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return None
+    if not (folder / "chat_template.jinja").is_file():
+        try:
+            config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(config, dict) or not config.get("chat_template"):
+            return None
+    return str(folder.resolve())
 
 
 # ---------------------------------------------------------------- filters (one per target)
@@ -475,7 +501,7 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 
 
 __all__ = [
-    "RenderOptions", "TARGETS", "render_files", "write_files", "make_environment",
+    "RenderOptions", "TARGETS", "render_files", "write_files", "make_environment", "local_chat_tokenizer",
     "one_line", "shell_quote", "json_scalar", "yaml_scalar", "lua_string", "md_cell",
     "human_number", "human_bytes", "parse_upstream", "vllm_flags", "gateway_routes",
     "histogram_bars", "coarsen_histogram", "capacity_segments", "NGINX_CONFIG_BEGIN", "NGINX_CONFIG_END",

@@ -18,8 +18,8 @@ import yaml
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway_config import load_gateway_config, parse_gateway_config
 from kvtune.render import (
-    RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, lua_string, md_cell,
-    one_line, parse_upstream, render_files, write_files, yaml_scalar,
+    RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, local_chat_tokenizer, lua_string,
+    md_cell, one_line, parse_upstream, render_files, write_files, yaml_scalar,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -152,6 +152,43 @@ def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
     ]
     # the catch-all caps anything the recommended routes do not match
     assert config.route_for("/v1/responses", "other").max_new_tokens == 700
+
+
+def test_gateway_yaml_counts_with_a_local_tokenizer_when_given_one(tmp_path):
+    from kvtune.gateway.counting import make_counter
+
+    folder = _model_dir(tmp_path)
+    text = render_files(rec(), targets=["gateway.yaml"],
+                        options=RenderOptions(gateway_tokenizer=str(folder)))["gateway.yaml"]
+    config = parse_gateway_config(yaml.safe_load(text))
+    assert config.prompt_tokens.method == "tokenizer" and config.prompt_tokens.tokenizer == str(folder)
+    assert make_counter(config.prompt_tokens).method == "tokenizer"  # what the gateway loads at start
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    """tokenizer.json and a chat template, as a model directory holds them."""
+    from tokenizers import Tokenizer, models
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    return tmp_path
+
+
+def test_local_chat_tokenizer_needs_a_tokenizer_and_a_chat_template(tmp_path):
+    folder = _model_dir(tmp_path / "model")
+    (folder / "config.json").write_text("{}")
+    for spec in (folder, folder / "config.json", folder / "tokenizer.json"):
+        assert local_chat_tokenizer(str(spec)) == str(folder.resolve())
+    assert local_chat_tokenizer(None) is None
+    assert local_chat_tokenizer("meta-llama/Llama-3.1-8B") is None  # a hub id: nothing local
+    assert local_chat_tokenizer(str(tmp_path / "missing")) is None
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    assert local_chat_tokenizer(str(folder)) is None  # no template: the gateway could not start
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert local_chat_tokenizer(str(folder)) == str(folder.resolve())
+    (folder / "tokenizer.json").unlink()
+    assert local_chat_tokenizer(str(folder)) is None
 
 
 def test_gateway_yaml_round_trips_hostile_names():

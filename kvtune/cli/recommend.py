@@ -57,6 +57,23 @@ def build_recommendation(paths: tuple[str, ...], model: str, opts: dict[str, Any
     return recommend(profile, planned.kv, capacity, options, model=model)
 
 
+def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) -> str | None:
+    """The model directory gateway.yaml counts prompts with (None: the upstream's /tokenize):
+    the one given, else the first candidate that holds a tokenizer and a chat template."""
+    from kvtune.render import local_chat_tokenizer
+
+    if given == "upstream":
+        return None
+    if given is not None:
+        found = local_chat_tokenizer(given)
+        if found is None:
+            raise KvtuneError(f"{given!r} is not a local model directory with tokenizer.json and a chat "
+                              "template (tokenizer_config.json chat_template or chat_template.jinja); "
+                              "pass `upstream` to count with vLLM's /tokenize", field="--gateway-tokenizer")
+        return found
+    return next(filter(None, map(local_chat_tokenizer, candidates)), None)
+
+
 recommend_options = compose([
     click.option("--model", "-m", "model", required=True,
                  help="config.json, model directory, preset name or hub id."),
@@ -76,9 +93,15 @@ recommend_options = compose([
 @recommend_options
 @capacity_options
 @log_options
+@click.option("--gateway-tokenizer", metavar="DIR|upstream",
+              help="Model directory (tokenizer.json + chat template) gateway.yaml counts prompts with, in "
+                   "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
+                   "request).  [default: the --served-model, --model or --tokenizer directory that holds "
+                   "both, else upstream]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write the deploy files into DIR.")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
-def recommend(logs: tuple[str, ...], model: str, out_dir: str | None, json_: bool, **opts: Any) -> None:
+def recommend(logs: tuple[str, ...], model: str, gateway_tokenizer: str | None, out_dir: str | None,
+              json_: bool, **opts: Any) -> None:
     """Recommend output caps, a KV block budget and vLLM settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -88,11 +111,12 @@ def recommend(logs: tuple[str, ...], model: str, out_dir: str | None, json_: boo
     Example:
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --out deploy/
     """
-    from kvtune.render import render_files, write_files
+    from kvtune.render import RenderOptions, render_files, write_files
 
+    counting_with = _gateway_tokenizer(gateway_tokenizer, (opts.get("served_model"), model, opts.get("tokenizer")))
     rec = build_recommendation(logs, model, opts)
     data = rec.to_dict()
-    files = render_files(data)
+    files = render_files(data, options=RenderOptions(gateway_tokenizer=counting_with))
     written = write_files(out_dir, files) if out_dir else []
     if json_:
         click.echo(json.dumps({"recommendation": data, "files": files}, indent=2))

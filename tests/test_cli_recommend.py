@@ -1,0 +1,62 @@
+"""`kvtune recommend` on the command line: which prompt counting the rendered gateway.yaml uses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from kvtune.cli import cli
+
+LOGS = str(Path(__file__).parent / "data" / "logs" / "kvtune.jsonl")
+
+
+def model_dir(path: Path) -> Path:
+    """A served model's directory as far as counting goes: tokenizer.json and a chat template."""
+    from tokenizers import Tokenizer, models
+
+    path.mkdir(parents=True)
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    return path
+
+
+def counting(*args: str) -> dict:
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--json", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return yaml.safe_load(json.loads(result.output)["files"]["gateway.yaml"])["prompt_tokens"]
+
+
+def test_without_a_local_tokenizer_the_gateway_asks_the_upstream():
+    assert counting() == {"method": "upstream-tokenize"}
+
+
+def test_a_local_served_model_is_counted_in_process(tmp_path):
+    served = model_dir(tmp_path / "served")
+    assert counting("--served-model", str(served)) == {"method": "tokenizer", "tokenizer": str(served.resolve())}
+    # the logs' --tokenizer is the model's tokenizer too
+    assert counting("--tokenizer", str(served))["tokenizer"] == str(served.resolve())
+    # a folder without a chat template cannot count chats: the upstream does
+    (served / "tokenizer_config.json").write_text("{}")
+    assert counting("--served-model", str(served)) == {"method": "upstream-tokenize"}
+
+
+def test_gateway_tokenizer_chooses(tmp_path):
+    served = model_dir(tmp_path / "served")
+    other = model_dir(tmp_path / "other")
+    assert counting("--served-model", str(served), "--gateway-tokenizer", "upstream") == {"method": "upstream-tokenize"}
+    assert counting("--served-model", str(served), "--gateway-tokenizer", str(other))["tokenizer"] == str(other.resolve())
+
+
+@pytest.mark.parametrize("given", ["meta-llama/Llama-3.1-8B", "/nonexistent/model"])
+def test_gateway_tokenizer_that_is_not_local_is_a_usage_error(given):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--gateway-tokenizer", given])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: --gateway-tokenizer: ")
+    assert "pass `upstream`" in lines[0]
