@@ -43,6 +43,7 @@ HOP_BY_HOP = frozenset({
 })
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
 _DROP_RESPONSE = HOP_BY_HOP
+_DROP_WHOLE_RESPONSE = HOP_BY_HOP | {"content-length"}  # the gateway's server sets its own
 _LOOPBACK = frozenset({"127.0.0.1", "::1"})
 _MAX_COUNT = 2**31
 # Idle upstream connections are dropped after this, under the 5 s after which vLLM's server
@@ -377,17 +378,19 @@ def _connection_tokens(headers: Any) -> list[str]:
 
 
 def _forward_headers(headers: Any) -> list[tuple[str, str]]:
-    named = {t.lower() for t in _connection_tokens(headers)}
-    return [(k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST and k.lower() not in named]
+    drop = _DROP_REQUEST
+    if "Connection" in headers:
+        drop = drop.union(t.lower() for t in _connection_tokens(headers))
+    return [(k, v) for k, v in headers.items() if k.lower() not in drop]
 
 
 def _response_headers(headers: Any, whole: bool) -> CIMultiDict:
     """The upstream's answer headers less hop-by-hop ones and those its Connection names; less
     Content-Length too for a whole body, which the gateway's server sets itself."""
-    drop = {*_DROP_RESPONSE, *(t.lower() for t in _connection_tokens(headers))}
-    if whole:
-        drop.add("content-length")
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+    drop = _DROP_WHOLE_RESPONSE if whole else _DROP_RESPONSE
+    if "Connection" in headers:
+        drop = drop.union(t.lower() for t in _connection_tokens(headers))
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
 # ---------------------------------------------------------------- the app

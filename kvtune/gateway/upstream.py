@@ -337,12 +337,13 @@ class UpstreamClient:
             if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
                 raise UpstreamError(f"not an HTTP/1.x answer from the upstream: {status_line[:80]!r}")
             status = int(code)
-            headers: CIMultiDict = CIMultiDict()
+            pairs = []
             for field in fields:
                 name, sep, value = field.partition(":")
                 if not sep or not _TOKEN.fullmatch(name):
                     raise UpstreamError(f"malformed header line from the upstream: {field[:80]!r}")
-                headers.add(name, value.strip(" \t"))
+                pairs.append((name, value.strip(" \t")))
+            headers = CIMultiDict(pairs)
             if 100 <= status < 200:
                 if status == 101:
                     raise UpstreamError("the upstream switched protocols; only HTTP/1.x is proxied here")
