@@ -90,8 +90,11 @@ def check(block: bytes, keys=KEYS, kinds=KINDS):
         assert got.record_lines.dtype == "int64" and got.record_lines.tolist() == lines
         assert lines != list(range(got.lines))
     for k, kind in enumerate(kinds):
-        values, valid = got.columns[k]
         wanted = [row[k] for _, row in want]
+        if got.columns[k] is None:  # the key is in no record
+            assert all(w is None for w in wanted) and got.vocabs[k] in (None, [])
+            continue
+        values, valid = got.columns[k]
         assert len(values) == got.rows and values.dtype == DTYPES[kind]
         assert valid is None or valid.dtype == "bool"
         assert (valid is None) == all(w is not None for w in wanted)
@@ -112,6 +115,8 @@ def one(line: bytes, key: str, kind: int):
     got = check(line, [key], [kind])
     if got is None:
         return "not clean"
+    if got.columns[0] is None:
+        return None
     values, valid = got.columns[0]
     if valid is not None and not valid[0]:
         return None
@@ -310,9 +315,17 @@ def test_last_line_without_newline():
 def test_empty_and_blank_blocks():
     got = check(b"")
     assert (got.rows, got.lines, got.record_lines) == (0, 0, None)
-    assert [len(values) for values, _ in got.columns] == [0, 0, 0, 0]
+    assert got.columns == [None, None, None, None]
     got = check(b"\n \n")
     assert (got.rows, got.lines) == (0, 2) and got.record_lines.tolist() == []
+
+
+def test_a_key_in_no_record_is_none_and_a_late_key_zeroes_the_rows_before_it():
+    got = check(b'{"n": 1}\n{"n": 2}\n{"n": 3, "s": "x"}\n{"n": 4}\n')
+    assert got.columns[1] is None and got.columns[3] is None
+    values, valid = got.columns[2]
+    assert values.tolist() == [0, 0, 0, 0] and valid.tolist() == [False, False, True, False]
+    assert got.vocabs[2] == ["x"]
 
 
 def test_labels_are_interned_in_first_seen_order():

@@ -55,6 +55,7 @@ typedef struct {
     char *values;
     char *valid;
     Py_ssize_t invalid;
+    int touched; /* the key was in some record: rows before it are zeroed, every row after written */
     Vocab vocab;
 } Column;
 
@@ -478,10 +479,30 @@ static void set_invalid(Column *c, Py_ssize_t row)
     c->invalid++;
 }
 
+/* A key absent from a record: nothing is written while the key has been in no record at all, so
+ * the columns of keys a log never has (most of the native ones, usually) cost no memory traffic. */
+static void set_absent(Column *c, Py_ssize_t row)
+{
+    if (c->touched)
+        set_invalid(c, row);
+    else
+        c->invalid++;
+}
+
+/* The first record with the key: the rows before it become invalid zeros. */
+static void touch(Column *c, Py_ssize_t row)
+{
+    memset(c->values, 0, (size_t)(row * ITEM_SIZE[c->kind]));
+    memset(c->valid, 0, (size_t)row);
+    c->touched = 1;
+}
+
 /* An extracted value at p, its end in *end; every as_* reads null and "" as None. */
 static int read_value(Scan *s, Column *c, const char *p, const char **end)
 {
     Py_ssize_t row = s->row;
+    if (!c->touched)
+        touch(c, row);
     if ((*end = match_word(p, "null")) || (*end = match_word(p, "\"\""))) {
         set_invalid(c, row);
         return CLEAN;
@@ -555,7 +576,7 @@ static int scan_record(Scan *s, const char *p, const char **next)
             continue;
         if (!s->cols[k].plain)
             return NOT_CLEAN;
-        set_invalid(&s->cols[k], s->row);
+        set_absent(&s->cols[k], s->row);
     }
     *next = p + 1;
     return CLEAN;
@@ -696,7 +717,9 @@ static PyObject *build_result(Scan *s, PyObject **values, PyObject **valid, PyOb
         goto done;
     for (int k = 0; k < s->ncols; k++) {
         Column *c = &s->cols[k];
-        if (trim(&values[k], rows * ITEM_SIZE[c->kind], 1) < 0 || trim(&valid[k], rows, c->invalid > 0) < 0)
+        /* a key in no record: values and valid both None */
+        if (trim(&values[k], rows * ITEM_SIZE[c->kind], c->touched) < 0 ||
+            trim(&valid[k], rows, c->touched && c->invalid > 0) < 0)
             goto done;
         PyObject *vocab = c->kind == KIND_LABEL ? vocab_list(&c->vocab) : Py_NewRef(Py_None);
         if (vocab == NULL)

@@ -37,7 +37,8 @@ class ScannedBlock:
     rows: int  # records (non-blank lines)
     lines: int  # lines in the block, a last one without "\n" included
     record_lines: np.ndarray | None  # int64 line index (0-based) of each record; None: record i is line i
-    columns: list[tuple[np.ndarray, np.ndarray | None]]  # per key: values, valid (None: all valid)
+    # per key: values, valid (None: all valid); None for a key that is in no record of the block
+    columns: list[tuple[np.ndarray, np.ndarray | None] | None]
     vocabs: list[list[str] | None]  # per key: LABEL texts in first-seen order (codes index them)
 
 
@@ -54,7 +55,7 @@ def scan_block(
         return None
     rows, lines, record_lines, values, valid, vocabs = raw
     columns = [
-        (np.frombuffer(v, _DTYPES[kind]), None if ok is None else np.frombuffer(ok, np.bool_))
+        None if v is None else (np.frombuffer(v, _DTYPES[kind]), None if ok is None else np.frombuffer(ok, np.bool_))
         for v, ok, kind in zip(values, valid, kinds)
     ]
     return ScannedBlock(
