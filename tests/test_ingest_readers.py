@@ -387,17 +387,25 @@ _TRICKY = [
 
 
 def _through_blocks(monkeypatch, paths, **opts):
-    monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(readers.flatscan, "available", lambda: False)
+        m.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
         return read(paths, **opts)
-    finally:
-        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("position", [None, 0, 4000, 11999])
 @pytest.mark.parametrize("codec", ["", ".gz", ".zst"])
-def test_duckdb_jsonl_path_equals_block_reader(tmp_path, monkeypatch, position, codec):
-    pytest.importorskip("duckdb")
+@pytest.mark.parametrize("fast", ["scan", "duckdb"])
+def test_fast_jsonl_paths_equal_block_reader(tmp_path, monkeypatch, position, codec, fast):
+    """The C scanner (blocks it declines go to pyarrow) and the DuckDB path (used without the
+    scanner) give exactly what the block reader gives, tricky lines anywhere included."""
+    if fast == "scan":
+        if not readers.flatscan.available():
+            pytest.skip("kvtune.ingest._flatscan is not built (test_flatscan checks that it is)")
+        monkeypatch.setattr(readers, "SCAN_BLOCK_BYTES", 64 << 10)  # many blocks: scanned and declined ones mix
+    else:
+        pytest.importorskip("duckdb")
+        monkeypatch.setattr(readers.flatscan, "available", lambda: False)
     import random
 
     rng = random.Random(position)

@@ -1,11 +1,14 @@
 """Reading log files into normalized Arrow batches: containers, compression, detection, two paths.
 
-Fast path (flat schemas: kvtune rows, public traces, --field mappings): JSONL streams through
-DuckDB's JSON reader (every value as JSON text, converted here under kvtune's rules); from the
-first batch that is not entirely clean, or any DuckDB error, the rest of the file is cut into
-byte blocks at line ends, each parsed by `pyarrow.json.read_json` with an explicit schema. CSV
-streams through `pyarrow.csv.open_csv`; Parquet through `ParquetFile.iter_batches` by row group.
-Checks and normalization work on whole columns (numpy views of Arrow buffers, dictionaries).
+Fast path (flat schemas: kvtune rows, public traces, --field mappings): JSONL is cut into byte
+blocks at line ends and each block is scanned by kvtune's C scanner (`flatscan`, several blocks
+at once), which takes a block only when it reads every record exactly as the per-line reading
+would; any other block is parsed by `pyarrow.json.read_json` with an explicit schema. Where the
+scanner is not built (no C compiler at install), JSONL streams through DuckDB's JSON reader
+instead (every value as JSON text, converted here under kvtune's rules), handing the rest of the
+file to the pyarrow blocks from the first batch that is not entirely clean. CSV streams through
+`pyarrow.csv.open_csv`; Parquet through `ParquetFile.iter_batches` by row group. Checks and
+normalization work on whole columns (numpy views of Arrow buffers, dictionaries).
 
 Slow path (nested schemas, and any fast block that fails to parse): one record at a time through
 the adapter's `rows`, so every bad line is reported with its exact line number. A failed JSON
@@ -29,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
-from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats, arrays
+from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats, arrays, flatscan
 from kvtune.ingest.compression import compression_of, open_bytes
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
@@ -61,6 +64,7 @@ from kvtune.ingest.schemas._fields import (
 from kvtune.ingest.schemas.openai import batch_input_entry
 
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
+SCAN_BLOCK_BYTES = 16 << 20  # JSONL bytes per C scan: ~150k rows, so per-batch costs stay small
 BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 SINK_ROWS = 32768  # rows per batch on the slow path
 DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
@@ -111,6 +115,8 @@ _TYPES: dict[str, pa.DataType] = {
     **{t: pa.float64() for t in (*FLOAT_TARGETS, "timestamp_s")},
     "censored": pa.bool_(),
 }
+_SCAN_KINDS = {pa.int64(): flatscan.INT, pa.float64(): flatscan.FLOAT, pa.string(): flatscan.LABEL, pa.bool_(): flatscan.BOOL}
+_SCAN_TYPES = {kind: pa.dictionary(pa.int32(), pa.string()) if typ == pa.string() else typ for typ, kind in _SCAN_KINDS.items()}
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
@@ -495,7 +501,7 @@ class _Reader:
                 if plan.document is not None:
                     yield from self._records(plan, ((None, i, r) for i, r in enumerate(plan.document)))
                 elif plan.fast:
-                    yield from self._json_duckdb(plan)
+                    yield from self._json_scan(plan) if flatscan.available() else self._json_duckdb(plan)
                 else:
                     yield from self._json_slow(plan)
             else:
@@ -618,6 +624,73 @@ class _Reader:
 
     # -- fast path: JSONL blocks
 
+    def _json_scan(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        """Flat JSONL through kvtune's C scanner (kvtune.ingest.flatscan), blocks in parallel.
+
+        The scanner takes a block only when every record in it is one it reads exactly as the
+        per-line reading would; any other block goes to the exact block reader (`_json_block`:
+        pyarrow, bisection, then line by line), which reports each bad line with its number.
+        """
+        sources = self._sources(plan)
+        keys = list(dict.fromkeys(sources.values()))
+        kinds = [_SCAN_KINDS[_TYPES[next(t for t, s in sources.items() if s == key)]] for key in keys]
+        parse = _json_parse_options(sources)
+        stream, raw = open_bytes(plan.path)
+        # a plain file is scanned where it lies in the page cache (mmap: no copy); a compressed
+        # one is decompressed into blocks
+        mapped = _MappedFile(raw) if stream is raw else None
+        blocks = mapped.blocks(SCAN_BLOCK_BYTES) if mapped else _line_blocks(stream, raw, size=SCAN_BLOCK_BYTES)
+        workers = max(1, os.cpu_count() or 1)
+        pending: deque[tuple[Any, memoryview, int]] = deque()
+        line0 = 1
+        try:
+            # blocks scan in parallel (the scanner releases the GIL); results are used in file order
+            with ThreadPoolExecutor(workers) as pool:
+                for block, pos in blocks:
+                    pending.append((pool.submit(flatscan.scan_block, block, keys, kinds), block, pos))
+                    if len(pending) > workers:
+                        line0 = yield from self._json_scanned(plan, *pending.popleft(), line0, keys, kinds, sources, parse)
+                        if mapped:
+                            mapped.release(pending[0][2] - pending[0][1].nbytes)  # up to the oldest block in flight
+                while pending:
+                    line0 = yield from self._json_scanned(plan, *pending.popleft(), line0, keys, kinds, sources, parse)
+        finally:
+            for future, *_ in pending:
+                future.cancel()
+            stream.close()
+            raw.close()
+
+    def _json_scanned(self, plan, future, block, pos, line0, keys, kinds, sources, parse):
+        """Use one scanned block, or read it exactly when the scanner declined; returns the next
+        block's first line number."""
+        scanned = future.result()
+        if scanned is None:
+            yield from self._json_block(plan, bytes(block), line0, sources, parse)
+            lines = block.nbytes and (bytes(block).count(b"\n") + (0 if block[-1] == 10 else 1))
+        else:
+            n, lines = scanned.rows, scanned.lines
+            self.info.rows += n
+            self.stats.rows_read += n
+            by_key = {}
+            for key, kind, column, vocab in zip(keys, kinds, scanned.columns, scanned.vocabs):
+                if column is None:  # in no record of the block
+                    by_key[key] = arrays.nulls(n, _SCAN_TYPES[kind])
+                elif kind == flatscan.LABEL:
+                    by_key[key] = arrays.dictionary(column[0], vocab, column[1])
+                else:
+                    by_key[key] = arrays.numeric_array(*column)
+            where = scanned.record_lines
+
+            def locate(i: int) -> int:
+                return line0 + (i if where is None else int(where[i]))
+
+            if n:
+                batch = self._finalize(plan, {t: by_key[s] for t, s in sources.items()}, n, locate)
+                if batch is not None:
+                    yield batch
+        self._progress(pos)
+        return line0 + lines
+
     def _json_duckdb(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
         """Flat JSONL through DuckDB's JSON reader (about twice pyarrow's speed), strictly.
 
@@ -680,15 +753,9 @@ class _Reader:
         yield from self._json_fast(plan, skip_records=done)
 
     def _json_fast(self, plan: _Plan, skip_records: int = 0) -> Iterator[pa.RecordBatch]:
-        import pyarrow.json as pj
-
         assert plan.flat is not None
         sources = self._sources(plan)
-        types: dict[str, pa.DataType] = {}
-        for t, src in sources.items():  # one column per source, typed by its first target
-            types.setdefault(src, _TYPES[t])
-        schema = pa.schema(list(types.items()))
-        parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+        parse = _json_parse_options(sources)
         stream, raw = open_bytes(plan.path)
         workers = max(1, os.cpu_count() or 1)
         pending: deque[tuple[Any, bytes, int, int]] = deque()
@@ -1144,12 +1211,61 @@ def _cast(col: pa.Array, target: str) -> pa.Array:
     return col.cast(typ)  # safe: fractional floats or text raise ArrowInvalid
 
 
-def _line_blocks(stream: Any, raw: Any, head: bytes = b"") -> Iterator[tuple[memoryview, int]]:
+def _json_parse_options(sources: Mapping[str, str]) -> Any:
+    """pyarrow's JSON parse options for the block reader: one column per source key, typed by
+    its first target."""
+    import pyarrow.json as pj
+
+    types: dict[str, pa.DataType] = {}
+    for t, src in sources.items():
+        types.setdefault(src, _TYPES[t])
+    return pj.ParseOptions(explicit_schema=pa.schema(list(types.items())), unexpected_field_behavior="ignore")
+
+
+class _MappedFile:
+    """A plain file mapped into memory, read in blocks of whole lines: views into the page cache,
+    no copy. Pages of blocks already used are unmapped from the process as it goes (`release`),
+    so resident memory stays bounded by the blocks in flight, not the file's size."""
+
+    def __init__(self, raw: Any) -> None:
+        import mmap
+
+        self.size = os.fstat(raw.fileno()).st_size
+        self.map = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        if self.map is not None:
+            self.map.madvise(mmap.MADV_SEQUENTIAL)
+        self.released = 0
+
+    def blocks(self, size: int) -> Iterator[tuple[memoryview, int]]:
+        """(block of whole lines, end offset); a line longer than `size` makes its block longer."""
+        if self.map is None:
+            return
+        view = memoryview(self.map)
+        start, end = 0, self.size
+        while start < end:
+            stop = min(start + size, end)
+            if stop < end:
+                cut = self.map.rfind(b"\n", start, stop)
+                stop = cut + 1 if cut >= 0 else (self.map.find(b"\n", stop) + 1 or end)
+            yield view[start:stop], stop
+            start = stop
+
+    def release(self, upto: int) -> None:
+        """Drop the process's mapping of the whole pages before `upto` (the page cache keeps them)."""
+        import mmap
+
+        upto -= upto % mmap.PAGESIZE
+        if self.map is not None and upto > self.released:
+            self.map.madvise(mmap.MADV_DONTNEED, self.released, upto - self.released)
+            self.released = upto
+
+
+def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int = BLOCK_BYTES) -> Iterator[tuple[memoryview, int]]:
     """(block of whole lines, compressed position) over a byte stream, copying only line tails;
     `head` is input already read from the stream, to go first."""
     tail = head
     while True:
-        buf = bytearray(len(tail) + BLOCK_BYTES)
+        buf = bytearray(len(tail) + size)
         buf[: len(tail)] = tail
         view = memoryview(buf)
         filled = len(tail)
