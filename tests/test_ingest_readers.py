@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import TRACES
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import COLUMNS, IngestOptions, expand_paths, read_logs
-from kvtune.ingest import readers
+from kvtune.ingest import columns, flatscan, jsonl, readers
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -25,8 +25,8 @@ LOGS = Path(__file__).parent / "data" / "logs"
 def read(paths, **opts):
     it, stats = read_logs([str(p) for p in paths], IngestOptions(**opts))
     batches = list(it)
-    assert all(b.schema == readers.SCHEMA for b in batches)
-    table = pa.Table.from_batches(batches, schema=readers.SCHEMA)
+    assert all(b.schema == columns.SCHEMA for b in batches)
+    table = pa.Table.from_batches(batches, schema=columns.SCHEMA)
     # route is dictionary-encoded per batch; compare tables on its values
     table = table.set_column(0, "route", table.column("route").cast(pa.string()))
     return table.combine_chunks(), stats
@@ -322,7 +322,7 @@ def test_fast_and_row_paths_agree(tmp_path, monkeypatch):
     text = path.read_text().splitlines()
     text[1234] = text[1234].replace('"route": ', '"route": 7, "x": ')  # pyarrow rejects, rows accept
     path.write_text("\n".join(text) + "\n")
-    monkeypatch.setattr(readers, "BLOCK_BYTES", 20000)
+    monkeypatch.setattr(jsonl, "BLOCK_BYTES", 20000)
     mixed, stats = read([path])
     assert mixed.num_rows == 3000 and not stats.skipped
     assert mixed.column("output_tokens").to_pylist() == fast.column("output_tokens").to_pylist()
@@ -388,7 +388,7 @@ _TRICKY = [
 
 def _through_blocks(monkeypatch, paths, **opts):
     with monkeypatch.context() as m:
-        m.setattr(readers.flatscan, "available", lambda: False)
+        m.setattr(flatscan, "available", lambda: False)
         m.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
         return read(paths, **opts)
 
@@ -400,12 +400,12 @@ def test_fast_jsonl_paths_equal_block_reader(tmp_path, monkeypatch, position, co
     """The C scanner (blocks it declines go to pyarrow) and the DuckDB path (used without the
     scanner) give exactly what the block reader gives, tricky lines anywhere included."""
     if fast == "scan":
-        if not readers.flatscan.available():
+        if not flatscan.available():
             pytest.skip("kvtune.ingest._flatscan is not built (test_flatscan checks that it is)")
-        monkeypatch.setattr(readers, "SCAN_BLOCK_BYTES", 64 << 10)  # many blocks: scanned and declined ones mix
+        monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 64 << 10)  # many blocks: scanned and declined ones mix
     else:
         pytest.importorskip("duckdb")
-        monkeypatch.setattr(readers.flatscan, "available", lambda: False)
+        monkeypatch.setattr(flatscan, "available", lambda: False)
     import random
 
     rng = random.Random(position)
@@ -436,10 +436,10 @@ def test_skip_records_finds_the_next_line(tmp_path):
     import io
 
     data = b'{"a": 1}\n\n  \n{"a": 2}\r\n{"a": 3}\n\n{"a": 4}'
-    assert readers._skip_records(io.BytesIO(data), 1) == (b'\n  \n{"a": 2}\r\n{"a": 3}\n\n{"a": 4}', 2)
-    assert readers._skip_records(io.BytesIO(data), 2) == (b'{"a": 3}\n\n{"a": 4}', 5)
-    assert readers._skip_records(io.BytesIO(data), 3) == (b'\n{"a": 4}', 6)
-    assert readers._skip_records(io.BytesIO(data), 4) == (b"", 8)
+    assert jsonl._skip_records(io.BytesIO(data), 1) == (b'\n  \n{"a": 2}\r\n{"a": 3}\n\n{"a": 4}', 2)
+    assert jsonl._skip_records(io.BytesIO(data), 2) == (b'{"a": 3}\n\n{"a": 4}', 5)
+    assert jsonl._skip_records(io.BytesIO(data), 3) == (b'\n{"a": 4}', 6)
+    assert jsonl._skip_records(io.BytesIO(data), 4) == (b"", 8)
 
 
 @pytest.mark.parametrize("line", [

@@ -1,0 +1,446 @@
+"""JSONL: the C scanner, DuckDB and pyarrow block paths for flat schemas, and line-by-line records.
+
+A plain file is mapped and cut into blocks at line ends (`_MappedFile`), a compressed one is
+decompressed into blocks (`_line_blocks`); `JsonlPaths._json_scan` scans blocks in parallel with
+kvtune's C scanner, `_json_duckdb` streams through DuckDB where the scanner is not built, and any
+block they decline is read exactly by `_json_block` (pyarrow, bisection, then line by line) so
+every bad line keeps its number. `_json_records` is the per-line reading all of them must equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kvtune.ingest import arrays, flatscan
+from kvtune.ingest.columns import _TYPES, _bad_rows
+from kvtune.ingest.compression import compression_of, open_bytes
+from kvtune.ingest.plan import _Plan
+from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError
+
+BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
+SCAN_BLOCK_BYTES = 16 << 20  # JSONL bytes per C scan: ~150k rows, so per-batch costs stay small
+BISECT_MIN_LINES = 64  # below this a failed block is read line by line
+DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
+DUCKDB_MEMORY = "1GB"  # DuckDB's own memory limit (it streams; this bounds its buffers)
+
+_SCAN_KINDS = {pa.int64(): flatscan.INT, pa.float64(): flatscan.FLOAT, pa.string(): flatscan.LABEL, pa.bool_(): flatscan.BOOL}
+_SCAN_TYPES = {kind: pa.dictionary(pa.int32(), pa.string()) if typ == pa.string() else typ for typ, kind in _SCAN_KINDS.items()}
+
+
+class JsonlPaths:
+    """The reader's JSONL paths. A mixin of `readers._Reader`, whose state it uses (info, stats,
+    _progress, _records, _sources, _finalize)."""
+
+    # -- slow path: records one at a time
+
+    def _json_records(self, plan: _Plan) -> Iterator[tuple[int | None, int | None, Any]]:
+        if plan.document is not None:
+            for i, rec in enumerate(plan.document):
+                yield None, i, rec
+            return
+        stream, raw = open_bytes(plan.path)
+        try:
+            for lineno, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                yield lineno, None, _parse_line(line)
+                if lineno % 65536 == 0:
+                    self._progress(raw.tell())
+        finally:
+            stream.close()
+            raw.close()
+
+    def _json_slow(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        yield from self._records(plan, self._json_records(plan))
+
+    # -- fast path: JSONL blocks
+
+    def _json_scan(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        """Flat JSONL through kvtune's C scanner (kvtune.ingest.flatscan), blocks in parallel.
+
+        The scanner takes a block only when every record in it is one it reads exactly as the
+        per-line reading would; any other block goes to the exact block reader (`_json_block`:
+        pyarrow, bisection, then line by line), which reports each bad line with its number.
+        """
+        sources = self._sources(plan)
+        keys = list(dict.fromkeys(sources.values()))
+        kinds = [_SCAN_KINDS[_TYPES[next(t for t, s in sources.items() if s == key)]] for key in keys]
+        parse = _json_parse_options(sources)
+        stream, raw = open_bytes(plan.path)
+        # a plain file is scanned where it lies in the page cache (mmap: no copy); a compressed
+        # one is decompressed into blocks
+        mapped = _MappedFile(raw) if stream is raw else None
+        blocks = mapped.blocks(SCAN_BLOCK_BYTES) if mapped else _line_blocks(stream, raw, size=SCAN_BLOCK_BYTES)
+        workers = max(1, os.cpu_count() or 1)
+        pending: deque[tuple[Any, memoryview, int]] = deque()
+        line0 = 1
+        try:
+            # blocks scan in parallel (the scanner releases the GIL); results are used in file order
+            with ThreadPoolExecutor(workers) as pool:
+                for block, pos in blocks:
+                    pending.append((pool.submit(flatscan.scan_block, block, keys, kinds), block, pos))
+                    if len(pending) > workers:
+                        line0 = yield from self._json_scanned(plan, *pending.popleft(), line0, keys, kinds, sources, parse)
+                        if mapped:
+                            mapped.release(pending[0][2] - pending[0][1].nbytes)  # up to the oldest block in flight
+                while pending:
+                    line0 = yield from self._json_scanned(plan, *pending.popleft(), line0, keys, kinds, sources, parse)
+        finally:
+            for future, *_ in pending:
+                future.cancel()
+            stream.close()
+            raw.close()
+
+    def _json_scanned(self, plan, future, block, pos, line0, keys, kinds, sources, parse):
+        """Use one scanned block, or read it exactly when the scanner declined; returns the next
+        block's first line number."""
+        scanned = future.result()
+        if scanned is None:
+            yield from self._json_block(plan, bytes(block), line0, sources, parse)
+            lines = block.nbytes and (bytes(block).count(b"\n") + (0 if block[-1] == 10 else 1))
+        else:
+            n, lines = scanned.rows, scanned.lines
+            self.info.rows += n
+            self.stats.rows_read += n
+            by_key = {}
+            for key, kind, column, vocab in zip(keys, kinds, scanned.columns, scanned.vocabs):
+                if column is None:  # in no record of the block
+                    by_key[key] = arrays.nulls(n, _SCAN_TYPES[kind])
+                elif kind == flatscan.LABEL:
+                    by_key[key] = arrays.dictionary(column[0], vocab, column[1])
+                else:
+                    by_key[key] = arrays.numeric_array(*column)
+            where = scanned.record_lines
+
+            def locate(i: int) -> int:
+                return line0 + (i if where is None else int(where[i]))
+
+            if n:
+                batch = self._finalize(plan, {t: by_key[s] for t, s in sources.items()}, n, locate)
+                if batch is not None:
+                    yield batch
+        self._progress(pos)
+        return line0 + lines
+
+    def _json_duckdb(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        """Flat JSONL through DuckDB's JSON reader (about twice pyarrow's speed), strictly.
+
+        DuckDB converts leniently (12.5 → 12 for an integer column, numbers and objects → text
+        for a string column), so every column is read as JSON text and converted here with
+        kvtune's own rules: integers must be integer literals, labels must be JSON strings. A
+        batch that is not entirely clean (anything the reference reading would turn into a skip
+        or treat differently), or any DuckDB error, hands the rest of the file from that batch's
+        first record to the block reader (`_json_fast`), which reports exact lines. DuckDB keeps
+        file order (preserve_insertion_order), so the records already used are known by count.
+        """
+        try:
+            import duckdb
+        except ImportError:  # an install without it: the pyarrow block reader does the same work
+            yield from self._json_fast(plan)
+            return
+        sources = self._sources(plan)
+        keys = list(dict.fromkeys(sources.values()))
+        codec = compression_of(plan.path)
+        con = duckdb.connect(config={
+            "threads": max(1, os.cpu_count() or 1),
+            "memory_limit": DUCKDB_MEMORY,
+            "preserve_insertion_order": True,
+        })
+        done = 0  # records used, in file order
+        size = plan.path.stat().st_size
+        try:
+            try:
+                relation = con.read_json(
+                    str(plan.path),
+                    format="newline_delimited",
+                    columns={k: "JSON" for k in keys},
+                    compression=codec,
+                )
+                # to_arrow_reader since DuckDB 1.4; fetch_arrow_reader before (the same stream)
+                to_reader = getattr(relation, "to_arrow_reader", None) or relation.fetch_arrow_reader
+                stream = to_reader(DUCKDB_BATCH_ROWS)
+            except Exception:  # any DuckDB failure: the block reader reads the file instead
+                stream = None
+            while stream is not None:
+                try:
+                    batch = stream.read_next_batch()
+                except StopIteration:
+                    return
+                except Exception:  # parse errors, invalid UTF-8, memory: from here, the block reader
+                    break
+                cols = _strict_columns(batch, sources)
+                n = batch.num_rows
+                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed):
+                    break
+                self.info.rows += n
+                self.stats.rows_read += n
+                out = self._finalize(plan, cols, n, lambda i: 0)  # clean: never locates
+                done += n
+                if out is not None:
+                    yield out
+                self._progress(min(size, int(done * plan.bytes_per_record)))
+        finally:
+            con.close()
+        yield from self._json_fast(plan, skip_records=done)
+
+    def _json_fast(self, plan: _Plan, skip_records: int = 0) -> Iterator[pa.RecordBatch]:
+        assert plan.flat is not None
+        sources = self._sources(plan)
+        parse = _json_parse_options(sources)
+        stream, raw = open_bytes(plan.path)
+        workers = max(1, os.cpu_count() or 1)
+        pending: deque[tuple[Any, bytes, int, int]] = deque()
+        try:
+            # blocks parse in parallel, one thread each; results are used in file order
+            with ThreadPoolExecutor(workers) as pool:
+                head, line0 = _skip_records(stream, skip_records) if skip_records else (b"", 1)
+                for block, pos in _line_blocks(stream, raw, head):
+                    pending.append((pool.submit(_parse_block, block, parse), block, pos))
+                    if len(pending) > workers:
+                        line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
+                while pending:
+                    line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
+        finally:
+            for future, *_ in pending:
+                future.cancel()
+            stream.close()
+            raw.close()
+
+    def _json_parsed(self, plan, future, block, pos, line0, sources, parse):
+        """Use one parsed block (or bisect it when it failed); returns the next block's line."""
+        table, lines = future.result()
+        if table is None:  # some line does not fit the fast schema: find it by bisection
+            yield from self._json_block(plan, bytes(block), line0, sources, parse)
+        else:
+            yield from self._json_table(plan, table, block, line0, sources)
+        self._progress(pos)
+        return line0 + lines
+
+    def _json_block(self, plan, block: bytes, line0: int, sources, parse) -> Iterator[pa.RecordBatch]:
+        import pyarrow.json as pj
+
+        try:
+            table = pj.read_json(pa.BufferReader(block), parse_options=parse)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            nlines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+            if nlines <= BISECT_MIN_LINES:
+                lines = block.split(b"\n")
+                yield from self._records(
+                    plan,
+                    ((line0 + i, None, _parse_line(ln)) for i, ln in enumerate(lines) if ln.strip()),
+                )
+                return
+            mid = block.find(b"\n", len(block) // 2)
+            if mid < 0 or mid == len(block) - 1:
+                mid = block.rfind(b"\n", 0, len(block) // 2)
+            left, right = block[: mid + 1], block[mid + 1 :]
+            yield from self._json_block(plan, left, line0, sources, parse)
+            yield from self._json_block(plan, right, line0 + left.count(b"\n"), sources, parse)
+            return
+        yield from self._json_table(plan, table, block, line0, sources)
+
+    def _json_table(self, plan, table, block: bytes, line0: int, sources) -> Iterator[pa.RecordBatch]:
+        n = table.num_rows
+        self.info.rows += n
+        self.stats.rows_read += n
+        cols = {t: table.column(src).combine_chunks() for t, src in sources.items()}
+
+        def locate(i: int) -> int:
+            seen = -1
+            for k, ln in enumerate(bytes(block).split(b"\n")):
+                if ln.strip():
+                    seen += 1
+                    if seen == i:
+                        return line0 + k
+            return line0
+
+        batch = self._finalize(plan, cols, n, locate)
+        if batch is not None:
+            yield batch
+
+
+def _json_parse_options(sources: Mapping[str, str]) -> Any:
+    """pyarrow's JSON parse options for the block reader: one column per source key, typed by
+    its first target."""
+    import pyarrow.json as pj
+
+    types: dict[str, pa.DataType] = {}
+    for t, src in sources.items():
+        types.setdefault(src, _TYPES[t])
+    return pj.ParseOptions(explicit_schema=pa.schema(list(types.items())), unexpected_field_behavior="ignore")
+
+
+class _MappedFile:
+    """A plain file mapped into memory, read in blocks of whole lines: views into the page cache,
+    no copy. Pages of blocks already used are unmapped from the process as it goes (`release`),
+    so resident memory stays bounded by the blocks in flight, not the file's size."""
+
+    def __init__(self, raw: Any) -> None:
+        import mmap
+
+        self.size = os.fstat(raw.fileno()).st_size
+        self.map = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        if self.map is not None:
+            self.map.madvise(mmap.MADV_SEQUENTIAL)
+        self.released = 0
+
+    def blocks(self, size: int) -> Iterator[tuple[memoryview, int]]:
+        """(block of whole lines, end offset); a line longer than `size` makes its block longer."""
+        if self.map is None:
+            return
+        view = memoryview(self.map)
+        start, end = 0, self.size
+        while start < end:
+            stop = min(start + size, end)
+            if stop < end:
+                cut = self.map.rfind(b"\n", start, stop)
+                stop = cut + 1 if cut >= 0 else (self.map.find(b"\n", stop) + 1 or end)
+            yield view[start:stop], stop
+            start = stop
+
+    def release(self, upto: int) -> None:
+        """Drop the process's mapping of the whole pages before `upto` (the page cache keeps them)."""
+        import mmap
+
+        upto -= upto % mmap.PAGESIZE
+        if self.map is not None and upto > self.released:
+            self.map.madvise(mmap.MADV_DONTNEED, self.released, upto - self.released)
+            self.released = upto
+
+
+def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int = BLOCK_BYTES) -> Iterator[tuple[memoryview, int]]:
+    """(block of whole lines, compressed position) over a byte stream, copying only line tails;
+    `head` is input already read from the stream, to go first."""
+    tail = head
+    while True:
+        buf = bytearray(len(tail) + size)
+        buf[: len(tail)] = tail
+        view = memoryview(buf)
+        filled = len(tail)
+        while filled < len(buf):
+            got = stream.readinto(view[filled:])
+            if not got:
+                break
+            filled += got
+        if filled == len(tail):  # end of input
+            if tail:
+                yield memoryview(tail), raw.tell()
+            return
+        cut = buf.rfind(b"\n", 0, filled)
+        if cut < 0 and filled == len(buf):  # one line longer than a block: grow
+            tail = bytes(view[:filled])
+            continue
+        if filled < len(buf):  # last block: everything that is left
+            cut = filled - 1
+        tail = bytes(view[cut + 1 : filled])
+        yield view[: cut + 1], raw.tell()
+
+
+_BLANK = np.zeros(256, bool)
+_BLANK[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
+
+
+def _skip_records(stream: Any, k: int) -> tuple[bytes, int]:
+    """Read past the first `k` records (non-blank lines) of a JSONL stream.
+
+    Returns the bytes read beyond them and the line number those start at, so the block reader
+    can go on from record k + 1 with exact line numbers.
+    """
+    line0, seen, rest = 1, 0, b""
+    while True:
+        chunk = stream.read(BLOCK_BYTES)
+        data = rest + chunk
+        cut = data.rfind(b"\n") + 1 if chunk else len(data)
+        if cut == 0:
+            if not chunk:
+                return b"", line0
+            rest = data  # no line end yet: read on
+            continue
+        view = np.frombuffer(data, np.uint8, count=cut)
+        newline = view == 10
+        line_of = np.cumsum(newline) - newline  # a line's bytes, its newline included
+        filled = np.bincount(line_of, weights=~_BLANK[view]) > 0
+        records = np.cumsum(filled)
+        if seen + int(records[-1]) >= k:
+            last = int(np.searchsorted(records, k - seen))  # the line holding record k
+            ends = np.flatnonzero(newline)
+            start = int(ends[last]) + 1 if last < ends.size else cut
+            return data[start:], line0 + last + 1
+        seen += int(records[-1])
+        line0 += int(newline.sum())
+        rest = data[cut:]
+        if not chunk:
+            return b"", line0
+
+
+def _strict_columns(batch: pa.RecordBatch, sources: Mapping[str, str]) -> dict[str, pa.Array] | None:
+    """DuckDB's JSON texts → typed columns under kvtune's rules, or None when any value is not
+    one the fast reading takes as it is (the block reader then decides what it is)."""
+    cols: dict[str, pa.Array] = {}
+    for target, source in sources.items():
+        text = batch.column(source)
+        typ = _TYPES[target]
+        try:
+            if typ == pa.string():
+                col = _json_labels(text)
+                if col is None:
+                    return None
+            else:  # JSON number (or true/false) texts; a JSON string is quoted and fails here
+                col = text.cast(typ)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        cols[target] = col
+    return cols
+
+
+def _json_labels(text: pa.Array) -> pa.DictionaryArray | None:
+    """A column of JSON texts → dictionary of the strings they hold; None unless every value is
+    a JSON string or null (decoded per distinct value, with Python's json: exact)."""
+    if text.null_count == len(text):
+        return arrays.nulls(len(text), pa.dictionary(pa.int32(), pa.string()))
+    import pyarrow.compute as pc
+
+    coded = pc.dictionary_encode(text)
+    decoded = []
+    for item in coded.dictionary.to_pylist():
+        value = json.loads(item)
+        if not isinstance(value, str):
+            return None
+        decoded.append(value)
+    unique = list(dict.fromkeys(decoded))
+    codes, ok = arrays.ints(coded.indices)
+    if len(unique) < len(decoded):
+        codes = np.array([unique.index(v) for v in decoded], np.int32)[codes]
+    return arrays.dictionary(codes, unique, ok)
+
+
+def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
+    """Parse one block with the fast schema on one thread (None when a line does not fit it),
+    and count its newlines for line numbers, off the main thread."""
+    import pyarrow.json as pj
+
+    lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == 10))
+    read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
+    try:
+        table = pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        table = None
+    return table, lines
+
+
+def _parse_line(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except RecursionError:
+        return RowError(None, "JSON nested too deeply", MALFORMED_JSON)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+        return RowError(None, f"malformed JSON: {detail}", MALFORMED_JSON)

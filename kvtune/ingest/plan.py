@@ -1,0 +1,302 @@
+"""Planning one file before any row is read: its container, its schema, and which path reads it.
+
+`_plan` reads the head of a file (HEAD_BYTES), samples up to SAMPLE_RECORDS records, detects the
+log schema (or takes --format), applies --field and --route-by, and decides whether the
+vectorized (flat) paths apply. `check_options` fails on a typo before any file is opened. Kept
+apart from the readers so every file's problems surface before the first batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from kvtune.errors import InputError, UnknownNameError
+from kvtune.ingest import IngestOptions
+from kvtune.ingest.compression import open_bytes
+from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
+from kvtune.ingest.schemas._base import TARGETS
+
+HEAD_BYTES = 1 << 20  # bytes read for detection
+SAMPLE_RECORDS = 200
+
+
+def _container(path: Path, head: bytes) -> str:
+    name = path.name.lower()
+    for comp in (".gz", ".zst", ".zstd"):
+        if name.endswith(comp):
+            name = name[: -len(comp)]
+    if name.endswith((".parquet", ".pq")):
+        return "parquet"
+    if name.endswith(".csv"):
+        return "csv"
+    if name.endswith(".tsv"):
+        return "tsv"
+    if name.endswith((".jsonl", ".ndjson", ".json")):
+        return "json"
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    return "json" if head.lstrip()[:1] in (b"{", b"[") else "csv"
+
+
+@dataclass
+class _Plan:
+    path: Path
+    container: str  # json, csv, tsv, parquet
+    adapter: Adapter | None  # None: --format fields
+    flat: Flat | None = None  # effective flat spec (with --field overrides)
+    fast: bool = False
+    document: list[Any] | None = None  # a whole-file JSON document's records
+    columns: list[str] = field(default_factory=list)  # CSV header / Parquet columns
+    ts_type: pa.DataType | None = None  # CSV timestamp column type
+    bytes_per_record: float = 256.0  # JSONL: from the head, for progress where only rows are known
+
+    @property
+    def format(self) -> str:
+        return self.adapter.name if self.adapter else "fields"
+
+
+def _head(path: Path) -> bytes:
+    stream, raw = open_bytes(path)
+    try:
+        return stream.read(HEAD_BYTES)
+    finally:
+        stream.close()
+        raw.close()
+
+
+def _json_sample(plan: _Plan, head: bytes) -> list[Any]:
+    lines = [ln for ln in head.split(b"\n")[:SAMPLE_RECORDS] if ln.strip()]
+    if lines:
+        plan.bytes_per_record = sum(len(ln) + 1 for ln in lines) / len(lines)
+    if len(head) == HEAD_BYTES and lines and not head.endswith(b"\n"):
+        lines = lines[:-1] or lines  # last line may be cut by the head size
+    records = []
+    for ln in lines:
+        try:
+            records.append(json.loads(ln))
+        except (ValueError, RecursionError):
+            continue
+    whole = len(head) < HEAD_BYTES
+    if head.lstrip()[:1] == b"[" or (lines and lines[0].strip() == b"{") or (whole and len(lines) == 1):
+        document = _load_document(plan.path)
+        if document is not None:
+            plan.document = document
+            return document[:SAMPLE_RECORDS]
+    return records
+
+
+def _load_document(path: Path) -> list[Any] | None:
+    """A whole-file JSON array or object (Helicone/Langfuse exports, pretty OTLP), or None."""
+    stream, raw = open_bytes(path)
+    try:
+        data = stream.read()
+    finally:
+        stream.close()
+        raw.close()
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(doc, list):
+        return doc
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list) and "resourceSpans" not in doc:
+        return doc["data"]  # an API page: {data: [...], meta: {...}}
+    return [doc]
+
+
+def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, Any]]:
+    text = head.decode("utf-8-sig", errors="replace")
+    if len(head) == HEAD_BYTES and "\n" in text:
+        text = text[: text.rindex("\n")]
+    reader = csv.reader(io.StringIO(text), delimiter="\t" if plan.container == "tsv" else ",")
+    header = next(reader, None)
+    if not header or not any(h.strip() for h in header):
+        raise InputError("empty CSV file: no header", path=str(plan.path))
+    plan.columns = header
+    rows = []
+    for values in reader:
+        if values:
+            rows.append(dict(zip(header, values)))
+        if len(rows) >= SAMPLE_RECORDS:
+            break
+    if not rows:
+        raise InputError("CSV file has a header but no data rows", path=str(plan.path))
+    return rows
+
+
+def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(plan.path)
+    except Exception as exc:
+        raise InputError(f"not a readable Parquet file: {exc}", path=str(plan.path)) from exc
+    plan.columns = pf.schema_arrow.names
+    if pf.metadata.num_rows == 0:
+        raise InputError("Parquet file has no rows", path=str(plan.path))
+    try:
+        first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS))
+    except Exception as exc:
+        raise InputError(f"corrupt Parquet file: {exc}", path=str(plan.path)) from exc
+    return first.to_pylist()
+
+
+def _detect(records: list[Any], container: str) -> Adapter | None:
+    votes: dict[str, int] = {}
+    for rec in records:
+        if not isinstance(rec, dict):
+            continue
+        for adapter in ADAPTERS:
+            kind = "csv" if container == "tsv" else container
+            if kind in adapter.containers and adapter.match(rec):
+                votes[adapter.name] = votes.get(adapter.name, 0) + 1
+                break
+    if not votes:
+        return None
+    best = max(votes.values())
+    return next(a for a in ADAPTERS if votes.get(a.name) == best)
+
+
+def _plan(path: Path, options: IngestOptions) -> _Plan:
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
+    if size == 0:
+        raise InputError("empty file", path=str(path))
+    head = _head(path)
+    if not head.strip():
+        raise InputError("empty file (no data after decompression)", path=str(path))
+    container = _container(path, head)
+    plan = _Plan(path, container, None)
+    if container == "parquet":
+        if head[:4] != b"PAR1":
+            raise InputError(
+                "not a Parquet file (compressed Parquet is not supported: Parquet compresses "
+                "internally)",
+                path=str(path),
+            )
+        sample: list[Any] = _parquet_sample(plan)
+    elif container == "json":
+        sample = _json_sample(plan, head)
+    else:
+        sample = _csv_sample(plan, head)
+
+    if options.format == "fields":
+        adapter = None
+    elif options.format:
+        adapter = BY_NAME[options.format]
+        kind = "csv" if container == "tsv" else container
+        if kind not in adapter.containers:
+            raise InputError(
+                f"format {adapter.name} is read from JSON, not {container.upper()}", path=str(path)
+            )
+    else:
+        adapter = _detect(sample, container)
+        if adapter is None and "output_tokens" not in options.fields:
+            keys = sorted({k for r in sample[:20] if isinstance(r, dict) for k in r})[:12]
+            raise InputError(
+                "no known log schema (keys seen: "
+                + (", ".join(keys) or "none")
+                + "); name one with --format, or map columns with --field output_tokens=COLUMN",
+                path=str(path),
+            )
+    plan.adapter = adapter
+    _plan_flat(plan, options, sample)
+    return plan
+
+
+def _plan_flat(plan: _Plan, options: IngestOptions, sample: list[Any]) -> None:
+    """Decide the effective flat spec and whether the vectorized path applies."""
+    adapter = plan.adapter
+    if adapter is None:
+        if "output_tokens" not in options.fields:
+            raise InputError(
+                "--format fields needs --field output_tokens=COLUMN", path=str(plan.path)
+            )
+        plan.flat = Flat(columns=dict(options.fields))
+    elif adapter.flat is not None and adapter.rows is None:
+        columns = dict(adapter.flat.columns)
+        columns.update(options.fields)
+        base = adapter.flat
+        plan.flat = Flat(columns, base.time_unit, base.latency_unit, base.zero_output_failed)
+    if plan.flat is None:
+        return
+    sources = dict(plan.flat.columns)
+    route_field = _route_field(options)
+    if route_field:
+        sources["_route"] = route_field
+    if plan.container in ("csv", "tsv", "parquet"):
+        present = set(plan.columns)
+        out_src = sources["output_tokens"]
+        if out_src not in present:
+            raise InputError(
+                f"no column {out_src!r} for output_tokens (columns: {', '.join(plan.columns[:12])})",
+                path=str(plan.path),
+                field=out_src,
+            )
+        if route_field and route_field not in present:
+            raise InputError(
+                f"no column {route_field!r} to route by (columns: {', '.join(plan.columns[:12])})",
+                path=str(plan.path),
+                field=route_field,
+            )
+        kept = {t: s for t, s in plan.flat.columns.items() if s in present}
+        plan.flat = Flat(kept, plan.flat.time_unit, plan.flat.latency_unit, plan.flat.zero_output_failed)
+        plan.fast = True
+        if plan.container != "parquet" and "timestamp_s" in kept:
+            plan.ts_type = _csv_time_type(sample, kept["timestamp_s"])
+    elif plan.document is None:
+        keys = {k for r in sample if isinstance(r, dict) for k in r}
+        plan.fast = all(
+            "[" not in s and ("." not in s or s in keys) for s in sources.values()
+        )
+
+
+def _csv_time_type(sample: list[dict[str, Any]], column: str) -> pa.DataType:
+    values = [r.get(column) for r in sample if r.get(column)]
+    if not values:
+        return pa.float64()
+    try:
+        float(values[0])
+        return pa.float64()
+    except ValueError:
+        pass
+    text = values[0].strip()
+    has_zone = text.endswith(("Z", "z")) or (len(text) > 6 and text[-6] in "+-" and text[-3] == ":")
+    return pa.timestamp("ns", tz="UTC") if has_zone else pa.timestamp("ns")
+
+
+def _route_field(options: IngestOptions) -> str | None:
+    return options.route_by if options.route_by not in (None, "path", "model") else None
+
+
+def check_options(options: IngestOptions) -> None:
+    """Fail on a typo in an option before any file is opened."""
+    if options.format is not None and options.format not in BY_NAME and options.format != "fields":
+        raise UnknownNameError(
+            f"unknown format {options.format!r}; known: {', '.join([*BY_NAME, 'fields'])}",
+            field="--format",
+        )
+    for target in options.fields:
+        if target not in TARGETS:
+            raise UnknownNameError(
+                f"unknown field target {target!r}; known: {', '.join(TARGETS)}", field="--field"
+            )
+        if not options.fields[target]:
+            raise InputError(f"empty source path for {target}", field="--field")
+    if options.on_error not in ("skip", "fail"):
+        raise UnknownNameError(
+            f"unknown on_error {options.on_error!r}; use skip or fail", field="--on-error"
+        )
+    if options.assume_cap is not None and options.assume_cap <= 0:
+        raise InputError(f"assume_cap must be positive, got {options.assume_cap}", field="--assume-cap")
+    if options.route_by == "":
+        raise InputError("empty --route-by", field="--route-by")

@@ -1,0 +1,186 @@
+"""CSV and Parquet: columnar readers for flat schemas, row by row for record adapters and bad batches.
+
+CSV streams through `pyarrow.csv.open_csv` until a batch fails to convert, then the rest of the
+file goes row by row (`_csv_records`, Python's csv, exact line numbers); Parquet streams by row
+group through `ParquetFile.iter_batches`, and a batch whose columns do not cast safely goes row
+by row. Both hand typed columns to the shared checks (`columns.ColumnChecks._finalize`).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from kvtune.errors import InputError, KvtuneError
+from kvtune.ingest.columns import _TYPES
+from kvtune.ingest.compression import open_bytes
+from kvtune.ingest.plan import _Plan
+from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
+
+PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
+
+
+class TabularPaths:
+    """The reader's CSV and Parquet paths. A mixin of `readers._Reader`, whose state it uses
+    (info, stats, path, _progress, _records, _sources, _finalize)."""
+
+    # -- fast path: CSV
+
+    def _csv(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        if plan.flat is None:  # a record adapter over CSV (LiteLLM, Helicone exports)
+            yield from self._records(plan, self._csv_records(plan, 0))
+            return
+        import pyarrow.csv as pcsv
+
+        sources = self._sources(plan)
+        types = {}
+        for t, src in sources.items():
+            ts = t == "timestamp_s" and plan.ts_type is not None
+            types.setdefault(src, plan.ts_type if ts else _TYPES[t])
+        convert = pcsv.ConvertOptions(
+            column_types=types,
+            include_columns=list(dict.fromkeys(sources.values())),
+            null_values=[""],
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=True,
+        )
+        parse = pcsv.ParseOptions(delimiter="\t" if plan.container == "tsv" else ",", newlines_in_values=True)
+        read = pcsv.ReadOptions(block_size=4 << 20)
+        stream, raw = open_bytes(plan.path)
+        done = 0
+        try:
+            try:
+                reader = pcsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                reader = None
+            while reader is not None:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    return
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    break  # finish the file row by row from the first unread row
+                n = batch.num_rows
+                self.info.rows += n
+                self.stats.rows_read += n
+                cols = {t: batch.column(src) for t, src in sources.items()}
+                start = done
+                out = self._finalize(plan, cols, n, lambda i, s=start: s + i + 2)
+                done += n
+                if out is not None:
+                    yield out
+                self._progress(raw.tell())
+        finally:
+            stream.close()
+            raw.close()
+        yield from self._records(plan, self._csv_records(plan, done))
+
+    def _csv_records(self, plan: _Plan, skip_rows: int) -> Iterator[tuple[int | None, int | None, Any]]:
+        stream, raw = open_bytes(plan.path)
+        try:
+            text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="strict", newline="")
+            reader = csv.reader(text, delimiter="\t" if plan.container == "tsv" else ",")
+            try:
+                header = next(reader)
+                seen = 0
+                line = reader.line_num
+                while True:
+                    try:
+                        values = next(reader)
+                    except StopIteration:
+                        break
+                    except csv.Error as exc:
+                        yield reader.line_num, None, RowError(None, f"bad CSV: {exc}", MALFORMED_CSV)
+                        continue
+                    line = reader.line_num
+                    if not values:
+                        continue
+                    seen += 1
+                    if seen <= skip_rows:
+                        continue
+                    if len(values) != len(header):
+                        yield line, None, RowError(
+                            None, f"{len(values)} fields, header has {len(header)}", MALFORMED_CSV
+                        )
+                        continue
+                    yield line, None, dict(zip(header, values))
+                    if seen % 65536 == 0:
+                        self._progress(raw.tell())
+            except UnicodeDecodeError as exc:
+                raise InputError(f"not UTF-8 text: {exc.reason}", path=self.path) from exc
+        finally:
+            stream.close()
+            raw.close()
+
+    # -- fast path: Parquet
+
+    def _parquet(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+        import pyarrow.parquet as pq
+
+        label_sources = []
+        if plan.flat is not None:
+            label_sources = [s for t, s in self._sources(plan).items() if t in ("route", "path", "_route", "model", "finish_reason")]
+        pf = pq.ParquetFile(plan.path, read_dictionary=label_sources or None)
+        size = plan.path.stat().st_size
+        groups = max(pf.metadata.num_row_groups, 1)
+        if plan.flat is None:
+            columns = None
+            sources: dict[str, str] = {}
+        else:
+            sources = self._sources(plan)
+            columns = list(dict.fromkeys(sources.values()))
+        done = 0
+        try:
+            # whole row groups per batch where they are of a sane size: no re-slicing across groups
+            rows = max(pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)) if pf.metadata.num_row_groups else 0
+            batch_size = min(max(rows, PARQUET_MIN_BATCH), PARQUET_MAX_BATCH)
+            batches = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True)
+            for batch in batches:
+                n = batch.num_rows
+                if plan.flat is None:
+                    rows = batch.to_pylist()
+                    yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
+                    done += n
+                    continue
+                try:
+                    cols = {t: _cast(batch.column(src), t) for t, src in sources.items()}
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                    rows = batch.to_pylist()
+                    yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
+                    done += n
+                    continue
+                self.info.rows += n
+                self.stats.rows_read += n
+                start = done
+                out = self._finalize(plan, cols, n, lambda i, s=start: s + i + 1)
+                done += n
+                if out is not None:
+                    yield out
+                self._progress(int(size * min(done / max(pf.metadata.num_rows, 1), 1.0)))
+        except KvtuneError:
+            raise
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"corrupt Parquet file: {exc}", path=self.path, line=done + 1 if done else None) from exc
+        del groups
+
+
+def _cast(col: pa.Array, target: str) -> pa.Array:
+    """A Parquet column onto the target's type; a failed safe cast sends the batch row by row."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if target == "timestamp_s":
+        if pa.types.is_timestamp(col.type) or pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
+            return col
+        raise pa.ArrowInvalid("timestamp column needs the row path")
+    typ = _TYPES[target]
+    if col.type == typ:
+        return col
+    if pa.types.is_dictionary(col.type) and typ == pa.string():
+        return col
+    if typ == pa.string() and not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise pa.ArrowInvalid("non-string label column needs the row path")
+    return col.cast(typ)  # safe: fractional floats or text raise ArrowInvalid
