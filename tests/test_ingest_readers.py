@@ -313,8 +313,10 @@ def test_tokenizer_counts_text_without_usage(tmp_path):
         read([path], tokenizer=str(tmp_path / "empty-model"))
 
 
-def test_fast_and_row_paths_agree(tmp_path, monkeypatch):
-    """A block that fails to parse is bisected and read row by row; rows are the same."""
+@pytest.mark.parametrize("scanner", [True, False])
+def test_fast_and_row_paths_agree(tmp_path, monkeypatch, scanner):
+    """A block that fails to parse is bisected and read row by row; rows are the same, whether
+    the blocks around it were scanned (C scanner) or parsed by pyarrow."""
     src = _native_table(3000)
     path = tmp_path / "a.jsonl"
     _write_jsonl(src, path)
@@ -323,7 +325,14 @@ def test_fast_and_row_paths_agree(tmp_path, monkeypatch):
     text[1234] = text[1234].replace('"route": ', '"route": 7, "x": ')  # pyarrow rejects, rows accept
     path.write_text("\n".join(text) + "\n")
     monkeypatch.setattr(jsonl, "BLOCK_BYTES", 20000)
+    monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 20000)
+    if not scanner:
+        monkeypatch.setattr(flatscan, "available", lambda: False)
+        monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+    calls = []
+    monkeypatch.setattr(jsonl, "_parse_block", lambda *a, _f=jsonl._parse_block: calls.append(1) or _f(*a))
     mixed, stats = read([path])
+    assert (len(calls) > 10) != scanner  # many 20 kB pyarrow blocks without the scanner, none with it
     assert mixed.num_rows == 3000 and not stats.skipped
     assert mixed.column("output_tokens").to_pylist() == fast.column("output_tokens").to_pylist()
     assert mixed.column("route").to_pylist()[1234] == "7"

@@ -104,8 +104,9 @@ class JsonlPaths:
         block's first line number."""
         scanned = future.result()
         if scanned is None:
-            yield from self._json_block(plan, bytes(block), line0, sources, parse)
-            lines = block.nbytes and (bytes(block).count(b"\n") + (0 if block[-1] == 10 else 1))
+            data = bytes(block)
+            yield from self._json_block(plan, data, line0, sources, parse)
+            lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
         else:
             n, lines = scanned.rows, scanned.lines
             self.info.rows += n
@@ -316,9 +317,10 @@ class _MappedFile:
             self.released = upto
 
 
-def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int = BLOCK_BYTES) -> Iterator[tuple[memoryview, int]]:
+def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int | None = None) -> Iterator[tuple[memoryview, int]]:
     """(block of whole lines, compressed position) over a byte stream, copying only line tails;
-    `head` is input already read from the stream, to go first."""
+    `head` is input already read from the stream, to go first; blocks of `size` (BLOCK_BYTES)."""
+    size = size or BLOCK_BYTES
     tail = head
     while True:
         buf = bytearray(len(tail) + size)
