@@ -282,7 +282,9 @@ def _json_parse_options(sources: Mapping[str, str]) -> Any:
 class _MappedFile:
     """A plain file mapped into memory, read in blocks of whole lines: views into the page cache,
     no copy. Pages of blocks already used are unmapped from the process as it goes (`release`),
-    so resident memory stays bounded by the blocks in flight, not the file's size."""
+    so resident memory stays bounded by the blocks in flight, not the file's size. A log appended
+    to meanwhile is read as it was when opened; one truncated under the reader (copytruncate
+    rotation mid-read) ends it with SIGBUS, as with any mapped reader."""
 
     def __init__(self, raw: Any) -> None:
         import mmap
