@@ -8,10 +8,13 @@ Three measurements, each direct and through `kvtune gateway` (a separate process
   ceiling     a closed loop at --concurrency for --seconds: completed requests/s
 
 The gateway runs once per prompt-counting method: `upstream-tokenize` (an extra round trip to the
-upstream's /tokenize per request, the default), `tokenizer` (tokenizers + the chat template in
-process, exact, no round trip; the tiny test model's tokenizer from tests/vllm_server.py) and
-`estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a 15-line pass-through aiohttp
-proxy without any admission logic: the floor for a proxy built on aiohttp. Each figure is the
+upstream's /tokenize per request; what `kvtune recommend` renders when it knows no local
+tokenizer; this upstream answers /tokenize in ~0.2 ms of CPU, a real vLLM takes longer),
+`tokenizer` (tokenizers + the chat template in process, exact, no round trip; what recommend
+renders when the model directory is local; the tiny test model's tokenizer from
+tests/vllm_server.py) and `estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a
+15-line pass-through aiohttp proxy without any admission logic, on aiohttp's client (the
+gateway sends governed requests through its own, kvtune.gateway.upstream). Each figure is the
 median over --runs runs.
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the

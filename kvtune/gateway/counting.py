@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtune.errors import InputError
 from kvtune.gateway import _json
+from kvtune.gateway.upstream import UpstreamError
 from kvtune.gateway_config import PromptCounting
 
 # Request fields that change what the chat template renders (vLLM's /tokenize accepts them too).
@@ -127,8 +128,6 @@ class UpstreamTokenizeCounter:
         self.fallback = fallback
 
     async def _one(self, model: Any, prompt: Prompt) -> tuple[int, bool]:
-        from kvtune.gateway.upstream import UpstreamError
-
         if prompt.token_count is not None:
             return prompt.token_count, True
         payload: dict[str, Any] = {"model": model}
