@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -71,31 +71,22 @@ class JsonlPaths:
         pyarrow, bisection, then line by line), which reports each bad line with its number.
         """
         sources = self._sources(plan)
-        keys = list(dict.fromkeys(sources.values()))
-        kinds = [_SCAN_KINDS[_TYPES[next(t for t, s in sources.items() if s == key)]] for key in keys]
+        types = _source_types(sources)
+        keys, kinds = list(types), [_SCAN_KINDS[t] for t in types.values()]
         parse = _json_parse_options(sources)
         stream, raw = open_bytes(plan.path)
         # a plain file is scanned where it lies in the page cache (mmap: no copy); a compressed
         # one is decompressed into blocks
         mapped = _MappedFile(raw) if stream is raw else None
         blocks = mapped.blocks(SCAN_BLOCK_BYTES) if mapped else _line_blocks(stream, raw, size=SCAN_BLOCK_BYTES)
-        workers = max(1, os.cpu_count() or 1)
-        pending: deque[tuple[Any, memoryview, int]] = deque()
         line0 = 1
         try:
-            # blocks scan in parallel (the scanner releases the GIL); results are used in file order
-            with ThreadPoolExecutor(workers) as pool:
-                for block, pos in blocks:
-                    pending.append((pool.submit(flatscan.scan_block, block, keys, kinds), block, pos))
-                    if len(pending) > workers:
-                        line0 = yield from self._json_scanned(plan, *pending.popleft(), line0, keys, kinds, sources, parse)
-                        if mapped:
-                            mapped.release(pending[0][2] - pending[0][1].nbytes)  # up to the oldest block in flight
-                while pending:
-                    line0 = yield from self._json_scanned(plan, *pending.popleft(), line0, keys, kinds, sources, parse)
+            # the scanner releases the GIL: blocks scan in parallel
+            for future, block, pos in _in_order(blocks, lambda b: flatscan.scan_block(b, keys, kinds)):
+                line0 = yield from self._json_scanned(plan, future, block, pos, line0, keys, kinds, sources, parse)
+                if mapped:
+                    mapped.release(pos)  # blocks are contiguous: everything before pos is used
         finally:
-            for future, *_ in pending:
-                future.cancel()
             stream.close()
             raw.close()
 
@@ -197,21 +188,11 @@ class JsonlPaths:
         sources = self._sources(plan)
         parse = _json_parse_options(sources)
         stream, raw = open_bytes(plan.path)
-        workers = max(1, os.cpu_count() or 1)
-        pending: deque[tuple[Any, bytes, int, int]] = deque()
         try:
-            # blocks parse in parallel, one thread each; results are used in file order
-            with ThreadPoolExecutor(workers) as pool:
-                head, line0 = _skip_records(stream, skip_records) if skip_records else (b"", 1)
-                for block, pos in _line_blocks(stream, raw, head):
-                    pending.append((pool.submit(_parse_block, block, parse), block, pos))
-                    if len(pending) > workers:
-                        line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
-                while pending:
-                    line0 = yield from self._json_parsed(plan, *pending.popleft(), line0, sources, parse)
+            head, line0 = _skip_records(stream, skip_records) if skip_records else (b"", 1)
+            for future, block, pos in _in_order(_line_blocks(stream, raw, head), lambda b: _parse_block(b, parse)):
+                line0 = yield from self._json_parsed(plan, future, block, pos, line0, sources, parse)
         finally:
-            for future, *_ in pending:
-                future.cancel()
             stream.close()
             raw.close()
 
@@ -268,15 +249,38 @@ class JsonlPaths:
             yield batch
 
 
-def _json_parse_options(sources: Mapping[str, str]) -> Any:
-    """pyarrow's JSON parse options for the block reader: one column per source key, typed by
-    its first target."""
-    import pyarrow.json as pj
+def _in_order(blocks: Iterator[tuple[Any, int]], work: Callable[[Any], Any]) -> Iterator[tuple[Future, Any, int]]:
+    """(future of work(block), block, position) for each block, in file order, with the next
+    blocks already running on one thread per CPU; a consumer that stops early cancels the rest."""
+    workers = max(1, os.cpu_count() or 1)
+    pending: deque[tuple[Future, Any, int]] = deque()
+    with ThreadPoolExecutor(workers) as pool:
+        try:
+            for block, pos in blocks:
+                pending.append((pool.submit(work, block), block, pos))
+                if len(pending) > workers:
+                    yield pending.popleft()
+            while pending:
+                yield pending.popleft()
+        finally:
+            for future, *_ in pending:
+                future.cancel()
 
+
+def _source_types(sources: Mapping[str, str]) -> dict[str, pa.DataType]:
+    """One column per source key, typed by its first target."""
     types: dict[str, pa.DataType] = {}
     for t, src in sources.items():
         types.setdefault(src, _TYPES[t])
-    return pj.ParseOptions(explicit_schema=pa.schema(list(types.items())), unexpected_field_behavior="ignore")
+    return types
+
+
+def _json_parse_options(sources: Mapping[str, str]) -> Any:
+    """pyarrow's JSON parse options for the block reader (one typed column per source key)."""
+    import pyarrow.json as pj
+
+    schema = pa.schema(list(_source_types(sources).items()))
+    return pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
 
 
 class _MappedFile:
