@@ -72,13 +72,7 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\
 
 async def _call(client: UpstreamClient, body: bytes = b'{"a":1}', method: str = "POST"):
     resp = await client.request(method, "/v1/x?q=1", [("Content-Type", "application/json")], body)
-    try:
-        data = await resp.read()
-    except BaseException:
-        resp.close()
-        raise
-    resp.release()
-    return resp, data
+    return resp, await resp.read_and_release()
 
 
 def test_content_length_answer_and_keep_alive_reuse():

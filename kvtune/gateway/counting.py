@@ -138,12 +138,7 @@ class UpstreamTokenizeCounter:
             payload["prompt"] = prompt.text
         try:
             resp = await self.client.request("POST", "/tokenize", _TOKENIZE_HEADERS, _json.dumps_bytes(payload))
-            try:
-                data = await resp.read()
-            except BaseException:
-                resp.close()
-                raise
-            resp.release()
+            data = await resp.read_and_release()
             status = resp.status
         except UpstreamError as exc:
             if self.fallback is not None:

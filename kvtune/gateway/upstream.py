@@ -250,6 +250,17 @@ class UpstreamResponse:
             await conn.wait(timeout_s)
         return None
 
+    async def read_and_release(self) -> bytes:
+        """The whole body, then the connection back for the next request (dropped when reading
+        fails part way, since an unfinished answer cannot be reused)."""
+        try:
+            data = await self.read()
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+        return data
+
     def release(self) -> None:
         if self._done and self._keep_alive:
             self._client._keep(self._conn)
