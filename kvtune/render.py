@@ -78,20 +78,19 @@ def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
     exactly in process: tokenizer.json and a chat template (tokenizer_config.json's
     chat_template, or chat_template.jinja). None otherwise: a hub id, a preset name, a folder
     without a template."""
+    from kvtune.ingest.tokenize import read_chat_template  # what the gateway itself will read
+
     if not spec:
         return None
     path = Path(spec).expanduser()
     folder = path if path.is_dir() else path.parent if path.is_file() else None
     if folder is None or not (folder / "tokenizer.json").is_file():
         return None
-    if not (folder / "chat_template.jinja").is_file():
-        try:
-            config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        if not isinstance(config, dict) or not config.get("chat_template"):
-            return None
-    return str(folder.resolve())
+    try:
+        _, template = read_chat_template(folder)
+    except InputError:
+        return None
+    return str(folder.resolve()) if template is not None else None
 
 
 # ---------------------------------------------------------------- filters (one per target)

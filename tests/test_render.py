@@ -187,6 +187,10 @@ def test_local_chat_tokenizer_needs_a_tokenizer_and_a_chat_template(tmp_path):
     assert local_chat_tokenizer(str(folder)) is None  # no template: the gateway could not start
     (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert local_chat_tokenizer(str(folder)) == str(folder.resolve())
+    (folder / "tokenizer_config.json").write_text("[1]")  # the gateway could not read it: no
+    assert local_chat_tokenizer(str(folder)) is None
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": "x"}]}))
+    assert local_chat_tokenizer(str(folder)) == str(folder.resolve())
     (folder / "tokenizer.json").unlink()
     assert local_chat_tokenizer(str(folder)) is None
 

@@ -209,7 +209,7 @@ class LocalTokenizerCounter:
     def load(cls, spec: str) -> LocalTokenizerCounter:
         """From a tokenizer.json, a model directory, or a hub id (tokenizer_config.json beside it
         supplies the chat template and bos/eos tokens)."""
-        from kvtune.ingest.tokenize import load_tokenizer
+        from kvtune.ingest.tokenize import chat_template_of, load_tokenizer, read_chat_template
 
         try:
             tokenizer = load_tokenizer(spec)
@@ -217,18 +217,8 @@ class LocalTokenizerCounter:
             raise InputError(exc.message, path=exc.path, field="prompt_tokens.tokenizer") from exc
         path = Path(spec).expanduser()
         folder = path if path.is_dir() else path.parent if path.is_file() else None
-        config: dict = {}
-        template: str | None = None
         if folder is not None:
-            cfg_path = folder / "tokenizer_config.json"
-            if cfg_path.is_file():
-                try:
-                    config = json.loads(cfg_path.read_text(encoding="utf-8"))
-                except (OSError, ValueError) as exc:
-                    raise InputError(f"cannot read tokenizer_config.json: {exc}", path=str(cfg_path)) from exc
-            jinja_path = folder / "chat_template.jinja"
-            if jinja_path.is_file():
-                template = jinja_path.read_text(encoding="utf-8")
+            config, template = read_chat_template(folder)
         else:
             try:
                 from huggingface_hub import hf_hub_download
@@ -237,11 +227,7 @@ class LocalTokenizerCounter:
             except Exception as exc:
                 raise InputError(f"cannot fetch tokenizer_config.json for {spec!r} ({type(exc).__name__})",
                                  field="prompt_tokens.tokenizer") from exc
-        raw = config.get("chat_template")
-        if isinstance(raw, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-            raw = named.get("default") or next(iter(named.values()), None)
-        template = raw if isinstance(raw, str) else template
+            template = chat_template_of(config)
         if template is None:
             raise InputError("the tokenizer has no chat template (tokenizer_config.json chat_template or "
                              "chat_template.jinja); use method upstream-tokenize", path=spec,

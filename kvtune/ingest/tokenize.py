@@ -6,12 +6,39 @@ few template tokens per message; `encode_batch` spreads each batch over all core
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtune.errors import InputError
+
+
+def chat_template_of(config: dict, fallback: str | None = None) -> str | None:
+    """tokenizer_config.json's chat template (the "default" one of a named list), else `fallback`."""
+    raw = config.get("chat_template")
+    if isinstance(raw, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        raw = named.get("default") or next(iter(named.values()), None)
+    return raw if isinstance(raw, str) else fallback
+
+
+def read_chat_template(folder: Path) -> tuple[dict, str | None]:
+    """(tokenizer_config.json as read or {}, the chat template or None) of a model directory: the
+    config's template wins over chat_template.jinja. An unreadable config is an InputError."""
+    config: dict = {}
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read tokenizer_config.json: {exc}", path=str(cfg_path)) from exc
+        if not isinstance(config, dict):
+            raise InputError("tokenizer_config.json is not a JSON object", path=str(cfg_path))
+    jinja_path = folder / "chat_template.jinja"
+    template = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else None
+    return config, chat_template_of(config, template)
 
 
 def load_tokenizer(spec: str) -> Any:
