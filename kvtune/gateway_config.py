@@ -7,12 +7,16 @@ so a typo fails when the file is read, not at the first request.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtune.capacity import reserved_blocks
 from kvtune.errors import InputError
+from kvtune.gateway.endpoints import (
+    DEFAULT_PASSTHROUGH, GENERATE, ROUTE_APIS, Api, canonical_path, classify, never_passthrough, PathClass,
+)
 
 SCHEMA_VERSION = 1
 PROMPT_COUNT_METHODS = ("upstream-tokenize", "tokenizer", "estimate")
@@ -20,22 +24,21 @@ PROMPT_COUNT_METHODS = ("upstream-tokenize", "tokenizer", "estimate")
 
 @dataclass(frozen=True, slots=True)
 class RouteMatch:
-    """A request belongs to a route when every given key matches; none given matches everything."""
+    """A request belongs to a route when every given key matches; none given matches everything.
+    `path` is literal (a `*` in it is just a character); only `path_prefix`, which a user writes
+    in their own config, matches a family of paths."""
 
     path: str | None = None
     model: str | None = None
+    path_prefix: str | None = None
 
     def matches(self, path: str | None, model: str | None) -> bool:
-        """Exact path or a prefix ending in `*`, and model equality; a request without a known
-        path never matches a route that names one."""
-        if self.path is not None:
-            if path is None:
-                return False
-            if self.path.endswith("*"):
-                if not path.startswith(self.path[:-1]):
-                    return False
-            elif path != self.path:
-                return False
+        """Exact path, path prefix, and model equality; a request without a known path never
+        matches a route that names one."""
+        if self.path is not None and path != self.path:
+            return False
+        if self.path_prefix is not None and (path is None or not path.startswith(self.path_prefix)):
+            return False
         return self.model is None or self.model == model
 
 
@@ -45,6 +48,13 @@ class GatewayRoute:
     match: RouteMatch
     max_new_tokens: int
     upstream: str | None = None
+    # For a literal path that is not one of vLLM's endpoints: the API its requests speak (how
+    # they are counted; `any` charges every prompt field) and the path they are forwarded to.
+    api: Api | None = None
+    upstream_path: str | None = None
+
+
+DEFAULT_PAIR_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,45 @@ class PromptCounting:
     tokenizer: str | None = None
     chars_per_token: float | None = None
     margin_tokens: int = 0
+    # Tokens a pooling model's pair template adds around a (query, document) pair beyond each
+    # text's own special tokens: 0 for BERT-style cross-encoders, tens for LLM rerankers whose
+    # score template wraps the pair in an instruction.
+    pair_tokens: int = DEFAULT_PAIR_TOKENS
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """A request body of a whole context, JSON-escaped, with room: 32 bytes per token of context
+    (a token is a few characters, each up to 6 bytes as a JSON escape), at least 1 MiB."""
+    return max(1024 * 1024, 32 * max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """What one client connection may hold: the defaults are no longer than nginx's own
+    (client_header_timeout and client_body_timeout 60 s, keepalive_timeout 75 s, send_timeout
+    60 s, large_client_header_buffers 4 x 8k)."""
+
+    header_timeout_s: float = 60.0  # from a request head's first byte to its end
+    body_timeout_s: float = 60.0  # between two reads of a request body
+    keepalive_timeout_s: float = 75.0  # an idle connection between requests
+    send_timeout_s: float = 60.0  # between two writes the client accepts
+    max_header_bytes: int = 32 * 1024  # a request head in all
+    max_header_line_bytes: int = 8 * 1024  # one request line or header field
+    max_body_bytes: int = 16 * 1024 * 1024  # a request body, after any Content-Encoding
+    max_connections: int = 4096  # open client connections
+
+
+ADMIN_ACCESS = ("loopback", "token", "public")
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAccess:
+    """Who may read the gateway's own /metrics and /kvtune/ledger (route names, budget, counts):
+    loopback clients only, clients with `Authorization: Bearer $token_env`, or anyone (metrics)."""
+
+    metrics: str = "loopback"
+    ledger: str = "loopback"
+    token_env: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +125,21 @@ class GatewayConfig:
     upstream_connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
+    passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH
+    limits: ClientLimits = field(default_factory=ClientLimits)
+    admin: AdminAccess = field(default_factory=AdminAccess)
 
     def route_for(self, path: str, model: str | None) -> GatewayRoute | None:
         """The first route, in file order, whose match accepts the request."""
         return next((r for r in self.routes if r.match.matches(path, model)), None)
+
+    def route_paths(self) -> dict[str, GatewayRoute]:
+        """Literal route paths that are not vLLM endpoints: each makes its path governed."""
+        out: dict[str, GatewayRoute] = {}
+        for r in self.routes:
+            if r.match.path is not None and r.match.path not in GENERATE:
+                out.setdefault(r.match.path, r)
+        return out
 
     def reservation_blocks(self, prompt_tokens: int, max_new_tokens: int, sequences: int = 1) -> int:
         return sequences * reserved_blocks(prompt_tokens, max_new_tokens, self.block_size)
@@ -134,7 +194,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     top = r.mapping(
         data, "",
         {"version", "listen", "upstream", "model", "block_size", "block_budget", "max_model_len",
-         "prompt_tokens", "retry_after", "queue", "timeouts", "routes"},
+         "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin"},
         {"version", "upstream", "block_size", "block_budget", "max_model_len", "routes"},
     )
     if top["version"] != SCHEMA_VERSION:
@@ -144,7 +204,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     queue = r.mapping(top.get("queue") or {}, "queue", {"max_waiting", "timeout_s"})
     timeouts = r.mapping(top.get("timeouts") or {}, "timeouts", {"connect_s", "read_s", "drain_s"})
     counting = r.mapping(top.get("prompt_tokens") or {}, "prompt_tokens",
-                         {"method", "tokenizer", "chars_per_token", "margin_tokens"})
+                         {"method", "tokenizer", "chars_per_token", "margin_tokens", "pair_tokens"})
 
     method = counting.get("method", "upstream-tokenize")
     if method not in PROMPT_COUNT_METHODS:
@@ -155,6 +215,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         chars_per_token=(r.number(counting["chars_per_token"], "prompt_tokens.chars_per_token", 0.1)
                          if counting.get("chars_per_token") is not None else None),
         margin_tokens=r.integer(counting.get("margin_tokens", 0), "prompt_tokens.margin_tokens", 0),
+        pair_tokens=r.integer(counting.get("pair_tokens", DEFAULT_PAIR_TOKENS), "prompt_tokens.pair_tokens", 0),
     )
     if method == "tokenizer" and prompt_counting.tokenizer is None:
         raise r.fail("prompt_tokens.tokenizer", "method 'tokenizer' needs a tokenizer path or hub id")
@@ -164,27 +225,15 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     raw_routes = top["routes"]
     if not isinstance(raw_routes, list) or not raw_routes:
         raise r.fail("routes", "expected a non-empty list of routes")
-    routes = []
-    for i, raw in enumerate(raw_routes):
-        where = f"routes[{i}]"
-        item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream"}, {"name", "max_new_tokens"})
-        match = r.mapping(item.get("match") or {}, f"{where}.match", {"path", "model"})
-        routes.append(GatewayRoute(
-            name=r.string(item["name"], f"{where}.name"),
-            match=RouteMatch(
-                path=r.string(match.get("path"), f"{where}.match.path", optional=True),
-                model=r.string(match.get("model"), f"{where}.match.model", optional=True),
-            ),
-            max_new_tokens=r.integer(item["max_new_tokens"], f"{where}.max_new_tokens", 1),
-            upstream=r.string(item.get("upstream"), f"{where}.upstream", optional=True),
-        ))
+    routes = tuple(_route(r, raw, f"routes[{i}]") for i, raw in enumerate(raw_routes))
+    max_model_len = r.integer(top["max_model_len"], "max_model_len", 1)
 
     config = GatewayConfig(
         upstream=r.string(top["upstream"], "upstream"),
         block_size=r.integer(top["block_size"], "block_size", 1),
         block_budget=r.integer(top["block_budget"], "block_budget", 1),
-        max_model_len=r.integer(top["max_model_len"], "max_model_len", 1),
-        routes=tuple(routes),
+        max_model_len=max_model_len,
+        routes=routes,
         host=r.string(listen.get("host", "127.0.0.1"), "listen.host"),
         port=r.integer(listen.get("port", 8080), "listen.port", 0),
         model=r.string(top.get("model"), "model", optional=True),
@@ -196,6 +245,9 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         upstream_connect_timeout_s=r.number(timeouts.get("connect_s", 10), "timeouts.connect_s", 0.001),
         upstream_read_timeout_s=r.number(timeouts.get("read_s", 600), "timeouts.read_s", 0.001),
         drain_timeout_s=r.number(timeouts.get("drain_s", 30), "timeouts.drain_s", 0),
+        passthrough=_passthrough(r, top.get("passthrough", list(DEFAULT_PASSTHROUGH))),
+        limits=_limits(r, top.get("limits") or {}, max_model_len),
+        admin=_admin(r, top.get("admin") or {}),
     )
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")
@@ -205,6 +257,129 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
                          f"cap {route.max_new_tokens} leaves no room for a prompt in max_model_len "
                          f"{config.max_model_len}")
     return config
+
+
+def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
+    item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path"},
+                     {"name", "max_new_tokens"})
+    match_doc = r.mapping(item.get("match") or {}, f"{where}.match", {"path", "path_prefix", "model"})
+    path = r.string(match_doc.get("path"), f"{where}.match.path", optional=True)
+    prefix = r.string(match_doc.get("path_prefix"), f"{where}.match.path_prefix", optional=True)
+    if path is not None and prefix is not None:
+        raise r.fail(f"{where}.match", "give path or path_prefix, not both")
+    if path is not None:
+        _literal_path(r, path, f"{where}.match.path")
+        if "*" in path:
+            raise r.fail(f"{where}.match.path", "a path is literal: for every path that starts with "
+                         "something, write path_prefix")
+        endpoint = classify(path, ())
+        if endpoint.path_class not in (PathClass.GENERATE, PathClass.UNKNOWN):
+            raise r.fail(f"{where}.match.path", f"{path} is not a generation endpoint a route can cap "
+                         f"({endpoint.path_class.value})")
+    if prefix is not None and not prefix.startswith("/"):
+        raise r.fail(f"{where}.match.path_prefix", "must start with /")
+    custom = path is not None and path not in GENERATE
+    upstream_path = r.string(item.get("upstream_path"), f"{where}.upstream_path", optional=True)
+    api = None
+    if item.get("api") is not None or upstream_path is not None:
+        if not custom:
+            raise r.fail(f"{where}.api" if item.get("api") is not None else f"{where}.upstream_path",
+                         "only a route whose match.path is not a vLLM endpoint says how it is read or forwarded")
+    if custom:
+        names = {a.value: a for a in ROUTE_APIS}
+        given = item.get("api")
+        if given is not None and given not in names:
+            raise r.fail(f"{where}.api", f"{brief(given)} is not one of {', '.join(names)}")
+        api = names[given] if given is not None else None
+        if upstream_path is not None:
+            _literal_path(r, upstream_path, f"{where}.upstream_path")
+            target = classify(upstream_path, ())
+            if target.path_class is PathClass.GENERATE:
+                if api is not None and api is not target.api:
+                    raise r.fail(f"{where}.api", f"{upstream_path} reads requests as {target.api.value}, "
+                                 f"not {api.value}")
+                api = target.api
+            elif target.path_class is not PathClass.UNKNOWN:
+                raise r.fail(f"{where}.upstream_path", f"{upstream_path} is not a generation endpoint")
+        api = api or Api.ANY
+    return GatewayRoute(
+        name=r.string(item["name"], f"{where}.name"),
+        match=RouteMatch(path=path, model=r.string(match_doc.get("model"), f"{where}.match.model", optional=True),
+                         path_prefix=prefix),
+        max_new_tokens=r.integer(item["max_new_tokens"], f"{where}.max_new_tokens", 1),
+        upstream=r.string(item.get("upstream"), f"{where}.upstream", optional=True),
+        api=api,
+        upstream_path=upstream_path,
+    )
+
+
+def _literal_path(r: _Reader, path: str, where: str) -> None:
+    if canonical_path(path) != path or "?" in path:
+        raise r.fail(where, f"{brief(path)} is not a plain request path (printable ASCII from /, no "
+                     "percent-escapes, '//', '.' or '..' segments)")
+
+
+def _passthrough(r: _Reader, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise r.fail("passthrough", "expected a list of request paths")
+    out = []
+    for i, item in enumerate(value):
+        where = f"passthrough[{i}]"
+        path = r.string(item, where)
+        _literal_path(r, path, where)
+        why = never_passthrough(path)
+        if why is not None:
+            raise r.fail(where, f"{path} cannot pass through untouched: {why}")
+        out.append(path)
+    return tuple(dict.fromkeys(out))
+
+
+def _limits(r: _Reader, value: Any, max_model_len: int) -> ClientLimits:
+    doc = r.mapping(value, "limits", {"header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
+                                      "send_timeout_s", "max_header_bytes", "max_header_line_bytes",
+                                      "max_body_bytes", "max_connections"})
+    d = ClientLimits()
+
+    def seconds(key: str) -> float:
+        return r.number(doc.get(key, getattr(d, key)), f"limits.{key}", 0.001)
+
+    limits = ClientLimits(
+        header_timeout_s=seconds("header_timeout_s"),
+        body_timeout_s=seconds("body_timeout_s"),
+        keepalive_timeout_s=seconds("keepalive_timeout_s"),
+        send_timeout_s=seconds("send_timeout_s"),
+        max_header_bytes=r.integer(doc.get("max_header_bytes", d.max_header_bytes), "limits.max_header_bytes", 1024),
+        max_header_line_bytes=r.integer(doc.get("max_header_line_bytes", d.max_header_line_bytes),
+                                        "limits.max_header_line_bytes", 256),
+        max_body_bytes=r.integer(doc.get("max_body_bytes", default_max_body_bytes(max_model_len)),
+                                 "limits.max_body_bytes", 1024),
+        max_connections=r.integer(doc.get("max_connections", d.max_connections), "limits.max_connections", 1),
+    )
+    if limits.max_header_line_bytes > limits.max_header_bytes:
+        raise r.fail("limits.max_header_line_bytes", "must be at most limits.max_header_bytes")
+    return limits
+
+
+def _admin(r: _Reader, value: Any) -> AdminAccess:
+    doc = r.mapping(value, "admin", {"metrics", "ledger", "token_env"})
+    metrics = doc.get("metrics", "loopback")
+    ledger = doc.get("ledger", "loopback")
+    if metrics not in ADMIN_ACCESS:
+        raise r.fail("admin.metrics", f"{brief(metrics)} is not one of {', '.join(ADMIN_ACCESS)}")
+    if ledger not in ADMIN_ACCESS[:2]:
+        raise r.fail("admin.ledger", f"{brief(ledger)} is not one of loopback, token")
+    token_env = r.string(doc.get("token_env"), "admin.token_env", optional=True)
+    if token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
+        raise r.fail("admin.token_env", f"{brief(token_env)} is not an environment variable name")
+    if "token" in (metrics, ledger) and token_env is None:
+        raise r.fail("admin.token_env", "access 'token' needs the environment variable that holds the token")
+    return AdminAccess(metrics=metrics, ledger=ledger, token_env=token_env)
+
+
+def brief(value: Any) -> str:
+    """A value quoted for an error message, never longer than about 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def load_gateway_config(path: str | Path) -> GatewayConfig:

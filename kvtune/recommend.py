@@ -15,6 +15,7 @@ import numpy as np
 from kvtune import __version__, rules
 from kvtune.capacity import Capacity, CapacitySource
 from kvtune.errors import KvtuneError
+from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.kv import KvBytes
 from kvtune.profile import Profile, RouteProfile
 from kvtune.rules import Decision, Distribution
@@ -166,12 +167,13 @@ def _ratio(a: int, b: int) -> float | None:
 
 def _route_match(route: str, route_by: str) -> dict[str, str | None] | None:
     """What a gateway matches this route on: its path or model; everything for the unnamed
-    route `*`; None when routes come from a field a gateway cannot see (the catch-all serves)."""
+    route `*`; None when routes come from a field a gateway cannot see, or when a logged path
+    is no literal request path a gateway could govern (the catch-all serves them)."""
     match: dict[str, str | None] = {"path": None, "model": None}
     if route == "*":
         return match
     key = ROUTE_BY_MATCH.get(route_by)
-    if key is None:
+    if key is None or (key == "path" and why_not_a_route_path(route) is not None):
         return None
     match[key] = route
     return match
@@ -269,6 +271,11 @@ def recommend(profile: Profile, kv: KvBytes, capacity: Capacity, options: Recomm
         drafts.append((route, cap))
         if route.prompt.total == 0:
             notes.append(f"route {route.route!r} logs no prompt lengths: reservations count the cap only")
+        if options.route_by == "path" and route.route != "*":
+            why = why_not_a_route_path(route.route)
+            if why is not None:
+                notes.append(f"route {route.route[:80]!r} cannot be matched by path ({why}): gateway configs "
+                             "cap its requests with the catch-all route")
 
     caps = [int(c.value) for _, c in drafts]  # type: ignore[arg-type]
     longest = rules.longest_request([r.prompt.max or 0 for r, _ in drafts], caps)

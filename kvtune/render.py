@@ -25,6 +25,8 @@ import jinja2
 
 from kvtune import __version__
 from kvtune.errors import InputError, KvtuneError
+from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.gateway_config import AdminAccess, ClientLimits, default_max_body_bytes
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
@@ -60,12 +62,19 @@ class RenderOptions:
     nginx_access_log: str | None = None  # None = off
     nginx_modules_dir: str = "/usr/lib/nginx/modules"
     lua_cpath: str = "/usr/lib/x86_64-linux-gnu/lua/5.1/?.so"
-    max_body_bytes: int = 16 * 1024 * 1024
     retry_after_min_s: int = 1
     retry_after_max_s: int = 60
-    # Fallback when the upstream's /tokenize fails: bytes / estimate_bytes_per_token + margin.
-    estimate_bytes_per_token: int = 3
+    # A fallback when the engine's count fails: characters / estimate_chars_per_token + margin.
+    # None (the default): no fallback, a failed count answers 503 (an admission decision is
+    # never made on a guess the config did not ask for).
+    estimate_chars_per_token: float | None = None
     estimate_margin_tokens: int = 64
+    # Paths forwarded untouched (never a governed, pooling or operator path).
+    passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH
+    # Per-client bounds; None: ClientLimits' defaults with a body cap sized to the context.
+    limits: ClientLimits | None = None
+    # Who may read /metrics and /kvtune/ledger.
+    admin: AdminAccess = AdminAccess()
     # gateway.yaml counts prompts in process with this tokenizer (a model directory holding
     # tokenizer.json and a chat template, see local_chat_tokenizer): exact like /tokenize, without
     # its round trip. None: the upstream's /tokenize.
@@ -329,16 +338,19 @@ def gateway_routes(rec: Mapping[str, Any]) -> list[dict]:
             continue  # routes from a field no gateway sees: the catch-all below serves them
         match = route.get("match") or {}
         cap = route["max_new_tokens"]
+        path = match.get("path") or None
         routes.append({
             "name": str(route["route"]) or "(unnamed)",
-            "path": match.get("path") or None,
+            "path": path,
             "model": match.get("model") or None,
+            # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
+            "api": "any" if path is not None and path not in GENERATE else None,
             "max_new_tokens": int(_value(cap)),
             "rule": cap.get("rule", "") if isinstance(cap, Mapping) else "",
             "reason": cap.get("reason", "") if isinstance(cap, Mapping) else "",
         })
     backstop = rec["settings"]["max_new_tokens_backstop"]
-    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None,
+    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "api": None,
                    "max_new_tokens": int(_value(backstop)),
                    "rule": backstop["rule"], "reason": "catch-all: " + str(backstop["reason"])})
     return routes
@@ -421,13 +433,15 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
                               "table": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap,
                                                       max_bins=24)})
     setting_rows = [{"name": k, **v} for k, v in settings.items() if isinstance(v, Mapping)]
+    max_model_len = int(_value(settings["max_model_len"]))
+    limits = options.limits or ClientLimits(max_body_bytes=default_max_body_bytes(max_model_len))
     lua_config = {
         "block_size": int(rec["capacity"]["block_size"]),
         "block_budget": int(_value(rec["block_budget"])),
-        "max_model_len": int(_value(settings["max_model_len"])),
+        "max_model_len": max_model_len,
         "retry_after_min_s": options.retry_after_min_s,
         "retry_after_max_s": options.retry_after_max_s,
-        "estimate_bytes_per_token": options.estimate_bytes_per_token,
+        "estimate_chars_per_token": options.estimate_chars_per_token,
         "estimate_margin_tokens": options.estimate_margin_tokens,
     }
     if options.retry_after_max_s < options.retry_after_min_s:
@@ -444,6 +458,7 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
         "lua_config": lua_config,
+        "limits": limits,
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -24,6 +25,35 @@ def _isolated_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+# --- a tiny tokenizer with a chat template, as the gateway counts prompts with -----------------
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% if tools %}<|tools|>{{ tools | tojson }}{% endif %}"
+    "{% if think %}<|think|>{% endif %}"
+)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny word-level tokenizer with special tokens and a BOS post-processor, as vLLM test
+    models are built: tokenizer.json + tokenizer_config.json with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>", "<|end|>",
+                "<|tools|>", "<|think|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world how are you today", "the quick brown fox"],
+                            trainers.WordLevelTrainer(special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}))
+    return tmp_path
 
 
 # --- a real vLLM on CPU (tests/vllm_server.py documents the interface) -------------------------

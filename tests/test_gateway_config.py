@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvtune.errors import InputError
+from kvtune.gateway.endpoints import Api
 from kvtune.gateway_config import load_gateway_config, parse_gateway_config
 
 
@@ -34,12 +37,71 @@ def test_routes_match_in_order():
 
 def test_prefix_and_model_match():
     config = parse_gateway_config(_doc(routes=[
-        {"name": "code", "match": {"path": "/v1/*", "model": "coder"}, "max_new_tokens": 300},
+        {"name": "code", "match": {"path_prefix": "/v1/", "model": "coder"}, "max_new_tokens": 300},
         {"name": "rest", "max_new_tokens": 500},
     ]))
     assert config.route_for("/v1/completions", "coder").name == "code"
     assert config.route_for("/v1/completions", "chat").name == "rest"
     assert config.route_for("/v2/x", "coder").name == "rest"
+
+
+def test_paths_are_literal():
+    """A `*` came from logs as part of a route name: it never widens a route to a prefix."""
+    with pytest.raises(InputError, match="routes\\[0\\].match.path: a path is literal"):
+        parse_gateway_config(_doc(routes=[{"name": "all", "match": {"path": "/v1/*"}, "max_new_tokens": 20},
+                                          {"name": "rest", "max_new_tokens": 500}]))
+    config = parse_gateway_config(_doc(routes=[
+        {"name": "summ", "match": {"path": "/v1/summarize"}, "max_new_tokens": 20},
+        {"name": "rest", "max_new_tokens": 500}]))
+    assert config.route_for("/v1/summarize", None).name == "summ"
+    assert config.route_for("/v1/summarize/x", None).name == "rest"
+    assert config.route_paths() == {"/v1/summarize": config.routes[0]}
+    assert config.routes[0].api is Api.ANY  # not a vLLM endpoint: every prompt field is charged
+
+
+@pytest.mark.parametrize("route, field, words", [
+    ({"match": {"path": "/v1/embeddings"}}, "routes[0].match.path", "not a generation endpoint"),
+    ({"match": {"path": "/sleep"}}, "routes[0].match.path", "not a generation endpoint"),
+    ({"match": {"path": "/v1/chat%2Fcompletions"}}, "routes[0].match.path", "not a plain request path"),
+    ({"match": {"path": "/v1/../sleep"}}, "routes[0].match.path", "not a plain request path"),
+    ({"match": {"path": "/v1/chat/completions"}, "api": "chat"}, "routes[0].api", "only a route"),
+    ({"match": {"path": "/v1/x"}, "api": "pooling"}, "routes[0].api", "is not one of"),
+    ({"match": {"path": "/v1/x"}, "api": "completions", "upstream_path": "/v1/chat/completions"},
+     "routes[0].api", "reads requests as chat"),
+    ({"match": {"path": "/v1/x"}, "upstream_path": "/v1/embeddings"}, "routes[0].upstream_path",
+     "not a generation endpoint"),
+    ({"match": {"path": "/v1/x", "path_prefix": "/v1/"}}, "routes[0].match", "not both"),
+])
+def test_route_paths_that_cannot_be_governed_are_refused(route, field, words):
+    with pytest.raises(InputError, match=re.escape(field) + ": .*" + words):
+        parse_gateway_config(_doc(routes=[{"name": "r", "max_new_tokens": 20, **route}]))
+
+
+def test_custom_path_forwarded_to_a_vllm_endpoint_reads_by_its_rules():
+    config = parse_gateway_config(_doc(routes=[
+        {"name": "summ", "match": {"path": "/v1/summarize"}, "upstream_path": "/v1/chat/completions",
+         "max_new_tokens": 20}]))
+    assert config.routes[0].api is Api.CHAT and config.routes[0].upstream_path == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("paths, words", [
+    (["/v1/completions"], "governed by the gateway"),
+    (["/v1/embeddings"], "governed by the gateway"),
+    (["/v1/audio/transcriptions"], "cannot be counted"),
+    (["/sleep"], "controls the engine"),
+    (["/reset_prefix_cache"], "controls the engine"),
+    (["health"], "not a plain request path"),
+    ("/health", "expected a list"),
+])
+def test_passthrough_never_opens_a_governed_or_operator_path(paths, words):
+    with pytest.raises(InputError, match="passthrough.*" + words):
+        parse_gateway_config(_doc(passthrough=paths))
+
+
+def test_passthrough_default_and_explicit():
+    assert "/v1/models" in parse_gateway_config(_doc()).passthrough
+    assert parse_gateway_config(_doc(passthrough=[])).passthrough == ()
+    assert parse_gateway_config(_doc(passthrough=["/health", "/health"])).passthrough == ("/health",)
 
 
 @pytest.mark.parametrize(

@@ -11,64 +11,22 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtune.errors import InputError
+from kvtune.gateway.apis import Prompt, read_request
+from kvtune.gateway.body import BodyError
 from kvtune.gateway.counting import (
-    EstimateCounter, LocalTokenizerCounter, Prompt, PromptCountError, PromptRejectedError,
-    UpstreamTokenizeCounter, make_counter, prompts_of,
+    EstimateCounter, LocalTokenizerCounter, PromptCountError, PromptCountInvalidError, PromptRejectedError,
+    TOKENIZE_CONCURRENCY, UpstreamTokenizeCounter, make_counter,
 )
+from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
 from kvtune.gateway_config import PromptCounting
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    "{% if tools %}<|tools|>{{ tools | tojson }}{% endif %}"
-    "{% if think %}<|think|>{% endif %}"
-)
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    """A tiny word-level tokenizer with special tokens and a BOS post-processor, as vLLM test
-    models are built: tokenizer.json + tokenizer_config.json with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>", "<|end|>",
-                "<|tools|>", "<|think|>"]
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["hello world how are you today", "the quick brown fox"],
-                            trainers.WordLevelTrainer(special_tokens=specials))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": TEMPLATE}))
-    return tmp_path
-
-
-# ---------------------------------------------------------------- request shapes
-
-@pytest.mark.parametrize("body, expected", [
-    ({"messages": [{"role": "user", "content": "hi"}]},
-     [Prompt(messages=[{"role": "user", "content": "hi"}], template_args={})]),
-    ({"messages": [], "tools": [{"x": 1}], "add_generation_prompt": False},
-     [Prompt(messages=[], template_args={"tools": [{"x": 1}], "add_generation_prompt": False})]),
-    ({"prompt": "a b"}, [Prompt(text="a b")]),
-    ({"prompt": [1, 2, 3]}, [Prompt(token_count=3)]),
-    ({"prompt": ["a", [5, 6]]}, [Prompt(text="a"), Prompt(token_count=2)]),
-    ({"input": "q"}, [Prompt(text="q")]),
-    ({"input": [{"role": "user", "content": "q"}]},
-     [Prompt(messages=[{"role": "user", "content": "q"}], template_args={})]),
-    ({"input": "q", "instructions": "be brief"},
-     [Prompt(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}],
-             template_args={})]),
-])
-def test_prompts_of_every_shape(body, expected):
-    assert prompts_of(body) == expected
-
-
-def test_unrecognised_body_is_charged_whole():
-    [p] = prompts_of({"model": "m", "weird": "x" * 40})
-    assert p.text is not None and "x" * 40 in p.text
+def count(counter, body: dict, api: Api | None = None):
+    """Count a body as the gateway does: read by its endpoint's rules, then counted."""
+    if api is None:
+        api = Api.CHAT if "messages" in body else Api.COMPLETIONS if "prompt" in body else Api.RESPONSES
+    asked = read_request(api, body)
+    return asyncio.run(counter.count(asked.prompts, body.get("model")))
 
 
 # ---------------------------------------------------------------- local tokenizer
@@ -76,41 +34,80 @@ def test_unrecognised_body_is_charged_whole():
 def test_local_counter_applies_the_chat_template(model_dir):
     counter = LocalTokenizerCounter.load(str(model_dir))
     body = {"messages": [{"role": "system", "content": "hello"}, {"role": "user", "content": "how are you"}]}
-    counted = asyncio.run(counter.count(body))
+    counted = count(counter, body)
     # <s> <|system|> hello <|end|> <|user|> how are you <|end|> <|assistant|>: 10, no second BOS
     assert counted.tokens == (10,) and counted.exact and counted.method == "tokenizer"
-    no_gen = asyncio.run(counter.count({**body, "add_generation_prompt": False}))
+    no_gen = count(counter, {**body, "add_generation_prompt": False})
     assert no_gen.tokens == (9,)
-    kwargs = asyncio.run(counter.count({**body, "chat_template_kwargs": {"think": True}}))
+    kwargs = count(counter, {**body, "chat_template_kwargs": {"think": True}})
     assert kwargs.tokens == (11,)
-    tools = asyncio.run(counter.count({**body, "tools": [{"type": "function"}]}))
+    tools = count(counter, {**body, "tools": [{"type": "function"}]})
     assert tools.tokens[0] > 11
 
 
-def test_chat_template_kwargs_are_merged_last_as_vllm_does(model_dir):
+def test_template_fields_override_chat_template_kwargs_as_vllm_032_does(model_dir):
+    """vLLM 0.32 builds the template's kwargs as chat_template_kwargs | the request's own fields
+    that are set (ChatCompletionRequest.build_chat_params; test_gateway_live checks it on the
+    engine): add_generation_prompt (default true) wins over a kwarg of that name, while a kwarg
+    that is no request field (bos_token) replaces the special token."""
     counter = LocalTokenizerCounter.load(str(model_dir))
     body = {"messages": [{"role": "user", "content": "how are you"}]}
-    plain = asyncio.run(counter.count(body)).tokens[0]
-    # they override the request's own template fields and the special tokens
+    plain = count(counter, body).tokens[0]
     no_gen = {"chat_template_kwargs": {"add_generation_prompt": False}}
-    assert asyncio.run(counter.count({**body, **no_gen})).tokens == (plain - 1,)
+    assert count(counter, {**body, **no_gen}).tokens == (plain,)
     no_bos = {"chat_template_kwargs": {"bos_token": ""}}
-    assert asyncio.run(counter.count({**body, **no_bos})).tokens == (plain - 1,)
+    assert count(counter, {**body, **no_bos}).tokens == (plain - 1,)
     for bad in ({"messages": []}, ["think"]):
-        with pytest.raises(PromptRejectedError, match="chat_template_kwargs"):
-            asyncio.run(counter.count({**body, "chat_template_kwargs": bad}))
+        with pytest.raises(BodyError, match="chat_template_kwargs"):
+            count(counter, {**body, "chat_template_kwargs": bad})
+
+
+def test_content_parts_and_anthropic_requests_are_counted_by_the_engine(model_dir):
+    """vLLM reshapes list content by the template's content format and converts Anthropic
+    requests itself, so the local counter asks the engine for those (exactly), not a guess."""
+    seen = []
+
+    async def tokenize(request):
+        body = await request.json()
+        seen.append((request.path, body))
+        if request.path == "/v1/messages/count_tokens":
+            return web.json_response({"input_tokens": 42})
+        return web.json_response({"count": 17, "tokens": []})
+
+    async def run(client):
+        local = LocalTokenizerCounter.load(str(model_dir)).with_upstream(UpstreamTokenizeCounter(client))
+        parts = read_request(Api.CHAT, {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
+        mixed = read_request(Api.COMPLETIONS, {"prompt": ["hello world", [1, 2]]})
+        anthropic = read_request(Api.MESSAGES, {"model": "m", "max_tokens": 5, "system": "be brief",
+                                                "messages": [{"role": "user", "content": "hi"}]})
+        return (await local.count(parts.prompts), await local.count(mixed.prompts),
+                await local.count(anthropic.prompts, "m"))
+
+    parts, mixed, anthropic = asyncio.run(_with_tokenizer_server(tokenize, run))
+    assert parts.tokens == (17,) and parts.exact
+    assert mixed.tokens == (3, 2) and [p for p, _ in seen].count("/tokenize") == 1  # text counted here
+    assert anthropic.tokens == (42,)
+    assert seen[-1] == ("/v1/messages/count_tokens", {"model": "m", "system": "be brief",
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_local_counter_without_an_engine_refuses_what_it_cannot_count(model_dir):
+    counter = LocalTokenizerCounter.load(str(model_dir))
+    with pytest.raises(PromptCountError, match="engine's own count"):
+        count(counter, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
 
 
 def test_local_counter_plain_prompts_get_bos(model_dir):
     counter = LocalTokenizerCounter.load(str(model_dir / "tokenizer.json"))
-    counted = asyncio.run(counter.count({"prompt": ["the quick brown fox", [1, 2, 3, 4, 5, 6, 7]]}))
+    counted = count(counter, {"prompt": ["the quick brown fox", [1, 2, 3, 4, 5, 6, 7]]})
     assert counted.tokens == (5, 7)
 
 
 def test_local_counter_large_prompt_counts_off_the_loop(model_dir):
     counter = LocalTokenizerCounter.load(str(model_dir))
     text = "hello " * 10_000
-    assert asyncio.run(counter.count({"prompt": text})).tokens == (10_001,)
+    assert count(counter, {"prompt": text}).tokens == (10_001,)
 
 
 def test_local_counter_template_that_raises_rejects_the_prompt(model_dir):
@@ -119,7 +116,7 @@ def test_local_counter_template_that_raises_rejects_the_prompt(model_dir):
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     counter = LocalTokenizerCounter.load(str(model_dir))
     with pytest.raises(PromptRejectedError, match="user first"):
-        asyncio.run(counter.count({"messages": [{"role": "system", "content": "x"}]}))
+        count(counter, {"messages": [{"role": "system", "content": "x"}]})
 
 
 def test_local_counter_without_a_template_fails_at_load(model_dir):
@@ -132,18 +129,33 @@ def test_chat_template_jinja_file_is_used(model_dir):
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     (model_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     counter = LocalTokenizerCounter.load(str(model_dir))
-    assert asyncio.run(counter.count({"messages": [{"role": "user", "content": "a b c"}]})).tokens == (3,)
+    assert count(counter, {"messages": [{"role": "user", "content": "a b c"}]}).tokens == (3,)
 
 
 # ---------------------------------------------------------------- estimate
 
 def test_estimate_adds_its_margin():
     counter = make_counter(PromptCounting(method="estimate", chars_per_token=2.0, margin_tokens=10))
-    counted = asyncio.run(counter.count({"prompt": ["abcde", [1, 2]]}))
+    counted = count(counter, {"prompt": ["abcde", [1, 2]]})
     assert counted.tokens == (3 + 10, 2) and not counted.exact
     messages = [{"role": "user", "content": "x" * 100}]
-    n = EstimateCounter(4.0, 5).estimate(Prompt(messages=messages))
-    assert n == -(-len(json.dumps(messages, separators=(",", ":"))) // 4) + 5
+    n = EstimateCounter(4.0, 5).estimate(Prompt(messages=messages, template_args={}))
+    assert n == -(-len(json.dumps([messages, {}], separators=(",", ":"))) // 4) + 5
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": "y" * 400}}}]},
+    {"tool_choice": {"type": "function", "function": {"name": "f" * 400}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": {"d": "z" * 400}}}},
+    {"documents": [{"text": "w" * 400}]},
+    {"chat_template_kwargs": {"extra": "v" * 400}},
+])
+def test_estimate_counts_every_part_of_the_rendered_prompt(extra):
+    """Tools, tool_choice, schemas and documents can all reach the prompt: an estimate that
+    skipped them would let a client hide most of its prompt there."""
+    counter = EstimateCounter(4.0, 0)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert count(counter, {**body, **extra}).tokens[0] >= count(counter, body).tokens[0] + 100
 
 
 # ---------------------------------------------------------------- upstream /tokenize
@@ -151,6 +163,7 @@ def test_estimate_adds_its_margin():
 async def _with_tokenizer_server(handler, fn):
     app = web.Application()
     app.router.add_post("/tokenize", handler)
+    app.router.add_post("/v1/messages/count_tokens", handler)
     server = TestServer(app)
     await server.start_server()
     client = UpstreamClient(str(server.make_url("/")))
@@ -172,16 +185,52 @@ def test_upstream_tokenize_sends_messages_and_prompts():
 
     async def run(client):
         counter = UpstreamTokenizeCounter(client)
-        chat = await counter.count({"model": "m", "messages": [{"role": "user", "content": "a b"}],
-                                    "tools": [{"t": 1}], "max_tokens": 5})
-        many = await counter.count({"model": "m", "prompt": ["a", "b c", [1, 2]]})
-        return chat, many
+        chat = read_request(Api.CHAT, {"model": "m", "messages": [{"role": "user", "content": "a b"}],
+                                       "tools": [{"t": 1}], "max_tokens": 5, "documents": [{"text": "d"}],
+                                       "reasoning_effort": "low"})
+        many = read_request(Api.COMPLETIONS, {"model": "m", "prompt": ["a", "b c", [1, 2]]})
+        return await counter.count(chat.prompts, "m"), await counter.count(many.prompts, "m")
 
     chat, many = asyncio.run(_with_tokenizer_server(tokenize, run))
     assert chat.tokens == (5,) and chat.exact and chat.method == "upstream-tokenize"
     assert many.tokens == (4, 5, 2)
-    assert seen[0] == {"model": "m", "messages": [{"role": "user", "content": "a b"}], "tools": [{"t": 1}]}
+    # /tokenize takes neither documents nor reasoning_effort: they travel as template kwargs
+    assert seen[0] == {"model": "m", "messages": [{"role": "user", "content": "a b"}], "tools": [{"t": 1}],
+                       "chat_template_kwargs": {"documents": [{"text": "d"}], "reasoning_effort": "low",
+                                                "enable_thinking": True}}
     assert {"model": "m", "prompt": "b c"} in seen
+
+
+def test_a_batch_opens_a_bounded_number_of_tokenize_calls():
+    """2,000 prompts in one request: never more than TOKENIZE_CONCURRENCY calls at once."""
+    state = {"now": 0, "peak": 0}
+
+    async def tokenize(request):
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        await asyncio.sleep(0.001)
+        state["now"] -= 1
+        return web.json_response({"count": 1, "tokens": []})
+
+    async def run(client):
+        asked = read_request(Api.COMPLETIONS, {"prompt": [f"p{i}" for i in range(2000)]})
+        return await UpstreamTokenizeCounter(client).count(asked.prompts, "m")
+
+    counted = asyncio.run(_with_tokenizer_server(tokenize, run))
+    assert counted.tokens == (1,) * 2000
+    assert state["peak"] <= TOKENIZE_CONCURRENCY
+
+
+@pytest.mark.parametrize("answer", [{"count": -3}, {"count": "12"}, {"count": True}, {"tokens": []}, [5]])
+def test_upstream_count_that_is_no_count_is_invalid(answer):
+    async def tokenize(request):
+        return web.json_response(answer)
+
+    async def run(client):
+        with pytest.raises(PromptCountInvalidError):
+            await UpstreamTokenizeCounter(client).count((Prompt(text="x"),), "m")
+
+    asyncio.run(_with_tokenizer_server(tokenize, run))
 
 
 def test_upstream_400_rejects_and_500_errors_or_falls_back():
@@ -194,11 +243,11 @@ def test_upstream_400_rejects_and_500_errors_or_falls_back():
 
     async def run(client):
         with pytest.raises(PromptRejectedError, match="maximum context length"):
-            await UpstreamTokenizeCounter(client).count({"prompt": "long"})
+            await UpstreamTokenizeCounter(client).count((Prompt(text="long"),))
         with pytest.raises(PromptCountError, match="500"):
-            await UpstreamTokenizeCounter(client).count({"prompt": "x y"})
+            await UpstreamTokenizeCounter(client).count((Prompt(text="x y"),))
         fallback = UpstreamTokenizeCounter(client, fallback=EstimateCounter(1.0, 7))
-        return await fallback.count({"prompt": "x y"})
+        return await fallback.count((Prompt(text="x y"),))
 
     counted = asyncio.run(_with_tokenizer_server(tokenize, run))
     assert counted.tokens == (3 + 7,) and not counted.exact and counted.method == "estimate"
@@ -208,6 +257,6 @@ def test_upstream_unreachable_is_a_count_error():
     async def run():
         counter = UpstreamTokenizeCounter(UpstreamClient("http://127.0.0.1:9"))
         with pytest.raises(PromptCountError, match="failed"):
-            await counter.count({"prompt": "a"})
+            await counter.count((Prompt(text="a"),))
 
     asyncio.run(run())

@@ -19,7 +19,6 @@ from aiohttp.test_utils import TestServer
 
 from kvtune.gateway.proxy import GATEWAY, make_app, serve
 from kvtune.gateway_config import parse_gateway_config
-from test_gateway_counting import model_dir  # noqa: F401  (fixture)
 
 
 class FakeVllm:
@@ -139,24 +138,27 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 
 # ---------------------------------------------------------------- pass-through
 
-def test_other_requests_pass_through_untouched():
+def test_allow_listed_requests_pass_through_untouched():
     async def run():
-        async with running() as (session, base, gateway, fake):
+        async with running(passthrough=["/v1/models", "/v1/files", "/v1/login"]) as (session, base, gateway, fake):
             headers = {"X-Custom": "1", "Authorization": "Bearer t", "TE": "trailers",
                        "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "gone"}
             payload = bytes(range(256)) * 1000
-            async with session.put(f"{base}/v1/files/a%2Fb?x=1&x=2&y=%20", data=payload,
-                                   headers=headers) as resp:
+            async with session.put(f"{base}/v1/files?x=1&x=2&y=%20", data=payload, headers=headers) as resp:
                 assert resp.status == 207 and await resp.read() == b"echo"
                 assert resp.headers["X-Upstream"] == "yes" and "Keep-Alive" not in resp.headers
             async with session.get(f"{base}/v1/models") as resp:
                 assert resp.status == 207
             put, get = fake.echoed
-            assert put["method"] == "PUT" and put["path_qs"] == "/v1/files/a%2Fb?x=1&x=2&y=%20"
+            assert put["method"] == "PUT" and put["path_qs"] == "/v1/files?x=1&x=2&y=%20"
             assert put["headers"]["X-Custom"] == "1" and put["headers"]["Authorization"] == "Bearer t"
             assert "TE" not in put["headers"] and "X-Drop-Me" not in put["headers"]
             assert put["body"] == payload
             assert get["method"] == "GET" and get["body"] == b""
+            # what is not on the list never reaches the upstream
+            async with session.get(f"{base}/v1/files/other") as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+            assert len(fake.echoed) == 2
             assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
 
     asyncio.run(run())
@@ -165,7 +167,8 @@ def test_other_requests_pass_through_untouched():
 def test_upstream_cookies_reach_the_client_and_are_never_replayed_for_others():
     async def run():
         # by name: aiohttp's default jar never stores cookies for a bare IP address
-        async with running(upstream_host="localhost") as (_, base, gateway, fake):
+        async with running(upstream_host="localhost", passthrough=["/v1/login", "/v1/models"]) \
+                as (_, base, gateway, fake):
             for path in ("/v1/login", "/v1/models"):  # two clients, neither keeps cookies
                 async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client:
                     async with client.get(base + path) as resp:
@@ -227,7 +230,7 @@ def test_tokenize_failure_with_a_configured_estimate_falls_back():
     asyncio.run(run())
 
 
-def test_local_tokenizer_counts_with_the_chat_template(model_dir):  # noqa: F811
+def test_local_tokenizer_counts_with_the_chat_template(model_dir):
     async def run():
         counting = {"method": "tokenizer", "tokenizer": str(model_dir)}
         async with running(prompt_tokens=counting) as (session, base, gateway, fake):

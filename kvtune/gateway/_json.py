@@ -44,3 +44,20 @@ def dumps_text(value: Any) -> str:
         except (orjson.JSONEncodeError, TypeError):
             pass
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def loads_strict(data: bytes) -> tuple[Any, bool]:
+    """(value, fell_back) for a request body: standard JSON (RFC 8259: no NaN or Infinity) in
+    UTF-8 (no BOM). fell_back is True when the standard library read what orjson refused
+    (integers past 64 bits, lone surrogates), so the caller can check what orjson would have.
+    Raises ValueError for anything else, RecursionError for nesting past the library's depth."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data), False
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data.decode("utf-8"), parse_constant=_not_json), True
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")

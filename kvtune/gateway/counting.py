@@ -1,20 +1,26 @@
 """Prompt token counts for admission: the prompt is part of every reservation, so it is counted
 the way the engine will count it (chat template applied), not guessed.
 
-Three counters share one interface, `await counter.count(body) -> PromptCount`:
-  UpstreamTokenizeCounter  the engine's own POST /tokenize (vLLM applies the chat template)
-  LocalTokenizerCounter    `tokenizers` + the model's jinja2 chat template, in process
+Three counters share one interface, `await counter.count(prompts, model) -> PromptCount`, over
+the prompts that kvtune.gateway.apis read from a request:
+  UpstreamTokenizeCounter  the engine's own POST /tokenize and /v1/messages/count_tokens
+  LocalTokenizerCounter    `tokenizers` + the model's jinja2 chat template, in process (the
+                           engine counts what it cannot render exactly)
   EstimateCounter          characters / chars_per_token + a margin, only when configured
 
 Errors:
-  PromptCountError         the prompt cannot be counted (upstream down, odd shape); retryable
-   └── PromptRejectedError the engine refused the prompt itself (too long, malformed); not retryable
+  PromptCountError             the prompt cannot be counted now (upstream down); retryable
+   ├── PromptRejectedError     the engine refused the prompt itself (too long, malformed)
+   └── PromptCountInvalidError the engine answered a count that is not one (a bad gateway)
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,29 +28,22 @@ from typing import Any
 
 from kvtune.errors import InputError
 from kvtune.gateway import _json
+from kvtune.gateway.apis import Prompt
 from kvtune.gateway.upstream import UpstreamError
 from kvtune.gateway_config import PromptCounting
 
-# Request fields that change what the chat template renders (vLLM's /tokenize accepts them too).
-CHAT_TEMPLATE_FIELDS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
-
 
 class PromptCountError(Exception):
-    """The prompt could not be counted; the request may succeed later."""
+    """The prompt could not be counted now (the upstream is down or busy); the request may
+    succeed later."""
 
 
 class PromptRejectedError(PromptCountError):
     """The engine's tokenizer refused the prompt (e.g. longer than the context); never retryable."""
 
 
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    """One prompt a request carries: chat messages, text, or already-tokenized ids."""
-
-    messages: list | None = None
-    text: str | None = None
-    token_count: int | None = None
-    template_args: dict | None = None
+class PromptCountInvalidError(PromptCountError):
+    """The upstream answered a count that is not one (negative, not a number): a bad gateway."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,47 +53,20 @@ class PromptCount:
     exact: bool
 
 
-def prompts_of(body: dict) -> list[Prompt]:
-    """The prompts in an OpenAI-style body (chat `messages`, completions `prompt` in all four
-    shapes, responses `input` + `instructions`); the same reading as the rendered nginx.conf."""
-    template_args = {k: body[k] for k in CHAT_TEMPLATE_FIELDS if body.get(k) is not None}
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return [Prompt(messages=messages, template_args=template_args)]
-    prompt = body.get("prompt")
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return [Prompt(text=prompt)]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return [Prompt(token_count=len(prompt))]
-        if isinstance(prompt, list):
-            out = []
-            for item in prompt:
-                if isinstance(item, str):
-                    out.append(Prompt(text=item))
-                elif isinstance(item, list):
-                    out.append(Prompt(token_count=len(item)))
-            if out:
-                return out
-    inp = body.get("input")
-    if inp is not None:
-        instructions = body.get("instructions")
-        if not isinstance(instructions, str):
-            if isinstance(inp, str):
-                return [Prompt(text=inp)]
-            if isinstance(inp, list):
-                return [Prompt(messages=inp, template_args=template_args)]
-        else:
-            items = [{"role": "system", "content": instructions}]
-            items += [{"role": "user", "content": inp}] if isinstance(inp, str) else list(inp)
-            return [Prompt(messages=items, template_args=template_args)]
-    # Nothing recognisable as a prompt: charge the whole body as text, never zero.
-    return [Prompt(text=_json.dumps_text(body))]
+def _estimate_text(prompt: Prompt) -> str:
+    """Everything of a prompt that can reach the rendered text: messages, tools, documents,
+    schemas, template arguments, an Anthropic request's system and tools."""
+    if prompt.text is not None:
+        return prompt.text
+    if prompt.anthropic is not None:
+        return _json.dumps_text(prompt.anthropic)
+    return _json.dumps_text([prompt.messages, prompt.template_args or {}])
 
 
 class EstimateCounter:
     """ceil(characters / chars_per_token) + margin per prompt: cheap, and never below the truth
-    when chars_per_token is set at or under the model's worst case."""
+    when chars_per_token is set at or under the model's worst case. Every part of the request
+    that can reach the prompt is measured (tools, documents, schemas, template arguments)."""
 
     method = "estimate"
 
@@ -105,21 +77,56 @@ class EstimateCounter:
     def estimate(self, prompt: Prompt) -> int:
         if prompt.token_count is not None:
             return prompt.token_count
-        text = prompt.text if prompt.text is not None else _json.dumps_text(prompt.messages)
-        return math.ceil(len(text) / self.chars_per_token) + self.margin_tokens
+        return math.ceil(len(_estimate_text(prompt)) / self.chars_per_token) + self.margin_tokens
 
-    async def count(self, body: dict) -> PromptCount:
-        return PromptCount(tuple(self.estimate(p) for p in prompts_of(body)), self.method, False)
+    async def count(self, prompts: Sequence[Prompt], model: Any = None) -> PromptCount:
+        return PromptCount(tuple(self.estimate(p) for p in prompts), self.method, False)
 
 
 # vLLM refuses a /tokenize body without this Content-Type
-_TOKENIZE_HEADERS = (("Content-Type", "application/json"),)
+_JSON_HEADERS = (("Content-Type", "application/json"),)
+# At most this many /tokenize calls at once for one request (a batch of prompts), so one request
+# cannot open a thousand upstream calls.
+TOKENIZE_CONCURRENCY = 4
+
+
+def tokenize_payload(model: Any, prompt: Prompt) -> tuple[str, dict]:
+    """The engine call that counts `prompt` exactly, as (path, body). Chat fields that
+    /tokenize does not take (documents, reasoning_effort) travel in chat_template_kwargs,
+    where vLLM 0.32 renders them the same way (checked on the live engine)."""
+    if prompt.anthropic is not None:
+        return "/v1/messages/count_tokens", prompt.anthropic
+    if prompt.messages is None:
+        return "/tokenize", {"model": model, "prompt": prompt.text}
+    args = prompt.template_args or {}
+    payload: dict[str, Any] = {"model": model, "messages": prompt.messages}
+    for key in ("tools", "add_generation_prompt", "continue_final_message"):
+        if args.get(key) is not None:
+            payload[key] = args[key]
+    kwargs = _template_kwargs(args)
+    if kwargs:
+        payload["chat_template_kwargs"] = kwargs
+    return "/tokenize", payload
+
+
+def _template_kwargs(args: dict) -> dict:
+    """chat_template_kwargs as vLLM's chat request builds them (ChatCompletionRequest.
+    build_chat_params): the client's kwargs, overridden by documents and reasoning_effort when
+    set (None and "auto" leave a kwarg alone), and enable_thinking from reasoning_effort."""
+    kwargs = dict(args.get("chat_template_kwargs") or {})
+    effort = args.get("reasoning_effort")
+    extra = {"documents": args.get("documents"), "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in kwargs:
+        extra["enable_thinking"] = effort != "none"
+    kwargs.update({k: v for k, v in extra.items() if v is not None and v != "auto"})
+    return kwargs
 
 
 class UpstreamTokenizeCounter:
-    """The engine's POST /tokenize: {"model", "prompt"} or {"model", "messages", ...} → {"count"}.
-    One call per prompt (issued together) on the gateway's keep-alive connections to that
-    upstream (an UpstreamClient); ids already tokenized are counted locally."""
+    """The engine's own count: POST /tokenize ({"model", "prompt"} or {"model", "messages",
+    ...} -> {"count"}) and, for Anthropic requests, /v1/messages/count_tokens. One call per
+    prompt, at most TOKENIZE_CONCURRENCY at once, on the gateway's keep-alive connections to that
+    upstream (an UpstreamClient); token ids are counted locally."""
 
     method = "upstream-tokenize"
 
@@ -127,56 +134,63 @@ class UpstreamTokenizeCounter:
         self.client = client
         self.fallback = fallback
 
-    async def _one(self, model: Any, prompt: Prompt) -> tuple[int, bool]:
+    async def one(self, model: Any, prompt: Prompt) -> tuple[int, bool]:
+        """(tokens, exact) for one prompt; exact is False when the configured estimate stood in."""
         if prompt.token_count is not None:
             return prompt.token_count, True
-        payload: dict[str, Any] = {"model": model}
-        if prompt.messages is not None:
-            payload["messages"] = prompt.messages
-            payload.update(prompt.template_args or {})
-        else:
-            payload["prompt"] = prompt.text
+        path, payload = tokenize_payload(model, prompt)
         try:
-            resp = await self.client.request("POST", "/tokenize", _TOKENIZE_HEADERS, _json.dumps_bytes(payload))
+            resp = await self.client.request("POST", path, _JSON_HEADERS, _json.dumps_bytes(payload))
             data = await resp.read_and_release()
             status = resp.status
         except UpstreamError as exc:
             if self.fallback is not None:
                 return self.fallback.estimate(prompt), False
-            raise PromptCountError(f"the upstream /tokenize failed: {exc}") from exc
+            raise PromptCountError(f"the upstream {path} failed: {exc}") from exc
         try:
             parsed = _json.loads(data)
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             parsed = None
-        if status == 200 and isinstance(parsed, dict) and isinstance(parsed.get("count"), int):
-            return parsed["count"], True
+        if status == 200:
+            key = "input_tokens" if prompt.anthropic is not None else "count"
+            count = parsed.get(key) if isinstance(parsed, dict) else None
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                return count, True
+            raise PromptCountInvalidError(f"the upstream {path} answered no count: {_short(data)}")
         if status == 400:
             message = _error_message(parsed) or "the upstream tokenizer refused the prompt"
             raise PromptRejectedError(message)
         if self.fallback is not None:
             return self.fallback.estimate(prompt), False
-        raise PromptCountError(f"the upstream /tokenize answered {status}")
+        raise PromptCountError(f"the upstream {path} answered {status}")
 
-    async def count(self, body: dict) -> PromptCount:
-        import asyncio
-
-        model = body.get("model")
-        prompts = prompts_of(body)
+    async def count(self, prompts: Sequence[Prompt], model: Any = None) -> PromptCount:
         if len(prompts) == 1:
-            results = [await self._one(model, prompts[0])]
+            results = [await self.one(model, prompts[0])]
         else:
-            results = await asyncio.gather(*(self._one(model, p) for p in prompts))
+            gate = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
+
+            async def bounded(prompt: Prompt) -> tuple[int, bool]:
+                async with gate:
+                    return await self.one(model, prompt)
+
+            results = await asyncio.gather(*(bounded(p) for p in prompts))
         exact = all(e for _, e in results)
         return PromptCount(tuple(n for n, _ in results), self.method if exact else "estimate", exact)
+
+
+def _short(data: bytes) -> str:
+    text = data[:80].decode("utf-8", "replace")
+    return repr(text + ("…" if len(data) > 80 else ""))
 
 
 def _error_message(parsed: Any) -> str | None:
     if isinstance(parsed, dict):
         err = parsed.get("error", parsed)
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
+            return err["message"][:500]
         if isinstance(parsed.get("message"), str):
-            return parsed["message"]
+            return parsed["message"][:500]
     return None
 
 
@@ -189,16 +203,20 @@ def _special_token(value: Any) -> str | None:
 class LocalTokenizerCounter:
     """The model's tokenizer.json and chat template, in process: the same count the engine makes,
     without a round trip. Chat text is encoded without special tokens (the template holds them);
-    plain prompts with them, as vLLM does."""
+    plain prompts with them, as vLLM does. What it cannot render as the engine would (message
+    content given as parts, which vLLM reshapes by the template's content format; Anthropic
+    requests, which vLLM converts first) is counted by the engine itself through `upstream`."""
 
     method = "tokenizer"
 
     # Prompts longer than this are encoded in a worker thread so the event loop keeps serving.
     INLINE_CHARS = 16_384
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, special_tokens: dict[str, str | None]) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None, special_tokens: dict[str, str | None],
+                 *, upstream: UpstreamTokenizeCounter | None = None) -> None:
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens
+        self.upstream = upstream
         self.template = _compile_template(chat_template) if chat_template else None
         # What every render starts from: the template's globals (a ChainMap that jinja would
         # flatten on every render, most of a short render's time) and the special tokens.
@@ -206,7 +224,7 @@ class LocalTokenizerCounter:
         self._encode = tokenizer.encode
 
     @classmethod
-    def load(cls, spec: str) -> LocalTokenizerCounter:
+    def load(cls, spec: str, *, upstream: UpstreamTokenizeCounter | None = None) -> LocalTokenizerCounter:
         """From a tokenizer.json, a model directory, or a hub id (tokenizer_config.json beside it
         supplies the chat template and bos/eos tokens)."""
         from kvtune.ingest.tokenize import chat_template_of, load_tokenizer, read_chat_template
@@ -233,60 +251,79 @@ class LocalTokenizerCounter:
                              "chat_template.jinja); use method upstream-tokenize", path=spec,
                              field="prompt_tokens.tokenizer")
         specials = {k: _special_token(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return cls(tokenizer, template, specials)
+        return cls(tokenizer, template, specials, upstream=upstream)
 
     def render(self, prompt: Prompt) -> str:
-        """The chat template applied as vLLM applies it: the special tokens, the messages, the
-        request's template fields, then chat_template_kwargs over all of them (vLLM merges them
-        last; only `messages` cannot be replaced, a repeated argument in transformers)."""
+        """The chat template applied as vLLM 0.32 applies it (checked on the live engine): the
+        special tokens, then chat_template_kwargs (which may replace them), then the request's
+        own template fields wherever they are set (add_generation_prompt, default true, wins over
+        a kwarg of that name), then the messages and tools."""
         template = self.template
         if template is None:
             raise PromptCountError("no chat template to render messages with")
+        args = prompt.template_args or {}
         context = self._base_vars.copy()
+        context.update(_template_kwargs(args))
+        context["add_generation_prompt"] = args.get("add_generation_prompt", True)
+        context["continue_final_message"] = args.get("continue_final_message", False)
         context["messages"] = prompt.messages
-        context["add_generation_prompt"] = True
-        extra = None
-        if prompt.template_args:
-            for key, value in prompt.template_args.items():
-                if key == "chat_template_kwargs":
-                    extra = value
-                else:
-                    context[key] = value
-        if extra:
-            if not isinstance(extra, dict):
-                raise PromptRejectedError("chat_template_kwargs must be an object")
-            if "messages" in extra:
-                raise PromptRejectedError("chat_template_kwargs cannot replace the messages")
-            context.update(extra)
+        if args.get("tools") is not None:
+            context["tools"] = args["tools"]
         try:
             # Template.render(**context) minus its per-call copy of the globals (shared=True
             # hands `context`, which already holds them, to the template as is)
             return "".join(template.root_render_func(template.new_context(context, shared=True)))
         except Exception as exc:  # a template raising on a bad conversation, via raise_exception
-            raise PromptRejectedError(f"the chat template refused the messages: {exc}") from exc
+            raise PromptRejectedError(f"the chat template refused the messages: {_clip(exc)}") from exc
 
-    def _count_sync(self, prompts: list[Prompt]) -> tuple[int, ...]:
+    def with_upstream(self, upstream: UpstreamTokenizeCounter | None) -> LocalTokenizerCounter:
+        """The same tokenizer, asking `upstream` for what it cannot count itself."""
+        twin = copy.copy(self)
+        twin.upstream = upstream
+        return twin
+
+    @staticmethod
+    def counts_here(prompt: Prompt) -> bool:
+        """True when this process counts the prompt exactly as the engine would."""
+        if prompt.anthropic is not None:
+            return False
+        if prompt.messages is None:
+            return True
+        return all(isinstance(m.get("content"), (str, type(None))) for m in prompt.messages)
+
+    def _count_sync(self, prompts: Sequence[Prompt]) -> list[int | None]:
         encode = self._encode
-        out = []
+        out: list[int | None] = []
         for p in prompts:
             if p.token_count is not None:
                 out.append(p.token_count)
+            elif not self.counts_here(p):
+                out.append(None)
             elif p.messages is not None:
                 out.append(len(encode(self.render(p), add_special_tokens=False)))
             else:
                 out.append(len(encode(p.text, add_special_tokens=True)))
-        return tuple(out)
+        return out
 
-    async def count(self, body: dict) -> PromptCount:
-        import asyncio
-
-        prompts = prompts_of(body)
+    async def count(self, prompts: Sequence[Prompt], model: Any = None) -> PromptCount:
         size = sum(_chars(p) for p in prompts)
         if size <= self.INLINE_CHARS:
             tokens = self._count_sync(prompts)
         else:
             tokens = await asyncio.to_thread(self._count_sync, prompts)
-        return PromptCount(tokens, self.method, True)
+        missing = [p for p, n in zip(prompts, tokens) if n is None]
+        if not missing:
+            return PromptCount(tuple(tokens), self.method, True)  # type: ignore[arg-type]
+        if self.upstream is None:
+            raise PromptCountError("the prompt needs the engine's own count (content parts or an "
+                                   "Anthropic request) and no upstream is configured")
+        counted = iter((await self.upstream.count(missing, model)).tokens)
+        return PromptCount(tuple(n if n is not None else next(counted) for n in tokens), self.method, True)
+
+
+def _clip(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:200] + ("…" if len(text) > 200 else "")
 
 
 def _chars(prompt: Prompt) -> int:
@@ -296,7 +333,7 @@ def _chars(prompt: Prompt) -> int:
     size = 0
     for message in prompt.messages or ():
         content = message.get("content") if isinstance(message, dict) else message
-        size += len(content) if isinstance(content, str) else len(str(content))
+        size += len(content) if isinstance(content, str) else 0
     return size
 
 
@@ -324,22 +361,27 @@ def _compile_template(source: str) -> Any:
         raise InputError(f"the chat template does not compile: {exc}", field="prompt_tokens.tokenizer") from exc
 
 
-def make_counter(counting: PromptCounting, *, client: Any = None) -> Any:
-    """The counter a gateway.yaml asks for. An estimate configured beside upstream-tokenize is
-    its fallback when /tokenize fails; without one, a failure is an error, never a guess."""
+def make_counter(counting: PromptCounting, *, client: Any = None,
+                 local: LocalTokenizerCounter | None = None) -> Any:
+    """The counter a gateway.yaml asks for, for the upstream behind `client`. An estimate
+    configured beside an exact method is its fallback when the engine's count fails; without
+    one, a failure is an error, never a guess. `local` is a tokenizer already loaded."""
     estimate = None
     if counting.chars_per_token is not None:
         estimate = EstimateCounter(counting.chars_per_token, counting.margin_tokens)
     if counting.method == "estimate":
         return estimate
+    engine = UpstreamTokenizeCounter(client, fallback=estimate) if client is not None else None
     if counting.method == "tokenizer":
-        return LocalTokenizerCounter.load(counting.tokenizer)
-    if client is None:
+        local = local or LocalTokenizerCounter.load(counting.tokenizer)
+        return local.with_upstream(engine)
+    if engine is None:
         raise ValueError("upstream-tokenize needs the upstream's client (kvtune.gateway.upstream.UpstreamClient)")
-    return UpstreamTokenizeCounter(client, fallback=estimate)
+    return engine
 
 
 __all__ = [
-    "Prompt", "PromptCount", "prompts_of", "EstimateCounter", "UpstreamTokenizeCounter",
-    "LocalTokenizerCounter", "PromptCountError", "PromptRejectedError", "make_counter",
+    "PromptCount", "EstimateCounter", "UpstreamTokenizeCounter", "LocalTokenizerCounter",
+    "PromptCountError", "PromptRejectedError", "PromptCountInvalidError", "make_counter",
+    "tokenize_payload", "TOKENIZE_CONCURRENCY",
 ]

@@ -1,51 +1,63 @@
 """The admission gateway: an aiohttp reverse proxy that enforces the reservation policy.
 
-A generation request (POST to chat, completions, responses, or a path in the route table) is
-matched to a route, its output cap is clamped to the route's cap (and set when absent; a
-min_tokens above it comes down to it, which vLLM requires), its prompt
-is counted, and sequences x ceil((prompt + cap) / block_size) KV blocks are reserved for its whole
-life. A full budget answers 429 with Retry-After from the observed release rate; a request that
-can never fit answers 400/413 at once. Everything else is passed through untouched. Responses
-stream chunk by chunk. The reservation is released in `finally`, before any await, so every
-ending (completion, client disconnect, upstream error, cancellation, shutdown) releases it once.
+Every request path is classified first (kvtune.gateway.endpoints): a generation endpoint is
+governed, a pooling endpoint reserves its input, a path on the passthrough allow-list is
+forwarded untouched, and everything else is refused. A governed request is read by its
+endpoint's own field rules (kvtune.gateway.apis), matched to a route, its output cap clamped to
+the route's cap (and set when absent; a min_tokens above it comes down to it, which vLLM
+requires), its prompt counted, and sequences x ceil((prompt + cap) / block_size) KV blocks are
+reserved for its whole life. Only the governed members of the body change on the way up; every
+other byte arrives as the client sent it. A full budget answers 429 with Retry-After from the
+observed release rate; a request that can never fit answers 400/413 at once. Responses stream
+chunk by chunk. The reservation is released in `finally`, before any await, so every ending
+(completion, client disconnect, upstream error, cancellation, shutdown) releases it once.
+
+Clients are bounded (kvtune.gateway.connections and the limits in gateway.yaml): a deadline for
+each request head and between body reads and writes, caps on head and body size, on open
+connections; CONNECT and Upgrade are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from yarl import URL
 
-from kvtune.gateway import _json
+from kvtune.capacity import reserved_blocks
+from kvtune.gateway.apis import CapField, Reading, Request, read_request
+from kvtune.gateway.body import Body, BodyError, members, parse_body, splice
 from kvtune.gateway.counting import (
-    PromptCountError, PromptRejectedError, make_counter,
+    LocalTokenizerCounter, PromptCountError, PromptCountInvalidError, PromptRejectedError, make_counter,
 )
-from kvtune.gateway.ledger import BlockLedger, Reservation, reservation_blocks
+from kvtune.gateway.endpoints import Api, Endpoint, PathClass, canonical_path, classify
+from kvtune.gateway.ledger import BlockLedger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeoutError
 from kvtune.gateway_config import GatewayConfig, GatewayRoute
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-SEQUENCE_FIELDS = ("n", "best_of")
-# RFC 9110 §7.6.1 connection-specific fields, plus what the proxy recomputes (Host, length).
+log = logging.getLogger("kvtune.gateway")
+
+# RFC 9110 §7.6.1 connection-specific fields, plus what the proxy recomputes (Host, length) and
+# the request's Content-Encoding (aiohttp has decoded the body the gateway forwards).
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length"}
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "content-encoding"}
 _DROP_RESPONSE = HOP_BY_HOP
 _DROP_WHOLE_RESPONSE = HOP_BY_HOP | {"content-length"}  # the gateway's server sets its own
-_LOOPBACK = frozenset({"127.0.0.1", "::1"})
-_MAX_COUNT = 2**31
+# Request encodings aiohttp decodes with the standard library; others are refused (415).
+_DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 # Idle upstream connections are dropped after this, under the 5 s after which vLLM's server
 # (uvicorn, --timeout-keep-alive) closes them: a longer pool hands out connections the upstream
 # is closing, and the request fails with a reset (seen as 502s when a burst of /tokenize calls
@@ -54,18 +66,28 @@ UPSTREAM_KEEPALIVE_S = 4.0
 
 
 class Rejection(Exception):
-    """An answer the gateway gives itself instead of the upstream's (4xx/5xx, OpenAI error body)."""
+    """An answer the gateway gives itself instead of the upstream's (4xx/5xx, OpenAI error body).
+    `close` also ends the connection (a body left unread, a client too slow to finish)."""
 
-    def __init__(self, status: int, code: str, message: str, *, retry_after_s: int | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, *, retry_after_s: int | None = None,
+                 close: bool = False, allow: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.retry_after_s = status, code, message, retry_after_s
+        self.close, self.allow = close, allow
 
     def response(self) -> web.Response:
-        kind = {429: "rate_limit_error", 413: "invalid_request_error", 400: "invalid_request_error"}.get(
-            self.status, "server_error")
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        kind = "rate_limit_error" if self.status == 429 else (
+            "invalid_request_error" if 400 <= self.status < 500 else "server_error")
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        if self.allow is not None:
+            headers["Allow"] = self.allow
         body = {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
-        return web.json_response(body, status=self.status, headers=headers)
+        response = web.json_response(body, status=self.status, headers=headers or None)
+        if self.close:
+            response.force_close()
+        return response
 
 
 class Admission:
@@ -129,13 +151,24 @@ class Admission:
 
 @dataclass
 class _Upstreams:
-    session: aiohttp.ClientSession  # pass-through traffic (streamed bodies, anything not governed)
-    clients: dict[str, UpstreamClient]  # governed requests and /tokenize, by upstream URL
+    clients: dict[str, UpstreamClient]  # by upstream URL: every request and every count
     counters: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class _Governed:
+    """A request the gateway admits: where it goes, what it reserves, the body it forwards."""
+
+    route: GatewayRoute | None
+    upstream: str
+    target: str
+    blocks: int
+    cap: int | None
+    body: bytes
+
+
 class Gateway:
-    """Per-app state: config, ledger, admission, metrics; the upstream session arrives on startup."""
+    """Per-app state: config, ledger, admission, metrics; the upstream clients arrive on startup."""
 
     def __init__(self, config: GatewayConfig, *, counter: Any = None) -> None:
         self.config = config
@@ -144,130 +177,239 @@ class Gateway:
                                    timeout_s=config.queue_timeout_s)
         self.metrics = GatewayMetrics(self.ledger, lambda: self.admission.waiting)
         self.rejected = 0
-        # A local counter (tokenizer, estimate) loads now, so a bad tokenizer fails at start.
+        # A local tokenizer loads now, so a bad tokenizer fails at start.
         self._fixed_counter = counter
-        if counter is None and config.prompt_tokens.method != "upstream-tokenize":
-            self._fixed_counter = make_counter(config.prompt_tokens)
+        self._local: LocalTokenizerCounter | None = None
+        if counter is None and config.prompt_tokens.method == "tokenizer":
+            self._local = LocalTokenizerCounter.load(config.prompt_tokens.tokenizer)
         self._up: _Upstreams | None = None
-        self.route_paths = tuple(r.match.path for r in config.routes if r.match.path is not None)
+        self._route_paths = config.route_paths()
+        self._passthrough = frozenset(config.passthrough)
+        self._admin_token: bytes | None = None
+        if config.admin.token_env is not None:
+            token = os.environ.get(config.admin.token_env, "")
+            if not token:
+                from kvtune.errors import InputError
+
+                raise InputError(f"the environment variable {config.admin.token_env} holds no token",
+                                 field="admin.token_env")
+            self._admin_token = f"Bearer {token}".encode()
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.upstream_connect_timeout_s,
-                                        sock_read=cfg.upstream_read_timeout_s)
-        # No cookie jar: a proxy must not keep one client's Set-Cookie and replay it for the
-        # next (and the jar's per-request filtering is pure overhead).
-        session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
         clients: dict[str, UpstreamClient] = {}
         counters: dict[str, Any] = {}
         for upstream in {cfg.upstream, *(r.upstream for r in cfg.routes if r.upstream)}:
             clients[upstream] = UpstreamClient(
                 upstream, connect_timeout_s=cfg.upstream_connect_timeout_s,
                 read_timeout_s=cfg.upstream_read_timeout_s, keepalive_s=UPSTREAM_KEEPALIVE_S)
-            counters[upstream] = self._fixed_counter or make_counter(cfg.prompt_tokens, client=clients[upstream])
-        self._up = _Upstreams(session, clients, counters)
+            counters[upstream] = self._fixed_counter or make_counter(
+                cfg.prompt_tokens, client=clients[upstream], local=self._local)
+        self._up = _Upstreams(clients, counters)
 
     async def close(self) -> None:
         if self._up is not None:
             for client in self._up.clients.values():
                 await client.close()
-            await self._up.session.close()
             self._up = None
+
+    # ---------------------------------------------------------------- who may read what
+
+    def allowed(self, request: web.Request, access: str) -> bool:
+        """Whether `request` may read an admin endpoint with this access setting."""
+        if access == "public":
+            return True
+        if access == "loopback":
+            return request.remote in _LOOPBACK
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return self._admin_token is not None and hmac.compare_digest(given, self._admin_token)
 
     # ---------------------------------------------------------------- handlers
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        path = request.path
-        if request.method == "POST" and (path in GENERATION_PATHS or self._route_path(path)):
-            return await self._governed(request)
-        return await self._forward(request, self.config.upstream)
-
-    def _route_path(self, path: str) -> bool:
-        return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.route_paths)
-
-    async def _governed(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
         try:
-            doc = _json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            doc = None
-        if not isinstance(doc, dict):
-            return self._reject(None, Rejection(400, "invalid_json", "request body must be a JSON object"))
-        model = doc.get("model") if isinstance(doc.get("model"), str) else None
-        route = self.config.route_for(request.path, model)
-        if route is None:
-            return await self._send(request, self.config.upstream, raw, {})
-        try:
-            cap, sequences = self._clamp(route, doc)
-            blocks = await self._blocks(route, doc, cap, sequences)
-            reservation = self.admission.try_now(blocks)
-            if reservation is None:
-                reservation = await self._wait_or_reject(blocks)
+            path, endpoint, route = self._classify(request)
+            if endpoint.path_class is PathClass.PASSTHROUGH:
+                raw = await self._read_body(request)
+                return await self._send(request, self.config.upstream, request.method,
+                                        _with_query(path, request.raw_path), raw, {})
+            admitted = await self._admit(request, path, endpoint, route)
         except Rejection as rejection:
-            return self._reject(route, rejection)
+            return self._reject(None, rejection)
+        except _Refused as refused:
+            return self._reject(refused.route, refused.rejection)
         # Admitted: from here every path out of this function gives the blocks back once.
+        reservation = admitted[1]
+        governed = admitted[0]
         try:
-            self.metrics.count_admitted(route.name, blocks)
-            present = [k for k in CAP_FIELDS if k in doc]
-            for key in present or ["max_output_tokens" if request.path == "/v1/responses" else "max_tokens"]:
-                doc[key] = cap
-            # vLLM refuses min_tokens > max_tokens: a floor above the cap comes down with it
-            floor = doc.get("min_tokens")
-            if isinstance(floor, (int, float)) and not isinstance(floor, bool) and floor > cap:
-                doc["min_tokens"] = cap
-            body = _json.dumps_bytes(doc)
-            extra = {"X-Kvtune-Reserved-Blocks": str(blocks), "X-Kvtune-Max-Tokens": str(cap)}
-            return await self._send(request, route.upstream or self.config.upstream, body, extra)
+            name = governed.route.name if governed.route else ""
+            self.metrics.count_admitted(name, governed.blocks)
+            extra = {"X-Kvtune-Reserved-Blocks": str(governed.blocks)}
+            if governed.cap is not None:
+                extra["X-Kvtune-Max-Tokens"] = str(governed.cap)
+            return await self._send(request, governed.upstream, "POST", governed.target, governed.body, extra)
         finally:
             reservation.release()
             self.admission.wake()
 
-    def _clamp(self, route: GatewayRoute, doc: dict) -> tuple[int, int]:
-        """The effective cap (route cap, or lower if the client asked for less) and sequences."""
-        cap = route.max_new_tokens
-        for key in CAP_FIELDS:
-            value = doc.get(key)
-            if value is not None:
-                cap = min(cap, _count(key, value))
-        sequences = 1
-        for key in SEQUENCE_FIELDS:
-            value = doc.get(key)
-            if value is not None:
-                sequences = max(sequences, _count(key, value))
-        return cap, sequences
+    def _classify(self, request: web.Request) -> tuple[str, Endpoint, GatewayRoute | None]:
+        """The request's path and class, or a Rejection for what is refused before any body."""
+        if request.method in ("CONNECT", "TRACE"):
+            raise Rejection(405, "method_not_allowed", f"{request.method} is not served", close=True)
+        if "Upgrade" in request.headers:
+            raise Rejection(400, "upgrade_refused", "the gateway does not switch protocols", close=True)
+        path = canonical_path(request.raw_path)
+        if path is None:
+            raise Rejection(400, "invalid_path", "the request path must be plain (no percent-escapes, "
+                            "'//', '.' or '..' segments)")
+        route = self._route_paths.get(path)
+        if route is not None:
+            endpoint = Endpoint(PathClass.GENERATE, route.api)
+        else:
+            endpoint = classify(path, self._passthrough)
+        kind = endpoint.path_class
+        if kind in (PathClass.GENERATE, PathClass.POOL):
+            if request.method != "POST":
+                raise Rejection(405, "method_not_allowed", f"{path} takes POST", allow="POST")
+            encoding = request.headers.get("Content-Encoding", "").strip().lower()
+            if encoding not in _DECODED_ENCODINGS:
+                raise Rejection(415, "unsupported_encoding", "request bodies may be gzip or deflate encoded",
+                                close=True)
+        elif kind is PathClass.UNCOUNTABLE:
+            raise Rejection(501, "uncountable_endpoint", f"{path} is not served through this gateway: "
+                            f"{endpoint.reason}")
+        elif kind is not PathClass.PASSTHROUGH:
+            raise Rejection(404, "not_found", f"{path} is not served through this gateway")
+        return path, endpoint, route
 
-    async def _blocks(self, route: GatewayRoute, doc: dict, cap: int, sequences: int) -> int:
-        cfg = self.config
-        counter = self._up.counters[route.upstream or cfg.upstream]
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole request body, decoded, within the size cap and the between-reads timeout."""
+        limits = self.config.limits
+        cap = limits.max_body_bytes
+        if request.content_length is not None and request.content_length > cap:
+            raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+        chunks: list[bytes] = []
+        size = 0
+        content = request.content
+        while True:
+            try:
+                async with asyncio.timeout(limits.body_timeout_s):
+                    chunk = await content.readany()
+            except TimeoutError:
+                raise Rejection(408, "body_timeout", f"no request body bytes for {limits.body_timeout_s:g} s",
+                                close=True) from None
+            except (web.HTTPException, ValueError, OSError) as exc:  # bad chunking, bad gzip
+                raise Rejection(400, "invalid_body", f"the request body could not be read ({type(exc).__name__})",
+                                close=True) from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > cap:
+                raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+            chunks.append(chunk)
+
+    async def _admit(self, request: web.Request, path: str, endpoint: Endpoint,
+                     route: GatewayRoute | None) -> tuple[_Governed, Reservation]:
+        """Read, count and reserve a governed request; _Refused for every answer but admission."""
+        raw = await self._read_body(request)
         try:
-            counted = await counter.count(doc)
+            body = parse_body(raw)
+        except BodyError as exc:
+            raise Rejection(400, exc.code, str(exc)) from None
+        doc = body.doc
+        model = doc.get("model") if isinstance(doc.get("model"), str) else None
+        if endpoint.path_class is PathClass.GENERATE and route is None:
+            route = self.config.route_for(path, model)
+            if route is None:
+                raise Rejection(404, "no_route", f"no route of this gateway serves {path} for this model")
+        try:
+            try:
+                asked = read_request(endpoint.api, doc, pair_tokens=self.config.prompt_tokens.pair_tokens)
+            except BodyError as exc:
+                raise Rejection(400, exc.code, str(exc)) from None
+            cap = self._cap(route, asked) if asked.generates else None
+            upstream = (route.upstream if route else None) or self.config.upstream
+            self._never_fits(asked, cap, self._lower_bounds(asked))
+            counts = await self._count(upstream, asked, model)
+            blocks = self._blocks(asked, cap, counts.tokens, counts.exact)
+            forwarded = _rewrite(body, asked, cap) if cap is not None else raw
+            target = _with_query((route.upstream_path if route else None) or path, request.raw_path)
+            governed = _Governed(route, upstream, target, blocks, cap, forwarded)
+            reservation = self.admission.try_now(blocks)
+            if reservation is None:
+                reservation = await self._wait_or_reject(blocks)
+        except Rejection as rejection:
+            raise _Refused(route, rejection) from None
+        return governed, reservation
+
+    def _cap(self, route: GatewayRoute, asked: Request) -> int:
+        """The route's cap, or the client's own when it asked for less in any field the engine
+        may read: every present cap field is then written with this one value."""
+        cap = route.max_new_tokens
+        for reading in asked.readings:
+            if reading.requested_cap is not None:
+                cap = min(cap, reading.requested_cap)
+        return cap
+
+    @staticmethod
+    def _lower_bounds(asked: Request) -> list[int]:
+        """Tokens each prompt holds at least, known without counting (token ids; 0 for text)."""
+        return [p.token_count or 0 for p in asked.prompts]
+
+    def _blocks(self, asked: Request, cap: int | None, tokens: tuple[int, ...] | list[int], exact: bool) -> int:
+        """The reservation: the largest of the readings, each the sum over its sequences of
+        ceil((prompt + cap) / block_size), times its copies; 400 for a prompt past the context,
+        413 for what exceeds the whole budget."""
+        cfg = self.config
+        largest = 0
+        for reading in asked.readings:
+            grow = cap if reading.generates else 0
+            total = 0
+            for seq in reading.sequences:
+                prompt = sum(tokens[i] for i in seq.parts) + seq.extra_tokens
+                if exact and prompt + (1 if reading.generates else 0) > cfg.max_model_len:
+                    raise Rejection(400, "context_length_exceeded",
+                                    f"the prompt has {prompt} tokens; this deployment's context is "
+                                    f"{cfg.max_model_len} tokens")
+                total += reserved_blocks(min(prompt, cfg.max_model_len), grow or 0, cfg.block_size)
+            largest = max(largest, reading.copies * total)
+        if largest > cfg.block_budget:
+            raise Rejection(413, "kv_reservation_exceeds_budget",
+                            f"this request needs {largest} KV blocks but the whole budget is "
+                            f"{cfg.block_budget}: it can never be admitted")
+        return max(largest, 1)
+
+    def _never_fits(self, asked: Request, cap: int | None, lower: list[int]) -> None:
+        """413 before any count when even the cheapest reading of the request exceeds the budget
+        (a batch of thousands of prompts is refused without a thousand /tokenize calls)."""
+        cfg = self.config
+        smallest = None
+        for reading in asked.readings:
+            grow = cap if reading.generates else 0
+            total = reading.copies * sum(
+                reserved_blocks(sum(lower[i] for i in seq.parts) + seq.extra_tokens, grow or 0, cfg.block_size)
+                for seq in reading.sequences)
+            smallest = total if smallest is None else min(smallest, total)
+        if smallest is not None and smallest > cfg.block_budget:
+            raise Rejection(413, "kv_reservation_exceeds_budget",
+                            f"this request needs at least {smallest} KV blocks but the whole budget is "
+                            f"{cfg.block_budget}: it can never be admitted")
+
+    async def _count(self, upstream: str, asked: Request, model: str | None) -> Any:
+        counter = self._up.counters[upstream]
+        try:
+            return await counter.count(asked.prompts, model)
         except PromptRejectedError as exc:
             code = "context_length_exceeded" if "context length" in str(exc) else "invalid_prompt"
             raise Rejection(400, code, str(exc)) from None
+        except PromptCountInvalidError as exc:
+            raise Rejection(502, "prompt_count_invalid", f"the gateway could not count the prompt: {exc}") from None
         except PromptCountError as exc:
             raise Rejection(503, "prompt_count_unavailable",
                             f"the gateway could not count the prompt: {exc}",
-                            retry_after_s=cfg.retry_after_min_s) from None
-        prompts = list(counted.tokens)
-        if counted.exact:
-            for p in prompts:
-                if p >= cfg.max_model_len:
-                    raise Rejection(400, "context_length_exceeded",
-                                    f"the prompt has {p} tokens; this deployment's context is "
-                                    f"{cfg.max_model_len} tokens")
-        prompts = [min(p, cfg.max_model_len) for p in prompts]
-        blocks = reservation_blocks(prompts, cap, sequences, cfg.block_size)
-        if blocks > cfg.block_budget:
-            raise Rejection(413, "kv_reservation_exceeds_budget",
-                            f"this request needs {blocks} KV blocks but the whole budget is "
-                            f"{cfg.block_budget}: it can never be admitted")
-        return blocks
+                            retry_after_s=self.config.retry_after_min_s) from None
 
     async def _wait_or_reject(self, blocks: int) -> Reservation:
         cfg, ledger = self.config, self.ledger
@@ -291,39 +433,26 @@ class Gateway:
     def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
         self.metrics.count_rejected(route.name if route else "", rejection.code)
+        if rejection.status >= 500 or rejection.code in ("body_timeout", "body_too_large"):
+            log.warning("refused %s: %s", rejection.code, rejection.message[:200])
         return rejection.response()
 
-    async def _send(self, request: web.Request, upstream: str, body: bytes,
+    async def _send(self, request: web.Request, upstream: str, method: str, target: str, body: bytes,
                     extra_headers: dict[str, str]) -> web.StreamResponse:
         """A request whose body is in hand, through the gateway's own upstream client."""
         try:
-            up = await self._up.clients[upstream].request(
-                request.method, request.raw_path, _forward_headers(request.headers), body)
+            up = await self._up.clients[upstream].request(method, target, _forward_headers(request.headers), body)
         except UpstreamTimeoutError:
             return Rejection(504, "upstream_timeout", "the upstream did not answer in time").response()
         except UpstreamError as exc:
             return Rejection(502, "upstream_unavailable", f"the upstream could not be reached: {exc}").response()
-        return await self._relay(request, up, up.iter_chunks, extra_headers)
+        return await self._relay(request, up, extra_headers)
 
-    async def _forward(self, request: web.Request, upstream: str) -> web.StreamResponse:
-        """Anything not governed, body streamed as it arrives, through aiohttp's client."""
-        headers = _forward_headers(request.headers)
-        data = request.content if request.body_exists else None
-        url = URL(upstream.rstrip("/") + request.raw_path, encoded=True)
-        try:
-            up = await self._up.session.request(request.method, url, headers=headers, data=data,
-                                                allow_redirects=False)
-        except (aiohttp.ServerTimeoutError, TimeoutError):
-            return Rejection(504, "upstream_timeout", "the upstream did not answer in time").response()
-        except aiohttp.ClientError as exc:
-            return Rejection(502, "upstream_unavailable",
-                             f"the upstream could not be reached: {type(exc).__name__}").response()
-        return await self._relay(request, up, up.content.iter_any, {})
-
-    async def _relay(self, request: web.Request, up: Any, chunks: Callable[[], AsyncIterator[bytes]],
-                     extra_headers: dict[str, str]) -> web.StreamResponse:
-        """Send the upstream's answer back, chunk by chunk as it arrives."""
+    async def _relay(self, request: web.Request, up: Any, extra_headers: dict[str, str]) -> web.StreamResponse:
+        """Send the upstream's answer back, chunk by chunk as it arrives; a client that accepts
+        nothing for send_timeout_s is cut off (its upstream call and reservation with it)."""
         finished = False
+        send_timeout = self.config.limits.send_timeout_s
         try:
             whole = _whole_body(request.method, up)
             headers = _response_headers(up.headers, whole)
@@ -331,13 +460,29 @@ class Gateway:
             if whole:
                 # A complete answer of known, small length (vLLM's non-streaming JSON): read it and
                 # send status, headers and body in one write instead of three.
-                body = await up.read()
+                try:
+                    body = await up.read()
+                except UpstreamTimeoutError:
+                    return Rejection(504, "upstream_timeout", "the upstream did not answer in time").response()
+                except UpstreamError as exc:
+                    return Rejection(502, "upstream_broken", f"the upstream's answer broke off: {exc}").response()
                 finished = True
                 return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
             response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
             await response.prepare(request)
-            async for chunk in chunks():
-                await response.write(chunk)
+            try:
+                async for chunk in up.iter_chunks():
+                    async with asyncio.timeout(send_timeout):
+                        await response.write(chunk)
+            except UpstreamError:
+                # The stream broke upstream: cut the client's connection so it sees a short body.
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
             finished = True
             await response.write_eof()
             return response
@@ -349,13 +494,79 @@ class Gateway:
                 up.close()
 
 
-def _count(key: str, value: Any) -> int:
-    """A positive integer field (max_tokens, n, ...) or a 400."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-            or not 1 <= value < _MAX_COUNT:
-        raise Rejection(400, f"invalid_{key}" if key in SEQUENCE_FIELDS else "invalid_max_tokens",
-                        f"{key} must be a positive integer")
-    return int(value)
+class _Refused(Exception):
+    """A Rejection of a request already matched to a route (for the metrics' route label)."""
+
+    def __init__(self, route: GatewayRoute | None, rejection: Rejection) -> None:
+        super().__init__(rejection.message)
+        self.route, self.rejection = route, rejection
+
+
+def _with_query(path: str, raw_path: str) -> str:
+    """`path` with the query string of the original request target, untouched."""
+    _, sep, query = raw_path.partition("?")
+    return f"{path}?{query}" if sep else path
+
+
+def _rewrite(body: Body, asked: Request, cap: int) -> bytes:
+    """The body with every cap field the request's readings read set to `cap` (the first one
+    added where none is present) and a min_tokens above the cap lowered to it; nothing else."""
+    fields: dict[CapField, None] = {}
+    adds: dict[CapField, None] = {}
+    floors: dict[CapField, None] = {}
+    for reading in asked.readings:
+        if not reading.generates:
+            continue
+        present = [f for f in reading.caps if _value(body.doc, f) is not None]
+        fields.update(dict.fromkeys(present))
+        if not present and reading.add_cap is not None:
+            adds[reading.add_cap] = None
+        if reading.min_tokens is not None:
+            floors[reading.min_tokens] = None
+    value = str(cap).encode()
+    edits: dict[int, tuple[int, bytes]] = {}
+    inserts: list[tuple[int, bytes]] = []
+    spans = {None: (body.open_at, list(body.top))}
+    for f in [*fields, *adds, *floors]:
+        if f.parent not in spans:
+            parent = body.member(f.parent)
+            spans[f.parent] = (parent.start, members(body.raw, parent.start))
+    for f in fields:
+        m = _member(spans, f)
+        edits[m.start] = (m.end, value)
+    for f in floors:
+        floor = _value(body.doc, f)
+        if isinstance(floor, (int, float)) and not isinstance(floor, bool) and floor > cap:
+            m = _member(spans, f)
+            edits[m.start] = (m.end, value)
+    for f in adds:
+        if f in fields:
+            continue
+        open_at, existing = spans[f.parent]
+        sep = b"," if existing else b""
+        inserts.append((open_at + 1, b'"' + f.key.encode() + b'":' + value + sep))
+    out = body.raw
+    if inserts or edits:
+        out = _apply(body.raw, edits, inserts)
+    return out
+
+
+def _apply(raw: bytes, edits: dict[int, tuple[int, bytes]], inserts: list[tuple[int, bytes]]) -> bytes:
+    merged = dict(edits)
+    for position, text in inserts:
+        start, (end, new) = position, merged.get(position, (position, b""))
+        merged[start] = (end, text + new)
+    return splice(raw, merged)
+
+
+def _value(doc: dict, f: CapField) -> Any:
+    holder = doc if f.parent is None else doc.get(f.parent)
+    return holder.get(f.key) if isinstance(holder, dict) else None
+
+
+def _member(spans: dict, f: CapField):
+    _, found = spans[f.parent]
+    return next(m for m in reversed(found) if m.key == f.key)
 
 
 _WHOLE_BODY_MAX_BYTES = 1024 * 1024
@@ -412,15 +623,20 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    payload, content_type = request.app[GATEWAY].metrics.exposition()
+    """The gateway's Prometheus metrics (budget, reserved and in-flight blocks, admissions and
+    refusals by route and reason); who may read them is admin.metrics."""
+    gw = request.app[GATEWAY]
+    if not gw.allowed(request, gw.config.admin.metrics):
+        raise web.HTTPForbidden()
+    payload, content_type = gw.metrics.exposition()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
 
 async def _ledger(request: web.Request) -> web.Response:
-    """The same JSON as the rendered nginx.conf's /kvtune/ledger, loopback only."""
-    if request.remote not in _LOOPBACK:
-        raise web.HTTPForbidden()
+    """The same JSON as the rendered nginx.conf's /kvtune/ledger; who may read it is admin.ledger."""
     gw = request.app[GATEWAY]
+    if not gw.allowed(request, gw.config.admin.ledger):
+        raise web.HTTPForbidden()
     snap = gw.ledger.snapshot()
     return web.json_response({
         "reserved": snap.reserved_blocks, "budget": snap.budget_blocks, "inflight": snap.inflight_requests,
@@ -433,7 +649,7 @@ async def _ledger(request: web.Request) -> web.Response:
 def make_app(config: GatewayConfig, *, counter: Any = None) -> web.Application:
     """The gateway as an aiohttp Application; run it with `handler_cancellation=True` (serve does)
     so a client that goes away cancels its upstream call and releases its blocks at once."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=config.limits.max_body_bytes + 1)
     gateway = Gateway(config, counter=counter)
     app[GATEWAY] = gateway
     app.cleanup_ctx.append(_lifecycle)
@@ -460,23 +676,31 @@ async def serve(config: GatewayConfig, *, stop: asyncio.Event,
     """Serve until `stop` is set, then drain: stop accepting, give in-flight streams up to
     drain_timeout_s to finish, cancel the rest (their reservations release in `finally`).
     `app` is make_app(config) unless given (tests keep a handle on its Gateway)."""
+    from kvtune.gateway.connections import listen
+
     app = app if app is not None else make_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
                            access_log=None)
     await runner.setup()
+    listener = None
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=1024)
-        await site.start()
+        listener, _ = await listen(runner, config.host, config.port, config.limits)
         if on_ready is not None:
-            addresses = ", ".join(f"http://{a[0]}:{a[1]}" if isinstance(a, tuple) else str(a)
-                                  for a in runner.addresses)
+            addresses = ", ".join(_address(sock.getsockname()) for sock in listener.sockets)
             result = on_ready(addresses)
             if asyncio.iscoroutine(result):
                 await result
         await stop.wait()
     finally:
+        if listener is not None:
+            listener.close()  # stop accepting; open connections drain in cleanup
         await runner.cleanup()
     return app[GATEWAY]
 
 
-__all__ = ["make_app", "serve", "loop_factory", "Gateway", "Admission", "Rejection", "GATEWAY", "GENERATION_PATHS"]
+def _address(name: Any) -> str:
+    host, port = name[0], name[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+__all__ = ["make_app", "serve", "loop_factory", "Gateway", "Admission", "Rejection", "GATEWAY"]
