@@ -60,7 +60,7 @@ def test_listed_in_help():
 
 @pytest.mark.slow
 def test_runs_serves_and_drains_on_sigterm(tmp_path):
-    from test_nginx import Upstream
+    from enforcers import Upstream
 
     up = Upstream().start()
     proc = subprocess.Popen(

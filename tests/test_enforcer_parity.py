@@ -1,10 +1,15 @@
 """One behaviour, two enforcers: the same policy tests against `kvtune gateway` (Python, from the
 rendered gateway.yaml) and the rendered nginx.conf on a real nginx with Lua, both rendered from
-one recommendation and both in front of the same fake-vLLM upstream from test_nginx.py."""
+one recommendation and both in front of the same fake vLLM (tests/enforcers.py).
+
+What is held the same: which paths are governed, refused or passed through; how each endpoint's
+request is read (its prompt field, its cap fields, its sequences); clamping and reservation;
+429/400/413; that only governed members of a body change on the way up; the bounds on a client
+(head and body deadlines, head and body sizes, CONNECT/Upgrade); and a failed count."""
 
 from __future__ import annotations
 
-import asyncio
+import gzip
 import json
 import os
 import socket
@@ -12,58 +17,21 @@ import threading
 import time
 
 import pytest
-import yaml
 
-from kvtune.gateway_config import parse_gateway_config
+from enforcers import (
+    BUDGET, CHAT_CAP, COMPLETIONS_CAP, CONTEXT, CUSTOM_CAP, DEFAULT_CAP, HOSTILE, HOSTILE_CAP, HOSTILE_MODEL,
+    Nginx, PyGateway, Upstream, blocks, chat, free_port, in_thread, small_rec, words,
+)
+from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
+from kvtune.gateway_config import ClientLimits
 from kvtune.render import RenderOptions, render_files
-from test_nginx import HOSTILE, HOSTILE_MODEL, Nginx, Upstream, _free_port, _in_thread, chat, small_rec, words
 
 pytestmark = pytest.mark.slow
 
-
-class PyGateway:
-    """`kvtune gateway` on its own event loop in a thread, with the Nginx helper's interface."""
-
-    def __init__(self, config_text: str) -> None:
-        self.config = parse_gateway_config(yaml.safe_load(config_text), path="gateway.yaml")
-        self.port = self.config.port
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        from kvtune.gateway.proxy import serve
-
-        asyncio.set_event_loop(self._loop)
-
-        async def main() -> None:
-            self._stop = asyncio.Event()
-            await serve(self.config, stop=self._stop, on_ready=lambda _: self._ready.set())
-
-        try:
-            self._loop.run_until_complete(main())
-        except BaseException as exc:  # surfaced by start()
-            self._error = exc
-            self._ready.set()
-        finally:
-            self._loop.close()
-
-    def start(self) -> "PyGateway":
-        self._thread.start()
-        assert self._ready.wait(15) and self._error is None, self._error
-        return self
-
-    def stop(self) -> None:
-        if self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "gateway did not stop"
-
-    request = Nginx.request
-    ledger = Nginx.ledger
-    wait_ledger = Nginx.wait_ledger
+# Tight client bounds, so the limit tests finish in seconds.
+LIMITS = ClientLimits(header_timeout_s=2.0, body_timeout_s=2.0, keepalive_timeout_s=4.0, send_timeout_s=3.0,
+                      max_header_bytes=8192, max_header_line_bytes=4096, max_body_bytes=256 * 1024,
+                      max_connections=64)
 
 
 @pytest.fixture
@@ -76,66 +44,90 @@ def upstream():
         up.stop()
 
 
+def _options(port: int, **extra) -> RenderOptions:
+    return RenderOptions(listen_port=port, nginx_worker_processes="1", limits=LIMITS,
+                         nginx_user="root" if os.geteuid() == 0 else None, **extra)
+
+
+def _start(kind: str, tmp_path, upstream, **extra):
+    rec = small_rec(upstream.port)
+    port = free_port()
+    options = _options(port, **extra)
+    if kind == "python":
+        return PyGateway(render_files(rec, targets=["gateway.yaml"], options=options)["gateway.yaml"]).start()
+    conf = render_files(rec, targets=["nginx.conf"], options=options)["nginx.conf"]
+    return Nginx(tmp_path / "nginx", conf, port).start()
+
+
 @pytest.fixture(params=["python", "nginx"])
 def enforcer(request, tmp_path, upstream):
-    rec = small_rec(upstream.port)
-    port = _free_port()
-    options = RenderOptions(listen_port=port, nginx_worker_processes="2",
-                            nginx_user="root" if os.geteuid() == 0 else None)
-    if request.param == "python":
-        server = PyGateway(render_files(rec, targets=["gateway.yaml"], options=options)["gateway.yaml"])
-    else:
-        conf = render_files(rec, targets=["nginx.conf"], options=options)["nginx.conf"]
-        server = Nginx(tmp_path / "nginx", conf, port)
+    server = _start(request.param, tmp_path, upstream)
     try:
-        yield server.start()
+        yield server
     finally:
         server.stop()
 
 
-def blocks(prompt: int, cap: int, sequences: int = 1) -> int:
-    return sequences * -(-(prompt + cap) // 16)
+def _reserved(headers: dict) -> int:
+    return int(headers["X-Kvtune-Reserved-Blocks"])
+
+
+def _error(body: bytes) -> str:
+    return json.loads(body)["error"]["code"]
 
 
 def test_route_table_and_budget(enforcer):
     ledger = enforcer.ledger()
-    assert ledger["routes"] == [HOSTILE, "/v1/chat/completions", "/v1/completions", "default"]
-    assert ledger["budget"] == 100 and ledger["reserved"] == 0
+    assert ledger["routes"] == [HOSTILE, "/v1/chat/completions", "/v1/completions", "/v1/summarize", "default"]
+    assert ledger["budget"] == BUDGET and ledger["reserved"] == 0
 
 
-@pytest.mark.parametrize("extra, field, expected", [
-    ({}, "max_tokens", 64),                                   # absent: the route's cap is set
-    ({"max_tokens": 5000}, "max_tokens", 64),                 # larger: clamped
-    ({"max_tokens": 10}, "max_tokens", 10),                   # smaller: kept
-    ({"max_completion_tokens": 9000}, "max_completion_tokens", 64),
-    ({"max_output_tokens": 70}, "max_output_tokens", 64),
+# ---------------------------------------------------------------- caps, by each endpoint's own fields
+
+@pytest.mark.parametrize("path, body, field, expected", [
+    ("/v1/chat/completions", chat(10), "max_tokens", CHAT_CAP),                      # absent: set
+    ("/v1/chat/completions", chat(10, max_tokens=5000), "max_tokens", CHAT_CAP),     # larger: clamped
+    ("/v1/chat/completions", chat(10, max_tokens=10), "max_tokens", 10),             # smaller: kept
+    ("/v1/chat/completions", chat(10, max_completion_tokens=9000), "max_completion_tokens", CHAT_CAP),
+    ("/v1/completions", {"model": "m", "prompt": words(10), "max_tokens": 9000}, "max_tokens", COMPLETIONS_CAP),
+    ("/v1/responses", {"model": "m", "input": words(10), "max_output_tokens": 70}, "max_output_tokens", 70),
+    ("/v1/responses", {"model": "m", "input": words(10)}, "max_output_tokens", DEFAULT_CAP),
 ])
-def test_each_alias_is_clamped(enforcer, upstream, extra, field, expected):
-    status, headers, _ = enforcer.request("/v1/chat/completions", chat(10, **extra))
+def test_each_endpoint_is_capped_in_its_own_fields(enforcer, upstream, path, body, field, expected):
+    status, headers, _ = enforcer.request(path, body)
     assert status == 200
     assert upstream.seen[-1][field] == expected
     assert headers["X-Kvtune-Max-Tokens"] == str(expected)
-    assert headers["X-Kvtune-Reserved-Blocks"] == str(blocks(10, expected))
     assert enforcer.wait_ledger(0)["reserved"] == 0
 
 
-def test_every_present_alias_gets_the_cap_and_the_rest_is_untouched(enforcer, upstream):
+def test_a_cap_field_the_endpoint_does_not_read_neither_lowers_nor_replaces_its_cap(enforcer, upstream):
+    """Chat ignores max_output_tokens: a client sending max_output_tokens=1 to chat must still be
+    reserved (and capped) at the route's cap, with max_tokens set, and the stray field untouched."""
+    status, headers, _ = enforcer.request("/v1/chat/completions", chat(10, max_output_tokens=1))
+    assert status == 200
+    seen = upstream.seen[-1]
+    assert seen["max_tokens"] == CHAT_CAP and seen["max_output_tokens"] == 1
+    assert _reserved(headers) == blocks(10, CHAT_CAP)
+
+
+def test_every_present_cap_field_gets_the_cap_and_the_rest_is_untouched(enforcer, upstream):
     body = chat(10, max_completion_tokens=9000, max_tokens=None, stop=[], n=1, temperature=0.5)
     assert enforcer.request("/v1/chat/completions", body)[0] == 200
     seen = upstream.seen[-1]
-    assert seen["max_completion_tokens"] == 64 and seen["max_tokens"] == 64
+    assert seen["max_completion_tokens"] == CHAT_CAP and seen["max_tokens"] == CHAT_CAP
     assert seen["stop"] == [] and seen["n"] == 1 and seen["temperature"] == 0.5
     assert seen["messages"] == body["messages"]
 
 
 @pytest.mark.parametrize("extra, max_tokens, min_tokens", [
-    ({"max_tokens": 5000, "min_tokens": 100}, 64, 64),   # above the clamped cap: comes down to it
-    ({"min_tokens": 5000}, 64, 64),                       # no max_tokens: the route's cap is set
-    ({"max_tokens": 10, "min_tokens": 20}, 10, 10),       # the client's own cap is the limit too
-    ({"max_tokens": 5000, "min_tokens": 64}, 64, 64),     # equal is allowed
-    ({"max_tokens": 5000, "min_tokens": 70.5}, 64, 64),
-    ({"max_tokens": 5000, "min_tokens": 5}, 64, 5),       # below: untouched
-    ({"max_tokens": 5000, "min_tokens": "lots"}, 64, "lots"),  # not a number: vLLM's to judge
+    ({"max_tokens": 5000, "min_tokens": 100}, CHAT_CAP, CHAT_CAP),   # above the clamped cap: comes down
+    ({"min_tokens": 5000}, CHAT_CAP, CHAT_CAP),                      # no max_tokens: the route's cap is set
+    ({"max_tokens": 10, "min_tokens": 20}, 10, 10),                  # the client's own cap is the limit too
+    ({"max_tokens": 5000, "min_tokens": CHAT_CAP}, CHAT_CAP, CHAT_CAP),  # equal is allowed
+    ({"max_tokens": 5000, "min_tokens": 70.5}, CHAT_CAP, CHAT_CAP),
+    ({"max_tokens": 5000, "min_tokens": 5}, CHAT_CAP, 5),            # below: untouched
+    ({"max_tokens": 5000, "min_tokens": "lots"}, CHAT_CAP, "lots"),  # not a number: vLLM's to judge
 ])
 def test_min_tokens_above_the_cap_comes_down_to_it(enforcer, upstream, extra, max_tokens, min_tokens):
     """vLLM answers 400 to min_tokens > max_tokens: clamping the cap must not create one."""
@@ -147,28 +139,316 @@ def test_min_tokens_above_the_cap_comes_down_to_it(enforcer, upstream, extra, ma
     assert enforcer.wait_ledger(0)["reserved"] == 0
 
 
-def test_model_route_and_path_route(enforcer, upstream):
+def test_model_route_path_route_and_custom_path(enforcer, upstream):
     body = chat(10, max_tokens=999)
     body["model"] = HOSTILE_MODEL
     status, headers, _ = enforcer.request("/v1/chat/completions", body)
-    assert status == 200 and upstream.seen[-1]["max_tokens"] == 32
-    assert headers["X-Kvtune-Reserved-Blocks"] == str(blocks(10, 32))
+    assert status == 200 and upstream.seen[-1]["max_tokens"] == HOSTILE_CAP
+    assert _reserved(headers) == blocks(10, HOSTILE_CAP)
     status, headers, _ = enforcer.request("/v1/completions", {"model": "m", "prompt": words(5), "max_tokens": 4000})
-    assert status == 200 and upstream.seen[-1]["max_tokens"] == 96
-    assert headers["X-Kvtune-Reserved-Blocks"] == str(blocks(5, 96))
+    assert status == 200 and upstream.seen[-1]["max_tokens"] == COMPLETIONS_CAP
+    assert _reserved(headers) == blocks(5, COMPLETIONS_CAP)
+    # /v1/summarize is no vLLM endpoint (api: any): every prompt field it carries is charged
+    body = {"model": "m", "prompt": words(20), "messages": [{"role": "user", "content": words(30)}]}
+    status, headers, _ = enforcer.request("/v1/summarize", body)
+    assert status == 200 and upstream.paths[-1] == "/v1/summarize"
+    assert upstream.seen[-1]["max_tokens"] == CUSTOM_CAP
+    assert _reserved(headers) == blocks(20 + 30, CUSTOM_CAP)
 
 
-@pytest.mark.parametrize("extra, sequences", [({"n": 3}, 3), ({"best_of": 4, "n": 2}, 4), ({"n": 1}, 1)])
-def test_n_and_best_of_multiply_the_reservation(enforcer, extra, sequences):
-    status, headers, _ = enforcer.request("/v1/chat/completions", chat(40, **extra))
+@pytest.mark.parametrize("path, extra, sequences", [
+    ("/v1/chat/completions", {"n": 3}, 3),
+    ("/v1/chat/completions", {"n": 1}, 1),
+    ("/v1/chat/completions", {"best_of": 4, "n": 2}, 2),   # chat has no best_of: only n counts
+    ("/v1/completions", {"best_of": 4, "n": 2}, 4),
+])
+def test_n_and_best_of_multiply_the_reservation(enforcer, path, extra, sequences):
+    if path == "/v1/completions":
+        body, cap = {"model": "m", "prompt": words(40), **extra}, COMPLETIONS_CAP
+    else:
+        body, cap = chat(40, **extra), CHAT_CAP
+    status, headers, _ = enforcer.request(path, body)
     assert status == 200
-    assert headers["X-Kvtune-Reserved-Blocks"] == str(blocks(40, 64, sequences))
+    assert _reserved(headers) == blocks(40, cap, sequences)
 
+
+# ---------------------------------------------------------------- the prompt: each endpoint's own field
+
+@pytest.mark.parametrize("path, body, prompt, cap", [
+    # completions runs `prompt`: a stray empty `messages` must not make it the empty chat
+    ("/v1/completions", {"model": "m", "prompt": words(500), "messages": []}, 500, COMPLETIONS_CAP),
+    # chat runs `messages`: a stray `prompt` is not its prompt
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": words(7)}],
+                              "prompt": words(900)}, 7, CHAT_CAP),
+    # responses runs `input` (and `instructions`): a stray empty `messages` changes nothing
+    ("/v1/responses", {"model": "m", "input": words(400), "messages": []}, 400, DEFAULT_CAP),
+    ("/v1/responses", {"model": "m", "input": words(30), "instructions": words(20)}, 50, DEFAULT_CAP),
+    ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": words(25)}]}]}, 25, DEFAULT_CAP),
+    ("/v1/completions", {"model": "m", "prompt": [words(30), words(40)]}, (30, 40), COMPLETIONS_CAP),
+    ("/v1/completions", {"model": "m", "prompt": [[1, 2, 3], list(range(50))]}, (3, 50), COMPLETIONS_CAP),
+])
+def test_the_prompt_is_the_field_the_engine_reads(enforcer, upstream, path, body, prompt, cap):
+    status, headers, raw = enforcer.request(path, body)
+    assert status == 200, raw
+    prompts = prompt if isinstance(prompt, tuple) else (prompt,)
+    assert _reserved(headers) == sum(blocks(p, cap) for p in prompts)
+    assert enforcer.wait_ledger(0)["reserved"] == 0
+
+
+def test_documents_and_reasoning_effort_reach_the_count(enforcer, upstream):
+    """/tokenize takes neither: the gateway sends them as chat_template_kwargs, which the
+    engine renders the same way, so a prompt hidden in documents is still charged."""
+    body = chat(5, documents=[{"text": words(300)}], reasoning_effort="low")
+    status, headers, _ = enforcer.request("/v1/chat/completions", body)
+    assert status == 200
+    assert _reserved(headers) == blocks(305, CHAT_CAP)
+    kwargs = upstream.tokenize_calls[-1]["chat_template_kwargs"]
+    assert kwargs["documents"] == [{"text": words(300)}] and kwargs["reasoning_effort"] == "low"
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "input": 5},
+    {"model": "m", "input": words(5), "previous_response_id": "resp_1"},
+    {"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": words(900)}]},
+    {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+])
+def test_responses_the_gateway_cannot_count_are_refused(enforcer, upstream, body):
+    status, headers, raw = enforcer.request("/v1/responses", body)
+    assert status == 400 and _error(raw) in ("invalid_request", "uncountable_request")
+    assert upstream.seen == [] and enforcer.ledger()["reserved"] == 0
+
+
+# ---------------------------------------------------------------- the other generating endpoints
+
+def test_sagemaker_invocations_are_governed(enforcer, upstream):
+    """vLLM's /invocations runs a chat or a completions request: the larger reading is reserved."""
+    status, headers, raw = enforcer.request("/invocations", {"model": "m", "prompt": words(30), "max_tokens": 1_000_000,
+                                                             "n": 64})
+    assert status == 413 and _error(raw) == "kv_reservation_exceeds_budget"
+    status, headers, _ = enforcer.request("/invocations", {"model": "m", "prompt": words(30), "max_tokens": 1_000_000})
+    assert status == 200 and upstream.seen[-1]["max_tokens"] == DEFAULT_CAP
+    assert _reserved(headers) == blocks(30, DEFAULT_CAP)
+    body = {"model": "m", "messages": [{"role": "user", "content": words(10)}], "prompt": words(200)}
+    status, headers, _ = enforcer.request("/invocations", body)
+    assert status == 200 and _reserved(headers) == blocks(200, DEFAULT_CAP)
+
+
+def test_anthropic_messages_are_counted_by_the_engine_and_capped(enforcer, upstream):
+    body = {"model": "m", "max_tokens": 4000, "system": words(12),
+            "messages": [{"role": "user", "content": words(20)}]}
+    status, headers, _ = enforcer.request("/v1/messages", body)
+    assert status == 200
+    assert upstream.seen[-1]["max_tokens"] == DEFAULT_CAP
+    assert _reserved(headers) == blocks(32, DEFAULT_CAP)
+    assert "messages" in upstream.tokenize_calls[-1] and upstream.tokenize_calls[-1]["system"] == words(12)
+
+
+def test_token_in_token_out_generate_is_capped_inside_sampling_params(enforcer, upstream):
+    body = {"model": "m", "token_ids": list(range(100)), "sampling_params": {"max_tokens": 5000, "n": 2}}
+    status, headers, _ = enforcer.request("/inference/v1/generate", body)
+    assert status == 200
+    assert upstream.seen[-1]["sampling_params"] == {"max_tokens": DEFAULT_CAP, "n": 2}
+    assert _reserved(headers) == blocks(100, DEFAULT_CAP, 2)
+    status, headers, _ = enforcer.request("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {}})
+    assert status == 200 and upstream.seen[-1]["sampling_params"] == {"max_tokens": DEFAULT_CAP}
+
+
+def test_chat_batch_reserves_every_conversation(enforcer, upstream):
+    body = {"model": "m", "messages": [[{"role": "user", "content": words(10)}],
+                                       [{"role": "user", "content": words(50)}]]}
+    status, headers, _ = enforcer.request("/v1/chat/completions/batch", body)
+    assert status == 200
+    assert _reserved(headers) == blocks(10, DEFAULT_CAP) + blocks(50, DEFAULT_CAP)
+
+
+@pytest.mark.parametrize("path, body, expected", [
+    ("/v1/embeddings", {"model": "m", "input": words(40)}, blocks(40, 0)),
+    ("/v1/embeddings", {"model": "m", "input": [words(20), words(30)]}, blocks(20, 0) + blocks(30, 0)),
+    ("/pooling", {"model": "m", "input": [1, 2, 3]}, 1),
+    ("/classify", {"model": "m", "input": words(17)}, blocks(17, 0)),
+    ("/v1/rerank", {"model": "m", "query": words(10), "documents": [words(5), words(300)]},
+     blocks(10 + 5 + 128, 0) + blocks(10 + 300 + 128, 0)),
+    ("/score", {"model": "m", "text_1": words(4), "text_2": [words(6), words(8)]},
+     blocks(4 + 6 + 128, 0) + blocks(4 + 8 + 128, 0)),
+])
+def test_pooling_endpoints_reserve_their_input(enforcer, upstream, path, body, expected):
+    status, headers, raw = enforcer.request(path, body)
+    assert status == 200, raw
+    assert _reserved(headers) == expected and "X-Kvtune-Max-Tokens" not in headers
+    assert upstream.raw[-1] == json.dumps(body).encode()  # nothing to cap: forwarded as sent
+    assert enforcer.wait_ledger(0)["reserved"] == 0
+
+
+# ---------------------------------------------------------------- no ungoverned path
+
+@pytest.mark.parametrize("path", sorted(OPERATOR))
+def test_operator_endpoints_are_never_reachable(enforcer, upstream, path):
+    for method in ("POST", "GET"):
+        status, _, raw = enforcer.request(path, {"level": 1} if method == "POST" else None, method=method)
+        assert status == 404 and _error(raw) == "not_found"
+    assert upstream.reached() == []
+
+
+@pytest.mark.parametrize("path", sorted(UNCOUNTABLE))
+def test_generating_endpoints_the_gateway_cannot_count_are_refused(enforcer, upstream, path):
+    status, _, raw = enforcer.request(path, {"model": "m", "max_tokens": 1_000_000, "n": 64})
+    assert status == 501 and _error(raw) == "uncountable_endpoint"
+    assert upstream.reached() == []
+
+
+@pytest.mark.parametrize("path, method", [
+    ("/v1/files", "POST"), ("/v1/fine_tuning/jobs", "GET"), ("/metrics/x", "GET"), ("/", "GET"),
+    ("/v1/chat/completions/", "POST"), ("/V1/chat/completions", "POST"), ("/ping", "GET"),
+])
+def test_unknown_paths_are_refused(enforcer, upstream, path, method):
+    status, _, raw = enforcer.request(path, chat(5) if method == "POST" else None, method=method)
+    assert status == 404 and _error(raw) == "not_found"
+    assert upstream.reached() == []
+
+
+def test_the_passthrough_allow_list_reaches_the_upstream_untouched(enforcer, upstream):
+    for path in DEFAULT_PASSTHROUGH:
+        if path == "/tokenize" or path == "/v1/messages/count_tokens":
+            continue
+        status, headers, body = enforcer.request(path + "?q=1", method="GET")
+        assert status == 200 and body == b"upstream", path
+    assert [p for _, p in upstream.other] == [p + "?q=1" for p in DEFAULT_PASSTHROUGH
+                                              if p not in ("/tokenize", "/v1/messages/count_tokens")]
+    assert enforcer.ledger()["reserved"] == 0
+
+
+@pytest.mark.parametrize("target", [
+    "/v1/chat%2Fcompletions", "/v1/chat%2fcompletions", "/v1//chat/completions", "/v1/./chat/completions",
+    "/v1/x/../chat/completions", "/v1/chat/completions/.", "/v1/%63hat/completions", "/v1/chat/completions%00",
+    "/sleep%3F", "/%2e%2e/sleep",
+])
+def test_paths_that_mean_two_things_are_refused(enforcer, upstream, target):
+    """An upstream may decode or normalise a path the gateway let pass as something else."""
+    status, _, raw = enforcer.request(target, chat(5))
+    assert status in (400, 404)  # nginx refuses some of these itself, with its own page
+    if raw.startswith(b"{"):
+        assert _error(raw) in ("invalid_path", "not_found")
+    assert upstream.reached() == []
+
+
+def test_governed_paths_take_post_only(enforcer, upstream):
+    status, headers, _ = enforcer.request("/v1/chat/completions", method="GET")
+    assert status == 405
+    assert upstream.reached() == []
+
+
+def test_connect_and_upgrade_are_refused(enforcer, upstream):
+    answer = enforcer.raw(b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
+    assert answer.split(b" ", 2)[1] in (b"400", b"404", b"405")
+    payload = json.dumps(chat(5)).encode()
+    answer = enforcer.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                          b"Upgrade: websocket\r\nContent-Type: application/json\r\n"
+                          + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    assert answer.startswith(b"HTTP/1.1 400")
+    assert upstream.reached() == []
+
+
+# ---------------------------------------------------------------- bad input is a 400, never a 500
+
+BAD_NUMBERS = [float("nan"), float("inf"), float("-inf"), 1e400, 2.5, -1, 0, True, False, "7", [7], {"n": 7},
+               2**31, 2**70]
+
+
+def _dumps(body: dict) -> bytes:
+    """JSON as a hostile client writes it: NaN and Infinity literals included."""
+    return json.dumps(body, allow_nan=True).encode()
+
+
+@pytest.mark.parametrize("value", BAD_NUMBERS, ids=repr)
+@pytest.mark.parametrize("path, field", [
+    ("/v1/chat/completions", "max_tokens"), ("/v1/chat/completions", "max_completion_tokens"),
+    ("/v1/chat/completions", "n"), ("/v1/completions", "best_of"), ("/v1/responses", "max_output_tokens"),
+])
+def test_bad_numbers_in_governed_fields_are_400(enforcer, upstream, path, field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} if path.endswith("chat/completions") \
+        else {"model": "m", "prompt": "hi"} if path == "/v1/completions" else {"model": "m", "input": "hi"}
+    raw = _dumps({**body, field: value})
+    if value == 1e400:
+        raw = raw.replace(b"Infinity", b"1e400")
+    status, headers, answer = enforcer.request(path, raw)
+    assert status == 400 and "Retry-After" not in headers
+    assert _error(answer) in ("invalid_max_tokens", f"invalid_{field}", "invalid_json")
+    assert upstream.seen == [] and enforcer.ledger()["reserved"] == 0
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b"{not json", "invalid_json"),
+    (b"[1, 2]", "invalid_json"),
+    (b'"text"', "invalid_json"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "invalid_unicode"),
+    (b'{"model": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "invalid_unicode"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "invalid_json"),
+    (b'\xef\xbb\xbf{"model": "m", "messages": []}', "invalid_json"),
+    (b'{"model": "m", "temperature": NaN, "messages": []}', "invalid_json"),
+    (b'{"model": "m", "messages": [], "messages": [{"role": "user", "content": "x"}]}', "duplicate_key"),
+    (b'{"model": "m", "max_tokens": 1, "max_tokens": 900000, "messages": []}', "duplicate_key"),
+    (b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "invalid_json"),
+    (b'{"model": "m", "messages": "hi"}', "invalid_request"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"}',
+     "uncountable_request"),
+])
+def test_malformed_requests_are_400(enforcer, upstream, raw, code):
+    status, headers, answer = enforcer.request("/v1/chat/completions", raw)
+    assert status == 400 and "Retry-After" not in headers
+    assert _error(answer) == code
+    assert upstream.seen == [] and enforcer.ledger()["reserved"] == 0
+
+
+def test_escaped_pairs_and_escaped_backslashes_are_text(enforcer, upstream):
+    """A surrogate pair is one character, and an escaped backslash before 'ud800' is no escape."""
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}'
+    assert enforcer.request("/v1/chat/completions", raw)[0] == 200
+
+
+# ---------------------------------------------------------------- what is forwarded
+
+def test_only_the_governed_members_change_on_the_way_up(enforcer, upstream):
+    raw = (b'{ "model" : "m",\n  "seed": 1180591620717411303424, "temperature": 1.10,'
+           b' "logit_bias": {"15": -1e2}, "stop": [],"extra": {}, "text": "caf\\u00e9 \\" \\/",'
+           b' "messages": [ {"role":"user","content":"a b c"} ],  "max_tokens": 9000 , "min_tokens": 9000 }')
+    status, _, _ = enforcer.request("/v1/chat/completions", raw)
+    assert status == 200
+    expected = raw.replace(b'"max_tokens": 9000', b'"max_tokens": 64').replace(b'"min_tokens": 9000',
+                                                                               b'"min_tokens": 64')
+    assert upstream.raw[-1] == expected
+
+
+def test_a_cap_is_added_without_touching_the_rest(enforcer, upstream):
+    raw = b'{"model":"m","seed":1180591620717411303424,"messages":[{"role":"user","content":"x"}]}'
+    assert enforcer.request("/v1/chat/completions", raw)[0] == 200
+    forwarded = upstream.raw[-1]
+    assert json.loads(forwarded)["max_tokens"] == CHAT_CAP
+    assert forwarded.replace(b'"max_tokens":64,', b"") == raw
+
+
+def test_a_gzip_body_is_counted_decoded_and_forwarded_decoded(enforcer, upstream):
+    body = json.dumps(chat(200)).encode()
+    status, headers, _ = enforcer.request("/v1/chat/completions", gzip.compress(body),
+                                          headers={"Content-Encoding": "gzip"})
+    assert status == 200
+    assert _reserved(headers) == blocks(200, CHAT_CAP)
+    assert "Content-Encoding" not in upstream.headers[-1]
+    assert json.loads(upstream.raw[-1])["messages"] == chat(200)["messages"]
+
+
+def test_an_unknown_body_encoding_is_415(enforcer, upstream):
+    status, _, raw = enforcer.request("/v1/chat/completions", b"xyz", headers={"Content-Encoding": "compress"})
+    assert status == 415
+    assert upstream.reached() == []
+
+
+# ---------------------------------------------------------------- admission
 
 def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstream):
     upstream.hold()
     # 1536 prompt + 64 cap = 1600 tokens = 100 blocks: the whole budget
-    t, box = _in_thread(enforcer.request, "/v1/chat/completions", chat(1536, hold=True))
+    t, box = in_thread(enforcer.request, "/v1/chat/completions", chat(1536, hold=True))
     assert enforcer.wait_ledger(100)["reserved"] == 100
     status, headers, body = enforcer.request("/v1/chat/completions", chat(1))
     assert status == 429
@@ -186,7 +466,7 @@ def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstre
     # Retry-After follows the release rate (100 blocks just released, averaged over 30 s): a
     # request that needs more blocks is told to wait longer.
     upstream.hold()
-    t, box = _in_thread(enforcer.request, "/v1/chat/completions", chat(1536, hold=True))
+    t, box = in_thread(enforcer.request, "/v1/chat/completions", chat(1536, hold=True))
     enforcer.wait_ledger(100)
     small = enforcer.request("/v1/chat/completions", chat(1))
     large = enforcer.request("/v1/chat/completions", chat(1000))
@@ -209,7 +489,7 @@ def test_streams_pass_through_and_client_abort_releases(enforcer, upstream):
         assert chunk, received
         received += chunk
     assert received.startswith(b"HTTP/1.1 200")
-    assert enforcer.ledger()["reserved"] == blocks(100, 64)
+    assert enforcer.ledger()["reserved"] == blocks(100, CHAT_CAP)
     sock.close()  # the client goes away mid-stream
     assert enforcer.wait_ledger(0)["reserved"] == 0
     upstream.release()
@@ -222,37 +502,20 @@ def test_streams_pass_through_and_client_abort_releases(enforcer, upstream):
 def test_requests_that_can_never_fit_are_rejected_at_once(enforcer, upstream):
     status, headers, body = enforcer.request("/v1/chat/completions", chat(3000))
     assert status == 400 and "Retry-After" not in headers
-    assert json.loads(body)["error"]["code"] == "context_length_exceeded"
+    assert _error(body) == "context_length_exceeded"
     # 5 × ceil((500 + 64) / 16) = 180 blocks > the 100-block budget
     status, headers, body = enforcer.request("/v1/chat/completions", chat(500, n=5))
     assert status == 413 and "Retry-After" not in headers
-    assert json.loads(body)["error"]["code"] == "kv_reservation_exceeds_budget"
+    assert _error(body) == "kv_reservation_exceeds_budget"
     assert upstream.seen == []
     assert enforcer.ledger()["reserved"] == 0
 
 
-@pytest.mark.parametrize("body, code", [
-    (chat(5, max_tokens="lots"), "invalid_max_tokens"),
-    (chat(5, max_tokens=0), "invalid_max_tokens"),
-    (chat(5, max_completion_tokens=2.5), "invalid_max_tokens"),
-    (chat(5, n=-1), "invalid_n"),
-    (chat(5, best_of=True), "invalid_best_of"),
-    (b"{not json", "invalid_json"),
-    (b"[1, 2]", "invalid_json"),
-])
-def test_malformed_requests_are_400(enforcer, upstream, body, code):
-    status, headers, raw = enforcer.request("/v1/chat/completions", body)
-    assert status == 400 and "Retry-After" not in headers
-    assert json.loads(raw)["error"]["code"] == code
-    assert upstream.seen == [] and enforcer.ledger()["reserved"] == 0
-
-
-def test_other_requests_pass_through_untouched(enforcer, upstream):
-    status, _, _ = enforcer.request("/v1/models", method="GET")
-    assert status == 404  # the fake upstream has no /v1/models: the answer is the upstream's
-    # a GET on a generation path is not governed either
-    assert enforcer.request("/v1/chat/completions", method="GET")[0] == 405
-    assert enforcer.ledger()["reserved"] == 0 and upstream.seen == []
+def test_a_huge_batch_is_refused_without_counting_it(enforcer, upstream):
+    """2,000 prompts can never fit 100 blocks: refused before a single /tokenize call."""
+    status, _, body = enforcer.request("/v1/completions", {"model": "m", "prompt": [f"p{i}" for i in range(2000)]})
+    assert status == 413 and _error(body) == "kv_reservation_exceeds_budget"
+    assert upstream.tokenize_calls == [] and upstream.seen == []
 
 
 def test_concurrent_requests_never_exceed_the_budget(enforcer, upstream):
@@ -268,7 +531,7 @@ def test_concurrent_requests_never_exceed_the_budget(enforcer, upstream):
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    threads = [_in_thread(enforcer.request, "/v1/chat/completions", chat(200, hold=True)) for _ in range(12)]
+    threads = [in_thread(enforcer.request, "/v1/chat/completions", chat(200, hold=True)) for _ in range(12)]
     deadline = time.monotonic() + 10
     while sum("result" in box for _, box in threads) < 7 and time.monotonic() < deadline:
         time.sleep(0.02)  # 5 × 17 = 85 blocks fit; the other 7 answer 429 at once
@@ -281,3 +544,137 @@ def test_concurrent_requests_never_exceed_the_budget(enforcer, upstream):
     assert statuses == [200] * 5 + [429] * 7
     assert peak["reserved"] <= 100
     assert enforcer.wait_ledger(0)["reserved"] == 0
+
+
+def test_a_failed_count_is_503_never_a_guess(enforcer, upstream):
+    """An admission decision is never made on an estimate the config did not ask for."""
+    upstream.tokenize_fails = True
+    status, headers, body = enforcer.request("/v1/chat/completions", chat(30))
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert _error(body) == "prompt_count_unavailable"
+    assert upstream.seen == [] and enforcer.ledger()["reserved"] == 0
+
+
+def test_a_count_that_is_no_count_is_502(enforcer, upstream):
+    upstream.tokenize_answer = {"count": -5}
+    status, _, body = enforcer.request("/v1/chat/completions", chat(30))
+    assert status == 502 and _error(body) == "prompt_count_invalid"
+    assert upstream.seen == [] and enforcer.ledger()["reserved"] == 0
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_a_configured_estimate_stands_in_for_a_failed_count(kind, tmp_path, upstream):
+    server = _start(kind, tmp_path, upstream, estimate_chars_per_token=3.0, estimate_margin_tokens=64)
+    try:
+        upstream.tokenize_fails = True
+        status, headers, _ = server.request("/v1/chat/completions", chat(30))
+        assert status == 200
+        # never below the true count: 30 words + the margin
+        assert _reserved(headers) >= blocks(30 + 64, CHAT_CAP)
+        assert server.wait_ledger(0)["reserved"] == 0
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------- bounded clients
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return True, data
+            data += chunk
+    except TimeoutError:
+        return False, data
+    except ConnectionResetError:
+        return True, data
+
+
+def test_a_head_sent_byte_by_byte_is_cut_at_the_header_timeout(enforcer, upstream):
+    sock = socket.create_connection(("127.0.0.1", enforcer.port))
+    started = time.monotonic()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    try:
+        for b in head:
+            sock.sendall(bytes([b]))
+            time.sleep(0.02)
+            if time.monotonic() - started > LIMITS.header_timeout_s + 2:
+                break
+        closed, _ = _closed_within(sock, LIMITS.header_timeout_s + 2)
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    finally:
+        sock.close()
+    assert closed and time.monotonic() - started < LIMITS.header_timeout_s + 4
+    assert upstream.reached() == []
+
+
+def test_a_body_that_stops_coming_is_cut_at_the_body_timeout(enforcer, upstream):
+    sock = socket.create_connection(("127.0.0.1", enforcer.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\":")
+        started = time.monotonic()
+        closed, data = _closed_within(sock, LIMITS.body_timeout_s + 3)
+    finally:
+        sock.close()
+    assert closed and time.monotonic() - started < LIMITS.body_timeout_s + 3
+    assert data == b"" or data.split(b" ", 2)[1] == b"408"
+    assert upstream.reached() == [] and enforcer.ledger()["reserved"] == 0
+
+
+def test_a_never_ending_chunked_body_is_cut_at_the_size_cap(enforcer, upstream):
+    sock = socket.create_connection(("127.0.0.1", enforcer.port), timeout=20)
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"4000\r\n" + b"a" * 0x4000 + b"\r\n"
+        sent = 0
+        try:
+            while sent < 4 * LIMITS.max_body_bytes:
+                sock.sendall(chunk)
+                sent += 0x4000
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        closed, data = _closed_within(sock, 10)
+    finally:
+        sock.close()
+    assert closed and (data == b"" or data.split(b" ", 2)[1] == b"413")
+    assert upstream.reached() == []
+
+
+def test_a_body_over_the_cap_is_413(enforcer, upstream):
+    status, _, body = enforcer.request("/v1/chat/completions", chat(10, pad="x" * (LIMITS.max_body_bytes + 1)))
+    assert status == 413
+    assert upstream.reached() == []
+
+
+def test_a_head_over_the_cap_is_refused(enforcer, upstream):
+    many = {f"X-Pad-{i}": "v" * 1000 for i in range(12)}  # 12 KB of fields > the 8 KB head cap
+    status, _, _ = enforcer.request("/v1/chat/completions", chat(5), headers=many)
+    assert status in (400, 431)
+    long_line = {"X-Long": "v" * (LIMITS.max_header_line_bytes + 10)}
+    status, _, _ = enforcer.request("/v1/chat/completions", chat(5), headers=long_line)
+    assert status in (400, 431)
+    assert upstream.reached() == []
+    assert enforcer.request("/v1/chat/completions", chat(5))[0] == 200  # and it still serves
+
+
+def test_many_idle_connections_do_not_stop_it_serving(enforcer, upstream):
+    socks = []
+    try:
+        for _ in range(LIMITS.max_connections + 16):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", enforcer.port), timeout=2))
+            except OSError:
+                break
+        for s in socks[: LIMITS.max_connections // 2]:
+            s.close()
+        time.sleep(0.2)
+        assert enforcer.request("/v1/chat/completions", chat(5))[0] == 200
+    finally:
+        for s in socks:
+            s.close()

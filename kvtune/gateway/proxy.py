@@ -258,6 +258,9 @@ class Gateway:
         """The request's path and class, or a Rejection for what is refused before any body."""
         if request.method in ("CONNECT", "TRACE"):
             raise Rejection(405, "method_not_allowed", f"{request.method} is not served", close=True)
+        if _head_bytes(request) > self.config.limits.max_header_bytes:
+            raise Rejection(431, "header_too_large", f"request heads are limited to "
+                            f"{self.config.limits.max_header_bytes} bytes", close=True)
         if "Upgrade" in request.headers:
             raise Rejection(400, "upgrade_refused", "the gateway does not switch protocols", close=True)
         path = canonical_path(request.raw_path)
@@ -502,6 +505,14 @@ class _Refused(Exception):
         self.route, self.rejection = route, rejection
 
 
+def _head_bytes(request: web.Request) -> int:
+    """The size of the request head as it came: request line and every field line."""
+    size = len(request.method) + len(request.raw_path) + 13  # " ", " HTTP/1.1\r\n"
+    for name, value in request.raw_headers:
+        size += len(name) + len(value) + 4
+    return size
+
+
 def _with_query(path: str, raw_path: str) -> str:
     """`path` with the query string of the original request target, untouched."""
     _, sep, query = raw_path.partition("?")
@@ -517,7 +528,7 @@ def _rewrite(body: Body, asked: Request, cap: int) -> bytes:
     for reading in asked.readings:
         if not reading.generates:
             continue
-        present = [f for f in reading.caps if _value(body.doc, f) is not None]
+        present = [f for f in reading.caps if _has(body.doc, f)]
         fields.update(dict.fromkeys(present))
         if not present and reading.add_cap is not None:
             adds[reading.add_cap] = None
@@ -557,6 +568,11 @@ def _apply(raw: bytes, edits: dict[int, tuple[int, bytes]], inserts: list[tuple[
         start, (end, new) = position, merged.get(position, (position, b""))
         merged[start] = (end, text + new)
     return splice(raw, merged)
+
+
+def _has(doc: dict, f: CapField) -> bool:
+    holder = doc if f.parent is None else doc.get(f.parent)
+    return isinstance(holder, dict) and f.key in holder
 
 
 def _value(doc: dict, f: CapField) -> Any:
