@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -161,3 +163,72 @@ def serve_routes(routes: Mapping[str, tuple[int, str, bytes]], *, delay_s: float
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+# --- paths that are not regular files (FIFO, device, directory, socket, link to a FIFO) --------
+
+NON_REGULAR_KINDS = ("fifo", "dev-zero", "directory", "socket", "symlink-to-fifo")
+
+
+@pytest.fixture(params=NON_REGULAR_KINDS)
+def non_regular_file(request) -> Iterator[Path]:
+    """A path kvtune must refuse to read, one of each kind; a short directory so the socket's path
+    fits AF_UNIX's 108 bytes."""
+    import shutil
+    import socket
+    import tempfile
+
+    kind = request.param
+    folder = Path(tempfile.mkdtemp(prefix="kvt"))
+    sock = None
+    try:
+        if kind == "dev-zero":
+            path = Path("/dev/zero")
+        elif kind == "directory":
+            path = folder / "dir.json"
+            path.mkdir()
+        elif kind == "socket":
+            path = folder / "s.json"
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(str(path))
+        else:
+            fifo = folder / "fifo.json"
+            os.mkfifo(fifo)
+            path = fifo
+            if kind == "symlink-to-fifo":
+                path = folder / "link.json"
+                path.symlink_to(fifo)
+        yield path
+    finally:
+        if sock is not None:
+            sock.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def without_hanging():
+    """call(fn, path): fn() within 10 s; a reader stuck opening a FIFO is released (a writer opens
+    and closes it) and the test fails, instead of hanging the suite."""
+
+    def call(fn, path: Path, timeout_s: float = 10.0):
+        outcome: dict = {}
+
+        def run():
+            try:
+                outcome["value"] = fn()
+            except BaseException as exc:  # handed back to the test thread below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            if stat.S_ISFIFO(os.stat(path).st_mode):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                thread.join(timeout_s)
+            pytest.fail(f"reading {path} did not finish within {timeout_s} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
+    return call

@@ -114,3 +114,18 @@ def test_runs_serves_and_drains_on_sigterm(tmp_path):
         proc.stderr.close()
         up.release()
         up.stop()
+
+
+def test_bad_host_override_is_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["gateway", "--config", write(tmp_path, GOOD), "--host", "bad host"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("Error: --host: expected a hostname or IP address such as 127.0.0.1, "
+                                     "0.0.0.0 or ::1, got 'bad host'")
+
+
+def test_upstream_override_with_an_impossible_port(tmp_path):
+    result = CliRunner().invoke(cli, ["gateway", "--config", write(tmp_path, GOOD), "--upstream",
+                                      "http://127.0.0.1:99999"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("Error: --upstream: the port must be a number from 1 to 65535, "
+                                     "got 'http://127.0.0.1:99999'")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -134,5 +135,156 @@ def test_load_reports_yaml_line(tmp_path):
 
 
 def test_load_missing_file(tmp_path):
-    with pytest.raises(InputError, match="cannot read"):
+    with pytest.raises(InputError, match="nope.yaml: no such file$"):
         load_gateway_config(tmp_path / "nope.yaml")
+
+
+# --- values validated, not coerced (issue #10, item 10) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        ({"listen": {"port": 70000}}, "listen.port", "must be at most 65535, got 70000"),
+        ({"listen": {"port": -1}}, "listen.port", "must be at least 0"),
+        ({"listen": {"port": 8080.0}}, "listen.port", "expected an integer"),
+        ({"listen": {"port": True}}, "listen.port", "expected an integer, got True"),
+        ({"listen": ""}, "listen", "expected a mapping"),
+        ({"listen": None}, "listen", "expected a mapping"),
+        ({"listen": []}, "listen", "expected a mapping"),
+        ({"listen": {"host": ""}}, "listen.host", "non-empty"),
+        ({"listen": {"host": "bad host"}}, "listen.host", "hostname or IP address"),
+        ({"listen": {"host": "a..b"}}, "listen.host", "hostname or IP address"),
+        ({"listen": {"host": "[::1]"}}, "listen.host", "hostname or IP address"),
+        ({"version": True}, "version", "expected an integer, got True"),
+        ({"version": 1.0}, "version", "expected an integer"),
+        ({"block_size": True}, "block_size", "expected an integer"),
+        ({"block_budget": 2**70}, "block_budget", "must be at most"),
+        ({"prompt_tokens": {"method": "estimate", "chars_per_token": float("inf"), "margin_tokens": 8}},
+         "prompt_tokens.chars_per_token", "finite"),
+        ({"prompt_tokens": {"method": "estimate", "chars_per_token": float("nan"), "margin_tokens": 8}},
+         "prompt_tokens.chars_per_token", "finite"),
+        ({"prompt_tokens": {"method": "estimate", "chars_per_token": 1e6, "margin_tokens": 8}},
+         "prompt_tokens.chars_per_token", "must be at most"),
+        ({"prompt_tokens": {"method": "estimate", "chars_per_token": 4, "margin_tokens": True}},
+         "prompt_tokens.margin_tokens", "expected an integer"),
+        ({"prompt_tokens": {"method": ["upstream-tokenize"]}}, "prompt_tokens.method", "is not one of"),
+        ({"timeouts": {"read_s": float("nan")}}, "timeouts.read_s", "finite"),
+        ({"timeouts": {"connect_s": float("inf")}}, "timeouts.connect_s", "finite"),
+        ({"timeouts": {"drain_s": 10**400}}, "timeouts.drain_s", "must be at most"),
+        ({"timeouts": {"drain_s": False}}, "timeouts.drain_s", "expected a number"),
+        ({"queue": {"timeout_s": -0.5}}, "queue.timeout_s", "must be at least 0"),
+        ({"queue": ""}, "queue", "expected a mapping"),
+        ({"retry_after": {"max_s": 10**9}}, "retry_after.max_s", "must be at most"),
+        ({"timeouts": 0}, "timeouts", "expected a mapping"),
+        ({"prompt_tokens": False}, "prompt_tokens", "expected a mapping"),
+        ({"upstream": "127.0.0.1:8000"}, "upstream", "must look like http://host:port"),
+        ({"upstream": "ftp://127.0.0.1:8000"}, "upstream", "must look like http://host:port"),
+        ({"upstream": "http://"}, "upstream", "must look like http://host:port"),
+        ({"upstream": "http://127.0.0.1:99999"}, "upstream", "port"),
+        ({"upstream": "http://127.0.0.1:80a"}, "upstream", "port"),
+        ({"upstream": "http://user:pw@127.0.0.1:8000"}, "upstream", "user"),
+        ({"upstream": "http://127.0.0.1:8000/?q=1"}, "upstream", "query"),
+        ({"upstream": "http://127.0.0.1:8000/a b"}, "upstream", "path"),
+        ({"upstream": "http://bad_host!:8000"}, "upstream", "hostname or IP address"),
+        ({"upstream": "http://[::1:8000"}, "upstream", "must look like http://host:port"),
+        ({"routes": [{"name": "x", "max_new_tokens": 10, "upstream": "localhost:9"}]},
+         "routes[0].upstream", "must look like http://host:port"),
+        ({"routes": [{"name": "x", "match": "", "max_new_tokens": 10}]}, "routes[0].match", "expected a mapping"),
+        ({"routes": [{"name": "x", "max_new_tokens": 10**30}]}, "routes[0].max_new_tokens", "must be at most"),
+    ],
+)
+def test_values_are_validated_not_coerced(overrides, field, words):
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(**overrides), path="gateway.yaml")
+    assert info.value.field == field
+    assert words in str(info.value), str(info.value)
+    assert str(info.value).startswith(f"gateway.yaml: {field}: ")
+
+
+def test_port_error_reads_as_one_line():
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(listen={"port": 70000}), path="gateway.yaml")
+    assert str(info.value) == "gateway.yaml: listen.port: must be at most 65535, got 70000"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "gw.internal.example.com",
+                                  "kvtune-gateway", "my_service"])
+def test_well_formed_hosts_listen(host):
+    assert parse_gateway_config(_doc(listen={"host": host, "port": 0})).host == host
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://vllm.example.com", "http://[::1]:8000/",
+                                 "http://vllm:8000/prefix/v2", "HTTP://Vllm:8000"])
+def test_well_formed_upstreams(url):
+    assert parse_gateway_config(_doc(upstream=url)).upstream == url
+
+
+def test_errors_quote_values_briefly():
+    huge = "x" * 1_000_000
+    for doc in (_doc(upstream=huge), _doc(listen={"port": [huge] * 1000}), _doc(**{huge: 1}),
+                _doc(prompt_tokens={"method": huge})):
+        with pytest.raises(InputError) as info:
+            parse_gateway_config(doc, path="gateway.yaml")
+        assert len(str(info.value)) < 300, str(info.value)[:400]
+
+
+def test_rendered_gateway_yaml_still_loads(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtune.cli import cli
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["recommend", "sample_logs/", "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    config = load_gateway_config(out / "gateway.yaml")
+    assert config.port == 8080 and config.upstream == "http://127.0.0.1:8000"
+
+
+# --- parsed safely (issue #10, item 9) ---------------------------------------------------------
+
+
+def test_config_that_is_not_a_regular_file_is_refused(non_regular_file, without_hanging):
+    with pytest.raises(InputError) as info:
+        without_hanging(lambda: load_gateway_config(non_regular_file), non_regular_file)
+    assert "expected a regular file" in str(info.value)
+
+
+def test_billion_laughs_is_refused_quickly(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    # nine levels of nine aliases: 9**9 "lol"s under `model`, which must be a string, so an error
+    # that quotes the value unbounded would expand them (1.5-3 GB before the fix)
+    levels = ['  - &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    levels += [f"  - &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    path.write_text("version: 1\nupstream: http://127.0.0.1:8000\nblock_size: 16\nblock_budget: 10\n"
+                    "max_model_len: 100\nroutes: [{name: x, max_new_tokens: 5}]\nmodel:\n" + "\n".join(levels) + "\n")
+    start = time.perf_counter()
+    with pytest.raises(InputError) as info:
+        load_gateway_config(path)
+    assert time.perf_counter() - start < 1
+    assert info.value.line == 8 and "anchors and aliases are not allowed" in str(info.value)
+
+
+def test_duplicate_keys_name_key_and_line(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("version: 1\nlisten:\n  port: 8080\n  port: 70000\nupstream: http://127.0.0.1:8000\n")
+    with pytest.raises(InputError) as info:
+        load_gateway_config(path)
+    assert str(info.value) == f"{path}:4: unsupported YAML: duplicate key 'port' (first at line 3)"
+
+
+def test_oversized_config_is_refused_before_parsing(tmp_path):
+    from kvtune.userfiles import CONFIG_MAX_BYTES
+
+    path = tmp_path / "gateway.yaml"
+    path.write_bytes(b"version: 1\n" + b"# padding\n" * (CONFIG_MAX_BYTES // 10))
+    with pytest.raises(InputError, match="larger than"):
+        load_gateway_config(path)
+
+
+def test_yaml_numbers_too_large_for_python_are_refused(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("version: 1\nblock_budget: " + "9" * 5000 + "\n")
+    with pytest.raises(InputError, match="an integer of 5,000 digits"):
+        load_gateway_config(path)

@@ -30,12 +30,14 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     import signal
 
     from kvtune.gateway.proxy import loop_factory, serve
-    from kvtune.gateway_config import load_gateway_config
+    from kvtune.gateway_config import host_problem, load_gateway_config, url_problem
 
     config = load_gateway_config(config_path)
     overrides = {k: v for k, v in {"upstream": upstream, "host": host, "port": port}.items() if v is not None}
-    if upstream is not None and not upstream.startswith(("http://", "https://")):
-        raise InputError(f"must look like http://host:port, got {upstream!r}", field="--upstream")
+    for flag, problem in (("--upstream", upstream is not None and url_problem(upstream)),
+                          ("--host", host is not None and host_problem(host))):
+        if problem:
+            raise InputError(problem, field=flag)
     config = dataclasses.replace(config, **overrides)
 
     async def run() -> None:
