@@ -338,6 +338,20 @@ class _Checker:
         return CheckResult(self.deployed, tuple(findings))
 
 
+def check_rendered(files: Mapping[str, str], rec: Mapping[str, Any]) -> CheckResult:
+    """`kvtune recommend`'s own gate on what it is about to write: the engine script with each
+    gateway config it rendered, checked as `kvtune check` would check them deployed. A risk
+    here is a file that would hurt the traffic it was computed from (a route shadowed by
+    another, a cap below the recommendation), and nothing is written."""
+    from kvtune.deployed import parse_deployed
+
+    engine = [parse_deployed(files[n], source=n) for n in ("vllm-serve.sh",) if n in files]
+    gateways = [parse_deployed(files[n], source=n) for n in ("gateway.yaml", "nginx.conf") if n in files]
+    results = [check_deployment([*engine, g], rec) for g in gateways] or [check_deployment(engine, rec)]
+    findings = tuple(dict.fromkeys(f for r in results for f in r.findings))
+    return CheckResult((*engine, *gateways), findings)
+
+
 def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
                      max_truncation: float | None = None) -> CheckResult:
     """Findings for deployed files (checked together) against a recommendation dict."""
@@ -346,4 +360,4 @@ def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
     return _Checker(deployed, rec, max_truncation).run()
 
 
-__all__ = ["Finding", "CheckResult", "check_deployment", "truncation_share", "SEVERITIES"]
+__all__ = ["Finding", "CheckResult", "check_deployment", "check_rendered", "truncation_share", "SEVERITIES"]

@@ -32,10 +32,11 @@ class DeployedRoute:
     path: str | None
     model: str | None
     max_new_tokens: int
+    path_prefix: str | None = None
 
     def matches(self, path: str | None, model: str | None) -> bool:
         """Same rule as the gateways (gateway_config.RouteMatch)."""
-        return RouteMatch(self.path, self.model).matches(path, model)
+        return RouteMatch(self.path, self.model, self.path_prefix).matches(path, model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +242,8 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
     return Deployed(
         kind="gateway", source=source, model=config.model, block_size=config.block_size,
         max_model_len=config.max_model_len, upstream=config.upstream, block_budget=config.block_budget,
-        routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens) for r in config.routes),
+        routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix)
+                     for r in config.routes),
     )
 
 
@@ -373,11 +375,11 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
     for i, raw in enumerate(raw_routes):
         if not isinstance(raw, dict):
             raise InputError("expected a table", path=source, field=f"CONFIG.routes[{i + 1}]")
-        for key in ("name", "path", "model"):
+        for key in ("name", "path", "model", "path_prefix"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise InputError("expected a string", path=source, field=f"CONFIG.routes[{i + 1}].{key}")
         routes.append(DeployedRoute(raw.get("name") or f"route {i + 1}", raw.get("path"), raw.get("model"),
-                                    integer("max_new_tokens", raw, f"routes[{i + 1}].")))
+                                    integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix")))
     upstream = re.search(r"upstream\s+kvtune_upstream\s*\{\s*server\s+([^\s;]+)", text)
     return Deployed(
         kind="nginx", source=source, block_size=integer("block_size"),

@@ -60,3 +60,67 @@ def test_gateway_tokenizer_that_is_not_local_is_a_usage_error(given):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: --gateway-tokenizer: ")
     assert "pass `upstream`" in lines[0]
+
+
+# ---------------------------------------------------------------- routes are literal, and checked
+
+HOSTILE_PATHS = ["/v1/*", "/v1/chat%2Fcompletions", "/v1/../sleep", "/sleep", "/v1/embeddings", "/v1/x y"]
+
+
+def _logs(tmp_path: Path, paths: list[str]) -> str:
+    rows = []
+    for i in range(400):
+        path = paths[i % len(paths)]
+        # the hostile routes have tiny outputs: as a prefix route sorted first, /v1/* would cap all at ~20
+        out = 20 if path in HOSTILE_PATHS else 100 + (i * 37) % 900
+        rows.append({"route": path, "prompt_tokens": 50 + i % 300, "output_tokens": out})
+    log = tmp_path / "logs.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(log)
+
+
+def test_logged_paths_are_literal_and_never_widen_a_route(tmp_path):
+    """A logged `/v1/*` once became a prefix wildcard sorted first, capping every route at 20
+    tokens while recommend exited 0. Paths from logs that are no plain request path a gateway
+    governs are capped by the catch-all now, and every rendered file loads and passes check."""
+    from kvtune.deployed import parse_deployed
+    from kvtune.gateway_config import parse_gateway_config
+
+    logs = _logs(tmp_path, ["/v1/chat/completions", "/v1/completions", *HOSTILE_PATHS])
+    out = tmp_path / "deploy"
+    result = CliRunner().invoke(cli, ["recommend", logs, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--out", str(out), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    config = parse_gateway_config(yaml.safe_load((out / "gateway.yaml").read_text()))
+    paths = [r.match.path for r in config.routes]
+    assert not set(paths) & set(HOSTILE_PATHS)
+    caps = {r["route"]: r["max_new_tokens"]["value"] for r in doc["recommendation"]["routes"]}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert config.route_for(path, None).max_new_tokens == caps[path]
+        assert parse_deployed((out / "nginx.conf").read_text()).route_for(path, None).max_new_tokens == caps[path]
+    notes = " ".join(doc["recommendation"]["notes"])
+    assert "'/v1/*' cannot be matched by path" in notes and "'/sleep' cannot be matched by path" in notes
+
+
+def test_recommend_refuses_to_write_files_that_would_fail_check(tmp_path, monkeypatch):
+    """recommend runs check on what it renders: a gateway.yaml whose first route shadows the
+    others with a tiny cap is a risk, so recommend exits 1 and writes nothing."""
+    import kvtune.render as render
+
+    real = render.render_files
+
+    def shadowing(rec, **kwargs):
+        files = real(rec, **kwargs)
+        files["gateway.yaml"] = files["gateway.yaml"].replace(
+            "routes:\n", "routes:\n  - name: \"all\"\n    match:\n      path_prefix: \"/v1/\"\n    max_new_tokens: 1\n", 1)
+        return files
+
+    monkeypatch.setattr(render, "render_files", shadowing)
+    out = tmp_path / "deploy"
+    logs = _logs(tmp_path, ["/v1/chat/completions", "/v1/completions"])
+    result = CliRunner().invoke(cli, ["recommend", logs, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--out", str(out)])
+    assert result.exit_code == 1
+    assert "the rendered gateway.yaml would fail `kvtune check`: cap-truncates" in result.output
+    assert not out.exists() or not any(out.iterdir())

@@ -74,6 +74,20 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
     return next(filter(None, map(local_chat_tokenizer, candidates)), None)
 
 
+def _gate(files: dict[str, str], rec: dict) -> None:
+    """Fail (exit 1, nothing written) when the rendered files would not pass `kvtune check`."""
+    from kvtune.check import check_rendered
+
+    result = check_rendered(files, rec)
+    if result.passed:
+        return
+    for f in result.findings:
+        if f.severity == "risk":
+            click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
+    click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
+    click.get_current_context().exit(1)
+
+
 recommend_options = compose([
     click.option("--model", "-m", "model", required=True,
                  help="config.json, model directory, preset name or hub id."),
@@ -117,6 +131,7 @@ def recommend(logs: tuple[str, ...], model: str, gateway_tokenizer: str | None, 
     rec = build_recommendation(logs, model, opts)
     data = rec.to_dict()
     files = render_files(data, options=RenderOptions(gateway_tokenizer=counting_with))
+    _gate(files, data)
     written = write_files(out_dir, files) if out_dir else []
     if json_:
         click.echo(json.dumps({"recommendation": data, "files": files}, indent=2))
