@@ -272,9 +272,12 @@ class LocalTokenizerCounter:
         try:
             # Template.render(**context) minus its per-call copy of the globals (shared=True
             # hands `context`, which already holds them, to the template as is)
-            return "".join(template.root_render_func(template.new_context(context, shared=True)))
+            text = "".join(template.root_render_func(template.new_context(context, shared=True)))
         except Exception as exc:  # a template raising on a bad conversation, via raise_exception
             raise PromptRejectedError(f"the chat template refused the messages: {_clip(exc)}") from exc
+        if context["continue_final_message"]:
+            text = _open_final_message(text, prompt.messages)
+        return text
 
     def with_upstream(self, upstream: UpstreamTokenizeCounter | None) -> LocalTokenizerCounter:
         """The same tokenizer, asking `upstream` for what it cannot count itself."""
@@ -319,6 +322,20 @@ class LocalTokenizerCounter:
                                    "Anthropic request) and no upstream is configured")
         counted = iter((await self.upstream.count(missing, model)).tokens)
         return PromptCount(tuple(n if n is not None else next(counted) for n in tokens), self.method, True)
+
+
+def _open_final_message(text: str, messages: list | None) -> str:
+    """The rendered chat cut right after the final message's content, as transformers'
+    apply_chat_template does for continue_final_message (so the model continues that message
+    instead of starting a new turn): the end-of-turn tokens after it are not in the prompt."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str):
+        raise PromptRejectedError("continue_final_message needs a final message with text content")
+    for needle in (final, final.strip()):
+        at = text.rfind(needle) if needle else -1
+        if at >= 0:
+            return text[:at + len(needle)]
+    raise PromptRejectedError("continue_final_message: the final message is not in the rendered chat")
 
 
 def _clip(exc: BaseException) -> str:

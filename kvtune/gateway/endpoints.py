@@ -100,7 +100,8 @@ OPERATOR = frozenset({
 })
 # vLLM paths that neither generate nor control the engine: refused unless allow-listed.
 OTHER_KNOWN = frozenset({
-    "/health", "/ping", "/load", "/version", "/metrics", "/v1/models", "/tokenize", "/detokenize",
+    "/health", "/ready", "/readyz", "/ping", "/load", "/version", "/metrics", "/v1/models", "/tokenize",
+    "/detokenize",
     "/tokenizer_info", "/v1/messages/count_tokens",
     "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
     "/v1/responses/render", "/cohere/v2/chat/render",

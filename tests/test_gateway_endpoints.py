@@ -1,0 +1,84 @@
+"""The gateway's endpoint table against the vLLM it fronts: every route vLLM 0.32's server
+defines (read from the installed package's entrypoints/, not from memory) has a class, so a vLLM
+release that adds a generating endpoint fails here until someone decides how to govern it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kvtune.gateway.endpoints import (
+    DEFAULT_PASSTHROUGH, GENERATE, OPERATOR, OTHER_KNOWN, POOL, UNCOUNTABLE, Api, PathClass,
+    canonical_path, classify, never_passthrough, why_not_a_route_path,
+)
+from vllm_server import venv_python
+
+ROUTE_CALLS = {"post", "get", "put", "delete", "patch", "api_route", "websocket", "add_api_route"}
+
+
+def vllm_routes() -> set[str]:
+    """Every literal path passed to a FastAPI route decorator or add_api_route in vllm/entrypoints."""
+    python = venv_python()
+    site = next((python.parent.parent / "lib").glob("python3*/site-packages"))
+    root = site / "vllm" / "entrypoints"
+    assert root.is_dir(), root
+    paths: set[str] = set()
+    for source in root.rglob("*.py"):
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ROUTE_CALLS and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                    and node.args[0].value.startswith("/")):
+                paths.add(node.args[0].value)
+    return paths
+
+
+def test_every_vllm_route_has_a_class():
+    routes = vllm_routes()
+    assert "/v1/chat/completions" in routes and "/invocations" in routes  # the reader works
+    known = set(GENERATE) | set(POOL) | set(UNCOUNTABLE) | OPERATOR | OTHER_KNOWN
+    unclassified = sorted(routes - known)
+    assert not unclassified, f"vLLM routes the gateway has not classified: {unclassified}"
+
+
+def test_the_tables_name_real_vllm_routes_and_do_not_overlap():
+    routes = vllm_routes()
+    tables = [set(GENERATE), set(POOL), set(UNCOUNTABLE), set(OPERATOR), set(OTHER_KNOWN)]
+    for table in tables[:4]:
+        assert table <= routes, sorted(table - routes)
+    for i, a in enumerate(tables):
+        for b in tables[i + 1:]:
+            assert not a & b, a & b
+    assert set(DEFAULT_PASSTHROUGH) <= OTHER_KNOWN
+
+
+@pytest.mark.parametrize("path", sorted(set(GENERATE) | set(POOL) | set(UNCOUNTABLE) | OPERATOR))
+def test_no_governed_or_operator_path_can_be_passed_through(path):
+    assert never_passthrough(path) is not None
+    assert classify(path, frozenset({path})).path_class is not PathClass.PASSTHROUGH
+
+
+@pytest.mark.parametrize("path", [
+    "/v1/chat%2Fcompletions", "/v1//chat", "/v1/./x", "/v1/../sleep", "/v1/x/..", "/v1/x/.", "//",
+    "/v1/x\\y", "/v1/x y", "/v1/\x00", "v1/chat", "", "/v1/é",
+])
+def test_paths_that_mean_two_things_are_not_canonical(path):
+    assert canonical_path(path) is None
+
+
+@pytest.mark.parametrize("path", ["/", "/v1/chat/completions", "/v1/chat/completions/", "/a.b/c..d/.e",
+                                  "/v1/responses/resp_1?x=%2F"])
+def test_plain_paths_are_canonical(path):
+    assert canonical_path(path) == path.split("?")[0]
+
+
+def test_route_paths_from_logs():
+    assert why_not_a_route_path("/v1/chat/completions") is None
+    assert why_not_a_route_path("/v1/summarize") is None
+    assert "plain" in why_not_a_route_path("/v1/*")
+    assert "pool" in why_not_a_route_path("/v1/embeddings")
+    assert "operator" in why_not_a_route_path("/sleep")
+    assert classify("/v1/messages").api is Api.MESSAGES
