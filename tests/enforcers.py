@@ -125,6 +125,16 @@ class Upstream:
 
         asyncio.set_event_loop(self._loop)
 
+        def as_vllm(handler):
+            """A body the real server cannot validate is its 400, never its 500."""
+            async def wrapped(request):
+                try:
+                    return await handler(request)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    return web.json_response({"error": {"message": "invalid request"}}, status=400)
+            return wrapped
+
+        @as_vllm
         async def tokenize(request):
             if self.tokenize_fails:
                 return web.json_response({"error": "down"}, status=500)
@@ -140,12 +150,14 @@ class Upstream:
                 n = len(body["prompt"].split())
             return web.json_response({"count": n, "max_model_len": CONTEXT, "tokens": []})
 
+        @as_vllm
         async def count_tokens(request):
             body = await request.json()
             self.tokenize_calls.append(body)
             n = _text_words(body.get("system")) + sum(_text_words(m.get("content")) for m in body["messages"])
             return web.json_response({"input_tokens": n})
 
+        @as_vllm
         async def generate(request):
             raw = await request.read()
             body = json.loads(raw)

@@ -475,3 +475,137 @@ def test_shutdown_drains_short_streams_and_cuts_long_ones():
             await up.close()
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- who may read /metrics and /kvtune/ledger
+
+def _outside_address() -> str:
+    """An address of this machine that is not loopback, to connect from as a remote client would."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent; this picks the outgoing interface
+        address = s.getsockname()[0]
+    assert not address.startswith("127."), "this machine has no non-loopback IPv4 address"
+    return address
+
+
+@pytest.mark.parametrize("admin, loopback, outside, token", [
+    ({}, 200, 403, None),                                          # the default: loopback only
+    ({"metrics": "public"}, 200, 200, None),
+    ({"metrics": "token", "ledger": "token", "token_env": "KVTUNE_TEST_TOKEN"}, 403, 403, 200),
+])
+def test_admin_endpoints_are_limited_as_configured(monkeypatch, admin, loopback, outside, token):
+    monkeypatch.setenv("KVTUNE_TEST_TOKEN", "s3cret")
+
+    async def run():
+        async with running(admin=admin, listen={"host": "0.0.0.0", "port": 0}) as (session, base, gateway, fake):
+            port = base.rsplit(":", 1)[1]
+            for host, expected in (("127.0.0.1", loopback), (_outside_address(), outside)):
+                async with session.get(f"http://{host}:{port}/metrics") as resp:
+                    assert resp.status == expected, (host, admin)
+            if token is not None:
+                for given, expected in (("Bearer s3cret", token), ("Bearer wrong", 403), ("s3cret", 403)):
+                    for path in ("/metrics", "/kvtune/ledger"):
+                        async with session.get(f"http://127.0.0.1:{port}{path}",
+                                               headers={"Authorization": given}) as resp:
+                            assert resp.status == expected, (path, given)
+            else:
+                async with session.get(f"http://{_outside_address()}:{port}/kvtune/ledger") as resp:
+                    assert resp.status == 403
+
+    asyncio.run(run())
+
+
+def test_an_ipv4_mapped_loopback_client_is_loopback():
+    """On a dual-stack listener a local IPv4 client arrives as ::ffff:127.0.0.1."""
+    async def run():
+        async with running(listen={"host": "::", "port": 0}) as (session, base, gateway, fake):
+            port = base.rsplit(":", 1)[1]
+            async with session.get(f"http://127.0.0.1:{port}/kvtune/ledger") as resp:
+                assert resp.status == 200
+
+    asyncio.run(run())
+
+
+def test_a_token_access_without_the_token_in_the_environment_fails_at_start(monkeypatch):
+    from kvtune.errors import InputError
+
+    monkeypatch.delenv("KVTUNE_NO_SUCH_TOKEN", raising=False)
+    config = config_for("http://127.0.0.1:9", admin={"metrics": "token", "token_env": "KVTUNE_NO_SUCH_TOKEN"})
+    with pytest.raises(InputError, match="admin.token_env: the environment variable KVTUNE_NO_SUCH_TOKEN"):
+        make_app(config)
+
+
+# ---------------------------------------------------------------- an upstream that lies
+
+async def _lying_upstream(answer: bytes) -> tuple[asyncio.AbstractServer, int]:
+    """A raw TCP upstream that answers every request with `answer` and hangs up."""
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"short\": 1}",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nabcde",
+    b"NOT HTTP\r\n\r\n",
+])
+def test_an_upstream_answer_that_breaks_is_502_never_500(answer):
+    async def run():
+        server, port = await _lying_upstream(answer)
+        try:
+            counting = {"method": "estimate", "chars_per_token": 2, "margin_tokens": 8}
+            config = config_for(f"http://127.0.0.1:{port}", listen={"port": 0}, prompt_tokens=counting)
+            app = make_app(config)
+            stop = asyncio.Event()
+            ready: asyncio.Future = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result, app=app))
+            base = (await ready).split(",")[0]
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(f"{base}/v1/chat/completions", json=chat(3)) as resp:
+                        status = resp.status
+                        try:
+                            await resp.read()
+                        except aiohttp.ClientPayloadError:
+                            pass  # a stream cut mid-body is the other honest answer
+                assert status == 502 or (status == 200 and b"chunked" in answer)
+                await wait_for(lambda: app[GATEWAY].ledger.reserved_blocks == 0)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 20)
+        finally:
+            server.close()
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- a malformed request is one log line
+
+def test_malformed_requests_log_one_line_each_never_a_traceback(caplog):
+    import logging
+
+    bodies = [b"{not json", b'{"messages": "x"}', b'{"max_tokens": NaN, "messages": []}',
+              b"[" * 3000, b'{"model": "\\ud800", "messages": []}', b'{"messages": [], "max_tokens": 1e400}']
+
+    async def run():
+        async with running() as (session, base, gateway, fake):
+            for body in bodies:
+                async with session.post(f"{base}/v1/chat/completions", data=body,
+                                        headers={"Content-Type": "application/json"}) as resp:
+                    assert resp.status == 400
+            async with session.post(f"{base}/v1/chat/completions", data=b"x",
+                                    headers={"Content-Length": "1", "Transfer-Encoding": "chunked"}) as resp:
+                assert resp.status == 400
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+    for record in caplog.records:
+        assert record.exc_info is None and "Traceback" not in record.getMessage(), record.getMessage()

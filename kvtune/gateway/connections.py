@@ -15,6 +15,7 @@ import socket
 from typing import Any
 
 from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvtune.gateway_config import ClientLimits
 
@@ -97,6 +98,17 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
             self._guard.head_timeouts += 1
             self._refuse(_TIMEOUT)
 
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """A request aiohttp could not parse (a malformed head, chunking that lies) is the client's
+        fault: one warning line. Anything else is a bug and keeps its traceback."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            peer = args[1] if len(args) > 1 else "?"
+            message = " ".join(str(getattr(exc, "message", exc)).split())[:200]
+            self.logger.warning("malformed request from %s: %s", peer, message)
+            return
+        super().log_exception(*args, **kwargs)
+
     def _refuse(self, answer: bytes) -> None:
         self._disarm_head()
         transport = self.transport
@@ -126,8 +138,20 @@ async def listen(runner: web.AppRunner, host: str, port: int, limits: ClientLimi
     def protocol() -> GuardedRequestHandler:
         return GuardedRequestHandler(server, guard, **options)
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_UNSPEC
-    listener = await loop.create_server(protocol, host, port, backlog=backlog, reuse_address=True, family=family)
+    if host == "::":
+        # One dual-stack socket for IPv6 and IPv4 (asyncio would make it IPv6-only): local IPv4
+        # clients then arrive as ::ffff:127.0.0.1, which the admin checks count as loopback.
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("::", port))
+        except OSError:
+            sock.close()
+            raise
+        listener = await loop.create_server(protocol, sock=sock, backlog=backlog)
+    else:
+        listener = await loop.create_server(protocol, host, port, backlog=backlog, reuse_address=True)
     return listener, guard
 
 
