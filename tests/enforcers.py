@@ -130,7 +130,7 @@ class Upstream:
             async def wrapped(request):
                 try:
                     return await handler(request)
-                except (ValueError, KeyError, TypeError, AttributeError):
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
                     return web.json_response({"error": {"message": "invalid request"}}, status=400)
             return wrapped
 

@@ -436,7 +436,7 @@ class Gateway:
     def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
         self.metrics.count_rejected(route.name if route else "", rejection.code)
-        if rejection.status >= 500 or rejection.code in ("body_timeout", "body_too_large"):
+        if rejection.status in (502, 503, 504) or rejection.code in ("body_timeout", "body_too_large"):
             log.warning("refused %s: %s", rejection.code, rejection.message[:200])
         return rejection.response()
 
