@@ -8,6 +8,7 @@ ids) reaches a target only through that target's escaping filter: `shell`, `yaml
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,9 @@ import jinja2
 from kvtune import __version__
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
-from kvtune.gateway_config import DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, default_max_body_bytes
+from kvtune.gateway_config import (
+    DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
+)
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
@@ -187,11 +190,13 @@ def nginx_word(value: Any) -> str:
 
 
 def nginx_time(seconds: Any) -> str:
-    """A duration for an nginx time directive, in whole milliseconds (nginx takes no fractions)."""
-    ms = round(float(seconds) * 1000)
-    if not math.isfinite(float(seconds)) or ms < 0:
+    """A duration for an nginx time directive: whole seconds, else milliseconds (nginx takes no
+    fractions)."""
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
         raise KvtuneError(f"{seconds!r} is not a duration nginx can take")
-    return f"{ms}ms"
+    ms = round(value * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 def nginx_listen(value: Any) -> str:
@@ -520,6 +525,9 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
         "segments": capacity_segments(rec),
         "lua_config": lua_config,
         "policy": lua_policy(),
+        # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
+        "upstream_timeouts": {name: f.default for f in dataclasses.fields(GatewayConfig)
+                              if (name := f.name) in ("upstream_connect_timeout_s", "upstream_read_timeout_s")},
         "limits": limits,
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
