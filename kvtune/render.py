@@ -28,7 +28,7 @@ from kvtune import __version__
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
 from kvtune.gateway_config import (
-    DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
+    ADMIN_ACCESS, DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
 )
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
@@ -512,6 +512,13 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
     }
     if options.retry_after_max_s < options.retry_after_min_s:
         raise KvtuneError("retry_after_max_s must be at least retry_after_min_s")
+    admin = options.admin
+    if admin.metrics not in ADMIN_ACCESS or admin.ledger not in ADMIN_ACCESS:
+        raise KvtuneError(f"admin access must be one of {', '.join(ADMIN_ACCESS)}")
+    if admin.token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", admin.token_env):
+        raise KvtuneError(f"admin.token_env {admin.token_env!r} is not an environment variable name")
+    if "token" in (admin.metrics, admin.ledger) and admin.token_env is None:
+        raise KvtuneError("admin access 'token' needs admin.token_env, the variable that holds the token")
     return {
         "rec": rec,
         "options": options,
