@@ -8,6 +8,7 @@ ids) reaches a target only through that target's escaping filter: `shell`, `yaml
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,9 @@ import jinja2
 from kvtune import __version__
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
-from kvtune.gateway_config import AdminAccess, ClientLimits, default_max_body_bytes
+from kvtune.gateway_config import (
+    ADMIN_ACCESS, DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
+)
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
@@ -153,7 +156,8 @@ _LUA_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 def lua_string(value: Any) -> str:
     """A Lua string literal for any text: every byte outside a small safe set becomes a 3-digit
     decimal escape, so quotes, backslashes, newlines, `]]`, braces and `$` never reach the Lua or
-    nginx lexers as themselves. Non-string values render as Lua literals."""
+    nginx lexers as themselves. Non-string values render as Lua literals: mappings as tables
+    keyed `[key] = value`, sequences (sets sorted) as lists."""
     if value is None:
         return "nil"
     if isinstance(value, bool):
@@ -164,6 +168,11 @@ def lua_string(value: Any) -> str:
         if not math.isfinite(value):
             raise ValueError(f"cannot render {value!r} as a Lua number")
         return repr(value)
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"[{lua_string(k)}] = {lua_string(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple, frozenset, set)):
+        items = sorted(value) if isinstance(value, (frozenset, set)) else value
+        return "{ " + ", ".join(lua_string(v) for v in items) + " }"
     data = str(value).encode("utf-8", "surrogateescape")
     return '"' + "".join(chr(b) if b in _LUA_PLAIN else f"\\{b:03d}" for b in data) + '"'
 
@@ -178,6 +187,16 @@ def nginx_word(value: Any) -> str:
     if not text or _NGINX_UNSAFE.search(text):
         raise KvtuneError(f"{text!r} cannot be used in nginx.conf: no quotes, backslashes, $ or control characters")
     return f'"{text}"'
+
+
+def nginx_time(seconds: Any) -> str:
+    """A duration for an nginx time directive: whole seconds, else milliseconds (nginx takes no
+    fractions)."""
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
+        raise KvtuneError(f"{seconds!r} is not a duration nginx can take")
+    ms = round(value * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 def nginx_listen(value: Any) -> str:
@@ -249,7 +268,7 @@ def make_environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(
-        shell=shell_quote, json=json_scalar, nginx=nginx_word, nginx_listen=nginx_listen, yaml=yaml_scalar, lua=lua_string, md=md_cell,
+        shell=shell_quote, json=json_scalar, nginx=nginx_word, nginx_listen=nginx_listen, nginx_time=nginx_time, yaml=yaml_scalar, lua=lua_string, md=md_cell,
         one_line=one_line, human=human_number, bytes=human_bytes, percent=percent,
     )
     return env
@@ -420,6 +439,48 @@ def capacity_segments(rec: Mapping[str, Any]) -> list[dict]:
     return segments
 
 
+def lua_policy() -> dict:
+    """The Python gateway's endpoint and field rules as plain data, for the Lua in nginx.conf:
+    the path classes, the canonical-path patterns, each API's cap fields and the fields it
+    refuses or passes to the chat template, and the counting constants. Rendered from the
+    constants the gateway itself runs on (kvtune.gateway.endpoints, apis, counting, ledger), so
+    the two enforcers cannot drift apart; only the readers' logic is written twice."""
+    from kvtune.gateway import apis, endpoints
+    from kvtune.gateway.counting import TOKENIZE_CONCURRENCY
+    from kvtune.gateway.ledger import RATE_WINDOW_S
+
+    def caps(fields: tuple) -> list[dict]:
+        return [{"key": f.key, **({"parent": f.parent} if f.parent else {})} for f in fields]
+
+    def refused(fields: dict[str, str]) -> list[list[str]]:  # ordered: the first present one is named
+        return [[key, what] for key, what in fields.items()]
+
+    return {
+        "generate": {path: api.value for path, api in endpoints.GENERATE.items()},
+        "pool": {path: api.value for path, api in endpoints.POOL.items()},
+        "uncountable": dict(endpoints.UNCOUNTABLE),
+        "operator": {path: True for path in sorted(endpoints.OPERATOR)},
+        # PCRE spellings of the same regular expressions (re.fullmatch: anchored, \z not $)
+        "canonical": r"\A(?:" + endpoints._CANONICAL.pattern + r")\z",
+        "dot_segment": endpoints._DOT_SEGMENT.pattern,
+        "max_count": apis.MAX_COUNT,
+        "template_fields": list(apis.TEMPLATE_FIELDS),
+        "estimate_fields": list(apis.ESTIMATE_FIELDS),
+        "caps": {"chat": caps(apis.CHAT_CAPS), "completions": caps(apis.COMPLETION_CAPS),
+                 "responses": caps(apis.RESPONSES_CAPS), "messages": caps(apis.MESSAGES_CAPS),
+                 "tokens": caps(apis.TOKENS_CAPS), "any": caps(apis.ANY_CAPS)},
+        "refused": {"chat": refused(apis._CHAT_REFUSED), "completions": refused(apis._COMPLETION_REFUSED),
+                    "responses": refused(apis._RESPONSES_REFUSED)},
+        "text_parts": {kind: True for kind in sorted(apis._TEXT_PARTS)},
+        "anthropic_fields": list(apis._ANTHROPIC_PROMPT_FIELDS),
+        "score_sides": [list(pair) for pair in apis._SCORE_SIDES],
+        "tokenize_concurrency": TOKENIZE_CONCURRENCY,
+        "rate_window_s": RATE_WINDOW_S,
+        # orjson's nesting limit, which the Python gateway reads bodies with
+        "max_depth": 1024,
+    }
+
+
 def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
     routes = gateway_routes(rec)
     upstream = parse_upstream(rec["upstream"])
@@ -443,9 +504,21 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
         "retry_after_max_s": options.retry_after_max_s,
         "estimate_chars_per_token": options.estimate_chars_per_token,
         "estimate_margin_tokens": options.estimate_margin_tokens,
+        "pair_tokens": DEFAULT_PAIR_TOKENS,
+        "max_body_bytes": limits.max_body_bytes,
+        "passthrough": list(options.passthrough),
+        "ledger_access": options.admin.ledger,
+        "token_env": options.admin.token_env,
     }
     if options.retry_after_max_s < options.retry_after_min_s:
         raise KvtuneError("retry_after_max_s must be at least retry_after_min_s")
+    admin = options.admin
+    if admin.metrics not in ADMIN_ACCESS or admin.ledger not in ADMIN_ACCESS:
+        raise KvtuneError(f"admin access must be one of {', '.join(ADMIN_ACCESS)}")
+    if admin.token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", admin.token_env):
+        raise KvtuneError(f"admin.token_env {admin.token_env!r} is not an environment variable name")
+    if "token" in (admin.metrics, admin.ledger) and admin.token_env is None:
+        raise KvtuneError("admin access 'token' needs admin.token_env, the variable that holds the token")
     return {
         "rec": rec,
         "options": options,
@@ -458,6 +531,10 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
         "lua_config": lua_config,
+        "policy": lua_policy(),
+        # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
+        "upstream_timeouts": {name: f.default for f in dataclasses.fields(GatewayConfig)
+                              if (name := f.name) in ("upstream_connect_timeout_s", "upstream_read_timeout_s")},
         "limits": limits,
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,

@@ -19,7 +19,7 @@ from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway_config import load_gateway_config, parse_gateway_config
 from kvtune.render import (
     RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, local_chat_tokenizer, lua_string,
-    md_cell, one_line, parse_upstream, render_files, write_files, yaml_scalar,
+    md_cell, nginx_time, one_line, parse_upstream, render_files, write_files, yaml_scalar,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -80,6 +80,37 @@ def test_lua_string_escapes_everything_but_plain_characters():
     out = lua_string('a"b\\c\n]]{x}$é')
     assert out == '"a\\034b\\092c\\010\\093\\093\\123x\\125\\036\\195\\169"'
     assert lua_string(None) == "nil" and lua_string(12) == "12" and lua_string(True) == "true"
+    # tables: keys escaped like any string, sets in order
+    assert lua_string({"/a]]": [1, "b"], "k": {"x"}}) == '{ ["/a\\093\\093"] = { 1, "b" }, ["k"] = { "x" } }'
+
+
+def test_nginx_time_is_whole_seconds_or_milliseconds():
+    assert (nginx_time(60), nginx_time(2.0), nginx_time(0.5), nginx_time(1.25)) == ("60s", "2s", "500ms", "1250ms")
+    for bad in (float("nan"), float("inf"), -1):
+        with pytest.raises(KvtuneError):
+            nginx_time(bad)
+
+
+def test_nginx_conf_renders_client_limits_and_admin_access():
+    from kvtune.gateway_config import AdminAccess, ClientLimits
+
+    limits = ClientLimits(header_timeout_s=2.5, body_timeout_s=3, keepalive_timeout_s=4, send_timeout_s=5,
+                          max_header_bytes=8192, max_header_line_bytes=4096, max_body_bytes=300_000,
+                          max_connections=10)
+    text = render_files(rec(), targets=["nginx.conf"], options=RenderOptions(limits=limits))["nginx.conf"]
+    for line in ("client_header_timeout 2500ms;", "client_body_timeout 3s;", "keepalive_timeout 4s;",
+                 "send_timeout 5s;", "large_client_header_buffers 2 4096;", "client_max_body_size 300000;",
+                 "worker_connections 20;", "allow 127.0.0.1;"):
+        assert line in text, line
+    assert "max_body_bytes = 300000," in text and not re.search(r"^env ", text, re.M)
+    token = RenderOptions(admin=AdminAccess(ledger="token", token_env="KVTUNE_LEDGER_TOKEN"))
+    text = render_files(rec(), targets=["nginx.conf"], options=token)["nginx.conf"]
+    assert 'env "KVTUNE_LEDGER_TOKEN";' in text and "allow 127.0.0.1;" not in text
+    assert 'ledger_access = "token",' in text and 'token_env = "KVTUNE_LEDGER_TOKEN",' in text
+    for bad in (AdminAccess(ledger="token"), AdminAccess(ledger="token", token_env="NOT A NAME"),
+                AdminAccess(ledger="anyone")):
+        with pytest.raises(KvtuneError, match="admin"):
+            render_files(rec(), targets=["nginx.conf"], options=RenderOptions(admin=bad))
 
 
 def test_md_cell_escapes_table_syntax():
