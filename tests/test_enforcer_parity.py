@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 import os
 import socket
 import threading
@@ -437,9 +438,47 @@ def test_a_gzip_body_is_counted_decoded_and_forwarded_decoded(enforcer, upstream
     assert json.loads(upstream.raw[-1])["messages"] == chat(200)["messages"]
 
 
-def test_an_unknown_body_encoding_is_415(enforcer, upstream):
-    status, _, raw = enforcer.request("/v1/chat/completions", b"xyz", headers={"Content-Encoding": "compress"})
-    assert status == 415
+def _raw_deflate(data: bytes) -> bytes:
+    z = zlib.compressobj(wbits=-15)
+    return z.compress(data) + z.flush()
+
+
+@pytest.mark.parametrize("encoding, encode", [
+    ("gzip", gzip.compress), ("deflate", zlib.compress), ("deflate", _raw_deflate),
+    ("gzip", lambda data: gzip.compress(data[:20]) + gzip.compress(data[20:])),  # two members
+])
+def test_gzip_and_deflate_in_every_form_are_decoded(enforcer, upstream, encoding, encode):
+    body = json.dumps(chat(40)).encode()
+    status, headers, _ = enforcer.request("/v1/chat/completions", encode(body), headers={"Content-Encoding": encoding})
+    assert status == 200 and _reserved(headers) == blocks(40, CHAT_CAP)
+
+
+@pytest.mark.parametrize("data", [
+    gzip.compress(json.dumps(chat(5)).encode()) + b"trailing garbage",
+    gzip.compress(json.dumps(chat(5)).encode())[:-6],
+    b"\x1f\x8b\x08\x00 not a gzip stream",
+    zlib.compress(json.dumps(chat(5)).encode()) + b"x",
+    zlib.compress(json.dumps(chat(5)).encode())[:-3],
+], ids=["gzip-trailing", "gzip-cut", "not-gzip", "deflate-trailing", "deflate-cut"])
+def test_a_broken_compressed_body_is_400(enforcer, upstream, data):
+    encoding = "gzip" if data[:2] == b"\x1f\x8b" else "deflate"
+    status, _, raw = enforcer.request("/v1/chat/completions", data, headers={"Content-Encoding": encoding})
+    assert status == 400 and _error(raw) == "invalid_body"
+    assert upstream.reached() == []
+
+
+def test_a_gzip_bomb_stops_at_the_body_cap(enforcer, upstream):
+    bomb = gzip.compress(b'{"model": "m", "pad": "' + b"x" * (40 * LIMITS.max_body_bytes) + b'"}')
+    assert len(bomb) < LIMITS.max_body_bytes
+    status, _, raw = enforcer.request("/v1/chat/completions", bomb, headers={"Content-Encoding": "gzip"})
+    assert status == 413 and _error(raw) == "body_too_large"
+    assert upstream.reached() == []
+
+
+@pytest.mark.parametrize("encoding", ["compress", "br", "zstd", "gzip, gzip"])
+def test_an_unknown_body_encoding_is_415(enforcer, upstream, encoding):
+    status, _, raw = enforcer.request("/v1/chat/completions", b"xyz", headers={"Content-Encoding": encoding})
+    assert status == 415 and _error(raw) == "unsupported_encoding"
     assert upstream.reached() == []
 
 

@@ -458,7 +458,10 @@ def _cohere_embed(doc: dict, pair_tokens: int = 0) -> Reading:
     texts: list[str] = []
     if doc.get("texts") is not None:
         texts += _texts(doc["texts"], "texts")
-    for i, item in enumerate(doc.get("inputs") or []):
+    inputs = doc.get("inputs")
+    if inputs is not None and not isinstance(inputs, list):
+        raise invalid("inputs must be a list")
+    for i, item in enumerate(inputs or []):
         parts = item.get("content") if isinstance(item, dict) else None
         if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "text"
                                                   and isinstance(p.get("text"), str) for p in parts):

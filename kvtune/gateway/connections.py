@@ -133,6 +133,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, limits: ClientLimi
         max_field_size=limits.max_header_line_bytes,
         lingering_time=min(10.0, limits.body_timeout_s),
         access_log=None,
+        auto_decompress=False,  # the gateway decodes governed bodies itself, bounded (proxy._Decoder)
     )
 
     def protocol() -> GuardedRequestHandler:

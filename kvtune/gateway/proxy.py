@@ -24,12 +24,15 @@ import hmac
 import logging
 import os
 import time
+import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from kvtune.capacity import reserved_blocks
@@ -47,7 +50,7 @@ from kvtune.gateway_config import GatewayConfig, GatewayRoute
 log = logging.getLogger("kvtune.gateway")
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the proxy recomputes (Host, length) and
-# the request's Content-Encoding (aiohttp has decoded the body the gateway forwards).
+# the request's Content-Encoding (a governed body is forwarded decoded).
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
@@ -55,7 +58,7 @@ HOP_BY_HOP = frozenset({
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "content-encoding"}
 _DROP_RESPONSE = HOP_BY_HOP
 _DROP_WHOLE_RESPONSE = HOP_BY_HOP | {"content-length"}  # the gateway's server sets its own
-# Request encodings aiohttp decodes with the standard library; others are refused (415).
+# Request encodings the gateway decodes (zlib); others are refused on governed paths (415).
 _DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 # Idle upstream connections are dropped after this, under the 5 s after which vLLM's server
@@ -232,9 +235,9 @@ class Gateway:
         try:
             path, endpoint, route = self._classify(request)
             if endpoint.path_class is PathClass.PASSTHROUGH:
-                raw = await self._read_body(request)
+                raw = await self._read_body(request, decode=False)
                 return await self._send(request, self.config.upstream, request.method,
-                                        _with_query(path, request.raw_path), raw, {})
+                                        _with_query(path, request.raw_path), raw, {}, decoded=False)
             admitted = await self._admit(request, path, endpoint, route)
         except Rejection as rejection:
             return self._reject(None, rejection)
@@ -287,25 +290,35 @@ class Gateway:
             raise Rejection(404, "not_found", f"{path} is not served through this gateway")
         return path, endpoint, route
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The whole request body, decoded, within the size cap and the between-reads timeout."""
+    async def _read_body(self, request: web.Request, *, decode: bool = True) -> bytes:
+        """The whole request body within the size cap and the between-reads timeout; a gzip or
+        deflate body is decoded (`decode`), the cap applying to what it decodes to."""
         limits = self.config.limits
         cap = limits.max_body_bytes
         if request.content_length is not None and request.content_length > cap:
             raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        decoder = _Decoder(encoding, cap) if decode and encoding in ("gzip", "deflate") else None
         chunks: list[bytes] = []
-        size = 0
+        size = received = 0
         content = request.content
         while True:
             try:
                 async with asyncio.timeout(limits.body_timeout_s):
                     chunk = await content.readany()
+                received += len(chunk)  # what came over the wire is bounded too, decoded or not
+                if received > cap:
+                    raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
             except TimeoutError:
                 raise Rejection(408, "body_timeout", f"no request body bytes for {limits.body_timeout_s:g} s",
                                 close=True) from None
-            except (web.HTTPException, ValueError, OSError) as exc:  # bad chunking, bad gzip
+            except (web.HTTPException, RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
                 raise Rejection(400, "invalid_body", f"the request body could not be read ({type(exc).__name__})",
                                 close=True) from None
+            if decoder is not None:
+                chunk = decoder.feed(chunk) if chunk else decoder.finish()
+                if not chunk and not decoder.done:
+                    continue
             if not chunk:
                 return b"".join(chunks)
             size += len(chunk)
@@ -441,10 +454,12 @@ class Gateway:
         return rejection.response()
 
     async def _send(self, request: web.Request, upstream: str, method: str, target: str, body: bytes,
-                    extra_headers: dict[str, str]) -> web.StreamResponse:
-        """A request whose body is in hand, through the gateway's own upstream client."""
+                    extra_headers: dict[str, str], *, decoded: bool = True) -> web.StreamResponse:
+        """A request whose body is in hand, through the gateway's own upstream client; a body
+        the gateway decoded goes without its Content-Encoding."""
+        headers = _forward_headers(request.headers, drop_encoding=decoded)
         try:
-            up = await self._up.clients[upstream].request(method, target, _forward_headers(request.headers), body)
+            up = await self._up.clients[upstream].request(method, target, headers, body)
         except UpstreamTimeoutError:
             return Rejection(504, "upstream_timeout", "the upstream did not answer in time").response()
         except UpstreamError as exc:
@@ -503,6 +518,45 @@ class _Refused(Exception):
     def __init__(self, route: GatewayRoute | None, rejection: Rejection) -> None:
         super().__init__(rejection.message)
         self.route, self.rejection = route, rejection
+
+
+class _Decoder:
+    """A gzip or deflate request body decoded as it arrives, never past `cap` + 1 bytes of
+    output however small the input (a decompression bomb stops at the cap, not in memory).
+    gzip may hold several members one after another (RFC 1952); anything after the last one,
+    or a stream that stops early, is not a body."""
+
+    def __init__(self, encoding: str, cap: int) -> None:
+        self._encoding, self._cap, self._out = encoding, cap, 0
+        self._z: Any = None
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        pieces = []
+        while data:
+            if self._z is None or (self._z.eof and self._encoding == "gzip"):
+                # deflate should be zlib-wrapped (RFC 9110), but raw deflate is common: sniff it
+                wbits = 31 if self._encoding == "gzip" else 15 if data[0] & 0x0F == 8 else -15
+                self._z = zlib.decompressobj(wbits)
+            elif self._z.eof:
+                raise Rejection(400, "invalid_body", f"bytes after the end of the {self._encoding} stream", close=True)
+            try:
+                out = self._z.decompress(data, self._cap + 1 - self._out)
+            except zlib.error:
+                raise Rejection(400, "invalid_body", f"the request body is not valid {self._encoding}",
+                                close=True) from None
+            self._out += len(out)
+            pieces.append(out)
+            if self._z.unconsumed_tail:  # more output than the cap allows
+                raise Rejection(413, "body_too_large", f"request bodies are limited to {self._cap} bytes", close=True)
+            data = self._z.unused_data
+        return b"".join(pieces)
+
+    def finish(self) -> bytes:
+        self.done = True
+        if self._z is None or not self._z.eof:
+            raise Rejection(400, "invalid_body", f"the {self._encoding} body ends early", close=True)
+        return b""
 
 
 def _head_bytes(request: web.Request) -> int:
@@ -604,8 +658,8 @@ def _connection_tokens(headers: Any) -> list[str]:
     return [t.strip() for v in headers.getall("Connection", []) for t in v.split(",") if t.strip()]
 
 
-def _forward_headers(headers: Any) -> list[tuple[str, str]]:
-    drop = _DROP_REQUEST
+def _forward_headers(headers: Any, *, drop_encoding: bool = True) -> list[tuple[str, str]]:
+    drop = _DROP_REQUEST if drop_encoding else _DROP_REQUEST - {"content-encoding"}
     if "Connection" in headers:
         drop = drop.union(t.lower() for t in _connection_tokens(headers))
     return [(k, v) for k, v in headers.items() if k.lower() not in drop]
