@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -219,3 +220,17 @@ def test_capacity_file_errors(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         read_capacity_file(tmp_path / "absent.json")
     assert isinstance(MeasuredCapacity.from_dict({"source": "kv-tokens", "kv_cache_tokens": 5}), MeasuredCapacity)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"source": "vllm-log", "kv_cache_tokens": 5, "max_concurrency": NaN}', "NaN is not JSON"),
+    ('{"source": "vllm-log", "kv_cache_tokens": 5, "max_concurrency": 1e999}', "out of range"),
+    ('{"source": "vllm-log", "kv_cache_tokens": 5, "kv_cache_tokens": 9}', "duplicate key 'kv_cache_tokens'"),
+    ('{"source": ["vllm-log"], "kv_cache_tokens": 5}', "unknown source ['vllm-log']"),
+])
+def test_capacity_file_json_is_strict(tmp_path, text, words):
+    path = tmp_path / "capacity.json"
+    path.write_text(text)
+    with pytest.raises(InputError, match="^" + str(path)) as info:
+        read_capacity_file(path)
+    assert words in str(info.value)

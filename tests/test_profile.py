@@ -350,5 +350,5 @@ def test_bad_profile_files_name_file_and_field(tmp_path):
         assert str(err.value) == f"{path}: {message}"
     broken = tmp_path / "broken.json"
     broken.write_text('{"kind": "kvtune-profile",\n  oops')
-    with pytest.raises(InputError, match=r"broken.json:2: not valid JSON"):
+    with pytest.raises(InputError, match=r"broken.json:2: invalid JSON"):
         load_profile(broken)
