@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 from kvtune.capacity import MeasuredCapacity, blocks_from_tokens
 from kvtune.engine_capacity import METRICS_MAX_BYTES, parse_metrics_text
 from kvtune.errors import CapacityError, EndpointError
+from kvtune.userfiles import brief
 
 TIMEOUT_S = 10.0
 MODELS_MAX_BYTES = 4 * 1024**2
@@ -65,7 +66,7 @@ def parse_models(data: Any, *, origin: str) -> tuple[ServedModel, ...]:
             raise EndpointError("model entry without a string \"id\"", path=origin, field=f"data[{i}].id")
         max_len = entry.get("max_model_len")
         if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
-            raise EndpointError(f"expected a positive integer, found {max_len!r}"[:120], path=origin,
+            raise EndpointError(f"expected a positive integer, found {brief(max_len)}", path=origin,
                                 field=f"data[{i}].max_model_len")
         models.append(ServedModel(model_id, max_len))
     return tuple(models)

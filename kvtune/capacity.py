@@ -105,30 +105,33 @@ class MeasuredCapacity:
         """Parse a capacity file's object strictly; errors name the field."""
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, found {type(data).__name__}", path=path)
-        unknown = set(data) - set(_FIELD_TYPES) - {"source"}
+        from kvtune.userfiles import brief
+
+        unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40) for k in set(data) - set(_FIELD_TYPES) - {"source"})
         if unknown:
-            raise InputError(f"unknown field(s): {', '.join(sorted(unknown))}", path=path, field=sorted(unknown)[0])
+            raise InputError(f"unknown field(s): {', '.join(unknown[:5])}", path=path, field=unknown[0])
         raw_source = data.get("source")
         try:
             source = CapacitySource(raw_source)
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
             known = ", ".join(s.value for s in CapacitySource)
-            raise InputError(f"unknown source {raw_source!r} (known: {known})", path=path, field="source") from None
+            raise InputError(f"unknown source {brief(raw_source)} (known: {known})", path=path,
+                             field="source") from None
         values: dict[str, Any] = {}
         for name, kind in _FIELD_TYPES.items():
             value = data.get(name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if value is None:
                 values[name] = None
-            elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-                values[name] = float(value)
-            elif kind is int and isinstance(value, int) and not isinstance(value, bool):
-                values[name] = value
-            elif kind is bool and isinstance(value, bool):
-                values[name] = value
-            elif kind is str and isinstance(value, str):
+            elif (kind is float and number) or (kind is int and number and isinstance(value, int)):
+                low, high = _FIELD_RANGES.get(name, (0, _MAX_FIELD))
+                if not low <= value <= high:  # also NaN
+                    raise InputError(f"must be from {low} to {high}, found {brief(value)}", path=path, field=name)
+                values[name] = kind(value)
+            elif (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)):
                 values[name] = value
             else:
-                raise InputError(f"expected {kind.__name__}, found {value!r}"[:120], path=path, field=name)
+                raise InputError(f"expected {kind.__name__}, found {brief(value)}", path=path, field=name)
         try:
             return cls(source=source, **values)
         except KvtuneError as exc:
@@ -150,6 +153,13 @@ _FIELD_TYPES: dict[str, type] = {
     "kv_cache_memory_bytes": int,
     "origin": str,
     "line": int,
+}
+_MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
+# (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
+_FIELD_RANGES: dict[str, tuple[float, float]] = {
+    "max_concurrency": (0, _MAX_FIELD),
+    "gpu_memory_utilization": (0, 1),
+    "line": (1, _MAX_FIELD),
 }
 
 

@@ -338,18 +338,28 @@ class _Checker:
         return CheckResult(self.deployed, tuple(findings))
 
 
+# Risks that come from the traffic and the model, not from how a file was written: the
+# recommendation itself carries them (a logged prompt longer than the model's context), so a
+# rendered file that shows them still says what the recommendation says.
+INHERENT_RISKS = frozenset({"max-model-len-rejects"})
+
+
 def check_rendered(files: Mapping[str, str], rec: Mapping[str, Any]) -> CheckResult:
     """`kvtune recommend`'s own gate on what it is about to write: the engine script with each
-    gateway config it rendered, checked as `kvtune check` would check them deployed. A risk
-    here is a file that would hurt the traffic it was computed from (a route shadowed by
-    another, a cap below the recommendation), and nothing is written."""
+    gateway config it rendered, checked as `kvtune check` would check them deployed. A file
+    that drifts from the recommendation, or carries a risk the recommendation does not (a route
+    shadowed by another, a cap below the recommended one), is a rendering fault: `passed` is
+    False and nothing should be written."""
     from kvtune.deployed import parse_deployed
 
     engine = [parse_deployed(files[n], source=n) for n in ("vllm-serve.sh",) if n in files]
     gateways = [parse_deployed(files[n], source=n) for n in ("gateway.yaml", "nginx.conf") if n in files]
     results = [check_deployment([*engine, g], rec) for g in gateways] or [check_deployment(engine, rec)]
-    findings = tuple(dict.fromkeys(f for r in results for f in r.findings))
-    return CheckResult((*engine, *gateways), findings)
+    faults = []
+    for f in dict.fromkeys(f for r in results for f in r.findings):
+        if f.code == "drift" or (f.severity == "risk" and f.code not in INHERENT_RISKS):
+            faults.append(Finding("risk", f.code, f.message, f.why, f.source))
+    return CheckResult((*engine, *gateways), tuple(faults))
 
 
 def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
@@ -360,4 +370,4 @@ def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
     return _Checker(deployed, rec, max_truncation).run()
 
 
-__all__ = ["Finding", "CheckResult", "check_deployment", "check_rendered", "truncation_share", "SEVERITIES"]
+__all__ = ["Finding", "CheckResult", "check_deployment", "check_rendered", "INHERENT_RISKS", "truncation_share", "SEVERITIES"]

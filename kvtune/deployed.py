@@ -17,6 +17,7 @@ from typing import Any
 from kvtune.errors import InputError
 from kvtune.gateway_config import RouteMatch
 from kvtune.render import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.userfiles import brief
 
 # Short options vLLM accepts, by their long names.
 _SHORT_FLAGS = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "dp": "data-parallel-size",
@@ -81,31 +82,52 @@ class Deployed:
 
 # ---------------------------------------------------------------- vllm serve
 
+_MAX_INTEGER = 2**53  # exact in a double, like every integer kvtune reads back
+
+
 def _human_int(text: str, where: str, source: str) -> int | None:
     """vLLM's human-readable ints: 8k = 8000, 8K = 8192, 1m/1M, 25.6k; -1 or auto = auto-fit."""
     value = text.strip()
     if value in ("-1", "auto"):
         return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value)
+    match = re.fullmatch(r"(\d{1,16}(?:\.\d{1,16})?)([kKmMgG]?)", value)
     if not match:
-        raise InputError(f"expected an integer such as 8192 or 8k, got {text!r}", path=source, field=where)
+        raise InputError(f"expected an integer such as 8192 or 8k, got {brief(text)}", path=source, field=where)
     number, unit = float(match.group(1)), match.group(2)
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[unit]
-    return int(number * scale)
+    return _in_range(int(number * scale), 1, where, source)
 
 
-def _int(text: Any, where: str, source: str) -> int:
+def _in_range(value: int, minimum: int, where: str, source: str) -> int:
+    if not minimum <= value <= _MAX_INTEGER:
+        raise InputError(f"must be from {minimum} to {_MAX_INTEGER}, got {value}", path=source, field=where)
+    return value
+
+
+def _int(text: Any, where: str, source: str, minimum: int = 1) -> int:
+    """A whole number as typed (digits, optionally signed), from `minimum` to 2**53."""
+    if isinstance(text, bool) or not re.fullmatch(r"[-+]?\d{1,16}", str(text).strip()):
+        raise InputError(f"expected an integer, got {brief(text)}", path=source, field=where)
+    return _in_range(int(str(text)), minimum, where, source)
+
+
+def _count(text: Any, where: str, source: str) -> int:
+    return _int(text, where, source, minimum=0)
+
+
+def _float(text: Any, where: str, source: str, maximum: float = _MAX_INTEGER) -> float:
+    """A finite number from 0 to `maximum`."""
     try:
-        return int(str(text))
+        value = float(str(text))
     except ValueError:
-        raise InputError(f"expected an integer, got {text!r}", path=source, field=where) from None
+        raise InputError(f"expected a number, got {brief(text)}", path=source, field=where) from None
+    if not 0 <= value <= maximum:  # also NaN and ±inf
+        raise InputError(f"must be a number from 0 to {maximum:g}, got {brief(text)}", path=source, field=where)
+    return value
 
 
-def _float(text: Any, where: str, source: str) -> float:
-    try:
-        return float(str(text))
-    except ValueError:
-        raise InputError(f"expected a number, got {text!r}", path=source, field=where) from None
+def _fraction(text: Any, where: str, source: str) -> float:
+    return _float(text, where, source, maximum=1.0)
 
 
 _SEPARATORS = frozenset({"\n", ";", "&&", "||", "|", "&", ";;", "(", ")"})
@@ -207,6 +229,9 @@ def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
             parsed = json.loads(override)
         except json.JSONDecodeError as exc:
             raise InputError(f"not JSON: {exc.msg}", path=source, field="--override-generation-config") from exc
+        except (ValueError, RecursionError) as exc:  # an int of over 4,300 digits; nesting too deep
+            raise InputError(f"not JSON: {brief(str(exc), 100)}", path=source,
+                             field="--override-generation-config") from exc
         if not isinstance(parsed, dict):
             raise InputError("expected a JSON object", path=source, field="--override-generation-config")
         if parsed.get("max_new_tokens") is not None:
@@ -223,12 +248,12 @@ def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
         tensor_parallel_size=get("tensor-parallel-size", _int),
         pipeline_parallel_size=get("pipeline-parallel-size", _int),
         kv_cache_dtype=get("kv-cache-dtype", lambda v, *_: str(v)),
-        gpu_memory_utilization=get("gpu-memory-utilization", _float)
-        if "gpu-memory-utilization" in flags else get("device-memory-utilization", _float),
+        gpu_memory_utilization=get("gpu-memory-utilization", _fraction)
+        if "gpu-memory-utilization" in flags else get("device-memory-utilization", _fraction),
         max_new_tokens=max_new_tokens,
         preemption_mode=get("preemption-mode", lambda v, *_: str(v)),
         swap_space=get("swap-space", _float),
-        num_gpu_blocks_override=get("num-gpu-blocks-override", _int),
+        num_gpu_blocks_override=get("num-gpu-blocks-override", _count),
         flags=dict(flags),
     )
 
@@ -255,8 +280,10 @@ class _LuaReader:
     _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "a": "\a", "b": "\b", "f": "\f", "v": "\v",
                 "\\": "\\", '"': '"', "'": "'", "\n": "\n"}
 
+    _MAX_DEPTH = 32  # kvtune renders three levels; recursion must not reach Python's limit
+
     def __init__(self, text: str, source: str) -> None:
-        self.text, self.pos, self.source = text, 0, source
+        self.text, self.pos, self.source, self.depth = text, 0, source, 0
 
     def fail(self, message: str) -> InputError:
         line = self.text.count("\n", 0, self.pos) + 1
@@ -292,6 +319,8 @@ class _LuaReader:
         word = match.group(0)
         if word in ("true", "false", "nil"):
             return {"true": True, "false": False, "nil": None}[word]
+        if len(word) > 40:
+            raise self.fail(f"a number of {len(word)} characters")
         return float(word) if match.group(1) or match.group(2) else int(word)
 
     def string(self) -> str:
@@ -327,6 +356,9 @@ class _LuaReader:
                 raise self.fail(f"unknown escape \\{esc}")
 
     def table(self) -> dict | list:
+        self.depth += 1
+        if self.depth > self._MAX_DEPTH:
+            raise self.fail(f"tables nested deeper than {self._MAX_DEPTH}")
         self.expect("{")
         items: list = []
         named: dict = {}
@@ -344,6 +376,7 @@ class _LuaReader:
         self.pos += 1
         if named and items:
             raise self.fail("mixed list and record table")
+        self.depth -= 1
         return named if named or not items else items
 
 
@@ -363,8 +396,8 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
 
     def integer(key: str, data: dict = config, where: str = "") -> int:
         value = data.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"expected a positive integer, got {value!r}", path=source,
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_INTEGER:
+            raise InputError(f"expected a positive integer, got {brief(value)}", path=source,
                              field=f"CONFIG.{where}{key}")
         return value
 
@@ -392,29 +425,31 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
 
 def parse_deployed(text: str, *, source: str = "<deployed>") -> Deployed:
     """Recognise the file by its content: kvtune's nginx.conf, a gateway.yaml, or a vllm command."""
+    from kvtune.userfiles import parse_yaml
+
     if NGINX_CONFIG_BEGIN in text or re.search(r"^\s*http\s*\{", text, re.M):
         return _deployed_from_nginx(text, source)
-    import yaml
-
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        data = None
+        data, as_yaml = parse_yaml(text, path=source), None
+    except InputError as exc:  # a shell script is rarely YAML; say why only if nothing else fits
+        data, as_yaml = None, exc
     if isinstance(data, dict) and "routes" in data:
         return _deployed_from_gateway(data, source)
     if _command_args(text, source) is not None:
         return parse_vllm_command(text, source=source)
-    raise InputError("not a `vllm serve` command line, a gateway.yaml or an nginx.conf rendered by kvtune",
+    why = ""
+    if as_yaml is not None:
+        line = "" if as_yaml.line is None else f"line {as_yaml.line}: "
+        why = f" (read as YAML: {line}{as_yaml.message})"
+    raise InputError("not a `vllm serve` command line, a gateway.yaml or an nginx.conf rendered by kvtune" + why,
                      path=source)
 
 
 def load_deployed(path: str | Path) -> Deployed:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {getattr(exc, 'strerror', None) or exc}", path=str(p)) from exc
-    return parse_deployed(text, source=str(p))
+    """Read a deployed file: a regular file of UTF-8 text, at most CONFIG_MAX_BYTES (kvtune.userfiles)."""
+    from kvtune import userfiles
+
+    return parse_deployed(userfiles.read_text(path, max_bytes=userfiles.CONFIG_MAX_BYTES), source=str(path))
 
 
 __all__ = ["Deployed", "DeployedRoute", "parse_deployed", "parse_vllm_command", "load_deployed"]

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from kvtune.capacity import CapacitySource, MeasuredCapacity
 from kvtune.errors import EndpointError, InputError, KvtuneError
+from kvtune.userfiles import brief
 
 _SIZE = re.compile(r"\b(?P<device>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens")
 _CONCURRENCY = re.compile(
@@ -74,17 +74,12 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
 
 
 def read_vllm_log(path: str | os.PathLike[str]) -> MeasuredCapacity:
-    """Read a startup log file (any encoding errors replaced) and parse it."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise InputError("no such file", path=str(p), field="--vllm-log") from None
-    except IsADirectoryError:
-        raise InputError("is a directory, expected a vLLM log file", path=str(p), field="--vllm-log") from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(p), field="--vllm-log") from exc
-    return parse_vllm_log(text, path=str(p))
+    """Read a startup log file (a regular file of at most VLLM_LOG_MAX_BYTES; encoding errors
+    replaced, as logs hold whatever the server printed) and parse it."""
+    from kvtune import userfiles
+
+    text = userfiles.read_text(path, max_bytes=userfiles.VLLM_LOG_MAX_BYTES, field="--vllm-log", errors="replace")
+    return parse_vllm_log(text, path=str(path))
 
 
 def _label_int(labels: dict[str, str], name: str, origin: str) -> int | None:
@@ -94,10 +89,10 @@ def _label_int(labels: dict[str, str], name: str, origin: str) -> int | None:
     try:
         value = float(raw)
     except ValueError:
-        raise EndpointError(f"label {name}={raw!r} is not a number", path=origin,
+        raise EndpointError(f"label {name}={brief(raw)} is not a number", path=origin,
                             field="vllm:cache_config_info") from None
     if not value.is_integer() or value < 0:
-        raise EndpointError(f"label {name}={raw!r} is not a whole number", path=origin,
+        raise EndpointError(f"label {name}={brief(raw)} is not a whole number", path=origin,
                             field="vllm:cache_config_info")
     return int(value)
 
@@ -194,17 +189,12 @@ def fetch_metrics(url: str, *, timeout_s: float = METRICS_TIMEOUT_S) -> Measured
 
 
 def read_capacity_file(path: str | os.PathLike[str]) -> MeasuredCapacity:
-    """A capacity file as `write_capacity_file` (and `kvtune calibrate`) writes it."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("no such file", path=str(p)) from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON: {exc.msg}", path=str(p), line=exc.lineno) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc}", path=str(p)) from exc
-    return MeasuredCapacity.from_dict(data, path=str(p))
+    """A capacity file as `write_capacity_file` (and `kvtune calibrate`) writes it: a regular file of
+    strict JSON, at most CAPACITY_MAX_BYTES."""
+    from kvtune import userfiles
+
+    data = userfiles.load_json(path, max_bytes=userfiles.CAPACITY_MAX_BYTES)
+    return MeasuredCapacity.from_dict(data, path=str(path))
 
 
 def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity) -> None:

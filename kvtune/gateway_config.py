@@ -217,7 +217,7 @@ class _Reader:
             raise self.fail(where, f"expected a mapping, got {brief(value)}")
         unknown = sorted(set(map(str, value)) - allowed)
         if unknown:
-            name = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 else brief(unknown[0], 40)
+            name = unknown[0] if unknown[0].isprintable() and len(unknown[0]) <= 40 else brief(unknown[0], 40)
             raise self.fail(f"{where}.{name}" if where else name,
                             f"unknown key (allowed: {', '.join(sorted(allowed))})")
         missing = sorted(required - set(value))
@@ -235,6 +235,7 @@ class _Reader:
         return value
 
     def number(self, value: Any, where: str, minimum: float, maximum: float = MAX_SECONDS) -> float:
+        """A finite int or float in range; the default maximum is for durations, the other numbers'."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(where, f"expected a number, got {brief(value)}")
         if isinstance(value, float) and not math.isfinite(value):

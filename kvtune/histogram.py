@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtune.errors import InputError
+from kvtune.userfiles import brief
 
 __all__ = [
     "Histogram",
@@ -49,14 +50,29 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _int_list(data: Mapping[str, Any], key: str, where: str) -> np.ndarray:
-    """A list of non-negative integers from a parsed JSON object, or an InputError naming it."""
+#: Bounds on what a saved histogram may hold: each value and each histogram's total count stay
+#: exact in a double, so int64 sums cannot overflow and every reader sees the same number.
+MAX_SAVED_INTEGER = 2**53
+
+
+def _int_list(data: Mapping[str, Any], key: str, where: str, maximum: int = MAX_SAVED_INTEGER) -> np.ndarray:
+    """A list of integers in 0..maximum from a parsed JSON object, or an InputError naming it."""
     raw = data.get(key)
     if not isinstance(raw, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in raw
     ):
         raise InputError("expected a list of non-negative integers", field=f"{where}.{key}")
+    if raw and max(raw) > maximum:
+        raise InputError(f"{brief(max(raw))} is above {maximum}, the largest allowed here", field=f"{where}.{key}")
     return np.asarray(raw, dtype=np.int64).reshape(-1)
+
+
+def _counts(data: Mapping[str, Any], key: str, where: str) -> np.ndarray:
+    """Counts whose total stays within MAX_SAVED_INTEGER (summed exactly, in Python ints)."""
+    counts = _int_list(data, key, where)
+    if sum(data[key]) > MAX_SAVED_INTEGER:
+        raise InputError(f"counts add up to more than {MAX_SAVED_INTEGER}", field=f"{where}.{key}")
+    return counts
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -176,12 +192,12 @@ class Histogram:
         return {"values": self.values.tolist(), "counts": self.counts.tolist()}
 
     @classmethod
-    def from_dict(cls, data: Any, where: str) -> Histogram:
+    def from_dict(cls, data: Any, where: str, max_value: int = MAX_SAVED_INTEGER) -> Histogram:
         """Parse the JSON form; `where` is the field path used in errors."""
         if not isinstance(data, Mapping):
             raise InputError("expected an object with values and counts", field=where)
-        values = _int_list(data, "values", where)
-        counts = _int_list(data, "counts", where)
+        values = _int_list(data, "values", where, max_value)
+        counts = _counts(data, "counts", where)
         if values.shape != counts.shape:
             raise InputError("values and counts differ in length", field=where)
         if values.size > 1 and not (np.diff(values) > 0).all():
@@ -195,6 +211,8 @@ class Histogram:
 #: Bins per factor of e for latencies: bin i holds v with floor(LOG_BINS_PER_E * ln(1 + v)) == i,
 #: i.e. about 1% relative width, so a reported latency percentile is within ~1% of the exact one.
 LOG_BINS_PER_E = 100
+#: The bin of 1e12 ms (31 years): no latency is longer, and a larger bin's value overflows a float.
+MAX_LOG_BIN = int(LOG_BINS_PER_E * math.log1p(1e12))
 
 
 def log_bin(values_ms: np.ndarray) -> np.ndarray:
@@ -236,7 +254,7 @@ class LogHistogram:
     def from_dict(cls, data: Any, where: str) -> LogHistogram:
         if not isinstance(data, Mapping) or data.get("bins_per_e") != LOG_BINS_PER_E:
             raise InputError(f"expected bins_per_e = {LOG_BINS_PER_E}", field=f"{where}.bins_per_e")
-        return cls(Histogram.from_dict(data, where))
+        return cls(Histogram.from_dict(data, where, max_value=MAX_LOG_BIN))
 
 
 #: Joint (prompt, output) bins: 4 per octave. Bin i covers [JOINT_EDGES[i], JOINT_EDGES[i+1]).
@@ -327,7 +345,7 @@ class JointHistogram:
             )
         p = _int_list(data, "prompt_bins", where)
         o = _int_list(data, "output_bins", where)
-        c = _int_list(data, "counts", where)
+        c = _counts(data, "counts", where)
         if not (p.shape == o.shape == c.shape):
             raise InputError("prompt_bins, output_bins and counts differ in length", field=where)
         if p.size and max(int(p.max()), int(o.max())) >= JOINT_EDGES.size:

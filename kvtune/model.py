@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.errors import InputError, KvtuneError, ModelConfigError, UnknownNameError
+from kvtune.userfiles import brief
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -114,26 +115,28 @@ class ModelSpec:
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a config.json. Python's json accepts the Infinity/NaN literals some real configs hold."""
+    """Read a config.json: a regular file of at most MODEL_FILE_MAX_BYTES (kvtune.userfiles).
+    Python's json accepts the Infinity/NaN literals some real configs hold, so this reader does too."""
+    from kvtune import userfiles
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError("no such file", path=str(p)) from None
-    except IsADirectoryError:
-        raise InputError("is a directory, expected a config.json file", path=str(p)) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc}", path=str(p)) from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON: {exc.msg} (column {exc.colno})", path=str(p), line=exc.lineno) from None
+    data = userfiles.load_json(p, max_bytes=userfiles.MODEL_FILE_MAX_BYTES, strict=False)
     if not isinstance(data, dict):
         raise InputError(f"expected a JSON object, found {type(data).__name__}", path=str(p))
     return data
 
 
 # --- typed field access ----------------------------------------------------------------------
+
+
+def _shown(value: Any) -> str:
+    """A config value quoted in an error: JSON as the file spells it, about 40 characters at most,
+    never built in full (a value can be a list of millions)."""
+    if isinstance(value, str):
+        return json.dumps(value if len(value) <= 40 else value[:37] + "...")
+    if isinstance(value, (bool, float)) or value is None or (isinstance(value, int) and value.bit_length() <= 128):
+        return json.dumps(value)
+    return brief(value, 40)
 
 
 class _Fields:
@@ -161,13 +164,13 @@ class _Fields:
             return None
         value = self.data[key]
         if isinstance(value, bool):
-            raise self.error(key, f"expected an integer, found {json.dumps(value)}")
+            raise self.error(key, f"expected an integer, found {_shown(value)}")
         if isinstance(value, float):
             if not math.isfinite(value) or not value.is_integer():
                 raise self.error(key, f"expected an integer, found {value!r}")
             value = int(value)
         if not isinstance(value, int):
-            raise self.error(key, f"expected an integer, found {json.dumps(value)[:40]}")
+            raise self.error(key, f"expected an integer, found {_shown(value)}")
         if value < minimum:
             raise self.error(key, f"must be at least {minimum}, found {value}")
         return value
@@ -186,7 +189,7 @@ class _Fields:
             return None
         value = self.data[key]
         if not isinstance(value, str):
-            raise self.error(key, f"expected a string, found {json.dumps(value)[:40]}")
+            raise self.error(key, f"expected a string, found {_shown(value)}")
         return value
 
     def bool_(self, key: str, default: bool) -> bool:
@@ -194,7 +197,7 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise self.error(key, f"expected true or false, found {json.dumps(value)[:40]}")
+            raise self.error(key, f"expected true or false, found {_shown(value)}")
         return value
 
     def list_(self, key: str) -> list[Any] | None:
@@ -202,7 +205,7 @@ class _Fields:
         if value is None:
             return None
         if not isinstance(value, list):
-            raise self.error(key, f"expected a list, found {json.dumps(value)[:40]}")
+            raise self.error(key, f"expected a list, found {_shown(value)}")
         return value
 
 
@@ -379,7 +382,7 @@ def _layer_kinds(
         table = {"M": LayerKind.MAMBA, "*": LayerKind.FULL, "-": LayerKind.NONE, "E": LayerKind.NONE}
         bad = sorted(set(pattern) - set(table))
         if bad:
-            raise f.error("hybrid_override_pattern", f"unknown layer symbol {bad[0]!r} (known: M * - E)")
+            raise f.error("hybrid_override_pattern", f"unknown layer symbol {brief(bad[0])} (known: M * - E)")
         return tuple(table[c] for c in pattern)
     types = f.list_("layer_types")
     if types is not None:
@@ -389,7 +392,7 @@ def _layer_kinds(
         for i, t in enumerate(types[:num_layers]):
             kind = _LAYER_TYPE_NAMES.get(t) if isinstance(t, str) else None
             if kind is None:
-                raise f.error(f"layer_types[{i}]", f"unknown layer type {json.dumps(t)[:40]} "
+                raise f.error(f"layer_types[{i}]", f"unknown layer type {_shown(t)} "
                               f"(known: {', '.join(sorted(_LAYER_TYPE_NAMES))})")
             kinds.append(kind)
         return tuple(kinds)
@@ -453,7 +456,7 @@ def _state_fields(f: _Fields, model_type: str | None, hidden: int, kinds: tuple[
         if key is not None:
             raw = f.data[key]
             if not (isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES):
-                raise f.error(key, f"unknown dtype {json.dumps(raw)[:40]}")
+                raise f.error(key, f"unknown dtype {_shown(raw)}")
             out["ssm_state_dtype"] = _DTYPE_NAMES[raw.removeprefix("torch.")]
     return out
 
@@ -493,7 +496,7 @@ def _dtype(f: _Fields, top: _Fields) -> str:
         raw = fields.data[key]
         if isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES:
             return _DTYPE_NAMES[raw.removeprefix("torch.")]
-        raise fields.error(key, f"unknown dtype {json.dumps(raw)[:40]} (known: {', '.join(sorted(_DTYPE_NAMES))})")
+        raise fields.error(key, f"unknown dtype {_shown(raw)} (known: {', '.join(sorted(_DTYPE_NAMES))})")
     return "bfloat16"
 
 
@@ -561,10 +564,10 @@ def resolve_model(source: str) -> ModelSpec:
     p = Path(source).expanduser()
     if p.is_dir():
         config = p / "config.json"
-        if not config.is_file():
+        if not config.exists():
             raise InputError("model directory has no config.json", path=str(p))
         return parse_model_spec(load_config_file(config), name=source, source_dir=str(p), path=str(config))
-    if p.is_file():
+    if p.exists():  # a file, or a FIFO or device that load_config_file refuses by name
         source_dir = str(p.parent) if p.name == "config.json" else None
         return parse_model_spec(load_config_file(p), name=source, source_dir=source_dir, path=str(p))
     if (PRESETS_DIR / f"{source.lower()}.json").is_file():

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from kvtune.errors import InputError
-from kvtune.histogram import Histogram, JointHistogram, LogHistogram
+from kvtune.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
+from kvtune.userfiles import brief
 
 __all__ = [
     "PERCENTILES",
@@ -376,8 +377,9 @@ class Arrival:
             raise InputError("expected an object", field=where)
         for key in ("first_s", "last_s"):
             value = data.get(key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise InputError("expected a number", field=f"{where}.{key}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or abs(value) > MAX_SAVED_INTEGER:
+                raise InputError(f"expected a number of seconds within ±{MAX_SAVED_INTEGER}", field=f"{where}.{key}")
         return cls(
             Histogram.from_dict(data.get("per_second"), f"{where}.per_second"),
             float(data["first_s"]),
@@ -505,10 +507,10 @@ _ROUTE_FIELDS = tuple(RouteProfile.__dataclass_fields__)
 
 def _count_map(data: Any, where: str) -> dict[str, int]:
     if not isinstance(data, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_SAVED_INTEGER
         for k, v in data.items()
     ):
-        raise InputError("expected an object of non-negative integer counts", field=where)
+        raise InputError(f"expected an object of integer counts from 0 to {MAX_SAVED_INTEGER}", field=where)
     return dict(sorted(data.items()))
 
 
@@ -564,6 +566,7 @@ class InputFile:
             or not isinstance(data.get("format"), str)
             or not isinstance(data.get("rows"), int)
             or isinstance(data.get("rows"), bool)
+            or not 0 <= data["rows"] <= MAX_SAVED_INTEGER
         ):
             raise InputError("expected {path: str, format: str, rows: int}", field=where)
         return cls(data["path"], data["format"], data["rows"])
@@ -651,7 +654,7 @@ class Profile:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise InputError(
-                f"unsupported version {version!r}; this kvtune reads version {SCHEMA_VERSION}",
+                f"unsupported version {brief(version)}; this kvtune reads version {SCHEMA_VERSION}",
                 field="schema_version",
             )
         routes = data.get("routes")

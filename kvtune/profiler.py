@@ -430,16 +430,12 @@ def _profile_once(paths: Sequence[str], options: Any, progress: ProgressCallback
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """Read a saved profile; any problem is an InputError naming the file and field."""
+    """Read a saved profile (a regular file of strict JSON, at most PROFILE_MAX_BYTES); any problem
+    is an InputError naming the file and field."""
+    from kvtune import userfiles
+
     where = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read profile: {exc}", path=where) from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg}", path=where, line=exc.lineno) from exc
+    data = userfiles.load_json(path, max_bytes=userfiles.PROFILE_MAX_BYTES)
     try:
         return Profile.from_dict(data)
     except KvtuneError as exc:
@@ -453,13 +449,13 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
 
 
 def is_saved_profile(path: str | os.PathLike[str]) -> bool:
-    """A .json file whose first bytes announce a kvtune profile (cheap: reads 256 bytes)."""
-    p = Path(path)
-    if p.suffix.lower() != ".json" or not p.is_file():
+    """A regular .json file whose first bytes announce a kvtune profile (cheap: reads 256 bytes)."""
+    from kvtune.userfiles import read_head
+
+    if Path(path).suffix.lower() != ".json":
         return False
-    with p.open("rb") as f:
-        head = f.read(256)
-    return b'"kind"' in head and b"kvtune-profile" in head
+    head = read_head(path, 256)
+    return head is not None and b'"kind"' in head and b"kvtune-profile" in head
 
 
 def load_profile_or_logs(

@@ -30,6 +30,7 @@ from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
 from kvtune.gateway_config import (
     ADMIN_ACCESS, DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
 )
+from kvtune.userfiles import brief
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
@@ -185,7 +186,8 @@ def nginx_word(value: Any) -> str:
     still interpret inside quotes (quote, backslash, `$`, control characters) are refused."""
     text = str(value)
     if not text or _NGINX_UNSAFE.search(text):
-        raise KvtuneError(f"{text!r} cannot be used in nginx.conf: no quotes, backslashes, $ or control characters")
+        raise KvtuneError(f"{brief(text)} cannot be used in nginx.conf: no quotes, backslashes, $ or control "
+                          "characters")
     return f'"{text}"'
 
 
@@ -203,7 +205,7 @@ def nginx_listen(value: Any) -> str:
     """host:port for `listen`, validated."""
     host, _, port = str(value).rpartition(":")
     if not _HOSTNAME.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
-        raise KvtuneError(f"cannot listen on {value!r}: expected host:port")
+        raise KvtuneError(f"cannot listen on {brief(value)}: expected host:port")
     return f"{host}:{int(port)}"
 
 

@@ -350,11 +350,11 @@ def parse_json(text: str, *, path: str, strict: bool = True) -> Any:
         else:
             data = json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg} (column {exc.colno})", path=path, line=exc.lineno) from None
+        raise InputError(f"invalid JSON: {exc.msg} (column {exc.colno})", path=path, line=exc.lineno) from None
     except _RefusedJSON as exc:
-        raise InputError(f"not valid JSON: {exc}", path=path) from None
+        raise InputError(f"invalid JSON: {exc}", path=path) from None
     except RecursionError:
-        raise InputError("not valid JSON: nested too deeply", path=path) from None
+        raise InputError("invalid JSON: nested too deeply", path=path) from None
     if _ESCAPED_SURROGATE.search(text):  # only escapes can make a lone surrogate in decoded text
         _refuse_lone_surrogates(data, path)
     return data

@@ -11,7 +11,6 @@ experts only. Biases are ignored. Every such choice is listed in `WeightsEstimat
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -270,11 +269,11 @@ def read_checkpoint_bytes(model_dir: str | os.PathLike[str]) -> tuple[int, Weigh
     directory = Path(model_dir)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InputError(f"cannot read safetensors index: {exc}", path=str(index)) from exc
-        total = data.get("metadata", {}).get("total_size") if isinstance(data, dict) else None
+        from kvtune import userfiles
+
+        data = userfiles.load_json(index, max_bytes=userfiles.MODEL_FILE_MAX_BYTES, strict=False)
+        metadata = data.get("metadata") if isinstance(data, dict) else None
+        total = metadata.get("total_size") if isinstance(metadata, dict) else None
         if isinstance(total, float) and total.is_integer():
             total = int(total)
         if not isinstance(total, int) or isinstance(total, bool) or total <= 0:

@@ -203,3 +203,12 @@ def test_calibrate_needs_a_url_or_a_log():
 def test_calibrate_from_a_log_alone():
     m = asyncio.run(calibrate(None, vllm_log=str(LOG)))
     assert (m.source, m.kv_cache_tokens, m.max_model_len, m.num_blocks) == (CapacitySource.VLLM_LOG, 4096, 512, None)
+
+
+def test_a_bad_max_model_len_is_quoted_briefly():
+    from kvtune.calibrate import parse_models
+
+    with pytest.raises(EndpointError) as info:
+        parse_models({"data": [{"id": "m", "max_model_len": [1] * 1_000_000}]}, origin="http://h/v1/models")
+    assert str(info.value) == ("http://h/v1/models: data[0].max_model_len: expected a positive integer, "
+                               "found [1, 1, 1, 1, ...]")

@@ -109,7 +109,7 @@ def test_edited_nginx_budget_is_what_gets_checked():
 
 
 def test_load_deployed_reports_unreadable_files(tmp_path):
-    with pytest.raises(InputError, match="cannot read"):
+    with pytest.raises(InputError, match="missing.sh: no such file$"):
         load_deployed(tmp_path / "missing.sh")
     (tmp_path / "g.yaml").write_text(gateway_yaml(budget=0))
     with pytest.raises(InputError, match="block_budget: must be at least 1"):
@@ -248,3 +248,43 @@ def test_result_json_shape():
     json.dumps(data)
     severities = [f["severity"] for f in data["findings"]]
     assert severities == sorted(severities, key=["risk", "warn", "info"].index)
+
+
+@pytest.mark.parametrize("flags, field, words", [
+    ("--gpu-memory-utilization 5", "--gpu-memory-utilization", "must be a number from 0 to 1"),
+    ("--gpu-memory-utilization nan", "--gpu-memory-utilization", "must be a number from 0 to 1"),
+    ("--swap-space inf", "--swap-space", "must be a number from 0"),
+    ("--max-num-seqs -5", "--max-num-seqs", "must be from 1"),
+    ("--max-num-seqs 0x10", "--max-num-seqs", "expected an integer, got '0x10'"),
+    ("--max-model-len " + "9" * 5000, "--max-model-len", "expected an integer such as 8192"),
+    ("--block-size " + "9" * 5000, "--block-size", "expected an integer, got '999"),
+    ("--override-generation-config '{\"max_new_tokens\": " + "9" * 5000 + "}'",
+     "--override-generation-config", "not JSON"),
+    ("--override-generation-config '{\"max_new_tokens\": true}'",
+     "--override-generation-config.max_new_tokens", "expected an integer, got True"),
+])
+def test_vllm_command_values_are_validated(flags, field, words):
+    with pytest.raises(InputError) as info:
+        parse_vllm_command(f"vllm serve m {flags}", source="serve.sh")
+    assert str(info.value).startswith(f"serve.sh: {field}: ") and words in str(info.value)
+    assert len(str(info.value)) < 300
+
+
+def test_nginx_lua_table_nested_too_deeply_or_huge_numbers(tmp_path):
+    text = render_files(rec())["nginx.conf"]
+    deep = text.replace("block_budget = 26999,", "block_budget = 26999, x = " + "{" * 5000 + "}" * 5000 + ",")
+    with pytest.raises(InputError, match="nested deeper than 32"):
+        parse_deployed(deep, source="nginx.conf")
+    huge = text.replace("block_budget = 26999,", "block_budget = " + "9" * 5000 + ",")
+    with pytest.raises(InputError, match="a number of 5000 characters"):
+        parse_deployed(huge, source="nginx.conf")
+
+
+def test_a_gateway_yaml_refused_as_yaml_says_why(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("version: 1\nroutes: &r []\nroutes: *r\n")
+    with pytest.raises(InputError) as info:
+        load_deployed(path)
+    assert str(info.value) == (f"{path}: not a `vllm serve` command line, a gateway.yaml or an nginx.conf rendered "
+                               "by kvtune (read as YAML: line 2: unsupported YAML: anchors and aliases are not allowed "
+                               "(&r / *r); write each value out)")

@@ -60,7 +60,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
     missing = tmp_path / "nope.sh"
     result = CliRunner().invoke(cli, ["check", REC, "--model", "llama-3.1-8b", "--deployed", str(missing)])
     assert result.exit_code == 2
-    assert result.output.strip() == f"Error: {missing}: cannot read: No such file or directory"
+    assert result.output.strip() == f"Error: {missing}: no such file"
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(json.dumps({**GATEWAY, "block_budget": 0}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -219,3 +220,34 @@ def test_capacity_file_errors(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         read_capacity_file(tmp_path / "absent.json")
     assert isinstance(MeasuredCapacity.from_dict({"source": "kv-tokens", "kv_cache_tokens": 5}), MeasuredCapacity)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("gpu_memory_utilization", 5, "must be from 0 to 1, found 5"),
+    ("num_blocks", 2**70, "must be from 0 to 9007199254740992"),
+    ("max_concurrency", -1.5, "must be from 0"),
+    ("line", 0, "must be from 1"),
+    ("block_size", 1e3, "expected int, found 1000.0"),
+    ("enable_prefix_caching", 1, "expected bool, found 1"),
+])
+def test_capacity_file_values_are_validated_not_coerced(tmp_path, field, value, words):
+    m = read_vllm_log(DATA / "vllm-0.12-tp2-startup.log")
+    path = tmp_path / "capacity.json"
+    path.write_text(json.dumps({**m.to_dict(), field: value}))
+    with pytest.raises(InputError) as info:
+        read_capacity_file(path)
+    assert str(info.value).startswith(f"{path}: {field}: ") and words in str(info.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"source": "vllm-log", "kv_cache_tokens": 5, "max_concurrency": NaN}', "NaN is not JSON"),
+    ('{"source": "vllm-log", "kv_cache_tokens": 5, "max_concurrency": 1e999}', "out of range"),
+    ('{"source": "vllm-log", "kv_cache_tokens": 5, "kv_cache_tokens": 9}', "duplicate key 'kv_cache_tokens'"),
+    ('{"source": ["vllm-log"], "kv_cache_tokens": 5}', "unknown source ['vllm-log']"),
+])
+def test_capacity_file_json_is_strict(tmp_path, text, words):
+    path = tmp_path / "capacity.json"
+    path.write_text(text)
+    with pytest.raises(InputError, match="^" + str(path)) as info:
+        read_capacity_file(path)
+    assert words in str(info.value)

@@ -288,3 +288,12 @@ def test_yaml_numbers_too_large_for_python_are_refused(tmp_path):
     path.write_text("version: 1\nblock_budget: " + "9" * 5000 + "\n")
     with pytest.raises(InputError, match="an integer of 5,000 digits"):
         load_gateway_config(path)
+
+
+def test_unknown_keys_are_named_as_written_or_briefly():
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(queue={"max-waiting": 5}), path="gw.yaml")
+    assert info.value.field == "queue.max-waiting"
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(queue={"k" * 10_000: 5}), path="gw.yaml")
+    assert len(info.value.field) <= len("queue.") + 40

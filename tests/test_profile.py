@@ -350,5 +350,30 @@ def test_bad_profile_files_name_file_and_field(tmp_path):
         assert str(err.value) == f"{path}: {message}"
     broken = tmp_path / "broken.json"
     broken.write_text('{"kind": "kvtune-profile",\n  oops')
-    with pytest.raises(InputError, match=r"broken.json:2: not valid JSON"):
+    with pytest.raises(InputError, match=r"broken.json:2: invalid JSON"):
         load_profile(broken)
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (lambda r: r["output_tokens"]["uncensored"]["values"].__setitem__(-1, 2**70),
+     "routes[0].output_tokens.uncensored.values", "is above 9007199254740992"),
+    (lambda r: r["prompt_tokens"]["counts"].__setitem__(0, 2**63),
+     "routes[0].prompt_tokens.counts", "is above 9007199254740992"),
+    (lambda r: r["prompt_tokens"].update(counts=[2**52] * len(r["prompt_tokens"]["counts"])),
+     "routes[0].prompt_tokens.counts", "add up to more than"),
+    (lambda r: r["latency_ms"]["values"].__setitem__(-1, 10**6), "routes[0].latency_ms.values", "is above"),
+    (lambda r: r["arrival"].update(first_s=1e308), "routes[0].arrival.first_s", "seconds within"),
+    (lambda r: r["finish_reasons"].update(stop=2**64), "routes[0].finish_reasons", "integer counts"),
+])
+def test_saved_profile_numbers_stay_in_range(tmp_path, edit, field, words):
+    rng = np.random.default_rng(5)
+    data = build(batch(rng.integers(1, 900, 50), rng.integers(1, 90, 50), "/chat",
+                       timestamp_s=rng.uniform(0, 100, 50), latency_ms=rng.uniform(10, 500, 50),
+                       finish_reason=["stop"] * 50)).to_dict()
+    edit(data["routes"][0])
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError) as info:
+        load_profile(path)
+    assert str(info.value).startswith(f"{path}: {field}: "), str(info.value)
+    assert words in str(info.value)

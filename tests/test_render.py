@@ -357,3 +357,13 @@ def test_coarsen_histogram_keeps_totals_and_edges():
     assert len(new_counts) <= 24 and len(new_edges) == len(new_counts) + 1
     assert sum(new_counts) == sum(counts)
     assert new_edges[0] == 0 and new_edges[-1] == edges[507]
+
+
+def test_refused_values_are_quoted_briefly():
+    from kvtune.errors import KvtuneError
+    from kvtune.render import nginx_listen, nginx_word
+
+    for call in (lambda: nginx_word("/v1/" + "x" * 1_000_000 + "$"), lambda: nginx_listen("h" * 1_000_000)):
+        with pytest.raises(KvtuneError) as info:
+            call()
+        assert len(str(info.value)) < 200

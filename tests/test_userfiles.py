@@ -119,7 +119,7 @@ def test_plain_yaml_still_reads():
     ('{"a": ' + "1" * 5000 + "}", "an integer of 5,000 digits"),
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
     ('{"a": ["\\ud800"]}', "lone UTF-16 surrogate"),
-    ('{"a": 1', "not valid JSON: Expecting"),
+    ('{"a": 1', "invalid JSON: Expecting"),
 ])
 def test_strict_json_refusals(text, words):
     with pytest.raises(InputError) as info:

@@ -23,6 +23,7 @@ from kvtune.bench.client import RequestSpec
 from kvtune.errors import EndpointError, InputError, KvtuneError
 from kvtune.histogram import JOINT_EDGES, Histogram
 from kvtune.profile import Profile, RouteProfile
+from kvtune.userfiles import brief
 
 __all__ = [
     "PairSampler",
@@ -67,7 +68,7 @@ class PairSampler:
 
     def __init__(self, route: RouteProfile) -> None:
         if route.prompt.total == 0:
-            raise InputError(f"route {route.route!r} logs no prompt lengths; a benchmark needs them",
+            raise InputError(f"route {brief(route.route)} logs no prompt lengths; a benchmark needs them",
                              field="--route")
         self.route = route.route
         self.prompt = route.prompt

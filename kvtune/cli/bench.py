@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
 from kvtune.cli.options import ingest_options_from, log_options
 from kvtune.errors import InputError, KvtuneError
+from kvtune.userfiles import brief
 
 JSON_FIELDS = """\b
 --json / --out write one object:
@@ -55,19 +55,10 @@ Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 b
 
 
 def _parse_expect(path: str) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("no such file", path=path, field="--expect") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON: {exc.msg}", path=path, line=exc.lineno) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc}", path=path, field="--expect") from None
-    if not isinstance(data, dict) or not isinstance((data.get("block_budget") or {}).get("value"), int):
-        raise InputError("not a recommendation.json (no block_budget.value); write one with "
-                         "`kvtune recommend --out DIR`", path=path, field="--expect")
-    return data
+    """The recommendation.json a verdict checks against: the fields it reads, validated."""
+    from kvtune.recommendation_file import load_recommendation
+
+    return load_recommendation(path, complete=False, field="--expect")
 
 
 @click.command(epilog=JSON_FIELDS)
@@ -185,7 +176,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         profile = load_profile(profile_path) if profile_path else load_profile_or_logs(list(logs), ingest)
         for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
             if r.prompt.total == 0:
-                raise InputError(f"route {r.route!r} logs no prompt lengths; a benchmark needs them", field="--route")
+                raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",
+                                 field="--route")
         if opts["rate"] is not None:
             load = LoadShape.rate(opts["rate"], opts["burstiness"])
         else:

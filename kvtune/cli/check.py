@@ -3,34 +3,30 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
 
 from kvtune.cli.options import capacity_options, log_options
 from kvtune.cli.recommend import build_recommendation, recommend_options
-from kvtune.errors import InputError, KvtuneError
+from kvtune.errors import InputError
+from kvtune.userfiles import brief
 
 _STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", "blue")}
 
 
 def _saved_recommendation(paths: tuple[str, ...]) -> dict | None:
-    """A recommendation.json written by `kvtune recommend --out` instead of logs, or None."""
-    if len(paths) != 1 or not paths[0].endswith(".json") or not Path(paths[0]).is_file():
+    """A recommendation.json written by `kvtune recommend --out` instead of logs (validated), or None."""
+    from kvtune.recommendation_file import load_recommendation, looks_like_recommendation
+
+    if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
-    try:
-        data = json.loads(Path(paths[0]).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if isinstance(data, dict) and {"schema_version", "block_budget", "settings", "routes"} <= set(data):
-        return data
-    return None
+    return load_recommendation(paths[0])
 
 
 @click.command()
 @click.argument("logs", nargs=-1, required=True)
-@click.option("--deployed", "deployed_paths", multiple=True, required=True, type=click.Path(dir_okay=False),
+@click.option("--deployed", "deployed_paths", multiple=True, required=True, type=click.Path(), metavar="FILE",
               help="A vllm serve command line or script, a gateway.yaml, or an nginx.conf rendered by "
                    "kvtune. Repeat to check an engine and its gateway together.")
 @recommend_options
@@ -59,12 +55,9 @@ def check(logs: tuple[str, ...], model: str, deployed_paths: tuple[str, ...], js
     if rec is None:
         rec = build_recommendation(logs, model, opts).to_dict()
     elif model not in (rec.get("model"), rec.get("served_model")):
-        raise InputError(f"the recommendation is for {rec.get('model')!r}, not {model!r}", path=logs[0],
+        raise InputError(f"the recommendation is for {brief(rec.get('model'))}, not {brief(model)}", path=logs[0],
                          field="model")
-    try:
-        result = check_deployment(deployed, rec, max_truncation=opts.get("max_truncation"))
-    except (KeyError, TypeError) as exc:
-        raise KvtuneError(f"the recommendation lacks or mistypes a field: {exc}") from exc
+    result = check_deployment(deployed, rec, max_truncation=opts.get("max_truncation"))
 
     if json_:
         click.echo(json.dumps(result.to_dict(), indent=2))

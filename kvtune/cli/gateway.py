@@ -10,7 +10,7 @@ from kvtune.errors import InputError
 
 
 @click.command()
-@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+@click.option("--config", "config_path", required=True, type=click.Path(), metavar="FILE",
               help="gateway.yaml, as rendered by `kvtune recommend`.")
 @click.option("--upstream", default=None, help="Upstream base URL (overrides the file), e.g. http://127.0.0.1:8000.")
 @click.option("--host", default=None, help="Address to listen on (overrides listen.host).")

@@ -1,0 +1,124 @@
+"""recommendation.json read back by `check` and `bench --expect`: a damaged file is one error line that
+names the field, never a traceback or a detour through the log readers (issue #10, items 10-11)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtune.cli import cli
+from kvtune.errors import InputError
+from kvtune.recommendation_file import load_recommendation, parse_recommendation
+
+DATA = Path(__file__).parent / "data"
+GOOD = json.loads((DATA / "recommendation.json").read_text())
+GATEWAY = {"version": 1, "upstream": "http://127.0.0.1:8000", "block_size": 16, "block_budget": 26999,
+           "max_model_len": 14512, "routes": [{"name": "default", "max_new_tokens": 700}]}
+
+
+def damaged(edit) -> dict:
+    rec = copy.deepcopy(GOOD)
+    edit(rec)
+    return rec
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (lambda r: r.pop("settings"), "settings", "missing"),
+    (lambda r: r["settings"].pop("max_model_len"), "settings.max_model_len", "missing"),
+    (lambda r: r["settings"]["max_model_len"].update(value=None), "settings.max_model_len.value", "expected a value"),
+    (lambda r: r["routes"][0]["max_new_tokens"].update(value="many"), "routes[0].max_new_tokens.value",
+     "expected an integer, got 'many'"),
+    (lambda r: r["routes"][0]["max_new_tokens"].update(value=2**70), "routes[0].max_new_tokens.value", "must be in"),
+    (lambda r: r["routes"][0].update(match=5), "routes[0].match", "expected an object, got 5"),
+    (lambda r: r["routes"][0].update(prompt_tokens=[]), "routes[0].prompt_tokens", "expected an object"),
+    (lambda r: r["routes"][0]["output_histogram"].update(edges=[0]), "routes[0].output_histogram",
+     "increasing edges"),
+    (lambda r: r["routes"][0].update(truncation_share="NaN"), "routes[0].truncation_share", "finite number"),
+    (lambda r: r.update(routes=[]), "routes", "non-empty list"),
+    (lambda r: r["capacity"].update(block_size=0), "capacity.block_size", "must be in 1.."),
+    (lambda r: r["capacity"].update(num_blocks=True), "capacity.num_blocks", "expected an integer, got True"),
+    (lambda r: r.update(engine=[]), "engine", "expected an object"),
+    (lambda r: r["engine"].update(v1="yes"), "engine.v1", "expected true or false"),
+    (lambda r: r["hardware"].update(gpu_memory_bytes=-1), "hardware.gpu_memory_bytes", "must be in 0.."),
+    (lambda r: r["settings"]["gpu_memory_utilization"].update(value=9.2), "settings.gpu_memory_utilization.value",
+     "must be in 0..1"),
+    (lambda r: r["settings"].update(max_num_seqs=7), "settings.max_num_seqs", "expected an object"),
+    (lambda r: r.update(schema_version=True), "schema_version", "expected an integer"),
+    (lambda r: r.update(schema_version=2), "schema_version", "unsupported version 2"),
+    (lambda r: r["concurrency"].update(context_tokens="x" * 10_000), "concurrency.context_tokens", "..."),
+])
+def test_damaged_fields_are_named(edit, field, words, tmp_path):
+    with pytest.raises(InputError) as info:
+        parse_recommendation(damaged(edit), path="recommendation.json")
+    assert info.value.field == field
+    assert words in str(info.value)
+    assert len(str(info.value)) < 200
+
+
+def test_the_real_file_reads_back_unchanged():
+    assert parse_recommendation(copy.deepcopy(GOOD), path="r.json") == GOOD
+
+
+def test_bench_needs_only_what_a_verdict_reads():
+    minimal = {"block_budget": {"value": 89}, "capacity": {"num_blocks": 100, "block_size": 16},
+               "routes": [{"route": "/v1/chat/completions", "max_new_tokens": {"value": 64}, "truncation_share": 0.0}]}
+    assert parse_recommendation(minimal, path="r.json", complete=False) is minimal
+    with pytest.raises(InputError, match=r"routes\[0\].truncation_share: expected a finite number"):
+        parse_recommendation({**minimal, "routes": [{"route": "/r", "truncation_share": "NaN"}]}, path="r.json",
+                             complete=False)
+    with pytest.raises(InputError, match="schema_version: missing"):  # check reads much more
+        parse_recommendation(minimal, path="r.json")
+
+
+def test_file_level_damage(tmp_path):
+    path = tmp_path / "recommendation.json"
+    path.write_text(json.dumps(GOOD, indent=2)[:3000])
+    with pytest.raises(InputError, match=r"recommendation.json:\d+: invalid JSON"):
+        load_recommendation(path)
+    path.write_text(json.dumps(GOOD)[:-1] + ', "model": "other"}')
+    with pytest.raises(InputError, match="duplicate key 'model'"):
+        load_recommendation(path)
+
+
+def run_check(rec_path, tmp_path):
+    gateway = tmp_path / "gateway.yaml"
+    gateway.write_text(json.dumps(GATEWAY))
+    return CliRunner().invoke(cli, ["check", str(rec_path), "--model", "llama-3.1-8b", "--deployed", str(gateway)])
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda r: r.pop("settings"), "settings: missing"),
+    (lambda r: r["routes"][0]["max_new_tokens"].update(value="many"),
+     "routes[0].max_new_tokens.value: expected an integer, got 'many'"),
+    (lambda r: r["routes"][0]["prompt_tokens"].update(max="7"),
+     "routes[0].prompt_tokens.max: expected an integer, got '7'"),
+    (lambda r: r.update(routes=[]), "routes: expected a non-empty list of routes, got []"),
+])
+def test_check_names_the_damaged_field(edit, line, tmp_path):
+    path = tmp_path / "recommendation.json"
+    path.write_text(json.dumps(damaged(edit), indent=2))
+    result = run_check(path, tmp_path)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"Error: {path}: {line}\n"
+
+
+def test_check_reports_a_truncated_recommendation_as_json(tmp_path):
+    path = tmp_path / "recommendation.json"
+    path.write_text(json.dumps(GOOD, indent=2)[:3000])
+    result = run_check(path, tmp_path)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {path}:") and "invalid JSON" in result.stderr
+
+
+def test_bench_expect_refuses_a_share_that_is_not_a_number(tmp_path):
+    from kvtune.cli.bench import _parse_expect
+
+    path = tmp_path / "recommendation.json"
+    path.write_text(json.dumps({"block_budget": {"value": 5}, "routes": [{"route": "/r", "truncation_share": "0.1"}]}))
+    with pytest.raises(InputError) as info:
+        _parse_expect(str(path))
+    assert str(info.value) == (f"{path}: routes[0].truncation_share: expected a finite number, got '0.1'")
