@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import TRACES
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import COLUMNS, IngestOptions, expand_paths, read_logs
-from kvtune.ingest import columns, flatscan, jsonl, readers
+from kvtune.ingest import columns, flatscan, jsonl, readers, tabular
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -465,3 +465,74 @@ def test_mistyped_otlp_arrays_are_counted_skips(tmp_path, line):
     assert stats.skipped == {"malformed record structure": 1}
     with pytest.raises(KvtuneError, match="expected a list"):
         read([path], format="otel", on_error="fail")
+
+
+# -- a log that changes under the reader (logrotate's copytruncate) -----------------------------
+
+
+def _truncate_after_first_batch(paths, cut, **opts):
+    """Read until the first batch, truncate the file to `cut` bytes, read on."""
+    it, stats = read_logs([str(p) for p in paths], IngestOptions(**opts))
+    first = next(it)
+    assert first.num_rows
+    with open(paths[0], "r+b") as f:
+        f.truncate(cut)
+    return list(it), stats
+
+
+@pytest.mark.parametrize("path_kind", ["scan", "duckdb", "blocks", "records", "csv"])
+@pytest.mark.parametrize("cut", [0, 123_457])
+def test_truncated_while_read_is_one_input_error(tmp_path, monkeypatch, path_kind, cut):
+    """A file that shrinks mid-read ends the read with an InputError naming it, on every path
+    (the C scanner's once mapped the file and died of SIGBUS), never a partial profile."""
+    src = _native_table(200_000 if path_kind == "csv" else 40_000)  # pyarrow reads CSV far ahead
+    path = tmp_path / ("t.csv" if path_kind == "csv" else "t.jsonl")
+    if path_kind == "csv":
+        src.to_pandas().to_csv(path, index=False)
+    else:
+        _write_jsonl(src, path)
+    monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 64 << 10)
+    monkeypatch.setattr(jsonl, "BLOCK_BYTES", 64 << 10)
+    monkeypatch.setattr(readers, "SINK_ROWS", 1000)
+    monkeypatch.setattr(tabular, "CSV_BLOCK_BYTES", 64 << 10)
+    if path_kind == "scan" and not flatscan.available():
+        pytest.skip("kvtune.ingest._flatscan is not built")
+    if path_kind in ("duckdb", "blocks"):
+        monkeypatch.setattr(flatscan, "available", lambda: False)
+    if path_kind == "duckdb":
+        pytest.importorskip("duckdb")
+        monkeypatch.setattr(jsonl, "DUCKDB_BATCH_ROWS", 2048)
+    if path_kind == "blocks":
+        monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+    opts = {"format": "openai"} if path_kind == "records" else {}
+    if path_kind == "records":  # the slow path: one record at a time, here in OpenAI's shape
+        lines = [json.dumps({"object": "chat.completion", "model": "m", "usage": {"prompt_tokens": 3,
+                 "completion_tokens": i % 500 + 1}, "choices": [{"finish_reason": "stop"}]}) for i in range(40_000)]
+        path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size > 1 << 20
+    with pytest.raises(InputError, match="truncated while being read") as caught:
+        _truncate_after_first_batch([path], cut, **opts)
+    assert caught.value.path == str(path) and "\n" not in str(caught.value)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.lists(st.sampled_from([b"a", b"bc", b"\n", b"{}", b"\n\n", b"x" * 300]), max_size=60).map(b"".join),
+       block=st.integers(1, 700), past=st.integers(1, 100))
+def test_line_ranges_read_whole_lines_that_tile_the_file(tmp_path, monkeypatch, data, block, past):
+    """Workers read their blocks independently (pread): the blocks are whole lines, in order,
+    and together exactly the file, wherever the ranges cut and however long the lines."""
+    from kvtune.ingest.compression import open_bytes
+
+    monkeypatch.setattr(jsonl, "READ_PAST_BYTES", past)  # lines longer than that: read on
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(data)
+    _, raw = open_bytes(path)
+    with raw:
+        blocks = [bytes(jsonl._read_lines(raw.raw, *r)) for r in jsonl._line_ranges(len(data), block)]
+    assert b"".join(blocks) == data
+    starts = {0} | {i + 1 for i, c in enumerate(data) if c == 10}
+    offset = 0
+    for b in blocks:
+        assert not b or offset in starts
+        assert not b or b.endswith(b"\n") or offset + len(b) == len(data)
+        offset += len(b)

@@ -56,6 +56,7 @@ class _Plan:
     columns: list[str] = field(default_factory=list)  # CSV header / Parquet columns
     ts_type: pa.DataType | None = None  # CSV timestamp column type
     bytes_per_record: float = 256.0  # JSONL: from the head, for progress where only rows are known
+    size: int | None = None  # bytes when planned: every read stops there, and fails if the file shrank
 
     @property
     def format(self) -> str:
@@ -175,7 +176,7 @@ def _plan(path: Path, options: IngestOptions) -> _Plan:
     if not head.strip():
         raise InputError("empty file (no data after decompression)", path=str(path))
     container = _container(path, head)
-    plan = _Plan(path, container, None)
+    plan = _Plan(path, container, None, size=size)
     if container == "parquet":
         if head[:4] != b"PAR1":
             raise InputError(

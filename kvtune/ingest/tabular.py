@@ -22,6 +22,7 @@ from kvtune.ingest.plan import _Plan
 from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
 
 PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
+CSV_BLOCK_BYTES = 4 << 20  # CSV bytes per pyarrow batch
 
 
 class TabularPaths:
@@ -49,8 +50,8 @@ class TabularPaths:
             quoted_strings_can_be_null=True,
         )
         parse = pcsv.ParseOptions(delimiter="\t" if plan.container == "tsv" else ",", newlines_in_values=True)
-        read = pcsv.ReadOptions(block_size=4 << 20)
-        stream, raw = open_bytes(plan.path)
+        read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
+        stream, raw = open_bytes(plan.path, plan.size)
         done = 0
         try:
             try:
@@ -80,7 +81,7 @@ class TabularPaths:
         yield from self._records(plan, self._csv_records(plan, done))
 
     def _csv_records(self, plan: _Plan, skip_rows: int) -> Iterator[tuple[int | None, int | None, Any]]:
-        stream, raw = open_bytes(plan.path)
+        stream, raw = open_bytes(plan.path, plan.size)
         try:
             text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="strict", newline="")
             reader = csv.reader(text, delimiter="\t" if plan.container == "tsv" else ",")
