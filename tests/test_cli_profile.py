@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import REPO
 from kvtune.cli import cli
@@ -212,3 +214,166 @@ def test_profile_survives_truncation_at_random_points(tmp_path):
             assert err.count("\n") == 1 and err.startswith(f"Error: {live}"), err[-2000:]
         outcomes.append(err)
     assert sum("truncated while being read" in e for e in outcomes) >= 1, outcomes
+
+
+# -- hostile files in every container: exit 0 or one error line, never a traceback -------------
+
+LOGS = REPO / "tests" / "data" / "logs"
+_SEEDS = sorted(p for p in LOGS.iterdir() if p.suffix in (".jsonl", ".csv", ".json"))
+# what garbles logs in practice and what the code must refuse: bad text, extreme numbers, structure
+_HOSTILE = [
+    b'"\\ud800"', b'"\\udfff\\ud800"', b"\xff", b"\xed\xa0\x80", b"\xc3", b"\x00", b"\r", b"\n", b",", b'"',
+    b"1e308", b"-1e308", b"1e400", b"NaN", b"-Infinity", b"9223372036854775807", b"9223372036854775808",
+    b"4611686018427387904", b"-1", b"0", b"1.5", b"true", b"null", b'""', b"{", b"}", b"[", b"]", b":",
+    b'"route"', b'"output_tokens"', b'"timestamp_s"', b'"prompt_tokens"', b"2024-13-45T99:99:99Z",
+    b'{"route": "a", "output_tokens": 4611686018427387904, "prompt_tokens": 4611686018427387904}',
+    b'{"route": "a", "output_tokens": 5, "timestamp_s": 1e308}',
+]
+
+
+@st.composite
+def _garbled_text_log(draw):
+    """A real log of some schema, mutated at byte level, then maybe compressed and maybe cut."""
+    seed = draw(st.sampled_from(_SEEDS))
+    data = bytearray(seed.read_bytes())
+    for _ in range(draw(st.integers(0, 4))):
+        at = draw(st.integers(0, len(data)))
+        op = draw(st.sampled_from(["insert", "replace", "delete", "duplicate"]))
+        token = draw(st.sampled_from(_HOSTILE) | st.binary(min_size=1, max_size=6))
+        if op == "insert":
+            data[at:at] = token
+        elif op == "replace":
+            data[at : at + len(token)] = token
+        elif op == "delete":
+            del data[at : at + draw(st.integers(1, 40))]
+        else:
+            data[at:at] = data[at : at + draw(st.integers(1, 200))]
+    return seed.name, bytes(data)
+
+
+_HOSTILE_VALUES = [
+    "\ud800", "a\udfff", "\x00", "", 1e308, -1e308, float("nan"), float("inf"), -1, 0, 2**53 + 1, 2**62, 2**63,
+    10**30, -(2**63), 1.5, True, None, [], {}, "9223372036854775808", "1e308", "-5", "NaN", "2024-13-45T00:00:00Z",
+    "99999-01-01", "length", "/v1/*",
+]
+
+
+@st.composite
+def _hostile_values_log(draw):
+    """A real log with hostile values put where values go: counts, times, labels, nested fields."""
+    import csv
+    import io
+
+    seed = draw(st.sampled_from(_SEEDS))
+    text = seed.read_text(encoding="utf-8")
+    value = st.sampled_from(_HOSTILE_VALUES)
+    if seed.suffix == ".csv":
+        rows = list(csv.reader(io.StringIO(text)))
+        for _ in range(draw(st.integers(1, 4))):
+            row = draw(st.integers(1, len(rows) - 1))
+            col = draw(st.integers(0, len(rows[row]) - 1))
+            rows[row][col] = str(draw(value)).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        out = io.StringIO()
+        csv.writer(out).writerows(rows)
+        return seed.name, out.getvalue().encode()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()] if seed.suffix == ".jsonl" else [json.loads(text)]
+    for _ in range(draw(st.integers(1, 4))):
+        node = draw(st.sampled_from(records))
+        for _ in range(draw(st.integers(0, 4))):  # walk down to some nested container
+            inner = [v for v in (node.values() if isinstance(node, dict) else node) if isinstance(v, (dict, list)) and v]
+            if not inner:
+                break
+            node = draw(st.sampled_from(inner))
+        if isinstance(node, dict) and node:
+            node[draw(st.sampled_from(sorted(node)))] = draw(value)
+        elif isinstance(node, list) and node:
+            node[draw(st.integers(0, len(node) - 1))] = draw(value)
+    if seed.suffix == ".jsonl":
+        return seed.name, "".join(json.dumps(r) + "\n" for r in records).encode()
+    return seed.name, json.dumps(records[0]).encode()
+
+
+@st.composite
+def _hostile_parquet(draw):
+    """A Parquet file of kvtune columns with extreme, mistyped or null values, maybe corrupted."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = draw(st.integers(1, 6))
+    ints = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, -1, 2**62, 2**63 - 1, -(2**63)]))
+    floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([1e308, -1e308, 1.7e9])
+    texts = st.text(max_size=5)
+    kinds = {
+        "int": lambda: pa.array(draw(st.lists(st.none() | ints, min_size=n, max_size=n)), pa.int64()),
+        "float": lambda: pa.array(draw(st.lists(st.none() | floats, min_size=n, max_size=n)), pa.float64()),
+        "text": lambda: pa.array(draw(st.lists(st.none() | texts, min_size=n, max_size=n)), pa.string()),
+        "binary": lambda: pa.array(draw(st.lists(st.binary(max_size=4), min_size=n, max_size=n)), pa.binary()),
+        "bool": lambda: pa.array(draw(st.lists(st.none() | st.booleans(), min_size=n, max_size=n))),
+        "time": lambda: pa.array(draw(st.lists(st.none() | ints, min_size=n, max_size=n)), pa.timestamp("us")),
+    }
+    names = ["route", "model", "prompt_tokens", "output_tokens", "max_tokens", "finish_reason",
+             "timestamp_s", "latency_ms", "ttft_ms", "censored"]
+    chosen = draw(st.lists(st.sampled_from(names), min_size=1, max_size=6, unique=True))
+    chosen += [name for name in ("route", "output_tokens") if name not in chosen]  # detected as kvtune rows
+    columns = {name: kinds[draw(st.sampled_from(sorted(kinds)))]() for name in chosen}
+    sink = io.BytesIO()
+    pq.write_table(pa.table(columns), sink)
+    data = bytearray(sink.getvalue())
+    if draw(st.booleans()):  # corrupt a few bytes (page data, footer or magic)
+        for _ in range(draw(st.integers(1, 3))):
+            at = draw(st.integers(0, len(data) - 1))
+            data[at] = draw(st.integers(0, 255))
+    return "fuzz.parquet", bytes(data)
+
+
+def _container(draw, name, data):
+    """The bytes as written: plain, gzip or zstd (Parquet only plain), maybe cut short."""
+    import gzip
+
+    import zstandard
+
+    codec = "" if name.endswith(".parquet") else draw(st.sampled_from(["", ".gz", ".zst"]))
+    packed = {"": lambda d: d, ".gz": gzip.compress, ".zst": zstandard.ZstdCompressor().compress}[codec](data)
+    if draw(st.integers(0, 4)) == 0 and len(packed) > 1:  # a truncated file or compressed stream
+        packed = packed[: draw(st.integers(1, len(packed) - 1))]
+    return name + codec, packed
+
+
+def _assert_clean_exit(result):
+    """Exit 0, or exit 2 with exactly one `Error: ...` line on stderr; a traceback fails."""
+    if result.exit_code not in (0, 2) or (result.exception is not None and not isinstance(result.exception, SystemExit)):
+        import traceback
+
+        raise AssertionError("".join(traceback.format_exception(result.exception))) from result.exception
+    if result.exit_code == 2:
+        assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
+
+
+_FUZZ_OPTIONS = [[], ["--strict"], ["--route-by", "model"], ["--route-by", "route"], ["--format", "kvtune"],
+                 ["--trace-max-is-cap"], ["--assume-cap", "5"], ["--field", "output_tokens=usage.completion_tokens"],
+                 ["--field", "timestamp_s=created"]]
+
+
+@pytest.mark.parametrize("reader", ["scan", "duckdb", "blocks"])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_files_exit_0_or_one_error_line(tmp_path_factory, monkeypatch, reader, data):
+    """Logs of every schema (JSONL, CSV, JSON documents) with hostile values or garbled bytes, and
+    hostile Parquet files, plain, gzip or zstd, whole or cut short, through each JSONL reader: `kvtune profile` exits 0
+    (bad rows counted) or 2 with one line, never with a traceback."""
+    from kvtune.ingest import flatscan, readers
+
+    name, raw = data.draw(st.one_of(_hostile_values_log(), _garbled_text_log(), _hostile_parquet()))
+    name, packed = _container(data.draw, name, raw)
+    path = tmp_path_factory.mktemp("fuzz") / name
+    path.write_bytes(packed)
+    args = ["profile", str(path), "--json", *data.draw(st.sampled_from(_FUZZ_OPTIONS))]
+    with monkeypatch.context() as m:
+        if reader != "scan":
+            m.setattr(flatscan, "available", lambda: False)
+        if reader == "blocks":
+            m.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+        result = CliRunner().invoke(cli, args)
+    _assert_clean_exit(result)

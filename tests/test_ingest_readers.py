@@ -536,3 +536,163 @@ def test_line_ranges_read_whole_lines_that_tile_the_file(tmp_path, monkeypatch, 
         assert not b or offset in starts
         assert not b or b.endswith(b"\n") or offset + len(b) == len(data)
         offset += len(b)
+
+
+# -- hostile values: each a counted skip (or one InputError), on every path ---------------------
+
+_READERS = ["scan", "duckdb", "blocks"]
+
+
+def _use_reader(monkeypatch, reader):
+    if reader == "scan" and not flatscan.available():
+        pytest.skip("kvtune.ingest._flatscan is not built")
+    if reader != "scan":
+        monkeypatch.setattr(flatscan, "available", lambda: False)
+    if reader == "blocks":
+        monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+
+
+def _jsonl_with(tmp_path, bad: bytes, clean=200):
+    """`clean` good rows, then one line holding `bad`, then the good rows again."""
+    good = b"".join(json.dumps({"route": f"/r{i % 3}", "output_tokens": i + 1, "prompt_tokens": 7,
+                                "timestamp_s": 1.7e9 + i}).encode() + b"\n" for i in range(clean))
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(good + bad + b"\n" + good)
+    return path
+
+
+@pytest.mark.parametrize("reader", _READERS)
+@pytest.mark.parametrize("bad", [
+    b'{"route": "a\\ud800", "output_tokens": 5}',  # a lone surrogate, escaped
+    b'{"route": "\\udfff\\ud800b", "output_tokens": 5}',
+    b'{"model": "m\\ud800", "route": "a", "output_tokens": 5}',
+    b'{"route": "a", "output_tokens": 5, "finish_reason": "\\ud83d"}',
+    b'{"route": "a\xff\xfe", "output_tokens": 5}',  # invalid UTF-8
+    b'{"route": "a\xed\xa0\x80", "output_tokens": 5}',  # an encoded surrogate
+    b'{"route": "\xc3", "output_tokens": 5}',  # a cut sequence
+])
+def test_invalid_text_is_a_counted_skip_on_every_path(tmp_path, monkeypatch, reader, bad):
+    _use_reader(monkeypatch, reader)
+    path = _jsonl_with(tmp_path, bad)
+    table, stats = read([path])
+    assert table.num_rows == stats.rows_ok == 400
+    assert dict(stats.skipped) in ({"invalid text field": 1}, {"malformed JSON": 1})
+    assert next(iter(stats.examples.values())).startswith(f"{path}:201: ")
+    with pytest.raises(InputError, match=f"^{path}:201: "):
+        read([path], strict=True)
+
+
+@pytest.mark.parametrize("reader", _READERS)
+@pytest.mark.parametrize("bad, reason", [
+    (b'{"route": "a", "output_tokens": 5, "prompt_tokens": 9223372036854775000}', "token count too large"),
+    (b'{"route": "a", "output_tokens": 4611686018427387904, "prompt_tokens": 4611686018427387904}', "token count too large"),
+    (b'{"route": "a", "output_tokens": 9007199254740993}', "token count too large"),
+    (b'{"route": "a", "output_tokens": 9223372036854775808}', "token count not an integer"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": 1e308}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": -1e308}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": -5}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": 1e19}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": 100000000000000000000000000000}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": NaN}', "invalid number"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": -Infinity}', "invalid number"),
+    (b'{"route": "a", "output_tokens": 5, "latency_ms": 100000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000}', "invalid number"),
+])
+def test_extreme_numbers_are_counted_skips_and_profile_exactly(tmp_path, monkeypatch, reader, bad, reason):
+    """Counts whose sum overflows int64 (prompt + output ≥ 2^63), counts past 2^53, times that
+    are no time (1e308, negative, NaN, inf): each row is skipped and counted; the rest profile."""
+    from kvtune.profiler import profile_logs
+
+    _use_reader(monkeypatch, reader)
+    path = _jsonl_with(tmp_path, bad)
+    table, stats = read([path])
+    assert table.num_rows == 400 and dict(stats.skipped) == {reason: 1}
+    profile = profile_logs([str(path)], IngestOptions())
+    assert profile.requests == 400 and profile.skipped == {reason: 1}
+    assert profile.route("/r0").arrival.requests == sum(1 for i in range(200) if i % 3 == 0) * 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.integers(0, 2**63 - 1), output=st.integers(0, 2**63 - 1),
+       stamp=st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**70), 2**70))
+def test_any_count_or_time_profiles_or_is_skipped(tmp_path, prompt, output, stamp):
+    """The class: any int64 counts and any JSON number as a time give a profile or a counted skip."""
+    from kvtune.profiler import profile_logs
+
+    path = tmp_path / "one.jsonl"
+    row = {"route": "a", "output_tokens": output, "prompt_tokens": prompt, "timestamp_s": stamp}
+    path.write_text(json.dumps({"route": "a", "output_tokens": 1}) + "\n" + json.dumps(row) + "\n")
+    profile = profile_logs([str(path)], IngestOptions())
+    assert profile.requests + profile.skipped_rows == 2
+    if profile.requests == 2:  # the first row logs no prompt: the total is the second row's
+        total = profile.route("a").total
+        assert total.total == 1 and total.observed.max == prompt + output
+        assert profile.route("a").arrival.requests == 1
+
+
+@pytest.mark.parametrize("unit", ["ms", "us", "ns"])  # Parquet stores seconds as ms
+def test_parquet_times_beyond_datetime_are_counted_skips(tmp_path, unit):
+    """Timestamps that Python's datetime cannot hold (and ns cannot reach) are invalid times."""
+    path = tmp_path / "t.parquet"
+    stamps = [1_700_000_000 * 10 ** {"ms": 3, "us": 6, "ns": 9}[unit], 2**63 - 1, -(2**63) + 1, None]
+    pq.write_table(pa.table({"route": ["a"] * 4, "output_tokens": [1, 2, 3, 4],
+                             "timestamp_s": pa.array(stamps, pa.timestamp(unit))}), path)
+    table, stats = read([path])
+    late = unit == "ns"  # 2^63 - 1 ns is in 2262: a time; 2^63 - 1 µs or ms are far past 9999
+    assert table.column("output_tokens").to_pylist() == ([1, 2, 4] if late else [1, 4])
+    assert dict(stats.skipped) == {"invalid timestamp": 1 if late else 2}
+
+
+def test_damaged_parquet_strings_are_counted_skips(tmp_path):
+    """A Parquet page whose string bytes are not UTF-8 (found by fuzzing) skips those rows."""
+    path = tmp_path / "t.parquet"
+    route = pa.array([b"ok", b"bad\xff", b"ok"], pa.binary()).cast(pa.string(), safe=False)
+    pq.write_table(pa.table({"route": route, "output_tokens": [1, 2, 3]}), path)
+    table, stats = read([path])
+    assert table.column("output_tokens").to_pylist() == [1, 3]
+    assert dict(stats.skipped) == {"invalid text field": 1}
+
+
+@pytest.mark.parametrize("data, message", [
+    (bytes(range(256)) * 8, "not CSV text: the file holds NUL bytes"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(200), "not CSV text: the file holds NUL bytes"),
+    (b'route,output_tokens\na,5\n"b\r\rc,6\n', None),
+    (b"\xff\xfe r\x00o\x00", "not CSV text"),
+])
+def test_binary_named_csv_is_one_input_error(tmp_path, data, message):
+    path = tmp_path / "logs.csv"
+    path.write_bytes(data)
+    if message is None:  # a bad quote: rows before it are read, the rest counted
+        table, stats = read([path])
+        assert table.column("output_tokens").to_pylist() == [5] and sum(stats.skipped.values()) >= 1
+        return
+    with pytest.raises(InputError, match=message) as caught:
+        read([path])
+    assert caught.value.path == str(path)
+
+
+def test_links_fifos_and_devices_are_input_errors(tmp_path):
+    """A symlink loop inside a directory, a dangling link, a FIFO (whose open would block) or a
+    device given as a log: one InputError naming it, never a RuntimeError or a hang."""
+    import os
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "good.jsonl").write_text('{"route": "a", "output_tokens": 1}\n')
+    os.symlink("b.jsonl", logs / "a.jsonl")
+    os.symlink("a.jsonl", logs / "b.jsonl")
+    with pytest.raises(InputError, match="Too many levels of symbolic links") as caught:
+        read([logs])
+    assert caught.value.path == str(logs / "a.jsonl")
+    with pytest.raises(InputError, match="a symbolic link to nothing"):
+        read([logs / "b.jsonl"])
+    (logs / "a.jsonl").unlink()
+    (logs / "b.jsonl").unlink()
+    os.mkfifo(logs / "pipe.jsonl")
+    with pytest.raises(InputError, match="not a log file but a FIFO") as caught:
+        read([logs])
+    assert caught.value.path == str(logs / "pipe.jsonl")
+    with pytest.raises(InputError, match="not a log file but a character device"):
+        read(["/dev/zero"])
+    (logs / "pipe.jsonl").unlink()
+    os.symlink(logs, logs / "loop")  # a directory link back up: not followed, not a loop
+    assert read([logs])[0].num_rows == 1

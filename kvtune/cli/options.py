@@ -16,6 +16,7 @@ import click
 from kvtune.errors import KvtuneError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
+MAX_COUNT = 2**53  # counts above this are typos; floats hold every integer up to here exactly
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -23,12 +24,15 @@ def parse_count(text: str | None, field: str) -> int | None:
     """A positive integer, also in vLLM's forms: 8k = 8,000, 8K = 8,192, 25.6k = 25,600."""
     if text is None:
         return None
+    shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
     m = _COUNT.fullmatch(text.strip().replace(",", "").replace("_", ""))
     if m is None:
-        raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {text!r}", field=field)
+        raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {shown}", field=field)
     value = float(m["num"]) * _SUFFIX[m["suffix"]]
+    if value > MAX_COUNT:
+        raise KvtuneError(f"{shown} is beyond any token or block count (at most 2^53)", field=field)
     if not value.is_integer() or value < 1:
-        raise KvtuneError(f"expected a positive integer, got {text!r}", field=field)
+        raise KvtuneError(f"expected a positive integer, got {shown}", field=field)
     return int(value)
 
 

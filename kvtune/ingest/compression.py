@@ -148,7 +148,10 @@ class _Sized(io.RawIOBase):
 def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> None:
     """InputError when a file read as `size` bytes is now shorter (default: stat it now)."""
     if now is None:
-        now = os.stat(path).st_size
+        try:
+            now = os.stat(path).st_size
+        except OSError as exc:  # removed or replaced while being read
+            raise InputError(f"cannot read: {exc.strerror or exc} (moved while being read?)", path=str(path)) from exc
     if now < size:
         raise InputError(
             f"truncated while being read (was {size:,} bytes, now {now:,}): a log rotated with "

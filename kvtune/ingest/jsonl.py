@@ -24,7 +24,7 @@ from kvtune.ingest import arrays, flatscan
 from kvtune.ingest.columns import _TYPES, _bad_rows
 from kvtune.ingest.compression import check_not_shrunk, compression_of, open_bytes
 from kvtune.ingest.plan import _Plan
-from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError
+from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError, is_unicode
 
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
 SCAN_BLOCK_BYTES = 16 << 20  # JSONL bytes per C scan: ~150k rows, so per-batch costs stay small
@@ -155,7 +155,7 @@ class JsonlPaths:
             "preserve_insertion_order": True,
         })
         done = 0  # records used, in file order
-        size = plan.path.stat().st_size
+        size = plan.size or 0
         try:
             try:
                 relation = con.read_json(
@@ -173,13 +173,13 @@ class JsonlPaths:
                 try:
                     batch = stream.read_next_batch()
                 except StopIteration:  # DuckDB reads the file as it finds it: had it shrunk?
-                    check_not_shrunk(plan.path, plan.size or size)
+                    check_not_shrunk(plan.path, size)
                     return
                 except Exception:  # parse errors, invalid UTF-8, memory: from here, the block reader
                     break
                 cols = _strict_columns(batch, sources)
                 n = batch.num_rows
-                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed):
+                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed, plan.flat.time_unit):
                     break
                 self.info.rows += n
                 self.stats.rows_read += n
@@ -219,7 +219,7 @@ class JsonlPaths:
         import pyarrow.json as pj
 
         try:
-            table = pj.read_json(pa.BufferReader(block), parse_options=parse)
+            table = _checked_text(pj.read_json(pa.BufferReader(block), parse_options=parse))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             nlines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
             if nlines <= BISECT_MIN_LINES:
@@ -458,7 +458,7 @@ def _json_labels(text: pa.Array) -> pa.DictionaryArray | None:
     decoded = []
     for item in coded.dictionary.to_pylist():
         value = json.loads(item)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or not is_unicode(value):
             return None
         decoded.append(value)
     unique = list(dict.fromkeys(decoded))
@@ -476,10 +476,20 @@ def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
     lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == 10))
     read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
     try:
-        table = pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse)
+        table = _checked_text(pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         table = None
     return table, lines
+
+
+def _checked_text(table: pa.Table) -> pa.Table:
+    """The table, after checking that its strings are UTF-8: pyarrow's JSON reader copies invalid
+    bytes and lone surrogates (\\ud800) into string columns as they are; ArrowInvalid sends the
+    block to the line-by-line reading, which skips such lines by name."""
+    for column in table.columns:
+        if pa.types.is_string(column.type):
+            column.validate(full=True)
+    return table
 
 
 def _parse_line(line: bytes) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvtune.errors import InputError, KvtuneError
+from kvtune.ingest import arrays
 from kvtune.ingest.columns import _TYPES
 from kvtune.ingest.compression import open_bytes
 from kvtune.ingest.plan import _Plan
@@ -126,7 +127,7 @@ class TabularPaths:
         if plan.flat is not None:
             label_sources = [s for t, s in self._sources(plan).items() if t in ("route", "path", "_route", "model", "finish_reason")]
         pf = pq.ParquetFile(plan.path, read_dictionary=label_sources or None)
-        size = plan.path.stat().st_size
+        size = plan.size or 0
         groups = max(pf.metadata.num_row_groups, 1)
         if plan.flat is None:
             columns = None
@@ -143,14 +144,14 @@ class TabularPaths:
             for batch in batches:
                 n = batch.num_rows
                 if plan.flat is None:
-                    rows = batch.to_pylist()
+                    rows = arrays.rows(batch)
                     yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
                     done += n
                     continue
                 try:
                     cols = {t: _cast(batch.column(src), t) for t, src in sources.items()}
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-                    rows = batch.to_pylist()
+                    rows = arrays.rows(batch)
                     yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
                     done += n
                     continue
@@ -178,6 +179,8 @@ def _cast(col: pa.Array, target: str) -> pa.Array:
             return col
         raise pa.ArrowInvalid("timestamp column needs the row path")
     typ = _TYPES[target]
+    if typ == pa.string() and not arrays.utf8(col):
+        raise pa.ArrowInvalid("a label column that is not UTF-8 needs the row path")
     if col.type == typ:
         return col
     if pa.types.is_dictionary(col.type) and typ == pa.string():
