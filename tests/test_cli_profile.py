@@ -35,7 +35,8 @@ def test_json_fields_are_present_and_stable():
     result = run(str(SAMPLES / "openai_chat_pairs.jsonl"), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert set(data) == {"requests", "routes", "skipped", "inputs"}
+    assert set(data) == {"requests", "routes", "skipped", "inputs", "folded"}
+    assert data["folded"] == {"routes": 0, "requests": 0, "into": "*"}
     assert data["inputs"] == [{"path": str(SAMPLES / "openai_chat_pairs.jsonl"), "format": "openai-pair", "rows": 2400}]
     assert data["skipped"] == {"count": 0, "reasons": {}, "examples": {}}
     assert [r["route"] for r in data["routes"]] == ["/v1/chat/completions", "/v1/code/completions", "/v1/summarize"]
@@ -377,3 +378,99 @@ def test_fuzzed_files_exit_0_or_one_error_line(tmp_path_factory, monkeypatch, re
             m.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
         result = CliRunner().invoke(cli, args)
     _assert_clean_exit(result)
+
+
+# -- many routes: bounded memory, the busiest kept exactly, the rest folded with a note ----------
+
+_PEAK_RSS = """
+import resource, sys
+from kvtune.cli import cli
+try:
+    cli(["profile", sys.argv[1], "--json", "-q"])
+finally:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def _peak_rss_mib(path) -> tuple[float, dict]:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stderr.strip().splitlines()[-1]) / 1024, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_100k_routes_profile_in_bounded_memory(tmp_path):
+    """100k distinct routes in a few MB (ids in the path) took over 3 GB (21 GB with prompts): a
+    dense row of every histogram per route. Now a route with few rows is a few sparse counts:
+    the whole run stays within 200 MiB of profiling a one-route file."""
+    rng = np.random.default_rng(4)
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(
+        f'{{"route":"/r/{i}","output_tokens":{o},"prompt_tokens":{p}}}\n'
+        for i, o, p in zip(range(100_000), rng.integers(1, 2000, 100_000), rng.integers(1, 8000, 100_000))
+    ))
+    one = write_flat(tmp_path / "one.jsonl", [{"route": "/r", "output_tokens": 5, "prompt_tokens": 9}])
+    base_mib, _ = _peak_rss_mib(one)
+    many_mib, data = _peak_rss_mib(many)
+    assert data["requests"] == 100_000 and len(data["routes"]) == 2001
+    assert data["folded"] == {"routes": 98_000, "requests": 98_000, "into": "*"}
+    assert many_mib - base_mib < 200, (base_mib, many_mib)
+
+
+def _many_routes(tmp_path, routes=2500):
+    """Route /r{i} has i % 7 + 1 rows, so the busiest are known; one row per line."""
+    rows = [{"route": f"/r{i}", "output_tokens": 10 * i + k, "prompt_tokens": k + 1}
+            for i in range(routes) for k in range(i % 7 + 1)]
+    return write_flat(tmp_path / "routes.jsonl", rows), rows
+
+
+def test_routes_beyond_max_routes_fold_into_star_with_a_note(tmp_path):
+    path, rows = _many_routes(tmp_path)
+    result = CliRunner().invoke(cli, ["profile", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    kept = [r for r in data["routes"] if r["route"] != "*"]
+    assert len(kept) == 2000 and data["requests"] == len(rows)
+    star = next(r for r in data["routes"] if r["route"] == "*")
+    assert data["folded"] == {"routes": 500, "requests": star["requests"], "into": "*"}
+    assert result.stderr == (f"folded 500 routes ({star['requests']:,} requests) into * (--max-routes 2,000 keeps "
+                             "the busiest); so many routes usually mean ids in the route key: see --route-by\n")
+    # the busiest: 7 rows beat fewer; among equals, the first names
+    counts = {f"/r{i}": i % 7 + 1 for i in range(2500)}
+    assert {r["route"] for r in kept} == set(sorted(counts, key=lambda r: (-counts[r], r))[:2000])
+    human = CliRunner().invoke(cli, ["profile", str(path), "--max-routes", "3"])
+    assert human.exit_code == 0 and "folded 2,497 routes" in human.stderr
+
+
+def test_kept_routes_are_exactly_as_without_folding(tmp_path):
+    path, _ = _many_routes(tmp_path, routes=40)
+    everything = json.loads(run(str(path), "--json").output)
+    folded = json.loads(CliRunner().invoke(cli, ["profile", str(path), "--json", "--max-routes", "5"]).stdout)
+    by_name = {r["route"]: r for r in everything["routes"]}
+    kept = [r for r in folded["routes"] if r["route"] != "*"]
+    assert len(kept) == 5 and all(r == by_name[r["route"]] for r in kept)
+    star = next(r for r in folded["routes"] if r["route"] == "*")
+    assert star["requests"] == everything["requests"] - sum(r["requests"] for r in kept)
+    assert star["output_tokens"]["max"] == max(r["output_tokens"]["max"] for r in everything["routes"]
+                                               if r["route"] not in {k["route"] for k in kept})
+
+
+def test_saved_profiles_and_merges_fold_the_same_way(tmp_path):
+    path, _ = _many_routes(tmp_path, routes=40)
+    saved = tmp_path / "p.json"
+    assert CliRunner().invoke(cli, ["profile", str(path), "--save", str(saved), "--json"]).exit_code == 0
+    direct = json.loads(CliRunner().invoke(cli, ["profile", str(path), "--json", "--max-routes", "5"]).stdout)
+    merged = json.loads(CliRunner().invoke(cli, ["profile", "--merge", str(saved), "--json", "--max-routes", "5"]).stdout)
+    assert merged["routes"] == direct["routes"] and merged["folded"] == direct["folded"]
+
+
+def test_max_routes_default_is_the_profilers():
+    from kvtune.cli.options import MAX_ROUTES
+    from kvtune.profiler import MAX_ROUTES as LIBRARY
+
+    assert MAX_ROUTES == LIBRARY
+    assert "--max-routes N" in run("--help").output

@@ -60,3 +60,21 @@ def test_gateway_tokenizer_that_is_not_local_is_a_usage_error(given):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: --gateway-tokenizer: ")
     assert "pass `upstream`" in lines[0]
+
+
+@pytest.mark.parametrize("command", ["profile", "recommend", "check", "bench"])
+def test_every_command_that_profiles_logs_takes_max_routes(command):
+    result = CliRunner().invoke(cli, [command, "--help"])
+    assert result.exit_code == 0 and "--max-routes N" in result.output
+
+
+def test_recommend_folds_routes_beyond_max_routes_with_a_note(tmp_path):
+    logs = tmp_path / "routes.jsonl"
+    logs.write_text("".join(json.dumps({"route": f"/v1/r{i}", "output_tokens": 10 + k, "prompt_tokens": 100})
+                            + "\n" for i in range(6) for k in range(i + 1)))
+    result = CliRunner().invoke(cli, ["recommend", str(logs), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--json", "--max-routes", "2"])
+    assert result.exit_code == 0, result.output
+    routes = [r["route"] for r in json.loads(result.stdout)["recommendation"]["routes"]]
+    assert sorted(routes) == ["*", "/v1/r4", "/v1/r5"]
+    assert result.stderr.startswith("folded 4 routes (10 requests) into * (--max-routes 2 keeps the busiest)")

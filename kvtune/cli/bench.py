@@ -180,9 +180,14 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
             return Workload.from_rows(rows, synth, opts["seed"])
     else:
         from kvtune.bench.workload import select_routes
+        from kvtune.cli._profile_view import render_folded
+        from kvtune.profile import fold_routes
         from kvtune.profiler import load_profile, load_profile_or_logs
 
-        profile = load_profile(profile_path) if profile_path else load_profile_or_logs(list(logs), ingest)
+        max_routes = opts["max_routes"]
+        profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
+                   else load_profile_or_logs(list(logs), ingest, max_routes=max_routes))
+        render_folded(profile, max_routes)
         for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
             if r.prompt.total == 0:
                 raise InputError(f"route {r.route!r} logs no prompt lengths; a benchmark needs them", field="--route")

@@ -1,7 +1,8 @@
 """Options shared by several commands, each group one decorator, and the code that reads them.
 
 `capacity_options` + `plan_from_options` serve `capacity`, `recommend` and `check`;
-`log_options` + `ingest_options_from` serve `profile`, `recommend`, `check` and `bench`.
+`log_options` + `ingest_options_from` serve `profile`, `recommend`, `check` and `bench`
+(`--max-routes` goes to the profiler, not to ingest: `opts["max_routes"]`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import click
 from kvtune.errors import KvtuneError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
+#: kvtune.profiler.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
+MAX_ROUTES = 2000
 MAX_COUNT = 2**53  # counts above this are typos; floats hold every integer up to here exactly
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -160,6 +163,9 @@ log_options = compose([
     click.option("--strict", is_flag=True, help="Any skipped row is an error."),
     click.option("--assume-cap", type=click.IntRange(min=1), metavar="N",
                  help="Treat outputs ≥ N as cut at a cap (traces without finish reasons)."),
+    click.option("--max-routes", type=click.IntRange(min=1), default=MAX_ROUTES, show_default=True, metavar="N",
+                 help="Keep the N busiest routes and fold the rest into `*`, with a note saying how many: "
+                      "thousands of routes mean ids in the route key (try --route-by), and bound memory."),
 ])
 
 
