@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtune.errors import InputError, KvtuneError
-from kvtune.files import write_text_atomic
 from kvtune.histogram import (
     JOINT_EDGES,
     Histogram,
@@ -664,7 +663,10 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
-    write_text_atomic(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
+    """Write the profile as JSON, whole or not at all (kvtune.writer)."""
+    from kvtune.writer import write_text
+
+    write_text(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
 
 
 def is_saved_profile(path: str | os.PathLike[str]) -> bool:

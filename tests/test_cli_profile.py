@@ -474,3 +474,38 @@ def test_max_routes_default_is_the_profilers():
 
     assert MAX_ROUTES == LIBRARY
     assert "--max-routes N" in run("--help").output
+
+
+# -- --save: all or nothing, never over something that is not a regular file -------------------
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "device", "proc"])
+def test_save_refuses_what_is_not_a_regular_file(tmp_path, kind):
+    """--save replaced a symlink, FIFO or device with a regular file (or died writing /proc)."""
+    import os
+    import stat
+    from pathlib import Path
+
+    from test_writer import private_device
+
+    real = tmp_path / "real.json"
+    real.write_text("keep")
+    # never the machine's /dev/null: the old writer replaced it with a regular file
+    target = private_device(tmp_path) if kind == "device" else Path("/proc/self/status") if kind == "proc" \
+        else tmp_path / "p.json"
+    if kind == "symlink":
+        target.symlink_to(real)
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "directory":
+        target.mkdir()
+    result = CliRunner().invoke(cli, ["profile", str(SAMPLES / "azure_style_trace.csv"), "--json", "--save", str(target)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"Error: {target}: ") and result.stderr.count("\n") == 1, result.stderr
+    assert real.read_text() == "keep"
+    if kind == "symlink":
+        assert target.is_symlink()
+    if kind == "device":
+        assert stat.S_ISCHR(os.lstat(target).st_mode)
+    kept = {"device": ["null-device"], "proc": []}.get(kind, ["p.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["real.json", *kept])

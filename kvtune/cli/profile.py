@@ -38,7 +38,7 @@ JSON_FIELDS = """\b
 @log_options
 @click.option("--trace-max-is-cap", is_flag=True,
               help="Treat the largest output in the input as a cap (reads the input twice).")
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--save", "save_path", type=click.Path(), metavar="FILE",
               help="Write the profile (histograms, mergeable) to FILE as JSON.")
 @click.option("--merge", is_flag=True, help="PATHs may be saved profiles: merge them exactly (with any logs given).")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object (fields below) instead of tables.")

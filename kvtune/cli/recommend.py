@@ -101,7 +101,7 @@ recommend_options = compose([
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
                    "both, else upstream]")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write the deploy files into DIR.")
+@click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], model: str, gateway_tokenizer: str | None, out_dir: str | None,
               json_: bool, **opts: Any) -> None:
