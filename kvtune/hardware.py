@@ -77,7 +77,7 @@ def find_gpu(name: str, *, field: str = "--gpu") -> Gpu:
     names = sorted({_LOOKUP[c].name for c in close})
     hint = f"did you mean {', '.join(names)}? " if names else ""
     raise UnknownNameError(
-        f"unknown GPU {name!r}; {hint}known: {', '.join(GPUS)} "
+        f"unknown GPU {_short(name)}; {hint}known: {', '.join(GPUS)} "
         "(or give --gpu-memory, e.g. 79.2GiB)",
         field=field,
     )
@@ -108,13 +108,14 @@ def parse_memory_size(text: str, *, field: str = "--gpu-memory") -> int:
         raise KvtuneError(f"memory size {_short(text)} is beyond any device (more than 1 PiB)", field=field)
     size_bytes = int(size)
     if size_bytes <= 0:
-        raise KvtuneError(f"memory size must be positive, got {text!r}", field=field)
+        raise KvtuneError(f"memory size must be positive, got {_short(text)}", field=field)
     return size_bytes
 
 
 def _short(text: str) -> str:
-    """The user's text for an error line, cut to a readable length."""
-    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+    """The user's text for an error line, quoted and cut to a readable length."""
+    shown = repr(text)
+    return shown if len(shown) <= 44 else shown[:40] + "...'"
 
 
 def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:

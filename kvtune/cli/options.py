@@ -27,7 +27,7 @@ def parse_count(text: str | None, field: str) -> int | None:
     """A positive integer, also in vLLM's forms: 8k = 8,000, 8K = 8,192, 25.6k = 25,600."""
     if text is None:
         return None
-    shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
+    shown = repr(text) if len(repr(text)) <= 44 else repr(text)[:40] + "...'"
     m = _COUNT.fullmatch(text.strip().replace(",", "").replace("_", ""))
     if m is None:
         raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {shown}", field=field)

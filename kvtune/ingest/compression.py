@@ -133,7 +133,7 @@ class _Sized(io.RawIOBase):
         view = memoryview(buf).cast("B")[: max(0, min(len(buf), self.size - offset))]
         got = 0
         while got < len(view):
-            n = os.preadv(self.file.fileno(), [view[got:]], offset + got)
+            n = _pread_into(self.file.fileno(), view[got:], offset + got)
             if n == 0:
                 check_not_shrunk(self.path, self.size, os.fstat(self.file.fileno()).st_size)
                 break
@@ -143,6 +143,15 @@ class _Sized(io.RawIOBase):
     def close(self) -> None:
         self.file.close()
         super().close()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """preadv into `view` (no copy), or pread and a copy where the platform has no preadv."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
 
 
 def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> None:
