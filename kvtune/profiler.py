@@ -483,7 +483,7 @@ class ProfileBuilder:
                 table.add(routes, i, c.astype(np.int64, copy=False), dense, top=len(labels.ids) - 1)
 
         if "timestamp_s" in names:
-            self._add_arrivals(routes.gids(ids) if routes.slots else gid, arrays.floats(batch.column("timestamp_s")))
+            self._add_arrivals(gid, arrays.floats(batch.column("timestamp_s")))
         for column, table in (("latency_ms", self._latency), ("ttft_ms", self._ttft)):
             if column in names:
                 ms = arrays.floats(batch.column(column))
