@@ -185,11 +185,11 @@ class _Routes:
         ready = np.flatnonzero(np.bincount(hot, minlength=groups)) if hot.size > groups else np.unique(hot)
         ready = ready[self.slot[ready] < 0]
         if ready.size:
-            for g in ready[np.argsort(-self.rows[ready], kind="stable")]:
+            for route in ready[np.argsort(-self.rows[ready], kind="stable")]:  # busiest first
                 if not all(t.can_hold(self.slots + 1) for t in tables):
                     break
-                self.slot[g] = self.slots
-                self.gid_of_slot = np.append(self.gid_of_slot, g)
+                self.slot[route] = self.slots
+                self.gid_of_slot = np.append(self.gid_of_slot, route)
                 self.slots += 1
             ids = self.slot[gid]
             sparse = ids < 0
