@@ -198,10 +198,10 @@ def read_capacity_file(path: str | os.PathLike[str]) -> MeasuredCapacity:
 
 
 def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity) -> None:
-    """Write `measured` as JSON, atomically."""
-    from kvtune.files import write_text_atomic
+    """Write `measured` as JSON, whole or not at all (kvtune.writer)."""
+    from kvtune.writer import write_text
 
-    write_text_atomic(path, json.dumps(measured.to_dict(), indent=2) + "\n")
+    write_text(path, json.dumps(measured.to_dict(), indent=2) + "\n")
 
 
 __all__ = [

@@ -77,7 +77,7 @@ def find_gpu(name: str, *, field: str = "--gpu") -> Gpu:
     names = sorted({_LOOKUP[c].name for c in close})
     hint = f"did you mean {', '.join(names)}? " if names else ""
     raise UnknownNameError(
-        f"unknown GPU {name!r}; {hint}known: {', '.join(GPUS)} "
+        f"unknown GPU {_short(name)}; {hint}known: {', '.join(GPUS)} "
         "(or give --gpu-memory, e.g. 79.2GiB)",
         field=field,
     )
@@ -89,6 +89,8 @@ _UNITS: dict[str, int] = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }  # fmt: skip
 _SIZE = re.compile(r"(?P<num>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[a-zA-Z]+)")
+#: No accelerator has a PiB of memory: a larger size is a typo (an extra unit prefix, digits).
+MAX_MEMORY_BYTES = 1024**5
 
 
 def parse_memory_size(text: str, *, field: str = "--gpu-memory") -> int:
@@ -97,14 +99,23 @@ def parse_memory_size(text: str, *, field: str = "--gpu-memory") -> int:
     unit = match.group("unit").lower() if match else None
     if match is None or unit not in _UNITS:
         raise KvtuneError(
-            f"cannot read memory size {text!r}; write a number and a unit, "
+            f"cannot read memory size {_short(text)}; write a number and a unit, "
             "e.g. 79.2GiB, 80GB, 24576MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
             field=field,
         )
-    size_bytes = int(float(match.group("num")) * _UNITS[unit])
+    size = float(match.group("num")) * _UNITS[unit]  # inf for hundreds of digits
+    if not size <= MAX_MEMORY_BYTES:
+        raise KvtuneError(f"memory size {_short(text)} is beyond any device (more than 1 PiB)", field=field)
+    size_bytes = int(size)
     if size_bytes <= 0:
-        raise KvtuneError(f"memory size must be positive, got {text!r}", field=field)
+        raise KvtuneError(f"memory size must be positive, got {_short(text)}", field=field)
     return size_bytes
+
+
+def _short(text: str) -> str:
+    """The user's text for an error line, quoted and cut to a readable length."""
+    shown = repr(text)
+    return shown if len(shown) <= 44 else shown[:40] + "...'"
 
 
 def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:

@@ -36,6 +36,8 @@ __all__ = [
     "InputFile",
     "Profile",
     "merge_profiles",
+    "busiest_routes",
+    "fold_routes",
     "route_summary",
     "summarize_plain",
 ]
@@ -574,12 +576,15 @@ class InputFile:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Route profiles (sorted by route) plus where they came from and what was skipped."""
+    """Route profiles (sorted by route) plus where they came from, what was skipped, and how
+    many routes (and their requests) were folded into `*` to keep the profile to max_routes."""
 
     routes: tuple[RouteProfile, ...]
     inputs: tuple[InputFile, ...] = ()
     skipped: Mapping[str, int] = field(default_factory=dict)  # reason -> rows
     skip_examples: Mapping[str, str] = field(default_factory=dict)  # reason -> first location
+    folded_routes: int = 0
+    folded_requests: int = 0
 
     def __post_init__(self) -> None:
         names = [r.route for r in self.routes]
@@ -592,11 +597,14 @@ class Profile:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Profile):
             return NotImplemented
-        return (self.routes, self.inputs, self.skipped, self.skip_examples) == (
+        return (self.routes, self.inputs, self.skipped, self.skip_examples, self.folded_routes,
+                self.folded_requests) == (
             other.routes,
             other.inputs,
             other.skipped,
             other.skip_examples,
+            other.folded_routes,
+            other.folded_requests,
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -634,6 +642,8 @@ class Profile:
             inputs=self.inputs + other.inputs,
             skipped=_merge_counts(self.skipped, other.skipped),
             skip_examples={**other.skip_examples, **self.skip_examples},
+            folded_routes=self.folded_routes + other.folded_routes,
+            folded_requests=self.folded_requests + other.folded_requests,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -644,6 +654,7 @@ class Profile:
             "inputs": [i.to_dict() for i in self.inputs],
             "skipped": dict(self.skipped),
             "skip_examples": dict(self.skip_examples),
+            "folded": {"routes": self.folded_routes, "requests": self.folded_requests},
         }
 
     @classmethod
@@ -666,11 +677,14 @@ class Profile:
         parsed = [RouteProfile.from_dict(r, f"routes[{i}]") for i, r in enumerate(routes)]
         if len({r.route for r in parsed}) != len(parsed):
             raise InputError("duplicate route names", field="routes")
+        folded = _count_map(data.get("folded", {}), "folded")  # absent in profiles saved before it
         return cls(
             routes=tuple(parsed),
             inputs=tuple(InputFile.from_dict(x, f"inputs[{i}]") for i, x in enumerate(inputs)),
             skipped=_count_map(data.get("skipped", {}), "skipped"),
             skip_examples=_string_map(data.get("skip_examples", {}), "skip_examples"),
+            folded_routes=folded.get("routes", 0),
+            folded_requests=folded.get("requests", 0),
         )
 
     def summary_dict(self) -> dict[str, Any]:
@@ -684,6 +698,7 @@ class Profile:
                 "examples": {k: v for k, v in self.skip_examples.items() if k in self.skipped},
             },
             "inputs": [i.to_dict() for i in self.inputs],
+            "folded": {"routes": self.folded_routes, "requests": self.folded_requests, "into": "*"},
         }
 
 
@@ -692,3 +707,81 @@ def merge_profiles(profiles: Iterable[Profile]) -> Profile:
     for p in profiles:
         merged = merged.merge(p)
     return merged
+
+
+def busiest_routes(requests: Mapping[str, int], max_routes: int) -> set[str]:
+    """The route names a profile keeps, the same whether it is built from logs or merged from
+    saved profiles: the `max_routes` with the most requests (ties by name), and `*` (the rows
+    without a route, and where the others fold), which does not count against the limit."""
+    named = [name for name in requests if name != "*"]
+    star = {"*"} & set(requests)
+    if len(named) <= max_routes:
+        return set(named) | star
+    return set(sorted(named, key=lambda name: (-requests[name], name))[:max_routes]) | star
+
+
+def fold_routes(profile: Profile, max_routes: int | None) -> Profile:
+    """The profile with only its `max_routes` busiest routes (besides `*`); the others summed
+    into `*`.
+
+    Exact: every histogram of `*` is the sum of those folded into it. The folded routes and
+    their requests are added to the profile's note. None (or few enough routes) changes nothing.
+    """
+    if max_routes is None or sum(r.route != "*" for r in profile.routes) <= max_routes:
+        return profile
+    kept = busiest_routes({r.route: r.requests for r in profile.routes}, max_routes)
+    into = [r for r in profile.routes if r.route not in kept or r.route == "*"]
+    folded = [r for r in into if r.route != "*"]
+    star = _sum_routes("*", into)
+    return Profile(
+        routes=(*(r for r in profile.routes if r.route in kept and r.route != "*"), star),
+        inputs=profile.inputs,
+        skipped=profile.skipped,
+        skip_examples=profile.skip_examples,
+        folded_routes=profile.folded_routes + len(folded),
+        folded_requests=profile.folded_requests + sum(r.requests for r in folded),
+    )
+
+
+def _sum_histograms(histograms: list[Histogram]) -> Histogram:
+    """The exact sum of many histograms in one sort (merging them pairwise would be quadratic)."""
+    if len(histograms) == 1:
+        return histograms[0]
+    return Histogram(np.concatenate([h.values for h in histograms]), np.concatenate([h.counts for h in histograms]))
+
+
+def _sum_routes(name: str, routes: list[RouteProfile]) -> RouteProfile:
+    """Many route profiles as one route, summed exactly."""
+
+    def summed(get):
+        return _sum_histograms([get(r) for r in routes])
+
+    arrivals = [r.arrival for r in routes if r.arrival is not None]
+    latency = [r.latency_ms.bins for r in routes if r.latency_ms is not None]
+    ttft = [r.ttft_ms.bins for r in routes if r.ttft_ms is not None]
+    finish: Counter[str] = Counter()
+    models: Counter[str] = Counter()
+    for r in routes:
+        finish.update(r.finish_reasons)
+        models.update(r.models)
+    return RouteProfile(
+        route=name,
+        output=CensoredHistogram(summed(lambda r: r.output.uncensored), summed(lambda r: r.output.censored)),
+        total=CensoredHistogram(summed(lambda r: r.total.uncensored), summed(lambda r: r.total.censored)),
+        prompt=summed(lambda r: r.prompt),
+        max_tokens=summed(lambda r: r.max_tokens),
+        joint=JointHistogram(
+            np.concatenate([r.joint.prompt_bins for r in routes]),
+            np.concatenate([r.joint.output_bins for r in routes]),
+            np.concatenate([r.joint.counts for r in routes]),
+        ),
+        finish_reasons=dict(sorted(finish.items())),
+        models=dict(sorted(models.items())),
+        arrival=Arrival(
+            _sum_histograms([a.per_second for a in arrivals]),
+            min(a.first_s for a in arrivals),
+            max(a.last_s for a in arrivals),
+        ) if arrivals else None,
+        latency_ms=LogHistogram(_sum_histograms(latency)) if latency else None,
+        ttft_ms=LogHistogram(_sum_histograms(ttft)) if ttft else None,
+    )

@@ -1,8 +1,12 @@
 """Build profiles from normalized log batches, and load or save them.
 
 `ProfileBuilder.add_batch` folds one pyarrow RecordBatch (columns of `kvtune.ingest.COLUMNS`)
-into per-route dense count arrays with a handful of vectorized numpy passes, so memory is bounded
-by routes × the largest token count, not by rows. `result()` freezes them into a `Profile`.
+into per-route counts with a handful of vectorized numpy passes, so memory is bounded by what
+the routes have seen, not by rows. A busy route counts in dense arrays (one row per histogram,
+one np.add.at per batch); a route with few rows counts sparse (sorted keys), so 100k routes of a
+few rows each cost a few hundred bytes apiece, not a dense row of every histogram (~70 KB).
+`result()` freezes the counts into a `Profile`, keeping the `max_routes` busiest routes and
+folding the rest into `*`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtune.errors import InputError, KvtuneError
-from kvtune.files import write_text_atomic
 from kvtune.histogram import (
     JOINT_EDGES,
     Histogram,
@@ -31,12 +34,15 @@ from kvtune.profile import (
     InputFile,
     Profile,
     RouteProfile,
+    busiest_routes,
+    fold_routes,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
 
 __all__ = [
+    "MAX_ROUTES",
     "ProfileBuilder",
     "profile_logs",
     "load_profile",
@@ -48,6 +54,23 @@ __all__ = [
 #: Token counts at or above this go to a sparse overflow instead of the dense arrays, so one
 #: absurd row (10^12 tokens) cannot allocate terabytes. 4M tokens is beyond any context window.
 DENSE_LIMIT = 1 << 22
+_VALUE_BITS = 22  # sparse keys: (route row << _VALUE_BITS) | value, for values below DENSE_LIMIT
+
+#: A route counts sparse until it has this many rows, then gets a dense row in every table: at
+#: ~8 bytes per sparse entry and a few entries per row, about where a dense row costs as much.
+DENSE_ROWS = 4096
+#: Each table's dense array stays within this: routes beyond it stay sparse (exact, slower to
+#: add), and values beyond the width it allows go sparse too, so a log of many busy routes or a
+#: wide one (128k-token prompts) cannot grow dense rows without bound.
+DENSE_TABLE_BYTES = 128 << 20
+
+#: Routes a profile keeps by default; the rest (the least busy) fold into `*`. A deployment
+#: serves a few dozen routes; thousands mean the route key holds ids (/v1/users/123/...), and
+#: a gateway config or nginx.conf with a location per id would be neither readable nor useful.
+MAX_ROUTES = 2000
+
+_SECOND_BITS = 38  # arrival keys: (route << _SECOND_BITS) | whole second; 2^38 s is past year 9999
+_MAX_ARRIVAL_ROUTES = 1 << (63 - _SECOND_BITS)
 
 #: Batches ingest reads ahead in its own thread while this one aggregates (bounded memory).
 PREFETCH_BATCHES = 1
@@ -91,64 +114,232 @@ def _keys(gid: np.ndarray, stride: int, values: np.ndarray | None = None, half: 
     return key
 
 
-class _Table:
-    """Counts per (group, value) in one growable groups × width int64 array.
+class _Sparse:
+    """Counts of int64 keys: sorted unique keys with their counts, plus keys not yet merged in.
 
-    Each batch adds its rows with one `np.add.at` on the combined key group·width + value: O(rows)
-    whatever the width, with no per-batch result array to allocate, zero and add (which is what
-    made np.bincount 2–4× slower on wide tables such as prompt + output). Values ≥ DENSE_LIMIT go
-    to a sparse overflow per group. `halves` = 2 makes a censored table: row 2·route + censored.
+    Pending keys are merged (one sort) once they outnumber the merged ones, so adding n keys
+    costs O(n log n) in all and memory stays at the number of distinct keys plus one batch.
     """
 
-    __slots__ = ("counts", "overflow", "halves")
+    __slots__ = ("keys", "counts", "pending", "pending_size")
 
-    def __init__(self, halves: int = 1) -> None:
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, np.int64)
+        self.counts = np.zeros(0, np.int64)
+        self.pending: list[tuple[np.ndarray, np.ndarray | None]] = []
+        self.pending_size = 0
+
+    def add(self, keys: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Count each key once, or `counts` times."""
+        if keys.size == 0:
+            return
+        self.pending.append((keys.astype(np.int64, copy=False), counts))
+        self.pending_size += keys.size
+        if self.pending_size > max(1 << 20, self.keys.size):
+            self.merge()
+
+    def merge(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted unique keys, counts) of everything added."""
+        if self.pending:
+            keys = np.concatenate([self.keys, *(k for k, _ in self.pending)])
+            counts = np.concatenate(
+                [self.counts, *(np.ones(k.size, np.int64) if c is None else c for k, c in self.pending)]
+            )
+            order = np.argsort(keys, kind="stable")
+            keys, counts = keys[order], counts[order]
+            starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+            self.keys, self.counts = keys[starts], np.add.reduceat(counts, starts)
+            self.pending, self.pending_size = [], 0
+        return self.keys, self.counts
+
+
+class _Routes:
+    """Route ids, and which routes count densely.
+
+    Each table takes per row an id: the route's dense slot (≥ 0), or −(gid + 1) while the route
+    counts sparse. A route gets a slot once it has DENSE_ROWS rows, busiest first, if every
+    table can hold one more dense row within DENSE_TABLE_BYTES.
+    """
+
+    def __init__(self) -> None:
+        self.vocab = _Vocab()
+        self.rows = np.zeros(0, np.int64)  # rows counted sparse, per gid (what promotion looks at)
+        self.slot = np.zeros(0, np.int64)  # dense slot per gid; -1 while sparse
+        self.gid_of_slot = np.zeros(0, np.int64)
+        self.slots = 0
+
+    def ids(self, gid: np.ndarray, tables: Sequence[_Table]) -> tuple[np.ndarray, bool]:
+        """(id per row, whether every row's route is dense) for a batch's global route ids."""
+        groups = len(self.vocab.ids)
+        if self.slot.size < groups:
+            grow = max(groups, 2 * self.slot.size) - self.slot.size
+            self.slot = np.concatenate([self.slot, np.full(grow, -1, np.int64)])
+            self.rows = np.concatenate([self.rows, np.zeros(grow, np.int64)])
+        ids = self.slot[gid]
+        if ids.min() >= 0:
+            return ids, True
+        sparse = ids < 0
+        g = gid[sparse]
+        np.add.at(self.rows, g, 1)
+        hot = g[self.rows[g] >= DENSE_ROWS]  # rows of routes that have enough now
+        ready = np.flatnonzero(np.bincount(hot, minlength=groups)) if hot.size > groups else np.unique(hot)
+        ready = ready[self.slot[ready] < 0]
+        if ready.size:
+            for route in ready[np.argsort(-self.rows[ready], kind="stable")]:  # busiest first
+                if not all(t.can_hold(self.slots + 1) for t in tables):
+                    break
+                self.slot[route] = self.slots
+                self.gid_of_slot = np.append(self.gid_of_slot, route)
+                self.slots += 1
+            ids = self.slot[gid]
+            sparse = ids < 0
+            if not sparse.any():
+                return ids, True
+        return np.where(sparse, -gid - 1, ids), False
+
+    def gids(self, ids: np.ndarray) -> np.ndarray:
+        """The global route id of each row id."""
+        dense = ids >= 0
+        return np.where(dense, self.gid_of_slot[np.where(dense, ids, 0)] if self.slots else 0, -ids - 1)
+
+
+class _Table:
+    """Counts per (route row, value) for one histogram: route row = gid·halves + censored.
+
+    Dense routes count in one slots·halves × width int64 array: a batch adds its rows with one
+    `np.add.at` on the combined key slot·width + value, O(rows) whatever the width, with no
+    per-batch result array to allocate, zero and add (which made np.bincount 2–4× slower on wide
+    tables such as prompt + output). Everything else is sparse (`_Sparse`): routes without a
+    slot, and values past the width DENSE_TABLE_BYTES allows; values ≥ DENSE_LIMIT go to a
+    per-row overflow. A histogram is the sum of the three. `halves` = 2 makes a censored table;
+    `bincount` adds with np.bincount (narrow tables such as finish reasons per route).
+    """
+
+    __slots__ = ("counts", "sparse", "overflow", "halves", "bincount")
+
+    def __init__(self, halves: int = 1, bincount: bool = False) -> None:
         self.counts = np.zeros((0, 0), np.int64)
+        self.sparse = _Sparse()
         self.overflow: dict[int, list[Histogram]] = {}
         self.halves = halves
+        self.bincount = bincount
 
-    def ensure(self, groups: int, width: int) -> None:
+    def can_hold(self, slots: int) -> bool:
+        """Whether `slots` dense routes fit the budget at the current width."""
+        return slots * self.halves * max(self.counts.shape[1], 1) * 8 <= DENSE_TABLE_BYTES
+
+    def _grow(self, slots: int, width: int) -> int:
+        """Room for `slots` dense routes and, within the budget, values below `width`; returns
+        the width the dense rows now have (values at or past it count sparse)."""
         rows, cols = self.counts.shape
-        if groups <= rows and width <= cols:
-            return
-        grown = np.zeros((max(groups, rows), max(width, 2 * cols)), np.int64)
+        need = slots * self.halves
+        if need <= rows and width <= cols:
+            return cols
+        new_rows = rows if need <= rows else max(need, 2 * rows)
+        if new_rows * max(cols, 1) * 8 > DENSE_TABLE_BYTES:
+            new_rows = max(need, rows)
+        new_cols = cols
+        if width > cols:
+            new_cols = min(max(width, 2 * cols), DENSE_LIMIT)
+            room = DENSE_TABLE_BYTES // (8 * max(new_rows, 1))
+            new_cols = max(cols, min(new_cols, room if room >= width else max(room, cols)))
+        grown = np.zeros((new_rows, new_cols), np.int64)
         grown[:rows, :cols] = self.counts
         self.counts = grown
+        return new_cols
 
-    def add(self, routes: int, gid: np.ndarray, values: np.ndarray, cut: np.ndarray | None = None, top: int | None = None) -> None:
-        """Count `values` (non-negative int64) under route `gid` (< routes), in row
-        gid·halves + cut. cut (bool) only for a censored table; `top`: values.max() or a bound
-        of it, when the caller knows one."""
+    def add(self, routes: _Routes, ids: np.ndarray, values: np.ndarray, all_dense: bool,
+            cut: np.ndarray | None = None, top: int | None = None) -> None:
+        """Count `values` (non-negative int64) under their route ids (`_Routes.ids`), in row
+        route·halves + cut; `top`: values.max() or a bound of it, when the caller knows one."""
         if values.size == 0:
             return
         if top is None or top >= DENSE_LIMIT:
             top = int(values.max())
         if top >= DENSE_LIMIT:
             big = values >= DENSE_LIMIT
-            group = gid.astype(np.int64) * self.halves
+            group = routes.gids(ids[big]) * self.halves
             if cut is not None:
-                group += cut
-            for g in np.unique(group[big]):
-                self.overflow.setdefault(int(g), []).append(Histogram.of(values[big & (group == g)]))
+                group += cut[big]
+            for g in np.unique(group):
+                self.overflow.setdefault(int(g), []).append(Histogram.of(values[big][group == g]))
             keep = ~big
-            gid, values = gid[keep], values[keep]
+            ids, values = ids[keep], values[keep]
             cut = None if cut is None else cut[keep]
             if values.size == 0:
                 return
             top = int(values.max())
-        self.ensure(routes * self.halves, top + 1)
-        stride = self.counts.shape[1]
-        self.add_keys(_keys(gid, self.halves * stride, values, stride, cut))
+        if not all_dense:
+            dense = ids >= 0
+            self.add_sparse(-ids[~dense] - 1, values[~dense], None if cut is None else cut[~dense])
+            if not dense.any():
+                return
+            ids, values = ids[dense], values[dense]
+            cut = None if cut is None else cut[dense]
+        width = self._grow(routes.slots, top + 1)
+        if top >= width:  # past the width the budget allows: those values count sparse
+            wide = values >= width
+            self.add_sparse(routes.gid_of_slot[ids[wide]], values[wide], None if cut is None else cut[wide])
+            ids, values = ids[~wide], values[~wide]
+            cut = None if cut is None else cut[~wide]
+        self.add_keys(_keys(ids, self.halves * width, values, width, cut))
 
     def add_keys(self, keys: np.ndarray) -> None:
-        """Count precomputed flat keys row·width + value (the table already wide enough)."""
-        np.add.at(self.counts.reshape(-1), keys, 1)
+        """Count precomputed dense keys row·width + value (the table already wide enough)."""
+        if self.bincount:
+            self.counts += np.bincount(keys, minlength=self.counts.size).reshape(self.counts.shape)
+        else:
+            np.add.at(self.counts.reshape(-1), keys, 1)
 
-    def histogram(self, group: int) -> Histogram:
-        h = Histogram.from_dense(self.counts[group]) if group < self.counts.shape[0] else Histogram.empty()
-        for extra in self.overflow.get(group, ()):
-            h = h.merge(extra)
-        return h
+    def add_sparse(self, gid: np.ndarray, values: np.ndarray, cut: np.ndarray | None) -> None:
+        """Count values below DENSE_LIMIT under global route ids, sparse."""
+        if gid.size:
+            row = gid * self.halves if cut is None else gid * self.halves + cut
+            self.sparse.add((row << _VALUE_BITS) | values)
+
+    def requests(self, routes: _Routes, groups: int) -> np.ndarray:
+        """Counts per global route id (all values, both halves)."""
+        total = np.zeros(groups, np.int64)
+        slots = min(routes.slots, self.counts.shape[0] // self.halves)
+        if slots:
+            dense = self.counts[: slots * self.halves].sum(axis=1).reshape(slots, self.halves).sum(axis=1)
+            total[routes.gid_of_slot[:slots]] += dense
+        keys, counts = self.sparse.merge()
+        np.add.at(total, (keys >> _VALUE_BITS) // self.halves, counts)
+        for row, parts in self.overflow.items():
+            total[row // self.halves] += sum(h.total for h in parts)
+        return total
+
+    def histograms(self, routes: _Routes, out_of_gid: np.ndarray, n_out: int) -> list[Histogram]:
+        """One Histogram per output row out·halves + cut, where route gid goes to out_of_gid[gid]
+        (several routes to one output row: folding sums them exactly)."""
+        size = n_out * self.halves
+        dense: list[np.ndarray | None] = [None] * size
+        parts: list[list[Histogram]] = [[] for _ in range(size)]
+        for s in range(min(routes.slots, self.counts.shape[0] // self.halves)):  # slots this table has rows for
+            out = int(out_of_gid[routes.gid_of_slot[s]]) * self.halves
+            for h in range(self.halves):
+                row = self.counts[s * self.halves + h]
+                dense[out + h] = row if dense[out + h] is None else dense[out + h] + row
+        keys, counts = self.sparse.merge()
+        if keys.size:
+            row = keys >> _VALUE_BITS
+            out_row = out_of_gid[row // self.halves] * self.halves + row % self.halves
+            order = np.argsort(out_row, kind="stable")
+            out_row, values, counts = out_row[order], (keys & (DENSE_LIMIT - 1))[order], counts[order]
+            bounds = np.searchsorted(out_row, np.arange(size + 1))
+            for r in np.flatnonzero(np.diff(bounds)):
+                lo, hi = bounds[r], bounds[r + 1]
+                parts[r].append(Histogram(values[lo:hi], counts[lo:hi]))
+        for row, extra in self.overflow.items():
+            parts[int(out_of_gid[row // self.halves]) * self.halves + row % self.halves].extend(extra)
+        result = []
+        for d, extra in zip(dense, parts):
+            h = Histogram.from_dense(d) if d is not None else Histogram.empty()
+            for e in extra:
+                h = h.merge(e)
+            result.append(h)
+        return result
 
 
 class _Vocab:
@@ -207,20 +398,25 @@ class ProfileBuilder:
     """Streaming accumulator: `add_batch` per RecordBatch, then `result()`.
 
     Rows must already be valid (ingest skips bad ones): output_tokens non-null and ≥ 0. Null or
-    negative optional fields are left out of their own histograms only.
+    negative optional fields are left out of their own histograms only. `max_routes`: how many
+    routes `result()` keeps (the busiest; the rest fold into `*`); None keeps them all.
     """
 
-    def __init__(self) -> None:
-        self._routes, self._finish, self._models = _Vocab(), _Vocab(), _Vocab()
+    def __init__(self, max_routes: int | None = MAX_ROUTES) -> None:
+        if max_routes is not None and max_routes < 1:
+            raise ValueError("max_routes must be at least 1")
+        self.max_routes = max_routes
+        self._routes, self._finish, self._models = _Routes(), _Vocab(), _Vocab()
         # censored tables use row 2·route + censored
         self._output, self._total = _Table(halves=2), _Table(halves=2)
         self._prompt, self._max_tokens, self._joint = _Table(), _Table(), _Table()
         self._latency, self._ttft = _Table(), _Table()
-        self._finish_counts = np.zeros((0, 0), np.int64)
-        self._model_counts = np.zeros((0, 0), np.int64)
-        self._seconds: dict[int, list[Histogram]] = {}
-        self._first_s: dict[int, float] = {}
-        self._last_s: dict[int, float] = {}
+        self._finish_counts, self._model_counts = _Table(bincount=True), _Table(bincount=True)
+        self._tables = (self._output, self._total, self._prompt, self._max_tokens, self._joint,
+                        self._latency, self._ttft, self._finish_counts, self._model_counts)
+        self._arrivals = _Sparse()  # (route << _SECOND_BITS) | whole second
+        self._first_s = np.zeros(0)
+        self._last_s = np.zeros(0)
 
     def add_batch(self, batch: pa.RecordBatch) -> None:
         from kvtune.ingest import arrays
@@ -230,21 +426,23 @@ class ProfileBuilder:
             return
         # columns a log format never fills arrive all-null: skip them without touching the data
         names = {name for name, col in zip(batch.schema.names, batch.columns) if col.null_count < n}
+        vocab = self._routes.vocab
         if "route" in names:
-            gid, valid = self._routes.encode(batch.column("route"))
+            gid, valid = vocab.encode(batch.column("route"))
             if valid is not None:
-                gid[~valid] = self._routes.id("*")
+                gid[~valid] = vocab.id("*")
         else:
-            gid = np.full(n, self._routes.id("*"), np.int64)
+            gid = np.full(n, vocab.id("*"), np.int64)
         gid = gid.astype(np.int64, copy=False)  # once: every table's key starts from it
-        groups = len(self._routes.ids)
 
         output, out_valid = arrays.ints(batch.column("output_tokens"))
         if out_valid is not None or output.min() < 0:
             raise ValueError("output_tokens must be non-null and non-negative (ingest skips such rows)")
+        ids, dense = self._routes.ids(gid, self._tables)
+        routes = self._routes
         out_top = int(output.max())
         cut = _censored(batch.column("censored")) if "censored" in names else None
-        self._output.add(groups, gid, output, cut, out_top)
+        self._output.add(routes, ids, output, dense, cut, out_top)
 
         if "prompt_tokens" in names:
             prompt, ok = arrays.ints(batch.column("prompt_tokens"))
@@ -252,36 +450,37 @@ class ProfileBuilder:
                 ok = prompt >= 0 if ok is None else ok & (prompt >= 0)
             if ok is not None and ok.all():
                 ok = None
-            g, p, o = _where(ok, gid, prompt, output)
+            i, p, o = _where(ok, ids, prompt, output)
             c = None if cut is None or ok is None else cut[ok]
             if p.size:
                 top = int(p.max())
-                self._prompt.add(groups, g, p, top=top)
-                self._total.add(groups, g, p + o, cut if ok is None else c, top + out_top)
-                # joint cell = prompt bin · width + output bin, both from lookup tables, added
-                # straight onto the route's row offset: one key array, no cell array
-                self._joint.ensure(groups, _JOINT_WIDTH * _JOINT_WIDTH)
-                key = _keys(g, self._joint.counts.shape[1])
-                _add_joint_bins(key, p, top, _JOINT_WIDTH)
-                _add_joint_bins(key, o, out_top)
-                self._joint.add_keys(key)
+                self._prompt.add(routes, i, p, dense, top=top)
+                self._total.add(routes, i, p + o, dense, cut if ok is None else c, top + out_top)
+                if dense and self._joint._grow(routes.slots, _JOINT_WIDTH * _JOINT_WIDTH) >= _JOINT_WIDTH * _JOINT_WIDTH:
+                    # joint cell = prompt bin · width + output bin, both from lookup tables, added
+                    # straight onto the route's row offset: one key array, no cell array
+                    key = _keys(i, self._joint.counts.shape[1])
+                    _add_joint_bins(key, p, top, _JOINT_WIDTH)
+                    _add_joint_bins(key, o, out_top)
+                    self._joint.add_keys(key)
+                else:
+                    cell = np.zeros(p.size, np.int64)
+                    _add_joint_bins(cell, p, top, _JOINT_WIDTH)
+                    _add_joint_bins(cell, o, out_top)
+                    self._joint.add(routes, i, cell, dense, top=_JOINT_WIDTH * _JOINT_WIDTH - 1)
 
         if "max_tokens" in names:
             requested, ok = arrays.ints(batch.column("max_tokens"))
             if ok is not None or requested.min() < 0:
                 ok = requested >= 0 if ok is None else ok & (requested >= 0)
-            self._max_tokens.add(groups, *_where(ok, gid, requested))
+            self._max_tokens.add(routes, *_where(ok, ids, requested), dense)
 
-        if "finish_reason" in names:
-            codes, ok = self._finish.encode(batch.column("finish_reason"))
-            self._finish_counts = _count_pairs(
-                self._finish_counts, groups, len(self._finish.ids), *_where(ok, gid, codes)
-            )
-        if "model" in names:
-            codes, ok = self._models.encode(batch.column("model"))
-            self._model_counts = _count_pairs(
-                self._model_counts, groups, len(self._models.ids), *_where(ok, gid, codes)
-            )
+        for column, table, labels in (("finish_reason", self._finish_counts, self._finish),
+                                      ("model", self._model_counts, self._models)):
+            if column in names:
+                codes, ok = labels.encode(batch.column(column))
+                i, c = _where(ok, ids, codes)
+                table.add(routes, i, c.astype(np.int64, copy=False), dense, top=len(labels.ids) - 1)
 
         if "timestamp_s" in names:
             self._add_arrivals(gid, arrays.floats(batch.column("timestamp_s")))
@@ -290,34 +489,26 @@ class ProfileBuilder:
                 ms = arrays.floats(batch.column(column))
                 ok = np.isfinite(ms) & (ms >= 0)
                 if ok.any():
-                    g, v = _where(ok, gid, ms)
-                    table.add(groups, g, log_bin(v))
+                    i, v = _where(ok, ids, ms)
+                    table.add(routes, i, log_bin(v), dense)
 
     def _add_arrivals(self, gid: np.ndarray, ts: np.ndarray) -> None:
-        ok = np.isfinite(ts) & (ts >= 0)
+        ok = np.isfinite(ts) & (ts >= 0) & (ts < 2.0**_SECOND_BITS)
         if not ok.any():
             return
         g, t = _where(ok, gid, ts)
-        g = g.astype(np.int64, copy=False)
-        seconds = np.floor(t).astype(np.int64)
-        base = int(seconds.min())
-        span = int(seconds.max()) - base + 1
-        keys, counts = np.unique(g * span + (seconds - base), return_counts=True)
-        owner = keys // span
-        bounds = np.searchsorted(owner, np.arange(int(g.max()) + 2))
-        firsts = np.full(bounds.size - 1, np.inf)
-        lasts = np.full(bounds.size - 1, -np.inf)
-        np.minimum.at(firsts, g, t)
-        np.maximum.at(lasts, g, t)
-        for r in np.flatnonzero(np.diff(bounds)):
-            r = int(r)
-            lo, hi = bounds[r], bounds[r + 1]
-            pending = self._seconds.setdefault(r, [])
-            pending.append(Histogram(keys[lo:hi] - r * span + base, counts[lo:hi]))
-            if len(pending) > 64:  # keep the pending list short: fold it
-                self._seconds[r] = [_merge_all(pending)]
-            self._first_s[r] = min(self._first_s.get(r, np.inf), float(firsts[r]))
-            self._last_s[r] = max(self._last_s.get(r, -np.inf), float(lasts[r]))
+        groups = len(self._routes.vocab.ids)
+        if groups > _MAX_ARRIVAL_ROUTES:
+            raise InputError(f"more than {_MAX_ARRIVAL_ROUTES:,} distinct routes: route by a field with fewer "
+                             "values (--route-by)", field="route")
+        keys, counts = np.unique((g << _SECOND_BITS) | np.floor(t).astype(np.int64), return_counts=True)
+        self._arrivals.add(keys, counts)
+        if self._first_s.size < groups:
+            grow = max(groups, 2 * self._first_s.size) - self._first_s.size
+            self._first_s = np.concatenate([self._first_s, np.full(grow, np.inf)])
+            self._last_s = np.concatenate([self._last_s, np.full(grow, -np.inf)])
+        np.minimum.at(self._first_s, g, t)
+        np.maximum.at(self._last_s, g, t)
 
     def result(
         self,
@@ -325,66 +516,86 @@ class ProfileBuilder:
         skipped: dict[str, int] | None = None,
         skip_examples: dict[str, str] | None = None,
     ) -> Profile:
-        """Freeze the counts so far into a Profile (the builder can keep adding afterwards)."""
+        """Freeze the counts so far into a Profile (the builder can keep adding afterwards).
+
+        Beyond `max_routes` routes, the busiest keep their own profile (exact) and the others
+        are summed into `*` (exact too: histograms merge by addition); the profile says how many.
+        """
+        routes = self._routes
+        names = routes.vocab.names
+        groups = len(names)
+        requests = self._output.requests(routes, groups)
+        present = {names[g]: int(requests[g]) for g in np.flatnonzero(requests)}
+        kept = busiest_routes(present, self.max_routes) if self.max_routes is not None else set(present)
+        folded = {name: n for name, n in present.items() if name not in kept and name != "*"}
+        out_names = sorted(kept | ({"*"} if folded else set()))
+        index = {name: i for i, name in enumerate(out_names)}
+        star = index.get("*", -1)
+        out_of_gid = np.array([index.get(name, star) for name in names] or [0], np.int64)
+        out_of_gid[out_of_gid < 0] = 0  # routes without requests: counted nowhere, mapped anywhere
+        n_out = len(out_names)
+
+        output = self._output.histograms(routes, out_of_gid, n_out)
+        total = self._total.histograms(routes, out_of_gid, n_out)
+        prompt = self._prompt.histograms(routes, out_of_gid, n_out)
+        max_tokens = self._max_tokens.histograms(routes, out_of_gid, n_out)
+        joint = self._joint.histograms(routes, out_of_gid, n_out)
+        latency = self._latency.histograms(routes, out_of_gid, n_out)
+        ttft = self._ttft.histograms(routes, out_of_gid, n_out)
+        finish = self._finish_counts.histograms(routes, out_of_gid, n_out)
+        models = self._model_counts.histograms(routes, out_of_gid, n_out)
+        arrivals = self._arrival_profiles(out_of_gid, n_out)
         finish_names, model_names = self._finish.names, self._models.names
-        routes = []
-        for name, gid in self._routes.ids.items():
-            output = CensoredHistogram(self._output.histogram(2 * gid), self._output.histogram(2 * gid + 1))
-            if output.total == 0:
-                continue
-            cells = self._joint.histogram(gid)
-            arrival = None
-            if gid in self._seconds:
-                arrival = Arrival(_merge_all(self._seconds[gid]), self._first_s[gid], self._last_s[gid])
-            latency, ttft = self._latency.histogram(gid), self._ttft.histogram(gid)
-            routes.append(
+        built = []
+        for i, name in enumerate(out_names):
+            cells = joint[i]
+            built.append(
                 RouteProfile(
                     route=name,
-                    output=output,
-                    total=CensoredHistogram(self._total.histogram(2 * gid), self._total.histogram(2 * gid + 1)),
-                    prompt=self._prompt.histogram(gid),
-                    max_tokens=self._max_tokens.histogram(gid),
+                    output=CensoredHistogram(output[2 * i], output[2 * i + 1]),
+                    total=CensoredHistogram(total[2 * i], total[2 * i + 1]),
+                    prompt=prompt[i],
+                    max_tokens=max_tokens[i],
                     joint=JointHistogram(cells.values // _JOINT_WIDTH, cells.values % _JOINT_WIDTH, cells.counts),
-                    finish_reasons=_names_counts(finish_names, self._finish_counts, gid),
-                    models=_names_counts(model_names, self._model_counts, gid),
-                    arrival=arrival,
-                    latency_ms=LogHistogram(latency) if latency.total else None,
-                    ttft_ms=LogHistogram(ttft) if ttft.total else None,
+                    finish_reasons=_names_counts(finish_names, finish[i]),
+                    models=_names_counts(model_names, models[i]),
+                    arrival=arrivals[i],
+                    latency_ms=LogHistogram(latency[i]) if latency[i].total else None,
+                    ttft_ms=LogHistogram(ttft[i]) if ttft[i].total else None,
                 )
             )
         return Profile(
-            routes=tuple(routes),
+            routes=tuple(built),
             inputs=tuple(inputs),
             skipped=dict(skipped or {}),
             skip_examples=dict(skip_examples or {}),
+            folded_routes=len(folded),
+            folded_requests=sum(folded.values()),
         )
 
+    def _arrival_profiles(self, out_of_gid: np.ndarray, n_out: int) -> list[Arrival | None]:
+        keys, counts = self._arrivals.merge()
+        found: list[Arrival | None] = [None] * n_out
+        if not keys.size:
+            return found
+        gid = keys >> _SECOND_BITS
+        out = out_of_gid[gid]
+        order = np.argsort(out, kind="stable")
+        out, seconds, counts = out[order], (keys & ((1 << _SECOND_BITS) - 1))[order], counts[order]
+        bounds = np.searchsorted(out, np.arange(n_out + 1))
+        first = np.full(n_out, np.inf)
+        last = np.full(n_out, -np.inf)
+        seen = np.unique(gid)
+        np.minimum.at(first, out_of_gid[seen], self._first_s[seen])
+        np.maximum.at(last, out_of_gid[seen], self._last_s[seen])
+        for r in np.flatnonzero(np.diff(bounds)):
+            lo, hi = bounds[r], bounds[r + 1]
+            found[r] = Arrival(Histogram(seconds[lo:hi], counts[lo:hi]), float(first[r]), float(last[r]))
+        return found
 
-def _merge_all(histograms: Sequence[Histogram]) -> Histogram:
-    if len(histograms) == 1:
-        return histograms[0]
-    return Histogram(
-        np.concatenate([h.values for h in histograms]), np.concatenate([h.counts for h in histograms])
-    )
 
-
-def _count_pairs(table: np.ndarray, groups: int, vocab: int, gid: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """Add counts of (route, code) pairs to a routes × vocab table, growing it as needed."""
-    if table.shape != (groups, vocab):
-        grown = np.zeros((groups, vocab), np.int64)
-        grown[: table.shape[0], : table.shape[1]] = table
-        table = grown
-    if gid.size:
-        key = _keys(gid, vocab, codes)
-        table += np.bincount(key, minlength=groups * vocab).reshape(groups, vocab)
-    return table
-
-
-def _names_counts(names: list[str], table: np.ndarray, gid: int) -> dict[str, int]:
-    if gid >= table.shape[0]:
-        return {}
-    row = table[gid]
-    return dict(sorted((names[i], int(row[i])) for i in np.flatnonzero(row)))
+def _names_counts(names: list[str], counts: Histogram) -> dict[str, int]:
+    return dict(sorted((names[int(v)], int(c)) for v, c in zip(counts.values, counts.counts)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,28 +610,31 @@ def profile_logs(
     *,
     progress: ProgressCallback | None = None,
     trace_max_is_cap: bool = False,
+    max_routes: int | None = MAX_ROUTES,
 ) -> Profile:
     """Read logs through `kvtune.ingest` and profile them; skipped rows are kept in the profile.
 
     trace_max_is_cap: for traces without finish reasons whose largest output is a generation
     cap (Mooncake conversation: 30 rows at exactly 2000), read twice: once to find the largest
     output, then with outputs at that value treated as cut (ingest's assume_cap).
+    max_routes: the busiest routes kept; the others fold into `*` (None keeps every route).
     """
-    profile = _profile_once(paths, options, progress)
+    profile = _profile_once(paths, options, progress, max_routes)
     if trace_max_is_cap and profile.routes:
         import dataclasses
 
         top = max(r.output.observed.max or 0 for r in profile.routes)
         if top > 0:
-            profile = _profile_once(paths, dataclasses.replace(options, assume_cap=top), progress)
+            profile = _profile_once(paths, dataclasses.replace(options, assume_cap=top), progress, max_routes)
     return profile
 
 
-def _profile_once(paths: Sequence[str], options: Any, progress: ProgressCallback | None) -> Profile:
+def _profile_once(paths: Sequence[str], options: Any, progress: ProgressCallback | None,
+                  max_routes: int | None) -> Profile:
     from kvtune.ingest import read_logs
 
     batches, stats = read_logs(list(paths), options, progress=progress, prefetch=PREFETCH_BATCHES)
-    builder = ProfileBuilder()
+    builder = ProfileBuilder(max_routes)
     for batch in batches:
         builder.add_batch(batch)
     inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]
@@ -445,7 +659,10 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
-    write_text_atomic(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
+    """Write the profile as JSON, whole or not at all (kvtune.writer)."""
+    from kvtune.writer import write_text
+
+    write_text(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
 
 
 def is_saved_profile(path: str | os.PathLike[str]) -> bool:
@@ -459,16 +676,18 @@ def is_saved_profile(path: str | os.PathLike[str]) -> bool:
 
 
 def load_profile_or_logs(
-    paths: Sequence[str], options: Any = None, *, progress: ProgressCallback | None = None
+    paths: Sequence[str], options: Any = None, *, progress: ProgressCallback | None = None,
+    max_routes: int | None = MAX_ROUTES,
 ) -> Profile:
-    """For later commands: one saved-profile .json loads it; anything else is read as logs."""
+    """For later commands: one saved-profile .json loads it; anything else is read as logs.
+    Either way at most `max_routes` routes keep their own profile (`fold_routes`)."""
     if len(paths) == 1 and is_saved_profile(paths[0]):
-        return load_profile(paths[0])
+        return fold_routes(load_profile(paths[0]), max_routes)
     if options is None:
         from kvtune.ingest import IngestOptions
 
         options = IngestOptions()
-    return profile_logs(paths, options, progress=progress)
+    return profile_logs(paths, options, progress=progress, max_routes=max_routes)
 
 
 def merge_saved(paths: Iterable[str]) -> Profile:

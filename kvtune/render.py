@@ -14,8 +14,6 @@ import math
 import os
 import re
 import shlex
-import shutil
-import tempfile
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -569,28 +567,16 @@ def render_files(rec: Mapping[str, Any], *, targets: Iterable[str] | None = None
 
 
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
-    """Write every file or none: all go to a temp folder inside out_dir first, then each is
-    renamed into place, so a failure never leaves a half-written file behind."""
+    """Write every file into out_dir or none (kvtune.writer: targets checked first, staged,
+    replaced together, put back if a rename fails); names must be plain file names."""
+    from kvtune.writer import write_files as write_all
+
     target = Path(out_dir)
-    target.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".kvtune-render-", dir=target))
-    written: list[Path] = []
-    try:
-        staged = []
-        for name, text in files.items():
-            if Path(name).name != name or name in ("", ".", ".."):
-                raise KvtuneError(f"refusing to write {name!r}: not a plain file name")
-            path = staging / name
-            with open(path, "w", encoding="utf-8", newline="\n") as f:
-                f.write(text)
-            os.chmod(path, 0o755 if name in EXECUTABLE else 0o644)
-            staged.append((path, target / name))
-        for src, dst in staged:
-            os.replace(src, dst)
-            written.append(dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return written
+    for name in files:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise KvtuneError(f"refusing to write {name!r}: not a plain file name")
+    return write_all({target / name: text for name, text in files.items()},
+                     executable=[target / name for name in files if name in EXECUTABLE])
 
 
 __all__ = [

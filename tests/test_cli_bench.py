@@ -218,3 +218,15 @@ def test_bad_expect_file_exits_2(profile_path, tmp_path):
     assert r.exit_code == 2
     assert r.output.strip() == (f"Error: {bad}: --expect: not a recommendation.json (no block_budget.value); "
                                 "write one with `kvtune recommend --out DIR`")
+
+
+def test_outputs_are_checked_before_the_run_and_written_together(fake, profile_path, tmp_path):
+    """A bad --out fails before any request is sent; a good pair is written whole, together."""
+    url, cfg = fake
+    (tmp_path / "results.json").mkdir()
+    r = CliRunner().invoke(cli, ["bench", url, "--profile", profile_path, "--requests", "5", "--json",
+                                 "--out", str(tmp_path / "results.json"), "--requests-log", str(tmp_path / "log.jsonl")])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"Error: {tmp_path / 'results.json'}: refusing to replace a directory")
+    assert cfg.generation_tokens == 0 and not (tmp_path / "log.jsonl").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json", "results.json"]

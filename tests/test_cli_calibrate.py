@@ -157,3 +157,13 @@ def test_help_names_the_command():
     result = CliRunner().invoke(cli, ["--help"])
     assert "calibrate" in result.stdout
     assert "kvtune calibrate http://127.0.0.1:8000 --out capacity.json" in run("--help").stdout
+
+
+def test_out_onto_a_directory_or_link_is_one_line(tmp_path):
+    (tmp_path / "cap").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    for target, word in ((tmp_path / "cap", "a directory"), (tmp_path / "link.json", "a symbolic link")):
+        result = run("--vllm-log", str(LOG), "--json", "--out", str(target))
+        assert result.exit_code == 2, result.output
+        assert result.stderr == f"Error: {target}: refusing to replace {word} with a file: remove it or choose another path\n"
+    assert not (tmp_path / "elsewhere.json").exists()

@@ -207,3 +207,11 @@ def test_local_model_dir_uses_its_safetensors_index(tmp_path):
 def test_max_model_len_above_the_derived_length_is_noted():
     d = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--max-model-len", "200000")
     assert any("VLLM_ALLOW_LONG_MAX_MODEL_LEN" in n for n in d["notes"])
+
+
+@pytest.mark.parametrize("size", ["1e400GB", "9" * 400 + "GB", "1025TiB", "-1GB"])
+def test_absurd_gpu_memory_is_one_error_line(size):
+    result = CliRunner().invoke(cli, ["capacity", "llama-3.1-8b", "--gpu-memory", size])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: --gpu-memory: ") and result.stderr.count("\n") == 1
+    assert len(result.stderr) < 300

@@ -124,3 +124,53 @@ def test_recommend_refuses_to_write_files_that_would_fail_check(tmp_path, monkey
     assert result.exit_code == 1
     assert "the rendered gateway.yaml would fail `kvtune check`: cap-truncates" in result.output
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("command", ["profile", "recommend", "check", "bench"])
+def test_every_command_that_profiles_logs_takes_max_routes(command):
+    result = CliRunner().invoke(cli, [command, "--help"])
+    assert result.exit_code == 0 and "--max-routes N" in result.output
+
+
+def test_recommend_folds_routes_beyond_max_routes_with_a_note(tmp_path):
+    logs = tmp_path / "routes.jsonl"
+    logs.write_text("".join(json.dumps({"route": f"/v1/r{i}", "output_tokens": 10 + k, "prompt_tokens": 100})
+                            + "\n" for i in range(6) for k in range(i + 1)))
+    result = CliRunner().invoke(cli, ["recommend", str(logs), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--json", "--max-routes", "2"])
+    assert result.exit_code == 0, result.output
+    routes = [r["route"] for r in json.loads(result.stdout)["recommendation"]["routes"]]
+    assert sorted(routes) == ["*", "/v1/r4", "/v1/r5"]
+    assert result.stderr.startswith("folded 4 routes (10 requests) into * (--max-routes 2 keeps the busiest)")
+
+
+def _one_error_line(result, path) -> str:
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.stderr.startswith(f"Error: {path}: ") and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+def test_out_with_a_directory_where_a_file_goes_writes_nothing(tmp_path):
+    """#10: with deploy/nginx.conf a directory, two files were replaced next to an old
+    recommendation.json (a mixed set) and the command died with a traceback."""
+    deploy = tmp_path / "deploy"
+    args = ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--out", str(deploy)]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    old = {p.name: p.read_bytes() for p in deploy.iterdir()}
+    (deploy / "nginx.conf").unlink()
+    (deploy / "nginx.conf").mkdir()
+    result = CliRunner().invoke(cli, [*args, "--safety-fraction", "0.5"])
+    message = _one_error_line(result, deploy / "nginx.conf")
+    assert "refusing to replace a directory with a file" in message
+    assert {p.name: p.read_bytes() for p in deploy.iterdir() if p.is_file()} == {
+        k: v for k, v in old.items() if k != "nginx.conf"}
+    assert sorted(p.name for p in deploy.iterdir()) == sorted(old)  # no staging folder left
+
+
+def test_out_that_is_a_file_or_under_proc_is_one_line(tmp_path):
+    (tmp_path / "deploy").write_text("not a directory")
+    base = ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--out"]
+    _one_error_line(CliRunner().invoke(cli, [*base, str(tmp_path / "deploy")]), tmp_path / "deploy")
+    assert (tmp_path / "deploy").read_text() == "not a directory"
+    _one_error_line(CliRunner().invoke(cli, [*base, "/proc/kvtune-deploy"]), "/proc/kvtune-deploy")

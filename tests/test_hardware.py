@@ -90,3 +90,23 @@ def test_vllm_serve_batch_defaults_by_gpu(gpu, expected):
 def test_batch_defaults_without_a_name_use_memory_alone():
     assert default_batch_limits(80 * GiB, None) == (8192, 1024)
     assert default_batch_limits(69 * GiB, None) == (2048, 256)
+
+
+@given(st.from_regex(r"\s*(\d{1,500}(\.\d{0,30})?|\.\d{1,30})\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|gb|x)?\s*", fullmatch=True)
+       | st.text(max_size=50))
+def test_any_memory_text_is_a_size_or_one_error_line(text):
+    """The class behind `--gpu-memory 1e400GB`: any text is a size of at most 1 PiB or a
+    KvtuneError naming the option in one short line, never an OverflowError."""
+    try:
+        size = parse_memory_size(text)
+    except KvtuneError as exc:
+        message = str(exc)
+        assert message.startswith("--gpu-memory: ") and "\n" not in message and len(message) < 300
+    else:
+        assert 0 < size <= 1024**5
+
+
+@pytest.mark.parametrize("text", ["9" * 400 + "GB", "1025TiB", "2000000TB", "1" + "0" * 309 + "B"])
+def test_absurd_memory_sizes_are_errors(text):
+    with pytest.raises(KvtuneError, match="beyond any device"):
+        parse_memory_size(text)

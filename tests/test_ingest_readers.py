@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import TRACES
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import COLUMNS, IngestOptions, expand_paths, read_logs
-from kvtune.ingest import columns, flatscan, jsonl, readers
+from kvtune.ingest import columns, flatscan, jsonl, readers, tabular
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -465,3 +465,234 @@ def test_mistyped_otlp_arrays_are_counted_skips(tmp_path, line):
     assert stats.skipped == {"malformed record structure": 1}
     with pytest.raises(KvtuneError, match="expected a list"):
         read([path], format="otel", on_error="fail")
+
+
+# -- a log that changes under the reader (logrotate's copytruncate) -----------------------------
+
+
+def _truncate_after_first_batch(paths, cut, **opts):
+    """Read until the first batch, truncate the file to `cut` bytes, read on."""
+    it, stats = read_logs([str(p) for p in paths], IngestOptions(**opts))
+    first = next(it)
+    assert first.num_rows
+    with open(paths[0], "r+b") as f:
+        f.truncate(cut)
+    return list(it), stats
+
+
+@pytest.mark.parametrize("path_kind", ["scan", "duckdb", "blocks", "records", "csv"])
+@pytest.mark.parametrize("cut", [0, 123_457])
+def test_truncated_while_read_is_one_input_error(tmp_path, monkeypatch, path_kind, cut):
+    """A file that shrinks mid-read ends the read with an InputError naming it, on every path
+    (the C scanner's once mapped the file and died of SIGBUS), never a partial profile."""
+    src = _native_table(200_000 if path_kind == "csv" else 40_000)  # pyarrow reads CSV far ahead
+    path = tmp_path / ("t.csv" if path_kind == "csv" else "t.jsonl")
+    if path_kind == "csv":
+        src.to_pandas().to_csv(path, index=False)
+    else:
+        _write_jsonl(src, path)
+    monkeypatch.setattr(jsonl, "SCAN_BLOCK_BYTES", 64 << 10)
+    monkeypatch.setattr(jsonl, "BLOCK_BYTES", 64 << 10)
+    monkeypatch.setattr(readers, "SINK_ROWS", 1000)
+    monkeypatch.setattr(tabular, "CSV_BLOCK_BYTES", 64 << 10)
+    if path_kind == "scan" and not flatscan.available():
+        pytest.skip("kvtune.ingest._flatscan is not built")
+    if path_kind in ("duckdb", "blocks"):
+        monkeypatch.setattr(flatscan, "available", lambda: False)
+    if path_kind == "duckdb":
+        pytest.importorskip("duckdb")
+        monkeypatch.setattr(jsonl, "DUCKDB_BATCH_ROWS", 2048)
+    if path_kind == "blocks":
+        monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+    opts = {"format": "openai"} if path_kind == "records" else {}
+    if path_kind == "records":  # the slow path: one record at a time, here in OpenAI's shape
+        lines = [json.dumps({"object": "chat.completion", "model": "m", "usage": {"prompt_tokens": 3,
+                 "completion_tokens": i % 500 + 1}, "choices": [{"finish_reason": "stop"}]}) for i in range(40_000)]
+        path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size > 1 << 20
+    with pytest.raises(InputError, match="truncated while being read") as caught:
+        _truncate_after_first_batch([path], cut, **opts)
+    assert caught.value.path == str(path) and "\n" not in str(caught.value)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.lists(st.sampled_from([b"a", b"bc", b"\n", b"{}", b"\n\n", b"x" * 300]), max_size=60).map(b"".join),
+       block=st.integers(1, 700), past=st.integers(1, 100))
+def test_line_ranges_read_whole_lines_that_tile_the_file(tmp_path, monkeypatch, data, block, past):
+    """Workers read their blocks independently (pread): the blocks are whole lines, in order,
+    and together exactly the file, wherever the ranges cut and however long the lines."""
+    from kvtune.ingest.compression import open_bytes
+
+    monkeypatch.setattr(jsonl, "READ_PAST_BYTES", past)  # lines longer than that: read on
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(data)
+    _, raw = open_bytes(path)
+    with raw:
+        blocks = [bytes(jsonl._read_lines(raw.raw, *r)) for r in jsonl._line_ranges(len(data), block)]
+    assert b"".join(blocks) == data
+    starts = {0} | {i + 1 for i, c in enumerate(data) if c == 10}
+    offset = 0
+    for b in blocks:
+        assert not b or offset in starts
+        assert not b or b.endswith(b"\n") or offset + len(b) == len(data)
+        offset += len(b)
+
+
+# -- hostile values: each a counted skip (or one InputError), on every path ---------------------
+
+_READERS = ["scan", "duckdb", "blocks"]
+
+
+def _use_reader(monkeypatch, reader):
+    if reader == "scan" and not flatscan.available():
+        pytest.skip("kvtune.ingest._flatscan is not built")
+    if reader != "scan":
+        monkeypatch.setattr(flatscan, "available", lambda: False)
+    if reader == "blocks":
+        monkeypatch.setattr(readers._Reader, "_json_duckdb", lambda self, plan: self._json_fast(plan))
+
+
+def _jsonl_with(tmp_path, bad: bytes, clean=200):
+    """`clean` good rows, then one line holding `bad`, then the good rows again."""
+    good = b"".join(json.dumps({"route": f"/r{i % 3}", "output_tokens": i + 1, "prompt_tokens": 7,
+                                "timestamp_s": 1.7e9 + i}).encode() + b"\n" for i in range(clean))
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(good + bad + b"\n" + good)
+    return path
+
+
+@pytest.mark.parametrize("reader", _READERS)
+@pytest.mark.parametrize("bad", [
+    b'{"route": "a\\ud800", "output_tokens": 5}',  # a lone surrogate, escaped
+    b'{"route": "\\udfff\\ud800b", "output_tokens": 5}',
+    b'{"model": "m\\ud800", "route": "a", "output_tokens": 5}',
+    b'{"route": "a", "output_tokens": 5, "finish_reason": "\\ud83d"}',
+    b'{"route": "a\xff\xfe", "output_tokens": 5}',  # invalid UTF-8
+    b'{"route": "a\xed\xa0\x80", "output_tokens": 5}',  # an encoded surrogate
+    b'{"route": "\xc3", "output_tokens": 5}',  # a cut sequence
+])
+def test_invalid_text_is_a_counted_skip_on_every_path(tmp_path, monkeypatch, reader, bad):
+    _use_reader(monkeypatch, reader)
+    path = _jsonl_with(tmp_path, bad)
+    table, stats = read([path])
+    assert table.num_rows == stats.rows_ok == 400
+    assert dict(stats.skipped) in ({"invalid text field": 1}, {"malformed JSON": 1})
+    assert next(iter(stats.examples.values())).startswith(f"{path}:201: ")
+    with pytest.raises(InputError, match=f"^{path}:201: "):
+        read([path], strict=True)
+
+
+@pytest.mark.parametrize("reader", _READERS)
+@pytest.mark.parametrize("bad, reason", [
+    (b'{"route": "a", "output_tokens": 5, "prompt_tokens": 9223372036854775000}', "token count too large"),
+    (b'{"route": "a", "output_tokens": 4611686018427387904, "prompt_tokens": 4611686018427387904}', "token count too large"),
+    (b'{"route": "a", "output_tokens": 9007199254740993}', "token count too large"),
+    (b'{"route": "a", "output_tokens": 9223372036854775808}', "token count not an integer"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": 1e308}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": -1e308}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": -5}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": 1e19}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": 100000000000000000000000000000}', "invalid timestamp"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": NaN}', "invalid number"),
+    (b'{"route": "a", "output_tokens": 5, "timestamp_s": -Infinity}', "invalid number"),
+    (b'{"route": "a", "output_tokens": 5, "latency_ms": 100000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000}', "invalid number"),
+])
+def test_extreme_numbers_are_counted_skips_and_profile_exactly(tmp_path, monkeypatch, reader, bad, reason):
+    """Counts whose sum overflows int64 (prompt + output ≥ 2^63), counts past 2^53, times that
+    are no time (1e308, negative, NaN, inf): each row is skipped and counted; the rest profile."""
+    from kvtune.profiler import profile_logs
+
+    _use_reader(monkeypatch, reader)
+    path = _jsonl_with(tmp_path, bad)
+    table, stats = read([path])
+    assert table.num_rows == 400 and dict(stats.skipped) == {reason: 1}
+    profile = profile_logs([str(path)], IngestOptions())
+    assert profile.requests == 400 and profile.skipped == {reason: 1}
+    assert profile.route("/r0").arrival.requests == sum(1 for i in range(200) if i % 3 == 0) * 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.integers(0, 2**63 - 1), output=st.integers(0, 2**63 - 1),
+       stamp=st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**70), 2**70))
+def test_any_count_or_time_profiles_or_is_skipped(tmp_path, prompt, output, stamp):
+    """The class: any int64 counts and any JSON number as a time give a profile or a counted skip."""
+    from kvtune.profiler import profile_logs
+
+    path = tmp_path / "one.jsonl"
+    row = {"route": "a", "output_tokens": output, "prompt_tokens": prompt, "timestamp_s": stamp}
+    path.write_text(json.dumps({"route": "a", "output_tokens": 1}) + "\n" + json.dumps(row) + "\n")
+    profile = profile_logs([str(path)], IngestOptions())
+    assert profile.requests + profile.skipped_rows == 2
+    if profile.requests == 2:  # the first row logs no prompt: the total is the second row's
+        total = profile.route("a").total
+        assert total.total == 1 and total.observed.max == prompt + output
+        assert profile.route("a").arrival.requests == 1
+
+
+@pytest.mark.parametrize("unit", ["ms", "us", "ns"])  # Parquet stores seconds as ms
+def test_parquet_times_beyond_datetime_are_counted_skips(tmp_path, unit):
+    """Timestamps that Python's datetime cannot hold (and ns cannot reach) are invalid times."""
+    path = tmp_path / "t.parquet"
+    stamps = [1_700_000_000 * 10 ** {"ms": 3, "us": 6, "ns": 9}[unit], 2**63 - 1, -(2**63) + 1, None]
+    pq.write_table(pa.table({"route": ["a"] * 4, "output_tokens": [1, 2, 3, 4],
+                             "timestamp_s": pa.array(stamps, pa.timestamp(unit))}), path)
+    table, stats = read([path])
+    late = unit == "ns"  # 2^63 - 1 ns is in 2262: a time; 2^63 - 1 µs or ms are far past 9999
+    assert table.column("output_tokens").to_pylist() == ([1, 2, 4] if late else [1, 4])
+    assert dict(stats.skipped) == {"invalid timestamp": 1 if late else 2}
+
+
+def test_damaged_parquet_strings_are_counted_skips(tmp_path):
+    """A Parquet page whose string bytes are not UTF-8 (found by fuzzing) skips those rows."""
+    path = tmp_path / "t.parquet"
+    route = pa.array([b"ok", b"bad\xff", b"ok"], pa.binary()).cast(pa.string(), safe=False)
+    pq.write_table(pa.table({"route": route, "output_tokens": [1, 2, 3]}), path)
+    table, stats = read([path])
+    assert table.column("output_tokens").to_pylist() == [1, 3]
+    assert dict(stats.skipped) == {"invalid text field": 1}
+
+
+@pytest.mark.parametrize("data, message", [
+    (bytes(range(256)) * 8, "not CSV text: the file holds NUL bytes"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(200), "not CSV text: the file holds NUL bytes"),
+    (b'route,output_tokens\na,5\n"b\r\rc,6\n', None),
+    (b"\xff\xfe r\x00o\x00", "not CSV text"),
+])
+def test_binary_named_csv_is_one_input_error(tmp_path, data, message):
+    path = tmp_path / "logs.csv"
+    path.write_bytes(data)
+    if message is None:  # a bad quote: rows before it are read, the rest counted
+        table, stats = read([path])
+        assert table.column("output_tokens").to_pylist() == [5] and sum(stats.skipped.values()) >= 1
+        return
+    with pytest.raises(InputError, match=message) as caught:
+        read([path])
+    assert caught.value.path == str(path)
+
+
+def test_links_fifos_and_devices_are_input_errors(tmp_path):
+    """A symlink loop inside a directory, a dangling link, a FIFO (whose open would block) or a
+    device given as a log: one InputError naming it, never a RuntimeError or a hang."""
+    import os
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "good.jsonl").write_text('{"route": "a", "output_tokens": 1}\n')
+    os.symlink("b.jsonl", logs / "a.jsonl")
+    os.symlink("a.jsonl", logs / "b.jsonl")
+    with pytest.raises(InputError, match="Too many levels of symbolic links") as caught:
+        read([logs])
+    assert caught.value.path == str(logs / "a.jsonl")
+    with pytest.raises(InputError, match="a symbolic link to nothing"):
+        read([logs / "b.jsonl"])
+    (logs / "a.jsonl").unlink()
+    (logs / "b.jsonl").unlink()
+    os.mkfifo(logs / "pipe.jsonl")
+    with pytest.raises(InputError, match="not a log file but a FIFO") as caught:
+        read([logs])
+    assert caught.value.path == str(logs / "pipe.jsonl")
+    with pytest.raises(InputError, match="not a log file but a character device"):
+        read(["/dev/zero"])
+    (logs / "pipe.jsonl").unlink()
+    os.symlink(logs, logs / "loop")  # a directory link back up: not followed, not a loop
+    assert read([logs])[0].num_rows == 1

@@ -377,3 +377,122 @@ def test_saved_profile_numbers_stay_in_range(tmp_path, edit, field, words):
         load_profile(path)
     assert str(info.value).startswith(f"{path}: {field}: "), str(info.value)
     assert words in str(info.value)
+
+
+# -- per-route state: sparse until busy, dense within a budget, folded beyond max_routes ---------
+
+
+def _reference_profile(rows: dict[str, np.ndarray]) -> Profile:
+    """The profile of raw rows computed the plain way: one exact histogram per route and kind."""
+    from collections import Counter
+
+    from kvtune.histogram import JointHistogram, LogHistogram, joint_bin, log_bin
+    from kvtune.profile import Arrival, RouteProfile
+
+    routes = []
+    for name in sorted(set(rows["route"].tolist())):
+        m = rows["route"] == name
+        out, cut, prompt = rows["output"][m], rows["cut"][m], rows["prompt"][m]
+        has_prompt = prompt >= 0
+        asked = rows["max_tokens"][m]
+        stamps, latency = rows["timestamp"][m], rows["latency"][m]
+        timed = np.isfinite(stamps)
+        routes.append(RouteProfile(
+            route=name,
+            output=CensoredHistogram.of(out, cut),
+            total=CensoredHistogram.of((prompt + out)[has_prompt], cut[has_prompt]),
+            prompt=Histogram.of(prompt[has_prompt]),
+            max_tokens=Histogram.of(asked[asked >= 0]),
+            joint=JointHistogram(joint_bin(prompt[has_prompt]), joint_bin(out[has_prompt]), np.ones(has_prompt.sum(), np.int64)),
+            finish_reasons=dict(sorted(Counter(rows["finish"][m].tolist()).items())),
+            models=dict(sorted(Counter(rows["model"][m].tolist()).items())),
+            arrival=Arrival(Histogram.of(np.floor(stamps[timed]).astype(np.int64)), float(stamps[timed].min()),
+                            float(stamps[timed].max())) if timed.any() else None,
+            latency_ms=LogHistogram(Histogram.of(log_bin(latency[np.isfinite(latency)]))) if np.isfinite(latency).any() else None,
+        ))
+    return Profile(routes=tuple(routes))
+
+
+@st.composite
+def _traffic(draw):
+    """Rows over a skewed set of routes (a few busy, many with a row or two), values small and
+    huge, as batches cut at random points."""
+    n = draw(st.integers(1, 600))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    busy = draw(st.integers(1, 4))
+    pool = np.array([f"/busy{i}" for i in range(busy)] + [f"/r{i}" for i in range(draw(st.integers(0, 300)))] + ["*"])
+    weights = np.where(np.char.startswith(pool, "/busy"), 40.0, 1.0)
+    route = rng.choice(pool, n, p=weights / weights.sum())
+    big = draw(st.sampled_from([0, 1 << 22, 10**12]))
+    rows = {
+        "route": route,
+        "output": np.where(rng.random(n) < 0.02, big, rng.integers(0, 3000, n)).astype(np.int64),
+        "cut": rng.random(n) < 0.1,
+        "prompt": np.where(rng.random(n) < 0.1, -1, rng.integers(0, draw(st.sampled_from([50, 9000, 300_000])), n)),
+        "max_tokens": np.where(rng.random(n) < 0.3, -1, rng.integers(0, 5000, n)),
+        "finish": rng.choice(["stop", "length", "tool_calls"], n),
+        "model": rng.choice([f"m{i}" for i in range(draw(st.integers(1, 30)))], n),
+        "timestamp": np.where(rng.random(n) < 0.2, np.nan, 1.7e9 + rng.random(n) * 3000),
+        "latency": np.where(rng.random(n) < 0.5, np.nan, rng.random(n) * 5000),
+    }
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
+    return rows, [0, *cuts, n]
+
+
+def _batches(rows, cuts):
+    for lo, hi in zip(cuts, cuts[1:]):
+        if hi > lo:
+            part = {k: v[lo:hi] for k, v in rows.items()}
+            yield pa.record_batch({
+                "route": pa.array(part["route"]).dictionary_encode(),
+                "output_tokens": pa.array(part["output"]),
+                "censored": pa.array(part["cut"]),
+                "prompt_tokens": pa.array(np.where(part["prompt"] < 0, 0, part["prompt"]), mask=part["prompt"] < 0),
+                "max_tokens": pa.array(part["max_tokens"]),
+                "finish_reason": pa.array(part["finish"]),
+                "model": pa.array(part["model"]),
+                "timestamp_s": pa.array(part["timestamp"], from_pandas=True),
+                "latency_ms": pa.array(part["latency"], from_pandas=True),
+            })
+
+
+@settings(max_examples=150, deadline=None)
+@given(traffic=_traffic(), dense_rows=st.sampled_from([1, 3, 40, 4096]),
+       budget=st.sampled_from([8 * 64, 8 * 5000, 128 << 20]), max_routes=st.sampled_from([None, 1, 3, 50]))
+def test_builder_is_exact_whatever_counts_dense_or_sparse_and_folds(traffic, dense_rows, budget, max_routes):
+    """Dense rows, sparse keys, values past the width the budget allows, the overflow, and the
+    fold into `*`: the profile equals the plain per-route histograms of the same rows, folded
+    the same way (the kept routes exactly as profiled alone)."""
+    import kvtune.profiler as profiler
+    from kvtune.profile import fold_routes
+
+    rows, cuts = traffic
+    saved = profiler.DENSE_ROWS, profiler.DENSE_TABLE_BYTES
+    profiler.DENSE_ROWS, profiler.DENSE_TABLE_BYTES = dense_rows, budget
+    try:
+        builder = ProfileBuilder(max_routes=max_routes)
+        for b in _batches(rows, cuts):
+            builder.add_batch(b)
+        got = builder.result()
+    finally:
+        profiler.DENSE_ROWS, profiler.DENSE_TABLE_BYTES = saved
+    expected = fold_routes(_reference_profile(rows), max_routes)
+    assert got == expected
+    assert got.requests == len(rows["route"])
+    if max_routes is not None:
+        assert len([r for r in got.routes if r.route != "*"]) <= max_routes
+
+
+def test_fold_keeps_the_busiest_routes_exactly_and_says_how_many_were_folded():
+    rows = {"route": np.array(["/a"] * 5 + ["/b"] * 3 + ["/c"] * 2 + ["/d", "*"])}
+    n = rows["route"].size
+    out = np.arange(1, n + 1)
+    builder = ProfileBuilder(max_routes=2)
+    builder.add_batch(batch(np.zeros(n, np.int64), out, rows["route"]))
+    profile = builder.result()
+    assert [r.route for r in profile.routes] == ["*", "/a", "/b"]
+    assert (profile.folded_routes, profile.folded_requests) == (2, 3)  # /c and /d; "*" was already there
+    assert profile.route("/a").output == CensoredHistogram.of(out[:5], [False] * 5)
+    assert profile.route("*").output == CensoredHistogram.of(out[8:], [False] * 4)
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    assert profile.summary_dict()["folded"] == {"routes": 2, "requests": 3, "into": "*"}

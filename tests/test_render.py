@@ -336,10 +336,10 @@ def test_write_files_is_all_or_nothing(tmp_path, monkeypatch):
         return real_chmod(path, mode)
 
     monkeypatch.setattr(os, "chmod", failing_chmod)
-    with pytest.raises(OSError):
+    with pytest.raises(InputError, match="disk full"):  # an OSError is one error line naming the file
         write_files(out, changed)
     monkeypatch.undo()
-    assert {p.name: p.read_text() for p in out.iterdir()} == before
+    assert {p.name: p.read_text() for p in out.iterdir()} == before  # no staging folder left either
 
 
 def test_write_files_refuses_paths():

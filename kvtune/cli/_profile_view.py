@@ -120,6 +120,15 @@ def render_skipped(profile: Profile, *, file=None) -> None:
         print(f"  {count:,} {reason}" + (f" (first: {where})" if where else ""), file=out)
 
 
+def render_folded(profile: Profile, max_routes: int | None, *, file=None) -> None:
+    """One line on stderr when routes were folded into `*`, so a `*` in the output is explained."""
+    if not profile.folded_routes:
+        return
+    limit = f" (--max-routes {max_routes:,} keeps the busiest)" if max_routes is not None else ""
+    print(f"folded {profile.folded_routes:,} routes ({profile.folded_requests:,} requests) into *{limit}; "
+          "so many routes usually mean ids in the route key: see --route-by", file=file or sys.stderr)
+
+
 @contextlib.contextmanager
 def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     """A byte-progress callback for ingest drawing a transient bar on stderr, or None.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 from typing import Any
@@ -108,9 +107,9 @@ def _parse_expect(path: str) -> dict[str, Any]:
               help="Seconds between /metrics samples during the run.")
 @click.option("--max-connections", type=click.IntRange(min=1), help="Connection pool size.  [default: C, else 4096]")
 @click.option("--api-key", envvar="KVTUNE_API_KEY", help="Bearer token (or $KVTUNE_API_KEY).")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False), metavar="FILE", help="Write the results JSON to FILE.")
+@click.option("--out", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE.")
 @click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table.")
-@click.option("--requests-log", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--requests-log", type=click.Path(), metavar="FILE",
               help="One JSON line per request (timings, tokens, outcome; never text).")
 @click.option("--progress/--no-progress", default=None, help="Live progress on stderr.  [default: when a terminal]")
 def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], **opts: Any) -> None:
@@ -171,9 +170,14 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
             return Workload.from_rows(rows, synth, opts["seed"])
     else:
         from kvtune.bench.workload import select_routes
+        from kvtune.cli._profile_view import render_folded
+        from kvtune.profile import fold_routes
         from kvtune.profiler import load_profile, load_profile_or_logs
 
-        profile = load_profile(profile_path) if profile_path else load_profile_or_logs(list(logs), ingest)
+        max_routes = opts["max_routes"]
+        profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
+                   else load_profile_or_logs(list(logs), ingest, max_routes=max_routes))
+        render_folded(profile, max_routes)
         for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
             if r.prompt.total == 0:
                 raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",
@@ -206,34 +210,32 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
         progress = RichBenchProgress(err)
 
-    with contextlib.ExitStack() as stack:
-        log_file = None
-        if opts["requests_log"]:
-            try:
-                log_file = stack.enter_context(open(opts["requests_log"], "w", encoding="utf-8"))
-            except OSError as exc:
-                raise InputError(f"cannot write: {exc.strerror or exc}", path=opts["requests_log"],
-                                 field="--requests-log") from None
+    from kvtune.writer import OutputFiles
+
+    # --out and --requests-log are staged before the run (a bad target fails now, not after it)
+    # and written together at the end, or not at all
+    with OutputFiles() as outputs:
+        out_file = outputs.open(opts["out_path"]) if opts["out_path"] else None
+        log_file = outputs.open(opts["requests_log"]) if opts["requests_log"] else None
         recorder = BenchRecorder(requests_log=log_file, progress=progress)
         try:
             report = asyncio.run(run_bench(config, build, tokenizer=tokenizer, recorder=recorder))
         except KeyboardInterrupt:
             report = recorder.report(server=None, slo=slo, expect=None, interrupted=True)
-            _emit(report, opts)
+            _emit(report, opts, outputs, out_file)
             click.echo("interrupted: partial results written", err=True)
             sys.exit(130)
-    _emit(report, opts)
+        _emit(report, opts, outputs, out_file)
     verdict = report.get("verdict")
     if verdict is not None and not verdict["passed"]:
         sys.exit(1)
 
 
-def _emit(report: dict[str, Any], opts: dict[str, Any]) -> None:
+def _emit(report: dict[str, Any], opts: dict[str, Any], outputs: Any, out_file: Any) -> None:
     text = json.dumps(report, indent=2, default=dict)
-    if opts["out_path"]:
-        from kvtune.files import write_text_atomic
-
-        write_text_atomic(opts["out_path"], text + "\n")
+    if out_file is not None:
+        out_file.write(text + "\n")
+    outputs.commit()
     if opts["json_"]:
         click.echo(text)
     else:

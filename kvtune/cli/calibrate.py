@@ -10,7 +10,7 @@ import click
 
 @click.command()
 @click.argument("url", required=False)
-@click.option("--out", "out", type=click.Path(dir_okay=False, writable=True),
+@click.option("--out", "out", type=click.Path(),
               help="Write the capacity file here (atomically), for `kvtune recommend --capacity FILE`.")
 @click.option("--json", "json_", is_flag=True, help="Print the capacity as one JSON object instead of a table.")
 @click.option("--vllm-log", "vllm_log", type=click.Path(),

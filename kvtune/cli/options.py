@@ -1,7 +1,8 @@
 """Options shared by several commands, each group one decorator, and the code that reads them.
 
 `capacity_options` + `plan_from_options` serve `capacity`, `recommend` and `check`;
-`log_options` + `ingest_options_from` serve `profile`, `recommend`, `check` and `bench`.
+`log_options` + `ingest_options_from` serve `profile`, `recommend`, `check` and `bench`
+(`--max-routes` goes to the profiler, not to ingest: `opts["max_routes"]`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import click
 from kvtune.errors import KvtuneError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
+#: kvtune.profiler.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
+MAX_ROUTES = 2000
+MAX_COUNT = 2**53  # counts above this are typos; floats hold every integer up to here exactly
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
@@ -23,12 +27,15 @@ def parse_count(text: str | None, field: str) -> int | None:
     """A positive integer, also in vLLM's forms: 8k = 8,000, 8K = 8,192, 25.6k = 25,600."""
     if text is None:
         return None
+    shown = repr(text) if len(repr(text)) <= 44 else repr(text)[:40] + "...'"
     m = _COUNT.fullmatch(text.strip().replace(",", "").replace("_", ""))
     if m is None:
-        raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {text!r}", field=field)
+        raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {shown}", field=field)
     value = float(m["num"]) * _SUFFIX[m["suffix"]]
+    if value > MAX_COUNT:
+        raise KvtuneError(f"{shown} is beyond any token or block count (at most 2^53)", field=field)
     if not value.is_integer() or value < 1:
-        raise KvtuneError(f"expected a positive integer, got {text!r}", field=field)
+        raise KvtuneError(f"expected a positive integer, got {shown}", field=field)
     return int(value)
 
 
@@ -156,6 +163,9 @@ log_options = compose([
     click.option("--strict", is_flag=True, help="Any skipped row is an error."),
     click.option("--assume-cap", type=click.IntRange(min=1), metavar="N",
                  help="Treat outputs ≥ N as cut at a cap (traces without finish reasons)."),
+    click.option("--max-routes", type=click.IntRange(min=1), default=MAX_ROUTES, show_default=True, metavar="N",
+                 help="Keep the N busiest routes and fold the rest into `*`, with a note saying how many: "
+                      "thousands of routes mean ids in the route key (try --route-by), and bound memory."),
 ])
 
 

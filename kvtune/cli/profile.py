@@ -28,6 +28,8 @@ JSON_FIELDS = """\b
     latency_ms, ttft_ms   {requests, p50, p90, p95, p99, p999, max} (±1%) or null
   skipped         {count, reasons: {reason: rows}, examples: {reason: first location}}
   inputs[]        {path, format, rows}: each log file (format detected) or saved profile
+  folded          {routes, requests, into: "*"}: routes beyond --max-routes (the least busy)
+                  and their requests, summed into the route `*`
 """
 
 
@@ -36,7 +38,7 @@ JSON_FIELDS = """\b
 @log_options
 @click.option("--trace-max-is-cap", is_flag=True,
               help="Treat the largest output in the input as a cap (reads the input twice).")
-@click.option("--save", "save_path", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--save", "save_path", type=click.Path(), metavar="FILE",
               help="Write the profile (histograms, mergeable) to FILE as JSON.")
 @click.option("--merge", is_flag=True, help="PATHs may be saved profiles: merge them exactly (with any logs given).")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object (fields below) instead of tables.")
@@ -53,7 +55,7 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
         kvtune profile --merge week1.json week2.json
     """
     from kvtune.profiler import is_saved_profile, load_profile, profile_logs
-    from kvtune.profile import merge_profiles
+    from kvtune.profile import fold_routes, merge_profiles
 
     strict = opts["strict"]
     if opts["assume_cap"] is not None and trace_max_is_cap:
@@ -68,8 +70,9 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
         from kvtune.cli._profile_view import progress_bar
 
         with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
-            parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap))
-    result = merge_profiles(parts)
+            parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap,
+                                      max_routes=opts["max_routes"]))
+    result = fold_routes(merge_profiles(parts), opts["max_routes"])
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))
         raise KvtuneError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
@@ -77,6 +80,8 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
         from kvtune.profiler import save_profile
 
         save_profile(result, save_path)
+    from kvtune.cli._profile_view import render_folded
+
     if json_:
         click.echo(json.dumps(result.summary_dict()))
     else:
@@ -84,5 +89,6 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
 
         render_profile(result)
         render_skipped(result)
+    render_folded(result, opts["max_routes"])
     if save_path and not json_:
         click.echo(f"saved profile to {save_path}", err=True)

@@ -36,7 +36,10 @@ def build_recommendation(paths: tuple[str, ...], model: str, opts: dict[str, Any
     if truncation is not None and not 0 <= truncation < 1:
         raise KvtuneError(f"must be in [0, 1), got {truncation}", field="--max-truncation")
 
-    profile = load_profile_or_logs(list(paths), ingest_options_from(opts))
+    profile = load_profile_or_logs(list(paths), ingest_options_from(opts), max_routes=opts.get("max_routes"))
+    from kvtune.cli._profile_view import render_folded
+
+    render_folded(profile, opts.get("max_routes"))
     planned = plan_from_options(model, opts)
     capacity = planned.report.capacity
     engine_default = (default_batch_limits(planned.gpu_memory_bytes, planned.gpu_name)[0]
@@ -112,7 +115,7 @@ recommend_options = compose([
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
                    "both, else upstream]")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write the deploy files into DIR.")
+@click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], model: str, gateway_tokenizer: str | None, out_dir: str | None,
               json_: bool, **opts: Any) -> None:

@@ -155,3 +155,33 @@ def nulls(n: int, typ: pa.DataType) -> pa.Array:
     if shared is None or len(shared) < n:
         shared = _NULLS[typ] = pa.nulls(max(n, 1 << 16), typ)
     return shared.slice(0, n)
+
+
+def rows(batch: pa.RecordBatch) -> list[dict[str, Any]]:
+    """A batch's rows as Python dicts that always convert: timestamps and dates as ISO text
+    (datetime holds years 1 to 9999 only, and ns times would become pandas Timestamps), and
+    strings that are not UTF-8 (a damaged Parquet page) with their bad bytes as lone surrogates,
+    which the row reading skips as invalid text."""
+    columns = []
+    for column in batch.columns:
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        if pa.types.is_timestamp(column.type) or pa.types.is_date(column.type):
+            columns.append(column.cast(pa.string()).to_pylist())
+        elif (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)) and not utf8(column):
+            columns.append([None if v is None else v.decode("utf-8", "surrogateescape")
+                            for v in column.cast(pa.binary()).to_pylist()])
+        else:
+            columns.append(column.to_pylist())
+    names = batch.schema.names
+    return [dict(zip(names, values)) for values in zip(*columns)] if columns else [{} for _ in range(batch.num_rows)]
+
+
+def utf8(column: pa.Array) -> bool:
+    """Whether a string (or dictionary-of-string) column holds valid UTF-8: Parquet and JSON
+    readers copy string bytes as they find them."""
+    try:
+        (column.dictionary if pa.types.is_dictionary(column.type) else column).validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True

@@ -17,7 +17,16 @@ import pyarrow as pa
 
 from kvtune.ingest import COLUMNS, arrays
 from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, STR_TARGETS
-from kvtune.ingest.schemas._fields import BAD_NUMBER, FAILED, MISSING_OUTPUT, NEGATIVE_TOKENS
+from kvtune.ingest.schemas._fields import (
+    BAD_NUMBER,
+    BAD_TIME,
+    FAILED,
+    MAX_TIME_S,
+    MAX_TOKEN_COUNT,
+    MISSING_OUTPUT,
+    NEGATIVE_TOKENS,
+    TOO_MANY_TOKENS,
+)
 
 if TYPE_CHECKING:
     from kvtune.ingest.plan import _Plan
@@ -102,7 +111,8 @@ class ColumnChecks:
                 if self._need_example(reason) or self.fail:
                     col = cols.get(target)
                     value = col[first].as_py() if col is not None else None
-                    self.skip(reason, msg(value), locate(first), sources.get(target, target), count=count)
+                    line, index = _line_and_index(locate(first))
+                    self.skip(reason, msg(value), line, sources.get(target, target), index, count=count)
                 else:
                     self.stats.skipped[reason] += count
             import pyarrow.compute as pc
@@ -185,11 +195,17 @@ class ColumnChecks:
         return pa.RecordBatch.from_arrays(result, schema=SCHEMA)
 
 
-def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool) -> list[tuple[str, str, np.ndarray, Callable[[Any], str]]]:
+def _line_and_index(where: int | tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+    """A row's location from `locate`: a line number, or (line, index in a JSON document)."""
+    return where if isinstance(where, tuple) else (where, None)
+
+
+def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool, time_unit: str = "s") -> list[tuple[str, str, np.ndarray, Callable[[Any], str]]]:
     """Row-level checks as (reason, target, numpy mask, message) for the checks that fail somewhere.
 
     Each check first asks a cheap whole-column question (null count, min/max), so a clean batch
-    costs a few passes over its numbers and builds no masks.
+    costs a few passes over its numbers and builds no masks. time_unit: what timestamp_s counts
+    in (seconds once `_finalize` has converted it).
     """
     found: list[tuple[str, str, np.ndarray, Callable[[Any], str]]] = []
     out = cols["output_tokens"]
@@ -199,11 +215,15 @@ def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool) -> list[tupl
         col = cols.get(t)
         if col is None or col.null_count == n:
             continue
-        low = _int_min(col)
-        if low is not None and low < 0:
+        low, high = _int_range(col)
+        if low < 0:
             values, ok = arrays.ints(col)
             mask = values < 0 if ok is None else (values < 0) & ok
             found.append((NEGATIVE_TOKENS, t, mask, lambda v: f"negative count: {v}"))
+        if high > MAX_TOKEN_COUNT and t != "max_tokens":  # prompt + output must stay exact
+            values, ok = arrays.ints(col)
+            mask = values > MAX_TOKEN_COUNT if ok is None else (values > MAX_TOKEN_COUNT) & ok
+            found.append((TOO_MANY_TOKENS, t, mask, lambda v: f"count too large: {v} (more than 2^53 tokens)"))
     for t in (*FLOAT_TARGETS, "timestamp_s"):
         col = cols.get(t)
         if col is None or col.null_count == n:
@@ -213,22 +233,31 @@ def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool) -> list[tupl
         finite = pc.is_finite(col)
         if not pc.all(finite).as_py():
             found.append((BAD_NUMBER, t, ~arrays.flags(finite) & _not_null(col), lambda v: f"not a finite number: {v}"))
-    if zero_failed and out.null_count < n and _int_min(out) == 0:
+    times = cols.get("timestamp_s")
+    if times is not None and times.null_count < n:
+        stamps, top = arrays.floats(times), MAX_TIME_S / _SECONDS[time_unit]  # nulls are NaN: never flagged
+        if not (stamps.min() >= 0 and stamps.max() <= top):  # NaN (or a bad value) somewhere
+            mask = (stamps < 0) | (stamps > top)
+            if mask.any():
+                found.append((BAD_TIME, "timestamp_s", mask,
+                              lambda v: f"not a time from 1970 to the year 9999: {v}"))
+    if zero_failed and out.null_count < n and _int_range(out)[0] == 0:
         values, ok = arrays.ints(out)
         mask = values == 0 if ok is None else (values == 0) & ok
         found.append((FAILED, "output_tokens", mask, lambda v: "0 response tokens (a failed request)"))
     return found
 
 
-def _int_min(col: pa.Array) -> int | None:
-    """The smallest non-null value of an integer column (None when all null): a numpy pass over
-    the Arrow buffer when there are no nulls, Arrow's min_max otherwise."""
+def _int_range(col: pa.Array) -> tuple[int, int]:
+    """(smallest, largest) non-null value of an integer column with some non-null: numpy passes
+    over the Arrow buffer when there are no nulls, Arrow's min_max otherwise."""
     view = arrays.values(col) if col.null_count == 0 and len(col) else None
     if view is not None and view.dtype.kind in "iu":
-        return int(view.min())
+        return int(view.min()), int(view.max())
     import pyarrow.compute as pc
 
-    return pc.min_max(col)["min"].as_py()
+    both = pc.min_max(col)
+    return both["min"].as_py(), both["max"].as_py()
 
 
 def _not_null(col: pa.Array) -> np.ndarray:
@@ -285,7 +314,11 @@ def _seconds(col: pa.Array, unit: str) -> pa.Array:
     if pa.types.is_timestamp(col.type):
         import pyarrow.compute as pc
 
-        ns = col.cast(pa.timestamp("ns", tz=col.type.tz)) if col.type.unit != "ns" else col
+        try:
+            ns = col.cast(pa.timestamp("ns", tz=col.type.tz)) if col.type.unit != "ns" else col
+        except pa.ArrowInvalid:  # beyond year 2262 in ns: seconds straight from its own unit
+            raw = pc.cast(col.cast(pa.int64()), pa.float64(), safe=False)
+            return arrays.numeric_array(arrays.values(raw) * _SECONDS[col.type.unit], arrays.valid(raw))
         seconds = pc.cast(ns.cast(pa.int64()), pa.float64(), safe=False)
         return arrays.numeric_array(arrays.values(seconds) / 1e9, arrays.valid(seconds))
     return arrays.scaled(col, _SECONDS[unit])

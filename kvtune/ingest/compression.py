@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -85,10 +86,97 @@ def compression_of(path: Path) -> str:
         return _codec(f.read(4))
 
 
-def open_bytes(path: Path) -> tuple[Any, Any]:
-    """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes."""
+class _Sized(io.RawIOBase):
+    """A plain file read as it was when first seen (`size` bytes), failing loudly if it shrinks.
+
+    A log rotated by copytruncate while kvtune reads it ends early: reading reaches the new end
+    before `size`, and that is an InputError naming the file, not a silently partial profile.
+    Bytes appended meanwhile are not read, so every pass over a file sees the same rows.
+    """
+
+    def __init__(self, path: Path, size: int | None) -> None:
+        self.file = io.FileIO(path, "rb")
+        self.path = str(path)
+        self.size = os.fstat(self.file.fileno()).st_size if size is None else size
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = self.file.seek(offset, whence)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        want = min(len(b), self.size - self.pos)
+        if want <= 0:
+            return 0
+        view = memoryview(b).cast("B")
+        n = self.file.readinto(view[:want])
+        self.pos += n
+        if n < want:  # a regular file reads short only at its end: has it shrunk?
+            check_not_shrunk(self.path, self.size, os.fstat(self.file.fileno()).st_size)
+        return n
+
+    def read_at(self, offset: int, buf: Any) -> int:
+        """Fill `buf` from `offset` without moving the position (pread: threads may read at once);
+        short only at the end of the file as planned."""
+        view = memoryview(buf).cast("B")[: max(0, min(len(buf), self.size - offset))]
+        got = 0
+        while got < len(view):
+            n = _pread_into(self.file.fileno(), view[got:], offset + got)
+            if n == 0:
+                check_not_shrunk(self.path, self.size, os.fstat(self.file.fileno()).st_size)
+                break
+            got += n
+        return got
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """preadv into `view` (no copy), or pread and a copy where the platform has no preadv."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
+
+
+def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> None:
+    """InputError when a file read as `size` bytes is now shorter (default: stat it now)."""
+    if now is None:
+        try:
+            now = os.stat(path).st_size
+        except OSError as exc:  # removed or replaced while being read
+            raise InputError(f"cannot read: {exc.strerror or exc} (moved while being read?)", path=str(path)) from exc
+    if now < size:
+        raise InputError(
+            f"truncated while being read (was {size:,} bytes, now {now:,}): a log rotated with "
+            "copytruncate? Profile the rotated copy, not the live file",
+            path=str(path),
+        )
+
+
+def open_bytes(path: Path, size: int | None = None) -> tuple[Any, Any]:
+    """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes.
+
+    `size`: the file's size when it was planned (default: now); reading stops there, and a file
+    found shorter than that is an InputError (see `_Sized`).
+    """
     try:
-        raw = open(path, "rb")  # noqa: SIM115 - closed by the caller
+        raw = io.BufferedReader(_Sized(path, size), 1 << 20)
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
     codec = _codec(raw.read(4))

@@ -1,7 +1,8 @@
 """JSONL: the C scanner, DuckDB and pyarrow block paths for flat schemas, and line-by-line records.
 
-A plain file is mapped and cut into blocks at line ends (`_MappedFile`), a compressed one is
-decompressed into blocks (`_line_blocks`); `JsonlPaths._json_scan` scans blocks in parallel with
+A file is read (decompressed where it is compressed) into blocks cut at line ends (`_line_blocks`),
+not mapped: a mapped log truncated under the reader kills the process with SIGBUS, a read one
+ends in an InputError (`compression._Sized`). `JsonlPaths._json_scan` scans blocks in parallel with
 kvtune's C scanner, `_json_duckdb` streams through DuckDB where the scanner is not built, and any
 block they decline is read exactly by `_json_block` (pyarrow, bisection, then line by line) so
 every bad line keeps its number. `_json_records` is the per-line reading all of them must equal.
@@ -21,12 +22,13 @@ import pyarrow as pa
 
 from kvtune.ingest import arrays, flatscan
 from kvtune.ingest.columns import _TYPES, _bad_rows
-from kvtune.ingest.compression import compression_of, open_bytes
+from kvtune.ingest.compression import check_not_shrunk, compression_of, open_bytes
 from kvtune.ingest.plan import _Plan
-from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError
+from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError, is_unicode
 
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
 SCAN_BLOCK_BYTES = 16 << 20  # JSONL bytes per C scan: ~150k rows, so per-batch costs stay small
+READ_PAST_BYTES = 64 << 10  # read beyond a block's range to find where its last line ends
 BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
 DUCKDB_MEMORY = "1GB"  # DuckDB's own memory limit (it streams; this bounds its buffers)
@@ -46,7 +48,7 @@ class JsonlPaths:
             for i, rec in enumerate(plan.document):
                 yield None, i, rec
             return
-        stream, raw = open_bytes(plan.path)
+        stream, raw = open_bytes(plan.path, plan.size)
         try:
             for lineno, line in enumerate(stream, 1):
                 if not line.strip():
@@ -74,26 +76,32 @@ class JsonlPaths:
         types = _source_types(sources)
         keys, kinds = list(types), [_SCAN_KINDS[t] for t in types.values()]
         parse = _json_parse_options(sources)
-        stream, raw = open_bytes(plan.path)
-        # a plain file is scanned where it lies in the page cache (mmap: no copy); a compressed
-        # one is decompressed into blocks
-        mapped = _MappedFile(raw) if stream is raw else None
-        blocks = mapped.blocks(SCAN_BLOCK_BYTES) if mapped else _line_blocks(stream, raw, size=SCAN_BLOCK_BYTES)
+        stream, raw = open_bytes(plan.path, plan.size)
+        if stream is raw:  # plain: each worker reads its own lines, copying out of the page cache in parallel
+            file = raw.raw
+            tasks = ((r, r[1]) for r in _line_ranges(file.size, SCAN_BLOCK_BYTES))
+
+            def work(lines: tuple[int, int]) -> tuple[memoryview, Any]:
+                block = _read_lines(file, *lines)
+                return block, flatscan.scan_block(block, keys, kinds)
+        else:
+            tasks = _line_blocks(stream, raw, size=SCAN_BLOCK_BYTES)
+
+            def work(block: memoryview) -> tuple[memoryview, Any]:
+                return block, flatscan.scan_block(block, keys, kinds)
         line0 = 1
         try:
             # the scanner releases the GIL: blocks scan in parallel
-            for future, block, pos in _in_order(blocks, lambda b: flatscan.scan_block(b, keys, kinds)):
-                line0 = yield from self._json_scanned(plan, future, block, pos, line0, keys, kinds, sources, parse)
-                if mapped:
-                    mapped.release(pos)  # blocks are contiguous: everything before pos is used
+            for future, _, pos in _in_order(tasks, work):
+                block, scanned = future.result()
+                line0 = yield from self._json_scanned(plan, scanned, block, pos, line0, keys, kinds, sources, parse)
         finally:
             stream.close()
             raw.close()
 
-    def _json_scanned(self, plan, future, block, pos, line0, keys, kinds, sources, parse):
+    def _json_scanned(self, plan, scanned, block, pos, line0, keys, kinds, sources, parse):
         """Use one scanned block, or read it exactly when the scanner declined; returns the next
         block's first line number."""
-        scanned = future.result()
         if scanned is None:
             data = bytes(block)
             yield from self._json_block(plan, data, line0, sources, parse)
@@ -147,7 +155,7 @@ class JsonlPaths:
             "preserve_insertion_order": True,
         })
         done = 0  # records used, in file order
-        size = plan.path.stat().st_size
+        size = plan.size or 0
         try:
             try:
                 relation = con.read_json(
@@ -164,13 +172,14 @@ class JsonlPaths:
             while stream is not None:
                 try:
                     batch = stream.read_next_batch()
-                except StopIteration:
+                except StopIteration:  # DuckDB reads the file as it finds it: had it shrunk?
+                    check_not_shrunk(plan.path, size)
                     return
                 except Exception:  # parse errors, invalid UTF-8, memory: from here, the block reader
                     break
                 cols = _strict_columns(batch, sources)
                 n = batch.num_rows
-                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed):
+                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed, plan.flat.time_unit):
                     break
                 self.info.rows += n
                 self.stats.rows_read += n
@@ -187,7 +196,7 @@ class JsonlPaths:
         assert plan.flat is not None
         sources = self._sources(plan)
         parse = _json_parse_options(sources)
-        stream, raw = open_bytes(plan.path)
+        stream, raw = open_bytes(plan.path, plan.size)
         try:
             head, line0 = _skip_records(stream, skip_records) if skip_records else (b"", 1)
             for future, block, pos in _in_order(_line_blocks(stream, raw, head), lambda b: _parse_block(b, parse)):
@@ -210,7 +219,7 @@ class JsonlPaths:
         import pyarrow.json as pj
 
         try:
-            table = pj.read_json(pa.BufferReader(block), parse_options=parse)
+            table = _checked_text(pj.read_json(pa.BufferReader(block), parse_options=parse))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             nlines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
             if nlines <= BISECT_MIN_LINES:
@@ -283,55 +292,19 @@ def _json_parse_options(sources: Mapping[str, str]) -> Any:
     return pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
 
 
-class _MappedFile:
-    """A plain file mapped into memory, read in blocks of whole lines: views into the page cache,
-    no copy. Pages of blocks already used are unmapped from the process as it goes (`release`),
-    so resident memory stays bounded by the blocks in flight, not the file's size. A log appended
-    to meanwhile is read as it was when opened; one truncated under the reader (copytruncate
-    rotation mid-read) ends it with SIGBUS, as with any mapped reader."""
-
-    def __init__(self, raw: Any) -> None:
-        import mmap
-
-        self.size = os.fstat(raw.fileno()).st_size
-        self.map = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
-        if self.map is not None:
-            self.map.madvise(mmap.MADV_SEQUENTIAL)
-        self.released = 0
-
-    def blocks(self, size: int) -> Iterator[tuple[memoryview, int]]:
-        """(block of whole lines, end offset); a line longer than `size` makes its block longer."""
-        if self.map is None:
-            return
-        view = memoryview(self.map)
-        start, end = 0, self.size
-        while start < end:
-            stop = min(start + size, end)
-            if stop < end:
-                cut = self.map.rfind(b"\n", start, stop)
-                stop = cut + 1 if cut >= 0 else (self.map.find(b"\n", stop) + 1 or end)
-            yield view[start:stop], stop
-            start = stop
-
-    def release(self, upto: int) -> None:
-        """Drop the process's mapping of the whole pages before `upto` (the page cache keeps them)."""
-        import mmap
-
-        upto -= upto % mmap.PAGESIZE
-        if self.map is not None and upto > self.released:
-            self.map.madvise(mmap.MADV_DONTNEED, self.released, upto - self.released)
-            self.released = upto
-
-
 def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int | None = None) -> Iterator[tuple[memoryview, int]]:
     """(block of whole lines, compressed position) over a byte stream, copying only line tails;
-    `head` is input already read from the stream, to go first; blocks of `size` (BLOCK_BYTES)."""
+    `head` is input already read from the stream, to go first; blocks of `size` (BLOCK_BYTES).
+
+    Each block is a fresh uninitialized buffer (numpy.empty: no zero-filling pass before the
+    read fills it), as blocks in flight on other threads still hold the earlier ones.
+    """
     size = size or BLOCK_BYTES
     tail = head
     while True:
-        buf = bytearray(len(tail) + size)
-        buf[: len(tail)] = tail
+        buf = np.empty(len(tail) + size, np.uint8)
         view = memoryview(buf)
+        view[: len(tail)] = tail
         filled = len(tail)
         while filled < len(buf):
             got = stream.readinto(view[filled:])
@@ -342,7 +315,7 @@ def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int | None = No
             if tail:
                 yield memoryview(tail), raw.tell()
             return
-        cut = buf.rfind(b"\n", 0, filled)
+        cut = _last_newline(buf, filled)
         if cut < 0 and filled == len(buf):  # one line longer than a block: grow
             tail = bytes(view[:filled])
             continue
@@ -350,6 +323,71 @@ def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int | None = No
             cut = filled - 1
         tail = bytes(view[cut + 1 : filled])
         yield view[: cut + 1], raw.tell()
+
+
+def _line_ranges(size: int, block: int) -> Iterator[tuple[int, int]]:
+    """Byte ranges [start, stop) of `block` bytes covering a file of `size`; a range stands for the
+    lines that begin in it (`_read_lines`), so ranges cut anywhere and each block is whole lines."""
+    for start in range(0, size, block):
+        yield start, min(start + block, size)
+
+
+def _read_lines(file: Any, start: int, stop: int) -> memoryview:
+    """The lines that begin in [start, stop) of a plain file (`compression._Sized`), read with pread.
+
+    A line begins at 0 and after each b"\\n", so those lines are the bytes from the first line
+    start at or after `start` to the first at or after `stop`: reading one byte before the range
+    and on past its end to the next newline finds both, whatever the neighbouring blocks hold.
+    """
+    begin = start - 1 if start else 0
+    buf = np.empty(stop - begin + READ_PAST_BYTES, np.uint8)
+    filled = file.read_at(begin, buf)
+    first = 0
+    if start:  # the first line start at or after `start`
+        first = _first_newline(buf, 0, min(filled, stop - begin)) + 1
+        if first == 0:  # no line begins in the range: one that began before runs through it
+            return memoryview(buf)[:0]
+    end = stop - begin - 1  # then the first line start at or after `stop`
+    while True:
+        found = _first_newline(buf, end, filled)
+        if found >= 0:
+            end = found + 1
+            break
+        if filled < len(buf):  # the file ends before another newline: the last line runs to it
+            end = filled
+            break
+        grown = np.empty(2 * len(buf), np.uint8)  # a line longer than what was read: read on
+        grown[:filled] = buf[:filled]
+        buf, end = grown, filled
+        filled += file.read_at(begin + filled, buf[filled:])
+    return memoryview(buf)[first:max(first, end)]
+
+
+def _first_newline(buf: np.ndarray, start: int, end: int) -> int:
+    """Index of the first b"\\n" in buf[start:end], or -1: searched in growing windows, as lines
+    are short and the next one is near."""
+    window = 1 << 12
+    while start < end:
+        stop = min(end, start + window)
+        found = np.flatnonzero(buf[start:stop] == 10)
+        if found.size:
+            return start + int(found[0])
+        start, window = stop, 2 * window
+    return -1
+
+
+def _last_newline(buf: np.ndarray, end: int) -> int:
+    """Index of the last b"\\n" in buf[:end], or -1: searched from the end in growing windows, as
+    lines are short and the last one is near."""
+    window = 1 << 16
+    stop = end
+    while stop > 0:
+        start = max(0, stop - window)
+        found = np.flatnonzero(buf[start:stop] == 10)
+        if found.size:
+            return start + int(found[-1])
+        stop, window = start, 2 * window
+    return -1
 
 
 _BLANK = np.zeros(256, bool)
@@ -420,7 +458,7 @@ def _json_labels(text: pa.Array) -> pa.DictionaryArray | None:
     decoded = []
     for item in coded.dictionary.to_pylist():
         value = json.loads(item)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or not is_unicode(value):
             return None
         decoded.append(value)
     unique = list(dict.fromkeys(decoded))
@@ -438,10 +476,20 @@ def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
     lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == 10))
     read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
     try:
-        table = pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse)
+        table = _checked_text(pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         table = None
     return table, lines
+
+
+def _checked_text(table: pa.Table) -> pa.Table:
+    """The table, after checking that its strings are UTF-8: pyarrow's JSON reader copies invalid
+    bytes and lone surrogates (\\ud800) into string columns as they are; ArrowInvalid sends the
+    block to the line-by-line reading, which skips such lines by name."""
+    for column in table.columns:
+        if pa.types.is_string(column.type):
+            column.validate(full=True)
+    return table
 
 
 def _parse_line(line: bytes) -> Any:

@@ -53,6 +53,8 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
                 )
         elif p.exists():
             matches = [p]
+        elif os.path.lexists(text):
+            raise InputError("a symbolic link to nothing (or a loop of links)", path=text)
         elif glob.has_magic(text):
             matches = []
             for m in sorted(glob.glob(text, recursive=True)):
@@ -63,7 +65,7 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
         else:
             raise InputError("no such file or directory", path=text)
         for m in matches:
-            key = m.resolve()
+            key = Path(os.path.realpath(m))  # never raises: a link loop is reported when it is read
             if key not in seen:
                 seen.add(key)
                 out.append(m)

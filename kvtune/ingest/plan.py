@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvtune.errors import InputError, UnknownNameError
-from kvtune.ingest import IngestOptions
+from kvtune.ingest import IngestOptions, arrays
 from kvtune.ingest.compression import open_bytes
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
 from kvtune.ingest.schemas._base import TARGETS
@@ -56,6 +57,7 @@ class _Plan:
     columns: list[str] = field(default_factory=list)  # CSV header / Parquet columns
     ts_type: pa.DataType | None = None  # CSV timestamp column type
     bytes_per_record: float = 256.0  # JSONL: from the head, for progress where only rows are known
+    size: int | None = None  # bytes when planned: every read stops there, and fails if the file shrank
 
     @property
     def format(self) -> str:
@@ -112,20 +114,29 @@ def _load_document(path: Path) -> list[Any] | None:
 
 
 def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, Any]]:
+    if b"\x00" in head:
+        raise InputError("not CSV text: the file holds NUL bytes (binary data, or UTF-16)", path=str(plan.path))
     text = head.decode("utf-8-sig", errors="replace")
     if len(head) == HEAD_BYTES and "\n" in text:
         text = text[: text.rindex("\n")]
-    reader = csv.reader(io.StringIO(text), delimiter="\t" if plan.container == "tsv" else ",")
-    header = next(reader, None)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if plan.container == "tsv" else ",")
+    try:
+        header = next(reader, None)
+    except csv.Error as exc:
+        raise InputError(f"not CSV text: bad header line: {exc}", path=str(plan.path)) from None
     if not header or not any(h.strip() for h in header):
         raise InputError("empty CSV file: no header", path=str(plan.path))
     plan.columns = header
     rows = []
-    for values in reader:
+    while len(rows) < SAMPLE_RECORDS:
+        try:
+            values = next(reader)
+        except StopIteration:
+            break
+        except csv.Error:  # a malformed row: the reader counts it; detection looks at the others
+            continue
         if values:
             rows.append(dict(zip(header, values)))
-        if len(rows) >= SAMPLE_RECORDS:
-            break
     if not rows:
         raise InputError("CSV file has a header but no data rows", path=str(plan.path))
     return rows
@@ -145,7 +156,7 @@ def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
         first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS))
     except Exception as exc:
         raise InputError(f"corrupt Parquet file: {exc}", path=str(plan.path)) from exc
-    return first.to_pylist()
+    return arrays.rows(first)
 
 
 def _detect(records: list[Any], container: str) -> Adapter | None:
@@ -164,18 +175,27 @@ def _detect(records: list[Any], container: str) -> Adapter | None:
     return next(a for a in ADAPTERS if votes.get(a.name) == best)
 
 
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO or pipe"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
 def _plan(path: Path, options: IngestOptions) -> _Plan:
     try:
-        size = path.stat().st_size
+        info = path.stat()
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open, a device never end
+        kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "not a regular file")
+        raise InputError(f"not a log file but {kind}: kvtune reads each file more than once, so save "
+                         "a stream to a file first", path=str(path))
+    size = info.st_size
     if size == 0:
         raise InputError("empty file", path=str(path))
     head = _head(path)
     if not head.strip():
         raise InputError("empty file (no data after decompression)", path=str(path))
     container = _container(path, head)
-    plan = _Plan(path, container, None)
+    plan = _Plan(path, container, None, size=size)
     if container == "parquet":
         if head[:4] != b"PAR1":
             raise InputError(

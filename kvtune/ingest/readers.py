@@ -32,8 +32,9 @@ from kvtune.ingest.columns import _TYPES, ColumnChecks
 from kvtune.ingest.jsonl import JsonlPaths
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.plan import _Plan, _plan, _route_field, check_options
-from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, as_bool, flat_rows
+from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, STR_TARGETS, TEXT_TARGETS, as_bool, flat_rows
 from kvtune.ingest.schemas._fields import (
+    BAD_TEXT,
     MISSING_OUTPUT,
     NO_TOKENIZER,
     NOT_GENERATION,
@@ -44,11 +45,13 @@ from kvtune.ingest.schemas._fields import (
     as_str,
     as_time,
     dig,
+    is_unicode,
 )
 from kvtune.ingest.schemas.openai import batch_input_entry
 from kvtune.ingest.tabular import TabularPaths
 
 SINK_ROWS = 32768  # rows per batch on the slow path
+_TEXT_COLUMNS = (*STR_TARGETS, *TEXT_TARGETS, "_route")
 
 
 def open_logs(
@@ -67,7 +70,7 @@ def open_logs(
 
         tokenizer = load_tokenizer(options.tokenizer)
     stats = IngestStats(files=[FileInfo(str(p.path), p.format) for p in plans])
-    reader = _Reader(options, stats, tokenizer, progress, sum(p.path.stat().st_size for p in plans))
+    reader = _Reader(options, stats, tokenizer, progress, sum(p.size or 0 for p in plans))
     batches = reader.run(plans)
     return (_ahead(batches, prefetch) if prefetch else batches), stats
 
@@ -156,7 +159,7 @@ class _Reader(JsonlPaths, TabularPaths, ColumnChecks):
                     yield from self._json_slow(plan)
             else:
                 yield from self._csv(plan)
-            self.done_before += plan.path.stat().st_size
+            self.done_before += plan.size or 0
             self._progress(0)
 
     def _progress(self, pos: int) -> None:
@@ -287,6 +290,11 @@ class _Sink:
         return len(self.rows)
 
     def add(self, row: dict[str, Any], line: int | None, index: int | None) -> None:
+        for target in _TEXT_COLUMNS:  # adapters that take a string as it is: no lone surrogates
+            value = row.get(target)
+            if isinstance(value, str) and not is_unicode(value):
+                self.reader.skip(BAD_TEXT, "not valid Unicode (a lone surrogate)", line, target, index)
+                return
         if row.get("output_tokens") is None:
             if row.get("output_text") is None:
                 self.reader.skip(MISSING_OUTPUT, "missing", line, row.get("_out") or "output_tokens", index)
@@ -323,8 +331,6 @@ class _Sink:
             if any(v is not None for v in values):
                 cols[t] = pa.array(values, _TYPES[t])
         sink_plan = _Plan(self.plan.path, self.plan.container, self.plan.adapter)  # units done
-        batch = self.reader._finalize(
-            sink_plan, cols, len(rows), lambda i: where[i][0] or 0
-        )
+        batch = self.reader._finalize(sink_plan, cols, len(rows), lambda i: where[i])
         if batch is not None:
             yield batch

@@ -16,12 +16,14 @@ from typing import Any
 import pyarrow as pa
 
 from kvtune.errors import InputError, KvtuneError
+from kvtune.ingest import arrays
 from kvtune.ingest.columns import _TYPES
 from kvtune.ingest.compression import open_bytes
 from kvtune.ingest.plan import _Plan
 from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
 
 PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
+CSV_BLOCK_BYTES = 4 << 20  # CSV bytes per pyarrow batch
 
 
 class TabularPaths:
@@ -49,8 +51,8 @@ class TabularPaths:
             quoted_strings_can_be_null=True,
         )
         parse = pcsv.ParseOptions(delimiter="\t" if plan.container == "tsv" else ",", newlines_in_values=True)
-        read = pcsv.ReadOptions(block_size=4 << 20)
-        stream, raw = open_bytes(plan.path)
+        read = pcsv.ReadOptions(block_size=CSV_BLOCK_BYTES)
+        stream, raw = open_bytes(plan.path, plan.size)
         done = 0
         try:
             try:
@@ -80,7 +82,7 @@ class TabularPaths:
         yield from self._records(plan, self._csv_records(plan, done))
 
     def _csv_records(self, plan: _Plan, skip_rows: int) -> Iterator[tuple[int | None, int | None, Any]]:
-        stream, raw = open_bytes(plan.path)
+        stream, raw = open_bytes(plan.path, plan.size)
         try:
             text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="strict", newline="")
             reader = csv.reader(text, delimiter="\t" if plan.container == "tsv" else ",")
@@ -125,7 +127,7 @@ class TabularPaths:
         if plan.flat is not None:
             label_sources = [s for t, s in self._sources(plan).items() if t in ("route", "path", "_route", "model", "finish_reason")]
         pf = pq.ParquetFile(plan.path, read_dictionary=label_sources or None)
-        size = plan.path.stat().st_size
+        size = plan.size or 0
         groups = max(pf.metadata.num_row_groups, 1)
         if plan.flat is None:
             columns = None
@@ -142,14 +144,14 @@ class TabularPaths:
             for batch in batches:
                 n = batch.num_rows
                 if plan.flat is None:
-                    rows = batch.to_pylist()
+                    rows = arrays.rows(batch)
                     yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
                     done += n
                     continue
                 try:
                     cols = {t: _cast(batch.column(src), t) for t, src in sources.items()}
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-                    rows = batch.to_pylist()
+                    rows = arrays.rows(batch)
                     yield from self._records(plan, ((done + i + 1, None, r) for i, r in enumerate(rows)))
                     done += n
                     continue
@@ -177,6 +179,8 @@ def _cast(col: pa.Array, target: str) -> pa.Array:
             return col
         raise pa.ArrowInvalid("timestamp column needs the row path")
     typ = _TYPES[target]
+    if typ == pa.string() and not arrays.utf8(col):
+        raise pa.ArrowInvalid("a label column that is not UTF-8 needs the row path")
     if col.type == typ:
         return col
     if pa.types.is_dictionary(col.type) and typ == pa.string():

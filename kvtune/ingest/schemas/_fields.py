@@ -14,6 +14,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 INT64_MAX = 2**63 - 1
+#: Prompt and output counts above this are not token counts of any request: the largest integer
+#: a float64 (a JSON number in most tools) holds exactly, so sums such as prompt + output stay
+#: exact and far inside int64. max_tokens may be larger (clients send 2^63 - 1 for "no limit").
+MAX_TOKEN_COUNT = 2**53
+#: Timestamps are seconds since 1970 (or from a trace's start) up to the end of year 9999, the
+#: last time Python's datetime and every log viewer can show; anything else is not a time.
+MAX_TIME_S = 253_402_300_799.0
 
 # Reasons under which skipped rows are counted (IngestStats.skipped keys).
 MALFORMED_JSON = "malformed JSON"
@@ -22,6 +29,7 @@ MALFORMED_CSV = "malformed CSV row"
 MISSING_OUTPUT = "missing output token count"
 BAD_TOKENS = "token count not an integer"
 NEGATIVE_TOKENS = "negative token count"
+TOO_MANY_TOKENS = "token count too large"
 BAD_TIME = "invalid timestamp"
 BAD_NUMBER = "invalid number"
 BAD_TEXT = "invalid text field"
@@ -95,7 +103,8 @@ def show(value: Any) -> str:
         return '"' + text.replace("\n", "\\n").replace('"', '\\"') + '"'
     if isinstance(value, (dict, list)):
         return "an object" if isinstance(value, dict) else "a list"
-    return repr(value)
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def as_int(value: Any, field: str, *, tokens: bool = True) -> int | None:
@@ -130,7 +139,10 @@ def as_float(value: Any, field: str) -> float | None:
     if isinstance(value, bool):
         raise RowError(field, f"not a number: {show(value)}", BAD_NUMBER)
     if isinstance(value, (int, float)):
-        out = float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an integer literal of more than 308 digits
+            out = math.inf
     elif isinstance(value, str):
         try:
             out = float(value.strip())
@@ -148,10 +160,25 @@ def as_str(value: Any, field: str) -> str | None:
     if value is None or value == "":
         return None
     if isinstance(value, str):
+        if not is_unicode(value):  # a lone surrogate ("\\ud800" in JSON): not text any file can hold
+            raise RowError(field, f"not valid Unicode: {show(value.encode('utf-8', 'backslashreplace').decode())}",
+                           BAD_TEXT)
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     raise RowError(field, f"not a string: {show(value)}", BAD_TEXT)
+
+
+def is_unicode(text: str) -> bool:
+    """Whether a str is Unicode text: json.loads gives lone surrogates ("\\ud800") as they are,
+    and no UTF-8 file or Arrow column can hold them."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _UNIT_S = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
@@ -165,9 +192,13 @@ def as_time(value: Any, field: str, unit: str = "s") -> float | None:
         dt = value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
         return dt.timestamp()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
+        try:
+            seconds = float(value) * _UNIT_S[unit]
+        except OverflowError:  # an integer literal of more than 308 digits
+            seconds = math.inf
+        if not math.isfinite(seconds):
             raise RowError(field, f"not a time: {show(value)}", BAD_TIME)
-        return float(value) * _UNIT_S[unit]
+        return seconds
     if isinstance(value, str):
         text = value.strip()
         try:

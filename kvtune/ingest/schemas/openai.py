@@ -84,8 +84,9 @@ def parse_body(body: Mapping[str, Any], prefix: str = "") -> Row:
             row["finish_reason"] = "content_filter" if reason == "content_filter" else "length"
         elif status == "completed":
             row["finish_reason"] = "stop"
+        output = body.get("output")
         row["output_text"] = text_of(
-            [item.get("content") for item in body.get("output") or [] if isinstance(item, Mapping)]
+            [item.get("content") for item in output if isinstance(item, Mapping)] if isinstance(output, list) else None
         )
     elif kind == "anthropic":
         # Anthropic input_tokens excludes cached tokens; add them so prompts mean the same (§2.4)
