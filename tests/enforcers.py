@@ -326,7 +326,7 @@ class PyGateway(_Client):
     def __init__(self, config_text: str) -> None:
         import yaml
 
-        from kvtune.gateway_config import parse_gateway_config
+        from kvtune.gateway.config import parse_gateway_config
 
         self.config = parse_gateway_config(yaml.safe_load(config_text), path="gateway.yaml")
         self.port = self.config.port

@@ -11,8 +11,8 @@ import pytest
 from bench_fakes import FakeConfig, FakeServer
 from kvtune.bench.workload import WORDS, PairSampler, PromptSynth, Workload, calibrate_prompts, check_prompts
 from kvtune.errors import KvtuneError
-from kvtune.histogram import Histogram, JointHistogram, joint_bin
-from kvtune.profile import CensoredHistogram, Profile, RouteProfile
+from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
+from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
 
 
 def route(name: str, prompts, outputs, *, joint: bool = True, censored=None) -> RouteProfile:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import serve_routes
 
-from kvtune.calibrate import (
+from kvtune.capacity.calibrate import (
     ServedModel,
     calibrate,
     capacity_from_server,
@@ -22,8 +22,8 @@ from kvtune.calibrate import (
     parse_models,
     server_root,
 )
-from kvtune.capacity import CapacitySource, MeasuredCapacity
-from kvtune.engine_capacity import parse_vllm_log, read_capacity_file, write_capacity_file
+from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.measured import parse_vllm_log, read_capacity_file, write_capacity_file
 from kvtune.errors import CapacityError, EndpointError, KvtuneError
 
 DATA = Path(__file__).parent / "data"
@@ -206,7 +206,7 @@ def test_calibrate_from_a_log_alone():
 
 
 def test_a_bad_max_model_len_is_quoted_briefly():
-    from kvtune.calibrate import parse_models
+    from kvtune.capacity.calibrate import parse_models
 
     with pytest.raises(EndpointError) as info:
         parse_models({"data": [{"id": "m", "max_model_len": [1] * 1_000_000}]}, origin="http://h/v1/models")

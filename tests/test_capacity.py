@@ -8,22 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtune.capacity import (
-    CapacitySource,
-    MeasuredCapacity,
-    Overhead,
-    RequestShape,
-    blocks_from_tokens,
-    capacity_from_blocks,
-    estimate_capacity,
-    estimate_overhead,
-    fit_request,
-    kv_pool,
-    measured_capacity,
-    num_blocks_for,
-    plan_capacity,
-    reserved_blocks,
-)
+from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
+from kvtune.capacity.memory import Overhead, estimate_overhead, kv_pool, num_blocks_for
+from kvtune.capacity.plan import capacity_from_blocks, estimate_capacity, measured_capacity, plan_capacity
+from kvtune.capacity.reservation import RequestShape, fit_request, reserved_blocks
 from kvtune.errors import CapacityError, InputError, KvtuneError
 from kvtune.hardware import GPUS
 from kvtune.kv import kv_bytes

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.check import check_deployment, truncation_share
-from kvtune.deployed import load_deployed, parse_deployed, parse_vllm_command
+from kvtune.deploy.check import check_deployment, truncation_share
+from kvtune.deploy.read import load_deployed, parse_deployed, parse_vllm_command
 from kvtune.errors import InputError
-from kvtune.render import render_files
+from kvtune.deploy.render import render_files
 
 DATA = Path(__file__).parent / "data"
 

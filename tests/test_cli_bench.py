@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from bench_fakes import FakeConfig, FakeServer
 from kvtune.cli import cli
-from kvtune.histogram import Histogram, JointHistogram, joint_bin
-from kvtune.profile import CensoredHistogram, Profile, RouteProfile
-from kvtune.profiler import save_profile
+from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
+from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
+from kvtune.profile.build import save_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

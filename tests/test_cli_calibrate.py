@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import REPO, serve_routes
 
 from kvtune.cli import cli
-from kvtune.engine_capacity import read_capacity_file
+from kvtune.capacity.measured import read_capacity_file
 
 DATA = Path(__file__).parent / "data"
 METRICS = (DATA / "metrics-cpu-0.32-live.txt").read_bytes()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import REPO
 from kvtune.cli import cli
-from kvtune.profiler import load_profile
+from kvtune.profile.build import load_profile
 
 SAMPLES = REPO / "sample_logs"
 ROUTE_KEYS = {
@@ -159,7 +159,7 @@ def test_help_documents_json_fields():
 
 _READY_THEN_PROFILE = """
 import sys
-import kvtune.cli.profile, kvtune.ingest.readers, kvtune.profiler  # imported before the clock starts
+import kvtune.cli.profile, kvtune.ingest.readers, kvtune.profile.build  # imported before the clock starts
 from kvtune.cli import cli
 print("ready", flush=True)
 cli(["profile", sys.argv[1], "--json", "-q"])
@@ -470,7 +470,7 @@ def test_saved_profiles_and_merges_fold_the_same_way(tmp_path):
 
 def test_max_routes_default_is_the_profilers():
     from kvtune.cli.options import MAX_ROUTES
-    from kvtune.profiler import MAX_ROUTES as LIBRARY
+    from kvtune.profile.build import MAX_ROUTES as LIBRARY
 
     assert MAX_ROUTES == LIBRARY
     assert "--max-routes N" in run("--help").output

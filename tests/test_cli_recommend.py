@@ -83,8 +83,8 @@ def test_logged_paths_are_literal_and_never_widen_a_route(tmp_path):
     """A logged `/v1/*` once became a prefix wildcard sorted first, capping every route at 20
     tokens while recommend exited 0. Paths from logs that are no plain request path a gateway
     governs are capped by the catch-all now, and every rendered file loads and passes check."""
-    from kvtune.deployed import parse_deployed
-    from kvtune.gateway_config import parse_gateway_config
+    from kvtune.deploy.read import parse_deployed
+    from kvtune.gateway.config import parse_gateway_config
 
     logs = _logs(tmp_path, ["/v1/chat/completions", "/v1/completions", *HOSTILE_PATHS])
     out = tmp_path / "deploy"
@@ -106,7 +106,7 @@ def test_logged_paths_are_literal_and_never_widen_a_route(tmp_path):
 def test_recommend_refuses_to_write_files_that_would_fail_check(tmp_path, monkeypatch):
     """recommend runs check on what it renders: a gateway.yaml whose first route shadows the
     others with a tiny cap is a risk, so recommend exits 1 and writes nothing."""
-    import kvtune.render as render
+    import kvtune.deploy.render as render
 
     real = render.render_files
 

@@ -81,7 +81,7 @@ def test_a_saved_profile_over_its_cap_is_refused(saved_profile, monkeypatch):
     ("CONFIG_MAX_BYTES", ["check", REC, *MODEL, "--deployed", "{gateway}"]),
 ])
 def test_each_kind_of_file_has_its_cap(cap, argv, tmp_path, monkeypatch):
-    from kvtune.engine_capacity import read_vllm_log, write_capacity_file
+    from kvtune.capacity.measured import read_vllm_log, write_capacity_file
 
     gateway = tmp_path / "gateway.yaml"
     gateway.write_text(json.dumps({"version": 1, "upstream": "http://127.0.0.1:8000", "block_size": 16,

@@ -20,12 +20,12 @@ import time
 import pytest
 
 from enforcers import (
-    BUDGET, CHAT_CAP, COMPLETIONS_CAP, CONTEXT, CUSTOM_CAP, DEFAULT_CAP, HOSTILE, HOSTILE_CAP, HOSTILE_MODEL,
+    BUDGET, CHAT_CAP, COMPLETIONS_CAP, CUSTOM_CAP, DEFAULT_CAP, HOSTILE, HOSTILE_CAP, HOSTILE_MODEL,
     Nginx, PyGateway, Upstream, blocks, chat, free_port, in_thread, small_rec, words,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
-from kvtune.gateway_config import ClientLimits
-from kvtune.render import RenderOptions, render_files
+from kvtune.gateway.config import ClientLimits
+from kvtune.deploy.render import RenderOptions, render_files
 
 pytestmark = pytest.mark.slow
 

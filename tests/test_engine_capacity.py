@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtune.capacity import CapacitySource, MeasuredCapacity
-from kvtune.engine_capacity import (
+from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.measured import (
     fetch_metrics,
     metrics_url,
     parse_metrics_text,

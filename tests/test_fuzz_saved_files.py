@@ -2,7 +2,7 @@
 gateway.yaml): every mutation is read or refused as one `Error:` line (exit 2), never a traceback.
 
 The files are real: produced in the test from sample_logs/ by the real CLI (recommend, profile) and
-by kvtune.engine_capacity (the capacity file `kvtune calibrate` writes). Mutations: delete a key
+by kvtune.capacity.measured (the capacity file `kvtune calibrate` writes). Mutations: delete a key
 anywhere, replace any value with another JSON type, duplicate a key, truncate the bytes, flip bytes.
 Each is driven through the real entry point: `check` (with a gateway and with an engine command),
 `bench --expect` (the parse and the verdict, no server), `profile --merge`, `recommend` with a
@@ -60,7 +60,7 @@ class RealFiles(dict):
 def real(tmp_path_factory) -> RealFiles:
     """recommendation.json, gateway.yaml and vllm-serve.sh from `recommend`, a profile from
     `profile --save`, a capacity file from a real vLLM startup log; bytes and parsed trees."""
-    from kvtune.engine_capacity import read_vllm_log, write_capacity_file
+    from kvtune.capacity.measured import read_vllm_log, write_capacity_file
 
     root = tmp_path_factory.mktemp("real")
     deploy = root / "deploy"
@@ -282,7 +282,7 @@ def test_recommend_with_a_damaged_capacity_file(real, data):
 @fuzz_settings(800)
 @given(data=st.data())
 def test_gateway_config_parse_of_a_damaged_file(real, data):
-    from kvtune.gateway_config import load_gateway_config
+    from kvtune.gateway.config import load_gateway_config
 
     if data.draw(st.booleans()):
         text = data.draw(mutated(real["trees"]["gateway"]))  # JSON is YAML

@@ -9,7 +9,7 @@ import pytest
 
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import Api
-from kvtune.gateway_config import load_gateway_config, parse_gateway_config
+from kvtune.gateway.config import load_gateway_config, parse_gateway_config
 
 
 def _doc(**overrides):

@@ -19,7 +19,7 @@ from kvtune.gateway.counting import (
 )
 from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
-from kvtune.gateway_config import PromptCounting
+from kvtune.gateway.config import PromptCounting
 
 def count(counter, body: dict, api: Api | None = None):
     """Count a body as the gateway does: read by its endpoint's rules, then counted."""

@@ -5,7 +5,6 @@ release that adds a generating endpoint fails here until someone decides how to 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from enforcers import Nginx, PyGateway, Upstream, free_port, small_rec
-from kvtune.gateway_config import ClientLimits
-from kvtune.render import RenderOptions, render_files
+from kvtune.gateway.config import ClientLimits
+from kvtune.deploy.render import RenderOptions, render_files
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("KVTUNE_FUZZ_EXAMPLES", "1500"))

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvtune.gateway.proxy import GATEWAY, make_app, serve
-from kvtune.gateway_config import parse_gateway_config
+from kvtune.gateway.config import parse_gateway_config
 
 
 class FakeVllm:

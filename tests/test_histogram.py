@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtune.errors import InputError
-from kvtune.histogram import (
+from kvtune.profile.histogram import (
     JOINT_EDGES,
     Histogram,
     JointHistogram,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 
 from enforcers import HOSTILE, HOSTILE_MODEL, Nginx, base_rec, free_port
-from kvtune.render import RenderOptions, render_files
+from kvtune.deploy.render import RenderOptions, render_files
 
 
 def test_rendered_nginx_conf_passes_nginx_t(tmp_path):

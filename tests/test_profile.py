@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from conftest import TRACES
 from kvtune.errors import InputError
-from kvtune.histogram import Histogram
-from kvtune.profile import (
+from kvtune.profile.histogram import Histogram
+from kvtune.profile.routes import (
     PERCENTILES,
     CensoredHistogram,
     Profile,
@@ -25,7 +25,7 @@ from kvtune.profile import (
     merge_profiles,
     summarize_plain,
 )
-from kvtune.profiler import ProfileBuilder, is_saved_profile, load_profile, save_profile
+from kvtune.profile.build import ProfileBuilder, is_saved_profile, load_profile, save_profile
 
 # (file, prompt column, output column)
 TRACE_FILES = [
@@ -386,8 +386,8 @@ def _reference_profile(rows: dict[str, np.ndarray]) -> Profile:
     """The profile of raw rows computed the plain way: one exact histogram per route and kind."""
     from collections import Counter
 
-    from kvtune.histogram import JointHistogram, LogHistogram, joint_bin, log_bin
-    from kvtune.profile import Arrival, RouteProfile
+    from kvtune.profile.histogram import JointHistogram, LogHistogram, joint_bin, log_bin
+    from kvtune.profile.routes import Arrival, RouteProfile
 
     routes = []
     for name in sorted(set(rows["route"].tolist())):
@@ -463,8 +463,8 @@ def test_builder_is_exact_whatever_counts_dense_or_sparse_and_folds(traffic, den
     """Dense rows, sparse keys, values past the width the budget allows, the overflow, and the
     fold into `*`: the profile equals the plain per-route histograms of the same rows, folded
     the same way (the kept routes exactly as profiled alone)."""
-    import kvtune.profiler as profiler
-    from kvtune.profile import fold_routes
+    import kvtune.profile.build as profiler
+    from kvtune.profile.routes import fold_routes
 
     rows, cuts = traffic
     saved = profiler.DENSE_ROWS, profiler.DENSE_TABLE_BYTES

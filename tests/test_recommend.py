@@ -11,12 +11,13 @@ import pyarrow as pa
 import pytest
 
 from conftest import TRACES
-from kvtune.capacity import CapacitySource, MeasuredCapacity, plan_capacity
+from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.plan import plan_capacity
 from kvtune.hardware import default_batch_limits, find_gpu
 from kvtune.kv import kv_bytes
 from kvtune.model import resolve_model
-from kvtune.profiler import ProfileBuilder
-from kvtune.recommend import RecommendOptions, recommend
+from kvtune.profile.build import ProfileBuilder
+from kvtune.recommend.policy import RecommendOptions, recommend
 from kvtune.weights import weights_for
 
 
@@ -175,8 +176,8 @@ def test_catch_all_routes_come_after_specific_ones():
 def test_routes_from_a_field_are_not_gateway_matches():
     """Routes keyed by a log field (say metadata.team) cannot be matched by a gateway; rendering
     them as match-everything entries would send all traffic to whichever came first."""
-    from kvtune.gateway_config import parse_gateway_config
-    from kvtune.render import render_files
+    from kvtune.gateway.config import parse_gateway_config
+    from kvtune.deploy.render import render_files
     import yaml
 
     conv, code = _azure("conv"), _azure("code")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvtune.cli import cli
 from kvtune.errors import InputError
-from kvtune.recommendation_file import load_recommendation, parse_recommendation
+from kvtune.recommend.saved import load_recommendation, parse_recommendation
 
 DATA = Path(__file__).parent / "data"
 GOOD = json.loads((DATA / "recommendation.json").read_text())

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from kvtune.errors import InputError, KvtuneError
-from kvtune.gateway_config import load_gateway_config, parse_gateway_config
-from kvtune.render import (
+from kvtune.gateway.config import load_gateway_config, parse_gateway_config
+from kvtune.deploy.render import (
     RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, local_chat_tokenizer, lua_string,
     md_cell, nginx_time, one_line, parse_upstream, render_files, write_files, yaml_scalar,
 )
@@ -92,7 +92,7 @@ def test_nginx_time_is_whole_seconds_or_milliseconds():
 
 
 def test_nginx_conf_renders_client_limits_and_admin_access():
-    from kvtune.gateway_config import AdminAccess, ClientLimits
+    from kvtune.gateway.config import AdminAccess, ClientLimits
 
     limits = ClientLimits(header_timeout_s=2.5, body_timeout_s=3, keepalive_timeout_s=4, send_timeout_s=5,
                           max_header_bytes=8192, max_header_line_bytes=4096, max_body_bytes=300_000,
@@ -348,7 +348,7 @@ def test_write_files_refuses_paths():
 
 
 def test_coarsen_histogram_keeps_totals_and_edges():
-    from kvtune.render import coarsen_histogram
+    from kvtune.deploy.render import coarsen_histogram
 
     edges = list(range(0, 16 * 513, 16))
     counts = [i % 7 for i in range(512)]
@@ -361,7 +361,7 @@ def test_coarsen_histogram_keeps_totals_and_edges():
 
 def test_refused_values_are_quoted_briefly():
     from kvtune.errors import KvtuneError
-    from kvtune.render import nginx_listen, nginx_word
+    from kvtune.deploy.render import nginx_listen, nginx_word
 
     for call in (lambda: nginx_word("/v1/" + "x" * 1_000_000 + "$"), lambda: nginx_listen("h" * 1_000_000)):
         with pytest.raises(KvtuneError) as info:

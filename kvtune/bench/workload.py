@@ -21,8 +21,8 @@ import numpy as np
 
 from kvtune.bench.client import RequestSpec
 from kvtune.errors import EndpointError, InputError, KvtuneError
-from kvtune.histogram import JOINT_EDGES, Histogram
-from kvtune.profile import Profile, RouteProfile
+from kvtune.profile.histogram import JOINT_EDGES, Histogram
+from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
 
 __all__ = [

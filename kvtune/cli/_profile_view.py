@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtune.histogram import Histogram
-from kvtune.profile import TAIL_RULE, Profile, RouteProfile, classify_tail, summarize_plain
+from kvtune.profile.histogram import Histogram
+from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, classify_tail, summarize_plain
 
 _BAR_WIDTH = 32
 _PROGRESS_DELAY_S = 0.5  # inputs read faster than this never show a bar

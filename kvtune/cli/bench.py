@@ -55,7 +55,7 @@ Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 b
 
 def _parse_expect(path: str) -> dict[str, Any]:
     """The recommendation.json a verdict checks against: the fields it reads, validated."""
-    from kvtune.recommendation_file import load_recommendation
+    from kvtune.recommend.saved import load_recommendation
 
     return load_recommendation(path, complete=False, field="--expect")
 
@@ -171,8 +171,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     else:
         from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile import fold_routes
-        from kvtune.profiler import load_profile, load_profile_or_logs
+        from kvtune.profile.routes import fold_routes
+        from kvtune.profile.build import load_profile, load_profile_or_logs
 
         max_routes = opts["max_routes"]
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path

@@ -12,7 +12,7 @@ from kvtune.errors import KvtuneError
 
 def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
     """Pair the i-th --prompt-tokens with the i-th --max-tokens; a single value pairs with all."""
-    from kvtune.capacity import RequestShape
+    from kvtune.capacity.reservation import RequestShape
 
     if not prompt_tokens and not max_tokens:
         return ()

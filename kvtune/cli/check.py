@@ -17,7 +17,7 @@ _STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", 
 
 def _saved_recommendation(paths: tuple[str, ...]) -> dict | None:
     """A recommendation.json written by `kvtune recommend --out` instead of logs (validated), or None."""
-    from kvtune.recommendation_file import load_recommendation, looks_like_recommendation
+    from kvtune.recommend.saved import load_recommendation, looks_like_recommendation
 
     if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
@@ -47,8 +47,8 @@ def check(logs: tuple[str, ...], model: str, deployed_paths: tuple[str, ...], js
         kvtune check sample_logs/ --model llama-3.1-8b --gpu H100-80GB \\
             --deployed deploy/vllm-serve.sh --deployed deploy/gateway.yaml
     """
-    from kvtune.check import check_deployment
-    from kvtune.deployed import load_deployed
+    from kvtune.deploy.check import check_deployment
+    from kvtune.deploy.read import load_deployed
 
     deployed = [load_deployed(path) for path in deployed_paths]
     rec = _saved_recommendation(logs)

@@ -30,7 +30,7 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     import signal
 
     from kvtune.gateway.proxy import loop_factory, serve
-    from kvtune.gateway_config import host_problem, load_gateway_config, url_problem
+    from kvtune.gateway.config import host_problem, load_gateway_config, url_problem
 
     config = load_gateway_config(config_path)
     overrides = {k: v for k, v in {"upstream": upstream, "host": host, "port": port}.items() if v is not None}

@@ -17,7 +17,7 @@ import click
 from kvtune.errors import KvtuneError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
-#: kvtune.profiler.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
+#: kvtune.profile.build.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
 MAX_ROUTES = 2000
 MAX_COUNT = 2**53  # counts above this are typos; floats hold every integer up to here exactly
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -85,7 +85,8 @@ class Planned:
 def plan_from_options(model: str, opts: dict[str, Any], shapes: tuple = (),
                       max_model_len_override: int | None = None) -> Planned:
     """Resolve the model and hardware, take a measured capacity when one is given, plan capacity."""
-    from kvtune.capacity import CapacitySource, MeasuredCapacity, plan_capacity
+    from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+    from kvtune.capacity.plan import plan_capacity
     from kvtune.hardware import find_gpu, parse_memory_size
     from kvtune.kv import kv_bytes
     from kvtune.model import resolve_model
@@ -113,15 +114,15 @@ def plan_from_options(model: str, opts: dict[str, Any], shapes: tuple = (),
         measured = MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="--kv-tokens",
                                     kv_cache_tokens=parse_count(opts["kv_tokens"], "--kv-tokens"))
     elif opts.get("vllm_log") is not None:
-        from kvtune.engine_capacity import read_vllm_log
+        from kvtune.capacity.measured import read_vllm_log
 
         measured = read_vllm_log(opts["vllm_log"])
     elif opts.get("metrics_url") is not None:
-        from kvtune.engine_capacity import fetch_metrics
+        from kvtune.capacity.measured import fetch_metrics
 
         measured = fetch_metrics(opts["metrics_url"])
     elif opts.get("capacity_file") is not None:
-        from kvtune.engine_capacity import read_capacity_file
+        from kvtune.capacity.measured import read_capacity_file
 
         measured = read_capacity_file(opts["capacity_file"])
 

@@ -54,8 +54,8 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
         kvtune profile logs/ --save week1.json --json
         kvtune profile --merge week1.json week2.json
     """
-    from kvtune.profiler import is_saved_profile, load_profile, profile_logs
-    from kvtune.profile import fold_routes, merge_profiles
+    from kvtune.profile.build import is_saved_profile, load_profile, profile_logs
+    from kvtune.profile.routes import fold_routes, merge_profiles
 
     strict = opts["strict"]
     if opts["assume_cap"] is not None and trace_max_is_cap:
@@ -77,7 +77,7 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
         reason, count = next(iter(result.skipped.items()))
         raise KvtuneError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
     if save_path:
-        from kvtune.profiler import save_profile
+        from kvtune.profile.build import save_profile
 
         save_profile(result, save_path)
     from kvtune.cli._profile_view import render_folded

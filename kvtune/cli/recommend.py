@@ -15,15 +15,15 @@ from kvtune.cli.options import (
     plan_from_options,
 )
 from kvtune.errors import KvtuneError
-from kvtune.rules import CURRENT_VLLM_VERSION
+from kvtune.recommend.rules import CURRENT_VLLM_VERSION
 
 
 def build_recommendation(paths: tuple[str, ...], model: str, opts: dict[str, Any]):
     """The whole pipeline behind `recommend` (and `check`): profile, plan capacity, apply the rules."""
     from kvtune.hardware import default_batch_limits
-    from kvtune.profiler import load_profile_or_logs
-    from kvtune.recommend import RecommendOptions, recommend
-    from kvtune.rules import parse_vllm_version
+    from kvtune.profile.build import load_profile_or_logs
+    from kvtune.recommend.policy import RecommendOptions, recommend
+    from kvtune.recommend.rules import parse_vllm_version
 
     try:
         parse_vllm_version(opts.get("vllm_version") or CURRENT_VLLM_VERSION)
@@ -63,7 +63,7 @@ def build_recommendation(paths: tuple[str, ...], model: str, opts: dict[str, Any
 def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) -> str | None:
     """The model directory gateway.yaml counts prompts with (None: the upstream's /tokenize):
     the one given, else the first candidate that holds a tokenizer and a chat template."""
-    from kvtune.render import local_chat_tokenizer
+    from kvtune.deploy.render import local_chat_tokenizer
 
     if given == "upstream":
         return None
@@ -79,7 +79,7 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
 
 def _gate(files: dict[str, str], rec: dict) -> None:
     """Fail (exit 1, nothing written) when the rendered files would not pass `kvtune check`."""
-    from kvtune.check import check_rendered
+    from kvtune.deploy.check import check_rendered
 
     result = check_rendered(files, rec)
     if result.passed:
@@ -128,7 +128,7 @@ def recommend(logs: tuple[str, ...], model: str, gateway_tokenizer: str | None, 
     Example:
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --out deploy/
     """
-    from kvtune.render import RenderOptions, render_files, write_files
+    from kvtune.deploy.render import RenderOptions, render_files, write_files
 
     counting_with = _gateway_tokenizer(gateway_tokenizer, (opts.get("served_model"), model, opts.get("tokenizer")))
     rec = build_recommendation(logs, model, opts)

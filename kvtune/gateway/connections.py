@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
-from kvtune.gateway_config import ClientLimits
+from kvtune.gateway.config import ClientLimits
 
 _TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"

@@ -30,7 +30,7 @@ from kvtune.errors import InputError
 from kvtune.gateway import _json
 from kvtune.gateway.apis import Prompt
 from kvtune.gateway.upstream import UpstreamError
-from kvtune.gateway_config import PromptCounting
+from kvtune.gateway.config import PromptCounting
 
 
 class PromptCountError(Exception):

@@ -35,17 +35,17 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from kvtune.capacity import reserved_blocks
-from kvtune.gateway.apis import CapField, Reading, Request, read_request
+from kvtune.capacity.reservation import reserved_blocks
+from kvtune.gateway.apis import CapField, Request, read_request
 from kvtune.gateway.body import Body, BodyError, members, parse_body, splice
 from kvtune.gateway.counting import (
     LocalTokenizerCounter, PromptCountError, PromptCountInvalidError, PromptRejectedError, make_counter,
 )
-from kvtune.gateway.endpoints import Api, Endpoint, PathClass, canonical_path, classify
+from kvtune.gateway.endpoints import Endpoint, PathClass, canonical_path, classify
 from kvtune.gateway.ledger import BlockLedger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeoutError
-from kvtune.gateway_config import GatewayConfig, GatewayRoute
+from kvtune.gateway.config import GatewayConfig, GatewayRoute
 
 log = logging.getLogger("kvtune.gateway")
 

@@ -3,7 +3,7 @@ requests and /tokenize. Keep-alive connections to one upstream, the request sent
 and a small response reader for Content-Length, chunked and close-delimited bodies.
 
 Why not aiohttp's ClientSession: on loopback against an instant upstream its request path was
-more than half of the gateway's CPU per request (~0.3 of ~0.55 ms, bench/gateway_bench.py);
+more than half of the gateway's CPU per request (~0.3 of ~0.55 ms, benchmarks/gateway_bench.py);
 this client costs a few tens of microseconds. Pass-through traffic (streamed request bodies,
 anything the gateway does not govern) still goes through aiohttp.
 

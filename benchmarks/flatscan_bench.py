@@ -8,7 +8,7 @@ cuts them into --block-mb blocks at line ends, and times, as the median of --rep
     json.loads       per line, on the first 10 MB only (it is slow), without any conversion
     orjson.loads     the same, for scale
 
-    python bench/flatscan_bench.py --mb 100 --repeat 9 --threads 2   # ~10M lines per measurement
+    python benchmarks/flatscan_bench.py --mb 100 --repeat 9 --threads 2   # ~10M lines per measurement
 """
 
 from __future__ import annotations

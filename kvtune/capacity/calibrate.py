@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvtune.capacity import MeasuredCapacity, blocks_from_tokens
-from kvtune.engine_capacity import METRICS_MAX_BYTES, parse_metrics_text
+from kvtune.capacity.measured import MeasuredCapacity, blocks_from_tokens
+from kvtune.capacity.measured import METRICS_MAX_BYTES, parse_metrics_text
 from kvtune.errors import CapacityError, EndpointError
 from kvtune.userfiles import brief
 
@@ -158,7 +158,7 @@ async def fetch_calibration(url: str, *, timeout_s: float = TIMEOUT_S) -> Measur
 async def calibrate(url: str | None, *, vllm_log: str | None = None,
                     timeout_s: float = TIMEOUT_S) -> MeasuredCapacity:
     """The capacity from a live server, a startup log, or both cross-checked."""
-    from kvtune.engine_capacity import read_vllm_log
+    from kvtune.capacity.measured import read_vllm_log
     from kvtune.errors import KvtuneError
 
     if url is None and vllm_log is None:

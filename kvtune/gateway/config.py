@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtune.capacity import reserved_blocks
+from kvtune.capacity.reservation import reserved_blocks
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
     DEFAULT_PASSTHROUGH, GENERATE, ROUTE_APIS, Api, canonical_path, classify, never_passthrough, PathClass,
@@ -369,7 +369,7 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
     if custom:
         names = {a.value: a for a in ROUTE_APIS}
         given = item.get("api")
-        if given is not None and given not in names:
+        if given is not None and (not isinstance(given, str) or given not in names):
             raise r.fail(f"{where}.api", f"{brief(given)} is not one of {', '.join(names)}")
         api = names[given] if given is not None else None
         if upstream_path is not None:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.errors import InputError
-from kvtune.gateway_config import RouteMatch
-from kvtune.render import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.gateway.config import RouteMatch
+from kvtune.deploy.render import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.userfiles import brief
 
 # Short options vLLM accepts, by their long names.
@@ -261,7 +261,7 @@ def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
 # ---------------------------------------------------------------- gateway.yaml
 
 def _deployed_from_gateway(data: Any, source: str) -> Deployed:
-    from kvtune.gateway_config import parse_gateway_config
+    from kvtune.gateway.config import parse_gateway_config
 
     config = parse_gateway_config(data, path=source)
     return Deployed(

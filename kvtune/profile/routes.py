@@ -1,7 +1,7 @@
 """Per-route traffic profiles: censoring-aware length distributions, tail class, arrival rate.
 
 Pure: takes histograms, returns frozen dataclasses. Building a profile from log batches lives in
-`kvtune.profiler`; this module only knows numbers.
+`kvtune.profile.build`; this module only knows numbers.
 
 Censoring: a response cut at its cap (finish_reason `length`) has a true length ≥ the logged
 one. Output (and prompt+output) percentiles therefore come from the Kaplan–Meier estimate;
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtune.errors import InputError
-from kvtune.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
+from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
 from kvtune.userfiles import brief
 
 __all__ = [

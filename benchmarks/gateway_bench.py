@@ -26,8 +26,8 @@ rate it would sustain on one core of its own. --max-load waits before each run u
 1-minute load average is at or below it (other benchmarks on the machine skew every figure).
 Prints a table and, with --json, one JSON object.
 
-    python bench/gateway_bench.py --runs 3 --max-load 1.5
-    python bench/gateway_bench.py --runs 3 --max-load 1.5 --pin client=0,upstream=0,gateway=1
+    python benchmarks/gateway_bench.py --runs 3 --max-load 1.5
+    python benchmarks/gateway_bench.py --runs 3 --max-load 1.5 --pin client=0,upstream=0,gateway=1
 """
 
 from __future__ import annotations

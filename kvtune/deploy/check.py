@@ -1,6 +1,6 @@
 """`kvtune check`: compare what is deployed with what the traffic needs, as findings.
 
-Pure: it takes parsed deployed files (kvtune.deployed) and a recommendation dict (the shape of
+Pure: it takes parsed deployed files (kvtune.deploy.read) and a recommendation dict (the shape of
 recommendation.json) and returns findings. Severities:
     risk  the deployment will hurt under the logged traffic (uncapped output, a budget above the KV
           capacity, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses)
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from kvtune.deployed import Deployed
+from kvtune.deploy.read import Deployed
 
 SEVERITIES = ("risk", "warn", "info")
 # vLLM's GPU defaults when a flag is not given (reference/vllm-facts.md §1).
@@ -350,7 +350,7 @@ def check_rendered(files: Mapping[str, str], rec: Mapping[str, Any]) -> CheckRes
     that drifts from the recommendation, or carries a risk the recommendation does not (a route
     shadowed by another, a cap below the recommended one), is a rendering fault: `passed` is
     False and nothing should be written."""
-    from kvtune.deployed import parse_deployed
+    from kvtune.deploy.read import parse_deployed
 
     engine = [parse_deployed(files[n], source=n) for n in ("vllm-serve.sh",) if n in files]
     gateways = [parse_deployed(files[n], source=n) for n in ("gateway.yaml", "nginx.conf") if n in files]

@@ -1,4 +1,5 @@
-"""Measured KV capacity from a running vLLM: its startup log, its /metrics, or a capacity file.
+"""Measured KV capacity: what a running vLLM reported, from its startup log, its /metrics or a
+capacity file (`kvtune calibrate` writes one).
 
 These are ground truth; arithmetic from gpu_memory_utilization is not. Formats read:
 
@@ -16,14 +17,155 @@ A log may hold several startups; the last capacity in it wins.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from kvtune.capacity import CapacitySource, MeasuredCapacity
 from kvtune.errors import EndpointError, InputError, KvtuneError
 from kvtune.userfiles import brief
+
+
+class CapacitySource(enum.Enum):
+    """Where a capacity came from; anything but ESTIMATE was measured on a running server."""
+
+    ESTIMATE = "estimate"
+    KV_TOKENS = "kv-tokens"
+    VLLM_LOG = "vllm-log"
+    METRICS = "metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCapacity:
+    """A KV capacity a real server reported. At least one of num_blocks / kv_cache_tokens is set."""
+
+    source: CapacitySource
+    kv_cache_tokens: int | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None  # None: the server's block size was not reported
+    max_model_len: int | None = None  # the length vLLM's "Maximum concurrency" line refers to
+    max_concurrency: float | None = None  # vLLM's own figure at max_model_len
+    device: str | None = None  # "GPU", "CPU", ... as the log names it
+    model: str | None = None
+    kv_cache_dtype: str | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool | None = None  # /metrics cache_config_info; None when not reported
+    gpu_memory_utilization: float | None = None  # the server's setting (ignored when kv_cache_memory_bytes is set)
+    kv_cache_memory_bytes: int | None = None  # the explicit KV size it was started with, if any
+    origin: str | None = None  # the log path or URL it was read from
+    line: int | None = None  # the log line it was read from
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_tokens is None and self.num_blocks is None:
+            raise KvtuneError("a measured capacity needs kv_cache_tokens or num_blocks", path=self.origin)
+        for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < (1 if name in ("block_size", "max_model_len") else 0):
+                raise KvtuneError(f"must be positive, got {value}", path=self.origin, field=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; `from_dict(to_dict())` gives back an equal object."""
+        return {
+            "source": self.source.value,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_concurrency": self.max_concurrency,
+            "device": self.device,
+            "model": self.model,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "num_gpu_blocks_override": self.num_gpu_blocks_override,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "origin": self.origin,
+            "line": self.line,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, path: str | None = None) -> MeasuredCapacity:
+        """Parse a capacity file's object strictly; errors name the field."""
+        if not isinstance(data, dict):
+            raise InputError(f"expected a JSON object, found {type(data).__name__}", path=path)
+        from kvtune.userfiles import brief
+
+        unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40) for k in set(data) - set(_FIELD_TYPES) - {"source"})
+        if unknown:
+            raise InputError(f"unknown field(s): {', '.join(unknown[:5])}", path=path, field=unknown[0])
+        raw_source = data.get("source")
+        try:
+            source = CapacitySource(raw_source)
+        except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
+            known = ", ".join(s.value for s in CapacitySource)
+            raise InputError(f"unknown source {brief(raw_source)} (known: {known})", path=path,
+                             field="source") from None
+        values: dict[str, Any] = {}
+        for name, kind in _FIELD_TYPES.items():
+            value = data.get(name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is None:
+                values[name] = None
+            elif (kind is float and number) or (kind is int and number and isinstance(value, int)):
+                low, high = _FIELD_RANGES.get(name, (0, _MAX_FIELD))
+                if not low <= value <= high:  # also NaN
+                    raise InputError(f"must be from {low} to {high}, found {brief(value)}", path=path, field=name)
+                values[name] = kind(value)
+            elif (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)):
+                values[name] = value
+            else:
+                raise InputError(f"expected {kind.__name__}, found {brief(value)}", path=path, field=name)
+        try:
+            return cls(source=source, **values)
+        except KvtuneError as exc:
+            raise InputError(exc.message, path=path, field=exc.field) from None
+
+
+_FIELD_TYPES: dict[str, type] = {
+    "kv_cache_tokens": int,
+    "num_blocks": int,
+    "block_size": int,
+    "max_model_len": int,
+    "max_concurrency": float,
+    "device": str,
+    "model": str,
+    "kv_cache_dtype": str,
+    "num_gpu_blocks_override": int,
+    "enable_prefix_caching": bool,
+    "gpu_memory_utilization": float,
+    "kv_cache_memory_bytes": int,
+    "origin": str,
+    "line": int,
+}
+_MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
+# (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
+_FIELD_RANGES: dict[str, tuple[float, float]] = {
+    "max_concurrency": (0, _MAX_FIELD),
+    "gpu_memory_utilization": (0, 1),
+    "line": (1, _MAX_FIELD),
+}
+
+
+def blocks_from_tokens(kv_cache_tokens: int, block_size: int, max_model_len: int | None = None) -> int:
+    """Invert vLLM's token count back to blocks.
+
+    vLLM (V1) logs tokens = int(num_blocks / ceil(L / block_size) × L) for max_model_len L, which is
+    below num_blocks × block_size when L is not a multiple of block_size. The smallest block count
+    that reproduces the logged tokens is ceil(tokens × ceil(L/bs) / L). Without L: tokens // bs.
+    """
+    if max_model_len is None:
+        return kv_cache_tokens // block_size
+    blocks_per_request = -(-max_model_len // block_size)
+    num = kv_cache_tokens * blocks_per_request
+    blocks = -(-num // max_model_len)
+    # a single-group model logs exactly int(blocks * L / c); anything else (hybrid groups) falls back
+    if (blocks * max_model_len) // blocks_per_request != kv_cache_tokens:
+        return kv_cache_tokens // block_size
+    return blocks
+
+
 
 _SIZE = re.compile(r"\b(?P<device>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens")
 _CONCURRENCY = re.compile(
@@ -205,6 +347,9 @@ def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity
 
 
 __all__ = [
+    "CapacitySource",
+    "MeasuredCapacity",
+    "blocks_from_tokens",
     "parse_vllm_log",
     "read_vllm_log",
     "parse_metrics_text",

@@ -15,7 +15,7 @@ no installed kvtune pays. With --small-rows it also profiles a smaller file, to 
 with rows. Outputs here are uncensored (finish_reason only stop), so kvtune's Kaplan–Meier
 percentiles are the plain nearest-rank ones that DuckDB and pandas compute.
 
-    python bench/profile_bench.py --rows 10000000 --small-rows 1000000 --repeat 3
+    python benchmarks/profile_bench.py --rows 10000000 --small-rows 1000000 --repeat 3
 """
 
 from __future__ import annotations

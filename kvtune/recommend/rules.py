@@ -15,7 +15,7 @@ import numpy as np
 
 # The gateway's reservation: ceil((prompt + cap) / block_size) blocks, held for the request's life
 # (one definition, in capacity; it takes ints or numpy arrays).
-from kvtune.capacity import reserved_blocks as reservation_blocks
+from kvtune.capacity.reservation import reserved_blocks as reservation_blocks
 
 DEFAULT_SAFETY_FRACTION = 0.9
 CURRENT_VLLM_VERSION = "0.33"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtune.errors import InputError, KvtuneError
-from kvtune.histogram import (
+from kvtune.profile.histogram import (
     JOINT_EDGES,
     Histogram,
     JointHistogram,
@@ -28,7 +28,7 @@ from kvtune.histogram import (
     joint_bin,
     log_bin,
 )
-from kvtune.profile import (
+from kvtune.profile.routes import (
     Arrival,
     CensoredHistogram,
     InputFile,

@@ -1,7 +1,7 @@
 """The policy: traffic profile + KV cost + capacity → caps, budget and engine settings.
 
 Pure: it takes a Profile, a KvBytes and a Capacity and returns a Recommendation whose every
-number is a `Decision` from one rule in `kvtune.rules`. `Recommendation.to_dict()` is the stable
+number is a `Decision` from one rule in `kvtune.recommend.rules`. `Recommendation.to_dict()` is the stable
 shape written as recommendation.json and rendered into the deploy files.
 """
 
@@ -12,13 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from kvtune import __version__, rules
-from kvtune.capacity import Capacity, CapacitySource
+from kvtune import __version__
+from kvtune.recommend import rules
+from kvtune.capacity.measured import CapacitySource
+from kvtune.capacity.plan import Capacity
 from kvtune.errors import KvtuneError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.kv import KvBytes
-from kvtune.profile import Profile, RouteProfile
-from kvtune.rules import Decision, Distribution
+from kvtune.profile.routes import Profile, RouteProfile
+from kvtune.recommend.rules import Decision, Distribution
 
 SCHEMA_VERSION = 1
 HISTOGRAM_BINS = 40

@@ -1,0 +1,7 @@
+"""How much KV cache fits, and what each request reserves of it.
+
+    memory       a GPU's memory as vLLM divides it: weights, overhead, the KV pool
+    reservation  the reservation rule: ceil((prompt + max_tokens) / block_size) blocks
+    measured     a capacity a running vLLM reported (startup log, /metrics, capacity file)
+    plan         the capacity of one model on one deployment, estimated or measured
+"""
