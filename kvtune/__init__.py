@@ -1,3 +1,37 @@
-"""kvtune: KV-cache sizing, output caps and admission settings for self-hosted LLM serving."""
+"""kvtune: KV-cache sizing, output caps and admission settings for self-hosted LLM serving.
+
+The Python API (kvtune.api) runs the same pipeline as `kvtune recommend`:
+
+    import kvtune
+
+    profile = kvtune.profile_logs(["sample_logs/"])             # logs -> per-route histograms
+    plan = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")         # model + GPUs -> KV capacity
+    rec = kvtune.recommend(profile, plan)                       # -> caps, budget, settings
+    kvtune.write_files("deploy/", kvtune.render(rec))           # -> vllm-serve.sh, gateway.yaml, ...
+    result = kvtune.check(rec, ["deploy/vllm-serve.sh", "deploy/gateway.yaml"])
+
+The names load on first use, so `import kvtune` (and the CLI's startup) stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
+    "check", "load_recommendation", "RenderCheckError", "Plan", "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kvtune import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'kvtune' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

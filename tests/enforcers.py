@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtune.policy.recommendation import Recommendation
+
 DATA = Path(__file__).parent / "data"
 INSTALL_HINT = "apt-get install -y nginx libnginx-mod-http-lua lua-cjson"
 HOSTILE = "ro\"ute' $(touch /tmp/kvtune-pwned) `id` \n]] [[ {{ x }} {% y %} % é 😀 \u2028;#"
@@ -55,10 +57,11 @@ def free_port() -> int:
 
 
 def base_rec() -> dict:
+    """tests/data/recommendation.json as a dict, to edit before `Recommendation.from_dict`."""
     return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
 
 
-def small_rec(upstream_port: int) -> dict:
+def small_rec(upstream_port: int) -> Recommendation:
     rec = base_rec()
     rec["upstream"] = f"http://127.0.0.1:{upstream_port}"
     rec["capacity"]["num_blocks"] = 112
@@ -77,7 +80,7 @@ def small_rec(upstream_port: int) -> dict:
     chat["max_new_tokens"]["value"] = CHAT_CAP
     completions["max_new_tokens"]["value"] = COMPLETIONS_CAP
     rec["routes"] = [hostile, chat, completions, custom]
-    return rec
+    return Recommendation.from_dict(rec, path="small_rec")
 
 
 def words(n: int) -> str:

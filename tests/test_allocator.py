@@ -15,7 +15,7 @@ def test_tunes_glibc_once_and_reading_logs_asks_for_it():
     assert tune_for_streaming() is True  # idempotent
     # the CLI path that builds IngestOptions tunes the process before it reads anything
     code = (
-        "import kvtune.allocator as a; from kvtune.cli.options import ingest_options_from; "
-        "assert not a._tuned; ingest_options_from({}); assert a._tuned"
+        "import kvtune.allocator as a; from kvtune.cli.options import LogArgs; "
+        "assert not a._tuned; LogArgs(None, (), None, None, 'skip', False, None, 2000).ingest(); assert a._tuned"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,6 +12,7 @@ from kvtune.cli import cli
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
 from kvtune.profile.build import save_profile
+from recs import make_rec_dict
 
 pytestmark = pytest.mark.vllm
 
@@ -59,11 +60,8 @@ def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_
     # 32 blocks × 128 tokens; 16 requests × (24 + 400) tokens need ~64 blocks at the end
     path = profile_file(tmp_path, [24] * 10, [400] * 10)
     expect = tmp_path / "recommendation.json"
-    expect.write_text(json.dumps({
-        "block_budget": {"value": 27}, "capacity": {"num_blocks": 32, "block_size": 128},
-        "concurrency": {"admitted": 6},
-        "routes": [{"route": "/v1/chat/completions", "max_new_tokens": {"value": 400}, "truncation_share": 0.0}],
-    }))
+    expect.write_text(json.dumps(make_rec_dict(budget=27, num_blocks=32, block_size=128, admitted=6,
+                                               routes=[("/v1/chat/completions", 400, 0.0)])))
     r = bench(vllm_server.url, "--profile", path, "--concurrency", "16", "--requests", "16",
               "--expect", str(expect), "--timeout", "240")
     assert r.exit_code == 1, r.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from recs import make_rec
+
 import numpy as np
 import pytest
 
@@ -68,12 +70,7 @@ def test_summary_counts_outcomes_tokens_and_goodput():
     assert s["routes"]["/r"]["truncated"] == 1 and s["routes"]["/r"]["truncation_share"] == pytest.approx(1 / 3, abs=1e-6)
 
 
-EXPECT = {
-    "block_budget": {"value": 89},
-    "capacity": {"num_blocks": 100, "block_size": 16},
-    "concurrency": {"admitted": 9},
-    "routes": [{"route": "/r", "max_new_tokens": {"value": 60}, "truncation_share": 0.0}],
-}
+EXPECT = make_rec(budget=89, num_blocks=100, block_size=16, admitted=9, routes=[("/r", 60, 0.0)])
 
 
 def server(**kw):
@@ -107,7 +104,7 @@ def test_verdict_fails_the_broken_promise(srv, failing):
 
 
 def test_truncation_share_within_a_binomial_tolerance():
-    expect = EXPECT | {"routes": [{"route": "/r", "max_new_tokens": {"value": 60}, "truncation_share": 0.1}]}
+    expect = make_rec(budget=89, num_blocks=100, block_size=16, admitted=9, routes=[("/r", 60, 0.1)])
     ok = [result(i, got=40 if i < 10 else 50) for i in range(100)]  # 10% cut short
     assert judge(ok, server(), expect)["truncation_share"]["passed"] is True
     bad = [result(i, got=40 if i < 40 else 50) for i in range(100)]  # 40% cut short

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.deploy.check import check_deployment, truncation_share
+from kvtune.deploy.check import check_deployment
+from kvtune.policy.recommendation import Recommendation
+from recs import rec_dict
 from kvtune.deploy.read import load_deployed, parse_deployed, parse_vllm_command
 from kvtune.errors import InputError
 from kvtune.deploy.render import render_files
@@ -16,8 +18,8 @@ from kvtune.deploy.render import render_files
 DATA = Path(__file__).parent / "data"
 
 
-def rec() -> dict:
-    return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
+def rec() -> Recommendation:
+    return Recommendation.from_dict(rec_dict(), path="recommendation.json")
 
 
 def codes(result, severity=None) -> list[str]:
@@ -76,9 +78,10 @@ def test_parse_vllm_command_errors_name_the_flag():
 
 
 def test_rendered_files_read_back_exactly():
-    r = rec()
-    r["routes"][0]["route"] = "we\"ird ]] $(x)\nname é"
-    r["routes"][0]["match"]["model"] = "m']]\\"
+    d = rec_dict()
+    d["routes"][0]["route"] = "we\"ird ]] $(x)\nname é"
+    d["routes"][0]["match"]["model"] = "m']]\\"
+    r = Recommendation.from_dict(d)
     files = render_files(r)
     nginx = parse_deployed(files["nginx.conf"], source="nginx.conf")
     gateway = parse_deployed(files["gateway.yaml"], source="gateway.yaml")
@@ -141,13 +144,22 @@ def test_uncapped_route_in_gateway():
     assert "'/v1/completions'" in message
 
 
-def test_truncation_share_from_the_histogram():
-    hist = {"edges": [0, 10, 20, 30], "counts": [50, 30, 20]}
-    assert truncation_share(hist, 30) == 0.0
-    assert truncation_share(hist, 19) == pytest.approx(0.2)
-    assert truncation_share(hist, 9) == pytest.approx(0.5)
-    assert truncation_share(hist, 14) == pytest.approx((30 * 5 / 10 + 20) / 100)
-    assert truncation_share(None, 5) is None
+def test_truncation_share_is_the_routes_kaplan_meier_estimate():
+    """check judges a cap by the same estimate the recommendation chose it with: 20 of 100
+    responses were cut at 15 tokens, so their true lengths are only known to be ≥ 15. Kaplan–Meier
+    says a cap of 15 cuts 50% (the naive share of logged lengths above 15 would say 30%)."""
+    d = rec_dict()
+    chat = d["routes"][0]
+    chat["output_lengths"] = {"uncensored": {"values": [10, 20], "counts": [50, 30]},
+                              "censored": {"values": [15], "counts": [20]}}
+    chat["max_new_tokens"]["value"] = 20
+    r = Recommendation.from_dict(d)
+    assert r.routes[0].output_lengths.truncation_share(15) == pytest.approx(0.5)
+    routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 15},
+              {"name": "default", "max_new_tokens": 700}]
+    result = check_deployment([parse_deployed(gateway_yaml(routes=routes))], r)
+    finding = next(f for f in result.findings if f.code == "cap-truncates")
+    assert "cap 15 cuts 50.0% of logged responses" in finding.message
 
 
 def test_cap_that_truncates_more_than_the_budget():
@@ -211,8 +223,9 @@ def test_max_model_len_that_rejects_logged_prompts():
 def test_v1_refuses_v0_flags():
     result = check_deployment([parse_deployed(GOOD_VLLM + " --preemption-mode swap --swap-space 4")], rec())
     assert codes(result, "risk").count("invalid-flag") == 2
-    old = rec()
-    old["engine"] = {"name": "vllm", "version": "0.6", "v1": False}
+    edited = rec_dict()
+    edited["engine"] = {"name": "vllm", "version": "0.6", "v1": False}
+    old = Recommendation.from_dict(edited)
     assert "invalid-flag" not in codes(check_deployment([parse_deployed(GOOD_VLLM + " --preemption-mode swap")], old))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from recs import make_rec_dict
+
 import asyncio
 import json
 import threading
@@ -98,9 +100,9 @@ def test_table_output_names_the_numbers(fake, profile_path):
 
 
 def expectation(tmp_path, **over) -> str:
-    rec = {"block_budget": {"value": 89}, "capacity": {"num_blocks": 100, "block_size": 16},
-           "concurrency": {"admitted": 9},
-           "routes": [{"route": "/v1/chat/completions", "max_new_tokens": {"value": 64}, "truncation_share": 0.0}]}
+    """A recommendation.json for the fake server: 89 of 100 blocks of 16, chat capped at 64."""
+    rec = make_rec_dict(budget=89, num_blocks=100, block_size=16, admitted=9,
+                        routes=[("/v1/chat/completions", 64, 0.0)])
     path = tmp_path / "recommendation.json"
     path.write_text(json.dumps(rec | over))
     return str(path)
@@ -216,8 +218,8 @@ def test_bad_expect_file_exits_2(profile_path, tmp_path):
     bad.write_text("{}")
     r = run("http://127.0.0.1:8000", "--profile", profile_path, "--requests", "1", "--expect", str(bad))
     assert r.exit_code == 2
-    assert r.output.strip() == (f"Error: {bad}: --expect: not a recommendation.json (no block_budget.value); "
-                                "write one with `kvtune recommend --out DIR`")
+    assert r.output.strip() == (f"Error: {bad}: --expect: block_budget: missing: not a recommendation.json? "
+                                "(`kvtune recommend --out DIR` writes one)")
 
 
 def test_outputs_are_checked_before_the_run_and_written_together(fake, profile_path, tmp_path):

@@ -154,7 +154,7 @@ def test_shape_that_does_not_fit_reports_zero_with_a_note():
          f"Error: {DATA / 'vllm-startup-no-capacity.log'}: no KV cache capacity in this log"),
         (["--metrics-url", "ftp://x/metrics"], "Error: ftp://x/metrics: --metrics-url: expected an http://"),
         ([], "Error: --gpu: give --gpu or --gpu-memory to estimate, or a measured capacity"),
-        (["--gpu", "L4", "--gpu-memory", "24GiB"], "Error: --gpu-memory: give --gpu or --gpu-memory, not both"),
+        (["--gpu", "L4", "--gpu-memory", "24GiB"], "Error: --gpu-memory: give a GPU model or a memory size, not both"),
         (["--gpu", "L4", "--prompt-tokens", "1", "--prompt-tokens", "2", "--prompt-tokens", "3", "--max-tokens", "4",
           "--max-tokens", "5"], "Error: --max-tokens: 3 --prompt-tokens but 2 --max-tokens"),
         (["--gpu", "L4", "--prompt-tokens", "100"], "Error: --max-tokens: a request shape needs both"),

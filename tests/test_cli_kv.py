@@ -65,7 +65,7 @@ def test_help_has_one_line_and_an_example():
         (["llama-3.1-8b", "--pp", "40"],
          "Error: pipeline-parallel size 40 must be between 1 and the model's 32 layers"),
         (["llama-3.1-8b", "--kv-cache-dtype", "fp4"],
-         "Error: kv_cache_dtype: unknown kv-cache dtype 'fp4' (did you mean nvfp4 or fp8?); valid: auto, bfloat16, float16, "
+         "Error: --kv-cache-dtype: unknown kv-cache dtype 'fp4' (did you mean nvfp4 or fp8?); valid: auto, bfloat16, float16, "
          "half, fp8, fp8_e4m3, fp8_e5m2, fp8_inc, int8_per_token_head, fp8_per_token_head, int4_per_token_head, "
          "nvfp4, fp8_ds_mla, nvfp4_ds_mla"),
         (["lama-3.1-70b"],

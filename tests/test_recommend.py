@@ -12,13 +12,10 @@ import pytest
 
 from conftest import TRACES
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
-from kvtune.capacity.plan import plan_capacity
-from kvtune.hardware import default_batch_limits, find_gpu
-from kvtune.kv import kv_bytes
-from kvtune.model import resolve_model
+from kvtune.planning import plan
+from kvtune.policy.recommend import RecommendOptions, recommend
+from kvtune.policy.recommendation import Match
 from kvtune.profile.build import ProfileBuilder
-from kvtune.recommend.policy import RecommendOptions, recommend
-from kvtune.weights import weights_for
 
 
 def _azure(name: str) -> pd.DataFrame:
@@ -39,14 +36,9 @@ def _profile(frames: dict[str, pd.DataFrame], censored_at: int | None = None):
 
 
 def _h100_llama(measured: MeasuredCapacity | None = None):
-    spec = resolve_model("llama-3.1-8b")
-    kv = kv_bytes(spec)
-    gpu = find_gpu("H100-80GB")
-    report = plan_capacity(spec, kv, weights_for(spec), gpu_name=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
-                           measured=measured)
-    options = RecommendOptions(gpu=gpu.name, gpu_memory_bytes=gpu.memory_bytes,
-                               engine_default_batched_tokens=default_batch_limits(gpu.memory_bytes, gpu.name)[0])
-    return kv, report.capacity, options
+    """Llama-3.1-8B on one H100, as `kvtune.plan` plans it, and the default policy options."""
+    p = plan("llama-3.1-8b", gpu="H100-80GB", measured=measured)
+    return p, p.capacity, RecommendOptions()
 
 
 def _expected_route(df: pd.DataFrame, q: float, block_size: int, budget: int):
@@ -59,8 +51,8 @@ def _expected_route(df: pd.DataFrame, q: float, block_size: int, budget: int):
 
 def test_azure_conv_and_code_on_h100():
     conv, code = _azure("conv"), _azure("code")
-    kv, capacity, options = _h100_llama()
-    rec = recommend(_profile({"/conv": conv, "/code": code}), kv, capacity, options, model="llama-3.1-8b")
+    plan_, capacity, options = _h100_llama()
+    rec = recommend(_profile({"/conv": conv, "/code": code}), plan_, options)
     bs = capacity.block_size
     budget = math.floor((capacity.num_blocks - 1) * 0.9)
     assert rec.block_budget.value == budget
@@ -78,20 +70,20 @@ def test_azure_conv_and_code_on_h100():
         assert r.truncation_share == pytest.approx((df["GeneratedTokens"] > cap).mean())
         assert r.reservation_blocks.max == reservations.max()
         assert r.reservation_blocks.mean == pytest.approx(reservations.mean())
-        assert r.concurrency == int(admitted)
+        assert r.concurrency.admitted == int(admitted)
     assert by_route["/conv"].max_new_tokens.value == 601
     assert by_route["/code"].max_new_tokens.value == 252  # nearest rank (linear interpolation: 251.46)
 
     # max_model_len: the longest prompt + its route cap (conv: 14050 + 601 = 14651) rounded up to 16
     assert rec.settings["max_model_len"].value == 14656
     worst_blocks = 14656 // 16
-    assert rec.worst_case_reservation_blocks == worst_blocks
-    assert rec.worst_case_concurrency == budget // worst_blocks
+    assert rec.concurrency.worst_case_reservation_blocks == worst_blocks
+    assert rec.concurrency.worst_case == budget // worst_blocks
     # the mix: reservations weighted by each route's share of requests
     all_res = np.concatenate([
         -(-(conv["ContextTokens"].to_numpy() + 601) // 16), -(-(code["ContextTokens"].to_numpy() + 252) // 16)])
-    assert rec.mean_reservation_blocks == pytest.approx(all_res.mean())
-    assert rec.admitted_concurrency == int(budget // all_res.mean())
+    assert rec.concurrency.mean_reservation_blocks == pytest.approx(all_res.mean())
+    assert rec.concurrency.admitted == int(budget // all_res.mean())
     assert rec.gain > 5  # the headline: caps from traffic admit several times more than worst case
 
     assert rec.settings["preemption_mode"].value == "recompute"
@@ -106,9 +98,9 @@ def test_azure_conv_and_code_on_h100():
 
 def test_max_truncation_picks_the_smallest_cap_under_target():
     conv = _azure("conv")
-    kv, capacity, options = _h100_llama()
+    plan_, capacity, options = _h100_llama()
     options = RecommendOptions(**{**{f: getattr(options, f) for f in options.__slots__}, "max_truncation": 0.02})
-    rec = recommend(_profile({"/conv": conv}), kv, capacity, options, model="llama-3.1-8b")
+    rec = recommend(_profile({"/conv": conv}), plan_, options)
     out = conv["GeneratedTokens"].to_numpy()
     cap = rec.routes[0].max_new_tokens.value
     assert (out > cap).mean() <= 0.02
@@ -120,27 +112,27 @@ def test_max_truncation_picks_the_smallest_cap_under_target():
 def test_censored_outputs_make_the_cap_a_lower_bound():
     # Azure conv outputs stop at 1000: treating ≥ 1000 as cut at a cap makes the top censored
     conv = _azure("conv")
-    kv, capacity, options = _h100_llama()
-    rec = recommend(_profile({"/conv": conv}, censored_at=1000), kv, capacity, options, model="m")
+    plan_, capacity, options = _h100_llama()
+    rec = recommend(_profile({"/conv": conv}, censored_at=1000), plan_, options)
     route = rec.routes[0]
-    assert route.output_tokens["lower_bound"]["max"] is True
+    assert route.output_tokens.lower_bound["max"] is True
     assert route.max_new_tokens.value <= 1000
 
 
 def test_v0_vllm_swaps_long_sequences():
     code = _azure("code")  # p99 prompt 7436 + cap 252 ≥ 4000 tokens
-    kv, capacity, options = _h100_llama()
+    plan_, capacity, options = _h100_llama()
     options = RecommendOptions(**{**{f: getattr(options, f) for f in options.__slots__}, "vllm_version": "0.6.3"})
-    rec = recommend(_profile({"/code": code}), kv, capacity, options, model="m")
+    rec = recommend(_profile({"/code": code}), plan_, options)
     assert rec.settings["preemption_mode"].value == "swap"
     assert rec.settings["swap_space"].value >= 4
-    assert rec.v1_engine is False
+    assert rec.engine.v1 is False
 
 
 def test_measured_capacity_drives_the_budget():
     measured = MeasuredCapacity(source=CapacitySource.KV_TOKENS, kv_cache_tokens=160_000, origin="--kv-tokens")
-    kv, capacity, options = _h100_llama(measured)
-    rec = recommend(_profile({"/conv": _azure("conv")}), kv, capacity, options, model="m")
+    plan_, capacity, options = _h100_llama(measured)
+    rec = recommend(_profile({"/conv": _azure("conv")}), plan_, options)
     # 160,000 tokens / 16 = 10,000 blocks; (10,000 − 1) × 0.9 = 8999.1 → 8999
     assert rec.block_budget.value == 8999
     assert "measured" in rec.safety_fraction.reason
@@ -148,8 +140,8 @@ def test_measured_capacity_drives_the_budget():
 
 
 def test_to_dict_has_the_documented_fields():
-    kv, capacity, options = _h100_llama()
-    data = recommend(_profile({"/conv": _azure("conv")}), kv, capacity, options, model="m").to_dict()
+    plan_, capacity, options = _h100_llama()
+    data = recommend(_profile({"/conv": _azure("conv")}), plan_, options).to_dict()
     for key in ("schema_version", "model", "served_model", "engine", "upstream", "hardware", "kv", "capacity",
                 "safety_fraction", "block_budget", "routes", "concurrency", "settings", "notes"):
         assert key in data
@@ -166,11 +158,11 @@ def test_to_dict_has_the_documented_fields():
 
 def test_catch_all_routes_come_after_specific_ones():
     conv, code = _azure("conv"), _azure("code")
-    kv, capacity, options = _h100_llama()
-    rec = recommend(_profile({"*": conv, "/v1/code": code}), kv, capacity, options, model="m")
+    plan_, capacity, options = _h100_llama()
+    rec = recommend(_profile({"*": conv, "/v1/code": code}), plan_, options)
     assert [r.route for r in rec.routes] == ["/v1/code", "*"]
-    assert rec.routes[0].match == {"path": "/v1/code", "model": None}
-    assert rec.routes[1].match == {"path": None, "model": None}
+    assert rec.routes[0].match == Match(path="/v1/code")
+    assert rec.routes[1].match == Match()
 
 
 def test_routes_from_a_field_are_not_gateway_matches():
@@ -181,12 +173,12 @@ def test_routes_from_a_field_are_not_gateway_matches():
     import yaml
 
     conv, code = _azure("conv"), _azure("code")
-    kv, capacity, options = _h100_llama()
+    plan_, capacity, options = _h100_llama()
     options = RecommendOptions(**{**{f: getattr(options, f) for f in options.__slots__},
                                   "route_by": "metadata.team"})
-    rec = recommend(_profile({"team-a": conv, "team-b": code}), kv, capacity, options, model="m")
+    rec = recommend(_profile({"team-a": conv, "team-b": code}), plan_, options)
     assert all(r.match is None for r in rec.routes)
     assert any("cannot match" in n for n in rec.notes)
-    gateway = parse_gateway_config(yaml.safe_load(render_files(rec.to_dict(), targets=["gateway.yaml"])["gateway.yaml"]))
+    gateway = parse_gateway_config(yaml.safe_load(render_files(rec, targets=["gateway.yaml"])["gateway.yaml"]))
     assert [r.name for r in gateway.routes] == ["default"]
     assert gateway.routes[0].max_new_tokens == max(int(r.max_new_tokens.value) for r in rec.routes)

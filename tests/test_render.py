@@ -17,6 +17,7 @@ import yaml
 
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import load_gateway_config, parse_gateway_config
+from kvtune.policy.recommendation import Recommendation
 from kvtune.deploy.render import (
     RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, local_chat_tokenizer, lua_string,
     md_cell, nginx_time, one_line, parse_upstream, render_files, write_files, yaml_scalar,
@@ -36,12 +37,16 @@ NASTY = [
 ]
 
 
-def rec() -> dict:
+def rec_dict() -> dict:
     return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
 
 
-def hostile_rec() -> dict:
-    r = rec()
+def rec() -> Recommendation:
+    return Recommendation.from_dict(rec_dict(), path="recommendation.json")
+
+
+def hostile_rec() -> Recommendation:
+    r = rec_dict()
     template = r["routes"][0]
     routes = []
     for i, name in enumerate(NASTY):
@@ -56,7 +61,7 @@ def hostile_rec() -> dict:
     r["served_model"] = NASTY[1] + NASTY[3]
     r["notes"] = list(NASTY)
     r["settings"]["max_model_len"]["reason"] = NASTY[3] + NASTY[5]
-    return r
+    return Recommendation.from_dict(r)
 
 
 # ---------------------------------------------------------------- filters
@@ -149,21 +154,22 @@ def test_parse_upstream_refuses_what_it_cannot_render():
 def test_render_files_gives_every_target_and_refuses_unknown():
     files = render_files(rec())
     assert set(files) == set(TARGETS)
-    assert json.loads(files["recommendation.json"]) == rec()
+    assert json.loads(files["recommendation.json"]) == rec().to_dict()
+    assert Recommendation.from_dict(json.loads(files["recommendation.json"])).to_dict() == rec().to_dict()
     assert set(render_files(rec(), targets=["gateway.yaml"])) == {"gateway.yaml"}
     with pytest.raises(KvtuneError, match="unknown render target"):
         render_files(rec(), targets=["docker-compose.yml"])
 
 
 def test_missing_field_is_a_clear_error():
-    r = rec()
-    del r["concurrency"]["gain"]
-    with pytest.raises(InputError, match="report"):
-        render_files(r, targets=["report.md"])
-    r = rec()
+    r = rec_dict()
+    del r["concurrency"]["admitted"]
+    with pytest.raises(InputError, match="recommendation.json: concurrency.admitted: missing"):
+        Recommendation.from_dict(r, path="recommendation.json")
+    r = rec_dict()
     del r["settings"]["max_new_tokens_backstop"]
-    with pytest.raises(InputError):
-        render_files(r)
+    with pytest.raises(InputError, match="settings.max_new_tokens_backstop: missing"):
+        Recommendation.from_dict(r, path="recommendation.json")
 
 
 def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
@@ -294,8 +300,8 @@ def test_reports_show_headline_routes_capacity_settings_and_notes():
         assert "300" in text and "52" in text
         assert "26,999" in text
         assert "14.96 GiB" in text  # weights
-        for name in rec()["settings"]:
-            if rec()["settings"][name] is not None:
+        for name in rec().settings:
+            if rec().settings[name] is not None:
                 assert name in text.replace("\\_", "_")
         assert "calibrate with --vllm-log" in text
     md = files["report.md"]

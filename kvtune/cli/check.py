@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import Any
-
 import click
 
-from kvtune.cli.options import capacity_options, log_options
-from kvtune.cli.recommend import build_recommendation, recommend_options
+from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
+from kvtune.cli.recommend import PolicyArgs, policy_options
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
 
 _STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", "blue")}
 
 
-def _saved_recommendation(paths: tuple[str, ...]) -> dict | None:
-    """A recommendation.json written by `kvtune recommend --out` instead of logs (validated), or None."""
-    from kvtune.recommend.saved import load_recommendation, looks_like_recommendation
+def _saved_recommendation(paths: tuple[str, ...]):
+    """A recommendation.json written by `kvtune recommend --out` instead of logs (read back
+    strictly), or None."""
+    from kvtune.policy.recommendation import load_recommendation, looks_like_recommendation
 
     if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
@@ -29,12 +28,12 @@ def _saved_recommendation(paths: tuple[str, ...]) -> dict | None:
 @click.option("--deployed", "deployed_paths", multiple=True, required=True, type=click.Path(), metavar="FILE",
               help="A vllm serve command line or script, a gateway.yaml, or an nginx.conf rendered by "
                    "kvtune. Repeat to check an engine and its gateway together.")
-@recommend_options
+@policy_options
 @capacity_options
 @log_options
 @click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed} as JSON.")
-def check(logs: tuple[str, ...], model: str, deployed_paths: tuple[str, ...], json_: bool,
-          **opts: Any) -> None:
+def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
+          deployed_paths: tuple[str, ...], json_: bool) -> None:
     """Check deployed configs against real traffic: exit 1 on risk, 0 when fine.
 
     LOGS are the logs (or a saved profile) the recommendation is computed from, or a
@@ -53,11 +52,11 @@ def check(logs: tuple[str, ...], model: str, deployed_paths: tuple[str, ...], js
     deployed = [load_deployed(path) for path in deployed_paths]
     rec = _saved_recommendation(logs)
     if rec is None:
-        rec = build_recommendation(logs, model, opts).to_dict()
-    elif model not in (rec.get("model"), rec.get("served_model")):
-        raise InputError(f"the recommendation is for {brief(rec.get('model'))}, not {brief(model)}", path=logs[0],
+        rec = policy.recommendation(logs, capacity, log)
+    elif policy.model not in (rec.model, rec.served_model):
+        raise InputError(f"the recommendation is for {brief(rec.model)}, not {brief(policy.model)}", path=logs[0],
                          field="model")
-    result = check_deployment(deployed, rec, max_truncation=opts.get("max_truncation"))
+    result = check_deployment(deployed, rec, max_truncation=policy.max_truncation)
 
     if json_:
         click.echo(json.dumps(result.to_dict(), indent=2))

@@ -1,12 +1,12 @@
-"""Options shared by several commands, each group one decorator, and the code that reads them.
-
-`capacity_options` + `plan_from_options` serve `capacity`, `recommend` and `check`;
-`log_options` + `ingest_options_from` serve `profile`, `recommend`, `check` and `bench`
-(`--max-routes` goes to the profiler, not to ingest: `opts["max_routes"]`).
+"""Options shared by several commands, each group one decorator that hands the command one typed
+object: `capacity_options` → `capacity: CapacityArgs` (capacity, recommend, check), `log_options` →
+`log: LogArgs` (profile, recommend, check, bench). Each object knows the library call it feeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,20 +49,73 @@ def compose(decorators: list[Callable]) -> Callable:
     return wrap
 
 
-capacity_options = compose([
+def grouped(name: str, cls: type, options: list[Callable]) -> Callable:
+    """Click options that reach the command as one typed object: `name=cls(**their values)`, so a
+    command's signature says what it takes instead of `**opts`."""
+    keys = [f.name for f in dataclasses.fields(cls)]
+
+    def decorate(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def command(**kwargs: Any) -> Any:
+            kwargs[name] = cls(**{k: kwargs.pop(k) for k in keys})
+            return f(**kwargs)
+
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityArgs:
+    """The model's deployment and a measured capacity, as `capacity`, `recommend` and `check` take them."""
+
+    gpu: str | None
+    gpu_memory: str | None
+    tp: int
+    pp: int
+    gpu_memory_utilization: float | None
+    max_model_len: str | None
+    max_num_batched_tokens: str | None
+    block_size: int | None
+    kv_cache_dtype: str | None
+    enforce_eager: bool
+    kv_tokens: str | None
+    vllm_log: str | None
+    metrics_url: str | None
+    capacity_file: str | None
+
+    def plan(self, model: str, shapes: tuple = ()):  # -> kvtune.planning.Plan
+        """The plan these options describe (kvtune.plan), the measured capacity read first."""
+        from kvtune.planning import measured_capacity, plan
+
+        measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), vllm_log=self.vllm_log,
+                                     metrics_url=self.metrics_url, capacity_file=self.capacity_file)
+        return plan(model, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
+                    gpu_memory_utilization=self.gpu_memory_utilization,
+                    max_model_len=parse_count(self.max_model_len, "max_model_len"),
+                    max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
+                    block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes)
+
+
+capacity_options = grouped("capacity", CapacityArgs, [
     click.option("--gpu", help="GPU model from the catalog: A10G, L4, L40S, A100-40GB, A100-80GB, H100-80GB, "
                  "H200, B200, MI300X, RTX-3090, RTX-4090 (any case; h100, a100 … work)."),
     click.option("--gpu-memory", help="Memory per GPU instead of --gpu, with a unit: 79.2GiB, 80GB, 24576MiB."),
     click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size."),
     click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size."),
-    click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), default=0.92,
-                 show_default=True, help="vLLM's fraction of each GPU's memory for this instance."),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+                 help="vLLM's fraction of each GPU's memory for this instance.  [default: what the measured "
+                      "capacity was taken at, else 0.92]"),
     click.option("--max-model-len", help="Context length; default the model's derived length (or the log's)."),
     click.option("--max-num-batched-tokens", help="Token budget per step; default vllm serve's for the GPU size."),
     click.option("--block-size", type=click.IntRange(min=1), default=None,
-                 help="KV block size in tokens.  [default: 16; 128 for a CPU server's log]"),
-    click.option("--kv-cache-dtype", default="auto", show_default=True,
-                 help="vLLM's --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, …"),
+                 help="KV block size in tokens.  [default: the measured capacity's; 16; 128 for a CPU server's log]"),
+    click.option("--kv-cache-dtype", default=None,
+                 help="vLLM's --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, …  "
+                      "[default: what the measured capacity was taken at, else auto]"),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: do not reserve memory for them."),
     click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line)."),
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
@@ -71,87 +124,46 @@ capacity_options = compose([
 ])
 
 
-@dataclass(frozen=True, slots=True)
-class Planned:
-    """A model, its KV cost and its capacity on the chosen hardware, as options described them."""
-
-    spec: Any  # kvtune.model.ModelSpec
-    kv: Any  # kvtune.kv.KvBytes
-    report: Any  # kvtune.capacity.CapacityReport
-    gpu_name: str | None
-    gpu_memory_bytes: int | None
-
-
-def plan_from_options(model: str, opts: dict[str, Any], shapes: tuple = (),
-                      max_model_len_override: int | None = None) -> Planned:
-    """Resolve the model and hardware, take a measured capacity when one is given, plan capacity."""
-    from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
-    from kvtune.capacity.plan import plan_capacity
-    from kvtune.hardware import find_gpu, parse_memory_size
-    from kvtune.kv import kv_bytes
-    from kvtune.model import resolve_model
-    from kvtune.weights import weights_for
-
-    gpu, gpu_memory = opts.get("gpu"), opts.get("gpu_memory")
-    if gpu and gpu_memory:
-        raise KvtuneError("give --gpu or --gpu-memory, not both", field="--gpu-memory")
-    sources = [(name, opts.get(key)) for name, key in (
-        ("--kv-tokens", "kv_tokens"), ("--vllm-log", "vllm_log"),
-        ("--metrics-url", "metrics_url"), ("--capacity", "capacity_file"))]
-    given = [name for name, value in sources if value is not None]
-    if len(given) > 1:
-        raise KvtuneError(f"give one measured capacity, not {' and '.join(given)}", field=given[1])
-
-    gpu_name = memory_bytes = None
-    if gpu:
-        found = find_gpu(gpu)
-        gpu_name, memory_bytes = found.name, found.memory_bytes
-    elif gpu_memory:
-        memory_bytes = parse_memory_size(gpu_memory, field="--gpu-memory")
-
-    measured = None
-    if opts.get("kv_tokens") is not None:
-        measured = MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="--kv-tokens",
-                                    kv_cache_tokens=parse_count(opts["kv_tokens"], "--kv-tokens"))
-    elif opts.get("vllm_log") is not None:
-        from kvtune.capacity.measured import read_vllm_log
-
-        measured = read_vllm_log(opts["vllm_log"])
-    elif opts.get("metrics_url") is not None:
-        from kvtune.capacity.measured import fetch_metrics
-
-        measured = fetch_metrics(opts["metrics_url"])
-    elif opts.get("capacity_file") is not None:
-        from kvtune.capacity.measured import read_capacity_file
-
-        measured = read_capacity_file(opts["capacity_file"])
-
-    spec = resolve_model(model)
-    kv = kv_bytes(spec, kv_cache_dtype=opts.get("kv_cache_dtype", "auto"), tp=opts.get("tp", 1),
-                  pp=opts.get("pp", 1))
-    max_len = max_model_len_override or parse_count(opts.get("max_model_len"), "--max-model-len")
-    report = plan_capacity(
-        spec, kv, weights_for(spec),
-        gpu_name=gpu_name,
-        gpu_memory_bytes=memory_bytes,
-        gpu_memory_utilization=opts.get("gpu_memory_utilization", 0.92),
-        max_model_len=max_len,
-        max_num_batched_tokens=parse_count(opts.get("max_num_batched_tokens"), "--max-num-batched-tokens"),
-        block_size=opts.get("block_size"),
-        shapes=shapes,
-        measured=measured,
-        enforce_eager=opts.get("enforce_eager", False),
-    )
-    return Planned(spec, kv, report, gpu_name, memory_bytes)
-
-
 def _format_help() -> str:
     from kvtune.ingest import FORMATS
 
     return "Force a log format instead of detecting it: " + ", ".join(FORMATS) + "."
 
 
-log_options = compose([
+@dataclass(frozen=True, slots=True)
+class LogArgs:
+    """How to read logs, as `profile`, `recommend`, `check` and `bench` take it."""
+
+    format_: str | None
+    fields: tuple[str, ...]
+    route_by: str | None
+    tokenizer: str | None
+    on_error: str
+    strict: bool
+    assume_cap: int | None
+    max_routes: int
+
+    def ingest(self):  # -> kvtune.ingest.IngestOptions
+        """The ingest options; the process is about to read logs, so malloc is tuned for it."""
+        from kvtune.allocator import tune_for_streaming
+        from kvtune.ingest import IngestOptions
+
+        tune_for_streaming()
+        return IngestOptions(format=self.format_, fields=parse_fields(self.fields), route_by=self.route_by,
+                             tokenizer=self.tokenizer, on_error=self.on_error, strict=self.strict,
+                             assume_cap=self.assume_cap)
+
+    def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
+        """Logs (or one saved profile) profiled; a fold beyond --max-routes is said on stderr."""
+        from kvtune.cli._profile_view import render_folded
+        from kvtune.profile.build import load_profile_or_logs
+
+        profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes)
+        render_folded(profile, self.max_routes)
+        return profile
+
+
+log_options = grouped("log", LogArgs, [
     click.option("--format", "format_", metavar="NAME", help=_format_help()),
     click.option("--field", "fields", multiple=True, metavar="TARGET=PATH",
                  help="Map a column from a source field, e.g. output_tokens=usage.completion_tokens. Repeatable."),
@@ -179,22 +191,3 @@ def parse_fields(pairs: tuple[str, ...]) -> dict[str, str]:
             raise click.BadParameter(f"expected target=path, got {pair!r}", param_hint="'--field'")
         fields[target.strip()] = path.strip()
     return fields
-
-
-def ingest_options_from(opts: dict[str, Any]):
-    """An IngestOptions from the values of `log_options`; the process is about to read logs, so
-    malloc is tuned for it (kvtune.allocator)."""
-    from kvtune.allocator import tune_for_streaming
-    from kvtune.ingest import IngestOptions
-
-    tune_for_streaming()
-
-    return IngestOptions(
-        format=opts.get("format_"),
-        fields=parse_fields(opts.get("fields") or ()),
-        route_by=opts.get("route_by"),
-        tokenizer=opts.get("tokenizer"),
-        on_error=opts.get("on_error", "skip"),
-        strict=opts.get("strict", False),
-        assume_cap=opts.get("assume_cap"),
-    )

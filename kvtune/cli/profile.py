@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from kvtune.cli.options import ingest_options_from, log_options
+from kvtune.cli.options import LogArgs, log_options
 from kvtune.errors import InputError, KvtuneError
 
 JSON_FIELDS = """\b
@@ -43,7 +43,8 @@ JSON_FIELDS = """\b
 @click.option("--merge", is_flag=True, help="PATHs may be saved profiles: merge them exactly (with any logs given).")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object (fields below) instead of tables.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> None:
+def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_path: str | None, merge: bool,
+            json_: bool, quiet: bool) -> None:
     """Per-route output and prompt length distributions from request logs.
 
     PATH: files, directories or globs of JSONL, CSV or Parquet (.gz, .zst), any mix of schemas.
@@ -57,8 +58,8 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
     from kvtune.profile.build import is_saved_profile, load_profile, profile_logs
     from kvtune.profile.routes import fold_routes, merge_profiles
 
-    strict = opts["strict"]
-    if opts["assume_cap"] is not None and trace_max_is_cap:
+    strict = log.strict
+    if log.assume_cap is not None and trace_max_is_cap:
         raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
     saved = [p for p in paths if is_saved_profile(p)]
     if saved and not merge:
@@ -66,13 +67,13 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
     logs = [p for p in paths if p not in saved]
     parts = [load_profile(p) for p in saved]
     if logs:
-        options = ingest_options_from(opts)
+        options = log.ingest()
         from kvtune.cli._profile_view import progress_bar
 
         with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
             parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap,
-                                      max_routes=opts["max_routes"]))
-    result = fold_routes(merge_profiles(parts), opts["max_routes"])
+                                      max_routes=log.max_routes))
+    result = fold_routes(merge_profiles(parts), log.max_routes)
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))
         raise KvtuneError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
@@ -89,6 +90,6 @@ def profile(paths, trace_max_is_cap, save_path, merge, json_, quiet, **opts) -> 
 
         render_profile(result)
         render_skipped(result)
-    render_folded(result, opts["max_routes"])
+    render_folded(result, log.max_routes)
     if save_path and not json_:
         click.echo(f"saved profile to {save_path}", err=True)

@@ -1,7 +1,8 @@
 """`kvtune check`: compare what is deployed with what the traffic needs, as findings.
 
-Pure: it takes parsed deployed files (kvtune.deploy.read) and a recommendation dict (the shape of
-recommendation.json) and returns findings. Severities:
+Pure: it takes parsed deployed files (kvtune.deploy.read) and a Recommendation and returns
+findings; a cap's truncation share is the route's exact Kaplan–Meier estimate, as when the
+recommendation chose it. Severities:
     risk  the deployment will hurt under the logged traffic (uncapped output, a budget above the KV
           capacity, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses)
     warn  it drifted from the current recommendation, or works but wastes capacity
@@ -16,7 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.read import Deployed
+from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
 SEVERITIES = ("risk", "warn", "info")
 # vLLM's GPU defaults when a flag is not given (reference/vllm-facts.md §1).
@@ -54,44 +57,21 @@ class CheckResult:
                 "findings": [f.to_dict() for f in self.findings], "passed": self.passed}
 
 
-def _value(decision: Any) -> Any:
-    return decision.get("value") if isinstance(decision, Mapping) else decision
-
-
-def truncation_share(histogram: Mapping[str, Sequence[int]] | None, cap: int) -> float | None:
-    """Share of logged outputs longer than `cap`, from the route's integer histogram; inside the bin
-    holding the cap, its integers are taken as evenly spread."""
-    if not histogram:
-        return None
-    edges, counts = list(histogram["edges"]), list(histogram["counts"])
-    total = sum(counts)
-    if total == 0 or len(edges) != len(counts) + 1:
-        return None
-    above = 0.0
-    for lo, hi, count in zip(edges, edges[1:], counts):
-        if lo > cap:
-            above += count
-        elif hi - 1 > cap:  # the bin [lo, hi) holds the cap: integers cap+1 .. hi-1 are cut
-            above += count * (hi - 1 - cap) / (hi - lo)
-    return above / total
-
-
 def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+    return reserved_blocks(tokens, 0, block_size)
 
 
 class _Checker:
-    def __init__(self, deployed: Sequence[Deployed], rec: Mapping[str, Any], max_truncation: float | None):
+    def __init__(self, deployed: Sequence[Deployed], rec: Recommendation, max_truncation: float | None):
         self.deployed = tuple(deployed)
         self.rec = rec
         self.max_truncation = max_truncation
         self.findings: list[Finding] = []
-        cap = rec["capacity"]
-        self.block_size = int(cap["block_size"])
-        self.usable_blocks = int(cap["num_blocks"]) - 1  # vLLM keeps one null block
+        self.block_size = rec.capacity.block_size
+        self.usable_blocks = rec.capacity.num_blocks - 1  # vLLM keeps one null block
         self.usable_tokens = self.usable_blocks * self.block_size
-        self.budget = int(_value(rec["block_budget"]))
-        self.settings = rec["settings"]
+        self.budget = rec.budget_blocks
+        self.settings = rec.settings
         self.gateways = [d for d in self.deployed if d.is_gateway]
         self.engines = [d for d in self.deployed if d.kind == "vllm"]
         self.risky: set[tuple[str, str]] = set()  # (source, field) already reported as risk
@@ -104,13 +84,13 @@ class _Checker:
 
     # ------------------------------------------------------------ per-route caps
 
-    def _route_caps(self, d: Deployed) -> list[tuple[Mapping, int | None]]:
+    def _route_caps(self, d: Deployed) -> list[tuple[RouteRecommendation, int | None]]:
         """(recommended route, the cap the deployment applies to its traffic or None if uncapped)."""
         out = []
-        for route in self.rec["routes"]:
-            match = route.get("match") or {}
+        for route in self.rec.routes:
+            match = route.match or Match()
             if d.is_gateway:
-                hit = d.route_for(match.get("path"), match.get("model"))
+                hit = d.route_for(match.path, match.model)
                 out.append((route, hit.max_new_tokens if hit else None))
             else:
                 out.append((route, d.max_new_tokens))
@@ -118,8 +98,8 @@ class _Checker:
 
     def check_caps(self, d: Deployed) -> None:
         for route, cap in self._route_caps(d):
-            name = route["route"]
-            recommended = int(_value(route["max_new_tokens"]))
+            name = route.route
+            recommended = route.cap
             if cap is None:
                 if d.is_gateway:
                     self.add("risk", "uncapped-route",
@@ -128,20 +108,14 @@ class _Checker:
                              "cannot reserve for it and the KV budget no longer bounds memory",
                              d.source, f"route:{name}")
                 continue
-            hist = route.get("output_histogram")
-            deployed_share = truncation_share(hist, cap)
-            recommended_share = truncation_share(hist, recommended)
-            if deployed_share is None:
-                deployed_share = 0.0 if cap >= recommended else None
-            budget = self.max_truncation
-            if budget is None:
-                budget = recommended_share if recommended_share is not None else route.get("truncation_share")
-            if cap < recommended and deployed_share is not None and budget is not None \
-                    and deployed_share > budget + 1e-9:
+            # the same Kaplan–Meier estimate the recommendation chose its cap with
+            deployed_share = route.output_lengths.truncation_share(cap)
+            recommended_share = route.output_lengths.truncation_share(recommended)
+            budget = self.max_truncation if self.max_truncation is not None else recommended_share
+            if cap < recommended and deployed_share > budget + 1e-9:
                 self.add("risk", "cap-truncates",
                          f"route {name!r}: cap {cap} cuts {deployed_share:.1%} of logged responses "
-                         f"(budget {budget:.1%}; recommended cap {recommended} cuts "
-                         f"{route.get('truncation_share', recommended_share or 0):.1%})",
+                         f"(budget {budget:.1%}; recommended cap {recommended} cuts {recommended_share:.1%})",
                          "a response stopped at its cap is lost or truncated output for the user; "
                          "raise the cap to the recommended value", d.source, f"cap:{name}")
             elif cap > recommended:
@@ -153,8 +127,7 @@ class _Checker:
             elif cap < recommended:
                 self.add("warn", "cap-below-recommendation",
                          f"route {name!r}: cap {cap} is below the recommended {recommended} "
-                         f"(cuts {deployed_share:.1%} of logged responses)" if deployed_share is not None
-                         else f"route {name!r}: cap {cap} is below the recommended {recommended}",
+                         f"(cuts {deployed_share:.1%} of logged responses)",
                          "within the truncation budget, but it drifted from the recommendation", d.source)
 
     # ------------------------------------------------------------ context length
@@ -165,16 +138,16 @@ class _Checker:
         if d.max_model_len is None:
             return
         capper = self.gateways[0] if self.gateways and not d.is_gateway else d
-        caps = {r["route"]: c for r, c in self._route_caps(capper)}
+        caps = {r.route: c for r, c in self._route_caps(capper)}
         rejected, cut = None, None
-        for route in self.rec["routes"]:
-            prompt_max = int(route["prompt_tokens"]["max"])
-            cap = caps.get(route["route"]) or int(_value(route["max_new_tokens"]))
+        for route in self.rec.routes:
+            prompt_max = route.prompt_max
+            cap = caps.get(route.route) or route.cap
             if prompt_max >= d.max_model_len and (rejected is None or prompt_max > rejected[1]):
-                rejected = (route["route"], prompt_max)
+                rejected = (route.route, prompt_max)
             elif prompt_max + cap > d.max_model_len and (cut is None or prompt_max + cap > cut[1]):
-                cut = (route["route"], prompt_max + cap, prompt_max, cap)
-        recommended = _value(self.settings["max_model_len"])
+                cut = (route.route, prompt_max + cap, prompt_max, cap)
+        recommended = self.rec.max_model_len
         if rejected:
             name, prompt_max = rejected
             self.add("risk", "max-model-len-rejects",
@@ -194,17 +167,17 @@ class _Checker:
     # ------------------------------------------------------------ engine
 
     def check_engine(self, d: Deployed) -> None:
-        engine = self.rec["engine"]
-        served = self.rec.get("served_model") or self.rec["model"]
-        if d.model is not None and d.model not in (served, self.rec["model"]):
+        engine = self.rec.engine
+        served = self.rec.served_model or self.rec.model
+        if d.model is not None and d.model not in (served, self.rec.model):
             self.add("warn", "model-mismatch",
                      f"serves {d.model!r} but the recommendation is for {served!r}",
                      "KV per token, capacity and caps were computed for another model", d.source)
-        if engine.get("v1", True):
+        if engine.v1:
             for flag in ("preemption-mode", "swap-space"):
                 if flag in d.flags:
                     self.add("risk", "invalid-flag",
-                             f"--{flag} does not exist in vLLM {engine.get('version')} (V1 engine)",
+                             f"--{flag} does not exist in vLLM {engine.version} (V1 engine)",
                              "vLLM refuses to start on an unknown flag; V1 preempts by recompute only",
                              d.source, flag.replace("-", "_"))
         if d.max_new_tokens is None:
@@ -223,13 +196,12 @@ class _Checker:
 
     def check_preemption(self, d: Deployed) -> None:
         """Without a gateway, vLLM admits up to max_num_seqs sequences that each grow to prompt + cap."""
-        context = d.max_model_len or int(self.rec["concurrency"].get("context_tokens")
-                                         or _value(self.settings["max_model_len"]))
+        context = d.max_model_len or self.rec.concurrency.context_tokens
         block_size = d.block_size or DEFAULT_BLOCK_SIZE
-        gpu_bytes = int(self.rec["hardware"].get("gpu_memory_bytes") or 0)
+        gpu_bytes = self.rec.hardware.gpu_memory_bytes or 0
         seqs = d.max_num_seqs or (DEFAULT_MAX_NUM_SEQS_BIG_GPU if gpu_bytes >= BIG_GPU_BYTES
                                   else DEFAULT_MAX_NUM_SEQS)
-        prompt_max = max(int(r["prompt_tokens"]["max"]) for r in self.rec["routes"])
+        prompt_max = max(r.prompt_max for r in self.rec.routes)
         cap = d.max_new_tokens or context
         per_seq_tokens = _blocks(min(context, prompt_max + cap), block_size) * block_size
         total = seqs * per_seq_tokens
@@ -261,7 +233,7 @@ class _Checker:
         elif budget_tokens > self.budget * self.block_size:
             self.add("warn", "budget-above-safety",
                      f"block budget {d.block_budget} is above the recommended {self.budget} "
-                     f"(safety fraction {_value(self.rec['safety_fraction'])})",
+                     f"(safety fraction {self.rec.safety_fraction.value})",
                      "it fits the estimated capacity but leaves less margin for prompt-count drift "
                      "and capacity error", d.source, None)
         engine_block = next((e.block_size for e in self.engines if e.block_size), None) or self.block_size
@@ -296,15 +268,16 @@ class _Checker:
             defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
                         "block_size": DEFAULT_BLOCK_SIZE}
             fields = ["tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
-                      "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_dtype", "block_size"]
+                      "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                      "kv_cache_dtype", "block_size"]
             pairs = [(f, getattr(d, f) if getattr(d, f) is not None else defaults.get(f),
-                      getattr(d, f) is None, _value(self.settings.get(f))) for f in fields]
-            backstop = _value(self.settings.get("max_new_tokens_backstop"))
-            pairs.append(("max_new_tokens_backstop", d.max_new_tokens, d.max_new_tokens is None, backstop))
+                      getattr(d, f) is None, self._recommended(f)) for f in fields]
+            pairs.append(("max_new_tokens_backstop", d.max_new_tokens, d.max_new_tokens is None,
+                          self.rec.backstop))
         else:
             pairs = [("block_budget", d.block_budget, False, self.budget),
                      ("block_size", d.block_size, False, self.block_size),
-                     ("max_model_len", d.max_model_len, False, _value(self.settings.get("max_model_len")))]
+                     ("max_model_len", d.max_model_len, False, self.rec.max_model_len)]
         for name, have, unset, want in pairs:
             if want is None or (d.source, name) in self.risky:
                 continue
@@ -316,9 +289,14 @@ class _Checker:
                 continue
             shown = "not set (engine default)" if unset and have is None else (
                 f"{have} (engine default)" if unset else str(have))
-            rule = (self.settings.get(name) or {}).get("reason", "") if isinstance(self.settings.get(name), Mapping) else ""
+            decision = self.settings.get(name)
+            rule = decision.reason if decision is not None else ""
             self.add("warn", "drift", f"{name}: deployed {shown}, recommended {want}",
                      rule or "differs from the current recommendation", d.source)
+
+    def _recommended(self, name: str) -> Any:
+        decision = self.settings.get(name)
+        return None if decision is None else decision.value
 
     def run(self) -> CheckResult:
         for d in self.deployed:
@@ -344,7 +322,7 @@ class _Checker:
 INHERENT_RISKS = frozenset({"max-model-len-rejects"})
 
 
-def check_rendered(files: Mapping[str, str], rec: Mapping[str, Any]) -> CheckResult:
+def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult:
     """`kvtune recommend`'s own gate on what it is about to write: the engine script with each
     gateway config it rendered, checked as `kvtune check` would check them deployed. A file
     that drifts from the recommendation, or carries a risk the recommendation does not (a route
@@ -362,7 +340,7 @@ def check_rendered(files: Mapping[str, str], rec: Mapping[str, Any]) -> CheckRes
     return CheckResult((*engine, *gateways), tuple(faults))
 
 
-def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
+def check_deployment(deployed: Sequence[Deployed], rec: Recommendation, *,
                      max_truncation: float | None = None) -> CheckResult:
     """Findings for deployed files (checked together) against a recommendation dict."""
     if not deployed:
@@ -370,4 +348,4 @@ def check_deployment(deployed: Sequence[Deployed], rec: Mapping[str, Any], *,
     return _Checker(deployed, rec, max_truncation).run()
 
 
-__all__ = ["Finding", "CheckResult", "check_deployment", "check_rendered", "INHERENT_RISKS", "truncation_share", "SEVERITIES"]
+__all__ = ["Finding", "CheckResult", "check_deployment", "check_rendered", "INHERENT_RISKS", "SEVERITIES"]

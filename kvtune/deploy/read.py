@@ -57,6 +57,7 @@ class Deployed:
     pipeline_parallel_size: int | None = None
     kv_cache_dtype: str | None = None
     gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
     max_new_tokens: int | None = None  # --override-generation-config max_new_tokens
     preemption_mode: str | None = None
     swap_space: float | None = None
@@ -250,6 +251,7 @@ def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
         kv_cache_dtype=get("kv-cache-dtype", lambda v, *_: str(v)),
         gpu_memory_utilization=get("gpu-memory-utilization", _fraction)
         if "gpu-memory-utilization" in flags else get("device-memory-utilization", _fraction),
+        kv_cache_memory_bytes=get("kv-cache-memory-bytes", _human_int),
         max_new_tokens=max_new_tokens,
         preemption_mode=get("preemption-mode", lambda v, *_: str(v)),
         swap_space=get("swap-space", _float),

@@ -1,4 +1,4 @@
-"""Turn a recommendation (the plain dict of recommendation.json) into files that deploy.
+"""Turn a recommendation (kvtune.policy.recommendation.Recommendation) into files that deploy.
 
 Every template renders through one jinja2 environment with StrictUndefined, so a missing field
 fails loudly instead of rendering an empty flag. Anything that came from logs (route names, model
@@ -17,7 +17,7 @@ import shlex
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from urllib.parse import urlsplit
 
 import jinja2
@@ -29,6 +29,9 @@ from kvtune.gateway.config import (
     ADMIN_ACCESS, DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
 )
 from kvtune.userfiles import brief
+
+if TYPE_CHECKING:
+    from kvtune.policy.recommendation import Recommendation
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
@@ -305,21 +308,15 @@ def parse_upstream(url: str) -> Upstream:
     return Upstream(parts.scheme, host, port or (443 if parts.scheme == "https" else 80))
 
 
-def _value(decision: Any) -> Any:
-    return decision.get("value") if isinstance(decision, Mapping) else decision
-
-
-def vllm_flags(rec: Mapping[str, Any]) -> list[dict]:
+def vllm_flags(rec: Recommendation) -> list[dict]:
     """The `vllm serve` flags for the recommendation's engine version, each with its rule and
     reason. V1 (0.8+) has no --preemption-mode/--swap-space, so they render only on V0."""
-    settings = rec["settings"]
-    v1 = bool(rec["engine"].get("v1", True))
-    upstream = parse_upstream(rec["upstream"])
+    upstream = parse_upstream(rec.upstream)
     flags: list[dict] = [
         {"flag": "--host", "value": upstream.host.strip("[]"), "rule": "upstream",
-         "reason": f"the gateway's upstream is {rec['upstream']}"},
+         "reason": f"the gateway's upstream is {rec.upstream}"},
         {"flag": "--port", "value": upstream.port, "rule": "upstream",
-         "reason": f"the gateway's upstream is {rec['upstream']}"},
+         "reason": f"the gateway's upstream is {rec.upstream}"},
     ]
     order = [
         ("tensor_parallel_size", "--tensor-parallel-size"),
@@ -328,50 +325,48 @@ def vllm_flags(rec: Mapping[str, Any]) -> list[dict]:
         ("max_num_seqs", "--max-num-seqs"),
         ("max_num_batched_tokens", "--max-num-batched-tokens"),
         ("gpu_memory_utilization", "--gpu-memory-utilization"),
+        ("kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
         ("kv_cache_dtype", "--kv-cache-dtype"),
         ("block_size", "--block-size"),
     ]
-    if not v1:
+    if not rec.engine.v1:
         order += [("preemption_mode", "--preemption-mode"), ("swap_space", "--swap-space")]
     for key, flag in order:
-        decision = settings.get(key)
-        if decision is None or _value(decision) is None:
+        decision = rec.settings.get(key)
+        if decision is None or decision.value is None:
             continue
-        flags.append({"flag": flag, "value": _value(decision), "rule": decision["rule"],
-                      "reason": decision["reason"]})
-    backstop = settings["max_new_tokens_backstop"]
+        flags.append({"flag": flag, "value": decision.value, "rule": decision.rule, "reason": decision.reason})
+    backstop = rec.setting("max_new_tokens_backstop")
     flags.append({
         "flag": "--override-generation-config",
-        "value": json.dumps({"max_new_tokens": int(_value(backstop))}),
-        "rule": backstop["rule"], "reason": backstop["reason"],
+        "value": json.dumps({"max_new_tokens": backstop.tokens}),
+        "rule": backstop.rule, "reason": backstop.reason,
     })
     return flags
 
 
-def gateway_routes(rec: Mapping[str, Any]) -> list[dict]:
+def gateway_routes(rec: Recommendation) -> list[dict]:
     """The gateway's route table: one route per recommended route, in order, then a catch-all
     capped at the backstop so no request is ever uncapped."""
     routes = []
-    for route in rec["routes"]:
-        if route.get("match", {}) is None:
+    for route in rec.routes:
+        if route.match is None:
             continue  # routes from a field no gateway sees: the catch-all below serves them
-        match = route.get("match") or {}
-        cap = route["max_new_tokens"]
-        path = match.get("path") or None
+        path = route.match.path or None
         routes.append({
-            "name": str(route["route"]) or "(unnamed)",
+            "name": str(route.route) or "(unnamed)",
             "path": path,
-            "model": match.get("model") or None,
+            "model": route.match.model or None,
             # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
             "api": "any" if path is not None and path not in GENERATE else None,
-            "max_new_tokens": int(_value(cap)),
-            "rule": cap.get("rule", "") if isinstance(cap, Mapping) else "",
-            "reason": cap.get("reason", "") if isinstance(cap, Mapping) else "",
+            "max_new_tokens": route.cap,
+            "rule": route.max_new_tokens.rule,
+            "reason": route.max_new_tokens.reason,
         })
-    backstop = rec["settings"]["max_new_tokens_backstop"]
+    backstop = rec.setting("max_new_tokens_backstop")
     routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "api": None,
-                   "max_new_tokens": int(_value(backstop)),
-                   "rule": backstop["rule"], "reason": "catch-all: " + str(backstop["reason"])})
+                   "max_new_tokens": backstop.tokens,
+                   "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
 
 
@@ -417,18 +412,14 @@ def histogram_bars(edges: list, counts: list, cap: int | None, *, width: int = 5
             "min_edge": edges[0], "max_edge": edges[-1]}
 
 
-def capacity_segments(rec: Mapping[str, Any]) -> list[dict]:
+def capacity_segments(rec: Recommendation) -> list[dict]:
     """Weights, overhead, KV and what is left, as shares of the GPUs' total memory."""
-    cap = rec["capacity"]
-    hw = rec["hardware"]
-    gpus = int(hw.get("tensor_parallel_size", 1)) * int(hw.get("pipeline_parallel_size", 1))
-    total = hw.get("gpu_memory_bytes")
-    total = int(total) * gpus if total else None
-    parts = [("weights", cap.get("weights_bytes")), ("overhead", cap.get("overhead_bytes")),
-             ("KV cache", cap.get("kv_cache_bytes"))]
+    cap, hw = rec.capacity, rec.hardware
+    total = hw.gpu_memory_bytes * hw.gpus if hw.gpu_memory_bytes else None
+    parts = [("weights", cap.weights_bytes), ("overhead", cap.overhead_bytes), ("KV cache", cap.kv_cache_bytes)]
     known = sum(int(v) for _, v in parts if v)
     denominator = max(total or 0, known, 1)
-    segments = [{"name": n, "bytes": int(v), "share": int(v) / denominator} for n, v in parts if v]
+    segments: list[dict] = [{"name": n, "bytes": int(v), "share": int(v) / denominator} for n, v in parts if v]
     if total and total > known:
         segments.append({"name": "unused", "bytes": total - known, "share": (total - known) / denominator})
     x = 0.0
@@ -481,24 +472,21 @@ def lua_policy() -> dict:
     }
 
 
-def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
+def _context(rec: Recommendation, options: RenderOptions) -> dict:
     routes = gateway_routes(rec)
-    upstream = parse_upstream(rec["upstream"])
-    settings = rec["settings"]
+    upstream = parse_upstream(rec.upstream)
     report_routes = []
-    for route in rec["routes"]:
-        hist = route.get("output_histogram") or {"edges": [], "counts": []}
-        cap = int(_value(route["max_new_tokens"]))
-        report_routes.append({**route, "cap": cap,
-                              "chart": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap),
-                              "table": histogram_bars(list(hist["edges"]), list(hist["counts"]), cap,
-                                                      max_bins=24)})
-    setting_rows = [{"name": k, **v} for k, v in settings.items() if isinstance(v, Mapping)]
-    max_model_len = int(_value(settings["max_model_len"]))
+    for route in rec.routes:
+        edges, counts, cap = list(route.output_histogram.edges), list(route.output_histogram.counts), route.cap
+        report_routes.append({**route.to_dict(), "cap": cap,
+                              "chart": histogram_bars(edges, counts, cap),
+                              "table": histogram_bars(edges, counts, cap, max_bins=24)})
+    setting_rows = [{"name": k, **d.to_dict()} for k, d in rec.settings.items() if d is not None]
+    max_model_len = rec.max_model_len
     limits = options.limits or ClientLimits(max_body_bytes=default_max_body_bytes(max_model_len))
     lua_config = {
-        "block_size": int(rec["capacity"]["block_size"]),
-        "block_budget": int(_value(rec["block_budget"])),
+        "block_size": rec.capacity.block_size,
+        "block_budget": rec.budget_blocks,
         "max_model_len": max_model_len,
         "retry_after_min_s": options.retry_after_min_s,
         "retry_after_max_s": options.retry_after_max_s,
@@ -525,7 +513,7 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
         "kvtune_version": __version__,
         "upstream": upstream,
         "flags": vllm_flags(rec),
-        "served_model": rec.get("served_model") or rec["model"],
+        "served_model": rec.served_model or rec.model,
         "routes": routes,
         "report_routes": report_routes,
         "settings_rows": setting_rows,
@@ -541,7 +529,7 @@ def _context(rec: Mapping[str, Any], options: RenderOptions) -> dict:
     }
 
 
-def render_files(rec: Mapping[str, Any], *, targets: Iterable[str] | None = None,
+def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
                  options: RenderOptions | None = None) -> dict[str, str]:
     """Render the recommendation into file name → text for each requested target."""
     wanted = list(TARGETS) if targets is None else list(targets)
@@ -550,19 +538,13 @@ def render_files(rec: Mapping[str, Any], *, targets: Iterable[str] | None = None
         raise KvtuneError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     options = options or RenderOptions()
     env = make_environment()
-    try:
-        context = _context(rec, options)
-    except (KeyError, TypeError) as exc:
-        raise InputError(f"recommendation lacks or mistypes a field: {exc}") from exc
+    context = _context(rec, options)
     files: dict[str, str] = {}
     for name in wanted:
         if name == "recommendation.json":
-            files[name] = json.dumps(rec, indent=2) + "\n"
+            files[name] = rec.to_json()
             continue
-        try:
-            files[name] = env.get_template(TARGETS[name]).render(context)
-        except jinja2.UndefinedError as exc:
-            raise InputError(f"recommendation lacks a field that {name} needs: {exc.message}") from exc
+        files[name] = env.get_template(TARGETS[name]).render(context)
     return files
 
 

@@ -1,5 +1,6 @@
-"""recommendation.json read back by `check` and `bench --expect`: a damaged file is one error line that
-names the field, never a traceback or a detour through the log readers (issue #10, items 10-11)."""
+"""The Recommendation document: recommendation.json written by `recommend` and read back strictly
+by `check`, `bench --expect` and the API, so a damaged file is one error line that names the field,
+never a traceback or a detour through the log readers (issue #10 items 10-11, #11)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from click.testing import CliRunner
 
 from kvtune.cli import cli
 from kvtune.errors import InputError
-from kvtune.recommend.saved import load_recommendation, parse_recommendation
+from kvtune.policy.recommendation import Recommendation, load_recommendation
 
 DATA = Path(__file__).parent / "data"
 GOOD = json.loads((DATA / "recommendation.json").read_text())
 GATEWAY = {"version": 1, "upstream": "http://127.0.0.1:8000", "block_size": 16, "block_budget": 26999,
            "max_model_len": 14512, "routes": [{"name": "default", "max_new_tokens": 700}]}
+
+
+def parse_recommendation(data, *, path):
+    return Recommendation.from_dict(data, path=path)
 
 
 def damaged(edit) -> dict:
@@ -43,12 +48,18 @@ def damaged(edit) -> dict:
     (lambda r: r["capacity"].update(num_blocks=True), "capacity.num_blocks", "expected an integer, got True"),
     (lambda r: r.update(engine=[]), "engine", "expected an object"),
     (lambda r: r["engine"].update(v1="yes"), "engine.v1", "expected true or false"),
-    (lambda r: r["hardware"].update(gpu_memory_bytes=-1), "hardware.gpu_memory_bytes", "must be in 0.."),
+    (lambda r: r["hardware"].update(gpu_memory_bytes=-1), "hardware.gpu_memory_bytes", "must be in 1.."),
     (lambda r: r["settings"]["gpu_memory_utilization"].update(value=9.2), "settings.gpu_memory_utilization.value",
      "must be in 0..1"),
     (lambda r: r["settings"].update(max_num_seqs=7), "settings.max_num_seqs", "expected an object"),
+    (lambda r: r["settings"].update(max_batch=7), "settings.max_batch", "unknown setting"),
     (lambda r: r.update(schema_version=True), "schema_version", "expected an integer"),
-    (lambda r: r.update(schema_version=2), "schema_version", "unsupported version 2"),
+    (lambda r: r.update(schema_version=1), "schema_version", "written by an older kvtune"),
+    (lambda r: r["routes"][0].pop("output_lengths"), "routes[0].output_lengths", "missing"),
+    (lambda r: r["routes"][0]["output_lengths"]["censored"].update(counts=[-1]),
+     "routes[0].output_lengths.censored.counts", ""),
+    (lambda r: r["routes"][0].update(tail="medium"), "routes[0].tail", "is not one of light, heavy"),
+    (lambda r: r["capacity"].update(source="guess"), "capacity.source", "is not one of"),
     (lambda r: r["concurrency"].update(context_tokens="x" * 10_000), "concurrency.context_tokens", "..."),
 ])
 def test_damaged_fields_are_named(edit, field, words, tmp_path):
@@ -60,18 +71,17 @@ def test_damaged_fields_are_named(edit, field, words, tmp_path):
 
 
 def test_the_real_file_reads_back_unchanged():
-    assert parse_recommendation(copy.deepcopy(GOOD), path="r.json") == GOOD
+    assert parse_recommendation(copy.deepcopy(GOOD), path="r.json").to_dict() == GOOD
 
 
-def test_bench_needs_only_what_a_verdict_reads():
-    minimal = {"block_budget": {"value": 89}, "capacity": {"num_blocks": 100, "block_size": 16},
-               "routes": [{"route": "/v1/chat/completions", "max_new_tokens": {"value": 64}, "truncation_share": 0.0}]}
-    assert parse_recommendation(minimal, path="r.json", complete=False) is minimal
-    with pytest.raises(InputError, match=r"routes\[0\].truncation_share: expected a finite number"):
-        parse_recommendation({**minimal, "routes": [{"route": "/r", "truncation_share": "NaN"}]}, path="r.json",
-                             complete=False)
-    with pytest.raises(InputError, match="schema_version: missing"):  # check reads much more
-        parse_recommendation(minimal, path="r.json")
+def test_what_recommend_writes_reads_back_exactly(tmp_path):
+    result = CliRunner().invoke(cli, ["recommend", str(DATA.parent.parent / "sample_logs"), "--model",
+                                      "llama-3.1-8b", "--gpu", "H100-80GB", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "recommendation.json").read_text())
+    rec = load_recommendation(tmp_path / "recommendation.json")
+    assert rec.to_dict() == written
+    assert rec.to_json() == (tmp_path / "recommendation.json").read_text()
 
 
 def test_file_level_damage(tmp_path):
@@ -91,12 +101,12 @@ def run_check(rec_path, tmp_path):
 
 
 @pytest.mark.parametrize("edit, line", [
-    (lambda r: r.pop("settings"), "settings: missing"),
+    (lambda r: r.pop("settings"), "settings: missing: not a recommendation.json? (`kvtune recommend --out DIR` writes one)"),
     (lambda r: r["routes"][0]["max_new_tokens"].update(value="many"),
      "routes[0].max_new_tokens.value: expected an integer, got 'many'"),
     (lambda r: r["routes"][0]["prompt_tokens"].update(max="7"),
      "routes[0].prompt_tokens.max: expected an integer, got '7'"),
-    (lambda r: r.update(routes=[]), "routes: expected a non-empty list of routes, got []"),
+    (lambda r: r.update(routes=[]), "routes: expected a non-empty list, got []"),
 ])
 def test_check_names_the_damaged_field(edit, line, tmp_path):
     path = tmp_path / "recommendation.json"
@@ -118,7 +128,7 @@ def test_bench_expect_refuses_a_share_that_is_not_a_number(tmp_path):
     from kvtune.cli.bench import _parse_expect
 
     path = tmp_path / "recommendation.json"
-    path.write_text(json.dumps({"block_budget": {"value": 5}, "routes": [{"route": "/r", "truncation_share": "0.1"}]}))
+    path.write_text(json.dumps(damaged(lambda r: r["routes"][0].update(truncation_share="0.1"))))
     with pytest.raises(InputError) as info:
         _parse_expect(str(path))
-    assert str(info.value) == (f"{path}: routes[0].truncation_share: expected a finite number, got '0.1'")
+    assert str(info.value) == (f"{path}: --expect: routes[0].truncation_share: expected a finite number, got '0.1'")

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-# The gateway's reservation: ceil((prompt + cap) / block_size) blocks, held for the request's life
-# (one definition, in capacity; it takes ints or numpy arrays).
-from kvtune.capacity.reservation import reserved_blocks as reservation_blocks
+from kvtune.capacity.reservation import reserved_blocks
+from kvtune.profile.histogram import Histogram
+from kvtune.policy.recommendation import Decision, Distribution
 
 DEFAULT_SAFETY_FRACTION = 0.9
 CURRENT_VLLM_VERSION = "0.33"
@@ -28,62 +27,23 @@ V0_DEFAULT_SWAP_SPACE_GIB = 4
 CAP_PERCENTILE = {"light": 0.95, "heavy": 0.99}
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """One recommended setting with the rule that produced it and why."""
-
-    value: int | float | str | bool | None
-    rule: str
-    reason: str
-
-    def to_dict(self) -> dict:
-        return {"value": self.value, "rule": self.rule, "reason": self.reason}
-
-
-@dataclass(frozen=True, slots=True)
-class Distribution:
-    """Nearest-rank summary of an integer quantity weighted by request counts."""
-
-    p50: int
-    p90: int
-    p99: int
-    max: int
-    mean: float
-
-    def to_dict(self) -> dict:
-        return {"p50": self.p50, "p90": self.p90, "p99": self.p99, "max": self.max,
-                "mean": round(self.mean, 3)}
-
-
-def _sorted_weights(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    values = np.asarray(values, dtype=np.int64)
-    counts = np.asarray(counts, dtype=np.int64)
-    keep = counts > 0
-    values, counts = values[keep], counts[keep]
-    if values.size == 0:
-        raise ValueError("empty distribution")
-    order = np.argsort(values, kind="stable")
-    return values[order], np.cumsum(counts[order])
-
-
 def weighted_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> int:
-    """Nearest-rank quantile (numpy's inverted_cdf) of `values` repeated `counts` times."""
-    values, cumulative = _sorted_weights(values, counts)
-    needed = max(1, math.ceil(q * int(cumulative[-1]) - 1e-9))
-    return int(values[np.searchsorted(cumulative, needed)])
+    """Nearest-rank quantile of `values` repeated `counts` times: the one quantile definition
+    (kvtune.profile.histogram.Histogram.quantile) over an ad-hoc histogram."""
+    return Histogram(values, counts).quantile(q)  # type: ignore[return-value]
 
 
 def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distribution:
     """Nearest-rank summary of `values` repeated `counts` times."""
-    sorted_values, cumulative = _sorted_weights(values, counts)
-    total = int(cumulative[-1])
-    mean = float(np.dot(np.asarray(values, dtype=np.float64), np.asarray(counts, dtype=np.float64)) / total)
+    histogram = Histogram(values, counts)
+    if histogram.total == 0:
+        raise ValueError("empty distribution")
     return Distribution(
-        p50=weighted_quantile(values, counts, 0.5),
-        p90=weighted_quantile(values, counts, 0.9),
-        p99=weighted_quantile(values, counts, 0.99),
-        max=int(sorted_values[-1]),
-        mean=mean,
+        p50=histogram.quantile(0.5),  # type: ignore[arg-type]
+        p90=histogram.quantile(0.9),  # type: ignore[arg-type]
+        p99=histogram.quantile(0.99),  # type: ignore[arg-type]
+        max=int(histogram.max),  # type: ignore[arg-type]
+        mean=float(histogram.mean),  # type: ignore[arg-type]
     )
 
 
@@ -164,7 +124,7 @@ def admitted_concurrency(budget_blocks: int, mean_reservation_blocks: float) -> 
 
 def worst_case_reservation_blocks(context_tokens: int, block_size: int) -> int:
     """An unset max_tokens lets a request grow to the whole context: ceil(context / block_size)."""
-    return reservation_blocks(context_tokens, 0, block_size)
+    return reserved_blocks(context_tokens, 0, block_size)
 
 
 def parse_vllm_version(text: str) -> tuple[int, ...]:
@@ -178,6 +138,53 @@ def parse_vllm_version(text: str) -> tuple[int, ...]:
 def is_v1_engine(version: tuple[int, ...]) -> bool:
     """vLLM runs the V1 engine by default from 0.8 on; before that the V0 engine could swap."""
     return version >= FIRST_V1_DEFAULT_VERSION
+
+
+def gpu_memory_utilization(basis: Any) -> Decision:
+    """The utilization the KV capacity was measured or computed at: another value on the server
+    changes its pool, so the budget would no longer hold (`basis`: a kvtune.planning.Basis)."""
+    if basis.measured:
+        where = f" ({basis.origin})" if basis.origin else ""
+        return Decision(basis.value, "gpu-util-measured",
+                        f"the utilization the KV capacity was measured at{where}; another value changes the pool "
+                        "the block budget was computed from")
+    if basis.source == "given":
+        return Decision(basis.value, "gpu-util-given",
+                        "as given; the estimated capacity was computed at it, so the block budget assumes it")
+    return Decision(basis.value, "gpu-util-default",
+                    "vLLM's default; the KV capacity was computed (or measured without a reported "
+                    "utilization) at it")
+
+
+def kv_cache_memory_bytes(value: int | None, measured: Any) -> Decision | None:
+    """The server's explicit KV size, when the measured capacity was taken with one: vLLM then
+    ignores gpu_memory_utilization for the pool, and the deployed server must say the same."""
+    if value is None:
+        return None
+    where = f" ({measured.origin})" if measured is not None and measured.origin else ""
+    return Decision(value, "kv-memory-measured",
+                    f"the server the capacity was measured on{where} sized its KV cache with "
+                    f"--kv-cache-memory-bytes {value}")
+
+
+def kv_cache_dtype(basis: Any, bytes_per_element: int) -> Decision:
+    """The KV cache's element type the capacity counts in."""
+    size = (f"{bytes_per_element} byte(s) per element; fp8 would halve a 16-bit cache at some accuracy cost"
+            if bytes_per_element >= 2 else f"{bytes_per_element} byte per element")
+    if basis.measured:
+        where = f" ({basis.origin})" if basis.origin else ""
+        return Decision(basis.value, "kv-dtype-measured", f"the KV cache dtype the capacity was measured at{where}; {size}")
+    return Decision(basis.value, "kv-dtype-given" if basis.source == "given" else "kv-dtype-default", size)
+
+
+def block_size(value: int, source: str, measured: Any) -> Decision:
+    """The block size the capacity counts in: gateway reservations round to the same blocks."""
+    if measured is not None and measured.block_size is not None:
+        where = f" ({measured.origin})" if measured.origin else ""
+        return Decision(value, "block-size-measured",
+                        f"the block size the server reported{where}; gateway reservations use the same blocks")
+    return Decision(value, "block-size-capacity",
+                    f"the block size the capacity counts in ({source}); gateway reservations use the same blocks")
 
 
 def preemption_mode(version: tuple[int, ...], p99_sequence_tokens: int) -> Decision:

@@ -1,0 +1,155 @@
+"""kvtune's Python API: the pipeline `kvtune recommend` runs, one call per stage.
+
+    logs ──profile_logs──▶ Profile ─┐
+    model + GPUs ──plan──▶ Plan ────┴─recommend──▶ Recommendation ──render──▶ files ──write_files
+                                                      │
+    deployed files ───────────────────────────────check──▶ CheckResult (what `kvtune check` gates on)
+
+Each stage takes and returns typed objects; `load_profile` and `load_recommendation` read the
+saved ones back strictly. Errors are `kvtune.errors.KvtuneError` subclasses naming the file and
+the field. The CLI commands are thin calls of these functions.
+
+>>> import kvtune
+>>> profile = kvtune.profile_logs(["sample_logs/"])
+>>> plan = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
+>>> rec = kvtune.recommend(profile, plan)
+>>> files = kvtune.render(rec)
+>>> sorted(files)[:3]
+['gateway.yaml', 'nginx.conf', 'recommendation.json']
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtune.errors import KvtuneError
+from kvtune.planning import Plan, measured_capacity, plan
+
+if TYPE_CHECKING:
+    from kvtune.deploy.check import CheckResult
+    from kvtune.deploy.render import RenderOptions
+    from kvtune.profile.routes import Profile
+    from kvtune.policy.recommendation import Recommendation
+
+DEFAULT_MAX_ROUTES = 2000  # kvtune.profile.build.MAX_ROUTES, without importing numpy here
+
+
+class RenderCheckError(KvtuneError):
+    """Rendered files that would fail `kvtune check` against the recommendation they came from."""
+
+    def __init__(self, result: CheckResult) -> None:
+        first = next(iter(result.findings))
+        super().__init__(f"the rendered {first.source} would fail `kvtune check`: {first.code}: {first.message}")
+        self.result = result
+
+
+def profile_logs(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    format: str | None = None,  # noqa: A002 - the option's own name
+    fields: Mapping[str, str] | None = None,
+    route_by: str | None = None,
+    tokenizer: str | None = None,
+    on_error: str = "skip",
+    strict: bool = False,
+    assume_cap: int | None = None,
+    max_routes: int | None = DEFAULT_MAX_ROUTES,
+    progress: Callable | None = None,
+) -> Profile:
+    """Per-route exact histograms of output and prompt tokens from log files, directories or
+    globs (or one saved profile, which is loaded). `route_by` names a route by "path" (default),
+    "model" or a source field; `max_routes` folds the rest into `*`."""
+    from kvtune.ingest import IngestOptions
+    from kvtune.profile.build import load_profile_or_logs
+
+    options = IngestOptions(format=format, fields=dict(fields or {}), route_by=route_by, tokenizer=tokenizer,
+                            on_error=on_error, strict=strict, assume_cap=assume_cap)
+    return load_profile_or_logs([os.fspath(p) for p in paths], options, progress=progress, max_routes=max_routes)
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """A profile saved by `kvtune profile --save` (strict: a damaged file names its field)."""
+    from kvtune.profile.build import load_profile as load
+
+    return load(path)
+
+
+def recommend(
+    profile: Profile,
+    plan: Plan,
+    *,
+    safety_fraction: float | None = None,
+    max_truncation: float | None = None,
+    vllm_version: str | None = None,
+    upstream: str | None = None,
+    route_by: str | None = None,
+    served_model: str | None = None,
+) -> Recommendation:
+    """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
+    number says which rule produced it. `route_by` must be what the profile's routes were named by."""
+    from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions, recommend as apply_rules
+    from kvtune.policy.rules import CURRENT_VLLM_VERSION
+
+    options = RecommendOptions(
+        safety_fraction=safety_fraction, max_truncation=max_truncation,
+        vllm_version=vllm_version or CURRENT_VLLM_VERSION, upstream=upstream or DEFAULT_UPSTREAM,
+        route_by=route_by or "path", served_model=served_model,
+    )
+    return apply_rules(profile, plan, options)
+
+
+def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway_tokenizer: str | None = None,
+           targets: Sequence[str] | None = None, check: bool = True) -> dict[str, str]:
+    """The deploy files as name → text (vllm-serve.sh, gateway.yaml, nginx.conf,
+    recommendation.json, report.html, report.md). `gateway_tokenizer` is a model directory the
+    gateway counts prompts with in process (default: the upstream's /tokenize). With `check`,
+    the files are first held to `kvtune check` against `rec`: RenderCheckError if they fail."""
+    import dataclasses
+
+    from kvtune.deploy.render import RenderOptions, render_files
+
+    options = options or RenderOptions()
+    if gateway_tokenizer is not None:
+        options = dataclasses.replace(options, gateway_tokenizer=gateway_tokenizer)
+    files = render_files(rec, targets=targets, options=options)
+    if check:
+        from kvtune.deploy.check import check_rendered
+
+        result = check_rendered(files, rec)
+        if not result.passed:
+            raise RenderCheckError(result)
+    return files
+
+
+def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
+    """Write the files into out_dir all or nothing (every target checked first, then replaced
+    together; a failed rename puts the previous files back)."""
+    from kvtune.deploy.render import write_files as write
+
+    return write(out_dir, files)
+
+
+def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
+          max_truncation: float | None = None) -> CheckResult:
+    """Deployed files (a vllm serve command or script, gateway.yaml, nginx.conf) judged together
+    against the recommendation: `result.passed` is False on a risk."""
+    from kvtune.deploy.check import check_deployment
+    from kvtune.deploy.read import load_deployed
+
+    return check_deployment([load_deployed(p) for p in deployed], rec, max_truncation=max_truncation)
+
+
+def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:
+    """A recommendation.json written by `kvtune recommend --out`, read back strictly."""
+    from kvtune.policy.recommendation import load_recommendation as load
+
+    return load(path)
+
+
+__all__ = [
+    "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
+    "check", "load_recommendation", "RenderCheckError", "Plan",
+]

@@ -1,0 +1,144 @@
+"""Typed reading of parsed JSON/YAML objects with the field path in every error.
+
+Every file kvtune reads back (recommendation.json, a saved profile, a capacity file) goes through
+one reader so a damaged file is one `InputError` naming the file and the field — `routes[2].
+max_new_tokens.value: expected an integer, got "lots"` — instead of a KeyError deep in a check.
+Values are validated, never coerced: a bool is not an integer, numbers are finite and in range,
+and a quoted value is at most ~80 characters long.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from kvtune.errors import InputError
+from kvtune.userfiles import brief
+
+# Integers stay exact in a double (what JSON readers, the rendered Lua and YAML agree on).
+MAX_INTEGER = 2**53
+_MISSING = object()
+
+
+class Fields:
+    """One parsed object at a path in a file; each getter returns a checked value or raises."""
+
+    __slots__ = ("data", "path", "where")
+
+    def __init__(self, data: Any, *, path: str | None, where: str = "") -> None:
+        if not isinstance(data, dict):
+            raise InputError(f"expected an object, got {brief(data)}", path=path, field=where or None)
+        self.data, self.path, self.where = data, path, where
+
+    def field(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def fail(self, key: str | None, message: str) -> InputError:
+        return InputError(message, path=self.path, field=self.field(key) if key else (self.where or None))
+
+    def _get(self, key: str, optional: bool) -> Any:
+        value = self.data.get(key, _MISSING)
+        if value is _MISSING:
+            if optional:
+                return None
+            raise self.fail(key, "missing")
+        if value is None and not optional:
+            raise self.fail(key, "expected a value, got null")
+        return value
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def obj(self, key: str, *, optional: bool = False) -> Fields | None:
+        value = self._get(key, optional)
+        return None if value is None else Fields(value, path=self.path, where=self.field(key))
+
+    def integer(self, key: str, *, minimum: int = 0, maximum: int = MAX_INTEGER, optional: bool = False) -> int | None:
+        value = self._get(key, optional)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected an integer, got {brief(value)}")
+        if not minimum <= value <= maximum:
+            raise self.fail(key, f"must be in {minimum}..{maximum}, got {brief(value)}")
+        return value
+
+    def number(self, key: str, *, minimum: float = 0.0, maximum: float = float(MAX_INTEGER),
+               optional: bool = False) -> float | None:
+        value = self._get(key, optional)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (isinstance(value, float) and not math.isfinite(value)):
+            raise self.fail(key, f"expected a finite number, got {brief(value)}")
+        if not minimum <= value <= maximum:
+            raise self.fail(key, f"must be in {minimum:g}..{maximum:g}, got {brief(value)}")
+        return value
+
+    def string(self, key: str, *, optional: bool = False, nonempty: bool = False) -> str | None:
+        value = self._get(key, optional)
+        if value is None:
+            return None
+        if not isinstance(value, str) or (nonempty and not value):
+            raise self.fail(key, f"expected {'a non-empty' if nonempty else 'a'} string, got {brief(value)}")
+        return value
+
+    def boolean(self, key: str, *, optional: bool = False) -> bool | None:
+        value = self._get(key, optional)
+        if value is not None and not isinstance(value, bool):
+            raise self.fail(key, f"expected true or false, got {brief(value)}")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], *, optional: bool = False) -> str | None:
+        value = self._get(key, optional)
+        if value is not None and (not isinstance(value, str) or value not in choices):
+            raise self.fail(key, f"{brief(value)} is not one of {', '.join(choices)}")
+        return value
+
+    def scalar(self, key: str, *, optional: bool = False) -> int | float | str | bool | None:
+        """A JSON scalar of any type (a setting whose type depends on the setting)."""
+        value = self._get(key, optional)
+        if value is not None and (not isinstance(value, (int, float, str, bool))
+                                  or (isinstance(value, float) and not math.isfinite(value))):
+            raise self.fail(key, f"expected a number, string or boolean, got {brief(value)}")
+        return value
+
+    def items(self, key: str, *, optional: bool = False, nonempty: bool = False) -> Iterator[Fields]:
+        """The objects of a list, each at its own path (`routes[3]`)."""
+        value = self._get(key, optional)
+        if value is None:
+            return iter(())
+        if not isinstance(value, list) or (nonempty and not value):
+            raise self.fail(key, f"expected a {'non-empty ' if nonempty else ''}list, got {brief(value)}")
+        return (Fields(item, path=self.path, where=f"{self.field(key)}[{i}]") for i, item in enumerate(value))
+
+    def integers(self, key: str, *, minimum: int = 0, optional: bool = False) -> list[int] | None:
+        value = self._get(key, optional)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= MAX_INTEGER for v in value):
+            raise self.fail(key, f"expected a list of integers in {minimum}..{MAX_INTEGER}")
+        return value
+
+    def strings(self, key: str, *, optional: bool = False) -> list[str] | None:
+        value = self._get(key, optional)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(key, "expected a list of strings")
+        return value
+
+    def mapping_of(self, key: str, kind: type, *, optional: bool = False) -> dict[str, Any] | None:
+        """An object whose values are all of one JSON type (counts by name, say)."""
+        value = self._get(key, optional)
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not all(
+                isinstance(v, kind) and not (kind is int and isinstance(v, bool)) for v in value.values()):
+            raise self.fail(key, f"expected an object of {kind.__name__} values")
+        return value
+
+
+__all__ = ["Fields", "MAX_INTEGER"]

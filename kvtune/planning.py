@@ -1,0 +1,185 @@
+"""The plan: a model, its KV cost and its capacity on one deployment, with the basis the capacity
+rests on. Everything `recommend` and `capacity` need that is not traffic.
+
+A measured capacity (a vLLM startup log, a running server's /metrics, a capacity file from
+`kvtune calibrate`, a token count) wins over the memory estimate, and so does the setting it
+was measured at: a deploy file rendered from a plan must never contradict the capacity it was
+computed from. So the plan resolves `kv_cache_dtype`, `gpu_memory_utilization` and the block
+size from the measurement when it reports them, and refuses a caller's value that contradicts
+them (`PlanError` names the setting, the caller's value and the measured one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.plan import CapacityReport, plan_capacity
+from kvtune.capacity.reservation import RequestShape
+from kvtune.errors import CapacityError
+from kvtune.kv import KvBytes, kv_bytes
+from kvtune.model import ModelSpec, resolve_model
+from kvtune.weights import weights_for
+
+# vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+DEFAULT_KV_CACHE_DTYPE = "auto"
+
+
+class PlanError(CapacityError):
+    """Settings that contradict the measured capacity they would be deployed with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Basis:
+    """One engine setting the capacity depends on, and where its value came from."""
+
+    value: float | str | int | None
+    source: str  # "measured", "given" or "default"
+    origin: str | None = None  # the log, URL or file a measured value was read from
+
+    @property
+    def measured(self) -> bool:
+        return self.source == "measured"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A model on a deployment: spec, KV cost, capacity, and the settings behind the capacity."""
+
+    model: str  # as the caller named it (preset, path or hub id)
+    spec: ModelSpec
+    kv: KvBytes
+    report: CapacityReport
+    gpu: str | None
+    gpu_memory_bytes: int | None
+    gpu_memory_utilization: Basis
+    kv_cache_dtype: Basis
+    kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
+
+    @property
+    def capacity(self):  # kvtune.capacity.plan.Capacity
+        return self.report.capacity
+
+    @property
+    def measured(self) -> MeasuredCapacity | None:
+        return self.report.capacity.measured
+
+
+def plan(
+    model: str,
+    *,
+    gpu: str | None = None,
+    gpu_memory: str | int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    gpu_memory_utilization: float | None = None,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    block_size: int | None = None,
+    kv_cache_dtype: str | None = None,
+    enforce_eager: bool = False,
+    measured: MeasuredCapacity | None = None,
+    shapes: tuple[RequestShape, ...] = (),
+) -> Plan:
+    """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
+
+    `gpu` names a catalog GPU (`H100-80GB`); `gpu_memory` gives memory instead (`80GB` or bytes).
+    Settings left None take the measurement's value, else vLLM's default.
+
+    >>> p = plan("llama-3.1-8b", gpu="H100-80GB")
+    >>> p.capacity.block_size, p.gpu_memory_utilization.value
+    (16, 0.92)
+    """
+    from kvtune.hardware import find_gpu, parse_memory_size
+
+    if gpu and gpu_memory is not None:
+        raise CapacityError("give a GPU model or a memory size, not both", field="gpu_memory")
+    gpu_name = memory_bytes = None
+    if gpu:
+        found = find_gpu(gpu)
+        gpu_name, memory_bytes = found.name, found.memory_bytes
+    elif gpu_memory is not None:
+        memory_bytes = gpu_memory if isinstance(gpu_memory, int) else parse_memory_size(gpu_memory, field="gpu_memory")
+
+    utilization = _basis("gpu_memory_utilization", gpu_memory_utilization,
+                         measured.gpu_memory_utilization if measured else None,
+                         DEFAULT_GPU_MEMORY_UTILIZATION, measured)
+    dtype = _basis("kv_cache_dtype", kv_cache_dtype, measured.kv_cache_dtype if measured else None,
+                   DEFAULT_KV_CACHE_DTYPE, measured)
+    if measured is not None and measured.block_size is not None and block_size is not None \
+            and block_size != measured.block_size:
+        raise PlanError(f"the capacity was measured at block size {measured.block_size} ({_where(measured)}); "
+                        f"block size {block_size} would not have its {measured.num_blocks or '?'} blocks",
+                        field="block_size")
+
+    spec = resolve_model(model)
+    kv = kv_bytes(spec, kv_cache_dtype=str(dtype.value), tp=tp, pp=pp)
+    report = plan_capacity(
+        spec, kv, weights_for(spec),
+        gpu_name=gpu_name,
+        gpu_memory_bytes=memory_bytes,
+        gpu_memory_utilization=float(utilization.value),  # type: ignore[arg-type]
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        shapes=shapes,
+        measured=measured,
+        enforce_eager=enforce_eager,
+    )
+    return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,
+                measured.kv_cache_memory_bytes if measured else None)
+
+
+def _basis(name: str, given, reported, default, measured: MeasuredCapacity | None) -> Basis:
+    """The value a setting has on the deployment the capacity describes."""
+    if reported is not None:
+        if given is not None and not _same(given, reported):
+            raise PlanError(f"the capacity was measured at {name} {reported} ({_where(measured)}), not {given}: "
+                            f"leave {name} unset, or measure the capacity again at {given}", field=name)
+        return Basis(reported, "measured", measured.origin if measured else None)
+    if given is not None:
+        return Basis(given, "given")
+    return Basis(default, "default")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    return a == b
+
+
+def _where(measured: MeasuredCapacity | None) -> str:
+    if measured is None:
+        return "a measurement"
+    return measured.origin or measured.source.value
+
+
+def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = None,
+                      metrics_url: str | None = None, capacity_file: str | None = None) -> MeasuredCapacity | None:
+    """The one measured capacity the caller gave (None: none); two of them is an error."""
+    given = [name for name, value in (("kv_tokens", kv_tokens), ("vllm_log", vllm_log),
+                                      ("metrics_url", metrics_url), ("capacity_file", capacity_file))
+             if value is not None]
+    if len(given) > 1:
+        raise CapacityError(f"give one measured capacity, not {' and '.join(given)}", field=given[1])
+    if kv_tokens is not None:
+        return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="kv_tokens", kv_cache_tokens=kv_tokens)
+    if vllm_log is not None:
+        from kvtune.capacity.measured import read_vllm_log
+
+        return read_vllm_log(vllm_log)
+    if metrics_url is not None:
+        from kvtune.capacity.measured import fetch_metrics
+
+        return fetch_metrics(metrics_url)
+    if capacity_file is not None:
+        from kvtune.capacity.measured import read_capacity_file
+
+        return read_capacity_file(capacity_file)
+    return None
+
+
+__all__ = ["Plan", "Basis", "PlanError", "plan", "measured_capacity",
+           "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_KV_CACHE_DTYPE"]

@@ -1,0 +1,281 @@
+"""The policy: traffic profile + plan (model, KV cost, capacity) → caps, budget and engine settings.
+
+Pure: it takes a Profile and a Plan and returns a Recommendation whose every number is a
+`Decision` from one rule in `kvtune.policy.rules`; `Recommendation.to_dict()` is the stable
+shape written as recommendation.json and rendered into the deploy files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtune.capacity.measured import CapacitySource
+from kvtune.capacity.plan import Capacity
+from kvtune.capacity.reservation import reserved_blocks
+from kvtune.errors import KvtuneError
+from kvtune.gateway.endpoints import why_not_a_route_path
+from kvtune.hardware import default_batch_limits
+from kvtune.kv import KvBytes
+from kvtune.planning import Plan
+from kvtune.profile.routes import Profile, RouteProfile
+from kvtune.policy import rules
+from kvtune.policy.recommendation import (
+    Binned, CapacitySummary, Concurrency, Decision, Engine, Hardware, KvCost, Lengths, Match, MeasuredBasis,
+    Recommendation, Requested, RouteConcurrency, RouteRecommendation,
+)
+
+HISTOGRAM_BINS = 40
+ROUTE_BY_MATCH = {"path": "path", "model": "model"}  # route key → gateway match key
+DEFAULT_UPSTREAM = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True, slots=True)
+class RecommendOptions:
+    """What the user decided; everything else is derived from the profile and the plan."""
+
+    safety_fraction: float | None = None
+    max_truncation: float | None = None
+    vllm_version: str = rules.CURRENT_VLLM_VERSION
+    upstream: str = DEFAULT_UPSTREAM
+    route_by: str = "path"
+    served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
+
+
+def _route_match(route: str, route_by: str) -> Match | None:
+    """What a gateway matches this route on: its path or model; everything for the unnamed
+    route `*`; None when routes come from a field a gateway cannot see, or when a logged path
+    is no literal request path a gateway could govern (the catch-all serves them)."""
+    if route == "*":
+        return Match()
+    key = ROUTE_BY_MATCH.get(route_by)
+    if key is None or (key == "path" and why_not_a_route_path(route) is not None):
+        return None
+    return Match(path=route) if key == "path" else Match(model=route)
+
+
+def _cap(route: RouteProfile, options: RecommendOptions, context_cap: int) -> Decision:
+    if options.max_truncation is not None:
+        candidates = route.output.observed.values
+        shares = np.array([route.output.truncation_share(int(t)) for t in candidates])
+        return rules.cap_by_truncation(candidates, shares, options.max_truncation, context_cap)
+    tail = route.tail.class_
+    q = route.output.quantile(rules.CAP_PERCENTILE[tail])
+    return rules.cap_by_tail(tail, q.value_tokens, q.lower_bound, context_cap)
+
+
+def _output_histogram(route: RouteProfile, cap: int) -> Binned:
+    """Output lengths in equal-width bins up to past the cap, for the report's chart."""
+    observed = route.output.observed
+    top = max(int(observed.max or 0), cap) + 1
+    width = max(1, -(-top // HISTOGRAM_BINS))
+    edges = np.arange(0, width * (HISTOGRAM_BINS + 1), width, dtype=np.int64)
+    bins = np.minimum(observed.values // width, HISTOGRAM_BINS - 1)
+    counts = np.bincount(bins, weights=observed.counts, minlength=HISTOGRAM_BINS).astype(np.int64)
+    return Binned(tuple(edges.tolist()), tuple(counts.tolist()))
+
+
+def _requested(route: RouteProfile, cap: int) -> Requested | None:
+    asked = route.max_tokens
+    if asked.total == 0:
+        return None
+    return Requested(asked.total, asked.quantile(0.5), asked.quantile(0.99), asked.max,
+                     round(1 - asked.count_le(cap) / asked.total, 6))
+
+
+@dataclass(frozen=True, slots=True)
+class _Reservations:
+    """A route's reservations over its real prompts: blocks and how many requests reserve each."""
+
+    blocks: np.ndarray
+    counts: np.ndarray
+
+
+def _reservations(route: RouteProfile, cap_tokens: int, block_size: int) -> _Reservations:
+    if route.prompt.total:
+        return _Reservations(reserved_blocks(route.prompt.values, cap_tokens, block_size), route.prompt.counts)
+    return _Reservations(np.array([reserved_blocks(0, cap_tokens, block_size)]), np.array([route.requests]))
+
+
+def _route_recommendation(route: RouteProfile, cap: Decision, reservations: _Reservations, route_by: str, *,
+                          budget_blocks: int, worst_concurrency: int, total_requests: int) -> RouteRecommendation:
+    """One route's cap with what it costs: reservations over the route's real prompts."""
+    cap_tokens = cap.tokens
+    dist = rules.weighted_distribution(reservations.blocks, reservations.counts)
+    return RouteRecommendation(
+        route=route.route,
+        match=_route_match(route.route, route_by),
+        requests=route.requests,
+        share=route.requests / total_requests,
+        tail=route.tail.class_,
+        max_new_tokens=cap,
+        truncation_share=route.output.truncation_share(cap_tokens),
+        output_tokens=Lengths.from_summary(route.output.summary().to_dict()),
+        prompt_tokens=_plain_summary(route.prompt) if route.prompt.total else None,
+        requested_max_tokens=_requested(route, cap_tokens),
+        reservation_blocks=dist,
+        concurrency=RouteConcurrency(rules.admitted_concurrency(budget_blocks, dist.mean), worst_concurrency),
+        output_histogram=_output_histogram(route, cap_tokens),
+        output_lengths=route.output,
+    )
+
+
+def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = None) -> Recommendation:
+    """Apply every rule to the traffic and the plan; the result says which rule produced each number.
+
+    >>> import kvtune
+    >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.plan("llama-3.1-8b", gpu="H100-80GB"))
+    >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule          # doctest: +SKIP
+    (25883, 'cap-p99-heavy-tail')
+    """
+    options = options or RecommendOptions()
+    capacity = plan.capacity
+    if not profile.routes:
+        raise KvtuneError("the profile has no requests to recommend from")
+    block_size = capacity.block_size
+    model_limit = capacity.max_model_len
+    version = rules.parse_vllm_version(options.vllm_version)
+    notes: list[str] = []
+    measured = capacity.source is not CapacitySource.ESTIMATE
+
+    safety = rules.safety_fraction(options.safety_fraction, measured)
+    budget = rules.block_budget(capacity.num_blocks, float(safety.value))  # type: ignore[arg-type]
+    budget_blocks = budget.tokens
+    if budget_blocks < 1:
+        raise KvtuneError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")
+
+    total_requests = profile.requests
+    drafts = []
+    for route in profile.routes:
+        min_prompt = route.prompt.min or 0
+        context_cap = max(1, model_limit - min_prompt)
+        cap = _cap(route, options, context_cap)
+        drafts.append((route, cap, _reservations(route, cap.tokens, block_size)))
+        if route.prompt.total == 0:
+            notes.append(f"route {route.route!r} logs no prompt lengths: reservations count the cap only")
+        if options.route_by == "path" and route.route != "*":
+            why = why_not_a_route_path(route.route)
+            if why is not None:
+                notes.append(f"route {route.route[:80]!r} cannot be matched by path ({why}): gateway configs "
+                             "cap its requests with the catch-all route")
+
+    caps = [c.tokens for _, c, _ in drafts]
+    longest = rules.longest_request([r.prompt.max or 0 for r, _, _ in drafts], caps)
+    max_len = rules.max_model_len(longest, model_limit, block_size)
+    context_tokens = max_len.tokens
+    worst_blocks = rules.worst_case_reservation_blocks(context_tokens, block_size)
+    worst_concurrency = budget_blocks // worst_blocks
+
+    routes = [
+        _route_recommendation(route, cap, reservations, options.route_by, budget_blocks=budget_blocks,
+                              worst_concurrency=worst_concurrency, total_requests=total_requests)
+        for route, cap, reservations in drafts
+    ]
+    # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
+    order = sorted(range(len(routes)), key=lambda i: routes[i].match is None or routes[i].match == Match())
+    routes = [routes[i] for i in order]
+    reservations = [drafts[i][2] for i in order]
+    mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)
+    admitted = rules.admitted_concurrency(budget_blocks, mean_reservation)
+    if options.route_by not in ROUTE_BY_MATCH and len(routes) > 1:
+        notes.append(f"routes come from the field {options.route_by!r}, which a gateway cannot match on; "
+                     "gateway configs send every request to the catch-all route, capped at the largest route cap")
+
+    settings = _engine_settings(profile, routes, reservations, plan, version=version,
+                                budget_blocks=budget_blocks, max_len=max_len)
+    if not measured:
+        notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
+                     "`kvtune calibrate`) before trusting the budget to the block")
+    notes.extend(capacity.notes)
+    return Recommendation(
+        model=plan.model,
+        served_model=options.served_model or plan.spec.serve_id or plan.model,
+        engine=Engine("vllm", options.vllm_version, rules.is_v1_engine(version)),
+        upstream=options.upstream,
+        hardware=Hardware(plan.gpu, plan.gpu_memory_bytes, plan.kv.tensor_parallel_size,
+                          plan.kv.pipeline_parallel_size),
+        kv=KvCost(plan.kv.kv_cache_dtype, plan.kv.bytes_per_element, plan.kv.kv_bytes_per_token,
+                  plan.kv.kv_bytes_per_token_per_gpu),
+        capacity=_capacity_summary(capacity),
+        safety_fraction=safety,
+        block_budget=budget,
+        routes=tuple(routes),
+        concurrency=Concurrency(admitted, worst_concurrency, mean_reservation, worst_blocks, context_tokens),
+        settings=settings,
+        notes=tuple(notes),
+    )
+
+
+def _capacity_summary(capacity: Capacity) -> CapacitySummary:
+    memory, measured = capacity.memory, capacity.measured
+    basis = None
+    if measured is not None:
+        basis = MeasuredBasis(measured.origin, measured.kv_cache_dtype, measured.gpu_memory_utilization,
+                              measured.kv_cache_memory_bytes, measured.block_size)
+    return CapacitySummary(
+        source=capacity.source.value, num_blocks=capacity.num_blocks, usable_blocks=capacity.usable_blocks,
+        block_size=capacity.block_size, kv_cache_tokens=capacity.kv_cache_tokens,
+        kv_cache_bytes=capacity.kv_cache_bytes,
+        weights_bytes=memory.weights_bytes if memory else None,
+        overhead_bytes=memory.overhead.total_bytes if memory else None,
+        assumptions=tuple(memory.overhead.assumptions) if memory else (),
+        measured=basis,
+    )
+
+
+def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
+                     plan: Plan, *, version: tuple[int, ...], budget_blocks: int,
+                     max_len: Decision) -> dict[str, Decision | None]:
+    """The vLLM flags, each from its rule: scheduler limits sized for what the budget admits,
+    and the settings the capacity rests on, as the plan resolved them (measured ones win)."""
+    kv, capacity = plan.kv, plan.capacity
+    block_size = capacity.block_size
+    context_tokens = max_len.tokens
+    caps = [r.cap for r in routes]
+    sequence_p99 = max((r.prompt_tokens.p99 if r.prompt_tokens else 0) + r.cap for r in routes)
+    preemption = rules.preemption_mode(version, sequence_p99)
+    kv_pool = capacity.kv_cache_bytes or capacity.num_blocks * block_size * kv.kv_bytes_per_token_per_gpu
+    p1_reservation = rules.weighted_quantile(np.concatenate([r.blocks for r in reservations]),
+                                             np.concatenate([r.counts for r in reservations]), 0.01)
+    seqs = rules.max_num_seqs(budget_blocks, p1_reservation)
+    combined_prompt = profile.combined().prompt
+    p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
+    engine_default = (default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
+                      if plan.gpu_memory_bytes else 2048)
+    batched = rules.max_num_batched_tokens(p95_prompt, engine_default, seqs.tokens, context_tokens)
+    backstop = max(caps)
+    return {
+        "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given", _tp_reason(kv, capacity)),
+        "pipeline_parallel_size": Decision(kv.pipeline_parallel_size, "pp-given",
+                                           f"pipeline parallel {kv.pipeline_parallel_size} as given"),
+        "max_model_len": max_len,
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": batched,
+        "gpu_memory_utilization": rules.gpu_memory_utilization(plan.gpu_memory_utilization),
+        "kv_cache_memory_bytes": rules.kv_cache_memory_bytes(plan.kv_cache_memory_bytes, plan.measured),
+        "kv_cache_dtype": rules.kv_cache_dtype(plan.kv_cache_dtype, kv.bytes_per_element),
+        "block_size": rules.block_size(block_size, capacity.source.value, capacity.measured),
+        "preemption_mode": preemption,
+        "swap_space": rules.swap_space_gib(kv_pool, str(preemption.value)),
+        "max_new_tokens_backstop": Decision(
+            backstop, "backstop-largest-route-cap",
+            f"--override-generation-config max_new_tokens is a server-wide default and cap in vLLM; "
+            f"the largest route cap {backstop} never clamps a route below its own cap"),
+    }
+
+
+def _tp_reason(kv: KvBytes, capacity: Capacity) -> str:
+    """Why this tensor-parallel size serves: what each GPU holds at it."""
+    per_gpu = f"{kv.kv_bytes_per_token_per_gpu:,} KV bytes per token per GPU"
+    memory = capacity.memory
+    if memory is None:
+        return f"{per_gpu} at tensor parallel {kv.tensor_parallel_size}; capacity measured on the server"
+    return (f"at tensor parallel {kv.tensor_parallel_size} each GPU holds {memory.weights_bytes / 2**30:.1f} GiB "
+            f"of weights and a {memory.kv_cache_bytes / 2**30:.1f} GiB KV pool ({capacity.num_blocks:,} blocks); "
+            f"{per_gpu}")
+
+
+def _plain_summary(histogram) -> Lengths:
+    return Lengths(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.95),
+                   histogram.quantile(0.99), histogram.max, round(float(histogram.mean or 0.0), 3))  # type: ignore[arg-type]

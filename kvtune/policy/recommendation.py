@@ -1,0 +1,555 @@
+"""The recommendation as a document: what `kvtune recommend` decided, typed, and what it writes as
+recommendation.json.
+
+Everything after the policy takes this object, never the JSON dict: the renderer, `check`,
+`bench --expect` and the terminal view read attributes, and `Recommendation.from_dict` reads a
+recommendation.json back strictly, so a damaged file is one error naming the field. Every number
+is a `Decision` (value, the rule that produced it, why), and each route carries its exact output
+distribution (censored lengths included), so `check` judges a deployed cap by the same
+Kaplan–Meier truncation share the recommendation was made with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtune.errors import InputError
+from kvtune.fields import MAX_INTEGER, Fields
+from kvtune.profile.routes import CensoredHistogram
+
+SCHEMA_VERSION = 2
+ENGINE_NAMES = ("vllm",)
+CAPACITY_SOURCES = ("estimate", "kv-tokens", "vllm-log", "metrics")
+TAIL_CLASSES = ("light", "heavy")
+# settings.<name>.value: (kind, minimum, maximum); kind "str" for text settings
+SETTINGS: dict[str, tuple[str, float, float]] = {
+    "tensor_parallel_size": ("int", 1, MAX_INTEGER),
+    "pipeline_parallel_size": ("int", 1, MAX_INTEGER),
+    "max_model_len": ("int", 1, MAX_INTEGER),
+    "max_num_seqs": ("int", 1, MAX_INTEGER),
+    "max_num_batched_tokens": ("int", 1, MAX_INTEGER),
+    "gpu_memory_utilization": ("number", 0, 1),
+    "kv_cache_memory_bytes": ("int", 1, MAX_INTEGER),
+    "kv_cache_dtype": ("str", 0, 0),
+    "block_size": ("int", 1, MAX_INTEGER),
+    "preemption_mode": ("str", 0, 0),
+    "swap_space": ("number", 0, MAX_INTEGER),
+    "max_new_tokens_backstop": ("int", 1, MAX_INTEGER),
+}
+# Settings every recommendation has (the others may be null: they do not apply to the engine).
+REQUIRED_SETTINGS = ("max_model_len", "gpu_memory_utilization", "kv_cache_dtype", "block_size",
+                     "max_new_tokens_backstop")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One recommended setting with the rule that produced it and why."""
+
+    value: int | float | str | bool | None
+    rule: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "rule": self.rule, "reason": self.reason}
+
+    @classmethod
+    def read(cls, f: Fields, kind: str = "int", minimum: float = 0, maximum: float = MAX_INTEGER) -> Decision:
+        if kind == "int":
+            value: Any = f.integer("value", minimum=int(minimum), maximum=int(maximum))
+        elif kind == "number":
+            value = f.number("value", minimum=minimum, maximum=maximum)
+        else:
+            value = f.string("value")
+        return cls(value, f.string("rule"), f.string("reason"))
+
+    @property
+    def tokens(self) -> int:
+        """The value of an integer setting (caps, lengths, budgets)."""
+        return int(self.value)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Distribution:
+    """Nearest-rank summary of an integer quantity weighted by request counts."""
+
+    p50: int
+    p90: int
+    p99: int
+    max: int
+    mean: float
+
+    def to_dict(self) -> dict:
+        return {"p50": self.p50, "p90": self.p90, "p99": self.p99, "max": self.max, "mean": round(self.mean, 3)}
+
+    @classmethod
+    def read(cls, f: Fields) -> Distribution:
+        return cls(*(f.integer(k) for k in ("p50", "p90", "p99", "max")), f.number("mean"))  # type: ignore[arg-type]
+
+
+PERCENTILE_KEYS = ("p50", "p90", "p95", "p99")
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Percentiles of a token-length distribution. An output distribution also has p99.9 and
+    `lower_bound`, which says which figures are only lower bounds (responses were cut at their
+    own cap beyond them); a prompt distribution has neither."""
+
+    p50: int
+    p90: int
+    p95: int
+    p99: int
+    max: int
+    mean: float
+    p999: int | None = None
+    lower_bound: Mapping[str, bool] | None = None
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {k: getattr(self, k) for k in PERCENTILE_KEYS}
+        if self.p999 is not None:
+            out["p999"] = self.p999
+        out["max"], out["mean"] = self.max, self.mean
+        if self.lower_bound is not None:
+            out["lower_bound"] = dict(self.lower_bound)
+        return out
+
+    @classmethod
+    def from_summary(cls, data: Mapping[str, Any]) -> Lengths:
+        """From a LengthSummary.to_dict()."""
+        bound = data.get("lower_bound")
+        return cls(*(int(data[k]) for k in PERCENTILE_KEYS), int(data["max"]), float(data["mean"]),
+                   int(data["p999"]) if data.get("p999") is not None else None,
+                   dict(bound) if bound is not None else None)
+
+    @classmethod
+    def read(cls, f: Fields) -> Lengths:
+        bound = f.obj("lower_bound", optional=True)
+        flags = None if bound is None else {k: bool(bound.boolean(k)) for k in bound.data}
+        return cls(*(f.integer(k) for k in PERCENTILE_KEYS), f.integer("max"), f.number("mean"),  # type: ignore[arg-type]
+                   f.integer("p999", optional=True), flags)
+
+
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """What clients asked for in max_tokens on a route, against its cap."""
+
+    requests: int
+    p50: int | None
+    p99: int | None
+    max: int | None
+    share_above_cap: float
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "p50": self.p50, "p99": self.p99, "max": self.max,
+                "share_above_cap": self.share_above_cap}
+
+    @classmethod
+    def read(cls, f: Fields) -> Requested:
+        return cls(f.integer("requests"), f.integer("p50", optional=True), f.integer("p99", optional=True),
+                   f.integer("max", optional=True), f.number("share_above_cap", maximum=1))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Binned:
+    """Output lengths in equal-width bins, for the report's chart."""
+
+    edges: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"edges": list(self.edges), "counts": list(self.counts)}
+
+    @classmethod
+    def read(cls, f: Fields) -> Binned:
+        edges, counts = f.integers("edges"), f.integers("counts")
+        assert edges is not None and counts is not None
+        if len(edges) != len(counts) + 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise f.fail(None, "expected increasing edges, one more than counts")
+        return cls(tuple(edges), tuple(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a gateway matches a route on (neither: every request)."""
+
+    path: str | None = None
+    model: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "model": self.model}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConcurrency:
+    admitted: int
+    worst_case: int
+
+    @property
+    def gain(self) -> float | None:
+        return _ratio(self.admitted, self.worst_case)
+
+    def to_dict(self) -> dict:
+        return {"admitted": self.admitted, "worst_case": self.worst_case, "gain": self.gain}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RouteRecommendation:
+    """One route's cap with what it costs: its reservations over the route's real prompts."""
+
+    route: str
+    match: Match | None  # None: a field no gateway sees names the route; the catch-all serves it
+    requests: int
+    share: float
+    tail: str
+    max_new_tokens: Decision
+    truncation_share: float
+    output_tokens: Lengths
+    prompt_tokens: Lengths | None
+    requested_max_tokens: Requested | None
+    reservation_blocks: Distribution
+    concurrency: RouteConcurrency
+    output_histogram: Binned
+    output_lengths: CensoredHistogram  # exact: check's truncation shares are Kaplan–Meier too
+
+    @property
+    def cap(self) -> int:
+        return self.max_new_tokens.tokens
+
+    @property
+    def prompt_max(self) -> int:
+        return self.prompt_tokens.max if self.prompt_tokens else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "route": self.route,
+            "match": None if self.match is None else self.match.to_dict(),
+            "requests": self.requests,
+            "share": round(self.share, 6),
+            "tail": self.tail,
+            "max_new_tokens": self.max_new_tokens.to_dict(),
+            "truncation_share": round(self.truncation_share, 6),
+            "output_tokens": self.output_tokens.to_dict(),
+            "prompt_tokens": None if self.prompt_tokens is None else self.prompt_tokens.to_dict(),
+            "requested_max_tokens": None if self.requested_max_tokens is None else self.requested_max_tokens.to_dict(),
+            "reservation_blocks": self.reservation_blocks.to_dict(),
+            "concurrency": self.concurrency.to_dict(),
+            "output_histogram": self.output_histogram.to_dict(),
+            "output_lengths": self.output_lengths.to_dict(),
+        }
+
+    @classmethod
+    def read(cls, f: Fields) -> RouteRecommendation:
+        m = f.obj("match", optional=True)
+        match = None if m is None else Match(m.string("path", optional=True), m.string("model", optional=True))
+        prompt = f.obj("prompt_tokens", optional=True)
+        requested = f.obj("requested_max_tokens", optional=True)
+        lengths = f.obj("output_lengths")
+        assert lengths is not None
+        try:
+            output_lengths = CensoredHistogram.from_dict(lengths.data, lengths.where)
+        except InputError as exc:
+            raise InputError(exc.message, path=f.path, field=exc.field) from None
+        if output_lengths.total == 0:
+            raise lengths.fail(None, "a route with no logged requests")
+        concurrency = f.obj("concurrency")
+        return cls(
+            route=f.string("route"),  # type: ignore[arg-type]
+            match=match,
+            requests=f.integer("requests", minimum=1),  # type: ignore[arg-type]
+            share=f.number("share", maximum=1),  # type: ignore[arg-type]
+            tail=f.choice("tail", TAIL_CLASSES),  # type: ignore[arg-type]
+            max_new_tokens=Decision.read(f.obj("max_new_tokens"), "int", 1),  # type: ignore[arg-type]
+            truncation_share=f.number("truncation_share", maximum=1),  # type: ignore[arg-type]
+            output_tokens=Lengths.read(f.obj("output_tokens")),  # type: ignore[arg-type]
+            prompt_tokens=None if prompt is None else Lengths.read(prompt),
+            requested_max_tokens=None if requested is None else Requested.read(requested),
+            reservation_blocks=Distribution.read(f.obj("reservation_blocks")),  # type: ignore[arg-type]
+            concurrency=RouteConcurrency(concurrency.integer("admitted"), concurrency.integer("worst_case")),  # type: ignore[arg-type,union-attr]
+            output_histogram=Binned.read(f.obj("output_histogram")),  # type: ignore[arg-type]
+            output_lengths=output_lengths,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    name: str
+    version: str
+    v1: bool
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "version": self.version, "v1": self.v1}
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    gpu: str | None
+    gpu_memory_bytes: int | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def to_dict(self) -> dict:
+        return {"gpu": self.gpu, "gpu_memory_bytes": self.gpu_memory_bytes,
+                "tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size}
+
+
+@dataclass(frozen=True, slots=True)
+class KvCost:
+    kv_cache_dtype: str
+    bytes_per_element: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_gpu: int
+
+    def to_dict(self) -> dict:
+        return {"kv_cache_dtype": self.kv_cache_dtype, "bytes_per_element": self.bytes_per_element,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "kv_bytes_per_token_per_gpu": self.kv_bytes_per_token_per_gpu}
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredBasis:
+    """The server settings a measured capacity was taken at: a deploy file that changed them
+    would change the capacity it was computed from."""
+
+    origin: str | None
+    kv_cache_dtype: str | None
+    gpu_memory_utilization: float | None
+    kv_cache_memory_bytes: int | None
+    block_size: int | None
+
+    def to_dict(self) -> dict:
+        return {"origin": self.origin, "kv_cache_dtype": self.kv_cache_dtype,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "block_size": self.block_size}
+
+
+@dataclass(frozen=True, slots=True)
+class CapacitySummary:
+    source: str
+    num_blocks: int
+    usable_blocks: int
+    block_size: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int | None
+    weights_bytes: int | None
+    overhead_bytes: int | None
+    assumptions: tuple[str, ...] = ()
+    measured: MeasuredBasis | None = None
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "num_blocks": self.num_blocks, "usable_blocks": self.usable_blocks,
+                "block_size": self.block_size, "kv_cache_tokens": self.kv_cache_tokens,
+                "kv_cache_bytes": self.kv_cache_bytes, "weights_bytes": self.weights_bytes,
+                "overhead_bytes": self.overhead_bytes, "assumptions": list(self.assumptions),
+                "measured": None if self.measured is None else self.measured.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class Concurrency:
+    admitted: int
+    worst_case: int
+    mean_reservation_blocks: float
+    worst_case_reservation_blocks: int
+    context_tokens: int
+
+    @property
+    def gain(self) -> float | None:
+        return _ratio(self.admitted, self.worst_case)
+
+    def to_dict(self) -> dict:
+        return {"admitted": self.admitted, "worst_case": self.worst_case, "gain": self.gain,
+                "mean_reservation_blocks": round(self.mean_reservation_blocks, 3),
+                "worst_case_reservation_blocks": self.worst_case_reservation_blocks,
+                "context_tokens": self.context_tokens}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Recommendation:
+    """What `kvtune recommend` decided; `to_dict()` is recommendation.json, `from_dict` reads it back."""
+
+    model: str
+    served_model: str
+    engine: Engine
+    upstream: str
+    hardware: Hardware
+    kv: KvCost
+    capacity: CapacitySummary
+    safety_fraction: Decision
+    block_budget: Decision
+    routes: tuple[RouteRecommendation, ...]
+    concurrency: Concurrency
+    settings: Mapping[str, Decision | None]
+    notes: tuple[str, ...] = ()
+    kvtune_version: str = field(default_factory=lambda: _version())
+
+    # ------------------------------------------------------------ what the files need most
+
+    @property
+    def budget_blocks(self) -> int:
+        return self.block_budget.tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self.setting("max_model_len").tokens
+
+    @property
+    def backstop(self) -> int:
+        """The server-wide cap (--override-generation-config max_new_tokens)."""
+        return self.setting("max_new_tokens_backstop").tokens
+
+    @property
+    def gain(self) -> float | None:
+        return self.concurrency.gain
+
+    def setting(self, name: str) -> Decision:
+        """A setting every recommendation has; KeyError names it if a caller asks for another."""
+        decision = self.settings[name]
+        if decision is None:
+            raise KeyError(name)
+        return decision
+
+    # ------------------------------------------------------------ the file
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kvtune_version": self.kvtune_version,
+            "model": self.model,
+            "served_model": self.served_model,
+            "engine": self.engine.to_dict(),
+            "upstream": self.upstream,
+            "hardware": self.hardware.to_dict(),
+            "kv": self.kv.to_dict(),
+            "capacity": self.capacity.to_dict(),
+            "safety_fraction": self.safety_fraction.to_dict(),
+            "block_budget": self.block_budget.to_dict(),
+            "routes": [r.to_dict() for r in self.routes],
+            "concurrency": self.concurrency.to_dict(),
+            "settings": {k: (None if d is None else d.to_dict()) for k, d in self.settings.items()},
+            "notes": list(self.notes),
+        }
+
+    def to_json(self) -> str:
+        """recommendation.json's text, as `kvtune recommend --out` writes it."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, *, path: str | None = None) -> Recommendation:
+        """A recommendation.json read back strictly: an InputError names the missing or wrong field."""
+        f = Fields(data, path=path)
+        if not f.has("block_budget") or not f.has("settings") or not f.has("routes"):
+            missing = next(k for k in ("block_budget", "settings", "routes") if not f.has(k))
+            raise f.fail(missing, "missing: not a recommendation.json? (`kvtune recommend --out DIR` writes one)")
+        version = f.integer("schema_version", minimum=1)
+        if version != SCHEMA_VERSION:
+            raise f.fail("schema_version", f"version {version} was written by an older kvtune; this one reads "
+                         f"{SCHEMA_VERSION}: run `kvtune recommend` again")
+        engine, hardware, kv, capacity = (f.obj(k) for k in ("engine", "hardware", "kv", "capacity"))
+        assert engine and hardware and kv and capacity
+        measured = capacity.obj("measured", optional=True)
+        settings_f = f.obj("settings")
+        assert settings_f is not None
+        settings: dict[str, Decision | None] = {}
+        for name in settings_f.data:
+            if name not in SETTINGS:
+                raise settings_f.fail(name, "unknown setting")
+        for name, (kind, low, high) in SETTINGS.items():
+            sub = settings_f.obj(name, optional=name not in REQUIRED_SETTINGS)
+            settings[name] = None if sub is None else Decision.read(sub, kind, low, high)
+        concurrency = f.obj("concurrency")
+        assert concurrency is not None
+        routes = tuple(RouteRecommendation.read(r) for r in f.items("routes", nonempty=True))
+        notes = f.strings("notes", optional=True) or []
+        return cls(
+            model=f.string("model", nonempty=True),  # type: ignore[arg-type]
+            served_model=f.string("served_model", nonempty=True),  # type: ignore[arg-type]
+            engine=Engine(engine.choice("name", ENGINE_NAMES), engine.string("version"),  # type: ignore[arg-type]
+                          engine.boolean("v1")),  # type: ignore[arg-type]
+            upstream=f.string("upstream", nonempty=True),  # type: ignore[arg-type]
+            hardware=Hardware(hardware.string("gpu", optional=True),
+                              hardware.integer("gpu_memory_bytes", minimum=1, optional=True),
+                              hardware.integer("tensor_parallel_size", minimum=1),  # type: ignore[arg-type]
+                              hardware.integer("pipeline_parallel_size", minimum=1)),  # type: ignore[arg-type]
+            kv=KvCost(kv.string("kv_cache_dtype"), kv.integer("bytes_per_element", minimum=1),  # type: ignore[arg-type]
+                      kv.integer("kv_bytes_per_token"), kv.integer("kv_bytes_per_token_per_gpu")),  # type: ignore[arg-type]
+            capacity=CapacitySummary(
+                source=capacity.choice("source", CAPACITY_SOURCES),  # type: ignore[arg-type]
+                num_blocks=capacity.integer("num_blocks", minimum=1),  # type: ignore[arg-type]
+                usable_blocks=capacity.integer("usable_blocks"),  # type: ignore[arg-type]
+                block_size=capacity.integer("block_size", minimum=1),  # type: ignore[arg-type]
+                kv_cache_tokens=capacity.integer("kv_cache_tokens"),  # type: ignore[arg-type]
+                kv_cache_bytes=capacity.integer("kv_cache_bytes", optional=True),
+                weights_bytes=capacity.integer("weights_bytes", optional=True),
+                overhead_bytes=capacity.integer("overhead_bytes", optional=True),
+                assumptions=tuple(capacity.strings("assumptions", optional=True) or ()),
+                measured=None if measured is None else MeasuredBasis(
+                    measured.string("origin", optional=True), measured.string("kv_cache_dtype", optional=True),
+                    measured.number("gpu_memory_utilization", maximum=1, optional=True),
+                    measured.integer("kv_cache_memory_bytes", optional=True),
+                    measured.integer("block_size", minimum=1, optional=True)),
+            ),
+            safety_fraction=Decision.read(f.obj("safety_fraction"), "number", 0, 1),  # type: ignore[arg-type]
+            block_budget=Decision.read(f.obj("block_budget"), "int", 1),  # type: ignore[arg-type]
+            routes=routes,
+            concurrency=Concurrency(
+                admitted=concurrency.integer("admitted"),  # type: ignore[arg-type]
+                worst_case=concurrency.integer("worst_case"),  # type: ignore[arg-type]
+                mean_reservation_blocks=concurrency.number("mean_reservation_blocks"),  # type: ignore[arg-type]
+                worst_case_reservation_blocks=concurrency.integer("worst_case_reservation_blocks"),  # type: ignore[arg-type]
+                context_tokens=concurrency.integer("context_tokens", minimum=1),  # type: ignore[arg-type]
+            ),
+            settings=settings,
+            notes=tuple(notes),
+            kvtune_version=f.string("kvtune_version"),  # type: ignore[arg-type]
+        )
+
+
+_MARKER = b'"kvtune_version"'  # the second key kvtune writes; JSON logs do not carry it
+
+
+def looks_like_recommendation(path: str | os.PathLike[str]) -> bool:
+    """A regular file whose first 4 KiB carry kvtune's version key (cheap; the rest is not read),
+    so `check recommendation.json` is not taken for a log file."""
+    from kvtune.userfiles import read_head
+
+    head = read_head(path, 4096)
+    return head is not None and _MARKER in head
+
+
+def load_recommendation(path: str | os.PathLike[str], *, field: str | None = None) -> Recommendation:
+    """Read and check a recommendation.json written by `kvtune recommend --out` (a regular file,
+    strict JSON, at most userfiles.RECOMMENDATION_MAX_BYTES). `field` names the option it came in."""
+    from kvtune import userfiles
+
+    data = userfiles.load_json(path, max_bytes=userfiles.RECOMMENDATION_MAX_BYTES, field=field)
+    try:
+        return Recommendation.from_dict(data, path=os.fspath(path))
+    except InputError as exc:
+        if field is None:
+            raise
+        raise InputError(exc.message, path=exc.path, field=f"{field}: {exc.field}" if exc.field else field) from None
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return None if b == 0 else round(a / b, 3)
+
+
+def _version() -> str:
+    from kvtune import __version__
+
+    return __version__
+
+
+__all__ = [
+    "Recommendation", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested", "Binned",
+    "Match", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
+    "Concurrency", "load_recommendation", "looks_like_recommendation", "SCHEMA_VERSION", "SETTINGS",
+]
