@@ -61,7 +61,12 @@ def profile_logs(
 ) -> Profile:
     """Per-route exact histograms of output and prompt tokens from log files, directories or
     globs (or one saved profile, which is loaded). `route_by` names a route by "path" (default),
-    "model" or a source field; `max_routes` folds the rest into `*`."""
+    "model" or a source field; `max_routes` folds the rest into `*`.
+
+    >>> profile = kvtune.profile_logs(["sample_logs/"])
+    >>> [(r.route, r.output.quantile(0.99).value_tokens) for r in profile.routes][:1]  # doctest: +SKIP
+    [('/v1/chat/completions', 2474)]
+    """
     from kvtune.ingest import IngestOptions
     from kvtune.profile.build import load_profile_or_logs
 
@@ -71,7 +76,12 @@ def profile_logs(
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """A profile saved by `kvtune profile --save` (strict: a damaged file names its field)."""
+    """A profile saved by `kvtune profile --save` (strict: a damaged file names its field).
+
+    >>> profile = kvtune.load_profile("profile.json")          # doctest: +SKIP
+    >>> profile.requests                                        # doctest: +SKIP
+    12000
+    """
     from kvtune.profile.build import load_profile as load
 
     return load(path)
@@ -89,14 +99,20 @@ def recommend(
     served_model: str | None = None,
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
-    number says which rule produced it. `route_by` must be what the profile's routes were named by."""
+    number says which rule produced it. `route_by` must be what the profile's routes were named by.
+
+    >>> rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB"), max_truncation=0.01)
+    >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule      # doctest: +SKIP
+    (25884, 'cap-max-truncation')
+    """
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions, recommend as apply_rules
     from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
     options = RecommendOptions(
         safety_fraction=safety_fraction, max_truncation=max_truncation,
-        vllm_version=vllm_version or CURRENT_VLLM_VERSION, upstream=upstream or DEFAULT_UPSTREAM,
-        route_by=route_by or "path", served_model=served_model,
+        vllm_version=CURRENT_VLLM_VERSION if vllm_version is None else vllm_version,
+        upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
+        route_by="path" if route_by is None else route_by, served_model=served_model,
     )
     return apply_rules(profile, plan, options)
 
@@ -106,7 +122,12 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
     """The deploy files as name → text (vllm-serve.sh, gateway.yaml, nginx.conf,
     recommendation.json, report.html, report.md). `gateway_tokenizer` is a model directory the
     gateway counts prompts with in process (default: the upstream's /tokenize). With `check`,
-    the files are first held to `kvtune check` against `rec`: RenderCheckError if they fail."""
+    the files are first held to `kvtune check` against `rec`: RenderCheckError if they fail.
+
+    >>> files = kvtune.render(rec, targets=["vllm-serve.sh"])
+    >>> files["vllm-serve.sh"].splitlines()[-1]                         # doctest: +SKIP
+    'exec vllm serve meta-llama/Llama-3.1-8B-Instruct ... "$@"'
+    """
     import dataclasses
 
     from kvtune.deploy.render import RenderOptions, render_files
@@ -126,7 +147,11 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
 
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
     """Write the files into out_dir all or nothing (every target checked first, then replaced
-    together; a failed rename puts the previous files back)."""
+    together; a failed rename puts the previous files back).
+
+    >>> kvtune.write_files("deploy/", kvtune.render(rec))               # doctest: +SKIP
+    [PosixPath('deploy/gateway.yaml'), ...]
+    """
     from kvtune.deploy.render import write_files as write
 
     return write(out_dir, files)
@@ -135,7 +160,12 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
           max_truncation: float | None = None) -> CheckResult:
     """Deployed files (a vllm serve command or script, gateway.yaml, nginx.conf) judged together
-    against the recommendation: `result.passed` is False on a risk."""
+    against the recommendation: `result.passed` is False on a risk.
+
+    >>> result = kvtune.check(rec, ["deploy/vllm-serve.sh", "deploy/gateway.yaml"])
+    >>> result.passed, [f.code for f in result.findings]                # doctest: +SKIP
+    (True, [])
+    """
     from kvtune.deploy.check import check_deployment
     from kvtune.deploy.read import load_deployed
 
@@ -143,7 +173,13 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
 
 
 def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:
-    """A recommendation.json written by `kvtune recommend --out`, read back strictly."""
+    """A recommendation.json written by `kvtune recommend --out`, read back strictly: a missing
+    or mistyped field is an InputError naming the file and the field's path.
+
+    >>> rec = kvtune.load_recommendation("deploy/recommendation.json")  # doctest: +SKIP
+    >>> rec.settings["max_model_len"].value                             # doctest: +SKIP
+    131072
+    """
     from kvtune.policy.recommendation import load_recommendation as load
 
     return load(path)

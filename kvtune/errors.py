@@ -62,6 +62,10 @@ class EndpointError(KvtuneError):
     """A server that cannot be reached or answers something kvtune cannot use."""
 
 
+class OptionError(KvtuneError):
+    """A value the caller chose that kvtune cannot use (the field names the option)."""
+
+
 __all__ = [
     "KvtuneError",
     "InputError",
@@ -69,4 +73,5 @@ __all__ = [
     "UnknownNameError",
     "CapacityError",
     "EndpointError",
+    "OptionError",
 ]

@@ -88,7 +88,7 @@ def plan(
     `gpu` names a catalog GPU (`H100-80GB`); `gpu_memory` gives memory instead (`80GB` or bytes).
     Settings left None take the measurement's value, else vLLM's default.
 
-    >>> p = plan("llama-3.1-8b", gpu="H100-80GB")
+    >>> p = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
     >>> p.capacity.block_size, p.gpu_memory_utilization.value
     (16, 0.92)
     """

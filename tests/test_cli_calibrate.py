@@ -167,3 +167,26 @@ def test_out_onto_a_directory_or_link_is_one_line(tmp_path):
         assert result.exit_code == 2, result.output
         assert result.stderr == f"Error: {target}: refusing to replace {word} with a file: remove it or choose another path\n"
     assert not (tmp_path / "elsewhere.json").exists()
+
+
+def test_recommend_renders_the_dtype_and_utilization_calibrate_measured(tmp_path):
+    """A server started with --kv-cache-dtype fp8 --gpu-memory-utilization 0.8: its capacity file
+    carries both, and the files recommend renders from it start vLLM the same way."""
+    metrics = METRICS.replace(b'cache_dtype="auto"', b'cache_dtype="fp8"').replace(
+        b'gpu_memory_utilization="0.92"', b'gpu_memory_utilization="0.8"').replace(
+        b'kv_cache_memory_bytes="2097152"', b'kv_cache_memory_bytes="None"')
+    cap = tmp_path / "capacity.json"
+    routes = {**ROUTES, "/metrics": (200, "text/plain; version=0.0.4", metrics)}
+    with serve_routes(routes) as (base, _):
+        assert run(base, "--out", str(cap)).exit_code == 0
+    assert {k: json.loads(cap.read_text())[k] for k in ("kv_cache_dtype", "gpu_memory_utilization")} == {
+        "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}
+    result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
+                                      "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--capacity", str(cap),
+                                      "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    script = json.loads(result.stdout)["files"]["vllm-serve.sh"]
+    assert "    --kv-cache-dtype fp8 \\" in script.splitlines()
+    assert "    --gpu-memory-utilization 0.8 \\" in script.splitlines()
+    assert "    --block-size 128 \\" in script.splitlines()
+    assert "# --gpu-memory-utilization 0.8: gpu-util-measured: the utilization the KV capacity was measured at" in script

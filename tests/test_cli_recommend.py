@@ -174,3 +174,80 @@ def test_out_that_is_a_file_or_under_proc_is_one_line(tmp_path):
     _one_error_line(CliRunner().invoke(cli, [*base, str(tmp_path / "deploy")]), tmp_path / "deploy")
     assert (tmp_path / "deploy").read_text() == "not a directory"
     _one_error_line(CliRunner().invoke(cli, [*base, "/proc/kvtune-deploy"]), "/proc/kvtune-deploy")
+
+
+# --- a capacity measured at other settings: the deploy files take the measured basis ------------
+
+MEASURED_FP8 = {"source": "metrics", "num_blocks": 2000, "block_size": 16, "kv_cache_tokens": 32000,
+                "max_model_len": 8192, "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}
+
+
+def serve_flags(script: str) -> dict[str, str]:
+    """The `--flag value` pairs of the rendered vllm serve command (comments skipped)."""
+    words = " ".join(line.strip().rstrip("\\") for line in script.splitlines()
+                     if line.strip().startswith("--")).split()
+    return {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+
+
+def recommend_with(capacity: Path, *extra: str):
+    return CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                    "--capacity", str(capacity), "--json", *extra], catch_exceptions=False)
+
+
+def test_a_hand_written_capacity_renders_the_settings_it_was_measured_at(tmp_path):
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps(MEASURED_FP8))
+    result = recommend_with(capacity)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    flags = serve_flags(out["files"]["vllm-serve.sh"])
+    assert (flags["--kv-cache-dtype"], flags["--gpu-memory-utilization"], flags["--block-size"]) == ("fp8", "0.8", "16")
+    settings = out["recommendation"]["settings"]
+    assert [settings[k]["rule"] for k in ("gpu_memory_utilization", "kv_cache_dtype", "block_size")] == [
+        "gpu-util-measured", "kv-dtype-measured", "block-size-measured"]
+    assert "measured at" in settings["gpu_memory_utilization"]["reason"]
+    assert "measured at" in settings["kv_cache_dtype"]["reason"]
+    assert out["recommendation"]["capacity"]["block_size"] == 16
+
+
+def test_settings_the_capacity_file_does_not_name_are_vllms_defaults(tmp_path):
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps({k: v for k, v in MEASURED_FP8.items()
+                                    if k not in ("kv_cache_dtype", "gpu_memory_utilization")}))
+    result = recommend_with(capacity, "--kv-cache-dtype", "fp8")
+    assert result.exit_code == 0, result.output
+    flags = serve_flags(json.loads(result.output)["files"]["vllm-serve.sh"])
+    assert (flags["--kv-cache-dtype"], flags["--gpu-memory-utilization"]) == ("fp8", "0.92")
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--kv-cache-dtype", "auto", "measured at --kv-cache-dtype fp8"),
+    ("--gpu-memory-utilization", "0.9", "measured at --gpu-memory-utilization 0.8"),
+    ("--block-size", "32", "measured at block size 16"),
+])
+def test_a_flag_that_contradicts_the_measured_capacity_is_one_line(tmp_path, flag, value, says):
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps(MEASURED_FP8))
+    result = recommend_with(capacity, flag, value)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {flag}: ") and says in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stdout == ""
+
+
+def test_the_same_value_as_measured_is_no_contradiction(tmp_path):
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps(MEASURED_FP8))
+    result = recommend_with(capacity, "--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.80")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [
+    ("--safety-fraction", "1.5", "--safety-fraction"),
+    ("--safety-fraction", "0", "--safety-fraction"),
+    ("--max-truncation", "2", "--max-truncation"),
+    ("--vllm-version", "latest", "--vllm-version"),
+])
+def test_a_policy_option_out_of_range_is_one_line_naming_the_flag(flag, value, field):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", flag, value])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"Error: {field}: ") and result.stderr.count("\n") == 1

@@ -14,7 +14,7 @@ import numpy as np
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
-from kvtune.errors import KvtuneError
+from kvtune.errors import KvtuneError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.hardware import default_batch_limits
 from kvtune.kv import KvBytes
@@ -41,6 +41,21 @@ class RecommendOptions:
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
     served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
+
+    def __post_init__(self) -> None:
+        if self.safety_fraction is not None and not 0 < self.safety_fraction <= 1:
+            raise OptionError(f"must be between 0 and 1 (a share of the usable KV blocks, at most all of them), "
+                              f"got {self.safety_fraction:g}", field="safety_fraction")
+        if self.max_truncation is not None and not 0 <= self.max_truncation < 1:
+            raise OptionError(f"must be between 0 and 1 (a share of requests that may be cut short, below "
+                              f"all of them), got {self.max_truncation:g}", field="max_truncation")
+        try:
+            rules.parse_vllm_version(self.vllm_version)
+        except ValueError:
+            raise OptionError(f"not a vLLM version: {self.vllm_version!r} (a release number such as "
+                              f"{rules.CURRENT_VLLM_VERSION})", field="vllm_version") from None
+        if not self.route_by:
+            raise OptionError("names no route key: path, model or a log field", field="route_by")
 
 
 def _route_match(route: str, route_by: str) -> Match | None:

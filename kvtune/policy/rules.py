@@ -84,6 +84,9 @@ def cap_by_truncation(
     if value > context_cap:
         reason += f", clipped to the context limit {context_cap}"
         value = context_cap
+    if value < 1:  # empty responses were logged: a cap of 0 tokens would refuse every request
+        reason += ", raised to 1 (the smallest cap an engine takes)"
+        value = 1
     return Decision(value=value, rule="cap-max-truncation", reason=reason)
 
 
@@ -95,8 +98,6 @@ def safety_fraction(requested: float | None, measured: bool) -> Decision:
     lookahead slots, and error in the capacity itself when it is estimated, not measured.
     """
     if requested is not None:
-        if not 0 < requested <= 1:
-            raise ValueError("safety fraction must be in (0, 1]")
         return Decision(requested, "safety-user", f"set by --safety-fraction to {requested:g}")
     basis = "a measured capacity" if measured else "an estimated capacity (arithmetic can be tens of % off)"
     return Decision(
