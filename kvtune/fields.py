@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
@@ -50,9 +50,21 @@ class Fields:
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
 
+    @overload
+    def obj(self, key: str, *, optional: Literal[False] = False) -> Fields: ...
+    @overload
+    def obj(self, key: str, *, optional: Literal[True]) -> Fields | None: ...
+
     def obj(self, key: str, *, optional: bool = False) -> Fields | None:
         value = self._get(key, optional)
         return None if value is None else Fields(value, path=self.path, where=self.field(key))
+
+    @overload
+    def integer(self, key: str, *, minimum: int = 0, maximum: int = MAX_INTEGER,
+                optional: Literal[False] = False) -> int: ...
+    @overload
+    def integer(self, key: str, *, minimum: int = 0, maximum: int = MAX_INTEGER,
+                optional: Literal[True]) -> int | None: ...
 
     def integer(self, key: str, *, minimum: int = 0, maximum: int = MAX_INTEGER, optional: bool = False) -> int | None:
         value = self._get(key, optional)
@@ -63,6 +75,13 @@ class Fields:
         if not minimum <= value <= maximum:
             raise self.fail(key, f"must be in {minimum}..{maximum}, got {brief(value)}")
         return value
+
+    @overload
+    def number(self, key: str, *, minimum: float = 0.0, maximum: float = float(MAX_INTEGER),
+               optional: Literal[False] = False) -> float: ...
+    @overload
+    def number(self, key: str, *, minimum: float = 0.0, maximum: float = float(MAX_INTEGER),
+               optional: Literal[True]) -> float | None: ...
 
     def number(self, key: str, *, minimum: float = 0.0, maximum: float = float(MAX_INTEGER),
                optional: bool = False) -> float | None:
@@ -76,6 +95,11 @@ class Fields:
             raise self.fail(key, f"must be in {minimum:g}..{maximum:g}, got {brief(value)}")
         return value
 
+    @overload
+    def string(self, key: str, *, optional: Literal[False] = False, nonempty: bool = False) -> str: ...
+    @overload
+    def string(self, key: str, *, optional: Literal[True], nonempty: bool = False) -> str | None: ...
+
     def string(self, key: str, *, optional: bool = False, nonempty: bool = False) -> str | None:
         value = self._get(key, optional)
         if value is None:
@@ -84,17 +108,32 @@ class Fields:
             raise self.fail(key, f"expected {'a non-empty' if nonempty else 'a'} string, got {brief(value)}")
         return value
 
+    @overload
+    def boolean(self, key: str, *, optional: Literal[False] = False) -> bool: ...
+    @overload
+    def boolean(self, key: str, *, optional: Literal[True]) -> bool | None: ...
+
     def boolean(self, key: str, *, optional: bool = False) -> bool | None:
         value = self._get(key, optional)
         if value is not None and not isinstance(value, bool):
             raise self.fail(key, f"expected true or false, got {brief(value)}")
         return value
 
+    @overload
+    def choice(self, key: str, choices: tuple[str, ...], *, optional: Literal[False] = False) -> str: ...
+    @overload
+    def choice(self, key: str, choices: tuple[str, ...], *, optional: Literal[True]) -> str | None: ...
+
     def choice(self, key: str, choices: tuple[str, ...], *, optional: bool = False) -> str | None:
         value = self._get(key, optional)
         if value is not None and (not isinstance(value, str) or value not in choices):
             raise self.fail(key, f"{brief(value)} is not one of {', '.join(choices)}")
         return value
+
+    @overload
+    def scalar(self, key: str, *, optional: Literal[False] = False) -> int | float | str | bool: ...
+    @overload
+    def scalar(self, key: str, *, optional: Literal[True]) -> int | float | str | bool | None: ...
 
     def scalar(self, key: str, *, optional: bool = False) -> int | float | str | bool | None:
         """A JSON scalar of any type (a setting whose type depends on the setting)."""
@@ -113,6 +152,11 @@ class Fields:
             raise self.fail(key, f"expected a {'non-empty ' if nonempty else ''}list, got {brief(value)}")
         return (Fields(item, path=self.path, where=f"{self.field(key)}[{i}]") for i, item in enumerate(value))
 
+    @overload
+    def integers(self, key: str, *, minimum: int = 0, optional: Literal[False] = False) -> list[int]: ...
+    @overload
+    def integers(self, key: str, *, minimum: int = 0, optional: Literal[True]) -> list[int] | None: ...
+
     def integers(self, key: str, *, minimum: int = 0, optional: bool = False) -> list[int] | None:
         value = self._get(key, optional)
         if value is None:
@@ -122,6 +166,11 @@ class Fields:
             raise self.fail(key, f"expected a list of integers in {minimum}..{MAX_INTEGER}")
         return value
 
+    @overload
+    def strings(self, key: str, *, optional: Literal[False] = False) -> list[str]: ...
+    @overload
+    def strings(self, key: str, *, optional: Literal[True]) -> list[str] | None: ...
+
     def strings(self, key: str, *, optional: bool = False) -> list[str] | None:
         value = self._get(key, optional)
         if value is None:
@@ -129,6 +178,11 @@ class Fields:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.fail(key, "expected a list of strings")
         return value
+
+    @overload
+    def mapping_of(self, key: str, kind: type, *, optional: Literal[False] = False) -> dict[str, Any]: ...
+    @overload
+    def mapping_of(self, key: str, kind: type, *, optional: Literal[True]) -> dict[str, Any] | None: ...
 
     def mapping_of(self, key: str, kind: type, *, optional: bool = False) -> dict[str, Any] | None:
         """An object whose values are all of one JSON type (counts by name, say)."""

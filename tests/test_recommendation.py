@@ -132,3 +132,47 @@ def test_bench_expect_refuses_a_share_that_is_not_a_number(tmp_path):
     with pytest.raises(InputError) as info:
         _parse_expect(str(path))
     assert str(info.value) == (f"{path}: --expect: routes[0].truncation_share: expected a finite number, got '0.1'")
+
+
+def leaf_paths(value, path=()):
+    """Every key and list item of the file, as (path as written in errors, keys to reach it)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield path + (key,)
+            yield from leaf_paths(item, path + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value[:2]):
+            yield from leaf_paths(item, path + (i,))
+
+
+def spelled(keys) -> str:
+    out = ""
+    for k in keys:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else k)
+    return out
+
+
+def reach(data, keys):
+    for k in keys:
+        data = data[k]
+    return data
+
+
+@pytest.mark.parametrize("keys", list(leaf_paths(GOOD)), ids=spelled)
+def test_every_field_removed_or_mistyped_is_named_or_harmless(keys):
+    """Removing any member is an error naming it (or, for an optional member, reads back as
+    what its absence means); giving it a value of the wrong kind is always an error naming it
+    or a member inside it."""
+    removed = copy.deepcopy(GOOD)
+    del reach(removed, keys[:-1])[keys[-1]]
+    try:
+        parse_recommendation(removed, path="r.json")
+    except InputError as exc:
+        assert exc.field == spelled(keys), str(exc)
+    original = reach(GOOD, keys)
+    wrong = [] if not isinstance(original, list) else {"a": 1}
+    mistyped = copy.deepcopy(GOOD)
+    reach(mistyped, keys[:-1])[keys[-1]] = wrong
+    with pytest.raises(InputError) as info:
+        parse_recommendation(mistyped, path="r.json")
+    assert str(info.value.field).startswith(spelled(keys)), str(info.value)

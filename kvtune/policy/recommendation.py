@@ -15,11 +15,12 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.profile.routes import CensoredHistogram
+from kvtune.userfiles import brief
 
 SCHEMA_VERSION = 2
 ENGINE_NAMES = ("vllm",)
@@ -69,7 +70,9 @@ class Decision:
     @property
     def tokens(self) -> int:
         """The value of an integer setting (caps, lengths, budgets)."""
-        return int(self.value)  # type: ignore[arg-type]
+        if isinstance(self.value, bool) or not isinstance(self.value, int):
+            raise TypeError(f"{self.rule}: {self.value!r} is not a token count")
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,7 @@ class Distribution:
 
     @classmethod
     def read(cls, f: Fields) -> Distribution:
-        return cls(*(f.integer(k) for k in ("p50", "p90", "p99", "max")), f.number("mean"))  # type: ignore[arg-type]
+        return cls(f.integer("p50"), f.integer("p90"), f.integer("p99"), f.integer("max"), f.number("mean"))
 
 
 PERCENTILE_KEYS = ("p50", "p90", "p95", "p99")
@@ -121,16 +124,16 @@ class Lengths:
     def from_summary(cls, data: Mapping[str, Any]) -> Lengths:
         """From a LengthSummary.to_dict()."""
         bound = data.get("lower_bound")
-        return cls(*(int(data[k]) for k in PERCENTILE_KEYS), int(data["max"]), float(data["mean"]),
-                   int(data["p999"]) if data.get("p999") is not None else None,
+        return cls(int(data["p50"]), int(data["p90"]), int(data["p95"]), int(data["p99"]), int(data["max"]),
+                   float(data["mean"]), int(data["p999"]) if data.get("p999") is not None else None,
                    dict(bound) if bound is not None else None)
 
     @classmethod
     def read(cls, f: Fields) -> Lengths:
         bound = f.obj("lower_bound", optional=True)
         flags = None if bound is None else {k: bool(bound.boolean(k)) for k in bound.data}
-        return cls(*(f.integer(k) for k in PERCENTILE_KEYS), f.integer("max"), f.number("mean"),  # type: ignore[arg-type]
-                   f.integer("p999", optional=True), flags)
+        return cls(f.integer("p50"), f.integer("p90"), f.integer("p95"), f.integer("p99"), f.integer("max"),
+                   f.number("mean"), f.integer("p999", optional=True), flags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,7 @@ class Requested:
     @classmethod
     def read(cls, f: Fields) -> Requested:
         return cls(f.integer("requests"), f.integer("p50", optional=True), f.integer("p99", optional=True),
-                   f.integer("max", optional=True), f.number("share_above_cap", maximum=1))  # type: ignore[arg-type]
+                   f.integer("max", optional=True), f.number("share_above_cap", maximum=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +169,7 @@ class Binned:
     @classmethod
     def read(cls, f: Fields) -> Binned:
         edges, counts = f.integers("edges"), f.integers("counts")
-        assert edges is not None and counts is not None
-        if len(edges) != len(counts) + 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        if len(edges) != len(counts) + 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
             raise f.fail(None, "expected increasing edges, one more than counts")
         return cls(tuple(edges), tuple(counts))
 
@@ -248,7 +250,6 @@ class RouteRecommendation:
         prompt = f.obj("prompt_tokens", optional=True)
         requested = f.obj("requested_max_tokens", optional=True)
         lengths = f.obj("output_lengths")
-        assert lengths is not None
         try:
             output_lengths = CensoredHistogram.from_dict(lengths.data, lengths.where)
         except InputError as exc:
@@ -257,19 +258,20 @@ class RouteRecommendation:
             raise lengths.fail(None, "a route with no logged requests")
         concurrency = f.obj("concurrency")
         return cls(
-            route=f.string("route"),  # type: ignore[arg-type]
+            route=f.string("route"),
             match=match,
-            requests=f.integer("requests", minimum=1),  # type: ignore[arg-type]
-            share=f.number("share", maximum=1),  # type: ignore[arg-type]
-            tail=f.choice("tail", TAIL_CLASSES),  # type: ignore[arg-type]
-            max_new_tokens=Decision.read(f.obj("max_new_tokens"), "int", 1),  # type: ignore[arg-type]
-            truncation_share=f.number("truncation_share", maximum=1),  # type: ignore[arg-type]
-            output_tokens=Lengths.read(f.obj("output_tokens")),  # type: ignore[arg-type]
+            requests=f.integer("requests", minimum=1),
+            share=f.number("share", maximum=1),
+            tail=f.choice("tail", TAIL_CLASSES),
+            max_new_tokens=Decision.read(f.obj("max_new_tokens"), "int", 1),
+            truncation_share=f.number("truncation_share", maximum=1),
+            output_tokens=Lengths.read(f.obj("output_tokens")),
             prompt_tokens=None if prompt is None else Lengths.read(prompt),
             requested_max_tokens=None if requested is None else Requested.read(requested),
-            reservation_blocks=Distribution.read(f.obj("reservation_blocks")),  # type: ignore[arg-type]
-            concurrency=RouteConcurrency(concurrency.integer("admitted"), concurrency.integer("worst_case")),  # type: ignore[arg-type,union-attr]
-            output_histogram=Binned.read(f.obj("output_histogram")),  # type: ignore[arg-type]
+            reservation_blocks=Distribution.read(f.obj("reservation_blocks")),
+            concurrency=_with_gain(concurrency, RouteConcurrency(concurrency.integer("admitted"),
+                                                                 concurrency.integer("worst_case"))),
+            output_histogram=Binned.read(f.obj("output_histogram")),
             output_lengths=output_lengths,
         )
 
@@ -452,40 +454,37 @@ class Recommendation:
         if version != SCHEMA_VERSION:
             raise f.fail("schema_version", f"version {version} was written by an older kvtune; this one reads "
                          f"{SCHEMA_VERSION}: run `kvtune recommend` again")
-        engine, hardware, kv, capacity = (f.obj(k) for k in ("engine", "hardware", "kv", "capacity"))
-        assert engine and hardware and kv and capacity
+        engine, hardware, kv, capacity = f.obj("engine"), f.obj("hardware"), f.obj("kv"), f.obj("capacity")
         measured = capacity.obj("measured", optional=True)
         settings_f = f.obj("settings")
-        assert settings_f is not None
         settings: dict[str, Decision | None] = {}
         for name in settings_f.data:
             if name not in SETTINGS:
                 raise settings_f.fail(name, "unknown setting")
         for name, (kind, low, high) in SETTINGS.items():
-            sub = settings_f.obj(name, optional=name not in REQUIRED_SETTINGS)
+            sub = settings_f.obj(name) if name in REQUIRED_SETTINGS else settings_f.obj(name, optional=True)
             settings[name] = None if sub is None else Decision.read(sub, kind, low, high)
         concurrency = f.obj("concurrency")
-        assert concurrency is not None
         routes = tuple(RouteRecommendation.read(r) for r in f.items("routes", nonempty=True))
         notes = f.strings("notes", optional=True) or []
         return cls(
-            model=f.string("model", nonempty=True),  # type: ignore[arg-type]
-            served_model=f.string("served_model", nonempty=True),  # type: ignore[arg-type]
-            engine=Engine(engine.choice("name", ENGINE_NAMES), engine.string("version"),  # type: ignore[arg-type]
-                          engine.boolean("v1")),  # type: ignore[arg-type]
-            upstream=f.string("upstream", nonempty=True),  # type: ignore[arg-type]
+            model=f.string("model", nonempty=True),
+            served_model=f.string("served_model", nonempty=True),
+            engine=Engine(engine.choice("name", ENGINE_NAMES), engine.string("version"),
+                          engine.boolean("v1")),
+            upstream=f.string("upstream", nonempty=True),
             hardware=Hardware(hardware.string("gpu", optional=True),
                               hardware.integer("gpu_memory_bytes", minimum=1, optional=True),
-                              hardware.integer("tensor_parallel_size", minimum=1),  # type: ignore[arg-type]
-                              hardware.integer("pipeline_parallel_size", minimum=1)),  # type: ignore[arg-type]
-            kv=KvCost(kv.string("kv_cache_dtype"), kv.integer("bytes_per_element", minimum=1),  # type: ignore[arg-type]
-                      kv.integer("kv_bytes_per_token"), kv.integer("kv_bytes_per_token_per_gpu")),  # type: ignore[arg-type]
+                              hardware.integer("tensor_parallel_size", minimum=1),
+                              hardware.integer("pipeline_parallel_size", minimum=1)),
+            kv=KvCost(kv.string("kv_cache_dtype"), kv.integer("bytes_per_element", minimum=1),
+                      kv.integer("kv_bytes_per_token"), kv.integer("kv_bytes_per_token_per_gpu")),
             capacity=CapacitySummary(
-                source=capacity.choice("source", CAPACITY_SOURCES),  # type: ignore[arg-type]
-                num_blocks=capacity.integer("num_blocks", minimum=1),  # type: ignore[arg-type]
-                usable_blocks=capacity.integer("usable_blocks"),  # type: ignore[arg-type]
-                block_size=capacity.integer("block_size", minimum=1),  # type: ignore[arg-type]
-                kv_cache_tokens=capacity.integer("kv_cache_tokens"),  # type: ignore[arg-type]
+                source=capacity.choice("source", CAPACITY_SOURCES),
+                num_blocks=capacity.integer("num_blocks", minimum=1),
+                usable_blocks=capacity.integer("usable_blocks"),
+                block_size=capacity.integer("block_size", minimum=1),
+                kv_cache_tokens=capacity.integer("kv_cache_tokens"),
                 kv_cache_bytes=capacity.integer("kv_cache_bytes", optional=True),
                 weights_bytes=capacity.integer("weights_bytes", optional=True),
                 overhead_bytes=capacity.integer("overhead_bytes", optional=True),
@@ -496,19 +495,19 @@ class Recommendation:
                     measured.integer("kv_cache_memory_bytes", optional=True),
                     measured.integer("block_size", minimum=1, optional=True)),
             ),
-            safety_fraction=Decision.read(f.obj("safety_fraction"), "number", 0, 1),  # type: ignore[arg-type]
-            block_budget=Decision.read(f.obj("block_budget"), "int", 1),  # type: ignore[arg-type]
+            safety_fraction=Decision.read(f.obj("safety_fraction"), "number", 0, 1),
+            block_budget=Decision.read(f.obj("block_budget"), "int", 1),
             routes=routes,
-            concurrency=Concurrency(
-                admitted=concurrency.integer("admitted"),  # type: ignore[arg-type]
-                worst_case=concurrency.integer("worst_case"),  # type: ignore[arg-type]
-                mean_reservation_blocks=concurrency.number("mean_reservation_blocks"),  # type: ignore[arg-type]
-                worst_case_reservation_blocks=concurrency.integer("worst_case_reservation_blocks"),  # type: ignore[arg-type]
-                context_tokens=concurrency.integer("context_tokens", minimum=1),  # type: ignore[arg-type]
-            ),
+            concurrency=_with_gain(concurrency, Concurrency(
+                admitted=concurrency.integer("admitted"),
+                worst_case=concurrency.integer("worst_case"),
+                mean_reservation_blocks=concurrency.number("mean_reservation_blocks"),
+                worst_case_reservation_blocks=concurrency.integer("worst_case_reservation_blocks"),
+                context_tokens=concurrency.integer("context_tokens", minimum=1),
+            )),
             settings=settings,
             notes=tuple(notes),
-            kvtune_version=f.string("kvtune_version"),  # type: ignore[arg-type]
+            kvtune_version=f.string("kvtune_version"),
         )
 
 
@@ -536,6 +535,17 @@ def load_recommendation(path: str | os.PathLike[str], *, field: str | None = Non
         if field is None:
             raise
         raise InputError(exc.message, path=exc.path, field=f"{field}: {exc.field}" if exc.field else field) from None
+
+
+_C = TypeVar("_C", RouteConcurrency, Concurrency)
+
+
+def _with_gain(f: Fields, concurrency: _C) -> _C:
+    """`gain` is written for readers and derived, never read: a file whose gain is not the ratio
+    of its own admitted and worst-case counts was edited by hand and half-updated."""
+    if "gain" in f.data and f.number("gain", optional=True) != concurrency.gain:
+        raise f.fail("gain", f"is {brief(f.data['gain'])}, but admitted / worst_case is {concurrency.gain}")
+    return concurrency
 
 
 def _ratio(a: int, b: int) -> float | None:
