@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import stat
 import threading
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,49 +117,6 @@ def vllm_server(vllm_factory):
     for `vllm_server` must get a live one back, not a stale session value.
     """
     return vllm_factory(max_model_len=512, kv_cache_memory_bytes=2 * 1024**2)
-
-
-# --- a plain HTTP server on loopback for fake endpoints ---------------------------------------
-
-
-@contextmanager
-def serve_routes(routes: Mapping[str, tuple[int, str, bytes]], *, delay_s: float = 0.0
-                 ) -> Iterator[tuple[str, list[str]]]:
-    """A real HTTP server on 127.0.0.1:0 in a thread: GET path -> (status, content type, body).
-
-    Yields (base URL, paths requested). Unknown paths answer 404; `delay_s` holds every answer
-    back (for timeouts). Stopped in `finally`, so its port refuses connections afterwards.
-    """
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            requested.append(self.path)
-            if delay_s:
-                time.sleep(delay_s)
-            status, content_type, body = routes.get(self.path, (404, "text/plain", b"Not Found"))
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:  # the client gave up (timeout tests)
-                pass
-
-        def log_message(self, *args):  # keep test output clean
-            pass
-
-    requested: list[str] = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", requested
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 # --- paths that are not regular files (FIFO, device, directory, socket, link to a FIFO) --------

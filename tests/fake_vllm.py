@@ -21,9 +21,10 @@ Endpoints, shaped as vLLM 0.32 answers them:
   GET /metrics                                  vLLM's names for what it is serving and served
   anything else                                 recorded in `other` and echoed: 207, b"echo",
         X-Upstream: yes, Keep-Alive (a hop-by-hop header to drop), Set-Cookie on /v1/login
-  `routes` {path: (status, content type, body)} answers those paths verbatim (real captures) and
-  records them in `other`; `missing` paths answer 404 before anything else; `delay_s` holds every
-  answer back. All three may be changed while it runs.
+  `routes` {path: (status, content type, body)} answers those paths verbatim (real captures);
+  with `routes_only` every other path is 404 (a server that is not vLLM, or lacks an endpoint);
+  `missing` paths answer 404 before anything else; all three recorded in `other` and changeable
+  while it runs. `delay_s` holds every answer back.
 
 An engine call does what body["x_mode"] says, else the next entry of `script`, else "ok":
   "ok"               answers; when body["stream"], an SSE stream: for chat first ROLE_EVENT, then
@@ -123,7 +124,8 @@ class FakeVllm:
 
     def __init__(self, *, tokens: Tokens = Tokens(), model: str = "fake", max_model_len: int = 4096,
                  block_size: int = 16, num_blocks: int = 100, engine_paths: Iterable[str] = ENGINE_PATHS,
-                 routes: Mapping[str, tuple[int, str, bytes]] | None = None, missing: Iterable[str] = (),
+                 routes: Mapping[str, tuple[int, str, bytes]] | None = None, routes_only: bool = False,
+                 missing: Iterable[str] = (),
                  delay_s: float = 0.0, script: Iterable[str] = (), retry_after: str | None = "0",
                  ttft_s: float = 0.0, itl_s: float = 0.0, finish_reason: str = "length", short_by: int = 0,
                  no_usage: bool = False, split_lines: bool = False, batch_events: bool = False,
@@ -132,6 +134,7 @@ class FakeVllm:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.engine_paths = frozenset(engine_paths)
         self.routes = dict(routes or {})
+        self.routes_only = routes_only
         self.missing = set(missing)
         self.delay_s = delay_s
         self.script = deque(script)
@@ -240,11 +243,11 @@ class FakeVllm:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             path = request.path
-            if path in self.missing:
-                await request.read()
-                return web.Response(status=404, text="Not Found")
-            if path in self.routes:
+            if path in self.routes and path not in self.missing:
                 return await self._route(request)
+            if path in self.missing or self.routes_only:
+                await self._record_other(request)
+                return web.Response(status=404, text="Not Found")
             if request.method == "POST" and path in ("/tokenize", "/v1/messages/count_tokens"):
                 return await self._tokenize(request)
             if request.method == "POST" and path in self.engine_paths:
