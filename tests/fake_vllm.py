@@ -13,7 +13,8 @@ Endpoints, shaped as vLLM 0.32 answers them:
         counted by `tokens` (Tokens: one token per whitespace word plus fixed overheads); a body
         that is not JSON is 400 and a Content-Type other than application/json is 400, as vLLM.
         `tokenize_status` (≠ 200: that status) and `tokenize_answer` (any JSON) inject answers;
-        bodies are recorded in `tokenize_calls`, concurrency in `tokenize_peak`.
+        each call is recorded as a Call in `count_calls` (parsed bodies: `tokenize_calls`), the
+        most at once (delay_s included) in `tokenize_peak`.
   POST `engine_paths` (vLLM's generating and pooling paths)   engine calls: each recorded as a
         Call (method, path, headers, raw body, parsed body) in `engine_calls`, with the views
         `seen` (parsed bodies), `raw`, `paths`, `headers`; answered as below.
@@ -71,6 +72,7 @@ POOL_PATHS = frozenset({
     "/v2/rerank", "/v2/embed",
 })
 ENGINE_PATHS = GENERATE_PATHS | POOL_PATHS
+COUNT_PATHS = frozenset({"/tokenize", "/v1/messages/count_tokens"})
 ROLE_EVENT = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -149,7 +151,7 @@ class FakeVllm:
         # what arrived
         self.engine_calls: list[Call] = []
         self.other: list[Call] = []
-        self.tokenize_calls: list[Any] = []
+        self.count_calls: list[Call] = []
         # tallies
         self.active = self.peak_active = self.cancelled = 0
         self.running_blocks = self.peak_running_blocks = 0
@@ -164,6 +166,10 @@ class FakeVllm:
         self._thread: threading.Thread | None = None
 
     # --- views of what arrived ---------------------------------------------------------------
+
+    @property
+    def tokenize_calls(self) -> list[Any]:
+        return [c.parsed for c in self.count_calls]
 
     @property
     def seen(self) -> list[Any]:
@@ -239,16 +245,20 @@ class FakeVllm:
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         """A body the real server cannot validate is its 400, never its 500."""
+        path = request.path
+        counting = request.method == "POST" and path in COUNT_PATHS
+        if counting:
+            self.tokenize_active += 1
+            self.tokenize_peak = max(self.tokenize_peak, self.tokenize_active)
         try:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            path = request.path
             if path in self.routes and path not in self.missing:
                 return await self._route(request)
             if path in self.missing or self.routes_only:
                 await self._record_other(request)
                 return web.Response(status=404, text="Not Found")
-            if request.method == "POST" and path in ("/tokenize", "/v1/messages/count_tokens"):
+            if counting:
                 return await self._tokenize(request)
             if request.method == "POST" and path in self.engine_paths:
                 return await self._engine(request)
@@ -262,6 +272,9 @@ class FakeVllm:
             return await self._echo(request)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return web.json_response({"error": {"message": "invalid request"}}, status=400)
+        finally:
+            if counting:
+                self.tokenize_active -= 1
 
     async def _record_other(self, request: web.Request) -> Call:
         call = Call(request.method, request.raw_path, CIMultiDict(request.headers), await request.read())
@@ -281,24 +294,20 @@ class FakeVllm:
         return web.Response(status=207, body=b"echo", headers=headers)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        self.tokenize_active += 1
-        self.tokenize_peak = max(self.tokenize_peak, self.tokenize_active)
-        try:
-            if self.tokenize_status != 200:
-                answer = self.tokenize_answer if self.tokenize_answer is not None else {"error": {"message": "down"}}
-                return web.json_response(answer, status=self.tokenize_status)
-            if request.content_type != "application/json":  # as vLLM: 400 Unsupported Media Type
-                return web.json_response({"error": {"message": "Only 'application/json' is allowed"}}, status=400)
-            body = json.loads(await request.read())
-            self.tokenize_calls.append(body)
-            if self.tokenize_answer is not None:
-                return web.json_response(self.tokenize_answer)
-            n = self.prompt_tokens(body)
-            if request.path == "/v1/messages/count_tokens":
-                return web.json_response({"input_tokens": n})
-            return web.json_response({"count": n, "max_model_len": self.max_model_len, "tokens": [5] * n})
-        finally:
-            self.tokenize_active -= 1
+        if self.tokenize_status != 200:
+            answer = self.tokenize_answer if self.tokenize_answer is not None else {"error": {"message": "down"}}
+            return web.json_response(answer, status=self.tokenize_status)
+        if request.content_type != "application/json":  # as vLLM: 400 Unsupported Media Type
+            return web.json_response({"error": {"message": "Only 'application/json' is allowed"}}, status=400)
+        raw = await request.read()
+        body = json.loads(raw)
+        self.count_calls.append(Call(request.method, request.raw_path, CIMultiDict(request.headers), raw, body))
+        if self.tokenize_answer is not None:
+            return web.json_response(self.tokenize_answer)
+        n = self.prompt_tokens(body)
+        if request.path == "/v1/messages/count_tokens":
+            return web.json_response({"input_tokens": n})
+        return web.json_response({"count": n, "max_model_len": self.max_model_len, "tokens": [5] * n})
 
     async def _engine(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
