@@ -159,6 +159,23 @@ def non_regular_file(request) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _private_device(directory: Path) -> Path:
+    node = directory / "null-device"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        pytest.skip("making a device node needs root")
+    return node
+
+
+@pytest.fixture
+def private_device():
+    """make(directory) -> a character device node of our own (/dev/null's numbers) to aim writes
+    at: a writer that replaced devices must never get the machine's /dev/null (an unfixed one did).
+    Skips the test where making one needs root."""
+    return _private_device
+
+
 @pytest.fixture
 def without_hanging():
     """call(fn, path): fn() within 10 s; a reader stuck opening a FIFO is released (a writer opens
