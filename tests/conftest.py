@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared beside the checkout (CI clones main with a copy of shared/ next to it).
-SHARED = REPO.parent / "shared"
-CONFIGS = SHARED / "configs"
-TRACES = SHARED / "traces"
+# Copies of real model configs and trace excerpts; tests/data/SOURCES.md names where each came from.
+DATA = Path(__file__).resolve().parent / "data"
+CONFIGS = DATA / "configs"
+TRACES = DATA / "traces"
 
 
 @pytest.fixture(autouse=True)
