@@ -179,11 +179,8 @@ def test_empty_workload_exits_2(tmp_path):
 
 
 def test_unreachable_server_exits_2(profile_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens after close
+    with FakeVllm() as gone:
+        port = gone.port  # nothing listens after the block
     r = run(f"http://127.0.0.1:{port}", "--profile", profile_path, "--requests", "1")
     assert r.exit_code == 2
     assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach the server (")
