@@ -10,14 +10,16 @@ they steer, never in which fake they happen to meet.
 Endpoints, shaped as vLLM 0.32 answers them:
   POST /tokenize {"prompt"} | {"messages"}      {"count", "max_model_len", "tokens"}
   POST /v1/messages/count_tokens                {"input_tokens"}
-        counted by `tokens` (Tokens: one token per whitespace word plus fixed overheads); a body
-        that is not JSON is 400 and a Content-Type other than application/json is 400, as vLLM.
+        counted by `tokens` (Tokens: one token per whitespace word of the messages, their
+        documents and an Anthropic system, or of the prompt, plus fixed overheads); a
+        Content-Type other than application/json is 400, as vLLM.
         `tokenize_status` (≠ 200: that status) and `tokenize_answer` (any JSON) inject answers;
         each call is recorded as a Call in `count_calls` (parsed bodies: `tokenize_calls`), the
         most at once (delay_s included) in `tokenize_peak`.
   POST `engine_paths` (vLLM's generating and pooling paths)   engine calls: each recorded as a
-        Call (method, path, headers, raw body, parsed body) in `engine_calls`, with the views
-        `seen` (parsed bodies), `raw`, `paths`, `headers`; answered as below.
+        Call (method, raw path and query, case-insensitive headers, raw body, parsed body) in
+        `engine_calls`, with the views `seen` (parsed bodies), `raw`, `paths`, `headers`;
+        answered as below.
   GET /v1/models                                {"data": [{"id": model, "max_model_len"}]}
   GET /metrics                                  vLLM's names for what it is serving and served
   anything else                                 recorded in `other` and echoed: 207, b"echo",
@@ -25,12 +27,15 @@ Endpoints, shaped as vLLM 0.32 answers them:
   `routes` {path: (status, content type, body)} answers those paths verbatim (real captures);
   with `routes_only` every other path is 404 (a server that is not vLLM, or lacks an endpoint);
   `missing` paths answer 404 before anything else; all three recorded in `other` and changeable
-  while it runs. `delay_s` holds every answer back.
+  while it runs. `delay_s` holds every answer back. A body it cannot read is 400, never 500.
+  release()/hold() are thread-safe; every other knob is a plain attribute a test may set.
 
 An engine call does what body["x_mode"] says, else the next entry of `script`, else "ok":
-  "ok"               answers; when body["stream"], an SSE stream: for chat first ROLE_EVENT, then
-                     one event per token (" w0", " w1", …), the last with `finish_reason`, a usage
-                     event (unless `no_usage`), then [DONE]
+  "ok"               answers: a pooling path an embedding and usage; a generation one JSON
+                     answer (the tokens' text, `finish_reason`, usage), or when body["stream"] an
+                     SSE stream: for chat first ROLE_EVENT, then one event per token (" w0",
+                     " w1", …), the last with `finish_reason`, a usage event (unless `no_usage`),
+                     then DONE_EVENT
   "429", "500", …    that status, {"error": {"message": "status N"}}; 429 with `retry_after`
   "hold"             nothing until release() (hold() re-arms it); never released, a hang
   "hold_stream"      the stream's first event, then waits for release()
@@ -103,7 +108,7 @@ class Call:
     parsed: Any = None  # the JSON body, or None when it was not JSON
 
 
-def words(value: Any) -> int:
+def _words(value: Any) -> int:
     """Whitespace words in text, or in the text parts of a content list; 0 for anything else."""
     if isinstance(value, str):
         return len(value.split())
@@ -216,15 +221,15 @@ class FakeVllm:
         t = self.tokens
         messages = body.get("messages")
         if isinstance(messages, list):
-            n = t.chat + sum(t.per_message + words(m.get("content")) for m in messages if isinstance(m, dict))
+            n = t.chat + sum(t.per_message + _words(m.get("content")) for m in messages if isinstance(m, dict))
             kwargs = body.get("chat_template_kwargs")
             documents = kwargs.get("documents") if isinstance(kwargs, dict) else None
             if isinstance(documents, list):
-                n += sum(words(d.get("text")) for d in documents if isinstance(d, dict))
-            return n + words(body.get("system"))
+                n += sum(_words(d.get("text")) for d in documents if isinstance(d, dict))
+            return n + _words(body.get("system"))
         if isinstance(body.get("prompt"), str):
-            return t.prompt + words(body["prompt"])
-        return words(body.get("input")) + words(body.get("instructions"))
+            return t.prompt + _words(body["prompt"])
+        return _words(body.get("input")) + _words(body.get("instructions"))
 
     def _output_tokens(self, body: dict) -> int:
         n = _count(body.get("x_chunks"))
