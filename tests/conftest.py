@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import stat
 import threading
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared beside the checkout (CI clones main with a copy of shared/ next to it).
-SHARED = REPO.parent / "shared"
-CONFIGS = SHARED / "configs"
-TRACES = SHARED / "traces"
+# Copies of real model configs and trace excerpts; tests/data/SOURCES.md names where each came from.
+DATA = Path(__file__).resolve().parent / "data"
+CONFIGS = DATA / "configs"
+TRACES = DATA / "traces"
 
 
 @pytest.fixture(autouse=True)
@@ -122,49 +119,6 @@ def vllm_server(vllm_factory):
     return vllm_factory(max_model_len=512, kv_cache_memory_bytes=2 * 1024**2)
 
 
-# --- a plain HTTP server on loopback for fake endpoints ---------------------------------------
-
-
-@contextmanager
-def serve_routes(routes: Mapping[str, tuple[int, str, bytes]], *, delay_s: float = 0.0
-                 ) -> Iterator[tuple[str, list[str]]]:
-    """A real HTTP server on 127.0.0.1:0 in a thread: GET path -> (status, content type, body).
-
-    Yields (base URL, paths requested). Unknown paths answer 404; `delay_s` holds every answer
-    back (for timeouts). Stopped in `finally`, so its port refuses connections afterwards.
-    """
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            requested.append(self.path)
-            if delay_s:
-                time.sleep(delay_s)
-            status, content_type, body = routes.get(self.path, (404, "text/plain", b"Not Found"))
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            except OSError:  # the client gave up (timeout tests)
-                pass
-
-        def log_message(self, *args):  # keep test output clean
-            pass
-
-    requested: list[str] = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", requested
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-
-
 # --- paths that are not regular files (FIFO, device, directory, socket, link to a FIFO) --------
 
 NON_REGULAR_KINDS = ("fifo", "dev-zero", "directory", "socket", "symlink-to-fifo")
@@ -203,6 +157,23 @@ def non_regular_file(request) -> Iterator[Path]:
         if sock is not None:
             sock.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _private_device(directory: Path) -> Path:
+    node = directory / "null-device"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        pytest.skip("making a device node needs root")
+    return node
+
+
+@pytest.fixture
+def private_device():
+    """make(directory) -> a character device node of our own (/dev/null's numbers) to aim writes
+    at: a writer that replaced devices must never get the machine's /dev/null (an unfixed one did).
+    Skips the test where making one needs root."""
+    return _private_device
 
 
 @pytest.fixture

@@ -1,23 +1,27 @@
-"""The two enforcers of one policy and the fake vLLM they stand in front of, for the tests that
-hold them to one behaviour (test_enforcer_parity.py, test_nginx.py).
+"""The two enforcers of one policy, for the tests that hold them to one behaviour in front of the
+one fake vLLM (tests/fake_vllm.py): test_enforcer_parity.py, test_gateway_fuzz.py, test_nginx.py,
+test_gateway_proxy.py and test_gateway_load.py.
 
-    Upstream()        aiohttp in a thread playing vLLM 0.32's endpoints: /tokenize and
-                      /v1/messages/count_tokens count whitespace words; every other POST is
-                      recorded (parsed in `seen`, raw bytes in `raw`, path in `paths`) and can be
-                      held open with {"hold": true} until release(). GETs are recorded in `other`.
     Nginx(prefix, conf_text, port)   the rendered nginx.conf on a real nginx with Lua.
-    PyGateway(gateway_yaml_text)     `kvtune gateway` on its own event loop in a thread.
-Both enforcers have request(path, body, method, headers) -> (status, headers, body), ledger()
-and wait_ledger(reserved); raw(bytes) sends bytes on a fresh socket and returns what came back.
+    PyGateway(gateway_yaml_text)     `kvtune gateway` on its own event loop in a thread; with
+                                     listen port 0 it binds an ephemeral port and reports it.
+    start_enforcer(kind, rec, prefix, **render_options)   either one rendered from `rec` and started.
+    running(fake, **config)          async: the Python gateway (run by `serve`, as the CLI runs it)
+                                     on the test's own loop in front of the fake, both on port 0.
+Both threaded enforcers have request(path, body, method, headers) -> (status, headers, body),
+ledger() and wait_ledger(reserved); raw(bytes) sends bytes on a fresh socket and returns what
+came back.
 
 small_rec(upstream_port) is the recommendation both are rendered from: a budget of 100 blocks of
 16 tokens, context 2048, chat cap 64, completions cap 96, a hostile-model chat route capped at
-32, a custom path /v1/summarize capped at 48, and a catch-all capped at 128.
+32, a custom path /v1/summarize capped at 48, and a catch-all capped at 128. small_fake() is the
+fake vLLM it fronts: one token per word, context 2048, and /v1/summarize an engine path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import http.client
 import json
@@ -29,9 +33,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from fake_vllm import ENGINE_PATHS, FakeVllm
 from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parent / "data"
@@ -49,8 +55,11 @@ def nginx_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    """A port nginx can listen on (nginx cannot report a port it picked itself)."""
+def nginx_port() -> int:
+    """A loopback port that was free a moment ago, for nginx only: nginx refuses `listen …:0`
+    ("invalid port") and has no way to report a port it picked, so this is the one place a port is
+    bound, released and handed on. Another process may take it in between: start_enforcer then
+    tries a fresh one. Every other server in the suite binds port 0 and reports it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -95,140 +104,9 @@ def blocks(prompt: int, cap: int, sequences: int = 1) -> int:
     return sequences * -(-(prompt + cap) // BLOCK)
 
 
-def _text_words(value) -> int:
-    """Words in message content: a string, or text parts."""
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list):
-        return sum(len(p.get("text", "").split()) for p in value if isinstance(p, dict))
-    return 0
-
-
-class Upstream:
-    """aiohttp in a thread playing vLLM (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.seen: list[dict] = []
-        self.raw: list[bytes] = []
-        self.paths: list[str] = []
-        self.headers: list[dict] = []
-        self.other: list[tuple[str, str]] = []
-        self.tokenize_calls: list[dict] = []
-        self.tokenize_fails = False
-        self.tokenize_answer: dict | None = None
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        self._release: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._runner = None
-
-    def _run(self) -> None:
-        from aiohttp import web
-
-        asyncio.set_event_loop(self._loop)
-
-        def as_vllm(handler):
-            """A body the real server cannot validate is its 400, never its 500."""
-            async def wrapped(request):
-                try:
-                    return await handler(request)
-                except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-                    return web.json_response({"error": {"message": "invalid request"}}, status=400)
-            return wrapped
-
-        @as_vllm
-        async def tokenize(request):
-            if self.tokenize_fails:
-                return web.json_response({"error": "down"}, status=500)
-            body = await request.json()
-            self.tokenize_calls.append(body)
-            if self.tokenize_answer is not None:
-                return web.json_response(self.tokenize_answer)
-            if "messages" in body:
-                n = sum(_text_words(m.get("content")) for m in body["messages"])
-                docs = (body.get("chat_template_kwargs") or {}).get("documents") or []
-                n += sum(len(d.get("text", "").split()) for d in docs)
-            else:
-                n = len(body["prompt"].split())
-            return web.json_response({"count": n, "max_model_len": CONTEXT, "tokens": []})
-
-        @as_vllm
-        async def count_tokens(request):
-            body = await request.json()
-            self.tokenize_calls.append(body)
-            n = _text_words(body.get("system")) + sum(_text_words(m.get("content")) for m in body["messages"])
-            return web.json_response({"input_tokens": n})
-
-        @as_vllm
-        async def generate(request):
-            raw = await request.read()
-            body = json.loads(raw)
-            self.seen.append(body)
-            self.raw.append(raw)
-            self.paths.append(request.path_qs)
-            self.headers.append(dict(request.headers))
-            if body.get("hold"):
-                await self._release.wait()
-            if not body.get("stream"):
-                return web.json_response({"choices": [{"message": {"content": "ok"}}]})
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await resp.write(b'data: {"chunk": 0}\n\n')
-            if body.get("hold_stream"):
-                await self._release.wait()
-            for i in range(1, 3):
-                await asyncio.sleep(0.05)
-                await resp.write(f'data: {{"chunk": {i}}}\n\n'.encode())
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-
-        async def anything(request):
-            self.other.append((request.method, request.path_qs))
-            await request.read()
-            return web.Response(text="upstream", headers={"X-Upstream": "yes"})
-
-        async def start():
-            self._release = asyncio.Event()
-            app = web.Application(client_max_size=64 * 1024 * 1024)
-            app.router.add_post("/tokenize", tokenize)
-            app.router.add_post("/v1/messages/count_tokens", count_tokens)
-            for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                         "/invocations", "/inference/v1/generate", "/v1/chat/completions/batch",
-                         "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
-                         "/v1/rerank", "/v2/rerank", "/v2/embed", "/v1/summarize"):
-                app.router.add_post(path, generate)
-            app.router.add_route("*", "/{tail:.*}", anything)
-            self._runner = web.AppRunner(app)
-            await self._runner.setup()
-            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-            self._ready.set()
-
-        self._loop.run_until_complete(start())
-        self._loop.run_forever()
-
-    def start(self) -> Upstream:
-        self._thread.start()
-        assert self._ready.wait(10), "upstream did not start"
-        return self
-
-    def release(self) -> None:
-        self._loop.call_soon_threadsafe(self._release.set)
-
-    def hold(self) -> None:
-        self._loop.call_soon_threadsafe(self._release.clear)
-
-    def reached(self) -> list[str]:
-        """Every path that reached the upstream, governed or not (tokenize calls aside)."""
-        return [*self.paths, *(p for _, p in self.other)]
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+def small_fake() -> FakeVllm:
+    """The fake vLLM small_rec fronts: one token per word, context 2048, /v1/summarize served."""
+    return FakeVllm(max_model_len=CONTEXT, engine_paths=ENGINE_PATHS | {"/v1/summarize"})
 
 
 class _Client:
@@ -332,7 +210,7 @@ class PyGateway(_Client):
         from kvtune.gateway.config import parse_gateway_config
 
         self.config = parse_gateway_config(yaml.safe_load(config_text), path="gateway.yaml")
-        self.port = self.config.port
+        self.port = self.config.port  # 0 until on_ready reports the port bound
         self.app = None
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
@@ -345,10 +223,14 @@ class PyGateway(_Client):
 
         asyncio.set_event_loop(self._loop)
 
+        def ready(addresses: str) -> None:
+            self.port = int(addresses.split(",")[0].rsplit(":", 1)[1])
+            self._ready.set()
+
         async def main() -> None:
             self._stop = asyncio.Event()
             self.app = make_app(self.config)
-            await serve(self.config, stop=self._stop, on_ready=lambda _: self._ready.set(), app=self.app)
+            await serve(self.config, stop=self._stop, on_ready=ready, app=self.app)
 
         try:
             self._loop.run_until_complete(main())
@@ -368,6 +250,65 @@ class PyGateway(_Client):
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
         assert not self._thread.is_alive(), "gateway did not stop"
+
+
+def start_enforcer(kind: str, rec: dict, prefix: Path, **options) -> Nginx | PyGateway:
+    """The "python" or "nginx" enforcer rendered from `rec` with RenderOptions(**options), started.
+    The Python gateway listens on port 0; nginx on nginx_port(), retried if that port was taken."""
+    from kvtune.deploy.render import RenderOptions, render_files
+
+    if kind == "python":
+        text = render_files(rec, targets=["gateway.yaml"], options=RenderOptions(listen_port=0, **options))
+        return PyGateway(text["gateway.yaml"]).start()
+    for attempt in range(3):
+        port = nginx_port()
+        conf = render_files(rec, targets=["nginx.conf"], options=RenderOptions(listen_port=port, **options))
+        server = Nginx(prefix, conf["nginx.conf"], port)
+        try:
+            return server.start()
+        except AssertionError as exc:
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def config_for(upstream_url: str, **overrides: Any):
+    """A gateway config of 100 blocks of 16, context 2048: chat capped at 64, the rest at 32."""
+    from kvtune.gateway.config import parse_gateway_config
+
+    doc = {
+        "version": 1, "upstream": upstream_url, "block_size": 16, "block_budget": 100,
+        "max_model_len": 2048,
+        "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
+                   {"name": "default", "max_new_tokens": 32}],
+    }
+    doc.update(overrides)
+    return parse_gateway_config(doc)
+
+
+@contextlib.asynccontextmanager
+async def running(fake: FakeVllm | None = None, *, upstream_host: str = "127.0.0.1", **overrides: Any):
+    """The fake and the gateway (run by `serve`, as the CLI runs it) on 127.0.0.1:0 on this loop;
+    yields (session, gateway base URL, Gateway, fake). The gateway reaches the fake as upstream_host."""
+    import aiohttp
+
+    from kvtune.gateway.proxy import GATEWAY, make_app, serve
+
+    fake = fake or FakeVllm()
+    async with fake:
+        overrides.setdefault("listen", {"port": 0})
+        config = config_for(f"http://{upstream_host}:{fake.port}", **overrides)
+        app = make_app(config)
+        stop = asyncio.Event()
+        ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result, app=app))
+        try:
+            base = (await asyncio.wait_for(ready, 10)).split(",")[0]
+            async with aiohttp.ClientSession() as session:
+                yield session, base, app[GATEWAY], fake
+        finally:
+            stop.set()
+            await asyncio.wait_for(server, 40)
 
 
 def in_thread(fn, *args):

@@ -30,7 +30,8 @@ def make_rec_dict(*, budget: int | None = None, num_blocks: int | None = None, b
         d["capacity"]["block_size"] = block_size
         d["settings"]["block_size"]["value"] = block_size
     if admitted is not None:
-        d["concurrency"]["admitted"] = admitted
+        c = d["concurrency"]
+        c.update(admitted=admitted, gain=round(admitted / c["worst_case"], 3) if c["worst_case"] else None)
     if routes is not None:
         template = d["routes"][0]
         d["routes"] = []

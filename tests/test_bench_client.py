@@ -1,18 +1,18 @@
-"""The bench client against an in-process streaming server: SSE parsing, outcomes, timings."""
+"""The bench client against the fake vLLM on loopback (tests/fake_vllm.py): SSE parsing, outcomes,
+timings."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections import deque
 
 import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench_fakes import FakeConfig, FakeServer
+from fake_vllm import TEMPLATED, FakeVllm
 from kvtune.bench.client import (
     Outcome,
     RequestSpec,
@@ -100,17 +100,22 @@ def spec(output_tokens: int = 5, index: int = 0) -> RequestSpec:
     return RequestSpec(index, "/r", 7, output_tokens, "one two three")
 
 
-async def one(cfg: FakeConfig, *, endpoint="chat", timeout_s=10.0, retry=RetryPolicy(), output_tokens=5):
-    async with FakeServer(cfg) as url, aiohttp.ClientSession() as session:
-        return await send_request(session, Target(url, "fake", endpoint), spec(output_tokens),
+def fake(**steer) -> FakeVllm:
+    """The fake with vLLM's chat template and BOS counted, as the bench reasons."""
+    return FakeVllm(tokens=TEMPLATED, **steer)
+
+
+async def one(server: FakeVllm, *, endpoint="chat", timeout_s=10.0, retry=RetryPolicy(), output_tokens=5):
+    async with server, aiohttp.ClientSession() as session:
+        return await send_request(session, Target(server.url, "fake", endpoint), spec(output_tokens),
                                   timeout_s=timeout_s, retry=retry)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @pytest.mark.parametrize("mode", ["plain", "split_lines", "batch_events"])
 def test_stream_ok_counts_tokens_from_usage(endpoint, mode):
-    cfg = FakeConfig(split_lines=mode == "split_lines", batch_events=mode == "batch_events")
-    r = asyncio.run(one(cfg, endpoint=endpoint, output_tokens=6))
+    server = fake(split_lines=mode == "split_lines", batch_events=mode == "batch_events")
+    r = asyncio.run(one(server, endpoint=endpoint, output_tokens=6))
     assert r.outcome is Outcome.OK and r.status == 200
     assert r.output_tokens == 6 and r.finish_reason == "length"
     assert r.prompt_tokens == (2 + 2 + 3 if endpoint == "chat" else 1 + 3)
@@ -122,76 +127,75 @@ def test_stream_ok_counts_tokens_from_usage(endpoint, mode):
 def test_tokens_without_text_still_give_a_ttft(endpoint):
     """A random-weight model can emit tokens that decode to nothing; the server then sends only the
     finishing chunk, which is the first sign of output (seen on the live CPU vLLM: 23 of 24 TTFTs)."""
-    r = asyncio.run(one(FakeConfig(silent_tokens=True, ttft_s=0.05), endpoint=endpoint, output_tokens=1))
+    r = asyncio.run(one(fake(silent_tokens=True, ttft_s=0.05), endpoint=endpoint, output_tokens=1))
     assert r.outcome is Outcome.OK and r.output_tokens == 1
     assert r.ttft_ms is not None and r.ttft_ms >= 40 and r.text_chunks == 0 and r.itl_ms == []
 
 
 def test_missing_usage_leaves_output_tokens_unknown():
-    r = asyncio.run(one(FakeConfig(no_usage=True)))
+    r = asyncio.run(one(fake(no_usage=True)))
     assert r.outcome is Outcome.OK and r.output_tokens is None and r.tpot_ms is None
 
 
 def test_error_event_mid_stream():
-    r = asyncio.run(one(FakeConfig(script=deque(["error_mid_stream"])), output_tokens=8))
+    r = asyncio.run(one(fake(script=["error_mid_stream"]), output_tokens=8))
     assert r.outcome is Outcome.STREAM_ERROR and r.error == "engine died"
 
 
 def test_server_drops_connection_mid_stream():
-    r = asyncio.run(one(FakeConfig(script=deque(["disconnect"])), output_tokens=8))
+    r = asyncio.run(one(fake(script=["die"]), output_tokens=8))
     assert r.outcome is Outcome.DISCONNECT
 
 
 @pytest.mark.parametrize("status,kind", [("429", Outcome.HTTP_429), ("503", Outcome.HTTP_503),
                                          ("500", Outcome.HTTP_5XX), ("400", Outcome.HTTP_4XX)])
 def test_error_statuses_by_kind(status, kind):
-    r = asyncio.run(one(FakeConfig(script=deque([status]))))
+    r = asyncio.run(one(fake(script=[status])))
     assert r.outcome is kind and r.status == int(status) and r.attempts == 1
     assert r.error == f"status {status}" or status == "429"
 
 
 def test_timeout():
     t = time.perf_counter()
-    r = asyncio.run(one(FakeConfig(script=deque(["hang"])), timeout_s=0.3))
+    r = asyncio.run(one(fake(script=["hold_stream"]), timeout_s=0.3))
     assert r.outcome is Outcome.TIMEOUT
     assert 0.25 < time.perf_counter() - t < 3
 
 
 def test_connection_refused():
     async def go():
-        async with FakeServer() as url:
+        async with fake() as server:
             pass  # closed again: nothing listens on that port now
         async with aiohttp.ClientSession() as session:
-            return await send_request(session, Target(url, "fake"), spec(), timeout_s=5)
+            return await send_request(session, Target(server.url, "fake"), spec(), timeout_s=5)
 
     assert asyncio.run(go()).outcome is Outcome.CONNECT
 
 
 def test_429_retried_after_retry_after():
-    cfg = FakeConfig(script=deque(["429", "429"]), retry_after="0.2")
+    server = fake(script=["429", "429"], retry_after="0.2")
     t = time.perf_counter()
-    r = asyncio.run(one(cfg, retry=RetryPolicy(enabled=True, max_retries=3)))
-    assert r.outcome is Outcome.OK and r.attempts == 3 and cfg.calls == 3
+    r = asyncio.run(one(server, retry=RetryPolicy(enabled=True, max_retries=3)))
+    assert r.outcome is Outcome.OK and r.attempts == 3 and len(server.engine_calls) == 3
     assert r.retry_wait_s == pytest.approx(0.4)
     assert time.perf_counter() - t >= 0.4
     assert r.ttft_ms >= 400  # timed from the first send: what the user waited
 
 
 def test_429_without_retry_is_counted_once():
-    cfg = FakeConfig(script=deque(["429"]))
-    r = asyncio.run(one(cfg))
-    assert r.outcome is Outcome.HTTP_429 and r.attempts == 1 and cfg.calls == 1
+    server = fake(script=["429"])
+    r = asyncio.run(one(server))
+    assert r.outcome is Outcome.HTTP_429 and r.attempts == 1 and len(server.engine_calls) == 1
 
 
 def test_429_retries_are_bounded():
-    cfg = FakeConfig(script=deque(["429"] * 10), retry_after="0")
-    r = asyncio.run(one(cfg, retry=RetryPolicy(enabled=True, max_retries=2)))
-    assert r.outcome is Outcome.HTTP_429 and r.attempts == 3 and cfg.calls == 3
+    server = fake(script=["429"] * 10, retry_after="0")
+    r = asyncio.run(one(server, retry=RetryPolicy(enabled=True, max_retries=2)))
+    assert r.outcome is Outcome.HTTP_429 and r.attempts == 3 and len(server.engine_calls) == 3
 
 
 def test_timings_match_known_server_delays():
-    cfg = FakeConfig(ttft_s=0.2, itl_s=0.05)
-    r = asyncio.run(one(cfg, output_tokens=6))
+    r = asyncio.run(one(fake(ttft_s=0.2, itl_s=0.05), output_tokens=6))
     assert r.ttft_ms == pytest.approx(200, abs=40)
     assert len(r.itl_ms) == 5 and all(x == pytest.approx(50, abs=25) for x in r.itl_ms)
     assert sum(r.itl_ms) == pytest.approx(250, abs=40)
@@ -203,8 +207,8 @@ def test_cancellation_records_the_request_then_propagates():
     seen = []
 
     async def go():
-        async with FakeServer(FakeConfig(script=deque(["hang"]))) as url, aiohttp.ClientSession() as session:
-            task = asyncio.create_task(send_request(session, Target(url, "fake"), spec(), timeout_s=30,
+        async with fake(script=["hold_stream"]) as server, aiohttp.ClientSession() as session:
+            task = asyncio.create_task(send_request(session, Target(server.url, "fake"), spec(), timeout_s=30,
                                                     on_done=seen.append))
             await asyncio.sleep(0.2)
             task.cancel()

@@ -8,7 +8,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench_fakes import FakeConfig, FakeServer
+from fake_vllm import TEMPLATED, FakeVllm
 from kvtune.bench.workload import WORDS, PairSampler, PromptSynth, Workload, calibrate_prompts, check_prompts
 from kvtune.errors import KvtuneError
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
@@ -125,20 +125,21 @@ def test_route_selection_errors():
         Workload.from_profile(Profile(routes=()), [], synth(), seed=0)
 
 
-async def _calibrate(cfg: FakeConfig, endpoint: str, tokenizer=None):
-    async with FakeServer(cfg) as url, aiohttp.ClientSession() as session:
+async def _calibrate(server: FakeVllm, endpoint: str, tokenizer=None):
+    async with server, aiohttp.ClientSession() as session:
+        url = server.url
         s = await calibrate_prompts(session, url, "fake", endpoint, tokenizer=tokenizer)
         rng = np.random.default_rng(0)
         from kvtune.bench.client import RequestSpec
 
         specs = [RequestSpec(i, "r", n, 1, s.text(n, rng)) for i, n in enumerate([5, 17, 300])]
-        check = await check_prompts(session, url, "fake", endpoint, specs) if cfg.tokenize else None
+        check = await check_prompts(session, url, "fake", endpoint, specs) if "/tokenize" not in server.missing else None
         return s, check
 
 
 @pytest.mark.parametrize("endpoint,overhead", [("chat", 4), ("completions", 1)])
 def test_calibration_on_the_server_tokenizer(endpoint, overhead):
-    s, check = asyncio.run(_calibrate(FakeConfig(max_model_len=2048), endpoint))
+    s, check = asyncio.run(_calibrate(FakeVllm(tokens=TEMPLATED, max_model_len=2048), endpoint))
     assert (s.method, s.overhead_tokens, s.max_model_len) == ("tokenize", overhead, 2048)
     assert check == {"checked": 3, "exact": 3}
 
@@ -148,11 +149,11 @@ def test_calibration_with_a_local_tokenizer_when_the_server_has_no_tokenize():
 
     tok = Tokenizer(models.WordLevel({w: i + 1 for i, w in enumerate(WORDS)} | {"<unk>": 0}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    s, _ = asyncio.run(_calibrate(FakeConfig(tokenize=False), "completions", tokenizer=tok))
+    s, _ = asyncio.run(_calibrate(FakeVllm(tokens=TEMPLATED, missing={"/tokenize"}), "completions", tokenizer=tok))
     assert (s.method, s.overhead_tokens) == ("tokenizer", 0)
     assert "no /tokenize" in s.notes[0]
 
 
 def test_calibration_falls_back_to_assumed_lengths_and_says_so():
-    s, _ = asyncio.run(_calibrate(FakeConfig(tokenize=False), "chat"))
+    s, _ = asyncio.run(_calibrate(FakeVllm(tokens=TEMPLATED, missing={"/tokenize"}), "chat"))
     assert s.method == "assumed" and "assumed" in s.notes[-1]

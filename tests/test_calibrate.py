@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import serve_routes
+from fake_vllm import FakeVllm
 
 from kvtune.capacity.calibrate import (
     ServedModel,
@@ -35,6 +35,11 @@ PROM = "text/plain; version=0.0.4; charset=utf-8"
 
 def vllm_routes(models: bytes = MODELS, metrics: bytes = METRICS) -> dict:
     return {"/v1/models": (200, "application/json", models), "/metrics": (200, PROM, metrics)}
+
+
+def serving(routes: dict, **steer) -> FakeVllm:
+    """The fake vLLM answering the captures in `routes`, and 404 for any other path."""
+    return FakeVllm(routes=routes, routes_only=True, **steer)
 
 
 def test_capacity_from_the_real_captures():
@@ -143,24 +148,26 @@ def test_an_override_line_is_checked_as_blocks():
 
 @pytest.mark.parametrize("suffix", ["", "/", "/metrics"])
 def test_fetch_over_http(suffix):
-    with serve_routes(vllm_routes()) as (base, paths):
+    with serving(vllm_routes()) as fake:
+        base = fake.url
         m = asyncio.run(fetch_calibration(base + suffix))
-    assert paths == ["/v1/models", "/metrics"]
+    assert [c.path for c in fake.other] == ["/v1/models", "/metrics"]
     assert (m.model, m.max_model_len, m.num_blocks, m.block_size, m.kv_cache_tokens) == ("tiny", 512, 32, 128, 4096)
     assert m.origin == base and m.source is CapacitySource.METRICS
 
 
 def test_calibration_round_trips_through_the_capacity_file(tmp_path):
-    with serve_routes(vllm_routes()) as (base, _):
-        m = asyncio.run(calibrate(base, vllm_log=str(LOG)))
+    with serving(vllm_routes()) as fake:
+        m = asyncio.run(calibrate(fake.url, vllm_log=str(LOG)))
     write_capacity_file(tmp_path / "cap.json", m)
     assert read_capacity_file(tmp_path / "cap.json") == m
     assert m.device == "CPU"
 
 
 def test_unreachable():
-    with serve_routes({}) as (base, _):
+    with serving({}) as fake:
         pass  # closed again: the port now refuses
+    base = fake.url
     with pytest.raises(EndpointError) as info:
         asyncio.run(fetch_calibration(base, timeout_s=2))
     assert str(info.value).startswith(f"{base}/v1/models: cannot reach: ")
@@ -181,17 +188,17 @@ def test_unreachable():
     ({"/v1/models": (500, "application/json", b"{}")}, "{base}/v1/models: HTTP 500 Internal Server Error"),
 ])
 def test_endpoint_errors_are_one_line(routes, message):
-    with serve_routes(routes) as (base, _):
+    with serving(routes) as fake:
         with pytest.raises(EndpointError) as info:
-            asyncio.run(fetch_calibration(base))
-    assert str(info.value) == message.format(base=base)
+            asyncio.run(fetch_calibration(fake.url))
+    assert str(info.value) == message.format(base=fake.url)
 
 
 def test_a_server_that_does_not_answer_in_time():
-    with serve_routes(vllm_routes(), delay_s=2.0) as (base, _):
+    with serving(vllm_routes(), delay_s=2.0) as fake:
         with pytest.raises(EndpointError) as info:
-            asyncio.run(fetch_calibration(base, timeout_s=0.3))
-    assert str(info.value) == f"{base}/v1/models: no complete answer within the timeout"
+            asyncio.run(fetch_calibration(fake.url, timeout_s=0.3))
+    assert str(info.value) == f"{fake.url}/v1/models: no complete answer within the timeout"
 
 
 def test_calibrate_needs_a_url_or_a_log():

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from recs import make_rec_dict
-
-import asyncio
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from bench_fakes import FakeConfig, FakeServer
+from fake_vllm import TEMPLATED, FakeVllm
+from recs import make_rec_dict
 from kvtune.cli import cli
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
@@ -22,31 +19,11 @@ from kvtune.profile.build import save_profile
 REPO = Path(__file__).resolve().parents[1]
 
 
-class ThreadServer:
-    """The fake server on its own event loop in a thread, for a CLI that runs asyncio.run itself."""
-
-    def __init__(self, cfg: FakeConfig) -> None:
-        self.cfg = cfg
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server = FakeServer(cfg)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        return asyncio.run_coroutine_threadsafe(self.server.__aenter__(), self.loop).result(10)
-
-    def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.__aexit__(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture
 def fake():
-    cfg = FakeConfig()
-    with ThreadServer(cfg) as url:
-        yield url, cfg
+    """The fake vLLM on a loop in a thread: the CLI runs asyncio.run itself."""
+    with FakeVllm(tokens=TEMPLATED) as server:
+        yield server
 
 
 @pytest.fixture
@@ -67,7 +44,7 @@ def run(*args: str):
 
 
 def test_json_report_has_every_documented_field(fake, profile_path, tmp_path):
-    url, cfg = fake
+    url = fake.url
     out, log = tmp_path / "results.json", tmp_path / "requests.jsonl"
     r = run(url, "--profile", profile_path, "--concurrency", "4", "--requests", "30", "--json",
             "--out", str(out), "--requests-log", str(log), "--slo", "ttft=5000,tpot=1000", "--scrape-interval", "0.1")
@@ -76,12 +53,12 @@ def test_json_report_has_every_documented_field(fake, profile_path, tmp_path):
     assert data == json.loads(out.read_text())
     assert data["requests"]["sent"] == 30 and data["requests"]["completed"] == 30
     assert set(data["requests"]["failed"]) >= {"429", "503", "4xx", "5xx", "timeout", "disconnect"}
-    assert data["output_tokens_total"] == data["output_tokens_requested_total"] == cfg.generation_tokens
+    assert data["output_tokens_total"] == data["output_tokens_requested_total"] == fake.generation_tokens
     for name in ("ttft", "itl", "tpot", "e2e"):
         assert set(data["latency_ms"][name]) >= {"mean", "p50", "p90", "p99"}
     assert set(data["throughput"]) == {"requests_per_s", "output_tokens_per_s"}
     assert data["goodput"]["attainment"] == 1.0
-    assert data["server"]["generation_tokens"] == cfg.generation_tokens
+    assert data["server"]["generation_tokens"] == fake.generation_tokens
     assert set(data["server"]) >= {"preemptions", "kv_cache_usage_peak", "running_peak", "waiting_peak",
                                    "generation_tokens", "num_blocks", "block_size"}
     assert data["verdict"] == {"passed": True, "slo": data["verdict"]["slo"]}
@@ -89,11 +66,11 @@ def test_json_report_has_every_documented_field(fake, profile_path, tmp_path):
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == 30 and all("prompt" not in x and "text" not in x for x in lines)
     assert {x["outcome"] for x in lines} == {"ok"}
-    assert cfg.peak_in_flight <= 4
+    assert fake.peak_active <= 4
 
 
 def test_table_output_names_the_numbers(fake, profile_path):
-    url, _ = fake
+    url = fake.url
     r = run(url, "--profile", profile_path, "--rate", "200", "--requests", "20", "--endpoint", "completions")
     assert r.exit_code == 0, r.output
     assert "20 sent, 20 completed" in r.output and "TTFT" in r.output and "preemptions 0" in r.output
@@ -109,13 +86,13 @@ def expectation(tmp_path, **over) -> str:
 
 
 def test_expect_passes_then_fails_on_preemptions(fake, profile_path, tmp_path):
-    url, cfg = fake
+    url = fake.url
     r = run(url, "--profile", profile_path, "--concurrency", "2", "--requests", "10", "--json",
             "--expect", expectation(tmp_path))
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["verdict"]["passed"] is True
 
-    cfg.preempt_per_request = 1  # the fake engine now preempts once per request
+    fake.preempt_per_request = 1  # the fake engine now preempts once per request
     r = run(url, "--profile", profile_path, "--concurrency", "2", "--requests", "10", "--json",
             "--expect", expectation(tmp_path))
     assert r.exit_code == 1
@@ -124,8 +101,8 @@ def test_expect_passes_then_fails_on_preemptions(fake, profile_path, tmp_path):
 
 
 def test_server_without_metrics_is_allowed_and_said(fake, profile_path, tmp_path):
-    url, cfg = fake
-    cfg.metrics = False
+    url = fake.url
+    fake.missing.add("/metrics")
     r = run(url, "--profile", profile_path, "--requests", "3", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
@@ -135,7 +112,7 @@ def test_server_without_metrics_is_allowed_and_said(fake, profile_path, tmp_path
 
 
 def test_replay_sends_the_logs_own_requests(fake, tmp_path):
-    url, cfg = fake
+    url = fake.url
     logs = tmp_path / "logs.jsonl"
     rows = [{"timestamp": 1000 + i * 0.5, "url": "/v1/chat/completions",
              "request": {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64},
@@ -149,25 +126,25 @@ def test_replay_sends_the_logs_own_requests(fake, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["load"]["kind"] == "replay" and data["requests"]["completed"] == 6
-    assert sorted(b["max_tokens"] for b in cfg.bodies) == [3, 4, 5, 6, 7, 8]
+    assert sorted(b["max_tokens"] for b in fake.seen) == [3, 4, 5, 6, 7, 8]
     assert data["prompt_tokens_requested_total"] == sum(range(10, 16))
     assert 0.2 <= data["duration_s"] < 2  # 2.5 s of log at 10× speed
 
 
 def test_min_tokens_length_control_sends_no_max_tokens(fake, profile_path):
-    url, cfg = fake
+    url = fake.url
     r = run(url, "--profile", profile_path, "--requests", "6", "--concurrency", "3",
             "--length-control", "min-tokens", "--eos-token-id", "2", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["target"]["length_control"] == "min-tokens" and data["requests"]["completed"] == 6
-    assert len(cfg.bodies) == 6
-    for body in cfg.bodies:
+    assert len(fake.seen) == 6
+    for body in fake.seen:
         assert "max_tokens" not in body and "ignore_eos" not in body
         assert body["logit_bias"] == {"2": 100} and body["min_tokens"] >= 0
     # the fake answers min_tokens + 1 (EOS counted), so every output has its drawn length
     assert data["output_tokens_total"] == data["output_tokens_requested_total"] == \
-        sum(b["min_tokens"] + 1 for b in cfg.bodies)
+        sum(b["min_tokens"] + 1 for b in fake.seen)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -203,11 +180,8 @@ def test_empty_workload_exits_2(tmp_path):
 
 
 def test_unreachable_server_exits_2(profile_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens after close
+    with FakeVllm() as gone:
+        port = gone.port  # nothing listens after the block
     r = run(f"http://127.0.0.1:{port}", "--profile", profile_path, "--requests", "1")
     assert r.exit_code == 2
     assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach the server (")
@@ -224,11 +198,11 @@ def test_bad_expect_file_exits_2(profile_path, tmp_path):
 
 def test_outputs_are_checked_before_the_run_and_written_together(fake, profile_path, tmp_path):
     """A bad --out fails before any request is sent; a good pair is written whole, together."""
-    url, cfg = fake
+    url = fake.url
     (tmp_path / "results.json").mkdir()
     r = CliRunner().invoke(cli, ["bench", url, "--profile", profile_path, "--requests", "5", "--json",
                                  "--out", str(tmp_path / "results.json"), "--requests-log", str(tmp_path / "log.jsonl")])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"Error: {tmp_path / 'results.json'}: refusing to replace a directory")
-    assert cfg.generation_tokens == 0 and not (tmp_path / "log.jsonl").exists()
+    assert fake.generation_tokens == 0 and not (tmp_path / "log.jsonl").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json", "results.json"]

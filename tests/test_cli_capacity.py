@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from fake_vllm import FakeVllm
 from kvtune.cli import cli
 
 DATA = Path(__file__).parent / "data"
@@ -28,29 +26,9 @@ def run_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-@contextmanager
-def serve(body: bytes):
-    """A real HTTP server on 127.0.0.1 with an ephemeral port."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def serve(body: bytes) -> FakeVllm:
+    """The fake vLLM on loopback answering `body` at /metrics, 404 elsewhere."""
+    return FakeVllm(routes={"/metrics": (200, "text/plain; version=0.0.4", body)}, routes_only=True)
 
 
 def test_readme_command_json():
@@ -130,8 +108,8 @@ def test_v0_log_blocks_are_authoritative():
 
 
 def test_metrics_url_over_real_http():
-    with serve((DATA / "metrics-cpu-0.32.txt").read_bytes()) as base:
-        d = run_json("capacity", "llama-3.1-8b", "--metrics-url", f"{base}/metrics", "--max-model-len", "512")
+    with serve((DATA / "metrics-cpu-0.32.txt").read_bytes()) as fake:
+        d = run_json("capacity", "llama-3.1-8b", "--metrics-url", f"{fake.url}/metrics", "--max-model-len", "512")
     assert (d["source"], d["num_blocks"], d["block_size"], d["kv_cache_tokens"]) == ("metrics", 32, 128, 4096)
     assert d["max_concurrency_at_max_model_len"] == 8.0
 
@@ -180,8 +158,8 @@ def test_weights_larger_than_the_gpu_is_a_capacity_error():
 
 
 def test_unreachable_metrics_url_is_one_line():
-    with serve(b"") as base:
-        pass  # closed again: the port refuses connections
+    with serve(b"") as fake:
+        base = fake.url  # closed again after the block: the port refuses connections
     result = run("capacity", "llama-3.1-8b", "--metrics-url", base)
     assert result.exit_code == 2
     assert result.stderr.startswith(f"Error: {base}/metrics: --metrics-url: cannot reach:")

@@ -60,60 +60,58 @@ def test_listed_in_help():
 
 @pytest.mark.slow
 def test_runs_serves_and_drains_on_sigterm(tmp_path):
-    from enforcers import Upstream
+    from fake_vllm import FakeVllm
 
-    up = Upstream().start()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtune", "gateway", "--config", write(tmp_path, GOOD),
-         "--upstream", f"http://127.0.0.1:{up.port}", "--host", "127.0.0.1", "--port", "0"],
-        stderr=subprocess.PIPE, text=True)
-    try:
-        first = proc.stderr.readline()
-        match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", first)
-        assert match, first
-        port = int(match.group(1))
-        up.hold()
-        results: list = []
+    with FakeVllm() as up:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtune", "gateway", "--config", write(tmp_path, GOOD),
+             "--upstream", f"http://127.0.0.1:{up.port}", "--host", "127.0.0.1", "--port", "0"],
+            stderr=subprocess.PIPE, text=True)
+        try:
+            first = proc.stderr.readline()
+            match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", first)
+            assert match, first
+            port = int(match.group(1))
+            up.hold()
+            results: list = []
 
-        def stream() -> None:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-            body = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "stream": True,
-                    "hold_stream": True}
-            try:
-                conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                             headers={"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                results.append((resp.status, resp.read()))
-            finally:
-                conn.close()
+            def stream() -> None:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+                body = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "stream": True,
+                        "x_mode": "hold_stream"}
+                try:
+                    conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                                 headers={"Content-Type": "application/json"})
+                    resp = conn.getresponse()
+                    results.append((resp.status, resp.read()))
+                finally:
+                    conn.close()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        for _ in range(200):
-            conn.request("GET", "/kvtune/ledger")
-            ledger = json.loads(conn.getresponse().read())
-            if ledger["reserved"]:
-                break
-            threading.Event().wait(0.02)
-        prompt = -(-len('[{"role":"user","content":"a b c"}]') // 2) + 8  # the configured estimate
-        assert ledger["reserved"] == -(-(prompt + 64) // 16)
-        conn.close()
-        proc.send_signal(signal.SIGTERM)  # drains: the held stream finishes once released
-        threading.Event().wait(0.3)
-        assert proc.poll() is None
-        up.release()
-        t.join(20)
-        assert proc.wait(20) == 0
-        assert results and results[0][0] == 200 and results[0][1].endswith(b"data: [DONE]\n\n")
-        assert "stopped; 0 blocks still reserved" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        proc.stderr.close()
-        up.release()
-        up.stop()
+            t = threading.Thread(target=stream)
+            t.start()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            for _ in range(200):
+                conn.request("GET", "/kvtune/ledger")
+                ledger = json.loads(conn.getresponse().read())
+                if ledger["reserved"]:
+                    break
+                threading.Event().wait(0.02)
+            prompt = -(-len('[{"role":"user","content":"a b c"}]') // 2) + 8  # the configured estimate
+            assert ledger["reserved"] == -(-(prompt + 64) // 16)
+            conn.close()
+            proc.send_signal(signal.SIGTERM)  # drains: the held stream finishes once released
+            threading.Event().wait(0.3)
+            assert proc.poll() is None
+            up.release()
+            t.join(20)
+            assert proc.wait(20) == 0
+            assert results and results[0][0] == 200 and results[0][1].endswith(b"data: [DONE]\n\n")
+            assert "stopped; 0 blocks still reserved" in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            proc.stderr.close()
 
 
 def test_bad_host_override_is_one_line(tmp_path):

@@ -480,13 +480,11 @@ def test_max_routes_default_is_the_profilers():
 
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "device", "proc"])
-def test_save_refuses_what_is_not_a_regular_file(tmp_path, kind):
+def test_save_refuses_what_is_not_a_regular_file(tmp_path, kind, private_device):
     """--save replaced a symlink, FIFO or device with a regular file (or died writing /proc)."""
     import os
     import stat
     from pathlib import Path
-
-    from test_writer import private_device
 
     real = tmp_path / "real.json"
     real.write_text("keep")

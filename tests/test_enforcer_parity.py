@@ -1,6 +1,6 @@
 """One behaviour, two enforcers: the same policy tests against `kvtune gateway` (Python, from the
 rendered gateway.yaml) and the rendered nginx.conf on a real nginx with Lua, both rendered from
-one recommendation and both in front of the same fake vLLM (tests/enforcers.py).
+one recommendation and both in front of the same fake vLLM (tests/enforcers.py, tests/fake_vllm.py).
 
 What is held the same: which paths are governed, refused or passed through; how each endpoint's
 request is read (its prompt field, its cap fields, its sequences); clamping and reservation;
@@ -10,6 +10,7 @@ request is read (its prompt field, its cap fields, its sequences); clamping and 
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import zlib
 import os
@@ -21,11 +22,11 @@ import pytest
 
 from enforcers import (
     BUDGET, CHAT_CAP, COMPLETIONS_CAP, CUSTOM_CAP, DEFAULT_CAP, HOSTILE, HOSTILE_CAP, HOSTILE_MODEL,
-    Nginx, PyGateway, Upstream, blocks, chat, free_port, in_thread, small_rec, words,
+    blocks, chat, in_thread, small_fake, small_rec, start_enforcer, words,
 )
+from fake_vllm import DONE_EVENT, ROLE_EVENT
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
 from kvtune.gateway.config import ClientLimits
-from kvtune.deploy.render import RenderOptions, render_files
 
 pytestmark = pytest.mark.slow
 
@@ -37,27 +38,13 @@ LIMITS = ClientLimits(header_timeout_s=2.0, body_timeout_s=2.0, keepalive_timeou
 
 @pytest.fixture
 def upstream():
-    up = Upstream().start()
-    try:
-        yield up
-    finally:
-        up.release()
-        up.stop()
-
-
-def _options(port: int, **extra) -> RenderOptions:
-    return RenderOptions(listen_port=port, nginx_worker_processes="1", limits=LIMITS,
-                         nginx_user="root" if os.geteuid() == 0 else None, **extra)
+    with small_fake() as fake:
+        yield fake
 
 
 def _start(kind: str, tmp_path, upstream, **extra):
-    rec = small_rec(upstream.port)
-    port = free_port()
-    options = _options(port, **extra)
-    if kind == "python":
-        return PyGateway(render_files(rec, targets=["gateway.yaml"], options=options)["gateway.yaml"]).start()
-    conf = render_files(rec, targets=["nginx.conf"], options=options)["nginx.conf"]
-    return Nginx(tmp_path / "nginx", conf, port).start()
+    return start_enforcer(kind, small_rec(upstream.port), tmp_path / "nginx", nginx_worker_processes="1",
+                          limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None, **extra)
 
 
 @pytest.fixture(params=["python", "nginx"])
@@ -308,14 +295,24 @@ def test_unknown_paths_are_refused(enforcer, upstream, path, method):
     assert upstream.reached() == []
 
 
+def _direct_get(port: int, target: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", target)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
 def test_the_passthrough_allow_list_reaches_the_upstream_untouched(enforcer, upstream):
-    for path in DEFAULT_PASSTHROUGH:
-        if path == "/tokenize" or path == "/v1/messages/count_tokens":
-            continue
-        status, headers, body = enforcer.request(path + "?q=1", method="GET")
-        assert status == 200 and body == b"upstream", path
-    assert [p for _, p in upstream.other] == [p + "?q=1" for p in DEFAULT_PASSTHROUGH
-                                              if p not in ("/tokenize", "/v1/messages/count_tokens")]
+    paths = [p for p in DEFAULT_PASSTHROUGH if p not in ("/tokenize", "/v1/messages/count_tokens")]
+    through = [enforcer.request(path + "?q=1", method="GET") for path in paths]
+    assert [c.path for c in upstream.other] == [p + "?q=1" for p in paths]
+    # the client gets what the upstream answers, status included (its echo is a 207)
+    for path, (status, _, body) in zip(paths, through):
+        assert (status, body) == _direct_get(upstream.port, path + "?q=1"), path
+    assert (207, b"echo") in [(status, body) for status, _, body in through]
     assert enforcer.ledger()["reserved"] == 0
 
 
@@ -487,7 +484,7 @@ def test_an_unknown_body_encoding_is_415(enforcer, upstream, encoding):
 def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstream):
     upstream.hold()
     # 1536 prompt + 64 cap = 1600 tokens = 100 blocks: the whole budget
-    t, box = in_thread(enforcer.request, "/v1/chat/completions", chat(1536, hold=True))
+    t, box = in_thread(enforcer.request, "/v1/chat/completions", chat(1536, x_mode="hold"))
     assert enforcer.wait_ledger(100)["reserved"] == 100
     status, headers, body = enforcer.request("/v1/chat/completions", chat(1))
     assert status == 429
@@ -505,7 +502,7 @@ def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstre
     # Retry-After follows the release rate (100 blocks just released, averaged over 30 s): a
     # request that needs more blocks is told to wait longer.
     upstream.hold()
-    t, box = in_thread(enforcer.request, "/v1/chat/completions", chat(1536, hold=True))
+    t, box = in_thread(enforcer.request, "/v1/chat/completions", chat(1536, x_mode="hold"))
     enforcer.wait_ledger(100)
     small = enforcer.request("/v1/chat/completions", chat(1))
     large = enforcer.request("/v1/chat/completions", chat(1000))
@@ -519,11 +516,11 @@ def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstre
 def test_streams_pass_through_and_client_abort_releases(enforcer, upstream):
     upstream.hold()
     sock = socket.create_connection(("127.0.0.1", enforcer.port), timeout=10)
-    payload = json.dumps(chat(100, stream=True, hold_stream=True)).encode()
+    payload = json.dumps(chat(100, stream=True, x_mode="hold_stream")).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     received = b""
-    while b'"chunk": 0' not in received:  # the first chunk arrives while the upstream still holds
+    while ROLE_EVENT not in received:  # the first event arrives while the upstream still holds
         chunk = sock.recv(4096)
         assert chunk, received
         received += chunk
@@ -533,8 +530,10 @@ def test_streams_pass_through_and_client_abort_releases(enforcer, upstream):
     assert enforcer.wait_ledger(0)["reserved"] == 0
     upstream.release()
 
-    status, _, body = enforcer.request("/v1/chat/completions", chat(5, stream=True))
-    assert status == 200 and body.count(b"data:") == 4
+    status, _, body = enforcer.request("/v1/chat/completions", chat(5, stream=True, x_chunks=3))
+    # the role, 3 tokens, usage and [DONE], whole and in order
+    assert status == 200 and body.count(b"data:") == 6 and body.startswith(ROLE_EVENT)
+    assert body.endswith(DONE_EVENT)
     assert enforcer.wait_ledger(0)["reserved"] == 0
 
 
@@ -570,7 +569,7 @@ def test_concurrent_requests_never_exceed_the_budget(enforcer, upstream):
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    threads = [in_thread(enforcer.request, "/v1/chat/completions", chat(200, hold=True)) for _ in range(12)]
+    threads = [in_thread(enforcer.request, "/v1/chat/completions", chat(200, x_mode="hold")) for _ in range(12)]
     deadline = time.monotonic() + 10
     while sum("result" in box for _, box in threads) < 7 and time.monotonic() < deadline:
         time.sleep(0.02)  # 5 × 17 = 85 blocks fit; the other 7 answer 429 at once
@@ -587,7 +586,7 @@ def test_concurrent_requests_never_exceed_the_budget(enforcer, upstream):
 
 def test_a_failed_count_is_503_never_a_guess(enforcer, upstream):
     """An admission decision is never made on an estimate the config did not ask for."""
-    upstream.tokenize_fails = True
+    upstream.tokenize_status = 500
     status, headers, body = enforcer.request("/v1/chat/completions", chat(30))
     assert status == 503 and int(headers["Retry-After"]) >= 1
     assert _error(body) == "prompt_count_unavailable"
@@ -605,7 +604,7 @@ def test_a_count_that_is_no_count_is_502(enforcer, upstream):
 def test_a_configured_estimate_stands_in_for_a_failed_count(kind, tmp_path, upstream):
     server = _start(kind, tmp_path, upstream, estimate_chars_per_token=3.0, estimate_margin_tokens=64)
     try:
-        upstream.tokenize_fails = True
+        upstream.tokenize_status = 500
         status, headers, _ = server.request("/v1/chat/completions", chat(30))
         assert status == 200
         # never below the true count: 30 words + the margin

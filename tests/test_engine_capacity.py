@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fake_vllm import FakeVllm
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.measured import (
     fetch_metrics,
@@ -27,32 +25,9 @@ from kvtune.errors import EndpointError, InputError
 DATA = Path(__file__).parent / "data"
 
 
-@contextmanager
-def serve(body: bytes, *, status: int = 200):
-    """A real HTTP server on 127.0.0.1 with an ephemeral port; every GET answers `body`."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(status)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            Handler.paths.append(self.path)
-
-        def log_message(self, *args):
-            pass
-
-    Handler.paths = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", Handler.paths
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def serve(body: bytes, *, status: int = 200) -> FakeVllm:
+    """The fake vLLM on loopback answering `body` at /metrics, 404 elsewhere."""
+    return FakeVllm(routes={"/metrics": (status, "text/plain; version=0.0.4", body)}, routes_only=True)
 
 
 # --- startup logs --------------------------------------------------------------------------------
@@ -169,22 +144,23 @@ def test_bad_metrics_are_endpoint_errors(text, message):
 
 def test_fetch_metrics_over_real_http():
     body = (DATA / "metrics-cpu-0.32.txt").read_bytes()
-    with serve(body) as (base, paths):
-        m = fetch_metrics(base)  # a bare server URL gets /metrics appended
-    assert paths == ["/metrics"]
-    assert (m.num_blocks, m.block_size, m.origin) == (32, 128, f"{base}/metrics")
+    with serve(body) as fake:
+        m = fetch_metrics(fake.url)  # a bare server URL gets /metrics appended
+    assert [c.path for c in fake.other] == ["/metrics"]
+    assert (m.num_blocks, m.block_size, m.origin) == (32, 128, f"{fake.url}/metrics")
 
 
 def test_fetch_metrics_http_error():
-    with serve(b"nope", status=404) as (base, _):
+    with serve(b"nope", status=404) as fake:
+        base = fake.url
         with pytest.raises(EndpointError) as info:
             fetch_metrics(f"{base}/metrics")
     assert str(info.value) == f"{base}/metrics: --metrics-url: HTTP 404 Not Found"
 
 
 def test_fetch_metrics_unreachable():
-    with serve(b"") as (base, _):
-        pass  # the server is closed again: its port now refuses
+    with serve(b"") as fake:
+        base = fake.url  # closed again after the block: its port now refuses
     with pytest.raises(EndpointError) as info:
         fetch_metrics(f"{base}/metrics", timeout_s=2)
     assert str(info.value).startswith(f"{base}/metrics: --metrics-url: cannot reach:")

@@ -1,5 +1,5 @@
 """Prompt counting for admission: every request shape, the local tokenizer with its chat template,
-the upstream's /tokenize (a real aiohttp server on loopback), and the configured estimate."""
+the upstream's /tokenize (the fake vLLM on loopback, tests/fake_vllm.py), and the configured estimate."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import asyncio
 import json
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
+from fake_vllm import FakeVllm, Tokens
 from kvtune.errors import InputError
 from kvtune.gateway.apis import Prompt, read_request
 from kvtune.gateway.body import BodyError
@@ -65,14 +64,7 @@ def test_template_fields_override_chat_template_kwargs_as_vllm_032_does(model_di
 def test_content_parts_and_anthropic_requests_are_counted_by_the_engine(model_dir):
     """vLLM reshapes list content by the template's content format and converts Anthropic
     requests itself, so the local counter asks the engine for those (exactly), not a guess."""
-    seen = []
-
-    async def tokenize(request):
-        body = await request.json()
-        seen.append((request.path, body))
-        if request.path == "/v1/messages/count_tokens":
-            return web.json_response({"input_tokens": 42})
-        return web.json_response({"count": 17, "tokens": []})
+    fake = FakeVllm(tokens=Tokens(chat=16))  # a chat costs 16 tokens more than its words
 
     async def run(client):
         local = LocalTokenizerCounter.load(str(model_dir)).with_upstream(UpstreamTokenizeCounter(client))
@@ -84,10 +76,11 @@ def test_content_parts_and_anthropic_requests_are_counted_by_the_engine(model_di
         return (await local.count(parts.prompts), await local.count(mixed.prompts),
                 await local.count(anthropic.prompts, "m"))
 
-    parts, mixed, anthropic = asyncio.run(_with_tokenizer_server(tokenize, run))
-    assert parts.tokens == (17,) and parts.exact
+    parts, mixed, anthropic = asyncio.run(_counted_by(fake, run))
+    assert parts.tokens == (16 + 1,) and parts.exact
+    seen = [(c.path, c.parsed) for c in fake.count_calls]
     assert mixed.tokens == (3, 2) and [p for p, _ in seen].count("/tokenize") == 1  # text counted here
-    assert anthropic.tokens == (42,)
+    assert anthropic.tokens == (16 + 2 + 1,)  # the engine's: "be brief" and "hi", not the local template's
     assert seen[-1] == ("/v1/messages/count_tokens", {"model": "m", "system": "be brief",
                                                       "messages": [{"role": "user", "content": "hi"}]})
 
@@ -160,28 +153,18 @@ def test_estimate_counts_every_part_of_the_rendered_prompt(extra):
 
 # ---------------------------------------------------------------- upstream /tokenize
 
-async def _with_tokenizer_server(handler, fn):
-    app = web.Application()
-    app.router.add_post("/tokenize", handler)
-    app.router.add_post("/v1/messages/count_tokens", handler)
-    server = TestServer(app)
-    await server.start_server()
-    client = UpstreamClient(str(server.make_url("/")))
-    try:
-        return await fn(client)
-    finally:
-        await client.close()
-        await server.close()
+async def _counted_by(fake: FakeVllm, fn):
+    """fn(client) against the fake vLLM's /tokenize, on this loop."""
+    async with fake:
+        client = UpstreamClient(fake.url + "/")
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
 
 
 def test_upstream_tokenize_sends_messages_and_prompts():
-    seen = []
-
-    async def tokenize(request):
-        body = await request.json()
-        seen.append(body)
-        text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
-        return web.json_response({"count": len(text.split()) + 3, "max_model_len": 512, "tokens": []})
+    fake = FakeVllm(tokens=Tokens(prompt=3, chat=3))  # words + 3, chat or raw
 
     async def run(client):
         counter = UpstreamTokenizeCounter(client)
@@ -191,10 +174,11 @@ def test_upstream_tokenize_sends_messages_and_prompts():
         many = read_request(Api.COMPLETIONS, {"model": "m", "prompt": ["a", "b c", [1, 2]]})
         return await counter.count(chat.prompts, "m"), await counter.count(many.prompts, "m")
 
-    chat, many = asyncio.run(_with_tokenizer_server(tokenize, run))
-    assert chat.tokens == (5,) and chat.exact and chat.method == "upstream-tokenize"
+    chat, many = asyncio.run(_counted_by(fake, run))
+    assert chat.tokens == (2 + 1 + 3,) and chat.exact and chat.method == "upstream-tokenize"  # the document too
     assert many.tokens == (4, 5, 2)
     # /tokenize takes neither documents nor reasoning_effort: they travel as template kwargs
+    seen = fake.tokenize_calls
     assert seen[0] == {"model": "m", "messages": [{"role": "user", "content": "a b"}], "tools": [{"t": 1}],
                        "chat_template_kwargs": {"documents": [{"text": "d"}], "reasoning_effort": "low",
                                                 "enable_thinking": True}}
@@ -203,53 +187,46 @@ def test_upstream_tokenize_sends_messages_and_prompts():
 
 def test_a_batch_opens_a_bounded_number_of_tokenize_calls():
     """2,000 prompts in one request: never more than TOKENIZE_CONCURRENCY calls at once."""
-    state = {"now": 0, "peak": 0}
-
-    async def tokenize(request):
-        state["now"] += 1
-        state["peak"] = max(state["peak"], state["now"])
-        await asyncio.sleep(0.001)
-        state["now"] -= 1
-        return web.json_response({"count": 1, "tokens": []})
+    fake = FakeVllm(delay_s=0.001)
 
     async def run(client):
         asked = read_request(Api.COMPLETIONS, {"prompt": [f"p{i}" for i in range(2000)]})
         return await UpstreamTokenizeCounter(client).count(asked.prompts, "m")
 
-    counted = asyncio.run(_with_tokenizer_server(tokenize, run))
+    counted = asyncio.run(_counted_by(fake, run))
     assert counted.tokens == (1,) * 2000
-    assert state["peak"] <= TOKENIZE_CONCURRENCY
+    assert len(fake.tokenize_calls) == 2000
+    assert fake.tokenize_peak <= TOKENIZE_CONCURRENCY
 
 
 @pytest.mark.parametrize("answer", [{"count": -3}, {"count": "12"}, {"count": True}, {"tokens": []}, [5]])
 def test_upstream_count_that_is_no_count_is_invalid(answer):
-    async def tokenize(request):
-        return web.json_response(answer)
+    fake = FakeVllm()
+    fake.tokenize_answer = answer
 
     async def run(client):
         with pytest.raises(PromptCountInvalidError):
             await UpstreamTokenizeCounter(client).count((Prompt(text="x"),), "m")
 
-    asyncio.run(_with_tokenizer_server(tokenize, run))
+    asyncio.run(_counted_by(fake, run))
 
 
 def test_upstream_400_rejects_and_500_errors_or_falls_back():
-    async def tokenize(request):
-        body = await request.json()
-        if body["prompt"] == "long":
-            return web.json_response({"error": {"message": "This model's maximum context length is 512 tokens",
-                                                 "type": "BadRequestError"}}, status=400)
-        return web.json_response({"error": "down"}, status=500)
+    fake = FakeVllm()
 
     async def run(client):
+        fake.tokenize_status = 400
+        fake.tokenize_answer = {"error": {"message": "This model's maximum context length is 512 tokens",
+                                          "type": "BadRequestError"}}
         with pytest.raises(PromptRejectedError, match="maximum context length"):
             await UpstreamTokenizeCounter(client).count((Prompt(text="long"),))
+        fake.tokenize_status, fake.tokenize_answer = 500, {"error": "down"}
         with pytest.raises(PromptCountError, match="500"):
             await UpstreamTokenizeCounter(client).count((Prompt(text="x y"),))
         fallback = UpstreamTokenizeCounter(client, fallback=EstimateCounter(1.0, 7))
         return await fallback.count((Prompt(text="x y"),))
 
-    counted = asyncio.run(_with_tokenizer_server(tokenize, run))
+    counted = asyncio.run(_counted_by(fake, run))
     assert counted.tokens == (3 + 7,) and not counted.exact and counted.method == "estimate"
 
 

@@ -13,9 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from enforcers import Nginx, PyGateway, Upstream, free_port, small_rec
+from enforcers import small_fake, small_rec, start_enforcer
 from kvtune.gateway.config import ClientLimits
-from kvtune.deploy.render import RenderOptions, render_files
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("KVTUNE_FUZZ_EXAMPLES", "1500"))
@@ -72,25 +71,18 @@ def bodies(draw) -> bytes:
 
 @pytest.fixture(scope="module")
 def enforcers(tmp_path_factory):
-    upstream = Upstream().start()
-    rec = small_rec(upstream.port)
     limits = ClientLimits(max_body_bytes=256 * 1024, header_timeout_s=5, body_timeout_s=5)
+    options = {"nginx_worker_processes": "1", "limits": limits, "nginx_user": "root" if os.geteuid() == 0 else None}
     servers = {}
-    try:
-        port = free_port()
-        options = RenderOptions(listen_port=port, nginx_worker_processes="1", limits=limits,
-                                nginx_user="root" if os.geteuid() == 0 else None)
-        servers["python"] = PyGateway(render_files(rec, targets=["gateway.yaml"], options=options)["gateway.yaml"]).start()
-        port = free_port()
-        options = RenderOptions(listen_port=port, nginx_worker_processes="1", limits=limits,
-                                nginx_user="root" if os.geteuid() == 0 else None)
-        conf = render_files(rec, targets=["nginx.conf"], options=options)["nginx.conf"]
-        servers["nginx"] = Nginx(tmp_path_factory.mktemp("nginx"), conf, port).start()
-        yield servers, upstream
-    finally:
-        for server in servers.values():
-            server.stop()
-        upstream.stop()
+    with small_fake() as upstream:
+        rec = small_rec(upstream.port)
+        try:
+            for kind in ("python", "nginx"):
+                servers[kind] = start_enforcer(kind, rec, tmp_path_factory.mktemp("nginx"), **options)
+            yield servers, upstream
+        finally:
+            for server in servers.values():
+                server.stop()
 
 
 @pytest.mark.parametrize("kind", ["python", "nginx"])

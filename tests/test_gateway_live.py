@@ -125,14 +125,13 @@ def test_anthropic_counts_equal_the_engines(engine):
 def test_the_gateway_reserves_what_the_engine_uses(engine, tmp_path):
     """The Python gateway in front of the live engine: its reservation is the engine's own
     prompt count plus the cap, in blocks, and the cap reaches the engine."""
-    from enforcers import PyGateway, free_port
+    from enforcers import PyGateway
     import yaml
 
     server, model = engine
-    port = free_port()
     config = {"version": 1, "upstream": server.url, "block_size": server.block_size,
               "block_budget": server.num_blocks - 1, "max_model_len": server.max_model_len,
-              "listen": {"port": port}, "prompt_tokens": {"method": "tokenizer", "tokenizer": str(model)},
+              "listen": {"port": 0}, "prompt_tokens": {"method": "tokenizer", "tokenizer": str(model)},
               "routes": [{"name": "all", "max_new_tokens": 8}]}
     gateway = PyGateway(yaml.safe_dump(config)).start()
     try:

@@ -1,7 +1,8 @@
 """Concurrent load through the Python gateway with everything going wrong at once: an upstream that
 streams slowly, fails, hangs past the read timeout or dies mid-stream; clients that disconnect
 mid-stream, read slowly, or are cancelled. A sampler watches the ledger the whole time, and the
-upstream keeps its own independent tally of the blocks its running requests can grow to."""
+fake vLLM (tests/fake_vllm.py) keeps its own independent tally of the blocks its running requests
+can grow to: ceil((prompt + max_tokens) / 16) × n each, which must never exceed the budget."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from collections import Counter
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from test_gateway_proxy import FakeVllm, chat, running
+from enforcers import chat, running
+from fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.slow
 
@@ -22,30 +23,9 @@ BUDGET = 100
 BLOCK = 16
 
 
-class TallyingVllm(FakeVllm):
-    """Adds up ceil((prompt + max_tokens) / 16) × n for the requests it is running right now: what
-    the engine's KV could grow to. It must never exceed the gateway's budget."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.running_blocks = 0
-        self.peak_running_blocks = 0
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        words = len(body["messages"][0]["content"].split())
-        blocks = max(body.get("n", 1), body.get("best_of", 1)) * -(-(words + body["max_tokens"]) // BLOCK)
-        self.running_blocks += blocks
-        self.peak_running_blocks = max(self.peak_running_blocks, self.running_blocks)
-        try:
-            return await super().generate(request)
-        finally:
-            self.running_blocks -= blocks
-
-
 async def _load(queue: dict | None, requests: int, seed: int) -> None:
     rng = random.Random(seed)
-    fake = TallyingVllm()
+    fake = FakeVllm(block_size=BLOCK)
     overrides = {"timeouts": {"read_s": 0.4, "drain_s": 5}}
     if queue:
         overrides["queue"] = queue
@@ -69,7 +49,7 @@ async def _load(queue: dict | None, requests: int, seed: int) -> None:
         async def client(i: int) -> None:
             await asyncio.sleep(rng.random() * 3.0)
             behaviour = rng.choices(["normal", "disconnect", "slow", "cancel"], [55, 15, 15, 15])[0]
-            mode = rng.choices(["ok", "fail", "hang", "die"], [80, 7, 5, 8])[0]
+            mode = rng.choices(["ok", "500", "hold", "die"], [80, 7, 5, 8])[0]  # a hold is never released
             chunks = rng.randint(3, 10)
             body = chat(rng.randint(5, 250), stream=True, x_mode=mode, x_chunks=chunks,
                         x_delay=rng.choice([0.005, 0.02, 0.05]), x_id=i,

@@ -1,132 +1,21 @@
-"""The Python gateway in process, in front of a fake vLLM on loopback that the request body steers
-(stream slowly, fail, hang, die mid-stream): pass-through, counting failures, the wait queue,
+"""The Python gateway in process, in front of the fake vLLM on loopback (tests/fake_vllm.py) that the
+request body steers (stream slowly, fail, hold, die mid-stream): pass-through, counting failures, the wait queue,
 upstream errors and timeouts, disconnects, metrics and graceful shutdown. The policy itself
 (clamping, 429/400/413) is held to the nginx enforcer's behaviour in test_enforcer_parity.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
-from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
+from enforcers import chat, config_for, running
+from fake_vllm import DONE_EVENT, ROLE_EVENT, FakeVllm
 from kvtune.gateway.proxy import GATEWAY, make_app, serve
-from kvtune.gateway.config import parse_gateway_config
-
-
-class FakeVllm:
-    """/tokenize counts words; generation paths obey `x_mode` in the body; anything else echoes
-    what arrived. Records which requests were cut off and the peak of concurrent generations."""
-
-    def __init__(self) -> None:
-        self.seen: list[dict] = []
-        self.echoed: list[dict] = []
-        self.cancelled = 0
-        self.active = 0
-        self.peak_active = 0
-        self.tokenize_status = 200
-        self.last_chunk_sent_at: dict[str, float] = {}
-        self.gate = asyncio.Event()
-        self.app = web.Application()
-        self.app.router.add_post("/tokenize", self.tokenize)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
-            self.app.router.add_post(path, self.generate)
-        self.app.router.add_route("*", "/{tail:.*}", self.echo)
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        if self.tokenize_status != 200:
-            return web.json_response({"error": {"message": "down"}}, status=self.tokenize_status)
-        if request.content_type != "application/json":  # as vLLM: 400 Unsupported Media Type
-            return web.json_response({"error": {"message": "Only 'application/json' is allowed"}}, status=400)
-        body = await request.json()
-        text = body.get("prompt") or " ".join(str(m.get("content", "")) for m in body["messages"])
-        return web.json_response({"count": len(text.split()), "tokens": []})
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.seen.append(body)
-        mode = body.get("x_mode", "ok")
-        self.active += 1
-        self.peak_active = max(self.peak_active, self.active)
-        try:
-            if mode == "fail":
-                return web.json_response({"error": {"message": "engine died"}}, status=500)
-            if mode == "hang":
-                await asyncio.sleep(30)
-            if mode == "gate":
-                await self.gate.wait()
-            if not body.get("stream"):
-                return web.json_response({"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}})
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for i in range(int(body.get("x_chunks", 3))):
-                await resp.write(f'data: {{"i": {i}}}\n\n'.encode())
-                await asyncio.sleep(float(body.get("x_delay", 0.01)))
-                if mode == "die" and i == 0:
-                    request.transport.close()
-                    return resp
-            self.last_chunk_sent_at[str(body.get("x_id"))] = time.monotonic()
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        finally:
-            self.active -= 1
-
-    async def echo(self, request: web.Request) -> web.Response:
-        self.echoed.append({"method": request.method, "path_qs": request.raw_path,
-                            "headers": dict(request.headers), "body": await request.read()})
-        headers = {"X-Upstream": "yes", "Keep-Alive": "timeout=5"}
-        if request.path == "/v1/login":
-            headers["Set-Cookie"] = "sid=secret; Path=/"
-        return web.Response(status=207, body=b"echo", headers=headers)
-
-
-def config_for(upstream_url: str, **overrides: Any):
-    doc = {
-        "version": 1, "upstream": upstream_url, "block_size": 16, "block_budget": 100,
-        "max_model_len": 2048,
-        "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
-                   {"name": "default", "max_new_tokens": 32}],
-    }
-    doc.update(overrides)
-    return parse_gateway_config(doc)
-
-
-@contextlib.asynccontextmanager
-async def running(fake: FakeVllm | None = None, *, upstream_host: str = "127.0.0.1", **overrides: Any):
-    """Upstream and gateway (run by `serve`, as the CLI runs it) on 127.0.0.1:0; yields
-    (session, gateway base URL, Gateway, fake). The gateway reaches the upstream as upstream_host."""
-    fake = fake or FakeVllm()
-    up = TestServer(fake.app, host="127.0.0.1")
-    await up.start_server()
-    overrides.setdefault("listen", {"port": 0})
-    config = config_for(f"http://{upstream_host}:{up.port}", **overrides)
-    app = make_app(config)
-    stop = asyncio.Event()
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result, app=app))
-    try:
-        base = (await asyncio.wait_for(ready, 10)).split(",")[0]
-        async with aiohttp.ClientSession() as session:
-            yield session, base, app[GATEWAY], fake
-    finally:
-        stop.set()
-        await asyncio.wait_for(server, 40)
-        await up.close()
-
-
-def chat(words: int, **extra: Any) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": " ".join(["w"] * words)}], **extra}
 
 
 async def wait_for(predicate, timeout: float = 5.0) -> None:
@@ -148,17 +37,17 @@ def test_allow_listed_requests_pass_through_untouched():
                 assert resp.status == 207 and await resp.read() == b"echo"
                 assert resp.headers["X-Upstream"] == "yes" and "Keep-Alive" not in resp.headers
             async with session.get(f"{base}/v1/models") as resp:
-                assert resp.status == 207
-            put, get = fake.echoed
-            assert put["method"] == "PUT" and put["path_qs"] == "/v1/files?x=1&x=2&y=%20"
-            assert put["headers"]["X-Custom"] == "1" and put["headers"]["Authorization"] == "Bearer t"
-            assert "TE" not in put["headers"] and "X-Drop-Me" not in put["headers"]
-            assert put["body"] == payload
-            assert get["method"] == "GET" and get["body"] == b""
+                assert resp.status == 200 and (await resp.json())["data"][0]["id"] == fake.model
+            put, get = fake.other
+            assert put.method == "PUT" and put.path == "/v1/files?x=1&x=2&y=%20"
+            assert put.headers["X-Custom"] == "1" and put.headers["Authorization"] == "Bearer t"
+            assert "TE" not in put.headers and "X-Drop-Me" not in put.headers
+            assert put.body == payload
+            assert get.method == "GET" and get.path == "/v1/models" and get.body == b""
             # what is not on the list never reaches the upstream
             async with session.get(f"{base}/v1/files/other") as resp:
                 assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
-            assert len(fake.echoed) == 2
+            assert len(fake.other) == 2
             assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
 
     asyncio.run(run())
@@ -167,15 +56,15 @@ def test_allow_listed_requests_pass_through_untouched():
 def test_upstream_cookies_reach_the_client_and_are_never_replayed_for_others():
     async def run():
         # by name: aiohttp's default jar never stores cookies for a bare IP address
-        async with running(upstream_host="localhost", passthrough=["/v1/login", "/v1/models"]) \
+        async with running(upstream_host="localhost", passthrough=["/v1/login", "/v1/files"]) \
                 as (_, base, gateway, fake):
-            for path in ("/v1/login", "/v1/models"):  # two clients, neither keeps cookies
+            for path in ("/v1/login", "/v1/files"):  # two clients, neither keeps cookies
                 async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client:
                     async with client.get(base + path) as resp:
                         assert resp.status == 207
                         if path == "/v1/login":
                             assert resp.headers["Set-Cookie"] == "sid=secret; Path=/"
-            assert "Cookie" not in fake.echoed[1]["headers"]
+            assert "Cookie" not in fake.other[1].headers
 
     asyncio.run(run())
 
@@ -186,16 +75,16 @@ def test_streams_go_chunk_by_chunk_and_whole_answers_in_one_piece():
             async with session.post(base + "/v1/chat/completions", json=chat(3)) as resp:
                 body = await resp.read()
                 assert resp.status == 200 and resp.headers["Content-Length"] == str(len(body))
-                assert json.loads(body)["usage"] == {"completion_tokens": 1}
+                assert json.loads(body)["usage"]["completion_tokens"] == 64  # the route's cap, generated
             async with session.post(base + "/v1/chat/completions",
                                     json=chat(3, stream=True, x_chunks=2, x_delay=0.3)) as resp:
                 assert resp.headers["Content-Type"] == "text/event-stream"
                 first = await resp.content.readany()
                 got_first_at = time.monotonic()
                 rest = await resp.read()
-            assert first.startswith(b'data: {"i": 0}')
+            assert first.startswith(ROLE_EVENT)
             assert fake.last_chunk_sent_at["None"] - got_first_at > 0.2  # before the upstream finished
-            assert rest.endswith(b"data: [DONE]\n\n")
+            assert rest.endswith(DONE_EVENT)
             assert gateway.ledger.reserved_blocks == 0
 
     asyncio.run(run())
@@ -270,10 +159,10 @@ def test_queue_is_fifo_bounded_and_times_out():
                     return resp.status, time.monotonic()
 
             # A: 736 + 64 = 800 tokens = 50 blocks, held at the upstream
-            a = asyncio.create_task(call(chat(736, x_mode="gate")))
+            a = asyncio.create_task(call(chat(736, x_mode="hold")))
             await wait_for(lambda: gateway.ledger.reserved_blocks == 50)
             # B needs 60 (does not fit) and waits; C needs 30 (would fit) but must not overtake B
-            b = asyncio.create_task(call(chat(896, x_mode="gate")))
+            b = asyncio.create_task(call(chat(896, x_mode="hold")))
             await wait_for(lambda: gateway.admission.waiting == 1)
             c = asyncio.create_task(call(chat(416)))
             await wait_for(lambda: gateway.admission.waiting == 2)
@@ -282,7 +171,7 @@ def test_queue_is_fifo_bounded_and_times_out():
             async with post(chat(1)) as resp:
                 assert resp.status == 429 and (await resp.json())["error"]["code"] == "queue_full"
                 assert int(resp.headers["Retry-After"]) >= 1
-            fake.gate.set()
+            fake.release()
             results = await asyncio.gather(a, b, c)
             assert [s for s, _ in results] == [200, 200, 200]
             assert gateway.ledger.reserved_blocks == 0 and gateway.admission.waiting == 0
@@ -294,7 +183,7 @@ def test_queue_is_fifo_bounded_and_times_out():
 def test_queue_timeout_answers_429_and_leaves_nothing_behind():
     async def run():
         async with running(queue={"max_waiting": 4, "timeout_s": 0.2}) as (session, base, gateway, fake):
-            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="gate")))
+            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="hold")))
             await wait_for(lambda: gateway.ledger.reserved_blocks == 100)
             started = time.monotonic()
             async with session.post(f"{base}/v1/chat/completions", json=chat(5)) as resp:
@@ -302,7 +191,7 @@ def test_queue_timeout_answers_429_and_leaves_nothing_behind():
                 assert "Retry-After" in resp.headers
             assert time.monotonic() - started >= 0.2
             assert gateway.admission.waiting == 0
-            fake.gate.set()
+            fake.release()
             (await hold).release()
             await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
 
@@ -312,13 +201,13 @@ def test_queue_timeout_answers_429_and_leaves_nothing_behind():
 def test_waiter_cancelled_by_its_client_leaves_the_queue():
     async def run():
         async with running(queue={"max_waiting": 4, "timeout_s": 30}) as (session, base, gateway, fake):
-            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="gate")))
+            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="hold")))
             await wait_for(lambda: gateway.ledger.reserved_blocks == 100)
             waiter = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(5)))
             await wait_for(lambda: gateway.admission.waiting == 1)
             waiter.cancel()  # the client goes away while queued
             await wait_for(lambda: gateway.admission.waiting == 0)
-            fake.gate.set()
+            fake.release()
             (await hold).release()
             await wait_for(lambda: gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0)
             assert len(fake.seen) == 1
@@ -331,8 +220,8 @@ def test_waiter_cancelled_by_its_client_leaves_the_queue():
 def test_upstream_error_status_is_passed_on_and_released():
     async def run():
         async with running() as (session, base, gateway, fake):
-            async with session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="fail")) as resp:
-                assert resp.status == 500 and (await resp.json())["error"]["message"] == "engine died"
+            async with session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="500")) as resp:
+                assert resp.status == 500 and (await resp.json())["error"]["message"] == "status 500"
             assert gateway.ledger.reserved_blocks == 0
 
     asyncio.run(run())
@@ -341,7 +230,8 @@ def test_upstream_error_status_is_passed_on_and_released():
 def test_upstream_timeout_is_504_and_released():
     async def run():
         async with running(timeouts={"read_s": 0.3}) as (session, base, gateway, fake):
-            async with session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="hang")) as resp:
+            # held and never released: a hang
+            async with session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="hold")) as resp:
                 assert resp.status == 504 and (await resp.json())["error"]["code"] == "upstream_timeout"
             assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
 
@@ -378,7 +268,7 @@ def test_client_disconnect_mid_stream_cancels_upstream_and_releases():
         async with running() as (session, base, gateway, fake):
             resp = await session.post(f"{base}/v1/chat/completions",
                                       json=chat(100, stream=True, x_chunks=200, x_delay=0.02))
-            assert await resp.content.readuntil(b"\n\n") == b'data: {"i": 0}\n\n'
+            assert await resp.content.readuntil(b"\n\n") == ROLE_EVENT
             assert gateway.ledger.reserved_blocks == -(-(100 + 64) // 16)
             resp.close()  # drop the connection mid-stream
             await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
@@ -392,12 +282,12 @@ def test_client_leaving_before_the_upstream_answers_releases_at_once():
     """Nothing is being written, so only handler cancellation notices the client is gone."""
     async def run():
         async with running() as (session, base, gateway, fake):
-            task = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="gate")))
+            task = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(5, x_mode="hold")))
             await wait_for(lambda: gateway.ledger.reserved_blocks == 5 and fake.active == 1)
             task.cancel()
             await wait_for(lambda: gateway.ledger.reserved_blocks == 0, timeout=2)
             await wait_for(lambda: fake.cancelled == 1)
-            assert not fake.gate.is_set()
+            assert not fake.released
 
     asyncio.run(run())
 
@@ -419,7 +309,7 @@ def test_metrics_and_healthz():
         async with running() as (session, base, gateway, fake):
             async with session.get(f"{base}/healthz") as resp:
                 assert resp.status == 200 and (await resp.json()) == {"status": "ok"}
-            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="gate")))
+            hold = asyncio.create_task(session.post(f"{base}/v1/chat/completions", json=chat(1536, x_mode="hold")))
             await wait_for(lambda: gateway.ledger.reserved_blocks == 100)
             for body in (chat(5), chat(5), chat(3000)):
                 async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
@@ -433,7 +323,7 @@ def test_metrics_and_healthz():
             assert _sample(text, "kvtune_gateway_rejected_total", route="chat", reason="kv_budget_exhausted") == 2
             assert _sample(text, "kvtune_gateway_rejected_total", route="chat", reason="context_length_exceeded") == 1
             assert _sample(text, "kvtune_gateway_retry_after_seconds_count") == 2
-            fake.gate.set()
+            fake.release()
             (await hold).release()
             await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
             async with session.get(f"{base}/metrics") as resp:
@@ -446,33 +336,30 @@ def test_metrics_and_healthz():
 
 def test_shutdown_drains_short_streams_and_cuts_long_ones():
     async def run():
-        fake = FakeVllm()
-        up = TestServer(fake.app)
-        await up.start_server()
-        config = config_for(str(up.make_url("")).rstrip("/"), listen={"port": 0}, timeouts={"drain_s": 1.0})
-        stop = asyncio.Event()
-        ready: asyncio.Future = asyncio.get_running_loop().create_future()
-        server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result))
-        base = (await ready).split(",")[0]
-        try:
-            async with aiohttp.ClientSession() as session:
-                async def stream(chunks: int) -> bytes:
-                    async with session.post(f"{base}/v1/chat/completions",
-                                            json=chat(5, stream=True, x_chunks=chunks, x_delay=0.05)) as resp:
-                        return await resp.read()
+        async with FakeVllm() as fake:
+            config = config_for(fake.url, listen={"port": 0}, timeouts={"drain_s": 1.0})
+            stop = asyncio.Event()
+            ready: asyncio.Future = asyncio.get_running_loop().create_future()
+            server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result))
+            base = (await ready).split(",")[0]
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async def stream(chunks: int) -> bytes:
+                        async with session.post(f"{base}/v1/chat/completions",
+                                                json=chat(5, stream=True, x_chunks=chunks, x_delay=0.05)) as resp:
+                            return await resp.read()
 
-                short = asyncio.create_task(stream(6))     # ~0.3 s: finishes inside the drain
-                long = asyncio.create_task(stream(400))    # ~20 s: cut at the drain deadline
-                await wait_for(lambda: fake.active == 2)
+                    short = asyncio.create_task(stream(6))     # ~0.3 s: finishes inside the drain
+                    long = asyncio.create_task(stream(400))    # ~20 s: cut at the drain deadline
+                    await wait_for(lambda: fake.active == 2)
+                    stop.set()
+                    gateway = await asyncio.wait_for(server, 10)
+                    assert (await short).endswith(DONE_EVENT)
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await long
+                    assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
+            finally:
                 stop.set()
-                gateway = await asyncio.wait_for(server, 10)
-                assert (await short).endswith(b"data: [DONE]\n\n")
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await long
-                assert gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0
-        finally:
-            stop.set()
-            await up.close()
 
     asyncio.run(run())
 

@@ -1,4 +1,4 @@
-"""KV bytes per token against hand-derived vLLM arithmetic, for every shared real config."""
+"""KV bytes per token against hand-derived vLLM arithmetic, for every real config in tests/data/configs."""
 
 from __future__ import annotations
 

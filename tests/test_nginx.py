@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from enforcers import HOSTILE, HOSTILE_MODEL, Nginx, base_rec, free_port
+from enforcers import HOSTILE, HOSTILE_MODEL, Nginx, base_rec
 from kvtune.deploy.render import RenderOptions, render_files
 from kvtune.policy.recommendation import Recommendation
 
@@ -16,7 +16,7 @@ def test_rendered_nginx_conf_passes_nginx_t(tmp_path):
     rec["routes"][0]["route"] = HOSTILE
     rec["routes"][0]["match"]["model"] = HOSTILE_MODEL
     conf = render_files(Recommendation.from_dict(rec), targets=["nginx.conf"],
-                        options=RenderOptions(listen_port=free_port()))
+                        options=RenderOptions(listen_port=18080))  # -t binds nothing
     server = Nginx(tmp_path, conf["nginx.conf"], 0)
     result = subprocess.run(server.args("-t"), capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr

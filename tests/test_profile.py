@@ -27,13 +27,14 @@ from kvtune.profile.routes import (
 )
 from kvtune.profile.build import ProfileBuilder, is_saved_profile, load_profile, save_profile
 
-# (file, prompt column, output column)
+# (file in tests/data/traces, prompt column, output column): every Azure row, excerpts of the rest
 TRACE_FILES = [
     ("AzureLLMInferenceTrace_code.csv", "ContextTokens", "GeneratedTokens"),
     ("AzureLLMInferenceTrace_conv.csv", "ContextTokens", "GeneratedTokens"),
-    ("mooncake_conversation_trace.jsonl", "input_length", "output_length"),
-    ("mooncake_synthetic_trace.jsonl", "input_length", "output_length"),
-    ("vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv", "num_prefill_tokens", "num_decode_tokens"),
+    ("mooncake_conversation_trace.excerpt.jsonl", "input_length", "output_length"),
+    ("mooncake_synthetic_trace.excerpt.jsonl", "input_length", "output_length"),
+    ("vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.excerpt.csv", "num_prefill_tokens",
+     "num_decode_tokens"),
 ]
 PERCENTS = [p for _, p in PERCENTILES]
 
@@ -94,22 +95,23 @@ def test_real_trace_percentiles_equal_numpy_whole_and_sharded(name, prompt_col, 
 
 
 def test_trace_maximum_as_cap_gives_lower_bounds_only_above_it():
-    """Mooncake conversation: 30 of 12,031 outputs sit at exactly 2000, its maximum (a cap).
+    """Mooncake conversation: 30 of its 12,031 outputs sit at exactly 2000, its maximum (a cap);
+    2 of the excerpt's 306.
 
     Censoring only at the maximum leaves Kaplan–Meier equal to the empirical CDF below it, so
-    p50…p99 stay numpy's; F never reaches 0.999 (30/12031 = 0.25% of the mass is censored), so
+    p50…p99 stay numpy's; F never reaches 0.999 (2/306 = 0.65% of the mass is censored), so
     p99.9 becomes the largest observed value, flagged as a lower bound.
     """
-    df = read_trace("mooncake_conversation_trace.jsonl")
+    df = read_trace("mooncake_conversation_trace.excerpt.jsonl")
     output = df["output_length"].to_numpy()
     cut = output == 2000
-    assert cut.sum() == 30
+    assert (cut.sum(), len(output), output.max()) == (2, 306, 2000)
     out = CensoredHistogram.of(output, cut)
     for key, p in PERCENTILES[:-1]:
         assert out.percentile(p) == Quantile(int(np.percentile(output, p, method="inverted_cdf"))), key
     assert out.percentile(99.9) == Quantile(2000, lower_bound=True)
     assert out.max == Quantile(2000, lower_bound=True)
-    assert out.truncation_share(1999) == pytest.approx(30 / 12031)
+    assert out.truncation_share(1999) == pytest.approx(2 / 306)
 
 
 @settings(max_examples=200)

@@ -50,8 +50,12 @@ def test_block_budget_leaves_the_null_block_out():
 def test_safety_fraction_default_and_user():
     assert rules.safety_fraction(None, measured=True).value == 0.9
     assert rules.safety_fraction(0.85, measured=False).value == 0.85
-    with pytest.raises(ValueError):
-        rules.safety_fraction(1.5, measured=True)
+    from kvtune.errors import OptionError
+    from kvtune.policy.recommend import RecommendOptions
+
+    for bad in (1.5, 0.0, -0.1, float("nan")):
+        with pytest.raises(OptionError):
+            RecommendOptions(safety_fraction=bad)  # the options are checked once, where they come in
 
 
 def test_caps_by_tail_class():

@@ -66,18 +66,7 @@ def test_a_non_regular_target_is_refused_before_anything_is_written(tmp_path, ki
     assert _state(out) == before  # old files, the special entry as it was, no staging left
 
 
-def private_device(directory: Path) -> Path:
-    """A character device node of our own (/dev/null's numbers) to aim writes at: a writer
-    that replaced devices must never get the machine's /dev/null (an unfixed one did)."""
-    node = directory / "null-device"
-    try:
-        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    except (PermissionError, AttributeError):
-        pytest.skip("making a device node needs root")
-    return node
-
-
-def test_a_device_target_is_refused(tmp_path):
+def test_a_device_target_is_refused(tmp_path, private_device):
     device = private_device(tmp_path)
     with pytest.raises(InputError, match="refusing to replace a character device"):
         write_text(device, "x")

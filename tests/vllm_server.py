@@ -33,7 +33,8 @@ Interface (import it as `from vllm_server import ...`, as conftest does, so plai
     start_vllm(model_dir, *, port=None, max_model_len=512, kv_cache_memory_bytes=None,
                num_gpu_blocks_override=None, extra_args=(), served_model_name="tiny",
                startup_timeout_s=240, log_path=None) -> VllmServer
-        HF_HUB_OFFLINE=1, host 127.0.0.1, a free ephemeral port, --load-format dummy,
+        HF_HUB_OFFLINE=1, host 127.0.0.1, a free ephemeral port (free_port: vLLM binds --port 0
+        but never reports the port), --load-format dummy,
         --enforce-eager, output to a log file, waits for GET /health (fails with the log tail if
         the process dies or the deadline passes). kv_cache_memory_bytes=None means 2 MiB
         (DEFAULT_KV_CACHE_MEMORY_BYTES: 32 blocks × 128 tokens for the default model): vLLM's own
@@ -236,7 +237,14 @@ class VllmServer:
 
 
 def free_port() -> int:
-    """An ephemeral loopback port that was free a moment ago."""
+    """An ephemeral loopback port that was free a moment ago, for vLLM's --port.
+
+    Why not --port 0: vLLM 0.32 accepts it and binds an ephemeral port, but never says which: its
+    log reads "Starting vLLM server on http://127.0.0.1:0" (built from the argument, not the
+    socket), and uvicorn's own "running on" line is not printed because vLLM hands it the bound
+    socket (vllm/entrypoints/launchers/launcher.py, and a run of the tiny model). So this port is
+    bound, released and passed on.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
