@@ -18,10 +18,9 @@ import yaml
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation
-from kvtune.deploy.render import (
-    RenderOptions, TARGETS, histogram_bars, human_bytes, human_number, local_chat_tokenizer, lua_string,
-    md_cell, nginx_time, one_line, parse_upstream, render_files, write_files, yaml_scalar,
-)
+from kvtune.deploy.charts import histogram_bars
+from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
+from kvtune.deploy.render import RenderOptions, TARGETS, local_chat_tokenizer, parse_upstream, render_files, write_files
 
 DATA = Path(__file__).parent / "data"
 NASTY = [
@@ -354,7 +353,7 @@ def test_write_files_refuses_paths():
 
 
 def test_coarsen_histogram_keeps_totals_and_edges():
-    from kvtune.deploy.render import coarsen_histogram
+    from kvtune.deploy.charts import coarsen_histogram
 
     edges = list(range(0, 16 * 513, 16))
     counts = [i % 7 for i in range(512)]
@@ -367,7 +366,7 @@ def test_coarsen_histogram_keeps_totals_and_edges():
 
 def test_refused_values_are_quoted_briefly():
     from kvtune.errors import KvtuneError
-    from kvtune.deploy.render import nginx_listen, nginx_word
+    from kvtune.deploy.filters import nginx_listen, nginx_word
 
     for call in (lambda: nginx_word("/v1/" + "x" * 1_000_000 + "$"), lambda: nginx_listen("h" * 1_000_000)):
         with pytest.raises(KvtuneError) as info:

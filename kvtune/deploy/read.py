@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError
 from kvtune.gateway.config import RouteMatch
-from kvtune.deploy.render import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.userfiles import brief
 
 # Short options vLLM accepts, by their long names.

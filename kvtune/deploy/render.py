@@ -2,33 +2,38 @@
 
 Every template renders through one jinja2 environment with StrictUndefined, so a missing field
 fails loudly instead of rendering an empty flag. Anything that came from logs (route names, model
-ids) reaches a target only through that target's escaping filter: `shell`, `yaml`, `json`, `lua`,
-`md`, and HTML autoescape. Comments are squeezed to one printable line by `one_line`.
+ids) reaches a target only through that target's escaping filter (kvtune.deploy.filters);
+comments are squeezed to one printable line by `one_line`. The report's charts are computed in
+kvtune.deploy.charts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
-import shlex
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 from urllib.parse import urlsplit
 
 import jinja2
 
 from kvtune import __version__
+from kvtune.deploy.charts import capacity_segments, histogram_bars
+from kvtune.deploy.filters import FILTERS, HOSTNAME
+from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError, KvtuneError
-from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
 from kvtune.gateway.config import (
-    ADMIN_ACCESS, DEFAULT_PAIR_TOKENS, AdminAccess, ClientLimits, GatewayConfig, default_max_body_bytes,
+    ADMIN_ACCESS,
+    DEFAULT_PAIR_TOKENS,
+    AdminAccess,
+    ClientLimits,
+    GatewayConfig,
+    default_max_body_bytes,
 )
-from kvtune.userfiles import brief
+from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
 
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
@@ -44,13 +49,7 @@ TARGETS: dict[str, str] = {
     "report.md": "report.md.j2",
 }
 EXECUTABLE = frozenset({"vllm-serve.sh"})
-# Markers around the Lua table that `kvtune check` reads back from a rendered nginx.conf.
-NGINX_CONFIG_BEGIN = "-- kvtune:config begin"
-NGINX_CONFIG_END = "-- kvtune:config end"
 CATCH_ALL_ROUTE = "default"
-# Characters YAML 1.1 (PyYAML) or a shell/nginx comment would treat as a line break.
-_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
-_HOSTNAME = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,153 +106,6 @@ def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
     return str(folder.resolve()) if template is not None else None
 
 
-# ---------------------------------------------------------------- filters (one per target)
-
-def one_line(value: Any) -> str:
-    """Any text as one printable line: line breaks and other control or format characters become
-    spaces, so a comment in a shell script, YAML or nginx.conf cannot end early."""
-    text = "" if value is None else str(value)
-    out = []
-    for ch in text:
-        if ch in _LINE_BREAKS or unicodedata.category(ch)[0] == "C":
-            out.append(" ")
-        else:
-            out.append(ch)
-    return " ".join("".join(out).split())
-
-
-def shell_quote(value: Any) -> str:
-    """One shell word, single-quoted unless plainly safe: no expansion or substitution survives."""
-    return shlex.quote(str(value))
-
-
-def json_scalar(value: Any) -> str:
-    """A JSON value in pure ASCII (also a valid YAML flow scalar)."""
-    return json.dumps(value, ensure_ascii=True)
-
-
-def yaml_scalar(value: Any) -> str:
-    """A YAML scalar that reads back exactly: strings double-quoted in pure ASCII with \\u/\\U
-    escapes (JSON's surrogate pairs would not round-trip through PyYAML), numbers as JSON."""
-    if not isinstance(value, str):
-        return json.dumps(value)
-    out = ['"']
-    for ch in value:
-        code = ord(ch)
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif 0x20 <= code < 0x7F:
-            out.append(ch)
-        elif code < 0x10000:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(f"\\U{code:08x}")
-    out.append('"')
-    return "".join(out)
-
-
-_LUA_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789 _-./:,+=@")
-
-
-def lua_string(value: Any) -> str:
-    """A Lua string literal for any text: every byte outside a small safe set becomes a 3-digit
-    decimal escape, so quotes, backslashes, newlines, `]]`, braces and `$` never reach the Lua or
-    nginx lexers as themselves. Non-string values render as Lua literals: mappings as tables
-    keyed `[key] = value`, sequences (sets sorted) as lists."""
-    if value is None:
-        return "nil"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"cannot render {value!r} as a Lua number")
-        return repr(value)
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"[{lua_string(k)}] = {lua_string(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, (list, tuple, frozenset, set)):
-        items = sorted(value) if isinstance(value, (frozenset, set)) else value
-        return "{ " + ", ".join(lua_string(v) for v in items) + " }"
-    data = str(value).encode("utf-8", "surrogateescape")
-    return '"' + "".join(chr(b) if b in _LUA_PLAIN else f"\\{b:03d}" for b in data) + '"'
-
-
-_NGINX_UNSAFE = re.compile(r'[\x00-\x1f\x7f"\\$]')
-
-
-def nginx_word(value: Any) -> str:
-    """An operator-given path or name as one double-quoted nginx token; the characters nginx would
-    still interpret inside quotes (quote, backslash, `$`, control characters) are refused."""
-    text = str(value)
-    if not text or _NGINX_UNSAFE.search(text):
-        raise KvtuneError(f"{brief(text)} cannot be used in nginx.conf: no quotes, backslashes, $ or control "
-                          "characters")
-    return f'"{text}"'
-
-
-def nginx_time(seconds: Any) -> str:
-    """A duration for an nginx time directive: whole seconds, else milliseconds (nginx takes no
-    fractions)."""
-    value = float(seconds)
-    if not math.isfinite(value) or value < 0:
-        raise KvtuneError(f"{seconds!r} is not a duration nginx can take")
-    ms = round(value * 1000)
-    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
-
-
-def nginx_listen(value: Any) -> str:
-    """host:port for `listen`, validated."""
-    host, _, port = str(value).rpartition(":")
-    if not _HOSTNAME.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
-        raise KvtuneError(f"cannot listen on {brief(value)}: expected host:port")
-    return f"{host}:{int(port)}"
-
-
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|#!~{}])")
-
-
-def md_cell(value: Any) -> str:
-    """Text safe in a Markdown table cell: one line, pipes/backticks/brackets/HTML escaped."""
-    text = one_line(value).replace("&", "&amp;")
-    return _MD_SPECIAL.sub(r"\\\1", text)
-
-
-def human_number(value: Any, digits: int = 3) -> str:
-    """1234567 → '1,234,567'; 0.123456 → '0.123'; 5.77 → '5.77'."""
-    if value is None:
-        return "–"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) >= 1000):
-        return f"{int(value):,}"
-    if isinstance(value, float):
-        if value == 0:
-            return "0"
-        magnitude = math.floor(math.log10(abs(value)))
-        decimals = max(0, digits - 1 - magnitude)
-        return f"{value:,.{decimals}f}"
-    return str(value)
-
-
-def human_bytes(value: Any) -> str:
-    """Bytes in binary units: 16060522496 → '14.96 GiB'."""
-    if value is None:
-        return "–"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def percent(value: Any, decimals: int = 1) -> str:
-    if value is None:
-        return "–"
-    return f"{float(value) * 100:.{decimals}f}%"
-
-
 # ---------------------------------------------------------------- environment
 
 def _autoescape(name: str | None) -> bool:
@@ -270,10 +122,7 @@ def make_environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(
-        shell=shell_quote, json=json_scalar, nginx=nginx_word, nginx_listen=nginx_listen, nginx_time=nginx_time, yaml=yaml_scalar, lua=lua_string, md=md_cell,
-        one_line=one_line, human=human_number, bytes=human_bytes, percent=percent,
-    )
+    env.filters.update(FILTERS)
     return env
 
 
@@ -303,7 +152,7 @@ def parse_upstream(url: str) -> Upstream:
         raise InputError(f"upstream must look like http://host:port, got {url!r}", field="upstream")
     if ":" in host:
         host = f"[{host}]"
-    if not _HOSTNAME.match(host):
+    if not HOSTNAME.match(host):
         raise InputError(f"upstream host {host!r} is not a hostname or IP address", field="upstream")
     return Upstream(parts.scheme, host, port or (443 if parts.scheme == "https" else 80))
 
@@ -368,66 +217,6 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
                    "max_new_tokens": backstop.tokens,
                    "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
-
-
-def coarsen_histogram(edges: list, counts: list, max_bins: int) -> tuple[list, list]:
-    """Merge runs of adjacent bins so at most `max_bins` remain (a context-wide histogram of
-    16-token bins has hundreds); trailing empty bins are dropped first."""
-    if len(edges) != len(counts) + 1:
-        return list(edges), list(counts)
-    last = max((i for i, c in enumerate(counts) if c), default=-1)
-    edges, counts = list(edges[: last + 2]), list(counts[: last + 1])
-    group = max(1, math.ceil(len(counts) / max_bins))
-    if group == 1:
-        return edges, counts
-    new_edges = edges[::group]
-    if new_edges[-1] != edges[-1]:
-        new_edges.append(edges[-1])
-    new_counts = [sum(counts[i:i + group]) for i in range(0, len(counts), group)]
-    return new_edges, new_counts
-
-
-def histogram_bars(edges: list, counts: list, cap: int | None, *, width: int = 560,
-                   height: int = 140, max_bins: int = 80) -> dict:
-    """Geometry of one inline SVG bar chart of output lengths with the cap marked as a line."""
-    edges, counts = coarsen_histogram(edges, counts, max_bins)
-    if not counts or len(edges) != len(counts) + 1:
-        return {"width": width, "height": height, "bars": [], "cap_x": None, "max_edge": 0}
-    lo, hi = float(edges[0]), float(edges[-1])
-    span = max(hi - lo, 1.0)
-    peak = max(max(counts), 1)
-    plot_h = height - 20
-    bars = []
-    for i, count in enumerate(counts):
-        x0 = (float(edges[i]) - lo) / span * width
-        x1 = (float(edges[i + 1]) - lo) / span * width
-        h = count / peak * plot_h
-        bars.append({"x": round(x0, 2), "w": round(max(x1 - x0 - 0.5, 0.5), 2),
-                     "y": round(plot_h - h, 2), "h": round(h, 2), "count": count,
-                     "lo": edges[i], "hi": edges[i + 1], "above_cap": cap is not None and edges[i] >= cap})
-    cap_x = None
-    if cap is not None:
-        cap_x = round(min(max((cap - lo) / span, 0.0), 1.0) * width, 2)
-    return {"width": width, "height": height, "plot_h": plot_h, "bars": bars, "cap_x": cap_x,
-            "min_edge": edges[0], "max_edge": edges[-1]}
-
-
-def capacity_segments(rec: Recommendation) -> list[dict]:
-    """Weights, overhead, KV and what is left, as shares of the GPUs' total memory."""
-    cap, hw = rec.capacity, rec.hardware
-    total = hw.gpu_memory_bytes * hw.gpus if hw.gpu_memory_bytes else None
-    parts = [("weights", cap.weights_bytes), ("overhead", cap.overhead_bytes), ("KV cache", cap.kv_cache_bytes)]
-    known = sum(int(v) for _, v in parts if v)
-    denominator = max(total or 0, known, 1)
-    segments: list[dict] = [{"name": n, "bytes": int(v), "share": int(v) / denominator} for n, v in parts if v]
-    if total and total > known:
-        segments.append({"name": "unused", "bytes": total - known, "share": (total - known) / denominator})
-    x = 0.0
-    for seg in segments:
-        seg["x"] = round(x * 100, 3)
-        seg["w"] = round(seg["share"] * 100, 3)
-        x += seg["share"]
-    return segments
 
 
 def lua_policy() -> dict:
@@ -563,7 +352,5 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 
 __all__ = [
     "RenderOptions", "TARGETS", "render_files", "write_files", "make_environment", "local_chat_tokenizer",
-    "one_line", "shell_quote", "json_scalar", "yaml_scalar", "lua_string", "md_cell",
-    "human_number", "human_bytes", "parse_upstream", "vllm_flags", "gateway_routes",
-    "histogram_bars", "coarsen_histogram", "capacity_segments", "NGINX_CONFIG_BEGIN", "NGINX_CONFIG_END",
+    "parse_upstream", "vllm_flags", "gateway_routes",
 ]

@@ -1,0 +1,9 @@
+"""Markers kvtune writes into a rendered file so that `kvtune check` can read the values back.
+
+The writer (kvtune.deploy.render) and the reader (kvtune.deploy.read) both import them from here:
+neither depends on the other.
+"""
+
+# Around the Lua table of limits in a rendered nginx.conf.
+NGINX_CONFIG_BEGIN = "-- kvtune:config begin"
+NGINX_CONFIG_END = "-- kvtune:config end"
