@@ -66,6 +66,10 @@ class OptionError(KvtuneError):
     """A value the caller chose that kvtune cannot use (the field names the option)."""
 
 
+class RenderError(KvtuneError):
+    """A value a deploy file's syntax cannot hold (a route name nginx cannot take as a word)."""
+
+
 __all__ = [
     "KvtuneError",
     "InputError",
@@ -74,4 +78,5 @@ __all__ = [
     "CapacityError",
     "EndpointError",
     "OptionError",
+    "RenderError",
 ]

@@ -12,7 +12,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from kvtune.errors import KvtuneError, UnknownNameError
+from kvtune.errors import OptionError, UnknownNameError
 
 MiB = 1024**2
 GiB = 1024**3
@@ -68,7 +68,7 @@ for _g in GPUS.values():
         _LOOKUP[_key(_n)] = _g
 
 
-def find_gpu(name: str, *, field: str = "--gpu") -> Gpu:
+def find_gpu(name: str, *, field: str = "gpu") -> Gpu:
     """The catalog entry for `name` (any case, aliases like `h100`), or an error naming close ones."""
     gpu = _LOOKUP.get(_key(name))
     if gpu is not None:
@@ -78,7 +78,7 @@ def find_gpu(name: str, *, field: str = "--gpu") -> Gpu:
     hint = f"did you mean {', '.join(names)}? " if names else ""
     raise UnknownNameError(
         f"unknown GPU {_short(name)}; {hint}known: {', '.join(GPUS)} "
-        "(or give --gpu-memory, e.g. 79.2GiB)",
+        "(or give the memory size, `gpu_memory`, e.g. 79.2GiB)",
         field=field,
     )
 
@@ -93,22 +93,22 @@ _SIZE = re.compile(r"(?P<num>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[a-zA-Z]+)")
 MAX_MEMORY_BYTES = 1024**5
 
 
-def parse_memory_size(text: str, *, field: str = "--gpu-memory") -> int:
+def parse_memory_size(text: str, *, field: str = "gpu_memory") -> int:
     """Bytes in `text` such as `79.2GiB`, `80GB`, `24576MiB`; a unit is required (GiB ≠ GB)."""
     match = _SIZE.fullmatch(text.strip())
     unit = match.group("unit").lower() if match else None
     if match is None or unit not in _UNITS:
-        raise KvtuneError(
+        raise OptionError(
             f"cannot read memory size {_short(text)}; write a number and a unit, "
             "e.g. 79.2GiB, 80GB, 24576MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
             field=field,
         )
     size = float(match.group("num")) * _UNITS[unit]  # inf for hundreds of digits
     if not size <= MAX_MEMORY_BYTES:
-        raise KvtuneError(f"memory size {_short(text)} is beyond any device (more than 1 PiB)", field=field)
+        raise OptionError(f"memory size {_short(text)} is beyond any device (more than 1 PiB)", field=field)
     size_bytes = int(size)
     if size_bytes <= 0:
-        raise KvtuneError(f"memory size must be positive, got {_short(text)}", field=field)
+        raise OptionError(f"memory size must be positive, got {_short(text)}", field=field)
     return size_bytes
 
 

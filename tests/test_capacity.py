@@ -12,7 +12,7 @@ from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_fr
 from kvtune.capacity.memory import Overhead, estimate_overhead, kv_pool, num_blocks_for
 from kvtune.capacity.plan import capacity_from_blocks, estimate_capacity, measured_capacity, plan_capacity
 from kvtune.capacity.reservation import RequestShape, fit_request, reserved_blocks
-from kvtune.errors import CapacityError, InputError, KvtuneError
+from kvtune.errors import CapacityError, InputError, KvtuneError, OptionError
 from kvtune.hardware import GPUS
 from kvtune.kv import kv_bytes
 from kvtune.model import resolve_model
@@ -107,9 +107,9 @@ def test_shape_larger_than_the_whole_cache_fits_zero():
 
 
 def test_request_shape_rejects_non_positive():
-    with pytest.raises(KvtuneError, match="--prompt-tokens"):
+    with pytest.raises(OptionError, match="prompt_tokens"):
         RequestShape(0, 10)
-    with pytest.raises(KvtuneError, match="--max-tokens"):
+    with pytest.raises(OptionError, match="max_tokens"):
         RequestShape(10, 0)
 
 
@@ -228,7 +228,7 @@ def test_plan_on_h100_is_consistent_arithmetic(llama):
 
 
 def test_plan_needs_memory_or_a_measurement(llama):
-    with pytest.raises(KvtuneError, match="give --gpu or --gpu-memory"):
+    with pytest.raises(OptionError, match="give `gpu` or `gpu_memory`"):
         plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama))
 
 

@@ -59,7 +59,7 @@ def test_gateway_tokenizer_that_is_not_local_is_a_usage_error(given):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: --gateway-tokenizer: ")
-    assert "pass `upstream`" in lines[0]
+    assert "pass --gateway-tokenizer upstream to count" in lines[0]
 
 
 # ---------------------------------------------------------------- routes are literal, and checked

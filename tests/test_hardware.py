@@ -40,7 +40,7 @@ def test_unknown_gpu_names_close_matches_and_the_option():
     with pytest.raises(UnknownNameError) as info:
         find_gpu("H1000")
     text = str(info.value)
-    assert text.startswith("--gpu: unknown GPU 'H1000'; did you mean H100-80GB?")
+    assert text.startswith("gpu: unknown GPU 'H1000'; did you mean H100-80GB?")
     assert "MI300X" in text  # the known list follows
 
 
@@ -63,7 +63,7 @@ def test_parse_memory_size(text, expected):
 def test_bad_memory_sizes_name_the_option(text):
     with pytest.raises(KvtuneError) as info:
         parse_memory_size(text)
-    assert str(info.value).startswith("--gpu-memory: ")
+    assert str(info.value).startswith("gpu_memory: ")
 
 
 @given(st.integers(min_value=1, max_value=10**7))
@@ -96,12 +96,12 @@ def test_batch_defaults_without_a_name_use_memory_alone():
        | st.text(max_size=50))
 def test_any_memory_text_is_a_size_or_one_error_line(text):
     """The class behind `--gpu-memory 1e400GB`: any text is a size of at most 1 PiB or a
-    KvtuneError naming the option in one short line, never an OverflowError."""
+    KvtuneError naming the parameter in one short line (the CLI names the flag), never an OverflowError."""
     try:
         size = parse_memory_size(text)
     except KvtuneError as exc:
         message = str(exc)
-        assert message.startswith("--gpu-memory: ") and "\n" not in message and len(message) < 300
+        assert message.startswith("gpu_memory: ") and "\n" not in message and len(message) < 300
     else:
         assert 0 < size <= 1024**5
 

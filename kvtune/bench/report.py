@@ -31,7 +31,7 @@ import numpy as np
 
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
 from kvtune.capacity.reservation import reserved_blocks
-from kvtune.errors import KvtuneError
+from kvtune.errors import OptionError
 from kvtune.profile.histogram import nearest_rank_index
 from kvtune.policy.recommendation import Recommendation
 
@@ -71,17 +71,17 @@ def parse_slo(text: str) -> Slo:
         key, sep, raw = part.strip().partition("=")
         key = key.strip().lower().removesuffix("_ms")
         if not sep or key not in SLO_KEYS:
-            raise KvtuneError(f"expected KEY=MS pairs with keys {', '.join(SLO_KEYS)}, got {part.strip()!r}",
-                              field="--slo")
+            raise OptionError(f"expected KEY=MS pairs with keys {', '.join(SLO_KEYS)}, got {part.strip()!r}",
+                              field="slo")
         try:
             value = float(raw.strip().removesuffix("ms"))
         except ValueError:
-            raise KvtuneError(f"{key}: expected milliseconds, got {raw.strip()!r}", field="--slo") from None
+            raise OptionError(f"{key}: expected milliseconds, got {raw.strip()!r}", field="slo") from None
         if not math.isfinite(value) or value <= 0:
-            raise KvtuneError(f"{key}: expected a positive number of milliseconds, got {raw.strip()!r}",
-                              field="--slo")
+            raise OptionError(f"{key}: expected a positive number of milliseconds, got {raw.strip()!r}",
+                              field="slo")
         if key in values:
-            raise KvtuneError(f"{key} given twice", field="--slo")
+            raise OptionError(f"{key} given twice", field="slo")
         values[key] = value
     return Slo(values.get("ttft"), values.get("tpot"), values.get("e2e"))
 

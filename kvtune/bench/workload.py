@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvtune.bench.client import RequestSpec
-from kvtune.errors import EndpointError, InputError, KvtuneError
+from kvtune.errors import EndpointError, InputError, UnknownNameError
 from kvtune.profile.histogram import JOINT_EDGES, Histogram
 from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
@@ -211,8 +211,8 @@ def select_routes(profile: Profile, routes: Sequence[str]) -> list[RouteProfile]
     names = {r.route: r for r in profile.routes}
     missing = [r for r in routes if r not in names]
     if missing:
-        raise KvtuneError(f"no route {missing[0]!r} in the profile; routes: {', '.join(sorted(names))}",
-                          field="--route")
+        raise UnknownNameError(f"no route {missing[0]!r} in the profile; routes: {', '.join(sorted(names))}",
+                               field="routes")
     return [names[r] for r in dict.fromkeys(routes)]
 
 

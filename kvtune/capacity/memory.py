@@ -97,7 +97,7 @@ def kv_pool(
     """The KV pool left on one GPU; a CapacityError with the numbers when nothing is left."""
     if not 0 < gpu_memory_utilization <= 1:
         raise CapacityError(
-            f"must be in (0, 1], got {gpu_memory_utilization}", field="--gpu-memory-utilization"
+            f"must be in (0, 1], got {gpu_memory_utilization}", field="gpu_memory_utilization"
         )
     requested = math.ceil(gpu_memory_bytes * gpu_memory_utilization)
     pool = requested - weights_bytes - overhead.total_bytes
@@ -122,7 +122,7 @@ def kv_pool(
 def num_blocks_for(kv_cache_bytes: int, block_size: int, kv_bytes_per_token_per_gpu: int) -> int:
     """Whole blocks in the pool: pool // (block_size × bytes per token per GPU)."""
     if block_size < 1:
-        raise CapacityError(f"must be at least 1, got {block_size}", field="--block-size")
+        raise CapacityError(f"must be at least 1, got {block_size}", field="block_size")
     if kv_bytes_per_token_per_gpu < 1:
         raise CapacityError("the model keeps no per-token KV cache; token capacity is unbounded")
     return kv_cache_bytes // (block_size * kv_bytes_per_token_per_gpu)

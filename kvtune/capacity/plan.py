@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.memory import MemoryBreakdown, estimate_overhead, kv_pool, num_blocks_for
 from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request
-from kvtune.errors import CapacityError, KvtuneError
+from kvtune.errors import CapacityError, OptionError
 from kvtune.hardware import default_batch_limits
 from kvtune.model import LayerKind
 
@@ -67,7 +67,7 @@ def capacity_from_blocks(
 ) -> Capacity:
     """Tokens, concurrency at max_model_len and per-shape fits from a block count."""
     if max_model_len < 1:
-        raise CapacityError(f"must be at least 1, got {max_model_len}", field="--max-model-len")
+        raise CapacityError(f"must be at least 1, got {max_model_len}", field="max_model_len")
     notes_list = list(notes)
     blocks_per_max_len = -(-max_model_len // block_size)
     concurrency = num_blocks / blocks_per_max_len
@@ -303,10 +303,10 @@ def plan_capacity(
     notes: list[str] = []
     assumptions: list[str] = []
     if gpu_memory_bytes is None and measured is None:
-        raise KvtuneError(
-            "give --gpu or --gpu-memory to estimate, or a measured capacity "
-            "(--kv-tokens, --vllm-log, --metrics-url)",
-            field="--gpu",
+        raise OptionError(
+            "give `gpu` or `gpu_memory` to estimate, or a measured capacity "
+            "(`kv_tokens`, `vllm_log`, `metrics_url`, `capacity_file`)",
+            field="gpu",
         )
     derived_len = spec.max_position_embeddings
     if max_model_len is not None and derived_len is not None and max_model_len > derived_len:

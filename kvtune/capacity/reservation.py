@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.errors import KvtuneError
+from kvtune.errors import OptionError
 
 @dataclass(frozen=True, slots=True)
 class RequestShape:
@@ -20,9 +20,9 @@ class RequestShape:
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
-            raise KvtuneError(f"must be at least 1, got {self.prompt_tokens}", field="--prompt-tokens")
+            raise OptionError(f"must be at least 1, got {self.prompt_tokens}", field="prompt_tokens")
         if self.max_tokens < 1:
-            raise KvtuneError(f"must be at least 1, got {self.max_tokens}", field="--max-tokens")
+            raise OptionError(f"must be at least 1, got {self.max_tokens}", field="max_tokens")
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,12 +69,16 @@ class KvtuneGroup(click.Group):
 
 
 def _name_the_flags(exc: KvtuneError, command: click.Command) -> None:
-    """The library says what is wrong in its own parameter names (`gpu_memory`); on the command
-    line the user fixes it with a flag (`--gpu-memory`), so the error names the flag."""
+    """The library says what is wrong in its own parameter names (gpu_memory, or `gpu` quoted
+    when the name is also a word); on the command line the user fixes it with a flag
+    (--gpu-memory, --gpu), so the error names the flag."""
     flags = {p.name: max(p.opts, key=len) for p in command.params if isinstance(p, click.Option) and p.name}
+    flags.update({p.name: p.human_readable_name for p in command.params
+                  if isinstance(p, click.Argument) and p.name})
     if exc.field in flags:
         exc.field = flags[exc.field]
     for name, flag in flags.items():
+        exc.message = exc.message.replace(f"`{name}`", flag)
         if "_" in name and name in exc.message:
             exc.message = re.sub(rf"\b{re.escape(name)}\b", flag, exc.message)
 

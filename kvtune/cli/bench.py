@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from kvtune.cli.options import LogArgs, log_options
-from kvtune.errors import InputError, KvtuneError
+from kvtune.errors import InputError, OptionError
 from kvtune.userfiles import brief
 
 JSON_FIELDS = """\b
@@ -140,17 +140,17 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     shapes = [name for name, on in (("--rate", opts["rate"] is not None), ("--concurrency", opts["concurrency"] is not None),
                                     ("--replay", opts["replay"])) if on]
     if len(shapes) > 1:
-        raise KvtuneError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
+        raise OptionError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
     if profile_path and logs:
-        raise KvtuneError("give --profile or LOGS, not both", field="--profile")
+        raise OptionError("give --profile or LOGS, not both", field="--profile")
     if not profile_path and not logs:
-        raise KvtuneError("give LOGS or --profile FILE for the workload", field="LOGS")
+        raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
     if opts["replay"] and not logs:
-        raise KvtuneError("--replay needs LOGS with per-request timestamps (a profile keeps none)", field="--replay")
+        raise OptionError("--replay needs LOGS with per-request timestamps (a profile keeps none)", field="--replay")
     if opts["length_control"] == "min-tokens" and opts["eos_token_id"] is None:
-        raise KvtuneError("--length-control min-tokens needs the model's EOS token id", field="--eos-token-id")
+        raise OptionError("--length-control min-tokens needs the model's EOS token id", field="--eos-token-id")
     if not opts["replay"] and opts["max_requests"] is None and opts["duration_s"] is None:
-        raise KvtuneError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
+        raise OptionError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
 
     ingest = log.ingest()
     tokenizer = None

@@ -7,7 +7,7 @@ import json
 import click
 
 from kvtune.cli.options import CapacityArgs, capacity_options
-from kvtune.errors import KvtuneError
+from kvtune.errors import OptionError
 
 
 def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
@@ -18,13 +18,13 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
         return ()
     if not prompt_tokens or not max_tokens:
         missing = "--prompt-tokens" if not prompt_tokens else "--max-tokens"
-        raise KvtuneError("a request shape needs both --prompt-tokens and --max-tokens", field=missing)
+        raise OptionError("a request shape needs both --prompt-tokens and --max-tokens", field=missing)
     if len(prompt_tokens) == 1:
         prompt_tokens = prompt_tokens * len(max_tokens)
     if len(max_tokens) == 1:
         max_tokens = max_tokens * len(prompt_tokens)
     if len(prompt_tokens) != len(max_tokens):
-        raise KvtuneError(
+        raise OptionError(
             f"{len(prompt_tokens)} --prompt-tokens but {len(max_tokens)} --max-tokens; give them in pairs "
             "(or one value to pair with all of the other)",
             field="--max-tokens",

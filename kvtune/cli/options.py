@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvtune.errors import KvtuneError
+from kvtune.errors import OptionError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
 #: kvtune.profile.build.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
@@ -30,12 +30,12 @@ def parse_count(text: str | None, field: str) -> int | None:
     shown = repr(text) if len(repr(text)) <= 44 else repr(text)[:40] + "...'"
     m = _COUNT.fullmatch(text.strip().replace(",", "").replace("_", ""))
     if m is None:
-        raise KvtuneError(f"expected a positive integer such as 8192, 8k or 8K, got {shown}", field=field)
+        raise OptionError(f"expected a positive integer such as 8192, 8k or 8K, got {shown}", field=field)
     value = float(m["num"]) * _SUFFIX[m["suffix"]]
     if value > MAX_COUNT:
-        raise KvtuneError(f"{shown} is beyond any token or block count (at most 2^53)", field=field)
+        raise OptionError(f"{shown} is beyond any token or block count (at most 2^53)", field=field)
     if not value.is_integer() or value < 1:
-        raise KvtuneError(f"expected a positive integer, got {shown}", field=field)
+        raise OptionError(f"expected a positive integer, got {shown}", field=field)
     return int(value)
 
 

@@ -8,7 +8,7 @@ import sys
 import click
 
 from kvtune.cli.options import LogArgs, log_options
-from kvtune.errors import InputError, KvtuneError
+from kvtune.errors import InputError
 
 JSON_FIELDS = """\b
 --json prints one object:
@@ -76,7 +76,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     result = fold_routes(merge_profiles(parts), log.max_routes)
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))
-        raise KvtuneError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
+        raise InputError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
     if save_path:
         from kvtune.profile.build import save_profile
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, grouped, log_options
-from kvtune.errors import KvtuneError
+from kvtune.errors import OptionError
 from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
 
@@ -57,9 +57,9 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
     if given is not None:
         found = local_chat_tokenizer(given)
         if found is None:
-            raise KvtuneError(f"{given!r} is not a local model directory with tokenizer.json and a chat "
+            raise OptionError(f"{given!r} is not a local model directory with tokenizer.json and a chat "
                               "template (tokenizer_config.json chat_template or chat_template.jinja); "
-                              "pass `upstream` to count with vLLM's /tokenize", field="--gateway-tokenizer")
+                              "pass --gateway-tokenizer upstream to count with vLLM's /tokenize", field="--gateway-tokenizer")
         return found
     return next(filter(None, map(local_chat_tokenizer, candidates)), None)
 

@@ -16,7 +16,7 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-from kvtune.errors import KvtuneError
+from kvtune.errors import RenderError
 from kvtune.userfiles import brief
 
 # Characters YAML 1.1 (PyYAML) or a shell/nginx comment would treat as a line break.
@@ -102,7 +102,7 @@ def nginx_word(value: Any) -> str:
     still interpret inside quotes (quote, backslash, `$`, control characters) are refused."""
     text = str(value)
     if not text or _NGINX_UNSAFE.search(text):
-        raise KvtuneError(f"{brief(text)} cannot be used in nginx.conf: no quotes, backslashes, $ or control "
+        raise RenderError(f"{brief(text)} cannot be used in nginx.conf: no quotes, backslashes, $ or control "
                           "characters")
     return f'"{text}"'
 
@@ -112,7 +112,7 @@ def nginx_time(seconds: Any) -> str:
     fractions)."""
     value = float(seconds)
     if not math.isfinite(value) or value < 0:
-        raise KvtuneError(f"{seconds!r} is not a duration nginx can take")
+        raise RenderError(f"{seconds!r} is not a duration nginx can take")
     ms = round(value * 1000)
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
@@ -121,7 +121,7 @@ def nginx_listen(value: Any) -> str:
     """host:port for `listen`, validated."""
     host, _, port = str(value).rpartition(":")
     if not HOSTNAME.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
-        raise KvtuneError(f"cannot listen on {brief(value)}: expected host:port")
+        raise RenderError(f"cannot listen on {brief(value)}: expected host:port")
     return f"{host}:{int(port)}"
 
 

@@ -24,7 +24,7 @@ from kvtune import __version__
 from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS, HOSTNAME
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
-from kvtune.errors import InputError, KvtuneError
+from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
     ADMIN_ACCESS,
     DEFAULT_PAIR_TOKENS,
@@ -288,14 +288,14 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "token_env": options.admin.token_env,
     }
     if options.retry_after_max_s < options.retry_after_min_s:
-        raise KvtuneError("retry_after_max_s must be at least retry_after_min_s")
+        raise OptionError("retry_after_max_s must be at least retry_after_min_s")
     admin = options.admin
     if admin.metrics not in ADMIN_ACCESS or admin.ledger not in ADMIN_ACCESS:
-        raise KvtuneError(f"admin access must be one of {', '.join(ADMIN_ACCESS)}")
+        raise OptionError(f"admin access must be one of {', '.join(ADMIN_ACCESS)}")
     if admin.token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", admin.token_env):
-        raise KvtuneError(f"admin.token_env {admin.token_env!r} is not an environment variable name")
+        raise OptionError(f"admin.token_env {admin.token_env!r} is not an environment variable name")
     if "token" in (admin.metrics, admin.ledger) and admin.token_env is None:
-        raise KvtuneError("admin access 'token' needs admin.token_env, the variable that holds the token")
+        raise OptionError("admin access 'token' needs admin.token_env, the variable that holds the token")
     return {
         "rec": rec,
         "options": options,
@@ -324,7 +324,7 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     wanted = list(TARGETS) if targets is None else list(targets)
     unknown = [t for t in wanted if t not in TARGETS]
     if unknown:
-        raise KvtuneError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
+        raise UnknownNameError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
     options = options or RenderOptions()
     env = make_environment()
     context = _context(rec, options)
@@ -345,7 +345,7 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
     target = Path(out_dir)
     for name in files:
         if Path(name).name != name or name in ("", ".", ".."):
-            raise KvtuneError(f"refusing to write {name!r}: not a plain file name")
+            raise OptionError(f"refusing to write {name!r}: not a plain file name")
     return write_all({target / name: text for name, text in files.items()},
                      executable=[target / name for name in files if name in EXECUTABLE])
 

@@ -14,7 +14,7 @@ import numpy as np
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
-from kvtune.errors import KvtuneError, OptionError
+from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.hardware import default_batch_limits
 from kvtune.kv import KvBytes
@@ -147,7 +147,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     options = options or RecommendOptions()
     capacity = plan.capacity
     if not profile.routes:
-        raise KvtuneError("the profile has no requests to recommend from")
+        raise InputError("the profile has no requests to recommend from")
     block_size = capacity.block_size
     model_limit = capacity.max_model_len
     version = rules.parse_vllm_version(options.vllm_version)
@@ -158,7 +158,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     budget = rules.block_budget(capacity.num_blocks, float(safety.value))  # type: ignore[arg-type]
     budget_blocks = budget.tokens
     if budget_blocks < 1:
-        raise KvtuneError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")
+        raise CapacityError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")
 
     total_requests = profile.requests
     drafts = []
