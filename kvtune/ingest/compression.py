@@ -6,7 +6,7 @@ import io
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeAlias
 
 from kvtune.errors import InputError
 
@@ -186,7 +186,11 @@ def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> Non
         )
 
 
-def open_bytes(path: Path, size: int | None = None) -> tuple[Any, Any]:
+#: A file's bytes as `open_bytes` reads them: plain (the raw file itself), or decompressed.
+Stream: TypeAlias = "io.BufferedReader[_Sized] | io.BufferedReader[_Decompressed]"  # not generic at runtime
+
+
+def open_bytes(path: Path, size: int | None = None) -> tuple[Stream, io.BufferedReader[_Sized]]:
     """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes.
 
     `size`: the file's size when it was planned (default: now); reading stops there, and a file
