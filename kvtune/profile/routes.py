@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -134,7 +134,7 @@ class CensoredHistogram:
             return NotImplemented
         return self.uncensored == other.uncensored and self.censored == other.censored
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def total(self) -> int:
@@ -175,7 +175,9 @@ class CensoredHistogram:
         if self.total == 0:
             raise ValueError("quantile of an empty distribution")
         if self.censored.total == 0:
-            return Quantile(self.uncensored.quantile(q))  # type: ignore[arg-type]
+            value = self.uncensored.quantile(q)
+            assert value is not None  # total > 0
+            return Quantile(value)
         reached = np.flatnonzero(1.0 - self._survival >= q * (1.0 - _KM_SLACK))
         if reached.size == 0:
             return Quantile(int(self._times[-1]), lower_bound=True)
@@ -317,7 +319,7 @@ class Arrival:
             return NotImplemented
         return (self.per_second, self.first_s, self.last_s) == (other.per_second, other.first_s, other.last_s)
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def requests(self) -> int:
@@ -399,7 +401,11 @@ def _merge_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
     return dict(sorted(merged.items()))
 
 
-def _merge_optional(a, b):
+_Mergeable = TypeVar("_Mergeable", Arrival, LogHistogram)
+_Parsed = TypeVar("_Parsed")
+
+
+def _merge_optional(a: _Mergeable | None, b: _Mergeable | None) -> _Mergeable | None:
     if a is None:
         return b
     if b is None:
@@ -428,7 +434,7 @@ class RouteProfile:
             return NotImplemented
         return all(getattr(self, f) == getattr(other, f) for f in _ROUTE_FIELDS)
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def requests(self) -> int:
@@ -482,7 +488,7 @@ class RouteProfile:
         if not isinstance(route, str):
             raise InputError("expected a string", field=f"{where}.route")
 
-        def optional(key, parse):
+        def optional(key: str, parse: Callable[[Any, str], _Parsed]) -> _Parsed | None:
             value = data.get(key)
             return None if value is None else parse(value, f"{where}.{key}")
 
@@ -607,7 +613,7 @@ class Profile:
             other.folded_requests,
         )
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def requests(self) -> int:
@@ -753,7 +759,7 @@ def _sum_histograms(histograms: list[Histogram]) -> Histogram:
 def _sum_routes(name: str, routes: list[RouteProfile]) -> RouteProfile:
     """Many route profiles as one route, summed exactly."""
 
-    def summed(get):
+    def summed(get: Callable[[RouteProfile], Histogram]) -> Histogram:
         return _sum_histograms([get(r) for r in routes])
 
     arrivals = [r.arrival for r in routes if r.arrival is not None]
