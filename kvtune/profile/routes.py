@@ -10,6 +10,7 @@ without censoring they are exactly numpy's nearest-rank (`inverted_cdf`) percent
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -243,8 +244,9 @@ TAIL_RULE = (
 )
 
 
-class TailClass:
-    """Closed set of tail classes (strings, so they read well in JSON)."""
+class TailClass(enum.Enum):
+    """How an output distribution's tail decays against an exponential's (TAIL_RULE); the values
+    are the words profile and recommendation JSON use."""
 
     LIGHT = "light"
     HEAVY = "heavy"
@@ -254,7 +256,7 @@ class TailClass:
 class Tail:
     """Tail class of an output distribution and the ratios that decided it."""
 
-    class_: str
+    class_: TailClass
     p99_over_p50: float
     p999_over_p99: float | None  # None with fewer than 1000 requests
     lower_bound: bool  # ratios rest on lower-bound percentiles (censoring)
@@ -262,7 +264,7 @@ class Tail:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "class": self.class_,
+            "class": self.class_.value,
             "rule": self.rule,
             "p99_over_p50": round(self.p99_over_p50, 3),
             "p999_over_p99": None if self.p999_over_p99 is None else round(self.p999_over_p99, 3),
