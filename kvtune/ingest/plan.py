@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvtune.errors import InputError, UnknownNameError
-from kvtune.ingest import IngestOptions, arrays
+from kvtune.ingest import IngestOptions, OnError, arrays
 from kvtune.ingest.compression import open_bytes
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
 from kvtune.ingest.schemas._base import TARGETS
@@ -313,9 +313,11 @@ def check_options(options: IngestOptions) -> None:
             )
         if not options.fields[target]:
             raise InputError(f"empty source path for {target}", field="--field")
-    if options.on_error not in ("skip", "fail"):
+    if not isinstance(options.on_error, OnError):  # a caller without type checks passed a word
         raise UnknownNameError(
-            f"unknown on_error {options.on_error!r}; use skip or fail", field="--on-error"
+            f"on_error must be OnError.SKIP or OnError.FAIL, not {options.on_error!r} "
+            "(kvtune.ingest.parse_on_error reads the words)",
+            field="--on-error",
         )
     if options.assume_cap is not None and options.assume_cap <= 0:
         raise InputError(f"assume_cap must be positive, got {options.assume_cap}", field="--assume-cap")

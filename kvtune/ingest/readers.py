@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvtune.ingest import FileInfo, IngestOptions, IngestStats, flatscan
+from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, flatscan
 from kvtune.ingest.columns import _TYPES, Records
 from kvtune.ingest.jsonl import JsonlPaths
 from kvtune.ingest.paths import expand_paths
@@ -139,7 +139,7 @@ class _Reader(JsonlPaths, TabularPaths):
         self.progress = progress
         self.total = total_bytes
         self.done_before = 0  # bytes of files finished
-        self.fail = options.on_error == "fail" or options.strict
+        self.fail = options.on_error is OnError.FAIL or options.strict
         self.batch_inputs: dict[str, dict[str, Any]] = {}
         self.route_field = _route_field(options)
 
