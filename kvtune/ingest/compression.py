@@ -37,7 +37,7 @@ class _Decompressed(io.RawIOBase):
 
     _d: _Decompressor  # the member or frame being read
 
-    def __init__(self, raw: Any, codec: Codec, path: str) -> None:
+    def __init__(self, raw: io.BufferedReader[_Sized], codec: Codec, path: str) -> None:
         self.raw = raw
         self.codec = codec
         self.path = path
