@@ -67,11 +67,11 @@ def profile_logs(
     >>> [(r.route, r.output.quantile(0.99).value_tokens) for r in profile.routes][:1]  # doctest: +SKIP
     [('/v1/chat/completions', 2474)]
     """
-    from kvtune.ingest import IngestOptions
+    from kvtune.ingest import IngestOptions, parse_on_error
     from kvtune.profile.build import load_profile_or_logs
 
     options = IngestOptions(format=format, fields=dict(fields or {}), route_by=route_by, tokenizer=tokenizer,
-                            on_error=on_error, strict=strict, assume_cap=assume_cap)
+                            on_error=parse_on_error(on_error), strict=strict, assume_cap=assume_cap)
     return load_profile_or_logs([os.fspath(p) for p in paths], options, progress=progress, max_routes=max_routes)
 
 

@@ -26,9 +26,14 @@ import os
 import re
 import reprlib
 import stat
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtune.errors import InputError
+
+if TYPE_CHECKING:
+    from yaml._yaml import Mark as CMark
+    from yaml.error import Mark
 
 __all__ = [
     "CONFIG_MAX_BYTES",
@@ -196,38 +201,37 @@ def _refuse_lone_surrogates(data: Any, where: str) -> None:
 class _RefusedYAML(Exception):
     """Valid YAML that kvtune's files never need and will not read."""
 
-    def __init__(self, problem: str, mark: Any) -> None:
+    def __init__(self, problem: str, mark: Mark | CMark | None) -> None:
         super().__init__(problem)
-        self.problem, self.line = problem, mark.line + 1
+        self.problem, self.line = problem, None if mark is None else mark.line + 1
+
+
+class _Loader(Protocol):
+    """The one loader method parse_yaml uses, besides dispose."""
+
+    def get_single_data(self) -> Any: ...
+
+    def dispose(self) -> None: ...
 
 
 @functools.cache
-def _strict_loader() -> type:
+def _strict_loader() -> Callable[[str], _Loader]:
     """PyYAML's safe loader without anchors, aliases, merge keys or duplicate keys (built on first
     use, so importing this module does not import yaml)."""
     import yaml
     from yaml.composer import Composer
     from yaml.constructor import ConstructorError, SafeConstructor
+    from yaml.nodes import MappingNode, Node, ScalarNode
     from yaml.resolver import Resolver
-
-    class StrictComposer(Composer):
-        """No anchors or aliases: a few lines of aliases expand to gigabytes (billion laughs)."""
-
-        def compose_node(self, parent, index):
-            event = self.peek_event()
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-                raise _RefusedYAML(f"anchors and aliases are not allowed (&{event.anchor} / *{event.anchor}); "
-                                   "write each value out", event.start_mark)
-            return super().compose_node(parent, index)
 
     class StrictConstructor(SafeConstructor):
         """Mappings without duplicate keys (the second would silently win) or `<<` merge keys."""
 
-        def construct_mapping(self, node, deep=False):
+        def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Hashable, Any]:
             if not isinstance(node, yaml.MappingNode):
                 raise ConstructorError(None, None, f"expected a mapping, found {node.id}", node.start_mark)
-            mapping: dict[Any, Any] = {}
-            lines: dict[Any, int] = {}
+            mapping: dict[Hashable, Any] = {}
+            lines: dict[Hashable, int] = {}
             for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     raise _RefusedYAML("merge keys (<<) are not allowed", key_node.start_mark)
@@ -244,35 +248,51 @@ def _strict_loader() -> type:
                 mapping[key] = self.construct_object(value_node, deep=deep)
             return mapping
 
-        def construct_yaml_int(self, node):
+        def construct_yaml_int(self, node: ScalarNode) -> int:
             digits = len(str(node.value))
             if digits > _MAX_DIGITS:
                 raise _RefusedYAML(f"an integer of {digits:,} digits", node.start_mark)
             return super().construct_yaml_int(node)
 
-    StrictConstructor.add_constructor("tag:yaml.org,2002:int", StrictConstructor.construct_yaml_int)
+        # what add_constructor("tag:yaml.org,2002:int", construct_yaml_int) does: a copy of the
+        # inherited table with that entry replaced
+        yaml_constructors = {**SafeConstructor.yaml_constructors, "tag:yaml.org,2002:int": construct_yaml_int}
 
-    try:  # libyaml scans and parses in C; composing stays in Python, where aliases are refused
+    # libyaml scans and parses in C; composing stays in Python (Composer comes first), where
+    # aliases are refused
+    if TYPE_CHECKING:  # the Python fallback below has the same interface
         from yaml._yaml import CParser
-    except ImportError:  # pragma: no cover - PyYAML built without libyaml
-        from yaml.parser import Parser
-        from yaml.reader import Reader
-        from yaml.scanner import Scanner
+    else:
+        try:
+            from yaml._yaml import CParser
+        except ImportError:  # pragma: no cover - PyYAML built without libyaml
+            from yaml.parser import Parser
+            from yaml.reader import Reader
+            from yaml.scanner import Scanner
 
-        class PythonParser(Reader, Scanner, Parser):
-            def __init__(self, stream: str) -> None:
-                Reader.__init__(self, stream)
-                Scanner.__init__(self)
-                Parser.__init__(self)
+            class PythonParser(Reader, Scanner, Parser):
+                def __init__(self, stream: str) -> None:
+                    Reader.__init__(self, stream)
+                    Scanner.__init__(self)
+                    Parser.__init__(self)
 
-        CParser = PythonParser
+            CParser = PythonParser
 
-    class StrictLoader(StrictComposer, CParser, StrictConstructor, Resolver):
+    class StrictLoader(Composer, CParser, StrictConstructor, Resolver):
         def __init__(self, stream: str) -> None:
             CParser.__init__(self, stream)
-            StrictComposer.__init__(self)
+            Composer.__init__(self)
             StrictConstructor.__init__(self)
             Resolver.__init__(self)
+
+        def compose_node(self, parent: Node | None, index: int) -> Node | None:
+            """No anchors or aliases: a few lines of aliases expand to gigabytes (billion laughs)."""
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                anchor = getattr(event, "anchor", None)
+                raise _RefusedYAML(f"anchors and aliases are not allowed (&{anchor} / *{anchor}); "
+                                   "write each value out", None if event is None else event.start_mark)
+            return super().compose_node(parent, index)
 
     return StrictLoader
 

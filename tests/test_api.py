@@ -66,3 +66,14 @@ def test_bad_recommend_options_name_the_field(changes, field, message):
     with pytest.raises(KvtuneError) as caught:
         kvtune.recommend(profile, plan, **changes)
     assert caught.value.field == field and message in str(caught.value)
+
+
+def test_profile_logs_takes_the_on_error_words(tmp_path):
+    path = tmp_path / "logs.jsonl"
+    path.write_text('{"route": "/a", "output_tokens": 5}\n{oops\n')
+    assert kvtune.profile_logs([path], on_error="skip").skipped == {"malformed JSON": 1}
+    with pytest.raises(KvtuneError, match=r":2: malformed JSON"):
+        kvtune.profile_logs([path], on_error="fail")
+    with pytest.raises(KvtuneError) as caught:
+        kvtune.profile_logs([path], on_error="stop")
+    assert caught.value.field == "--on-error" and "use skip or fail" in str(caught.value)

@@ -133,6 +133,14 @@ def test_skips_are_counted_and_strict_makes_them_fatal(tmp_path):
     result = run(str(path), "--strict")
     assert result.exit_code == 2
     assert result.output.startswith(f"Error: {path}:2:") and result.output.count("\n") == 1
+    # --on-error takes its words and reaches ingest as the enum: skip counts, fail stops at the line
+    assert json.loads(run(str(path), "--on-error", "skip", "--json").output)["skipped"]["count"] == 1
+    result = run(str(path), "--on-error", "fail")
+    assert result.exit_code == 2
+    assert result.output.startswith(f"Error: {path}:2:") and result.output.count("\n") == 1
+    result = run(str(path), "--on-error", "stop")
+    assert result.exit_code == 2
+    assert "Invalid value for '--on-error': 'stop' is not one of 'skip', 'fail'" in result.output
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import TRACES
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
-from kvtune.ingest import COLUMNS, IngestOptions, expand_paths, read_logs
+from kvtune.ingest import COLUMNS, IngestOptions, OnError, expand_paths, parse_on_error, read_logs
 from kvtune.ingest import columns, flatscan, jsonl, readers, tabular
 
 LOGS = Path(__file__).parent / "data" / "logs"
@@ -159,10 +159,22 @@ def test_on_error_fail_and_strict_raise_at_the_first_bad_line(tmp_path):
     path = tmp_path / "logs.jsonl"
     good = [json.dumps({"route": "a", "output_tokens": 3})] * 100
     path.write_text("\n".join(good[:16] + ['{"route": "a", "output_tokens": "abc"}'] + good) + "\n")
-    for opts in ({"on_error": "fail"}, {"strict": True}):
+    for opts in ({"on_error": OnError.FAIL}, {"strict": True}):
         with pytest.raises(InputError) as exc:
             read([path], **opts)
         assert str(exc.value) == f'{path}:17: output_tokens: not an integer: "abc"'
+
+
+def test_on_error_words_are_parsed_at_the_edges_and_only_the_enum_reaches_ingest(tmp_path):
+    assert parse_on_error("skip") is OnError.SKIP and parse_on_error("fail") is OnError.FAIL
+    with pytest.raises(UnknownNameError, match="^--on-error: unknown on_error 'stop'; use skip or fail$"):
+        parse_on_error("stop")
+    path = tmp_path / "logs.jsonl"
+    path.write_text('{"route": "a", "output_tokens": 3}\n')
+    # a word where the enum belongs would otherwise read as "skip": refused before any file is read
+    refused = r"^--on-error: on_error must be OnError.SKIP or OnError.FAIL, not 'fail'"
+    with pytest.raises(UnknownNameError, match=refused):
+        read([path], on_error="fail")
 
 
 def test_negative_count_in_fast_path_fails_with_line(tmp_path):
@@ -170,7 +182,7 @@ def test_negative_count_in_fast_path_fails_with_line(tmp_path):
     rows = [{"route": "a", "output_tokens": 1}] * 10 + [{"route": "a", "output_tokens": -1}]
     path.write_text("\n\n".join(json.dumps(r) for r in rows))  # blank lines between records
     with pytest.raises(InputError, match=r"n.jsonl:21: output_tokens: negative count: -1"):
-        read([path], on_error="fail")
+        read([path], on_error=OnError.FAIL)
 
 
 def test_nested_schema_bad_field_names_its_path(tmp_path):
@@ -179,7 +191,7 @@ def test_nested_schema_bad_field_names_its_path(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text((LOGS / "openai_chat.jsonl").read_text() + json.dumps(record) + "\n")
     with pytest.raises(InputError) as exc:
-        read([path], on_error="fail")
+        read([path], on_error=OnError.FAIL)
     assert str(exc.value) == f'{path}:4: usage.completion_tokens: not an integer: "abc"'
 
 
@@ -369,7 +381,7 @@ def test_fuzzed_lines_give_kvtune_errors_or_counted_skips(tmp_path, lines, fmt):
     good = json.dumps({"route": "r", "output_tokens": 5})
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join([good, *(ln.replace("\n", " ") for ln in lines)]) + "\n", encoding="utf-8")
-    for on_error in ("skip", "fail"):
+    for on_error in (OnError.SKIP, OnError.FAIL):
         try:
             table, stats = read([path], format=fmt, on_error=on_error)
         except KvtuneError:
@@ -464,7 +476,7 @@ def test_mistyped_otlp_arrays_are_counted_skips(tmp_path, line):
     assert table.num_rows == 0
     assert stats.skipped == {"malformed record structure": 1}
     with pytest.raises(KvtuneError, match="expected a list"):
-        read([path], format="otel", on_error="fail")
+        read([path], format="otel", on_error=OnError.FAIL)
 
 
 # -- a log that changes under the reader (logrotate's copytruncate) -----------------------------

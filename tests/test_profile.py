@@ -21,6 +21,7 @@ from kvtune.profile.routes import (
     CensoredHistogram,
     Profile,
     Quantile,
+    TailClass,
     classify_tail,
     merge_profiles,
     summarize_plain,
@@ -229,20 +230,20 @@ def test_tail_class_on_real_traces_and_a_light_tail():
     code = read_trace("AzureLLMInferenceTrace_code.csv")["GeneratedTokens"].to_numpy()
     conv = read_trace("AzureLLMInferenceTrace_conv.csv")["GeneratedTokens"].to_numpy()
     code_tail = classify_tail(summarize_plain(Histogram.of(code)))
-    assert code_tail.class_ == "heavy" and code_tail.p99_over_p50 == pytest.approx(252 / 13)
+    assert code_tail.class_ is TailClass.HEAVY and code_tail.p99_over_p50 == pytest.approx(252 / 13)
     conv_tail = classify_tail(summarize_plain(Histogram.of(conv)))
     # p99/p50 = 601/129 = 4.66 is lighter than an exponential; p99.9/p99 = 954/601 = 1.59 is not
-    assert conv_tail.class_ == "heavy"
+    assert conv_tail.class_ is TailClass.HEAVY
     assert conv_tail.p99_over_p50 == pytest.approx(601 / 129)
     assert conv_tail.p999_over_p99 == pytest.approx(954 / 601)
     light = np.round(np.random.default_rng(1).lognormal(5, 0.4, 50_000)).astype(int)  # 2.54, 1.43
     light_tail = classify_tail(summarize_plain(Histogram.of(light)))
-    assert light_tail.class_ == "light" and "p99/p50 > 6.64" in light_tail.rule
+    assert light_tail.class_ is TailClass.LIGHT and "p99/p50 > 6.64" in light_tail.rule
     # under 1000 requests p99.9 is only the sample max and is not used
     few = classify_tail(summarize_plain(Histogram.of([100] * 990 + [1000] * 9)))
-    assert few.p999_over_p99 is None and few.class_ == "light"
+    assert few.p999_over_p99 is None and few.class_ is TailClass.LIGHT
     # an exponential sits on the boundary; twice its p99 spread is heavy
-    assert classify_tail(summarize_plain(Histogram.of([10] * 60 + [70] * 40))).class_ == "heavy"
+    assert classify_tail(summarize_plain(Histogram.of([10] * 60 + [70] * 40))).class_ is TailClass.HEAVY
 
 
 def test_builder_routes_nulls_and_side_columns():

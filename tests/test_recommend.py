@@ -16,6 +16,7 @@ from kvtune.planning import plan
 from kvtune.policy.recommend import RecommendOptions, recommend
 from kvtune.policy.recommendation import Match
 from kvtune.profile.build import ProfileBuilder
+from kvtune.profile.routes import TailClass
 
 
 def _azure(name: str) -> pd.DataFrame:
@@ -63,7 +64,7 @@ def test_azure_conv_and_code_on_h100():
     for route, df in (("/conv", conv), ("/code", code)):
         r = by_route[route]
         cap, reservations, admitted = _expected_route(df, 0.99, bs, budget)
-        assert r.tail == "heavy"
+        assert r.tail is TailClass.HEAVY
         assert r.max_new_tokens.value == cap
         assert r.max_new_tokens.rule == "cap-p99-heavy-tail"
         # share of logged requests longer than the cap

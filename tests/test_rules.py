@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtune.policy import rules
+from kvtune.profile.routes import TailClass
 
 
 def test_weighted_distribution_is_nearest_rank():
@@ -59,11 +60,11 @@ def test_safety_fraction_default_and_user():
 
 
 def test_caps_by_tail_class():
-    light = rules.cap_by_tail("light", 451, False, context_cap=8000)
+    light = rules.cap_by_tail(TailClass.LIGHT, 451, False, context_cap=8000)
     assert (light.value, light.rule) == (451, "cap-p95-light-tail")
-    heavy = rules.cap_by_tail("heavy", 251, True, context_cap=8000)
+    heavy = rules.cap_by_tail(TailClass.HEAVY, 251, True, context_cap=8000)
     assert heavy.value == 251 and "lower bound" in heavy.reason
-    clipped = rules.cap_by_tail("heavy", 9000, False, context_cap=8000)
+    clipped = rules.cap_by_tail(TailClass.HEAVY, 9000, False, context_cap=8000)
     assert clipped.value == 8000 and "clipped" in clipped.reason
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvtune.profile.histogram import Histogram
-from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, classify_tail, summarize_plain
+from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, TailClass, classify_tail, summarize_plain
 
 _BAR_WIDTH = 32
 _PROGRESS_DELAY_S = 0.5  # inputs read faster than this never show a bar
@@ -68,7 +68,7 @@ def render_profile(profile: Profile, *, file=None) -> None:
 
 def _tail_label(summary) -> str:
     tail = classify_tail(summary)
-    return tail.class_ + ("?" if tail.lower_bound and tail.class_ == "light" else "")
+    return tail.class_.value + ("?" if tail.lower_bound and tail.class_ is TailClass.LIGHT else "")
 
 
 def _render_route_details(console, route: RouteProfile) -> None:

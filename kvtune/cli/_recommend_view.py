@@ -37,7 +37,7 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
     for r in rec.routes:
         asked = r.requested_max_tokens
         routes.add_row(
-            r.route, f"{r.requests:,}", r.tail, f"{r.cap:,}", r.max_new_tokens.rule, f"{r.truncation_share:.1%}",
+            r.route, f"{r.requests:,}", r.tail.value, f"{r.cap:,}", r.max_new_tokens.rule, f"{r.truncation_share:.1%}",
             "—" if asked is None else f"{asked.share_above_cap:.0%}",
             f"{r.reservation_blocks.p50}/{r.reservation_blocks.p99} blk",
             f"{r.concurrency.admitted:,} vs {r.concurrency.worst_case:,}",

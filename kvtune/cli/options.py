@@ -146,11 +146,11 @@ class LogArgs:
     def ingest(self):  # -> kvtune.ingest.IngestOptions
         """The ingest options; the process is about to read logs, so malloc is tuned for it."""
         from kvtune.allocator import tune_for_streaming
-        from kvtune.ingest import IngestOptions
+        from kvtune.ingest import IngestOptions, OnError
 
         tune_for_streaming()
         return IngestOptions(format=self.format_, fields=parse_fields(self.fields), route_by=self.route_by,
-                             tokenizer=self.tokenizer, on_error=self.on_error, strict=self.strict,
+                             tokenizer=self.tokenizer, on_error=OnError(self.on_error), strict=self.strict,
                              assume_cap=self.assume_cap)
 
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile

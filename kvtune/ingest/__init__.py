@@ -3,17 +3,19 @@
 `read_logs` expands paths, detects each file's container (JSONL, CSV, Parquet; plain, .gz, .zst)
 and schema (OpenAI, Anthropic, LiteLLM, Langfuse, Helicone, OTel GenAI, public traces, kvtune's
 own flat format), and streams `pyarrow.RecordBatch`es with exactly `COLUMNS`. Rows that cannot be
-used are counted in `IngestStats.skipped` with a reason, or raise with `on_error="fail"`/`strict`.
+used are counted in `IngestStats.skipped` with a reason, or raise with `OnError.FAIL`/`strict`.
 pyarrow is imported lazily so that `kvtune --help` stays fast.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtune.errors import UnknownNameError
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.schemas import FORMATS
 
@@ -66,6 +68,22 @@ class IngestStats:
         self.examples.setdefault(reason, where)
 
 
+class OnError(enum.Enum):
+    """What a row that cannot be used does: counted in `IngestStats.skipped` (SKIP), or raised as
+    an InputError naming its line (FAIL). The values are the words of `--on-error`."""
+
+    SKIP = "skip"
+    FAIL = "fail"
+
+
+def parse_on_error(name: str) -> OnError:
+    """The OnError a word of `--on-error` names ("skip" or "fail")."""
+    try:
+        return OnError(name)
+    except ValueError:
+        raise UnknownNameError(f"unknown on_error {name!r}; use skip or fail", field="--on-error") from None
+
+
 @dataclass(frozen=True)
 class IngestOptions:
     """How to read logs: forced format, field mapping, route choice, tokenizer, error policy.
@@ -80,7 +98,7 @@ class IngestOptions:
     fields: Mapping[str, str] = field(default_factory=dict)
     route_by: str | None = None
     tokenizer: str | None = None
-    on_error: str = "skip"
+    on_error: OnError = OnError.SKIP
     strict: bool = False
     assume_cap: int | None = None
 
@@ -110,6 +128,8 @@ __all__ = [
     "FileInfo",
     "IngestOptions",
     "IngestStats",
+    "OnError",
     "expand_paths",
+    "parse_on_error",
     "read_logs",
 ]

@@ -11,6 +11,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from numpy.typing import NDArray
+
+#: A boolean row mask (valid rows, flags), as numpy holds it.
+Mask = NDArray[np.bool_]
 
 _NUMPY_TYPES = {
     "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
@@ -19,7 +23,7 @@ _NUMPY_TYPES = {
 }
 
 
-def values(column: pa.Array) -> np.ndarray | None:
+def values(column: pa.Array) -> NDArray[Any] | None:
     """A primitive array's value buffer as a read-only numpy view (null slots unspecified);
     None for types without one (strings, booleans, dictionaries)."""
     dtype = _NUMPY_TYPES.get(str(column.type))
@@ -31,13 +35,21 @@ def values(column: pa.Array) -> np.ndarray | None:
     return np.frombuffer(buf, dtype, count=len(column), offset=column.offset * np.dtype(dtype).itemsize)
 
 
-def bits(buf: Any, offset: int, n: int) -> np.ndarray:
+def numbers(column: pa.Array) -> NDArray[Any]:
+    """`values` of a column whose type has a value buffer (an integer or float type)."""
+    view = values(column)
+    if view is None:
+        raise TypeError(f"a {column.type} column has no numeric value buffer")
+    return view
+
+
+def bits(buf: pa.Buffer, offset: int, n: int) -> Mask:
     """An Arrow bitmap (validity or boolean values) as a numpy bool array."""
     raw = np.frombuffer(buf, np.uint8, count=(offset % 8 + n + 7) // 8, offset=offset // 8)
     return np.unpackbits(raw, count=offset % 8 + n, bitorder="little")[offset % 8 :].view(bool)
 
 
-def valid(column: pa.Array) -> np.ndarray | None:
+def valid(column: pa.Array) -> Mask | None:
     """Valid-row mask, or None when the column has no nulls."""
     if column.null_count == 0:
         return None
@@ -46,14 +58,20 @@ def valid(column: pa.Array) -> np.ndarray | None:
     return bits(column.buffers()[0], column.offset, len(column))
 
 
-def ints(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+def missing(column: pa.Array) -> Mask:
+    """Null-row mask (all False when the column has no nulls)."""
+    mask = valid(column)
+    return np.zeros(len(column), bool) if mask is None else ~mask
+
+
+def ints(column: pa.Array) -> tuple[NDArray[np.int64], Mask | None]:
     """(int64 values with nulls as 0, valid mask or None when there are no nulls)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     view = values(column)
     if view is None or view.dtype.kind == "f":
         column = column.cast(pa.int64())
-        view = values(column)
+        view = numbers(column)
     view = view.astype(np.int64, copy=False)
     mask = valid(column)
     if mask is not None:
@@ -61,7 +79,7 @@ def ints(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     return view, mask
 
 
-def codes(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+def codes(column: pa.Array) -> tuple[NDArray[np.int32] | NDArray[np.int64], Mask | None]:
     """Dictionary indices as int32 (int64 when wider) with nulls as 0, and the valid mask or None.
 
     Without nulls the result is a read-only view of the Arrow buffer (int32 indices: no copy).
@@ -79,18 +97,18 @@ def codes(column: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     return view, mask
 
 
-def floats(column: pa.Array) -> np.ndarray:
+def floats(column: pa.Array) -> NDArray[np.float64]:
     """float64 with nulls as NaN."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if column.type != pa.float64():
         column = column.cast(pa.float64())
-    view = values(column)
+    view = numbers(column)
     mask = valid(column)
     return view if mask is None else np.where(mask, view, np.nan)
 
 
-def flags(column: pa.Array) -> np.ndarray:
+def flags(column: pa.Array) -> Mask:
     """A boolean column as numpy bools, nulls as False."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
@@ -103,14 +121,14 @@ def flags(column: pa.Array) -> np.ndarray:
     return out if mask is None else out & mask
 
 
-def bool_array(mask: np.ndarray) -> pa.BooleanArray:
+def bool_array(mask: Mask) -> pa.BooleanArray:
     """numpy bools → Arrow booleans without nulls."""
     mask = np.ascontiguousarray(mask, dtype=bool)
     packed = np.packbits(mask, bitorder="little")
     return pa.Array.from_buffers(pa.bool_(), mask.size, [None, pa.py_buffer(packed)])
 
 
-def numeric_array(data: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
+def numeric_array(data: NDArray[Any], mask: Mask | None = None) -> pa.Array:
     """numpy numbers → an Arrow array of the same type; `mask` marks the valid rows."""
     data = np.ascontiguousarray(data)
     typ = pa.from_numpy_dtype(data.dtype)
@@ -128,9 +146,10 @@ def string_array(items: list[str]) -> pa.StringArray:
     )
 
 
-def dictionary(indices: np.ndarray, names: list[str], mask: np.ndarray | None = None) -> pa.DictionaryArray:
+def dictionary(indices: NDArray[np.integer[Any]], names: list[str], mask: Mask | None = None) -> pa.DictionaryArray:
     """dictionary<int32, string> from numpy codes into `names`; `mask` marks the valid rows."""
-    return pa.DictionaryArray.from_arrays(numeric_array(indices.astype(np.int32, copy=False), mask), string_array(names))
+    codes = numeric_array(indices.astype(np.int32, copy=False), mask)
+    return pa.DictionaryArray.from_arrays(codes, string_array(names))
 
 
 def scaled(column: pa.Array, factor: float) -> pa.DoubleArray:
@@ -140,7 +159,7 @@ def scaled(column: pa.Array, factor: float) -> pa.DoubleArray:
     if factor == 1.0:
         return column
     mask = valid(column)
-    data = values(column) if mask is None else np.where(mask, values(column), 0.0)
+    data = numbers(column) if mask is None else np.where(mask, numbers(column), 0.0)
     with np.errstate(over="ignore", invalid="ignore"):  # inf and nan stay, as Arrow's multiply
         return numeric_array(data * factor, mask)
 
@@ -174,7 +193,9 @@ def rows(batch: pa.RecordBatch) -> list[dict[str, Any]]:
         else:
             columns.append(column.to_pylist())
     names = batch.schema.names
-    return [dict(zip(names, values)) for values in zip(*columns)] if columns else [{} for _ in range(batch.num_rows)]
+    if not columns:
+        return [{} for _ in range(batch.num_rows)]
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def utf8(column: pa.Array) -> bool:

@@ -9,13 +9,15 @@ Arrow buffers, dictionaries), so one place decides what a row means whichever pa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
-from kvtune.ingest import COLUMNS, arrays
+from kvtune.errors import InputError
+from kvtune.ingest import COLUMNS, FileInfo, IngestOptions, IngestStats, arrays
 from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, STR_TARGETS
 from kvtune.ingest.schemas._fields import (
     BAD_NUMBER,
@@ -30,6 +32,12 @@ from kvtune.ingest.schemas._fields import (
 
 if TYPE_CHECKING:
     from kvtune.ingest.plan import _Plan
+
+#: Where a row was read: its line, or (line, index) where records come from a JSON document
+#: (line None) or a slow-path batch (`readers._Sink`).
+Location = int | tuple[int | None, int | None]
+#: The slow path's input: (line, index in a JSON document, parsed record or RowError) per record.
+Records = Iterator[tuple[int | None, int | None, Any]]
 
 SCHEMA = pa.schema(
     [
@@ -76,13 +84,56 @@ _TYPES: dict[str, pa.DataType] = {
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
-class ColumnChecks:
-    """The reader's shared end of every path: checks, skips and the normalized batch.
+class ColumnChecks(abc.ABC):
+    """The reader's shared end of every path: skips, checks and the normalized batch.
 
-    A mixin of `readers._Reader`, whose state it uses: options, stats, fail, skip, _need_example.
+    The base of the reading paths (`jsonl.JsonlPaths`, `tabular.TabularPaths`), which
+    `readers._Reader` joins: it declares the reader state they share, which `_Reader` sets, and
+    the hooks `_Reader` defines (progress, the slow path, a flat plan's source fields).
     """
 
-    def _finalize(self, plan: _Plan, cols: dict[str, pa.Array], n: int, locate: Callable[[int], int]) -> pa.RecordBatch | None:
+    options: IngestOptions
+    stats: IngestStats
+    fail: bool  # the first bad row raises (on_error fail, or strict) instead of being counted
+    info: FileInfo  # the file being read
+    path: str  # its path, as errors name it
+
+    @abc.abstractmethod
+    def _progress(self, pos: int) -> None:
+        """Report `pos` bytes of the current file as read."""
+
+    @abc.abstractmethod
+    def _records(self, plan: _Plan, records: Records) -> Iterator[pa.RecordBatch]:
+        """The slow path: records one at a time through the plan's flat spec or adapter."""
+
+    @abc.abstractmethod
+    def _sources(self, plan: _Plan) -> dict[str, str]:
+        """The source field of each target column of a flat plan."""
+
+    # -- skips and errors
+
+    def _where(self, line: int | None, index: int | None, field: str | None) -> tuple[int | None, str | None]:
+        if line is None and index is not None:  # a record of a JSON document
+            field = f"[{index}]" + ("." + field if field else "")
+        return line, field
+
+    def skip(
+        self, reason: str, message: str, line: int | None, field: str | None, index: int | None = None, count: int = 1
+    ) -> None:
+        line, field = self._where(line, index, field)
+        err = InputError(message, path=self.path, line=line, field=field)
+        if self.fail:
+            raise err
+        self.stats.skip(reason, str(err), count)
+
+    def _need_example(self, reason: str) -> bool:
+        return self.fail or reason not in self.stats.examples
+
+    # -- checks and the normalized batch
+
+    def _finalize(
+        self, plan: _Plan, cols: dict[str, pa.Array], n: int, locate: Callable[[int], Location]
+    ) -> pa.RecordBatch | None:
         flat = plan.flat
         sources = flat.columns if flat is not None else {}
         cols = {t: c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for t, c in cols.items()}
@@ -172,7 +223,7 @@ class ColumnChecks:
             if ok is not None:
                 over &= ok
             if finish is not None and finish.null_count:
-                over &= ~arrays.valid(finish)
+                over &= arrays.missing(finish)
             elif finish is not None:
                 over[:] = False
             censored |= over
@@ -200,17 +251,21 @@ def _line_and_index(where: int | tuple[int | None, int | None]) -> tuple[int | N
     return where if isinstance(where, tuple) else (where, None)
 
 
-def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool, time_unit: str = "s") -> list[tuple[str, str, np.ndarray, Callable[[Any], str]]]:
+#: One failed row check: (skip reason, target column, mask of the rows it fails, message for a value).
+_Check = tuple[str, str, arrays.Mask, Callable[[Any], str]]
+
+
+def _bad_rows(cols: dict[str, pa.Array], n: int, zero_failed: bool, time_unit: str = "s") -> list[_Check]:
     """Row-level checks as (reason, target, numpy mask, message) for the checks that fail somewhere.
 
     Each check first asks a cheap whole-column question (null count, min/max), so a clean batch
     costs a few passes over its numbers and builds no masks. time_unit: what timestamp_s counts
     in (seconds once `_finalize` has converted it).
     """
-    found: list[tuple[str, str, np.ndarray, Callable[[Any], str]]] = []
+    found: list[_Check] = []
     out = cols["output_tokens"]
     if out.null_count:
-        found.append((MISSING_OUTPUT, "output_tokens", ~arrays.valid(out), lambda v: "missing"))
+        found.append((MISSING_OUTPUT, "output_tokens", arrays.missing(out), lambda v: "missing"))
     for t in INT_TARGETS:
         col = cols.get(t)
         if col is None or col.null_count == n:
@@ -291,8 +346,8 @@ def _route_dictionary(col: pa.DictionaryArray) -> pa.DictionaryArray:
         return col
     position = {v: i for i, v in enumerate(unique)}
     remap = np.array([position[v] for v in values] or [0], np.int32)
-    codes, ok = arrays.ints(col.indices)
-    codes = remap[codes]
+    indices, ok = arrays.ints(col.indices)
+    codes = remap[indices]
     if ok is not None:
         codes[~ok] = position["*"]
     return arrays.dictionary(codes, unique)
@@ -318,7 +373,7 @@ def _seconds(col: pa.Array, unit: str) -> pa.Array:
             ns = col.cast(pa.timestamp("ns", tz=col.type.tz)) if col.type.unit != "ns" else col
         except pa.ArrowInvalid:  # beyond year 2262 in ns: seconds straight from its own unit
             raw = pc.cast(col.cast(pa.int64()), pa.float64(), safe=False)
-            return arrays.numeric_array(arrays.values(raw) * _SECONDS[col.type.unit], arrays.valid(raw))
+            return arrays.numeric_array(arrays.numbers(raw) * _SECONDS[col.type.unit], arrays.valid(raw))
         seconds = pc.cast(ns.cast(pa.int64()), pa.float64(), safe=False)
-        return arrays.numeric_array(arrays.values(seconds) / 1e9, arrays.valid(seconds))
+        return arrays.numeric_array(arrays.numbers(seconds) / 1e9, arrays.valid(seconds))
     return arrays.scaled(col, _SECONDS[unit])

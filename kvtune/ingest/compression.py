@@ -6,12 +6,27 @@ import io
 import os
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, TypeAlias
 
 from kvtune.errors import InputError
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+#: A file's compression, by magic bytes, in DuckDB's words for it (`read_json(compression=...)`).
+Codec = Literal["gzip", "zstd", "none"]
+
+
+class _Decompressor(Protocol):
+    """One gzip member or zstd frame being decompressed: zlib's and zstandard's decompressobj."""
+
+    def decompress(self, data: bytes, /) -> bytes: ...
+
+    @property
+    def eof(self) -> bool: ...
+
+    @property
+    def unused_data(self) -> bytes: ...
 
 
 class _Decompressed(io.RawIOBase):
@@ -20,7 +35,9 @@ class _Decompressed(io.RawIOBase):
     `raw.tell()` gives the compressed position for progress.
     """
 
-    def __init__(self, raw: Any, codec: str, path: str) -> None:
+    _d: _Decompressor  # the member or frame being read
+
+    def __init__(self, raw: io.BufferedReader[_Sized], codec: Codec, path: str) -> None:
         self.raw = raw
         self.codec = codec
         self.path = path
@@ -72,7 +89,7 @@ class _Decompressed(io.RawIOBase):
         super().close()
 
 
-def _codec(magic: bytes) -> str:
+def _codec(magic: bytes) -> Codec:
     if magic.startswith(GZIP_MAGIC):
         return "gzip"
     if magic.startswith(ZSTD_MAGIC):
@@ -80,7 +97,7 @@ def _codec(magic: bytes) -> str:
     return "none"
 
 
-def compression_of(path: Path) -> str:
+def compression_of(path: Path) -> Codec:
     """"gzip", "zstd" or "none", by magic bytes (DuckDB's names for them)."""
     with open(path, "rb") as f:
         return _codec(f.read(4))
@@ -169,7 +186,11 @@ def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> Non
         )
 
 
-def open_bytes(path: Path, size: int | None = None) -> tuple[Any, Any]:
+#: A file's bytes as `open_bytes` reads them: plain (the raw file itself), or decompressed.
+Stream: TypeAlias = "io.BufferedReader[_Sized] | io.BufferedReader[_Decompressed]"  # not generic at runtime
+
+
+def open_bytes(path: Path, size: int | None = None) -> tuple[Stream, io.BufferedReader[_Sized]]:
     """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes.
 
     `size`: the file's size when it was planned (default: now); reading stops there, and a file

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 try:
     from kvtune.ingest import _flatscan
 except ImportError:  # installed without a C compiler
-    _flatscan = None
+    _AVAILABLE = False
+else:
+    _AVAILABLE = True
 
 __all__ = ["BOOL", "FLOAT", "INT", "LABEL", "ScannedBlock", "available", "scan_block"]
 
@@ -27,7 +31,7 @@ _DTYPES = {INT: np.int64, FLOAT: np.float64, LABEL: np.int32, BOOL: np.bool_}
 
 def available() -> bool:
     """Whether the C extension was built and imported."""
-    return _flatscan is not None
+    return _AVAILABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +40,9 @@ class ScannedBlock:
 
     rows: int  # records (non-blank lines)
     lines: int  # lines in the block, a last one without "\n" included
-    record_lines: np.ndarray | None  # int64 line index (0-based) of each record; None: record i is line i
+    record_lines: NDArray[np.int64] | None  # line index (0-based) of each record; None: record i is line i
     # per key: values, valid (None: all valid); None for a key that is in no record of the block
-    columns: list[tuple[np.ndarray, np.ndarray | None] | None]
+    columns: list[tuple[NDArray[Any], NDArray[np.bool_] | None] | None]
     vocabs: list[list[str] | None]  # per key: LABEL texts in first-seen order (codes index them)
 
 
@@ -46,7 +50,7 @@ def scan_block(
     block: bytes | bytearray | memoryview, keys: Sequence[str], kinds: Sequence[int]
 ) -> ScannedBlock | None:
     """The typed columns of `keys` over the whole lines of `block`, or None if any record is not clean."""
-    if _flatscan is None:
+    if not _AVAILABLE:
         raise RuntimeError("kvtune.ingest._flatscan is not built: check available() first")
     if len(keys) != len(kinds) or any(kind not in _DTYPES for kind in kinds):
         raise ValueError(f"need one kind per key, each one of {sorted(_DTYPES)}")
@@ -54,9 +58,9 @@ def scan_block(
     if raw is None:
         return None
     rows, lines, record_lines, values, valid, vocabs = raw
-    columns = [
+    columns: list[tuple[NDArray[Any], NDArray[np.bool_] | None] | None] = [
         None if v is None else (np.frombuffer(v, _DTYPES[kind]), None if ok is None else np.frombuffer(ok, np.bool_))
-        for v, ok, kind in zip(values, valid, kinds)
+        for v, ok, kind in zip(values, valid, kinds, strict=True)
     ]
     return ScannedBlock(
         rows=rows,

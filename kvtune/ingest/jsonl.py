@@ -10,21 +10,25 @@ every bad line keeps its number. `_json_records` is the per-line reading all of 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from kvtune.ingest import arrays, flatscan
-from kvtune.ingest.columns import _TYPES, _bad_rows
-from kvtune.ingest.compression import check_not_shrunk, compression_of, open_bytes
+from kvtune.ingest.columns import _TYPES, ColumnChecks, Records, _bad_rows
+from kvtune.ingest.compression import Stream, _Sized, check_not_shrunk, compression_of, open_bytes
 from kvtune.ingest.plan import _Plan
 from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError, is_unicode
+
+if TYPE_CHECKING:
+    import pyarrow.json as pj
 
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
 SCAN_BLOCK_BYTES = 16 << 20  # JSONL bytes per C scan: ~150k rows, so per-batch costs stay small
@@ -33,17 +37,21 @@ BISECT_MIN_LINES = 64  # below this a failed block is read line by line
 DUCKDB_BATCH_ROWS = 1 << 19  # rows per Arrow batch from DuckDB's JSON reader
 DUCKDB_MEMORY = "1GB"  # DuckDB's own memory limit (it streams; this bounds its buffers)
 
-_SCAN_KINDS = {pa.int64(): flatscan.INT, pa.float64(): flatscan.FLOAT, pa.string(): flatscan.LABEL, pa.bool_(): flatscan.BOOL}
-_SCAN_TYPES = {kind: pa.dictionary(pa.int32(), pa.string()) if typ == pa.string() else typ for typ, kind in _SCAN_KINDS.items()}
+_SCAN_KINDS = {
+    pa.int64(): flatscan.INT, pa.float64(): flatscan.FLOAT, pa.string(): flatscan.LABEL, pa.bool_(): flatscan.BOOL
+}
+_SCAN_TYPES = {
+    kind: pa.dictionary(pa.int32(), pa.string()) if typ == pa.string() else typ for typ, kind in _SCAN_KINDS.items()
+}
 
 
-class JsonlPaths:
-    """The reader's JSONL paths. A mixin of `readers._Reader`, whose state it uses (info, stats,
-    _progress, _records, _sources, _finalize)."""
+class JsonlPaths(ColumnChecks):
+    """The reader's JSONL paths, joined in `readers._Reader` (reader state and hooks:
+    `columns.ColumnChecks`)."""
 
     # -- slow path: records one at a time
 
-    def _json_records(self, plan: _Plan) -> Iterator[tuple[int | None, int | None, Any]]:
+    def _json_records(self, plan: _Plan) -> Records:
         if plan.document is not None:
             for i, rec in enumerate(plan.document):
                 yield None, i, rec
@@ -77,29 +85,26 @@ class JsonlPaths:
         keys, kinds = list(types), [_SCAN_KINDS[t] for t in types.values()]
         parse = _json_parse_options(sources)
         stream, raw = open_bytes(plan.path, plan.size)
-        if stream is raw:  # plain: each worker reads its own lines, copying out of the page cache in parallel
-            file = raw.raw
-            tasks = ((r, r[1]) for r in _line_ranges(file.size, SCAN_BLOCK_BYTES))
-
-            def work(lines: tuple[int, int]) -> tuple[memoryview, Any]:
-                block = _read_lines(file, *lines)
-                return block, flatscan.scan_block(block, keys, kinds)
-        else:
-            tasks = _line_blocks(stream, raw, size=SCAN_BLOCK_BYTES)
-
-            def work(block: memoryview) -> tuple[memoryview, Any]:
-                return block, flatscan.scan_block(block, keys, kinds)
         line0 = 1
         try:
-            # the scanner releases the GIL: blocks scan in parallel
-            for future, _, pos in _in_order(tasks, work):
-                block, scanned = future.result()
+            for block, scanned, pos in _scanned_blocks(stream, raw, keys, kinds):
                 line0 = yield from self._json_scanned(plan, scanned, block, pos, line0, keys, kinds, sources, parse)
         finally:
             stream.close()
             raw.close()
 
-    def _json_scanned(self, plan, scanned, block, pos, line0, keys, kinds, sources, parse):
+    def _json_scanned(
+        self,
+        plan: _Plan,
+        scanned: flatscan.ScannedBlock | None,
+        block: memoryview,
+        pos: int,
+        line0: int,
+        keys: list[str],
+        kinds: list[int],
+        sources: dict[str, str],
+        parse: pj.ParseOptions,
+    ) -> Generator[pa.RecordBatch, None, int]:
         """Use one scanned block, or read it exactly when the scanner declined; returns the next
         block's first line number."""
         if scanned is None:
@@ -110,11 +115,12 @@ class JsonlPaths:
             n, lines = scanned.rows, scanned.lines
             self.info.rows += n
             self.stats.rows_read += n
-            by_key = {}
-            for key, kind, column, vocab in zip(keys, kinds, scanned.columns, scanned.vocabs):
+            by_key: dict[str, pa.Array] = {}
+            for key, kind, column, vocab in zip(keys, kinds, scanned.columns, scanned.vocabs, strict=True):
                 if column is None:  # in no record of the block
                     by_key[key] = arrays.nulls(n, _SCAN_TYPES[kind])
                 elif kind == flatscan.LABEL:
+                    assert vocab is not None  # every LABEL key has one
                     by_key[key] = arrays.dictionary(column[0], vocab, column[1])
                 else:
                     by_key[key] = arrays.numeric_array(*column)
@@ -146,6 +152,8 @@ class JsonlPaths:
         except ImportError:  # an install without it: the pyarrow block reader does the same work
             yield from self._json_fast(plan)
             return
+        flat = plan.flat
+        assert flat is not None
         sources = self._sources(plan)
         keys = list(dict.fromkeys(sources.values()))
         codec = compression_of(plan.path)
@@ -161,7 +169,7 @@ class JsonlPaths:
                 relation = con.read_json(
                     str(plan.path),
                     format="newline_delimited",
-                    columns={k: "JSON" for k in keys},
+                    columns=dict.fromkeys(keys, "JSON"),
                     compression=codec,
                 )
                 # to_arrow_reader since DuckDB 1.4; fetch_arrow_reader before (the same stream)
@@ -179,7 +187,7 @@ class JsonlPaths:
                     break
                 cols = _strict_columns(batch, sources)
                 n = batch.num_rows
-                if cols is None or _bad_rows(cols, n, plan.flat.zero_output_failed, plan.flat.time_unit):
+                if cols is None or _bad_rows(cols, n, flat.zero_output_failed, flat.time_unit):
                     break
                 self.info.rows += n
                 self.stats.rows_read += n
@@ -205,7 +213,16 @@ class JsonlPaths:
             stream.close()
             raw.close()
 
-    def _json_parsed(self, plan, future, block, pos, line0, sources, parse):
+    def _json_parsed(
+        self,
+        plan: _Plan,
+        future: Future[tuple[pa.Table | None, int]],
+        block: memoryview,
+        pos: int,
+        line0: int,
+        sources: dict[str, str],
+        parse: pj.ParseOptions,
+    ) -> Generator[pa.RecordBatch, None, int]:
         """Use one parsed block (or bisect it when it failed); returns the next block's line."""
         table, lines = future.result()
         if table is None:  # some line does not fit the fast schema: find it by bisection
@@ -215,7 +232,9 @@ class JsonlPaths:
         self._progress(pos)
         return line0 + lines
 
-    def _json_block(self, plan, block: bytes, line0: int, sources, parse) -> Iterator[pa.RecordBatch]:
+    def _json_block(
+        self, plan: _Plan, block: bytes, line0: int, sources: dict[str, str], parse: pj.ParseOptions
+    ) -> Iterator[pa.RecordBatch]:
         import pyarrow.json as pj
 
         try:
@@ -238,7 +257,9 @@ class JsonlPaths:
             return
         yield from self._json_table(plan, table, block, line0, sources)
 
-    def _json_table(self, plan, table, block: bytes, line0: int, sources) -> Iterator[pa.RecordBatch]:
+    def _json_table(
+        self, plan: _Plan, table: pa.Table, block: bytes | memoryview, line0: int, sources: dict[str, str]
+    ) -> Iterator[pa.RecordBatch]:
         n = table.num_rows
         self.info.rows += n
         self.stats.rows_read += n
@@ -258,11 +279,41 @@ class JsonlPaths:
             yield batch
 
 
-def _in_order(blocks: Iterator[tuple[Any, int]], work: Callable[[Any], Any]) -> Iterator[tuple[Future, Any, int]]:
+def _scanned_blocks(
+    stream: Stream, raw: io.BufferedReader[_Sized], keys: list[str], kinds: list[int]
+) -> Iterator[tuple[memoryview, flatscan.ScannedBlock | None, int]]:
+    """(block, its scan, compressed position) of each block of whole lines, in file order; the
+    scanner releases the GIL, so blocks scan in parallel (`_in_order`)."""
+    if stream is raw:  # plain: each worker reads its own lines, copying out of the page cache in parallel
+        file = raw.raw
+
+        def read_and_scan(lines: tuple[int, int]) -> tuple[memoryview, flatscan.ScannedBlock | None]:
+            block = _read_lines(file, *lines)
+            return block, flatscan.scan_block(block, keys, kinds)
+
+        ranges = ((r, r[1]) for r in _line_ranges(file.size, SCAN_BLOCK_BYTES))
+        for future, _, pos in _in_order(ranges, read_and_scan):
+            yield (*future.result(), pos)
+    else:
+
+        def scan(block: memoryview) -> tuple[memoryview, flatscan.ScannedBlock | None]:
+            return block, flatscan.scan_block(block, keys, kinds)
+
+        for future, _, pos in _in_order(_line_blocks(stream, raw, size=SCAN_BLOCK_BYTES), scan):
+            yield (*future.result(), pos)
+
+
+_Block = TypeVar("_Block")
+_Result = TypeVar("_Result")
+
+
+def _in_order(
+    blocks: Iterable[tuple[_Block, int]], work: Callable[[_Block], _Result]
+) -> Iterator[tuple[Future[_Result], _Block, int]]:
     """(future of work(block), block, position) for each block, in file order, with the next
     blocks already running on one thread per CPU; a consumer that stops early cancels the rest."""
     workers = max(1, os.cpu_count() or 1)
-    pending: deque[tuple[Future, Any, int]] = deque()
+    pending: deque[tuple[Future[_Result], _Block, int]] = deque()
     with ThreadPoolExecutor(workers) as pool:
         try:
             for block, pos in blocks:
@@ -284,7 +335,7 @@ def _source_types(sources: Mapping[str, str]) -> dict[str, pa.DataType]:
     return types
 
 
-def _json_parse_options(sources: Mapping[str, str]) -> Any:
+def _json_parse_options(sources: Mapping[str, str]) -> pj.ParseOptions:
     """pyarrow's JSON parse options for the block reader (one typed column per source key)."""
     import pyarrow.json as pj
 
@@ -292,7 +343,9 @@ def _json_parse_options(sources: Mapping[str, str]) -> Any:
     return pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
 
 
-def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int | None = None) -> Iterator[tuple[memoryview, int]]:
+def _line_blocks(
+    stream: Stream, raw: io.BufferedReader[_Sized], head: bytes = b"", size: int | None = None
+) -> Iterator[tuple[memoryview, int]]:
     """(block of whole lines, compressed position) over a byte stream, copying only line tails;
     `head` is input already read from the stream, to go first; blocks of `size` (BLOCK_BYTES).
 
@@ -303,7 +356,7 @@ def _line_blocks(stream: Any, raw: Any, head: bytes = b"", size: int | None = No
     tail = head
     while True:
         buf = np.empty(len(tail) + size, np.uint8)
-        view = memoryview(buf)
+        view = buf.data  # memoryview(buf); numpy types its buffer protocol from Python 3.12 on
         view[: len(tail)] = tail
         filled = len(tail)
         while filled < len(buf):
@@ -332,7 +385,7 @@ def _line_ranges(size: int, block: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + block, size)
 
 
-def _read_lines(file: Any, start: int, stop: int) -> memoryview:
+def _read_lines(file: _Sized, start: int, stop: int) -> memoryview:
     """The lines that begin in [start, stop) of a plain file (`compression._Sized`), read with pread.
 
     A line begins at 0 and after each b"\\n", so those lines are the bytes from the first line
@@ -346,7 +399,7 @@ def _read_lines(file: Any, start: int, stop: int) -> memoryview:
     if start:  # the first line start at or after `start`
         first = _first_newline(buf, 0, min(filled, stop - begin)) + 1
         if first == 0:  # no line begins in the range: one that began before runs through it
-            return memoryview(buf)[:0]
+            return buf.data[:0]
     end = stop - begin - 1  # then the first line start at or after `stop`
     while True:
         found = _first_newline(buf, end, filled)
@@ -360,7 +413,7 @@ def _read_lines(file: Any, start: int, stop: int) -> memoryview:
         grown[:filled] = buf[:filled]
         buf, end = grown, filled
         filled += file.read_at(begin + filled, buf[filled:])
-    return memoryview(buf)[first:max(first, end)]
+    return buf.data[first:max(first, end)]
 
 
 def _first_newline(buf: np.ndarray, start: int, end: int) -> int:
@@ -394,7 +447,7 @@ _BLANK = np.zeros(256, bool)
 _BLANK[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
 
 
-def _skip_records(stream: Any, k: int) -> tuple[bytes, int]:
+def _skip_records(stream: io.BufferedIOBase, k: int) -> tuple[bytes, int]:
     """Read past the first `k` records (non-blank lines) of a JSONL stream.
 
     Returns the bytes read beyond them and the line number those start at, so the block reader
@@ -462,13 +515,13 @@ def _json_labels(text: pa.Array) -> pa.DictionaryArray | None:
             return None
         decoded.append(value)
     unique = list(dict.fromkeys(decoded))
-    codes, ok = arrays.ints(coded.indices)
+    indices, ok = arrays.ints(coded.indices)
     if len(unique) < len(decoded):
-        codes = np.array([unique.index(v) for v in decoded], np.int32)[codes]
-    return arrays.dictionary(codes, unique, ok)
+        return arrays.dictionary(np.array([unique.index(v) for v in decoded], np.int32)[indices], unique, ok)
+    return arrays.dictionary(indices, unique, ok)
 
 
-def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
+def _parse_block(block: memoryview, parse: pj.ParseOptions) -> tuple[pa.Table | None, int]:
     """Parse one block with the fast schema on one thread (None when a line does not fit it),
     and count its newlines for line numbers, off the main thread."""
     import pyarrow.json as pj
@@ -476,7 +529,8 @@ def _parse_block(block: memoryview, parse: Any) -> tuple[pa.Table | None, int]:
     lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == 10))
     read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
     try:
-        table = _checked_text(pj.read_json(pa.BufferReader(pa.py_buffer(block)), read_options=read, parse_options=parse))
+        source = pa.BufferReader(pa.py_buffer(block))
+        table = _checked_text(pj.read_json(source, read_options=read, parse_options=parse))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         table = None
     return table, lines

@@ -26,7 +26,7 @@ def is_log_name(name: str) -> bool:
 
 
 def _walk(directory: Path) -> list[Path]:
-    found = []
+    found: list[Path] = []
     for root, dirs, files in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found.extend(Path(root, f) for f in sorted(files) if is_log_name(f))
@@ -64,9 +64,9 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
                 raise InputError("no files match this pattern", path=text)
         else:
             raise InputError("no such file or directory", path=text)
-        for m in matches:
-            key = Path(os.path.realpath(m))  # never raises: a link loop is reported when it is read
+        for match in matches:
+            key = Path(os.path.realpath(match))  # never raises: a link loop is reported when it is read
             if key not in seen:
                 seen.add(key)
-                out.append(m)
+                out.append(match)
     return out

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvtune.errors import InputError, UnknownNameError
-from kvtune.ingest import IngestOptions, arrays
+from kvtune.ingest import IngestOptions, OnError, arrays
 from kvtune.ingest.compression import open_bytes
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
 from kvtune.ingest.schemas._base import TARGETS
@@ -113,7 +113,7 @@ def _load_document(path: Path) -> list[Any] | None:
     return [doc]
 
 
-def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, Any]]:
+def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, str]]:
     if b"\x00" in head:
         raise InputError("not CSV text: the file holds NUL bytes (binary data, or UTF-16)", path=str(plan.path))
     text = head.decode("utf-8-sig", errors="replace")
@@ -127,7 +127,7 @@ def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, Any]]:
     if not header or not any(h.strip() for h in header):
         raise InputError("empty CSV file: no header", path=str(plan.path))
     plan.columns = header
-    rows = []
+    rows: list[dict[str, str]] = []
     while len(rows) < SAMPLE_RECORDS:
         try:
             values = next(reader)
@@ -136,7 +136,7 @@ def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, Any]]:
         except csv.Error:  # a malformed row: the reader counts it; detection looks at the others
             continue
         if values:
-            rows.append(dict(zip(header, values)))
+            rows.append(dict(zip(header, values, strict=False)))  # a short or long row: its own fields
     if not rows:
         raise InputError("CSV file has a header but no data rows", path=str(plan.path))
     return rows
@@ -281,7 +281,8 @@ def _plan_flat(plan: _Plan, options: IngestOptions, sample: list[Any]) -> None:
 
 
 def _csv_time_type(sample: list[dict[str, Any]], column: str) -> pa.DataType:
-    values = [r.get(column) for r in sample if r.get(column)]
+    """The timestamp column's type for pyarrow's CSV reader, from the sample's first value."""
+    values = [v for r in sample if (v := r.get(column))]
     if not values:
         return pa.float64()
     try:
@@ -312,9 +313,11 @@ def check_options(options: IngestOptions) -> None:
             )
         if not options.fields[target]:
             raise InputError(f"empty source path for {target}", field="--field")
-    if options.on_error not in ("skip", "fail"):
+    if not isinstance(options.on_error, OnError):  # a caller without type checks passed a word
         raise UnknownNameError(
-            f"unknown on_error {options.on_error!r}; use skip or fail", field="--on-error"
+            f"on_error must be OnError.SKIP or OnError.FAIL, not {options.on_error!r} "
+            "(kvtune.ingest.parse_on_error reads the words)",
+            field="--on-error",
         )
     if options.assume_cap is not None and options.assume_cap <= 0:
         raise InputError(f"assume_cap must be positive, got {options.assume_cap}", field="--assume-cap")

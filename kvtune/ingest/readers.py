@@ -21,14 +21,13 @@ Parquet), `columns` (checks and normalization shared by all paths); this one run
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
-from kvtune.errors import InputError
-from kvtune.ingest import FileInfo, IngestOptions, IngestStats, flatscan
-from kvtune.ingest.columns import _TYPES, ColumnChecks
+from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, flatscan
+from kvtune.ingest.columns import _TYPES, Records
 from kvtune.ingest.jsonl import JsonlPaths
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.plan import _Plan, _plan, _route_field, check_options
@@ -75,7 +74,7 @@ def open_logs(
     return (_ahead(batches, prefetch) if prefetch else batches), stats
 
 
-def _ahead(batches: Iterator[pa.RecordBatch], depth: int) -> Iterator[pa.RecordBatch]:
+def _ahead(batches: Generator[pa.RecordBatch, None, None], depth: int) -> Iterator[pa.RecordBatch]:
     """The same batches, produced by a background thread up to `depth` ahead of the consumer.
 
     Decoding (pyarrow) and much of the numpy work release the GIL, so reading the next batch
@@ -123,23 +122,30 @@ def _ahead(batches: Iterator[pa.RecordBatch], depth: int) -> Iterator[pa.RecordB
         worker.join()
 
 
-class _Reader(JsonlPaths, TabularPaths, ColumnChecks):
+class _Reader(JsonlPaths, TabularPaths):
     """Runs the plans; owns stats, the error policy, the Batch API join and progress."""
 
-    def __init__(self, options, stats, tokenizer, progress, total_bytes) -> None:
+    def __init__(
+        self,
+        options: IngestOptions,
+        stats: IngestStats,
+        tokenizer: Any,  # a tokenizers.Tokenizer (a library without type information) or None
+        progress: Callable[[int, int], None] | None,
+        total_bytes: int,
+    ) -> None:
         self.options = options
         self.stats = stats
         self.tokenizer = tokenizer
         self.progress = progress
         self.total = total_bytes
         self.done_before = 0  # bytes of files finished
-        self.fail = options.on_error == "fail" or options.strict
+        self.fail = options.on_error is OnError.FAIL or options.strict
         self.batch_inputs: dict[str, dict[str, Any]] = {}
         self.route_field = _route_field(options)
 
     # -- driver
 
-    def run(self, plans: list[_Plan]) -> Iterator[pa.RecordBatch]:
+    def run(self, plans: list[_Plan]) -> Generator[pa.RecordBatch, None, None]:
         # Batch API inputs first: their url and max_tokens join onto the outputs by custom_id
         order = sorted(range(len(plans)), key=lambda i: plans[i].format != "openai-batch-input")
         for i in order:
@@ -166,27 +172,10 @@ class _Reader(JsonlPaths, TabularPaths, ColumnChecks):
         if self.progress is not None:
             self.progress(min(self.done_before + pos, self.total), self.total)
 
-    # -- skips and errors
-
-    def _where(self, line: int | None, index: int | None, field: str | None) -> tuple[int | None, str | None]:
-        if line is None and index is not None:  # a record of a JSON document
-            field = f"[{index}]" + ("." + field if field else "")
-        return line, field
-
-    def skip(self, reason: str, message: str, line: int | None, field: str | None, index: int | None = None, count: int = 1) -> None:
-        line, field = self._where(line, index, field)
-        err = InputError(message, path=self.path, line=line, field=field)
-        if self.fail:
-            raise err
-        self.stats.skip(reason, str(err), count)
-
-    def _need_example(self, reason: str) -> bool:
-        return self.fail or reason not in self.stats.examples
-
     # -- Batch API input
 
     def _read_batch_input(self, plan: _Plan) -> None:
-        for line, index, record in self._json_records(plan):
+        for _, _, record in self._json_records(plan):
             if isinstance(record, RowError):
                 self.stats.ignored["Batch API input line unreadable"] += 1
                 continue
@@ -201,7 +190,7 @@ class _Reader(JsonlPaths, TabularPaths, ColumnChecks):
 
     # -- slow path: records one at a time
 
-    def _records(self, plan: _Plan, records: Iterator[tuple[int | None, int | None, Any]]) -> Iterator[pa.RecordBatch]:
+    def _records(self, plan: _Plan, records: Records) -> Iterator[pa.RecordBatch]:
         sink = _Sink(self, plan)
         for line, index, record in records:
             if isinstance(record, RowError):
@@ -319,7 +308,7 @@ class _Sink:
             for target, text_key in (("output_tokens", "output_text"), ("prompt_tokens", "prompt_text")):
                 need = [i for i, r in enumerate(rows) if r.get(target) is None and r.get(text_key)]
                 counts = count_tokens(tok, [rows[i][text_key] for i in need])
-                for i, c in zip(need, counts):
+                for i, c in zip(need, counts, strict=True):
                     rows[i][target] = c
                 if target == "output_tokens":  # empty output text is zero tokens
                     for r in rows:

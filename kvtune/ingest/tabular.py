@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
 from kvtune.errors import InputError, KvtuneError
 from kvtune.ingest import arrays
-from kvtune.ingest.columns import _TYPES
+from kvtune.ingest.columns import _TYPES, ColumnChecks, Records
 from kvtune.ingest.compression import open_bytes
 from kvtune.ingest.plan import _Plan
 from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
@@ -26,9 +25,9 @@ PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batc
 CSV_BLOCK_BYTES = 4 << 20  # CSV bytes per pyarrow batch
 
 
-class TabularPaths:
-    """The reader's CSV and Parquet paths. A mixin of `readers._Reader`, whose state it uses
-    (info, stats, path, _progress, _records, _sources, _finalize)."""
+class TabularPaths(ColumnChecks):
+    """The reader's CSV and Parquet paths, joined in `readers._Reader` (reader state and hooks:
+    `columns.ColumnChecks`)."""
 
     # -- fast path: CSV
 
@@ -39,7 +38,7 @@ class TabularPaths:
         import pyarrow.csv as pcsv
 
         sources = self._sources(plan)
-        types = {}
+        types: dict[str, pa.DataType] = {}
         for t, src in sources.items():
             ts = t == "timestamp_s" and plan.ts_type is not None
             types.setdefault(src, plan.ts_type if ts else _TYPES[t])
@@ -70,8 +69,7 @@ class TabularPaths:
                 self.info.rows += n
                 self.stats.rows_read += n
                 cols = {t: batch.column(src) for t, src in sources.items()}
-                start = done
-                out = self._finalize(plan, cols, n, lambda i, s=start: s + i + 2)
+                out = self._finalize(plan, cols, n, _lines_from(done + 2))  # line 1: the header
                 done += n
                 if out is not None:
                     yield out
@@ -81,7 +79,7 @@ class TabularPaths:
             raw.close()
         yield from self._records(plan, self._csv_records(plan, done))
 
-    def _csv_records(self, plan: _Plan, skip_rows: int) -> Iterator[tuple[int | None, int | None, Any]]:
+    def _csv_records(self, plan: _Plan, skip_rows: int) -> Records:
         stream, raw = open_bytes(plan.path, plan.size)
         try:
             text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="strict", newline="")
@@ -109,7 +107,7 @@ class TabularPaths:
                             None, f"{len(values)} fields, header has {len(header)}", MALFORMED_CSV
                         )
                         continue
-                    yield line, None, dict(zip(header, values))
+                    yield line, None, dict(zip(header, values, strict=True))
                     if seen % 65536 == 0:
                         self._progress(raw.tell())
             except UnicodeDecodeError as exc:
@@ -125,7 +123,8 @@ class TabularPaths:
 
         label_sources = []
         if plan.flat is not None:
-            label_sources = [s for t, s in self._sources(plan).items() if t in ("route", "path", "_route", "model", "finish_reason")]
+            labels = ("route", "path", "_route", "model", "finish_reason")
+            label_sources = [s for t, s in self._sources(plan).items() if t in labels]
         pf = pq.ParquetFile(plan.path, read_dictionary=label_sources or None)
         size = plan.size or 0
         groups = max(pf.metadata.num_row_groups, 1)
@@ -138,8 +137,8 @@ class TabularPaths:
         done = 0
         try:
             # whole row groups per batch where they are of a sane size: no re-slicing across groups
-            rows = max(pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)) if pf.metadata.num_row_groups else 0
-            batch_size = min(max(rows, PARQUET_MIN_BATCH), PARQUET_MAX_BATCH)
+            group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+            batch_size = min(max(max(group_rows, default=0), PARQUET_MIN_BATCH), PARQUET_MAX_BATCH)
             batches = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True)
             for batch in batches:
                 n = batch.num_rows
@@ -157,8 +156,7 @@ class TabularPaths:
                     continue
                 self.info.rows += n
                 self.stats.rows_read += n
-                start = done
-                out = self._finalize(plan, cols, n, lambda i, s=start: s + i + 1)
+                out = self._finalize(plan, cols, n, _lines_from(done + 1))
                 done += n
                 if out is not None:
                     yield out
@@ -168,6 +166,11 @@ class TabularPaths:
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"corrupt Parquet file: {exc}", path=self.path, line=done + 1 if done else None) from exc
         del groups
+
+
+def _lines_from(first: int) -> Callable[[int], int]:
+    """`locate` for a batch whose row i is row (line) first + i of the file."""
+    return lambda i: first + i
 
 
 def _cast(col: pa.Array, target: str) -> pa.Array:

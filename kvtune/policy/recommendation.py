@@ -19,13 +19,13 @@ from typing import Any, TypeVar
 
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
-from kvtune.profile.routes import CensoredHistogram
+from kvtune.profile.routes import CensoredHistogram, TailClass
 from kvtune.userfiles import brief
 
 SCHEMA_VERSION = 2
 ENGINE_NAMES = ("vllm",)
 CAPACITY_SOURCES = ("estimate", "kv-tokens", "vllm-log", "metrics")
-TAIL_CLASSES = ("light", "heavy")
+TAIL_CLASSES = tuple(t.value for t in TailClass)
 # settings.<name>.value: (kind, minimum, maximum); kind "str" for text settings
 SETTINGS: dict[str, tuple[str, float, float]] = {
     "tensor_parallel_size": ("int", 1, MAX_INTEGER),
@@ -206,7 +206,7 @@ class RouteRecommendation:
     match: Match | None  # None: a field no gateway sees names the route; the catch-all serves it
     requests: int
     share: float
-    tail: str
+    tail: TailClass
     max_new_tokens: Decision
     truncation_share: float
     output_tokens: Lengths
@@ -231,7 +231,7 @@ class RouteRecommendation:
             "match": None if self.match is None else self.match.to_dict(),
             "requests": self.requests,
             "share": round(self.share, 6),
-            "tail": self.tail,
+            "tail": self.tail.value,
             "max_new_tokens": self.max_new_tokens.to_dict(),
             "truncation_share": round(self.truncation_share, 6),
             "output_tokens": self.output_tokens.to_dict(),
@@ -262,7 +262,7 @@ class RouteRecommendation:
             match=match,
             requests=f.integer("requests", minimum=1),
             share=f.number("share", maximum=1),
-            tail=f.choice("tail", TAIL_CLASSES),
+            tail=TailClass(f.choice("tail", TAIL_CLASSES)),
             max_new_tokens=Decision.read(f.obj("max_new_tokens"), "int", 1),
             truncation_share=f.number("truncation_share", maximum=1),
             output_tokens=Lengths.read(f.obj("output_tokens")),

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.profile.histogram import Histogram
+from kvtune.profile.routes import TailClass
 from kvtune.policy.recommendation import Decision, Distribution
 
 DEFAULT_SAFETY_FRACTION = 0.9
@@ -24,7 +25,7 @@ FIRST_V1_DEFAULT_VERSION = (0, 8)
 SWAP_MIN_SEQUENCE_TOKENS = 4000
 V0_DEFAULT_SWAP_SPACE_GIB = 4
 # The cap percentile by tail class: p95 covers light tails, heavy tails need p99.
-CAP_PERCENTILE = {"light": 0.95, "heavy": 0.99}
+CAP_PERCENTILE = {TailClass.LIGHT: 0.95, TailClass.HEAVY: 0.99}
 
 
 def weighted_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> int:
@@ -47,7 +48,7 @@ def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distributio
     )
 
 
-def cap_by_tail(tail_class: str, quantile: int, lower_bound: bool, context_cap: int) -> Decision:
+def cap_by_tail(tail_class: TailClass, quantile: int, lower_bound: bool, context_cap: int) -> Decision:
     """Cap = p95 of the censoring-aware output distribution for light tails, p99 for heavy ones.
 
     `quantile` is that percentile; a lower bound (censored beyond it) is kept, since the logs
@@ -60,8 +61,8 @@ def cap_by_tail(tail_class: str, quantile: int, lower_bound: bool, context_cap: 
     clipped = f", clipped to the context limit {context_cap}" if value < quantile else ""
     return Decision(
         value=int(value),
-        rule=f"cap-{label}-{tail_class}-tail",
-        reason=f"{label} of output tokens for a {tail_class}-tailed route is {quantile}{note}{clipped}",
+        rule=f"cap-{label}-{tail_class.value}-tail",
+        reason=f"{label} of output tokens for a {tail_class.value}-tailed route is {quantile}{note}{clipped}",
     )
 
 

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,6 +40,8 @@ from kvtune.profile.routes import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
+
+    from kvtune.ingest import IngestOptions
 
 __all__ = [
     "MAX_ROUTES",
@@ -100,7 +102,9 @@ def _add_joint_bins(key: np.ndarray, tokens: np.ndarray, top: int, scale: int = 
     key[~small] += joint_bin(tokens[~small]) * scale
 
 
-def _keys(gid: np.ndarray, stride: int, values: np.ndarray | None = None, half: int = 0, cut: np.ndarray | None = None) -> np.ndarray:
+def _keys(
+    gid: np.ndarray, stride: int, values: np.ndarray | None = None, half: int = 0, cut: np.ndarray | None = None
+) -> np.ndarray:
     """gid·stride (+ values) (+ half where cut), int64, in as few passes as numpy allows.
 
     gid should be int64 already (add_batch widens it once): numpy's same-type multiply is about a
@@ -333,12 +337,12 @@ class _Table:
                 parts[r].append(Histogram(values[lo:hi], counts[lo:hi]))
         for row, extra in self.overflow.items():
             parts[int(out_of_gid[row // self.halves]) * self.halves + row % self.halves].extend(extra)
-        result = []
-        for d, extra in zip(dense, parts):
-            h = Histogram.from_dense(d) if d is not None else Histogram.empty()
+        result: list[Histogram] = []
+        for d, extra in zip(dense, parts, strict=True):
+            histogram = Histogram.from_dense(d) if d is not None else Histogram.empty()
             for e in extra:
-                h = h.merge(e)
-            result.append(h)
+                histogram = histogram.merge(e)
+            result.append(histogram)
         return result
 
 
@@ -425,7 +429,7 @@ class ProfileBuilder:
         if n == 0:
             return
         # columns a log format never fills arrive all-null: skip them without touching the data
-        names = {name for name, col in zip(batch.schema.names, batch.columns) if col.null_count < n}
+        names = {name for name, col in zip(batch.schema.names, batch.columns, strict=True) if col.null_count < n}
         vocab = self._routes.vocab
         if "route" in names:
             gid, valid = vocab.encode(batch.column("route"))
@@ -456,7 +460,8 @@ class ProfileBuilder:
                 top = int(p.max())
                 self._prompt.add(routes, i, p, dense, top=top)
                 self._total.add(routes, i, p + o, dense, cut if ok is None else c, top + out_top)
-                if dense and self._joint._grow(routes.slots, _JOINT_WIDTH * _JOINT_WIDTH) >= _JOINT_WIDTH * _JOINT_WIDTH:
+                joint_cells = _JOINT_WIDTH * _JOINT_WIDTH
+                if dense and self._joint._grow(routes.slots, joint_cells) >= joint_cells:
                     # joint cell = prompt bin · width + output bin, both from lookup tables, added
                     # straight onto the route's row offset: one key array, no cell array
                     key = _keys(i, self._joint.counts.shape[1])
@@ -467,13 +472,14 @@ class ProfileBuilder:
                     cell = np.zeros(p.size, np.int64)
                     _add_joint_bins(cell, p, top, _JOINT_WIDTH)
                     _add_joint_bins(cell, o, out_top)
-                    self._joint.add(routes, i, cell, dense, top=_JOINT_WIDTH * _JOINT_WIDTH - 1)
+                    self._joint.add(routes, i, cell, dense, top=joint_cells - 1)
 
         if "max_tokens" in names:
             requested, ok = arrays.ints(batch.column("max_tokens"))
             if ok is not None or requested.min() < 0:
                 ok = requested >= 0 if ok is None else ok & (requested >= 0)
-            self._max_tokens.add(routes, *_where(ok, ids, requested), dense)
+            i, r = _where(ok, ids, requested)
+            self._max_tokens.add(routes, i, r, dense)
 
         for column, table, labels in (("finish_reason", self._finish_counts, self._finish),
                                       ("model", self._model_counts, self._models)):
@@ -595,18 +601,18 @@ class ProfileBuilder:
 
 
 def _names_counts(names: list[str], counts: Histogram) -> dict[str, int]:
-    return dict(sorted((names[int(v)], int(c)) for v, c in zip(counts.values, counts.counts)))
+    return dict(sorted((names[int(v)], int(c)) for v, c in zip(counts.values, counts.counts, strict=True)))
 
 
 # ---------------------------------------------------------------------------------------------
 # I/O edges: logs → profile, saved profiles
 
-ProgressCallback = Callable[..., Any]
+ProgressCallback = Callable[[int, int], None]  # (bytes read, bytes in all), as kvtune.ingest.read_logs calls it
 
 
 def profile_logs(
     paths: Sequence[str],
-    options: Any,
+    options: IngestOptions,
     *,
     progress: ProgressCallback | None = None,
     trace_max_is_cap: bool = False,
@@ -629,7 +635,7 @@ def profile_logs(
     return profile
 
 
-def _profile_once(paths: Sequence[str], options: Any, progress: ProgressCallback | None,
+def _profile_once(paths: Sequence[str], options: IngestOptions, progress: ProgressCallback | None,
                   max_routes: int | None) -> Profile:
     from kvtune.ingest import read_logs
 
@@ -676,7 +682,7 @@ def is_saved_profile(path: str | os.PathLike[str]) -> bool:
 
 
 def load_profile_or_logs(
-    paths: Sequence[str], options: Any = None, *, progress: ProgressCallback | None = None,
+    paths: Sequence[str], options: IngestOptions | None = None, *, progress: ProgressCallback | None = None,
     max_routes: int | None = MAX_ROUTES,
 ) -> Profile:
     """For later commands: one saved-profile .json loads it; anything else is read as logs.

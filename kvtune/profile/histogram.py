@@ -127,7 +127,7 @@ class Histogram:
             return NotImplemented
         return np.array_equal(self.values, other.values) and np.array_equal(self.counts, other.counts)
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def total(self) -> int:
@@ -234,7 +234,7 @@ class LogHistogram:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LogHistogram) and self.bins == other.bins
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def total(self) -> int:
@@ -312,7 +312,7 @@ class JointHistogram:
             )
         )
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def edges(self) -> np.ndarray:

@@ -10,11 +10,12 @@ without censoring they are exactly numpy's nearest-rank (`inverted_cdf`) percent
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -134,7 +135,7 @@ class CensoredHistogram:
             return NotImplemented
         return self.uncensored == other.uncensored and self.censored == other.censored
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def total(self) -> int:
@@ -175,7 +176,9 @@ class CensoredHistogram:
         if self.total == 0:
             raise ValueError("quantile of an empty distribution")
         if self.censored.total == 0:
-            return Quantile(self.uncensored.quantile(q))  # type: ignore[arg-type]
+            value = self.uncensored.quantile(q)
+            assert value is not None  # total > 0
+            return Quantile(value)
         reached = np.flatnonzero(1.0 - self._survival >= q * (1.0 - _KM_SLACK))
         if reached.size == 0:
             return Quantile(int(self._times[-1]), lower_bound=True)
@@ -241,8 +244,9 @@ TAIL_RULE = (
 )
 
 
-class TailClass:
-    """Closed set of tail classes (strings, so they read well in JSON)."""
+class TailClass(enum.Enum):
+    """How an output distribution's tail decays against an exponential's (TAIL_RULE); the values
+    are the words profile and recommendation JSON use."""
 
     LIGHT = "light"
     HEAVY = "heavy"
@@ -252,7 +256,7 @@ class TailClass:
 class Tail:
     """Tail class of an output distribution and the ratios that decided it."""
 
-    class_: str
+    class_: TailClass
     p99_over_p50: float
     p999_over_p99: float | None  # None with fewer than 1000 requests
     lower_bound: bool  # ratios rest on lower-bound percentiles (censoring)
@@ -260,7 +264,7 @@ class Tail:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "class": self.class_,
+            "class": self.class_.value,
             "rule": self.rule,
             "p99_over_p50": round(self.p99_over_p50, 3),
             "p999_over_p99": None if self.p999_over_p99 is None else round(self.p999_over_p99, 3),
@@ -317,7 +321,7 @@ class Arrival:
             return NotImplemented
         return (self.per_second, self.first_s, self.last_s) == (other.per_second, other.first_s, other.last_s)
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def requests(self) -> int:
@@ -399,7 +403,11 @@ def _merge_counts(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
     return dict(sorted(merged.items()))
 
 
-def _merge_optional(a, b):
+_Mergeable = TypeVar("_Mergeable", Arrival, LogHistogram)
+_Parsed = TypeVar("_Parsed")
+
+
+def _merge_optional(a: _Mergeable | None, b: _Mergeable | None) -> _Mergeable | None:
     if a is None:
         return b
     if b is None:
@@ -428,7 +436,7 @@ class RouteProfile:
             return NotImplemented
         return all(getattr(self, f) == getattr(other, f) for f in _ROUTE_FIELDS)
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def requests(self) -> int:
@@ -482,7 +490,7 @@ class RouteProfile:
         if not isinstance(route, str):
             raise InputError("expected a string", field=f"{where}.route")
 
-        def optional(key, parse):
+        def optional(key: str, parse: Callable[[Any, str], _Parsed]) -> _Parsed | None:
             value = data.get(key)
             return None if value is None else parse(value, f"{where}.{key}")
 
@@ -607,7 +615,7 @@ class Profile:
             other.folded_requests,
         )
 
-    __hash__ = None  # type: ignore[assignment]
+    # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
 
     @property
     def requests(self) -> int:
@@ -753,7 +761,7 @@ def _sum_histograms(histograms: list[Histogram]) -> Histogram:
 def _sum_routes(name: str, routes: list[RouteProfile]) -> RouteProfile:
     """Many route profiles as one route, summed exactly."""
 
-    def summed(get):
+    def summed(get: Callable[[RouteProfile], Histogram]) -> Histogram:
         return _sum_histograms([get(r) for r in routes])
 
     arrivals = [r.arrival for r in routes if r.arrival is not None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 INT64_MAX = 2**63 - 1
@@ -189,7 +189,7 @@ def as_time(value: Any, field: str, unit: str = "s") -> float | None:
     if value is None or value == "":
         return None
     if isinstance(value, datetime):  # Parquet timestamp columns read row by row
-        dt = value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+        dt = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
         return dt.timestamp()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
@@ -227,7 +227,7 @@ def parse_iso(text: str) -> float:
             text = text[: match.start()] + "." + digits[:6] + text[match.end() :]
     dt = datetime.fromisoformat(text)
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp() + extra
 
 

@@ -219,7 +219,7 @@ def _batch_rows(record: Mapping[str, Any]) -> Iterator[Row | RowError]:
         if status is not None and status >= 400:
             raise RowError("response.status_code", f"HTTP {status}", FAILED)
         body = response.get("body")
-        if not body_kind(body):
+        if not isinstance(body, Mapping) or not body_kind(body):
             raise RowError("response.body", "not a chat, responses or messages body", FAILED)
         row = parse_body(body, "response.body.")
         row["_custom_id"] = custom_id

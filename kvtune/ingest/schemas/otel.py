@@ -170,17 +170,18 @@ def _otlp_rows(record: Mapping[str, Any]) -> Iterator[Row | RowError]:
     decoded = [attributes(s.get("attributes")) for s in spans]
     by_id = {s.get("spanId"): i for i, s in enumerate(spans) if s.get("spanId")}
 
-    def route_of(i: int) -> str | None:
-        seen = set()
-        while i is not None and i not in seen:  # walk up to the HTTP span, guarding cycles
-            seen.add(i)
-            _, path = _first(decoded[i], _ROUTE)
+    def route_of(span: int) -> str | None:
+        at: int | None = span
+        seen: set[int] = set()
+        while at is not None and at not in seen:  # walk up to the HTTP span, guarding cycles
+            seen.add(at)
+            _, path = _first(decoded[at], _ROUTE)
             if isinstance(path, str) and path:
                 return url_path(path)
-            i = by_id.get(spans[i].get("parentSpanId"))
+            at = by_id.get(spans[at].get("parentSpanId"))
         return None
 
-    for i, (span, attrs) in enumerate(zip(spans, decoded)):
+    for i, (span, attrs) in enumerate(zip(spans, decoded, strict=True)):
         try:
             yield span_row(attrs, span, route_of(i))
         except RowError as err:
