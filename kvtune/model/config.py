@@ -1,215 +1,17 @@
-"""HF config.json → ModelSpec: the facts about a model that KV-cache and weight arithmetic need.
-
-The config is parsed once, here, the way vLLM reads it (vllm/transformers_utils/config.py,
-vllm/config/model.py); raw dicts never travel further. Sources: a config.json path, a model
-directory, a bundled preset (kvtune/presets/*.json) or a Hugging Face hub id.
-"""
+"""HF config.json dict → ModelSpec, the way vLLM reads it (vllm/transformers_utils/config.py,
+vllm/config/model.py): aliases per family, multimodal text configs, layer layouts."""
 
 from __future__ import annotations
 
-import difflib
-import enum
-import json
 import math
-import os
 import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from kvtune.errors import InputError, KvtuneError, ModelConfigError, UnknownNameError
+from kvtune.model.fields import ConfigFields, shown
+from kvtune.model.spec import LayerKind, ModelSpec
 from kvtune.userfiles import brief
 
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
-
-
-class LayerKind(enum.Enum):
-    """What one decoder layer keeps per request."""
-
-    FULL = "full"  # full attention: K and V for every token
-    SLIDING = "sliding"  # sliding-window attention (window = ModelSpec.sliding_window)
-    CHUNKED = "chunked"  # chunked-local attention, Llama-4 (window = attention_chunk_size)
-    MLA = "mla"  # multi-head latent attention, DeepSeek: one latent per token
-    MAMBA = "mamba"  # state-space layer: fixed conv + ssm state per sequence
-    LINEAR = "linear"  # linear attention (gated delta net): fixed state per sequence
-    NONE = "none"  # no cache at all (Nemotron-H MLP/MoE-only layers)
-
-
-ATTENTION_KINDS = frozenset({LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED, LayerKind.MLA})
-STATE_KINDS = frozenset({LayerKind.MAMBA, LayerKind.LINEAR})
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """One model's architecture as vLLM sizes it. Counts are totals, before any TP split."""
-
-    name: str
-    architecture: str | None
-    model_type: str | None
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int  # K head size (MLA: kv_lora_rank + qk_rope_head_dim)
-    head_dim_v: int  # V head size (== head_dim normally; 0 for MLA, which has no separate V)
-    layer_kinds: tuple[LayerKind, ...]
-    sliding_window: int | None
-    attention_chunk_size: int | None
-    hidden_size: int
-    intermediate_size: int | None
-    vocab_size: int | None
-    tie_word_embeddings: bool
-    # MoE (None when dense)
-    num_experts: int | None = None
-    num_experts_per_tok: int | None = None
-    moe_intermediate_size: int | None = None  # one routed expert's FFN width
-    num_shared_experts: int | None = None
-    first_k_dense_layers: int | None = None
-    moe_layer_freq: int | None = None
-    # MLA (None when not MLA)
-    kv_lora_rank: int | None = None
-    q_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    qk_nope_head_dim: int | None = None
-    v_head_dim: int | None = None
-    # Mamba layers (None when absent). Mamba-1: d_inner × (d_conv−1) conv + d_inner × d_state ssm;
-    # Mamba-2: (d_inner + 2·groups·d_state) × (d_conv−1) conv + heads × head_dim × d_state ssm.
-    mamba_version: int | None = None
-    ssm_inner_size: int | None = None
-    ssm_state_size: int | None = None
-    ssm_conv_kernel: int | None = None
-    ssm_num_heads: int | None = None
-    ssm_head_dim: int | None = None
-    ssm_num_groups: int | None = None
-    # Linear-attention layers (gated delta net, Qwen3-Next; None when absent)
-    linear_num_key_heads: int | None = None
-    linear_num_value_heads: int | None = None
-    linear_key_head_dim: int | None = None
-    linear_value_head_dim: int | None = None
-    linear_conv_kernel: int | None = None
-    ssm_state_dtype: str | None = None  # dtype of the ssm/recurrent state when the config pins one (Qwen3.5: float32)
-    dtype: str = "bfloat16"
-    quantization: str | None = None
-    quantization_bits: int | None = None
-    max_position_embeddings: int | None = None
-    source_dir: str | None = None
-    serve_id: str | None = None  # what `vllm serve` loads: a hub id or a model directory
-
-    @property
-    def is_mla(self) -> bool:
-        return LayerKind.MLA in self.layer_kinds
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts is not None
-
-    def count(self, kind: LayerKind) -> int:
-        """How many layers are of `kind`."""
-        return sum(1 for k in self.layer_kinds if k is kind)
-
-    @property
-    def num_attention_layers(self) -> int:
-        return sum(1 for k in self.layer_kinds if k in ATTENTION_KINDS)
-
-
-# --- reading files ---------------------------------------------------------------------------
-
-
-def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a config.json: a regular file of at most MODEL_FILE_MAX_BYTES (kvtune.userfiles).
-    Python's json accepts the Infinity/NaN literals some real configs hold, so this reader does too."""
-    from kvtune import userfiles
-
-    p = Path(path)
-    data = userfiles.load_json(p, max_bytes=userfiles.MODEL_FILE_MAX_BYTES, strict=False)
-    if not isinstance(data, dict):
-        raise InputError(f"expected a JSON object, found {type(data).__name__}", path=str(p))
-    return data
-
-
-# --- typed field access ----------------------------------------------------------------------
-
-
-def _shown(value: Any) -> str:
-    """A config value quoted in an error: JSON as the file spells it, about 40 characters at most,
-    never built in full (a value can be a list of millions)."""
-    if isinstance(value, str):
-        return json.dumps(value if len(value) <= 40 else value[:37] + "...")
-    if isinstance(value, (bool, float)) or value is None or (isinstance(value, int) and value.bit_length() <= 128):
-        return json.dumps(value)
-    return brief(value, 40)
-
-
-class _Fields:
-    """Typed reads from one config dict; every error names the file and the field path."""
-
-    def __init__(self, data: dict[str, Any], *, path: str | None, prefix: str = "") -> None:
-        self.data = data
-        self.path = path
-        self.prefix = prefix
-
-    def error(self, key: str, message: str) -> ModelConfigError:
-        return ModelConfigError(message, path=self.path, field=self.prefix + key)
-
-    def has(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
-    def first(self, *keys: str) -> str | None:
-        """The first of `keys` present with a non-null value."""
-        return next((k for k in keys if self.data.get(k) is not None), None)
-
-    def int_(self, *keys: str, minimum: int = 0) -> int | None:
-        """The first present key as an integer ≥ minimum; floats only when whole and finite."""
-        key = self.first(*keys)
-        if key is None:
-            return None
-        value = self.data[key]
-        if isinstance(value, bool):
-            raise self.error(key, f"expected an integer, found {_shown(value)}")
-        if isinstance(value, float):
-            if not math.isfinite(value) or not value.is_integer():
-                raise self.error(key, f"expected an integer, found {value!r}")
-            value = int(value)
-        if not isinstance(value, int):
-            raise self.error(key, f"expected an integer, found {_shown(value)}")
-        if value < minimum:
-            raise self.error(key, f"must be at least {minimum}, found {value}")
-        return value
-
-    def require_int(self, *keys: str, minimum: int = 1, what: str) -> int:
-        value = self.int_(*keys, minimum=minimum)
-        if value is None:
-            raise ModelConfigError(
-                f"missing {what} (looked for {', '.join(keys)})", path=self.path, field=self.prefix + keys[0]
-            )
-        return value
-
-    def str_(self, *keys: str) -> str | None:
-        key = self.first(*keys)
-        if key is None:
-            return None
-        value = self.data[key]
-        if not isinstance(value, str):
-            raise self.error(key, f"expected a string, found {_shown(value)}")
-        return value
-
-    def bool_(self, key: str, default: bool) -> bool:
-        value = self.data.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(key, f"expected true or false, found {_shown(value)}")
-        return value
-
-    def list_(self, key: str) -> list[Any] | None:
-        value = self.data.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, list):
-            raise self.error(key, f"expected a list, found {_shown(value)}")
-        return value
-
-
-# --- parsing ---------------------------------------------------------------------------------
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 # vLLM's is_deepseek_mla model types (vllm/transformers_utils/model_arch_config_convertor.py).
 _MLA_MODEL_TYPES = frozenset(
@@ -251,13 +53,13 @@ def parse_model_spec(
     serve_id: str | None = None,
 ) -> ModelSpec:
     """Turn a config.json dict into a ModelSpec, or raise ModelConfigError naming file and field."""
-    top = _Fields(config, path=path)
+    top = ConfigFields(config, path=path)
     text, prefix = _text_config(config)
     model_type = top.str_("model_type")
-    f = _Fields(text, path=path, prefix=prefix)
+    f = ConfigFields(text, path=path, prefix=prefix)
     text_type = f.str_("model_type") or model_type
     if text_type == "gemma3_text":
-        f = _Fields({**_GEMMA3_TEXT_DEFAULTS, **text}, path=path, prefix=prefix)
+        f = ConfigFields({**_GEMMA3_TEXT_DEFAULTS, **text}, path=path, prefix=prefix)
 
     num_layers = f.require_int(*_LAYER_KEYS, what="layer count")
     num_heads = f.require_int(*_HEAD_KEYS, what="attention head count")
@@ -325,7 +127,7 @@ def parse_model_spec(
 def _hub_id_of(config: dict[str, Any]) -> str | None:
     """A preset names its hub id as the first word of `_source`."""
     source = config.get("_source")
-    if isinstance(source, str) and _HUB_ID.fullmatch(source.split()[0] if source.split() else ""):
+    if isinstance(source, str) and HUB_ID.fullmatch(source.split()[0] if source.split() else ""):
         return source.split()[0]
     return None
 
@@ -339,13 +141,13 @@ def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return config, ""
 
 
-def _num_kv_heads(f: _Fields, model_type: str | None, num_heads: int) -> int:
+def _num_kv_heads(f: ConfigFields, model_type: str | None, num_heads: int) -> int:
     """vLLM ModelConfig.get_total_num_kv_heads, including the Falcon and MQA special cases."""
     new_falcon = model_type in _FALCON_MODEL_TYPES and f.bool_("new_decoder_architecture", False)
     if not new_falcon and f.data.get("multi_query") is True:
         return 1
     if model_type in ("mpt", "dbrx") and isinstance(f.data.get("attn_config"), dict):
-        sub = _Fields(f.data["attn_config"], path=f.path, prefix=f"{f.prefix}attn_config.")
+        sub = ConfigFields(f.data["attn_config"], path=f.path, prefix=f"{f.prefix}attn_config.")
         return sub.int_("kv_n_heads", minimum=1) or num_heads
     kv = f.int_(*_KV_HEAD_KEYS, minimum=1)
     if kv is None:
@@ -356,7 +158,7 @@ def _num_kv_heads(f: _Fields, model_type: str | None, num_heads: int) -> int:
     return kv
 
 
-def _head_dim(f: _Fields, hidden: int, num_heads: int) -> int:
+def _head_dim(f: ConfigFields, hidden: int, num_heads: int) -> int:
     """vLLM get_head_size order: head_dim (> 0), hidden_size_per_head, hidden_size // heads."""
     explicit = f.int_("head_dim", "attention_head_dim", minimum=0)
     if explicit:
@@ -365,12 +167,13 @@ def _head_dim(f: _Fields, hidden: int, num_heads: int) -> int:
     if per_head:
         return per_head
     if hidden % num_heads:
-        raise f.error("hidden_size", f"{hidden} is not divisible by {num_heads} attention heads and no head_dim is given")
+        raise f.error("hidden_size",
+                      f"{hidden} is not divisible by {num_heads} attention heads and no head_dim is given")
     return hidden // num_heads
 
 
 def _layer_kinds(
-    f: _Fields, model_type: str | None, num_layers: int, is_mla: bool, window: int | None, chunk: int | None
+    f: ConfigFields, model_type: str | None, num_layers: int, is_mla: bool, window: int | None, chunk: int | None
 ) -> tuple[LayerKind, ...]:
     """One LayerKind per decoder layer, from whichever layout key this family uses."""
     if is_mla:
@@ -392,7 +195,7 @@ def _layer_kinds(
         for i, t in enumerate(types[:num_layers]):
             kind = _LAYER_TYPE_NAMES.get(t) if isinstance(t, str) else None
             if kind is None:
-                raise f.error(f"layer_types[{i}]", f"unknown layer type {_shown(t)} "
+                raise f.error(f"layer_types[{i}]", f"unknown layer type {shown(t)} "
                               f"(known: {', '.join(sorted(_LAYER_TYPE_NAMES))})")
             kinds.append(kind)
         return tuple(kinds)
@@ -418,7 +221,7 @@ def _layer_kinds(
     return (LayerKind.SLIDING,) * num_layers  # Mistral, Phi-3: the window applies to every layer
 
 
-def _state_fields(f: _Fields, model_type: str | None, hidden: int, kinds: tuple[LayerKind, ...]) -> dict[str, Any]:
+def _state_fields(f: ConfigFields, model_type: str | None, hidden: int, kinds: tuple[LayerKind, ...]) -> dict[str, Any]:
     """Shapes of the per-sequence state of Mamba and linear-attention layers."""
     out: dict[str, Any] = {}
     if LayerKind.MAMBA in kinds:
@@ -456,7 +259,7 @@ def _state_fields(f: _Fields, model_type: str | None, hidden: int, kinds: tuple[
         if key is not None:
             raw = f.data[key]
             if not (isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES):
-                raise f.error(key, f"unknown dtype {_shown(raw)}")
+                raise f.error(key, f"unknown dtype {shown(raw)}")
             out["ssm_state_dtype"] = _DTYPE_NAMES[raw.removeprefix("torch.")]
     return out
 
@@ -469,7 +272,7 @@ _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gpt2"
 _ALWAYS_ONE_SHARED_EXPERT = frozenset({"llama4", "llama4_text"})
 
 
-def _moe_fields(f: _Fields, model_type: str | None) -> dict[str, Any]:
+def _moe_fields(f: ConfigFields, model_type: str | None) -> dict[str, Any]:
     experts = f.int_("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", minimum=0)
     if not experts:
         return {}
@@ -487,7 +290,7 @@ def _moe_fields(f: _Fields, model_type: str | None) -> dict[str, Any]:
     )
 
 
-def _dtype(f: _Fields, top: _Fields) -> str:
+def _dtype(f: ConfigFields, top: ConfigFields) -> str:
     """torch_dtype/dtype of the text model, else of the whole config, else bfloat16."""
     for fields in (f, top):
         key = fields.first("torch_dtype", "dtype")
@@ -496,18 +299,18 @@ def _dtype(f: _Fields, top: _Fields) -> str:
         raw = fields.data[key]
         if isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES:
             return _DTYPE_NAMES[raw.removeprefix("torch.")]
-        raise fields.error(key, f"unknown dtype {_shown(raw)} (known: {', '.join(sorted(_DTYPE_NAMES))})")
+        raise fields.error(key, f"unknown dtype {shown(raw)} (known: {', '.join(sorted(_DTYPE_NAMES))})")
     return "bfloat16"
 
 
-def _quantization(top: _Fields, f: _Fields) -> tuple[str | None, int | None]:
+def _quantization(top: ConfigFields, f: ConfigFields) -> tuple[str | None, int | None]:
     for fields in (top, f):
         q = fields.data.get("quantization_config")
         if isinstance(q, dict):
             break
     else:
         return None, None
-    qf = _Fields(q, path=top.path, prefix="quantization_config.")
+    qf = ConfigFields(q, path=top.path, prefix="quantization_config.")
     method = qf.str_("quant_method")
     bits = qf.int_("bits", "w_bit", "weight_bits", "num_bits", minimum=1)
     if bits is None and method == "compressed-tensors":
@@ -521,7 +324,7 @@ def _quantization(top: _Fields, f: _Fields) -> tuple[str | None, int | None]:
     return method, bits
 
 
-def _max_model_len(f: _Fields, model_type: str | None) -> int | None:
+def _max_model_len(f: ConfigFields, model_type: str | None) -> int | None:
     """vLLM's derived max_model_len: smallest length key, model_max_length wins, RoPE factor applied."""
     lengths = {}
     for key in _MAX_LEN_KEYS:
@@ -541,102 +344,3 @@ def _max_model_len(f: _Fields, model_type: str | None) -> int | None:
             if isinstance(factor, (int, float)) and math.isfinite(factor):
                 derived *= factor
     return int(derived)
-
-
-# --- resolving a MODEL argument --------------------------------------------------------------
-
-
-def preset_names() -> list[str]:
-    """Names of the bundled presets, sorted."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
-
-
-def load_preset(name: str) -> ModelSpec:
-    """A bundled preset by (case-insensitive) name."""
-    path = PRESETS_DIR / f"{name.lower()}.json"
-    if not path.is_file():
-        raise _unknown(name)
-    return parse_model_spec(load_config_file(path), name=name.lower(), path=str(path))
-
-
-def resolve_model(source: str) -> ModelSpec:
-    """A config.json path, a model directory, a preset name, or a Hugging Face hub id."""
-    p = Path(source).expanduser()
-    if p.is_dir():
-        config = p / "config.json"
-        if not config.exists():
-            raise InputError("model directory has no config.json", path=str(p))
-        return parse_model_spec(load_config_file(config), name=source, source_dir=str(p), path=str(config))
-    if p.exists():  # a file, or a FIFO or device that load_config_file refuses by name
-        source_dir = str(p.parent) if p.name == "config.json" else None
-        return parse_model_spec(load_config_file(p), name=source, source_dir=source_dir, path=str(p))
-    if (PRESETS_DIR / f"{source.lower()}.json").is_file():
-        return load_preset(source)
-    if _looks_like_path(source):
-        raise InputError("no such file or directory", path=source)
-    if _HUB_ID.fullmatch(source):
-        return _from_hub(source)
-    raise _unknown(source)
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def _looks_like_path(source: str) -> bool:
-    return source.endswith(".json") or source.startswith(("/", "./", "../", "~"))
-
-
-def _unknown(name: str) -> UnknownNameError:
-    names = preset_names()
-    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else f"presets: {', '.join(names)}"
-    return UnknownNameError(
-        f"unknown model {name!r}: not a file, a directory, a preset or a hub id (owner/name); {hint}"
-    )
-
-
-def _from_hub(repo_id: str) -> ModelSpec:
-    """config.json from the Hugging Face hub, or from the local cache when offline."""
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError as exc:  # pragma: no cover - a declared dependency
-        raise KvtuneError("huggingface_hub is not installed: pip install huggingface_hub") from exc
-    try:
-        local = hf_hub_download(repo_id, "config.json")
-    except Exception as exc:  # noqa: BLE001 - every hub failure is a user-facing one
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        reason = ("offline (HF_HUB_OFFLINE=1) and not in the local Hugging Face cache" if offline
-                  else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}")
-        hint = _preset_for_hub_id(repo_id)
-        raise KvtuneError(
-            f"cannot get config.json for hub model {repo_id!r}: {reason}; "
-            + (f"the bundled preset {hint!r} has this model's config" if hint
-               else "pass a config.json path, a model directory or a preset name")
-        ) from exc
-    return parse_model_spec(load_config_file(local), name=repo_id, source_dir=str(Path(local).parent), path=local,
-                            serve_id=repo_id)
-
-
-def _preset_for_hub_id(repo_id: str) -> str | None:
-    """The preset whose `_source` names this hub id, if any (for the error hint only)."""
-    for path in sorted(PRESETS_DIR.glob("*.json")):
-        try:
-            source = json.loads(path.read_text(encoding="utf-8")).get("_source", "")
-        except (OSError, ValueError):
-            continue
-        if isinstance(source, str) and source.split()[0].lower() == repo_id.lower():
-            return path.stem
-    return None
-
-
-__all__ = [
-    "LayerKind",
-    "ModelSpec",
-    "ATTENTION_KINDS",
-    "STATE_KINDS",
-    "load_config_file",
-    "parse_model_spec",
-    "resolve_model",
-    "load_preset",
-    "preset_names",
-]
