@@ -3,12 +3,13 @@ vllm/config/model.py): aliases per family, multimodal text configs, layer layout
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
 
 from kvtune.model.fields import ConfigFields, shown
-from kvtune.model.spec import LayerKind, ModelSpec
+from kvtune.model.spec import Attention, LayerKind, LinearAttention, Mamba, Mamba1, Mamba2, Mla, ModelSpec, Moe
 from kvtune.userfiles import brief
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -68,10 +69,10 @@ def parse_model_spec(
     architecture = architectures[0] if architectures and isinstance(architectures[0], str) else None
 
     is_mla = text_type in _MLA_MODEL_TYPES and f.has("kv_lora_rank")
-    if is_mla:
-        kv_lora_rank = f.require_int("kv_lora_rank", what="MLA kv_lora_rank")
-        qk_rope = f.require_int("qk_rope_head_dim", what="MLA qk_rope_head_dim")
-        num_kv_heads, head_dim, head_dim_v = 1, kv_lora_rank + qk_rope, 0
+    if is_mla:  # vLLM caches the latent as one KV head of kv_lora_rank + qk_rope_head_dim, with no V
+        num_kv_heads, head_dim_v = 1, 0
+        head_dim = (f.require_int("kv_lora_rank", what="MLA kv_lora_rank")
+                    + f.require_int("qk_rope_head_dim", what="MLA qk_rope_head_dim"))
     else:
         num_kv_heads = _num_kv_heads(f, model_type, num_heads)
         head_dim = _head_dim(f, hidden, num_heads)
@@ -89,32 +90,31 @@ def parse_model_spec(
     if LayerKind.CHUNKED not in kinds:
         chunk = None
 
-    state = _state_fields(f, text_type, hidden, kinds)
+    # Reads stay in this order so that a config with two faults always reports the same one.
+    mamba, linear = _state_parts(f, hidden, kinds)
     quant, bits = _quantization(top, f)
+    intermediate = f.int_("intermediate_size", "n_inner", "ffn_hidden_size", minimum=1)
+    vocab = f.int_("vocab_size", minimum=1) or top.int_("vocab_size", minimum=1)
+    tied = f.bool_("tie_word_embeddings",
+                   top.bool_("tie_word_embeddings", (text_type or model_type) in _TIED_BY_DEFAULT))
+    moe = _moe(f, text_type)
+    mla = _mla(f) if is_mla else None
     return ModelSpec(
         name=name,
         architecture=architecture,
         model_type=text_type,
         num_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
         layer_kinds=kinds,
-        sliding_window=sliding_window,
-        attention_chunk_size=chunk,
+        attention=Attention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            head_dim_v=head_dim_v, sliding_window=sliding_window, chunk_size=chunk),
         hidden_size=hidden,
-        intermediate_size=f.int_("intermediate_size", "n_inner", "ffn_hidden_size", minimum=1),
-        vocab_size=f.int_("vocab_size", minimum=1) or top.int_("vocab_size", minimum=1),
-        tie_word_embeddings=f.bool_("tie_word_embeddings", top.bool_(
-            "tie_word_embeddings", (text_type or model_type) in _TIED_BY_DEFAULT)),
-        **_moe_fields(f, text_type),
-        kv_lora_rank=f.int_("kv_lora_rank", minimum=1) if is_mla else None,
-        q_lora_rank=f.int_("q_lora_rank", minimum=1) if is_mla else None,
-        qk_rope_head_dim=f.int_("qk_rope_head_dim", minimum=1) if is_mla else None,
-        qk_nope_head_dim=f.int_("qk_nope_head_dim", minimum=1) if is_mla else None,
-        v_head_dim=f.int_("v_head_dim", minimum=1) if is_mla else None,
-        **state,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        mla=mla,
+        mamba=mamba,
+        linear=linear,
+        moe=moe,
         dtype=_dtype(f, top),
         quantization=quant,
         quantization_bits=bits,
@@ -221,47 +221,68 @@ def _layer_kinds(
     return (LayerKind.SLIDING,) * num_layers  # Mistral, Phi-3: the window applies to every layer
 
 
-def _state_fields(f: ConfigFields, model_type: str | None, hidden: int, kinds: tuple[LayerKind, ...]) -> dict[str, Any]:
-    """Shapes of the per-sequence state of Mamba and linear-attention layers."""
-    out: dict[str, Any] = {}
-    if LayerKind.MAMBA in kinds:
-        n_heads = f.int_("mamba_num_heads", "mamba_n_heads", minimum=1)
-        if n_heads is not None:  # Mamba-2 (Nemotron-H, Falcon-H1, Granite-4)
-            head_dim = f.require_int("mamba_head_dim", "mamba_d_head", what="Mamba-2 head dimension")
-            out.update(
-                mamba_version=2,
-                ssm_num_heads=n_heads,
-                ssm_head_dim=head_dim,
-                ssm_inner_size=n_heads * head_dim,
-                ssm_state_size=f.require_int("ssm_state_size", "mamba_d_state", what="SSM state size"),
-                ssm_conv_kernel=f.require_int("conv_kernel", "mamba_d_conv", what="SSM conv kernel"),
-                ssm_num_groups=f.int_("n_groups", "mamba_n_groups", minimum=1) or 1,
-            )
-        else:  # Mamba-1 (Jamba)
-            expand = f.int_("mamba_expand", "expand", minimum=1) or 2
-            out.update(
-                mamba_version=1,
-                ssm_inner_size=f.int_("mamba_d_inner", minimum=1) or expand * hidden,
-                ssm_state_size=f.require_int("mamba_d_state", "state_size", "ssm_state_size", what="SSM state size"),
-                ssm_conv_kernel=f.require_int("mamba_d_conv", "conv_kernel", what="SSM conv kernel"),
-                ssm_num_groups=1,
-            )
-    if LayerKind.LINEAR in kinds:  # gated delta net (Qwen3-Next)
-        out.update(
-            linear_num_key_heads=f.require_int("linear_num_key_heads", what="linear-attention key heads"),
-            linear_num_value_heads=f.require_int("linear_num_value_heads", what="linear-attention value heads"),
-            linear_key_head_dim=f.require_int("linear_key_head_dim", what="linear-attention key head dim"),
-            linear_value_head_dim=f.require_int("linear_value_head_dim", what="linear-attention value head dim"),
-            linear_conv_kernel=f.require_int("linear_conv_kernel_dim", what="linear-attention conv kernel"),
+def _state_parts(
+    f: ConfigFields, hidden: int, kinds: tuple[LayerKind, ...]
+) -> tuple[Mamba | None, LinearAttention | None]:
+    """The Mamba and linear-attention parts, for the layers that have them. One key pins the state
+    dtype of both, and it is read after their sizes."""
+    mamba = _mamba(f, hidden) if LayerKind.MAMBA in kinds else None
+    linear = _linear_attention(f) if LayerKind.LINEAR in kinds else None
+    state_dtype = _state_dtype(f) if mamba or linear else None
+    if mamba is not None and state_dtype is not None:
+        mamba = dataclasses.replace(mamba, state_dtype=state_dtype)
+    if linear is not None and state_dtype is not None:
+        linear = dataclasses.replace(linear, state_dtype=state_dtype)
+    return mamba, linear
+
+
+def _mamba(f: ConfigFields, hidden: int) -> Mamba:
+    n_heads = f.int_("mamba_num_heads", "mamba_n_heads", minimum=1)
+    if n_heads is not None:  # Mamba-2 (Nemotron-H, Falcon-H1, Granite-4)
+        return Mamba2(
+            num_heads=n_heads,
+            head_dim=f.require_int("mamba_head_dim", "mamba_d_head", what="Mamba-2 head dimension"),
+            state_size=f.require_int("ssm_state_size", "mamba_d_state", what="SSM state size"),
+            conv_kernel=f.require_int("conv_kernel", "mamba_d_conv", what="SSM conv kernel"),
+            num_groups=f.int_("n_groups", "mamba_n_groups", minimum=1) or 1,
         )
-    if out:
-        key = f.first("mamba_ssm_dtype")
-        if key is not None:
-            raw = f.data[key]
-            if not (isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES):
-                raise f.error(key, f"unknown dtype {shown(raw)}")
-            out["ssm_state_dtype"] = _DTYPE_NAMES[raw.removeprefix("torch.")]
-    return out
+    expand = f.int_("mamba_expand", "expand", minimum=1) or 2  # Mamba-1 (Jamba)
+    return Mamba1(
+        inner_size=f.int_("mamba_d_inner", minimum=1) or expand * hidden,
+        state_size=f.require_int("mamba_d_state", "state_size", "ssm_state_size", what="SSM state size"),
+        conv_kernel=f.require_int("mamba_d_conv", "conv_kernel", what="SSM conv kernel"),
+    )
+
+
+def _linear_attention(f: ConfigFields) -> LinearAttention:
+    """Gated delta net (Qwen3-Next, Qwen3.5)."""
+    return LinearAttention(
+        num_key_heads=f.require_int("linear_num_key_heads", what="linear-attention key heads"),
+        num_value_heads=f.require_int("linear_num_value_heads", what="linear-attention value heads"),
+        key_head_dim=f.require_int("linear_key_head_dim", what="linear-attention key head dim"),
+        value_head_dim=f.require_int("linear_value_head_dim", what="linear-attention value head dim"),
+        conv_kernel=f.require_int("linear_conv_kernel_dim", what="linear-attention conv kernel"),
+    )
+
+
+def _state_dtype(f: ConfigFields) -> str | None:
+    key = f.first("mamba_ssm_dtype")
+    if key is None:
+        return None
+    raw = f.data[key]
+    if not (isinstance(raw, str) and raw.removeprefix("torch.") in _DTYPE_NAMES):
+        raise f.error(key, f"unknown dtype {shown(raw)}")
+    return _DTYPE_NAMES[raw.removeprefix("torch.")]
+
+
+def _mla(f: ConfigFields) -> Mla:
+    """MLA's projection sizes (the cache needs only the latent, read first)."""
+    kv_lora_rank = f.require_int("kv_lora_rank", what="MLA kv_lora_rank")
+    q_lora_rank = f.int_("q_lora_rank", minimum=1)
+    qk_rope = f.require_int("qk_rope_head_dim", what="MLA qk_rope_head_dim")
+    qk_nope = f.int_("qk_nope_head_dim", minimum=1) or 0
+    return Mla(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope, qk_nope_head_dim=qk_nope,
+               v_head_dim=f.int_("v_head_dim", minimum=1) or qk_nope, q_lora_rank=q_lora_rank)
 
 
 # Model types whose transformers config ties embeddings when config.json omits the key; the
@@ -272,21 +293,21 @@ _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gpt2"
 _ALWAYS_ONE_SHARED_EXPERT = frozenset({"llama4", "llama4_text"})
 
 
-def _moe_fields(f: ConfigFields, model_type: str | None) -> dict[str, Any]:
+def _moe(f: ConfigFields, model_type: str | None) -> Moe | None:
     experts = f.int_("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", minimum=0)
     if not experts:
-        return {}
+        return None
     shared = f.int_("n_shared_experts", "num_shared_experts", minimum=0)
     if shared is None and model_type in _ALWAYS_ONE_SHARED_EXPERT:
         shared = 1
-    return dict(
+    return Moe(  # keywords in the order the config is read
         num_experts=experts,
-        num_experts_per_tok=f.int_("num_experts_per_tok", "experts_per_token", "moe_top_k", minimum=1),
-        moe_intermediate_size=f.int_("moe_intermediate_size", "intermediate_size", minimum=1),
-        num_shared_experts=shared,
-        first_k_dense_layers=f.int_("first_k_dense_replace", minimum=0),
-        moe_layer_freq=f.int_("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step",
-                              "expert_layer_period", minimum=1),
+        num_shared_experts=shared or 0,
+        experts_per_token=f.int_("num_experts_per_tok", "experts_per_token", "moe_top_k", minimum=1),
+        intermediate_size=f.int_("moe_intermediate_size", "intermediate_size", minimum=1),
+        first_k_dense_layers=f.int_("first_k_dense_replace", minimum=0) or 0,
+        layer_freq=f.int_("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step",
+                          "expert_layer_period", minimum=1) or 1,
     )
 
 
