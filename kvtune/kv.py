@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass
 
 from kvtune.errors import CapacityError, UnknownNameError
-from kvtune.model import ATTENTION_KINDS, LayerKind, ModelSpec
+from kvtune.model import ATTENTION_KINDS, Attention, LayerKind, LinearAttention, Mamba, Mamba1, ModelSpec
 
 # vLLM CacheDType names → bytes per element (STR_DTYPE_TO_TORCH_DTYPE; the fp8, int8 and
 # per-token-head variants are stored as one-byte integers). None: the model's own dtype.
@@ -92,8 +92,9 @@ class KvBytes:
             "num_kv_heads_per_gpu": self.num_kv_heads_per_gpu,
             "kv_bytes_per_token_per_gpu": self.kv_bytes_per_token_per_gpu,
             "layers": [
-                {"kind": l.kind.value, "count": l.count, "window": l.window, "kv_bytes_per_token": l.kv_bytes_per_token}
-                for l in self.layers
+                {"kind": layer.kind.value, "count": layer.count, "window": layer.window,
+                 "kv_bytes_per_token": layer.kv_bytes_per_token}
+                for layer in self.layers
             ],
             "stage_layers": list(self.stage_layers),
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
@@ -143,12 +144,13 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     """Reject the TP sizes vLLM rejects at startup, naming the numbers."""
     if tp < 1:
         raise CapacityError(f"tensor-parallel size must be at least 1, got {tp}")
-    if spec.num_attention_heads % tp:
+    heads = spec.attention.num_heads
+    if heads % tp:
         raise CapacityError(
-            f"{spec.name}: {spec.num_attention_heads} attention heads are not divisible by "
+            f"{spec.name}: {heads} attention heads are not divisible by "
             f"tensor-parallel size {tp}; vLLM refuses this split"
         )
-    kv = spec.num_kv_heads
+    kv = spec.attention.num_kv_heads
     if not spec.is_mla and spec.num_attention_layers:
         if kv >= tp and kv % tp:
             raise CapacityError(f"{spec.name}: {kv} KV heads are not divisible by tensor-parallel size {tp}; "
@@ -156,12 +158,23 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
         if kv < tp and tp % kv:
             raise CapacityError(f"{spec.name}: tensor-parallel size {tp} is not a multiple of its {kv} KV heads, "
                                 "so they cannot be replicated evenly; vLLM refuses this split")
-    for what, n in (("Mamba heads", spec.ssm_num_heads if spec.mamba_version == 2 else None),
-                    ("Mamba inner size", spec.ssm_inner_size if spec.mamba_version == 1 else None),
-                    ("linear-attention value heads", spec.linear_num_value_heads),
-                    ("linear-attention key heads", spec.linear_num_key_heads)):
-        if n is not None and n % tp:
+    for what, n in _state_split_sizes(spec):
+        if n % tp:
             raise CapacityError(f"{spec.name}: {n} {what} are not divisible by tensor-parallel size {tp}")
+
+
+def _state_split_sizes(spec: ModelSpec) -> list[tuple[str, int]]:
+    """What TP splits in the Mamba and linear-attention layers."""
+    sizes = []
+    mamba = spec.mamba
+    if isinstance(mamba, Mamba1):
+        sizes.append(("Mamba inner size", mamba.inner_size))
+    elif mamba is not None:
+        sizes.append(("Mamba heads", mamba.num_heads))
+    if spec.linear is not None:
+        sizes += [("linear-attention value heads", spec.linear.num_value_heads),
+                  ("linear-attention key heads", spec.linear.num_key_heads)]
+    return sizes
 
 
 def kv_bytes(spec: ModelSpec, *, kv_cache_dtype: str = "auto", tp: int = 1, pp: int = 1) -> KvBytes:
@@ -174,10 +187,12 @@ def kv_bytes(spec: ModelSpec, *, kv_cache_dtype: str = "auto", tp: int = 1, pp: 
     check_tensor_parallel(spec, tp)
     stages = pp_stage_sizes(spec.num_layers, pp)
 
-    heads_per_gpu = 1 if spec.is_mla else max(1, spec.num_kv_heads // tp)
-    layer_total = {kind: _attention_layer_bytes(spec, name, element_bytes, spec.num_kv_heads if kind is not LayerKind.MLA else 1)
+    attention = spec.attention
+    heads_per_gpu = 1 if spec.is_mla else max(1, attention.num_kv_heads // tp)
+    layer_total = {kind: _attention_layer_bytes(attention, name, element_bytes, attention.num_kv_heads)
                    for kind in ATTENTION_KINDS}
-    layer_per_gpu = {kind: _attention_layer_bytes(spec, name, element_bytes, heads_per_gpu) for kind in ATTENTION_KINDS}
+    layer_per_gpu = {kind: _attention_layer_bytes(attention, name, element_bytes, heads_per_gpu)
+                     for kind in ATTENTION_KINDS}
     state_total = _state_layer_bytes(spec, 1)
     state_per_gpu = _state_layer_bytes(spec, tp)
 
@@ -186,8 +201,8 @@ def kv_bytes(spec: ModelSpec, *, kv_cache_dtype: str = "auto", tp: int = 1, pp: 
         count = spec.count(kind)
         if not count or kind is LayerKind.NONE:
             continue
-        window = spec.sliding_window if kind is LayerKind.SLIDING else (
-            spec.attention_chunk_size if kind is LayerKind.CHUNKED else None)
+        window = attention.sliding_window if kind is LayerKind.SLIDING else (
+            attention.chunk_size if kind is LayerKind.CHUNKED else None)
         layers.append(LayerKv(kind, count, window, count * layer_total.get(kind, 0)))
 
     kv_per_gpu = state_seq_per_gpu = 0
@@ -204,9 +219,9 @@ def kv_bytes(spec: ModelSpec, *, kv_cache_dtype: str = "auto", tp: int = 1, pp: 
         bytes_per_element=element_bytes,
         attention=_attention_label(spec),
         num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        kv_bytes_per_token=sum(l.kv_bytes_per_token for l in layers),
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        kv_bytes_per_token=sum(layer.kv_bytes_per_token for layer in layers),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         kv_bytes_per_token_per_gpu=kv_per_gpu,
@@ -218,40 +233,46 @@ def kv_bytes(spec: ModelSpec, *, kv_cache_dtype: str = "auto", tp: int = 1, pp: 
     )
 
 
-def _attention_layer_bytes(spec: ModelSpec, kv_dtype: str, element_bytes: int, kv_heads: int) -> int:
+def _attention_layer_bytes(attention: Attention, kv_dtype: str, element_bytes: int, kv_heads: int) -> int:
     """One attention layer, one token, `kv_heads` heads (K + V, or MLA's single latent)."""
-    if spec.is_mla and kv_dtype in _MLA_OPAQUE_BYTES:
+    if kv_dtype in _MLA_OPAQUE_BYTES:  # kv_bytes allows these for MLA only
         return _MLA_OPAQUE_BYTES[kv_dtype]
     if kv_dtype == "nvfp4":
-        per_head = sum(d // 2 + d // 16 for d in (spec.head_dim, spec.head_dim_v) if d)
+        per_head = sum(d // 2 + d // 16 for d in (attention.head_dim, attention.head_dim_v) if d)
         return kv_heads * per_head
-    return kv_heads * (spec.head_dim + spec.head_dim_v) * element_bytes
+    return kv_heads * (attention.head_dim + attention.head_dim_v) * element_bytes
 
 
 def _state_layer_bytes(spec: ModelSpec, tp: int) -> dict[LayerKind, int]:
     """Per-sequence state of one Mamba / linear-attention layer on one of `tp` ranks
     (vLLM MambaStateShapeCalculator): conv state at the model dtype, ssm state at its own."""
     conv_bytes = min(2, _MODEL_DTYPE_BYTES[spec.dtype])
-    ssm_bytes = _MODEL_DTYPE_BYTES[spec.ssm_state_dtype] if spec.ssm_state_dtype else conv_bytes
     out: dict[LayerKind, int] = {}
-    if spec.mamba_version == 1:
-        inner = spec.ssm_inner_size // tp
-        out[LayerKind.MAMBA] = (inner * (spec.ssm_conv_kernel - 1) * conv_bytes
-                                + inner * spec.ssm_state_size * ssm_bytes)
-    elif spec.mamba_version == 2:
-        groups = spec.ssm_num_groups
-        if groups % tp:  # vLLM replicates groups so that each rank holds the ones its heads need
-            groups += tp - groups
-        conv_dim = spec.ssm_inner_size + 2 * groups * spec.ssm_state_size
-        out[LayerKind.MAMBA] = ((spec.ssm_conv_kernel - 1) * (conv_dim // tp) * conv_bytes
-                                + (spec.ssm_num_heads // tp) * spec.ssm_head_dim * spec.ssm_state_size * ssm_bytes)
-    if spec.linear_num_value_heads is not None:
-        conv_dim = (spec.linear_key_head_dim * spec.linear_num_key_heads * 2
-                    + spec.linear_value_head_dim * spec.linear_num_value_heads)
-        out[LayerKind.LINEAR] = ((spec.linear_conv_kernel - 1) * (conv_dim // tp) * conv_bytes
-                                 + (spec.linear_num_value_heads // tp) * spec.linear_key_head_dim
-                                 * spec.linear_value_head_dim * ssm_bytes)
+    if spec.mamba is not None:
+        out[LayerKind.MAMBA] = _mamba_state_bytes(spec.mamba, tp, conv_bytes)
+    if spec.linear is not None:
+        out[LayerKind.LINEAR] = _linear_state_bytes(spec.linear, tp, conv_bytes)
     return out
+
+
+def _mamba_state_bytes(mamba: Mamba, tp: int, conv_bytes: int) -> int:
+    ssm_bytes = _MODEL_DTYPE_BYTES[mamba.state_dtype] if mamba.state_dtype else conv_bytes
+    if isinstance(mamba, Mamba1):
+        inner = mamba.inner_size // tp
+        return inner * (mamba.conv_kernel - 1) * conv_bytes + inner * mamba.state_size * ssm_bytes
+    groups = mamba.num_groups
+    if groups % tp:  # vLLM replicates groups so that each rank holds the ones its heads need
+        groups += tp - groups
+    conv_dim = mamba.inner_size + 2 * groups * mamba.state_size
+    return ((mamba.conv_kernel - 1) * (conv_dim // tp) * conv_bytes
+            + (mamba.num_heads // tp) * mamba.head_dim * mamba.state_size * ssm_bytes)
+
+
+def _linear_state_bytes(linear: LinearAttention, tp: int, conv_bytes: int) -> int:
+    ssm_bytes = _MODEL_DTYPE_BYTES[linear.state_dtype] if linear.state_dtype else conv_bytes
+    conv_dim = linear.key_head_dim * linear.num_key_heads * 2 + linear.value_head_dim * linear.num_value_heads
+    return ((linear.conv_kernel - 1) * (conv_dim // tp) * conv_bytes
+            + (linear.num_value_heads // tp) * linear.key_head_dim * linear.value_head_dim * ssm_bytes)
 
 
 def _attention_label(spec: ModelSpec) -> str:
@@ -259,9 +280,9 @@ def _attention_label(spec: ModelSpec) -> str:
         return "hybrid"
     if spec.is_mla:
         return "mla"
-    if spec.num_kv_heads == spec.num_attention_heads:
+    if spec.attention.num_kv_heads == spec.attention.num_heads:
         return "mha"
-    return "mqa" if spec.num_kv_heads == 1 else "gqa"
+    return "mqa" if spec.attention.num_kv_heads == 1 else "gqa"
 
 
 __all__ = ["LayerKv", "KvBytes", "kv_bytes", "bytes_per_element", "kv_cache_dtype_names", "pp_stage_sizes",

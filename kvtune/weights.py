@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtune.errors import InputError
-from kvtune.model import LayerKind, ModelSpec
+from kvtune.model import ATTENTION_KINDS, Attention, LayerKind, LinearAttention, Mamba, Mamba1, Mla, ModelSpec, Moe
 
 # Bits per weight, scales included, for formats that quantize the linear layers.
 INT4_GROUP128_BITS = 4 + (16 + 4) / 128  # 4-bit weight + a 16-bit scale and a 4-bit zero per 128
@@ -78,66 +78,65 @@ class WeightsEstimate:
 # --- counting --------------------------------------------------------------------------------
 
 
-def _attention_params(spec: ModelSpec, kind: LayerKind) -> int:
-    h = spec.hidden_size
-    heads = spec.num_attention_heads
-    if kind is LayerKind.MLA:
-        rope = spec.qk_rope_head_dim or 0
-        nope = spec.qk_nope_head_dim or 0
-        v_dim = spec.v_head_dim or nope
-        rank = spec.kv_lora_rank or 0
-        if spec.q_lora_rank:  # q_a (+ its norm) then q_b
-            q = h * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * heads * (nope + rope)
-        else:
-            q = h * heads * (nope + rope)
-        kv_a = h * (rank + rope) + rank  # the latent and the shared rope key, + latent norm
-        kv_b = rank * heads * (nope + v_dim)
-        o = heads * v_dim * h
-        return q + kv_a + kv_b + o
-    q = h * heads * spec.head_dim
-    k = h * spec.num_kv_heads * spec.head_dim
-    v = h * spec.num_kv_heads * spec.head_dim_v
-    o = heads * spec.head_dim_v * h
+def _attention_params(attention: Attention, h: int) -> int:
+    q = h * attention.num_heads * attention.head_dim
+    k = h * attention.num_kv_heads * attention.head_dim
+    v = h * attention.num_kv_heads * attention.head_dim_v
+    o = attention.num_heads * attention.head_dim_v * h
     return q + k + v + o
 
 
-def _mixer_params(spec: ModelSpec, kind: LayerKind) -> int:
-    h = spec.hidden_size
-    if kind is LayerKind.MAMBA:
-        d_inner = spec.ssm_inner_size or 2 * h
-        d_state = spec.ssm_state_size or 16
-        kernel = spec.ssm_conv_kernel or 4
-        if spec.mamba_version == 2:
-            groups = spec.ssm_num_groups or 1
-            heads = spec.ssm_num_heads or max(1, d_inner // (spec.ssm_head_dim or 64))
-            conv_dim = d_inner + 2 * groups * d_state
-            in_proj = h * (2 * d_inner + 2 * groups * d_state + heads)
-            return in_proj + conv_dim * kernel + d_inner * h + 3 * heads + d_inner
+def _mla_params(mla: Mla, heads: int, h: int) -> int:
+    rope, nope, v_dim, rank = mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+    if mla.q_lora_rank is not None:  # q_a (+ its norm) then q_b
+        q = h * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * heads * (nope + rope)
+    else:
+        q = h * heads * (nope + rope)
+    kv_a = h * (rank + rope) + rank  # the latent and the shared rope key, + latent norm
+    kv_b = rank * heads * (nope + v_dim)
+    o = heads * v_dim * h
+    return q + kv_a + kv_b + o
+
+
+def _mamba_params(mamba: Mamba, h: int) -> int:
+    d_inner, d_state, kernel = mamba.inner_size, mamba.state_size, mamba.conv_kernel
+    if isinstance(mamba, Mamba1):
         dt_rank = math.ceil(h / 16)
         in_proj = h * 2 * d_inner
         x_proj = d_inner * (dt_rank + 2 * d_state)
         dt_proj = dt_rank * d_inner + d_inner
         return in_proj + d_inner * kernel + x_proj + dt_proj + d_inner * d_state + d_inner + d_inner * h
-    if kind is LayerKind.LINEAR:
-        nk = spec.linear_num_key_heads or spec.num_attention_heads
-        nv = spec.linear_num_value_heads or nk
-        dk = spec.linear_key_head_dim or spec.head_dim
-        dv = spec.linear_value_head_dim or spec.head_dim
-        kernel = spec.linear_conv_kernel or 4
-        qkvz = h * (2 * nk * dk + 2 * nv * dv)
-        ba = h * 2 * nv
-        conv = (2 * nk * dk + nv * dv) * kernel
-        return qkvz + ba + conv + nv * dv * h
-    return 0
+    groups, heads = mamba.num_groups, mamba.num_heads
+    conv_dim = d_inner + 2 * groups * d_state
+    in_proj = h * (2 * d_inner + 2 * groups * d_state + heads)
+    return in_proj + conv_dim * kernel + d_inner * h + 3 * heads + d_inner
 
 
-def _is_moe_layer(spec: ModelSpec, index: int) -> bool:
-    """DeepSeek's rule: dense for the first k layers, then MoE every `moe_layer_freq`-th layer."""
-    if not spec.num_experts:
-        return False
-    if index < (spec.first_k_dense_layers or 0):
-        return False
-    return index % (spec.moe_layer_freq or 1) == 0
+def _gated_delta_net_params(linear: LinearAttention, h: int) -> int:
+    nk, nv = linear.num_key_heads, linear.num_value_heads
+    dk, dv = linear.key_head_dim, linear.value_head_dim
+    qkvz = h * (2 * nk * dk + 2 * nv * dv)
+    ba = h * 2 * nv
+    conv = (2 * nk * dk + nv * dv) * linear.conv_kernel
+    return qkvz + ba + conv + nv * dv * h
+
+
+def _mixer_params(spec: ModelSpec) -> dict[LayerKind, int]:
+    """Parameters of one layer's attention or state mixer, by layer kind."""
+    h = spec.hidden_size
+    out = dict.fromkeys(ATTENTION_KINDS, _attention_params(spec.attention, h))
+    if spec.mla is not None:
+        out[LayerKind.MLA] = _mla_params(spec.mla, spec.attention.num_heads, h)
+    if spec.mamba is not None:
+        out[LayerKind.MAMBA] = _mamba_params(spec.mamba, h)
+    if spec.linear is not None:
+        out[LayerKind.LINEAR] = _gated_delta_net_params(spec.linear, h)
+    return out
+
+
+def _is_moe_layer(moe: Moe, index: int) -> bool:
+    """DeepSeek's rule: dense for the first k layers, then MoE every `layer_freq`-th layer."""
+    return index >= moe.first_k_dense_layers and index % moe.layer_freq == 0
 
 
 def count_parameters(spec: ModelSpec) -> ParameterCount:
@@ -147,22 +146,25 @@ def count_parameters(spec: ModelSpec) -> ParameterCount:
     gated = (spec.model_type or "") not in _NON_GATED_MLP
     mlp_mats = 3 if gated else 2
     dense_width = spec.intermediate_size or 4 * h
-    expert_width = spec.moe_intermediate_size or dense_width
     # Nemotron-H: each layer is one of attention, mamba or MLP; elsewhere every layer has an MLP.
     mlp_only_on_plain_layers = (spec.model_type or "") == "nemotron_h"
+    mixers = _mixer_params(spec)
+    moe = spec.moe
 
     attention = mixer = dense = routed = shared = router = 0
     for i, kind in enumerate(spec.layer_kinds):
-        if kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED, LayerKind.MLA):
-            attention += _attention_params(spec, kind)
+        if kind in ATTENTION_KINDS:
+            attention += mixers[kind]
         else:
-            mixer += _mixer_params(spec, kind)
+            mixer += mixers.get(kind, 0)
         if mlp_only_on_plain_layers and kind is not LayerKind.NONE:
             continue
-        if _is_moe_layer(spec, i):
-            routed += spec.num_experts * mlp_mats * h * expert_width
-            shared += (spec.num_shared_experts or 0) * mlp_mats * h * expert_width
-            router += h * spec.num_experts
+        if moe is not None and _is_moe_layer(moe, i):
+            # an expert whose width the config leaves out is priced as wide as the dense MLP
+            expert = mlp_mats * h * (dense_width if moe.intermediate_size is None else moe.intermediate_size)
+            routed += moe.num_experts * expert
+            shared += moe.num_shared_experts * expert
+            router += h * moe.num_experts
         else:
             dense += mlp_mats * h * dense_width
     return ParameterCount(
@@ -216,12 +218,12 @@ def estimate_from_parameters(spec: ModelSpec) -> WeightsEstimate:
         assumptions.append("MLP with 2 matrices (not gated)")
     else:
         assumptions.append("gated MLP with 3 matrices (gate, up, down)")
-    if spec.num_experts:
+    if spec.moe is not None:
         assumptions.append(
-            f"MoE layers: from layer {spec.first_k_dense_layers or 0}, every {spec.moe_layer_freq or 1} "
-            f"layer(s); {spec.num_experts} routed + {spec.num_shared_experts or 0} shared experts each"
+            f"MoE layers: from layer {spec.moe.first_k_dense_layers}, every {spec.moe.layer_freq} "
+            f"layer(s); {spec.moe.num_experts} routed + {spec.moe.num_shared_experts} shared experts each"
         )
-    if any(k in (LayerKind.MAMBA, LayerKind.LINEAR) for k in spec.layer_kinds):
+    if spec.mamba is not None or spec.linear is not None:
         assumptions.append("Mamba / linear-attention mixer parameters from the state sizes in the config")
 
     sixteen_bit = count.embedding + count.lm_head + count.router + count.norms

@@ -72,7 +72,7 @@ def test_llama_3_1_8b_replicates_heads_beyond_eight_ranks():
 
 def test_deepseek_mla_is_replicated_not_split():
     spec = spec_of("DeepSeek-V3.json")
-    assert (spec.num_kv_heads, spec.head_dim, spec.head_dim_v) == (1, 576, 0)
+    assert (spec.attention.num_kv_heads, spec.attention.head_dim, spec.attention.head_dim_v) == (1, 576, 0)
     for tp in (1, 2, 4, 8, 16, 32, 64, 128):
         assert kv_bytes(spec, tp=tp).kv_bytes_per_token_per_gpu == 70272
     # fp8: 61 × 576 × 1 = 35136; fp8_ds_mla: a fixed 656 B per token per layer: 61 × 656 = 40016

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -11,7 +12,18 @@ from hypothesis import strategies as st
 
 from kvtune.errors import InputError, KvtuneError, ModelConfigError, UnknownNameError
 from kvtune.kv import kv_bytes
-from kvtune.model import LayerKind, load_config_file, parse_model_spec, resolve_model
+from kvtune.model import (
+    Attention,
+    LayerKind,
+    LinearAttention,
+    Mamba1,
+    Mamba2,
+    Mla,
+    Moe,
+    load_config_file,
+    parse_model_spec,
+    resolve_model,
+)
 from tests.conftest import CONFIGS
 
 # Synthetic configs in the shape of real families (values as in their public config.json).
@@ -38,7 +50,9 @@ def kinds(spec):
 
 def test_gpt2_aliases():
     spec = parse_model_spec(GPT2, name="gpt2")
-    assert (spec.num_layers, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim) == (12, 12, 12, 64)
+    assert spec.num_layers == 12
+    assert spec.attention == Attention(num_heads=12, num_kv_heads=12, head_dim=64, head_dim_v=64)
+    assert (spec.mla, spec.mamba, spec.linear, spec.moe) == (None, None, None, None)  # dense: no other part
     assert spec.max_position_embeddings == 1024 and spec.architecture == "GPT2LMHeadModel"
     # 12 layers × 12 heads × (64+64) × 2 B = 36864
     assert kv_bytes(spec).kv_bytes_per_token == 36864
@@ -46,14 +60,14 @@ def test_gpt2_aliases():
 
 def test_falcon_7b_multi_query_is_one_kv_head():
     spec = parse_model_spec(FALCON_7B, name="falcon-7b")
-    assert (spec.num_kv_heads, spec.head_dim) == (1, 64)  # 4544 / 71
+    assert (spec.attention.num_kv_heads, spec.attention.head_dim) == (1, 64)  # 4544 / 71
     # 32 × 1 × 128 × 2 = 8192
     assert kv_bytes(spec).attention == "mqa" and kv_bytes(spec).kv_bytes_per_token == 8192
 
 
 def test_falcon_40b_new_decoder_architecture_uses_num_kv_heads():
     spec = parse_model_spec(FALCON_40B, name="falcon-40b")
-    assert spec.num_kv_heads == 8  # multi_query is ignored with new_decoder_architecture
+    assert spec.attention.num_kv_heads == 8  # multi_query is ignored with new_decoder_architecture
     # 60 × 8 × (64+64) × 2 = 122880
     assert kv_bytes(spec).kv_bytes_per_token == 122880
 
@@ -62,25 +76,29 @@ def test_falcon_40b_new_decoder_architecture_uses_num_kv_heads():
                                  "num_attention_groups"])
 def test_kv_head_aliases(key):
     spec = parse_model_spec({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, key: 2}, name="x")
-    assert spec.num_kv_heads == 2
+    assert spec.attention.num_kv_heads == 2
 
 
 def test_kv_head_alias_order_follows_vllm():
     config = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "n_head_kv": 1,
               "num_key_value_heads": 4}
-    assert parse_model_spec(config, name="x").num_kv_heads == 1
+    assert parse_model_spec(config, name="x").attention.num_kv_heads == 1
 
 
 def test_head_dim_zero_falls_back_to_hidden_over_heads():
     config = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "head_dim": 0}
-    assert parse_model_spec(config, name="x").head_dim == 64
+    assert parse_model_spec(config, name="x").attention.head_dim == 64
 
 
 def test_deepseek_v2_lite_mla_and_moe_fields():
     spec = parse_model_spec(DEEPSEEK_V2_LITE, name="dsv2-lite")
-    assert spec.is_mla and (spec.head_dim, spec.head_dim_v, spec.num_kv_heads) == (576, 0, 1)
-    assert (spec.num_experts, spec.num_shared_experts, spec.first_k_dense_layers) == (64, 2, 1)
-    assert spec.q_lora_rank is None and spec.moe_intermediate_size == 1408
+    # the cache sees one KV head of kv_lora_rank + qk_rope_head_dim = 576 and no V
+    assert spec.is_mla and spec.attention == Attention(num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=0)
+    assert spec.mla == Mla(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                           q_lora_rank=None)
+    # moe_layer_freq is not given: every layer after the first_k_dense_replace dense ones
+    assert spec.is_moe and spec.moe == Moe(num_experts=64, num_shared_experts=2, first_k_dense_layers=1,
+                                           layer_freq=1, experts_per_token=6, intermediate_size=1408)
     # 27 × 576 × 2 = 31104
     assert kv_bytes(spec).kv_bytes_per_token == 31104
 
@@ -89,6 +107,8 @@ def test_nemotron_h_pattern_counts_only_attention_layers():
     spec = parse_model_spec(NEMOTRON_H, name="nemo")
     assert spec.layer_kinds == (LayerKind.MAMBA, LayerKind.NONE, LayerKind.MAMBA, LayerKind.FULL, LayerKind.NONE,
                                 LayerKind.MAMBA, LayerKind.NONE, LayerKind.FULL)
+    assert spec.mamba == Mamba2(num_heads=128, head_dim=64, state_size=128, conv_kernel=4, num_groups=8)
+    assert spec.mamba.inner_size == 128 * 64 and spec.linear is None
     result = kv_bytes(spec)
     # 2 attention layers × 8 × (128+128) × 2 = 8192
     assert result.kv_bytes_per_token == 8192 and result.attention == "hybrid"
@@ -107,7 +127,8 @@ def test_nemotron_h_pattern_length_must_match():
 def test_llama4_chunked_local_layers_default_interval():
     scout = resolve_model("llama-4-scout")
     # no no_rope_layers key: every 4th layer is NoPE/global → 12 full, 36 chunked (window 8192)
-    assert kinds(scout) == {"chunked": 36, "full": 12} and scout.attention_chunk_size == 8192
+    assert kinds(scout) == {"chunked": 36, "full": 12} and scout.attention.chunk_size == 8192
+    assert scout.attention.sliding_window is None
     assert scout.layer_kinds[3] is LayerKind.FULL and scout.layer_kinds[0] is LayerKind.CHUNKED
 
 
@@ -121,13 +142,13 @@ def test_llama4_explicit_no_rope_layers():
 
 def test_qwen_sliding_window_unused_when_use_sliding_window_false():
     spec = resolve_model(str(CONFIGS / "Qwen2-7B-Instruct.json"))
-    assert spec.sliding_window is None and kinds(spec) == {"full": 28}
+    assert spec.attention.sliding_window is None and kinds(spec) == {"full": 28}
 
 
 def test_gemma3_text_config_takes_transformers_defaults():
     spec = resolve_model(str(CONFIGS / "gemma-3-27b-it.json"))
     assert spec.max_position_embeddings == 131072  # Gemma3TextConfig default; RoPE factor not re-applied
-    assert kinds(spec) == {"sliding": 52, "full": 10} and spec.sliding_window == 1024
+    assert kinds(spec) == {"sliding": 52, "full": 10} and spec.attention.sliding_window == 1024
     assert spec.layer_kinds[5] is LayerKind.FULL and spec.layer_kinds[4] is LayerKind.SLIDING
     assert spec.dtype == "bfloat16" and spec.architecture == "Gemma3ForConditionalGeneration"
 
@@ -141,6 +162,50 @@ def test_gemma3_text_config_takes_transformers_defaults():
 )
 def test_derived_max_model_len(filename, max_len):
     assert resolve_model(str(CONFIGS / filename)).max_position_embeddings == max_len
+
+
+def test_jamba_mamba1_and_moe_parts():
+    spec = resolve_model(str(CONFIGS / "AI21-Jamba-1.5-Mini.json"))
+    # mamba_expand 2 × hidden 4096; expert_layer_period 2 → MoE on every other layer
+    assert spec.mamba == Mamba1(inner_size=8192, state_size=16, conv_kernel=4)
+    assert spec.moe == Moe(num_experts=16, num_shared_experts=0, first_k_dense_layers=0, layer_freq=2,
+                           experts_per_token=2, intermediate_size=14336)
+    assert (spec.mla, spec.linear) == (None, None)
+
+
+def test_qwen3_5_linear_attention_part_pins_its_state_dtype():
+    spec = resolve_model("qwen3.5-27b")
+    assert spec.linear == LinearAttention(num_key_heads=16, num_value_heads=48, key_head_dim=128,
+                                          value_head_dim=128, conv_kernel=4, state_dtype="float32")
+    assert spec.mamba is None and spec.dtype == "bfloat16"
+
+
+def test_mamba_ssm_dtype_pins_the_mamba_state():
+    spec = parse_model_spec({**NEMOTRON_H, "mamba_ssm_dtype": "torch.float32"}, name="nemo")
+    assert spec.mamba is not None and spec.mamba.state_dtype == "float32"
+    with pytest.raises(ModelConfigError, match='mamba_ssm_dtype: unknown dtype "int3"'):
+        parse_model_spec({**NEMOTRON_H, "mamba_ssm_dtype": "int3"}, name="nemo")
+
+
+def test_moe_keys_a_config_leaves_out():
+    config = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "num_local_experts": 4}
+    # no shared experts, no dense prefix, every layer MoE; top-k and expert width unknown
+    assert parse_model_spec(config, name="x").moe == Moe(
+        num_experts=4, num_shared_experts=0, first_k_dense_layers=0, layer_freq=1, experts_per_token=None,
+        intermediate_size=None)
+    assert parse_model_spec({**config, "num_local_experts": 0}, name="x").moe is None
+
+
+def test_a_part_comes_with_its_layers():
+    llama = resolve_model("llama-3.1-8b")
+    jamba = resolve_model("jamba-1.5-mini")
+    mla = Mla(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=None)
+    with pytest.raises(ValueError, match="mla layers and the mla part come together"):
+        dataclasses.replace(llama, mla=mla)
+    with pytest.raises(ValueError, match="mamba layers and the mamba part come together"):
+        dataclasses.replace(jamba, mamba=None)
+    with pytest.raises(ValueError, match="31 layer kinds for 32 layers"):
+        dataclasses.replace(llama, layer_kinds=llama.layer_kinds[1:])
 
 
 def test_dtype_and_quantization():
@@ -157,7 +222,7 @@ def test_infinity_literal_parses(tmp_path):
     assert "Infinity" in text
     path.write_text(text)
     spec = resolve_model(str(tmp_path))
-    assert spec.num_kv_heads == 8 and spec.source_dir == str(tmp_path)
+    assert spec.attention.num_kv_heads == 8 and spec.source_dir == str(tmp_path)
 
 
 def test_infinity_as_a_head_count_is_an_error(tmp_path):
@@ -258,7 +323,7 @@ def test_hub_id_read_from_local_cache_when_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     spec = resolve_model("acme/tiny-llama")
-    assert (spec.name, spec.num_kv_heads, spec.head_dim) == ("acme/tiny-llama", 2, 32)
+    assert (spec.name, spec.attention.num_kv_heads, spec.attention.head_dim) == ("acme/tiny-llama", 2, 32)
     assert spec.source_dir == str(snapshot)
 
 
@@ -277,4 +342,4 @@ def test_fuzzed_configs_give_a_spec_or_a_kvtune_error(config):
         spec = parse_model_spec(config, name="fuzz")
     except KvtuneError:
         return
-    assert spec.num_layers >= 1 and spec.num_kv_heads >= 1 and len(spec.layer_kinds) == spec.num_layers
+    assert spec.num_layers >= 1 and spec.attention.num_kv_heads >= 1 and len(spec.layer_kinds) == spec.num_layers

@@ -162,3 +162,14 @@ def test_llama4_counts_its_shared_expert_and_untied_head():
     assert count.shared_experts > 0
     # lm_head = vocab 202,048 × hidden 5,120
     assert count.lm_head == 202_048 * 5_120
+
+
+def test_expert_without_a_width_is_priced_as_the_dense_mlp():
+    from kvtune.model import parse_model_spec
+
+    config = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "ffn_hidden_size": 1024,
+              "num_local_experts": 4}
+    spec = parse_model_spec(config, name="x")
+    assert spec.moe is not None and spec.moe.intermediate_size is None
+    # 2 MoE layers × 4 experts × 3 · 512 · 1024 (the dense width, from ffn_hidden_size)
+    assert count_parameters(spec).routed_experts == 2 * 4 * 3 * 512 * 1024

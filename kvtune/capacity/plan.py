@@ -260,7 +260,7 @@ def _layer_notes(spec: ModelSpec, kv: KvBytes) -> list[str]:
     kinds = set(spec.layer_kinds)
     notes = []
     if LayerKind.SLIDING in kinds or LayerKind.CHUNKED in kinds:
-        window = spec.sliding_window or spec.attention_chunk_size
+        window = spec.attention.sliding_window or spec.attention.chunk_size
         notes.append(
             f"sliding-window/chunked layers (window {window:,}) are counted as holding every token, as with "
             "--disable-hybrid-kv-cache-manager; vLLM's default hybrid manager keeps only about window + one "
@@ -330,8 +330,10 @@ def plan_capacity(
         else:
             batched = max_num_batched_tokens
         seqs = min(seqs, batched)
-        mlp_width = max(spec.intermediate_size or 4 * spec.hidden_size,
-                        (spec.num_experts_per_tok or 0) * (spec.moe_intermediate_size or 0))
+        mlp_width = spec.intermediate_size or 4 * spec.hidden_size
+        moe = spec.moe
+        if moe is not None and moe.experts_per_token is not None and moe.intermediate_size is not None:
+            mlp_width = max(mlp_width, moe.experts_per_token * moe.intermediate_size)  # the active experts' MLPs
         overhead = estimate_overhead(
             hidden_size=spec.hidden_size,
             mlp_width=mlp_width,

@@ -1,0 +1,108 @@
+"""Resolving a MODEL argument: a config.json path, a model directory, a bundled preset
+(kvtune/presets/*.json) or a Hugging Face hub id."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvtune.errors import InputError, KvtuneError, UnknownNameError
+from kvtune.model.config import HUB_ID, parse_model_spec
+from kvtune.model.spec import ModelSpec
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a config.json: a regular file of at most MODEL_FILE_MAX_BYTES (kvtune.userfiles).
+    Python's json accepts the Infinity/NaN literals some real configs hold, so this reader does too."""
+    from kvtune import userfiles
+
+    p = Path(path)
+    data = userfiles.load_json(p, max_bytes=userfiles.MODEL_FILE_MAX_BYTES, strict=False)
+    if not isinstance(data, dict):
+        raise InputError(f"expected a JSON object, found {type(data).__name__}", path=str(p))
+    return data
+
+
+def preset_names() -> list[str]:
+    """Names of the bundled presets, sorted."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> ModelSpec:
+    """A bundled preset by (case-insensitive) name."""
+    path = PRESETS_DIR / f"{name.lower()}.json"
+    if not path.is_file():
+        raise _unknown(name)
+    return parse_model_spec(load_config_file(path), name=name.lower(), path=str(path))
+
+
+def resolve_model(source: str) -> ModelSpec:
+    """A config.json path, a model directory, a preset name, or a Hugging Face hub id."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        config = p / "config.json"
+        if not config.exists():
+            raise InputError("model directory has no config.json", path=str(p))
+        return parse_model_spec(load_config_file(config), name=source, source_dir=str(p), path=str(config))
+    if p.exists():  # a file, or a FIFO or device that load_config_file refuses by name
+        source_dir = str(p.parent) if p.name == "config.json" else None
+        return parse_model_spec(load_config_file(p), name=source, source_dir=source_dir, path=str(p))
+    if (PRESETS_DIR / f"{source.lower()}.json").is_file():
+        return load_preset(source)
+    if _looks_like_path(source):
+        raise InputError("no such file or directory", path=source)
+    if HUB_ID.fullmatch(source):
+        return _from_hub(source)
+    raise _unknown(source)
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.endswith(".json") or source.startswith(("/", "./", "../", "~"))
+
+
+def _unknown(name: str) -> UnknownNameError:
+    names = preset_names()
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"presets: {', '.join(names)}"
+    return UnknownNameError(
+        f"unknown model {name!r}: not a file, a directory, a preset or a hub id (owner/name); {hint}"
+    )
+
+
+def _from_hub(repo_id: str) -> ModelSpec:
+    """config.json from the Hugging Face hub, or from the local cache when offline."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise KvtuneError("huggingface_hub is not installed: pip install huggingface_hub") from exc
+    try:
+        local = hf_hub_download(repo_id, "config.json")
+    except Exception as exc:  # every hub failure is a user-facing one
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        reason = ("offline (HF_HUB_OFFLINE=1) and not in the local Hugging Face cache" if offline
+                  else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}")
+        hint = _preset_for_hub_id(repo_id)
+        raise KvtuneError(
+            f"cannot get config.json for hub model {repo_id!r}: {reason}; "
+            + (f"the bundled preset {hint!r} has this model's config" if hint
+               else "pass a config.json path, a model directory or a preset name")
+        ) from exc
+    return parse_model_spec(load_config_file(local), name=repo_id, source_dir=str(Path(local).parent), path=local,
+                            serve_id=repo_id)
+
+
+def _preset_for_hub_id(repo_id: str) -> str | None:
+    """The preset whose `_source` names this hub id, if any (for the error hint only)."""
+    for path in sorted(PRESETS_DIR.glob("*.json")):
+        try:
+            source = json.loads(path.read_text(encoding="utf-8")).get("_source", "")
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, str) and source.split()[0].lower() == repo_id.lower():
+            return path.stem
+    return None
