@@ -13,7 +13,8 @@ import pytest
 from conftest import TRACES
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.plan import plan_capacity
-from kvtune.hardware import default_batch_limits, find_gpu
+from kvtune.engines.vllm import default_batch_limits
+from kvtune.hardware import find_gpu
 from kvtune.kv import kv_bytes
 from kvtune.model import resolve_model
 from kvtune.profile.build import ProfileBuilder

@@ -16,17 +16,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtune.engines.vllm import (
+    CACHE_CONFIG_INFO,
+    GENERATION_TOKENS,
+    GPU_CACHE_USAGE,
+    KV_CACHE_USAGE,
+    NUM_PREEMPTIONS,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS,
+)
+
 __all__ = ["MetricsSnapshot", "ServerMetrics", "MetricsScraper", "parse_snapshot"]
 
-PREEMPTIONS = "vllm:num_preemptions_total"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM 0.10
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-CACHE_CONFIG = "vllm:cache_config_info"
-_WANTED = (PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, CACHE_CONFIG)
+_WANTED = (NUM_PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, GPU_CACHE_USAGE, NUM_REQUESTS_RUNNING,
+           NUM_REQUESTS_WAITING, CACHE_CONFIG_INFO)
 _FAMILIES = tuple(
     name.removesuffix("_total") for name in _WANTED
 )  # `# TYPE vllm:num_preemptions counter` names the family without _total
@@ -60,10 +64,10 @@ def parse_snapshot(text: str, t_s: float) -> MetricsSnapshot:
     cache_config = None
     for family in text_string_to_metric_families("\n".join(keep) + "\n"):
         for s in family.samples:
-            if s.name == CACHE_CONFIG:
+            if s.name == CACHE_CONFIG_INFO:
                 cache_config = cache_config or dict(s.labels)
-            elif s.name in (KV_USAGE, KV_USAGE_OLD):
-                values[KV_USAGE] = max(values.get(KV_USAGE, 0.0), float(s.value))
+            elif s.name in (KV_CACHE_USAGE, GPU_CACHE_USAGE):
+                values[KV_CACHE_USAGE] = max(values.get(KV_CACHE_USAGE, 0.0), float(s.value))
             elif s.name in _WANTED:
                 values[s.name] = values.get(s.name, 0.0) + float(s.value)
     return MetricsSnapshot(t_s, values, cache_config)
@@ -93,7 +97,7 @@ class ServerMetrics:
 
     def observe(self, snap: MetricsSnapshot) -> None:
         self.samples += 1
-        for name in (KV_USAGE, RUNNING, WAITING):
+        for name in (KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING):
             v = snap.get(name)
             if v is not None:
                 self.peaks[name] = max(self.peaks.get(name, v), v)
@@ -109,15 +113,15 @@ class ServerMetrics:
         if not self.available:
             return None
         config = (self.after or self.before).cache_config if (self.after or self.before) else None
-        preemptions = self._delta(PREEMPTIONS)
+        preemptions = self._delta(NUM_PREEMPTIONS)
         generation = self._delta(GENERATION_TOKENS)
         prompt = self._delta(PROMPT_TOKENS)
         return {
             "metrics_url": self.url,
             "preemptions": None if preemptions is None else int(preemptions),
-            "kv_cache_usage_peak": self.peaks.get(KV_USAGE),
-            "running_peak": _int_or_none(self.peaks.get(RUNNING)),
-            "waiting_peak": _int_or_none(self.peaks.get(WAITING)),
+            "kv_cache_usage_peak": self.peaks.get(KV_CACHE_USAGE),
+            "running_peak": _int_or_none(self.peaks.get(NUM_REQUESTS_RUNNING)),
+            "waiting_peak": _int_or_none(self.peaks.get(NUM_REQUESTS_WAITING)),
             "generation_tokens": None if generation is None else int(generation),
             "prompt_tokens": None if prompt is None else int(prompt),
             "num_blocks": _label_int(config, "num_gpu_blocks"),
@@ -202,7 +206,7 @@ class MetricsScraper:
             if snap is None:
                 self.metrics.failed_scrapes += 1
             else:
-                idle = not snap.get(RUNNING) and not snap.get(WAITING)
+                idle = not snap.get(NUM_REQUESTS_RUNNING) and not snap.get(NUM_REQUESTS_WAITING)
                 stable = previous is not None and previous.values.get(GENERATION_TOKENS) == snap.values.get(
                     GENERATION_TOKENS)
                 self.metrics.after = snap

@@ -1,16 +1,10 @@
 """Measured KV capacity: what a running vLLM reported, from its startup log, its /metrics or a
 capacity file (`kvtune calibrate` writes one).
 
-These are ground truth; arithmetic from gpu_memory_utilization is not. Formats read:
+These are ground truth; arithmetic from gpu_memory_utilization is not. The startup-log lines of
+every release are in kvtune.engines.vllm; /metrics says the same in one info gauge:
 
-    GPU KV cache size: 686,320 tokens, Maximum concurrency for 100,000 tokens per request: 6.86x
-                                                   (vLLM ≥ 0.12, one line; "CPU" on CPU)
-    GPU KV cache size: 686,320 tokens              (older V1: the same facts on two lines)
-    Maximum concurrency for 100,000 tokens per request: 6.86x
-    # GPU blocks: 33660                            (early V1, with the concurrency line after it)
-    # GPU blocks: 865, # CPU blocks: 327           (V0)
-    Overriding num_gpu_blocks=1000 with num_gpu_blocks_override=32
-    vllm:cache_config_info{block_size="16",num_gpu_blocks="573",...} 1.0   (/metrics)
+    vllm:cache_config_info{block_size="16",num_gpu_blocks="573",...} 1.0
 
 A log may hold several startups; the last capacity in it wins.
 """
@@ -20,10 +14,10 @@ from __future__ import annotations
 import enum
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvtune.engines import vllm
 from kvtune.errors import EndpointError, InputError, KvtuneError
 from kvtune.userfiles import brief
 
@@ -167,13 +161,6 @@ def blocks_from_tokens(kv_cache_tokens: int, block_size: int, max_model_len: int
 
 
 
-_SIZE = re.compile(r"\b(?P<device>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens")
-_CONCURRENCY = re.compile(
-    r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>\d+(?:\.\d+)?)x"
-)
-_BLOCKS = re.compile(r"# (?P<device>[A-Za-z]+) blocks: (?P<blocks>\d+)")  # first on the line: GPU, cuda, CPU
-_OVERRIDE = re.compile(r"Overriding num_gpu_blocks=(?P<old>\d+) with num_gpu_blocks_override=(?P<new>\d+)")
-
 METRICS_TIMEOUT_S = 5.0
 METRICS_MAX_BYTES = 16 * 1024**2
 
@@ -188,13 +175,13 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
     override: int | None = None  # an override line applies to the capacity line that follows it
 
     for lineno, line in enumerate(text.splitlines(), start=1):
-        if m := _OVERRIDE.search(line):
+        if m := vllm.BLOCKS_OVERRIDE_LINE.search(line):
             override = _int(m["new"])
             found = {"num_blocks": override, "num_gpu_blocks_override": override, "device": "GPU", "line": lineno}
-        if m := _SIZE.search(line):
+        if m := vllm.KV_CACHE_SIZE_LINE.search(line):
             found = {"kv_cache_tokens": _int(m["tokens"]), "device": m["device"].removesuffix(" + host"),
                      "line": lineno}
-        elif m := _BLOCKS.search(line):
+        elif m := vllm.NUM_BLOCKS_LINE.search(line):
             device = m["device"].upper()
             found = {"num_blocks": _int(m["blocks"]), "device": "GPU" if device == "CUDA" else device,
                      "line": lineno}
@@ -203,7 +190,7 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
         if m is not None and override is not None:
             found.update(num_blocks=override, num_gpu_blocks_override=override)
             override = None
-        if (m := _CONCURRENCY.search(line)) and found is not None:
+        if (m := vllm.MAX_CONCURRENCY_LINE.search(line)) and found is not None:
             found["max_model_len"] = _int(m["len"])
             found["max_concurrency"] = float(m["x"])
     if found is None:
@@ -261,7 +248,7 @@ def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapac
     samples = []
     try:
         for family in text_string_to_metric_families(text):
-            samples.extend(s for s in family.samples if s.name == "vllm:cache_config_info")
+            samples.extend(s for s in family.samples if s.name == vllm.CACHE_CONFIG_INFO)
     except (ValueError, TypeError, IndexError) as exc:
         raise EndpointError(f"not a Prometheus text exposition: {exc}", path=origin) from None
     if not samples:

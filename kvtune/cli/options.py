@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from kvtune.engines import vllm
 from kvtune.errors import KvtuneError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -55,8 +56,9 @@ capacity_options = compose([
     click.option("--gpu-memory", help="Memory per GPU instead of --gpu, with a unit: 79.2GiB, 80GB, 24576MiB."),
     click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size."),
     click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size."),
-    click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), default=0.92,
-                 show_default=True, help="vLLM's fraction of each GPU's memory for this instance."),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True),
+                 default=vllm.GPU_MEMORY_UTILIZATION, show_default=True,
+                 help="vLLM's fraction of each GPU's memory for this instance."),
     click.option("--max-model-len", help="Context length; default the model's derived length (or the log's)."),
     click.option("--max-num-batched-tokens", help="Token budget per step; default vllm serve's for the GPU size."),
     click.option("--block-size", type=click.IntRange(min=1), default=None,
@@ -134,7 +136,7 @@ def plan_from_options(model: str, opts: dict[str, Any], shapes: tuple = (),
         spec, kv, weights_for(spec),
         gpu_name=gpu_name,
         gpu_memory_bytes=memory_bytes,
-        gpu_memory_utilization=opts.get("gpu_memory_utilization", 0.92),
+        gpu_memory_utilization=opts.get("gpu_memory_utilization", vllm.GPU_MEMORY_UTILIZATION),
         max_model_len=max_len,
         max_num_batched_tokens=parse_count(opts.get("max_num_batched_tokens"), "--max-num-batched-tokens"),
         block_size=opts.get("block_size"),

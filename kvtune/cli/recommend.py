@@ -20,7 +20,7 @@ from kvtune.recommend.rules import CURRENT_VLLM_VERSION
 
 def build_recommendation(paths: tuple[str, ...], model: str, opts: dict[str, Any]):
     """The whole pipeline behind `recommend` (and `check`): profile, plan capacity, apply the rules."""
-    from kvtune.hardware import default_batch_limits
+    from kvtune.engines.vllm import default_batch_limits
     from kvtune.profile.build import load_profile_or_logs
     from kvtune.recommend.policy import RecommendOptions, recommend
     from kvtune.recommend.rules import parse_vllm_version

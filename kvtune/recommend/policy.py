@@ -16,6 +16,7 @@ from kvtune import __version__
 from kvtune.recommend import rules
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity
+from kvtune.engines import vllm
 from kvtune.errors import KvtuneError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.kv import KvBytes
@@ -38,8 +39,8 @@ class RecommendOptions:
     route_by: str = "path"
     gpu: str | None = None
     gpu_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.92
-    engine_default_batched_tokens: int = 2048
+    gpu_memory_utilization: float = vllm.GPU_MEMORY_UTILIZATION
+    engine_default_batched_tokens: int = vllm.MAX_NUM_BATCHED_TOKENS
     served_model: str | None = None
     model_limit: int | None = None  # the model's own context limit; None = capacity.max_model_len
 
