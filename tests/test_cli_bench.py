@@ -172,7 +172,7 @@ def test_min_tokens_length_control_sends_no_max_tokens(fake, profile_path):
     (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--length-control", "min-tokens"],
      "Error: --eos-token-id: --length-control min-tokens needs the model's EOS token id"),
     (["ftp://x", "--profile", "P", "--requests", "1"],
-     "Error: ftp://x: URL: expected an http:// or https:// server URL, e.g. http://127.0.0.1:8000"),
+     "Error: URL: must look like http://host:port, got 'ftp://x'"),
     (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--slo", "ttft=abc"],
      "Error: --slo: ttft: expected milliseconds, got 'abc'"),
     (["http://127.0.0.1:8000", "--profile", "P"],

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -26,25 +25,10 @@ from kvtune.bench.scrape import MetricsScraper, MetricsSnapshot
 from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, check_prompts
 from kvtune.errors import EndpointError
 
-__all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "normalize_url", "run_bench"]
+__all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "run_bench"]
 
 PROBE_TIMEOUT_S = 10.0
 PROMPT_CHECKS = 8
-
-
-def normalize_url(url: str) -> str:
-    """Server base URL without a trailing slash or /v1; anything but http(s)://host is an error."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise EndpointError("expected an http:// or https:// server URL, e.g. http://127.0.0.1:8000",
-                            path=url, field="URL")
-    try:
-        parts.port  # noqa: B018 - validates the port
-    except ValueError:
-        raise EndpointError("the port is not a number in 1-65535", path=url, field="URL") from None
-    path = parts.path.rstrip("/")
-    path = path.removesuffix("/v1")
-    return urlunsplit((parts.scheme, parts.netloc, path, "", "")).rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
