@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import http.server
+import asyncio
 import json
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import serve_routes
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.measured import (
-    fetch_metrics,
-    metrics_url,
+    fetch_capacity,
     parse_metrics_text,
     parse_vllm_log,
     read_capacity_file,
@@ -25,34 +23,6 @@ from kvtune.capacity.measured import (
 from kvtune.errors import EndpointError, InputError
 
 DATA = Path(__file__).parent / "data"
-
-
-@contextmanager
-def serve(body: bytes, *, status: int = 200):
-    """A real HTTP server on 127.0.0.1 with an ephemeral port; every GET answers `body`."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(status)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            Handler.paths.append(self.path)
-
-        def log_message(self, *args):
-            pass
-
-    Handler.paths = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", Handler.paths
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 # --- startup logs --------------------------------------------------------------------------------
@@ -167,38 +137,26 @@ def test_bad_metrics_are_endpoint_errors(text, message):
     assert message in str(info.value)
 
 
-def test_fetch_metrics_over_real_http():
-    body = (DATA / "metrics-cpu-0.32.txt").read_bytes()
-    with serve(body) as (base, paths):
-        m = fetch_metrics(base)  # a bare server URL gets /metrics appended
-    assert paths == ["/metrics"]
-    assert (m.num_blocks, m.block_size, m.origin) == (32, 128, f"{base}/metrics")
+CPU_ROUTES = {"/v1/models": (200, "application/json", (DATA / "v1-models-cpu-0.32.json").read_bytes()),
+              "/metrics": (200, "text/plain; version=0.0.4", (DATA / "metrics-cpu-0.32.txt").read_bytes())}
 
 
-def test_fetch_metrics_http_error():
-    with serve(b"nope", status=404) as (base, _):
+def test_fetch_under_a_path_prefix():
+    routes = {f"/vllm{path}": answer for path, answer in CPU_ROUTES.items()}
+    with serve_routes(routes) as (base, paths):
+        m = asyncio.run(fetch_capacity(f"{base}/vllm/metrics"))
+    assert paths == ["/vllm/v1/models", "/vllm/metrics"]
+    assert (m.num_blocks, m.block_size, m.origin) == (32, 128, f"{base}/vllm")
+
+
+def test_fetch_errors_name_the_option():
+    with serve_routes({}) as (base, _):
         with pytest.raises(EndpointError) as info:
-            fetch_metrics(f"{base}/metrics")
-    assert str(info.value) == f"{base}/metrics: --metrics-url: HTTP 404 Not Found"
-
-
-def test_fetch_metrics_unreachable():
-    with serve(b"") as (base, _):
-        pass  # the server is closed again: its port now refuses
-    with pytest.raises(EndpointError) as info:
-        fetch_metrics(f"{base}/metrics", timeout_s=2)
-    assert str(info.value).startswith(f"{base}/metrics: --metrics-url: cannot reach:")
-
-
-@pytest.mark.parametrize("url", ["ftp://h/metrics", "127.0.0.1:8000", "http://"])
-def test_metrics_url_needs_http(url):
-    with pytest.raises(EndpointError, match="expected an http:// or https:// URL"):
-        metrics_url(url)
-
-
-def test_metrics_url_keeps_an_explicit_path():
-    assert metrics_url("http://h:8000/custom/metrics") == "http://h:8000/custom/metrics"
-    assert metrics_url("http://h:8000/") == "http://h:8000/metrics"
+            asyncio.run(fetch_capacity(f"{base}/metrics", field="--metrics-url"))
+        assert str(info.value) == f"{base}/v1/models: --metrics-url: HTTP 404 Not Found"
+    with pytest.raises(EndpointError) as info:  # the server is closed again: its port now refuses
+        asyncio.run(fetch_capacity(f"{base}/metrics", timeout_s=2, field="--metrics-url"))
+    assert str(info.value).startswith(f"{base}/v1/models: --metrics-url: cannot reach:")
 
 
 # --- capacity files ------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ capacity_options = compose([
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: do not reserve memory for them."),
     click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line)."),
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
-    click.option("--metrics-url", help="A running vLLM's /metrics URL to read the measured capacity from."),
+    click.option("--metrics-url", help="A running vLLM's URL (root or /metrics) to read the measured capacity from."),
     click.option("--capacity", "capacity_file", help="A capacity file written by `kvtune calibrate`."),
 ])
 
@@ -120,9 +120,11 @@ def plan_from_options(model: str, opts: dict[str, Any], shapes: tuple = (),
 
         measured = read_vllm_log(opts["vllm_log"])
     elif opts.get("metrics_url") is not None:
-        from kvtune.capacity.measured import fetch_metrics
+        import asyncio
 
-        measured = fetch_metrics(opts["metrics_url"])
+        from kvtune.capacity.measured import fetch_capacity
+
+        measured = asyncio.run(fetch_capacity(opts["metrics_url"], field="--metrics-url"))
     elif opts.get("capacity_file") is not None:
         from kvtune.capacity.measured import read_capacity_file
 
