@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from bench_fakes import FakeConfig, FakeServer
+from conftest import serve_routes
 from kvtune.cli import cli
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
@@ -208,7 +209,21 @@ def test_unreachable_server_exits_2(profile_path):
         port = s.getsockname()[1]  # nothing listens after close
     r = run(f"http://127.0.0.1:{port}", "--profile", profile_path, "--requests", "1")
     assert r.exit_code == 2
-    assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach the server (")
+    assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach: ")
+
+
+@pytest.mark.parametrize("routes,message", [
+    ({}, "{base}/v1/models: --model: /v1/models answered 404 without a model; pass --model"),
+    ({"/v1/models": (200, "application/json", b'{"data": [{"object": "model"}]}')},
+     '{base}/v1/models: data[0].id: model entry without a string "id"'),
+    ({"/v1/models": (200, "text/html", b"<html></html>")},
+     "{base}/v1/models: not an OpenAI-compatible server: /v1/models did not answer JSON"),
+])
+def test_a_server_without_a_usable_model_list_exits_2(profile_path, routes, message):
+    with serve_routes(routes) as (base, _):
+        r = run(base, "--profile", profile_path, "--requests", "1")
+    assert r.exit_code == 2
+    assert r.output.strip() == "Error: " + message.format(base=base)
 
 
 def test_bad_expect_file_exits_2(profile_path, tmp_path):

@@ -23,6 +23,8 @@ from kvtune.bench.loads import LoadShape, drive
 from kvtune.bench.report import Slo, summarize, verdict
 from kvtune.bench.scrape import MetricsScraper, MetricsSnapshot
 from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, check_prompts
+from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
+from kvtune.endpoint import get
 from kvtune.errors import EndpointError
 
 __all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "run_bench"]
@@ -100,28 +102,21 @@ class BenchRecorder:
 
 
 async def _probe(session: Any, base_url: str, model: str | None) -> tuple[str, int | None]:
-    """Served model name and max_model_len from /v1/models; an unreachable server is an error."""
-    import aiohttp
-
+    """Served model name and max_model_len from /v1/models; an unreachable server is an error,
+    and so is one without /v1/models unless --model names the model."""
     url = f"{base_url}/v1/models"
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            async with session.get(url) as resp:
-                status = resp.status
-                data = await resp.json(content_type=None) if status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        reason = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-        raise EndpointError(f"cannot reach the server ({reason})", path=url, field="URL") from None
-    models = data.get("data") if isinstance(data, dict) else None
-    entries = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
-    if model is None:
-        if not entries or not isinstance(entries[0].get("id"), str):
-            raise EndpointError(f"/v1/models answered {status} without a model; pass --model", path=url,
+    page = await get(session, url, timeout_s=PROBE_TIMEOUT_S, max_bytes=MODELS_MAX_BYTES,
+                     accept="application/json", field="URL")
+    if page.status != 200:
+        if model is None:
+            raise EndpointError(f"/v1/models answered {page.status} without a model; pass --model", path=url,
                                 field="--model")
-        model = entries[0]["id"]
-    chosen = next((m for m in entries if m.get("id") == model), None)
-    limit = chosen.get("max_model_len") if chosen else None
-    return model, limit if isinstance(limit, int) and limit > 0 else None
+        return model, None
+    models = parse_models_body(page.body, origin=url)
+    if model is None:
+        model = models[0].id
+    chosen = next((m for m in models if m.id == model), None)
+    return model, chosen.max_model_len if chosen else None
 
 
 async def run_bench(

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtune.capacity.measured import METRICS_MAX_BYTES, MeasuredCapacity, parse_cache_config
+from kvtune.endpoint import get
 from kvtune.engines.vllm import (
     CACHE_CONFIG_INFO,
     GENERATION_TOKENS,
@@ -26,6 +28,7 @@ from kvtune.engines.vllm import (
     NUM_REQUESTS_WAITING,
     PROMPT_TOKENS,
 )
+from kvtune.errors import EndpointError
 
 __all__ = ["MetricsSnapshot", "ServerMetrics", "MetricsScraper", "parse_snapshot"]
 
@@ -73,13 +76,15 @@ def parse_snapshot(text: str, t_s: float) -> MetricsSnapshot:
     return MetricsSnapshot(t_s, values, cache_config)
 
 
-def _label_int(labels: dict[str, str] | None, name: str) -> int | None:
-    raw = (labels or {}).get(name)
-    try:
-        value = float(raw)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+def _capacity(labels: dict[str, str] | None, url: str) -> MeasuredCapacity | None:
+    """The server's capacity from its cache_config_info labels; None while it is still profiling
+    or when it reports none kvtune can read."""
+    if labels is None:
         return None
-    return int(value) if value.is_integer() and value >= 0 else None
+    try:
+        return parse_cache_config(labels, origin=url)
+    except EndpointError:
+        return None
 
 
 @dataclass(slots=True)
@@ -113,6 +118,7 @@ class ServerMetrics:
         if not self.available:
             return None
         config = (self.after or self.before).cache_config if (self.after or self.before) else None
+        capacity = _capacity(config, self.url)
         preemptions = self._delta(NUM_PREEMPTIONS)
         generation = self._delta(GENERATION_TOKENS)
         prompt = self._delta(PROMPT_TOKENS)
@@ -124,8 +130,8 @@ class ServerMetrics:
             "waiting_peak": _int_or_none(self.peaks.get(NUM_REQUESTS_WAITING)),
             "generation_tokens": None if generation is None else int(generation),
             "prompt_tokens": None if prompt is None else int(prompt),
-            "num_blocks": _label_int(config, "num_gpu_blocks"),
-            "block_size": _label_int(config, "block_size"),
+            "num_blocks": capacity.num_blocks if capacity else None,
+            "block_size": capacity.block_size if capacity else None,
             "samples": self.samples,
             "failed_scrapes": self.failed_scrapes,
         }
@@ -148,21 +154,17 @@ class MetricsScraper:
 
     async def scrape(self) -> MetricsSnapshot | None:
         """One page; None (and a reason kept) when it cannot be fetched or parsed."""
-        import aiohttp
-
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.session.get(self.metrics.url) as resp:
-                    if resp.status != 200:
-                        self.metrics.reason = f"HTTP {resp.status} from {self.metrics.url}"
-                        await resp.read()
-                        return None
-                    text = await resp.text(errors="replace")
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            self.metrics.reason = f"cannot read {self.metrics.url}: {type(exc).__name__}: {exc}"
+            page = await get(self.session, self.metrics.url, timeout_s=self.timeout_s,
+                             max_bytes=METRICS_MAX_BYTES, accept="text/plain")
+        except EndpointError as exc:
+            self.metrics.reason = str(exc)
+            return None
+        if page.status != 200:
+            self.metrics.reason = f"HTTP {page.status} from {self.metrics.url}"
             return None
         try:
-            snap = parse_snapshot(text, time.perf_counter())
+            snap = parse_snapshot(page.text, time.perf_counter())
         except (ValueError, TypeError, IndexError) as exc:
             self.metrics.reason = f"{self.metrics.url} is not a Prometheus exposition: {exc}"
             return None
