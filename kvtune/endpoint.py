@@ -103,11 +103,11 @@ def _default_port(scheme: str) -> int:
 def parse_url(url: str, *, field: str | None = None, allow_prefix: bool = True) -> ServerUrl:
     """A server URL as its parts, or an InputError saying what is wrong with it."""
     problem = url_problem(url)
-    parts = urlsplit(url) if problem is None else None
-    if parts is not None and not allow_prefix and parts.path not in ("", "/"):
+    if problem is None and not allow_prefix and urlsplit(url).path not in ("", "/"):
         problem = f"must look like http://host:port, got {brief(url)}"
-    if problem is not None or parts is None:
+    if problem is not None:
         raise InputError(problem, field=field)
+    parts = urlsplit(url)
     assert parts.hostname is not None  # url_problem checked it
     return ServerUrl(parts.scheme, parts.hostname, parts.port or _default_port(parts.scheme),
                      parts.path.rstrip("/"))

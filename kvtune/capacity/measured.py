@@ -197,7 +197,7 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
                      "line": lineno}
         else:
             m = None
-        if m is not None and override is not None:
+        if m is not None and override is not None and found is not None:
             found.update(num_blocks=override, num_gpu_blocks_override=override)
             override = None
         if (m := vllm.MAX_CONCURRENCY_LINE.search(line)) and found is not None:
@@ -288,7 +288,7 @@ def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapac
     several engines, the first)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = []
+    samples: list[Any] = []
     try:
         for family in text_string_to_metric_families(text):
             samples.extend(s for s in family.samples if s.name == vllm.CACHE_CONFIG_INFO)
