@@ -44,6 +44,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from kvtune.engines.vllm import NUM_PREEMPTIONS, NUM_REQUESTS_RUNNING
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -114,7 +116,7 @@ async def replay(base: str, vllm_url: str, model: str, requests: list[tuple[int,
 
         async def sampler() -> None:
             while not done.is_set():
-                running.append(metric(await scrape(), "vllm:num_requests_running"))
+                running.append(metric(await scrape(), NUM_REQUESTS_RUNNING))
                 await asyncio.sleep(0.25)
 
         statuses: dict[int, int] = {}
@@ -160,7 +162,7 @@ async def replay(base: str, vllm_url: str, model: str, requests: list[tuple[int,
         "mean_reserved_blocks": sum(reserved) / len(reserved) if reserved else None,
         "tokens_per_s": tokens / elapsed,
         "requests_per_s": len(requests) / elapsed,
-        "preemptions": metric(after, "vllm:num_preemptions_total") - metric(before, "vllm:num_preemptions_total"),
+        "preemptions": metric(after, NUM_PREEMPTIONS) - metric(before, NUM_PREEMPTIONS),
         "mean_running": sum(busy) / len(busy),
         "max_running": max(running or [0.0]),
     }

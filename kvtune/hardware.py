@@ -118,18 +118,4 @@ def _short(text: str) -> str:
     return shown if len(shown) <= 44 else shown[:40] + "...'"
 
 
-def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:
-    """vLLM 0.33's `vllm serve` defaults (max_num_batched_tokens, max_num_seqs) for a device.
-
-    From `EngineArgs.get_batch_defaults`: ≥160 GiB → 16384/1024; ≥70 GiB and not an A100 or
-    GB10 → 8192/1024; any other GPU → 2048/256. Unknown name counts as "not A100".
-    """
-    name = (device_name or "").lower()
-    if memory_bytes >= 160 * GiB:
-        return 16_384, 1_024
-    if memory_bytes >= 70 * GiB and "a100" not in name and "gb10" not in name:
-        return 8_192, 1_024
-    return 2_048, 256
-
-
-__all__ = ["Gpu", "GPUS", "GiB", "MiB", "GB", "find_gpu", "parse_memory_size", "default_batch_limits"]
+__all__ = ["Gpu", "GPUS", "GiB", "MiB", "GB", "find_gpu", "parse_memory_size"]

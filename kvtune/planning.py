@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.plan import CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
-from kvtune.errors import CapacityError
+from kvtune.engines import vllm
+from kvtune.errors import CapacityError, OptionError
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
 from kvtune.weights import weights_for
 
 # vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md).
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+DEFAULT_GPU_MEMORY_UTILIZATION = vllm.GPU_MEMORY_UTILIZATION
 DEFAULT_KV_CACHE_DTYPE = "auto"
 
 
@@ -158,12 +159,14 @@ def _where(measured: MeasuredCapacity | None) -> str:
 
 def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = None,
                       metrics_url: str | None = None, capacity_file: str | None = None) -> MeasuredCapacity | None:
-    """The one measured capacity the caller gave (None: none); two of them is an error."""
+    """The one measured capacity the caller gave (None: none); two of them is an error.
+    `metrics_url` reads a running server as `kvtune calibrate` does (call it outside an event
+    loop; async code awaits kvtune.capacity.measured.fetch_capacity itself)."""
     given = [name for name, value in (("kv_tokens", kv_tokens), ("vllm_log", vllm_log),
                                       ("metrics_url", metrics_url), ("capacity_file", capacity_file))
              if value is not None]
     if len(given) > 1:
-        raise CapacityError(f"give one measured capacity, not {' and '.join(given)}", field=given[1])
+        raise OptionError(f"give one measured capacity, not {' and '.join(given)}", field=given[1])
     if kv_tokens is not None:
         return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="kv_tokens", kv_cache_tokens=kv_tokens)
     if vllm_log is not None:
@@ -171,9 +174,11 @@ def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = No
 
         return read_vllm_log(vllm_log)
     if metrics_url is not None:
-        from kvtune.capacity.measured import fetch_metrics
+        import asyncio
 
-        return fetch_metrics(metrics_url)
+        from kvtune.capacity.measured import fetch_capacity
+
+        return asyncio.run(fetch_capacity(metrics_url, field="metrics_url"))
     if capacity_file is not None:
         from kvtune.capacity.measured import read_capacity_file
 

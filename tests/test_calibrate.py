@@ -13,17 +13,19 @@ from pathlib import Path
 import pytest
 from fake_vllm import FakeVllm
 
-from kvtune.capacity.calibrate import (
+from kvtune.capacity.measured import (
+    CapacitySource,
+    MeasuredCapacity,
     ServedModel,
     calibrate,
     capacity_from_server,
     cross_check,
-    fetch_calibration,
+    fetch_capacity,
     parse_models,
-    server_root,
+    parse_vllm_log,
+    read_capacity_file,
+    write_capacity_file,
 )
-from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
-from kvtune.capacity.measured import parse_vllm_log, read_capacity_file, write_capacity_file
 from kvtune.errors import CapacityError, EndpointError, KvtuneError
 
 DATA = Path(__file__).parent / "data"
@@ -63,25 +65,6 @@ def test_the_model_named_by_metrics_is_chosen():
     text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="10",model_name="b"} 1.0\n'
     m = capacity_from_server((ServedModel("a", 100), ServedModel("b", 200)), text, root="http://h")
     assert (m.model, m.max_model_len) == ("b", 200)
-
-
-@pytest.mark.parametrize(("url", "root"), [
-    ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
-    ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
-    ("http://127.0.0.1:8000/metrics", "http://127.0.0.1:8000"),
-    ("http://127.0.0.1:8000/metrics/", "http://127.0.0.1:8000"),
-    ("https://llm.example/vllm/metrics", "https://llm.example/vllm"),
-    ("http://h:1/v1", "http://h:1"),
-    ("http://h:1/v1/models", "http://h:1"),
-])
-def test_server_root(url, root):
-    assert server_root(url) == root
-
-
-@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://h/metrics", "http://"])
-def test_server_root_needs_http(url):
-    with pytest.raises(EndpointError, match="expected an http:// or https:// URL"):
-        server_root(url)
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -150,7 +133,7 @@ def test_an_override_line_is_checked_as_blocks():
 def test_fetch_over_http(suffix):
     with serving(vllm_routes()) as fake:
         base = fake.url
-        m = asyncio.run(fetch_calibration(base + suffix))
+        m = asyncio.run(fetch_capacity(base + suffix))
     assert [c.path for c in fake.other] == ["/v1/models", "/metrics"]
     assert (m.model, m.max_model_len, m.num_blocks, m.block_size, m.kv_cache_tokens) == ("tiny", 512, 32, 128, 4096)
     assert m.origin == base and m.source is CapacitySource.METRICS
@@ -169,7 +152,7 @@ def test_unreachable():
         pass  # closed again: the port now refuses
     base = fake.url
     with pytest.raises(EndpointError) as info:
-        asyncio.run(fetch_calibration(base, timeout_s=2))
+        asyncio.run(fetch_capacity(base, timeout_s=2))
     assert str(info.value).startswith(f"{base}/v1/models: cannot reach: ")
 
 
@@ -190,14 +173,14 @@ def test_unreachable():
 def test_endpoint_errors_are_one_line(routes, message):
     with serving(routes) as fake:
         with pytest.raises(EndpointError) as info:
-            asyncio.run(fetch_calibration(fake.url))
+            asyncio.run(fetch_capacity(fake.url))
     assert str(info.value) == message.format(base=fake.url)
 
 
 def test_a_server_that_does_not_answer_in_time():
     with serving(vllm_routes(), delay_s=2.0) as fake:
         with pytest.raises(EndpointError) as info:
-            asyncio.run(fetch_calibration(fake.url, timeout_s=0.3))
+            asyncio.run(fetch_capacity(fake.url, timeout_s=0.3))
     assert str(info.value) == f"{fake.url}/v1/models: no complete answer within the timeout"
 
 
@@ -213,8 +196,6 @@ def test_calibrate_from_a_log_alone():
 
 
 def test_a_bad_max_model_len_is_quoted_briefly():
-    from kvtune.capacity.calibrate import parse_models
-
     with pytest.raises(EndpointError) as info:
         parse_models({"data": [{"id": "m", "max_model_len": [1] * 1_000_000}]}, origin="http://h/v1/models")
     assert str(info.value) == ("http://h/v1/models: data[0].max_model_len: expected a positive integer, "

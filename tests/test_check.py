@@ -13,6 +13,7 @@ from kvtune.policy.recommendation import Recommendation
 from recs import rec_dict
 from kvtune.deploy.read import load_deployed, parse_deployed, parse_vllm_command
 from kvtune.errors import InputError
+from kvtune.hardware import GPUS
 from kvtune.deploy.render import render_files
 
 DATA = Path(__file__).parent / "data"
@@ -209,6 +210,19 @@ def test_preemption_risk_without_a_gateway():
     fronted = check_deployment([parse_deployed(GOOD_VLLM), parse_deployed(gateway_yaml(), source="g")], rec())
     assert "preemption-risk" not in codes(fronted) and "engine-bounded-by-gateway" in codes(fronted, "info")
     assert fronted.passed
+
+
+def test_preemption_risk_uses_vllms_default_max_num_seqs_for_the_gpu():
+    # vllm serve keeps max_num_seqs 256 on an A100-80GB (≥ 70 GiB, but an A100) and on GPUs
+    # below 70 GiB; 1024 on an H100 (vllm-facts.md §1)
+    without_flag = parse_deployed(GOOD_VLLM.replace("--max-num-seqs 304 ", ""))
+    for gpu, seqs in (("A100-80GB", 256), ("H100-80GB", 1024), ("L4", 256)):
+        edited = rec_dict()
+        edited["hardware"].update(gpu=gpu, gpu_memory_bytes=GPUS[gpu].memory_bytes)
+        planned = Recommendation.from_dict(edited)
+        message = next(f.message for f in check_deployment([without_flag], planned).findings
+                       if f.code == "preemption-risk")
+        assert message.startswith(f"max_num_seqs {seqs} (default) × 14512 tokens"), (gpu, message)
 
 
 def test_max_model_len_that_rejects_logged_prompts():

@@ -151,7 +151,7 @@ def test_min_tokens_length_control_sends_no_max_tokens(fake, profile_path):
     (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--length-control", "min-tokens"],
      "Error: --eos-token-id: --length-control min-tokens needs the model's EOS token id"),
     (["ftp://x", "--profile", "P", "--requests", "1"],
-     "Error: ftp://x: URL: expected an http:// or https:// server URL, e.g. http://127.0.0.1:8000"),
+     "Error: URL: must look like http://host:port, got 'ftp://x'"),
     (["http://127.0.0.1:8000", "--profile", "P", "--requests", "1", "--slo", "ttft=abc"],
      "Error: --slo: ttft: expected milliseconds, got 'abc'"),
     (["http://127.0.0.1:8000", "--profile", "P"],
@@ -184,7 +184,22 @@ def test_unreachable_server_exits_2(profile_path):
         port = gone.port  # nothing listens after the block
     r = run(f"http://127.0.0.1:{port}", "--profile", profile_path, "--requests", "1")
     assert r.exit_code == 2
-    assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach the server (")
+    assert r.output.startswith(f"Error: http://127.0.0.1:{port}/v1/models: URL: cannot reach: ")
+
+
+@pytest.mark.parametrize("routes,message", [
+    ({}, "{base}/v1/models: --model: /v1/models answered 404 without a model; pass --model"),
+    ({"/v1/models": (200, "application/json", b'{"data": [{"object": "model"}]}')},
+     '{base}/v1/models: data[0].id: model entry without a string "id"'),
+    ({"/v1/models": (200, "text/html", b"<html></html>")},
+     "{base}/v1/models: not an OpenAI-compatible server: /v1/models did not answer JSON"),
+])
+def test_a_server_without_a_usable_model_list_exits_2(profile_path, routes, message):
+    with FakeVllm(routes=routes, routes_only=True) as fake:
+        base = fake.url
+        r = run(base, "--profile", profile_path, "--requests", "1")
+    assert r.exit_code == 2
+    assert r.output.strip() == "Error: " + message.format(base=base)
 
 
 def test_bad_expect_file_exits_2(profile_path, tmp_path):

@@ -127,7 +127,7 @@ def test_unreachable():
         base = fake.url  # closed again after the block: its port refuses
     result = run(base, "--timeout", "2")
     assert result.exit_code == 2
-    assert result.stderr.startswith(f"Error: {base}/v1/models: cannot reach: ")
+    assert result.stderr.startswith(f"Error: {base}/v1/models: URL: cannot reach: ")
     assert result.stderr.count("\n") == 1
 
 
@@ -152,7 +152,17 @@ def test_not_an_openai_server():
 def test_bad_url():
     result = run("localhost:8000")
     assert result.exit_code == 2
-    assert result.stderr == "Error: localhost:8000: expected an http:// or https:// URL such as http://127.0.0.1:8000\n"
+    assert result.stderr == "Error: URL: must look like http://host:port, got 'localhost:8000'\n"
+
+
+def test_a_password_in_the_url_is_refused_before_any_request():
+    """It would be written into the capacity file's origin and every error line."""
+    with FakeVllm(routes=ROUTES, routes_only=True) as fake:
+        base = fake.url
+        url = base.replace("http://", "http://user:secret@")
+        result = run(url, "--json")
+    assert result.exit_code == 2 and [c.path for c in fake.other] == []
+    assert result.stderr == f"Error: URL: a user or password in the URL is not supported, got '{url}'\n"
 
 
 def test_nothing_to_calibrate_from():

@@ -107,11 +107,27 @@ def test_v0_log_blocks_are_authoritative():
     assert (d["num_blocks"], d["kv_cache_tokens"]) == (865, 865 * 16)
 
 
+VLLM_ROUTES = {"/v1/models": (200, "application/json", (DATA / "v1-models-cpu-0.32.json").read_bytes()),
+               "/metrics": (200, "text/plain; version=0.0.4", (DATA / "metrics-cpu-0.32.txt").read_bytes())}
+
+
 def test_metrics_url_over_real_http():
-    with serve((DATA / "metrics-cpu-0.32.txt").read_bytes()) as fake:
+    with FakeVllm(routes=VLLM_ROUTES, routes_only=True) as fake:
         d = run_json("capacity", "llama-3.1-8b", "--metrics-url", f"{fake.url}/metrics", "--max-model-len", "512")
+    assert [c.path for c in fake.other] == ["/v1/models", "/metrics"]
     assert (d["source"], d["num_blocks"], d["block_size"], d["kv_cache_tokens"]) == ("metrics", 32, 128, 4096)
     assert d["max_concurrency_at_max_model_len"] == 8.0
+
+
+def test_metrics_url_reads_the_server_as_calibrate_does():
+    """--metrics-url and `kvtune calibrate URL` give one capacity: the server's max_model_len
+    (from /v1/models) and its root as the origin, not a /metrics-only half of it."""
+    with FakeVllm(routes=VLLM_ROUTES, routes_only=True) as fake:
+        base = fake.url
+        d = run_json("capacity", "llama-3.1-8b", "--metrics-url", f"{base}/metrics")
+        calibrated = json.loads(CliRunner().invoke(cli, ["calibrate", f"{base}/metrics", "--json"]).stdout)
+    assert (d["measured_from"], d["max_model_len"], d["kv_cache_tokens"]) == (
+        calibrated["origin"], calibrated["max_model_len"], calibrated["kv_cache_tokens"]) == (base, 512, 4096)
 
 
 def test_shape_that_does_not_fit_reports_zero_with_a_note():
@@ -130,7 +146,7 @@ def test_shape_that_does_not_fit_reports_zero_with_a_note():
         (["--vllm-log", "absent.log"], "Error: absent.log: --vllm-log: no such file"),
         (["--vllm-log", str(DATA / "vllm-startup-no-capacity.log")],
          f"Error: {DATA / 'vllm-startup-no-capacity.log'}: no KV cache capacity in this log"),
-        (["--metrics-url", "ftp://x/metrics"], "Error: ftp://x/metrics: --metrics-url: expected an http://"),
+        (["--metrics-url", "ftp://x/metrics"], "Error: --metrics-url: must look like http://host:port, got 'ftp://x/metrics'"),
         ([], "Error: --gpu: give --gpu or --gpu-memory to estimate, or a measured capacity"),
         (["--gpu", "L4", "--gpu-memory", "24GiB"], "Error: --gpu-memory: give a GPU model or a memory size, not both"),
         (["--gpu", "L4", "--prompt-tokens", "1", "--prompt-tokens", "2", "--prompt-tokens", "3", "--max-tokens", "4",
@@ -162,7 +178,7 @@ def test_unreachable_metrics_url_is_one_line():
         base = fake.url  # closed again after the block: the port refuses connections
     result = run("capacity", "llama-3.1-8b", "--metrics-url", base)
     assert result.exit_code == 2
-    assert result.stderr.startswith(f"Error: {base}/metrics: --metrics-url: cannot reach:")
+    assert result.stderr.startswith(f"Error: {base}/v1/models: --metrics-url: cannot reach:")
     assert result.stderr.count("\n") == 1
 
 

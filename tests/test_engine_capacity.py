@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -12,8 +13,7 @@ from hypothesis import strategies as st
 from fake_vllm import FakeVllm
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.measured import (
-    fetch_metrics,
-    metrics_url,
+    fetch_capacity,
     parse_metrics_text,
     parse_vllm_log,
     read_capacity_file,
@@ -142,39 +142,28 @@ def test_bad_metrics_are_endpoint_errors(text, message):
     assert message in str(info.value)
 
 
-def test_fetch_metrics_over_real_http():
-    body = (DATA / "metrics-cpu-0.32.txt").read_bytes()
-    with serve(body) as fake:
-        m = fetch_metrics(fake.url)  # a bare server URL gets /metrics appended
-    assert [c.path for c in fake.other] == ["/metrics"]
-    assert (m.num_blocks, m.block_size, m.origin) == (32, 128, f"{fake.url}/metrics")
+CPU_ROUTES = {"/v1/models": (200, "application/json", (DATA / "v1-models-cpu-0.32.json").read_bytes()),
+              "/metrics": (200, "text/plain; version=0.0.4", (DATA / "metrics-cpu-0.32.txt").read_bytes())}
 
 
-def test_fetch_metrics_http_error():
-    with serve(b"nope", status=404) as fake:
+def test_fetch_under_a_path_prefix():
+    routes = {f"/vllm{path}": answer for path, answer in CPU_ROUTES.items()}
+    with FakeVllm(routes=routes, routes_only=True) as fake:
+        base = fake.url
+        m = asyncio.run(fetch_capacity(f"{base}/vllm/metrics"))
+    assert [c.path for c in fake.other] == ["/vllm/v1/models", "/vllm/metrics"]
+    assert (m.num_blocks, m.block_size, m.origin) == (32, 128, f"{base}/vllm")
+
+
+def test_fetch_errors_name_the_option():
+    with FakeVllm(routes={}, routes_only=True) as fake:
         base = fake.url
         with pytest.raises(EndpointError) as info:
-            fetch_metrics(f"{base}/metrics")
-    assert str(info.value) == f"{base}/metrics: --metrics-url: HTTP 404 Not Found"
-
-
-def test_fetch_metrics_unreachable():
-    with serve(b"") as fake:
-        base = fake.url  # closed again after the block: its port now refuses
-    with pytest.raises(EndpointError) as info:
-        fetch_metrics(f"{base}/metrics", timeout_s=2)
-    assert str(info.value).startswith(f"{base}/metrics: --metrics-url: cannot reach:")
-
-
-@pytest.mark.parametrize("url", ["ftp://h/metrics", "127.0.0.1:8000", "http://"])
-def test_metrics_url_needs_http(url):
-    with pytest.raises(EndpointError, match="expected an http:// or https:// URL"):
-        metrics_url(url)
-
-
-def test_metrics_url_keeps_an_explicit_path():
-    assert metrics_url("http://h:8000/custom/metrics") == "http://h:8000/custom/metrics"
-    assert metrics_url("http://h:8000/") == "http://h:8000/metrics"
+            asyncio.run(fetch_capacity(f"{base}/metrics", field="--metrics-url"))
+        assert str(info.value) == f"{base}/v1/models: --metrics-url: HTTP 404 Not Found"
+    with pytest.raises(EndpointError) as info:  # the server is closed again: its port now refuses
+        asyncio.run(fetch_capacity(f"{base}/metrics", timeout_s=2, field="--metrics-url"))
+    assert str(info.value).startswith(f"{base}/v1/models: --metrics-url: cannot reach:")
 
 
 # --- capacity files ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 
+from kvtune.errors import InputError
 from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamTimeoutError
 
 
@@ -187,7 +188,7 @@ def test_read_and_connect_failures():
         refused = UpstreamClient("http://127.0.0.1:9")
         with pytest.raises(UpstreamError, match="cannot connect"):
             await _call(refused)
-        with pytest.raises(ValueError):
+        with pytest.raises(InputError, match="^upstream: must look like http://host:port, got 'ftp://127.0.0.1:9'$"):
             UpstreamClient("ftp://127.0.0.1:9")
 
     run(main())

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtune.errors import KvtuneError, UnknownNameError
-from kvtune.hardware import GPUS, GiB, MiB, default_batch_limits, find_gpu, parse_memory_size
+from kvtune.hardware import GPUS, GiB, MiB, find_gpu, parse_memory_size
 
 REQUIRED = ["A10G", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200", "MI300X",
             "RTX-3090", "RTX-4090"]
@@ -70,26 +70,6 @@ def test_bad_memory_sizes_name_the_option(text):
 def test_mib_and_mb_are_exact(n):
     assert parse_memory_size(f"{n}MiB") == n * 2**20
     assert parse_memory_size(f"{n}MB") == n * 10**6
-
-
-@pytest.mark.parametrize(
-    ("gpu", "expected"),
-    [
-        ("H100-80GB", (8192, 1024)),  # 79.65 GiB ≥ 70, not an A100
-        ("H200", (8192, 1024)),  # 140.4 GiB: ≥ 70 but < 160
-        ("B200", (16384, 1024)),  # 179.1 GiB ≥ 160
-        ("A100-80GB", (2048, 256)),  # ≥ 70 GiB but an A100: vLLM keeps the small default
-        ("L4", (2048, 256)),
-    ],
-)
-def test_vllm_serve_batch_defaults_by_gpu(gpu, expected):
-    g = GPUS[gpu]
-    assert default_batch_limits(g.memory_bytes, g.name) == expected
-
-
-def test_batch_defaults_without_a_name_use_memory_alone():
-    assert default_batch_limits(80 * GiB, None) == (8192, 1024)
-    assert default_batch_limits(69 * GiB, None) == (2048, 256)
 
 
 @given(st.from_regex(r"\s*(\d{1,500}(\.\d{0,30})?|\.\d{1,30})\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|gb|x)?\s*", fullmatch=True)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -24,27 +23,14 @@ from kvtune.bench.loads import LoadShape, drive
 from kvtune.bench.report import Slo, summarize, verdict
 from kvtune.bench.scrape import MetricsScraper, MetricsSnapshot
 from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, check_prompts
+from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
+from kvtune.endpoint import get
 from kvtune.errors import EndpointError
 
-__all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "normalize_url", "run_bench"]
+__all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "run_bench"]
 
 PROBE_TIMEOUT_S = 10.0
 PROMPT_CHECKS = 8
-
-
-def normalize_url(url: str) -> str:
-    """Server base URL without a trailing slash or /v1; anything but http(s)://host is an error."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise EndpointError("expected an http:// or https:// server URL, e.g. http://127.0.0.1:8000",
-                            path=url, field="URL")
-    try:
-        parts.port  # noqa: B018 - validates the port
-    except ValueError:
-        raise EndpointError("the port is not a number in 1-65535", path=url, field="URL") from None
-    path = parts.path.rstrip("/")
-    path = path.removesuffix("/v1")
-    return urlunsplit((parts.scheme, parts.netloc, path, "", "")).rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,28 +102,21 @@ class BenchRecorder:
 
 
 async def _probe(session: Any, base_url: str, model: str | None) -> tuple[str, int | None]:
-    """Served model name and max_model_len from /v1/models; an unreachable server is an error."""
-    import aiohttp
-
+    """Served model name and max_model_len from /v1/models; an unreachable server is an error,
+    and so is one without /v1/models unless --model names the model."""
     url = f"{base_url}/v1/models"
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            async with session.get(url) as resp:
-                status = resp.status
-                data = await resp.json(content_type=None) if status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        reason = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-        raise EndpointError(f"cannot reach the server ({reason})", path=url, field="URL") from None
-    models = data.get("data") if isinstance(data, dict) else None
-    entries = [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
-    if model is None:
-        if not entries or not isinstance(entries[0].get("id"), str):
-            raise EndpointError(f"/v1/models answered {status} without a model; pass --model", path=url,
+    page = await get(session, url, timeout_s=PROBE_TIMEOUT_S, max_bytes=MODELS_MAX_BYTES,
+                     accept="application/json", field="URL")
+    if page.status != 200:
+        if model is None:
+            raise EndpointError(f"/v1/models answered {page.status} without a model; pass --model", path=url,
                                 field="--model")
-        model = entries[0]["id"]
-    chosen = next((m for m in entries if m.get("id") == model), None)
-    limit = chosen.get("max_model_len") if chosen else None
-    return model, limit if isinstance(limit, int) and limit > 0 else None
+        return model, None
+    models = parse_models_body(page.body, origin=url)
+    if model is None:
+        model = models[0].id
+    chosen = next((m for m in models if m.id == model), None)
+    return model, chosen.max_model_len if chosen else None
 
 
 async def run_bench(

@@ -16,17 +16,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtune.capacity.measured import METRICS_MAX_BYTES, MeasuredCapacity, parse_cache_config
+from kvtune.endpoint import get
+from kvtune.engines.vllm import (
+    CACHE_CONFIG_INFO,
+    GENERATION_TOKENS,
+    GPU_CACHE_USAGE,
+    KV_CACHE_USAGE,
+    NUM_PREEMPTIONS,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PROMPT_TOKENS,
+)
+from kvtune.errors import EndpointError
+
 __all__ = ["MetricsSnapshot", "ServerMetrics", "MetricsScraper", "parse_snapshot"]
 
-PREEMPTIONS = "vllm:num_preemptions_total"
-GENERATION_TOKENS = "vllm:generation_tokens_total"
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM 0.10
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-CACHE_CONFIG = "vllm:cache_config_info"
-_WANTED = (PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, CACHE_CONFIG)
+_WANTED = (NUM_PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, GPU_CACHE_USAGE, NUM_REQUESTS_RUNNING,
+           NUM_REQUESTS_WAITING, CACHE_CONFIG_INFO)
 _FAMILIES = tuple(
     name.removesuffix("_total") for name in _WANTED
 )  # `# TYPE vllm:num_preemptions counter` names the family without _total
@@ -60,22 +67,24 @@ def parse_snapshot(text: str, t_s: float) -> MetricsSnapshot:
     cache_config = None
     for family in text_string_to_metric_families("\n".join(keep) + "\n"):
         for s in family.samples:
-            if s.name == CACHE_CONFIG:
+            if s.name == CACHE_CONFIG_INFO:
                 cache_config = cache_config or dict(s.labels)
-            elif s.name in (KV_USAGE, KV_USAGE_OLD):
-                values[KV_USAGE] = max(values.get(KV_USAGE, 0.0), float(s.value))
+            elif s.name in (KV_CACHE_USAGE, GPU_CACHE_USAGE):
+                values[KV_CACHE_USAGE] = max(values.get(KV_CACHE_USAGE, 0.0), float(s.value))
             elif s.name in _WANTED:
                 values[s.name] = values.get(s.name, 0.0) + float(s.value)
     return MetricsSnapshot(t_s, values, cache_config)
 
 
-def _label_int(labels: dict[str, str] | None, name: str) -> int | None:
-    raw = (labels or {}).get(name)
-    try:
-        value = float(raw)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+def _capacity(labels: dict[str, str] | None, url: str) -> MeasuredCapacity | None:
+    """The server's capacity from its cache_config_info labels; None while it is still profiling
+    or when it reports none kvtune can read."""
+    if labels is None:
         return None
-    return int(value) if value.is_integer() and value >= 0 else None
+    try:
+        return parse_cache_config(labels, origin=url)
+    except EndpointError:
+        return None
 
 
 @dataclass(slots=True)
@@ -93,7 +102,7 @@ class ServerMetrics:
 
     def observe(self, snap: MetricsSnapshot) -> None:
         self.samples += 1
-        for name in (KV_USAGE, RUNNING, WAITING):
+        for name in (KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING):
             v = snap.get(name)
             if v is not None:
                 self.peaks[name] = max(self.peaks.get(name, v), v)
@@ -109,19 +118,20 @@ class ServerMetrics:
         if not self.available:
             return None
         config = (self.after or self.before).cache_config if (self.after or self.before) else None
-        preemptions = self._delta(PREEMPTIONS)
+        capacity = _capacity(config, self.url)
+        preemptions = self._delta(NUM_PREEMPTIONS)
         generation = self._delta(GENERATION_TOKENS)
         prompt = self._delta(PROMPT_TOKENS)
         return {
             "metrics_url": self.url,
             "preemptions": None if preemptions is None else int(preemptions),
-            "kv_cache_usage_peak": self.peaks.get(KV_USAGE),
-            "running_peak": _int_or_none(self.peaks.get(RUNNING)),
-            "waiting_peak": _int_or_none(self.peaks.get(WAITING)),
+            "kv_cache_usage_peak": self.peaks.get(KV_CACHE_USAGE),
+            "running_peak": _int_or_none(self.peaks.get(NUM_REQUESTS_RUNNING)),
+            "waiting_peak": _int_or_none(self.peaks.get(NUM_REQUESTS_WAITING)),
             "generation_tokens": None if generation is None else int(generation),
             "prompt_tokens": None if prompt is None else int(prompt),
-            "num_blocks": _label_int(config, "num_gpu_blocks"),
-            "block_size": _label_int(config, "block_size"),
+            "num_blocks": capacity.num_blocks if capacity else None,
+            "block_size": capacity.block_size if capacity else None,
             "samples": self.samples,
             "failed_scrapes": self.failed_scrapes,
         }
@@ -144,21 +154,17 @@ class MetricsScraper:
 
     async def scrape(self) -> MetricsSnapshot | None:
         """One page; None (and a reason kept) when it cannot be fetched or parsed."""
-        import aiohttp
-
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.session.get(self.metrics.url) as resp:
-                    if resp.status != 200:
-                        self.metrics.reason = f"HTTP {resp.status} from {self.metrics.url}"
-                        await resp.read()
-                        return None
-                    text = await resp.text(errors="replace")
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            self.metrics.reason = f"cannot read {self.metrics.url}: {type(exc).__name__}: {exc}"
+            page = await get(self.session, self.metrics.url, timeout_s=self.timeout_s,
+                             max_bytes=METRICS_MAX_BYTES, accept="text/plain")
+        except EndpointError as exc:
+            self.metrics.reason = str(exc)
+            return None
+        if page.status != 200:
+            self.metrics.reason = f"HTTP {page.status} from {self.metrics.url}"
             return None
         try:
-            snap = parse_snapshot(text, time.perf_counter())
+            snap = parse_snapshot(page.text, time.perf_counter())
         except (ValueError, TypeError, IndexError) as exc:
             self.metrics.reason = f"{self.metrics.url} is not a Prometheus exposition: {exc}"
             return None
@@ -202,7 +208,7 @@ class MetricsScraper:
             if snap is None:
                 self.metrics.failed_scrapes += 1
             else:
-                idle = not snap.get(RUNNING) and not snap.get(WAITING)
+                idle = not snap.get(NUM_REQUESTS_RUNNING) and not snap.get(NUM_REQUESTS_WAITING)
                 stable = previous is not None and previous.values.get(GENERATION_TOKENS) == snap.values.get(
                     GENERATION_TOKENS)
                 self.metrics.after = snap

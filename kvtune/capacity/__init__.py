@@ -2,6 +2,7 @@
 
     memory       a GPU's memory as vLLM divides it: weights, overhead, the KV pool
     reservation  the reservation rule: ceil((prompt + max_tokens) / block_size) blocks
-    measured     a capacity a running vLLM reported (startup log, /metrics, capacity file)
+    measured     a capacity a running vLLM reported (/v1/models + /metrics, startup log, capacity
+                 file), and the one fetch of a live server that calibrate and --metrics-url share
     plan         the capacity of one model on one deployment, estimated or measured
 """

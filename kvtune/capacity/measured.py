@@ -1,31 +1,39 @@
-"""Measured KV capacity: what a running vLLM reported, from its startup log, its /metrics or a
-capacity file (`kvtune calibrate` writes one).
+"""Measured KV capacity: what a running vLLM reported, read from the server itself, its startup
+log or a capacity file (`kvtune calibrate` writes one).
 
-These are ground truth; arithmetic from gpu_memory_utilization is not. Formats read:
+Why: arithmetic from gpu_memory_utilization has been seen 31% off; the server's own figures are
+not. A live server answers in two places, each ground truth for part of the capacity:
 
-    GPU KV cache size: 686,320 tokens, Maximum concurrency for 100,000 tokens per request: 6.86x
-                                                   (vLLM ≥ 0.12, one line; "CPU" on CPU)
-    GPU KV cache size: 686,320 tokens              (older V1: the same facts on two lines)
-    Maximum concurrency for 100,000 tokens per request: 6.86x
-    # GPU blocks: 33660                            (early V1, with the concurrency line after it)
-    # GPU blocks: 865, # CPU blocks: 327           (V0)
-    Overriding num_gpu_blocks=1000 with num_gpu_blocks_override=32
-    vllm:cache_config_info{block_size="16",num_gpu_blocks="573",...} 1.0   (/metrics)
+    GET /v1/models   the served model id and its max_model_len (vLLM adds that field)
+    GET /metrics     vllm:cache_config_info{block_size="16",num_gpu_blocks="573",...} 1.0:
+                     blocks, block size, kv_cache_size_tokens, cache dtype, prefix caching, ...
 
-A log may hold several startups; the last capacity in it wins.
+A startup log says the same in the lines kvtune.engines.vllm lists (a log may hold several
+startups; the last capacity in it wins). Given both, `cross_check` insists they agree, so a stale
+log or the wrong server is caught instead of silently trusted.
+
+Everything here is pure except `fetch_capacity`, the one read of a live server: `calibrate URL`
+and `--metrics-url` (recommend, check, capacity) both go through it and get the same object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.errors import EndpointError, InputError, KvtuneError
+from kvtune.endpoint import get_ok, server_root
+from kvtune.engines import vllm
+from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError
 from kvtune.userfiles import brief
+
+TIMEOUT_S = 10.0  # for each of a server's answers
+METRICS_MAX_BYTES = 16 * 1024**2
+MODELS_MAX_BYTES = 4 * 1024**2
 
 
 class CapacitySource(enum.Enum):
@@ -90,8 +98,6 @@ class MeasuredCapacity:
         """Parse a capacity file's object strictly; errors name the field."""
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, found {type(data).__name__}", path=path)
-        from kvtune.userfiles import brief
-
         unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40) for k in set(data) - set(_FIELD_TYPES) - {"source"})
         if unknown:
             raise InputError(f"unknown field(s): {', '.join(unknown[:5])}", path=path, field=unknown[0])
@@ -166,16 +172,7 @@ def blocks_from_tokens(kv_cache_tokens: int, block_size: int, max_model_len: int
     return blocks
 
 
-
-_SIZE = re.compile(r"\b(?P<device>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens")
-_CONCURRENCY = re.compile(
-    r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>\d+(?:\.\d+)?)x"
-)
-_BLOCKS = re.compile(r"# (?P<device>[A-Za-z]+) blocks: (?P<blocks>\d+)")  # first on the line: GPU, cuda, CPU
-_OVERRIDE = re.compile(r"Overriding num_gpu_blocks=(?P<old>\d+) with num_gpu_blocks_override=(?P<new>\d+)")
-
-METRICS_TIMEOUT_S = 5.0
-METRICS_MAX_BYTES = 16 * 1024**2
+# --- startup logs ------------------------------------------------------------------------------
 
 
 def _int(text: str) -> int:
@@ -188,22 +185,22 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
     override: int | None = None  # an override line applies to the capacity line that follows it
 
     for lineno, line in enumerate(text.splitlines(), start=1):
-        if m := _OVERRIDE.search(line):
+        if m := vllm.BLOCKS_OVERRIDE_LINE.search(line):
             override = _int(m["new"])
             found = {"num_blocks": override, "num_gpu_blocks_override": override, "device": "GPU", "line": lineno}
-        if m := _SIZE.search(line):
+        if m := vllm.KV_CACHE_SIZE_LINE.search(line):
             found = {"kv_cache_tokens": _int(m["tokens"]), "device": m["device"].removesuffix(" + host"),
                      "line": lineno}
-        elif m := _BLOCKS.search(line):
+        elif m := vllm.NUM_BLOCKS_LINE.search(line):
             device = m["device"].upper()
             found = {"num_blocks": _int(m["blocks"]), "device": "GPU" if device == "CUDA" else device,
                      "line": lineno}
         else:
             m = None
-        if m is not None and override is not None:
+        if m is not None and override is not None and found is not None:
             found.update(num_blocks=override, num_gpu_blocks_override=override)
             override = None
-        if (m := _CONCURRENCY.search(line)) and found is not None:
+        if (m := vllm.MAX_CONCURRENCY_LINE.search(line)) and found is not None:
             found["max_model_len"] = _int(m["len"])
             found["max_concurrency"] = float(m["x"])
     if found is None:
@@ -224,7 +221,10 @@ def read_vllm_log(path: str | os.PathLike[str]) -> MeasuredCapacity:
     return parse_vllm_log(text, path=str(path))
 
 
-def _label_int(labels: dict[str, str], name: str, origin: str) -> int | None:
+# --- /metrics ----------------------------------------------------------------------------------
+
+
+def _label_int(labels: Mapping[str, str], name: str, origin: str) -> int | None:
     raw = labels.get(name)
     if raw is None or raw in ("None", "null", ""):
         return None
@@ -232,41 +232,30 @@ def _label_int(labels: dict[str, str], name: str, origin: str) -> int | None:
         value = float(raw)
     except ValueError:
         raise EndpointError(f"label {name}={brief(raw)} is not a number", path=origin,
-                            field="vllm:cache_config_info") from None
+                            field=vllm.CACHE_CONFIG_INFO) from None
     if not value.is_integer() or value < 0:
         raise EndpointError(f"label {name}={brief(raw)} is not a whole number", path=origin,
-                            field="vllm:cache_config_info")
+                            field=vllm.CACHE_CONFIG_INFO)
     return int(value)
 
 
-def _label_float(labels: dict[str, str], name: str) -> float | None:
+def _label_float(labels: Mapping[str, str], name: str) -> float | None:
     try:
         return float(labels[name])
     except (KeyError, ValueError):  # absent, or "None" on servers that leave it unset
         return None
 
 
-def _label_bool(labels: dict[str, str], name: str) -> bool | None:
+def _label_bool(labels: Mapping[str, str], name: str) -> bool | None:
     return {"true": True, "false": False}.get(labels.get(name, "").lower())
 
 
-def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapacity:
-    """Capacity from the `vllm:cache_config_info` labels of a Prometheus exposition.
+def parse_cache_config(labels: Mapping[str, str], *, origin: str = "<metrics>") -> MeasuredCapacity:
+    """Capacity from the labels of one `vllm:cache_config_info` sample.
 
     num_gpu_blocks and block_size are authoritative; kv_cache_size_tokens (newer releases)
-    is kept as the server's own token figure. With several engines, the first is used.
+    is kept as the server's own token figure.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = []
-    try:
-        for family in text_string_to_metric_families(text):
-            samples.extend(s for s in family.samples if s.name == "vllm:cache_config_info")
-    except (ValueError, TypeError, IndexError) as exc:
-        raise EndpointError(f"not a Prometheus text exposition: {exc}", path=origin) from None
-    if not samples:
-        raise EndpointError("no vllm:cache_config_info metric; is this a vLLM /metrics endpoint?", path=origin)
-    labels = samples[0].labels
     blocks = _label_int(labels, "num_gpu_blocks", origin)
     block_size = _label_int(labels, "block_size", origin)
     if blocks is None or block_size is None:
@@ -275,7 +264,6 @@ def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapac
             "profiling); retry when the server is up",
             path=origin,
         )
-    override = _label_int(labels, "num_gpu_blocks_override", origin)
     try:
         return MeasuredCapacity(
             source=CapacitySource.METRICS,
@@ -285,7 +273,7 @@ def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapac
             max_concurrency=_label_float(labels, "kv_cache_max_concurrency"),
             model=labels.get("model_name"),
             kv_cache_dtype=labels.get("cache_dtype"),
-            num_gpu_blocks_override=override,
+            num_gpu_blocks_override=_label_int(labels, "num_gpu_blocks_override", origin),
             enable_prefix_caching=_label_bool(labels, "enable_prefix_caching"),
             gpu_memory_utilization=_label_float(labels, "gpu_memory_utilization"),
             kv_cache_memory_bytes=_label_int(labels, "kv_cache_memory_bytes", origin),
@@ -295,39 +283,141 @@ def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapac
         raise EndpointError(exc.message, path=origin, field=exc.field) from None
 
 
-def metrics_url(url: str) -> str:
-    """`url` itself, or `url` + /metrics when it names only the server."""
-    from urllib.parse import urlsplit, urlunsplit
+def parse_metrics_text(text: str, *, origin: str = "<metrics>") -> MeasuredCapacity:
+    """Capacity from the `vllm:cache_config_info` sample of a Prometheus exposition (with
+    several engines, the first)."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise EndpointError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/metrics",
-                            path=url, field="--metrics-url")
-    if parts.path in ("", "/"):
-        parts = parts._replace(path="/metrics")
-    return urlunsplit(parts)
-
-
-def fetch_metrics(url: str, *, timeout_s: float = METRICS_TIMEOUT_S) -> MeasuredCapacity:
-    """GET a vLLM /metrics page (loopback or remote) and read its capacity."""
-    import urllib.error
-    import urllib.request
-
-    target = metrics_url(url)
-    request = urllib.request.Request(target, headers={"Accept": "text/plain"})
+    samples: list[Any] = []
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read(METRICS_MAX_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        exc.close()  # the error carries the open response
-        raise EndpointError(f"HTTP {exc.code} {exc.reason}", path=target, field="--metrics-url") from None
-    except urllib.error.URLError as exc:
-        raise EndpointError(f"cannot reach: {exc.reason}", path=target, field="--metrics-url") from None
-    except (TimeoutError, OSError) as exc:
-        raise EndpointError(f"cannot reach: {exc}", path=target, field="--metrics-url") from None
-    if len(body) > METRICS_MAX_BYTES:
-        raise EndpointError(f"response larger than {METRICS_MAX_BYTES:,} bytes", path=target)
-    return parse_metrics_text(body.decode("utf-8", errors="replace"), origin=target)
+        for family in text_string_to_metric_families(text):
+            samples.extend(s for s in family.samples if s.name == vllm.CACHE_CONFIG_INFO)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise EndpointError(f"not a Prometheus text exposition: {exc}", path=origin) from None
+    if not samples:
+        raise EndpointError("no vllm:cache_config_info metric; is this a vLLM /metrics endpoint?", path=origin)
+    return parse_cache_config(samples[0].labels, origin=origin)
+
+
+# --- /v1/models --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One entry of an OpenAI-compatible /v1/models answer."""
+
+    id: str
+    max_model_len: int | None  # vLLM's extension; None from servers that do not say
+
+
+def parse_models(data: Any, *, origin: str) -> tuple[ServedModel, ...]:
+    """The models of a /v1/models JSON body, strictly; anything else is an EndpointError."""
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise EndpointError("not an OpenAI-compatible /v1/models answer (no \"data\" list)", path=origin)
+    if not entries:
+        raise EndpointError("the server lists no models", path=origin)
+    models = []
+    for i, entry in enumerate(entries):
+        model_id = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(model_id, str) or not model_id:
+            raise EndpointError("model entry without a string \"id\"", path=origin, field=f"data[{i}].id")
+        max_len = entry.get("max_model_len")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+            raise EndpointError(f"expected a positive integer, found {brief(max_len)}", path=origin,
+                                field=f"data[{i}].max_model_len")
+        models.append(ServedModel(model_id, max_len))
+    return tuple(models)
+
+
+def parse_models_body(body: bytes, *, origin: str) -> tuple[ServedModel, ...]:
+    """`parse_models` of the bytes a server answered."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise EndpointError("not an OpenAI-compatible server: /v1/models did not answer JSON", path=origin) from None
+    return parse_models(data, origin=origin)
+
+
+# --- a live server -----------------------------------------------------------------------------
+
+
+def capacity_from_server(models: tuple[ServedModel, ...], metrics_text: str, *, root: str) -> MeasuredCapacity:
+    """Join /v1/models and /metrics into one measured capacity (source "metrics").
+
+    The served model is the one /metrics names (model_name), else the first listed: vLLM serves
+    one model per process. kv_cache_tokens is the server's own kv_cache_size_tokens; releases that
+    do not report it get num_blocks × block_size, the tokens the pool holds.
+    """
+    measured = parse_metrics_text(metrics_text, origin=f"{root}/metrics")
+    served = next((m for m in models if m.id == measured.model), models[0])
+    tokens = measured.kv_cache_tokens
+    if tokens is None:
+        assert measured.num_blocks is not None and measured.block_size is not None  # parse_cache_config
+        tokens = measured.num_blocks * measured.block_size
+    return dataclasses.replace(measured, model=served.id, max_model_len=served.max_model_len,
+                               kv_cache_tokens=tokens, origin=root)
+
+
+def cross_check(live: MeasuredCapacity, logged: MeasuredCapacity) -> MeasuredCapacity:
+    """`live` completed by a startup log, or a CapacityError naming the first figure they disagree on."""
+    where = f"{logged.origin}:{logged.line}" if logged.line else logged.origin
+    checks: list[tuple[str, Any, Any]] = [("max_model_len", live.max_model_len, logged.max_model_len)]
+    if logged.num_blocks is not None:
+        checks.append(("num_blocks", live.num_blocks, logged.num_blocks))
+    if logged.kv_cache_tokens is not None:
+        checks.append(("kv_cache_tokens", live.kv_cache_tokens, logged.kv_cache_tokens))
+        if live.num_blocks is not None and live.block_size:
+            derived = blocks_from_tokens(logged.kv_cache_tokens, live.block_size, logged.max_model_len)
+            checks.append(("num_blocks", live.num_blocks, derived))
+    for name, server_value, log_value in checks:
+        if server_value is not None and log_value is not None and server_value != log_value:
+            raise CapacityError(
+                f"the server reports {name} {server_value:,} but the log {where} says {log_value:,}; "
+                "is the log from this server's latest start?",
+                field="--vllm-log",
+            )
+    return dataclasses.replace(
+        live,
+        device=live.device or logged.device,
+        max_concurrency=live.max_concurrency if live.max_concurrency is not None else logged.max_concurrency,
+        max_model_len=live.max_model_len or logged.max_model_len,
+    )
+
+
+async def fetch_capacity(url: str, *, timeout_s: float = TIMEOUT_S, field: str | None = None) -> MeasuredCapacity:
+    """The capacity of the vLLM at `url` (its root, /metrics or /v1): GET /v1/models, then /metrics.
+
+    `field` names the option the URL came from in error lines.
+    """
+    import aiohttp
+
+    root = server_root(url, field=field)
+    models_url = f"{root}/v1/models"
+    # each GET is bounded by its own timeout (endpoint.get), not by the session's
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        body = await get_ok(session, models_url, timeout_s=timeout_s, max_bytes=MODELS_MAX_BYTES,
+                            accept="application/json", field=field)
+        models = parse_models_body(body, origin=models_url)
+        metrics = await get_ok(session, f"{root}/metrics", timeout_s=timeout_s, max_bytes=METRICS_MAX_BYTES,
+                               accept="text/plain", field=field)
+    return capacity_from_server(models, metrics.decode("utf-8", errors="replace"), root=root)
+
+
+async def calibrate(url: str | None, *, vllm_log: str | None = None,
+                    timeout_s: float = TIMEOUT_S) -> MeasuredCapacity:
+    """The capacity from a live server, a startup log, or both cross-checked (`kvtune calibrate`)."""
+    if url is None and vllm_log is None:
+        raise KvtuneError("give the server's URL, a startup log (--vllm-log FILE), or both", field="URL")
+    logged = read_vllm_log(vllm_log) if vllm_log is not None else None
+    if url is None:
+        assert logged is not None
+        return logged
+    live = await fetch_capacity(url, timeout_s=timeout_s, field="URL")
+    return live if logged is None else cross_check(live, logged)
+
+
+# --- capacity files ----------------------------------------------------------------------------
 
 
 def read_capacity_file(path: str | os.PathLike[str]) -> MeasuredCapacity:
@@ -349,12 +439,18 @@ def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity
 __all__ = [
     "CapacitySource",
     "MeasuredCapacity",
+    "ServedModel",
     "blocks_from_tokens",
     "parse_vllm_log",
     "read_vllm_log",
+    "parse_cache_config",
     "parse_metrics_text",
-    "metrics_url",
-    "fetch_metrics",
+    "parse_models",
+    "parse_models_body",
+    "capacity_from_server",
+    "cross_check",
+    "fetch_capacity",
+    "calibrate",
     "read_capacity_file",
     "write_capacity_file",
 ]

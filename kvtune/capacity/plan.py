@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.memory import MemoryBreakdown, estimate_overhead, kv_pool, num_blocks_for
 from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request
+from kvtune.engines import vllm
 from kvtune.errors import CapacityError, OptionError
-from kvtune.hardware import default_batch_limits
 from kvtune.model import LayerKind
 
 if TYPE_CHECKING:
@@ -286,7 +286,7 @@ def plan_capacity(
     *,
     gpu_name: str | None = None,
     gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = 0.92,
+    gpu_memory_utilization: float = vllm.GPU_MEMORY_UTILIZATION,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int | None = None,
@@ -315,15 +315,15 @@ def plan_capacity(
     if max_model_len is None:
         max_model_len = (measured.max_model_len if measured else None) or derived_len
         if max_model_len is None:
-            max_model_len = 2048
-            notes.append("the config names no context length; max_model_len 2048, as vLLM defaults")
+            max_model_len = vllm.MAX_MODEL_LEN_WITHOUT_CONFIG
+            notes.append(f"the config names no context length; max_model_len {max_model_len}, as vLLM defaults")
     if block_size is None:
-        block_size = 128 if measured and (measured.device or "").upper().startswith("CPU") else 16
+        block_size = vllm.default_block_size(measured.device if measured else None)
 
     memory = None
     batched = seqs = None
     if gpu_memory_bytes is not None:
-        default_batched, seqs = default_batch_limits(gpu_memory_bytes, gpu_name)
+        default_batched, seqs = vllm.default_batch_limits(gpu_memory_bytes, gpu_name)
         if max_num_batched_tokens is None:
             batched = min(seqs * max_model_len, default_batched)
             assumptions.append(f"max_num_batched_tokens {batched:,}: vllm serve's default for this GPU size")

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtune.engines import vllm
+
 
 class RichBenchProgress:
     """A progress bar over requests (or seconds, for a duration-bound run) plus live counters."""
@@ -49,9 +51,9 @@ class RichBenchProgress:
             self.progress.update(self.task, completed=completed, status=self._status())
 
     def on_server(self, snapshot) -> None:
-        kv = snapshot.get("vllm:kv_cache_usage_perc")
-        running = snapshot.get("vllm:num_requests_running")
-        waiting = snapshot.get("vllm:num_requests_waiting")
+        kv = snapshot.get(vllm.KV_CACHE_USAGE)
+        running = snapshot.get(vllm.NUM_REQUESTS_RUNNING)
+        waiting = snapshot.get(vllm.NUM_REQUESTS_WAITING)
         parts = []
         if kv is not None:
             parts.append(f"KV {kv:.0%}")

@@ -131,10 +131,11 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     from kvtune.bench.client import RetryPolicy
     from kvtune.bench.loads import LoadShape
     from kvtune.bench.report import parse_slo
-    from kvtune.bench.run import BenchConfig, BenchRecorder, normalize_url, run_bench
+    from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
     from kvtune.bench.workload import Workload, replay_rows
+    from kvtune.endpoint import server_root
 
-    base_url = normalize_url(url)
+    base_url = server_root(url, field="URL")
     slo = parse_slo(opts["slo"]) if opts["slo"] else None
     expect = _parse_expect(opts["expect_path"]) if opts["expect_path"] else None
     shapes = [name for name, on in (("--rate", opts["rate"] is not None), ("--concurrency", opts["concurrency"] is not None),

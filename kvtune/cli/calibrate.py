@@ -29,12 +29,11 @@ def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | Non
         kvtune calibrate http://127.0.0.1:8000 --out capacity.json
         kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
     """
-    from kvtune.capacity.calibrate import calibrate as run_calibrate
+    from kvtune.capacity.measured import calibrate as run_calibrate
+    from kvtune.capacity.measured import write_capacity_file
 
     measured = asyncio.run(run_calibrate(url, vllm_log=vllm_log, timeout_s=timeout_s))
     if out is not None:
-        from kvtune.capacity.measured import write_capacity_file
-
         write_capacity_file(out, measured)
     if json_:
         click.echo(json.dumps(measured.to_dict()))

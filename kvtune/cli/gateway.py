@@ -29,8 +29,9 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     import asyncio
     import signal
 
+    from kvtune.endpoint import host_problem, url_problem
+    from kvtune.gateway.config import load_gateway_config
     from kvtune.gateway.proxy import loop_factory, serve
-    from kvtune.gateway.config import host_problem, load_gateway_config, url_problem
 
     config = load_gateway_config(config_path)
     overrides = {k: v for k, v in {"upstream": upstream, "host": host, "port": port}.items() if v is not None}

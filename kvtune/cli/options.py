@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from kvtune.engines import vllm
 from kvtune.errors import OptionError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -108,7 +109,7 @@ capacity_options = grouped("capacity", CapacityArgs, [
     click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size."),
     click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
                  help="vLLM's fraction of each GPU's memory for this instance.  [default: what the measured "
-                      "capacity was taken at, else 0.92]"),
+                      f"capacity was taken at, else {vllm.GPU_MEMORY_UTILIZATION}]"),
     click.option("--max-model-len", help="Context length; default the model's derived length (or the log's)."),
     click.option("--max-num-batched-tokens", help="Token budget per step; default vllm serve's for the GPU size."),
     click.option("--block-size", type=click.IntRange(min=1), default=None,
@@ -119,7 +120,7 @@ capacity_options = grouped("capacity", CapacityArgs, [
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: do not reserve memory for them."),
     click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line)."),
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
-    click.option("--metrics-url", help="A running vLLM's /metrics URL to read the measured capacity from."),
+    click.option("--metrics-url", help="A running vLLM's URL (root or /metrics) to read the measured capacity from."),
     click.option("--capacity", "capacity_file", help="A capacity file written by `kvtune calibrate`."),
 ])
 

@@ -19,14 +19,10 @@ from typing import Any, Mapping, Sequence
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.read import Deployed
+from kvtune.engines import vllm
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
 SEVERITIES = ("risk", "warn", "info")
-# vLLM's GPU defaults when a flag is not given (reference/vllm-facts.md §1).
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_NUM_SEQS_BIG_GPU = 1024  # >= 70 GiB
-DEFAULT_MAX_NUM_SEQS = 256
-BIG_GPU_BYTES = 70 * 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,10 +193,9 @@ class _Checker:
     def check_preemption(self, d: Deployed) -> None:
         """Without a gateway, vLLM admits up to max_num_seqs sequences that each grow to prompt + cap."""
         context = d.max_model_len or self.rec.concurrency.context_tokens
-        block_size = d.block_size or DEFAULT_BLOCK_SIZE
+        block_size = d.block_size or vllm.BLOCK_SIZE
         gpu_bytes = self.rec.hardware.gpu_memory_bytes or 0
-        seqs = d.max_num_seqs or (DEFAULT_MAX_NUM_SEQS_BIG_GPU if gpu_bytes >= BIG_GPU_BYTES
-                                  else DEFAULT_MAX_NUM_SEQS)
+        seqs = d.max_num_seqs or vllm.default_batch_limits(gpu_bytes, self.rec.hardware.gpu)[1]
         prompt_max = max(r.prompt_max for r in self.rec.routes)
         cap = d.max_new_tokens or context
         per_seq_tokens = _blocks(min(context, prompt_max + cap), block_size) * block_size
@@ -266,7 +261,7 @@ class _Checker:
     def check_drift(self, d: Deployed) -> None:
         if d.kind == "vllm":
             defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
-                        "block_size": DEFAULT_BLOCK_SIZE}
+                        "block_size": vllm.BLOCK_SIZE}
             fields = ["tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
                       "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",
                       "kv_cache_dtype", "block_size"]

@@ -7,15 +7,14 @@ so a typo fails when the file is read, not at the first request.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.endpoint import MAX_PORT, host_problem, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
     DEFAULT_PASSTHROUGH, GENERATE, ROUTE_APIS, Api, canonical_path, classify, never_passthrough, PathClass,
@@ -152,52 +151,11 @@ class GatewayConfig:
 #: The largest integer a field may hold: exact in a double, so the rendered nginx Lua and every
 #: JSON reader see the same number.
 MAX_INTEGER = 2**53
-MAX_PORT = 65535
 #: A day: a longer timeout (or Retry-After) is no timeout at all.
 MAX_SECONDS = 86_400
 #: No tokenizer averages more characters per token; a larger value would count prompts as nearly
 #: free and admit more than the budget holds.
 MAX_CHARS_PER_TOKEN = 32.0
-
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
-_URL_PATH = re.compile(r"(/[A-Za-z0-9._~!$&'()*+,;=:@%-]*)*")
-
-
-def host_problem(host: str) -> str | None:
-    """Why `host` is not an IP address or a hostname to listen on or connect to, or None."""
-    try:
-        ipaddress.ip_address(host)
-        return None
-    except ValueError:
-        pass
-    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
-    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        return f"expected a hostname or IP address such as 127.0.0.1, 0.0.0.0 or ::1, got {brief(host)}"
-    return None
-
-
-def url_problem(url: str) -> str | None:
-    """Why `url` is not http(s)://host[:port][/path prefix] (no user, query or fragment), or None."""
-    shape = f"must look like http://host:port, got {brief(url)}"
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # e.g. an unclosed [ around an IPv6 address
-        return shape
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return shape
-    try:
-        port = parts.port
-    except ValueError:
-        port = 0
-    if port == 0:
-        return f"the port must be a number from 1 to {MAX_PORT}, got {brief(url)}"
-    if parts.username is not None or parts.password is not None:
-        return f"a user or password in the URL is not supported, got {brief(url)}"
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        return f"a query or fragment in the URL is not supported, got {brief(url)}"
-    if not _URL_PATH.fullmatch(parts.path):
-        return f"the path may hold only URL characters (no spaces or control characters), got {brief(url)}"
-    return host_problem(parts.hostname)
 
 
 class _Reader:

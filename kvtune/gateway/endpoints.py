@@ -1,5 +1,5 @@
-"""Which request paths the gateway governs, and how: vLLM 0.32's OpenAI-compatible server
-(`vllm/entrypoints/`, read router by router) sorted into classes.
+"""Which request paths the gateway governs, and how: the paths of vLLM's OpenAI-compatible
+server (kvtune.engines.vllm) sorted into classes.
 
 A public gateway that forwards what it does not know is a hole: `/invocations` generates like
 `/v1/chat/completions`, `/v1/embeddings` fills KV like a prompt, `/sleep` frees the engine's
@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+
+from kvtune.engines import vllm
 
 
 class Api(enum.Enum):
@@ -50,65 +52,13 @@ class PathClass(enum.Enum):
 # The APIs a route in gateway.yaml may declare for a path that is not one of vLLM's own.
 ROUTE_APIS = (Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.MESSAGES, Api.ANY)
 
-GENERATE: dict[str, Api] = {
-    "/v1/chat/completions": Api.CHAT,
-    "/v1/chat/completions/batch": Api.CHAT_BATCH,
-    "/v1/completions": Api.COMPLETIONS,
-    "/v1/responses": Api.RESPONSES,
-    "/v1/messages": Api.MESSAGES,
-    "/invocations": Api.INVOCATIONS,
-    "/inference/v1/generate": Api.TOKENS,
-}
-POOL: dict[str, Api] = {
-    "/v1/embeddings": Api.EMBED,
-    "/pooling": Api.EMBED,
-    "/classify": Api.EMBED,
-    "/score": Api.SCORE,
-    "/v1/score": Api.SCORE,
-    "/rerank": Api.RERANK,
-    "/v1/rerank": Api.RERANK,
-    "/v2/rerank": Api.RERANK,
-    "/v2/embed": Api.COHERE_EMBED,
-}
-# Generating endpoints whose use cannot be read from the request body.
-UNCOUNTABLE: dict[str, str] = {
-    "/v1/realtime": "a websocket session streams audio for as long as it stays open",
-    "/v1/audio/transcriptions": "the prompt is audio, whose token count only the engine knows",
-    "/v1/audio/translations": "the prompt is audio, whose token count only the engine knows",
-    "/cohere/v2/chat": "the Cohere chat API is rendered by a template the gateway does not replicate",
-    "/v1/systemone": "structured decisions are rendered server-side",
-    "/generative_scoring": "generative scoring builds its prompts server-side",
-}
-OPERATOR = frozenset({
-    # sleep mode and memory
-    "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
-    # caches
-    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
-    # scheduling control
-    "/pause", "/resume", "/is_paused", "/abort_requests", "/inference/v1/abort_requests",
-    "/collective_rpc", "/scale_elastic_ep", "/is_scaling_elastic_ep",
-    "/fault_tolerance/apply", "/fault_tolerance/status",
-    # profiling
-    "/start_profile", "/stop_profile",
-    # adapters and weights
-    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    "/update_weights", "/update_weight_version", "/start_weight_update", "/finish_weight_update",
-    "/start_draft_weight_update", "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
-    "/weight_checker", "/weight_info", "/get_world_size",
-    # server internals
-    "/server_info", "/kv_event_sources",
-})
-# vLLM paths that neither generate nor control the engine: refused unless allow-listed.
-OTHER_KNOWN = frozenset({
-    "/health", "/ready", "/readyz", "/ping", "/load", "/version", "/metrics", "/v1/models", "/tokenize",
-    "/detokenize",
-    "/tokenizer_info", "/v1/messages/count_tokens",
-    "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
-    "/v1/responses/render", "/cohere/v2/chat/render",
-    "/v1/chat/completions/derender", "/v1/completions/derender",
-    "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
-    "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
-})
+# vLLM's own paths by class (kvtune.engines.vllm), read by the APIs they speak.
+GENERATE: dict[str, Api] = {path: Api(api) for path, api in vllm.GENERATE_PATHS.items()}
+POOL: dict[str, Api] = {path: Api(api) for path, api in vllm.POOL_PATHS.items()}
+UNCOUNTABLE: dict[str, str] = vllm.UNCOUNTABLE_PATHS  # path -> why it cannot be counted
+OPERATOR = vllm.OPERATOR_PATHS
+OTHER_KNOWN = vllm.OTHER_PATHS  # neither generate nor control the engine: refused unless allow-listed
+# The harmless ones a gateway forwards when gateway.yaml names no passthrough list.
 DEFAULT_PASSTHROUGH: tuple[str, ...] = (
     "/health", "/v1/models", "/tokenize", "/detokenize", "/version",
     "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",

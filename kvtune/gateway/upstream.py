@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from multidict import CIMultiDict
-from yarl import URL
+
+from kvtune.endpoint import parse_url
 
 _MAX_HEAD_BYTES = 64 * 1024
 _MAX_CHUNK_LINE_BYTES = 4 * 1024
@@ -277,15 +278,11 @@ class UpstreamClient:
 
     def __init__(self, base_url: str, *, connect_timeout_s: float | None = 10.0,
                  read_timeout_s: float | None = 600.0, keepalive_s: float = 4.0) -> None:
-        url = URL(base_url)
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"upstream must look like http://host:port, got {base_url!r}")
+        url = parse_url(base_url, field="upstream")
         self.host, self.port = url.host, url.port
         self._ssl = ssl_module.create_default_context() if url.scheme == "https" else None
-        self._prefix = url.raw_path.rstrip("/")
-        default_port = 443 if url.scheme == "https" else 80
-        host = f"[{url.host}]" if ":" in url.host else url.host
-        self._host_line = f"Host: {host}\r\n" if url.port == default_port else f"Host: {host}:{url.port}\r\n"
+        self._prefix = url.prefix
+        self._host_line = f"Host: {url.netloc}\r\n"
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.keepalive_s = keepalive_s

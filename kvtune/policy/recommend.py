@@ -16,7 +16,7 @@ from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
-from kvtune.hardware import default_batch_limits
+from kvtune.engines import vllm
 from kvtune.kv import KvBytes
 from kvtune.planning import Plan
 from kvtune.profile.routes import Profile, RouteProfile
@@ -256,8 +256,8 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
     seqs = rules.max_num_seqs(budget_blocks, p1_reservation)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
-    engine_default = (default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
-                      if plan.gpu_memory_bytes else 2048)
+    engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
+                      if plan.gpu_memory_bytes else vllm.MAX_NUM_BATCHED_TOKENS)
     batched = rules.max_num_batched_tokens(p95_prompt, engine_default, seqs.tokens, context_tokens)
     backstop = max(caps)
     return {

