@@ -246,6 +246,9 @@ def test_the_same_value_as_measured_is_no_contradiction(tmp_path):
     ("--safety-fraction", "0", "--safety-fraction"),
     ("--max-truncation", "2", "--max-truncation"),
     ("--vllm-version", "latest", "--vllm-version"),
+    ("--upstream", "http://127.0.0.1:8000/v1", "--upstream"),
+    ("--upstream", "http://user:pw@127.0.0.1:8000", "--upstream"),
+    ("--upstream", "http://vllm;evil:8000", "--upstream"),
 ])
 def test_a_policy_option_out_of_range_is_one_line_naming_the_flag(flag, value, field):
     result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", flag, value])

@@ -16,14 +16,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
-from urllib.parse import urlsplit
 
 import jinja2
 
 from kvtune import __version__
 from kvtune.deploy.charts import capacity_segments, histogram_bars
-from kvtune.deploy.filters import FILTERS, HOSTNAME
+from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.endpoint import ServerUrl, parse_url
 from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
     ADMIN_ACCESS,
@@ -128,33 +128,10 @@ def make_environment() -> jinja2.Environment:
 
 # ---------------------------------------------------------------- derived view of a recommendation
 
-@dataclass(frozen=True, slots=True)
-class Upstream:
-    scheme: str
-    host: str
-    port: int
-
-    @property
-    def host_port(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def parse_upstream(url: str) -> Upstream:
-    """http(s)://host[:port][/]; anything else would be interpolated into nginx.conf, so refuse it."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise InputError(f"not a valid upstream URL: {url!r}", field="upstream") from exc
-    host = parts.hostname or ""
-    if parts.scheme not in ("http", "https") or not host or parts.path not in ("", "/") \
-            or parts.query or parts.fragment or parts.username or parts.password:
-        raise InputError(f"upstream must look like http://host:port, got {url!r}", field="upstream")
-    if ":" in host:
-        host = f"[{host}]"
-    if not HOSTNAME.match(host):
-        raise InputError(f"upstream host {host!r} is not a hostname or IP address", field="upstream")
-    return Upstream(parts.scheme, host, port or (443 if parts.scheme == "https" else 80))
+def parse_upstream(url: str) -> ServerUrl:
+    """http(s)://host[:port][/]: the upstream is interpolated into nginx.conf and the vllm serve
+    command, so anything else (a path, a user, a query) is refused by kvtune.endpoint's one rule."""
+    return parse_url(url, field="upstream", allow_prefix=False)
 
 
 def vllm_flags(rec: Recommendation) -> list[dict]:
@@ -162,7 +139,7 @@ def vllm_flags(rec: Recommendation) -> list[dict]:
     reason. V1 (0.8+) has no --preemption-mode/--swap-space, so they render only on V0."""
     upstream = parse_upstream(rec.upstream)
     flags: list[dict] = [
-        {"flag": "--host", "value": upstream.host.strip("[]"), "rule": "upstream",
+        {"flag": "--host", "value": upstream.host, "rule": "upstream",
          "reason": f"the gateway's upstream is {rec.upstream}"},
         {"flag": "--port", "value": upstream.port, "rule": "upstream",
          "reason": f"the gateway's upstream is {rec.upstream}"},

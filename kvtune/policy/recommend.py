@@ -8,23 +8,38 @@ shape written as recommendation.json and rendered into the deploy files.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.endpoint import url_problem
+from kvtune.engines import vllm
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
-from kvtune.engines import vllm
 from kvtune.kv import KvBytes
 from kvtune.planning import Plan
-from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.policy import rules
 from kvtune.policy.recommendation import (
-    Binned, CapacitySummary, Concurrency, Decision, Engine, Hardware, KvCost, Lengths, Match, MeasuredBasis,
-    Recommendation, Requested, RouteConcurrency, RouteRecommendation,
+    Binned,
+    CapacitySummary,
+    Concurrency,
+    Decision,
+    Engine,
+    Hardware,
+    KvCost,
+    Lengths,
+    Match,
+    MeasuredBasis,
+    Recommendation,
+    Requested,
+    RouteConcurrency,
+    RouteRecommendation,
 )
+from kvtune.profile.routes import Profile, RouteProfile
+from kvtune.userfiles import brief
 
 HISTOGRAM_BINS = 40
 ROUTE_BY_MATCH = {"path": "path", "model": "model"}  # route key → gateway match key
@@ -54,6 +69,11 @@ class RecommendOptions:
         except ValueError:
             raise OptionError(f"not a vLLM version: {self.vllm_version!r} (a release number such as "
                               f"{rules.CURRENT_VLLM_VERSION})", field="vllm_version") from None
+        problem = url_problem(self.upstream)
+        if problem is None and urlsplit(self.upstream).path not in ("", "/"):
+            problem = f"must be the server's root (the gateway forwards each request's own path), got {brief(self.upstream)}"
+        if problem is not None:
+            raise OptionError(problem, field="upstream")
         if not self.route_by:
             raise OptionError("names no route key: path, model or a log field", field="route_by")
 
