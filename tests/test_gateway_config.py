@@ -32,8 +32,6 @@ def test_routes_match_in_order():
     config = parse_gateway_config(_doc())
     assert config.route_for("/v1/chat/completions", "m").name == "chat"
     assert config.route_for("/v1/completions", None).name == "default"
-    # 100 prompt + 600 cap = 700 tokens → 44 blocks, ×2 sequences for n=2
-    assert config.reservation_blocks(100, 600, sequences=2) == 88
 
 
 def test_prefix_and_model_match():

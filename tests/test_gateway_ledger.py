@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, reservation_blocks
+from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger
 
 
 class Clock:
@@ -111,23 +111,3 @@ def test_retry_after_counts_only_the_shortfall():
     ledger.try_reserve(90)
     # 10 free; a 30-block request needs 20 more to be released → 10 s
     assert ledger.retry_after_s(30, min_s=1, max_s=60) == 10
-
-
-@pytest.mark.parametrize("prompts, cap, seq, size, expected", [
-    ([100], 600, 1, 16, 44),        # ceil(700 / 16)
-    ([100], 600, 2, 16, 88),
-    ([16], 16, 1, 16, 2),           # exactly two blocks
-    ([1], 1, 1, 128, 1),
-    ([10, 30], 6, 3, 16, 3 * (1 + 3)),  # each prompt rounds up separately
-])
-def test_reservation_blocks(prompts, cap, seq, size, expected):
-    assert reservation_blocks(prompts, cap, seq, size) == expected
-
-
-@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=4), st.integers(1, 4096),
-       st.integers(1, 8), st.sampled_from([1, 16, 32, 128]))
-def test_reservation_covers_every_token_with_less_than_a_block_spare(prompts, cap, seq, size):
-    blocks = reservation_blocks(prompts, cap, seq, size)
-    tokens = seq * sum(p + cap for p in prompts)
-    assert blocks * size >= tokens
-    assert blocks * size < tokens + seq * len(prompts) * size

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.memory import MemoryBreakdown, estimate_overhead, kv_pool, num_blocks_for
-from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request
+from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request, reserved_blocks
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.model import LayerKind
@@ -69,7 +69,7 @@ def capacity_from_blocks(
     if max_model_len < 1:
         raise CapacityError(f"must be at least 1, got {max_model_len}", field="max_model_len")
     notes_list = list(notes)
-    blocks_per_max_len = -(-max_model_len // block_size)
+    blocks_per_max_len = reserved_blocks(max_model_len, 0, block_size)  # vLLM's own concurrency figure
     concurrency = num_blocks / blocks_per_max_len
     if concurrency < 1:
         notes_list.append(

@@ -7,6 +7,7 @@ the reservation is what never preempts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from kvtune.errors import OptionError
@@ -54,6 +55,12 @@ def reserved_blocks(prompt_tokens, max_tokens: int, block_size: int):
     return -(-(prompt_tokens + max_tokens) // block_size)
 
 
+def request_reserved_blocks(sequence_prompts: Iterable[int], grow: int, block_size: int, copies: int = 1) -> int:
+    """A request that carries several sequences (a batch of prompts, an n-way sample) reserves
+    each one's prompt + grow in whole blocks, `copies` times over (n / best_of)."""
+    return copies * sum(reserved_blocks(p, grow, block_size) for p in sequence_prompts)
+
+
 def fit_request(
     shape: RequestShape,
     *,
@@ -72,7 +79,7 @@ def fit_request(
     if reserved_tokens > max_model_len:
         reserved_tokens = max_model_len
         note = f"max_tokens clamped to max_model_len − prompt = {max_model_len - p:,}, as vLLM does"
-    blocks = -(-reserved_tokens // block_size) + state_blocks_per_sequence
+    blocks = reserved_blocks(reserved_tokens, 0, block_size) + state_blocks_per_sequence
     if blocks > usable_blocks:
         return RequestFit(p, m, reserved_tokens, blocks, 0,
                           f"does not fit: needs {blocks:,} blocks, only {usable_blocks:,} usable")
@@ -80,4 +87,4 @@ def fit_request(
 
 
 
-__all__ = ["RequestShape", "RequestFit", "reserved_blocks", "fit_request"]
+__all__ = ["RequestShape", "RequestFit", "reserved_blocks", "request_reserved_blocks", "fit_request"]

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtune.capacity.reservation import reserved_blocks
 from kvtune.endpoint import MAX_PORT, host_problem, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
@@ -144,8 +143,6 @@ class GatewayConfig:
                 out.setdefault(r.match.path, r)
         return out
 
-    def reservation_blocks(self, prompt_tokens: int, max_new_tokens: int, sequences: int = 1) -> int:
-        return sequences * reserved_blocks(prompt_tokens, max_new_tokens, self.block_size)
 
 
 #: The largest integer a field may hold: exact in a double, so the rendered nginx Lua and every

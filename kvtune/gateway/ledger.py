@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtune.capacity.reservation import reserved_blocks
 
 # Releases are averaged over about this many seconds (same constant as the rendered nginx.conf).
 RATE_WINDOW_S = 30.0
@@ -128,11 +127,4 @@ class BlockLedger:
                               self.release_rate() or 0.0)
 
 
-def reservation_blocks(prompt_tokens: list[int], cap_tokens: int, sequences: int, block_size: int) -> int:
-    """Blocks for a request's whole life: every prompt it carries, each grown by the cap, rounded
-    up to whole blocks, times the sequences generated per prompt (n / best_of)."""
-    per_sequence = sum(reserved_blocks(p, cap_tokens, block_size) for p in prompt_tokens)
-    return sequences * per_sequence
-
-
-__all__ = ["BlockLedger", "Reservation", "LedgerSnapshot", "reservation_blocks", "RATE_WINDOW_S"]
+__all__ = ["BlockLedger", "Reservation", "LedgerSnapshot", "RATE_WINDOW_S"]

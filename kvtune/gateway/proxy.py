@@ -35,7 +35,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from kvtune.capacity.reservation import reserved_blocks
+from kvtune.capacity.reservation import request_reserved_blocks
 from kvtune.gateway.apis import CapField, Request, read_request
 from kvtune.gateway.body import Body, BodyError, members, parse_body, splice
 from kvtune.gateway.counting import (
@@ -381,16 +381,15 @@ class Gateway:
         cfg = self.config
         largest = 0
         for reading in asked.readings:
-            grow = cap if reading.generates else 0
-            total = 0
-            for seq in reading.sequences:
-                prompt = sum(tokens[i] for i in seq.parts) + seq.extra_tokens
+            prompts = [sum(tokens[i] for i in seq.parts) + seq.extra_tokens for seq in reading.sequences]
+            for prompt in prompts:
                 if exact and prompt + (1 if reading.generates else 0) > cfg.max_model_len:
                     raise Rejection(400, "context_length_exceeded",
                                     f"the prompt has {prompt} tokens; this deployment's context is "
                                     f"{cfg.max_model_len} tokens")
-                total += reserved_blocks(min(prompt, cfg.max_model_len), grow or 0, cfg.block_size)
-            largest = max(largest, reading.copies * total)
+            grow = (cap or 0) if reading.generates else 0
+            largest = max(largest, request_reserved_blocks((min(p, cfg.max_model_len) for p in prompts), grow,
+                                                           cfg.block_size, reading.copies))
         if largest > cfg.block_budget:
             raise Rejection(413, "kv_reservation_exceeds_budget",
                             f"this request needs {largest} KV blocks but the whole budget is "
@@ -403,10 +402,9 @@ class Gateway:
         cfg = self.config
         smallest = None
         for reading in asked.readings:
-            grow = cap if reading.generates else 0
-            total = reading.copies * sum(
-                reserved_blocks(sum(lower[i] for i in seq.parts) + seq.extra_tokens, grow or 0, cfg.block_size)
-                for seq in reading.sequences)
+            grow = (cap or 0) if reading.generates else 0
+            total = request_reserved_blocks((sum(lower[i] for i in seq.parts) + seq.extra_tokens
+                                             for seq in reading.sequences), grow, cfg.block_size, reading.copies)
             smallest = total if smallest is None else min(smallest, total)
         if smallest is not None and smallest > cfg.block_budget:
             raise Rejection(413, "kv_reservation_exceeds_budget",

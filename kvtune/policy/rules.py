@@ -218,7 +218,7 @@ def swap_space_gib(kv_pool_bytes_per_gpu: int, preemption: str) -> Decision | No
 def max_model_len(longest_request_tokens: int, model_limit: int, block_size: int) -> Decision:
     """max_model_len = the largest logged prompt + its route cap, rounded up to the block size,
     never above the model's own limit: no real request is rejected and no context is wasted."""
-    rounded = -(-longest_request_tokens // block_size) * block_size
+    rounded = reserved_blocks(longest_request_tokens, 0, block_size) * block_size
     if rounded >= model_limit:
         return Decision(model_limit, "max-model-len-model-limit",
                         f"the longest logged prompt + cap ({longest_request_tokens}) reaches the "
