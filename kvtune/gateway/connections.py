@@ -5,7 +5,8 @@ needs more: a deadline for each request head from its first byte (a client that 
 a byte a minute holds a connection forever otherwise: slowloris), a cap on a head's total size,
 and a cap on open connections. `GuardedRequestHandler` adds them to aiohttp's per-connection
 protocol; `listen` serves an AppRunner's server through it. Body and send timeouts are the
-handler's (proxy.py), since only it knows when a body is being read or a response written.
+handler's (kvtune.gateway.intake and relay), since only it knows when a body is being read or a
+response written.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ async def listen(runner: web.AppRunner, host: str, port: int, limits: ClientLimi
         max_field_size=limits.max_header_line_bytes,
         lingering_time=min(10.0, limits.body_timeout_s),
         access_log=None,
-        auto_decompress=False,  # the gateway decodes governed bodies itself, bounded (proxy._Decoder)
+        auto_decompress=False,  # the gateway decodes governed bodies itself, bounded (intake._Decoder)
     )
 
     def protocol() -> GuardedRequestHandler:

@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvtune.errors import InputError
 from kvtune.gateway import _json
 from kvtune.gateway.apis import Prompt
-from kvtune.gateway.upstream import UpstreamError
 from kvtune.gateway.config import PromptCounting
+from kvtune.gateway.upstream import UpstreamError
 
 
 class PromptCountError(Exception):
@@ -51,6 +51,12 @@ class PromptCount:
     tokens: tuple[int, ...]
     method: str
     exact: bool
+
+
+class PromptCounter(Protocol):
+    """What admission asks of a counter: every prompt's tokens, for the request's model."""
+
+    async def count(self, prompts: Sequence[Prompt], model: str | None = None) -> PromptCount: ...
 
 
 def _estimate_text(prompt: Prompt) -> str:

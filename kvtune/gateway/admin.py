@@ -1,0 +1,80 @@
+"""The gateway's own endpoints: /healthz, /metrics (Prometheus) and /kvtune/ledger (the same JSON
+as the rendered nginx.conf's), and who may read them (gateway.yaml `admin`): loopback clients
+only, clients with `Authorization: Bearer $token_env`, or anyone (metrics only).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable
+
+from aiohttp import web
+
+from kvtune.errors import InputError
+from kvtune.gateway.config import AdminAccess, GatewayConfig
+from kvtune.gateway.ledger import BlockLedger
+from kvtune.gateway.metrics import GatewayMetrics
+
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+class Admin:
+    """The admin endpoints over one gateway's ledger and metrics. `rejected` and `waiting` are
+    read at each request (the gateway's refusal count, the admission queue's length)."""
+
+    def __init__(self, config: GatewayConfig, ledger: BlockLedger, metrics: GatewayMetrics, *,
+                 rejected: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self.access: AdminAccess = config.admin
+        self.ledger = ledger
+        self.metrics = metrics
+        self._rejected = rejected
+        self._waiting = waiting
+        self._routes = [r.name for r in config.routes]
+        self._token: bytes | None = None
+        if self.access.token_env is not None:
+            token = os.environ.get(self.access.token_env, "")
+            if not token:
+                raise InputError(f"the environment variable {self.access.token_env} holds no token",
+                                 field="admin.token_env")
+            self._token = f"Bearer {token}".encode()
+
+    def allowed(self, request: web.Request, access: str) -> bool:
+        """Whether `request` may read an admin endpoint with this access setting."""
+        if access == "public":
+            return True
+        if access == "loopback":
+            return request.remote in _LOOPBACK
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return self._token is not None and hmac.compare_digest(given, self._token)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        """The gateway's Prometheus metrics (budget, reserved and in-flight blocks, admissions and
+        refusals by route and reason); who may read them is admin.metrics."""
+        if not self.allowed(request, self.access.metrics):
+            raise web.HTTPForbidden()
+        payload, content_type = self.metrics.exposition()
+        return web.Response(body=payload, headers={"Content-Type": content_type})
+
+    async def ledger_endpoint(self, request: web.Request) -> web.Response:
+        """The same JSON as the rendered nginx.conf's /kvtune/ledger; who may read it is admin.ledger."""
+        if not self.allowed(request, self.access.ledger):
+            raise web.HTTPForbidden()
+        snap = self.ledger.snapshot()
+        return web.json_response({
+            "reserved": snap.reserved_blocks, "budget": snap.budget_blocks, "inflight": snap.inflight_requests,
+            "rejected": self._rejected(), "waiting": self._waiting(),
+            "release_rate_blocks_per_s": snap.release_rate_blocks_per_s,
+            "routes": self._routes,
+        })
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/healthz", self.healthz)
+        router.add_get("/metrics", self.metrics_endpoint)
+        router.add_get("/kvtune/ledger", self.ledger_endpoint)
+
+
+__all__ = ["Admin"]

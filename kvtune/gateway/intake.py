@@ -1,0 +1,177 @@
+"""Request intake: what a request is before anything is counted, and its body read within bounds.
+
+Every request path is classified first (kvtune.gateway.endpoints): a generation endpoint is
+governed, a pooling endpoint reserves its input, a path on the passthrough allow-list is
+forwarded untouched, and everything else is refused. What is refused before any body (CONNECT,
+a head over its cap, Upgrade, a path that is not plain, a method or encoding a governed path does
+not take) is a Rejection here. The body is read whole within the size cap and the between-reads
+timeout; a gzip or deflate body is decoded as it arrives, the cap applying to what it decodes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from kvtune.gateway.config import ClientLimits, GatewayConfig, GatewayRoute
+from kvtune.gateway.endpoints import Endpoint, PathClass, canonical_path, classify
+from kvtune.gateway.refusals import Rejection
+
+# Request encodings the gateway decodes (zlib); others are refused on governed paths (415).
+_DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """A request the gateway will serve: its canonical path, the path's class and, for a route's
+    own literal path, that route. `raw_path` is the target as the client sent it."""
+
+    path: str
+    endpoint: Endpoint
+    route: GatewayRoute | None
+    raw_path: str
+
+    def target(self, path: str) -> str:
+        """`path` with the query string of the original request target, untouched."""
+        return with_query(path, self.raw_path)
+
+
+class Intake:
+    """Classifies requests and reads their bodies under one gateway.yaml's routes and limits."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.limits: ClientLimits = config.limits
+        self._route_paths = config.route_paths()
+        self._passthrough = frozenset(config.passthrough)
+
+    def classify(self, request: web.Request) -> Incoming:
+        """The request's path and class, or a Rejection for what is refused before any body."""
+        if request.method in ("CONNECT", "TRACE"):
+            raise Rejection(405, "method_not_allowed", f"{request.method} is not served", close=True)
+        if _head_bytes(request) > self.limits.max_header_bytes:
+            raise Rejection(431, "header_too_large", f"request heads are limited to "
+                            f"{self.limits.max_header_bytes} bytes", close=True)
+        if "Upgrade" in request.headers:
+            raise Rejection(400, "upgrade_refused", "the gateway does not switch protocols", close=True)
+        raw_path = request.raw_path
+        path = canonical_path(raw_path)
+        if path is None:
+            raise Rejection(400, "invalid_path", "the request path must be plain (no percent-escapes, "
+                            "'//', '.' or '..' segments)")
+        route = self._route_paths.get(path)
+        if route is not None:
+            endpoint = Endpoint(PathClass.GENERATE, route.api)
+        else:
+            endpoint = classify(path, self._passthrough)
+        kind = endpoint.path_class
+        if kind in (PathClass.GENERATE, PathClass.POOL):
+            if request.method != "POST":
+                raise Rejection(405, "method_not_allowed", f"{path} takes POST", allow="POST")
+            encoding = request.headers.get("Content-Encoding", "").strip().lower()
+            if encoding not in _DECODED_ENCODINGS:
+                raise Rejection(415, "unsupported_encoding", "request bodies may be gzip or deflate encoded",
+                                close=True)
+        elif kind is PathClass.UNCOUNTABLE:
+            raise Rejection(501, "uncountable_endpoint", f"{path} is not served through this gateway: "
+                            f"{endpoint.reason}")
+        elif kind is not PathClass.PASSTHROUGH:
+            raise Rejection(404, "not_found", f"{path} is not served through this gateway")
+        return Incoming(path, endpoint, route, raw_path)
+
+    async def read_body(self, request: web.Request, *, decode: bool = True) -> bytes:
+        """The whole request body within the size cap and the between-reads timeout; a gzip or
+        deflate body is decoded (`decode`), the cap applying to what it decodes to."""
+        limits = self.limits
+        cap = limits.max_body_bytes
+        if request.content_length is not None and request.content_length > cap:
+            raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        decoder = _Decoder(encoding, cap) if decode and encoding in ("gzip", "deflate") else None
+        chunks: list[bytes] = []
+        size = received = 0
+        content = request.content
+        while True:
+            try:
+                async with asyncio.timeout(limits.body_timeout_s):
+                    chunk = await content.readany()
+                received += len(chunk)  # what came over the wire is bounded too, decoded or not
+                if received > cap:
+                    raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+            except TimeoutError:
+                raise Rejection(408, "body_timeout", f"no request body bytes for {limits.body_timeout_s:g} s",
+                                close=True) from None
+            except (web.HTTPException, RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
+                raise Rejection(400, "invalid_body", f"the request body could not be read ({type(exc).__name__})",
+                                close=True) from None
+            if decoder is not None:
+                chunk = decoder.feed(chunk) if chunk else decoder.finish()
+                if not chunk and not decoder.done:
+                    continue
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > cap:
+                raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+            chunks.append(chunk)
+
+
+class _Decoder:
+    """A gzip or deflate request body decoded as it arrives, never past `cap` + 1 bytes of
+    output however small the input (a decompression bomb stops at the cap, not in memory).
+    gzip may hold several members one after another (RFC 1952); anything after the last one,
+    or a stream that stops early, is not a body."""
+
+    def __init__(self, encoding: str, cap: int) -> None:
+        self._encoding, self._cap, self._out = encoding, cap, 0
+        self._z: Any = None
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        pieces = []
+        while data:
+            if self._z is None or (self._z.eof and self._encoding == "gzip"):
+                # deflate should be zlib-wrapped (RFC 9110), but raw deflate is common: sniff it
+                wbits = 31 if self._encoding == "gzip" else 15 if data[0] & 0x0F == 8 else -15
+                self._z = zlib.decompressobj(wbits)
+            elif self._z.eof:
+                raise Rejection(400, "invalid_body", f"bytes after the end of the {self._encoding} stream", close=True)
+            try:
+                out = self._z.decompress(data, self._cap + 1 - self._out)
+            except zlib.error:
+                raise Rejection(400, "invalid_body", f"the request body is not valid {self._encoding}",
+                                close=True) from None
+            self._out += len(out)
+            pieces.append(out)
+            if self._z.unconsumed_tail:  # more output than the cap allows
+                raise Rejection(413, "body_too_large", f"request bodies are limited to {self._cap} bytes", close=True)
+            data = self._z.unused_data
+        return b"".join(pieces)
+
+    def finish(self) -> bytes:
+        self.done = True
+        if self._z is None or not self._z.eof:
+            raise Rejection(400, "invalid_body", f"the {self._encoding} body ends early", close=True)
+        return b""
+
+
+def _head_bytes(request: web.Request) -> int:
+    """The size of the request head as it came: request line and every field line."""
+    size = len(request.method) + len(request.raw_path) + 13  # " ", " HTTP/1.1\r\n"
+    for name, value in request.raw_headers:
+        size += len(name) + len(value) + 4
+    return size
+
+
+def with_query(path: str, raw_path: str) -> str:
+    """`path` with the query string of the original request target, untouched."""
+    _, sep, query = raw_path.partition("?")
+    return f"{path}?{query}" if sep else path
+
+
+__all__ = ["Intake", "Incoming", "with_query"]

@@ -1,0 +1,150 @@
+"""Relaying: a request whose body is in hand goes to the upstream through the gateway's own client
+(kvtune.gateway.upstream), and the upstream's answer comes back, chunk by chunk as it arrives.
+
+Hop-by-hop headers (and those a Connection header names) stay behind in both directions. A
+complete small answer goes back in one write; a stream goes through as it comes, and a client
+that accepts nothing for send_timeout_s is cut off (its upstream call and reservation with it).
+An unfinished upstream body closes its connection, which makes vLLM abort the request. The
+gateway's own answers (kvtune.gateway.refusals) become OpenAI-style error responses here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from kvtune.gateway.refusals import Rejection
+from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeoutError
+
+# RFC 9110 §7.6.1 connection-specific fields, plus what the proxy recomputes (Host, length) and
+# the request's Content-Encoding (a governed body is forwarded decoded).
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "content-encoding"}
+_DROP_RESPONSE = HOP_BY_HOP
+_DROP_WHOLE_RESPONSE = HOP_BY_HOP | {"content-length"}  # the gateway's server sets its own
+_WHOLE_BODY_MAX_BYTES = 1024 * 1024
+
+
+def refusal_response(rejection: Rejection) -> web.Response:
+    """The gateway's own answer: status, OpenAI error body, Retry-After and Allow when set."""
+    status = rejection.status
+    kind = "rate_limit_error" if status == 429 else (
+        "invalid_request_error" if 400 <= status < 500 else "server_error")
+    headers = {}
+    if rejection.retry_after_s is not None:
+        headers["Retry-After"] = str(rejection.retry_after_s)
+    if rejection.allow is not None:
+        headers["Allow"] = rejection.allow
+    body = {"error": {"message": rejection.message, "type": kind, "param": None, "code": rejection.code}}
+    response = web.json_response(body, status=status, headers=headers or None)
+    if rejection.close:
+        response.force_close()
+    return response
+
+
+class Relay:
+    """Sends requests upstream and their answers back, under one send timeout."""
+
+    def __init__(self, send_timeout_s: float) -> None:
+        self.send_timeout_s = send_timeout_s
+
+    async def send(self, request: web.Request, client: UpstreamClient, method: str, target: str, body: bytes,
+                   extra_headers: dict[str, str], *, decoded: bool = True) -> web.StreamResponse:
+        """A request whose body is in hand, through the gateway's own upstream client; a body
+        the gateway decoded goes without its Content-Encoding."""
+        headers = _forward_headers(request.headers, drop_encoding=decoded)
+        try:
+            up = await client.request(method, target, headers, body)
+        except UpstreamTimeoutError:
+            return refusal_response(Rejection(504, "upstream_timeout", "the upstream did not answer in time"))
+        except UpstreamError as exc:
+            return refusal_response(Rejection(502, "upstream_unavailable",
+                                              f"the upstream could not be reached: {exc}"))
+        return await self._relay(request, up, extra_headers)
+
+    async def _relay(self, request: web.Request, up: UpstreamResponse,
+                     extra_headers: dict[str, str]) -> web.StreamResponse:
+        """Send the upstream's answer back, chunk by chunk as it arrives; a client that accepts
+        nothing for send_timeout_s is cut off (its upstream call and reservation with it)."""
+        finished = False
+        send_timeout = self.send_timeout_s
+        try:
+            whole = _whole_body(request.method, up)
+            headers = _response_headers(up.headers, whole)
+            headers.update(extra_headers)
+            if whole:
+                # A complete answer of known, small length (vLLM's non-streaming JSON): read it and
+                # send status, headers and body in one write instead of three.
+                try:
+                    body = await up.read()
+                except UpstreamTimeoutError:
+                    return refusal_response(Rejection(504, "upstream_timeout", "the upstream did not answer in time"))
+                except UpstreamError as exc:
+                    return refusal_response(Rejection(502, "upstream_broken",
+                                                      f"the upstream's answer broke off: {exc}"))
+                finished = True
+                return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
+            response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+            await response.prepare(request)
+            try:
+                async for chunk in up.iter_chunks():
+                    async with asyncio.timeout(send_timeout):
+                        await response.write(chunk)
+            except UpstreamError:
+                # The stream broke upstream: cut the client's connection so it sees a short body.
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            finished = True
+            await response.write_eof()
+            return response
+        finally:
+            # An unfinished upstream body closes its connection, which makes vLLM abort the request.
+            if finished:
+                up.release()
+            else:
+                up.close()
+
+
+def _whole_body(method: str, up: UpstreamResponse) -> bool:
+    """True for an answer sent with a Content-Length of at most 1 MiB that is not an event
+    stream: it can go back as one response without delaying a single byte a client could use.
+    Streams (chunked, SSE) and anything large go through chunk by chunk."""
+    if method == "HEAD" or up.status < 200 or up.status in (204, 304):
+        return False
+    length = up.content_length
+    if length is None or length > _WHOLE_BODY_MAX_BYTES:
+        return False
+    return not up.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> list[str]:
+    return [t.strip() for v in headers.getall("Connection", []) for t in v.split(",") if t.strip()]
+
+
+def _forward_headers(headers: CIMultiDictProxy[str], *, drop_encoding: bool = True) -> list[tuple[str, str]]:
+    drop = _DROP_REQUEST if drop_encoding else _DROP_REQUEST - {"content-encoding"}
+    if "Connection" in headers:
+        drop = drop.union(t.lower() for t in _connection_tokens(headers))
+    return [(k, v) for k, v in headers.items() if k.lower() not in drop]
+
+
+def _response_headers(headers: CIMultiDict[str], whole: bool) -> CIMultiDict[str]:
+    """The upstream's answer headers less hop-by-hop ones and those its Connection names; less
+    Content-Length too for a whole body, which the gateway's server sets itself."""
+    drop = _DROP_WHOLE_RESPONSE if whole else _DROP_RESPONSE
+    if "Connection" in headers:
+        drop = drop.union(t.lower() for t in _connection_tokens(headers))
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
+
+
+__all__ = ["Relay", "refusal_response", "HOP_BY_HOP"]
