@@ -18,7 +18,7 @@ from kvtune.gateway.counting import (
 )
 from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
-from kvtune.gateway.config import PromptCounting
+from kvtune.gateway.config import CountingMethod, PromptCounting
 
 def count(counter, body: dict, api: Api | None = None):
     """Count a body as the gateway does: read by its endpoint's rules, then counted."""
@@ -35,7 +35,7 @@ def test_local_counter_applies_the_chat_template(model_dir):
     body = {"messages": [{"role": "system", "content": "hello"}, {"role": "user", "content": "how are you"}]}
     counted = count(counter, body)
     # <s> <|system|> hello <|end|> <|user|> how are you <|end|> <|assistant|>: 10, no second BOS
-    assert counted.tokens == (10,) and counted.exact and counted.method == "tokenizer"
+    assert counted.tokens == (10,) and counted.exact and counted.method is CountingMethod.TOKENIZER
     no_gen = count(counter, {**body, "add_generation_prompt": False})
     assert no_gen.tokens == (9,)
     kwargs = count(counter, {**body, "chat_template_kwargs": {"think": True}})
@@ -115,7 +115,7 @@ def test_local_counter_template_that_raises_rejects_the_prompt(model_dir):
 def test_local_counter_without_a_template_fails_at_load(model_dir):
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
     with pytest.raises(InputError, match="no chat template"):
-        make_counter(PromptCounting(method="tokenizer", tokenizer=str(model_dir)))
+        make_counter(PromptCounting(method=CountingMethod.TOKENIZER, tokenizer=str(model_dir)))
 
 
 def test_chat_template_jinja_file_is_used(model_dir):
@@ -128,7 +128,7 @@ def test_chat_template_jinja_file_is_used(model_dir):
 # ---------------------------------------------------------------- estimate
 
 def test_estimate_adds_its_margin():
-    counter = make_counter(PromptCounting(method="estimate", chars_per_token=2.0, margin_tokens=10))
+    counter = make_counter(PromptCounting(method=CountingMethod.ESTIMATE, chars_per_token=2.0, margin_tokens=10))
     counted = count(counter, {"prompt": ["abcde", [1, 2]]})
     assert counted.tokens == (3 + 10, 2) and not counted.exact
     messages = [{"role": "user", "content": "x" * 100}]
@@ -175,7 +175,7 @@ def test_upstream_tokenize_sends_messages_and_prompts():
         return await counter.count(chat.prompts, "m"), await counter.count(many.prompts, "m")
 
     chat, many = asyncio.run(_counted_by(fake, run))
-    assert chat.tokens == (2 + 1 + 3,) and chat.exact and chat.method == "upstream-tokenize"  # the document too
+    assert chat.tokens == (2 + 1 + 3,) and chat.exact and chat.method is CountingMethod.UPSTREAM_TOKENIZE  # the document too
     assert many.tokens == (4, 5, 2)
     # /tokenize takes neither documents nor reasoning_effort: they travel as template kwargs
     seen = fake.tokenize_calls
@@ -227,7 +227,7 @@ def test_upstream_400_rejects_and_500_errors_or_falls_back():
         return await fallback.count((Prompt(text="x y"),))
 
     counted = asyncio.run(_counted_by(fake, run))
-    assert counted.tokens == (3 + 7,) and not counted.exact and counted.method == "estimate"
+    assert counted.tokens == (3 + 7,) and not counted.exact and counted.method is CountingMethod.ESTIMATE
 
 
 def test_upstream_unreachable_is_a_count_error():

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvtune.errors import InputError, KvtuneError
-from kvtune.gateway.config import load_gateway_config, parse_gateway_config
+from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation
 from kvtune.deploy.charts import histogram_bars
 from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
@@ -96,7 +96,7 @@ def test_nginx_time_is_whole_seconds_or_milliseconds():
 
 
 def test_nginx_conf_renders_client_limits_and_admin_access():
-    from kvtune.gateway.config import AdminAccess, ClientLimits
+    from kvtune.gateway.config import Access, AdminAccess, ClientLimits
 
     limits = ClientLimits(header_timeout_s=2.5, body_timeout_s=3, keepalive_timeout_s=4, send_timeout_s=5,
                           max_header_bytes=8192, max_header_line_bytes=4096, max_body_bytes=300_000,
@@ -107,11 +107,11 @@ def test_nginx_conf_renders_client_limits_and_admin_access():
                  "worker_connections 20;", "allow 127.0.0.1;"):
         assert line in text, line
     assert "max_body_bytes = 300000," in text and not re.search(r"^env ", text, re.M)
-    token = RenderOptions(admin=AdminAccess(ledger="token", token_env="KVTUNE_LEDGER_TOKEN"))
+    token = RenderOptions(admin=AdminAccess(ledger=Access.TOKEN, token_env="KVTUNE_LEDGER_TOKEN"))
     text = render_files(rec(), targets=["nginx.conf"], options=token)["nginx.conf"]
     assert 'env "KVTUNE_LEDGER_TOKEN";' in text and "allow 127.0.0.1;" not in text
     assert 'ledger_access = "token",' in text and 'token_env = "KVTUNE_LEDGER_TOKEN",' in text
-    for bad in (AdminAccess(ledger="token"), AdminAccess(ledger="token", token_env="NOT A NAME"),
+    for bad in (AdminAccess(ledger=Access.TOKEN), AdminAccess(ledger=Access.TOKEN, token_env="NOT A NAME"),
                 AdminAccess(ledger="anyone")):
         with pytest.raises(KvtuneError, match="admin"):
             render_files(rec(), targets=["nginx.conf"], options=RenderOptions(admin=bad))
@@ -180,7 +180,7 @@ def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
     assert config.upstream == "http://127.0.0.1:8000"
     assert (config.block_size, config.block_budget, config.max_model_len) == (16, 26999, 14512)
     assert config.port == 9123 and config.model == "meta-llama/Llama-3.1-8B"
-    assert config.prompt_tokens.method == "upstream-tokenize"
+    assert config.prompt_tokens.method is CountingMethod.UPSTREAM_TOKENIZE
     assert [(x.name, x.match.path, x.match.model, x.max_new_tokens) for x in config.routes] == [
         ("/v1/chat/completions", "/v1/chat/completions", None, 451),
         ("/v1/completions", "/v1/completions", None, 700),
@@ -197,8 +197,8 @@ def test_gateway_yaml_counts_with_a_local_tokenizer_when_given_one(tmp_path):
     text = render_files(rec(), targets=["gateway.yaml"],
                         options=RenderOptions(gateway_tokenizer=str(folder)))["gateway.yaml"]
     config = parse_gateway_config(yaml.safe_load(text))
-    assert config.prompt_tokens.method == "tokenizer" and config.prompt_tokens.tokenizer == str(folder)
-    assert make_counter(config.prompt_tokens).method == "tokenizer"  # what the gateway loads at start
+    assert config.prompt_tokens.method is CountingMethod.TOKENIZER and config.prompt_tokens.tokenizer == str(folder)
+    assert make_counter(config.prompt_tokens).method is CountingMethod.TOKENIZER  # what the gateway loads at start
 
 
 def _model_dir(tmp_path: Path) -> Path:

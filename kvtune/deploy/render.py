@@ -28,6 +28,7 @@ from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
     ADMIN_ACCESS,
     DEFAULT_PAIR_TOKENS,
+    Access,
     AdminAccess,
     ClientLimits,
     GatewayConfig,
@@ -248,6 +249,15 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
                               "chart": histogram_bars(edges, counts, cap),
                               "table": histogram_bars(edges, counts, cap, max_bins=24)})
     setting_rows = [{"name": k, **d.to_dict()} for k, d in rec.settings.items() if d is not None]
+    if options.retry_after_max_s < options.retry_after_min_s:
+        raise OptionError("retry_after_max_s must be at least retry_after_min_s")
+    admin = options.admin
+    if not isinstance(admin.metrics, Access) or not isinstance(admin.ledger, Access):
+        raise OptionError(f"admin access must be one of {', '.join(ADMIN_ACCESS)}")
+    if admin.token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", admin.token_env):
+        raise OptionError(f"admin.token_env {admin.token_env!r} is not an environment variable name")
+    if Access.TOKEN in (admin.metrics, admin.ledger) and admin.token_env is None:
+        raise OptionError("admin access 'token' needs admin.token_env, the variable that holds the token")
     max_model_len = rec.max_model_len
     limits = options.limits or ClientLimits(max_body_bytes=default_max_body_bytes(max_model_len))
     lua_config = {
@@ -261,18 +271,9 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "pair_tokens": DEFAULT_PAIR_TOKENS,
         "max_body_bytes": limits.max_body_bytes,
         "passthrough": list(options.passthrough),
-        "ledger_access": options.admin.ledger,
+        "ledger_access": options.admin.ledger.value,
         "token_env": options.admin.token_env,
     }
-    if options.retry_after_max_s < options.retry_after_min_s:
-        raise OptionError("retry_after_max_s must be at least retry_after_min_s")
-    admin = options.admin
-    if admin.metrics not in ADMIN_ACCESS or admin.ledger not in ADMIN_ACCESS:
-        raise OptionError(f"admin access must be one of {', '.join(ADMIN_ACCESS)}")
-    if admin.token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", admin.token_env):
-        raise OptionError(f"admin.token_env {admin.token_env!r} is not an environment variable name")
-    if "token" in (admin.metrics, admin.ledger) and admin.token_env is None:
-        raise OptionError("admin access 'token' needs admin.token_env, the variable that holds the token")
     return {
         "rec": rec,
         "options": options,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from kvtune.errors import InputError
-from kvtune.gateway.config import AdminAccess, GatewayConfig
+from kvtune.gateway.config import Access, AdminAccess, GatewayConfig
 from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.metrics import GatewayMetrics
 
@@ -39,11 +39,11 @@ class Admin:
                                  field="admin.token_env")
             self._token = f"Bearer {token}".encode()
 
-    def allowed(self, request: web.Request, access: str) -> bool:
+    def allowed(self, request: web.Request, access: Access) -> bool:
         """Whether `request` may read an admin endpoint with this access setting."""
-        if access == "public":
+        if access is Access.PUBLIC:
             return True
-        if access == "loopback":
+        if access is Access.LOOPBACK:
             return request.remote in _LOOPBACK
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         return self._token is not None and hmac.compare_digest(given, self._token)

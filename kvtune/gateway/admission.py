@@ -32,7 +32,7 @@ from kvtune.gateway.counting import (
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.ledger import BlockLedger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
-from kvtune.gateway.refusals import Refused, Rejection
+from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
 
 if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads what it produced
@@ -133,7 +133,7 @@ class Admission:
         try:
             body = parse_body(raw)
         except BodyError as exc:
-            raise Rejection(400, exc.code, str(exc)) from None
+            raise Rejection(400, exc.reason, str(exc)) from None
         doc = body.doc
         model = doc.get("model") if isinstance(doc.get("model"), str) else None
         route = incoming.route
@@ -141,7 +141,7 @@ class Admission:
         if endpoint.path_class is PathClass.GENERATE and route is None:
             route = self.config.route_for(incoming.path, model)
             if route is None:
-                raise Rejection(404, "no_route", f"no route of this gateway serves {incoming.path} for this model")
+                raise Rejection(404, Reason.NO_ROUTE, f"no route of this gateway serves {incoming.path} for this model")
         try:
             api = endpoint.api
             if api is None:  # classify gives every governed path its API
@@ -149,7 +149,7 @@ class Admission:
             try:
                 asked = read_request(api, doc, pair_tokens=self.config.prompt_tokens.pair_tokens)
             except BodyError as exc:
-                raise Rejection(400, exc.code, str(exc)) from None
+                raise Rejection(400, exc.reason, str(exc)) from None
             cap = None
             if asked.generates:
                 if route is None:  # every generation path has a route by now, or answered no_route
@@ -198,14 +198,14 @@ class Admission:
             prompts = [sum(tokens[i] for i in seq.parts) + seq.extra_tokens for seq in reading.sequences]
             for prompt in prompts:
                 if exact and prompt + (1 if reading.generates else 0) > cfg.max_model_len:
-                    raise Rejection(400, "context_length_exceeded",
+                    raise Rejection(400, Reason.CONTEXT_LENGTH_EXCEEDED,
                                     f"the prompt has {prompt} tokens; this deployment's context is "
                                     f"{cfg.max_model_len} tokens")
             grow = (cap or 0) if reading.generates else 0
             largest = max(largest, request_reserved_blocks((min(p, cfg.max_model_len) for p in prompts), grow,
                                                            cfg.block_size, reading.copies))
         if largest > cfg.block_budget:
-            raise Rejection(413, "kv_reservation_exceeds_budget",
+            raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but the whole budget is "
                             f"{cfg.block_budget}: it can never be admitted")
         return max(largest, 1)
@@ -221,7 +221,7 @@ class Admission:
             total = request_reserved_blocks(sizes, grow, cfg.block_size, reading.copies)
             smallest = total if smallest is None else min(smallest, total)
         if smallest is not None and smallest > cfg.block_budget:
-            raise Rejection(413, "kv_reservation_exceeds_budget",
+            raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs at least {smallest} KV blocks but the whole budget is "
                             f"{cfg.block_budget}: it can never be admitted")
 
@@ -230,18 +230,18 @@ class Admission:
         try:
             return await counter.count(asked.prompts, model)
         except PromptRejectedError as exc:
-            code = "context_length_exceeded" if "context length" in str(exc) else "invalid_prompt"
-            raise Rejection(400, code, str(exc)) from None
+            reason = Reason.CONTEXT_LENGTH_EXCEEDED if "context length" in str(exc) else Reason.INVALID_PROMPT
+            raise Rejection(400, reason, str(exc)) from None
         except PromptCountInvalidError as exc:
-            raise Rejection(502, "prompt_count_invalid", f"the gateway could not count the prompt: {exc}") from None
+            raise Rejection(502, Reason.PROMPT_COUNT_INVALID, f"the gateway could not count the prompt: {exc}") from None
         except PromptCountError as exc:
-            raise Rejection(503, "prompt_count_unavailable",
+            raise Rejection(503, Reason.PROMPT_COUNT_UNAVAILABLE,
                             f"the gateway could not count the prompt: {exc}",
                             retry_after_s=self.config.retry_after_min_s) from None
 
     async def _wait_or_reject(self, blocks: int) -> Reservation:
         cfg, ledger, queue = self.config, self.ledger, self.queue
-        reason = "kv_budget_exhausted"
+        reason = Reason.KV_BUDGET_EXHAUSTED
         if cfg.queue_max_waiting > 0:
             if queue.can_wait():
                 started = time.monotonic()
@@ -249,9 +249,9 @@ class Admission:
                 if reservation is not None:
                     self.metrics.queue_wait.observe(time.monotonic() - started)
                     return reservation
-                reason = "queue_timeout"
+                reason = Reason.QUEUE_TIMEOUT
             else:
-                reason = "queue_full"
+                reason = Reason.QUEUE_FULL
         retry = ledger.retry_after_s(blocks, min_s=cfg.retry_after_min_s, max_s=cfg.retry_after_max_s)
         self.metrics.retry_after.observe(retry)
         raise Rejection(429, reason,

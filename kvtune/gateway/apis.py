@@ -18,6 +18,7 @@ from typing import Any
 
 from kvtune.gateway.body import BodyError
 from kvtune.gateway.endpoints import Api
+from kvtune.gateway.refusals import Reason
 
 # n / best_of and the caps must be integers in [1, MAX_COUNT): a larger or odd number is a 400.
 MAX_COUNT = 2**31
@@ -83,12 +84,12 @@ class Request:
         return any(r.generates for r in self.readings)
 
 
-def invalid(message: str, code: str = "invalid_request") -> BodyError:
-    return BodyError(code, message)
+def invalid(message: str) -> BodyError:
+    return BodyError(Reason.INVALID_REQUEST, message)
 
 
 def uncountable(message: str) -> BodyError:
-    return BodyError("uncountable_request", f"the gateway cannot count {message}, so it cannot admit it")
+    return BodyError(Reason.UNCOUNTABLE_REQUEST, f"the gateway cannot count {message}, so it cannot admit it")
 
 
 def count_field(key: str, value: Any) -> int:
@@ -103,9 +104,11 @@ def count_field(key: str, value: Any) -> int:
     return int(value)
 
 
+_BAD_COUNT = {"n": Reason.INVALID_N, "best_of": Reason.INVALID_BEST_OF}
+
+
 def _bad_count(key: str) -> BodyError:
-    code = f"invalid_{key}" if key in ("n", "best_of") else "invalid_max_tokens"
-    return BodyError(code, f"{key} must be a positive integer")
+    return BodyError(_BAD_COUNT.get(key, Reason.INVALID_MAX_TOKENS), f"{key} must be a positive integer")
 
 
 # ---------------------------------------------------------------- the readers

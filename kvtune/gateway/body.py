@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtune.gateway import _json
+from kvtune.gateway.refusals import Reason
 
 
 class BodyError(ValueError):
     """A body the gateway will not read: not JSON, not an object, or not countable text."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, reason: Reason, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.reason = reason
 
 
 # One JSON string (quotes included), and what matters inside a nested value: strings and brackets.
@@ -56,7 +57,7 @@ def members(raw: bytes, open_at: int) -> list[Member]:
     while True:
         key = _STRING.match(raw, i)
         if key is None:
-            raise BodyError("invalid_json", "request body must be a JSON object")
+            raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
         text = key.group()
         name = text[1:-1].decode("utf-8") if b"\\" not in text else json.loads(text)
         i = _WS.match(raw, key.end()).end() + 1  # past the colon
@@ -83,7 +84,7 @@ def _value_end(raw: bytes, i: int) -> int:
                 depth -= 1
                 if depth == 0:
                     return m.end()
-        raise BodyError("invalid_json", "request body must be a JSON object")
+        raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
     return _SCALAR.match(raw, i).end()
 
 
@@ -105,18 +106,18 @@ def parse_body(raw: bytes) -> Body:
     try:
         doc, fell_back = _json.loads_strict(raw)
     except RecursionError:
-        raise BodyError("invalid_json", "request body nests deeper than the gateway reads") from None
+        raise BodyError(Reason.INVALID_JSON, "request body nests deeper than the gateway reads") from None
     except ValueError:  # JSONDecodeError and UnicodeDecodeError: not UTF-8 JSON
-        raise BodyError("invalid_json", "request body must be a JSON object in UTF-8") from None
+        raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object in UTF-8") from None
     if not isinstance(doc, dict):
-        raise BodyError("invalid_json", "request body must be a JSON object")
+        raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
     if fell_back:  # orjson refuses lone surrogates; the standard library lets them through
         _check_text(doc)
     top = members(raw, _WS.match(raw).end())
     seen: set[str] = set()
     for m in top:
         if m.key in seen:
-            raise BodyError("duplicate_key", f"the request gives {_short(m.key)} twice")
+            raise BodyError(Reason.DUPLICATE_KEY, f"the request gives {_short(m.key)} twice")
         seen.add(m.key)
     return Body(raw, doc, _WS.match(raw).end(), tuple(top))
 
@@ -140,7 +141,7 @@ def _check_string(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise BodyError("invalid_unicode", "request text holds a lone UTF-16 surrogate, which is not text") from None
+        raise BodyError(Reason.INVALID_UNICODE, "request text holds a lone UTF-16 surrogate, which is not text") from None
 
 
 def _short(key: str) -> str:

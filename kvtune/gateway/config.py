@@ -7,6 +7,7 @@ so a typo fails when the file is read, not at the first request.
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,18 @@ from kvtune.gateway.endpoints import (
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 
 SCHEMA_VERSION = 1
-PROMPT_COUNT_METHODS = ("upstream-tokenize", "tokenizer", "estimate")
+
+
+class CountingMethod(enum.Enum):
+    """How the gateway counts a prompt's tokens (gateway.yaml `prompt_tokens.method`)."""
+
+    UPSTREAM_TOKENIZE = "upstream-tokenize"  # the engine's own /tokenize, exact
+    TOKENIZER = "tokenizer"  # the model's tokenizer and chat template in process, exact
+    ESTIMATE = "estimate"  # characters / chars_per_token + a margin
+
+
+#: The methods as gateway.yaml spells them.
+PROMPT_COUNT_METHODS = tuple(m.value for m in CountingMethod)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +76,7 @@ class PromptCounting:
     """How the gateway counts prompt tokens: exactly (upstream /tokenize or a local tokenizer) or by
     an estimate that must carry a safety margin."""
 
-    method: str = "upstream-tokenize"
+    method: CountingMethod = CountingMethod.UPSTREAM_TOKENIZE
     tokenizer: str | None = None
     chars_per_token: float | None = None
     margin_tokens: int = 0
@@ -96,7 +108,16 @@ class ClientLimits:
     max_connections: int = 4096  # open client connections
 
 
-ADMIN_ACCESS = ("loopback", "token", "public")
+class Access(enum.Enum):
+    """Who may read an admin endpoint (gateway.yaml `admin.metrics`, `admin.ledger`)."""
+
+    LOOPBACK = "loopback"  # clients on this machine only
+    TOKEN = "token"  # clients with `Authorization: Bearer $token_env`
+    PUBLIC = "public"  # anyone (metrics only: the ledger names routes)
+
+
+#: The access settings as gateway.yaml spells them.
+ADMIN_ACCESS = tuple(a.value for a in Access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +125,8 @@ class AdminAccess:
     """Who may read the gateway's own /metrics and /kvtune/ledger (route names, budget, counts):
     loopback clients only, clients with `Authorization: Bearer $token_env`, or anyone (metrics)."""
 
-    metrics: str = "loopback"
-    ledger: str = "loopback"
+    metrics: Access = Access.LOOPBACK
+    ledger: Access = Access.LOOPBACK
     token_env: str | None = None
 
 
@@ -241,9 +262,10 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     counting = r.mapping(top.get("prompt_tokens", {}), "prompt_tokens",
                          {"method", "tokenizer", "chars_per_token", "margin_tokens", "pair_tokens"})
 
-    method = counting.get("method", "upstream-tokenize")
-    if method not in PROMPT_COUNT_METHODS:
-        raise r.fail("prompt_tokens.method", f"{brief(method)} is not one of {', '.join(PROMPT_COUNT_METHODS)}")
+    given = counting.get("method", CountingMethod.UPSTREAM_TOKENIZE.value)
+    if given not in PROMPT_COUNT_METHODS:
+        raise r.fail("prompt_tokens.method", f"{brief(given)} is not one of {', '.join(PROMPT_COUNT_METHODS)}")
+    method = CountingMethod(given)
     prompt_counting = PromptCounting(
         method=method,
         tokenizer=r.string(counting.get("tokenizer"), "prompt_tokens.tokenizer", optional=True),
@@ -253,9 +275,9 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         margin_tokens=r.integer(counting.get("margin_tokens", 0), "prompt_tokens.margin_tokens", 0),
         pair_tokens=r.integer(counting.get("pair_tokens", DEFAULT_PAIR_TOKENS), "prompt_tokens.pair_tokens", 0),
     )
-    if method == "tokenizer" and prompt_counting.tokenizer is None:
+    if method is CountingMethod.TOKENIZER and prompt_counting.tokenizer is None:
         raise r.fail("prompt_tokens.tokenizer", "method 'tokenizer' needs a tokenizer path or hub id")
-    if method == "estimate" and (prompt_counting.chars_per_token is None or prompt_counting.margin_tokens == 0):
+    if method is CountingMethod.ESTIMATE and (prompt_counting.chars_per_token is None or prompt_counting.margin_tokens == 0):
         raise r.fail("prompt_tokens", "an estimate needs chars_per_token and a margin_tokens above 0")
 
     raw_routes = top["routes"]
@@ -398,8 +420,8 @@ def _limits(r: _Reader, value: Any, max_model_len: int) -> ClientLimits:
 
 def _admin(r: _Reader, value: Any) -> AdminAccess:
     doc = r.mapping(value, "admin", {"metrics", "ledger", "token_env"})
-    metrics = doc.get("metrics", "loopback")
-    ledger = doc.get("ledger", "loopback")
+    metrics = doc.get("metrics", Access.LOOPBACK.value)
+    ledger = doc.get("ledger", Access.LOOPBACK.value)
     if metrics not in ADMIN_ACCESS:
         raise r.fail("admin.metrics", f"{brief(metrics)} is not one of {', '.join(ADMIN_ACCESS)}")
     if ledger not in ADMIN_ACCESS[:2]:
@@ -407,9 +429,9 @@ def _admin(r: _Reader, value: Any) -> AdminAccess:
     token_env = r.string(doc.get("token_env"), "admin.token_env", optional=True)
     if token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
         raise r.fail("admin.token_env", f"{brief(token_env)} is not an environment variable name")
-    if "token" in (metrics, ledger) and token_env is None:
+    if Access.TOKEN.value in (metrics, ledger) and token_env is None:
         raise r.fail("admin.token_env", "access 'token' needs the environment variable that holds the token")
-    return AdminAccess(metrics=metrics, ledger=ledger, token_env=token_env)
+    return AdminAccess(metrics=Access(metrics), ledger=Access(ledger), token_env=token_env)
 
 
 def load_gateway_config(path: str | Path) -> GatewayConfig:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from kvtune.errors import InputError
 from kvtune.gateway import _json
 from kvtune.gateway.apis import Prompt
-from kvtune.gateway.config import PromptCounting
+from kvtune.gateway.config import CountingMethod, PromptCounting
 from kvtune.gateway.upstream import UpstreamError
 
 
@@ -49,7 +49,7 @@ class PromptCountInvalidError(PromptCountError):
 @dataclass(frozen=True, slots=True)
 class PromptCount:
     tokens: tuple[int, ...]
-    method: str
+    method: CountingMethod  # how they were counted: an estimate stands in when the engine fails
     exact: bool
 
 
@@ -74,7 +74,7 @@ class EstimateCounter:
     when chars_per_token is set at or under the model's worst case. Every part of the request
     that can reach the prompt is measured (tools, documents, schemas, template arguments)."""
 
-    method = "estimate"
+    method = CountingMethod.ESTIMATE
 
     def __init__(self, chars_per_token: float, margin_tokens: int) -> None:
         self.chars_per_token = chars_per_token
@@ -134,7 +134,7 @@ class UpstreamTokenizeCounter:
     prompt, at most TOKENIZE_CONCURRENCY at once, on the gateway's keep-alive connections to that
     upstream (an UpstreamClient); token ids are counted locally."""
 
-    method = "upstream-tokenize"
+    method = CountingMethod.UPSTREAM_TOKENIZE
 
     def __init__(self, client: Any, *, fallback: EstimateCounter | None = None) -> None:
         self.client = client
@@ -182,7 +182,7 @@ class UpstreamTokenizeCounter:
 
             results = await asyncio.gather(*(bounded(p) for p in prompts))
         exact = all(e for _, e in results)
-        return PromptCount(tuple(n for n, _ in results), self.method if exact else "estimate", exact)
+        return PromptCount(tuple(n for n, _ in results), self.method if exact else CountingMethod.ESTIMATE, exact)
 
 
 def _short(data: bytes) -> str:
@@ -213,7 +213,7 @@ class LocalTokenizerCounter:
     content given as parts, which vLLM reshapes by the template's content format; Anthropic
     requests, which vLLM converts first) is counted by the engine itself through `upstream`."""
 
-    method = "tokenizer"
+    method = CountingMethod.TOKENIZER
 
     # Prompts longer than this are encoded in a worker thread so the event loop keeps serving.
     INLINE_CHARS = 16_384
@@ -392,10 +392,10 @@ def make_counter(counting: PromptCounting, *, client: Any = None,
     estimate = None
     if counting.chars_per_token is not None:
         estimate = EstimateCounter(counting.chars_per_token, counting.margin_tokens)
-    if counting.method == "estimate":
+    if counting.method is CountingMethod.ESTIMATE:
         return estimate
     engine = UpstreamTokenizeCounter(client, fallback=estimate) if client is not None else None
-    if counting.method == "tokenizer":
+    if counting.method is CountingMethod.TOKENIZER:
         local = local or LocalTokenizerCounter.load(counting.tokenizer)
         return local.with_upstream(engine)
     if engine is None:

@@ -21,7 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvtune.gateway.config import ClientLimits, GatewayConfig, GatewayRoute
 from kvtune.gateway.endpoints import Endpoint, PathClass, canonical_path, classify
-from kvtune.gateway.refusals import Rejection
+from kvtune.gateway.refusals import Reason, Rejection
 
 # Request encodings the gateway decodes (zlib); others are refused on governed paths (415).
 _DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
@@ -53,16 +53,16 @@ class Intake:
     def classify(self, request: web.Request) -> Incoming:
         """The request's path and class, or a Rejection for what is refused before any body."""
         if request.method in ("CONNECT", "TRACE"):
-            raise Rejection(405, "method_not_allowed", f"{request.method} is not served", close=True)
+            raise Rejection(405, Reason.METHOD_NOT_ALLOWED, f"{request.method} is not served", close=True)
         if _head_bytes(request) > self.limits.max_header_bytes:
-            raise Rejection(431, "header_too_large", f"request heads are limited to "
+            raise Rejection(431, Reason.HEADER_TOO_LARGE, f"request heads are limited to "
                             f"{self.limits.max_header_bytes} bytes", close=True)
         if "Upgrade" in request.headers:
-            raise Rejection(400, "upgrade_refused", "the gateway does not switch protocols", close=True)
+            raise Rejection(400, Reason.UPGRADE_REFUSED, "the gateway does not switch protocols", close=True)
         raw_path = request.raw_path
         path = canonical_path(raw_path)
         if path is None:
-            raise Rejection(400, "invalid_path", "the request path must be plain (no percent-escapes, "
+            raise Rejection(400, Reason.INVALID_PATH, "the request path must be plain (no percent-escapes, "
                             "'//', '.' or '..' segments)")
         route = self._route_paths.get(path)
         if route is not None:
@@ -72,16 +72,16 @@ class Intake:
         kind = endpoint.path_class
         if kind in (PathClass.GENERATE, PathClass.POOL):
             if request.method != "POST":
-                raise Rejection(405, "method_not_allowed", f"{path} takes POST", allow="POST")
+                raise Rejection(405, Reason.METHOD_NOT_ALLOWED, f"{path} takes POST", allow="POST")
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
             if encoding not in _DECODED_ENCODINGS:
-                raise Rejection(415, "unsupported_encoding", "request bodies may be gzip or deflate encoded",
+                raise Rejection(415, Reason.UNSUPPORTED_ENCODING, "request bodies may be gzip or deflate encoded",
                                 close=True)
         elif kind is PathClass.UNCOUNTABLE:
-            raise Rejection(501, "uncountable_endpoint", f"{path} is not served through this gateway: "
+            raise Rejection(501, Reason.UNCOUNTABLE_ENDPOINT, f"{path} is not served through this gateway: "
                             f"{endpoint.reason}")
         elif kind is not PathClass.PASSTHROUGH:
-            raise Rejection(404, "not_found", f"{path} is not served through this gateway")
+            raise Rejection(404, Reason.NOT_FOUND, f"{path} is not served through this gateway")
         return Incoming(path, endpoint, route, raw_path)
 
     async def read_body(self, request: web.Request, *, decode: bool = True) -> bytes:
@@ -90,7 +90,7 @@ class Intake:
         limits = self.limits
         cap = limits.max_body_bytes
         if request.content_length is not None and request.content_length > cap:
-            raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+            raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes", close=True)
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         decoder = _Decoder(encoding, cap) if decode and encoding in ("gzip", "deflate") else None
         chunks: list[bytes] = []
@@ -102,12 +102,12 @@ class Intake:
                     chunk = await content.readany()
                 received += len(chunk)  # what came over the wire is bounded too, decoded or not
                 if received > cap:
-                    raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+                    raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes", close=True)
             except TimeoutError:
-                raise Rejection(408, "body_timeout", f"no request body bytes for {limits.body_timeout_s:g} s",
+                raise Rejection(408, Reason.BODY_TIMEOUT, f"no request body bytes for {limits.body_timeout_s:g} s",
                                 close=True) from None
             except (web.HTTPException, RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
-                raise Rejection(400, "invalid_body", f"the request body could not be read ({type(exc).__name__})",
+                raise Rejection(400, Reason.INVALID_BODY, f"the request body could not be read ({type(exc).__name__})",
                                 close=True) from None
             if decoder is not None:
                 chunk = decoder.feed(chunk) if chunk else decoder.finish()
@@ -117,7 +117,7 @@ class Intake:
                 return b"".join(chunks)
             size += len(chunk)
             if size > cap:
-                raise Rejection(413, "body_too_large", f"request bodies are limited to {cap} bytes", close=True)
+                raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes", close=True)
             chunks.append(chunk)
 
 
@@ -140,23 +140,23 @@ class _Decoder:
                 wbits = 31 if self._encoding == "gzip" else 15 if data[0] & 0x0F == 8 else -15
                 self._z = zlib.decompressobj(wbits)
             elif self._z.eof:
-                raise Rejection(400, "invalid_body", f"bytes after the end of the {self._encoding} stream", close=True)
+                raise Rejection(400, Reason.INVALID_BODY, f"bytes after the end of the {self._encoding} stream", close=True)
             try:
                 out = self._z.decompress(data, self._cap + 1 - self._out)
             except zlib.error:
-                raise Rejection(400, "invalid_body", f"the request body is not valid {self._encoding}",
+                raise Rejection(400, Reason.INVALID_BODY, f"the request body is not valid {self._encoding}",
                                 close=True) from None
             self._out += len(out)
             pieces.append(out)
             if self._z.unconsumed_tail:  # more output than the cap allows
-                raise Rejection(413, "body_too_large", f"request bodies are limited to {self._cap} bytes", close=True)
+                raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {self._cap} bytes", close=True)
             data = self._z.unused_data
         return b"".join(pieces)
 
     def finish(self) -> bytes:
         self.done = True
         if self._z is None or not self._z.eof:
-            raise Rejection(400, "invalid_body", f"the {self._encoding} body ends early", close=True)
+            raise Rejection(400, Reason.INVALID_BODY, f"the {self._encoding} body ends early", close=True)
         return b""
 
 

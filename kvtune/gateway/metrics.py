@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtune.gateway.ledger import BlockLedger
+from kvtune.gateway.refusals import Reason
 
 RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
 
@@ -40,7 +41,7 @@ class GatewayMetrics:
 
         # labels() hashes and locks on every call; children are looked up once per label set
         self._admitted: dict[str, tuple] = {}
-        self._rejected: dict[tuple[str, str], object] = {}
+        self._rejected: dict[tuple[str, Reason], Counter] = {}
 
     def count_admitted(self, route: str, blocks: int) -> None:
         children = self._admitted.get(route)
@@ -49,10 +50,10 @@ class GatewayMetrics:
         children[0].inc()
         children[1].inc(blocks)
 
-    def count_rejected(self, route: str, reason: str) -> None:
+    def count_rejected(self, route: str, reason: Reason) -> None:
         child = self._rejected.get((route, reason))
         if child is None:
-            child = self._rejected[(route, reason)] = self.rejected.labels(route, reason)
+            child = self._rejected[(route, reason)] = self.rejected.labels(route, reason.value)
         child.inc()
 
     def exposition(self) -> tuple[bytes, str]:

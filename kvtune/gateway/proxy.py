@@ -28,13 +28,13 @@ from aiohttp import web
 
 from kvtune.gateway.admin import Admin
 from kvtune.gateway.admission import Admission
-from kvtune.gateway.config import GatewayConfig, GatewayRoute
+from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.intake import Intake
 from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.metrics import GatewayMetrics
-from kvtune.gateway.refusals import Refused, Rejection
+from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.relay import Relay, refusal_response
 from kvtune.gateway.upstream import UpstreamClient
 
@@ -45,6 +45,8 @@ log = logging.getLogger("kvtune.gateway")
 # is closing, and the request fails with a reset (seen as 502s when a burst of /tokenize calls
 # left a pool of connections idle behind a slow queue).
 UPSTREAM_KEEPALIVE_S = 4.0
+# Besides 502/503/504, the refusals that get a log line: clients too slow or too large.
+_LOGGED = frozenset({Reason.BODY_TIMEOUT, Reason.BODY_TOO_LARGE})
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Gateway:
         # A local tokenizer loads now, so a bad tokenizer fails at start.
         self._fixed_counter = counter
         self._local: LocalTokenizerCounter | None = None
-        if counter is None and config.prompt_tokens.method == "tokenizer":
+        if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER:
             self._local = LocalTokenizerCounter.load(config.prompt_tokens.tokenizer)
         self.admin = Admin(config, self.ledger, self.metrics, rejected=lambda: self.rejected,
                            waiting=lambda: self.admission.waiting)
@@ -130,8 +132,8 @@ class Gateway:
 
     def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
-        self.metrics.count_rejected(route.name if route else "", rejection.code)
-        if rejection.status in (502, 503, 504) or rejection.code in ("body_timeout", "body_too_large"):
+        self.metrics.count_rejected(route.name if route else "", rejection.reason)
+        if rejection.status in (502, 503, 504) or rejection.reason in _LOGGED:
             log.warning("refused %s: %s", rejection.code, rejection.message[:200])
         return refusal_response(rejection)
 

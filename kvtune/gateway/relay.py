@@ -15,7 +15,7 @@ import asyncio
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvtune.gateway.refusals import Rejection
+from kvtune.gateway.refusals import ErrorType, Reason, Rejection
 from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeoutError
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the proxy recomputes (Host, length) and
@@ -33,14 +33,12 @@ _WHOLE_BODY_MAX_BYTES = 1024 * 1024
 def refusal_response(rejection: Rejection) -> web.Response:
     """The gateway's own answer: status, OpenAI error body, Retry-After and Allow when set."""
     status = rejection.status
-    kind = "rate_limit_error" if status == 429 else (
-        "invalid_request_error" if 400 <= status < 500 else "server_error")
     headers = {}
     if rejection.retry_after_s is not None:
         headers["Retry-After"] = str(rejection.retry_after_s)
     if rejection.allow is not None:
         headers["Allow"] = rejection.allow
-    body = {"error": {"message": rejection.message, "type": kind, "param": None, "code": rejection.code}}
+    body = {"error": {"message": rejection.message, "type": ErrorType.of(status).value, "param": None, "code": rejection.code}}
     response = web.json_response(body, status=status, headers=headers or None)
     if rejection.close:
         response.force_close()
@@ -61,9 +59,9 @@ class Relay:
         try:
             up = await client.request(method, target, headers, body)
         except UpstreamTimeoutError:
-            return refusal_response(Rejection(504, "upstream_timeout", "the upstream did not answer in time"))
+            return refusal_response(Rejection(504, Reason.UPSTREAM_TIMEOUT, "the upstream did not answer in time"))
         except UpstreamError as exc:
-            return refusal_response(Rejection(502, "upstream_unavailable",
+            return refusal_response(Rejection(502, Reason.UPSTREAM_UNAVAILABLE,
                                               f"the upstream could not be reached: {exc}"))
         return await self._relay(request, up, extra_headers)
 
@@ -83,9 +81,9 @@ class Relay:
                 try:
                     body = await up.read()
                 except UpstreamTimeoutError:
-                    return refusal_response(Rejection(504, "upstream_timeout", "the upstream did not answer in time"))
+                    return refusal_response(Rejection(504, Reason.UPSTREAM_TIMEOUT, "the upstream did not answer in time"))
                 except UpstreamError as exc:
-                    return refusal_response(Rejection(502, "upstream_broken",
+                    return refusal_response(Rejection(502, Reason.UPSTREAM_BROKEN,
                                                       f"the upstream's answer broke off: {exc}"))
                 finished = True
                 return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
