@@ -32,8 +32,8 @@ import numpy as np
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.errors import OptionError
-from kvtune.profile.histogram import nearest_rank_index
 from kvtune.policy.recommendation import Recommendation
+from kvtune.profile.histogram import nearest_rank_index
 
 __all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]
 

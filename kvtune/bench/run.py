@@ -166,7 +166,7 @@ async def run_bench(
         })
         if rec.progress is not None:
             rec.progress.on_start({"max_requests": config.max_requests, "duration_s": config.duration_s,
-                                   "load": config.load.kind, "model": model,
+                                   "load": config.load.kind.value, "model": model,
                                    "metrics": scraper.metrics.available})
 
         max_requests = config.max_requests
