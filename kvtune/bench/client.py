@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+_loads: Callable[[bytes | str], Any]
 try:  # optional: a faster parser when present; the stdlib is the baseline
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - depends on the environment

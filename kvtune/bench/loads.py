@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +94,7 @@ def arrival_offsets(shape: LoadShape, rng: np.random.Generator, block: int = 409
 
 async def drive(
     shape: LoadShape,
-    launch: Callable[[int], Awaitable[Any]],
+    launch: Callable[[int], Coroutine[Any, Any, Any]],
     *,
     max_requests: int | None,
     duration_s: float | None,

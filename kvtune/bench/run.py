@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, chec
 from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
 from kvtune.endpoint import get
 from kvtune.errors import EndpointError
+
+if TYPE_CHECKING:
+    from kvtune.policy.recommendation import Recommendation
 
 __all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "run_bench"]
 
@@ -54,7 +57,7 @@ class BenchConfig:
     max_connections: int | None = None  # default: the concurrency, else 4096
     seed: int = 0
     api_key: str | None = None
-    expect: Mapping[str, Any] | None = None
+    expect: Recommendation | None = None
     slo_attainment: float = 0.99
 
     @property
@@ -71,11 +74,17 @@ class BenchProgress(Protocol):
     def on_finish(self) -> None: ...
 
 
+class TextSink(Protocol):
+    """Where each request's line goes: a text file, or kvtune.writer's staged one."""
+
+    def write(self, text: str, /) -> int: ...
+
+
 @dataclass(slots=True)
 class BenchRecorder:
     """Results as they arrive (so an interrupted run keeps what it saw) and the run's context."""
 
-    requests_log: IO[str] | None = None
+    requests_log: TextSink | None = None
     progress: BenchProgress | None = None
     results: list[RequestResult] = field(default_factory=list)
     t0_s: float | None = None
@@ -90,7 +99,7 @@ class BenchRecorder:
             self.progress.on_result(result)
 
     def report(self, *, server: Mapping[str, Any] | None, slo: Slo | None,
-               expect: Mapping[str, Any] | None, slo_attainment: float | None = None,
+               expect: Recommendation | None, slo_attainment: float | None = None,
                interrupted: bool = False) -> dict[str, Any]:
         """The results JSON from whatever has been recorded so far."""
         end = self.end_s or time.perf_counter()

@@ -9,7 +9,6 @@ import importlib
 import importlib.util
 import os
 import re
-import sys
 
 # kvtune does no linear algebra: OpenBLAS's thread pool would only add ~50 ms to numpy's import
 # (and idle threads). Set before anything imports numpy; a value the user set wins.
@@ -99,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

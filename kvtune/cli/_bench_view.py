@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtune.engines import vllm
@@ -23,7 +23,7 @@ class RichBenchProgress:
             TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console, transient=True,
             refresh_per_second=4,
         )
-        self.task = None
+        self.task: TaskID | None = None
         self.by_duration = False
         self.done = self.ok = self.failed = 0
         self.server = ""

@@ -173,8 +173,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     else:
         from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.routes import fold_routes
         from kvtune.profile.build import load_profile, load_profile_or_logs
+        from kvtune.profile.routes import fold_routes
 
         max_routes = log.max_routes
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path

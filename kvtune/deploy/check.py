@@ -289,7 +289,7 @@ class _Checker:
             if name == "max_new_tokens_backstop" and unset:
                 continue  # reported as no-output-cap / no-backstop-cap
             same = have == want if not isinstance(want, float) else (
-                have is not None and math.isclose(float(have), want, rel_tol=1e-6))
+                isinstance(have, (int, float)) and math.isclose(have, want, rel_tol=1e-6))
             if same:
                 continue
             shown = "not set (engine default)" if unset and have is None else (

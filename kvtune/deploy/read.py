@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
@@ -457,11 +457,11 @@ def parse_deployed(text: str, *, source: str = "<deployed>") -> Deployed:
                      path=source)
 
 
-def load_deployed(path: str | Path) -> Deployed:
+def load_deployed(path: str | os.PathLike[str]) -> Deployed:
     """Read a deployed file: a regular file of UTF-8 text, at most CONFIG_MAX_BYTES (kvtune.userfiles)."""
     from kvtune import userfiles
 
-    return parse_deployed(userfiles.read_text(path, max_bytes=userfiles.CONFIG_MAX_BYTES), source=str(path))
+    return parse_deployed(userfiles.read_text(path, max_bytes=userfiles.CONFIG_MAX_BYTES), source=os.fspath(path))
 
 
 __all__ = ["Deployed", "DeployedRoute", "parse_deployed", "parse_vllm_command", "load_deployed"]

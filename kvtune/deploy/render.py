@@ -109,7 +109,7 @@ def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
 # ---------------------------------------------------------------- environment
 
 def _autoescape(name: str | None) -> bool:
-    return bool(name) and name.endswith((".html.j2", ".html", ".svg.j2"))
+    return name is not None and name.endswith((".html.j2", ".html", ".svg.j2"))
 
 
 def make_environment() -> jinja2.Environment:

@@ -38,6 +38,7 @@ from kvtune.policy.recommendation import (
     RouteConcurrency,
     RouteRecommendation,
 )
+from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
 
@@ -311,6 +312,9 @@ def _tp_reason(kv: KvBytes, capacity: Capacity) -> str:
             f"{per_gpu}")
 
 
-def _plain_summary(histogram) -> Lengths:
-    return Lengths(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.95),
-                   histogram.quantile(0.99), histogram.max, round(float(histogram.mean or 0.0), 3))  # type: ignore[arg-type]
+def _plain_summary(histogram: Histogram) -> Lengths:
+    """Nearest-rank percentiles of an uncensored, non-empty histogram (prompt lengths)."""
+    p50, p90, p95, p99 = (histogram.quantile(q) for q in (0.5, 0.9, 0.95, 0.99))
+    if p50 is None or p90 is None or p95 is None or p99 is None or histogram.max is None:
+        raise ValueError("no lengths to summarize")
+    return Lengths(p50, p90, p95, p99, histogram.max, round(float(histogram.mean or 0.0), 3))

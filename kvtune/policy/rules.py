@@ -14,9 +14,9 @@ import numpy as np
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.engines import vllm
+from kvtune.policy.recommendation import Decision, Distribution
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import TailClass
-from kvtune.policy.recommendation import Decision, Distribution
 
 DEFAULT_SAFETY_FRACTION = 0.9
 CURRENT_VLLM_VERSION = vllm.CURRENT_VERSION
