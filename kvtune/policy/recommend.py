@@ -176,7 +176,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     measured = capacity.source is not CapacitySource.ESTIMATE
 
     safety = rules.safety_fraction(options.safety_fraction, measured)
-    budget = rules.block_budget(capacity.num_blocks, float(safety.value))  # type: ignore[arg-type]
+    budget = rules.block_budget(capacity.num_blocks, safety.fraction)
     budget_blocks = budget.tokens
     if budget_blocks < 1:
         raise CapacityError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")

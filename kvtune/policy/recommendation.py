@@ -68,6 +68,13 @@ class Decision:
         return cls(value, f.string("rule"), f.string("reason"))
 
     @property
+    def fraction(self) -> float:
+        """The value of a share (safety fraction, utilization)."""
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise TypeError(f"{self.rule}: {self.value!r} is not a number")
+        return float(self.value)
+
+    @property
     def tokens(self) -> int:
         """The value of an integer setting (caps, lengths, budgets)."""
         if isinstance(self.value, bool) or not isinstance(self.value, int):

@@ -31,7 +31,14 @@ CAP_PERCENTILE = {TailClass.LIGHT: 0.95, TailClass.HEAVY: 0.99}
 def weighted_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> int:
     """Nearest-rank quantile of `values` repeated `counts` times: the one quantile definition
     (kvtune.profile.histogram.Histogram.quantile) over an ad-hoc histogram."""
-    return Histogram(values, counts).quantile(q)  # type: ignore[return-value]
+    return _quantile(Histogram(values, counts), q)
+
+
+def _quantile(histogram: Histogram, q: float) -> int:
+    value = histogram.quantile(q)
+    if value is None:
+        raise ValueError("no values to take a quantile of")
+    return value
 
 
 def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distribution:
@@ -40,11 +47,11 @@ def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distributio
     if histogram.total == 0:
         raise ValueError("empty distribution")
     return Distribution(
-        p50=histogram.quantile(0.5),  # type: ignore[arg-type]
-        p90=histogram.quantile(0.9),  # type: ignore[arg-type]
-        p99=histogram.quantile(0.99),  # type: ignore[arg-type]
-        max=int(histogram.max),  # type: ignore[arg-type]
-        mean=float(histogram.mean),  # type: ignore[arg-type]
+        p50=_quantile(histogram, 0.5),
+        p90=_quantile(histogram, 0.9),
+        p99=_quantile(histogram, 0.99),
+        max=_quantile(histogram, 1.0),
+        mean=float(histogram.mean or 0.0),
     )
 
 
