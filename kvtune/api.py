@@ -49,7 +49,7 @@ class RenderCheckError(KvtuneError):
 def profile_logs(
     paths: Sequence[str | os.PathLike[str]],
     *,
-    format: str | None = None,  # noqa: A002 - the option's own name
+    format: str | None = None,
     fields: Mapping[str, str] | None = None,
     route_by: str | None = None,
     tokenizer: str | None = None,

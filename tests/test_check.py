@@ -7,14 +7,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from recs import rec_dict
 
 from kvtune.deploy.check import Severity, check_deployment
-from kvtune.policy.recommendation import Recommendation
-from recs import rec_dict
 from kvtune.deploy.read import DeployedKind, load_deployed, parse_deployed, parse_vllm_command
+from kvtune.deploy.render import render_files
 from kvtune.errors import InputError
 from kvtune.hardware import GPUS
-from kvtune.deploy.render import render_files
+from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parent / "data"
 

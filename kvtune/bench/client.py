@@ -244,7 +244,7 @@ def parse_retry_after(value: str | None, default_s: float) -> float:
         return default_s
     import datetime as _dt
 
-    now = _dt.datetime.now(when.tzinfo or _dt.timezone.utc)
+    now = _dt.datetime.now(when.tzinfo or _dt.UTC)
     return max(0.0, (when - now).total_seconds())
 
 

@@ -152,8 +152,8 @@ async def run_bench(
         workload = build_workload(synth)
         target = Target(config.base_url, model, config.endpoint, config.ignore_eos,
                         length_control=config.length_control, eos_token_id=config.eos_token_id)
-        first = [workload.spec(i) for i in range(min(PROMPT_CHECKS, config.max_requests or PROMPT_CHECKS,
-                                                     len(workload.rows) if workload.rows is not None else PROMPT_CHECKS))]
+        rows = len(workload.rows) if workload.rows is not None else PROMPT_CHECKS
+        first = [workload.spec(i) for i in range(min(PROMPT_CHECKS, config.max_requests or PROMPT_CHECKS, rows))]
         prompt_check = (await check_prompts(session, config.base_url, model, config.endpoint, first)
                         if synth.method != "assumed" else {"checked": 0, "exact": 0})
 

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from kvtune.engines import vllm
 
+_PASS, _FAIL, _UNKNOWN = "[green]pass[/]", "[red]fail[/]", "[yellow]unknown[/]"
 
 class RichBenchProgress:
     """A progress bar over requests (or seconds, for a duration-bound run) plus live counters."""
@@ -99,7 +100,8 @@ def render_summary(report: Mapping[str, Any], console: Console) -> None:
                  f"{report['prompt_tokens_requested_total']:,} intended; {pl['mismatched']} of {pl['checked']} differ")
     if report.get("goodput"):
         g = report["goodput"]
-        head.add_row("goodput", f"{g['requests_met']} met the SLO ({g['attainment']:.1%}), {g['requests_per_s']:,.2f} req/s")
+        head.add_row("goodput",
+                     f"{g['requests_met']} met the SLO ({g['attainment']:.1%}), {g['requests_per_s']:,.2f} req/s")
     console.print(head)
 
     lat = Table(title="latency (ms)", title_justify="left")
@@ -129,10 +131,10 @@ def render_summary(report: Mapping[str, Any], console: Console) -> None:
         for name, check in v.items():
             if name == "passed":
                 continue
-            result = "[green]pass[/]" if check["passed"] else ("[red]fail[/]" if check["evaluated"] else "[yellow]unknown[/]")
+            result = _PASS if check["passed"] else (_FAIL if check["evaluated"] else _UNKNOWN)
             if name == "truncation_share":
                 for r in check["routes"]:
-                    rr = "[green]pass[/]" if r["passed"] else ("[red]fail[/]" if r["passed"] is False else "[yellow]unknown[/]")
+                    rr = _PASS if r["passed"] else (_FAIL if r["passed"] is False else _UNKNOWN)
                     tol = "" if r["tolerance"] is None else f" ± {r['tolerance']:.3f}"
                     table.add_row(f"truncation {r['route']}", rr, str(r["observed"]), f"{r['expected']}{tol}", "")
             else:

@@ -63,8 +63,10 @@ def _parse_expect(path: str):
 @click.command(epilog=JSON_FIELDS)
 @click.argument("url")
 @click.argument("logs", nargs=-1)
-@click.option("--profile", "profile_path", metavar="FILE", help="A profile saved by `kvtune profile --save` instead of LOGS.")
-@click.option("--route", "routes", multiple=True, metavar="NAME", help="Only these routes (repeatable).  [default: all, by share]")
+@click.option("--profile", "profile_path", metavar="FILE",
+              help="A profile saved by `kvtune profile --save` instead of LOGS.")
+@click.option("--route", "routes", multiple=True, metavar="NAME",
+              help="Only these routes (repeatable).  [default: all, by share]")
 @log_options
 @click.option("--model", help="Served model name.  [default: the first of /v1/models]")
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
@@ -84,7 +86,8 @@ def _parse_expect(path: str):
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Per-request limit in seconds, first byte to [DONE].")
 @click.option("--retry", is_flag=True, help="Retry 429 (and 503 with Retry-After), waiting as Retry-After says.")
-@click.option("--max-retries", type=click.IntRange(min=1), default=3, show_default=True, help="Retries per request with --retry.")
+@click.option("--max-retries", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Retries per request with --retry.")
 @click.option("--slo", metavar="SPEC", help="Latency objectives in ms, e.g. ttft=500,tpot=50,e2e=10000.")
 @click.option("--slo-attainment", type=click.FloatRange(min=0, max=1), default=0.99, show_default=True,
               help="With --slo: exit 1 unless this share of requests meets every objective.")
@@ -138,8 +141,9 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     base_url = server_root(url, field="URL")
     slo = parse_slo(opts["slo"]) if opts["slo"] else None
     expect = _parse_expect(opts["expect_path"]) if opts["expect_path"] else None
-    shapes = [name for name, on in (("--rate", opts["rate"] is not None), ("--concurrency", opts["concurrency"] is not None),
-                                    ("--replay", opts["replay"])) if on]
+    given = {"--rate": opts["rate"] is not None, "--concurrency": opts["concurrency"] is not None,
+             "--replay": opts["replay"]}
+    shapes = [name for name, on in given.items() if on]
     if len(shapes) > 1:
         raise OptionError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
     if profile_path and logs:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.read import Deployed, DeployedKind

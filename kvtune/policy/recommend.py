@@ -72,7 +72,8 @@ class RecommendOptions:
                               f"{rules.CURRENT_VLLM_VERSION})", field="vllm_version") from None
         problem = url_problem(self.upstream)
         if problem is None and urlsplit(self.upstream).path not in ("", "/"):
-            problem = f"must be the server's root (the gateway forwards each request's own path), got {brief(self.upstream)}"
+            problem = (f"must be the server's root (the gateway forwards each request's own path), "
+                       f"got {brief(self.upstream)}")
         if problem is not None:
             raise OptionError(problem, field="upstream")
         if not self.route_by:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -182,7 +183,8 @@ def kv_cache_dtype(basis: Any, bytes_per_element: int) -> Decision:
             if bytes_per_element >= 2 else f"{bytes_per_element} byte per element")
     if basis.measured:
         where = f" ({basis.origin})" if basis.origin else ""
-        return Decision(basis.value, "kv-dtype-measured", f"the KV cache dtype the capacity was measured at{where}; {size}")
+        return Decision(basis.value, "kv-dtype-measured",
+                        f"the KV cache dtype the capacity was measured at{where}; {size}")
     return Decision(basis.value, "kv-dtype-given" if basis.source == "given" else "kv-dtype-default", size)
 
 
