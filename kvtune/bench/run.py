@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvtune import __version__
 from kvtune.bench.client import RequestResult, RequestSpec, RetryPolicy, Target, send_request
 from kvtune.bench.loads import LoadShape, drive
 from kvtune.bench.report import Slo, summarize, verdict
@@ -26,6 +25,7 @@ from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, chec
 from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
 from kvtune.endpoint import get
 from kvtune.errors import EndpointError
+from kvtune.version import __version__
 
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation

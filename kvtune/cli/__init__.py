@@ -16,8 +16,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
-from kvtune import __version__
 from kvtune.errors import KvtuneError
+from kvtune.version import __version__
 
 # command name -> (module under kvtune.cli, attribute, one-line help shown by `kvtune --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import jinja2
 
-from kvtune import __version__
 from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
@@ -35,6 +34,7 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.version import __version__
 
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
