@@ -99,9 +99,9 @@ def wait_up(port: int, deadline_s: float = 20) -> None:
 
 
 def write_profile(path: Path) -> None:
+    from kvtune.profile.build import save_profile
     from kvtune.profile.histogram import Histogram, JointHistogram
     from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
-    from kvtune.profile.build import save_profile
 
     r = RouteProfile(route="/v1/completions", output=CensoredHistogram.of([OUTPUT_TOKENS], [False]),
                      total=CensoredHistogram.empty(), prompt=Histogram.of([PROMPT_TOKENS]),

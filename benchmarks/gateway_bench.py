@@ -112,7 +112,7 @@ def _wait_http(url: str, deadline_s: float = 20) -> None:
             return  # it answers
         except OSError:
             if time.monotonic() > end:
-                raise RuntimeError(f"{url} did not come up")
+                raise RuntimeError(f"{url} did not come up") from None
             time.sleep(0.05)
 
 

@@ -51,7 +51,12 @@ sys.path.insert(0, str(REPO / "tests"))
 TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 from vllm_server import (  # noqa: E402
-    chat_prompt_tokens, free_port, start_vllm, stop_vllm, synth_prompt, write_tiny_model,
+    chat_prompt_tokens,
+    free_port,
+    start_vllm,
+    stop_vllm,
+    synth_prompt,
+    write_tiny_model,
 )
 
 EOS_LOGIT_BIAS = 100

@@ -128,7 +128,10 @@ def run_pandas(path: str) -> dict:
     import pandas as pd
 
     cols = ["route", "prompt_tokens", "output_tokens"]
-    df = pd.read_parquet(path, columns=cols) if path.endswith(".parquet") else pd.read_json(path, lines=True, engine="pyarrow")[cols]
+    if path.endswith(".parquet"):
+        df = pd.read_parquet(path, columns=cols)
+    else:
+        df = pd.read_json(path, lines=True, engine="pyarrow")[cols]
     percents = [100 * q for q in QS]
     out = {}
     for route, g in df.groupby("route", sort=True):
@@ -186,7 +189,7 @@ def compare(a: dict, b: dict) -> list[str]:
                 diffs.append(f"{route} {kind}: missing")
                 continue
             names = [*KEYS, "max", "mean"]
-            for name, u, v in zip(names, x, y):
+            for name, u, v in zip(names, x, y, strict=True):
                 if (abs(u - v) > 0.0006) if name == "mean" else (u != v):  # kvtune rounds means to 3 places
                     diffs.append(f"{route} {kind} {name}: {u} vs {v}")
     return diffs
@@ -204,7 +207,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
-    parser.add_argument("--small-rows", type=int, default=1_000_000, help="also profile this many rows with kvtune (memory vs rows); 0 = skip")
+    parser.add_argument("--small-rows", type=int, default=1_000_000,
+                        help="also profile this many rows with kvtune (memory vs rows); 0 = skip")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvtune-bench")
     parser.add_argument("--formats", default="parquet,jsonl")
@@ -222,8 +226,9 @@ def main() -> None:
     for rows in {args.rows, args.small_rows} - {0}:
         subprocess.run([sys.executable, __file__, "_generate", str(rows), str(args.data_dir)], check=True)
     parquet, jsonl = _paths(args.rows, args.data_dir)
-    print(f"data: {parquet} ({parquet.stat().st_size / 2**20:,.0f} MiB), {jsonl} ({jsonl.stat().st_size / 2**20:,.0f} MiB), "
-          f"{args.rows:,} rows, ready in {time.perf_counter() - t:.1f} s; {os.cpu_count()} CPUs; median of {args.repeat}")
+    mib = {p: p.stat().st_size / 2**20 for p in (parquet, jsonl)}
+    print(f"data: {parquet} ({mib[parquet]:,.0f} MiB), {jsonl} ({mib[jsonl]:,.0f} MiB), {args.rows:,} rows, "
+          f"ready in {time.perf_counter() - t:.1f} s; {os.cpu_count()} CPUs; median of {args.repeat}")
     files = {"parquet": parquet, "jsonl": jsonl}
     tools = args.tools.split(",")
     ok = True
@@ -237,12 +242,14 @@ def main() -> None:
             for peer in ("duckdb", "pandas"):
                 if peer in results:
                     k, p = results["kvtune"], results[peer]
-                    print(f"  kvtune/{peer}: time {k['wall_s'] / p['wall_s']:.2f}×, memory {k['peak_rss_mib'] / p['peak_rss_mib']:.2f}×")
+                    print(f"  kvtune/{peer}: time {k['wall_s'] / p['wall_s']:.2f}×, "
+                          f"memory {k['peak_rss_mib'] / p['peak_rss_mib']:.2f}×")
         base = tools[0]
         for tool in tools[1:]:
             diffs = compare(results[base]["result"], results[tool]["result"])
             ok &= not diffs
-            print(f"  {base} vs {tool}: " + ("identical percentiles, max and mean" if not diffs else f"{len(diffs)} differences: " + "; ".join(diffs[:6])))
+            found = f"{len(diffs)} differences: " + "; ".join(diffs[:6])
+            print(f"  {base} vs {tool}: " + (found if diffs else "identical percentiles, max and mean"))
     if args.small_rows and "kvtune" in tools:
         small_parquet, small_jsonl = _paths(args.small_rows, args.data_dir)
         print(f"\nkvtune memory vs rows (peak RSS MiB, median of {args.repeat})")

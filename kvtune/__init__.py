@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from kvtune.version import __version__
 
 __all__ = [
     "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",

@@ -34,7 +34,8 @@ def tune_for_streaming() -> bool:
         return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        libc.gnu_get_libc_version  # glibc only: musl and others have no mallopt thresholds to tune
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return False  # glibc only: musl and others have no mallopt thresholds to tune
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

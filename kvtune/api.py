@@ -31,8 +31,8 @@ from kvtune.planning import Plan, measured_capacity, plan
 if TYPE_CHECKING:
     from kvtune.deploy.check import CheckResult
     from kvtune.deploy.render import RenderOptions
-    from kvtune.profile.routes import Profile
     from kvtune.policy.recommendation import Recommendation
+    from kvtune.profile.routes import Profile
 
 DEFAULT_MAX_ROUTES = 2000  # kvtune.profile.build.MAX_ROUTES, without importing numpy here
 
@@ -49,7 +49,7 @@ class RenderCheckError(KvtuneError):
 def profile_logs(
     paths: Sequence[str | os.PathLike[str]],
     *,
-    format: str | None = None,  # noqa: A002 - the option's own name
+    format: str | None = None,
     fields: Mapping[str, str] | None = None,
     route_by: str | None = None,
     tokenizer: str | None = None,
@@ -105,7 +105,8 @@ def recommend(
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule      # doctest: +SKIP
     (25884, 'cap-max-truncation')
     """
-    from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions, recommend as apply_rules
+    from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
+    from kvtune.policy.recommend import recommend as apply_rules
     from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
     options = RecommendOptions(

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
-from kvtune.capacity.plan import CapacityReport, plan_capacity
+from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
 from kvtune.weights import weights_for
+
+T = TypeVar("T", float, str)
 
 # vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md).
 DEFAULT_GPU_MEMORY_UTILIZATION = vllm.GPU_MEMORY_UTILIZATION
@@ -33,10 +36,10 @@ class PlanError(CapacityError):
 
 
 @dataclass(frozen=True, slots=True)
-class Basis:
+class Basis(Generic[T]):
     """One engine setting the capacity depends on, and where its value came from."""
 
-    value: float | str | int | None
+    value: T
     source: str  # "measured", "given" or "default"
     origin: str | None = None  # the log, URL or file a measured value was read from
 
@@ -55,12 +58,12 @@ class Plan:
     report: CapacityReport
     gpu: str | None
     gpu_memory_bytes: int | None
-    gpu_memory_utilization: Basis
-    kv_cache_dtype: Basis
+    gpu_memory_utilization: Basis[float]
+    kv_cache_dtype: Basis[str]
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
 
     @property
-    def capacity(self):  # kvtune.capacity.plan.Capacity
+    def capacity(self) -> Capacity:
         return self.report.capacity
 
     @property
@@ -116,12 +119,12 @@ def plan(
                         field="block_size")
 
     spec = resolve_model(model)
-    kv = kv_bytes(spec, kv_cache_dtype=str(dtype.value), tp=tp, pp=pp)
+    kv = kv_bytes(spec, kv_cache_dtype=dtype.value, tp=tp, pp=pp)
     report = plan_capacity(
         spec, kv, weights_for(spec),
         gpu_name=gpu_name,
         gpu_memory_bytes=memory_bytes,
-        gpu_memory_utilization=float(utilization.value),  # type: ignore[arg-type]
+        gpu_memory_utilization=utilization.value,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
@@ -133,7 +136,7 @@ def plan(
                 measured.kv_cache_memory_bytes if measured else None)
 
 
-def _basis(name: str, given, reported, default, measured: MeasuredCapacity | None) -> Basis:
+def _basis(name: str, given: T | None, reported: T | None, default: T, measured: MeasuredCapacity | None) -> Basis[T]:
     """The value a setting has on the deployment the capacity describes."""
     if reported is not None:
         if given is not None and not _same(given, reported):
@@ -145,9 +148,9 @@ def _basis(name: str, given, reported, default, measured: MeasuredCapacity | Non
     return Basis(default, "default")
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), rel_tol=1e-9)
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9)
     return a == b
 
 

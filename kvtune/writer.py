@@ -153,7 +153,7 @@ class OutputFiles:
                         raise _error(entry.target, exc) from exc
             found = [check_target(entry.target) for entry in entries]  # again: any may have changed since
             backups = {}
-            for entry, info in zip(entries, found):
+            for entry, info in zip(entries, found, strict=True):
                 if info is not None:
                     try:
                         os.chmod(entry.staged, stat.S_IMODE(info.st_mode))

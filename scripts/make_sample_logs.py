@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,8 @@ START_S = 1_735_000_000  # 2024-12-24, a fixed epoch second
 
 # route -> (model, output ln-mean, ln-sd, prompt ln-mean, ln-sd, max_tokens choices and weights)
 ROUTES = {
-    "/v1/chat/completions": ("llama-3.1-8b-instruct", 5.019, 0.859, 6.633, 0.985, ((None, 512, 1024, 4096), (0.3, 0.3, 0.3, 0.1))),
+    "/v1/chat/completions": ("llama-3.1-8b-instruct", 5.019, 0.859, 6.633, 0.985,
+                             ((None, 512, 1024, 4096), (0.3, 0.3, 0.3, 0.1))),
     "/v1/code/completions": ("qwen2.5-coder-7b", 2.788, 0.847, 6.999, 1.360, ((None, 256, 2048), (0.2, 0.5, 0.3))),
     "/v1/summarize": ("llama-3.1-8b-instruct", 5.187, 0.796, 7.717, 0.755, ((512, 1024), (0.5, 0.5))),
 }
@@ -101,7 +102,7 @@ def write_openai_pairs(path: Path, rng) -> None:
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds")
 
 
 def write_litellm_spend(path: Path, rng) -> None:
@@ -122,7 +123,7 @@ def write_litellm_spend(path: Path, rng) -> None:
                         "choices": [{"index": 0, "finish_reason": finish,
                                      "message": {"role": "assistant", "content": "[redacted]"}}],
                         "usage": {"prompt_tokens": prompt, "completion_tokens": output}}
-            start = datetime.fromtimestamp(ts, tz=timezone.utc)
+            start = datetime.fromtimestamp(ts, tz=UTC)
             writer.writerow([
                 f"req-{i:06d}", "acompletion", "88dc28d0f030c55ed4ab77ed8faf098196cb1c05df778539800c9f1243fe6b4b",
                 round((prompt * 0.05 + output * 0.2) / 1e6, 8), prompt + output, prompt, output,
@@ -143,8 +144,8 @@ def write_azure_style(path: Path, rng) -> None:
     with path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
-        for t, p, o in zip(ts, prompt, output):
-            stamp = datetime.fromtimestamp(float(t), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f") + "0"
+        for t, p, o in zip(ts, prompt, output, strict=True):
+            stamp = datetime.fromtimestamp(float(t), tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f") + "0"
             writer.writerow([stamp, int(p), int(o)])
 
 

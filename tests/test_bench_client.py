@@ -9,10 +9,10 @@ import time
 
 import aiohttp
 import pytest
+from fake_vllm import TEMPLATED, FakeVllm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_vllm import TEMPLATED, FakeVllm
 from kvtune.bench.client import (
     Outcome,
     RequestSpec,
@@ -55,7 +55,7 @@ def test_sse_any_chunking_gives_the_same_events(cuts):
     events = [json.dumps({"i": i, "t": "x" * i}).encode() for i in range(5)] + [b"[DONE]"]
     stream = b"".join(b"data: " + e + (b"\r\n\r\n" if i % 2 else b"\n\n") for i, e in enumerate(events))
     points = sorted({min(c, len(stream)) for c in cuts})
-    pieces = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)])]
+    pieces = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
     d = SSEDecoder()
     got = [e for p in pieces for e in d.feed(p)] + d.close()
     assert got == events
@@ -105,7 +105,10 @@ def fake(**steer) -> FakeVllm:
     return FakeVllm(tokens=TEMPLATED, **steer)
 
 
-async def one(server: FakeVllm, *, endpoint="chat", timeout_s=10.0, retry=RetryPolicy(), output_tokens=5):
+NO_RETRY_POLICY_GIVEN = RetryPolicy()
+
+
+async def one(server: FakeVllm, *, endpoint="chat", timeout_s=10.0, retry=NO_RETRY_POLICY_GIVEN, output_tokens=5):
     async with server, aiohttp.ClientSession() as session:
         return await send_request(session, Target(server.url, "fake", endpoint), spec(output_tokens),
                                   timeout_s=timeout_s, retry=retry)

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from recs import make_rec_dict
 
 from kvtune.cli import cli
+from kvtune.profile.build import save_profile
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
-from kvtune.profile.build import save_profile
-from recs import make_rec_dict
 
 pytestmark = pytest.mark.vllm
 

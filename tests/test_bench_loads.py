@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtune.bench.loads import LoadShape, arrival_offsets, drive
+from kvtune.bench.loads import LoadKind, LoadShape, arrival_offsets, drive
 
 
 def offsets(shape: LoadShape, n: int, seed: int = 0) -> np.ndarray:
@@ -32,10 +32,10 @@ def test_gamma_keeps_the_rate_and_changes_the_spread(burstiness):
 
 
 def test_shape_names():
-    assert LoadShape.rate(1.0).kind == "poisson"
-    assert LoadShape.rate(1.0, 2.0).kind == "gamma"
-    assert LoadShape.closed(1).kind == "synchronous"
-    assert LoadShape.closed(8).kind == "concurrent"
+    assert LoadShape.rate(1.0).kind is LoadKind.POISSON
+    assert LoadShape.rate(1.0, 2.0).kind is LoadKind.GAMMA
+    assert LoadShape.closed(1).kind is LoadKind.SYNCHRONOUS
+    assert LoadShape.closed(8).kind is LoadKind.CONCURRENT
     with pytest.raises(ValueError):
         LoadShape.closed(0)
 

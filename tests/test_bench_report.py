@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from recs import make_rec
-
 import numpy as np
 import pytest
+from recs import make_rec
 
 from kvtune.bench.client import Outcome, RequestResult
 from kvtune.bench.report import latency_stats, parse_slo, summarize, verdict

@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 import numpy as np
 import pytest
-
 from fake_vllm import TEMPLATED, FakeVllm
+
 from kvtune.bench.workload import WORDS, PairSampler, PromptSynth, Workload, calibrate_prompts, check_prompts
 from kvtune.errors import KvtuneError
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
@@ -28,7 +28,7 @@ def route(name: str, prompts, outputs, *, joint: bool = True, censored=None) -> 
 
 def frequencies(values: np.ndarray) -> dict[int, float]:
     v, c = np.unique(values, return_counts=True)
-    return dict(zip(v.tolist(), (c / values.size).tolist()))
+    return dict(zip(v.tolist(), (c / values.size).tolist(), strict=True))
 
 
 def assert_marginal(drawn: np.ndarray, h: Histogram):
@@ -36,7 +36,7 @@ def assert_marginal(drawn: np.ndarray, h: Histogram):
     n = drawn.size
     got = frequencies(drawn)
     assert set(got) <= set(h.values.tolist())
-    for v, c in zip(h.values.tolist(), h.counts.tolist()):
+    for v, c in zip(h.values.tolist(), h.counts.tolist(), strict=True):
         p = c / h.total
         assert abs(got.get(v, 0.0) - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9, (v, got.get(v), p)
 
@@ -58,10 +58,10 @@ def test_joint_draws_keep_the_correlation():
     outputs = [900] * 50 + [5] * 50
     r = route("a", prompts, outputs)
     p, o = PairSampler(r).draw(np.random.default_rng(2), 10_000)
-    assert set(zip(p.tolist(), o.tolist())) == {(10, 900), (1000, 5)}
+    assert set(zip(p.tolist(), o.tolist(), strict=True)) == {(10, 900), (1000, 5)}
     independent = route("b", prompts, outputs, joint=False)
     p, o = PairSampler(independent).draw(np.random.default_rng(2), 10_000)
-    assert (10, 5) in set(zip(p.tolist(), o.tolist()))
+    assert (10, 5) in set(zip(p.tolist(), o.tolist(), strict=True))
 
 
 def test_joint_cells_are_drawn_by_count_and_values_stay_in_their_cell():
@@ -70,8 +70,8 @@ def test_joint_cells_are_drawn_by_count_and_values_stay_in_their_cell():
     outputs = np.maximum(1, prompts // 3 + rng.integers(0, 5, 1000))  # strongly correlated
     r = route("a", prompts, outputs)
     p, o = PairSampler(r).draw(np.random.default_rng(4), 50_000)
-    cells = set(zip(r.joint.prompt_bins.tolist(), r.joint.output_bins.tolist()))
-    drawn_cells = set(zip(joint_bin(p).tolist(), joint_bin(o).tolist()))
+    cells = set(zip(r.joint.prompt_bins.tolist(), r.joint.output_bins.tolist(), strict=True))
+    drawn_cells = set(zip(joint_bin(p).tolist(), joint_bin(o).tolist(), strict=False))
     assert drawn_cells <= cells
     assert np.corrcoef(p, o)[0, 1] > 0.9
 

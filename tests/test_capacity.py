@@ -12,7 +12,7 @@ from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_fr
 from kvtune.capacity.memory import Overhead, estimate_overhead, kv_pool, num_blocks_for
 from kvtune.capacity.plan import capacity_from_blocks, estimate_capacity, measured_capacity, plan_capacity
 from kvtune.capacity.reservation import RequestShape, fit_request, reserved_blocks
-from kvtune.errors import CapacityError, InputError, KvtuneError, OptionError
+from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.hardware import GPUS
 from kvtune.kv import kv_bytes
 from kvtune.model import resolve_model

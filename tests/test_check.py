@@ -7,14 +7,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from kvtune.deploy.check import check_deployment
-from kvtune.policy.recommendation import Recommendation
 from recs import rec_dict
-from kvtune.deploy.read import load_deployed, parse_deployed, parse_vllm_command
+
+from kvtune.deploy.check import Severity, check_deployment
+from kvtune.deploy.read import DeployedKind, load_deployed, parse_deployed, parse_vllm_command
+from kvtune.deploy.render import render_files
 from kvtune.errors import InputError
 from kvtune.hardware import GPUS
-from kvtune.deploy.render import render_files
+from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parent / "data"
 
@@ -24,7 +24,7 @@ def rec() -> Recommendation:
 
 
 def codes(result, severity=None) -> list[str]:
-    return [f.code for f in result.findings if severity is None or f.severity == severity]
+    return [f.code for f in result.findings if severity is None or f.severity is Severity(severity)]
 
 
 def gateway_yaml(budget=26999, block_size=16, max_model_len=14512, routes=None) -> str:
@@ -57,7 +57,7 @@ def test_parse_vllm_command_forms():
         echo never
         """)
     d = parse_vllm_command(script)
-    assert d.kind == "vllm" and d.model == "meta-llama/Llama-3.1-8B"
+    assert d.kind is DeployedKind.VLLM and d.model == "meta-llama/Llama-3.1-8B"
     assert d.tensor_parallel_size == 2 and d.max_model_len == 8192
     assert d.gpu_memory_utilization == 0.85 and d.kv_cache_dtype == "fp8"
     assert d.max_new_tokens == 512 and d.max_num_seqs == 128
@@ -94,7 +94,7 @@ def test_rendered_files_read_back_exactly():
             ("/v1/completions", "/v1/completions", None, 700),
             ("default", None, None, 700),
         ]
-    assert (nginx.kind, gateway.kind, engine.kind) == ("nginx", "gateway", "vllm")
+    assert (nginx.kind, gateway.kind, engine.kind) == (DeployedKind.NGINX, DeployedKind.GATEWAY, DeployedKind.VLLM)
     assert engine.model == "meta-llama/Llama-3.1-8B" and engine.max_new_tokens == 700
     assert engine.max_num_seqs == 304 and engine.block_size == 16
 

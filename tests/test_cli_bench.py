@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from fake_vllm import TEMPLATED, FakeVllm
 from recs import make_rec_dict
+
 from kvtune.cli import cli
+from kvtune.profile.build import save_profile
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
-from kvtune.profile.build import save_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

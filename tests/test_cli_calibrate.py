@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from conftest import REPO
 from fake_vllm import FakeVllm
 
-from kvtune.cli import cli
 from kvtune.capacity.measured import read_capacity_file
+from kvtune.cli import cli
 
 DATA = Path(__file__).parent / "data"
 METRICS = (DATA / "metrics-cpu-0.32-live.txt").read_bytes()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from fake_vllm import FakeVllm
+
 from kvtune.cli import cli
 
 DATA = Path(__file__).parent / "data"

@@ -36,7 +36,7 @@ def test_json_for_a_config_path_with_fp8_and_pp():
     # 42 × 8 × 512 × 1 = 172032; pp 2 → 21 layers × 8 × 512 = 86016
     assert (data["bytes_per_element"], data["kv_bytes_per_token"], data["kv_bytes_per_token_per_gpu"]) == (
         1, 172032, 86016)
-    assert {(l["kind"], l["window"]) for l in data["layers"]} == {("full", None), ("sliding", 4096)}
+    assert {(layer["kind"], layer["window"]) for layer in data["layers"]} == {("full", None), ("sliding", 4096)}
 
 
 def test_table_shows_layers_bytes_and_kib():

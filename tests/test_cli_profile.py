@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
 from kvtune.cli import cli
 from kvtune.profile.build import load_profile
 
@@ -60,7 +60,7 @@ def test_percentiles_match_numpy_on_flat_logs(tmp_path):
     out = rng.integers(1, 3000, 3000)
     prompt = rng.integers(1, 9000, 3000)
     rows = [{"route": "/a" if i % 3 else "/b", "prompt_tokens": int(p), "output_tokens": int(o),
-             "finish_reason": "stop"} for i, (p, o) in enumerate(zip(prompt, out))]
+             "finish_reason": "stop"} for i, (p, o) in enumerate(zip(prompt, out, strict=True))]
     result = run(str(write_flat(tmp_path / "flat.jsonl", rows)), "--json")
     data = json.loads(result.output)
     mask_b = np.arange(3000) % 3 == 0
@@ -419,7 +419,7 @@ def test_100k_routes_profile_in_bounded_memory(tmp_path):
     many = tmp_path / "many.jsonl"
     many.write_text("".join(
         f'{{"route":"/r/{i}","output_tokens":{o},"prompt_tokens":{p}}}\n'
-        for i, o, p in zip(range(100_000), rng.integers(1, 2000, 100_000), rng.integers(1, 8000, 100_000))
+        for i, o, p in zip(range(100_000), rng.integers(1, 2000, 100_000), rng.integers(1, 8000, 100_000), strict=True)
     ))
     one = write_flat(tmp_path / "one.jsonl", [{"route": "/r", "output_tokens": 5, "prompt_tokens": 9}])
     base_mib, _ = _peak_rss_mib(one)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import REPO
+
 from kvtune.cli import COMMANDS, cli
 
 

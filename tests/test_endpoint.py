@@ -6,8 +6,8 @@ import asyncio
 
 import aiohttp
 import pytest
-
 from fake_vllm import FakeVllm
+
 from kvtune.endpoint import ServerUrl, get, get_ok, parse_url, server_root
 from kvtune.errors import EndpointError, InputError
 
@@ -96,7 +96,7 @@ def test_get_is_bounded_in_size_and_time():
 def test_get_from_nowhere():
     with FakeVllm(routes={}, routes_only=True) as fake:
         base = fake.url
-        pass  # closed again: its port refuses
+        # closed again: its port refuses
     with pytest.raises(EndpointError) as info:
         asyncio.run(_get(f"{base}/metrics", field="--metrics-url"))
     assert str(info.value).startswith(f"{base}/metrics: --metrics-url: cannot reach: ")

@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_vllm import FakeVllm
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fake_vllm import FakeVllm
-from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.measured import (
+    CapacitySource,
+    MeasuredCapacity,
     fetch_capacity,
     parse_metrics_text,
     parse_vllm_log,

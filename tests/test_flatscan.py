@@ -61,7 +61,7 @@ def reference(block: bytes, keys, kinds) -> list[tuple[int, list]] | None:
             record = json.loads(line)
             if not isinstance(record, dict):
                 return None
-            records.append((index, [convert(kind, dig(record, key), key) for key, kind in zip(keys, kinds)]))
+            records.append((index, [convert(kind, dig(record, key), key) for key, kind in zip(keys, kinds, strict=True)]))
         except (ValueError, RecursionError, RowError, OverflowError):  # as_float(10**400) overflows
             return None
     return records
@@ -415,9 +415,9 @@ def test_threads_agree_with_one_thread():
     serial = [scan_block(b, KEYS, KINDS) for b in blocks]
     with ThreadPoolExecutor(4) as pool:
         parallel = list(pool.map(lambda b: scan_block(b, KEYS, KINDS), blocks))
-    for a, b in zip(serial, parallel):
+    for a, b in zip(serial, parallel, strict=True):
         assert a.vocabs == b.vocabs
-        assert all((x[0] == y[0]).all() for x, y in zip(a.columns, b.columns))
+        assert all((x[0] == y[0]).all() for x, y in zip(a.columns, b.columns, strict=True))
 
 
 def test_no_leaks():
@@ -532,7 +532,7 @@ def key_texts(draw, key: str) -> str:
     if draw(st.integers(0, 15)) != 7:
         return json.dumps(key, ensure_ascii=draw(st.booleans()))
     escape = draw(st.lists(st.booleans(), min_size=len(key), max_size=len(key)))
-    return '"' + "".join(f"\\u{ord(c):04x}" if e else c for c, e in zip(key, escape)) + '"'
+    return '"' + "".join(f"\\u{ord(c):04x}" if e else c for c, e in zip(key, escape, strict=True)) + '"'
 
 
 @st.composite
@@ -551,7 +551,7 @@ def object_lines(draw, fitting: dict[str, st.SearchStrategy]) -> bytes:
         values = [json.dumps(v, ensure_ascii=ensure_ascii) for _, v in members]
         for at in draw(st.lists(st.integers(0, len(values) - 1), max_size=2)) if values else ():
             values[at] = draw(NUMBER_TEXT)
-        text = "{" + ",".join(f"{draw(key_texts(k))}:{v}" for (k, _), v in zip(members, values)) + "}"
+        text = "{" + ",".join(f"{draw(key_texts(k))}:{v}" for (k, _), v in zip(members, values, strict=True)) + "}"
     pad = st.sampled_from(["", " ", "\t", "\r", " \r"])
     return (draw(pad) + text + draw(pad)).encode("utf-8", "surrogatepass")
 

@@ -42,7 +42,7 @@ def test_percentiles_equal_numpy(xs):
 @given(samples, st.lists(st.integers(min_value=0, max_value=6), max_size=400), st.randoms())
 def test_merge_of_random_shards_is_exact_and_order_independent(xs, cuts, rnd):
     shard_of = [(cuts[i] if i < len(cuts) else 0) for i in range(len(xs))]
-    shards = [Histogram.of([x for x, s in zip(xs, shard_of) if s == k]) for k in range(7)]
+    shards = [Histogram.of([x for x, s in zip(xs, shard_of, strict=True) if s == k]) for k in range(7)]
     rnd.shuffle(shards)
     merged = Histogram.empty()
     for h in shards:

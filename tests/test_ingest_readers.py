@@ -11,13 +11,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from conftest import TRACES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TRACES
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
-from kvtune.ingest import COLUMNS, IngestOptions, OnError, expand_paths, parse_on_error, read_logs
-from kvtune.ingest import columns, flatscan, jsonl, readers, tabular
+from kvtune.ingest import (
+    COLUMNS,
+    IngestOptions,
+    OnError,
+    columns,
+    expand_paths,
+    flatscan,
+    jsonl,
+    parse_on_error,
+    read_logs,
+    readers,
+    tabular,
+)
 
 LOGS = Path(__file__).parent / "data" / "logs"
 

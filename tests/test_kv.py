@@ -84,18 +84,18 @@ def test_deepseek_mla_is_replicated_not_split():
 def test_layer_breakdown_gemma2_alternates_and_gemma3_five_to_one():
     g2 = kv_bytes(spec_of("gemma-2-9b-it.json"))
     # 21 sliding (even) + 21 full layers, each 8 × 512 × 2 = 8192 B/token → 172032 each
-    assert [(l.kind, l.count, l.window, l.kv_bytes_per_token) for l in g2.layers] == [
+    assert [(x.kind, x.count, x.window, x.kv_bytes_per_token) for x in g2.layers] == [
         (LayerKind.FULL, 21, None, 172032), (LayerKind.SLIDING, 21, 4096, 172032)]
     g3 = kv_bytes(spec_of("gemma-3-27b-it.json"))
     # 62 layers, every 6th global: 10 full, 52 sliding (window 1024); 16 × 256 × 2 = 8192 B/layer
-    assert [(l.kind, l.count, l.window, l.kv_bytes_per_token) for l in g3.layers] == [
+    assert [(x.kind, x.count, x.window, x.kv_bytes_per_token) for x in g3.layers] == [
         (LayerKind.FULL, 10, None, 81920), (LayerKind.SLIDING, 52, 1024, 425984)]
 
 
 def test_gpt_oss_layer_types():
     result = kv_bytes(spec_of("gpt-oss-20b.json"))
     # 12 + 12 layers × 8 × 128 × 2 = 24576 each
-    assert [(l.kind, l.count, l.window, l.kv_bytes_per_token) for l in result.layers] == [
+    assert [(x.kind, x.count, x.window, x.kv_bytes_per_token) for x in result.layers] == [
         (LayerKind.FULL, 12, None, 24576), (LayerKind.SLIDING, 12, 128, 24576)]
 
 
@@ -104,7 +104,7 @@ def test_jamba_mamba_state_per_sequence():
     # Mamba-1 layer: d_inner = 2 × 4096 = 8192; conv 8192 × (4−1) + ssm 8192 × 16 = 155648 elements × 2 B
     # = 311296 B; 28 Mamba layers → 8716288 B per sequence
     assert result.state_bytes_per_sequence == 8716288
-    assert [(l.kind, l.count, l.kv_bytes_per_token) for l in result.layers] == [
+    assert [(x.kind, x.count, x.kv_bytes_per_token) for x in result.layers] == [
         (LayerKind.FULL, 4, 16384), (LayerKind.MAMBA, 28, 0)]
     # tp=16: d_inner 512 per rank: (512 × 3 + 512 × 16) × 2 = 19456 B × 28 = 544768
     assert kv_bytes(spec_of("AI21-Jamba-1.5-Mini.json"), tp=16).state_bytes_per_sequence_per_gpu == 544768

@@ -10,11 +10,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from conftest import TRACES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TRACES
 from kvtune.errors import InputError
+from kvtune.profile.build import ProfileBuilder, is_saved_profile, load_profile, save_profile
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import (
     PERCENTILES,
@@ -26,7 +27,6 @@ from kvtune.profile.routes import (
     merge_profiles,
     summarize_plain,
 )
-from kvtune.profile.build import ProfileBuilder, is_saved_profile, load_profile, save_profile
 
 # (file in tests/data/traces, prompt column, output column): every Azure row, excerpts of the rest
 TRACE_FILES = [
@@ -161,7 +161,7 @@ def test_kaplan_meier_hand_worked_example():
 
 def km_reference(lengths: list[int], cut: list[bool]) -> list[tuple[int, Fraction]]:
     """Straightforward Kaplan–Meier in exact rationals: [(t, F(t))] at each distinct length."""
-    observations = sorted(zip(lengths, cut))  # at a tie, False (event) sorts before True
+    observations = sorted(zip(lengths, cut, strict=True))  # at a tie, False (event) sorts before True
     at_risk, survival, curve, i = len(observations), Fraction(1), [], 0
     while i < len(observations):
         t, events, cuts = observations[i][0], 0, 0
@@ -443,7 +443,7 @@ def _traffic(draw):
 
 
 def _batches(rows, cuts):
-    for lo, hi in zip(cuts, cuts[1:]):
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
         if hi > lo:
             part = {k: v[lo:hi] for k, v in rows.items()}
             yield pa.record_batch({

@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-
 from conftest import TRACES
+
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.planning import plan
 from kvtune.policy.recommend import RecommendOptions, recommend
@@ -169,9 +169,10 @@ def test_catch_all_routes_come_after_specific_ones():
 def test_routes_from_a_field_are_not_gateway_matches():
     """Routes keyed by a log field (say metadata.team) cannot be matched by a gateway; rendering
     them as match-everything entries would send all traffic to whichever came first."""
-    from kvtune.gateway.config import parse_gateway_config
-    from kvtune.deploy.render import render_files
     import yaml
+
+    from kvtune.deploy.render import render_files
+    from kvtune.gateway.config import parse_gateway_config
 
     conv, code = _azure("conv"), _azure("code")
     plan_, capacity, options = _h100_llama()

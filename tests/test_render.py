@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvtune.deploy.charts import histogram_bars
+from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
+from kvtune.deploy.render import TARGETS, RenderOptions, local_chat_tokenizer, parse_upstream, render_files, write_files
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation
-from kvtune.deploy.charts import histogram_bars
-from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
-from kvtune.deploy.render import RenderOptions, TARGETS, local_chat_tokenizer, parse_upstream, render_files, write_files
 
 DATA = Path(__file__).parent / "data"
 NASTY = [
@@ -313,7 +313,7 @@ def test_reports_show_headline_routes_capacity_settings_and_notes():
 def test_markdown_report_keeps_hostile_names_inside_their_cells():
     md = render_files(hostile_rec(), targets=["report.md"])["report.md"]
     table = md.split("## Routes", 1)[1].split("###", 1)[0]
-    rows = [l for l in table.splitlines() if l.startswith("| ") and "---" not in l][1:]
+    rows = [row for row in table.splitlines() if row.startswith("| ") and "---" not in row][1:]
     assert len(rows) == len(NASTY)
     widths = {len(re.split(r"(?<!\\)\|", row)) for row in rows}
     assert len(widths) == 1
@@ -365,8 +365,8 @@ def test_coarsen_histogram_keeps_totals_and_edges():
 
 
 def test_refused_values_are_quoted_briefly():
-    from kvtune.errors import KvtuneError
     from kvtune.deploy.filters import nginx_listen, nginx_word
+    from kvtune.errors import KvtuneError
 
     for call in (lambda: nginx_word("/v1/" + "x" * 1_000_000 + "$"), lambda: nginx_listen("h" * 1_000_000)):
         with pytest.raises(KvtuneError) as info:

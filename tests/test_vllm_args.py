@@ -73,7 +73,7 @@ def vllm_parse(argvs: list[list[str]]) -> list[dict]:
     result = subprocess.run([str(python), "-c", PARSE_SCRIPT], input=json.dumps(argvs),
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-    line = next((l for l in result.stdout.splitlines() if l.startswith("KVTUNE-RESULTS ")), None)
+    line = next((x for x in result.stdout.splitlines() if x.startswith("KVTUNE-RESULTS ")), None)
     assert line is not None, result.stdout[-2000:] + result.stderr[-2000:]
     return json.loads(line.removeprefix("KVTUNE-RESULTS "))
 

@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from tests.conftest import CONFIGS
 from kvtune.errors import InputError
 from kvtune.model import resolve_model
 from kvtune.weights import (
@@ -19,6 +18,7 @@ from kvtune.weights import (
     read_checkpoint_bytes,
     weights_for,
 )
+from tests.conftest import CONFIGS
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from kvtune import writer
 from kvtune.errors import InputError
 from kvtune.writer import OutputFiles, write_files, write_text

@@ -133,7 +133,7 @@ def _train_tokenizer(vocab_size: int):
 
 
 def write_tiny_model(
-    dir: Path,  # noqa: A002 - the name the test bed's interface uses
+    dir: Path,
     *,
     num_layers: int = 2,
     num_kv_heads: int = 2,
@@ -308,7 +308,7 @@ def start_vllm(
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     env.pop("HF_HOME", None)  # the per-test HF_HOME of the autouse fixture disappears with its tmp_path
-    log_file = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop_vllm
+    log_file = open(log_path, "w", encoding="utf-8")
     process = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", *args],
         stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

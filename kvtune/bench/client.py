@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+_loads: Callable[[bytes | str], Any]
 try:  # optional: a faster parser when present; the stdlib is the baseline
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - depends on the environment
@@ -243,7 +244,7 @@ def parse_retry_after(value: str | None, default_s: float) -> float:
         return default_s
     import datetime as _dt
 
-    now = _dt.datetime.now(when.tzinfo or _dt.timezone.utc)
+    now = _dt.datetime.now(when.tzinfo or _dt.UTC)
     return max(0.0, (when - now).total_seconds())
 
 

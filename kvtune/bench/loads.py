@@ -10,21 +10,30 @@ and/or a duration; sending stops at the first bound reached, in-flight requests 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["LoadShape", "arrival_offsets", "drive"]
+__all__ = ["LoadKind", "LoadShape", "arrival_offsets", "drive"]
+
+
+class LoadKind(enum.Enum):
+    SYNCHRONOUS = "synchronous"  # closed loop, one request at a time
+    CONCURRENT = "concurrent"  # closed loop, C in flight
+    POISSON = "poisson"  # open loop, exponential gaps
+    GAMMA = "gamma"  # open loop, gamma gaps of shape B (vLLM's --burstiness)
+    REPLAY = "replay"  # open loop, the logs' own timestamps
 
 
 @dataclass(frozen=True, slots=True)
 class LoadShape:
-    """What the sender does; `kind` is one of synchronous, concurrent, poisson, gamma, replay."""
+    """What the sender does, and at what rate, concurrency or speed."""
 
-    kind: str
+    kind: LoadKind
     rate_rps: float | None = None
     burstiness: float = 1.0
     concurrency: int | None = None
@@ -35,13 +44,13 @@ class LoadShape:
     def rate(cls, rate_rps: float, burstiness: float = 1.0) -> LoadShape:
         if not rate_rps > 0 or not burstiness > 0:
             raise ValueError("rate and burstiness must be positive")
-        return cls("poisson" if burstiness == 1.0 else "gamma", rate_rps=rate_rps, burstiness=burstiness)
+        return cls(LoadKind.POISSON if burstiness == 1.0 else LoadKind.GAMMA, rate_rps=rate_rps, burstiness=burstiness)
 
     @classmethod
     def closed(cls, concurrency: int) -> LoadShape:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        return cls("synchronous" if concurrency == 1 else "concurrent", concurrency=concurrency)
+        return cls(LoadKind.SYNCHRONOUS if concurrency == 1 else LoadKind.CONCURRENT, concurrency=concurrency)
 
     @classmethod
     def replay(cls, timestamps_s: Sequence[float], speedup: float = 1.0) -> LoadShape:
@@ -50,7 +59,7 @@ class LoadShape:
             raise ValueError("speedup must be positive")
         ts = np.sort(np.asarray(timestamps_s, dtype=np.float64))
         offsets = (ts - ts[0]) / speedup if ts.size else ts
-        return cls("replay", speedup=speedup, offsets_s=tuple(offsets.tolist()))
+        return cls(LoadKind.REPLAY, speedup=speedup, offsets_s=tuple(offsets.tolist()))
 
     @property
     def open_loop(self) -> bool:
@@ -58,11 +67,11 @@ class LoadShape:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kind": self.kind,
+            "kind": self.kind.value,
             "rate_rps": self.rate_rps,
             "burstiness": self.burstiness if self.rate_rps is not None else None,
             "concurrency": self.concurrency,
-            "speedup": self.speedup if self.kind == "replay" else None,
+            "speedup": self.speedup if self.kind is LoadKind.REPLAY else None,
         }
 
 
@@ -85,7 +94,7 @@ def arrival_offsets(shape: LoadShape, rng: np.random.Generator, block: int = 409
 
 async def drive(
     shape: LoadShape,
-    launch: Callable[[int], Awaitable[Any]],
+    launch: Callable[[int], Coroutine[Any, Any, Any]],
     *,
     max_requests: int | None,
     duration_s: float | None,

@@ -32,8 +32,8 @@ import numpy as np
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.errors import OptionError
-from kvtune.profile.histogram import nearest_rank_index
 from kvtune.policy.recommendation import Recommendation
+from kvtune.profile.histogram import nearest_rank_index
 
 __all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]
 
@@ -115,7 +115,9 @@ def summarize(
     done = [r for r in results if r.ok]
     usage = [r.output_tokens for r in done if r.output_tokens is not None]
     out_total = int(sum(usage))
-    mismatch = [r for r in done if r.output_tokens is not None and r.output_tokens != r.output_tokens_requested]
+    # (counted by the server, asked for) where the two differ
+    mismatch = [(r.output_tokens, r.output_tokens_requested) for r in done
+                if r.output_tokens is not None and r.output_tokens != r.output_tokens_requested]
     prompt_checked = [r for r in done if r.prompt_tokens is not None]
     prompt_mismatch = [r for r in prompt_checked if r.prompt_tokens != r.prompt_tokens_requested]
     itl = [x for r in done for x in r.itl_ms]
@@ -148,12 +150,10 @@ def summarize(
         "output_length": {
             "completed_without_usage": len(done) - len(usage),
             "mismatched": len(mismatch),
-            "shortfall_tokens": int(sum(r.output_tokens_requested - r.output_tokens for r in mismatch
-                                        if r.output_tokens < r.output_tokens_requested)),
-            "excess_tokens": int(sum(r.output_tokens - r.output_tokens_requested for r in mismatch
-                                     if r.output_tokens > r.output_tokens_requested)),
+            "shortfall_tokens": int(sum(asked - got for got, asked in mismatch if got < asked)),
+            "excess_tokens": int(sum(got - asked for got, asked in mismatch if got > asked)),
         },
-        "prompt_tokens_total": int(sum(r.prompt_tokens for r in prompt_checked)),
+        "prompt_tokens_total": int(sum(r.prompt_tokens or 0 for r in prompt_checked)),
         "prompt_tokens_requested_total": int(sum(r.prompt_tokens_requested for r in done)),
         "prompt_length": {"checked": len(prompt_checked), "mismatched": len(prompt_mismatch)},
         "latency_ms": {

@@ -13,11 +13,10 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvtune import __version__
 from kvtune.bench.client import RequestResult, RequestSpec, RetryPolicy, Target, send_request
 from kvtune.bench.loads import LoadShape, drive
 from kvtune.bench.report import Slo, summarize, verdict
@@ -26,6 +25,10 @@ from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, chec
 from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
 from kvtune.endpoint import get
 from kvtune.errors import EndpointError
+from kvtune.version import __version__
+
+if TYPE_CHECKING:
+    from kvtune.policy.recommendation import Recommendation
 
 __all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "run_bench"]
 
@@ -54,7 +57,7 @@ class BenchConfig:
     max_connections: int | None = None  # default: the concurrency, else 4096
     seed: int = 0
     api_key: str | None = None
-    expect: Mapping[str, Any] | None = None
+    expect: Recommendation | None = None
     slo_attainment: float = 0.99
 
     @property
@@ -71,11 +74,17 @@ class BenchProgress(Protocol):
     def on_finish(self) -> None: ...
 
 
+class TextSink(Protocol):
+    """Where each request's line goes: a text file, or kvtune.writer's staged one."""
+
+    def write(self, text: str, /) -> int: ...
+
+
 @dataclass(slots=True)
 class BenchRecorder:
     """Results as they arrive (so an interrupted run keeps what it saw) and the run's context."""
 
-    requests_log: IO[str] | None = None
+    requests_log: TextSink | None = None
     progress: BenchProgress | None = None
     results: list[RequestResult] = field(default_factory=list)
     t0_s: float | None = None
@@ -90,7 +99,7 @@ class BenchRecorder:
             self.progress.on_result(result)
 
     def report(self, *, server: Mapping[str, Any] | None, slo: Slo | None,
-               expect: Mapping[str, Any] | None, slo_attainment: float | None = None,
+               expect: Recommendation | None, slo_attainment: float | None = None,
                interrupted: bool = False) -> dict[str, Any]:
         """The results JSON from whatever has been recorded so far."""
         end = self.end_s or time.perf_counter()
@@ -143,8 +152,8 @@ async def run_bench(
         workload = build_workload(synth)
         target = Target(config.base_url, model, config.endpoint, config.ignore_eos,
                         length_control=config.length_control, eos_token_id=config.eos_token_id)
-        first = [workload.spec(i) for i in range(min(PROMPT_CHECKS, config.max_requests or PROMPT_CHECKS,
-                                                     len(workload.rows) if workload.rows is not None else PROMPT_CHECKS))]
+        rows = len(workload.rows) if workload.rows is not None else PROMPT_CHECKS
+        first = [workload.spec(i) for i in range(min(PROMPT_CHECKS, config.max_requests or PROMPT_CHECKS, rows))]
         prompt_check = (await check_prompts(session, config.base_url, model, config.endpoint, first)
                         if synth.method != "assumed" else {"checked": 0, "exact": 0})
 
@@ -166,7 +175,7 @@ async def run_bench(
         })
         if rec.progress is not None:
             rec.progress.on_start({"max_requests": config.max_requests, "duration_s": config.duration_s,
-                                   "load": config.load.kind, "model": model,
+                                   "load": config.load.kind.value, "model": model,
                                    "metrics": scraper.metrics.available})
 
         max_requests = config.max_requests

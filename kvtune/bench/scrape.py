@@ -117,7 +117,8 @@ class ServerMetrics:
         """The `server` section of the results; None when the server has no readable /metrics."""
         if not self.available:
             return None
-        config = (self.after or self.before).cache_config if (self.after or self.before) else None
+        snapshot = self.after or self.before
+        config = snapshot.cache_config if snapshot is not None else None
         capacity = _capacity(config, self.url)
         preemptions = self._delta(NUM_PREEMPTIONS)
         generation = self._delta(GENERATION_TOKENS)

@@ -169,7 +169,7 @@ class Workload:
             where = np.flatnonzero(which == k)
             if where.size:
                 p, o = sampler.draw(self.rng, where.size)
-                for i, pi, oi in zip(where.tolist(), p.tolist(), o.tolist()):
+                for i, pi, oi in zip(where.tolist(), p.tolist(), o.tolist(), strict=True):
                     drawn[i] = (sampler.route, pi, oi)
         self._buffer.extend(reversed(drawn))
 
@@ -216,7 +216,8 @@ def select_routes(profile: Profile, routes: Sequence[str]) -> list[RouteProfile]
     return [names[r] for r in dict.fromkeys(routes)]
 
 
-def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]) -> tuple[list[tuple[str, int, int]], list[float], Counter]:
+def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
+                ) -> tuple[list[tuple[str, int, int]], list[float], Counter]:
     """(route, prompt, output) and timestamps of every logged request with both, in time order."""
     from kvtune.ingest import read_logs
 
@@ -227,7 +228,8 @@ def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]) -> tu
     skipped: Counter = Counter()
     for batch in batches:
         cols = batch.to_pydict()
-        for route, p, o, ts in zip(cols["route"], cols["prompt_tokens"], cols["output_tokens"], cols["timestamp_s"]):
+        columns = (cols["route"], cols["prompt_tokens"], cols["output_tokens"], cols["timestamp_s"])
+        for route, p, o, ts in zip(*columns, strict=True):
             route = route if route is not None else "default"
             if keep_routes and route not in keep_routes:
                 continue
@@ -309,7 +311,7 @@ async def _single_token_words(counter: _Counter) -> tuple[list[str], int] | None
     if not known:
         return None
     mode = Counter(known).most_common(1)[0][0]
-    return [w for w, c in zip(WORDS, counts) if c == mode], mode - 1
+    return [w for w, c in zip(WORDS, counts, strict=True) if c == mode], mode - 1
 
 
 async def calibrate_prompts(

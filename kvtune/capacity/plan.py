@@ -163,7 +163,8 @@ def measured_capacity(
         assert measured.kv_cache_tokens is not None  # guaranteed by MeasuredCapacity
         blocks = blocks_from_tokens(measured.kv_cache_tokens, bs, measured.max_model_len)
         if measured.block_size is None:
-            notes_list.append(f"blocks = tokens converted at block size {bs} (pass --block-size if the server used another)")
+            notes_list.append(f"blocks = tokens converted at block size {bs} "
+                              "(give the block size if the server used another)")
     if measured.max_model_len and measured.max_model_len != max_model_len:
         notes_list.append(
             f"the server's startup line was for max_model_len {measured.max_model_len:,}; "

@@ -6,11 +6,12 @@ the reservation is what never preempts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kvtune.errors import OptionError
+
 
 @dataclass(frozen=True, slots=True)
 class RequestShape:

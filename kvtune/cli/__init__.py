@@ -9,16 +9,15 @@ import importlib
 import importlib.util
 import os
 import re
-import sys
 
 # kvtune does no linear algebra: OpenBLAS's thread pool would only add ~50 ms to numpy's import
 # (and idle threads). Set before anything imports numpy; a value the user set wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import click  # noqa: E402
+import click
 
-from kvtune import __version__  # noqa: E402
-from kvtune.errors import KvtuneError  # noqa: E402
+from kvtune.errors import KvtuneError
+from kvtune.version import __version__
 
 # command name -> (module under kvtune.cli, attribute, one-line help shown by `kvtune --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -26,10 +25,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "capacity": ("capacity", "capacity", "How many tokens, blocks and requests fit on given GPUs."),
     "profile": ("profile", "profile", "Per-route output and prompt length distributions from logs."),
     "recommend": ("recommend", "recommend", "Caps, KV budget and engine settings from traffic; renders deploy files."),
-    "calibrate": ("calibrate", "calibrate", "Read the real KV capacity of a running vLLM (/v1/models, /metrics) into a file."),
+    "calibrate": ("calibrate", "calibrate",
+                  "Read the real KV capacity of a running vLLM (/v1/models, /metrics) into a file."),
     "check": ("check", "check", "Gate a deployed vllm/gateway/nginx config against traffic (exit 1 on risk)."),
-    "bench": ("bench", "bench", "Replay profiled traffic against a live server, scrape /metrics, judge (exit 1 on fail)."),
-    "gateway": ("gateway", "gateway", "Run the admission gateway: reserve KV per request, 429 + Retry-After when full."),
+    "bench": ("bench", "bench",
+              "Replay profiled traffic against a live server, scrape /metrics, judge (exit 1 on fail)."),
+    "gateway": ("gateway", "gateway",
+                "Run the admission gateway: reserve KV per request, 429 + Retry-After when full."),
 }
 
 
@@ -99,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

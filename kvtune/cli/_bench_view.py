@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtune.engines import vllm
 
+_PASS, _FAIL, _UNKNOWN = "[green]pass[/]", "[red]fail[/]", "[yellow]unknown[/]"
 
 class RichBenchProgress:
     """A progress bar over requests (or seconds, for a duration-bound run) plus live counters."""
@@ -23,7 +24,7 @@ class RichBenchProgress:
             TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console, transient=True,
             refresh_per_second=4,
         )
-        self.task = None
+        self.task: TaskID | None = None
         self.by_duration = False
         self.done = self.ok = self.failed = 0
         self.server = ""
@@ -99,7 +100,8 @@ def render_summary(report: Mapping[str, Any], console: Console) -> None:
                  f"{report['prompt_tokens_requested_total']:,} intended; {pl['mismatched']} of {pl['checked']} differ")
     if report.get("goodput"):
         g = report["goodput"]
-        head.add_row("goodput", f"{g['requests_met']} met the SLO ({g['attainment']:.1%}), {g['requests_per_s']:,.2f} req/s")
+        head.add_row("goodput",
+                     f"{g['requests_met']} met the SLO ({g['attainment']:.1%}), {g['requests_per_s']:,.2f} req/s")
     console.print(head)
 
     lat = Table(title="latency (ms)", title_justify="left")
@@ -129,10 +131,10 @@ def render_summary(report: Mapping[str, Any], console: Console) -> None:
         for name, check in v.items():
             if name == "passed":
                 continue
-            result = "[green]pass[/]" if check["passed"] else ("[red]fail[/]" if check["evaluated"] else "[yellow]unknown[/]")
+            result = _PASS if check["passed"] else (_FAIL if check["evaluated"] else _UNKNOWN)
             if name == "truncation_share":
                 for r in check["routes"]:
-                    rr = "[green]pass[/]" if r["passed"] else ("[red]fail[/]" if r["passed"] is False else "[yellow]unknown[/]")
+                    rr = _PASS if r["passed"] else (_FAIL if r["passed"] is False else _UNKNOWN)
                     tol = "" if r["tolerance"] is None else f" ± {r['tolerance']:.3f}"
                     table.add_row(f"truncation {r['route']}", rr, str(r["observed"]), f"{r['expected']}{tol}", "")
             else:

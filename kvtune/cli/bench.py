@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvtune.cli.options import LogArgs, log_options
+from kvtune.cli.options import LogArgs, grouped, log_options
 from kvtune.errors import InputError, OptionError
 from kvtune.userfiles import brief
+
+if TYPE_CHECKING:
+    from kvtune.bench.loads import LoadShape
 
 JSON_FIELDS = """\b
 --json / --out write one object:
@@ -60,60 +64,160 @@ def _parse_expect(path: str):
     return load_recommendation(path, field="--expect")
 
 
+@dataclass(frozen=True, slots=True)
+class LoadArgs:
+    """When requests are sent and how many: one load shape and at least one bound."""
+
+    rate: float | None
+    burstiness: float
+    concurrency: int | None
+    replay: bool
+    speedup: float
+    max_requests: int | None
+    duration_s: float | None
+
+    def check(self, logs: tuple[str, ...]) -> None:
+        given = {"--rate": self.rate is not None, "--concurrency": self.concurrency is not None,
+                 "--replay": self.replay}
+        shapes = [name for name, on in given.items() if on]
+        if len(shapes) > 1:
+            raise OptionError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
+        if self.replay and not logs:
+            raise OptionError("--replay needs LOGS with per-request timestamps (a profile keeps none)",
+                              field="--replay")
+        if not self.replay and self.max_requests is None and self.duration_s is None:
+            raise OptionError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
+
+    def shape(self) -> LoadShape:
+        """The open- or closed-loop shape (replay shapes come from the logs' timestamps)."""
+        from kvtune.bench.loads import LoadShape
+
+        if self.rate is not None:
+            return LoadShape.rate(self.rate, self.burstiness)
+        return LoadShape.closed(self.concurrency or 1)
+
+
+load_options = grouped("load", LoadArgs, [
+    click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="R",
+                 help="Open loop: R requests/s, Poisson gaps (gamma with --burstiness)."),
+    click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                 help="Gamma shape of the gaps at --rate: 1 Poisson, <1 burstier, >1 smoother."),
+    click.option("--concurrency", type=click.IntRange(min=1), metavar="C",
+                 help="Closed loop: C requests always in flight (1 = synchronous).  [default: 1]"),
+    click.option("--replay", is_flag=True, help="Send LOGS' requests at their own timestamps."),
+    click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                 help="With --replay: divide the logs' time gaps by X."),
+    click.option("--requests", "max_requests", type=click.IntRange(min=1), metavar="N",
+                 help="Send at most N requests."),
+    click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), metavar="S",
+                 help="Stop sending after S seconds (in-flight requests finish)."),
+])
+
+
+@dataclass(frozen=True, slots=True)
+class TargetArgs:
+    """The server and how each request is sent to it."""
+
+    model: str | None
+    endpoint: str
+    timeout_s: float
+    retry: bool
+    max_retries: int
+    ignore_eos: bool
+    length_control: str
+    eos_token_id: int | None
+    metrics_url: str | None
+    scrape_interval: float
+    max_connections: int | None
+    api_key: str | None
+
+    def check(self) -> None:
+        if self.length_control == "min-tokens" and self.eos_token_id is None:
+            raise OptionError("--length-control min-tokens needs the model's EOS token id", field="--eos-token-id")
+
+
+target_options = grouped("target", TargetArgs, [
+    click.option("--model", help="Served model name.  [default: the first of /v1/models]"),
+    click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
+                 help="/v1/chat/completions or /v1/completions."),
+    click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
+                 show_default=True, help="Per-request limit in seconds, first byte to [DONE]."),
+    click.option("--retry", is_flag=True, help="Retry 429 (and 503 with Retry-After), waiting as Retry-After says."),
+    click.option("--max-retries", type=click.IntRange(min=1), default=3, show_default=True,
+                 help="Retries per request with --retry."),
+    click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
+                 help="Force each output to its drawn length (vLLM's ignore_eos); off for servers without it."),
+    click.option("--length-control", type=click.Choice(["max-tokens", "min-tokens"]), default="max-tokens",
+                 show_default=True,
+                 help="How each output is held to its drawn length L. max-tokens sends max_tokens = L. "
+                      "min-tokens forces lengths without declaring max_tokens, as clients that leave it "
+                      "unset do: use it to test a gateway (it sends min_tokens = L - 1 and a +100 "
+                      "logit_bias on --eos-token-id; vLLM refuses min_tokens above max_tokens, so a "
+                      "gateway cap below L, or /v1/completions' default max_tokens of 16, answers 400)."),
+    click.option("--eos-token-id", type=click.IntRange(min=0), metavar="ID",
+                 help="The model's EOS token id (generation_config.json eos_token_id), for --length-control "
+                      "min-tokens."),
+    click.option("--metrics-url", help="The server's Prometheus page.  [default: URL/metrics]"),
+    click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+                 help="Seconds between /metrics samples during the run."),
+    click.option("--max-connections", type=click.IntRange(min=1),
+                 help="Connection pool size.  [default: C, else 4096]"),
+    click.option("--api-key", envvar="KVTUNE_API_KEY", help="Bearer token (or $KVTUNE_API_KEY)."),
+])
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeArgs:
+    """What the run is held to: latency objectives and a recommendation."""
+
+    slo: str | None
+    slo_attainment: float
+    expect_path: str | None
+
+
+judge_options = grouped("judge", JudgeArgs, [
+    click.option("--slo", metavar="SPEC", help="Latency objectives in ms, e.g. ttft=500,tpot=50,e2e=10000."),
+    click.option("--slo-attainment", type=click.FloatRange(min=0, max=1), default=0.99, show_default=True,
+                 help="With --slo: exit 1 unless this share of requests meets every objective."),
+    click.option("--expect", "expect_path", metavar="FILE",
+                 help="recommendation.json to check: preemptions, KV peak, admitted concurrency, truncation."),
+])
+
+
+@dataclass(frozen=True, slots=True)
+class OutputArgs:
+    """Where the results go."""
+
+    out_path: str | None
+    json_: bool
+    requests_log: str | None
+    progress: bool | None
+
+
+output_options = grouped("output", OutputArgs, [
+    click.option("--out", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE."),
+    click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table."),
+    click.option("--requests-log", type=click.Path(), metavar="FILE",
+                 help="One JSON line per request (timings, tokens, outcome; never text)."),
+    click.option("--progress/--no-progress", default=None, help="Live progress on stderr.  [default: when a terminal]"),
+])
+
+
 @click.command(epilog=JSON_FIELDS)
 @click.argument("url")
 @click.argument("logs", nargs=-1)
-@click.option("--profile", "profile_path", metavar="FILE", help="A profile saved by `kvtune profile --save` instead of LOGS.")
-@click.option("--route", "routes", multiple=True, metavar="NAME", help="Only these routes (repeatable).  [default: all, by share]")
+@click.option("--profile", "profile_path", metavar="FILE",
+              help="A profile saved by `kvtune profile --save` instead of LOGS.")
+@click.option("--route", "routes", multiple=True, metavar="NAME",
+              help="Only these routes (repeatable).  [default: all, by share]")
 @log_options
-@click.option("--model", help="Served model name.  [default: the first of /v1/models]")
-@click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
-              help="/v1/chat/completions or /v1/completions.")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="R",
-              help="Open loop: R requests/s, Poisson gaps (gamma with --burstiness).")
-@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Gamma shape of the gaps at --rate: 1 Poisson, <1 burstier, >1 smoother.")
-@click.option("--concurrency", type=click.IntRange(min=1), metavar="C",
-              help="Closed loop: C requests always in flight (1 = synchronous).  [default: 1]")
-@click.option("--replay", is_flag=True, help="Send LOGS' requests at their own timestamps.")
-@click.option("--speedup", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="With --replay: divide the logs' time gaps by X.")
-@click.option("--requests", "max_requests", type=click.IntRange(min=1), metavar="N", help="Send at most N requests.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), metavar="S",
-              help="Stop sending after S seconds (in-flight requests finish).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
-              help="Per-request limit in seconds, first byte to [DONE].")
-@click.option("--retry", is_flag=True, help="Retry 429 (and 503 with Retry-After), waiting as Retry-After says.")
-@click.option("--max-retries", type=click.IntRange(min=1), default=3, show_default=True, help="Retries per request with --retry.")
-@click.option("--slo", metavar="SPEC", help="Latency objectives in ms, e.g. ttft=500,tpot=50,e2e=10000.")
-@click.option("--slo-attainment", type=click.FloatRange(min=0, max=1), default=0.99, show_default=True,
-              help="With --slo: exit 1 unless this share of requests meets every objective.")
-@click.option("--expect", "expect_path", metavar="FILE",
-              help="recommendation.json to check: preemptions, KV peak, admitted concurrency, truncation.")
-@click.option("--ignore-eos/--no-ignore-eos", default=True, show_default=True,
-              help="Force each output to its drawn length (vLLM's ignore_eos); off for servers without it.")
-@click.option("--length-control", type=click.Choice(["max-tokens", "min-tokens"]), default="max-tokens",
-              show_default=True,
-              help="How each output is held to its drawn length L. max-tokens sends max_tokens = L. "
-                   "min-tokens forces lengths without declaring max_tokens, as clients that leave it "
-                   "unset do: use it to test a gateway (it sends min_tokens = L - 1 and a +100 "
-                   "logit_bias on --eos-token-id; vLLM refuses min_tokens above max_tokens, so a "
-                   "gateway cap below L, or /v1/completions' default max_tokens of 16, answers 400).")
-@click.option("--eos-token-id", type=click.IntRange(min=0), metavar="ID",
-              help="The model's EOS token id (generation_config.json eos_token_id), for --length-control min-tokens.")
+@target_options
+@load_options
+@judge_options
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for lengths, prompts and arrival gaps.")
-@click.option("--metrics-url", help="The server's Prometheus page.  [default: URL/metrics]")
-@click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
-              help="Seconds between /metrics samples during the run.")
-@click.option("--max-connections", type=click.IntRange(min=1), help="Connection pool size.  [default: C, else 4096]")
-@click.option("--api-key", envvar="KVTUNE_API_KEY", help="Bearer token (or $KVTUNE_API_KEY).")
-@click.option("--out", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE.")
-@click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table.")
-@click.option("--requests-log", type=click.Path(), metavar="FILE",
-              help="One JSON line per request (timings, tokens, outcome; never text).")
-@click.option("--progress/--no-progress", default=None, help="Live progress on stderr.  [default: when a terminal]")
+@output_options
 def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], log: LogArgs,
-          **opts: Any) -> None:
+          target: TargetArgs, load: LoadArgs, judge: JudgeArgs, seed: int, output: OutputArgs) -> None:
     """Replay profiled traffic against a live OpenAI-compatible server, scrape its /metrics, judge.
 
     Each request draws (prompt, output) lengths from the profile's routes, builds a prompt of
@@ -136,22 +240,14 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     from kvtune.endpoint import server_root
 
     base_url = server_root(url, field="URL")
-    slo = parse_slo(opts["slo"]) if opts["slo"] else None
-    expect = _parse_expect(opts["expect_path"]) if opts["expect_path"] else None
-    shapes = [name for name, on in (("--rate", opts["rate"] is not None), ("--concurrency", opts["concurrency"] is not None),
-                                    ("--replay", opts["replay"])) if on]
-    if len(shapes) > 1:
-        raise OptionError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
+    slo = parse_slo(judge.slo) if judge.slo else None
+    expect = _parse_expect(judge.expect_path) if judge.expect_path else None
+    load.check(logs)
     if profile_path and logs:
         raise OptionError("give --profile or LOGS, not both", field="--profile")
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
-    if opts["replay"] and not logs:
-        raise OptionError("--replay needs LOGS with per-request timestamps (a profile keeps none)", field="--replay")
-    if opts["length_control"] == "min-tokens" and opts["eos_token_id"] is None:
-        raise OptionError("--length-control min-tokens needs the model's EOS token id", field="--eos-token-id")
-    if not opts["replay"] and opts["max_requests"] is None and opts["duration_s"] is None:
-        raise OptionError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
+    target.check()
 
     ingest = log.ingest()
     tokenizer = None
@@ -160,21 +256,21 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
         tokenizer = load_tokenizer(log.tokenizer)
 
-    if opts["replay"]:
+    if load.replay:
         rows, stamps, skipped = replay_rows(logs, ingest, routes)
         if not rows:
             why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
             raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
                              field="LOGS")
-        load = LoadShape.replay(stamps, opts["speedup"])
+        shape = LoadShape.replay(stamps, load.speedup)
 
         def build(synth):
-            return Workload.from_rows(rows, synth, opts["seed"])
+            return Workload.from_rows(rows, synth, seed)
     else:
         from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.routes import fold_routes
         from kvtune.profile.build import load_profile, load_profile_or_logs
+        from kvtune.profile.routes import fold_routes
 
         max_routes = log.max_routes
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
@@ -184,28 +280,25 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
             if r.prompt.total == 0:
                 raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",
                                  field="--route")
-        if opts["rate"] is not None:
-            load = LoadShape.rate(opts["rate"], opts["burstiness"])
-        else:
-            load = LoadShape.closed(opts["concurrency"] or 1)
+        shape = load.shape()
 
         def build(synth):
-            return Workload.from_profile(profile, routes, synth, opts["seed"])
+            return Workload.from_profile(profile, routes, synth, seed)
 
     config = BenchConfig(
-        base_url=base_url, load=load, max_requests=opts["max_requests"], duration_s=opts["duration_s"],
-        endpoint=opts["endpoint"], model=opts["model"], ignore_eos=opts["ignore_eos"],
-        length_control=opts["length_control"], eos_token_id=opts["eos_token_id"], timeout_s=opts["timeout_s"],
-        retry=RetryPolicy(enabled=opts["retry"], max_retries=opts["max_retries"]), slo=slo,
-        metrics_url=opts["metrics_url"], scrape_interval_s=opts["scrape_interval"],
-        max_connections=opts["max_connections"], seed=opts["seed"], api_key=opts["api_key"], expect=expect,
-        slo_attainment=opts["slo_attainment"],
+        base_url=base_url, load=shape, max_requests=load.max_requests, duration_s=load.duration_s,
+        endpoint=target.endpoint, model=target.model, ignore_eos=target.ignore_eos,
+        length_control=target.length_control, eos_token_id=target.eos_token_id, timeout_s=target.timeout_s,
+        retry=RetryPolicy(enabled=target.retry, max_retries=target.max_retries), slo=slo,
+        metrics_url=target.metrics_url, scrape_interval_s=target.scrape_interval,
+        max_connections=target.max_connections, seed=seed, api_key=target.api_key, expect=expect,
+        slo_attainment=judge.slo_attainment,
     )
 
     from rich.console import Console
 
     err = Console(stderr=True)
-    show = opts["progress"] if opts["progress"] is not None else err.is_terminal
+    show = output.progress if output.progress is not None else err.is_terminal
     progress = None
     if show:
         from kvtune.cli._bench_view import RichBenchProgress
@@ -217,28 +310,28 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     # --out and --requests-log are staged before the run (a bad target fails now, not after it)
     # and written together at the end, or not at all
     with OutputFiles() as outputs:
-        out_file = outputs.open(opts["out_path"]) if opts["out_path"] else None
-        log_file = outputs.open(opts["requests_log"]) if opts["requests_log"] else None
+        out_file = outputs.open(output.out_path) if output.out_path else None
+        log_file = outputs.open(output.requests_log) if output.requests_log else None
         recorder = BenchRecorder(requests_log=log_file, progress=progress)
         try:
             report = asyncio.run(run_bench(config, build, tokenizer=tokenizer, recorder=recorder))
         except KeyboardInterrupt:
             report = recorder.report(server=None, slo=slo, expect=None, interrupted=True)
-            _emit(report, opts, outputs, out_file)
+            _emit(report, output, outputs, out_file)
             click.echo("interrupted: partial results written", err=True)
             sys.exit(130)
-        _emit(report, opts, outputs, out_file)
+        _emit(report, output, outputs, out_file)
     verdict = report.get("verdict")
     if verdict is not None and not verdict["passed"]:
         sys.exit(1)
 
 
-def _emit(report: dict[str, Any], opts: dict[str, Any], outputs: Any, out_file: Any) -> None:
+def _emit(report: dict[str, Any], output: OutputArgs, outputs: Any, out_file: Any) -> None:
     text = json.dumps(report, indent=2, default=dict)
     if out_file is not None:
         out_file.write(text + "\n")
     outputs.commit()
-    if opts["json_"]:
+    if output.json_:
         click.echo(text)
     else:
         from rich.console import Console

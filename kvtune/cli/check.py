@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.recommend import PolicyArgs, policy_options
+from kvtune.deploy.check import Severity
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
 
-_STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", "blue")}
+_STYLE = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Severity.INFO: ("info", "blue")}
 
 
 def _saved_recommendation(paths: tuple[str, ...]):
@@ -66,8 +68,8 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
             where = f" [{finding.source}]" if finding.source and len(deployed) > 1 else ""
             click.echo(f"{click.style(label, fg=color, bold=True)} {finding.code}{where}: {finding.message}")
             click.echo(f"     why: {finding.why}")
-        risks = sum(f.severity == "risk" for f in result.findings)
-        warns = sum(f.severity == "warn" for f in result.findings)
+        risks = sum(f.severity is Severity.RISK for f in result.findings)
+        warns = sum(f.severity is Severity.WARN for f in result.findings)
         verdict = "passed" if result.passed else "FAILED"
         click.echo(f"{verdict}: {risks} risk, {warns} warning(s) in {', '.join(deployed_paths)}")
     if not result.passed:

@@ -40,8 +40,9 @@ def _print_table(result: KvBytes) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = (f"{result.model}: {result.attention.upper()}, {result.num_kv_heads} KV heads × head_dim {result.head_dim}, "
-             f"kv-cache dtype {result.kv_cache_dtype} ({result.bytes_per_element} B/element)")
+    title = (f"{result.model}: {result.attention.upper()}, {result.num_kv_heads} KV heads × "
+             f"head_dim {result.head_dim}, kv-cache dtype {result.kv_cache_dtype} "
+             f"({result.bytes_per_element} B/element)")
     table = Table(title=title, title_justify="left")
     table.add_column("layers")
     table.add_column("count", justify="right")
@@ -51,7 +52,7 @@ def _print_table(result: KvBytes) -> None:
     for layer in result.layers:
         table.add_row(layer.kind.value, str(layer.count), "" if layer.window is None else f"{layer.window:,}",
                       f"{layer.kv_bytes_per_token:,}", f"{layer.kv_bytes_per_token / 1024:,.2f}")
-    table.add_row("total", str(sum(l.count for l in result.layers)), "", f"{result.kv_bytes_per_token:,}",
+    table.add_row("total", str(sum(layer.count for layer in result.layers)), "", f"{result.kv_bytes_per_token:,}",
                   f"{result.kv_kib_per_token:,.2f}", style="bold")
     console = Console()
     console.print(table)
@@ -69,6 +70,6 @@ def _print_table(result: KvBytes) -> None:
             f"{result.state_bytes_per_sequence_per_gpu:,} bytes on the fullest GPU",
             highlight=False,
         )
-    if any(l.window for l in result.layers):
+    if any(layer.window for layer in result.layers):
         console.print("Windowed layers are counted for every token here; with vLLM's hybrid KV cache manager "
                       "they hold only about window + one batch of tokens per request.", highlight=False)

@@ -41,7 +41,8 @@ policy_options = grouped("policy", PolicyArgs, [
                  help="The vLLM the gateway configs point at."),
     click.option("--vllm-version", default=CURRENT_VLLM_VERSION, show_default=True,
                  help="Target vLLM release; 0.6 … 0.7 are V0-era (swap and --preemption-mode)."),
-    click.option("--safety-fraction", type=float, help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
+    click.option("--safety-fraction", type=float,
+                 help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
                  help="Pick the smallest cap whose expected truncation share is ≤ F (e.g. 0.01) instead of p95/p99."),
 ])
@@ -59,7 +60,8 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
         if found is None:
             raise OptionError(f"{given!r} is not a local model directory with tokenizer.json and a chat "
                               "template (tokenizer_config.json chat_template or chat_template.jinja); "
-                              "pass --gateway-tokenizer upstream to count with vLLM's /tokenize", field="--gateway-tokenizer")
+                              "pass --gateway-tokenizer upstream to count with vLLM's /tokenize",
+                              field="--gateway-tokenizer")
         return found
     return next(filter(None, map(local_chat_tokenizer, candidates)), None)
 

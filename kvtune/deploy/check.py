@@ -13,28 +13,39 @@ which engine settings are risky, because then the gateway bounds KV reservations
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvtune.capacity.reservation import reserved_blocks
-from kvtune.deploy.read import Deployed
+from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.engines import vllm
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
-SEVERITIES = ("risk", "warn", "info")
+
+class Severity(enum.Enum):
+    """How much a finding matters, most first: a risk fails the check (exit 1)."""
+
+    RISK = "risk"
+    WARN = "warn"
+    INFO = "info"
+
+
+SEVERITIES = tuple(s.value for s in Severity)
 
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    severity: str
+    severity: Severity
     code: str
     message: str
     why: str
     source: str | None = None
 
     def to_dict(self) -> dict:
-        return {"severity": self.severity, "code": self.code, "message": self.message, "why": self.why,
+        return {"severity": self.severity.value, "code": self.code, "message": self.message, "why": self.why,
                 "source": self.source}
 
 
@@ -46,7 +57,7 @@ class CheckResult:
     @property
     def passed(self) -> bool:
         """No risk findings: what CI gates on (exit 0 vs 1)."""
-        return not any(f.severity == "risk" for f in self.findings)
+        return not any(f.severity is Severity.RISK for f in self.findings)
 
     def to_dict(self) -> dict:
         return {"deployed": {d.source: d.to_dict() for d in self.deployed},
@@ -69,12 +80,12 @@ class _Checker:
         self.budget = rec.budget_blocks
         self.settings = rec.settings
         self.gateways = [d for d in self.deployed if d.is_gateway]
-        self.engines = [d for d in self.deployed if d.kind == "vllm"]
+        self.engines = [d for d in self.deployed if d.kind is DeployedKind.VLLM]
         self.risky: set[tuple[str, str]] = set()  # (source, field) already reported as risk
 
-    def add(self, severity: str, code: str, message: str, why: str, source: str | None,
+    def add(self, severity: Severity, code: str, message: str, why: str, source: str | None,
             field: str | None = None) -> None:
-        if severity == "risk" and field:
+        if severity is Severity.RISK and field:
             self.risky.add((source or "", field))
         self.findings.append(Finding(severity, code, message, why, source))
 
@@ -98,7 +109,7 @@ class _Checker:
             recommended = route.cap
             if cap is None:
                 if d.is_gateway:
-                    self.add("risk", "uncapped-route",
+                    self.add(Severity.RISK, "uncapped-route",
                              f"route {name!r} matches no route in the gateway, so its output is not capped",
                              "a request without max_tokens may grow to the whole context: the gateway "
                              "cannot reserve for it and the KV budget no longer bounds memory",
@@ -109,19 +120,19 @@ class _Checker:
             recommended_share = route.output_lengths.truncation_share(recommended)
             budget = self.max_truncation if self.max_truncation is not None else recommended_share
             if cap < recommended and deployed_share > budget + 1e-9:
-                self.add("risk", "cap-truncates",
+                self.add(Severity.RISK, "cap-truncates",
                          f"route {name!r}: cap {cap} cuts {deployed_share:.1%} of logged responses "
                          f"(budget {budget:.1%}; recommended cap {recommended} cuts {recommended_share:.1%})",
                          "a response stopped at its cap is lost or truncated output for the user; "
                          "raise the cap to the recommended value", d.source, f"cap:{name}")
             elif cap > recommended:
                 extra = _blocks(cap - recommended, self.block_size)
-                self.add("warn", "cap-above-recommendation",
+                self.add(Severity.WARN, "cap-above-recommendation",
                          f"route {name!r}: cap {cap} is above the recommended {recommended}",
                          f"every request reserves up to {extra} more blocks than the traffic needs, "
                          "so fewer requests fit in the budget", d.source)
             elif cap < recommended:
-                self.add("warn", "cap-below-recommendation",
+                self.add(Severity.WARN, "cap-below-recommendation",
                          f"route {name!r}: cap {cap} is below the recommended {recommended} "
                          f"(cuts {deployed_share:.1%} of logged responses)",
                          "within the truncation budget, but it drifted from the recommendation", d.source)
@@ -146,14 +157,14 @@ class _Checker:
         recommended = self.rec.max_model_len
         if rejected:
             name, prompt_max = rejected
-            self.add("risk", "max-model-len-rejects",
+            self.add(Severity.RISK, "max-model-len-rejects",
                      f"max_model_len {d.max_model_len} rejects the longest logged prompts of route {name!r} "
                      f"({prompt_max} tokens)",
                      f"those requests fail with 400; raise max_model_len to {recommended}", d.source,
                      "max_model_len")
         elif cut:
             name, need, prompt_max, cap = cut
-            self.add("warn", "max-model-len-cuts-output",
+            self.add(Severity.WARN, "max-model-len-cuts-output",
                      f"max_model_len {d.max_model_len} < longest logged prompt + cap ({prompt_max} + {cap} = "
                      f"{need}) on route {name!r}",
                      f"vLLM clamps such a request's output to {d.max_model_len - prompt_max} tokens "
@@ -166,24 +177,24 @@ class _Checker:
         engine = self.rec.engine
         served = self.rec.served_model or self.rec.model
         if d.model is not None and d.model not in (served, self.rec.model):
-            self.add("warn", "model-mismatch",
+            self.add(Severity.WARN, "model-mismatch",
                      f"serves {d.model!r} but the recommendation is for {served!r}",
                      "KV per token, capacity and caps were computed for another model", d.source)
         if engine.v1:
             for flag in ("preemption-mode", "swap-space"):
                 if flag in d.flags:
-                    self.add("risk", "invalid-flag",
+                    self.add(Severity.RISK, "invalid-flag",
                              f"--{flag} does not exist in vLLM {engine.version} (V1 engine)",
                              "vLLM refuses to start on an unknown flag; V1 preempts by recompute only",
                              d.source, flag.replace("-", "_"))
         if d.max_new_tokens is None:
             if self.gateways:
-                self.add("warn", "no-backstop-cap",
+                self.add(Severity.WARN, "no-backstop-cap",
                          "no --override-generation-config max_new_tokens: only the gateway caps output",
                          "a request that reaches vLLM without passing the gateway may generate up to the "
                          "whole context", d.source, None)
             else:
-                self.add("risk", "no-output-cap",
+                self.add(Severity.RISK, "no-output-cap",
                          "no cap on output: neither --override-generation-config max_new_tokens nor a "
                          "gateway config",
                          "chat and responses requests without max_tokens default to max_model_len − prompt, "
@@ -206,10 +217,10 @@ class _Checker:
                    f"per sequence (longest prompt {prompt_max} + cap {cap}) = {total:,} tokens > KV capacity "
                    f"{self.usable_tokens:,} tokens")
         if self.gateways:
-            self.add("info", "engine-bounded-by-gateway", message,
+            self.add(Severity.INFO, "engine-bounded-by-gateway", message,
                      "the gateway's block budget, not max_num_seqs, bounds what is reserved", d.source)
         else:
-            self.add("risk", "preemption-risk", message,
+            self.add(Severity.RISK, "preemption-risk", message,
                      "vLLM does not reserve KV for output: when blocks run out it preempts and recomputes "
                      "running requests. Put kvtune's gateway (gateway.yaml or nginx.conf) in front and pass "
                      "it with another --deployed", d.source, "max_num_seqs")
@@ -220,46 +231,46 @@ class _Checker:
         assert d.block_budget is not None and d.block_size is not None
         budget_tokens = d.block_budget * d.block_size
         if budget_tokens > self.usable_tokens:
-            self.add("risk", "budget-over-capacity",
+            self.add(Severity.RISK, "budget-over-capacity",
                      f"block budget {d.block_budget} × {d.block_size} tokens = {budget_tokens:,} tokens exceeds "
                      f"the KV capacity of {self.usable_tokens:,} tokens ({self.usable_blocks} blocks)",
                      "the gateway admits more reservations than the engine can hold: preemptions or OOM "
                      f"under load; use the recommended budget {self.budget}", d.source, "block_budget")
         elif budget_tokens > self.budget * self.block_size:
-            self.add("warn", "budget-above-safety",
+            self.add(Severity.WARN, "budget-above-safety",
                      f"block budget {d.block_budget} is above the recommended {self.budget} "
                      f"(safety fraction {self.rec.safety_fraction.value})",
                      "it fits the estimated capacity but leaves less margin for prompt-count drift "
                      "and capacity error", d.source, None)
         engine_block = next((e.block_size for e in self.engines if e.block_size), None) or self.block_size
         if d.block_size < engine_block:
-            self.add("risk", "block-size-mismatch",
+            self.add(Severity.RISK, "block-size-mismatch",
                      f"the gateway counts {d.block_size}-token blocks but the engine allocates "
                      f"{engine_block}-token blocks",
                      "reservations round up to smaller blocks than the engine uses, so they under-count "
                      "what each request occupies", d.source, "block_size")
         elif d.block_size > engine_block:
-            self.add("warn", "block-size-mismatch",
+            self.add(Severity.WARN, "block-size-mismatch",
                      f"the gateway counts {d.block_size}-token blocks, the engine {engine_block}",
                      "reservations round up more than needed, which wastes a little budget", d.source, None)
         if d.route_for("/v1/__any__", "__any__") is None:
-            self.add("warn", "no-catch-all-route",
+            self.add(Severity.WARN, "no-catch-all-route",
                      "no route matches every request: requests on other paths or models are not capped",
                      "a final route without match (kvtune renders one named 'default') caps everything "
                      "else at the backstop", d.source, None)
         for engine in self.engines:
             if engine.max_model_len and d.max_model_len and d.max_model_len > engine.max_model_len:
-                self.add("warn", "max-model-len-differs",
+                self.add(Severity.WARN, "max-model-len-differs",
                          f"gateway max_model_len {d.max_model_len} > engine max_model_len {engine.max_model_len}",
                          "the gateway admits prompts the engine then rejects", d.source, None)
-        self.add("info", "gateway-budget",
+        self.add(Severity.INFO, "gateway-budget",
                  f"{d.kind} budget {d.block_budget} blocks of {d.block_size} tokens; "
                  f"{len(d.routes)} routes", "reservations are bounded by this budget", d.source)
 
     # ------------------------------------------------------------ drift
 
     def check_drift(self, d: Deployed) -> None:
-        if d.kind == "vllm":
+        if d.kind is DeployedKind.VLLM:
             defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
                         "block_size": vllm.BLOCK_SIZE}
             fields = ["tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
@@ -279,14 +290,14 @@ class _Checker:
             if name == "max_new_tokens_backstop" and unset:
                 continue  # reported as no-output-cap / no-backstop-cap
             same = have == want if not isinstance(want, float) else (
-                have is not None and math.isclose(float(have), want, rel_tol=1e-6))
+                isinstance(have, (int, float)) and math.isclose(have, want, rel_tol=1e-6))
             if same:
                 continue
             shown = "not set (engine default)" if unset and have is None else (
                 f"{have} (engine default)" if unset else str(have))
             decision = self.settings.get(name)
             rule = decision.reason if decision is not None else ""
-            self.add("warn", "drift", f"{name}: deployed {shown}, recommended {want}",
+            self.add(Severity.WARN, "drift", f"{name}: deployed {shown}, recommended {want}",
                      rule or "differs from the current recommendation", d.source)
 
     def _recommended(self, name: str) -> Any:
@@ -295,7 +306,7 @@ class _Checker:
 
     def run(self) -> CheckResult:
         for d in self.deployed:
-            if d.kind == "vllm":
+            if d.kind is DeployedKind.VLLM:
                 self.check_engine(d)
             else:
                 self.check_gateway(d)
@@ -306,7 +317,7 @@ class _Checker:
             self.check_max_model_len(d)
         for d in self.deployed:
             self.check_drift(d)
-        order = {s: i for i, s in enumerate(SEVERITIES)}
+        order = {s: i for i, s in enumerate(Severity)}
         findings = sorted(self.findings, key=lambda f: order[f.severity])
         return CheckResult(self.deployed, tuple(findings))
 
@@ -330,8 +341,8 @@ def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult
     results = [check_deployment([*engine, g], rec) for g in gateways] or [check_deployment(engine, rec)]
     faults = []
     for f in dict.fromkeys(f for r in results for f in r.findings):
-        if f.code == "drift" or (f.severity == "risk" and f.code not in INHERENT_RISKS):
-            faults.append(Finding("risk", f.code, f.message, f.why, f.source))
+        if f.code == "drift" or (f.severity is Severity.RISK and f.code not in INHERENT_RISKS):
+            faults.append(Finding(Severity.RISK, f.code, f.message, f.why, f.source))
     return CheckResult((*engine, *gateways), tuple(faults))
 
 
@@ -343,4 +354,4 @@ def check_deployment(deployed: Sequence[Deployed], rec: Recommendation, *,
     return _Checker(deployed, rec, max_truncation).run()
 
 
-__all__ = ["Finding", "CheckResult", "check_deployment", "check_rendered", "INHERENT_RISKS", "SEVERITIES"]
+__all__ = ["Severity", "Finding", "CheckResult", "check_deployment", "check_rendered", "INHERENT_RISKS", "SEVERITIES"]

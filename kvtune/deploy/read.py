@@ -7,11 +7,12 @@ markers), not from a comment, so an edited budget or cap is what gets checked.
 
 from __future__ import annotations
 
+import enum
 import json
+import os
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
@@ -40,12 +41,20 @@ class DeployedRoute:
         return RouteMatch(self.path, self.model, self.path_prefix).matches(path, model)
 
 
+class DeployedKind(enum.Enum):
+    """What a deployed file is: the engine's command or one of the two gateways' configs."""
+
+    VLLM = "vllm"  # a vllm serve command line or script
+    GATEWAY = "gateway"  # kvtune's gateway.yaml
+    NGINX = "nginx"  # an nginx.conf kvtune rendered
+
+
 @dataclass(frozen=True, slots=True)
 class Deployed:
-    """One deployed file. kind "vllm" fills the engine fields, "gateway"/"nginx" the admission ones;
+    """One deployed file. An engine fills the engine fields, a gateway the admission ones;
     None means the file does not set it (the engine's default applies)."""
 
-    kind: str
+    kind: DeployedKind
     source: str
     model: str | None = None
     block_size: int | None = None
@@ -70,13 +79,14 @@ class Deployed:
 
     @property
     def is_gateway(self) -> bool:
-        return self.kind in ("gateway", "nginx")
+        return self.kind is not DeployedKind.VLLM
 
     def route_for(self, path: str | None, model: str | None) -> DeployedRoute | None:
         return next((r for r in self.routes if r.matches(path, model)), None)
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        data["kind"] = self.kind.value
         data["routes"] = [asdict(r) for r in self.routes]
         return data
 
@@ -239,7 +249,7 @@ def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
             max_new_tokens = _int(parsed["max_new_tokens"], "--override-generation-config.max_new_tokens", source)
 
     return Deployed(
-        kind="vllm",
+        kind=DeployedKind.VLLM,
         source=source,
         model=model,
         block_size=get("block-size", _int),
@@ -267,7 +277,7 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
 
     config = parse_gateway_config(data, path=source)
     return Deployed(
-        kind="gateway", source=source, model=config.model, block_size=config.block_size,
+        kind=DeployedKind.GATEWAY, source=source, model=config.model, block_size=config.block_size,
         max_model_len=config.max_model_len, upstream=config.upstream, block_budget=config.block_budget,
         routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix)
                      for r in config.routes),
@@ -417,7 +427,7 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
                                     integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix")))
     upstream = re.search(r"upstream\s+kvtune_upstream\s*\{\s*server\s+([^\s;]+)", text)
     return Deployed(
-        kind="nginx", source=source, block_size=integer("block_size"),
+        kind=DeployedKind.NGINX, source=source, block_size=integer("block_size"),
         block_budget=integer("block_budget"), max_model_len=integer("max_model_len"),
         upstream=upstream.group(1) if upstream else None, routes=tuple(routes),
     )
@@ -447,11 +457,11 @@ def parse_deployed(text: str, *, source: str = "<deployed>") -> Deployed:
                      path=source)
 
 
-def load_deployed(path: str | Path) -> Deployed:
+def load_deployed(path: str | os.PathLike[str]) -> Deployed:
     """Read a deployed file: a regular file of UTF-8 text, at most CONFIG_MAX_BYTES (kvtune.userfiles)."""
     from kvtune import userfiles
 
-    return parse_deployed(userfiles.read_text(path, max_bytes=userfiles.CONFIG_MAX_BYTES), source=str(path))
+    return parse_deployed(userfiles.read_text(path, max_bytes=userfiles.CONFIG_MAX_BYTES), source=os.fspath(path))
 
 
 __all__ = ["Deployed", "DeployedRoute", "parse_deployed", "parse_vllm_command", "load_deployed"]

@@ -13,13 +13,13 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import jinja2
 
-from kvtune import __version__
 from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
@@ -35,6 +35,7 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.version import __version__
 
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
@@ -110,7 +111,7 @@ def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
 # ---------------------------------------------------------------- environment
 
 def _autoescape(name: str | None) -> bool:
-    return bool(name) and name.endswith((".html.j2", ".html", ".svg.j2"))
+    return name is not None and name.endswith((".html.j2", ".html", ".svg.j2"))
 
 
 def make_environment() -> jinja2.Environment:
@@ -217,7 +218,7 @@ def lua_policy() -> dict:
         "generate": {path: api.value for path, api in endpoints.GENERATE.items()},
         "pool": {path: api.value for path, api in endpoints.POOL.items()},
         "uncountable": dict(endpoints.UNCOUNTABLE),
-        "operator": {path: True for path in sorted(endpoints.OPERATOR)},
+        "operator": dict.fromkeys(sorted(endpoints.OPERATOR), True),
         # PCRE spellings of the same regular expressions (re.fullmatch: anchored, \z not $)
         "canonical": r"\A(?:" + endpoints._CANONICAL.pattern + r")\z",
         "dot_segment": endpoints._DOT_SEGMENT.pattern,
@@ -229,7 +230,7 @@ def lua_policy() -> dict:
                  "tokens": caps(apis.TOKENS_CAPS), "any": caps(apis.ANY_CAPS)},
         "refused": {"chat": refused(apis._CHAT_REFUSED), "completions": refused(apis._COMPLETION_REFUSED),
                     "responses": refused(apis._RESPONSES_REFUSED)},
-        "text_parts": {kind: True for kind in sorted(apis._TEXT_PARTS)},
+        "text_parts": dict.fromkeys(sorted(apis._TEXT_PARTS), True),
         "anthropic_fields": list(apis._ANTHROPIC_PROMPT_FIELDS),
         "score_sides": [list(pair) for pair in apis._SCORE_SIDES],
         "tokenize_concurrency": TOKENIZE_CONCURRENCY,

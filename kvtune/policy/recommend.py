@@ -38,6 +38,7 @@ from kvtune.policy.recommendation import (
     RouteConcurrency,
     RouteRecommendation,
 )
+from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
 
@@ -71,7 +72,8 @@ class RecommendOptions:
                               f"{rules.CURRENT_VLLM_VERSION})", field="vllm_version") from None
         problem = url_problem(self.upstream)
         if problem is None and urlsplit(self.upstream).path not in ("", "/"):
-            problem = f"must be the server's root (the gateway forwards each request's own path), got {brief(self.upstream)}"
+            problem = (f"must be the server's root (the gateway forwards each request's own path), "
+                       f"got {brief(self.upstream)}")
         if problem is not None:
             raise OptionError(problem, field="upstream")
         if not self.route_by:
@@ -175,7 +177,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     measured = capacity.source is not CapacitySource.ESTIMATE
 
     safety = rules.safety_fraction(options.safety_fraction, measured)
-    budget = rules.block_budget(capacity.num_blocks, float(safety.value))  # type: ignore[arg-type]
+    budget = rules.block_budget(capacity.num_blocks, safety.fraction)
     budget_blocks = budget.tokens
     if budget_blocks < 1:
         raise CapacityError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")
@@ -311,6 +313,9 @@ def _tp_reason(kv: KvBytes, capacity: Capacity) -> str:
             f"{per_gpu}")
 
 
-def _plain_summary(histogram) -> Lengths:
-    return Lengths(histogram.quantile(0.5), histogram.quantile(0.9), histogram.quantile(0.95),
-                   histogram.quantile(0.99), histogram.max, round(float(histogram.mean or 0.0), 3))  # type: ignore[arg-type]
+def _plain_summary(histogram: Histogram) -> Lengths:
+    """Nearest-rank percentiles of an uncensored, non-empty histogram (prompt lengths)."""
+    p50, p90, p95, p99 = (histogram.quantile(q) for q in (0.5, 0.9, 0.95, 0.99))
+    if p50 is None or p90 is None or p95 is None or p99 is None or histogram.max is None:
+        raise ValueError("no lengths to summarize")
+    return Lengths(p50, p90, p95, p99, histogram.max, round(float(histogram.mean or 0.0), 3))

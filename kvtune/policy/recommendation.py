@@ -21,6 +21,7 @@ from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.profile.routes import CensoredHistogram, TailClass
 from kvtune.userfiles import brief
+from kvtune.version import __version__
 
 SCHEMA_VERSION = 2
 ENGINE_NAMES = ("vllm",)
@@ -66,6 +67,13 @@ class Decision:
         else:
             value = f.string("value")
         return cls(value, f.string("rule"), f.string("reason"))
+
+    @property
+    def fraction(self) -> float:
+        """The value of a share (safety fraction, utilization)."""
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise TypeError(f"{self.rule}: {self.value!r} is not a number")
+        return float(self.value)
 
     @property
     def tokens(self) -> int:
@@ -390,7 +398,7 @@ class Recommendation:
     concurrency: Concurrency
     settings: Mapping[str, Decision | None]
     notes: tuple[str, ...] = ()
-    kvtune_version: str = field(default_factory=lambda: _version())
+    kvtune_version: str = field(default_factory=lambda: __version__)
 
     # ------------------------------------------------------------ what the files need most
 
@@ -550,12 +558,6 @@ def _with_gain(f: Fields, concurrency: _C) -> _C:
 
 def _ratio(a: int, b: int) -> float | None:
     return None if b == 0 else round(a / b, 3)
-
-
-def _version() -> str:
-    from kvtune import __version__
-
-    return __version__
 
 
 __all__ = [

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.engines import vllm
+from kvtune.policy.recommendation import Decision, Distribution
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import TailClass
-from kvtune.policy.recommendation import Decision, Distribution
 
 DEFAULT_SAFETY_FRACTION = 0.9
 CURRENT_VLLM_VERSION = vllm.CURRENT_VERSION
@@ -31,7 +32,14 @@ CAP_PERCENTILE = {TailClass.LIGHT: 0.95, TailClass.HEAVY: 0.99}
 def weighted_quantile(values: np.ndarray, counts: np.ndarray, q: float) -> int:
     """Nearest-rank quantile of `values` repeated `counts` times: the one quantile definition
     (kvtune.profile.histogram.Histogram.quantile) over an ad-hoc histogram."""
-    return Histogram(values, counts).quantile(q)  # type: ignore[return-value]
+    return _quantile(Histogram(values, counts), q)
+
+
+def _quantile(histogram: Histogram, q: float) -> int:
+    value = histogram.quantile(q)
+    if value is None:
+        raise ValueError("no values to take a quantile of")
+    return value
 
 
 def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distribution:
@@ -40,11 +48,11 @@ def weighted_distribution(values: np.ndarray, counts: np.ndarray) -> Distributio
     if histogram.total == 0:
         raise ValueError("empty distribution")
     return Distribution(
-        p50=histogram.quantile(0.5),  # type: ignore[arg-type]
-        p90=histogram.quantile(0.9),  # type: ignore[arg-type]
-        p99=histogram.quantile(0.99),  # type: ignore[arg-type]
-        max=int(histogram.max),  # type: ignore[arg-type]
-        mean=float(histogram.mean),  # type: ignore[arg-type]
+        p50=_quantile(histogram, 0.5),
+        p90=_quantile(histogram, 0.9),
+        p99=_quantile(histogram, 0.99),
+        max=_quantile(histogram, 1.0),
+        mean=float(histogram.mean or 0.0),
     )
 
 
@@ -175,7 +183,8 @@ def kv_cache_dtype(basis: Any, bytes_per_element: int) -> Decision:
             if bytes_per_element >= 2 else f"{bytes_per_element} byte per element")
     if basis.measured:
         where = f" ({basis.origin})" if basis.origin else ""
-        return Decision(basis.value, "kv-dtype-measured", f"the KV cache dtype the capacity was measured at{where}; {size}")
+        return Decision(basis.value, "kv-dtype-measured",
+                        f"the KV cache dtype the capacity was measured at{where}; {size}")
     return Decision(basis.value, "kv-dtype-given" if basis.source == "given" else "kv-dtype-default", size)
 
 
