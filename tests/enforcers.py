@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from fake_vllm import ENGINE_PATHS, FakeVllm
+
 from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parent / "data"

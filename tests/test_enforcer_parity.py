@@ -12,21 +12,34 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-import zlib
 import os
 import socket
 import threading
 import time
+import zlib
 
 import pytest
-
 from enforcers import (
-    BUDGET, CHAT_CAP, COMPLETIONS_CAP, CUSTOM_CAP, DEFAULT_CAP, HOSTILE, HOSTILE_CAP, HOSTILE_MODEL,
-    blocks, chat, in_thread, small_fake, small_rec, start_enforcer, words,
+    BUDGET,
+    CHAT_CAP,
+    COMPLETIONS_CAP,
+    CUSTOM_CAP,
+    DEFAULT_CAP,
+    HOSTILE,
+    HOSTILE_CAP,
+    HOSTILE_MODEL,
+    blocks,
+    chat,
+    in_thread,
+    small_fake,
+    small_rec,
+    start_enforcer,
+    words,
 )
 from fake_vllm import DONE_EVENT, ROLE_EVENT
-from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
+
 from kvtune.gateway.config import ClientLimits
+from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
 
 pytestmark = pytest.mark.slow
 
@@ -310,7 +323,7 @@ def test_the_passthrough_allow_list_reaches_the_upstream_untouched(enforcer, ups
     through = [enforcer.request(path + "?q=1", method="GET") for path in paths]
     assert [c.path for c in upstream.other] == [p + "?q=1" for p in paths]
     # the client gets what the upstream answers, status included (its echo is a 207)
-    for path, (status, _, body) in zip(paths, through):
+    for path, (status, _, body) in zip(paths, through, strict=True):
         assert (status, body) == _direct_get(upstream.port, path + "?q=1"), path
     assert (207, b"echo") in [(status, body) for status, _, body in through]
     assert enforcer.ledger()["reserved"] == 0

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvtune.errors import InputError
-from kvtune.gateway.endpoints import Api
 from kvtune.gateway.config import load_gateway_config, parse_gateway_config
+from kvtune.gateway.endpoints import Api
 
 
 def _doc(**overrides):

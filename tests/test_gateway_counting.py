@@ -7,18 +7,25 @@ import asyncio
 import json
 
 import pytest
-
 from fake_vllm import FakeVllm, Tokens
+
 from kvtune.errors import InputError
 from kvtune.gateway.apis import Prompt, read_request
 from kvtune.gateway.body import BodyError
+from kvtune.gateway.config import CountingMethod, PromptCounting
 from kvtune.gateway.counting import (
-    EstimateCounter, LocalTokenizerCounter, PromptCountError, PromptCountInvalidError, PromptRejectedError,
-    TOKENIZE_CONCURRENCY, UpstreamTokenizeCounter, make_counter,
+    TOKENIZE_CONCURRENCY,
+    EstimateCounter,
+    LocalTokenizerCounter,
+    PromptCountError,
+    PromptCountInvalidError,
+    PromptRejectedError,
+    UpstreamTokenizeCounter,
+    make_counter,
 )
 from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
-from kvtune.gateway.config import CountingMethod, PromptCounting
+
 
 def count(counter, body: dict, api: Api | None = None):
     """Count a body as the gateway does: read by its endpoint's rules, then counted."""

@@ -7,12 +7,22 @@ from __future__ import annotations
 import ast
 
 import pytest
+from vllm_server import venv_python
 
 from kvtune.gateway.endpoints import (
-    DEFAULT_PASSTHROUGH, GENERATE, OPERATOR, OTHER_KNOWN, POOL, UNCOUNTABLE, Api, PathClass,
-    canonical_path, classify, never_passthrough, why_not_a_route_path,
+    DEFAULT_PASSTHROUGH,
+    GENERATE,
+    OPERATOR,
+    OTHER_KNOWN,
+    POOL,
+    UNCOUNTABLE,
+    Api,
+    PathClass,
+    canonical_path,
+    classify,
+    never_passthrough,
+    why_not_a_route_path,
 )
-from vllm_server import venv_python
 
 ROUTE_CALLS = {"post", "get", "put", "delete", "patch", "api_route", "websocket", "add_api_route"}
 

@@ -10,10 +10,10 @@ import json
 import os
 
 import pytest
+from enforcers import small_fake, small_rec, start_enforcer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from enforcers import small_fake, small_rec, start_enforcer
 from kvtune.gateway.config import ClientLimits
 
 pytestmark = pytest.mark.slow

@@ -125,8 +125,8 @@ def test_anthropic_counts_equal_the_engines(engine):
 def test_the_gateway_reserves_what_the_engine_uses(engine, tmp_path):
     """The Python gateway in front of the live engine: its reservation is the engine's own
     prompt count plus the cap, in blocks, and the cap reaches the engine."""
-    from enforcers import PyGateway
     import yaml
+    from enforcers import PyGateway
 
     server, model = engine
     config = {"version": 1, "upstream": server.url, "block_size": server.block_size,

@@ -13,7 +13,6 @@ from collections import Counter
 
 import aiohttp
 import pytest
-
 from enforcers import chat, running
 from fake_vllm import FakeVllm
 

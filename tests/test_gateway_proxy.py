@@ -12,9 +12,9 @@ import time
 
 import aiohttp
 import pytest
-
 from enforcers import chat, config_for, running
 from fake_vllm import DONE_EVENT, ROLE_EVENT, FakeVllm
+
 from kvtune.gateway.proxy import GATEWAY, make_app, serve
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 
 from enforcers import HOSTILE, HOSTILE_MODEL, Nginx, base_rec
+
 from kvtune.deploy.render import RenderOptions, render_files
 from kvtune.policy.recommendation import Recommendation
 

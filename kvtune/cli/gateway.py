@@ -34,12 +34,12 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     from kvtune.gateway.proxy import loop_factory, serve
 
     config = load_gateway_config(config_path)
-    overrides = {k: v for k, v in {"upstream": upstream, "host": host, "port": port}.items() if v is not None}
     for flag, problem in (("--upstream", upstream is not None and url_problem(upstream)),
                           ("--host", host is not None and host_problem(host))):
         if problem:
             raise InputError(problem, field=flag)
-    config = dataclasses.replace(config, **overrides)
+    config = dataclasses.replace(config, upstream=upstream or config.upstream, host=host or config.host,
+                                 port=config.port if port is None else port)
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -7,11 +7,14 @@ standard library's, so switching parsers changes no answer, only the time it tak
 
 from __future__ import annotations
 
+import importlib
 import json
+from types import ModuleType
 from typing import Any
 
+orjson: ModuleType | None
 try:
-    import orjson
+    orjson = importlib.import_module("orjson")
 except ImportError:  # an optional speed-up; the behaviour is the same without it
     orjson = None
 

@@ -233,7 +233,8 @@ class Admission:
             reason = Reason.CONTEXT_LENGTH_EXCEEDED if "context length" in str(exc) else Reason.INVALID_PROMPT
             raise Rejection(400, reason, str(exc)) from None
         except PromptCountInvalidError as exc:
-            raise Rejection(502, Reason.PROMPT_COUNT_INVALID, f"the gateway could not count the prompt: {exc}") from None
+            raise Rejection(502, Reason.PROMPT_COUNT_INVALID,
+                            f"the gateway could not count the prompt: {exc}") from None
         except PromptCountError as exc:
             raise Rejection(503, Reason.PROMPT_COUNT_UNAVAILABLE,
                             f"the gateway could not count the prompt: {exc}",

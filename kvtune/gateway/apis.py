@@ -304,7 +304,8 @@ def _response_item(item: Any, i: int) -> dict:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            if (not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS
+                    or not isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise uncountable(f"input[{i}] content of type {str(kind)[:40]!r}")
             parts.append({"type": "text", "text": part["text"]})
@@ -416,7 +417,8 @@ def _bad_texts(where: str) -> list[str]:
     raise uncountable(f"{where} unless it is text or a list of texts")
 
 
-def _pairs(left: list[str], right: list[str], pair_tokens: int, api: Api, extra: list[str] = ()) -> Reading:
+def _pairs(left: list[str], right: list[str], pair_tokens: int, api: Api,
+           extra: tuple[str, ...] | list[str] = ()) -> Reading:
     """vLLM pairs one left text with every right one, or left and right one by one."""
     if len(left) != 1 and len(left) != len(right):
         raise invalid("give one query or as many as there are documents")

@@ -38,6 +38,14 @@ _WS = re.compile(rb"[ \t\n\r]*")
 _SCALAR = re.compile(rb"[^,}\] \t\n\r]+")
 
 
+def _past(pattern: re.Pattern[bytes], raw: bytes, i: int) -> int:
+    """Where `pattern` matched at `i` ends; a body the parser accepted always matches here."""
+    m = pattern.match(raw, i)
+    if m is None:
+        raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
+    return m.end()
+
+
 @dataclass(frozen=True, slots=True)
 class Member:
     """One `"key": value` of an object: the decoded key and the byte span of its value."""
@@ -51,7 +59,7 @@ def members(raw: bytes, open_at: int) -> list[Member]:
     """The members of the JSON object whose `{` is at `open_at`, in order. `raw` must already
     have been accepted by a JSON parser: this only locates what the parser read."""
     out: list[Member] = []
-    i = _WS.match(raw, open_at + 1).end()
+    i = _past(_WS, raw, open_at + 1)
     if raw[i:i + 1] == b"}":
         return out
     while True:
@@ -60,20 +68,20 @@ def members(raw: bytes, open_at: int) -> list[Member]:
             raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
         text = key.group()
         name = text[1:-1].decode("utf-8") if b"\\" not in text else json.loads(text)
-        i = _WS.match(raw, key.end()).end() + 1  # past the colon
-        i = _WS.match(raw, i).end()
+        i = _past(_WS, raw, key.end()) + 1  # past the colon
+        i = _past(_WS, raw, i)
         end = _value_end(raw, i)
         out.append(Member(name, i, end))
-        i = _WS.match(raw, end).end()
+        i = _past(_WS, raw, end)
         if raw[i:i + 1] == b"}":
             return out
-        i = _WS.match(raw, i + 1).end()  # past the comma
+        i = _past(_WS, raw, i + 1)  # past the comma
 
 
 def _value_end(raw: bytes, i: int) -> int:
     first = raw[i:i + 1]
     if first == b'"':
-        return _STRING.match(raw, i).end()
+        return _past(_STRING, raw, i)
     if first in (b"{", b"["):
         depth = 0
         for m in _NESTED.finditer(raw, i):
@@ -85,7 +93,7 @@ def _value_end(raw: bytes, i: int) -> int:
                 if depth == 0:
                     return m.end()
         raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
-    return _SCALAR.match(raw, i).end()
+    return _past(_SCALAR, raw, i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +121,13 @@ def parse_body(raw: bytes) -> Body:
         raise BodyError(Reason.INVALID_JSON, "request body must be a JSON object")
     if fell_back:  # orjson refuses lone surrogates; the standard library lets them through
         _check_text(doc)
-    top = members(raw, _WS.match(raw).end())
+    top = members(raw, _past(_WS, raw, 0))
     seen: set[str] = set()
     for m in top:
         if m.key in seen:
             raise BodyError(Reason.DUPLICATE_KEY, f"the request gives {_short(m.key)} twice")
         seen.add(m.key)
-    return Body(raw, doc, _WS.match(raw).end(), tuple(top))
+    return Body(raw, doc, _past(_WS, raw, 0), tuple(top))
 
 
 def _check_text(value: Any) -> None:
@@ -141,7 +149,8 @@ def _check_string(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise BodyError(Reason.INVALID_UNICODE, "request text holds a lone UTF-16 surrogate, which is not text") from None
+        raise BodyError(Reason.INVALID_UNICODE,
+                        "request text holds a lone UTF-16 surrogate, which is not text") from None
 
 
 def _short(key: str) -> str:

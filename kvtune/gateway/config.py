@@ -12,12 +12,19 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from kvtune.endpoint import MAX_PORT, host_problem, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
-    DEFAULT_PASSTHROUGH, GENERATE, ROUTE_APIS, Api, canonical_path, classify, never_passthrough, PathClass,
+    DEFAULT_PASSTHROUGH,
+    GENERATE,
+    ROUTE_APIS,
+    Api,
+    PathClass,
+    canonical_path,
+    classify,
+    never_passthrough,
 )
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 
@@ -188,7 +195,8 @@ class _Reader:
     def fail(self, where: str, message: str) -> InputError:
         return InputError(message, path=self.path, field=where)
 
-    def mapping(self, value: Any, where: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+    def mapping(self, value: Any, where: str, allowed: set[str],
+                required: frozenset[str] | set[str] = frozenset()) -> dict:
         if not isinstance(value, dict):
             raise self.fail(where, f"expected a mapping, got {brief(value)}")
         unknown = sorted(set(map(str, value)) - allowed)
@@ -222,6 +230,11 @@ class _Reader:
             raise self.fail(where, f"must be at most {maximum:g}, got {brief(value)}")
         return float(value)
 
+    @overload
+    def string(self, value: Any, where: str, optional: Literal[False] = False) -> str: ...
+    @overload
+    def string(self, value: Any, where: str, optional: bool) -> str | None: ...
+
     def string(self, value: Any, where: str, optional: bool = False) -> str | None:
         if value is None and optional:
             return None
@@ -235,6 +248,11 @@ class _Reader:
         if problem:
             raise self.fail(where, problem)
         return host
+
+    @overload
+    def url(self, value: Any, where: str, optional: Literal[False] = False) -> str: ...
+    @overload
+    def url(self, value: Any, where: str, optional: bool) -> str | None: ...
 
     def url(self, value: Any, where: str, optional: bool = False) -> str | None:
         url = self.string(value, where, optional)
@@ -277,7 +295,8 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     )
     if method is CountingMethod.TOKENIZER and prompt_counting.tokenizer is None:
         raise r.fail("prompt_tokens.tokenizer", "method 'tokenizer' needs a tokenizer path or hub id")
-    if method is CountingMethod.ESTIMATE and (prompt_counting.chars_per_token is None or prompt_counting.margin_tokens == 0):
+    if method is CountingMethod.ESTIMATE and (prompt_counting.chars_per_token is None
+                                              or prompt_counting.margin_tokens == 0):
         raise r.fail("prompt_tokens", "an estimate needs chars_per_token and a margin_tokens above 0")
 
     raw_routes = top["routes"]
@@ -352,7 +371,7 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
         if upstream_path is not None:
             _literal_path(r, upstream_path, f"{where}.upstream_path")
             target = classify(upstream_path, ())
-            if target.path_class is PathClass.GENERATE:
+            if target.path_class is PathClass.GENERATE and target.api is not None:  # classify names its API
                 if api is not None and api is not target.api:
                     raise r.fail(f"{where}.api", f"{upstream_path} reads requests as {target.api.value}, "
                                  f"not {api.value}")

@@ -54,7 +54,10 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         if guard.open >= guard.limits.max_connections:
             self._refused = True
             guard.refused += 1
-            transport.abort()
+            if isinstance(transport, asyncio.Transport):
+                transport.abort()  # no FIN handshake for a connection over the limit
+            else:
+                transport.close()
             return
         guard.open += 1
         super().connection_made(transport)
@@ -127,15 +130,15 @@ async def listen(runner: web.AppRunner, host: str, port: int, limits: ClientLimi
         raise RuntimeError("call runner.setup() first")
     guard = ConnectionGuard(limits)
     loop = asyncio.get_running_loop()
-    options = dict(
-        loop=loop,
-        keepalive_timeout=limits.keepalive_timeout_s,
-        max_line_size=limits.max_header_line_bytes,
-        max_field_size=limits.max_header_line_bytes,
-        lingering_time=min(10.0, limits.body_timeout_s),
-        access_log=None,
-        auto_decompress=False,  # the gateway decodes governed bodies itself, bounded (intake._Decoder)
-    )
+    options = {
+        "loop": loop,
+        "keepalive_timeout": limits.keepalive_timeout_s,
+        "max_line_size": limits.max_header_line_bytes,
+        "max_field_size": limits.max_header_line_bytes,
+        "lingering_time": min(10.0, limits.body_timeout_s),
+        "access_log": None,
+        "auto_decompress": False,  # the gateway decodes governed bodies itself, bounded (intake._Decoder)
+    }
 
     def protocol() -> GuardedRequestHandler:
         return GuardedRequestHandler(server, guard, **options)

@@ -320,9 +320,9 @@ class LocalTokenizerCounter:
             tokens = self._count_sync(prompts)
         else:
             tokens = await asyncio.to_thread(self._count_sync, prompts)
-        missing = [p for p, n in zip(prompts, tokens) if n is None]
+        missing = [p for p, n in zip(prompts, tokens, strict=True) if n is None]
         if not missing:
-            return PromptCount(tuple(tokens), self.method, True)  # type: ignore[arg-type]
+            return PromptCount(tuple(n for n in tokens if n is not None), self.method, True)
         if self.upstream is None:
             raise PromptCountError("the prompt needs the engine's own count (content parts or an "
                                    "Anthropic request) and no upstream is configured")
@@ -396,7 +396,10 @@ def make_counter(counting: PromptCounting, *, client: Any = None,
         return estimate
     engine = UpstreamTokenizeCounter(client, fallback=estimate) if client is not None else None
     if counting.method is CountingMethod.TOKENIZER:
-        local = local or LocalTokenizerCounter.load(counting.tokenizer)
+        if local is None:
+            if counting.tokenizer is None:  # the config reader requires one with this method
+                raise ValueError("method 'tokenizer' needs prompt_tokens.tokenizer")
+            local = LocalTokenizerCounter.load(counting.tokenizer)
         return local.with_upstream(engine)
     if engine is None:
         raise ValueError("upstream-tokenize needs the upstream's client (kvtune.gateway.upstream.UpstreamClient)")

@@ -129,6 +129,7 @@ def never_passthrough(path: str) -> str | None:
 
 
 __all__ = [
-    "Api", "PathClass", "Endpoint", "classify", "canonical_path", "never_passthrough", "why_not_a_route_path", "ROUTE_APIS",
+    "Api", "PathClass", "Endpoint", "classify", "canonical_path", "never_passthrough", "why_not_a_route_path",
+    "ROUTE_APIS",
     "GENERATE", "POOL", "UNCOUNTABLE", "OPERATOR", "OTHER_KNOWN", "DEFAULT_PASSTHROUGH",
 ]

@@ -102,7 +102,8 @@ class Intake:
                     chunk = await content.readany()
                 received += len(chunk)  # what came over the wire is bounded too, decoded or not
                 if received > cap:
-                    raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes", close=True)
+                    raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes",
+                                    close=True)
             except TimeoutError:
                 raise Rejection(408, Reason.BODY_TIMEOUT, f"no request body bytes for {limits.body_timeout_s:g} s",
                                 close=True) from None
@@ -140,7 +141,8 @@ class _Decoder:
                 wbits = 31 if self._encoding == "gzip" else 15 if data[0] & 0x0F == 8 else -15
                 self._z = zlib.decompressobj(wbits)
             elif self._z.eof:
-                raise Rejection(400, Reason.INVALID_BODY, f"bytes after the end of the {self._encoding} stream", close=True)
+                raise Rejection(400, Reason.INVALID_BODY, f"bytes after the end of the {self._encoding} stream",
+                                close=True)
             try:
                 out = self._z.decompress(data, self._cap + 1 - self._out)
             except zlib.error:
@@ -149,7 +151,8 @@ class _Decoder:
             self._out += len(out)
             pieces.append(out)
             if self._z.unconsumed_tail:  # more output than the cap allows
-                raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {self._cap} bytes", close=True)
+                raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {self._cap} bytes",
+                                close=True)
             data = self._z.unused_data
         return b"".join(pieces)
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
 # Releases are averaged over about this many seconds (same constant as the rendered nginx.conf).
 RATE_WINDOW_S = 30.0
 

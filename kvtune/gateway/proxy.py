@@ -70,8 +70,9 @@ class Gateway:
         # A local tokenizer loads now, so a bad tokenizer fails at start.
         self._fixed_counter = counter
         self._local: LocalTokenizerCounter | None = None
-        if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER:
-            self._local = LocalTokenizerCounter.load(config.prompt_tokens.tokenizer)
+        tokenizer = config.prompt_tokens.tokenizer
+        if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER and tokenizer is not None:
+            self._local = LocalTokenizerCounter.load(tokenizer)
         self.admin = Admin(config, self.ledger, self.metrics, rejected=lambda: self.rejected,
                            waiting=lambda: self.admission.waiting)
         self._up: _Upstreams | None = None

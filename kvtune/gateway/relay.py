@@ -38,7 +38,8 @@ def refusal_response(rejection: Rejection) -> web.Response:
         headers["Retry-After"] = str(rejection.retry_after_s)
     if rejection.allow is not None:
         headers["Allow"] = rejection.allow
-    body = {"error": {"message": rejection.message, "type": ErrorType.of(status).value, "param": None, "code": rejection.code}}
+    body = {"error": {"message": rejection.message, "type": ErrorType.of(status).value, "param": None,
+                      "code": rejection.code}}
     response = web.json_response(body, status=status, headers=headers or None)
     if rejection.close:
         response.force_close()
@@ -81,7 +82,8 @@ class Relay:
                 try:
                     body = await up.read()
                 except UpstreamTimeoutError:
-                    return refusal_response(Rejection(504, Reason.UPSTREAM_TIMEOUT, "the upstream did not answer in time"))
+                    return refusal_response(Rejection(504, Reason.UPSTREAM_TIMEOUT,
+                                                      "the upstream did not answer in time"))
                 except UpstreamError as exc:
                     return refusal_response(Rejection(502, Reason.UPSTREAM_BROKEN,
                                                       f"the upstream's answer broke off: {exc}"))

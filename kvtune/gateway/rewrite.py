@@ -33,7 +33,7 @@ def rewrite(body: Body, asked: Request, cap: int) -> bytes:
     inserts: list[tuple[int, bytes]] = []
     spans: dict[str | None, tuple[int, list[Member]]] = {None: (body.open_at, list(body.top))}
     for f in [*fields, *adds, *floors]:
-        if f.parent not in spans:
+        if f.parent is not None and f.parent not in spans:
             parent = body.member(f.parent)
             if parent is None:  # only fields present in the body, or under a parent that is, get here
                 raise ValueError(f"no member {f.parent!r} in the body")

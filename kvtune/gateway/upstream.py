@@ -75,7 +75,8 @@ class _Connection(asyncio.Protocol):
         self.buffer += data
         if len(self.buffer) > _HIGH_WATER_BYTES and not self._reading_paused:
             self._reading_paused = True
-            self.transport.pause_reading()
+            if self.transport is not None:
+                self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -112,6 +113,8 @@ class _Connection(asyncio.Protocol):
         return not self.eof and not self.buffer and self.transport is not None and not self.transport.is_closing()
 
     async def write(self, data: bytes) -> None:
+        if self.transport is None:
+            raise UpstreamError("the upstream connection is not open")
         self.transport.write(data)
         if self._drain is not None:
             await self._drain
@@ -120,7 +123,7 @@ class _Connection(asyncio.Protocol):
         """Until more bytes arrive or the upstream closes; UpstreamTimeoutError after timeout_s."""
         if self.eof:
             return
-        if self._reading_paused:
+        if self._reading_paused and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
         waiter = self._waiter = self._loop.create_future()
@@ -137,7 +140,7 @@ class _Connection(asyncio.Protocol):
     def take(self, n: int) -> bytes:
         data = bytes(self.buffer[:n])
         del self.buffer[:n]
-        if self._reading_paused and len(self.buffer) < _LOW_WATER_BYTES:
+        if self._reading_paused and len(self.buffer) < _LOW_WATER_BYTES and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
         return data
@@ -170,14 +173,14 @@ class UpstreamResponse:
     and the upstream allows it; `close()` drops it (an unfinished answer must be dropped)."""
 
     __slots__ = ("status", "reason", "headers", "content_length", "_conn", "_client", "_mode",
-                 "_left", "_crlf", "_keep_alive", "_done")
+                 "_left", "_crlf", "_trailers", "_keep_alive", "_done")
 
     def __init__(self, client: UpstreamClient, conn: _Connection, status: int, reason: str,
                  headers: CIMultiDict, mode: int, length: int | None, keep_alive: bool) -> None:
         self.status, self.reason, self.headers = status, reason, headers
         self.content_length = length
         self._client, self._conn = client, conn
-        self._mode, self._left, self._crlf = mode, length or 0, False
+        self._mode, self._left, self._crlf, self._trailers = mode, length or 0, False, False
         self._keep_alive = keep_alive
         self._done = mode == _NONE or (mode == _LENGTH and length == 0)
 
@@ -234,7 +237,7 @@ class UpstreamResponse:
                 end = buf.find(b"\r\n")
                 if end >= 0:
                     line = conn.take(end + 2)[:-2]
-                    if self._left is None:  # trailers: skip fields up to the empty line
+                    if self._trailers:  # skip the trailer fields up to the empty line
                         self._done = line == b""
                         continue
                     size = line.split(b";", 1)[0].strip()
@@ -242,7 +245,7 @@ class UpstreamResponse:
                         raise UpstreamError("malformed chunk size from the upstream")
                     self._left = int(size, 16)
                     if self._left == 0:
-                        self._left = None  # the last chunk: trailers follow
+                        self._trailers = True  # the last chunk: trailers follow
                     continue
                 if len(buf) > _MAX_CHUNK_LINE_BYTES:
                     raise UpstreamError("chunk-size line too long from the upstream")
