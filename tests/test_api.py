@@ -76,4 +76,4 @@ def test_profile_logs_takes_the_on_error_words(tmp_path):
         kvtune.profile_logs([path], on_error="fail")
     with pytest.raises(KvtuneError) as caught:
         kvtune.profile_logs([path], on_error="stop")
-    assert caught.value.field == "--on-error" and "use skip or fail" in str(caught.value)
+    assert caught.value.field == "on_error" and "use skip or fail" in str(caught.value)

@@ -187,7 +187,7 @@ def test_a_server_that_does_not_answer_in_time():
 def test_calibrate_needs_a_url_or_a_log():
     with pytest.raises(KvtuneError) as info:
         asyncio.run(calibrate(None))
-    assert str(info.value) == "URL: give the server's URL, a startup log (--vllm-log FILE), or both"
+    assert str(info.value) == "url: give the server's URL, a startup log (`vllm_log` FILE), or both"
 
 
 def test_calibrate_from_a_log_alone():

@@ -178,7 +178,7 @@ def test_on_error_fail_and_strict_raise_at_the_first_bad_line(tmp_path):
 
 def test_on_error_words_are_parsed_at_the_edges_and_only_the_enum_reaches_ingest(tmp_path):
     assert parse_on_error("skip") is OnError.SKIP and parse_on_error("fail") is OnError.FAIL
-    with pytest.raises(UnknownNameError, match="^--on-error: unknown on_error 'stop'; use skip or fail$"):
+    with pytest.raises(UnknownNameError, match="^on_error: unknown on_error 'stop'; use skip or fail$"):
         parse_on_error("stop")
     path = tmp_path / "logs.jsonl"
     path.write_text('{"route": "a", "output_tokens": 3}\n')

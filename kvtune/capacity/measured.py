@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtune.endpoint import get_ok, server_root
 from kvtune.engines import vllm
-from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError
+from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError, OptionError
 from kvtune.userfiles import brief
 
 TIMEOUT_S = 10.0  # for each of a server's answers
@@ -408,7 +408,7 @@ async def calibrate(url: str | None, *, vllm_log: str | None = None,
                     timeout_s: float = TIMEOUT_S) -> MeasuredCapacity:
     """The capacity from a live server, a startup log, or both cross-checked (`kvtune calibrate`)."""
     if url is None and vllm_log is None:
-        raise KvtuneError("give the server's URL, a startup log (--vllm-log FILE), or both", field="URL")
+        raise OptionError("give the server's URL, a startup log (`vllm_log` FILE), or both", field="url")
     logged = read_vllm_log(vllm_log) if vllm_log is not None else None
     if url is None:
         assert logged is not None

@@ -106,7 +106,7 @@ def kv_pool(
         raise CapacityError(
             f"{what} the usable memory per GPU: weights {weights_bytes / GiB:.2f} GiB + overhead "
             f"{overhead.total_bytes / GiB:.2f} GiB > {gpu_memory_bytes / GiB:.2f} GiB × "
-            f"{gpu_memory_utilization} = {requested / GiB:.2f} GiB; use more GPUs (--tp/--pp), "
+            f"{gpu_memory_utilization} = {requested / GiB:.2f} GiB; use more GPUs (`tp`/`pp`), "
             "a bigger GPU, or quantized weights"
         )
     return MemoryBreakdown(

@@ -81,7 +81,7 @@ def parse_on_error(name: str) -> OnError:
     try:
         return OnError(name)
     except ValueError:
-        raise UnknownNameError(f"unknown on_error {name!r}; use skip or fail", field="--on-error") from None
+        raise UnknownNameError(f"unknown on_error {name!r}; use skip or fail", field="on_error") from None
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,7 @@ def _plan(path: Path, options: IngestOptions) -> _Plan:
             raise InputError(
                 "no known log schema (keys seen: "
                 + (", ".join(keys) or "none")
-                + "); name one with --format, or map columns with --field output_tokens=COLUMN",
+                + "); name one with `format_`, or map columns with `fields` output_tokens=COLUMN",
                 path=str(path),
             )
     plan.adapter = adapter
@@ -309,10 +309,10 @@ def check_options(options: IngestOptions) -> None:
     for target in options.fields:
         if target not in TARGETS:
             raise UnknownNameError(
-                f"unknown field target {target!r}; known: {', '.join(TARGETS)}", field="--field"
+                f"unknown field target {target!r}; known: {', '.join(TARGETS)}", field="fields"
             )
         if not options.fields[target]:
-            raise InputError(f"empty source path for {target}", field="--field")
+            raise InputError(f"empty source path for {target}", field="fields")
     if not isinstance(options.on_error, OnError):  # a caller without type checks passed a word
         raise UnknownNameError(
             f"on_error must be OnError.SKIP or OnError.FAIL, not {options.on_error!r} "
@@ -320,6 +320,6 @@ def check_options(options: IngestOptions) -> None:
             field="--on-error",
         )
     if options.assume_cap is not None and options.assume_cap <= 0:
-        raise InputError(f"assume_cap must be positive, got {options.assume_cap}", field="--assume-cap")
+        raise InputError(f"assume_cap must be positive, got {options.assume_cap}", field="assume_cap")
     if options.route_by == "":
-        raise InputError("empty --route-by", field="--route-by")
+        raise InputError("empty `route_by`", field="route_by")

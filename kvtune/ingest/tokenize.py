@@ -51,14 +51,14 @@ def load_tokenizer(spec: str) -> Any:
     if path.is_dir():
         path = path / "tokenizer.json"
         if not path.is_file():
-            raise InputError("model directory has no tokenizer.json", path=spec, field="--tokenizer")
+            raise InputError("model directory has no tokenizer.json", path=spec, field="tokenizer")
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
         except Exception as exc:
             raise InputError(f"not a tokenizers JSON file: {exc}", path=str(path)) from exc
     if os.sep in spec and spec.count("/") > 1 or spec.startswith((".", "~")):
-        raise InputError("no such tokenizer file or directory", path=spec, field="--tokenizer")
+        raise InputError("no such tokenizer file or directory", path=spec, field="tokenizer")
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as exc:
