@@ -67,11 +67,11 @@ class MeasuredCapacity:
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens is None and self.num_blocks is None:
-            raise KvtuneError("a measured capacity needs kv_cache_tokens or num_blocks", path=self.origin)
+            raise InputError("a measured capacity needs kv_cache_tokens or num_blocks", path=self.origin)
         for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < (1 if name in ("block_size", "max_model_len") else 0):
-                raise KvtuneError(f"must be positive, got {value}", path=self.origin, field=name)
+                raise InputError(f"must be positive, got {value}", path=self.origin, field=name)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; `from_dict(to_dict())` gives back an equal object."""
