@@ -13,6 +13,7 @@ import gzip
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -729,3 +730,33 @@ def test_many_idle_connections_do_not_stop_it_serving(enforcer, upstream):
     finally:
         for s in socks:
             s.close()
+
+
+def _one_keepalive_exchange(sock: socket.socket) -> bytes:
+    """Send one small chat request on a kept-alive connection and read its whole answer."""
+    body = json.dumps(chat(5)).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(rest) < length:
+        rest += sock.recv(4096)
+    return head
+
+
+def test_an_idle_kept_alive_connection_is_closed_at_the_keepalive_timeout(enforcer, upstream):
+    sock = socket.create_connection(("127.0.0.1", enforcer.port), timeout=5)
+    try:
+        head = _one_keepalive_exchange(sock)
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()
+        idle_from = time.monotonic()
+        still_open, _ = _closed_within(sock, LIMITS.keepalive_timeout_s / 2)
+        assert not still_open  # kept alive for a while: the timeout is not zero
+        closed, data = _closed_within(sock, LIMITS.keepalive_timeout_s + 3)
+    finally:
+        sock.close()
+    assert closed and data == b""
+    assert LIMITS.keepalive_timeout_s / 2 <= time.monotonic() - idle_from < LIMITS.keepalive_timeout_s + 3

@@ -295,3 +295,34 @@ def test_unknown_keys_are_named_as_written_or_briefly():
     with pytest.raises(InputError) as info:
         parse_gateway_config(_doc(queue={"k" * 10_000: 5}), path="gw.yaml")
     assert len(info.value.field) <= len("queue.") + 40
+
+
+def test_client_limits_default_to_nginx_own_and_a_body_cap_sized_to_the_context():
+    limits = parse_gateway_config(_doc()).limits
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s) == (60.0, 60.0, 75.0)
+    assert limits.send_timeout_s == 60.0 and limits.max_connections == 4096
+    assert limits.max_body_bytes == 1024 * 1024  # 32 bytes a token of an 8k context is under the 1 MiB floor
+    assert parse_gateway_config(_doc(max_model_len=131072)).limits.max_body_bytes == 32 * 131072
+    given = parse_gateway_config(_doc(limits={"keepalive_timeout_s": 4, "max_connections": 64,
+                                              "max_body_bytes": 4096})).limits
+    assert (given.keepalive_timeout_s, given.max_connections, given.max_body_bytes) == (4.0, 64, 4096)
+
+
+@pytest.mark.parametrize(("limits", "field", "says"), [
+    ({"header_timeout_s": float("nan")}, "limits.header_timeout_s", "finite"),
+    ({"body_timeout_s": 0}, "limits.body_timeout_s", "at least"),
+    ({"keepalive_timeout_s": 10**6}, "limits.keepalive_timeout_s", "at most"),
+    ({"send_timeout_s": "60"}, "limits.send_timeout_s", "expected a number"),
+    ({"max_connections": 0}, "limits.max_connections", "at least 1"),
+    ({"max_connections": True}, "limits.max_connections", "expected an integer"),
+    ({"max_body_bytes": 1.5e6}, "limits.max_body_bytes", "expected an integer"),
+    ({"max_header_bytes": 100}, "limits.max_header_bytes", "at least 1024"),
+    ({"max_header_bytes": 2048, "max_header_line_bytes": 4096}, "limits.max_header_line_bytes",
+     "at most limits.max_header_bytes"),
+    ({"idle_s": 5}, "limits.idle_s", "unknown key"),
+    ([], "limits", "expected a mapping"),
+])
+def test_client_limits_are_validated_and_name_the_field(limits, field, says):
+    with pytest.raises(InputError) as caught:
+        parse_gateway_config(_doc(limits=limits))
+    assert caught.value.field == field and says in caught.value.message

@@ -496,3 +496,32 @@ def test_malformed_requests_log_one_line_each_never_a_traceback(caplog):
         asyncio.run(run())
     for record in caplog.records:
         assert record.exc_info is None and "Traceback" not in record.getMessage(), record.getMessage()
+
+
+def test_a_connection_over_max_connections_is_closed_at_once_and_a_freed_slot_serves_again():
+    """nginx has no exact per-listener cap (worker_connections counts upstream connections too),
+    so this is the Python gateway's own: connection N+1 is closed before a byte is read."""
+    async def run():
+        limits = {"max_connections": 8, "keepalive_timeout_s": 30}
+        async with running(limits=limits) as (session, base, gateway, fake):
+            host, port = base.removeprefix("http://").rsplit(":", 1)
+            held = [await asyncio.open_connection(host, int(port)) for _ in range(8)]
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:  # EOF or a reset, never an answer
+                answer = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b""
+            writer.close()
+            for _, w in held[:2]:
+                w.close()
+            await asyncio.sleep(0.1)
+            async with aiohttp.ClientSession() as fresh:  # a new connection, in a freed slot
+                async with fresh.post(f"{base}/v1/chat/completions", json=chat(5)) as resp:
+                    assert resp.status == 200
+            for _, w in held[2:]:
+                w.close()
+
+    asyncio.run(run())
