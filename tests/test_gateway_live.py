@@ -33,10 +33,12 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, vllm_factory):
+def engine(tmp_path_factory, vllm_factory, vllm_tokenizer):
+    """The engine on a model with TEMPLATE, once with each tokenizer (the toy one and Mistral-7B's)."""
     from vllm_server import write_tiny_model
 
-    model = write_tiny_model(tmp_path_factory.mktemp("gateway-live") / "model")
+    model = write_tiny_model(tmp_path_factory.mktemp(f"gateway-live-{vllm_tokenizer}") / "model",
+                             tokenizer=vllm_tokenizer)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE
     (model / "tokenizer_config.json").write_text(json.dumps(config))
@@ -125,8 +127,8 @@ def test_anthropic_counts_equal_the_engines(engine):
 def test_the_gateway_reserves_what_the_engine_uses(engine, tmp_path):
     """The Python gateway in front of the live engine: its reservation is the engine's own
     prompt count plus the cap, in blocks, and the cap reaches the engine."""
-    from enforcers import PyGateway
     import yaml
+    from enforcers import PyGateway
 
     server, model = engine
     config = {"version": 1, "upstream": server.url, "block_size": server.block_size,
