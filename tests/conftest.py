@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_server import TOKENIZERS
 
 REPO = Path(__file__).resolve().parents[1]
 # Copies of real model configs and trace excerpts; tests/data/SOURCES.md names where each came from.
@@ -66,6 +67,31 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-model")
 
 
+@pytest.fixture(scope="session")
+def vllm_model_dir_for(tmp_path_factory, vllm_model_dir):
+    """get(tokenizer) -> the tiny model directory with that tokenizer (vllm_server.TOKENIZERS),
+    written on first use; "word" is vllm_model_dir itself."""
+    from vllm_server import write_tiny_model
+
+    made = {"word": vllm_model_dir}
+
+    def get(tokenizer: str) -> Path:
+        if tokenizer not in made:
+            made[tokenizer] = write_tiny_model(tmp_path_factory.mktemp(f"vllm-{tokenizer}") / "tiny-model",
+                                               tokenizer=tokenizer)
+        return made[tokenizer]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=TOKENIZERS)
+def vllm_tokenizer(request) -> str:
+    """Each tokenizer of the test bed in turn: the toy one (a word is a token) and Mistral-7B's.
+    Session scope makes pytest run every test of one tokenizer before the next, so the servers
+    built on it start once each instead of once per test."""
+    return request.param
+
+
 class _VllmFactory:
     """Starts vLLM servers on demand, one at a time, reusing a running one with the same kwargs."""
 
@@ -117,6 +143,14 @@ def vllm_server(vllm_factory):
     for `vllm_server` must get a live one back, not a stale session value.
     """
     return vllm_factory(max_model_len=512, kv_cache_memory_bytes=2 * 1024**2)
+
+
+@pytest.fixture
+def vllm_server_each_tokenizer(vllm_factory, vllm_model_dir_for, vllm_tokenizer):
+    """The default server (as vllm_server) on the model with each tokenizer in turn: the same
+    KV pool (32 blocks × 128 tokens), so only what the tokenizer changes can differ."""
+    return vllm_factory(model_dir=vllm_model_dir_for(vllm_tokenizer), max_model_len=512,
+                        kv_cache_memory_bytes=2 * 1024**2)
 
 
 # --- paths that are not regular files (FIFO, device, directory, socket, link to a FIFO) --------

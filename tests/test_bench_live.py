@@ -33,18 +33,26 @@ def bench(*args: str):
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_counted_output_tokens_equal_the_server_counter(vllm_server, tmp_path, endpoint):
+def test_counted_output_tokens_equal_the_server_counter(vllm_server_each_tokenizer, tmp_path, endpoint):
+    vllm_server = vllm_server_each_tokenizer
     rng = np.random.default_rng(0)
-    path = profile_file(tmp_path, rng.integers(8, 120, 40), rng.integers(1, 60, 40))
+    # prompts up to most of the context: with a real tokenizer, long prompts are where a filler
+    # that does not add up would show
+    path = profile_file(tmp_path, np.r_[rng.integers(8, 120, 36), [300, 380, 420, 450]], rng.integers(1, 60, 40))
+    log = tmp_path / "requests.jsonl"
     r = bench(vllm_server.url, "--profile", path, "--endpoint", endpoint, "--concurrency", "4",
-              "--requests", "24", "--seed", "3")
+              "--requests", "24", "--seed", "3", "--requests-log", str(log))
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["requests"]["completed"] == 24
     assert data["workload"]["prompts"]["method"] == "tokenize"
     assert data["workload"]["prompt_check"]["checked"] == data["workload"]["prompt_check"]["exact"] == 8
-    # every prompt had the intended length and every output the drawn one, by the server's usage …
-    assert data["prompt_length"]["mismatched"] == 0
+    # every prompt had the intended length, request by request, by the server's usage …
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == 24 and all(x["prompt_tokens"] is not None for x in rows)
+    assert [x["prompt_tokens"] for x in rows] == [x["prompt_tokens_requested"] for x in rows]
+    assert data["prompt_length"] == {"checked": 24, "mismatched": 0}
+    # … and every output the drawn one
     assert data["output_tokens_total"] == data["output_tokens_requested_total"]
     # … and the server's own counter agrees with the sum the bench counted
     assert data["server"]["generation_tokens"] == data["output_tokens_total"]
@@ -52,11 +60,16 @@ def test_counted_output_tokens_equal_the_server_counter(vllm_server, tmp_path, e
     assert (data["server"]["num_blocks"], data["server"]["block_size"]) == (32, 128)
     assert data["server"]["preemptions"] == 0
     assert data["latency_ms"]["ttft"]["count"] == 24
+    prompts = data["workload"]["prompts"]
     print(f"\n{endpoint}: counted {data['output_tokens_total']} output tokens, server generation delta "
-          f"{data['server']['generation_tokens']}")
+          f"{data['server']['generation_tokens']}; prompts: {prompts['filler']} filler "
+          f"({prompts['vocabulary_words']} units, overhead {prompts['overhead_tokens']}), "
+          f"{prompts['calibration_calls']} calibration calls, lengths {sorted({x['prompt_tokens'] for x in rows})[-3:]}")
 
 
-def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_path):
+@pytest.mark.parametrize("vllm_tokenizer", ["word"], indirect=True)  # with the other word tests
+def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server_each_tokenizer, tmp_path):
+    vllm_server = vllm_server_each_tokenizer
     # 32 blocks × 128 tokens; 16 requests × (24 + 400) tokens need ~64 blocks at the end
     path = profile_file(tmp_path, [24] * 10, [400] * 10)
     expect = tmp_path / "recommendation.json"
@@ -78,7 +91,8 @@ def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server, tmp_
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_min_tokens_gives_exact_lengths_without_max_tokens(vllm_server, tmp_path, endpoint):
+def test_min_tokens_gives_exact_lengths_without_max_tokens(vllm_server_each_tokenizer, tmp_path, endpoint):
+    vllm_server = vllm_server_each_tokenizer
     # /v1/completions defaults an unset max_tokens to 16, so its outputs stay at 16 or below there
     top = 120 if endpoint == "chat" else 16
     rng = np.random.default_rng(1)

@@ -9,7 +9,18 @@ import numpy as np
 import pytest
 from fake_vllm import TEMPLATED, FakeVllm
 
-from kvtune.bench.workload import WORDS, PairSampler, PromptSynth, Workload, calibrate_prompts, check_prompts
+from kvtune.bench.workload import (
+    CALIBRATION_MAX_CALLS,
+    GROUP_SIZE,
+    LEADS,
+    SAMPLE_UNITS,
+    WORDS,
+    PairSampler,
+    PromptSynth,
+    Workload,
+    calibrate_prompts,
+    check_prompts,
+)
 from kvtune.errors import KvtuneError
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
@@ -157,3 +168,98 @@ def test_calibration_with_a_local_tokenizer_when_the_server_has_no_tokenize():
 def test_calibration_falls_back_to_assumed_lengths_and_says_so():
     s, _ = asyncio.run(_calibrate(FakeVllm(tokens=TEMPLATED, missing={"/tokenize"}), "chat"))
     assert s.method == "assumed" and "assumed" in s.notes[-1]
+
+
+# --- tokenizers where English words are not one token each ------------------------------------
+# The same calibration runs against a local tokenizer when the server has no /tokenize, so these
+# exercise it without a server: every length drawn must come out exact, by the tokenizer itself.
+
+SYLLABLES = ("ka", "lo", "mi", "zu", "te", "ra", "po", "ne", "shi", "vo")
+
+
+def _bpe(corpus: list[str], vocab_size: int, *, split_words: bool):
+    """A BPE with a "▁" word prefix (SentencePiece style) trained on `corpus`; without
+    `split_words` it has no pre-tokenizer, so merges may run across words."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if split_words:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Metaspace()
+    alphabet = list("abcdefghijklmnopqrstuvwxyz▁")
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>"],
+                                                       initial_alphabet=alphabet))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+def _local_calibration(tok, max_model_len=None) -> PromptSynth:
+    async def run():
+        async with FakeVllm(tokens=TEMPLATED, missing={"/tokenize", "/detokenize"}) as server, \
+                aiohttp.ClientSession() as session:
+            return await calibrate_prompts(session, server.url, "fake", "completions", tokenizer=tok,
+                                           max_model_len=max_model_len)
+
+    return asyncio.run(run())
+
+
+def _assert_exact(s: PromptSynth, tok, lengths) -> None:
+    rng = np.random.default_rng(11)
+    for n in lengths:
+        text = s.text(n, rng)
+        assert len(tok.encode(text).ids) == n, (n, text)
+
+
+def test_a_vocabulary_without_english_words_gives_its_own_pieces():
+    rng = np.random.default_rng(0)
+    corpus = [" ".join("".join(rng.choice(SYLLABLES, rng.integers(1, 4))) for _ in range(50)) for _ in range(200)]
+    tok = _bpe(corpus, 300, split_words=True)
+    assert len(tok.encode("the").ids) > 2  # "the" is ▁ t h e here
+    s = _local_calibration(tok)
+    assert (s.method, s.filler, s.overhead_tokens) == ("tokenizer", "vocabulary", 1)
+    assert len(s.words) >= 16 and not set(s.words) & set(WORDS)
+    assert s.calibration_calls <= CALIBRATION_MAX_CALLS
+    _assert_exact(s, tok, [2, 3, 17, 100, 333, 1000])
+
+
+def test_a_tokenizer_that_merges_across_words_repeats_one_unit():
+    rng = np.random.default_rng(1)
+    common = ["the", "of", "and", "to", "in"]
+    corpus = [" ".join(rng.choice(common, 30)) for _ in range(300)] + ["zu " * 40]
+    tok = _bpe(corpus, 400, split_words=False)
+    assert len(tok.encode("the of").ids) == 2  # <s> ▁the▁of: one token for two words
+    s = _local_calibration(tok)
+    assert s.filler == "repeat" and len(s.words) == 1
+    assert "merges across words" in s.notes[-1]
+    assert s.calibration_calls <= CALIBRATION_MAX_CALLS
+    _assert_exact(s, tok, [s.min_tokens, 9, 64, 500])
+
+
+class _CharsTokenizer:
+    """One token per 64 characters: no word adds a token of its own, so no length can be aimed at."""
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        class Encoding:
+            ids = [0] * (len(text) // 64 + 1)
+        return Encoding()
+
+    def get_vocab_size(self) -> int:
+        return 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+def test_a_tokenizer_that_cannot_make_exact_lengths_is_one_clear_error():
+    with pytest.raises(KvtuneError) as info:
+        _local_calibration(_CharsTokenizer())
+    assert str(info.value).startswith("no text adds up to an exact token count under this tokenizer (")
+    assert str(info.value).endswith("); cannot build prompts of exact length")
+
+
+def test_the_calibration_is_a_few_calls_when_every_word_is_one_token():
+    s, _ = asyncio.run(_calibrate(FakeVllm(tokens=TEMPLATED, max_model_len=2048), "chat"))
+    # 4 leads, the words in groups of 64, 2 random sequences
+    assert (s.filler, s.calibration_calls) == ("words", LEADS + -(-len(WORDS) // GROUP_SIZE) + len(SAMPLE_UNITS))

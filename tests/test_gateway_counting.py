@@ -22,6 +22,7 @@ from kvtune.gateway.counting import (
     PromptRejectedError,
     UpstreamTokenizeCounter,
     make_counter,
+    tokenize_payload,
 )
 from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
@@ -49,6 +50,19 @@ def test_local_counter_applies_the_chat_template(model_dir):
     assert kwargs.tokens == (11,)
     tools = count(counter, {**body, "tools": [{"type": "function"}]})
     assert tools.tokens[0] > 11
+
+
+def test_responses_prompts_get_the_second_bos_vllm_adds(model_dir):
+    """vLLM 0.32 tokenizes a Responses prompt with special tokens added, so a tokenizer whose
+    post-processor adds BOS (this one, Llama's, Mistral's) puts a second <s> after the template's;
+    test_gateway_live shows it on the engine with Mistral's tokenizer. Chat gets no second BOS."""
+    counter = LocalTokenizerCounter.load(str(model_dir))
+    messages = [{"role": "system", "content": "hello"}, {"role": "user", "content": "how are you"}]
+    assert count(counter, {"messages": messages}).tokens == (10,)
+    assert count(counter, {"instructions": "hello", "input": "how are you"}).tokens == (11,)
+    assert tokenize_payload("m", read_request(Api.RESPONSES, {"input": "a"}).prompts[0])[1] == {
+        "model": "m", "messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}
+    assert "add_special_tokens" not in tokenize_payload("m", read_request(Api.CHAT, {"messages": messages}).prompts[0])[1]
 
 
 def test_template_fields_override_chat_template_kwargs_as_vllm_032_does(model_dir):

@@ -33,10 +33,12 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, vllm_factory):
+def engine(tmp_path_factory, vllm_factory, vllm_tokenizer):
+    """The engine on a model with TEMPLATE, once with each tokenizer (the toy one and Mistral-7B's)."""
     from vllm_server import write_tiny_model
 
-    model = write_tiny_model(tmp_path_factory.mktemp("gateway-live") / "model")
+    model = write_tiny_model(tmp_path_factory.mktemp(f"gateway-live-{vllm_tokenizer}") / "model",
+                             tokenizer=vllm_tokenizer)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE
     (model / "tokenizer_config.json").write_text(json.dumps(config))

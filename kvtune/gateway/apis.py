@@ -38,6 +38,10 @@ class Prompt:
     token_count: int | None = None  # token ids the client already gave
     template_args: dict | None = None  # chat: TEMPLATE_FIELDS present (and ESTIMATE_FIELDS)
     anthropic: dict | None = None  # an Anthropic request, counted by the engine's count_tokens
+    # messages whose rendered text the engine tokenizes with special tokens added, so a tokenizer
+    # that adds BOS gives it twice: vLLM 0.32's Responses API (ResponsesRequest.build_tok_params
+    # keeps TokenizeParams' add_special_tokens=True; chat completions sends False)
+    add_special_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +293,7 @@ def _responses(doc: dict, pair_tokens: int = 0) -> Reading:
     tools = doc.get("tools")
     if tools:
         args["tools"] = _response_tools(tools)
-    prompt = Prompt(messages=messages, template_args=args)
+    prompt = Prompt(messages=messages, template_args=args, add_special_tokens=True)
     return Reading(Api.RESPONSES, (prompt,), (Sequence((0,)),), True, RESPONSES_CAPS,
                    CapField("max_output_tokens"), _caps(doc, RESPONSES_CAPS))
 

@@ -112,6 +112,8 @@ def tokenize_payload(model: Any, prompt: Prompt) -> tuple[str, dict]:
     kwargs = _template_kwargs(args)
     if kwargs:
         payload["chat_template_kwargs"] = kwargs
+    if prompt.add_special_tokens:
+        payload["add_special_tokens"] = True
     return "/tokenize", payload
 
 
@@ -309,7 +311,7 @@ class LocalTokenizerCounter:
             elif not self.counts_here(p):
                 out.append(None)
             elif p.messages is not None:
-                out.append(len(encode(self.render(p), add_special_tokens=False)))
+                out.append(len(encode(self.render(p), add_special_tokens=p.add_special_tokens)))
             else:
                 out.append(len(encode(p.text, add_special_tokens=True)))
         return out
