@@ -4,9 +4,12 @@ Why these sweeps: each observation must be explainable as a known set of engine 
     overhead  a near-empty request alone, max_tokens 1: TTFT = HTTP overhead + one tiny step
     prefill   one request at a time, max_tokens 1, prompts up to and past max_num_batched_tokens:
               TTFT = HTTP overhead + one step per chunk (kvtune.capacity.timing.prefill_chunks)
-    decode    B clients in a closed loop (each sends its next request when the last one ends),
-              ignore_eos, streamed: an inter-token gap = one step of B decoding requests, each at
-              the context the observing request has reached (identical requests stay in step)
+    decode    B clients in a closed loop of waves (all send together, each its next request once
+              the wave is done), ignore_eos, streamed: an inter-token gap = one step of B decoding
+              requests at the context reached, or a mixed step while the wave's last prompts are
+              still prefilled (kvtune.capacity.timing.wave_decode_features replays vLLM's schedule).
+              The gaps are the engine's own (vllm:inter_token_latency_seconds): on a busy host the
+              API server forwards tokens in bursts, so the client's gaps are not the steps
 The server's own counters (vllm:iteration_tokens_total, prompt/generation tokens, preemptions,
 its ITL and prefill-time histograms) are read before and after each sweep and reported beside
 the client's view, and a decode cell that preempted is dropped: its steps were not B decodes.
@@ -39,10 +42,10 @@ from kvtune.capacity.timing import (
     StepTimeFit,
     SweepReport,
     Timing,
-    decode_features,
     fit_errors,
     fit_step_time,
     lone_prefill_features,
+    wave_decode_features,
 )
 from kvtune.endpoint import get, server_root
 from kvtune.engines import vllm
@@ -83,7 +86,7 @@ class TimingPlan:
     prefill_rounds: int
     decode_cells: tuple[DecodeCell, ...]
     decode_output_tokens: int
-    notes: tuple[str, ...] = ()
+    notes: tuple[tuple[str, str], ...] = ()  # (sweep, what the plan had to leave out)
 
     def steps(self) -> list[tuple[str, str, int]]:
         """(sweep, what it does, requests at most) in the order they run."""
@@ -106,7 +109,7 @@ def plan_timing(*, budget_s: float, max_num_batched_tokens: int, max_model_len: 
                 kv_tokens: int | None, block_size: int | None, min_prompt_tokens: int = 1) -> TimingPlan:
     """The sweeps for a server: prompts as long as its context and KV pool allow, decode batches
     whose whole sequences fit in its KV pool at once (a preemption would break the step model)."""
-    notes: list[str] = []
+    notes: list[tuple[str, str]] = []
     bs = block_size or 16
     usable = None if kv_tokens is None else max(bs, kv_tokens - bs)  # one block is vLLM's null block
     limit = (max_model_len or 8192) - 1  # prompt + the one output token
@@ -120,8 +123,8 @@ def plan_timing(*, budget_s: float, max_num_batched_tokens: int, max_model_len: 
         lengths |= {min(limit, round(budget_tokens * f)) for f in (1.0, 1.25, 1.5, 2.0, 2.5, 3.0)}
     else:
         lengths.add(limit)
-        notes.append(f"prompts stop at {limit:,} tokens (max_model_len or the KV pool), not past "
-                     f"max_num_batched_tokens {budget_tokens:,}: no prefill is chunked")
+        notes.append(("prefill", f"prompts stop at {limit:,} tokens (max_model_len or the KV pool), not past "
+                     f"max_num_batched_tokens {budget_tokens:,}: no prefill is chunked"))
     out = DECODE_OUTPUT_TOKENS if max_model_len is None else max(8, min(DECODE_OUTPUT_TOKENS, max_model_len // 4))
     short = max(min_prompt_tokens, 32)
     long = min(1024, (max_model_len or 2048) // 2)
@@ -134,10 +137,10 @@ def plan_timing(*, budget_s: float, max_num_batched_tokens: int, max_model_len: 
                 cells.append(DecodeCell(c, p))
     if not cells:
         cells.append(DecodeCell(1, short))
-        notes.append("the KV pool holds less than one decode request: decode observations may preempt")
+        notes.append(("decode", "the KV pool holds less than one decode request: decode observations may preempt"))
     dropped = len(prompts) * len(DECODE_CONCURRENCY) - len(cells)
     if dropped > 0:
-        notes.append(f"{dropped} decode cell(s) left out: their sequences would not all fit in the KV pool")
+        notes.append(("decode", f"{dropped} cell(s) left out: their sequences would not all fit in the KV pool"))
     return TimingPlan(budget_s, budget_tokens, min_prompt_tokens, OVERHEAD_REQUESTS, tuple(sorted(lengths)),
                       PREFILL_ROUNDS, tuple(cells), out, tuple(notes))
 
@@ -391,16 +394,16 @@ class _Runner:
         results: list[RequestResult] = []
 
         async def client() -> None:
-            while True:
-                result = await self.send("decode", cell.prompt_tokens, out)
-                results.append(result)
-                sweep.results.append(result)
-                if time.perf_counter() >= until:
-                    return
+            result = await self.send("decode", cell.prompt_tokens, out)
+            results.append(result)
+            sweep.results.append(result)
 
-        async with asyncio.TaskGroup() as tg:
-            for _ in range(cell.concurrency):
-                tg.create_task(client())
+        while True:  # waves: all clients send together, each its next request once all are done
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(cell.concurrency):
+                    tg.create_task(client())
+            if time.perf_counter() >= until:
+                break
         after = await _settled_counters(self.session, self.metrics_url)
         preempted = _server_check(before, after).preemptions
         if preempted:
@@ -408,9 +411,9 @@ class _Runner:
                                f"{preempted} time(s): its observations are left out")
             return
         sweep.concurrency.add(cell.concurrency)
-        # the engine's mean inter-token gap over the cell: one step of `concurrency` decoding
-        # requests, at the mean context of the gaps (prompt + 0 … prompt + out − 2)
-        features = decode_features([cell.prompt_tokens + (out - 2) / 2] * cell.concurrency)
+        # the engine's mean inter-token gap over the cell: steps of `concurrency` decoding requests,
+        # and the mixed steps where the first of a wave decode while the last still prefill
+        features = wave_decode_features(cell.concurrency, cell.prompt_tokens, out, self.plan.max_num_batched_tokens)
         check = _server_check(before, after)
         if check.engine_itl_mean_s is not None and check.engine_itl_mean_s > 0:
             sweep.observations.append(Observation.of("decode", features, 0, check.engine_itl_mean_s))
@@ -514,8 +517,8 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
     errors = fit_errors(fit, [o for o in client_rows if o.sweep != "decode"]
                         + [o for o in (engine_rows or client_rows) if o.sweep == "decode"])
     reports = [_report(s, errors) for s in sweeps]
-    if plan.notes:
-        reports[1] = dataclasses.replace(reports[1], notes=plan.notes + reports[1].notes)
+    reports = [dataclasses.replace(r, notes=tuple(n for sweep, n in plan.notes if sweep == r.name) + r.notes)
+               for r in reports]
     timing = Timing(
         model=fit.model,
         http_overhead_s=fit.http_overhead_s,

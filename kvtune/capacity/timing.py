@@ -116,6 +116,43 @@ def decode_features(contexts: Sequence[int]) -> np.ndarray:
     return step_features((1, ctx) for ctx in contexts)
 
 
+def wave_decode_features(concurrency: int, prompt_tokens: int, output_tokens: int,
+                         max_num_batched_tokens: int) -> np.ndarray:
+    """The mean inter-token gap of `concurrency` identical requests sent together, as features.
+
+    vLLM schedules running requests first, each decoding one token, then prefill chunks in arrival
+    order within the token budget: the first requests start decoding while later ones still
+    prefill, so some gaps span mixed steps. The mean gap over all requests is the average of the
+    steps' features weighted by how many requests each step gave a token to after their first.
+    """
+    remaining = [prompt_tokens] * concurrency  # prompt tokens still to prefill
+    generated = [0] * concurrency
+    total = np.zeros(4)
+    gaps = 0
+    while any(g < output_tokens for g in generated):
+        budget = max_num_batched_tokens
+        batch: list[tuple[int, int]] = []
+        decoding = 0
+        for i in range(concurrency):
+            if generated[i] >= output_tokens or budget == 0:
+                continue
+            if remaining[i] > 0:
+                n = min(remaining[i], budget)
+                batch.append((n, prompt_tokens - remaining[i]))
+                remaining[i] -= n
+                if remaining[i] == 0:
+                    generated[i] = 1  # the step that completes a prompt samples its first token
+            else:
+                batch.append((1, prompt_tokens + generated[i] - 1))
+                generated[i] += 1
+                decoding += 1
+                n = 1
+            budget -= n
+        total += decoding * step_features(batch)
+        gaps += decoding
+    return total / max(gaps, 1)
+
+
 # --- observations and the fit ----------------------------------------------------------------
 
 
@@ -524,6 +561,7 @@ __all__ = [
     "prefill_chunks",
     "lone_prefill_features",
     "decode_features",
+    "wave_decode_features",
     "Observation",
     "FitError",
     "StepTimeFit",
