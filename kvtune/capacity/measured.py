@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtune.capacity.timing import Timing
 from kvtune.endpoint import get_ok, server_root
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError, OptionError
+from kvtune.fields import Fields
 from kvtune.userfiles import brief
 
 TIMEOUT_S = 10.0  # for each of a server's answers
@@ -64,6 +66,7 @@ class MeasuredCapacity:
     kv_cache_memory_bytes: int | None = None  # the explicit KV size it was started with, if any
     origin: str | None = None  # the log path or URL it was read from
     line: int | None = None  # the log line it was read from
+    timing: Timing | None = None  # a step-time model, when `calibrate --timing` measured one
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens is None and self.num_blocks is None:
@@ -91,6 +94,7 @@ class MeasuredCapacity:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "origin": self.origin,
             "line": self.line,
+            **({} if self.timing is None else {"timing": self.timing.to_dict()}),
         }
 
     @classmethod
@@ -98,7 +102,8 @@ class MeasuredCapacity:
         """Parse a capacity file's object strictly; errors name the field."""
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, found {type(data).__name__}", path=path)
-        unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40) for k in set(data) - set(_FIELD_TYPES) - {"source"})
+        unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40)
+                         for k in set(data) - set(_FIELD_TYPES) - {"source", "timing"})
         if unknown:
             raise InputError(f"unknown field(s): {', '.join(unknown[:5])}", path=path, field=unknown[0])
         raw_source = data.get("source")
@@ -123,10 +128,24 @@ class MeasuredCapacity:
                 values[name] = value
             else:
                 raise InputError(f"expected {kind.__name__}, found {brief(value)}", path=path, field=name)
+        timing = None
+        if data.get("timing") is not None:
+            try:
+                timing = Timing.from_fields(Fields(data["timing"], path=path, where="timing"))
+            except KvtuneError as exc:
+                raise InputError(exc.message, path=path, field=_timing_field(exc.field)) from None
         try:
-            return cls(source=source, **values)
+            return cls(source=source, timing=timing, **values)
         except KvtuneError as exc:
             raise InputError(exc.message, path=path, field=exc.field) from None
+
+
+def _timing_field(field: str | None) -> str:
+    """Errors from inside the timing object name their path under it (the coefficients' own checks
+    name only the coefficient)."""
+    if field is None:
+        return "timing"
+    return field if field.startswith("timing") else f"timing.coefficients.{field}"
 
 
 _FIELD_TYPES: dict[str, type] = {

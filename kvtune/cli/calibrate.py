@@ -7,6 +7,8 @@ import json
 
 import click
 
+from kvtune.errors import OptionError
+
 
 @click.command()
 @click.argument("url", required=False)
@@ -17,22 +19,52 @@ import click
               help="The server's startup log: calibrate from it alone, or cross-check URL against it.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Seconds to wait for each of the server's answers.")
-def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | None, timeout_s: float) -> None:
+@click.option("--timing", is_flag=True,
+              help="Also measure the engine's step time (overhead, prefill and decode sweeps against URL) and "
+                   "fit T_step = c0 + c1·Σn + c2·Σn·(ctx + n/2) + c3·batch into the file's `timing` object.")
+@click.option("--timing-budget-s", "timing_budget_s", type=click.FloatRange(min=5), default=300.0,
+              show_default=True, help="Seconds the --timing sweeps may take in all.")
+@click.option("--max-num-batched-tokens", "max_num_batched_tokens", type=click.IntRange(min=1),
+              help="The server's --max-num-batched-tokens, for --timing's prefill chunks; default: read from "
+                   "--vllm-log or the server, else vLLM's default (2048 on CPU and GPUs under 70 GiB).")
+def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | None, timeout_s: float,
+              timing: bool, timing_budget_s: float, max_num_batched_tokens: int | None) -> None:
     """Read the real KV capacity of a running vLLM from /v1/models and /metrics.
 
     URL is the server's root or its /metrics. The result (blocks, block size, tokens,
     max_model_len, cache dtype, prefix caching) replaces kvtune's memory estimate when
-    passed to `kvtune recommend --capacity FILE`.
+    passed to `kvtune recommend --capacity FILE`. With --timing it also sends bounded
+    sweeps of requests and writes the fitted step-time model (`timing`: coefficients c0..c3
+    in seconds with units, HTTP overhead, sweep ranges, the fit's error per sweep, the
+    server settings it was measured against, kvtune_version) that `kvtune simulate` uses.
 
     \b
     Example:
         kvtune calibrate http://127.0.0.1:8000 --out capacity.json
         kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --out capacity.json
     """
     from kvtune.capacity.measured import calibrate as run_calibrate
     from kvtune.capacity.measured import write_capacity_file
 
-    measured = asyncio.run(run_calibrate(url, vllm_log=vllm_log, timeout_s=timeout_s))
+    if timing:
+        if url is None:
+            raise OptionError("needs the server's URL: it sends requests to measure step times", field="--timing")
+        from rich.console import Console
+
+        from kvtune.bench.timing import calibrate_timing
+        from kvtune.cli._timing_view import RichTimingProgress
+
+        progress = None if json_ else RichTimingProgress(Console(stderr=True, highlight=False))
+        measured = asyncio.run(calibrate_timing(url, vllm_log=vllm_log, timeout_s=timeout_s,
+                                                budget_s=timing_budget_s,
+                                                max_num_batched_tokens=max_num_batched_tokens, progress=progress))
+    else:
+        for name, given in (("--timing-budget-s", timing_budget_s != 300.0),
+                            ("--max-num-batched-tokens", max_num_batched_tokens is not None)):
+            if given:
+                raise OptionError("only applies with --timing", field=name)
+        measured = asyncio.run(run_calibrate(url, vllm_log=vllm_log, timeout_s=timeout_s))
     if out is not None:
         write_capacity_file(out, measured)
     if json_:
@@ -79,6 +111,10 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
         table.add_row(name, escape(_fmt(value)))
     console = Console(highlight=False)
     console.print(table)
+    if m.timing is not None:
+        from kvtune.cli._timing_view import print_timing
+
+        print_timing(m.timing, console)
     if cross_checked:
         console.print("The startup log agrees with the server.", soft_wrap=True)
     if out is not None:

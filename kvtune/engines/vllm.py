@@ -57,6 +57,11 @@ KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # 0..1
 GPU_CACHE_USAGE = "vllm:gpu_cache_usage_perc"  # KV_CACHE_USAGE's name before vLLM 0.10
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+# histograms (their _sum and _count samples): tokens per engine step that produced output (prompt
+# tokens counted once, when a prefill completes), inter-token gaps, and each request's prefill time
+ITERATION_TOKENS = "vllm:iteration_tokens_total"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+REQUEST_PREFILL_TIME = "vllm:request_prefill_time_seconds"
 # an info gauge whose labels are CacheConfig's fields: num_gpu_blocks, block_size, cache_dtype, ...
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
@@ -150,7 +155,8 @@ __all__ = [
     "GPU_MEMORY_UTILIZATION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
     "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "default_block_size", "default_batch_limits",
     "NUM_PREEMPTIONS", "GENERATION_TOKENS", "PROMPT_TOKENS", "KV_CACHE_USAGE", "GPU_CACHE_USAGE",
-    "NUM_REQUESTS_RUNNING", "NUM_REQUESTS_WAITING", "CACHE_CONFIG_INFO",
+    "NUM_REQUESTS_RUNNING", "NUM_REQUESTS_WAITING", "CACHE_CONFIG_INFO", "ITERATION_TOKENS",
+    "INTER_TOKEN_LATENCY", "REQUEST_PREFILL_TIME",
     "KV_CACHE_SIZE_LINE", "MAX_CONCURRENCY_LINE", "NUM_BLOCKS_LINE", "BLOCKS_OVERRIDE_LINE",
     "GENERATE_PATHS", "POOL_PATHS", "UNCOUNTABLE_PATHS", "OPERATOR_PATHS", "OTHER_PATHS",
 ]

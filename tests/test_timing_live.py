@@ -1,0 +1,64 @@
+"""`kvtune calibrate URL --timing` against the real vLLM (CPU): the sweeps run within their budget,
+the fit is reported per sweep and good enough on decode, and the capacity file holds it.
+
+The server runs with max_model_len 1024 and --max-num-batched-tokens 256, so the prefill sweep
+goes past the token budget (chunked prefill) on the tiny model; calibrate reads the budget from
+the startup log's non-default args, as it would for a user who passes --vllm-log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from kvtune.capacity.measured import read_capacity_file
+from kvtune.capacity.timing import TimingSource
+from kvtune.cli import cli
+
+pytestmark = pytest.mark.vllm
+
+BUDGET_S = 30
+
+
+@pytest.fixture
+def chunking_server(vllm_factory):
+    return vllm_factory(max_model_len=1024, kv_cache_memory_bytes=2 * 1024**2,
+                        extra_args=("--max-num-batched-tokens", "256"))
+
+
+def test_calibrate_timing_against_the_cpu_vllm(chunking_server, tmp_path):
+    out = tmp_path / "capacity.json"
+    started = time.perf_counter()
+    result = CliRunner().invoke(cli, ["calibrate", chunking_server.url, "--timing", "--timing-budget-s",
+                                      str(BUDGET_S), "--vllm-log", str(chunking_server.log_path),
+                                      "--out", str(out), "--json"], catch_exceptions=False)
+    wall_s = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    print(json.dumps(json.loads(result.stdout)["timing"], indent=1))  # the README's figures (pytest -s)
+    assert wall_s < BUDGET_S + 15  # the budget bounds the sweeps; capacity reads and settling come on top
+
+    timing = read_capacity_file(out).timing
+    assert timing is not None and timing.source is TimingSource.CALIBRATED
+    assert json.loads(out.read_text())["timing"] == json.loads(result.stdout)["timing"]
+    against = timing.measured_against
+    assert (against.model, against.max_model_len, against.block_size, against.num_blocks) == ("tiny", 1024, 128, 32)
+    assert (against.max_num_batched_tokens, against.max_num_batched_tokens_from) == (256, "vllm-log")
+
+    by_name = {s.name: s for s in timing.sweeps}
+    assert list(by_name) == ["overhead", "prefill", "decode"]
+    prefill, decode = by_name["prefill"], by_name["decode"]
+    assert prefill.prompt_tokens[1] > 256  # past max_num_batched_tokens: chunked
+    assert prefill.completed >= 8 and decode.completed >= 8
+    assert len(decode.concurrency) >= 3
+    for sweep in timing.sweeps:
+        assert sweep.error is not None and sweep.error.observations > 0
+        assert sweep.server.preemptions == 0
+        assert sweep.server.iterations is not None and sweep.server.iterations > 0
+    # the server ran as many steps with output as the client saw tokens (one per decode step and request)
+    assert decode.server.generation_tokens is not None and decode.server.generation_tokens >= decode.completed
+    assert decode.error is not None and decode.error.median < 0.25
+    assert prefill.error is not None and prefill.error.median < 0.35
+    assert timing.model.c0 > 0 and timing.http_overhead_s > 0
