@@ -31,6 +31,7 @@ import numpy as np
 
 from kvtune.errors import CapacityError, KvtuneError
 from kvtune.fields import Fields
+from kvtune.profile.histogram import nearest_rank_index
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu
@@ -225,7 +226,8 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _nearest_rank(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, 100 * q, method="inverted_cdf"))
+    """The one quantile kvtune reports (kvtune.profile.histogram), over the fit's errors."""
+    return float(np.sort(values)[nearest_rank_index(values.size, q)])
 
 
 def fit_step_time(observations: Sequence[Observation], *, sweep_weights: Mapping[str, float] | None = None,
