@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from kvtune.engines.vllm import (
 )
 from kvtune.errors import EndpointError
 
-__all__ = ["MetricsSnapshot", "ServerMetrics", "MetricsScraper", "parse_snapshot"]
+__all__ = ["MetricsSnapshot", "ServerMetrics", "MetricsScraper", "parse_snapshot", "sum_samples"]
 
 _WANTED = (NUM_PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, KV_CACHE_USAGE, GPU_CACHE_USAGE, NUM_REQUESTS_RUNNING,
            NUM_REQUESTS_WAITING, CACHE_CONFIG_INFO)
@@ -49,6 +49,21 @@ class MetricsSnapshot:
 
     def get(self, name: str) -> float | None:
         return self.values.get(name)
+
+
+def sum_samples(text: str, names: Collection[str]) -> dict[str, float]:
+    """The named samples of a /metrics page, each summed over its label sets (over engines);
+    only their lines are parsed. Raises ValueError if those lines are not an exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prefixes = tuple(name + c for name in names for c in "{ ")
+    lines = [line for line in text.splitlines() if line.startswith(prefixes)]
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name in names:
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values
 
 
 def parse_snapshot(text: str, t_s: float) -> MetricsSnapshot:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvtune.bench.client import RequestResult, RequestSpec, Target, send_request
+from kvtune.bench.scrape import sum_samples
 from kvtune.bench.workload import PromptSynth, calibrate_prompts
 from kvtune.capacity.measured import METRICS_MAX_BYTES, MeasuredCapacity
 from kvtune.capacity.measured import calibrate as calibrate_capacity
@@ -169,22 +170,10 @@ _COUNTERS = {
     "running": vllm.NUM_REQUESTS_RUNNING,
     "waiting": vllm.NUM_REQUESTS_WAITING,
 }
-_PREFIXES = tuple(name + c for name in _COUNTERS.values() for c in "{ ")
-
-
 def parse_counters(text: str) -> dict[str, float]:
     """The counters above from a /metrics page, summed over engines (only the lines needed)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    lines = [line for line in text.splitlines() if line.startswith(_PREFIXES)]
-    by_sample = {v: k for k, v in _COUNTERS.items()}
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            key = by_sample.get(sample.name)
-            if key is not None:
-                values[key] = values.get(key, 0.0) + float(sample.value)
-    return values
+    sums = sum_samples(text, frozenset(_COUNTERS.values()))
+    return {key: sums[name] for key, name in _COUNTERS.items() if name in sums}
 
 
 async def _counters(session: Any, url: str) -> dict[str, float] | None:
