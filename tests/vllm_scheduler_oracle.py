@@ -85,6 +85,10 @@ def run_trace(trace: dict, model_dir: str) -> list[dict]:
             continue
         out = scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
+        if not ids and not out.preempted_req_ids:  # e.g. the step after the last finish: nothing to record
+            scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+            step += 1
+            continue
         sampled = [[SAMPLED_TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else []
                    for r in ids]
         runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
