@@ -70,7 +70,9 @@ class _Run:
         self.too_long = (prompt + 1 > settings.max_model_len).tolist()  # vLLM answers 400
         self.arrival = wl.arrival_s.tolist()
         self.order = np.argsort(wl.arrival_s, kind="stable").tolist()
-        self.next_arrival = 0
+        self.next_arrival = -1
+        self.arrival_tick: int | None = None
+        self._advance_arrivals()
         self.retries_heap: list[tuple[int, int]] = []  # (tick, request)
         self.first_scheduled = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
@@ -87,29 +89,33 @@ class _Run:
 
     # --- events before a step -----------------------------------------------------------------
 
-    def _arrival_tick(self) -> int | None:
-        if self.next_arrival >= len(self.order):
-            return None
-        return int(self.arrival[self.order[self.next_arrival]] * TICKS_PER_S)
+    def _advance_arrivals(self) -> None:
+        self.next_arrival += 1
+        self.arrival_tick = (int(self.arrival[self.order[self.next_arrival]] * TICKS_PER_S)
+                             if self.next_arrival < len(self.order) else None)
 
     def _deadline_tick(self) -> int | None:
         deadline = self.admission.next_deadline_s()
         return None if deadline is None else math.ceil(deadline * TICKS_PER_S)
 
     def _next_event(self) -> int | None:
-        candidates = [c for c in (self._arrival_tick(), self.retries_heap[0][0] if self.retries_heap else None,
-                                  self._deadline_tick()) if c is not None]
-        return min(candidates) if candidates else None
+        nxt = self.arrival_tick
+        if self.retries_heap and (nxt is None or self.retries_heap[0][0] < nxt):
+            nxt = self.retries_heap[0][0]
+        deadline = self._deadline_tick()
+        if deadline is not None and (nxt is None or deadline < nxt):
+            nxt = deadline
+        return nxt
 
     def _deliver_due(self) -> None:
         t = self.t
         while True:
-            a = self._arrival_tick()
+            a = self.arrival_tick
             r = self.retries_heap[0][0] if self.retries_heap else None
             d = self._deadline_tick()
             if a is not None and a <= t and (r is None or a <= r) and (d is None or a <= d):
                 request = self.order[self.next_arrival]
-                self.next_arrival += 1
+                self._advance_arrivals()
                 self._attempt(request, a)
             elif r is not None and r <= t and (d is None or r <= d):
                 _, request = heapq.heappop(self.retries_heap)
@@ -179,10 +185,11 @@ class _Run:
             waiting = len(sched.waiting)
             if waiting > self.waiting_peak:
                 self.waiting_peak = waiting
-            if fast and sched.decode_run_possible() and self._decode_run(waiting):
+            if fast and sched.steady and self._decode_run(waiting):
                 continue
             start = self.t
             batch = sched.schedule()
+            order = sched.batch_order(batch) if self.decisions is not None else None
             self.t += ticks.step(batch.total_tokens, batch.attention2, batch.size)
             self.num_steps += 1
             self.events += 1
@@ -195,27 +202,22 @@ class _Run:
             if self.steps is not None:
                 self.steps.append((start, 1, batch.total_tokens, sched.n + len(finished), waiting,
                                    sched.used_after_alloc))
-            if self.decisions is not None:
-                self.decisions.append(Decision(start / TICKS_PER_S,
-                                               tuple(zip(batch.order.tolist(), batch.tokens.tolist(), strict=True)),
+            if self.decisions is not None and order is not None:
+                self.decisions.append(Decision(start / TICKS_PER_S, tuple(zip(*order, strict=True)),
                                                tuple(sorted(batch.preempted)), tuple(sorted(finished.tolist()))))
             self._finished(finished)
 
     def _decode_run(self, waiting: int) -> bool:
         """Jump over identical decode steps; False when not even one can be taken this way."""
         sched, ticks = self.sched, self.ticks
-        k = sched.decode_run_limit()
-        batch, ctx = sched.n, sched.context_sum()
         nxt = self._next_event()
-        if nxt is not None:
-            k = min(k, ticks.decode_steps_before(batch, ctx, nxt - self.t))
-        k = sched.decode_run(k) if k > 0 else 0
+        batch = sched.n
+        order = sched.rid[:batch].tolist() if self.decisions is not None else []
+        k, elapsed, ctx, finished = sched.decode_run(ticks, None if nxt is None else nxt - self.t)
         if k == 0:
             return False
         start = self.t
-        order = sched.rid[:batch].tolist() if self.decisions is not None else []
-        finished = sched.apply_decode_run(k)
-        self.t += ticks.decode_run(batch, ctx, k)
+        self.t += elapsed
         self.num_steps += k
         self.events += 1
         if self.steps is not None:

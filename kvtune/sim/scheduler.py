@@ -29,6 +29,7 @@ import numpy as np
 
 from kvtune.errors import OptionError
 from kvtune.sim.blocks import BlockPool
+from kvtune.sim.timing import StepTicks
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +65,8 @@ class EngineSettings:
 class Batch:
     """One scheduled step: who computes how much, who was admitted or preempted, what it costs."""
 
-    order: np.ndarray  # request ids in scheduling order (running, then admitted)
-    tokens: np.ndarray  # tokens each computes, same order
+    scheduled: int  # running requests scheduled: the first `scheduled` of the running columns
+    first_admitted: int  # admitted requests occupy running columns first_admitted .. n − 1
     admitted: list[int]
     preempted: list[int]
     total_tokens: int
@@ -85,12 +86,14 @@ class Scheduler:
         self.ntok_all = prompt_tokens.copy()  # prompt + generated so far, for requests not running
         self.preemptions = np.zeros(len(prompt_tokens), dtype=np.int64)
         cap = settings.max_num_seqs
-        self.rid = np.zeros(cap, dtype=np.int64)
-        self.comp = np.zeros(cap, dtype=np.int64)  # computed tokens
-        self.ntok = np.zeros(cap, dtype=np.int64)  # prompt + generated
-        self.held = np.zeros(cap, dtype=np.int64)  # blocks allocated
-        self.prompt = np.zeros(cap, dtype=np.int64)
-        self.end = np.zeros(cap, dtype=np.int64)
+        # one row per column, so removing finished requests is one fancy-indexed copy
+        self._cols = np.zeros((6, cap), dtype=np.int64)
+        self.rid = self._cols[0]
+        self.comp = self._cols[1]  # computed tokens
+        self.ntok = self._cols[2]  # prompt + generated
+        self.held = self._cols[3]  # blocks allocated
+        self.prompt = self._cols[4]
+        self.end = self._cols[5]  # prompt + tokens to generate
         self.sched = np.zeros(cap, dtype=np.int64)  # tokens scheduled this step
         self.n = 0
         self.used_after_alloc = 0  # blocks in use right after the last step allocated, before finishes
@@ -110,7 +113,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         s, pool = self.settings, self.pool
-        bs, mml = s.block_size, s.max_model_len
+        bs = s.block_size
         budget = s.max_num_batched_tokens
         threshold = s.long_prefill_token_threshold if self.n + len(self.waiting) > 1 else 0
         preempted: list[int] = []
@@ -122,41 +125,48 @@ class Scheduler:
             d = self.ntok[:b] - comp[:b]
             if threshold > 0:
                 np.minimum(d, threshold, out=d)
-            np.minimum(d, mml - 1 - comp[:b], out=d)
-            before = np.cumsum(d)
-            before -= d
-            m = int(np.searchsorted(before, budget, "left"))  # requests reached before the budget runs out
-            n = np.minimum(d[:m], budget - before[:m])
+            # vLLM also caps a chunk at max_model_len − 1 − computed: never binding here, since a
+            # running request has num_tokens ≤ max_model_len − 1 (it finishes on reaching it).
+            used = int(d.sum())
+            if used <= budget:
+                m, n = b, d
+            else:  # the budget runs out: later requests get nothing, the last reached a partial chunk
+                before = np.cumsum(d)
+                before -= d
+                m = int(np.searchsorted(before, budget, "left"))
+                n = np.minimum(d[:m], budget - before[:m])
+                used = budget
+            # held == ceil(computed / block_size) for every running request, so need ≥ 0
             need = (comp[:m] + n + (bs - 1)) // bs - held[:m]
-            np.maximum(need, 0, out=need)
-            cneed = np.cumsum(need)
-            if m == 0 or cneed[-1] <= pool.free:
+            total_need = int(need.sum())
+            if total_need <= pool.free:
                 held[:m] += need
-                if m:
-                    pool.take(int(cneed[-1]))
+                pool.take(total_need)
                 scheduled = m
             else:
-                scheduled = self._schedule_preempting(n, need, cneed, m, preempted)
+                scheduled = self._schedule_preempting(n, need, m, preempted)
+                used = int(n[:scheduled].sum())
             sched[:scheduled] = n[:scheduled]
             sched[scheduled:self.n] = 0
-            budget -= int(n[:scheduled].sum())
+            budget -= used
+        else:
+            used = 0
 
         first_admitted = self.n
         admitted: list[int] = []
         if not preempted:
-            self._admit(budget, threshold, admitted)
+            used += self._admit(budget, threshold, admitted)
 
         k = self.n
         self._note_peaks()
         tok = sched[:k]
-        ctx = comp[:k]
-        if first_admitted == k and scheduled == k:
-            order, tokens = self.rid[:k].copy(), tok.copy()
-        else:
-            pos = np.r_[0:scheduled, first_admitted:k]
-            order, tokens = self.rid[pos], tok[pos]
-        return Batch(order, tokens, admitted, preempted, int(tok.sum()), int((tok * (2 * ctx + tok)).sum()),
-                     scheduled + len(admitted))
+        attention2 = int(np.dot(tok, 2 * comp[:k] + tok))
+        return Batch(scheduled, first_admitted, admitted, preempted, used, attention2, scheduled + len(admitted))
+
+    def batch_order(self, batch: Batch) -> tuple[list[int], list[int]]:
+        """(request ids, tokens) in vLLM's order; call between `schedule` and `complete`."""
+        pos = np.r_[0:batch.scheduled, batch.first_admitted:self.n]
+        return self.rid[pos].tolist(), self.sched[pos].tolist()
 
     def _note_peaks(self) -> None:
         used = self.pool.used
@@ -166,11 +176,11 @@ class Scheduler:
         if self.n > self.running_peak:
             self.running_peak = self.n
 
-    def _schedule_preempting(self, n: np.ndarray, need: np.ndarray, cneed: np.ndarray, m: int,
-                             preempted: list[int]) -> int:
+    def _schedule_preempting(self, n: np.ndarray, need: np.ndarray, m: int, preempted: list[int]) -> int:
         """The running pass from the first request whose blocks do not fit: preempt from the tail."""
         pool, bs = self.pool, self.settings.block_size
         comp, held = self.comp, self.held
+        cneed = np.cumsum(need)
         i = int(np.searchsorted(cneed, pool.free, "right"))  # first whose cumulative need exceeds free
         if i:
             held[:i] += need[:i]
@@ -198,9 +208,11 @@ class Scheduler:
         self.n -= 1
         preempted.append(r)
 
-    def _admit(self, budget: int, threshold: int, admitted: list[int]) -> None:
+    def _admit(self, budget: int, threshold: int, admitted: list[int]) -> int:
+        """Admit waiting requests FCFS; returns the tokens they compute this step."""
         s, pool, waiting = self.settings, self.pool, self.waiting
         bs, mml = s.block_size, s.max_model_len
+        start = budget
         while budget > 0 and waiting and self.n < s.max_num_seqs:
             r = waiting[0]
             nt = int(self.ntok_all[r])
@@ -223,6 +235,7 @@ class Scheduler:
             self.n = j + 1
             budget -= new
             admitted.append(r)
+        return start - budget
 
     def complete(self) -> tuple[np.ndarray, np.ndarray]:
         """The step ran: advance computed tokens, sample, finish. Returns (first-token ids, finished ids)."""
@@ -235,7 +248,7 @@ class Scheduler:
         done = sample & (ntok >= self.end[:k])
         finished = self._finish(done) if done.any() else _EMPTY
         k = self.n
-        self.steady = bool(k) and bool(((self.ntok[:k] - self.comp[:k]) == 1).all()) \
+        self.steady = bool(k) and int((self.ntok[:k] - self.comp[:k]).max()) == 1 \
             and bool((self.ntok[:k] > self.prompt[:k]).all())
         return first, finished
 
@@ -243,71 +256,67 @@ class Scheduler:
         k, bs, pool = self.n, self.settings.block_size, self.pool
         pos = np.flatnonzero(done)
         finished = self.rid[pos]
-        for held, comp in zip(self.held[pos].tolist(), self.comp[pos].tolist(), strict=True):
-            pool.give_back(held, comp // bs)
+        # finished blocks are anonymous: freeing them together is freeing them one by one
+        pool.give_back(int(self.held[pos].sum()), int((self.comp[pos] // bs).sum()))
         self.ntok_all[finished] = self.ntok[pos]
-        keep = ~done
         m = k - len(pos)
-        for col in (self.rid, self.comp, self.ntok, self.held, self.prompt, self.end):
-            col[:m] = col[:k][keep]
+        self._cols[:, :m] = self._cols[:, :k][:, ~done]
         self.n = m
         return finished
 
     # --- runs of identical decode steps -----------------------------------------------------
 
-    def decode_run_possible(self) -> bool:
-        """True when the next steps repeat: all running decode, all fit the budget, no admission."""
-        s = self.settings
-        if not self.steady or self.n > s.max_num_batched_tokens:
-            return False
-        if not self.waiting or self.n >= s.max_num_seqs or self.n >= s.max_num_batched_tokens:
-            return True
-        nt = int(self.ntok_all[self.waiting[0]])
-        full = (min(nt, s.max_model_len) + s.block_size - 1) // s.block_size
-        return full > self.pool.free - self._blocks_for(1)  # head blocked now, so for the whole run
+    def decode_run(self, ticks: StepTicks, window: int | None) -> tuple[int, int, int, np.ndarray]:
+        """Take as many identical decode steps as possible at once: (steps, ticks elapsed, context
+        sum at the start, ids finished at the last step); steps = 0 when the next step is not one.
 
-    def decode_run_limit(self) -> int:
-        """Steps until the first request finishes (that step included)."""
-        k = self.n
-        return int((self.end[:k] - self.ntok[:k]).min())
-
-    def context_sum(self) -> int:
-        return int(self.comp[:self.n].sum())
-
-    def _blocks_for(self, steps: int) -> int:
-        k, bs = self.n, self.settings.block_size
-        slack = self.held[:k] * bs - self.comp[:k]
-        return int((np.maximum(steps - slack + (bs - 1), 0) // bs).sum())
-
-    def decode_run(self, max_steps: int) -> int:
-        """Advance up to `max_steps` decode steps at once, as many as the free blocks cover (0: none)."""
-        free = self.pool.free
-        if self._blocks_for(max_steps) <= free:
-            steps = max_steps
-        else:
-            lo, hi = 0, max_steps  # blocks_for(lo) fits, blocks_for(hi) does not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if self._blocks_for(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid
-            steps = lo
-        return steps
-
-    def apply_decode_run(self, steps: int) -> np.ndarray:
-        """Apply `steps` decode steps (from `decode_run`); returns the ids that finished at the last one."""
-        k, bs = self.n, self.settings.block_size
+        Possible when every running request decodes, all fit the budget, and the waiting head
+        cannot be admitted (free blocks only shrink during the run, so it stays blocked). The run
+        stops at the first finish, before the step whose blocks the free pool no longer covers,
+        and before the first step that would start at or after `window` ticks from now."""
+        s, k = self.settings, self.n
+        if not self.steady or k > s.max_num_batched_tokens:
+            return 0, 0, 0, _EMPTY
+        bs, free = s.block_size, self.pool.free
         comp, ntok, held = self.comp[:k], self.ntok[:k], self.held[:k]
+        head = self.waiting and k < s.max_num_seqs and k < s.max_num_batched_tokens
+        full = 0
+        if head:
+            nt = int(self.ntok_all[self.waiting[0]])
+            full = (min(nt, s.max_model_len) + bs - 1) // bs
+            if full <= free - k:  # fits whatever the running requests take first
+                return 0, 0, 0, _EMPTY
+        slack = held * bs - comp  # free slots in each request's blocks
+        if head and full <= free - int((slack == 0).sum()):
+            return 0, 0, 0, _EMPTY  # the next step admits it
+        last = int((self.end[:k] - ntok).min())  # the step at which the first request finishes
+        ctx = int(comp.sum())
+        steps = last if window is None else min(last, ticks.decode_steps_before(k, ctx, window))
+        if steps > int(slack.min()):
+            if _blocks_within(slack, steps, bs) > free:
+                lo, hi = 0, steps  # lo fits, hi does not
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if _blocks_within(slack, mid, bs) <= free:
+                        lo = mid
+                    else:
+                        hi = mid
+                steps = lo
+                if steps == 0:
+                    return 0, 0, 0, _EMPTY  # the next step preempts
+            need = np.maximum(steps - slack + (bs - 1), 0) // bs
+            held += need
+            self.pool.take(int(need.sum()))
         comp += steps
         ntok += steps
-        need = (comp + (bs - 1)) // bs - held
-        np.maximum(need, 0, out=need)
-        held += need
-        self.pool.take(int(need.sum()))
         self._note_peaks()
-        done = ntok >= self.end[:k]
-        return self._finish(done) if done.any() else _EMPTY
+        finished = self._finish(ntok >= self.end[:k]) if steps == last else _EMPTY
+        return steps, ticks.decode_run(k, ctx, steps), ctx, finished
+
+
+def _blocks_within(slack: np.ndarray, steps: int, block_size: int) -> int:
+    """New blocks `steps` more decode tokens need, given each request's free slots."""
+    return int((np.maximum(steps - slack + (block_size - 1), 0) // block_size).sum())
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
