@@ -58,10 +58,10 @@ def _scheduler(trace: dict, model_dir: str):
 
 def run_trace(trace: dict, model_dir: str) -> list[dict]:
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.utils.hashing import sha256
 
     scheduler = _scheduler(trace, model_dir)
     init_none_hash(sha256)

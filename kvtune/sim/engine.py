@@ -83,7 +83,7 @@ class _Run:
         self.num_steps = 0
         self.events = 0
         self.waiting_peak = 0
-        self.steps: list[tuple[int, int, int, int, int, int]] | None = [] if record_steps else None
+        self.steps: list[tuple[float, int, int, int, int, int]] | None = [] if record_steps else None
         self.decisions: list[Decision] | None = [] if record_decisions else None
         self.refused_at = 0
 
@@ -91,7 +91,7 @@ class _Run:
 
     def _advance_arrivals(self) -> None:
         self.next_arrival += 1
-        self.arrival_tick = (int(self.arrival[self.order[self.next_arrival]] * TICKS_PER_S)
+        self.arrival_tick = (math.ceil(self.arrival[self.order[self.next_arrival]] * TICKS_PER_S)
                              if self.next_arrival < len(self.order) else None)
 
     def _deadline_tick(self) -> int | None:
@@ -200,7 +200,7 @@ class _Run:
             if len(first):
                 self.first_token[first] = self.t / TICKS_PER_S
             if self.steps is not None:
-                self.steps.append((start, 1, batch.total_tokens, sched.n + len(finished), waiting,
+                self.steps.append((start / TICKS_PER_S, 1, batch.total_tokens, sched.n + len(finished), waiting,
                                    sched.used_after_alloc))
             if self.decisions is not None and order is not None:
                 self.decisions.append(Decision(start / TICKS_PER_S, tuple(zip(*order, strict=True)),
@@ -221,7 +221,7 @@ class _Run:
         self.num_steps += k
         self.events += 1
         if self.steps is not None:
-            self.steps.append((start, k, batch, batch, waiting, sched.used_after_alloc))
+            self.steps.append((start / TICKS_PER_S, k, batch, batch, waiting, sched.used_after_alloc))
         if self.decisions is not None:
             step = ticks.decode_first(batch, ctx)
             growth = 2 * ticks.c2_half * batch
@@ -240,9 +240,9 @@ class _Run:
                                   self.outcome)
         steps = None
         if self.steps is not None:
-            cols = np.array(self.steps, dtype=object).reshape(-1, 6).T if self.steps else [[]] * 6
-            steps = StepSeries(np.array([c / TICKS_PER_S for c in cols[0]], dtype=np.float64),
-                               *(np.asarray(c, dtype=np.int64) for c in cols[1:]))
+            table = np.array(self.steps, dtype=np.float64).reshape(-1, 6)
+            counts = table[:, 1:].astype(np.int64)
+            steps = StepSeries(table[:, 0], counts[:, 0], counts[:, 1], counts[:, 2], counts[:, 3], counts[:, 4])
         admission_peak = int(getattr(self.admission, "queue_peak", 0))
         return SimResult(requests, steps, tuple(self.decisions) if self.decisions is not None else None,
                          max(self.t, self.refused_at) / TICKS_PER_S, self.num_steps, int(sched.preemptions.sum()),
