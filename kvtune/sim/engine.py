@@ -61,6 +61,7 @@ class _Run:
                  retry: RetryPolicy, record_steps: bool, record_decisions: bool) -> None:
         n = len(wl)
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
+        self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
         self.ticks = timing.ticks()
         prompt = wl.prompt_tokens.astype(np.int64)
         end = np.minimum(prompt + wl.output_tokens, settings.max_model_len)
@@ -95,6 +96,8 @@ class _Run:
                              if self.next_arrival < len(self.order) else None)
 
     def _deadline_tick(self) -> int | None:
+        if self.direct:
+            return None
         deadline = self.admission.next_deadline_s()
         return None if deadline is None else math.ceil(deadline * TICKS_PER_S)
 

@@ -127,7 +127,7 @@ class Scheduler:
                 np.minimum(d, threshold, out=d)
             # vLLM also caps a chunk at max_model_len − 1 − computed: never binding here, since a
             # running request has num_tokens ≤ max_model_len − 1 (it finishes on reaching it).
-            used = int(d.sum())
+            used = int(_sum(d))
             if used <= budget:
                 m, n = b, d
             else:  # the budget runs out: later requests get nothing, the last reached a partial chunk
@@ -138,7 +138,7 @@ class Scheduler:
                 used = budget
             # held == ceil(computed / block_size) for every running request, so need ≥ 0
             need = (comp[:m] + n + (bs - 1)) // bs - held[:m]
-            total_need = int(need.sum())
+            total_need = int(_sum(need))
             if total_need <= pool.free:
                 held[:m] += need
                 pool.take(total_need)
@@ -248,7 +248,7 @@ class Scheduler:
         done = sample & (ntok >= self.end[:k])
         finished = self._finish(done) if done.any() else _EMPTY
         k = self.n
-        self.steady = bool(k) and int((self.ntok[:k] - self.comp[:k]).max()) == 1 \
+        self.steady = bool(k) and int(_max(self.ntok[:k] - self.comp[:k])) == 1 \
             and bool((self.ntok[:k] > self.prompt[:k]).all())
         return first, finished
 
@@ -257,7 +257,7 @@ class Scheduler:
         pos = np.flatnonzero(done)
         finished = self.rid[pos]
         # finished blocks are anonymous: freeing them together is freeing them one by one
-        pool.give_back(int(self.held[pos].sum()), int((self.comp[pos] // bs).sum()))
+        pool.give_back(int(_sum(self.held[pos])), int(_sum(self.comp[pos] // bs)))
         self.ntok_all[finished] = self.ntok[pos]
         m = k - len(pos)
         self._cols[:, :m] = self._cols[:, :k][:, ~done]
@@ -278,22 +278,24 @@ class Scheduler:
         if not self.steady or k > s.max_num_batched_tokens:
             return 0, 0, 0, _EMPTY
         bs, free = s.block_size, self.pool.free
-        comp, ntok, held = self.comp[:k], self.ntok[:k], self.held[:k]
-        head = self.waiting and k < s.max_num_seqs and k < s.max_num_batched_tokens
+        head = bool(self.waiting) and k < s.max_num_seqs and k < s.max_num_batched_tokens
         full = 0
         if head:
             nt = int(self.ntok_all[self.waiting[0]])
             full = (min(nt, s.max_model_len) + bs - 1) // bs
             if full <= free - k:  # fits whatever the running requests take first
                 return 0, 0, 0, _EMPTY
+        comp, ntok, held = self.comp[:k], self.ntok[:k], self.held[:k]
         slack = held * bs - comp  # free slots in each request's blocks
-        if head and full <= free - int((slack == 0).sum()):
+        if head and full <= free - int(np.count_nonzero(slack == 0)):
             return 0, 0, 0, _EMPTY  # the next step admits it
-        last = int((self.end[:k] - ntok).min())  # the step at which the first request finishes
-        ctx = int(comp.sum())
+        last = int(_min(self.end[:k] - ntok))  # the step at which the first request finishes
+        ctx = int(_sum(comp))
         steps = last if window is None else min(last, ticks.decode_steps_before(k, ctx, window))
-        if steps > int(slack.min()):
-            if _blocks_within(slack, steps, bs) > free:
+        if steps > int(_min(slack)):
+            need = np.maximum(steps - slack + (bs - 1), 0) // bs
+            total = int(_sum(need))
+            if total > free:
                 lo, hi = 0, steps  # lo fits, hi does not
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
@@ -304,9 +306,10 @@ class Scheduler:
                 steps = lo
                 if steps == 0:
                     return 0, 0, 0, _EMPTY  # the next step preempts
-            need = np.maximum(steps - slack + (bs - 1), 0) // bs
+                need = np.maximum(steps - slack + (bs - 1), 0) // bs
+                total = int(_sum(need))
             held += need
-            self.pool.take(int(need.sum()))
+            self.pool.take(total)
         comp += steps
         ntok += steps
         self._note_peaks()
@@ -316,7 +319,11 @@ class Scheduler:
 
 def _blocks_within(slack: np.ndarray, steps: int, block_size: int) -> int:
     """New blocks `steps` more decode tokens need, given each request's free slots."""
-    return int((np.maximum(steps - slack + (block_size - 1), 0) // block_size).sum())
+    return int(_sum(np.maximum(steps - slack + (block_size - 1), 0) // block_size))
+
+
+# the ufunc reductions themselves: ndarray.sum()/.min() add a Python-level wrapper per call
+_sum, _min, _max = np.add.reduce, np.minimum.reduce, np.maximum.reduce
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
