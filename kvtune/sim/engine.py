@@ -5,7 +5,7 @@ decoding, all fit the token budget and the waiting head cannot be admitted, the 
 identical but for one more token of context each; the loop then jumps k steps at once, k being
 the first of: a request finishing, the free blocks no longer covering the block boundaries the
 requests cross (computed per request in closed form), the next arrival/retry/deadline. The time
-of k steps is an arithmetic series (timing.StepTicks.decode_run). `fast=False` takes every step
+of k steps is an arithmetic series (kvtune.steptime.StepTicks.decode_run). `fast=False` takes every step
 one at a time through the same scheduler: the reference the fast path is tested against.
 
 Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
@@ -26,7 +26,7 @@ from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
 from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
 from kvtune.sim.scheduler import EngineSettings, Scheduler
-from kvtune.sim.timing import TICKS_PER_S, StepTime
+from kvtune.steptime import TICKS_PER_S, StepTimeModel
 
 # Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,
 # waiting Retry-After capped at max_wait_s.
@@ -38,7 +38,7 @@ _OK, _429, _REJECTED = (OUTCOMES.index(o) for o in OUTCOMES)
 def simulate(
     workload: Workload | Sequence[SimRequest],
     settings: EngineSettings,
-    timing: StepTime,
+    timing: StepTimeModel,
     *,
     admission: Admission | None = None,
     retry: RetryPolicy = CLIENT_RETRY,
@@ -57,7 +57,7 @@ def simulate(
 class _Run:
     """One simulation's mutable state; `loop` drives it, `result` freezes it."""
 
-    def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTime, admission: Admission,
+    def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTimeModel, admission: Admission,
                  retry: RetryPolicy, record_steps: bool, record_decisions: bool) -> None:
         n = len(wl)
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
