@@ -11,13 +11,13 @@ Step times come from kvtune.steptime.StepTimeModel (calibrated, or a roofline es
 """
 
 from kvtune.sim.admission import Admission, DirectAdmission, LedgerAdmission, Verdict, VerdictKind, Wakeup
-from kvtune.sim.engine import CLIENT_RETRY, simulate
+from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
 from kvtune.sim.requests import Outcome, SimRequest, Workload
 from kvtune.sim.results import Decision, RequestColumns, RequestResult, SimResult, StepSeries
 from kvtune.sim.scheduler import EngineSettings
 
 __all__ = [
-    "simulate", "CLIENT_RETRY", "EngineSettings", "SimRequest", "Workload", "Outcome",
+    "simulate", "CLIENT_RETRY", "ClosedLoop", "EngineSettings", "SimRequest", "Workload", "Outcome",
     "Admission", "DirectAdmission", "LedgerAdmission", "Verdict", "VerdictKind", "Wakeup",
     "SimResult", "RequestColumns", "RequestResult", "StepSeries", "Decision",
 ]
