@@ -1,0 +1,163 @@
+"""What stands between clients and the engine: nothing, or kvtune's gateway ledger.
+
+The simulator calls an `Admission` when a request arrives (or retries), when one finishes, and
+at its deadlines; the admission answers admit, queue, retry later (429 + Retry-After) or refuse.
+`LedgerAdmission` runs the live gateway's own admission gate (kvtune.gateway.gate: the ledger,
+the reservation and cap rules, the FIFO, Retry-After) in simulated time (the ledger's clock is
+injected), so the policy simulated is the policy deployed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtune.gateway.config import GatewayConfig, GatewayRoute
+from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
+from kvtune.gateway.ledger import BlockLedger, Reservation
+
+
+class VerdictKind(enum.Enum):
+    ADMIT = "admit"  # goes to the engine now
+    QUEUE = "queue"  # held by the admission; `finish`/`poll` release it later
+    RETRY = "retry"  # 429 with Retry-After: the client waits and sends it again
+    REFUSE = "refuse"  # can never be admitted (413): the client gives up
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: VerdictKind
+    retry_after_s: float = 0.0
+
+
+ADMIT = Verdict(VerdictKind.ADMIT)
+QUEUED = Verdict(VerdictKind.QUEUE)
+
+
+@dataclass(slots=True)
+class Wakeup:
+    """What changed in the admission's queue: requests now admitted, requests now answered 429."""
+
+    admitted: list[int] = field(default_factory=list)
+    rejected: list[tuple[int, float]] = field(default_factory=list)  # (request, Retry-After seconds)
+
+
+class Admission(Protocol):
+    """The admission hook the simulator calls, all in simulated seconds."""
+
+    def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict: ...
+
+    def finish(self, request: int, now_s: float) -> Wakeup | None: ...
+
+    def poll(self, now_s: float) -> Wakeup | None: ...
+
+    def next_deadline_s(self) -> float | None: ...
+
+
+class DirectAdmission:
+    """Straight to vLLM: everything is admitted, nothing is held."""
+
+    def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
+        return ADMIT
+
+    def finish(self, request: int, now_s: float) -> Wakeup | None:
+        return None
+
+    def poll(self, now_s: float) -> Wakeup | None:
+        return None
+
+    def next_deadline_s(self) -> float | None:
+        return None
+
+
+class LedgerAdmission:
+    """The gateway's admission (kvtune.gateway.gate, the code `kvtune gateway` runs) in simulated
+    time: reserve sequence_blocks(prompt, cap) from the ledger's budget for the request's whole
+    life, wait in the FIFO when the queue allows it, else 429 with the ledger's Retry-After.
+
+    `route_max_new_tokens` is the cap of the route the requests match (gateway.yaml); the cap is
+    the smaller of it and the request's max_tokens. Without a route, an unset max_tokens reserves
+    max_model_len − prompt, as vLLM would let it grow."""
+
+    def __init__(self, budget_blocks: int, *, block_size: int, max_model_len: int, retry_after_min_s: int = 1,
+                 retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
+                 route_max_new_tokens: int | None = None) -> None:
+        self._now_s = 0.0
+        self.ledger = BlockLedger(budget_blocks, clock=lambda: self._now_s)
+        self.gate: AdmissionGate[int] = AdmissionGate(self.ledger, max_waiting=queue_max_waiting,
+                                                      timeout_s=queue_timeout_s, retry_after_min_s=retry_after_min_s,
+                                                      retry_after_max_s=retry_after_max_s)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.route_max_new_tokens = route_max_new_tokens
+        self._held: dict[int, Reservation] = {}
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, route: GatewayRoute | None) -> LedgerAdmission:
+        """The admission a gateway.yaml deploys, for requests that match `route`."""
+        return cls(config.block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
+                   retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
+                   queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
+                   route_max_new_tokens=None if route is None else route.max_new_tokens)
+
+    def cap(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The output cap the gateway reserves for (and writes into the forwarded request)."""
+        if self.route_max_new_tokens is not None:
+            return route_cap(self.route_max_new_tokens, (max_tokens,))
+        return max_tokens if max_tokens is not None else max(self.max_model_len - prompt_tokens, 0)
+
+    def blocks(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The reservation, as the gateway computes it for a one-sequence request."""
+        grow = self.cap(prompt_tokens, max_tokens)
+        return max(sequence_blocks((prompt_tokens,), grow, block_size=self.block_size,
+                                   max_model_len=self.max_model_len), 1)
+
+    def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
+        self._now_s = now_s
+        blocks = self.blocks(prompt_tokens, max_tokens)
+        if self.gate.never_fits(blocks):
+            return Verdict(VerdictKind.REFUSE)
+        got = self.gate.offer(request, blocks, now_s)
+        if got is None:
+            return QUEUED
+        if isinstance(got, Turned):
+            return Verdict(VerdictKind.RETRY, float(got.retry_after_s))
+        self._held[request] = got
+        return ADMIT
+
+    def finish(self, request: int, now_s: float) -> Wakeup | None:
+        self._now_s = now_s
+        granted = self.gate.release(self._held.pop(request))
+        return self._granted(granted, Wakeup()) if granted else None
+
+    def _granted(self, granted: Sequence[tuple[int, Reservation]], wakeup: Wakeup) -> Wakeup:
+        for request, reservation in granted:
+            self._held[request] = reservation
+            wakeup.admitted.append(request)
+        return wakeup
+
+    def poll(self, now_s: float) -> Wakeup | None:
+        self._now_s = now_s
+        deadline = self.gate.next_deadline()
+        if deadline is None or deadline > now_s:
+            return None
+        granted, turned = self.gate.expire(now_s)
+        wakeup = self._granted(granted, Wakeup())
+        wakeup.rejected.extend((request, float(t.retry_after_s)) for request, t in turned)
+        return wakeup
+
+    def next_deadline_s(self) -> float | None:
+        return self.gate.next_deadline()
+
+    @property
+    def queue_peak(self) -> int:
+        return self.gate.waiting_peak
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self.ledger.reserved_blocks
+
+
+__all__ = ["Admission", "DirectAdmission", "LedgerAdmission", "Verdict", "VerdictKind", "Wakeup", "ADMIT"]

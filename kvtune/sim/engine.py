@@ -1,0 +1,308 @@
+"""The event loop: arrivals and retries through the admission, engine steps, finishes.
+
+Why it is fast: between events the engine often repeats itself. When every running request is
+decoding, all fit the token budget and the waiting head cannot be admitted, the next steps are
+identical but for one more token of context each; the loop then jumps k steps at once, k being
+the first of: a request finishing, the free blocks no longer covering the block boundaries the
+requests cross (computed per request in closed form), the next arrival/retry/deadline. The time
+of k steps is an arithmetic series (kvtune.steptime.StepTicks.decode_run). `fast=False` takes every step
+one at a time through the same scheduler: the reference the fast path is tested against.
+
+Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
+requests that arrived by then are seen by that step. An idle engine waits for the next event.
+
+Arrivals are the workload's own times (open loop), or with `ClosedLoop` C clients that each send
+their next request `think_s` after the previous one ended (finished, refused, or out of
+retries), as `kvtune bench --concurrency C` does; the workload's arrival times are then ignored.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtune.bench.client import RetryPolicy
+from kvtune.errors import OptionError
+from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
+from kvtune.sim.requests import SimRequest, Workload
+from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
+from kvtune.sim.scheduler import EngineSettings, Scheduler
+from kvtune.steptime import TICKS_PER_S, StepTimeModel
+
+# Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,
+# waiting Retry-After capped at max_wait_s.
+CLIENT_RETRY = RetryPolicy(enabled=True)
+
+_OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in OUTCOMES)
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """C clients, each sending the next request `think_s` after its previous one ended; no
+    client sends at or after `duration_s` (None: until the workload is used up)."""
+
+    concurrency: int
+    think_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise OptionError(f"must be at least 1, got {self.concurrency}", field="concurrency")
+        if not (math.isfinite(self.think_s) and self.think_s >= 0):
+            raise OptionError(f"must be a finite number ≥ 0, got {self.think_s}", field="think_s")
+
+
+def simulate(
+    workload: Workload | Sequence[SimRequest],
+    settings: EngineSettings,
+    timing: StepTimeModel,
+    *,
+    admission: Admission | None = None,
+    retry: RetryPolicy = CLIENT_RETRY,
+    fast: bool = True,
+    record_steps: bool = False,
+    record_decisions: bool = False,
+    closed_loop: ClosedLoop | None = None,
+) -> SimResult:
+    """Serve `workload` on a simulated vLLM V1 engine behind `admission` (default: direct)."""
+    wall0 = time.perf_counter()
+    wl = workload if isinstance(workload, Workload) else Workload.from_requests(workload)
+    run = _Run(wl, settings, timing, admission or DirectAdmission(), retry, record_steps, record_decisions,
+               closed_loop)
+    run.loop(fast)
+    return run.result(time.perf_counter() - wall0)
+
+
+class _Run:
+    """One simulation's mutable state; `loop` drives it, `result` freezes it."""
+
+    def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTimeModel, admission: Admission,
+                 retry: RetryPolicy, record_steps: bool, record_decisions: bool,
+                 closed_loop: ClosedLoop | None = None) -> None:
+        n = len(wl)
+        self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
+        self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
+        self.ticks = timing.ticks()
+        prompt = wl.prompt_tokens.astype(np.int64)
+        end = np.minimum(prompt + wl.output_tokens, settings.max_model_len)
+        self.sched = Scheduler(settings, prompt, end)
+        self.prompt = prompt.tolist()
+        self.caps = [None if c < 0 else c for c in wl.max_tokens.tolist()]
+        self.too_long = (prompt + 1 > settings.max_model_len).tolist()  # vLLM answers 400
+        self.arrival = wl.arrival_s.tolist()
+        self.closed = closed_loop
+        self.order = [] if closed_loop else np.argsort(wl.arrival_s, kind="stable").tolist()
+        self.next_arrival = -1
+        self.arrival_tick: int | None = None
+        self._advance_arrivals()
+        self.retries_heap: list[tuple[int, int]] = []  # (tick, request): retries, closed-loop sends
+        self.first_scheduled = np.full(n, np.nan)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.retries = np.zeros(n, dtype=np.int64)
+        self.outcome = np.zeros(n, dtype=np.int8)
+        self.arrival_out = wl.arrival_s.copy()
+        self.sent = n
+        if closed_loop is not None:
+            self.arrival_out[:] = np.nan
+            self.outcome[:] = _NOT_SENT
+            self.sent = 0
+            self.think = round(closed_loop.think_s * TICKS_PER_S)
+            self.send_until = (None if closed_loop.duration_s is None
+                               else math.ceil(closed_loop.duration_s * TICKS_PER_S))
+            for _ in range(min(closed_loop.concurrency, n)):
+                self._send_next(0)
+        self.t = 0
+        self.num_steps = 0
+        self.events = 0
+        self.waiting_peak = 0
+        self.steps: list[tuple[float, int, int, int, int, int]] | None = [] if record_steps else None
+        self.decisions: list[Decision] | None = [] if record_decisions else None
+        self.refused_at = 0
+
+    # --- events before a step -----------------------------------------------------------------
+
+    def _advance_arrivals(self) -> None:
+        self.next_arrival += 1
+        self.arrival_tick = (math.ceil(self.arrival[self.order[self.next_arrival]] * TICKS_PER_S)
+                             if self.next_arrival < len(self.order) else None)
+
+    def _deadline_tick(self) -> int | None:
+        if self.direct:
+            return None
+        deadline = self.admission.next_deadline_s()
+        return None if deadline is None else math.ceil(deadline * TICKS_PER_S)
+
+    def _next_event(self) -> int | None:
+        nxt = self.arrival_tick
+        if self.retries_heap and (nxt is None or self.retries_heap[0][0] < nxt):
+            nxt = self.retries_heap[0][0]
+        deadline = self._deadline_tick()
+        if deadline is not None and (nxt is None or deadline < nxt):
+            nxt = deadline
+        return nxt
+
+    def _deliver_due(self) -> None:
+        t = self.t
+        while True:
+            a = self.arrival_tick
+            r = self.retries_heap[0][0] if self.retries_heap else None
+            d = self._deadline_tick()
+            if a is not None and a <= t and (r is None or a <= r) and (d is None or a <= d):
+                request = self.order[self.next_arrival]
+                self._advance_arrivals()
+                self._attempt(request, a)
+            elif r is not None and r <= t and (d is None or r <= d):
+                _, request = heapq.heappop(self.retries_heap)
+                self._attempt(request, r)
+            elif d is not None and d <= t:
+                deadline_s = self.admission.next_deadline_s() or 0.0
+                self._wakeup(self.admission.poll(max(d / TICKS_PER_S, deadline_s)), d)
+            else:
+                return
+
+    def _attempt(self, request: int, tick: int) -> None:
+        self.events += 1
+        if self.too_long[request]:
+            self._end(request, _REJECTED, tick)
+            return
+        verdict = self.admission.arrive(request, self.prompt[request], self.caps[request], tick / TICKS_PER_S)
+        if verdict.kind is VerdictKind.ADMIT:
+            self.sched.add(request)
+        elif verdict.kind is VerdictKind.RETRY:
+            self._retry(request, verdict.retry_after_s, tick)
+        elif verdict.kind is VerdictKind.REFUSE:
+            self._end(request, _REJECTED, tick)
+
+    def _retry(self, request: int, retry_after_s: float, tick: int) -> None:
+        policy = self.retry
+        if not policy.enabled or self.retries[request] >= policy.max_retries:
+            self._end(request, _429, tick)
+            return
+        self.retries[request] += 1
+        wait_s = min(retry_after_s, policy.max_wait_s)
+        heapq.heappush(self.retries_heap, (tick + round(wait_s * TICKS_PER_S), request))
+
+    def _end(self, request: int, outcome: int, tick: int) -> None:
+        self.outcome[request] = outcome
+        self.finish[request] = tick / TICKS_PER_S
+        self.refused_at = max(self.refused_at, tick)
+        if self.closed is not None:
+            self._send_next(tick)
+
+    def _send_next(self, tick: int) -> None:
+        """Closed loop: the client whose request ended at `tick` sends the next one."""
+        if self.sent >= len(self.arrival_out) or (self.send_until is not None and tick >= self.send_until):
+            return
+        request = self.sent
+        self.sent += 1
+        at = tick + self.think
+        self.arrival_out[request] = at / TICKS_PER_S
+        self.outcome[request] = _OK
+        heapq.heappush(self.retries_heap, (at, request))
+
+    def _wakeup(self, wakeup: Wakeup | None, tick: int) -> None:
+        if wakeup is None:
+            return
+        for request in wakeup.admitted:
+            self.sched.add(request)
+        for request, retry_after_s in wakeup.rejected:
+            self._retry(request, retry_after_s, tick)
+
+    def _finished(self, finished: np.ndarray) -> None:
+        if not len(finished):
+            return
+        t = self.t
+        self.finish[finished] = t / TICKS_PER_S
+        now_s = t / TICKS_PER_S
+        for request in finished.tolist():
+            self._wakeup(self.admission.finish(request, now_s), t)
+            if self.closed is not None:
+                self._send_next(t)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def loop(self, fast: bool) -> None:
+        sched, ticks = self.sched, self.ticks
+        while True:
+            self._deliver_due()
+            if sched.idle():
+                nxt = self._next_event()
+                if nxt is None:
+                    return
+                self.t = max(self.t, nxt)
+                continue
+            waiting = len(sched.waiting)
+            if waiting > self.waiting_peak:
+                self.waiting_peak = waiting
+            if fast and sched.steady and self._decode_run(waiting):
+                continue
+            start = self.t
+            batch = sched.schedule()
+            order = sched.batch_order(batch) if self.decisions is not None else None
+            self.t += ticks.step(batch.total_tokens, batch.attention2, batch.size)
+            self.num_steps += 1
+            self.events += 1
+            for request in batch.admitted:
+                if math.isnan(self.first_scheduled[request]):
+                    self.first_scheduled[request] = start / TICKS_PER_S
+            first, finished = sched.complete()
+            if len(first):
+                self.first_token[first] = self.t / TICKS_PER_S
+            if self.steps is not None:
+                self.steps.append((start / TICKS_PER_S, 1, batch.total_tokens, sched.n + len(finished), waiting,
+                                   sched.used_after_alloc))
+            if self.decisions is not None and order is not None:
+                self.decisions.append(Decision(start / TICKS_PER_S, tuple(zip(*order, strict=True)),
+                                               tuple(sorted(batch.preempted)), tuple(sorted(finished.tolist()))))
+            self._finished(finished)
+
+    def _decode_run(self, waiting: int) -> bool:
+        """Jump over identical decode steps; False when not even one can be taken this way."""
+        sched, ticks = self.sched, self.ticks
+        nxt = self._next_event()
+        batch = sched.n
+        order = sched.rid[:batch].tolist() if self.decisions is not None else []
+        k, elapsed, ctx, finished = sched.decode_run(ticks, None if nxt is None else nxt - self.t)
+        if k == 0:
+            return False
+        start = self.t
+        self.t += elapsed
+        self.num_steps += k
+        self.events += 1
+        if self.steps is not None:
+            self.steps.append((start / TICKS_PER_S, k, batch, batch, waiting, sched.used_after_alloc))
+        if self.decisions is not None:
+            step = ticks.decode_first(batch, ctx)
+            growth = 2 * ticks.c2_half * batch
+            scheduled = tuple((r, 1) for r in order)
+            for j in range(k):
+                at = start + j * step + growth * (j * (j - 1) // 2)
+                done = tuple(sorted(finished.tolist())) if j == k - 1 else ()
+                self.decisions.append(Decision(at / TICKS_PER_S, scheduled, (), done))
+        self._finished(finished)
+        return True
+
+    def result(self, wall_s: float) -> SimResult:
+        sched = self.sched
+        requests = RequestColumns(self.arrival_out, self.first_scheduled, self.first_token, self.finish,
+                                  sched.ntok_all - sched.prompt_all, sched.preemptions.copy(), self.retries,
+                                  self.outcome)
+        steps = None
+        if self.steps is not None:
+            table = np.array(self.steps, dtype=np.float64).reshape(-1, 6)
+            counts = table[:, 1:].astype(np.int64)
+            steps = StepSeries(table[:, 0], counts[:, 0], counts[:, 1], counts[:, 2], counts[:, 3], counts[:, 4])
+        admission_peak = int(getattr(self.admission, "queue_peak", 0))
+        return SimResult(requests, steps, tuple(self.decisions) if self.decisions is not None else None,
+                         max(self.t, self.refused_at) / TICKS_PER_S, self.num_steps, int(sched.preemptions.sum()),
+                         self.settings.usable_blocks, sched.used_peak, sched.running_peak, self.waiting_peak,
+                         admission_peak, self.events, wall_s)
+
+
+__all__ = ["simulate", "CLIENT_RETRY", "ClosedLoop"]
