@@ -31,6 +31,7 @@ import argparse
 import ast
 import csv
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -46,8 +47,7 @@ import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 TRACES_DIR = REPO.parent / "shared" / "traces"
 
 from gateway_proof import start_gateway, stop_gateway  # noqa: E402
@@ -222,7 +222,8 @@ def figures(result: dict[str, Any]) -> dict[str, float | None]:
         "output_tokens_per_s": result["throughput"]["output_tokens_per_s"],
         "requests_per_s": result["throughput"]["requests_per_s"],
         "preemptions": server.get("preemptions"),
-        "http_429": failed.get("429", 0),
+        # every 429 the clients were answered: retried ones and those that gave up
+        "http_429": (reqs.get("retries") or 0) + (failed.get("429") or 0),
         "ttft_p50_ms": pick("ttft", "p50"), "ttft_p99_ms": pick("ttft", "p99"),
         "e2e_p50_ms": pick("e2e", "p50"), "e2e_p99_ms": pick("e2e", "p99"),
         "completed": reqs.get("completed"),
@@ -435,7 +436,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loads", default="0.5,0.9,1.5", help="arrival rates as shares of the measured capacity")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (each run's workload and arrivals)")
     ap.add_argument("--modes", default="direct,gateway", help="direct, gateway or both")
-    ap.add_argument("--requests", type=int, default=60, help="requests per run")
+    ap.add_argument("--requests", type=int, default=100, help="requests per run")
     ap.add_argument("--short", action="store_true",
                     help="one trace, one load (0.9), direct and gateway, one seed: the test suite's run")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -469,6 +470,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    # every kvtune this starts (bench, simulate, the gateway …) is this checkout's
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
