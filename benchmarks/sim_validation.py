@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 TRACES_DIR = REPO.parent / "shared" / "traces"
 
-from gateway_proof import start_gateway, stop_gateway  # noqa: E402
+from gateway_proof import metric, start_gateway, stop_gateway  # noqa: E402
 from vllm_server import start_vllm, stop_vllm, write_tiny_model  # noqa: E402
 
 KVTUNE = [sys.executable, "-m", "kvtune"]
@@ -185,12 +186,36 @@ def _load_args(rate: float | None, concurrency: int | None) -> list[str]:
     return ["--rate", f"{rate:.6g}"] if rate is not None else ["--concurrency", str(concurrency)]
 
 
+ENGINE_COUNTERS = {  # what vLLM itself saw during a run (/metrics deltas): the engine's side of the latency
+    "steps": "vllm:iteration_tokens_total_count",
+    "itl_sum_s": "vllm:inter_token_latency_seconds_sum",
+    "itl_count": "vllm:inter_token_latency_seconds_count",
+    "e2e_sum_s": "vllm:e2e_request_latency_seconds_sum",
+    "e2e_count": "vllm:e2e_request_latency_seconds_count",
+}
+
+
+def engine_counters(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return {k: metric(text, name) for k, name in ENGINE_COUNTERS.items()}
+
+
 def measure(url: str, metrics_url: str, profile: Path, *, rate: float | None = None, concurrency: int | None = None,
             requests: int, seed: int) -> dict[str, Any]:
+    before = engine_counters(metrics_url)
     out = _kvtune("bench", url, "--profile", str(profile), *_load_args(rate, concurrency), "--requests",
                   str(requests), "--seed", str(seed), "--metrics-url", metrics_url, "--retry", "--timeout", "600",
                   "--scrape-interval", "0.25", "--no-progress", "--json", ok=(0, 1))
-    return json.loads(out)
+    after = engine_counters(metrics_url)
+    result = json.loads(out)
+    d = {k: after[k] - before[k] for k in after}
+    result["engine"] = {
+        "steps": int(d["steps"]),
+        "itl_mean_ms": 1000 * d["itl_sum_s"] / d["itl_count"] if d["itl_count"] else None,
+        "e2e_mean_ms": 1000 * d["e2e_sum_s"] / d["e2e_count"] if d["e2e_count"] else None,
+    }
+    return result
 
 
 def predict(profile: Path, capacity: Path, *, gateway: Path | None = None, rate: float | None = None,
@@ -204,7 +229,8 @@ def predict(profile: Path, capacity: Path, *, gateway: Path | None = None, rate:
 # --- one run's figures -------------------------------------------------------------------------
 
 FIGURES = ("output_tokens_per_s", "requests_per_s", "preemptions", "http_429", "ttft_p50_ms", "ttft_p99_ms",
-           "e2e_p50_ms", "e2e_p99_ms", "completed")
+           "e2e_p50_ms", "e2e_p99_ms", "e2e_mean_ms", "itl_mean_ms", "engine_itl_mean_ms", "engine_e2e_mean_ms",
+           "completed")
 
 
 def figures(result: dict[str, Any]) -> dict[str, float | None]:
@@ -226,6 +252,10 @@ def figures(result: dict[str, Any]) -> dict[str, float | None]:
         "http_429": (reqs.get("retries") or 0) + (failed.get("429") or 0),
         "ttft_p50_ms": pick("ttft", "p50"), "ttft_p99_ms": pick("ttft", "p99"),
         "e2e_p50_ms": pick("e2e", "p50"), "e2e_p99_ms": pick("e2e", "p99"),
+        "e2e_mean_ms": pick("e2e", "mean"), "itl_mean_ms": pick("itl", "mean"),
+        # measured only: vLLM's own inter-token and e2e means (no HTTP, no client)
+        "engine_itl_mean_ms": (result.get("engine") or {}).get("itl_mean_ms"),
+        "engine_e2e_mean_ms": (result.get("engine") or {}).get("e2e_mean_ms"),
         "completed": reqs.get("completed"),
     }
 
@@ -259,7 +289,9 @@ def validate_trace(name: str, args: argparse.Namespace, work: Path, log: Any) ->
     t0 = time.monotonic()
     trace = scale_trace(name, args.max_model_len)
     profile = save_profile(trace, work)
-    model_dir = write_tiny_model(work / f"{name}-model", max_position_embeddings=args.max_model_len)
+    model_dir = write_tiny_model(work / f"{name}-model", max_position_embeddings=args.max_model_len,
+                                 num_layers=args.model_layers, num_attention_heads=args.model_heads,
+                                 num_kv_heads=2, head_dim=args.model_head_dim)
     server = start_vllm(model_dir, max_model_len=args.max_model_len, kv_cache_memory_bytes=64 * 1024**2,
                         num_gpu_blocks_override=args.kv_blocks, log_path=work / f"{name}-vllm.log")
     runs: list[Run] = []
@@ -295,6 +327,10 @@ def validate_trace(name: str, args: argparse.Namespace, work: Path, log: Any) ->
                         started = time.monotonic()
                         predicted = predict(profile, capacity, gateway=gateway_yaml if mode == "gateway" else None,
                                             rate=rate, requests=args.requests, seed=seed)
+                        stem = work / "runs" / f"{name}-{load:g}-{mode}-{seed}"
+                        stem.parent.mkdir(exist_ok=True)
+                        stem.with_suffix(".measured.json").write_text(json.dumps(measured, indent=1))
+                        stem.with_suffix(".predicted.json").write_text(json.dumps(predicted, indent=1))
                         runs.append(Run(name, load, mode, seed, rate, figures(predicted), figures(measured),
                                         measured_wall_s, time.monotonic() - started))
                         r = runs[-1]
@@ -312,7 +348,8 @@ def validate_trace(name: str, args: argparse.Namespace, work: Path, log: Any) ->
         "trace": name,
         "scaled": trace.summary(),
         "server": {"num_blocks": server.num_blocks, "block_size": server.block_size,
-                   "max_model_len": args.max_model_len},
+                   "max_model_len": args.max_model_len, "model": {"layers": args.model_layers, "heads":
+                   args.model_heads, "kv_heads": 2, "head_dim": args.model_head_dim}},
         "timing": (cap_info.get("timing") or {}).get("coefficients"),
         "gateway": {"block_budget": config.get("block_budget"),
                     "caps": {r["name"]: r["max_new_tokens"] for r in config.get("routes", [])}},
@@ -413,6 +450,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def diagnostics(rows: list[dict[str, Any]]) -> str:
+    """Where the time goes: mean ITL and e2e predicted, as the client measured them, and as vLLM's
+    engine saw them (/metrics): a gap between the last two is HTTP and the API server."""
+    head = ("| trace | load | mode | ITL mean ms (pred / client / engine) | e2e mean ms (pred / client / engine) |")
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        lines.append(f"| {r['trace']} | {r['load']:.0%} | {r['mode']} | {_f(p['itl_mean_ms'], '.2f')} / "
+                     f"{_f(m['itl_mean_ms'], '.2f')} / {_f(m['engine_itl_mean_ms'], '.2f')} | "
+                     f"{_f(p['e2e_mean_ms'])} / {_f(m['e2e_mean_ms'])} / {_f(m['engine_e2e_mean_ms'])} |")
+    return "\n".join(lines)
+
+
 def _pct(v: float | None) -> float | None:
     return None if v is None else 100 * v
 
@@ -436,11 +486,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loads", default="0.5,0.9,1.5", help="arrival rates as shares of the measured capacity")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (each run's workload and arrivals)")
     ap.add_argument("--modes", default="direct,gateway", help="direct, gateway or both")
-    ap.add_argument("--requests", type=int, default=100, help="requests per run")
+    ap.add_argument("--requests", type=int, default=50, help="requests per run")
     ap.add_argument("--short", action="store_true",
                     help="one trace, one load (0.9), direct and gateway, one seed: the test suite's run")
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--kv-blocks", type=int, default=32, help="--num-gpu-blocks-override (128-token blocks)")
+    ap.add_argument("--kv-blocks", type=int, default=16, help="--num-gpu-blocks-override (128-token blocks)")
+    # a model heavy enough that the engine, not vLLM's API server, is the bottleneck (as on a GPU):
+    # with the 2-layer test model, 2 CPU cores spend more on HTTP, SSE and detokenizing than on steps
+    ap.add_argument("--model-layers", type=int, default=4, help="the served model's layers")
+    ap.add_argument("--model-heads", type=int, default=16, help="its attention heads (2 KV heads)")
+    ap.add_argument("--model-head-dim", type=int, default=64, help="its head_dim (hidden = heads × head_dim)")
     ap.add_argument("--timing-budget-s", type=float, default=30, help="kvtune calibrate --timing-budget-s")
     ap.add_argument("--capacity-concurrency", type=int, default=32, help="closed loop that measures capacity")
     ap.add_argument("--capacity-requests", type=int, default=60)
@@ -498,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{t['capacity_rps']['predicted']:.2f} predicted; gateway {t['gateway']}")
         print()
         print(markdown(rows))
+        print()
+        print(diagnostics(rows))
         print()
         for s in summary["targets"].values():
             worst = s["worst_abs_error"]
