@@ -23,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtune.sim import EngineSettings, SimResult, StepTime, Workload, simulate
+from kvtune.sim import EngineSettings, SimResult, Workload, simulate
+from kvtune.steptime import StepTimeModel
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 ENGINE = EngineSettings(num_blocks=28_760, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                         max_model_len=16_384)
-TIMING = StepTime(c0_s=0.006, c1_s_per_token=2e-5, c2_s_per_token_ctx=2e-9, c3_s_per_seq=3e-5)
+TIMING = StepTimeModel(c0=0.006, c1=2e-5, c2=2e-9, c3=3e-5)
 
 
 def load_trace(path: Path) -> Workload:

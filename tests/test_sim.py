@@ -23,13 +23,12 @@ from kvtune.sim import (
     LedgerAdmission,
     Outcome,
     SimRequest,
-    StepTime,
     Workload,
     simulate,
 )
 from kvtune.sim.blocks import BlockPool
 from kvtune.sim.results import OUTCOMES
-from kvtune.sim.timing import TICKS_PER_S
+from kvtune.steptime import TICKS_PER_S, StepTimeModel
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -45,8 +44,8 @@ def engines(draw) -> EngineSettings:
                           long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])))
 
 
-timings = st.builds(StepTime, c0_s=st.floats(1e-3, 0.05), c1_s_per_token=st.floats(0, 1e-3),
-                    c2_s_per_token_ctx=st.floats(0, 1e-5), c3_s_per_seq=st.floats(0, 1e-3))
+timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),
+                    c3=st.floats(0, 1e-3))
 
 
 @st.composite
@@ -130,7 +129,7 @@ def test_deterministic():
     wl = Workload.from_columns(np.sort(rng.uniform(0, 20, 400)), rng.integers(1, 400, 400), rng.integers(1, 300, 400))
     engine = EngineSettings(num_blocks=120, block_size=16, max_num_seqs=32, max_num_batched_tokens=256,
                             max_model_len=1024)
-    timing = StepTime(0.01, 1e-4, 1e-7, 1e-4)
+    timing = StepTimeModel(0.01, 1e-4, 1e-7, 1e-4)
     a, b = simulate(wl, engine, timing), simulate(wl, engine, timing)
     _assert_same(a, b)
     assert a.preemptions > 0  # tight enough that the comparison covers preemption
@@ -141,7 +140,7 @@ def test_preempted_request_keeps_its_tokens():
     engine = EngineSettings(num_blocks=33, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
                             max_model_len=512)
     requests = [SimRequest(0.0, 24, 100) for _ in range(16)]
-    result = simulate(requests, engine, StepTime(0.01))
+    result = simulate(requests, engine, StepTimeModel(0.01))
     assert result.preemptions > 0
     assert (result.requests.output_tokens == 100).all()
     assert (result.requests.preemptions > 0).sum() >= 1
@@ -152,7 +151,7 @@ def test_max_model_len_caps_the_output():
     engine = EngineSettings(num_blocks=40, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                             max_model_len=100)
     result = simulate([SimRequest(0.0, 90, 50), SimRequest(0.0, 100, 5), SimRequest(0.0, 99, 5)], engine,
-                      StepTime(0.01))
+                      StepTimeModel(0.01))
     assert result.requests.output_tokens.tolist() == [10, 0, 1]
     assert [result.requests.row(i).outcome for i in range(3)] == [Outcome.OK, Outcome.REJECTED, Outcome.OK]
 
@@ -161,7 +160,7 @@ def test_first_token_comes_from_the_chunk_that_completes_the_prompt():
     """A 100-token prompt on a 32-token budget: chunks 32, 32, 32, 4; the 4th step samples token 1."""
     engine = EngineSettings(num_blocks=40, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
                             max_model_len=512)
-    result = simulate([SimRequest(0.0, 100, 3)], engine, StepTime(1.0), record_decisions=True)
+    result = simulate([SimRequest(0.0, 100, 3)], engine, StepTimeModel(1.0), record_decisions=True)
     assert [d.scheduled for d in result.decisions] == [((0, 32),), ((0, 32),), ((0, 32),), ((0, 4),), ((0, 1),),
                                                        ((0, 1),)]
     row = result.requests.row(0)
@@ -169,20 +168,20 @@ def test_first_token_comes_from_the_chunk_that_completes_the_prompt():
 
 
 def test_step_time_is_the_formula():
-    timing = StepTime(0.005, 1e-5, 1e-8, 2e-4)
+    timing = StepTimeModel(0.005, 1e-5, 1e-8, 2e-4)
     n, ctx = [100, 1, 1], [0, 50, 70]
     expected = 0.005 + 1e-5 * 102 + 1e-8 * (100 * 50 + 1 * 50.5 + 1 * 70.5) + 2e-4 * 3
-    assert timing.step_s(n, ctx) == pytest.approx(expected)
+    assert timing.step_seconds(zip(n, ctx, strict=True)) == pytest.approx(expected)
     engine = EngineSettings(num_blocks=100, block_size=16, max_num_seqs=4, max_num_batched_tokens=512,
                             max_model_len=512)
     result = simulate([SimRequest(0.0, 100, 1)], engine, timing)
-    assert result.duration_s == pytest.approx(timing.step_s([100], [0]), rel=1e-9)
+    assert result.duration_s == pytest.approx(timing.step_seconds([(100, 0)]), rel=1e-9)
 
 
 @given(c=st.tuples(st.floats(1e-4, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-5), st.floats(0, 1e-3)),
        batch=st.integers(1, 300), ctx=st.integers(0, 10**6), k=st.integers(1, 400), window=st.integers(1, 10**16))
 def test_decode_run_closed_form(c, batch, ctx, k, window):
-    ticks = StepTime(*c).ticks()
+    ticks = StepTimeModel(*c).ticks()
     steps = [ticks.step(batch, 2 * (ctx + j * batch) + batch, batch) for j in range(k)]
     assert ticks.decode_run(batch, ctx, k) == sum(steps)
     starts = np.cumsum([0, *steps[:-1]])
@@ -193,9 +192,9 @@ def test_decode_run_closed_form(c, batch, ctx, k, window):
 
 def test_step_time_rejects_nonsense():
     with pytest.raises(OptionError):
-        StepTime(-1.0)
-    with pytest.raises(OptionError):
-        StepTime(0.0)
+        StepTimeModel(-1.0)
+    with pytest.raises(OptionError):  # a model that takes no time cannot drive a simulation
+        StepTimeModel(0.0).ticks()
     with pytest.raises(OptionError):
         EngineSettings(num_blocks=10, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
 
@@ -243,7 +242,7 @@ def test_ledger_admission_429s_retry_then_give_up():
                             max_model_len=2048)
     admission = LedgerAdmission(10, block_size=16, max_model_len=2048, retry_after_min_s=1, retry_after_max_s=60)
     requests = [SimRequest(0.0, 28, 100, max_tokens=100) for _ in range(5)]  # ceil(128/16) = 8 blocks
-    result = simulate(requests, engine, StepTime(1.0), admission=admission)  # each takes ~100 s
+    result = simulate(requests, engine, StepTimeModel(1.0), admission=admission)  # each takes ~100 s
     outcomes = [result.requests.row(i).outcome for i in range(5)]
     assert outcomes[0] is Outcome.OK
     assert (result.requests.retries <= CLIENT_RETRY.max_retries).all()
@@ -259,7 +258,7 @@ def test_ledger_admission_queue_serves_in_order():
                             max_model_len=2048)
     admission = LedgerAdmission(10, block_size=16, max_model_len=2048, queue_max_waiting=8, queue_timeout_s=1e6)
     requests = [SimRequest(0.0, 28, 20, max_tokens=100) for _ in range(4)]
-    result = simulate(requests, engine, StepTime(1.0), admission=admission)
+    result = simulate(requests, engine, StepTimeModel(1.0), admission=admission)
     assert all(result.requests.row(i).outcome is Outcome.OK for i in range(4))
     assert (result.requests.retries == 0).all()
     assert np.all(np.diff(result.requests.first_scheduled_s) > 0)
@@ -270,7 +269,7 @@ def test_ledger_admission_refuses_what_never_fits():
     engine = EngineSettings(num_blocks=200, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
                             max_model_len=2048)
     admission = LedgerAdmission(4, block_size=16, max_model_len=2048)
-    result = simulate([SimRequest(0.0, 100, 10, max_tokens=1000)], engine, StepTime(1.0), admission=admission)
+    result = simulate([SimRequest(0.0, 100, 10, max_tokens=1000)], engine, StepTimeModel(1.0), admission=admission)
     assert result.requests.row(0).outcome is Outcome.REJECTED
 
 
@@ -278,7 +277,7 @@ def test_no_retry_policy_gives_up_at_once():
     engine = EngineSettings(num_blocks=200, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
                             max_model_len=2048)
     admission = LedgerAdmission(10, block_size=16, max_model_len=2048)
-    result = simulate([SimRequest(0.0, 28, 100, max_tokens=100)] * 2, engine, StepTime(1.0), admission=admission,
+    result = simulate([SimRequest(0.0, 28, 100, max_tokens=100)] * 2, engine, StepTimeModel(1.0), admission=admission,
                       retry=RetryPolicy(enabled=False))
     assert [result.requests.row(i).outcome for i in range(2)] == [Outcome.OK, Outcome.HTTP_429]
     assert result.requests.finish_s[1] == 0.0
@@ -287,5 +286,5 @@ def test_no_retry_policy_gives_up_at_once():
 def test_times_are_exact_ticks():
     engine = EngineSettings(num_blocks=40, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
                             max_model_len=512)
-    result = simulate([SimRequest(0.25, 10, 3)], engine, StepTime(0.125))
+    result = simulate([SimRequest(0.25, 10, 3)], engine, StepTimeModel(0.125))
     assert result.requests.finish_s[0] * TICKS_PER_S == pytest.approx((0.25 + 3 * 0.125) * TICKS_PER_S)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.sim import EngineSettings, SimRequest, StepTime, simulate
+from kvtune.sim import EngineSettings, SimRequest, simulate
+from kvtune.steptime import StepTimeModel
 
 pytestmark = pytest.mark.vllm
 
@@ -69,7 +70,7 @@ def _simulated(trace: dict, *, fast: bool) -> list[dict]:
                               long_prefill_token_threshold=trace["long_prefill_token_threshold"])
     requests = [SimRequest(float(r["arrival_step"]), r["prompt_tokens"], r["output_tokens"])
                 for r in trace["requests"]]
-    result = simulate(requests, settings, StepTime(c0_s=1.0), fast=fast, record_decisions=True)
+    result = simulate(requests, settings, StepTimeModel(c0=1.0), fast=fast, record_decisions=True)
     assert result.decisions is not None
     return [{"step": round(d.start_s), "scheduled": [list(x) for x in d.scheduled], "preempted": list(d.preempted),
              "finished": list(d.finished)} for d in result.decisions]

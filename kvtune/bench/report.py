@@ -35,7 +35,7 @@ from kvtune.errors import OptionError
 from kvtune.policy.recommendation import Recommendation
 from kvtune.profile.histogram import nearest_rank_index
 
-__all__ = ["Slo", "parse_slo", "latency_stats", "summarize", "verdict", "PERCENTILES"]
+__all__ = ["Slo", "parse_slo", "latency_stats", "throughput", "goodput", "summarize", "verdict", "PERCENTILES"]
 
 PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -51,14 +51,17 @@ class Slo:
 
     def met(self, r: RequestResult) -> bool:
         """OK and within every objective; a TPOT objective holds trivially for one-token answers."""
-        if not r.ok:
+        return self.meets(r.ok, r.ttft_ms, r.tpot_ms, r.e2e_ms)
+
+    def meets(self, ok: bool, ttft_ms: float | None, tpot_ms: float | None, e2e_ms: float | None) -> bool:
+        """`met` for a request known by its figures (a simulated one)."""
+        if not ok:
             return False
-        if self.ttft_ms is not None and (r.ttft_ms is None or r.ttft_ms > self.ttft_ms):
+        if self.ttft_ms is not None and (ttft_ms is None or ttft_ms > self.ttft_ms):
             return False
-        tpot = r.tpot_ms
-        if self.tpot_ms is not None and tpot is not None and tpot > self.tpot_ms:
+        if self.tpot_ms is not None and tpot_ms is not None and tpot_ms > self.tpot_ms:
             return False
-        return not (self.e2e_ms is not None and (r.e2e_ms is None or r.e2e_ms > self.e2e_ms))
+        return not (self.e2e_ms is not None and (e2e_ms is None or e2e_ms > self.e2e_ms))
 
     def to_dict(self) -> dict[str, float | None]:
         return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms}
@@ -86,15 +89,46 @@ def parse_slo(text: str) -> Slo:
     return Slo(values.get("ttft"), values.get("tpot"), values.get("e2e"))
 
 
-def latency_stats(values: Sequence[float]) -> dict[str, float | int | None]:
-    """count, mean and nearest-rank p50/p90/p99 in ms (3 decimals); None when empty."""
-    if not len(values):
+def latency_stats(values: Sequence[float] | np.ndarray, counts: np.ndarray | None = None
+                  ) -> dict[str, float | int | None]:
+    """count, mean and nearest-rank p50/p90/p99 in ms (3 decimals); None when empty.
+
+    `counts[i]` repeats values[i] that many times without building the repeated array (a
+    simulated request's mean inter-token gap stands for each of its gaps)."""
+    if counts is None:
+        a = np.sort(np.asarray(values, dtype=np.float64))
+        if not a.size:
+            return {"count": 0, "mean": None, **{k: None for k, _ in PERCENTILES}}
+        out: dict[str, float | int | None] = {"count": int(a.size), "mean": round(float(a.mean()), 3)}
+        for key, p in PERCENTILES:  # the one nearest-rank definition (kvtune.profile.histogram)
+            out[key] = round(float(a[nearest_rank_index(a.size, float(np.float64(p) / 100))]), 3)
+        return out
+    v = np.asarray(values, dtype=np.float64)
+    c = np.asarray(counts, dtype=np.int64)
+    keep = c > 0
+    v, c = v[keep], c[keep]
+    total = int(c.sum())
+    if not total:
         return {"count": 0, "mean": None, **{k: None for k, _ in PERCENTILES}}
-    a = np.sort(np.asarray(values, dtype=np.float64))
-    out: dict[str, float | int | None] = {"count": int(a.size), "mean": round(float(a.mean()), 3)}
-    for key, p in PERCENTILES:  # the one nearest-rank definition (kvtune.profile.histogram)
-        out[key] = round(float(a[nearest_rank_index(a.size, float(np.float64(p) / 100))]), 3)
+    order = np.argsort(v, kind="stable")
+    v, cum = v[order], np.cumsum(c[order])
+    out = {"count": total, "mean": round(float((v * c[order]).sum() / total), 3)}
+    for key, p in PERCENTILES:  # the repeated array's element at the nearest rank
+        rank = nearest_rank_index(total, float(np.float64(p) / 100))
+        out[key] = round(float(v[int(np.searchsorted(cum, rank, side="right"))]), 3)
     return out
+
+
+def throughput(completed: int, output_tokens: int, duration_s: float) -> dict[str, float]:
+    """Completed requests and output tokens per second of the run."""
+    duration = max(duration_s, 1e-9)
+    return {"requests_per_s": round(completed / duration, 3), "output_tokens_per_s": round(output_tokens / duration, 3)}
+
+
+def goodput(slo: Slo, met: int, total: int, duration_s: float) -> dict[str, Any]:
+    """How many requests met every objective, of all sent (errors are misses)."""
+    return {"slo": slo.to_dict(), "requests_met": met, "attainment": round(met / total, 6) if total else None,
+            "requests_per_s": round(met / max(duration_s, 1e-9), 3)}
 
 
 def _truncated(r: RequestResult) -> bool:
@@ -121,7 +155,6 @@ def summarize(
     prompt_checked = [r for r in done if r.prompt_tokens is not None]
     prompt_mismatch = [r for r in prompt_checked if r.prompt_tokens != r.prompt_tokens_requested]
     itl = [x for r in done for x in r.itl_ms]
-    duration = max(duration_s, 1e-9)
 
     routes: dict[str, dict[str, Any]] = {}
     for name in sorted({r.route for r in results}):
@@ -162,23 +195,14 @@ def summarize(
             "tpot": latency_stats([t for r in done if (t := r.tpot_ms) is not None]),
             "e2e": latency_stats([r.e2e_ms for r in done if r.e2e_ms is not None]),
         },
-        "throughput": {
-            "requests_per_s": round(len(done) / duration, 3),
-            "output_tokens_per_s": round(out_total / duration, 3),
-        },
+        "throughput": throughput(len(done), out_total, duration_s),
         "finish_reasons": dict(sorted(Counter(r.finish_reason or "none" for r in done).items())),
         "routes": routes,
         "goodput": None,
         "server": None if server is None else dict(server),
     }
     if slo is not None:
-        good = sum(slo.met(r) for r in results)
-        summary["goodput"] = {
-            "slo": slo.to_dict(),
-            "requests_met": good,
-            "attainment": round(good / len(results), 6) if results else None,
-            "requests_per_s": round(good / duration, 3),
-        }
+        summary["goodput"] = goodput(slo, sum(slo.met(r) for r in results), len(results), duration_s)
     return summary
 
 

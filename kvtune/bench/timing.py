@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -241,17 +240,11 @@ def _server_check(before: dict[str, float] | None, after: dict[str, float] | Non
 
 # --- max_num_batched_tokens ---------------------------------------------------------------------
 
-_NON_DEFAULT_BATCHED = re.compile(r"non-default args: .*'max_num_batched_tokens': (?P<n>\d+)")
-_CHUNKED_PREFILL_LINE = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(?P<n>\d+)")
-
-
 def batched_tokens_from_log(text: str) -> int | None:
     """max_num_batched_tokens as a vLLM startup log states it (the last start in the log wins)."""
-    found = None
-    for line in text.splitlines():
-        if m := (_CHUNKED_PREFILL_LINE.search(line) or _NON_DEFAULT_BATCHED.search(line)):
-            found = int(m["n"])
-    return found
+    from kvtune.capacity.measured import scheduler_limits_from_log
+
+    return scheduler_limits_from_log(text)[1]
 
 
 async def _batched_tokens_from_server(session: Any, root: str) -> int | None:
@@ -532,7 +525,9 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
         wall_s=time.perf_counter() - started,
         kvtune_version=__version__,
     )
-    return dataclasses.replace(measured, timing=timing)
+    stated = budget_from != "engine-default"  # what the server runs with, not kvtune's guess
+    return dataclasses.replace(measured, timing=timing, max_num_batched_tokens=budget_tokens if stated
+                               else measured.max_num_batched_tokens)
 
 
 def _pool_tokens(m: MeasuredCapacity) -> int | None:

@@ -31,6 +31,7 @@ __all__ = [
     "PromptSynth",
     "calibrate_prompts",
     "replay_rows",
+    "text_rng",
     "WORDS",
 ]
 
@@ -143,13 +144,21 @@ class PromptSynth:
                 "notes": list(self.notes)}
 
 
+def text_rng(seed: int) -> np.random.Generator:
+    """The prompt-text stream, apart from the lengths' so that a run without text (`kvtune
+    simulate`) draws the same lengths as one that builds prompts (`kvtune bench`)."""
+    return np.random.default_rng([seed, 1])
+
+
 @dataclass(slots=True)
 class Workload:
-    """Request specs in send order, drawn lazily and reproducibly from a seed."""
+    """Request specs in send order, drawn lazily and reproducibly from a seed: the lengths from
+    `rng`, the prompt text from `text`."""
 
     routes: tuple[str, ...]
     synth: PromptSynth
     rng: np.random.Generator
+    text: np.random.Generator
     samplers: tuple[PairSampler, ...] = ()
     weights: np.ndarray | None = None
     rows: list[tuple[str, int, int]] | None = None  # replay: (route, prompt, output) in time order
@@ -161,14 +170,15 @@ class Workload:
         chosen = select_routes(profile, routes)
         samplers = tuple(PairSampler(r) for r in chosen)
         weights = np.array([r.requests for r in chosen], dtype=np.float64)
-        return cls(tuple(r.route for r in chosen), synth, np.random.default_rng(seed), samplers,
+        return cls(tuple(r.route for r in chosen), synth, np.random.default_rng(seed), text_rng(seed), samplers,
                    np.cumsum(weights) / weights.sum())
 
     @classmethod
     def from_rows(cls, rows: list[tuple[str, int, int]], synth: PromptSynth, seed: int) -> Workload:
         if not rows:
             raise InputError("no requests to replay", field="LOGS")
-        return cls(tuple(sorted({r for r, _, _ in rows})), synth, np.random.default_rng(seed), rows=rows)
+        return cls(tuple(sorted({r for r, _, _ in rows})), synth, np.random.default_rng(seed), text_rng(seed),
+                   rows=rows)
 
     def _refill(self, n: int = 1024) -> None:
         assert self.weights is not None
@@ -182,8 +192,8 @@ class Workload:
                     drawn[i] = (sampler.route, pi, oi)
         self._buffer.extend(reversed(drawn))
 
-    def spec(self, index: int) -> RequestSpec:
-        """The next request (call with increasing indices)."""
+    def draw(self, index: int) -> tuple[str, int, int]:
+        """The next (route, prompt, output) lengths, fitted to the server (increasing indices)."""
         if self.rows is not None:
             route, prompt, output = self.rows[index]
         else:
@@ -191,7 +201,12 @@ class Workload:
                 self._refill()
             route, prompt, output = self._buffer.pop()
         prompt, output = self._clamp(prompt, output)
-        return RequestSpec(index, route, prompt, output, self.synth.text(prompt, self.rng))
+        return route, prompt, output
+
+    def spec(self, index: int) -> RequestSpec:
+        """The next request, its prompt text included (call with increasing indices)."""
+        route, prompt, output = self.draw(index)
+        return RequestSpec(index, route, prompt, output, self.synth.text(prompt, self.text))
 
     def _clamp(self, prompt: int, output: int) -> tuple[int, int]:
         """Fit a draw to what the server can take; every change is counted by reason."""

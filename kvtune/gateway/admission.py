@@ -3,8 +3,9 @@ cap clamped to the route's, its prompt counted, and its KV blocks reserved in th
 
 sequences x ceil((prompt + cap) / block_size) blocks (kvtune.capacity.reservation) are reserved
 for the request's whole life. A request that can never fit answers 400/413 at once, before any
-count when even its cheapest reading exceeds the budget. A full budget waits in a bounded FIFO
-when gateway.yaml allows one, else answers 429 with Retry-After from the observed release rate.
+count when even its cheapest reading exceeds the budget. Whether it is reserved now, waits in the
+bounded FIFO or answers 429 with Retry-After is decided by the synchronous gate
+(kvtune.gateway.gate), the same code the simulator runs; here it only meets asyncio and the clock.
 No aiohttp here: what comes in is an Incoming (kvtune.gateway.intake) and its body's bytes, what
 goes out an Admitted for the relay, or a Refused.
 """
@@ -12,9 +13,9 @@ goes out an Admitted for the relay, or a Refused.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from kvtune.gateway.counting import (
     PromptRejectedError,
 )
 from kvtune.gateway.endpoints import PathClass
+from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import BlockLedger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.refusals import Reason, Refused, Rejection
@@ -40,62 +42,60 @@ if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads w
 
 
 class WaitQueue:
-    """The ledger plus an optional bounded FIFO of requests waiting for blocks. Waiters are woken
-    synchronously from `wake()`, right after a release, and handed a reservation already made."""
+    """The admission gate (kvtune.gateway.gate) in real time: a waiter is an asyncio future that a
+    release resolves synchronously, already holding its reservation; its timeout is asyncio's."""
 
-    def __init__(self, ledger: BlockLedger, *, max_waiting: int, timeout_s: float) -> None:
+    def __init__(self, ledger: BlockLedger, *, max_waiting: int, timeout_s: float, retry_after_min_s: int = 1,
+                 retry_after_max_s: int = 60) -> None:
         self.ledger = ledger
-        self.max_waiting = max_waiting
-        self.timeout_s = timeout_s
-        self._waiters: deque[tuple[int, asyncio.Future[Reservation]]] = deque()
+        self.gate: AdmissionGate[int] = AdmissionGate(ledger, max_waiting=max_waiting, timeout_s=timeout_s,
+                                                      retry_after_min_s=retry_after_min_s,
+                                                      retry_after_max_s=retry_after_max_s, gone=self._gone)
+        self._futures: dict[int, asyncio.Future[Reservation]] = {}
+        self._keys = itertools.count()
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self.gate.waiting
 
-    def try_now(self, blocks: int) -> Reservation | None:
-        if self._waiters:  # FIFO: nobody overtakes a request already waiting
-            return None
-        return self.ledger.try_reserve(blocks)
+    def offer(self, blocks: int) -> tuple[int, Reservation | Turned | None]:
+        """The gate's answer now, and the key to `wait` under when it is None (queued)."""
+        key = next(self._keys)
+        return key, self.gate.offer(key, blocks, 0.0)
 
-    def can_wait(self) -> bool:
-        return len(self._waiters) < self.max_waiting
-
-    async def wait(self, blocks: int) -> Reservation | None:
-        """A reservation once `blocks` fit and every earlier waiter is served; None on timeout."""
+    async def wait(self, key: int, blocks: int) -> Reservation | Turned:
+        """The reservation once every earlier waiter is served and `blocks` fit; a 429 on timeout."""
         fut: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        entry = (blocks, fut)
-        self._waiters.append(entry)
+        self._futures[key] = fut
         granted: Reservation | None = None
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.gate.timeout_s):
                 granted = await fut
         except TimeoutError:
             pass
         finally:
             if granted is None:
+                self._futures.pop(key, None)
                 if fut.done() and not fut.cancelled():
-                    fut.result().release()  # granted as we left: give it straight back
+                    self._grant(self.gate.release(fut.result()))  # granted as we left: give it straight back
                 else:
                     fut.cancel()
-                try:
-                    self._waiters.remove(entry)
-                except ValueError:
-                    pass
-                self.wake()  # the head may have changed
-        return granted
+                    self._grant(self.gate.leave(key))
+        return granted if granted is not None else self.gate.turn(blocks, Reason.QUEUE_TIMEOUT)
 
-    def wake(self) -> None:
-        while self._waiters:
-            blocks, fut = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
-                continue
-            reservation = self.ledger.try_reserve(blocks)
-            if reservation is None:
-                return
-            self._waiters.popleft()
-            fut.set_result(reservation)
+    def release(self, reservation: Reservation) -> None:
+        """Give the blocks back and resolve the waiters that now fit; never awaits."""
+        granted = self.gate.release(reservation)
+        if granted:
+            self._grant(granted)
+
+    def _gone(self, key: int) -> bool:
+        fut = self._futures.get(key)
+        return fut is None or fut.done()
+
+    def _grant(self, granted: Sequence[tuple[int, Reservation]]) -> None:
+        for key, reservation in granted:
+            self._futures.pop(key).set_result(reservation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +120,8 @@ class Admission:
         self.config = config
         self.ledger = ledger
         self.metrics = metrics
-        self.queue = WaitQueue(ledger, max_waiting=config.queue_max_waiting, timeout_s=config.queue_timeout_s)
+        self.queue = WaitQueue(ledger, max_waiting=config.queue_max_waiting, timeout_s=config.queue_timeout_s,
+                               retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s)
         self.counters: Mapping[str, PromptCounter] = {}
 
     @property
@@ -161,27 +162,20 @@ class Admission:
             blocks = self._blocks(asked, cap, counts.tokens, counts.exact)
             forwarded = rewrite(body, asked, cap) if cap is not None else raw
             target = incoming.target((route.upstream_path if route else None) or incoming.path)
-            reservation = self.queue.try_now(blocks)
-            if reservation is None:
-                reservation = await self._wait_or_reject(blocks)
+            reservation = await self._reserve(blocks)
         except Rejection as rejection:
             raise Refused(route, rejection) from None
         return Admitted(route, upstream, target, blocks, cap, forwarded, reservation)
 
     def release(self, admitted: Admitted) -> None:
         """Give the blocks back (once) and hand them to whoever waits; never awaits."""
-        admitted.reservation.release()
-        self.queue.wake()
+        self.queue.release(admitted.reservation)
 
     @staticmethod
     def _cap(route: GatewayRoute, asked: Request) -> int:
         """The route's cap, or the client's own when it asked for less in any field the engine
         may read: every present cap field is then written with this one value."""
-        cap = route.max_new_tokens
-        for reading in asked.readings:
-            if reading.requested_cap is not None:
-                cap = min(cap, reading.requested_cap)
-        return cap
+        return route_cap(route.max_new_tokens, (reading.requested_cap for reading in asked.readings))
 
     @staticmethod
     def _lower_bounds(asked: Request) -> list[int]:
@@ -202,9 +196,9 @@ class Admission:
                                     f"the prompt has {prompt} tokens; this deployment's context is "
                                     f"{cfg.max_model_len} tokens")
             grow = (cap or 0) if reading.generates else 0
-            largest = max(largest, request_reserved_blocks((min(p, cfg.max_model_len) for p in prompts), grow,
-                                                           cfg.block_size, reading.copies))
-        if largest > cfg.block_budget:
+            largest = max(largest, sequence_blocks(prompts, grow, block_size=cfg.block_size,
+                                                   max_model_len=cfg.max_model_len, copies=reading.copies))
+        if self.queue.gate.never_fits(largest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but the whole budget is "
                             f"{cfg.block_budget}: it can never be admitted")
@@ -220,7 +214,7 @@ class Admission:
             sizes: Iterable[int] = (sum(lower[i] for i in seq.parts) + seq.extra_tokens for seq in reading.sequences)
             total = request_reserved_blocks(sizes, grow, cfg.block_size, reading.copies)
             smallest = total if smallest is None else min(smallest, total)
-        if smallest is not None and smallest > cfg.block_budget:
+        if smallest is not None and self.queue.gate.never_fits(smallest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs at least {smallest} KV blocks but the whole budget is "
                             f"{cfg.block_budget}: it can never be admitted")
@@ -240,24 +234,22 @@ class Admission:
                             f"the gateway could not count the prompt: {exc}",
                             retry_after_s=self.config.retry_after_min_s) from None
 
-    async def _wait_or_reject(self, blocks: int) -> Reservation:
-        cfg, ledger, queue = self.config, self.ledger, self.queue
-        reason = Reason.KV_BUDGET_EXHAUSTED
-        if cfg.queue_max_waiting > 0:
-            if queue.can_wait():
-                started = time.monotonic()
-                reservation = await queue.wait(blocks)
-                if reservation is not None:
-                    self.metrics.queue_wait.observe(time.monotonic() - started)
-                    return reservation
-                reason = Reason.QUEUE_TIMEOUT
-            else:
-                reason = Reason.QUEUE_FULL
-        retry = ledger.retry_after_s(blocks, min_s=cfg.retry_after_min_s, max_s=cfg.retry_after_max_s)
-        self.metrics.retry_after.observe(retry)
-        raise Rejection(429, reason,
+    async def _reserve(self, blocks: int) -> Reservation:
+        """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised."""
+        queue = self.queue
+        key, got = queue.offer(blocks)
+        if got is None:  # queued
+            started = time.monotonic()
+            got = await queue.wait(key, blocks)
+            if isinstance(got, Reservation):
+                self.metrics.queue_wait.observe(time.monotonic() - started)
+        if isinstance(got, Reservation):
+            return got
+        ledger = self.ledger
+        self.metrics.retry_after.observe(got.retry_after_s)
+        raise Rejection(429, got.reason,
                         f"KV budget full: {blocks} blocks needed, {ledger.reserved_blocks} of "
-                        f"{ledger.budget_blocks} reserved; retry later", retry_after_s=retry)
+                        f"{ledger.budget_blocks} reserved; retry later", retry_after_s=got.retry_after_s)
 
 
 __all__ = ["Admission", "Admitted", "WaitQueue"]

@@ -1,7 +1,8 @@
 """A discrete-event simulation of vLLM V1's scheduler, with the gateway's admission in front.
 
+Step times come from kvtune.steptime.StepTimeModel (calibrated, or a roofline estimate).
+
     requests.py   what is served: SimRequest, Workload (columns), Outcome
-    timing.py     StepTime: step duration from the batch (calibration produces it)
     blocks.py     BlockPool: free blocks and the free-queue order prefix caching sees
     scheduler.py  EngineSettings, Scheduler: vLLM's schedule() / update_from_output, vectorized
     admission.py  the Admission hook: DirectAdmission, LedgerAdmission (the gateway's ledger)
@@ -10,14 +11,13 @@
 """
 
 from kvtune.sim.admission import Admission, DirectAdmission, LedgerAdmission, Verdict, VerdictKind, Wakeup
-from kvtune.sim.engine import CLIENT_RETRY, simulate
+from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
 from kvtune.sim.requests import Outcome, SimRequest, Workload
 from kvtune.sim.results import Decision, RequestColumns, RequestResult, SimResult, StepSeries
 from kvtune.sim.scheduler import EngineSettings
-from kvtune.sim.timing import StepTime
 
 __all__ = [
-    "simulate", "CLIENT_RETRY", "EngineSettings", "StepTime", "SimRequest", "Workload", "Outcome",
+    "simulate", "CLIENT_RETRY", "ClosedLoop", "EngineSettings", "SimRequest", "Workload", "Outcome",
     "Admission", "DirectAdmission", "LedgerAdmission", "Verdict", "VerdictKind", "Wakeup",
     "SimResult", "RequestColumns", "RequestResult", "StepSeries", "Decision",
 ]

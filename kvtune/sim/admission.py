@@ -2,18 +2,20 @@
 
 The simulator calls an `Admission` when a request arrives (or retries), when one finishes, and
 at its deadlines; the admission answers admit, queue, retry later (429 + Retry-After) or refuse.
-`LedgerAdmission` runs the live gateway's own `BlockLedger` and reservation rule in simulated
-time (the ledger's clock is injected), so the policy simulated is the policy deployed.
+`LedgerAdmission` runs the live gateway's own admission gate (kvtune.gateway.gate: the ledger,
+the reservation and cap rules, the FIFO, Retry-After) in simulated time (the ledger's clock is
+injected), so the policy simulated is the policy deployed.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtune.capacity.reservation import request_reserved_blocks
+from kvtune.gateway.config import GatewayConfig, GatewayRoute
+from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import BlockLedger, Reservation
 
 
@@ -31,6 +33,7 @@ class Verdict:
 
 
 ADMIT = Verdict(VerdictKind.ADMIT)
+QUEUED = Verdict(VerdictKind.QUEUE)
 
 
 @dataclass(slots=True)
@@ -70,81 +73,87 @@ class DirectAdmission:
 
 
 class LedgerAdmission:
-    """The gateway's rule: reserve ceil((prompt + max_tokens) / block_size) blocks from a budget
-    for the request's whole life, 429 + Retry-After (from the ledger's release rate) when full,
-    or wait in a bounded FIFO for up to `queue_timeout_s` when `queue_max_waiting` > 0.
+    """The gateway's admission (kvtune.gateway.gate, the code `kvtune gateway` runs) in simulated
+    time: reserve sequence_blocks(prompt, cap) from the ledger's budget for the request's whole
+    life, wait in the FIFO when the queue allows it, else 429 with the ledger's Retry-After.
 
-    The FIFO mirrors `kvtune.gateway.proxy.Admission` (which is asyncio futures): nobody overtakes
-    a waiter, waiters are served right after a release while they fit, a timed-out waiter leaves
-    (and the next may then fit) before its 429 is computed."""
+    `route_max_new_tokens` is the cap of the route the requests match (gateway.yaml); the cap is
+    the smaller of it and the request's max_tokens. Without a route, an unset max_tokens reserves
+    max_model_len − prompt, as vLLM would let it grow."""
 
     def __init__(self, budget_blocks: int, *, block_size: int, max_model_len: int, retry_after_min_s: int = 1,
-                 retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0) -> None:
+                 retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
+                 route_max_new_tokens: int | None = None) -> None:
         self._now_s = 0.0
         self.ledger = BlockLedger(budget_blocks, clock=lambda: self._now_s)
+        self.gate: AdmissionGate[int] = AdmissionGate(self.ledger, max_waiting=queue_max_waiting,
+                                                      timeout_s=queue_timeout_s, retry_after_min_s=retry_after_min_s,
+                                                      retry_after_max_s=retry_after_max_s)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.retry_after_min_s = retry_after_min_s
-        self.retry_after_max_s = retry_after_max_s
-        self.queue_max_waiting = queue_max_waiting
-        self.queue_timeout_s = queue_timeout_s
+        self.route_max_new_tokens = route_max_new_tokens
         self._held: dict[int, Reservation] = {}
-        self._queue: deque[tuple[int, int, float]] = deque()  # (request, blocks, deadline_s)
-        self.queue_peak = 0
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, route: GatewayRoute | None) -> LedgerAdmission:
+        """The admission a gateway.yaml deploys, for requests that match `route`."""
+        return cls(config.block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
+                   retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
+                   queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
+                   route_max_new_tokens=None if route is None else route.max_new_tokens)
+
+    def cap(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The output cap the gateway reserves for (and writes into the forwarded request)."""
+        if self.route_max_new_tokens is not None:
+            return route_cap(self.route_max_new_tokens, (max_tokens,))
+        return max_tokens if max_tokens is not None else max(self.max_model_len - prompt_tokens, 0)
 
     def blocks(self, prompt_tokens: int, max_tokens: int | None) -> int:
-        """The reservation, as the gateway computes it; unset max_tokens is max_model_len − prompt."""
-        grow = max_tokens if max_tokens is not None else max(self.max_model_len - prompt_tokens, 0)
-        return max(request_reserved_blocks([min(prompt_tokens, self.max_model_len)], grow, self.block_size), 1)
+        """The reservation, as the gateway computes it for a one-sequence request."""
+        grow = self.cap(prompt_tokens, max_tokens)
+        return max(sequence_blocks((prompt_tokens,), grow, block_size=self.block_size,
+                                   max_model_len=self.max_model_len), 1)
 
     def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
         self._now_s = now_s
         blocks = self.blocks(prompt_tokens, max_tokens)
-        if blocks > self.ledger.budget_blocks:
+        if self.gate.never_fits(blocks):
             return Verdict(VerdictKind.REFUSE)
-        if not self._queue:
-            reservation = self.ledger.try_reserve(blocks)
-            if reservation is not None:
-                self._held[request] = reservation
-                return ADMIT
-        if len(self._queue) < self.queue_max_waiting:
-            self._queue.append((request, blocks, now_s + self.queue_timeout_s))
-            self.queue_peak = max(self.queue_peak, len(self._queue))
-            return Verdict(VerdictKind.QUEUE)
-        return Verdict(VerdictKind.RETRY, self._retry_after(blocks))
-
-    def _retry_after(self, blocks: int) -> float:
-        return float(self.ledger.retry_after_s(blocks, min_s=self.retry_after_min_s, max_s=self.retry_after_max_s))
+        got = self.gate.offer(request, blocks, now_s)
+        if got is None:
+            return QUEUED
+        if isinstance(got, Turned):
+            return Verdict(VerdictKind.RETRY, float(got.retry_after_s))
+        self._held[request] = got
+        return ADMIT
 
     def finish(self, request: int, now_s: float) -> Wakeup | None:
         self._now_s = now_s
-        self._held.pop(request).release()
-        return self._wake(Wakeup()) if self._queue else None
+        granted = self.gate.release(self._held.pop(request))
+        return self._granted(granted, Wakeup()) if granted else None
 
-    def _wake(self, wakeup: Wakeup) -> Wakeup:
-        while self._queue:
-            request, blocks, _ = self._queue[0]
-            reservation = self.ledger.try_reserve(blocks)
-            if reservation is None:
-                break
-            self._queue.popleft()
+    def _granted(self, granted: Sequence[tuple[int, Reservation]], wakeup: Wakeup) -> Wakeup:
+        for request, reservation in granted:
             self._held[request] = reservation
             wakeup.admitted.append(request)
         return wakeup
 
     def poll(self, now_s: float) -> Wakeup | None:
         self._now_s = now_s
-        if not self._queue or self._queue[0][2] > now_s:
+        deadline = self.gate.next_deadline()
+        if deadline is None or deadline > now_s:
             return None
-        wakeup = Wakeup()
-        while self._queue and self._queue[0][2] <= now_s:  # same timeout for all: deadlines in FIFO order
-            request, blocks, _ = self._queue.popleft()
-            self._wake(wakeup)
-            wakeup.rejected.append((request, self._retry_after(blocks)))
+        granted, turned = self.gate.expire(now_s)
+        wakeup = self._granted(granted, Wakeup())
+        wakeup.rejected.extend((request, float(t.retry_after_s)) for request, t in turned)
         return wakeup
 
     def next_deadline_s(self) -> float | None:
-        return self._queue[0][2] if self._queue else None
+        return self.gate.next_deadline()
+
+    @property
+    def queue_peak(self) -> int:
+        return self.gate.waiting_peak
 
     @property
     def reserved_blocks(self) -> int:

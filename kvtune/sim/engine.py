@@ -5,11 +5,15 @@ decoding, all fit the token budget and the waiting head cannot be admitted, the 
 identical but for one more token of context each; the loop then jumps k steps at once, k being
 the first of: a request finishing, the free blocks no longer covering the block boundaries the
 requests cross (computed per request in closed form), the next arrival/retry/deadline. The time
-of k steps is an arithmetic series (timing.StepTicks.decode_run). `fast=False` takes every step
+of k steps is an arithmetic series (kvtune.steptime.StepTicks.decode_run). `fast=False` takes every step
 one at a time through the same scheduler: the reference the fast path is tested against.
 
 Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
 requests that arrived by then are seen by that step. An idle engine waits for the next event.
+
+Arrivals are the workload's own times (open loop), or with `ClosedLoop` C clients that each send
+their next request `think_s` after the previous one ended (finished, refused, or out of
+retries), as `kvtune bench --concurrency C` does; the workload's arrival times are then ignored.
 """
 
 from __future__ import annotations
@@ -18,38 +22,58 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvtune.bench.client import RetryPolicy
+from kvtune.errors import OptionError
 from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
 from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
 from kvtune.sim.scheduler import EngineSettings, Scheduler
-from kvtune.sim.timing import TICKS_PER_S, StepTime
+from kvtune.steptime import TICKS_PER_S, StepTimeModel
 
 # Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,
 # waiting Retry-After capped at max_wait_s.
 CLIENT_RETRY = RetryPolicy(enabled=True)
 
-_OK, _429, _REJECTED = (OUTCOMES.index(o) for o in OUTCOMES)
+_OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in OUTCOMES)
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """C clients, each sending the next request `think_s` after its previous one ended; no
+    client sends at or after `duration_s` (None: until the workload is used up)."""
+
+    concurrency: int
+    think_s: float = 0.0
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise OptionError(f"must be at least 1, got {self.concurrency}", field="concurrency")
+        if not (math.isfinite(self.think_s) and self.think_s >= 0):
+            raise OptionError(f"must be a finite number ≥ 0, got {self.think_s}", field="think_s")
 
 
 def simulate(
     workload: Workload | Sequence[SimRequest],
     settings: EngineSettings,
-    timing: StepTime,
+    timing: StepTimeModel,
     *,
     admission: Admission | None = None,
     retry: RetryPolicy = CLIENT_RETRY,
     fast: bool = True,
     record_steps: bool = False,
     record_decisions: bool = False,
+    closed_loop: ClosedLoop | None = None,
 ) -> SimResult:
     """Serve `workload` on a simulated vLLM V1 engine behind `admission` (default: direct)."""
     wall0 = time.perf_counter()
     wl = workload if isinstance(workload, Workload) else Workload.from_requests(workload)
-    run = _Run(wl, settings, timing, admission or DirectAdmission(), retry, record_steps, record_decisions)
+    run = _Run(wl, settings, timing, admission or DirectAdmission(), retry, record_steps, record_decisions,
+               closed_loop)
     run.loop(fast)
     return run.result(time.perf_counter() - wall0)
 
@@ -57,8 +81,9 @@ def simulate(
 class _Run:
     """One simulation's mutable state; `loop` drives it, `result` freezes it."""
 
-    def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTime, admission: Admission,
-                 retry: RetryPolicy, record_steps: bool, record_decisions: bool) -> None:
+    def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTimeModel, admission: Admission,
+                 retry: RetryPolicy, record_steps: bool, record_decisions: bool,
+                 closed_loop: ClosedLoop | None = None) -> None:
         n = len(wl)
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
         self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
@@ -70,16 +95,28 @@ class _Run:
         self.caps = [None if c < 0 else c for c in wl.max_tokens.tolist()]
         self.too_long = (prompt + 1 > settings.max_model_len).tolist()  # vLLM answers 400
         self.arrival = wl.arrival_s.tolist()
-        self.order = np.argsort(wl.arrival_s, kind="stable").tolist()
+        self.closed = closed_loop
+        self.order = [] if closed_loop else np.argsort(wl.arrival_s, kind="stable").tolist()
         self.next_arrival = -1
         self.arrival_tick: int | None = None
         self._advance_arrivals()
-        self.retries_heap: list[tuple[int, int]] = []  # (tick, request)
+        self.retries_heap: list[tuple[int, int]] = []  # (tick, request): retries, closed-loop sends
         self.first_scheduled = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.retries = np.zeros(n, dtype=np.int64)
         self.outcome = np.zeros(n, dtype=np.int8)
+        self.arrival_out = wl.arrival_s.copy()
+        self.sent = n
+        if closed_loop is not None:
+            self.arrival_out[:] = np.nan
+            self.outcome[:] = _NOT_SENT
+            self.sent = 0
+            self.think = round(closed_loop.think_s * TICKS_PER_S)
+            self.send_until = (None if closed_loop.duration_s is None
+                               else math.ceil(closed_loop.duration_s * TICKS_PER_S))
+            for _ in range(min(closed_loop.concurrency, n)):
+                self._send_next(0)
         self.t = 0
         self.num_steps = 0
         self.events = 0
@@ -155,6 +192,19 @@ class _Run:
         self.outcome[request] = outcome
         self.finish[request] = tick / TICKS_PER_S
         self.refused_at = max(self.refused_at, tick)
+        if self.closed is not None:
+            self._send_next(tick)
+
+    def _send_next(self, tick: int) -> None:
+        """Closed loop: the client whose request ended at `tick` sends the next one."""
+        if self.sent >= len(self.arrival_out) or (self.send_until is not None and tick >= self.send_until):
+            return
+        request = self.sent
+        self.sent += 1
+        at = tick + self.think
+        self.arrival_out[request] = at / TICKS_PER_S
+        self.outcome[request] = _OK
+        heapq.heappush(self.retries_heap, (at, request))
 
     def _wakeup(self, wakeup: Wakeup | None, tick: int) -> None:
         if wakeup is None:
@@ -172,6 +222,8 @@ class _Run:
         now_s = t / TICKS_PER_S
         for request in finished.tolist():
             self._wakeup(self.admission.finish(request, now_s), t)
+            if self.closed is not None:
+                self._send_next(t)
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -238,7 +290,7 @@ class _Run:
 
     def result(self, wall_s: float) -> SimResult:
         sched = self.sched
-        requests = RequestColumns(self.wl.arrival_s.copy(), self.first_scheduled, self.first_token, self.finish,
+        requests = RequestColumns(self.arrival_out, self.first_scheduled, self.first_token, self.finish,
                                   sched.ntok_all - sched.prompt_all, sched.preemptions.copy(), self.retries,
                                   self.outcome)
         steps = None
@@ -253,4 +305,4 @@ class _Run:
                          admission_peak, self.events, wall_s)
 
 
-__all__ = ["simulate", "CLIENT_RETRY"]
+__all__ = ["simulate", "CLIENT_RETRY", "ClosedLoop"]

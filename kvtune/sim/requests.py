@@ -33,6 +33,7 @@ class Outcome(enum.Enum):
     OK = "ok"
     HTTP_429 = "429"  # refused by the admission in front of the engine, retries exhausted
     REJECTED = "rejected"  # can never be served: prompt past the context (400) or past the budget (413)
+    NOT_SENT = "not-sent"  # closed loop: the run's duration ended before a client sent it
 
 
 @dataclass(frozen=True, slots=True)

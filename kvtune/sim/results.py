@@ -12,7 +12,7 @@ import numpy as np
 
 from kvtune.sim.requests import Outcome
 
-OUTCOMES = (Outcome.OK, Outcome.HTTP_429, Outcome.REJECTED)  # outcome column codes index this
+OUTCOMES = (Outcome.OK, Outcome.HTTP_429, Outcome.REJECTED, Outcome.NOT_SENT)  # outcome codes index this
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class RequestResult:
 class RequestColumns:
     """Every request's result as columns (a million RequestResult objects would be slow)."""
 
-    arrival_s: np.ndarray
+    arrival_s: np.ndarray  # when it reached the admission (closed loop: when its client sent it); NaN if never
     first_scheduled_s: np.ndarray
     first_token_s: np.ndarray
     finish_s: np.ndarray

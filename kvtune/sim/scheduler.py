@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtune.errors import OptionError
 from kvtune.sim.blocks import BlockPool
-from kvtune.sim.timing import StepTicks
+from kvtune.steptime import StepTicks
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,254 @@
+"""`kvtune simulate (LOGS | --profile FILE) --capacity FILE`: what a configuration does to the traffic."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from kvtune.cli.bench import LoadArgs, load_options
+from kvtune.cli.options import LogArgs, grouped, log_options
+from kvtune.errors import InputError, OptionError
+from kvtune.userfiles import brief
+
+JSON_FIELDS = """\b
+--json (and --out DIR's simulate.json) write one object; the fields shared with
+`kvtune bench --json` mean the same and are computed by the same functions:
+  load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
+                   concurrency, speedup, max_requests, duration_s, retry, max_retries}
+  workload        {routes, seed, clamped: {reason: requests}}
+  requests        {sent, completed, failed: {429, 4xx, … as bench}, retries}
+  duration_s      first send to last answer (simulated seconds)
+  output_tokens_total, output_tokens_requested_total, prompt_tokens_requested_total
+  latency_ms      {ttft, itl, tpot, e2e}: each {count, mean, p50, p90, p99} (nearest rank), from
+                  the client's first send; itl is each request's mean gap, once per gap
+  throughput      {requests_per_s, output_tokens_per_s}
+  goodput         {slo, requests_met, attainment, requests_per_s} with --slo, else null
+  server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
+                   generation_tokens, num_blocks, block_size} (peaks exact, not sampled)
+  simulation      {timing: {source: calibrated|roofline-estimate, estimate, coefficients {c0..c3},
+                   http_overhead_s, measured_against | roofline}, engine: {num_blocks, block_size,
+                   max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
+                   {value, from: option|capacity-file|engine-default}}, admission: {kind:
+                   direct|gateway, …the gateway's budget, route, cap, queue}, retry {max_retries,
+                   max_wait_s}, events, steps, wall_s, requests_not_sent, admission_waiting_peak,
+                   preempted_requests}
+
+\b
+Exit codes: 0 done, 2 bad input (nothing written).
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Overrides of the engine settings the capacity file implies, and the roofline's inputs."""
+
+    capacity_path: str
+    gateway_path: str | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    model: str | None
+    gpu: str | None
+    endpoint: str
+
+
+_engine_options = [
+    click.option("--capacity", "capacity_path", required=True, metavar="FILE",
+                 help="A capacity file from `kvtune calibrate` (blocks, block size, max_model_len; `timing` "
+                      "from `calibrate --timing`)."),
+    click.option("--gateway", "gateway_path", metavar="FILE",
+                 help="gateway.yaml: run the gateway's own admission (ledger, route caps, queue, Retry-After) "
+                      "in front of the engine.  [default: straight to vLLM]"),
+    click.option("--max-num-seqs", type=click.IntRange(min=1), metavar="N",
+                 help="Override the engine's max_num_seqs.  [default: the capacity file's, else vLLM's]"),
+    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), metavar="N",
+                 help="Override the engine's max_num_batched_tokens.  [default: the capacity file's, else vLLM's]"),
+    click.option("--model", help="Model (preset, config.json, hub id) for the roofline step time when the "
+                                 "capacity file has no `timing`."),
+    click.option("--gpu", help="GPU from the catalog for the roofline step time (and vLLM's GPU defaults)."),
+    click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
+                 help="The path requests are sent to, as `kvtune bench --endpoint`: picks the gateway's route."),
+]
+
+
+engine_args = grouped("engine", EngineArgs, _engine_options)
+
+
+@click.command(epilog=JSON_FIELDS)
+@click.argument("logs", nargs=-1)
+@click.option("--profile", "profile_path", metavar="FILE",
+              help="A profile saved by `kvtune profile --save` instead of LOGS.")
+@click.option("--route", "routes", multiple=True, metavar="NAME",
+              help="Only these routes (repeatable).  [default: all, by share]")
+@log_options
+@engine_args
+@load_options
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed for lengths and arrival gaps: the same requests `kvtune bench --seed` sends.")
+@click.option("--slo", metavar="SPEC", help="Latency objectives in ms for goodput, e.g. ttft=500,tpot=50,e2e=10000.")
+@click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write simulate.json and timeline.svg (KV use, running/waiting over time) into DIR.")
+def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], log: LogArgs,
+             engine: EngineArgs, load: LoadArgs, seed: int, slo: str | None, json_: bool, out_dir: str | None) -> None:
+    """Predict throughput, latency, preemptions and 429s of traffic on a vLLM configuration.
+
+    A simulation of vLLM V1's scheduler (checked step by step against vLLM's own) with the
+    step time `kvtune calibrate --timing` measured, serving the requests `kvtune bench` would
+    send for the same profile and seed, straight to the engine or through the gateway's own
+    admission code (--gateway). Without a calibrated `timing`, --model and --gpu give a
+    roofline estimate, labelled as such.
+
+    \b
+    Example:
+        kvtune calibrate http://127.0.0.1:8000 --timing --out capacity.json
+        kvtune simulate --profile profile.json --capacity capacity.json --rate 5 --requests 500
+        kvtune simulate --profile profile.json --capacity capacity.json --gateway deploy/gateway.yaml \\
+            --rate 5 --requests 500 --slo ttft=500,e2e=10000 --out sim/
+    """
+    from kvtune.bench.report import parse_slo
+    from kvtune.capacity.measured import read_capacity_file
+    from kvtune.sim.setup import engine_setup, timing_setup
+
+    slo_ = parse_slo(slo) if slo else None
+    load.check(logs)
+    if profile_path and logs:
+        raise OptionError("give --profile or LOGS, not both", field="--profile")
+    if not profile_path and not logs:
+        raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
+    measured = read_capacity_file(engine.capacity_path)
+    gpu = None
+    if engine.gpu is not None:
+        from kvtune.hardware import find_gpu
+
+        gpu = find_gpu(engine.gpu, field="--gpu")
+    spec = None
+    if measured.timing is None and engine.model is not None and gpu is not None:
+        from kvtune.model.sources import resolve_model
+
+        spec = resolve_model(engine.model)
+    timing = timing_setup(measured, spec=spec, gpu=gpu)
+    setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
+                         max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu)
+    admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
+
+    from kvtune.sim.run import run_simulation
+
+    mml = setup.settings.max_model_len
+    overhead = timing.http_overhead_s
+    traffic, context = _traffic(logs, profile_path, routes, log, load, seed, mml, overhead, cap)
+    run = run_simulation(traffic, setup, timing, admission=admission, slo=slo_, context=context,
+                         admission_info=admission_info,
+                         time_bounded_closed_loop=load.concurrency is not None and load.max_requests is None)
+    text = json.dumps(run.report, indent=2)
+    if out_dir is not None:
+        from pathlib import Path
+
+        from kvtune.sim.plot import svg
+        from kvtune.writer import write_files
+
+        files: dict[str | os.PathLike[str], str] = {Path(out_dir) / "simulate.json": text + "\n"}
+        if run.timeline is not None:
+            label = " (roofline estimate)" if timing.model.estimate else ""
+            files[Path(out_dir) / "timeline.svg"] = svg(run.timeline, title=f"kvtune simulate{label}")
+        write_files(files)
+    if json_:
+        click.echo(text)
+    else:
+        from rich.console import Console
+
+        from kvtune.cli._simulate_view import render_simulation
+
+        render_simulation(run.report, run.timeline, Console())
+
+
+def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tuple[Any, dict[str, Any], Any]:
+    """(a factory of fresh admissions, what the JSON says of it, the gateway's output cap or None)."""
+    from kvtune.sim.admission import DirectAdmission, LedgerAdmission
+
+    if engine.gateway_path is None:
+        return DirectAdmission, {"kind": "direct"}, None
+    from kvtune.gateway.config import load_gateway_config
+
+    config = load_gateway_config(engine.gateway_path)
+    path = "/v1/chat/completions" if engine.endpoint == "chat" else "/v1/completions"
+    served = config.model or model
+    route = config.route_for(path, served)
+    if route is None:
+        raise OptionError(f"no route of {brief(engine.gateway_path)} serves {path} for model {served!r}: the gateway "
+                          "would answer 404 to every request", field="--gateway")
+    if config.max_model_len > max_model_len:
+        raise OptionError(f"the gateway's max_model_len {config.max_model_len:,} exceeds the engine's "
+                          f"{max_model_len:,}", field="--gateway")
+
+    def fresh() -> LedgerAdmission:
+        return LedgerAdmission.from_config(config, route)
+
+    info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.block_budget,
+            "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
+            "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
+            "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s}}
+    return fresh, info, fresh().cap
+
+
+def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], log: LogArgs,
+             load: LoadArgs, seed: int, max_model_len: int, overhead_s: float, cap: Any) -> tuple[Any, dict[str, Any]]:
+    """(traffic(n) for the simulation, the load and workload context of the JSON)."""
+    from kvtune.sim.traffic import profile_traffic, replay_traffic
+
+    load_info: dict[str, Any]
+    if load.replay:
+        from kvtune.bench.workload import replay_rows
+
+        rows, stamps, skipped = replay_rows(logs, log.ingest(), routes)
+        if not rows:
+            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
+            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
+                             field="LOGS")
+
+        def traffic(n: int | None) -> Any:
+            return replay_traffic(rows, stamps, speedup=load.speedup, seed=seed, max_requests=load.max_requests,
+                                  duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
+                                  cap=cap)
+
+        from kvtune.bench.loads import LoadShape
+
+        load_info = LoadShape.replay([], load.speedup).to_dict()
+        route_names = sorted({r for r, _, _ in rows})
+    else:
+        from kvtune.bench.workload import select_routes
+        from kvtune.cli._profile_view import render_folded
+        from kvtune.profile.build import load_profile, load_profile_or_logs
+        from kvtune.profile.routes import fold_routes
+
+        profile = (fold_routes(load_profile(profile_path), log.max_routes) if profile_path
+                   else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes))
+        render_folded(profile, log.max_routes)
+        chosen = select_routes(profile, routes)
+        for r in chosen:
+            if r.prompt.total == 0:
+                raise InputError(f"route {brief(r.route)} logs no prompt lengths; a simulation needs them",
+                                 field="--route")
+        shape = load.shape()
+
+        def traffic(n: int | None) -> Any:
+            return profile_traffic(profile, routes, shape, seed=seed, max_requests=load.max_requests,
+                                   duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
+                                   cap=cap, closed_n=n)
+
+        load_info = shape.to_dict()
+        route_names = [r.route for r in chosen]
+    from kvtune.sim.engine import CLIENT_RETRY
+
+    context = {
+        "load": {**load_info, "max_requests": load.max_requests, "duration_s": load.duration_s, "retry": True,
+                 "max_retries": CLIENT_RETRY.max_retries},
+        "workload": {"routes": route_names, "seed": seed},
+    }
+    return traffic, context
+
+
+__all__ = ["simulate", "JSON_FIELDS"]

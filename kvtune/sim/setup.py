@@ -1,0 +1,117 @@
+"""What a simulation runs with: the engine settings and step time a capacity file implies.
+
+The simulated engine runs with the settings the real server runs with: what `kvtune calibrate`
+read from it (blocks, block size, max_model_len, and max_num_seqs / max_num_batched_tokens where
+the server or its log stated them), else vLLM's defaults for its device (kvtune.engines.vllm);
+options override both. Each setting says where it came from. The step time is the capacity
+file's calibrated `timing`, else the roofline estimate for a model and GPU, labelled as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtune.capacity.measured import MeasuredCapacity, blocks_from_tokens
+from kvtune.engines import vllm
+from kvtune.errors import CapacityError, OptionError
+from kvtune.sim.scheduler import EngineSettings
+from kvtune.steptime import StepTimeModel
+
+if TYPE_CHECKING:
+    from kvtune.hardware import Gpu
+    from kvtune.model.spec import ModelSpec
+
+OPTION, CAPACITY, DEFAULT = "option", "capacity-file", "engine-default"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSetup:
+    """The engine settings and, for each, where it came from (option, capacity-file, engine-default)."""
+
+    settings: EngineSettings
+    sources: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.settings
+        values = {"num_blocks": s.num_blocks, "block_size": s.block_size, "max_num_seqs": s.max_num_seqs,
+                  "max_num_batched_tokens": s.max_num_batched_tokens, "max_model_len": s.max_model_len,
+                  "enable_prefix_caching": s.enable_prefix_caching}
+        return {name: {"value": value, "from": self.sources[name]} for name, value in values.items()}
+
+
+def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, gpu: Gpu | None = None) -> EngineSetup:
+    """The settings `measured` implies, overridden by the options given."""
+    sources: dict[str, str] = {}
+
+    def pick(name: str, option: int | None, recorded: int | None, default: int) -> int:
+        for value, source in ((option, OPTION), (recorded, CAPACITY), (default, DEFAULT)):
+            if value is not None:
+                sources[name] = source
+                return value
+        raise AssertionError("unreachable: the default is always set")
+
+    against = measured.timing.measured_against if measured.timing is not None else None
+    block_size = pick("block_size", None, measured.block_size or (against.block_size if against else None),
+                      vllm.default_block_size(measured.device))
+    max_model_len = measured.max_model_len or (against.max_model_len if against else None)
+    if max_model_len is None:
+        raise CapacityError("the capacity file gives no max_model_len; recalibrate against the server "
+                            "(`kvtune calibrate URL --out FILE`)", path=measured.origin, field="max_model_len")
+    sources["max_model_len"] = CAPACITY
+    num_blocks = measured.num_blocks
+    if num_blocks is None and measured.kv_cache_tokens is not None:
+        num_blocks = blocks_from_tokens(measured.kv_cache_tokens, block_size, max_model_len)
+    if not num_blocks:
+        raise CapacityError("the capacity file gives no KV blocks (num_blocks or kv_cache_tokens)",
+                            path=measured.origin, field="num_blocks")
+    sources["num_blocks"] = CAPACITY
+    batched_default, seqs_default = vllm.default_scheduler_limits(
+        measured.device, gpu.memory_bytes if gpu is not None else None, gpu.name if gpu is not None else None)
+    recorded_batched = measured.max_num_batched_tokens
+    if recorded_batched is None and against is not None and against.max_num_batched_tokens_from != "engine-default":
+        recorded_batched = against.max_num_batched_tokens
+    seqs = pick("max_num_seqs", max_num_seqs, measured.max_num_seqs, seqs_default)
+    batched = pick("max_num_batched_tokens", max_num_batched_tokens, recorded_batched, batched_default)
+    caching = measured.enable_prefix_caching
+    sources["enable_prefix_caching"] = DEFAULT if caching is None else CAPACITY
+    try:
+        settings = EngineSettings(num_blocks=num_blocks, block_size=block_size, max_num_seqs=seqs,
+                                  max_num_batched_tokens=batched, max_model_len=max_model_len,
+                                  enable_prefix_caching=True if caching is None else caching)
+    except OptionError as exc:
+        raise CapacityError(exc.message, path=measured.origin, field=exc.field) from None
+    return EngineSetup(settings, sources)
+
+
+@dataclass(frozen=True, slots=True)
+class TimingSetup:
+    """The step-time model, the per-request overhead added before the engine sees a request, and
+    what it was computed from (the calibration's server, or the roofline's inputs)."""
+
+    model: StepTimeModel
+    http_overhead_s: float
+    detail: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.model.source.value, "estimate": self.model.estimate,
+                "coefficients": self.model.to_dict(), "http_overhead_s": self.http_overhead_s, **self.detail}
+
+
+def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, gpu: Gpu | None = None,
+                 tp: int = 1) -> TimingSetup:
+    """The capacity file's calibrated timing; without one, the roofline for `spec` on `gpu`."""
+    if measured.timing is not None:
+        t = measured.timing
+        return TimingSetup(t.model, t.http_overhead_s, {"measured_against": t.measured_against.to_dict()})
+    if spec is None or gpu is None:
+        raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --out FILE`, "
+                          "or give --model and --gpu for a roofline estimate", field="--capacity")
+    from kvtune.capacity.timing import roofline_step_time
+
+    model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=measured.kv_cache_dtype or "auto")
+    return TimingSetup(model, 0.0, {"roofline": inputs.to_dict()})
+
+
+__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "OPTION", "CAPACITY", "DEFAULT"]

@@ -1,0 +1,140 @@
+"""How long one engine step takes: T_step = c0 + c1·Σnᵢ + c2·Σnᵢ·(ctxᵢ + nᵢ/2) + c3·|batch|.
+
+nᵢ is the number of tokens request i computes this step (a prefill chunk, or 1 when decoding),
+ctxᵢ the tokens it had already computed. c0 is the fixed cost of a step (launching it, reading the
+weights), c1 the cost per token computed (the matmuls), c2 the cost of attending to context (a
+decoding token reads its whole KV; a chunk of n tokens attends to ctx + n/2 on average), c3 the
+cost per request in the batch (sampling, bookkeeping). The DistServe and BLIS forms, one
+formula for prefill, decode and the mixed steps of chunked prefill (reference/scheduler-sim.md).
+
+The one home of the model: `kvtune calibrate --timing` fits it (kvtune.capacity.timing), the
+capacity file stores it, the roofline estimates it, and the simulator evaluates it. The simulator
+keeps time as integer femtoseconds (`StepTimeModel.ticks`), so that k decode steps summed in
+closed form are exactly the sum of the k steps taken one at a time (floats would differ in the
+last bit and an arrival could land on the other side of a step boundary).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtune.errors import OptionError
+
+COEFFICIENTS = ("c0", "c1", "c2", "c3")
+COEFFICIENT_UNITS: dict[str, str] = {
+    "c0": "s per step",
+    "c1": "s per token computed",
+    "c2": "s per token computed per context token",
+    "c3": "s per request in the batch",
+}
+FORMULA = "T_step = c0 + c1*sum(n_i) + c2*sum(n_i*(ctx_i + n_i/2)) + c3*len(batch)"
+TICKS_PER_S = 10**15  # femtoseconds: exact integer clock (Python ints do not overflow)
+
+
+class TimingSource(enum.Enum):
+    """Where a step-time model came from."""
+
+    CALIBRATED = "calibrated"
+    ROOFLINE = "roofline-estimate"
+
+
+def step_features(batch: Iterable[tuple[int, int]]) -> np.ndarray:
+    """[1, Σn, Σn(ctx + n/2), |batch|] for one step of (tokens computed, context already computed)."""
+    total = attention = 0.0
+    size = 0
+    for n, ctx in batch:
+        total += n
+        attention += n * (ctx + n / 2)
+        size += 1
+    return np.array([1.0, total, attention, float(size)])
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeModel:
+    """The four coefficients, in seconds (units in COEFFICIENT_UNITS), and where they came from."""
+
+    c0: float
+    c1: float = 0.0
+    c2: float = 0.0
+    c3: float = 0.0
+    source: TimingSource = TimingSource.CALIBRATED
+
+    def __post_init__(self) -> None:
+        for name in COEFFICIENTS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise OptionError(f"must be a finite number ≥ 0, got {value}", field=name)
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.c0, self.c1, self.c2, self.c3])
+
+    @property
+    def estimate(self) -> bool:
+        """True when no engine was measured: every output that uses it must say so."""
+        return self.source is not TimingSource.CALIBRATED
+
+    def step_seconds(self, batch: Iterable[tuple[int, int]]) -> float:
+        """One step's time for a batch of (tokens computed this step, context already computed)."""
+        return float(step_features(batch) @ self.coefficients)
+
+    def to_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in COEFFICIENTS}
+
+    def ticks(self) -> StepTicks:
+        """The same features in integer femtoseconds, c2 halved and applied to Σ n·(2·ctx + n)."""
+        ticks = StepTicks(round(self.c0 * TICKS_PER_S), round(self.c1 * TICKS_PER_S),
+                          round(self.c2 * TICKS_PER_S / 2), round(self.c3 * TICKS_PER_S))
+        if ticks.c0 <= 0 and ticks.c1 <= 0 and ticks.c3 <= 0:
+            raise OptionError("a step must take time: c0, c1 or c3 must be at least a femtosecond", field="c0")
+        return ticks
+
+
+@dataclass(frozen=True, slots=True)
+class StepTicks:
+    """StepTimeModel in femtoseconds; `c2_half` multiplies Σ n·(2·ctx + n), which is an integer."""
+
+    c0: int
+    c1: int
+    c2_half: int
+    c3: int
+
+    def step(self, tokens: int, attention2: int, batch: int) -> int:
+        """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch|."""
+        return self.c0 + self.c1 * tokens + self.c2_half * attention2 + self.c3 * batch
+
+    def decode_first(self, batch: int, ctx_sum: int) -> int:
+        """The first of a run of pure decode steps (n = 1 each) over contexts summing to ctx_sum."""
+        return self.step(batch, 2 * ctx_sum + batch, batch)
+
+    def decode_run(self, batch: int, ctx_sum: int, k: int) -> int:
+        """k decode steps in a row: each context grows by one, so step j costs first + j·2·c2_half·batch."""
+        growth = 2 * self.c2_half * batch
+        return k * self.decode_first(batch, ctx_sum) + growth * (k * (k - 1) // 2)
+
+    def decode_steps_before(self, batch: int, ctx_sum: int, window: int) -> int:
+        """How many decode steps of a run start strictly less than `window` ticks from now."""
+        if window <= 0:
+            return 0
+        a, d = self.decode_first(batch, ctx_sum), 2 * self.c2_half * batch
+        # start_j = j·a + d·j(j−1)/2 < window; count j = 0, 1, ... (start_0 = 0 always counts)
+        if d == 0:
+            return (window - 1) // a + 1
+        # solve d/2·j² + (a − d/2)·j − window = 0 for an estimate, then fix it exactly
+        b = a - d / 2
+        j = int((-b + math.sqrt(b * b + 2 * d * window)) / d)
+        j = max(j - 2, 0)
+        while j * a + d * (j * (j - 1) // 2) < window:
+            j += 1
+        while j > 0 and (j - 1) * a + d * ((j - 1) * (j - 2) // 2) >= window:
+            j -= 1
+        return j
+
+
+__all__ = ["COEFFICIENTS", "COEFFICIENT_UNITS", "FORMULA", "TICKS_PER_S", "TimingSource", "StepTimeModel",
+           "StepTicks", "step_features"]
