@@ -411,8 +411,8 @@ def summarize(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for side in ("predicted", "measured"):
                 d = direct[side]["output_tokens_per_s"]
                 ratios[side] = row[side]["output_tokens_per_s"] / d if d else None
-            diff = (None if None in ratios.values()
-                    else ratios["predicted"] - ratios["measured"])  # type: ignore[operator]
+            rp, rm = ratios["predicted"], ratios["measured"]
+            diff = None if rp is None or rm is None else rp - rm
             row["gateway_ratio"] = ratios
             row["checks"]["gateway_ratio"] = {"error": diff, "passed": diff is not None and abs(diff) <= 0.1}
     return rows
@@ -477,6 +477,22 @@ def target_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def print_tables(summary: dict[str, Any]) -> None:
+    for t in summary["traces"]:
+        cap = t["capacity_rps"]
+        print(f"{t['trace']}: scaled {t['scaled']}; capacity {cap['measured']:.2f} req/s measured, "
+              f"{cap['predicted']:.2f} predicted; gateway {t['gateway']}")
+    print()
+    print(markdown(summary["rows"]))
+    print()
+    print(diagnostics(summary["rows"]))
+    print()
+    for s in summary["targets"].values():
+        worst = s["worst_abs_error"]
+        print(f"{s['target']}: met {s['met']}/{s['of']}" + ("" if worst is None else f", worst {worst:.3g}"))
+    print(f"\n{summary['command']}: wall time {summary['wall_s']:.0f} s")
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -503,6 +519,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--simulate-command", help="the command that predicts, run with `kvtune simulate`'s "
                     "options (default: this Python's `-m kvtune simulate`)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--render", type=Path, metavar="FILE", help="print the tables of a saved --json run and exit")
     args = ap.parse_args(argv)
     if args.simulate_command:
         global SIMULATE
@@ -524,6 +541,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        print_tables(json.loads(args.render.read_text()))
+        return 0
     started = time.monotonic()
     # every kvtune this starts (bench, simulate, the gateway …) is this checkout's
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -548,18 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        for t in traces:
-            print(f"{t['trace']}: scaled {t['scaled']}; capacity {t['capacity_rps']['measured']:.2f} req/s measured, "
-                  f"{t['capacity_rps']['predicted']:.2f} predicted; gateway {t['gateway']}")
-        print()
-        print(markdown(rows))
-        print()
-        print(diagnostics(rows))
-        print()
-        for s in summary["targets"].values():
-            worst = s["worst_abs_error"]
-            print(f"{s['target']}: met {s['met']}/{s['of']}" + ("" if worst is None else f", worst {worst:.3g}"))
-        print(f"\nwall time {summary['wall_s']:.0f} s")
+        print_tables(summary)
     return 0
 
 
