@@ -327,10 +327,11 @@ def validate_trace(name: str, args: argparse.Namespace, work: Path, log: Any) ->
                         started = time.monotonic()
                         predicted = predict(profile, capacity, gateway=gateway_yaml if mode == "gateway" else None,
                                             rate=rate, requests=args.requests, seed=seed)
-                        stem = work / "runs" / f"{name}-{load:g}-{mode}-{seed}"
-                        stem.parent.mkdir(exist_ok=True)
-                        stem.with_suffix(".measured.json").write_text(json.dumps(measured, indent=1))
-                        stem.with_suffix(".predicted.json").write_text(json.dumps(predicted, indent=1))
+                        runs_dir = work / "runs"
+                        runs_dir.mkdir(exist_ok=True)
+                        stem = f"{name}-{load:g}-{mode}-{seed}"  # "0.9" has a dot: no with_suffix
+                        (runs_dir / f"{stem}.measured.json").write_text(json.dumps(measured, indent=1))
+                        (runs_dir / f"{stem}.predicted.json").write_text(json.dumps(predicted, indent=1))
                         runs.append(Run(name, load, mode, seed, rate, figures(predicted), figures(measured),
                                         measured_wall_s, time.monotonic() - started))
                         r = runs[-1]
