@@ -315,33 +315,35 @@ def validate_trace(name: str, args: argparse.Namespace, work: Path, log: Any) ->
         for load in args.loads:
             rate = load * capacity_rps
             for mode in args.modes:
-                proc = url = None
-                if mode == "gateway":
-                    proc, url = start_gateway(config, work, f"{name}-gateway")
-                try:
-                    for seed in args.seeds:
+                for seed in args.seeds:
+                    # a gateway per run: its ledger (and the release rate behind Retry-After) starts
+                    # empty, as the simulated one does
+                    proc = url = None
+                    if mode == "gateway":
+                        proc, url = start_gateway(config, work, f"{name}-gateway")
+                    try:
                         started = time.monotonic()
                         measured = measure(url or server.url, metrics, profile, rate=rate, requests=args.requests,
                                            seed=seed)
                         measured_wall_s = time.monotonic() - started
-                        started = time.monotonic()
-                        predicted = predict(profile, capacity, gateway=gateway_yaml if mode == "gateway" else None,
-                                            rate=rate, requests=args.requests, seed=seed)
-                        runs_dir = work / "runs"
-                        runs_dir.mkdir(exist_ok=True)
-                        stem = f"{name}-{load:g}-{mode}-{seed}"  # "0.9" has a dot: no with_suffix
-                        (runs_dir / f"{stem}.measured.json").write_text(json.dumps(measured, indent=1))
-                        (runs_dir / f"{stem}.predicted.json").write_text(json.dumps(predicted, indent=1))
-                        runs.append(Run(name, load, mode, seed, rate, figures(predicted), figures(measured),
-                                        measured_wall_s, time.monotonic() - started))
-                        r = runs[-1]
-                        log(f"{name} {load:.0%} {mode} seed {seed}: tok/s {r.predicted['output_tokens_per_s']:.0f} "
-                            f"pred / {r.measured['output_tokens_per_s']:.0f} meas, preemptions "
-                            f"{r.predicted['preemptions']} / {r.measured['preemptions']}, 429 "
-                            f"{r.predicted['http_429']} / {r.measured['http_429']} ({measured_wall_s:.0f} s)")
-                finally:
-                    if proc is not None:
-                        stop_gateway(proc)
+                    finally:
+                        if proc is not None:
+                            stop_gateway(proc)
+                    started = time.monotonic()
+                    predicted = predict(profile, capacity, gateway=gateway_yaml if mode == "gateway" else None,
+                                        rate=rate, requests=args.requests, seed=seed)
+                    runs_dir = work / "runs"
+                    runs_dir.mkdir(exist_ok=True)
+                    stem = f"{name}-{load:g}-{mode}-{seed}"  # "0.9" has a dot: no with_suffix
+                    (runs_dir / f"{stem}.measured.json").write_text(json.dumps(measured, indent=1))
+                    (runs_dir / f"{stem}.predicted.json").write_text(json.dumps(predicted, indent=1))
+                    runs.append(Run(name, load, mode, seed, rate, figures(predicted), figures(measured),
+                                    measured_wall_s, time.monotonic() - started))
+                    r = runs[-1]
+                    log(f"{name} {load:.0%} {mode} seed {seed}: tok/s {r.predicted['output_tokens_per_s']:.0f} "
+                        f"pred / {r.measured['output_tokens_per_s']:.0f} meas, preemptions "
+                        f"{r.predicted['preemptions']} / {r.measured['preemptions']}, 429 "
+                        f"{r.predicted['http_429']} / {r.measured['http_429']} ({measured_wall_s:.0f} s)")
     finally:
         stop_vllm(server)
     cap_info = json.loads(capacity.read_text())
