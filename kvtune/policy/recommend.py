@@ -43,6 +43,8 @@ from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
 
 HISTOGRAM_BINS = 40
+# The cap levels the what-if search tries, as percentiles of each route's output tokens.
+CAP_LEVELS = {"p90": 0.9, "p95": 0.95, "p99": 0.99, "p99.9": 0.999}
 ROUTE_BY_MATCH = {"path": "path", "model": "model"}  # route key → gateway match key
 DEFAULT_UPSTREAM = "http://127.0.0.1:8000"
 
@@ -57,6 +59,10 @@ class RecommendOptions:
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
     served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
+    # The what-if search (kvtune.policy.search) sets these: every route capped at this percentile
+    # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
+    cap_level: str | None = None
+    searched: bool = False
 
     def __post_init__(self) -> None:
         if self.safety_fraction is not None and not 0 < self.safety_fraction <= 1:
@@ -78,6 +84,11 @@ class RecommendOptions:
             raise OptionError(problem, field="upstream")
         if not self.route_by:
             raise OptionError("names no route key: path, model or a log field", field="route_by")
+        if self.cap_level is not None and self.cap_level not in CAP_LEVELS:
+            raise OptionError(f"not a cap level: {self.cap_level!r} (one of {', '.join(CAP_LEVELS)})",
+                              field="cap_level")
+        if self.searched and self.safety_fraction is None:
+            raise OptionError("a searched budget needs its safety fraction", field="safety_fraction")
 
 
 def _route_match(route: str, route_by: str) -> Match | None:
@@ -93,10 +104,16 @@ def _route_match(route: str, route_by: str) -> Match | None:
 
 
 def _cap(route: RouteProfile, options: RecommendOptions, context_cap: int) -> Decision:
+    floor = None
     if options.max_truncation is not None:
         candidates = route.output.observed.values
         shares = np.array([route.output.truncation_share(int(t)) for t in candidates])
-        return rules.cap_by_truncation(candidates, shares, options.max_truncation, context_cap)
+        floor = rules.cap_by_truncation(candidates, shares, options.max_truncation, context_cap)
+    if options.cap_level is not None:
+        level = route.output.quantile(CAP_LEVELS[options.cap_level])
+        return rules.cap_at_level(options.cap_level, level.value_tokens, level.lower_bound, context_cap, floor)
+    if floor is not None:
+        return floor
     tail = route.tail.class_
     q = route.output.quantile(rules.CAP_PERCENTILE[tail])
     return rules.cap_by_tail(tail, q.value_tokens, q.lower_bound, context_cap)
@@ -176,7 +193,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     notes: list[str] = []
     measured = capacity.source is not CapacitySource.ESTIMATE
 
-    safety = rules.safety_fraction(options.safety_fraction, measured)
+    safety = (rules.safety_searched(options.safety_fraction) if options.searched and options.safety_fraction is not None
+              else rules.safety_fraction(options.safety_fraction, measured))
     budget = rules.block_budget(capacity.num_blocks, safety.fraction)
     budget_blocks = budget.tokens
     if budget_blocks < 1:

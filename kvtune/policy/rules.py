@@ -99,6 +99,28 @@ def cap_by_truncation(
     return Decision(value=value, rule="cap-max-truncation", reason=reason)
 
 
+def cap_at_level(label: str, quantile: int, lower_bound: bool, context_cap: int,
+                 floor: Decision | None = None) -> Decision:
+    """Cap = the route's `label` percentile of output tokens (one cap level of the what-if
+    search), never below `floor` (the --max-truncation cap), never above what the context allows."""
+    value, note = quantile, " (a lower bound: responses were cut at their own cap)" if lower_bound else ""
+    reason = f"{label} of output tokens is {quantile}{note}; a cap level of the what-if search"
+    if floor is not None and floor.tokens > value:
+        value = floor.tokens
+        reason += f", raised to {value}, the smallest cap within the truncation budget"
+    if value > context_cap:
+        value = context_cap
+        reason += f", clipped to the context limit {context_cap}"
+    return Decision(max(1, int(value)), f"cap-{label}-what-if", reason)
+
+
+def safety_searched(fraction: float) -> Decision:
+    """The share of usable blocks the gateway reserves, as one budget level of the what-if search."""
+    return Decision(fraction, "safety-what-if",
+                    f"a budget level of the what-if search: {fraction:g} of the usable blocks, chosen by "
+                    "simulating the traffic at each level")
+
+
 def safety_fraction(requested: float | None, measured: bool) -> Decision:
     """Reserve at most this share of the usable KV blocks; the rest absorbs what a gateway cannot see.
 
