@@ -286,6 +286,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
+        "what_if": _what_if(rec),
         "lua_config": lua_config,
         "policy": lua_policy(),
         # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
@@ -295,6 +296,18 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def _what_if(rec: Recommendation) -> dict | None:
+    """The report's what-if section (`recommend --objective`), or None."""
+    if rec.what_if is None or rec.objective is None:
+        return None
+    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, table_cells
+
+    chosen = rec.chosen
+    return {"headline": headline(rec.what_if, rec.objective), "objective": objective_line(rec.objective),
+            "rows": table_cells(rec.what_if), "note": TABLE_NOTE, "goodput": rec.objective.slo is not None,
+            "why": chosen.why if chosen is not None else ""}
 
 
 def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,

@@ -46,7 +46,8 @@ from kvtune.policy.whatif import (
     Violation,
     WhatIfRow,
 )
-from kvtune.profile.routes import Profile
+from kvtune.profile.histogram import Histogram
+from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
 from kvtune.sim.scheduler import EngineSettings
 
@@ -168,7 +169,15 @@ def build_objective(profile: Profile, plan: Plan, spec: ObjectiveSpec) -> Object
             raise OptionError(f"route {route.route[:80]!r} logs no prompt lengths; simulating it needs them",
                               field="objective")
     return Objective(spec.goal, spec.slo, spec.max_preemption_rate, spec.max_429_share, objective_load(profile, spec),
-                     spec.requests, spec.seed, sim_basis(plan), profile)
+                     spec.requests, spec.seed, sim_basis(plan), traffic_profile(profile))
+
+
+def traffic_profile(profile: Profile) -> Profile:
+    """Only what the requests are drawn from (kvtune.bench.workload.PairSampler: output and
+    prompt lengths, their joint histogram) and what truncation is estimated from."""
+    return Profile(routes=tuple(dataclasses.replace(
+        r, total=CensoredHistogram.empty(), max_tokens=Histogram.empty(), finish_reasons={}, models={},
+        arrival=None, latency_ms=None, ttft_ms=None) for r in profile.routes))
 
 
 # ---------------------------------------------------------------- one deployment, simulated
@@ -289,11 +298,15 @@ def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) ->
     from kvtune.deploy.render import gateway_routes
 
     table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"]) for r in gateway_routes(rec)]
-    engine = EngineSettings(num_blocks=basis.engine.num_blocks, block_size=rec.capacity.block_size,
-                            max_num_seqs=rec.setting("max_num_seqs").tokens,
-                            max_num_batched_tokens=rec.setting("max_num_batched_tokens").tokens,
-                            max_model_len=rec.max_model_len, enable_prefix_caching=basis.engine.enable_prefix_caching)
-    return Deployment(engine, route_caps(table, rec.routes), policy, rec.budget_blocks)
+    return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks)
+
+
+def recommended_engine(rec: Recommendation, basis: SimBasis) -> EngineSettings:
+    """The engine vllm-serve.sh starts for `rec`, on the simulator's measured pool."""
+    return EngineSettings(num_blocks=basis.engine.num_blocks, block_size=rec.capacity.block_size,
+                          max_num_seqs=rec.setting("max_num_seqs").tokens,
+                          max_num_batched_tokens=rec.setting("max_num_batched_tokens").tokens,
+                          max_model_len=rec.max_model_len, enable_prefix_caching=basis.engine.enable_prefix_caching)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +344,8 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
     return out
 
 
-def _violations(objective: Objective, predicted: Predicted) -> tuple[Violation, ...]:
+def violations(objective: Objective, predicted: Predicted) -> tuple[Violation, ...]:
+    """The constraints of `objective` that `predicted` breaks."""
     return tuple(Violation(name, limit, value) for name, limit, attr in objective.constraints()
                  if (value := getattr(predicted, attr)) > limit + 1e-12)
 
@@ -379,22 +393,22 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
         predicted.append(simulate_deployment(objective, c.deployment, draws))
         if progress is not None:
             progress(done, len(candidates))
-    violations = [_violations(objective, p) for p in predicted]
-    feasible = [i for i, c in enumerate(candidates) if c.rec is not None and not violations[i]]
+    broken = [violations(objective, p) for p in predicted]
+    feasible = [i for i, c in enumerate(candidates) if c.rec is not None and not broken[i]]
     chosen = max(feasible, key=lambda i: _score(objective, candidates[i], predicted[i], i)) if feasible else None
     rows = tuple(WhatIfRow(
         policy=c.policy, cap_level=c.cap_level, caps=dict(c.deployment.caps), budget_blocks=c.deployment.budget_blocks,
         safety_fraction=c.safety_fraction, max_num_seqs=c.deployment.engine.max_num_seqs,
         max_num_batched_tokens=c.deployment.engine.max_num_batched_tokens, predicted=predicted[i],
-        violations=violations[i], chosen=i == chosen,
-        why=_why(objective, i, chosen, predicted, violations[i], c.rec is None, len(feasible)))
+        violations=broken[i], chosen=i == chosen,
+        why=_why(objective, i, chosen, predicted, broken[i], c.rec is None, len(feasible)))
         for i, c in enumerate(candidates))
     if chosen is None:
         closest = min((i for i, c in enumerate(candidates) if c.rec is not None),
-                      key=lambda i: (sum(v.value - v.limit for v in violations[i]), i))
+                      key=lambda i: (sum(v.value - v.limit for v in broken[i]), i))
         raise InfeasibleObjectiveError(
             f"no configuration meets the objective: of {len(candidates) - 2} candidates the closest, "
-            f"{rows[closest].label}, breaks {'; '.join(v.text for v in violations[closest])}; relax "
+            f"{rows[closest].label}, breaks {'; '.join(v.text for v in broken[closest])}; relax "
             "--max-preemption-rate / --max-429-share or lower the load", rows, objective)
     rec = candidates[chosen].rec
     assert rec is not None
@@ -413,6 +427,7 @@ def recommend_for_objective(profile: Profile, plan: Plan, options: RecommendOpti
 
 
 __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObjectiveError", "build_objective",
-           "draw_requests", "simulate_deployment", "rendered_deployment", "route_caps", "search",
+           "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
+           "violations", "GUARANTEED",
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
            "DEFAULT_REQUESTS", "TAIL_LEVEL"]

@@ -301,6 +301,21 @@ class WhatIfRow:
         return not self.violations
 
     @property
+    def policy_cell(self) -> str:
+        """The policy, as the what-if table names it."""
+        return {PolicyKind.DIRECT: "direct (vLLM defaults)", PolicyKind.WORST_CASE: "whole context"}.get(
+            self.policy.kind, self.policy.label)
+
+    @property
+    def verdict(self) -> str:
+        """chosen, reference, ok, or the constraints broken."""
+        if self.chosen:
+            return "chosen"
+        if self.violations:
+            return "✗ " + "; ".join(v.text for v in self.violations)
+        return "reference" if self.reference else "ok"
+
+    @property
     def label(self) -> str:
         if self.policy.kind is PolicyKind.DIRECT:
             return "direct to vLLM (today's defaults)"
@@ -332,6 +347,61 @@ class WhatIfRow:
         return row
 
 
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def headline(rows: tuple[WhatIfRow, ...], objective: Objective) -> str:
+    """The chosen row against direct to vLLM, in one sentence (the headline of every output)."""
+    chosen = next(r for r in rows if r.chosen)
+    direct = next((r for r in rows if r.policy.kind is PolicyKind.DIRECT), None)
+    p = chosen.predicted
+    versus = ""
+    if direct is not None and direct.predicted.output_tokens_per_s > 0:
+        d = direct.predicted
+        versus = (f" ({p.output_tokens_per_s / d.output_tokens_per_s:.2f}× direct to vLLM's "
+                  f"{d.output_tokens_per_s:,.1f}, which preempts {d.preemption_rate:.1%} of requests)")
+    goodput = f", goodput {p.goodput_rps:,.2f} req/s" if p.goodput_rps is not None else ""
+    return (f"{chosen.label}: {p.output_tokens_per_s:,.1f} output tokens/s{versus}{goodput}; "
+            f"{p.preemption_rate:.1%} preempted, {p.share_429:.1%} answered 429, {p.truncation_share:.1%} "
+            f"truncated, TTFT p99 {_ms(p.ttft_p99_ms)} ms")
+
+
+def table_cells(rows: tuple[WhatIfRow, ...]) -> list[dict[str, Any]]:
+    """Each row's cells as the what-if tables show them (terminal, report.md, report.html)."""
+    out = []
+    for i, r in enumerate(rows, 1):
+        p = r.predicted
+        budget = "—" if r.budget_blocks is None else f"{r.budget_blocks:,}"
+        if r.safety_fraction is not None and r.budget_blocks is not None:
+            budget += f" ({r.safety_fraction:g})"
+        out.append({"index": str(i), "policy": r.policy_cell, "caps": r.cap_level or "none", "budget": budget,
+                    "tokens_per_s": f"{p.output_tokens_per_s:,.1f}",
+                    "goodput": "—" if p.goodput_rps is None else f"{p.goodput_rps:,.2f}",
+                    "ttft": f"{_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)}",
+                    "e2e": f"{_ms(p.e2e_p50_ms)} / {_ms(p.e2e_p99_ms)}",
+                    "preempted": f"{p.preemption_rate:.1%}", "share_429": f"{p.share_429:.1%}",
+                    "truncated": f"{p.truncation_share:.1%}", "verdict": r.verdict, "chosen": r.chosen,
+                    "broken": bool(r.violations), "why": r.why})
+    return out
+
+
+TABLE_NOTE = ("latencies in ms of completed requests (p50 / p99); budget in blocks (safety fraction); caps: each "
+              "route's percentile of output tokens (tail: p95 for light tails, p99 for heavy ones)")
+
+
+def objective_line(objective: Objective) -> str:
+    """What was maximised, within what, at which load, on which step time."""
+    limits = []
+    if objective.max_preemption_rate is not None:
+        limits.append(f"preemption rate ≤ {objective.max_preemption_rate:.1%}")
+    if objective.max_429_share is not None:
+        limits.append(f"429 share ≤ {objective.max_429_share:.1%}")
+    timing = "roofline step-time estimate" if objective.basis.timing.estimate else "calibrated step time"
+    return (f"objective: the most {objective.metric_label} within {', '.join(limits) or 'no constraints'}, at "
+            f"{objective.load.label}, {objective.requests:,} requests, seed {objective.seed} ({timing})")
+
+
 def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
     """recommendation.json's `objective` and `what_if`, both or neither (files before them: neither)."""
     if not f.has("objective") and not f.has("what_if"):
@@ -346,5 +416,5 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
     return objective, rows
 
 
-__all__ = ["Goal", "GOALS", "PolicyKind", "POLICY_KINDS", "Policy", "Load", "SimBasis", "Objective", "Predicted",
-           "Violation", "WhatIfRow", "read_what_if"]
+__all__ = ["headline", "objective_line", "table_cells", "TABLE_NOTE", "Goal", "GOALS", "PolicyKind", "POLICY_KINDS",
+           "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation", "WhatIfRow", "read_what_if"]
