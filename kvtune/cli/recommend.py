@@ -72,24 +72,23 @@ class ObjectiveArgs:
                 "seed": self.seed}
 
 
-_SHARE = click.FloatRange(0, 1)
 objective_options = grouped("objective", ObjectiveArgs, [
     click.option("--objective", type=click.Choice(["throughput", "goodput"]),
                  help="Search caps, budget and admission policy with the simulator for the most output tokens/s "
                       "(or goodput under --slo) within the constraints; show the what-if table.  [default: the "
                       "rules alone, no simulation]"),
     click.option("--slo", metavar="SPEC", help="Latency objectives in ms for goodput, e.g. ttft=500,e2e=10000."),
-    click.option("--max-preemption-rate", type=_SHARE, metavar="R",
+    click.option("--max-preemption-rate", type=float, metavar="R",
                  help="At most this share of requests preempted at least once; 0 allows only the guaranteed "
                       "policy.  [default: unconstrained]"),
-    click.option("--max-429-share", type=_SHARE, metavar="S",
+    click.option("--max-429-share", type=float, metavar="S",
                  help="At most this share of requests answered 429 after their retries.  [default: unconstrained]"),
-    click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="RPS",
+    click.option("--rate", type=float, metavar="RPS",
                  help="Simulate Poisson arrivals at RPS requests/s.  [default: the logs' mean arrival rate]"),
-    click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
+    click.option("--concurrency", type=int, metavar="N",
                  help="Simulate N closed-loop clients instead of an arrival rate."),
-    click.option("--requests", type=click.IntRange(1, 100_000), default=1000, show_default=True, metavar="N",
-                 help="Requests simulated per what-if row."),
+    click.option("--requests", type=int, default=1000, show_default=True, metavar="N",
+                 help="Requests simulated per what-if row (at most 100,000)."),
     click.option("--seed", type=int, default=0, show_default=True,
                  help="Seed for lengths and arrivals: the requests `kvtune bench --seed` would send."),
 ])

@@ -350,12 +350,20 @@ def violations(objective: Objective, predicted: Predicted) -> tuple[Violation, .
                  if (value := getattr(predicted, attr)) > limit + 1e-12)
 
 
-def _score(objective: Objective, c: _Candidate, p: Predicted, index: int) -> tuple[float, ...]:
+def _score(objective: Objective, p: Predicted, budget_blocks: int | None, index: int) -> tuple[float, ...]:
     """Higher is better: the objective, then output tokens/s, fewer preemptions, fewer 429s,
     less truncation, a smaller budget (more margin), the earlier row."""
     value = getattr(p, objective.metric)
     return (value if value is not None else -math.inf, p.output_tokens_per_s, -p.preemption_rate, -p.share_429,
-            -p.truncation_share, -(c.deployment.budget_blocks or 0), -index)
+            -p.truncation_share, -(budget_blocks or 0), -index)
+
+
+def choose(objective: Objective, predicted: Sequence[Predicted], budgets: Sequence[int | None],
+           reference: Sequence[bool]) -> int | None:
+    """The index of the best row that is a candidate (not a reference) and breaks no
+    constraint; None when there is none."""
+    feasible = [i for i, p in enumerate(predicted) if not reference[i] and not violations(objective, p)]
+    return max(feasible, key=lambda i: _score(objective, predicted[i], budgets[i], i)) if feasible else None
 
 
 def _why(objective: Objective, i: int, chosen: int | None, predicted: list[Predicted],
@@ -395,7 +403,8 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
             progress(done, len(candidates))
     broken = [violations(objective, p) for p in predicted]
     feasible = [i for i, c in enumerate(candidates) if c.rec is not None and not broken[i]]
-    chosen = max(feasible, key=lambda i: _score(objective, candidates[i], predicted[i], i)) if feasible else None
+    chosen = choose(objective, predicted, [c.deployment.budget_blocks for c in candidates],
+                    [c.rec is None for c in candidates])
     rows = tuple(WhatIfRow(
         policy=c.policy, cap_level=c.cap_level, caps=dict(c.deployment.caps), budget_blocks=c.deployment.budget_blocks,
         safety_fraction=c.safety_fraction, max_num_seqs=c.deployment.engine.max_num_seqs,
@@ -428,6 +437,6 @@ def recommend_for_objective(profile: Profile, plan: Plan, options: RecommendOpti
 
 __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObjectiveError", "build_objective",
            "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
-           "violations", "GUARANTEED",
+           "violations", "choose", "GUARANTEED",
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
            "DEFAULT_REQUESTS", "TAIL_LEVEL"]

@@ -92,10 +92,11 @@ class Load:
 
     def __post_init__(self) -> None:
         if (self.rate_rps is None) == (self.concurrency is None):
-            raise OptionError("give a rate or a concurrency, not both", field="rate")
+            both = "not both" if self.rate_rps is not None else "got neither"
+            raise OptionError(f"a load is a rate or a concurrency, {both}", field="rate_rps")
         if self.rate_rps is not None and not self.rate_rps > 0:
             raise OptionError(f"must be a positive number of requests per second, got {self.rate_rps:g}",
-                              field="rate")
+                              field="rate_rps")
         if self.concurrency is not None and self.concurrency < 1:
             raise OptionError(f"must be at least 1, got {self.concurrency}", field="concurrency")
 
@@ -143,10 +144,13 @@ class SimBasis:
         try:
             timing = StepTimeModel(t.number("c0"), t.number("c1"), t.number("c2"), t.number("c3"), source)
             timing.ticks()
+        except OptionError as exc:
+            raise t.fail(exc.field, exc.message) from None
+        try:
             engine = EngineSettings(**{k: e.integer(k, minimum=1) for k in ENGINE_FIELDS},
                                     enable_prefix_caching=e.boolean("enable_prefix_caching"))
         except OptionError as exc:
-            raise f.fail(exc.field, exc.message) from None
+            raise e.fail(exc.field, exc.message) from None
         return cls(timing, t.number("http_overhead_s"), engine)
 
 
