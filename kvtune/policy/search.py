@@ -378,13 +378,13 @@ def _why(objective: Objective, i: int, chosen: int | None, predicted: list[Predi
     if i == chosen:
         limits = ", ".join(f"{name.removeprefix('max_').replace('_', ' ')} ≤ {limit:.1%}"
                            for name, limit, _ in objective.constraints()) or "no constraints"
-        return f"chosen: the highest {metric} ({value:,.3g}) of the {feasible} candidate(s) within {limits}"
+        return f"chosen: the highest {metric} ({value:,.2f}) of the {feasible} candidate(s) within {limits}"
     assert chosen is not None
     best = getattr(predicted[chosen], objective.metric) or 0.0
     if value == best:
         return (f"within the constraints; ties the chosen row on {metric}, which wins on the tie-breaks "
                 "(output tokens/s, preemptions, 429s, truncation, smaller budget)")
-    return f"within the constraints; {metric} {value:,.3g} < the chosen row's {best:,.3g}"
+    return f"within the constraints; {metric} {value:,.2f} < the chosen row's {best:,.2f}"
 
 
 def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective, *,
