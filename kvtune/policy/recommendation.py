@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
+from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.profile.routes import CensoredHistogram, TailClass
 from kvtune.userfiles import brief
 from kvtune.version import __version__
@@ -402,6 +403,9 @@ class Recommendation:
     settings: Mapping[str, Decision | None]
     notes: tuple[str, ...] = ()
     kvtune_version: str = field(default_factory=lambda: __version__)
+    # The admission policy the gateway enforces (gateway.yaml and nginx.conf `admission`);
+    # a file written before the field existed reads as guaranteed.
+    admission: AdmissionPolicy = GUARANTEED
     # `recommend --objective`: what the search was for, and every configuration it simulated
     objective: Objective | None = None
     what_if: tuple[WhatIfRow, ...] | None = None
@@ -467,6 +471,7 @@ class Recommendation:
             "routes": [r.to_dict() for r in self.routes],
             "concurrency": self.concurrency.to_dict(),
             "settings": {k: (None if d is None else d.to_dict()) for k, d in self.settings.items()},
+            "admission": self.admission.to_dict(),
             "notes": list(self.notes),
         }
 
@@ -544,6 +549,7 @@ class Recommendation:
             settings=settings,
             notes=tuple(notes),
             kvtune_version=f.string("kvtune_version"),
+            admission=parse_admission(f.data["admission"], f.fail) if "admission" in f.data else GUARANTEED,
             objective=None if searched is None else searched[0],
             what_if=None if searched is None else searched[1],
         )
