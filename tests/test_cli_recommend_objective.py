@@ -75,13 +75,14 @@ def test_goodput_shows_its_column(log):
 def test_no_feasible_configuration_exits_1_and_writes_nothing(log, tmp_path):
     out = tmp_path / "deploy"
     result = recommend(log, "--objective", "throughput", "--concurrency", "128", "--max-429-share", "0",
-                       "--out", str(out))
+                       "--max-preemption-rate", "0", "--out", str(out))
     assert result.exit_code == 1
     assert "What if (simulated)" in result.stdout and "✗ 429 share" in result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: no configuration meets the objective: of ")
     assert not out.exists()
-    as_json = recommend(log, "--objective", "throughput", "--concurrency", "128", "--max-429-share", "0", "--json")
+    as_json = recommend(log, "--objective", "throughput", "--concurrency", "128", "--max-429-share", "0",
+                        "--max-preemption-rate", "0", "--json")
     assert as_json.exit_code == 1
     doc = json.loads(as_json.stdout)
     assert doc["recommendation"] is None and not any(r["chosen"] for r in doc["what_if"])

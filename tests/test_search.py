@@ -74,7 +74,13 @@ def test_the_chosen_row_is_the_best_feasible_one(profile, plan, concurrency, max
     # direct to vLLM comes first, then the whole-context reservation, then the candidates
     kinds = [r.policy.kind for r in rec.what_if]
     assert kinds[:2] == [PolicyKind.DIRECT, PolicyKind.WORST_CASE]
-    assert set(kinds[2:]) == {PolicyKind.GUARANTEED}
+    # guaranteed, then overcommit at a few factors (only guaranteed when no preemption is allowed)
+    expected = [PolicyKind.GUARANTEED] if max_preemption_rate == 0 else [PolicyKind.GUARANTEED, PolicyKind.OVERCOMMIT]
+    assert list(dict.fromkeys(kinds[2:])) == expected
+    if best.policy.kind is PolicyKind.OVERCOMMIT:
+        assert rec.admission.factor == best.policy.factor
+    else:
+        assert rec.admission.kind.value == "guaranteed"
     assert best.why.startswith("chosen: the highest output tokens/s")
 
 
@@ -100,12 +106,13 @@ def test_rejected_rows_name_the_constraint_they_broke(profile, plan):
 
 def test_no_feasible_row_raises_with_the_table(profile, plan):
     with pytest.raises(InfeasibleObjectiveError) as exc:
-        search(profile, plan, concurrency=128, max_429_share=0.0)
+        search(profile, plan, concurrency=128, max_429_share=0.0, max_preemption_rate=0.0)
     err = exc.value
     assert "no configuration meets the objective" in str(err) and "429 share" in str(err)
     assert len(err.rows) > 2 and not any(r.chosen for r in err.rows)
     assert all(r.violations for r in err.rows[2:])
     assert all(r.why.startswith("rejected: 429 share") for r in err.rows[2:])
+    assert {r.policy.kind for r in err.rows[2:]} == {PolicyKind.GUARANTEED}
 
 
 def test_a_seed_gives_the_same_table(profile, plan):
@@ -311,3 +318,33 @@ def test_check_without_an_objective_simulates_nothing(profile, plan, tmp_path):
     out = _write(tmp_path, rec)
     codes = {f.code for f in kvtune.check(rec, [out / "vllm-serve.sh", out / "gateway.yaml"]).findings}
     assert not {"objective-met", "objective-missed"} & codes
+
+
+def test_an_overcommit_row_renders_and_checks_as_overcommit(profile, plan, tmp_path):
+    """16 clients on 31 blocks with 5 % preemption allowed: overcommitting the budget beats every
+    guaranteed row, the files say overcommit, and check simulates them as such."""
+    from kvtune.deploy.read import load_deployed
+
+    rec = search(profile, plan, concurrency=16, max_preemption_rate=0.05)
+    chosen = rec.chosen
+    assert chosen is not None and chosen.policy.kind is PolicyKind.OVERCOMMIT
+    best_guaranteed = max(r.predicted.output_tokens_per_s for r in rec.what_if
+                          if r.policy.kind is PolicyKind.GUARANTEED)
+    assert chosen.predicted.output_tokens_per_s > best_guaranteed
+    assert rec.admission.kind.value == "overcommit" and rec.admission.factor == chosen.policy.factor
+    out = _write(tmp_path, rec)
+    for name in ("gateway.yaml", "nginx.conf"):
+        deployed = load_deployed(out / name)
+        assert deployed.admission == rec.admission, name
+        result = kvtune.check(kvtune.load_recommendation(out / "recommendation.json"), [out / "vllm-serve.sh",
+                                                                                         out / name])
+        [met] = [f for f in result.findings if f.code == "objective-met"]
+        assert f"{chosen.predicted.output_tokens_per_s:,.1f} output tokens/s" in met.message, name
+    # a gateway.yaml edited to a policy the gateway does not enforce cannot be simulated
+    edited = tmp_path / "gateway.yaml"
+    edited.write_text((out / "gateway.yaml").read_text().replace(
+        f"  policy: \"overcommit\"\n  factor: {chosen.policy.factor}", "  policy: \"statistical\"\n  epsilon: 0.05"))
+    statistical = load_deployed(edited).admission
+    assert statistical is not None and statistical.kind.value == "statistical"
+    result = kvtune.check(rec, [out / "vllm-serve.sh", edited])
+    assert "objective-unsimulated" in {f.code for f in result.findings} and not result.passed

@@ -130,9 +130,11 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
 OBJECTIVE_HELP = """\b
 With --objective, every row of the what-if table is one configuration simulated on the
 logged traffic (`kvtune simulate`'s engine and the gateway's own admission code): direct to
-vLLM with today's defaults and the whole-context reservation as references, then each cap
-level (tail rule, p90, p95, p99, p99.9) × budget (safety 0.8, 0.9, 1.0) × policy. The row
-with the most output tokens/s (goodput) within the constraints is rendered.
+vLLM with today's defaults and the whole-context reservation as references, then the
+guaranteed policy at each cap level (tail rule, p90, p95, p99, p99.9) × budget (safety 0.8,
+0.9, 1.0), then overcommit ×1.25/1.5/2/3 at each cap level (guaranteed only with
+--max-preemption-rate 0). The row with the most output tokens/s (goodput) within the
+constraints is rendered, its admission policy in gateway.yaml and nginx.conf.
 recommendation.json then carries `objective` and `what_if`, and `kvtune check` on it
 simulates the deployed files against that objective.
 

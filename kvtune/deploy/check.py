@@ -322,12 +322,12 @@ class _Checker:
         from kvtune.policy.search import simulate_deployment, violations
 
         try:
-            deployment = self._deployment(objective)
+            predicted = simulate_deployment(objective, self._deployment(objective))
         except OptionError as exc:
-            self.add(Severity.RISK, "objective-unsimulated", f"the deployed engine cannot start: {exc.message}",
-                     "vLLM refuses settings whose context does not fit its KV pool", self._objective_source(), None)
+            self.add(Severity.RISK, "objective-unsimulated", f"the deployment cannot run: {exc.message}",
+                     "vLLM refuses an engine whose context does not fit its KV pool, and the gateway a policy "
+                     "it does not enforce", self._objective_source(), None)
             return
-        predicted = simulate_deployment(objective, deployment)
         figures = (f"{predicted.output_tokens_per_s:,.1f} output tokens/s, {predicted.preemption_rate:.1%} of requests "
                    f"preempted, {predicted.share_429:.1%} answered 429 at {objective.load.label} "
                    f"({objective.requests:,} simulated requests, seed {objective.seed})")
@@ -351,7 +351,7 @@ class _Checker:
         engine's flags over vLLM's defaults on the measured pool (the recommended engine when no
         engine file is checked), and the first gateway's budget and route caps; without a
         gateway, straight to vLLM capped by its backstop."""
-        from kvtune.policy.search import GUARANTEED, Deployment, recommended_engine, route_caps
+        from kvtune.policy.search import Deployment, recommended_engine, route_caps
         from kvtune.policy.whatif import Policy, PolicyKind
         from kvtune.sim.scheduler import EngineSettings
 
@@ -368,7 +368,8 @@ class _Checker:
                 max_model_len=e.max_model_len or base.max_model_len, enable_prefix_caching=base.enable_prefix_caching)
         if self.gateways:
             gateway = self.gateways[0]
-            return Deployment(engine, route_caps(gateway.routes, self.rec.routes), GUARANTEED, gateway.block_budget)
+            policy = Policy.of(gateway.admission or self.rec.admission)
+            return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget)
         backstop = engine_file.max_new_tokens if engine_file is not None else None
         return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(PolicyKind.DIRECT), None)
 

@@ -19,6 +19,7 @@ from kvtune.endpoint import url_problem
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
+from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
 from kvtune.planning import Plan
 from kvtune.policy import rules
@@ -63,6 +64,7 @@ class RecommendOptions:
     # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
     cap_level: str | None = None
     searched: bool = False
+    admission: AdmissionPolicy = GUARANTEED  # the gateway's admission policy
 
     def __post_init__(self) -> None:
         if self.safety_fraction is not None and not 0 < self.safety_fraction <= 1:
@@ -238,7 +240,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
                      "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
     settings = _engine_settings(profile, routes, reservations, plan, version=version,
-                                budget_blocks=budget_blocks, max_len=max_len)
+                                budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
+                                max_len=max_len)
     if not measured:
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
@@ -259,6 +262,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         concurrency=Concurrency(admitted, worst_concurrency, mean_reservation, worst_blocks, context_tokens),
         settings=settings,
         notes=tuple(notes),
+        admission=options.admission,
     )
 
 
@@ -280,7 +284,7 @@ def _capacity_summary(capacity: Capacity) -> CapacitySummary:
 
 
 def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
-                     plan: Plan, *, version: tuple[int, ...], budget_blocks: int,
+                     plan: Plan, *, version: tuple[int, ...], budget_blocks: int, limit_blocks: int,
                      max_len: Decision) -> dict[str, Decision | None]:
     """The vLLM flags, each from its rule: scheduler limits sized for what the budget admits,
     and the settings the capacity rests on, as the plan resolved them (measured ones win)."""
@@ -293,7 +297,7 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
     kv_pool = capacity.kv_cache_bytes or capacity.num_blocks * block_size * kv.kv_bytes_per_token_per_gpu
     p1_reservation = rules.weighted_quantile(np.concatenate([r.blocks for r in reservations]),
                                              np.concatenate([r.counts for r in reservations]), 0.01)
-    seqs = rules.max_num_seqs(budget_blocks, p1_reservation)
+    seqs = rules.max_num_seqs(budget_blocks, p1_reservation, limit_blocks)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
     engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]

@@ -259,14 +259,17 @@ def max_model_len(longest_request_tokens: int, model_limit: int, block_size: int
                     f"rounded up to the block size {block_size}")
 
 
-def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int) -> Decision:
+def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int, limit_blocks: int | None = None) -> Decision:
     """At least what the budget admits: budget ÷ the 1st-percentile reservation of the traffic mix
     (the concurrency when the budget fills with the shortest 1 % of requests), rounded up to 8.
-    Shorter requests beyond that wait in vLLM's queue; they are never preempted."""
-    most = budget_blocks // max(1, p1_reservation_blocks)
+    Shorter requests beyond that wait in vLLM's queue; they are never preempted. An overcommit
+    policy holds reservations against `limit_blocks` (k × the budget): the engine must run that many."""
+    held = budget_blocks if limit_blocks is None else limit_blocks
+    most = held // max(1, p1_reservation_blocks)
     value = max(8, -(-most // 8) * 8)
+    what = "the budget" if held == budget_blocks else f"the overcommit limit ({held} blocks)"
     return Decision(value, "max-num-seqs-budget-admits",
-                    f"the budget admits {budget_blocks} ÷ {p1_reservation_blocks} = {most} requests at once "
+                    f"{what} admits {held} ÷ {p1_reservation_blocks} = {most} requests at once "
                     "when it fills with the shortest 1 % of logged requests; the engine must run them all")
 
 

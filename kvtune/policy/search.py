@@ -2,15 +2,16 @@
 feasible one, and keep every row as the what-if table.
 
 The grid (SearchGrid, stated in the output): two reference rows, never chosen (straight to
-vLLM with today's defaults; the gateway reserving the whole context), then every cap level
-(by tail class as today, p90, p95, p99, p99.9; identical cap sets once) × every budget level
-(safety 0.8, 0.9, 1.0 of the usable blocks, or the one --safety-fraction) × every admission
-policy the gateway enforces. Each candidate is `recommend()` at that level, so its engine
-settings are the ones its files would deploy. All rows serve the same requests: bench's draws
-for the seed at the objective's load, each capped by its row's route caps. Clients do not
-announce their lengths: each request asks for no max_tokens, so a gateway reserves prompt +
-its route's cap (bench's own clients send the drawn length, which a gateway could reserve
-exactly). Clients retry 429s as `kvtune bench --retry` does.
+vLLM with today's defaults; the gateway reserving the whole context), then the guaranteed
+policy at every cap level (by tail class as today, p90, p95, p99, p99.9) × every budget level
+(safety 0.8, 0.9, 1.0 of the usable blocks, or the one --safety-fraction), then every other
+policy the gateway enforces (overcommit k = 1.25, 1.5, 2, 3) at every cap level on the 0.9
+budget; identical candidates once. Each candidate is `recommend()` at that level with that
+admission policy, so its engine settings are the ones its files would deploy. All rows serve
+the same requests: bench's draws for the seed at the objective's load, each capped by its
+row's route caps. Clients do not announce their lengths: each request asks for no max_tokens,
+so a gateway reserves prompt + its route's cap (bench's own clients send the drawn length,
+which a gateway could reserve exactly). Clients retry 429s as `kvtune bench --retry` does.
 
 Chosen: the row with the highest objective (output tokens/s, or goodput under --slo) among the
 candidates that meet every constraint; ties go to more output tokens/s, then fewer
@@ -54,9 +55,14 @@ from kvtune.sim.scheduler import EngineSettings
 TAIL_LEVEL = "tail"  # each route capped by its tail class (p95 light, p99 heavy), as without --objective
 DEFAULT_CAP_LEVELS = (TAIL_LEVEL, *CAP_LEVELS)
 DEFAULT_SAFETY_FRACTIONS = (0.8, 0.9, 1.0)
+DEFAULT_OVERCOMMIT_FACTORS = (1.25, 1.5, 2.0, 3.0)
 DEFAULT_REQUESTS = 1000
 MAX_REQUESTS = 100_000
 GUARANTEED = Policy(PolicyKind.GUARANTEED)
+OVERCOMMITS = tuple(Policy(PolicyKind.OVERCOMMIT, factor=k) for k in DEFAULT_OVERCOMMIT_FACTORS)
+# Policies the simulator (the gateway's own gate) enforces; statistical is parsed and rendered by
+# kvtune.gateway.policy but not enforced yet, so it is not a candidate.
+ENFORCED = frozenset({PolicyKind.GUARANTEED, PolicyKind.OVERCOMMIT, PolicyKind.WORST_CASE, PolicyKind.DIRECT})
 # Retry-After bounds the rendered gateway configs use (kvtune.deploy.render.RenderOptions' defaults)
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 
@@ -106,11 +112,19 @@ class ObjectiveSpec:
 
 @dataclass(frozen=True, slots=True)
 class SearchGrid:
-    """The candidates simulated, besides the two reference rows."""
+    """The candidates simulated, besides the two reference rows: guaranteed at every cap level ×
+    safety fraction; each other policy (overcommit k) at every cap level on the default budget
+    (`overcommit_safety`: it overcommits the recommended budget, the factor is its own axis)."""
 
     cap_levels: tuple[str, ...] = DEFAULT_CAP_LEVELS
     safety_fractions: tuple[float, ...] = DEFAULT_SAFETY_FRACTIONS
-    policies: tuple[Policy, ...] = (GUARANTEED,)
+    policies: tuple[Policy, ...] = (GUARANTEED, *OVERCOMMITS)
+    overcommit_safety: float = 0.9
+
+    def __post_init__(self) -> None:
+        for p in self.policies:
+            if p.kind not in ENFORCED:
+                raise OptionError(f"the {p.label} policy is not enforced by the gateway yet", field="policy")
 
     def for_objective(self, objective: Objective) -> SearchGrid:
         """A preemption budget of 0 asks for the policy that guarantees it: guaranteed only."""
@@ -119,15 +133,26 @@ class SearchGrid:
                                                             if p.kind is PolicyKind.GUARANTEED) or (GUARANTEED,))
         return self
 
+    def cells(self) -> list[tuple[str, float, Policy]]:
+        """(cap level, safety fraction, policy) of every candidate, in table order."""
+        out = [(level, safety, p) for p in self.policies if p.kind is PolicyKind.GUARANTEED
+               for level in self.cap_levels for safety in self.safety_fractions]
+        out += [(level, self.overcommit_safety, p) for p in self.policies if p.kind is not PolicyKind.GUARANTEED
+                for level in self.cap_levels]
+        return out
+
     @property
     def candidates(self) -> int:
-        return len(self.cap_levels) * len(self.safety_fractions) * len(self.policies)
+        return len(self.cells())
 
     def describe(self) -> str:
-        policies = ", ".join(p.label for p in self.policies)
         safeties = ", ".join(f"{s:g}" for s in self.safety_fractions)
-        return (f"caps {' / '.join(self.cap_levels)} × safety {safeties} × policy {policies} "
-                f"(≤ {self.candidates} candidates) + direct and whole-context reference rows")
+        parts = [f"guaranteed × caps {' / '.join(self.cap_levels)} × safety {safeties}"]
+        others = [p.label for p in self.policies if p.kind is not PolicyKind.GUARANTEED]
+        if others:
+            parts.append(f"{', '.join(others)} × the same caps at safety {self.overcommit_safety:g}")
+        return (f"{'; '.join(parts)} (≤ {self.candidates} candidates, identical ones once) + direct and "
+                "whole-context reference rows; statistical admission is not enforced yet, so not searched")
 
 
 def objective_load(profile: Profile, spec: ObjectiveSpec) -> Load:
@@ -225,10 +250,11 @@ def _admission(d: Deployment) -> Admission | None:
     """The gateway's admission for a policy, in simulated time (the live gateway's own code)."""
     if d.policy.kind is PolicyKind.DIRECT or d.budget_blocks is None:
         return None
-    if d.policy.kind in (PolicyKind.GUARANTEED, PolicyKind.WORST_CASE):
-        return LedgerAdmission(d.budget_blocks, block_size=d.engine.block_size, max_model_len=d.engine.max_model_len,
-                               retry_after_min_s=RETRY_AFTER_MIN_S, retry_after_max_s=RETRY_AFTER_MAX_S)
-    raise OptionError(f"the {d.policy.label} policy is not simulated by this kvtune", field="policy")
+    if d.policy.kind not in ENFORCED:
+        raise OptionError(f"the {d.policy.label} policy is not enforced by the gateway yet", field="policy")
+    return LedgerAdmission(d.budget_blocks, block_size=d.engine.block_size, max_model_len=d.engine.max_model_len,
+                           retry_after_min_s=RETRY_AFTER_MIN_S, retry_after_max_s=RETRY_AFTER_MAX_S,
+                           policy=d.policy.admission())
 
 
 def truncation_share(traffic: Profile, caps: Mapping[str, int | None]) -> float:
@@ -329,18 +355,16 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
                       Deployment(basis.engine, uncapped, worst, default.budget_blocks), None)]
     user_safety = options.safety_fraction is not None
     seen: set[tuple] = set()
-    for level in grid.cap_levels:
-        for safety in grid.safety_fractions:
-            rec = recommend(profile, plan, dataclasses.replace(
-                options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
-                searched=not user_safety))
-            for policy in grid.policies:
-                deployment = rendered_deployment(rec, basis, policy)
-                key = (policy, tuple(sorted(deployment.caps.items())), deployment.budget_blocks, deployment.engine)
-                if key in seen:
-                    continue
-                seen.add(key)
-                out.append(_Candidate(policy, level, safety, deployment, rec))
+    for level, safety, policy in grid.cells():
+        rec = recommend(profile, plan, dataclasses.replace(
+            options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
+            searched=not user_safety, admission=policy.admission()))
+        deployment = rendered_deployment(rec, basis, policy)
+        key = (policy, tuple(sorted(deployment.caps.items())), deployment.budget_blocks, deployment.engine)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(_Candidate(policy, level, safety, deployment, rec))
     return out
 
 
@@ -393,7 +417,8 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
     what-if table; InfeasibleObjectiveError (with the table) when no candidate meets the constraints."""
     grid = (grid or SearchGrid()).for_objective(objective)
     if options.safety_fraction is not None:
-        grid = dataclasses.replace(grid, safety_fractions=(options.safety_fraction,))
+        grid = dataclasses.replace(grid, safety_fractions=(options.safety_fraction,),
+                                   overcommit_safety=options.safety_fraction)
     candidates = _candidates(profile, plan, options, objective, grid)
     draws = draw_requests(objective)
     predicted: list[Predicted] = []
@@ -439,4 +464,5 @@ __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObje
            "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
            "violations", "choose", "GUARANTEED",
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
+           "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "ENFORCED",
            "DEFAULT_REQUESTS", "TAIL_LEVEL"]

@@ -18,6 +18,8 @@ from typing import Any
 from kvtune.bench.report import Slo
 from kvtune.errors import InputError, OptionError
 from kvtune.fields import Fields
+from kvtune.gateway.policy import GUARANTEED, MAX_FACTOR, AdmissionPolicy
+from kvtune.gateway.policy import PolicyKind as AdmissionKind
 from kvtune.profile.routes import Profile
 from kvtune.sim.scheduler import EngineSettings
 from kvtune.steptime import StepTimeModel, TimingSource
@@ -66,13 +68,32 @@ class Policy:
     def reference(self) -> bool:
         return self.kind in REFERENCE_KINDS
 
+    def admission(self) -> AdmissionPolicy:
+        """The gateway's admission policy this row deploys (the whole-context row: guaranteed)."""
+        if self.kind is PolicyKind.DIRECT:
+            raise ValueError("straight to vLLM, no gateway admits anything")
+        if self.kind is PolicyKind.OVERCOMMIT:
+            return AdmissionPolicy.overcommit(self.factor or 1.0)
+        if self.kind is PolicyKind.STATISTICAL:
+            return AdmissionPolicy.statistical(self.epsilon or 0.0)
+        return GUARANTEED
+
+    @classmethod
+    def of(cls, admission: AdmissionPolicy) -> Policy:
+        """The row policy of a gateway's admission policy."""
+        if admission.kind is AdmissionKind.OVERCOMMIT:
+            return cls(PolicyKind.OVERCOMMIT, factor=admission.factor)
+        if admission.kind is AdmissionKind.STATISTICAL:
+            return cls(PolicyKind.STATISTICAL, epsilon=admission.epsilon)
+        return cls(PolicyKind.GUARANTEED)
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "factor": self.factor, "epsilon": self.epsilon}
 
     @classmethod
     def read(cls, f: Fields) -> Policy:
         kind = PolicyKind(f.choice("kind", POLICY_KINDS))
-        factor = f.number("factor", minimum=1.0, optional=True)
+        factor = f.number("factor", minimum=1.0, maximum=MAX_FACTOR, optional=True)
         epsilon = f.number("epsilon", maximum=1.0, optional=True)
         if (factor is not None) != (kind is PolicyKind.OVERCOMMIT):
             raise f.fail("factor", "an overcommit policy has a factor, no other policy has one")
