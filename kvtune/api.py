@@ -25,10 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtune.errors import KvtuneError
+from kvtune.errors import KvtuneError, OptionError
 from kvtune.planning import Plan, measured_capacity, plan
 
 if TYPE_CHECKING:
+    from kvtune.bench.report import Slo
     from kvtune.deploy.check import CheckResult
     from kvtune.deploy.render import RenderOptions
     from kvtune.policy.recommendation import Recommendation
@@ -97,13 +98,33 @@ def recommend(
     upstream: str | None = None,
     route_by: str | None = None,
     served_model: str | None = None,
+    objective: str | None = None,
+    slo: Slo | None = None,
+    max_preemption_rate: float | None = None,
+    max_429_share: float | None = None,
+    rate_rps: float | None = None,
+    concurrency: int | None = None,
+    requests: int | None = None,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
     number says which rule produced it. `route_by` must be what the profile's routes were named by.
 
+    With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
+    simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the
+    logged arrival rate (or `rate_rps` / `concurrency`), and return the best one within
+    `max_preemption_rate` and `max_429_share`, its `what_if` table attached; `progress(done,
+    total)` after each row. kvtune.policy.search.InfeasibleObjectiveError (with the table) when
+    no candidate meets them.
+
     >>> rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB"), max_truncation=0.01)
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule      # doctest: +SKIP
     (25884, 'cap-max-truncation')
+    >>> plan = kvtune.plan("tiny", measured=kvtune.measured_capacity(capacity_file="capacity.json"))  # doctest: +SKIP
+    >>> rec = kvtune.recommend(profile, plan, objective="throughput", max_preemption_rate=0)  # doctest: +SKIP
+    >>> rec.chosen.label, rec.chosen.predicted.output_tokens_per_s   # doctest: +SKIP
+    ('guaranteed, caps p99, safety 1', 152.3)
     """
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
@@ -115,7 +136,21 @@ def recommend(
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
         route_by="path" if route_by is None else route_by, served_model=served_model,
     )
-    return apply_rules(profile, plan, options)
+    searched = {"slo": slo, "max_preemption_rate": max_preemption_rate, "max_429_share": max_429_share,
+                "rate_rps": rate_rps, "concurrency": concurrency, "requests": requests}
+    if objective is None:
+        given = next((k for k, v in searched.items() if v is not None), None)
+        if given is not None:
+            raise OptionError("only applies with an objective (throughput or goodput)", field=given)
+        return apply_rules(profile, plan, options)
+    from kvtune.policy.search import DEFAULT_REQUESTS, ObjectiveSpec, recommend_for_objective
+    from kvtune.policy.whatif import GOALS, Goal
+
+    if objective not in GOALS:
+        raise OptionError(f"{objective!r} is not one of {', '.join(GOALS)}", field="objective")
+    spec = ObjectiveSpec(Goal(objective), slo, max_preemption_rate, max_429_share, rate_rps, concurrency,
+                         DEFAULT_REQUESTS if requests is None else requests, seed)
+    return recommend_for_objective(profile, plan, options, spec, progress=progress)
 
 
 def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway_tokenizer: str | None = None,

@@ -9,6 +9,7 @@ request is read (its prompt field, its cap fields, its sequences); clamping and 
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import http.client
 import json
@@ -41,6 +42,7 @@ from fake_vllm import DONE_EVENT, ROLE_EVENT
 
 from kvtune.gateway.config import ClientLimits
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
+from kvtune.gateway.policy import AdmissionPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +58,11 @@ def upstream():
         yield fake
 
 
-def _start(kind: str, tmp_path, upstream, **extra):
-    return start_enforcer(kind, small_rec(upstream.port), tmp_path / "nginx", nginx_worker_processes="1",
+def _start(kind: str, tmp_path, upstream, admission: AdmissionPolicy | None = None, **extra):
+    rec = small_rec(upstream.port)
+    if admission is not None:
+        rec = dataclasses.replace(rec, admission=admission)
+    return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="1",
                           limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None, **extra)
 
 
@@ -82,6 +87,8 @@ def test_route_table_and_budget(enforcer):
     ledger = enforcer.ledger()
     assert ledger["routes"] == [HOSTILE, "/v1/chat/completions", "/v1/completions", "/v1/summarize", "default"]
     assert ledger["budget"] == BUDGET and ledger["reserved"] == 0
+    assert {k: ledger[k] for k in ("policy", "factor", "epsilon", "limit", "overflow_probability")} == {
+        "policy": "guaranteed", "factor": None, "epsilon": None, "limit": BUDGET, "overflow_probability": None}
 
 
 # ---------------------------------------------------------------- caps, by each endpoint's own fields
@@ -596,6 +603,50 @@ def test_concurrent_requests_never_exceed_the_budget(enforcer, upstream):
     assert statuses == [200] * 5 + [429] * 7
     assert peak["reserved"] <= 100
     assert enforcer.wait_ledger(0)["reserved"] == 0
+
+
+@pytest.fixture(params=["python", "nginx"])
+def overcommitted(request, tmp_path, upstream):
+    """Either enforcer with admission {policy: overcommit, factor: 2}: reservations against 200 blocks."""
+    server = _start(request.param, tmp_path, upstream, admission=AdmissionPolicy.overcommit(2))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_overcommit_admits_up_to_k_times_the_budget_then_429s(overcommitted, upstream):
+    ledger = overcommitted.ledger()
+    assert {k: ledger[k] for k in ("policy", "factor", "epsilon", "limit", "budget", "overflow_probability")} == {
+        "policy": "overcommit", "factor": 2.0, "epsilon": None, "limit": 2 * BUDGET, "budget": BUDGET,
+        "overflow_probability": None}
+    upstream.hold()
+    # 1536 prompt + 64 cap = 100 blocks each: two fit 2 x 100, the third does not
+    held = [in_thread(overcommitted.request, "/v1/chat/completions", chat(1536, x_mode="hold")) for _ in range(2)]
+    assert overcommitted.wait_ledger(200)["reserved"] == 200
+    status, headers, body = overcommitted.request("/v1/chat/completions", chat(1536))
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    error = json.loads(body)["error"]
+    assert error["code"] == "kv_budget_exhausted" and "200 of 200 reserved" in error["message"]
+    upstream.release()
+    for t, box in held:
+        t.join(10)
+        assert box["result"][0] == 200
+    assert overcommitted.wait_ledger(0)["reserved"] == 0
+
+
+def test_overcommit_413s_only_what_exceeds_k_times_the_budget(overcommitted, upstream):
+    """413 is measured against k x the budget, the limit reservations are held against: a
+    180-block request fits an empty 2 x 100 ledger (guaranteed answers it 413), 300 never does."""
+    status, headers, _ = overcommitted.request("/v1/chat/completions", chat(500, n=5))
+    assert status == 200 and _reserved(headers) == 180
+    status, headers, body = overcommitted.request("/v1/chat/completions", chat(1536, n=3))
+    assert status == 413 and "Retry-After" not in headers
+    error = json.loads(body)["error"]
+    assert error["code"] == "kv_reservation_exceeds_budget"
+    assert error["message"] == ("this request needs 300 KV blocks but the overcommit limit is 200 (2 x the "
+                                "budget 100): it can never be admitted")
+    assert overcommitted.wait_ledger(0)["reserved"] == 0
 
 
 def test_a_failed_count_is_503_never_a_guess(enforcer, upstream):

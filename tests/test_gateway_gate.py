@@ -70,3 +70,16 @@ def test_caps_and_blocks():
     assert sequence_blocks([100], 28, block_size=16, max_model_len=2048) == 8
     assert sequence_blocks([5000], 0, block_size=16, max_model_len=2048) == 128  # counted up to the context
     assert sequence_blocks([10, 20], 6, block_size=16, max_model_len=2048, copies=2) == 2 * (1 + 2)
+
+
+def test_overcommit_admits_up_to_k_times_the_budget_and_413s_only_beyond_it():
+    g = AdmissionGate(BlockLedger(10, clock=lambda: 0.0, limit_blocks=20), max_waiting=0, timeout_s=5.0,
+                      retry_after_min_s=1, retry_after_max_s=60)
+    held = [g.offer(k, 6, 0.0) for k in "abc"]
+    assert all(isinstance(r, Reservation) for r in held) and g.ledger.reserved_blocks == 18
+    assert g.offer("d", 3, 0.0) == Turned(Reason.KV_BUDGET_EXHAUSTED, 1)  # 21 > 2 x 10
+    assert isinstance(g.offer("e", 2, 0.0), Reservation)  # exactly 20
+    assert not g.never_fits(20) and g.never_fits(21)  # 413 is measured against k x the budget
+    for r in held:
+        g.release(r)
+    assert g.ledger.reserved_blocks == 2 and g.ledger.free_blocks == 18

@@ -22,10 +22,18 @@ BUDGET = 100
 BLOCK = 16
 
 
-async def _load(queue: dict | None, requests: int, seed: int) -> None:
+# Every policy the ledger enforces, with the most its admitted worst cases may add up to.
+POLICIES = {
+    "guaranteed": ({"policy": "guaranteed"}, BUDGET),
+    "overcommit": ({"policy": "overcommit", "factor": 1.5}, 150),
+}
+
+
+async def _load(queue: dict | None, requests: int, seed: int, policy: str = "guaranteed") -> None:
     rng = random.Random(seed)
     fake = FakeVllm(block_size=BLOCK)
-    overrides = {"timeouts": {"read_s": 0.4, "drain_s": 5}}
+    admission, limit = POLICIES[policy]
+    overrides = {"timeouts": {"read_s": 0.4, "drain_s": 5}, "admission": admission}
     if queue:
         overrides["queue"] = queue
     async with running(fake, **overrides) as (session, base, gateway, _):
@@ -35,8 +43,8 @@ async def _load(queue: dict | None, requests: int, seed: int) -> None:
         async def sampler() -> None:
             while not done.is_set():
                 reserved = gateway.ledger.reserved_blocks
-                assert 0 <= reserved <= BUDGET, reserved
-                assert fake.running_blocks <= BUDGET, fake.running_blocks
+                assert 0 <= reserved <= limit, reserved
+                assert fake.running_blocks <= limit, fake.running_blocks
                 peak["reserved"] = max(peak["reserved"], reserved)
                 peak["samples"] += 1
                 await asyncio.sleep(0.001)
@@ -114,21 +122,23 @@ async def _load(queue: dict | None, requests: int, seed: int) -> None:
         assert gateway.ledger.inflight_requests == 0
         assert gateway.admission.waiting == 0
         assert fake.active == 0 and fake.running_blocks == 0  # hung upstream calls were cut too
-        assert peak["reserved"] <= BUDGET and peak["samples"] > 100
-        assert fake.peak_running_blocks <= BUDGET
+        assert peak["reserved"] <= limit and peak["samples"] > 100
+        assert fake.peak_running_blocks <= limit
         # the run exercised what it claims to
         assert outcomes["200"] > 10 and outcomes["429"] > 5, outcomes
         assert outcomes["client_disconnect"] + outcomes["client_cancelled"] > 5, outcomes
         assert outcomes["504"] + outcomes["500"] + outcomes["cut_mid_stream"] > 3, outcomes
         assert retry_afters and all(1 <= r <= 60 for r in retry_afters)
         assert len(unbuffered) > 5 and all(unbuffered)
-        assert peak["reserved"] > BUDGET // 2  # the budget was really under pressure
+        assert peak["reserved"] > limit // 2  # the budget was really under pressure
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("seed", [1, 2])
-def test_load_without_queue(seed):
-    asyncio.run(_load(None, requests=300, seed=seed))
+def test_load_without_queue(seed, policy):
+    asyncio.run(_load(None, requests=300, seed=seed, policy=policy))
 
 
-def test_load_with_queue():
-    asyncio.run(_load({"max_waiting": 20, "timeout_s": 0.3}, requests=300, seed=3))
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_load_with_queue(policy):
+    asyncio.run(_load({"max_waiting": 20, "timeout_s": 0.3}, requests=300, seed=3, policy=policy))

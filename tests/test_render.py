@@ -190,6 +190,27 @@ def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
     assert config.route_for("/v1/responses", "other").max_new_tokens == 700
 
 
+@pytest.mark.parametrize("admission", [{"policy": "guaranteed"}, {"policy": "overcommit", "factor": 1.75},
+                                       {"policy": "statistical", "epsilon": 0.02}])
+def test_the_admission_policy_reaches_gateway_yaml_and_nginx_conf(admission):
+    from kvtune.deploy.read import parse_deployed
+
+    doc = rec_dict()
+    doc["admission"] = admission
+    r = Recommendation.from_dict(doc)
+    config = parse_gateway_config(yaml.safe_load(render_files(r, targets=["gateway.yaml"])["gateway.yaml"]))
+    assert config.admission == r.admission
+    if admission["policy"] == "statistical":
+        with pytest.raises(KvtuneError, match="^nginx.conf cannot enforce admission policy statistical: its Lua"):
+            render_files(r, targets=["nginx.conf"])
+        assert set(render_files(r)) == set(TARGETS) - {"nginx.conf"}  # every target that can enforce it
+        return
+    conf = render_files(r, targets=["nginx.conf"])["nginx.conf"]
+    limit = r.admission.limit_blocks(r.budget_blocks)
+    assert f"admit_limit = {limit}," in conf and f'policy = "{admission["policy"]}",' in conf
+    assert parse_deployed(conf, source="nginx.conf").block_budget == r.budget_blocks
+
+
 def test_gateway_yaml_counts_with_a_local_tokenizer_when_given_one(tmp_path):
     from kvtune.gateway.counting import make_counter
 

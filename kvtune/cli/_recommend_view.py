@@ -2,17 +2,74 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
+    from kvtune.policy.whatif import Objective, WhatIfRow
 
 
 def _gib(value: int | None) -> str:
     return "—" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+@contextlib.contextmanager
+def search_progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient bar on stderr over the what-if rows simulated, or None (silent)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    progress = Progress("simulating the what-if table", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), transient=True)
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "task" not in state:
+            progress.start()
+            state["task"] = progress.add_task("simulate", total=total)
+        progress.update(state["task"], completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if "task" in state:
+            progress.stop()
+
+
+def show_what_if(rows: tuple[WhatIfRow, ...], objective: Objective, console: Console | None = None) -> None:
+    """The what-if table: one row per simulated configuration, the chosen one marked."""
+    from kvtune.policy.whatif import TABLE_NOTE, objective_line, table_cells
+
+    console = console or Console()
+    console.print(objective_line(objective))
+    table = Table(title="What if (simulated)", title_justify="left", pad_edge=False)
+    goodput = objective.slo is not None
+    columns = [("#", "index"), ("policy", "policy"), ("caps", "caps"), ("budget", "budget"), ("tok/s", "tokens_per_s"),
+               *([("goodput", "goodput")] if goodput else []), ("TTFT p50/p99", "ttft"), ("e2e p50/p99", "e2e"),
+               ("preempt", "preempted"), ("429", "share_429"), ("trunc", "truncated"), ("verdict", "verdict")]
+    for header, _ in columns:
+        left = header in ("#", "policy", "caps", "verdict")
+        table.add_column(header, justify="left" if left else "right", overflow="fold",
+                         no_wrap=not left and header not in ("TTFT p50/p99", "e2e p50/p99"))
+    for cells in table_cells(rows):
+        values = [str(cells[key]) for _, key in columns]
+        if cells["chosen"]:
+            values[-1] = "[bold green]▶ chosen[/bold green]"
+        elif cells["broken"]:
+            values[-1] = f"[red]{values[-1]}[/red]"
+        table.add_row(*values, style="bold" if cells["chosen"] else None)
+    console.print(table)
+    console.print(TABLE_NOTE)
+    chosen = next((r for r in rows if r.chosen), None)
+    if chosen is not None:
+        console.print(f"[bold green]▶[/bold green] {chosen.why}")
 
 
 def show_recommendation(rec: Recommendation, written: list[str], console: Console | None = None) -> None:
@@ -24,11 +81,17 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
         f"(tp {hw.tensor_parallel_size}): KV pool {cap.num_blocks:,} blocks × "
         f"{cap.block_size} tokens ({cap.source}), budget {rec.budget_blocks:,} blocks"
     )
-    console.print(
-        f"[bold green]{conc.admitted:,} concurrent requests[/bold green] for the logged route mix with "
-        f"per-route caps, vs {conc.worst_case:,} when every request reserves the whole "
-        f"{conc.context_tokens:,}-token context: [bold]{gain}[/bold]"
-    )
+    if rec.what_if is not None and rec.objective is not None:
+        from kvtune.policy.whatif import headline
+
+        console.print(f"[bold green]{headline(rec.what_if, rec.objective)}[/bold green]")
+        show_what_if(rec.what_if, rec.objective, console)
+    else:
+        console.print(
+            f"[bold green]{conc.admitted:,} concurrent requests[/bold green] for the logged route mix with "
+            f"per-route caps, vs {conc.worst_case:,} when every request reserves the whole "
+            f"{conc.context_tokens:,}-token context: [bold]{gain}[/bold]"
+        )
 
     routes = Table(title="Per route", title_justify="left")
     for header in ("route", "requests", "tail", "cap", "rule", "truncated", "asked > cap",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import click
@@ -23,14 +25,73 @@ class PolicyArgs:
     safety_fraction: float | None
     max_truncation: float | None
 
-    def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs):
-        """The whole pipeline, as library calls: profile the logs, plan the capacity, apply the rules."""
+    def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs,
+                       objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None):
+        """The whole pipeline, as library calls: profile the logs, plan the capacity, apply the
+        rules (or, with an objective, search the simulated what-if table)."""
         import kvtune
 
+        wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
         return kvtune.recommend(profile, capacity.plan(self.model), safety_fraction=self.safety_fraction,
                                 max_truncation=self.max_truncation, vllm_version=self.vllm_version,
-                                upstream=self.upstream, route_by=log.route_by, served_model=self.served_model)
+                                upstream=self.upstream, route_by=log.route_by, served_model=self.served_model,
+                                progress=progress, **wanted)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectiveArgs:
+    """`--objective` and the constraints and load it is searched under."""
+
+    objective: str | None
+    slo: str | None
+    max_preemption_rate: float | None
+    max_429_share: float | None
+    rate: float | None
+    concurrency: int | None
+    requests: int
+    seed: int
+
+    def wanted(self, capacity: CapacityArgs) -> dict:
+        """kvtune.recommend's objective keywords; {} without --objective (and then no other of these)."""
+        if self.objective is None:
+            given = [flag for flag, value in (("--slo", self.slo), ("--max-preemption-rate", self.max_preemption_rate),
+                                              ("--max-429-share", self.max_429_share), ("--rate", self.rate),
+                                              ("--concurrency", self.concurrency)) if value is not None]
+            if given:
+                raise OptionError("only applies with --objective throughput|goodput", field=given[0])
+            return {}
+        if capacity.capacity_file is None:
+            raise OptionError("--objective simulates the engine: give --capacity FILE from `kvtune calibrate` "
+                              "(its `timing`, or --gpu for a roofline estimate)", field="--capacity")
+        from kvtune.bench.report import parse_slo
+
+        return {"objective": self.objective, "slo": parse_slo(self.slo) if self.slo else None,
+                "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,
+                "rate_rps": self.rate, "concurrency": self.concurrency, "requests": self.requests,
+                "seed": self.seed}
+
+
+objective_options = grouped("objective", ObjectiveArgs, [
+    click.option("--objective", type=click.Choice(["throughput", "goodput"]),
+                 help="Search caps, budget and admission policy with the simulator for the most output tokens/s "
+                      "(or goodput under --slo) within the constraints; show the what-if table.  [default: the "
+                      "rules alone, no simulation]"),
+    click.option("--slo", metavar="SPEC", help="Latency objectives in ms for goodput, e.g. ttft=500,e2e=10000."),
+    click.option("--max-preemption-rate", type=float, metavar="R",
+                 help="At most this share of requests preempted at least once; 0 allows only the guaranteed "
+                      "policy.  [default: unconstrained]"),
+    click.option("--max-429-share", type=float, metavar="S",
+                 help="At most this share of requests answered 429 after their retries.  [default: unconstrained]"),
+    click.option("--rate", type=float, metavar="RPS",
+                 help="Simulate Poisson arrivals at RPS requests/s.  [default: the logs' mean arrival rate]"),
+    click.option("--concurrency", type=int, metavar="N",
+                 help="Simulate N closed-loop clients instead of an arrival rate."),
+    click.option("--requests", type=int, default=1000, show_default=True, metavar="N",
+                 help="Requests simulated per what-if row (at most 100,000)."),
+    click.option("--seed", type=int, default=0, show_default=True,
+                 help="Seed for lengths and arrivals: the requests `kvtune bench --seed` would send."),
+])
 
 
 policy_options = grouped("policy", PolicyArgs, [
@@ -66,11 +127,29 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
     return next(filter(None, map(local_chat_tokenizer, candidates)), None)
 
 
-@click.command()
+OBJECTIVE_HELP = """\b
+With --objective, every row of the what-if table is one configuration simulated on the
+logged traffic (`kvtune simulate`'s engine and the gateway's own admission code): direct to
+vLLM with today's defaults and the whole-context reservation as references, then the
+guaranteed policy at each cap level (tail rule, p90, p95, p99, p99.9) × budget (safety 0.8,
+0.9, 1.0), then overcommit ×1.25/1.5/2/3 at each cap level (guaranteed only with
+--max-preemption-rate 0). The row with the most output tokens/s (goodput) within the
+constraints is rendered, its admission policy in gateway.yaml and nginx.conf.
+recommendation.json then carries `objective` and `what_if`, and `kvtune check` on it
+simulates the deployed files against that objective.
+
+\b
+Exit codes: 0 done, 1 no configuration meets the objective (the table is shown, nothing is
+written) or the rendered files would fail `kvtune check`, 2 bad input.
+"""
+
+
+@click.command(epilog=OBJECTIVE_HELP)
 @click.argument("logs", nargs=-1, required=True)
 @policy_options
 @capacity_options
 @log_options
+@objective_options
 @click.option("--gateway-tokenizer", metavar="DIR|upstream",
               help="Model directory (tokenizer.json + chat template) gateway.yaml counts prompts with, in "
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
@@ -79,7 +158,7 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
-              gateway_tokenizer: str | None, out_dir: str | None, json_: bool) -> None:
+              objective: ObjectiveArgs, gateway_tokenizer: str | None, out_dir: str | None, json_: bool) -> None:
     """Recommend output caps, a KV block budget and vLLM settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -90,11 +169,21 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     \b
     Example:
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --out deploy/
+        kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
+            --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """
     import kvtune
+    from kvtune.cli._recommend_view import search_progress
 
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
-    rec = policy.recommendation(logs, capacity, log)
+    from kvtune.policy.search import InfeasibleObjectiveError
+
+    try:
+        with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
+            rec = policy.recommendation(logs, capacity, log, objective, progress)
+    except InfeasibleObjectiveError as exc:
+        _infeasible(exc, json_)
+        return
     try:
         files = kvtune.render(rec, gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
@@ -109,3 +198,17 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.cli._recommend_view import show_recommendation
 
     show_recommendation(rec, [str(p) for p in written])
+
+
+def _infeasible(exc, json_: bool) -> None:
+    """No row meets the objective: the table anyway (stdout), the reason on stderr, exit 1."""
+    if json_:
+        objective = {k: v for k, v in exc.objective.to_dict().items() if k != "traffic"}
+        click.echo(json.dumps({"recommendation": None, "objective": objective,
+                               "what_if": [r.to_dict() for r in exc.rows], "error": str(exc)}, indent=2))
+    else:
+        from kvtune.cli._recommend_view import show_what_if
+
+        show_what_if(exc.rows, exc.objective)
+    click.echo(f"Error: {exc}", err=True)
+    click.get_current_context().exit(1)

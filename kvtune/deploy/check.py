@@ -4,7 +4,8 @@ Pure: it takes parsed deployed files (kvtune.deploy.read) and a Recommendation a
 findings; a cap's truncation share is the route's exact Kaplan–Meier estimate, as when the
 recommendation chose it. Severities:
     risk  the deployment will hurt under the logged traffic (uncapped output, a budget above the KV
-          capacity, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses)
+          capacity, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses,
+          a simulated preemption rate or 429 share above the objective it was rendered for)
     warn  it drifted from the current recommendation, or works but wastes capacity
     info  context worth stating
 Several files can be checked together (vllm-serve.sh + gateway.yaml): a gateway in front changes
@@ -17,12 +18,16 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.engines import vllm
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
+
+if TYPE_CHECKING:
+    from kvtune.policy.search import Deployment
+    from kvtune.policy.whatif import Objective
 
 
 class Severity(enum.Enum):
@@ -304,12 +309,77 @@ class _Checker:
         decision = self.settings.get(name)
         return None if decision is None else decision.value
 
+    # ------------------------------------------------------------ the objective it was rendered for
+
+    def check_objective(self) -> None:
+        """A recommendation searched for an objective (`recommend --objective`) carries it: the
+        deployed engine and gateway are simulated on its traffic and load, as the what-if table
+        was, and a preemption rate or 429 share above its limits is a risk."""
+        objective = self.rec.objective
+        if objective is None:
+            return
+        from kvtune.errors import OptionError
+        from kvtune.policy.search import simulate_deployment, violations
+
+        try:
+            predicted = simulate_deployment(objective, self._deployment(objective))
+        except OptionError as exc:
+            self.add(Severity.RISK, "objective-unsimulated", f"the deployment cannot run: {exc.message}",
+                     "vLLM refuses an engine whose context does not fit its KV pool, and the gateway a policy "
+                     "it does not enforce", self._objective_source(), None)
+            return
+        figures = (f"{predicted.output_tokens_per_s:,.1f} output tokens/s, {predicted.preemption_rate:.1%} of requests "
+                   f"preempted, {predicted.share_429:.1%} answered 429 at {objective.load.label} "
+                   f"({objective.requests:,} simulated requests, seed {objective.seed})")
+        broken = violations(objective, predicted)
+        source = self._objective_source()
+        if broken:
+            self.add(Severity.RISK, "objective-missed",
+                     f"simulated {'; '.join(v.text for v in broken)}: {figures}",
+                     "the deployment breaks the objective it was rendered for (`recommend --objective`); "
+                     "deploy the recommended files or recommend again for this configuration", source, None)
+        else:
+            self.add(Severity.INFO, "objective-met", f"simulated {figures}",
+                     "within the objective it was rendered for", source)
+
+    def _objective_source(self) -> str | None:
+        gateway = self.gateways[0] if self.gateways else None
+        return (gateway or self.deployed[0]).source
+
+    def _deployment(self, objective: Objective) -> Deployment:
+        """The deployed files as the simulator sees them (kvtune.policy.search.Deployment): the
+        engine's flags over vLLM's defaults on the measured pool (the recommended engine when no
+        engine file is checked), and the first gateway's budget and route caps; without a
+        gateway, straight to vLLM capped by its backstop."""
+        from kvtune.policy.search import Deployment, recommended_engine, route_caps
+        from kvtune.policy.whatif import Policy, PolicyKind
+        from kvtune.sim.scheduler import EngineSettings
+
+        base = objective.basis.engine
+        engine_file = self.engines[0] if self.engines else None
+        if engine_file is None:
+            engine = recommended_engine(self.rec, objective.basis)
+        else:
+            e = engine_file
+            engine = EngineSettings(
+                num_blocks=e.num_gpu_blocks_override or base.num_blocks, block_size=e.block_size or base.block_size,
+                max_num_seqs=e.max_num_seqs or base.max_num_seqs,
+                max_num_batched_tokens=e.max_num_batched_tokens or base.max_num_batched_tokens,
+                max_model_len=e.max_model_len or base.max_model_len, enable_prefix_caching=base.enable_prefix_caching)
+        if self.gateways:
+            gateway = self.gateways[0]
+            policy = Policy.of(gateway.admission or self.rec.admission)
+            return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget)
+        backstop = engine_file.max_new_tokens if engine_file is not None else None
+        return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(PolicyKind.DIRECT), None)
+
     def run(self) -> CheckResult:
         for d in self.deployed:
             if d.kind is DeployedKind.VLLM:
                 self.check_engine(d)
             else:
                 self.check_gateway(d)
+        self.check_objective()
         for d in self.deployed:
             # caps: a gateway's per-route caps govern when present; the engine's backstop otherwise
             if d.is_gateway or not self.gateways:

@@ -18,6 +18,7 @@ from typing import Any
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError
 from kvtune.gateway.config import RouteMatch
+from kvtune.gateway.policy import AdmissionPolicy, parse_admission
 from kvtune.userfiles import brief
 
 # Short options vLLM accepts, by their long names.
@@ -76,6 +77,7 @@ class Deployed:
     upstream: str | None = None
     block_budget: int | None = None
     routes: tuple[DeployedRoute, ...] = ()
+    admission: AdmissionPolicy | None = None  # the gateway's admission policy
 
     @property
     def is_gateway(self) -> bool:
@@ -88,6 +90,7 @@ class Deployed:
         data = asdict(self)
         data["kind"] = self.kind.value
         data["routes"] = [asdict(r) for r in self.routes]
+        data["admission"] = None if self.admission is None else self.admission.to_dict()
         return data
 
 
@@ -281,6 +284,7 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
         max_model_len=config.max_model_len, upstream=config.upstream, block_budget=config.block_budget,
         routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix)
                      for r in config.routes),
+        admission=config.admission,
     )
 
 
@@ -430,7 +434,21 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
         kind=DeployedKind.NGINX, source=source, block_size=integer("block_size"),
         block_budget=integer("block_budget"), max_model_len=integer("max_model_len"),
         upstream=upstream.group(1) if upstream else None, routes=tuple(routes),
+        admission=_lua_admission(config, source),
     )
+
+
+def _lua_admission(config: dict, source: str) -> AdmissionPolicy:
+    """CONFIG.policy and CONFIG.factor (nginx.conf files rendered before them: guaranteed)."""
+    policy = config.get("policy", "guaranteed")
+    given: dict[str, Any] = {"policy": policy}
+    if policy == "overcommit":
+        given["factor"] = config.get("factor")
+
+    def fail(field: str, message: str) -> InputError:
+        return InputError(message, path=source, field="CONFIG." + field.removeprefix("admission."))
+
+    return parse_admission(given, fail)
 
 
 # ---------------------------------------------------------------- any of them

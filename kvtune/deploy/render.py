@@ -35,6 +35,7 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.gateway.policy import PolicyKind
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
@@ -264,6 +265,9 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
     lua_config = {
         "block_size": rec.capacity.block_size,
         "block_budget": rec.budget_blocks,
+        "policy": rec.admission.name,
+        "factor": rec.admission.factor,
+        "admit_limit": rec.admission.limit_blocks(rec.budget_blocks),
         "max_model_len": max_model_len,
         "retry_after_min_s": options.retry_after_min_s,
         "retry_after_max_s": options.retry_after_max_s,
@@ -286,6 +290,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
+        "what_if": _what_if(rec),
         "lua_config": lua_config,
         "policy": lua_policy(),
         # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
@@ -297,10 +302,26 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
     }
 
 
+def _what_if(rec: Recommendation) -> dict | None:
+    """The report's what-if section (`recommend --objective`), or None."""
+    if rec.what_if is None or rec.objective is None:
+        return None
+    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, table_cells
+
+    chosen = rec.chosen
+    return {"headline": headline(rec.what_if, rec.objective), "objective": objective_line(rec.objective),
+            "rows": table_cells(rec.what_if), "note": TABLE_NOTE, "goodput": rec.objective.slo is not None,
+            "why": chosen.why if chosen is not None else ""}
+
+
 def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
                  options: RenderOptions | None = None) -> dict[str, str]:
-    """Render the recommendation into file name → text for each requested target."""
-    wanted = list(TARGETS) if targets is None else list(targets)
+    """Render the recommendation into file name → text for each requested target (default: every
+    target the recommendation's admission policy can be enforced by: nginx.conf's Lua enforces
+    guaranteed and overcommit, so a statistical recommendation renders it only when asked, and
+    then refuses)."""
+    statistical = rec.admission.kind is PolicyKind.STATISTICAL
+    wanted = [t for t in TARGETS if not (statistical and t == "nginx.conf")] if targets is None else list(targets)
     unknown = [t for t in wanted if t not in TARGETS]
     if unknown:
         raise UnknownNameError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
@@ -308,6 +329,10 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     env = make_environment()
     context = _context(rec, options)
     files: dict[str, str] = {}
+    if "nginx.conf" in wanted and statistical:
+        raise OptionError("nginx.conf cannot enforce admission policy statistical: its Lua enforces "
+                          "guaranteed and overcommit only; render gateway.yaml (kvtune gateway) for it, "
+                          "or choose another policy")
     for name in wanted:
         if name == "recommendation.json":
             files[name] = rec.to_json()

@@ -15,6 +15,7 @@ from kvtune.errors import InputError
 from kvtune.gateway.config import Access, AdminAccess, GatewayConfig
 from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.metrics import GatewayMetrics
+from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
@@ -31,6 +32,7 @@ class Admin:
         self._rejected = rejected
         self._waiting = waiting
         self._routes = [r.name for r in config.routes]
+        self._policy = config.admission
         self._token: bytes | None = None
         if self.access.token_env is not None:
             token = os.environ.get(self.access.token_env, "")
@@ -69,6 +71,7 @@ class Admin:
             "rejected": self._rejected(), "waiting": self._waiting(),
             "release_rate_blocks_per_s": snap.release_rate_blocks_per_s,
             "routes": self._routes,
+            **ledger_policy(self._policy, snap.limit_blocks, None),
         })
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
@@ -77,4 +80,18 @@ class Admin:
         router.add_get("/kvtune/ledger", self.ledger_endpoint)
 
 
-__all__ = ["Admin"]
+def ledger_policy(policy: AdmissionPolicy, limit_blocks: int, overflow_probability: float | None) -> dict:
+    """/kvtune/ledger's policy members, the same in both enforcers: the policy, its factor and
+    epsilon (null where they do not apply), what reservations are held against (null for
+    statistical, which is bound by probability) and the current overflow probability (statistical)."""
+    statistical = policy.kind is PolicyKind.STATISTICAL
+    return {
+        "policy": policy.name,
+        "factor": policy.factor if policy.kind is PolicyKind.OVERCOMMIT else None,
+        "epsilon": policy.epsilon if statistical else None,
+        "limit": None if statistical else limit_blocks,
+        "overflow_probability": overflow_probability if statistical else None,
+    }
+
+
+__all__ = ["Admin", "ledger_policy"]

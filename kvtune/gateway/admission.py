@@ -2,7 +2,8 @@
 cap clamped to the route's, its prompt counted, and its KV blocks reserved in the ledger.
 
 sequences x ceil((prompt + cap) / block_size) blocks (kvtune.capacity.reservation) are reserved
-for the request's whole life. A request that can never fit answers 400/413 at once, before any
+for the request's whole life, held against the limit gateway.yaml's `admission` policy sets
+(kvtune.gateway.policy). A request that can never fit answers 400/413 at once, before any
 count when even its cheapest reading exceeds the budget. Whether it is reserved now, waits in the
 bounded FIFO or answers 429 with Retry-After is decided by the synchronous gate
 (kvtune.gateway.gate), the same code the simulator runs; here it only meets asyncio and the clock.
@@ -200,8 +201,8 @@ class Admission:
                                                    max_model_len=cfg.max_model_len, copies=reading.copies))
         if self.queue.gate.never_fits(largest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
-                            f"this request needs {largest} KV blocks but the whole budget is "
-                            f"{cfg.block_budget}: it can never be admitted")
+                            f"this request needs {largest} KV blocks but {self._limit_text()}: "
+                            "it can never be admitted")
         return max(largest, 1)
 
     def _never_fits(self, asked: Request, cap: int | None, lower: list[int]) -> None:
@@ -216,8 +217,16 @@ class Admission:
             smallest = total if smallest is None else min(smallest, total)
         if smallest is not None and self.queue.gate.never_fits(smallest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
-                            f"this request needs at least {smallest} KV blocks but the whole budget is "
-                            f"{cfg.block_budget}: it can never be admitted")
+                            f"this request needs at least {smallest} KV blocks but {self._limit_text()}: "
+                            "it can never be admitted")
+
+    def _limit_text(self) -> str:
+        """What a 413 says it was measured against (the same words as the rendered nginx.conf)."""
+        cfg = self.config
+        if cfg.admit_limit_blocks == cfg.block_budget:
+            return f"the whole budget is {cfg.block_budget}"
+        return (f"the overcommit limit is {cfg.admit_limit_blocks} ({cfg.admission.factor:g} x the budget "
+                f"{cfg.block_budget})")
 
     async def _count(self, upstream: str, asked: Request, model: str | None) -> PromptCount:
         counter = self.counters[upstream]
@@ -249,7 +258,7 @@ class Admission:
         self.metrics.retry_after.observe(got.retry_after_s)
         raise Rejection(429, got.reason,
                         f"KV budget full: {blocks} blocks needed, {ledger.reserved_blocks} of "
-                        f"{ledger.budget_blocks} reserved; retry later", retry_after_s=got.retry_after_s)
+                        f"{ledger.limit_blocks} reserved; retry later", retry_after_s=got.retry_after_s)
 
 
 __all__ = ["Admission", "Admitted", "WaitQueue"]

@@ -26,6 +26,7 @@ from kvtune.gateway.endpoints import (
     classify,
     never_passthrough,
 )
+from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 
 SCHEMA_VERSION = 1
@@ -158,6 +159,12 @@ class GatewayConfig:
     passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH
     limits: ClientLimits = field(default_factory=ClientLimits)
     admin: AdminAccess = field(default_factory=AdminAccess)
+    admission: AdmissionPolicy = GUARANTEED
+
+    @property
+    def admit_limit_blocks(self) -> int:
+        """What worst-case reservations are held against (floor(factor x budget) for overcommit)."""
+        return self.admission.limit_blocks(self.block_budget)
 
     def route_for(self, path: str, model: str | None) -> GatewayRoute | None:
         """The first route, in file order, whose match accepts the request."""
@@ -268,7 +275,8 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     top = r.mapping(
         data, "",
         {"version", "listen", "upstream", "model", "block_size", "block_budget", "max_model_len",
-         "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin"},
+         "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin",
+         "admission"},
         {"version", "upstream", "block_size", "block_budget", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
@@ -325,6 +333,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         passthrough=_passthrough(r, top.get("passthrough", list(DEFAULT_PASSTHROUGH))),
         limits=_limits(r, top.get("limits", {}), max_model_len),
         admin=_admin(r, top.get("admin", {})),
+        admission=parse_admission(top.get("admission", {"policy": "guaranteed"}), r.fail),
     )
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")

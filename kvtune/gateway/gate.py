@@ -12,7 +12,8 @@ simulated time. The rules:
     then is its 429 (queue_timeout) computed;
   * Retry-After is the ledger's estimate from its release rate, clamped to [min_s, max_s].
 The reservation's size is `sequence_blocks` (kvtune.capacity.reservation's rule), its output
-cap `route_cap`; a reservation larger than the whole budget can never be admitted (413).
+cap `route_cap`; a reservation larger than what the ledger holds reservations against (the budget,
+or floor(k x budget) under an overcommit factor: kvtune.gateway.policy) can never be admitted (413).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
-from kvtune.gateway.ledger import BlockLedger, Reservation
+from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Reservation
+from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
 
 K = TypeVar("K", bound=Hashable)
@@ -45,6 +47,17 @@ def sequence_blocks(prompts: Iterable[int], grow: int, *, block_size: int, max_m
     """A reading's reservation: Σ over its sequences of ceil((prompt + grow) / block_size), times
     its copies, each prompt counted at most up to max_model_len."""
     return request_reserved_blocks((min(p, max_model_len) for p in prompts), grow, block_size, copies)
+
+
+def ledger_for(policy: AdmissionPolicy, budget_blocks: int, *, clock: Callable[[], float] | None = None,
+               rate_window_s: float = RATE_WINDOW_S) -> BlockLedger:
+    """The ledger a policy runs on, for the gateway and the simulator alike."""
+    if policy.kind is PolicyKind.STATISTICAL:
+        raise NotImplementedError("admission policy statistical is not enforced yet")
+    if clock is None:
+        return BlockLedger(budget_blocks, rate_window_s=rate_window_s, limit_blocks=policy.limit_blocks(budget_blocks))
+    return BlockLedger(budget_blocks, clock=clock, rate_window_s=rate_window_s,
+                       limit_blocks=policy.limit_blocks(budget_blocks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +92,8 @@ class AdmissionGate(Generic[K]):
         return len(self._waiters)
 
     def never_fits(self, blocks: int) -> bool:
-        """More than the whole budget: no release will ever make room (413)."""
-        return blocks > self.ledger.budget_blocks
+        """More than the ledger's limit (the budget, or k x it): no release will ever make room (413)."""
+        return blocks > self.ledger.limit_blocks
 
     def offer(self, key: K, blocks: int, now: float) -> Reservation | Turned | None:
         """A reservation now; None when the request now waits under `key`; or a 429."""
@@ -148,4 +161,4 @@ class AdmissionGate(Generic[K]):
         return granted, turned
 
 
-__all__ = ["AdmissionGate", "Turned", "route_cap", "sequence_blocks"]
+__all__ = ["AdmissionGate", "Turned", "ledger_for", "route_cap", "sequence_blocks"]

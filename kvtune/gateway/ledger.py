@@ -1,5 +1,8 @@
 """The block ledger: how many KV blocks admitted requests hold, and how fast they give them back.
 
+Reservations are held against `limit_blocks`: the budget itself (guaranteed), or floor(k x
+budget) for an overcommit factor k (kvtune.gateway.policy); the worst-case sum never exceeds it.
+
 Pure and synchronous: reserve and release never await, so a release placed first in a `finally`
 block runs even when the task is being cancelled, and no other task can interleave between the
 check and the add. The clock is injected so Retry-After is testable without sleeping.
@@ -45,16 +48,21 @@ class LedgerSnapshot:
     reserved_blocks: int
     inflight_requests: int
     release_rate_blocks_per_s: float
+    limit_blocks: int
 
 
 class BlockLedger:
-    """A budget of KV blocks; reservations are all-or-nothing and never push it over the budget."""
+    """A budget of KV blocks; reservations are all-or-nothing and never push the worst-case sum
+    over `limit_blocks` (the budget unless an overcommit factor raised it)."""
 
     def __init__(self, budget_blocks: int, *, clock: Callable[[], float] = time.monotonic,
-                 rate_window_s: float = RATE_WINDOW_S) -> None:
+                 rate_window_s: float = RATE_WINDOW_S, limit_blocks: int | None = None) -> None:
         if budget_blocks < 1:
             raise ValueError(f"budget_blocks must be at least 1, got {budget_blocks}")
+        if limit_blocks is not None and limit_blocks < budget_blocks:
+            raise ValueError(f"limit_blocks must be at least the budget {budget_blocks}, got {limit_blocks}")
         self.budget_blocks = budget_blocks
+        self.limit_blocks = budget_blocks if limit_blocks is None else limit_blocks
         self._clock = clock
         self._window_s = rate_window_s
         self._reserved = 0
@@ -73,10 +81,10 @@ class BlockLedger:
 
     @property
     def free_blocks(self) -> int:
-        return self.budget_blocks - self._reserved
+        return self.limit_blocks - self._reserved
 
     def fits(self, blocks: int) -> bool:
-        return self._reserved + blocks <= self.budget_blocks
+        return self._reserved + blocks <= self.limit_blocks
 
     def try_reserve(self, blocks: int) -> Reservation | None:
         """Hold `blocks` if they fit in what is free now, else None (nothing is held)."""
@@ -111,7 +119,7 @@ class BlockLedger:
     def retry_after_s(self, blocks: int, *, min_s: int, max_s: int) -> int:
         """Seconds until `blocks` more are expected to be free at the observed release rate,
         clamped to [min_s, max_s]. No release seen yet: min_s (nothing to go on, ask soon)."""
-        need = max(1, self._reserved + blocks - self.budget_blocks)
+        need = max(1, self._reserved + blocks - self.limit_blocks)
         rate = self.release_rate()
         if rate is None:
             secs = min_s
@@ -123,7 +131,7 @@ class BlockLedger:
 
     def snapshot(self) -> LedgerSnapshot:
         return LedgerSnapshot(self.budget_blocks, self._reserved, self._inflight,
-                              self.release_rate() or 0.0)
+                              self.release_rate() or 0.0, self.limit_blocks)
 
 
 __all__ = ["BlockLedger", "Reservation", "LedgerSnapshot", "RATE_WINDOW_S"]

@@ -31,8 +31,8 @@ from kvtune.gateway.admission import Admission
 from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
+from kvtune.gateway.gate import ledger_for
 from kvtune.gateway.intake import Intake
-from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.relay import Relay, refusal_response
@@ -61,7 +61,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, *, counter: PromptCounter | None = None) -> None:
         self.config = config
-        self.ledger = BlockLedger(config.block_budget)
+        self.ledger = ledger_for(config.admission, config.block_budget)
         self.metrics = GatewayMetrics(self.ledger, lambda: self.admission.waiting)
         self.intake = Intake(config)
         self.admission = Admission(config, self.ledger, self.metrics)

@@ -19,6 +19,7 @@ from kvtune.endpoint import url_problem
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
+from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
 from kvtune.planning import Plan
 from kvtune.policy import rules
@@ -43,6 +44,8 @@ from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
 
 HISTOGRAM_BINS = 40
+# The cap levels the what-if search tries, as percentiles of each route's output tokens.
+CAP_LEVELS = {"p90": 0.9, "p95": 0.95, "p99": 0.99, "p99.9": 0.999}
 ROUTE_BY_MATCH = {"path": "path", "model": "model"}  # route key → gateway match key
 DEFAULT_UPSTREAM = "http://127.0.0.1:8000"
 
@@ -57,6 +60,11 @@ class RecommendOptions:
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
     served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
+    # The what-if search (kvtune.policy.search) sets these: every route capped at this percentile
+    # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
+    cap_level: str | None = None
+    searched: bool = False
+    admission: AdmissionPolicy = GUARANTEED  # the gateway's admission policy
 
     def __post_init__(self) -> None:
         if self.safety_fraction is not None and not 0 < self.safety_fraction <= 1:
@@ -78,6 +86,11 @@ class RecommendOptions:
             raise OptionError(problem, field="upstream")
         if not self.route_by:
             raise OptionError("names no route key: path, model or a log field", field="route_by")
+        if self.cap_level is not None and self.cap_level not in CAP_LEVELS:
+            raise OptionError(f"not a cap level: {self.cap_level!r} (one of {', '.join(CAP_LEVELS)})",
+                              field="cap_level")
+        if self.searched and self.safety_fraction is None:
+            raise OptionError("a searched budget needs its safety fraction", field="safety_fraction")
 
 
 def _route_match(route: str, route_by: str) -> Match | None:
@@ -93,10 +106,16 @@ def _route_match(route: str, route_by: str) -> Match | None:
 
 
 def _cap(route: RouteProfile, options: RecommendOptions, context_cap: int) -> Decision:
+    floor = None
     if options.max_truncation is not None:
         candidates = route.output.observed.values
         shares = np.array([route.output.truncation_share(int(t)) for t in candidates])
-        return rules.cap_by_truncation(candidates, shares, options.max_truncation, context_cap)
+        floor = rules.cap_by_truncation(candidates, shares, options.max_truncation, context_cap)
+    if options.cap_level is not None:
+        level = route.output.quantile(CAP_LEVELS[options.cap_level])
+        return rules.cap_at_level(options.cap_level, level.value_tokens, level.lower_bound, context_cap, floor)
+    if floor is not None:
+        return floor
     tail = route.tail.class_
     q = route.output.quantile(rules.CAP_PERCENTILE[tail])
     return rules.cap_by_tail(tail, q.value_tokens, q.lower_bound, context_cap)
@@ -176,7 +195,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     notes: list[str] = []
     measured = capacity.source is not CapacitySource.ESTIMATE
 
-    safety = rules.safety_fraction(options.safety_fraction, measured)
+    safety = (rules.safety_searched(options.safety_fraction) if options.searched and options.safety_fraction is not None
+              else rules.safety_fraction(options.safety_fraction, measured))
     budget = rules.block_budget(capacity.num_blocks, safety.fraction)
     budget_blocks = budget.tokens
     if budget_blocks < 1:
@@ -220,7 +240,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
                      "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
     settings = _engine_settings(profile, routes, reservations, plan, version=version,
-                                budget_blocks=budget_blocks, max_len=max_len)
+                                budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
+                                max_len=max_len)
     if not measured:
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
@@ -241,6 +262,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         concurrency=Concurrency(admitted, worst_concurrency, mean_reservation, worst_blocks, context_tokens),
         settings=settings,
         notes=tuple(notes),
+        admission=options.admission,
     )
 
 
@@ -262,7 +284,7 @@ def _capacity_summary(capacity: Capacity) -> CapacitySummary:
 
 
 def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
-                     plan: Plan, *, version: tuple[int, ...], budget_blocks: int,
+                     plan: Plan, *, version: tuple[int, ...], budget_blocks: int, limit_blocks: int,
                      max_len: Decision) -> dict[str, Decision | None]:
     """The vLLM flags, each from its rule: scheduler limits sized for what the budget admits,
     and the settings the capacity rests on, as the plan resolved them (measured ones win)."""
@@ -275,7 +297,7 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
     kv_pool = capacity.kv_cache_bytes or capacity.num_blocks * block_size * kv.kv_bytes_per_token_per_gpu
     p1_reservation = rules.weighted_quantile(np.concatenate([r.blocks for r in reservations]),
                                              np.concatenate([r.counts for r in reservations]), 0.01)
-    seqs = rules.max_num_seqs(budget_blocks, p1_reservation)
+    seqs = rules.max_num_seqs(budget_blocks, p1_reservation, limit_blocks)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
     engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]

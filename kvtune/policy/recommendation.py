@@ -15,13 +15,17 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
+from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.profile.routes import CensoredHistogram, TailClass
 from kvtune.userfiles import brief
 from kvtune.version import __version__
+
+if TYPE_CHECKING:
+    from kvtune.policy.whatif import Objective, WhatIfRow
 
 SCHEMA_VERSION = 2
 ENGINE_NAMES = ("vllm",)
@@ -399,6 +403,12 @@ class Recommendation:
     settings: Mapping[str, Decision | None]
     notes: tuple[str, ...] = ()
     kvtune_version: str = field(default_factory=lambda: __version__)
+    # The admission policy the gateway enforces (gateway.yaml and nginx.conf `admission`);
+    # a file written before the field existed reads as guaranteed.
+    admission: AdmissionPolicy = GUARANTEED
+    # `recommend --objective`: what the search was for, and every configuration it simulated
+    objective: Objective | None = None
+    what_if: tuple[WhatIfRow, ...] | None = None
 
     # ------------------------------------------------------------ what the files need most
 
@@ -419,6 +429,16 @@ class Recommendation:
     def gain(self) -> float | None:
         return self.concurrency.gain
 
+    @property
+    def chosen(self) -> WhatIfRow | None:
+        """The what-if row this recommendation is (None without --objective)."""
+        return next((r for r in self.what_if if r.chosen), None) if self.what_if else None
+
+    @property
+    def direct(self) -> WhatIfRow | None:
+        """The what-if row of straight-to-vLLM with today's defaults, the baseline."""
+        return next((r for r in self.what_if if r.policy.kind.value == "direct"), None) if self.what_if else None
+
     def setting(self, name: str) -> Decision:
         """A setting every recommendation has; KeyError names it if a caller asks for another."""
         decision = self.settings[name]
@@ -429,6 +449,13 @@ class Recommendation:
     # ------------------------------------------------------------ the file
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._to_dict()
+        if self.objective is not None and self.what_if is not None:
+            out["objective"] = self.objective.to_dict()
+            out["what_if"] = [r.to_dict() for r in self.what_if]
+        return out
+
+    def _to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "kvtune_version": self.kvtune_version,
@@ -444,6 +471,7 @@ class Recommendation:
             "routes": [r.to_dict() for r in self.routes],
             "concurrency": self.concurrency.to_dict(),
             "settings": {k: (None if d is None else d.to_dict()) for k, d in self.settings.items()},
+            "admission": self.admission.to_dict(),
             "notes": list(self.notes),
         }
 
@@ -475,6 +503,11 @@ class Recommendation:
         concurrency = f.obj("concurrency")
         routes = tuple(RouteRecommendation.read(r) for r in f.items("routes", nonempty=True))
         notes = f.strings("notes", optional=True) or []
+        from kvtune.policy.whatif import read_what_if
+
+        searched = read_what_if(f)
+        if searched is not None and {r.route for r in searched[0].traffic.routes} != {r.route for r in routes}:
+            raise f.fail("objective.traffic.routes", "are not the recommendation's routes")
         return cls(
             model=f.string("model", nonempty=True),
             served_model=f.string("served_model", nonempty=True),
@@ -516,6 +549,9 @@ class Recommendation:
             settings=settings,
             notes=tuple(notes),
             kvtune_version=f.string("kvtune_version"),
+            admission=parse_admission(f.data["admission"], f.fail) if "admission" in f.data else GUARANTEED,
+            objective=None if searched is None else searched[0],
+            what_if=None if searched is None else searched[1],
         )
 
 

@@ -99,6 +99,28 @@ def cap_by_truncation(
     return Decision(value=value, rule="cap-max-truncation", reason=reason)
 
 
+def cap_at_level(label: str, quantile: int, lower_bound: bool, context_cap: int,
+                 floor: Decision | None = None) -> Decision:
+    """Cap = the route's `label` percentile of output tokens (one cap level of the what-if
+    search), never below `floor` (the --max-truncation cap), never above what the context allows."""
+    value, note = quantile, " (a lower bound: responses were cut at their own cap)" if lower_bound else ""
+    reason = f"{label} of output tokens is {quantile}{note}; a cap level of the what-if search"
+    if floor is not None and floor.tokens > value:
+        value = floor.tokens
+        reason += f", raised to {value}, the smallest cap within the truncation budget"
+    if value > context_cap:
+        value = context_cap
+        reason += f", clipped to the context limit {context_cap}"
+    return Decision(max(1, int(value)), f"cap-{label}-what-if", reason)
+
+
+def safety_searched(fraction: float) -> Decision:
+    """The share of usable blocks the gateway reserves, as one budget level of the what-if search."""
+    return Decision(fraction, "safety-what-if",
+                    f"a budget level of the what-if search: {fraction:g} of the usable blocks, chosen by "
+                    "simulating the traffic at each level")
+
+
 def safety_fraction(requested: float | None, measured: bool) -> Decision:
     """Reserve at most this share of the usable KV blocks; the rest absorbs what a gateway cannot see.
 
@@ -237,14 +259,17 @@ def max_model_len(longest_request_tokens: int, model_limit: int, block_size: int
                     f"rounded up to the block size {block_size}")
 
 
-def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int) -> Decision:
+def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int, limit_blocks: int | None = None) -> Decision:
     """At least what the budget admits: budget ÷ the 1st-percentile reservation of the traffic mix
     (the concurrency when the budget fills with the shortest 1 % of requests), rounded up to 8.
-    Shorter requests beyond that wait in vLLM's queue; they are never preempted."""
-    most = budget_blocks // max(1, p1_reservation_blocks)
+    Shorter requests beyond that wait in vLLM's queue; they are never preempted. An overcommit
+    policy holds reservations against `limit_blocks` (k × the budget): the engine must run that many."""
+    held = budget_blocks if limit_blocks is None else limit_blocks
+    most = held // max(1, p1_reservation_blocks)
     value = max(8, -(-most // 8) * 8)
+    what = "the budget" if held == budget_blocks else f"the overcommit limit ({held} blocks)"
     return Decision(value, "max-num-seqs-budget-admits",
-                    f"the budget admits {budget_blocks} ÷ {p1_reservation_blocks} = {most} requests at once "
+                    f"{what} admits {held} ÷ {p1_reservation_blocks} = {most} requests at once "
                     "when it fills with the shortest 1 % of logged requests; the engine must run them all")
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtune.gateway.config import GatewayConfig, GatewayRoute
-from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
-from kvtune.gateway.ledger import BlockLedger, Reservation
+from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
+from kvtune.gateway.ledger import Reservation
+from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 
 
 class VerdictKind(enum.Enum):
@@ -83,9 +84,10 @@ class LedgerAdmission:
 
     def __init__(self, budget_blocks: int, *, block_size: int, max_model_len: int, retry_after_min_s: int = 1,
                  retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
-                 route_max_new_tokens: int | None = None) -> None:
+                 route_max_new_tokens: int | None = None, policy: AdmissionPolicy = GUARANTEED) -> None:
         self._now_s = 0.0
-        self.ledger = BlockLedger(budget_blocks, clock=lambda: self._now_s)
+        self.policy = policy
+        self.ledger = ledger_for(policy, budget_blocks, clock=lambda: self._now_s)
         self.gate: AdmissionGate[int] = AdmissionGate(self.ledger, max_waiting=queue_max_waiting,
                                                       timeout_s=queue_timeout_s, retry_after_min_s=retry_after_min_s,
                                                       retry_after_max_s=retry_after_max_s)
@@ -100,7 +102,8 @@ class LedgerAdmission:
         return cls(config.block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
                    retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
                    queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
-                   route_max_new_tokens=None if route is None else route.max_new_tokens)
+                   route_max_new_tokens=None if route is None else route.max_new_tokens,
+                   policy=config.admission)
 
     def cap(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """The output cap the gateway reserves for (and writes into the forwarded request)."""

@@ -1,0 +1,468 @@
+"""`recommend --objective`: simulate candidate configurations on the traffic, choose the best
+feasible one, and keep every row as the what-if table.
+
+The grid (SearchGrid, stated in the output): two reference rows, never chosen (straight to
+vLLM with today's defaults; the gateway reserving the whole context), then the guaranteed
+policy at every cap level (by tail class as today, p90, p95, p99, p99.9) × every budget level
+(safety 0.8, 0.9, 1.0 of the usable blocks, or the one --safety-fraction), then every other
+policy the gateway enforces (overcommit k = 1.25, 1.5, 2, 3) at every cap level on the 0.9
+budget; identical candidates once. Each candidate is `recommend()` at that level with that
+admission policy, so its engine settings are the ones its files would deploy. All rows serve
+the same requests: bench's draws for the seed at the objective's load, each capped by its
+row's route caps. Clients do not announce their lengths: each request asks for no max_tokens,
+so a gateway reserves prompt + its route's cap (bench's own clients send the drawn length,
+which a gateway could reserve exactly). Clients retry 429s as `kvtune bench --retry` does.
+
+Chosen: the row with the highest objective (output tokens/s, or goodput under --slo) among the
+candidates that meet every constraint; ties go to more output tokens/s, then fewer
+preemptions, fewer 429s, less truncation, a smaller budget (more margin), the earlier row.
+`simulate_deployment` is also what `kvtune check` runs on a deployed config, so check and the
+table agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtune.bench.report import Slo
+from kvtune.deploy.read import DeployedRoute
+from kvtune.errors import KvtuneError, OptionError
+from kvtune.planning import Plan
+from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
+from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
+from kvtune.policy.whatif import (
+    Goal,
+    Load,
+    Objective,
+    Policy,
+    PolicyKind,
+    Predicted,
+    SimBasis,
+    Violation,
+    WhatIfRow,
+)
+from kvtune.profile.histogram import Histogram
+from kvtune.profile.routes import CensoredHistogram, Profile
+from kvtune.sim.admission import Admission, LedgerAdmission
+from kvtune.sim.scheduler import EngineSettings
+
+TAIL_LEVEL = "tail"  # each route capped by its tail class (p95 light, p99 heavy), as without --objective
+DEFAULT_CAP_LEVELS = (TAIL_LEVEL, *CAP_LEVELS)
+DEFAULT_SAFETY_FRACTIONS = (0.8, 0.9, 1.0)
+DEFAULT_OVERCOMMIT_FACTORS = (1.25, 1.5, 2.0, 3.0)
+DEFAULT_REQUESTS = 1000
+MAX_REQUESTS = 100_000
+GUARANTEED = Policy(PolicyKind.GUARANTEED)
+OVERCOMMITS = tuple(Policy(PolicyKind.OVERCOMMIT, factor=k) for k in DEFAULT_OVERCOMMIT_FACTORS)
+# Policies the simulator (the gateway's own gate) enforces; statistical is parsed and rendered by
+# kvtune.gateway.policy but not enforced yet, so it is not a candidate.
+ENFORCED = frozenset({PolicyKind.GUARANTEED, PolicyKind.OVERCOMMIT, PolicyKind.WORST_CASE, PolicyKind.DIRECT})
+# Retry-After bounds the rendered gateway configs use (kvtune.deploy.render.RenderOptions' defaults)
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
+
+Progress = Callable[[int, int], None]  # (rows simulated, rows in the grid)
+
+
+class InfeasibleObjectiveError(KvtuneError):
+    """No candidate configuration meets the objective's constraints; `rows` is the what-if table."""
+
+    def __init__(self, message: str, rows: tuple[WhatIfRow, ...], objective: Objective) -> None:
+        super().__init__(message)
+        self.rows = rows
+        self.objective = objective
+
+
+# ---------------------------------------------------------------- what the user asks
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectiveSpec:
+    """`--objective` and its options as the user gave them; `build_objective` resolves the rest."""
+
+    goal: Goal
+    slo: Slo | None = None
+    max_preemption_rate: float | None = None
+    max_429_share: float | None = None
+    rate_rps: float | None = None
+    concurrency: int | None = None
+    requests: int = DEFAULT_REQUESTS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_preemption_rate", "max_429_share"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0 <= value <= 1):
+                raise OptionError(f"must be a share between 0 and 1, got {value:g}", field=name)
+        if self.rate_rps is not None and self.concurrency is not None:
+            raise OptionError("give a rate or a concurrency, not both", field="concurrency")
+        if self.rate_rps is not None and not (math.isfinite(self.rate_rps) and self.rate_rps > 0):
+            raise OptionError(f"must be a positive number of requests per second, got {self.rate_rps:g}",
+                              field="rate")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise OptionError(f"must be at least 1, got {self.concurrency}", field="concurrency")
+        if not 1 <= self.requests <= MAX_REQUESTS:
+            raise OptionError(f"must be from 1 to {MAX_REQUESTS:,}, got {self.requests}", field="requests")
+
+
+@dataclass(frozen=True, slots=True)
+class SearchGrid:
+    """The candidates simulated, besides the two reference rows: guaranteed at every cap level ×
+    safety fraction; each other policy (overcommit k) at every cap level on the default budget
+    (`overcommit_safety`: it overcommits the recommended budget, the factor is its own axis)."""
+
+    cap_levels: tuple[str, ...] = DEFAULT_CAP_LEVELS
+    safety_fractions: tuple[float, ...] = DEFAULT_SAFETY_FRACTIONS
+    policies: tuple[Policy, ...] = (GUARANTEED, *OVERCOMMITS)
+    overcommit_safety: float = 0.9
+
+    def __post_init__(self) -> None:
+        for p in self.policies:
+            if p.kind not in ENFORCED:
+                raise OptionError(f"the {p.label} policy is not enforced by the gateway yet", field="policy")
+
+    def for_objective(self, objective: Objective) -> SearchGrid:
+        """A preemption budget of 0 asks for the policy that guarantees it: guaranteed only."""
+        if objective.max_preemption_rate == 0:
+            return dataclasses.replace(self, policies=tuple(p for p in self.policies
+                                                            if p.kind is PolicyKind.GUARANTEED) or (GUARANTEED,))
+        return self
+
+    def cells(self) -> list[tuple[str, float, Policy]]:
+        """(cap level, safety fraction, policy) of every candidate, in table order."""
+        out = [(level, safety, p) for p in self.policies if p.kind is PolicyKind.GUARANTEED
+               for level in self.cap_levels for safety in self.safety_fractions]
+        out += [(level, self.overcommit_safety, p) for p in self.policies if p.kind is not PolicyKind.GUARANTEED
+                for level in self.cap_levels]
+        return out
+
+    @property
+    def candidates(self) -> int:
+        return len(self.cells())
+
+    def describe(self) -> str:
+        safeties = ", ".join(f"{s:g}" for s in self.safety_fractions)
+        parts = [f"guaranteed × caps {' / '.join(self.cap_levels)} × safety {safeties}"]
+        others = [p.label for p in self.policies if p.kind is not PolicyKind.GUARANTEED]
+        if others:
+            parts.append(f"{', '.join(others)} × the same caps at safety {self.overcommit_safety:g}")
+        return (f"{'; '.join(parts)} (≤ {self.candidates} candidates, identical ones once) + direct and "
+                "whole-context reference rows; statistical admission is not enforced yet, so not searched")
+
+
+def objective_load(profile: Profile, spec: ObjectiveSpec) -> Load:
+    """The load to simulate: --rate / --concurrency, else the logs' mean arrival rate."""
+    if spec.concurrency is not None:
+        return Load(None, spec.concurrency, "option")
+    if spec.rate_rps is not None:
+        return Load(spec.rate_rps, None, "option")
+    arrival = profile.combined().arrival if profile.routes else None
+    rate = None if arrival is None else arrival.mean_rate_rps
+    if rate is None or not rate > 0:
+        raise OptionError("the logs carry no timestamps to take an arrival rate from: give --rate RPS or "
+                          "--concurrency N", field="rate")
+    return Load(round(rate, 6), None, "logs")
+
+
+def sim_basis(plan: Plan) -> SimBasis:
+    """The simulator's footing on the plan's measured capacity: its timing (or the roofline for
+    the plan's model and GPU) and the engine with today's defaults."""
+    from kvtune.sim.setup import engine_setup, timing_setup
+
+    measured = plan.measured
+    if measured is None:
+        raise OptionError("an objective is simulated on a measured capacity: give --capacity FILE from "
+                          "`kvtune calibrate`", field="capacity_file")
+    gpu = None
+    if plan.gpu is not None:
+        from kvtune.hardware import find_gpu
+
+        gpu = find_gpu(plan.gpu)
+    timing = timing_setup(measured, spec=plan.spec, gpu=gpu, tp=plan.kv.tensor_parallel_size)
+    engine = engine_setup(measured, gpu=gpu).settings
+    return SimBasis(timing.model, timing.http_overhead_s, engine)
+
+
+def build_objective(profile: Profile, plan: Plan, spec: ObjectiveSpec) -> Objective:
+    for route in profile.routes:
+        if route.prompt.total == 0:
+            raise OptionError(f"route {route.route[:80]!r} logs no prompt lengths; simulating it needs them",
+                              field="objective")
+    return Objective(spec.goal, spec.slo, spec.max_preemption_rate, spec.max_429_share, objective_load(profile, spec),
+                     spec.requests, spec.seed, sim_basis(plan), traffic_profile(profile))
+
+
+def traffic_profile(profile: Profile) -> Profile:
+    """Only what the requests are drawn from (kvtune.bench.workload.PairSampler: output and
+    prompt lengths, their joint histogram) and what truncation is estimated from."""
+    return Profile(routes=tuple(dataclasses.replace(
+        r, total=CensoredHistogram.empty(), max_tokens=Histogram.empty(), finish_reasons={}, models={},
+        arrival=None, latency_ms=None, ttft_ms=None) for r in profile.routes))
+
+
+# ---------------------------------------------------------------- one deployment, simulated
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """A configuration as the simulator sees it: the engine's settings, each traffic route's
+    output cap (None: uncapped, vLLM lets it grow to the context), and the gateway's policy and
+    budget (None: straight to vLLM)."""
+
+    engine: EngineSettings
+    caps: Mapping[str, int | None]
+    policy: Policy
+    budget_blocks: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Draws:
+    """The requests every row serves: bench's draws for the seed and their send times."""
+
+    route: tuple[str, ...]
+    prompt: np.ndarray
+    output: np.ndarray
+    send_s: np.ndarray | None  # None: a closed loop sends them
+
+
+def draw_requests(objective: Objective) -> Draws:
+    from kvtune.bench.loads import LoadShape
+    from kvtune.sim.traffic import draw_profile, send_offsets
+
+    load, n = objective.load, objective.requests
+    sends = None
+    if load.rate_rps is not None:
+        sends = np.asarray(send_offsets(LoadShape.rate(load.rate_rps), seed=objective.seed, max_requests=n,
+                                        duration_s=None), dtype=np.float64)
+        n = len(sends)
+    draws, _ = draw_profile(objective.traffic, (), seed=objective.seed, n=n,
+                            max_model_len=objective.basis.engine.max_model_len)
+    return Draws(tuple(r for r, _, _ in draws), np.array([p for _, p, _ in draws], dtype=np.int64),
+                 np.array([o for _, _, o in draws], dtype=np.int64), sends)
+
+
+def _admission(d: Deployment) -> Admission | None:
+    """The gateway's admission for a policy, in simulated time (the live gateway's own code)."""
+    if d.policy.kind is PolicyKind.DIRECT or d.budget_blocks is None:
+        return None
+    if d.policy.kind not in ENFORCED:
+        raise OptionError(f"the {d.policy.label} policy is not enforced by the gateway yet", field="policy")
+    return LedgerAdmission(d.budget_blocks, block_size=d.engine.block_size, max_model_len=d.engine.max_model_len,
+                           retry_after_min_s=RETRY_AFTER_MIN_S, retry_after_max_s=RETRY_AFTER_MAX_S,
+                           policy=d.policy.admission())
+
+
+def truncation_share(traffic: Profile, caps: Mapping[str, int | None]) -> float:
+    """Expected share of requests cut by their route's cap: each route's Kaplan–Meier estimate
+    (as the recommendation reports it), weighted by its requests."""
+    total = sum(r.requests for r in traffic.routes)
+    cut = sum(r.requests * r.output.truncation_share(cap) for r in traffic.routes
+              if (cap := caps.get(r.route)) is not None)
+    return round(cut / total, 6) if total else 0.0
+
+
+def simulate_deployment(objective: Objective, deployment: Deployment, draws: Draws | None = None) -> Predicted:
+    """Serve the objective's requests on `deployment` and predict its figures."""
+    from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
+    from kvtune.sim.report import summarize_sim
+    from kvtune.sim.requests import Outcome, Workload
+    from kvtune.sim.results import OUTCOMES
+    from kvtune.sim.traffic import Traffic
+
+    draws = draws or draw_requests(objective)
+    overhead = objective.basis.http_overhead_s
+    cap = np.array([-1 if (c := deployment.caps.get(r)) is None else c for r in draws.route], dtype=np.int64)
+    output = np.where(cap > 0, np.minimum(draws.output, cap), draws.output)
+    n = len(draws.route)
+    arrival = np.zeros(n) if draws.send_s is None else draws.send_s + overhead
+    workload = Workload.from_columns(arrival, draws.prompt, np.maximum(output, 1), cap)
+    loop = None if objective.load.concurrency is None else ClosedLoop(objective.load.concurrency, overhead, None)
+    traffic = Traffic(workload, draws.output, draws.route, tuple(sorted(set(draws.route))), loop, overhead, Counter())
+    result = simulate(workload, deployment.engine, objective.basis.timing, admission=_admission(deployment),
+                      retry=CLIENT_RETRY, closed_loop=loop)
+    summary = summarize_sim(result, traffic, slo=objective.slo)
+    r = result.requests
+    sent_mask = r.outcome != OUTCOMES.index(Outcome.NOT_SENT)
+    sent = int(sent_mask.sum())
+    latency = summary["latency_ms"]
+    goodput = summary["goodput"]
+    return Predicted(
+        output_tokens_per_s=summary["throughput"]["output_tokens_per_s"],
+        requests_per_s=summary["throughput"]["requests_per_s"],
+        goodput_rps=None if goodput is None else goodput["requests_per_s"],
+        ttft_p50_ms=latency["ttft"]["p50"], ttft_p99_ms=latency["ttft"]["p99"],
+        e2e_p50_ms=latency["e2e"]["p50"], e2e_p99_ms=latency["e2e"]["p99"],
+        preemption_rate=round(int((r.preemptions[sent_mask] > 0).sum()) / sent, 6) if sent else 0.0,
+        share_429=round(summary["requests"]["failed"]["429"] / sent, 6) if sent else 0.0,
+        truncation_share=truncation_share(objective.traffic, deployment.caps),
+        sent=sent, completed=summary["requests"]["completed"],
+    )
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def route_caps(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, int | None]:
+    """Each logged route's output cap under a gateway's route table, matched as the gateways
+    (and `kvtune check`) match it: the first route that matches its path or model; none, uncapped."""
+    out: dict[str, int | None] = {}
+    for route in routes:
+        match = route.match or Match()
+        hit = next((r for r in table if r.matches(match.path, match.model)), None)
+        out[route.route] = None if hit is None else hit.max_new_tokens
+    return out
+
+
+def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) -> Deployment:
+    """What the files rendered from `rec` deploy: its engine settings on the measured pool, the
+    route table gateway.yaml carries (kvtune.deploy.render.gateway_routes), its budget."""
+    from kvtune.deploy.render import gateway_routes
+
+    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"]) for r in gateway_routes(rec)]
+    return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks)
+
+
+def recommended_engine(rec: Recommendation, basis: SimBasis) -> EngineSettings:
+    """The engine vllm-serve.sh starts for `rec`, on the simulator's measured pool."""
+    return EngineSettings(num_blocks=basis.engine.num_blocks, block_size=rec.capacity.block_size,
+                          max_num_seqs=rec.setting("max_num_seqs").tokens,
+                          max_num_batched_tokens=rec.setting("max_num_batched_tokens").tokens,
+                          max_model_len=rec.max_model_len, enable_prefix_caching=basis.engine.enable_prefix_caching)
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    policy: Policy
+    cap_level: str | None
+    safety_fraction: float | None
+    deployment: Deployment
+    rec: Recommendation | None  # None: a reference row
+
+
+def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective,
+                grid: SearchGrid) -> list[_Candidate]:
+    basis = objective.basis
+    uncapped: dict[str, int | None] = {r.route: None for r in profile.routes}
+    default = recommend(profile, plan, options)
+    direct, worst = Policy(PolicyKind.DIRECT), Policy(PolicyKind.WORST_CASE)
+    out = [_Candidate(direct, None, None, Deployment(basis.engine, uncapped, direct, None), None),
+           _Candidate(worst, None, default.safety_fraction.fraction,
+                      Deployment(basis.engine, uncapped, worst, default.budget_blocks), None)]
+    user_safety = options.safety_fraction is not None
+    seen: set[tuple] = set()
+    for level, safety, policy in grid.cells():
+        rec = recommend(profile, plan, dataclasses.replace(
+            options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
+            searched=not user_safety, admission=policy.admission()))
+        deployment = rendered_deployment(rec, basis, policy)
+        key = (policy, tuple(sorted(deployment.caps.items())), deployment.budget_blocks, deployment.engine)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(_Candidate(policy, level, safety, deployment, rec))
+    return out
+
+
+def violations(objective: Objective, predicted: Predicted) -> tuple[Violation, ...]:
+    """The constraints of `objective` that `predicted` breaks."""
+    return tuple(Violation(name, limit, value) for name, limit, attr in objective.constraints()
+                 if (value := getattr(predicted, attr)) > limit + 1e-12)
+
+
+def _score(objective: Objective, p: Predicted, budget_blocks: int | None, index: int) -> tuple[float, ...]:
+    """Higher is better: the objective, then output tokens/s, fewer preemptions, fewer 429s,
+    less truncation, a smaller budget (more margin), the earlier row."""
+    value = getattr(p, objective.metric)
+    return (value if value is not None else -math.inf, p.output_tokens_per_s, -p.preemption_rate, -p.share_429,
+            -p.truncation_share, -(budget_blocks or 0), -index)
+
+
+def choose(objective: Objective, predicted: Sequence[Predicted], budgets: Sequence[int | None],
+           reference: Sequence[bool]) -> int | None:
+    """The index of the best row that is a candidate (not a reference) and breaks no
+    constraint; None when there is none."""
+    feasible = [i for i, p in enumerate(predicted) if not reference[i] and not violations(objective, p)]
+    return max(feasible, key=lambda i: _score(objective, predicted[i], budgets[i], i)) if feasible else None
+
+
+def _why(objective: Objective, i: int, chosen: int | None, predicted: list[Predicted],
+         violations: tuple[Violation, ...], reference: bool, feasible: int) -> str:
+    metric = objective.metric_label
+    broke = "; ".join(v.text for v in violations)
+    if reference:
+        return "reference, not a kvtune deployment" + (f"; breaks {broke}" if broke else "")
+    if violations:
+        return f"rejected: {broke}"
+    value = getattr(predicted[i], objective.metric) or 0.0
+    if i == chosen:
+        limits = ", ".join(f"{name.removeprefix('max_').replace('_', ' ')} ≤ {limit:.1%}"
+                           for name, limit, _ in objective.constraints()) or "no constraints"
+        return f"chosen: the highest {metric} ({value:,.2f}) of the {feasible} candidate(s) within {limits}"
+    assert chosen is not None
+    best = getattr(predicted[chosen], objective.metric) or 0.0
+    if value == best:
+        return (f"within the constraints; ties the chosen row on {metric}, which wins on the tie-breaks "
+                "(output tokens/s, preemptions, 429s, truncation, smaller budget)")
+    return f"within the constraints; {metric} {value:,.2f} < the chosen row's {best:,.2f}"
+
+
+def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective, *,
+           grid: SearchGrid | None = None, progress: Progress | None = None) -> Recommendation:
+    """Simulate the grid, choose the best feasible candidate, return its recommendation with the
+    what-if table; InfeasibleObjectiveError (with the table) when no candidate meets the constraints."""
+    grid = (grid or SearchGrid()).for_objective(objective)
+    if options.safety_fraction is not None:
+        grid = dataclasses.replace(grid, safety_fractions=(options.safety_fraction,),
+                                   overcommit_safety=options.safety_fraction)
+    candidates = _candidates(profile, plan, options, objective, grid)
+    draws = draw_requests(objective)
+    predicted: list[Predicted] = []
+    for done, c in enumerate(candidates, 1):
+        predicted.append(simulate_deployment(objective, c.deployment, draws))
+        if progress is not None:
+            progress(done, len(candidates))
+    broken = [violations(objective, p) for p in predicted]
+    feasible = [i for i, c in enumerate(candidates) if c.rec is not None and not broken[i]]
+    chosen = choose(objective, predicted, [c.deployment.budget_blocks for c in candidates],
+                    [c.rec is None for c in candidates])
+    rows = tuple(WhatIfRow(
+        policy=c.policy, cap_level=c.cap_level, caps=dict(c.deployment.caps), budget_blocks=c.deployment.budget_blocks,
+        safety_fraction=c.safety_fraction, max_num_seqs=c.deployment.engine.max_num_seqs,
+        max_num_batched_tokens=c.deployment.engine.max_num_batched_tokens, predicted=predicted[i],
+        violations=broken[i], chosen=i == chosen,
+        why=_why(objective, i, chosen, predicted, broken[i], c.rec is None, len(feasible)))
+        for i, c in enumerate(candidates))
+    if chosen is None:
+        closest = min((i for i, c in enumerate(candidates) if c.rec is not None),
+                      key=lambda i: (sum(v.value - v.limit for v in broken[i]), i))
+        raise InfeasibleObjectiveError(
+            f"no configuration meets the objective: of {len(candidates) - 2} candidates the closest, "
+            f"{rows[closest].label}, breaks {'; '.join(v.text for v in broken[closest])}; relax "
+            "--max-preemption-rate / --max-429-share or lower the load", rows, objective)
+    rec = candidates[chosen].rec
+    assert rec is not None
+    notes = [f"what-if search at {objective.load.label}, {objective.requests:,} requests, seed {objective.seed}: "
+             f"{grid.describe()}; {len(rows)} rows simulated"]
+    if objective.basis.timing.estimate:
+        notes.append("the what-if figures rest on a roofline step-time estimate, not a calibration: run "
+                     "`kvtune calibrate URL --timing --out FILE` and pass it with --capacity")
+    return dataclasses.replace(rec, objective=objective, what_if=rows, notes=(*rec.notes, *notes))
+
+
+def recommend_for_objective(profile: Profile, plan: Plan, options: RecommendOptions, spec: ObjectiveSpec, *,
+                            grid: SearchGrid | None = None, progress: Progress | None = None) -> Recommendation:
+    """`recommend --objective`: the objective resolved on the plan's measured capacity, then searched."""
+    return search(profile, plan, options, build_objective(profile, plan, spec), grid=grid, progress=progress)
+
+
+__all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObjectiveError", "build_objective",
+           "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
+           "violations", "choose", "GUARANTEED",
+           "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
+           "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "ENFORCED",
+           "DEFAULT_REQUESTS", "TAIL_LEVEL"]

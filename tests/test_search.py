@@ -1,0 +1,350 @@
+"""`recommend --objective` as a library: the chosen row is the best feasible one, infeasible
+objectives say so with the table, a seed gives the same table, the document reads back strictly,
+and `check` simulates a deployment against the objective it was rendered for."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from objective_logs import CPU_CAPACITY, MODEL, objective_log
+
+import kvtune
+from kvtune.bench.report import Slo
+from kvtune.deploy.check import Severity
+from kvtune.errors import InputError, OptionError
+from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.search import InfeasibleObjectiveError, SearchGrid
+from kvtune.policy.whatif import Goal, PolicyKind, Predicted, WhatIfRow
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    return kvtune.profile_logs([objective_log(tmp_path_factory.mktemp("logs") / "log.jsonl")])
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return kvtune.plan(MODEL, measured=kvtune.measured_capacity(capacity_file=CPU_CAPACITY))
+
+
+def search(profile, plan, **kwargs) -> Recommendation:
+    kwargs.setdefault("requests", 300)
+    return kvtune.recommend(profile, plan, objective=kwargs.pop("objective", "throughput"), **kwargs)
+
+
+def metric(row: WhatIfRow, goal: Goal) -> float:
+    p = row.predicted
+    return (p.goodput_rps or 0.0) if goal is Goal.GOODPUT else p.output_tokens_per_s
+
+
+def assert_best_feasible(rows: tuple[WhatIfRow, ...], goal: Goal, limits: dict[str, float | None]) -> WhatIfRow:
+    """The property the search promises: exactly one chosen row, a feasible candidate, and no
+    other feasible candidate beats it on the objective."""
+    chosen = [r for r in rows if r.chosen]
+    assert len(chosen) == 1
+    best = chosen[0]
+    assert not best.reference and best.feasible
+    for row in rows:
+        p = row.predicted
+        broken = {"max_preemption_rate": p.preemption_rate, "max_429_share": p.share_429}
+        feasible = all(limit is None or broken[name] <= limit for name, limit in limits.items())
+        assert row.feasible == feasible, row.label
+        if feasible and not row.reference:
+            assert metric(row, goal) <= metric(best, goal), row.label
+    return best
+
+
+@pytest.mark.parametrize(("concurrency", "max_preemption_rate", "max_429_share"),
+                         [(16, None, None), (16, 0.0, None), (32, 0.05, 0.05), (32, None, 0.01)])
+def test_the_chosen_row_is_the_best_feasible_one(profile, plan, concurrency, max_preemption_rate, max_429_share):
+    rec = search(profile, plan, concurrency=concurrency, max_preemption_rate=max_preemption_rate,
+                 max_429_share=max_429_share)
+    best = assert_best_feasible(rec.what_if, Goal.THROUGHPUT, {"max_preemption_rate": max_preemption_rate,
+                                                              "max_429_share": max_429_share})
+    assert rec.chosen is best
+    # the recommendation is the chosen row's: its budget, its caps
+    assert rec.budget_blocks == best.budget_blocks
+    assert {r.route: r.cap for r in rec.routes} == dict(best.caps)
+    # direct to vLLM comes first, then the whole-context reservation, then the candidates
+    kinds = [r.policy.kind for r in rec.what_if]
+    assert kinds[:2] == [PolicyKind.DIRECT, PolicyKind.WORST_CASE]
+    # guaranteed, then overcommit at a few factors (only guaranteed when no preemption is allowed)
+    expected = [PolicyKind.GUARANTEED] if max_preemption_rate == 0 else [PolicyKind.GUARANTEED, PolicyKind.OVERCOMMIT]
+    assert list(dict.fromkeys(kinds[2:])) == expected
+    if best.policy.kind is PolicyKind.OVERCOMMIT:
+        assert rec.admission.factor == best.policy.factor
+    else:
+        assert rec.admission.kind.value == "guaranteed"
+    assert best.why.startswith("chosen: the highest output tokens/s")
+
+
+def test_goodput_is_maximised_under_the_slo(profile, plan):
+    slo = Slo(ttft_ms=500)
+    rec = search(profile, plan, objective="goodput", slo=slo, concurrency=32)
+    assert all(r.predicted.goodput_rps is not None for r in rec.what_if)
+    assert_best_feasible(rec.what_if, Goal.GOODPUT, {})
+    with pytest.raises(OptionError, match="needs latency objectives") as exc:
+        search(profile, plan, objective="goodput", concurrency=32)
+    assert exc.value.field == "slo"
+
+
+def test_rejected_rows_name_the_constraint_they_broke(profile, plan):
+    rec = search(profile, plan, concurrency=32, max_preemption_rate=0.0)
+    direct = rec.direct
+    assert direct is not None and direct.predicted.preemption_rate > 0  # 32 clients overflow 31 blocks
+    assert [v.constraint for v in direct.violations] == ["max_preemption_rate"]
+    assert "breaks preemption rate" in direct.why and direct.verdict.startswith("✗ preemption rate")
+    for row in rec.what_if[2:]:
+        assert row.predicted.preemption_rate == 0  # guaranteed reservations never preempt
+
+
+def test_no_feasible_row_raises_with_the_table(profile, plan):
+    with pytest.raises(InfeasibleObjectiveError) as exc:
+        search(profile, plan, concurrency=128, max_429_share=0.0, max_preemption_rate=0.0)
+    err = exc.value
+    assert "no configuration meets the objective" in str(err) and "429 share" in str(err)
+    assert len(err.rows) > 2 and not any(r.chosen for r in err.rows)
+    assert all(r.violations for r in err.rows[2:])
+    assert all(r.why.startswith("rejected: 429 share") for r in err.rows[2:])
+    assert {r.policy.kind for r in err.rows[2:]} == {PolicyKind.GUARANTEED}
+
+
+def test_a_seed_gives_the_same_table(profile, plan):
+    a, b = (search(profile, plan, concurrency=24, seed=3) for _ in range(2))
+    assert [r.to_dict() for r in a.what_if] == [r.to_dict() for r in b.what_if]
+    assert a.to_json() == b.to_json()
+    c = search(profile, plan, concurrency=24, seed=4)
+    assert [r.predicted for r in c.what_if] != [r.predicted for r in a.what_if]
+
+
+def test_the_logged_arrival_rate_is_the_default_load(profile, plan, tmp_path):
+    rec = search(profile, plan)
+    assert rec.objective is not None and rec.objective.load.source == "logs"
+    assert rec.objective.load.rate_rps == pytest.approx(20, rel=0.15)  # the log's Poisson rate
+    untimed = kvtune.profile_logs([objective_log(tmp_path / "untimed.jsonl", timestamps=False)])
+    with pytest.raises(OptionError, match="no timestamps") as exc:
+        search(untimed, plan)
+    assert exc.value.field == "rate"
+    assert search(untimed, plan, rate_rps=10).objective.load.rate_rps == 10
+
+
+def test_progress_is_called_for_each_row(profile, plan):
+    calls: list[tuple[int, int]] = []
+    rec = search(profile, plan, concurrency=8, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, len(rec.what_if)) for i in range(1, len(rec.what_if) + 1)]
+
+
+@pytest.mark.parametrize(("kwargs", "field", "message"), [
+    ({"max_preemption_rate": 1.5}, "max_preemption_rate", "must be a share between 0 and 1"),
+    ({"max_429_share": -0.1}, "max_429_share", "must be a share between 0 and 1"),
+    ({"rate_rps": 5, "concurrency": 4}, "concurrency", "give a rate or a concurrency, not both"),
+    ({"rate_rps": 0}, "rate", "must be a positive number"),
+    ({"concurrency": 0}, "concurrency", "must be at least 1"),
+    ({"requests": 0}, "requests", "must be from 1 to 100,000"),
+    ({"objective": "latency"}, "objective", "is not one of throughput, goodput"),
+])
+def test_bad_objective_options(profile, plan, kwargs, field, message):
+    with pytest.raises(OptionError, match=message) as exc:
+        search(profile, plan, **kwargs)
+    assert exc.value.field == field
+
+
+def test_options_without_an_objective_are_refused(profile, plan):
+    with pytest.raises(OptionError, match="only applies with an objective") as exc:
+        kvtune.recommend(profile, plan, max_preemption_rate=0.1)
+    assert exc.value.field == "max_preemption_rate"
+
+
+def test_an_estimated_capacity_cannot_be_simulated(profile):
+    with pytest.raises(OptionError, match="measured capacity"):
+        search(profile, kvtune.plan(MODEL, gpu="L4"), rate_rps=2)
+
+
+def test_a_preemption_budget_of_zero_keeps_only_the_guaranteed_policy(objective):
+    from kvtune.policy.whatif import Policy
+
+    grid = SearchGrid(policies=(Policy(PolicyKind.GUARANTEED), Policy(PolicyKind.OVERCOMMIT, factor=1.5)))
+    assert grid.for_objective(objective).policies == grid.policies
+    strict = dataclasses.replace(objective, max_preemption_rate=0.0)
+    assert [p.kind for p in grid.for_objective(strict).policies] == [PolicyKind.GUARANTEED]
+
+
+# ---------------------------------------------------------------- the choice, as a property
+
+
+@pytest.fixture(scope="module")
+def objective(profile, plan):
+    rec = search(profile, plan, concurrency=4, requests=50)
+    assert rec.objective is not None
+    return rec.objective
+
+
+def _predicted(tok: float, pre: float, share: float) -> Predicted:
+    return Predicted(tok, tok / 100, None, 1.0, 2.0, 3.0, 4.0, pre, share, 0.0, 100, 100)
+
+
+@settings(max_examples=300, deadline=None)
+@given(figures=st.lists(st.tuples(st.floats(0, 1e4), st.sampled_from([0.0, 0.01, 0.2]),
+                                  st.sampled_from([0.0, 0.05, 0.5]), st.booleans()), min_size=1, max_size=12),
+       max_pre=st.sampled_from([None, 0.0, 0.01, 0.1]), max_429=st.sampled_from([None, 0.0, 0.05, 0.2]))
+def test_choose_never_passes_over_a_better_feasible_row(objective, figures, max_pre, max_429):
+    from kvtune.policy.search import choose
+
+    limited = dataclasses.replace(objective, max_preemption_rate=max_pre, max_429_share=max_429)
+    predicted = [_predicted(tok, pre, share) for tok, pre, share, _ in figures]
+    reference = [ref for *_, ref in figures]
+    chosen = choose(limited, predicted, [10 + i for i in range(len(figures))], reference)
+
+    def feasible(i: int) -> bool:
+        p = predicted[i]
+        return (not reference[i] and (max_pre is None or p.preemption_rate <= max_pre)
+                and (max_429 is None or p.share_429 <= max_429))
+
+    if chosen is None:
+        assert not any(feasible(i) for i in range(len(figures)))
+        return
+    assert feasible(chosen)
+    for i in range(len(figures)):
+        if feasible(i):
+            assert predicted[i].output_tokens_per_s <= predicted[chosen].output_tokens_per_s
+
+
+# ---------------------------------------------------------------- recommendation.json
+
+
+@pytest.fixture(scope="module")
+def searched(profile, plan) -> Recommendation:
+    return search(profile, plan, concurrency=32, max_preemption_rate=0.01)
+
+
+def test_the_what_if_table_reads_back(searched):
+    data = searched.to_dict()
+    assert [set(r) for r in data["what_if"]] == [{
+        "policy", "reference", "cap_level", "caps", "budget_blocks", "safety_fraction", "max_num_seqs",
+        "max_num_batched_tokens", "predicted", "feasible", "violations", "chosen", "why"}] * len(data["what_if"])
+    assert set(data["what_if"][0]["predicted"]) == {
+        "output_tokens_per_s", "requests_per_s", "goodput_rps", "ttft_ms", "e2e_ms", "preemption_rate", "share_429",
+        "truncation_share", "sent", "completed"}
+    back = Recommendation.from_dict(json.loads(searched.to_json()), path="recommendation.json")
+    assert back.to_json() == searched.to_json()
+    assert back.chosen is not None and searched.chosen is not None and back.chosen.label == searched.chosen.label
+
+
+def _damaged(searched: Recommendation, edit) -> str:
+    data = copy.deepcopy(searched.to_dict())
+    edit(data)
+    with pytest.raises(InputError) as exc:
+        Recommendation.from_dict(data, path="r.json")
+    return str(exc.value)
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda d: d.pop("objective"), "r.json: objective: missing: a what-if table and its objective come together"),
+    (lambda d: d["what_if"][0].update(chosen=True), "r.json: what_if[0].chosen: a reference or infeasible row cannot"),
+    (lambda d: d["what_if"][0]["predicted"].update(share_429="lots"), "r.json: what_if[0].predicted.share_429: expected a finite number"),
+    (lambda d: d["what_if"][0].update(feasible=not d["what_if"][0]["feasible"]), "r.json: what_if[0].feasible: is "),
+    (lambda d: d["what_if"][0]["policy"].update(kind="yolo"), "r.json: what_if[0].policy.kind: 'yolo' is not one of"),
+    (lambda d: d["objective"].update(kind="latency"), "r.json: objective.kind: 'latency' is not one of"),
+    (lambda d: d["objective"]["simulator"]["engine"].update(max_model_len=10**6), "r.json: objective.simulator.engine.max_model_len: 1,000,000 tokens need 7,813 blocks"),
+    (lambda d: d["objective"]["traffic"].update(routes=[]), "r.json: objective.traffic.routes: no routes"),
+    (lambda d: d["objective"]["load"].update(concurrency=None), "r.json: objective.load.rate_rps: a load is a rate or a concurrency, got neither"),
+])
+def test_a_damaged_what_if_table_names_the_field(searched, edit, expected):
+    assert _damaged(searched, edit).startswith(expected)
+
+
+def test_exactly_one_row_is_chosen(searched):
+    def unchoose(d):
+        for row in d["what_if"]:
+            row["chosen"] = False
+
+    assert _damaged(searched, unchoose) == "r.json: what_if: expected exactly one chosen row"
+
+
+def test_files_without_an_objective_stay_valid(searched):
+    data = searched.to_dict()
+    del data["objective"], data["what_if"]
+    rec = Recommendation.from_dict(data)
+    assert rec.what_if is None and rec.objective is None and "what_if" not in rec.to_dict()
+
+
+# ---------------------------------------------------------------- check: the objective it was rendered for
+
+
+def _write(tmp_path, rec: Recommendation) -> Path:
+    out = tmp_path / "deploy"
+    kvtune.write_files(out, kvtune.render(rec))
+    return out
+
+
+def test_check_simulates_the_rendered_files_as_the_table_did(searched, tmp_path):
+    out = _write(tmp_path, searched)
+    rec = kvtune.load_recommendation(out / "recommendation.json")
+    result = kvtune.check(rec, [out / "vllm-serve.sh", out / "gateway.yaml"])
+    [met] = [f for f in result.findings if f.code == "objective-met"]
+    chosen = searched.chosen
+    assert chosen is not None
+    assert met.severity is Severity.INFO and met.source == str(out / "gateway.yaml")
+    assert f"{chosen.predicted.output_tokens_per_s:,.1f} output tokens/s" in met.message
+    assert f"{chosen.predicted.share_429:.1%} answered 429" in met.message
+    assert not [f for f in result.findings if f.code == "objective-missed"]
+
+
+def test_check_flags_a_deployment_that_breaks_the_objective(searched, tmp_path):
+    out = _write(tmp_path, searched)
+    rec = kvtune.load_recommendation(out / "recommendation.json")
+    # the engine alone, no gateway in front: vLLM admits all 32 clients into 31 blocks and preempts
+    result = kvtune.check(rec, [out / "vllm-serve.sh"])
+    [missed] = [f for f in result.findings if f.code == "objective-missed"]
+    assert missed.severity is Severity.RISK and not result.passed
+    assert missed.message.startswith("simulated preemption rate ") and "> 1.0%" in missed.message
+    # a gateway whose budget was raised past the pool lets vLLM preempt too
+    gateway = (out / "gateway.yaml").read_text()
+    budget = rec.budget_blocks
+    raised = tmp_path / "gateway.yaml"
+    raised.write_text(gateway.replace(f"block_budget: {budget}", "block_budget: 200"))
+    result = kvtune.check(rec, [out / "vllm-serve.sh", raised])
+    assert {"budget-over-capacity", "objective-missed"} <= {f.code for f in result.findings}
+
+
+def test_check_without_an_objective_simulates_nothing(profile, plan, tmp_path):
+    rec = kvtune.recommend(profile, plan)
+    out = _write(tmp_path, rec)
+    codes = {f.code for f in kvtune.check(rec, [out / "vllm-serve.sh", out / "gateway.yaml"]).findings}
+    assert not {"objective-met", "objective-missed"} & codes
+
+
+def test_an_overcommit_row_renders_and_checks_as_overcommit(profile, plan, tmp_path):
+    """16 clients on 31 blocks with 5 % preemption allowed: overcommitting the budget beats every
+    guaranteed row, the files say overcommit, and check simulates them as such."""
+    from kvtune.deploy.read import load_deployed
+
+    rec = search(profile, plan, concurrency=16, max_preemption_rate=0.05)
+    chosen = rec.chosen
+    assert chosen is not None and chosen.policy.kind is PolicyKind.OVERCOMMIT
+    best_guaranteed = max(r.predicted.output_tokens_per_s for r in rec.what_if
+                          if r.policy.kind is PolicyKind.GUARANTEED)
+    assert chosen.predicted.output_tokens_per_s > best_guaranteed
+    assert rec.admission.kind.value == "overcommit" and rec.admission.factor == chosen.policy.factor
+    out = _write(tmp_path, rec)
+    for name in ("gateway.yaml", "nginx.conf"):
+        deployed = load_deployed(out / name)
+        assert deployed.admission == rec.admission, name
+        result = kvtune.check(kvtune.load_recommendation(out / "recommendation.json"), [out / "vllm-serve.sh",
+                                                                                         out / name])
+        [met] = [f for f in result.findings if f.code == "objective-met"]
+        assert f"{chosen.predicted.output_tokens_per_s:,.1f} output tokens/s" in met.message, name
+    # a gateway.yaml edited to a policy the gateway does not enforce cannot be simulated
+    edited = tmp_path / "gateway.yaml"
+    edited.write_text((out / "gateway.yaml").read_text().replace(
+        f"  policy: \"overcommit\"\n  factor: {chosen.policy.factor}", "  policy: \"statistical\"\n  epsilon: 0.05"))
+    statistical = load_deployed(edited).admission
+    assert statistical is not None and statistical.kind.value == "statistical"
+    result = kvtune.check(rec, [out / "vllm-serve.sh", edited])
+    assert "objective-unsimulated" in {f.code for f in result.findings} and not result.passed
