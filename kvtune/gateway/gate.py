@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
+from kvtune.errors import OptionError
 from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Reservation
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
@@ -53,7 +54,8 @@ def ledger_for(policy: AdmissionPolicy, budget_blocks: int, *, clock: Callable[[
                rate_window_s: float = RATE_WINDOW_S) -> BlockLedger:
     """The ledger a policy runs on, for the gateway and the simulator alike."""
     if policy.kind is PolicyKind.STATISTICAL:
-        raise NotImplementedError("admission policy statistical is not enforced yet")
+        raise OptionError("the statistical policy is not enforced by this gateway yet; use guaranteed or "
+                          "overcommit", field="admission.policy")
     if clock is None:
         return BlockLedger(budget_blocks, rate_window_s=rate_window_s, limit_blocks=policy.limit_blocks(budget_blocks))
     return BlockLedger(budget_blocks, clock=clock, rate_window_s=rate_window_s,
