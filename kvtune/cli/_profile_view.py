@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 
+from kvtune.cli._progress import transient_bar
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, TailClass, classify_tail, summarize_plain
 
@@ -141,23 +140,9 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    started = time.monotonic()
-    state: dict[str, Any] = {}
     progress = Progress(
         "reading logs", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
         console=Console(stderr=True), transient=True,
     )
-
-    def update(done: int, total: int) -> None:
-        if "task" not in state:
-            if time.monotonic() - started < _PROGRESS_DELAY_S:
-                return
-            progress.start()
-            state["task"] = progress.add_task("read", total=total)
-        progress.update(state["task"], completed=done, total=total)
-
-    try:
+    with transient_bar(progress, "read", delay_s=_PROGRESS_DELAY_S) as update:
         yield update
-    finally:
-        if "task" in state:
-            progress.stop()

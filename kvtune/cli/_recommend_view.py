@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+from kvtune.cli._progress import transient_bar
 
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
@@ -28,19 +30,8 @@ def search_progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None
 
     progress = Progress("simulating the what-if table", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
-    state: dict[str, Any] = {}
-
-    def update(done: int, total: int) -> None:
-        if "task" not in state:
-            progress.start()
-            state["task"] = progress.add_task("simulate", total=total)
-        progress.update(state["task"], completed=done, total=total)
-
-    try:
+    with transient_bar(progress, "simulate") as update:
         yield update
-    finally:
-        if "task" in state:
-            progress.stop()
 
 
 def show_what_if(rows: tuple[WhatIfRow, ...], objective: Objective, console: Console | None = None) -> None:
