@@ -164,6 +164,15 @@ class LogArgs:
         return profile
 
 
+#: Where bench and simulate draw their traffic from, besides LOGS: the same words for both.
+traffic_source_options = compose([
+    click.option("--profile", "profile_path", metavar="FILE",
+                 help="A profile saved by `kvtune profile --save` instead of LOGS."),
+    click.option("--route", "routes", multiple=True, metavar="NAME",
+                 help="Only these routes (repeatable).  [default: all, by share]"),
+])
+
+
 log_options = grouped("log", LogArgs, [
     click.option("--format", "format_", metavar="NAME", help=_format_help()),
     click.option("--field", "fields", multiple=True, metavar="TARGET=PATH",

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from kvtune.cli.bench import LoadArgs, load_options
-from kvtune.cli.options import LogArgs, grouped, log_options
+from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
 from kvtune.errors import InputError, OptionError
 from kvtune.userfiles import brief
 
@@ -79,10 +79,7 @@ engine_args = grouped("engine", EngineArgs, _engine_options)
 
 @click.command(epilog=JSON_FIELDS)
 @click.argument("logs", nargs=-1)
-@click.option("--profile", "profile_path", metavar="FILE",
-              help="A profile saved by `kvtune profile --save` instead of LOGS.")
-@click.option("--route", "routes", multiple=True, metavar="NAME",
-              help="Only these routes (repeatable).  [default: all, by share]")
+@traffic_source_options
 @log_options
 @engine_args
 @load_options
