@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jinja2
+import numpy as np
 
 from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
@@ -35,11 +36,12 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import PolicyKind
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.policy.recommendation import Recommendation, RouteRecommendation
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
@@ -174,6 +176,16 @@ def vllm_flags(rec: Recommendation) -> list[dict]:
     return flags
 
 
+def route_output_law(route: RouteRecommendation) -> OutputLaw:
+    """The route's measured output lengths as the statistical policy reads them: binned, truncated
+    at its cap, and every cut-off (censored) response counted at the cap, since it ran at least
+    that long as far as anyone knows."""
+    lengths = route.output_lengths
+    values = np.concatenate([lengths.uncensored.values, np.full(lengths.censored.values.size, route.cap)])
+    counts = np.concatenate([lengths.uncensored.counts, lengths.censored.counts])
+    return OutputLaw.from_samples(values, counts, route.cap)
+
+
 def gateway_routes(rec: Recommendation) -> list[dict]:
     """The gateway's route table: one route per recommended route, in order, then a catch-all
     capped at the backstop so no request is ever uncapped."""
@@ -189,6 +201,7 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
             # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
             "api": "any" if path is not None and path not in GENERATE else None,
             "max_new_tokens": route.cap,
+            "output_histogram": route_output_law(route).to_dict(),
             "rule": route.max_new_tokens.rule,
             "reason": route.max_new_tokens.reason,
         })

@@ -33,7 +33,7 @@ from kvtune.gateway.counting import (
 )
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
-from kvtune.gateway.ledger import BlockLedger, Reservation
+from kvtune.gateway.ledger import BlockLedger, Demand, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
@@ -59,10 +59,10 @@ class WaitQueue:
     def waiting(self) -> int:
         return self.gate.waiting
 
-    def offer(self, blocks: int) -> tuple[int, Reservation | Turned | None]:
+    def offer(self, blocks: int, demand: Demand | None = None) -> tuple[int, Reservation | Turned | None]:
         """The gate's answer now, and the key to `wait` under when it is None (queued)."""
         key = next(self._keys)
-        return key, self.gate.offer(key, blocks, 0.0)
+        return key, self.gate.offer(key, blocks, 0.0, demand)
 
     async def wait(self, key: int, blocks: int) -> Reservation | Turned:
         """The reservation once every earlier waiter is served and `blocks` fit; a 429 on timeout."""
@@ -160,10 +160,10 @@ class Admission:
             upstream = (route.upstream if route else None) or self.config.upstream
             self._never_fits(asked, cap, self._lower_bounds(asked))
             counts = await self._count(upstream, asked, model)
-            blocks = self._blocks(asked, cap, counts.tokens, counts.exact)
+            blocks, demand = self._blocks(asked, cap, counts.tokens, counts.exact, route)
             forwarded = rewrite(body, asked, cap) if cap is not None else raw
             target = incoming.target((route.upstream_path if route else None) or incoming.path)
-            reservation = await self._reserve(blocks)
+            reservation = await self._reserve(blocks, demand)
         except Rejection as rejection:
             raise Refused(route, rejection) from None
         return Admitted(route, upstream, target, blocks, cap, forwarded, reservation)
@@ -183,12 +183,16 @@ class Admission:
         """Tokens each prompt holds at least, known without counting (token ids; 0 for text)."""
         return [p.token_count or 0 for p in asked.prompts]
 
-    def _blocks(self, asked: Request, cap: int | None, tokens: tuple[int, ...], exact: bool) -> int:
+    def _blocks(self, asked: Request, cap: int | None, tokens: tuple[int, ...], exact: bool,
+                route: GatewayRoute | None) -> tuple[int, Demand | None]:
         """The reservation: the largest of the readings, each the sum over its sequences of
         ceil((prompt + cap) / block_size), times its copies; 400 for a prompt past the context,
-        413 for what exceeds the whole budget."""
+        413 for what can never be admitted. With it, what the largest reading's sequences may
+        reach (the statistical ledger's demand: their prompts, the cap, the route's output law)."""
         cfg = self.config
         largest = 0
+        demand: Demand | None = None
+        chosen = False
         for reading in asked.readings:
             prompts = [sum(tokens[i] for i in seq.parts) + seq.extra_tokens for seq in reading.sequences]
             for prompt in prompts:
@@ -197,13 +201,19 @@ class Admission:
                                     f"the prompt has {prompt} tokens; this deployment's context is "
                                     f"{cfg.max_model_len} tokens")
             grow = (cap or 0) if reading.generates else 0
-            largest = max(largest, sequence_blocks(prompts, grow, block_size=cfg.block_size,
-                                                   max_model_len=cfg.max_model_len, copies=reading.copies))
-        if self.queue.gate.never_fits(largest):
+            blocks = sequence_blocks(prompts, grow, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+                                     copies=reading.copies)
+            if blocks > largest or not chosen:
+                largest, chosen = blocks, True
+                # a reading that generates nothing (pooling) holds its prompt for its whole life: no demand
+                demand = None if grow == 0 else Demand(
+                    tuple(min(p, cfg.max_model_len) for p in prompts) * reading.copies, grow,
+                    route.output_law if route is not None else None)
+        if self.queue.gate.never_fits(largest, demand):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but {self._limit_text()}: "
                             "it can never be admitted")
-        return max(largest, 1)
+        return max(largest, 1), demand
 
     def _never_fits(self, asked: Request, cap: int | None, lower: list[int]) -> None:
         """413 before any count when even the cheapest reading of the request exceeds the budget
@@ -243,10 +253,10 @@ class Admission:
                             f"the gateway could not count the prompt: {exc}",
                             retry_after_s=self.config.retry_after_min_s) from None
 
-    async def _reserve(self, blocks: int) -> Reservation:
+    async def _reserve(self, blocks: int, demand: Demand | None) -> Reservation:
         """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised."""
         queue = self.queue
-        key, got = queue.offer(blocks)
+        key, got = queue.offer(blocks, demand)
         if got is None:  # queued
             started = time.monotonic()
             got = await queue.wait(key, blocks)

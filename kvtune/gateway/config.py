@@ -26,6 +26,7 @@ from kvtune.gateway.endpoints import (
     classify,
     never_passthrough,
 )
+from kvtune.gateway.overflow import OutputLaw, parse_output_law
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 
@@ -74,6 +75,9 @@ class GatewayRoute:
     # they are counted; `any` charges every prompt field) and the path they are forwarded to.
     api: Api | None = None
     upstream_path: str | None = None
+    # The route's measured output lengths (output_histogram), which the statistical policy bets
+    # on; None: its requests are assumed to reach their cap.
+    output_law: OutputLaw | None = None
 
 
 DEFAULT_PAIR_TOKENS = 128
@@ -346,8 +350,8 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
 
 
 def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
-    item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path"},
-                     {"name", "max_new_tokens"})
+    item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path",
+                                  "output_histogram"}, {"name", "max_new_tokens"})
     match_doc = r.mapping(item.get("match", {}), f"{where}.match", {"path", "path_prefix", "model"})
     path = r.string(match_doc.get("path"), f"{where}.match.path", optional=True)
     prefix = r.string(match_doc.get("path_prefix"), f"{where}.match.path_prefix", optional=True)
@@ -396,6 +400,8 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
         upstream=r.url(item.get("upstream"), f"{where}.upstream", optional=True),
         api=api,
         upstream_path=upstream_path,
+        output_law=(None if item.get("output_histogram") is None
+                    else parse_output_law(item["output_histogram"], r.fail, f"{where}.output_histogram")),
     )
 
 

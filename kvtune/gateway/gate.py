@@ -18,14 +18,14 @@ or floor(k x budget) under an overcommit factor: kvtune.gateway.policy) can neve
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
-from kvtune.errors import OptionError
-from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Reservation
+from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Demand, Reservation, StatisticalLedger
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
 
@@ -50,14 +50,12 @@ def sequence_blocks(prompts: Iterable[int], grow: int, *, block_size: int, max_m
     return request_reserved_blocks((min(p, max_model_len) for p in prompts), grow, block_size, copies)
 
 
-def ledger_for(policy: AdmissionPolicy, budget_blocks: int, *, clock: Callable[[], float] | None = None,
-               rate_window_s: float = RATE_WINDOW_S) -> BlockLedger:
+def ledger_for(policy: AdmissionPolicy, budget_blocks: int, *, block_size: int, max_model_len: int,
+               clock: Callable[[], float] = time.monotonic, rate_window_s: float = RATE_WINDOW_S) -> BlockLedger:
     """The ledger a policy runs on, for the gateway and the simulator alike."""
     if policy.kind is PolicyKind.STATISTICAL:
-        raise OptionError("the statistical policy is not enforced by this gateway yet; use guaranteed or "
-                          "overcommit", field="admission.policy")
-    if clock is None:
-        return BlockLedger(budget_blocks, rate_window_s=rate_window_s, limit_blocks=policy.limit_blocks(budget_blocks))
+        return StatisticalLedger(budget_blocks, epsilon=policy.epsilon, block_size=block_size,
+                                 max_model_len=max_model_len, clock=clock, rate_window_s=rate_window_s)
     return BlockLedger(budget_blocks, clock=clock, rate_window_s=rate_window_s,
                        limit_blocks=policy.limit_blocks(budget_blocks))
 
@@ -86,28 +84,29 @@ class AdmissionGate(Generic[K]):
         self.timeout_s = timeout_s
         self.retry_after_min_s = retry_after_min_s
         self.retry_after_max_s = retry_after_max_s
-        self._waiters: deque[tuple[K, int, float]] = deque()  # (key, blocks, deadline)
+        self._waiters: deque[tuple[K, int, Demand | None, float]] = deque()  # (key, blocks, demand, deadline)
         self.waiting_peak = 0
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def never_fits(self, blocks: int) -> bool:
-        """More than the ledger's limit (the budget, or k x it): no release will ever make room (413)."""
-        return blocks > self.ledger.limit_blocks
+    def never_fits(self, blocks: int, demand: Demand | None = None) -> bool:
+        """No release will ever make room (413): more than the ledger's limit (the budget, or k x
+        it), or for statistical an overflow probability above epsilon even alone."""
+        return self.ledger.never_fits(blocks, demand)
 
-    def offer(self, key: K, blocks: int, now: float) -> Reservation | Turned | None:
+    def offer(self, key: K, blocks: int, now: float, demand: Demand | None = None) -> Reservation | Turned | None:
         """A reservation now; None when the request now waits under `key`; or a 429."""
         if not self._waiters:  # FIFO: nobody overtakes a request already waiting
-            reservation = self.ledger.try_reserve(blocks)
+            reservation = self.ledger.try_reserve(blocks, demand)
             if reservation is not None:
                 return reservation
         if self.max_waiting <= 0:
             return self.turn(blocks, Reason.KV_BUDGET_EXHAUSTED)
         if len(self._waiters) >= self.max_waiting:
             return self.turn(blocks, Reason.QUEUE_FULL)
-        self._waiters.append((key, blocks, now + self.timeout_s))
+        self._waiters.append((key, blocks, demand, now + self.timeout_s))
         if len(self._waiters) > self.waiting_peak:
             self.waiting_peak = len(self._waiters)
         return None
@@ -128,11 +127,11 @@ class AdmissionGate(Generic[K]):
         waiters = self._waiters
         gone = self._gone
         while waiters:
-            key, blocks, _ = waiters[0]
+            key, blocks, demand, _ = waiters[0]
             if gone is not None and gone(key):
                 waiters.popleft()
                 continue
-            reservation = self.ledger.try_reserve(blocks)
+            reservation = self.ledger.try_reserve(blocks, demand)
             if reservation is None:
                 break
             waiters.popleft()
@@ -149,15 +148,15 @@ class AdmissionGate(Generic[K]):
 
     def next_deadline(self) -> float | None:
         """When the head of the queue times out (one timeout for all: deadlines are in FIFO order)."""
-        return self._waiters[0][2] if self._waiters else None
+        return self._waiters[0][3] if self._waiters else None
 
     def expire(self, now: float) -> tuple[list[tuple[K, Reservation]], list[tuple[K, Turned]]]:
         """Every waiter whose deadline has come leaves, in order; what that grants, and their 429s."""
         granted: list[tuple[K, Reservation]] = []
         turned: list[tuple[K, Turned]] = []
         waiters = self._waiters
-        while waiters and waiters[0][2] <= now:
-            key, blocks, _ = waiters.popleft()
+        while waiters and waiters[0][3] <= now:
+            key, blocks, _, _ = waiters.popleft()
             granted.extend(self.wake())
             turned.append((key, self.turn(blocks, Reason.QUEUE_TIMEOUT)))
         return granted, turned

@@ -61,7 +61,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, *, counter: PromptCounter | None = None) -> None:
         self.config = config
-        self.ledger = ledger_for(config.admission, config.block_budget)
+        self.ledger = ledger_for(config.admission, config.block_budget, block_size=config.block_size,
+                                 max_model_len=config.max_model_len)
         self.metrics = GatewayMetrics(self.ledger, lambda: self.admission.waiting)
         self.intake = Intake(config)
         self.admission = Admission(config, self.ledger, self.metrics)
@@ -127,7 +128,7 @@ class Gateway:
             if admitted.cap is not None:
                 extra["X-Kvtune-Max-Tokens"] = str(admitted.cap)
             return await self.relay.send(request, self._client(admitted.upstream), "POST", admitted.target,
-                                         admitted.body, extra)
+                                         admitted.body, extra, progress=admitted.reservation.progress)
         finally:
             self.admission.release(admitted)
 

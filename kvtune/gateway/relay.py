@@ -11,6 +11,7 @@ gateway's own answers (kvtune.gateway.refusals) become OpenAI-style error respon
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -53,9 +54,11 @@ class Relay:
         self.send_timeout_s = send_timeout_s
 
     async def send(self, request: web.Request, client: UpstreamClient, method: str, target: str, body: bytes,
-                   extra_headers: dict[str, str], *, decoded: bool = True) -> web.StreamResponse:
+                   extra_headers: dict[str, str], *, decoded: bool = True,
+                   progress: Callable[[int], None] | None = None) -> web.StreamResponse:
         """A request whose body is in hand, through the gateway's own upstream client; a body
-        the gateway decoded goes without its Content-Encoding."""
+        the gateway decoded goes without its Content-Encoding. `progress(tokens)` hears, as an
+        event stream comes back, at least how many tokens it has carried (events_seen_tokens)."""
         headers = _forward_headers(request.headers, drop_encoding=decoded)
         try:
             up = await client.request(method, target, headers, body)
@@ -64,10 +67,10 @@ class Relay:
         except UpstreamError as exc:
             return refusal_response(Rejection(502, Reason.UPSTREAM_UNAVAILABLE,
                                               f"the upstream could not be reached: {exc}"))
-        return await self._relay(request, up, extra_headers)
+        return await self._relay(request, up, extra_headers, progress)
 
-    async def _relay(self, request: web.Request, up: UpstreamResponse,
-                     extra_headers: dict[str, str]) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, up: UpstreamResponse, extra_headers: dict[str, str],
+                     progress: Callable[[int], None] | None = None) -> web.StreamResponse:
         """Send the upstream's answer back, chunk by chunk as it arrives; a client that accepts
         nothing for send_timeout_s is cut off (its upstream call and reservation with it)."""
         finished = False
@@ -91,8 +94,14 @@ class Relay:
                 return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
             response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
             await response.prepare(request)
+            if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                progress = None
+            events = 0
             try:
                 async for chunk in up.iter_chunks():
+                    if progress is not None:
+                        events += chunk.count(b"\n\n")
+                        progress(events_seen_tokens(events))
                     async with asyncio.timeout(send_timeout):
                         await response.write(chunk)
             except UpstreamError:
@@ -113,6 +122,21 @@ class Relay:
                 up.release()
             else:
                 up.close()
+
+
+#: Events of a completion stream that carry no generated token: the first (the role, in chat),
+#: the last (finish_reason, or usage) and `[DONE]`.
+_EVENTS_WITHOUT_TOKENS = 3
+
+
+def events_seen_tokens(events: int) -> int:
+    """Tokens an OpenAI-style event stream has carried at least, after `events` complete events.
+
+    vLLM sends one event per engine step, each with at least one token of every sequence that
+    advanced; an event ends with a blank line (JSON holds no raw newline, so b"\\n\\n" is always a
+    boundary). Counting events undercounts tokens (an event may hold several), which only makes the
+    statistical ledger's condition weaker, never wrong."""
+    return max(0, events - _EVENTS_WITHOUT_TOKENS)
 
 
 def _whole_body(method: str, up: UpstreamResponse) -> bool:
@@ -147,4 +171,4 @@ def _response_headers(headers: CIMultiDict[str], whole: bool) -> CIMultiDict[str
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
-__all__ = ["Relay", "refusal_response", "HOP_BY_HOP"]
+__all__ = ["Relay", "events_seen_tokens", "refusal_response", "HOP_BY_HOP"]

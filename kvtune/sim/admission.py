@@ -16,7 +16,8 @@ from typing import Protocol
 
 from kvtune.gateway.config import GatewayConfig, GatewayRoute
 from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
-from kvtune.gateway.ledger import Reservation
+from kvtune.gateway.ledger import Demand, Reservation
+from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 
 
@@ -84,10 +85,13 @@ class LedgerAdmission:
 
     def __init__(self, budget_blocks: int, *, block_size: int, max_model_len: int, retry_after_min_s: int = 1,
                  retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
-                 route_max_new_tokens: int | None = None, policy: AdmissionPolicy = GUARANTEED) -> None:
+                 route_max_new_tokens: int | None = None, policy: AdmissionPolicy = GUARANTEED,
+                 output_law: OutputLaw | None = None) -> None:
         self._now_s = 0.0
         self.policy = policy
-        self.ledger = ledger_for(policy, budget_blocks, clock=lambda: self._now_s)
+        self.output_law = output_law
+        self.ledger = ledger_for(policy, budget_blocks, block_size=block_size, max_model_len=max_model_len,
+                                 clock=lambda: self._now_s)
         self.gate: AdmissionGate[int] = AdmissionGate(self.ledger, max_waiting=queue_max_waiting,
                                                       timeout_s=queue_timeout_s, retry_after_min_s=retry_after_min_s,
                                                       retry_after_max_s=retry_after_max_s)
@@ -103,7 +107,7 @@ class LedgerAdmission:
                    retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
                    queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
                    route_max_new_tokens=None if route is None else route.max_new_tokens,
-                   policy=config.admission)
+                   policy=config.admission, output_law=None if route is None else route.output_law)
 
     def cap(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """The output cap the gateway reserves for (and writes into the forwarded request)."""
@@ -120,9 +124,11 @@ class LedgerAdmission:
     def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
         self._now_s = now_s
         blocks = self.blocks(prompt_tokens, max_tokens)
-        if self.gate.never_fits(blocks):
+        demand = Demand((min(prompt_tokens, self.max_model_len),), self.cap(prompt_tokens, max_tokens),
+                        self.output_law)
+        if self.gate.never_fits(blocks, demand):
             return Verdict(VerdictKind.REFUSE)
-        got = self.gate.offer(request, blocks, now_s)
+        got = self.gate.offer(request, blocks, now_s, demand)
         if got is None:
             return QUEUED
         if isinstance(got, Turned):

@@ -1,0 +1,262 @@
+"""The statistical policy's rule: how likely the admitted requests' KV is to outgrow the budget.
+
+Each admitted sequence i holds ceil((prompt_i + tokens_i(t)) / block_size) blocks while it runs
+and none once it has ended; its final length L_i is unknown but follows its route's measured
+output distribution, truncated at its cap (mass above the cap sits at the cap), and conditioned on
+the tokens it has already streamed. Lengths are independent across sequences.
+
+A bound on the *final* blocks alone, P(sum_i ceil((p_i + L_i) / B) > C), ignores that requests
+ending early give their blocks back, and admits little more than the worst case. This module
+bounds the *peak* of usage over the coming decode steps instead, assuming every running sequence
+gains one token a step (the engine decodes them in one batch):
+
+  * steps are cut into doubling intervals [0, 1), [1, 2), [2, 4), ... up to max_model_len;
+  * within interval [a, b) sequence i holds at most X_i = ceil((p_i + min(s_i + b, L_i)) / B)
+    blocks if it is still running at step a (L_i - s_i > a), else 0 (s_i: tokens streamed);
+  * the peak exceeds C only if some interval's sum of X_i does, so by the union bound
+      P(peak > C) <= min( P(sum final blocks > C),  sum over intervals P(sum X_i > C) ).
+
+Each tail P(S > C) is computed exactly, by convolving the sequences' small integer supports
+truncated at C + 1, when that is cheap (EXACT_WORK); otherwise it is bounded by Chernoff,
+P(S >= C + 1) <= min over theta of exp(sum_i log E[exp(theta X_i)] - theta (C + 1)), on a fixed
+grid of theta, which is never below the true tail. No normal approximation is used anywhere.
+When the worst case of every sequence fits (sum of ceil((p_i + cap_i) / B) <= C), the probability
+is exactly 0, so epsilon = 0 admits exactly what the guaranteed policy admits.
+
+The state is incremental: each held sequence keeps its log-moment rows, and the ledger keeps
+their sum, so an admission costs one new sequence's rows, not a pass over everyone held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Most bins an output_histogram may carry (the renderer writes RENDERED_BINS).
+MAX_BINS = 64
+RENDERED_BINS = 32
+
+#: The Chernoff grid, in 1/blocks: 2^-12 .. 2^2 in steps of 2^0.5.
+THETAS = tuple(2.0 ** (k / 2) for k in range(-24, 5))
+
+#: Above this many multiply-adds per evaluation the tails are bounded, not convolved.
+EXACT_WORK = 2_000_000
+
+#: Streamed-token counts at which a running sequence's law is conditioned again (16, 32, 64, ...):
+#: each update costs one sequence's rows, so a long answer costs log2(length) updates.
+FIRST_MARK = 16
+
+
+def next_mark(tokens: int) -> int:
+    """The first conditioning mark above `tokens` (16, 32, 64, ...)."""
+    mark = FIRST_MARK
+    while mark <= tokens:
+        mark *= 2
+    return mark
+
+
+def last_mark(tokens: int) -> int:
+    """The largest mark at or below `tokens`, or 0 below the first."""
+    if tokens < FIRST_MARK:
+        return 0
+    mark = FIRST_MARK
+    while mark * 2 <= tokens:
+        mark *= 2
+    return mark
+
+
+def interval_edges(max_model_len: int) -> tuple[tuple[int, int], ...]:
+    """The doubling step intervals [a, b) covering every step a sequence can still run."""
+    edges = [(0, 1)]
+    b = 1
+    while b < max_model_len:
+        edges.append((b, 2 * b))
+        b *= 2
+    return tuple(edges)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLaw:
+    """A route's output-length distribution: each bin's upper edge (tokens) and its count.
+
+    A length is taken at its bin's upper edge, which overstates both how many blocks a sequence
+    reaches and how long it holds them: the bound stays conservative for any length in the bin."""
+
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lengths or len(self.lengths) != len(self.counts):
+            raise ValueError("an output law needs as many counts as lengths, at least one")
+        if len(self.lengths) > MAX_BINS:
+            raise ValueError(f"an output law has at most {MAX_BINS} bins, got {len(self.lengths)}")
+        if any(b <= a for a, b in zip(self.lengths, self.lengths[1:], strict=False)) or self.lengths[0] < 1:
+            raise ValueError("output law lengths must be positive and strictly increasing")
+        if any(c < 0 for c in self.counts) or sum(self.counts) <= 0:
+            raise ValueError("output law counts must be non-negative with a positive total")
+
+    @classmethod
+    def from_samples(cls, values: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray, cap: int,
+                     bins: int = RENDERED_BINS) -> OutputLaw:
+        """Bin exact (value, count) pairs into at most `bins` bins by quantile, lengths above the
+        cap moved to the cap; the last edge is always the cap, so the worst case keeps its mass."""
+        v = np.minimum(np.asarray(values, dtype=np.int64), cap)
+        c = np.asarray(counts, dtype=np.int64)
+        keep = c > 0
+        v, c = v[keep], c[keep]
+        if v.size == 0:
+            return cls((max(cap, 1),), (1,))
+        order = np.argsort(v, kind="stable")
+        v, c = v[order], c[order]
+        cum = np.cumsum(c)
+        total = int(cum[-1])
+        edges: list[int] = []
+        for j in range(1, bins):  # the value at each quantile j / bins becomes an upper edge
+            idx = int(np.searchsorted(cum, math.ceil(total * j / bins)))
+            edge = int(v[min(idx, v.size - 1)])
+            if edge >= 1 and (not edges or edge > edges[-1]) and edge < cap:
+                edges.append(edge)
+        edges.append(max(cap, 1))
+        upper = np.asarray(edges, dtype=np.int64)
+        where = np.searchsorted(upper, np.maximum(v, 1), side="left")
+        binned = np.bincount(where, weights=c, minlength=upper.size).astype(np.int64)
+        keep_bins = [(int(e), int(n)) for e, n in zip(upper, binned, strict=True) if n > 0 or e == upper[-1]]
+        return cls(tuple(e for e, _ in keep_bins), tuple(n for _, n in keep_bins))
+
+    @classmethod
+    def worst_case(cls, cap: int) -> OutputLaw:
+        """Every sequence reaches its cap: what a route without a histogram is assumed to do."""
+        return cls((max(cap, 1),), (1,))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lengths": list(self.lengths), "counts": list(self.counts)}
+
+    def conditioned(self, cap: int, streamed: int) -> tuple[np.ndarray, np.ndarray]:
+        """The lengths (each at most `cap`) and their probabilities given `streamed` tokens seen.
+
+        A bin whose upper edge is below `streamed` is impossible now; if none is left (the request
+        runs past every logged length), the sequence is assumed to run to its cap."""
+        lengths = np.minimum(np.asarray(self.lengths, dtype=np.int64), cap)
+        weights = np.asarray(self.counts, dtype=np.float64)
+        keep = (lengths >= streamed) & (weights > 0)
+        if not keep.any():
+            return np.asarray([cap], dtype=np.int64), np.ones(1)
+        lengths, weights = lengths[keep], weights[keep]
+        uniq, inverse = np.unique(lengths, return_inverse=True)
+        merged = np.bincount(inverse, weights=weights, minlength=uniq.size)
+        return uniq, merged / merged.sum()
+
+
+def parse_output_law(raw: Any, fail: Any, where: str) -> OutputLaw:
+    """gateway.yaml's `output_histogram: {lengths: [...], counts: [...]}`, validated strictly."""
+    if not isinstance(raw, Mapping):
+        raise fail(where, "expected a mapping {lengths: [...], counts: [...]}")
+    for key in raw:
+        if key not in ("lengths", "counts"):
+            raise fail(f"{where}.{key}" if isinstance(key, str) and key.isprintable() else where,
+                       "unknown key (allowed: lengths, counts)")
+    lists: dict[str, list[int]] = {}
+    for key in ("lengths", "counts"):
+        value = raw.get(key)
+        if not isinstance(value, list) or not value:
+            raise fail(f"{where}.{key}", "expected a non-empty list of integers")
+        if len(value) > MAX_BINS:
+            raise fail(f"{where}.{key}", f"at most {MAX_BINS} bins, got {len(value)}")
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0 or item > 2**53:
+                raise fail(f"{where}.{key}[{i}]", "expected a non-negative integer")
+        lists[key] = value
+    lengths, counts = lists["lengths"], lists["counts"]
+    if len(lengths) != len(counts):
+        raise fail(f"{where}.counts", f"has {len(counts)} entries for {len(lengths)} lengths")
+    if lengths[0] < 1 or any(b <= a for a, b in zip(lengths, lengths[1:], strict=False)):
+        raise fail(f"{where}.lengths", "must be positive and strictly increasing")
+    if sum(counts) <= 0:
+        raise fail(f"{where}.counts", "must add up to more than 0")
+    return OutputLaw(tuple(lengths), tuple(counts))
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRows:
+    """One held sequence as the bound sees it: per row (each interval, then the final blocks) its
+    possible block counts with their probabilities, and the row's log-moments on THETAS."""
+
+    values: np.ndarray  # (rows, support) int64 block counts, 0 = ended before the interval
+    probs: np.ndarray  # (support,) probabilities, shared by every row
+    log_mgf: np.ndarray  # (rows, len(THETAS))
+    worst: int  # ceil((prompt + cap) / block_size): what the guaranteed policy reserves
+
+
+_THETA = np.asarray(THETAS)
+
+
+def sequence_rows(prompt: int, cap: int, law: OutputLaw, streamed: int, *, block_size: int,
+                  edges: Sequence[tuple[int, int]]) -> SequenceRows:
+    """The rows of one sequence of `prompt` tokens capped at `cap`, `streamed` tokens in."""
+    lengths, probs = law.conditioned(cap, streamed)
+    remaining = lengths - streamed  # steps until it ends (> 0 unless it ends now)
+    starts = np.asarray([a for a, _ in edges], dtype=np.int64)[:, None]
+    ends = np.asarray([b for _, b in edges], dtype=np.int64)[:, None]
+    reach = np.minimum(streamed + ends, lengths[None, :])
+    interval = np.where(remaining[None, :] > starts, -(-(prompt + reach) // block_size), 0)
+    final = -(-(prompt + lengths) // block_size)
+    values = np.vstack([interval, final[None, :]]).astype(np.int64)
+    with np.errstate(divide="ignore"):
+        logp = np.log(probs)
+    exponent = _THETA[None, :, None] * values[:, None, :] + logp[None, None, :]
+    top = exponent.max(axis=2, keepdims=True)
+    log_mgf = (top[..., 0] + np.log(np.exp(exponent - top).sum(axis=2)))
+    worst = -(-(prompt + cap) // block_size)
+    return SequenceRows(values, probs, log_mgf, int(worst))
+
+
+def chernoff_tail(log_mgf_sum: np.ndarray, capacity: int) -> np.ndarray:
+    """Per row, min over THETAS of exp(sum log-MGF - theta (capacity + 1)), at most 1."""
+    exponent = (log_mgf_sum - _THETA[None, :] * (capacity + 1)).min(axis=1)
+    return np.minimum(1.0, np.exp(np.minimum(exponent, 0.0)))
+
+
+def row_distribution(held: Iterable[SequenceRows], row: int, capacity: int) -> np.ndarray:
+    """The exact distribution of one row's sum over `held`, sums above `capacity` lumped at
+    capacity + 1 (length capacity + 2)."""
+    size = capacity + 2
+    dist = np.zeros(size)
+    dist[0] = 1.0
+    for seq in held:
+        dist = convolve_clipped(dist, seq.values[row], seq.probs, capacity)
+    return dist
+
+
+def convolve_clipped(dist: np.ndarray, values: np.ndarray, probs: np.ndarray, capacity: int) -> np.ndarray:
+    """dist convolved with one sequence's (values, probs), sums above capacity lumped at capacity + 1."""
+    size = capacity + 2
+    pmf = np.bincount(np.minimum(values, capacity + 1), weights=probs, minlength=1)
+    full = np.convolve(dist, pmf)
+    out = full[:size].copy()
+    out[size - 1] += full[size:].sum()
+    return out
+
+
+def exact_units(worst: int, capacity: int) -> int:
+    """One sequence's share of a convolution's cost: the length of its clipped support."""
+    return min(worst, capacity + 1) + 1
+
+
+def exact_is_cheap(units: int, capacity: int, rows: int) -> bool:
+    """Whether convolving every row over sequences of `units` (summed exact_units) costs at most
+    EXACT_WORK multiply-adds."""
+    return (capacity + 2) * rows * units <= EXACT_WORK
+
+
+def combine(tails: np.ndarray) -> float:
+    """min(P(final > C), sum over intervals P(interval peak > C)), at most 1."""
+    return float(min(1.0, tails[-1], tails[:-1].sum()))
+
+
+__all__ = ["OutputLaw", "SequenceRows", "THETAS", "EXACT_WORK", "MAX_BINS", "RENDERED_BINS", "FIRST_MARK",
+           "chernoff_tail", "combine", "convolve_clipped", "exact_is_cheap", "exact_units", "interval_edges",
+           "last_mark", "next_mark", "parse_output_law", "row_distribution", "sequence_rows"]
