@@ -108,10 +108,15 @@ def recommended_epsilon(work: Path, profile: Path, capacity: Path, model_dir: Pa
     return epsilon, "recommend --objective goodput (best statistical what-if row)"
 
 
-def configs(gateway_yaml: Path, epsilon: float, max_model_len: int, work: Path) -> dict[str, Path | None]:
+def configs(gateway_yaml: Path, epsilon: float, max_model_len: int, work: Path, *, queue: dict | None,
+            statistical_budget: int | None) -> dict[str, Path | None]:
     base = yaml.safe_load(gateway_yaml.read_text())
     base["admission"] = {"policy": "guaranteed"}
+    if queue is not None:
+        base["queue"] = queue
     statistical = {**base, "admission": {"policy": "statistical", "epsilon": epsilon}}
+    if statistical_budget is not None:
+        statistical["block_budget"] = statistical_budget
     worst = {**base, "routes": [{k: v for k, v in r.items() if k != "output_histogram"}
                                 | {"max_new_tokens": max_model_len - 1} for r in base["routes"]]}
     out: dict[str, Path | None] = {"direct": None}
@@ -203,6 +208,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo", default="ttft=2000,e2e=20000", help="goodput's objectives (ms), as kvtune bench --slo")
     ap.add_argument("--epsilon", type=float, default=0.05,
                     help="statistical epsilon when recommend --objective offers no statistical row")
+    ap.add_argument("--queue-max-waiting", type=int, help="give the gateways a wait queue this long (default: "
+                    "none, as recommend renders)")
+    ap.add_argument("--queue-timeout-s", type=float, default=10.0)
+    ap.add_argument("--statistical-budget", choices=("recommended", "pool"), default="recommended",
+                    help="the statistical gateway's block budget: the recommended one, or the whole usable pool "
+                    "(epsilon is then the only margin)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-blocks", type=int, default=16, help="--num-gpu-blocks-override (128-token blocks)")
     ap.add_argument("--model-layers", type=int, default=4)
@@ -259,7 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             epsilon, epsilon_from = recommended_epsilon(work, profile, capacity, model_dir, server.url,
                                                         capacity_rps, args.slo, args.epsilon)
             log(f"statistical epsilon {epsilon:g} from {epsilon_from}")
-            paths = configs(deploy / "gateway.yaml", epsilon, args.max_model_len, work)
+            queue = (None if args.queue_max_waiting is None
+                     else {"max_waiting": args.queue_max_waiting, "timeout_s": args.queue_timeout_s})
+            statistical_budget = server.num_blocks - 1 if args.statistical_budget == "pool" else None
+            paths = configs(deploy / "gateway.yaml", epsilon, args.max_model_len, work, queue=queue,
+                            statistical_budget=statistical_budget)
             for load in args.loads:
                 rate = load * capacity_rps
                 for row in args.rows:
@@ -295,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "max_model_len": args.max_model_len, "capacity_rps": capacity_rps, "epsilon": epsilon,
                       "epsilon_from": epsilon_from, "slo": args.slo, "requests": args.requests,
                       "seeds": args.seeds},
+            "options": {"queue_max_waiting": args.queue_max_waiting, "queue_timeout_s": args.queue_timeout_s,
+                        "statistical_budget": args.statistical_budget},
             "runs": runs,
             **summarize(runs, args.loads),
             "wall_s": time.monotonic() - t0,
