@@ -225,6 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--capacity-requests", type=int, default=60)
     ap.add_argument("--keep", type=Path, help="keep the work directory here")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--render", type=Path, metavar="FILE", help="print the table of a saved --json run and exit")
     args = ap.parse_args(argv)
     args.loads = [float(x) for x in args.loads.split(",")]
     args.seeds = [int(x) for x in args.seeds.split(",")]
@@ -235,8 +236,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def print_table(summary: dict[str, Any]) -> None:
+    s = summary["setup"]
+    print(f"Azure conv scaled {s['scaled']}, tokenizer {s['tokenizer']}, {s['num_blocks']} blocks x "
+          f"{s['block_size']}, capacity {s['capacity_rps']:.2f} req/s, statistical epsilon {s['epsilon']:g} "
+          f"({s['epsilon_from']}), SLO {s['slo']}; measured (simulated), means of {len(s['seeds'])} seeds")
+    print(markdown(summary))
+    for t in summary["targets"]:
+        print(f"{'✓' if t['passed'] else '✗'} {t['load']:.0%} {t['target']}: {t['observed']}")
+    print(f"{summary['command']}: wall time {summary['wall_s']:.0f} s")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        print_table(json.loads(args.render.read_text()))
+        return 0
     t0 = time.monotonic()
 
     def log(msg: str) -> None:
@@ -319,14 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        s = summary["setup"]
-        print(f"Azure conv scaled {s['scaled']}, tokenizer {s['tokenizer']}, {s['num_blocks']} blocks x "
-              f"{s['block_size']}, capacity {s['capacity_rps']:.2f} req/s, statistical epsilon {s['epsilon']:g} "
-              f"({s['epsilon_from']}), SLO {s['slo']}; measured (simulated), means of {len(args.seeds)} seeds")
-        print(markdown(summary))
-        for t in summary["targets"]:
-            print(f"{'✓' if t['passed'] else '✗'} {t['load']:.0%} {t['target']}: {t['observed']}")
-        print(f"wall time {summary['wall_s']:.0f} s")
+        print_table(summary)
     return 0
 
 
