@@ -78,7 +78,7 @@ class LuaLedger:
             elif kind == "release":
                 lines.append(f"if entries[{op[1] + 1}] then STAT.release(entries[{op[1] + 1}]) end")
             elif kind == "probability":
-                lines.append("out[#out + 1] = string.format('%.17g', STAT.overflow_probability())")
+                lines.append("out[#out + 1] = string.format('%.17g', STAT.overflow_probability(0))")
         chunk = "\n".join([
             "local ffi = require 'ffi'",
             "local ceil, huge = math.ceil, math.huge",
@@ -86,9 +86,9 @@ class LuaLedger:
             statistical_source(),
             "local out, entries = {}, {}",
             "local function admit(blocks, demand)",
-            "  local e = STAT.try_reserve(blocks, demand)",
+            "  local e = STAT.try_reserve(blocks, demand, 0)",
             "  entries[#entries + 1] = e or false",
-            "  out[#out + 1] = (e and '1' or '0') .. ' ' .. string.format('%.17g', STAT.overflow_probability())",
+            "  out[#out + 1] = (e and '1' or '0') .. ' ' .. string.format('%.17g', STAT.overflow_probability(0))",
             "end",
             *lines,
             "return table.concat(out, '\\n')",

@@ -1009,3 +1009,29 @@ def test_statistical_releases_once_on_abort_and_upstream_death(statistical, upst
     assert statistical.request("/v1/chat/completions", chat(5, x_mode="500"))[0] == 500
     ledger = statistical.wait_ledger(0)
     assert ledger["reserved"] == 0 and ledger["inflight"] == 0 and ledger["overflow_probability"] == 0.0
+
+
+def test_statistical_nginx_counts_the_old_workers_reservations_after_a_reload(tmp_path, upstream):
+    """The held sequences live in the one worker's memory; after `nginx -s reload` the new worker
+    starts without them while the old one drains. It counts what the shared dict says the old one
+    still holds at its worst case, so it admits nothing the old reservations leave no room for."""
+    import signal
+
+    server = _start_statistical("nginx", tmp_path, upstream)
+    try:
+        upstream.hold()
+        statuses, _ = _held_one_by_one(server, upstream, [200] * 7)
+        assert statuses == [200] * 7 and server.ledger()["reserved"] == 7 * blocks(200, CHAT_CAP)
+        server.proc.send_signal(signal.SIGHUP)  # reload: a new worker, the old one drains
+        time.sleep(1.5)  # the new worker answers from here on (the held requests' clients wait 10 s)
+        ledger = server.ledger()
+        assert ledger["reserved"] == 7 * blocks(200, CHAT_CAP) and ledger["overflow_probability"] == 1.0
+        status, headers, body = server.request("/v1/chat/completions", chat(200))
+        assert status == 429 and _error(body) == "kv_budget_exhausted", body
+        upstream.release()
+        assert server.wait_ledger(0)["reserved"] == 0
+        assert server.request("/v1/chat/completions", chat(200))[0] == 200
+        assert server.ledger()["overflow_probability"] == 0.0
+    finally:
+        upstream.release()
+        server.stop()
