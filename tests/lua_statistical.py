@@ -3,7 +3,7 @@ in this process through ctypes, without nginx: test_lua_statistical.py drives it
 StatisticalLedger through the same scripted operations and compares every decision.
 
     LuaLedger(budget, block_size, max_model_len, epsilon).run(ops) -> list of results
-ops: ("admit", blocks, demand | None), ("progress", i, tokens), ("release", i), ("never", blocks,
+ops: ("admit", blocks, demand | None) (also "admit_quiet": no result), ("progress", i, tokens), ("release", i), ("never", blocks,
 demand), ("probability",); i is the index of an earlier admit. A demand is (prompts, cap,
 (lengths, counts) | None). Results: admit -> [admitted, probability after], never -> [bool],
 probability -> [p].
@@ -71,6 +71,8 @@ class LuaLedger:
             kind = op[0]
             if kind == "admit":
                 lines.append(f"admit({op[1]}, {_demand(op[2])})")
+            elif kind == "admit_quiet":  # the decision only, as nginx makes it (for timing)
+                lines.append(f"entries[#entries + 1] = STAT.try_reserve({op[1]}, {_demand(op[2])}, 0) or false")
             elif kind == "never":
                 lines.append(f"out[#out + 1] = STAT.never_fits({op[1]}, {_demand(op[2])}) and '1' or '0'")
             elif kind == "progress":
