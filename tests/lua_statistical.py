@@ -116,3 +116,37 @@ class LuaLedger:
             elif op[0] == "probability":
                 results.append([float(next(it))])
         return results
+
+
+BC_PATH = "/usr/share/luajit-2.1.0-beta3/?.lua"
+
+
+def globals_used(source: str) -> tuple[set[str], set[str]]:
+    """The global names a Lua chunk (and every function in it) reads and writes, from LuaJIT's
+    own bytecode listing (jit.bc): a misspelt or not-yet-declared local shows up here."""
+    lib = luajit()
+    assert lib is not None
+    lib.lua_pushlstring.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.lua_setfield.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p]
+    state = lib.luaL_newstate()
+    driver = (f"package.path = {BC_PATH!r} .. ';' .. package.path\n"
+              "local bc = require 'jit.bc'\n"
+              "local f = assert(loadstring(SRC, 'nginx.conf'))\n"
+              "local out = {}\n"
+              "bc.dump(f, { write = function(_, s) out[#out + 1] = s end, close = function() end, flush = function() end }, true)\n"
+              "return table.concat(out)\n")
+    try:
+        lib.luaL_openlibs(state)
+        data = source.encode()
+        lib.lua_pushlstring(state, data, len(data))
+        lib.lua_setfield(state, -10002, b"SRC")  # LUA_GLOBALSINDEX
+        if lib.luaL_loadstring(state, driver.encode()) != 0 or lib.lua_pcall(state, 0, 1, 0) != 0:
+            raise RuntimeError(lib.lua_tolstring(state, -1, None).decode())
+        listing = lib.lua_tolstring(state, -1, None).decode("latin-1")
+    finally:
+        lib.lua_close(state)
+    import re
+
+    reads = set(re.findall(r'\bGGET\b.*; "([^"]*)"', listing))
+    writes = set(re.findall(r'\bGSET\b.*; "([^"]*)"', listing))
+    return reads, writes

@@ -1035,3 +1035,19 @@ def test_statistical_nginx_counts_the_old_workers_reservations_after_a_reload(tm
     finally:
         upstream.release()
         server.stop()
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_statistical_admits_a_request_past_the_budget_whose_own_probability_is_within_epsilon(kind, tmp_path,
+                                                                                                upstream):
+    """At epsilon 0.1 the same chat(1560) (102 blocks at worst, 413 under guaranteed) overflows
+    alone with probability 5 % only: admitted, and alone it fills the ledger past the budget."""
+    ledger, demand = _oracle(0.1)
+    assert not ledger.never_fits(blocks(1560, CHAT_CAP), demand(1560))
+    server = _start_statistical(kind, tmp_path, upstream, epsilon=0.1)
+    try:
+        status, headers, _ = server.request("/v1/chat/completions", chat(1560))
+        assert status == 200 and _reserved(headers) == 102
+        assert server.wait_ledger(0)["reserved"] == 0
+    finally:
+        server.stop()

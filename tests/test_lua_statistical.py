@@ -160,3 +160,30 @@ def test_many_held_sequences_stay_equal_over_a_long_run():
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert all(_close(g[1], e[1]) for g, e in zip(got, expected, strict=True))
     assert sum(e[0] for e in expected) > 500
+
+
+LUA_GLOBALS = {"ngx", "require", "ipairs", "pairs", "next", "type", "tostring", "tonumber", "error", "pcall",
+               "select", "setmetatable", "getmetatable", "string", "table", "math", "os", "io", "bit", "unpack",
+               "package"}
+
+
+@pytest.mark.parametrize("admission", [{"policy": "guaranteed"}, {"policy": "statistical", "epsilon": 0.01}])
+def test_the_rendered_lua_reads_no_stray_globals(admission):
+    """Every name the Lua reads is a local or one of Lua's and nginx's own: a local used before
+    its declaration (a nil global at run time) fails here, not in production."""
+    import json
+    from pathlib import Path
+
+    from lua_statistical import globals_used
+
+    from kvtune.deploy.render import render_files
+    from kvtune.policy.recommendation import Recommendation
+
+    doc = json.loads((Path(__file__).parent / "data" / "recommendation.json").read_text(encoding="utf-8"))
+    doc["admission"] = admission
+    conf = render_files(Recommendation.from_dict(doc), targets=["nginx.conf"])["nginx.conf"]
+    start = conf.index("init_by_lua_block {") + len("init_by_lua_block {")
+    end = conf.index('package.loaded["kvtune_gateway"] = M') + len('package.loaded["kvtune_gateway"] = M')
+    reads, writes = globals_used(conf[start:end])
+    assert reads <= LUA_GLOBALS, reads - LUA_GLOBALS
+    assert writes == set()
