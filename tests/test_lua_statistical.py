@@ -187,3 +187,66 @@ def test_the_rendered_lua_reads_no_stray_globals(admission):
     reads, writes = globals_used(conf[start:end])
     assert reads <= LUA_GLOBALS, reads - LUA_GLOBALS
     assert writes == set()
+
+
+def test_streamed_events_are_counted_over_the_whole_stream_however_it_is_chunked():
+    """relay.EventCounter (and the body filter's count, its Lua twin) count b"\\n\\n" as the whole
+    stream holds them, also when a chunk ends between the two newlines."""
+    from kvtune.gateway.relay import EventCounter
+
+    rng = random.Random(3)
+    for _ in range(2000):
+        stream = bytes(rng.choice(b"ab\n") for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(stream) + 1), min(len(stream) + 1, rng.randint(0, 6))))
+        counter, start, seen = EventCounter(), 0, 0
+        for cut in [*cuts, len(stream)]:
+            seen = counter.add(stream[start:cut])
+            start = cut
+        assert seen == stream.count(b"\n\n"), (stream, cuts)
+    assert EventCounter().add(b"data: x\n") == 0
+    counter = EventCounter()
+    assert (counter.add(b"data: x\n"), counter.add(b"\ndata: y\n\n")) == (0, 2)
+
+
+def test_the_body_filter_counts_events_as_the_relay_does():
+    """The body filter's count_events, cut out of the template and run by LuaJIT, against
+    relay.EventCounter over random streams and chunkings."""
+    from kvtune.deploy.render import make_environment
+    from kvtune.gateway.relay import EventCounter
+
+    env = make_environment()
+    text = env.loader.get_source(env, "nginx.conf.j2")[0]
+    source = text[text.index("        local function count_events"):text.index("        function M.body()")]
+    rng = random.Random(5)
+    cases, expected = [], []
+    for _ in range(300):
+        stream = bytes(rng.choice(b"ab\n") for _ in range(rng.randint(1, 30)))
+        cuts = sorted(set(rng.sample(range(1, len(stream) + 1), min(len(stream), rng.randint(1, 5)))) | {len(stream)})
+        chunks, start = [], 0
+        for cut in cuts:
+            chunks.append(stream[start:cut])
+            start = cut
+        counter = EventCounter()
+        expected.append([counter.add(c) for c in chunks])
+        cases.append("{" + ", ".join('"' + "".join(f"\\{b}" for b in c) + '"' for c in chunks) + "}")
+    chunk = "\n".join([
+        "local find, byte = string.find, string.byte",
+        source,
+        "local out = {}",
+        f"for _, chunks in ipairs({{ {', '.join(cases)} }}) do",
+        "  local ctx, n, seen = { newline = false }, 0, {}",
+        "  for _, c in ipairs(chunks) do n = n + count_events(ctx, c); seen[#seen + 1] = n end",
+        "  out[#out + 1] = table.concat(seen, ',')",
+        "end",
+        "return table.concat(out, ';')",
+    ])
+    lib = luajit()
+    state = lib.luaL_newstate()
+    try:
+        lib.luaL_openlibs(state)
+        assert lib.luaL_loadstring(state, chunk.encode()) == 0 and lib.lua_pcall(state, 0, 1, 0) == 0, \
+            lib.lua_tolstring(state, -1, None)
+        got = lib.lua_tolstring(state, -1, None).decode()
+    finally:
+        lib.lua_close(state)
+    assert got == ";".join(",".join(map(str, e)) for e in expected)
