@@ -281,9 +281,15 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(q * len(s) + 0.5) - 1))]
 
 
+class RefusedError(RuntimeError):
+    """A 429: the gateway's admission said no (statistical, when more is in flight than it bets on)."""
+
+
 async def _one(session: aiohttp.ClientSession, url: str) -> None:
     async with session.post(url, data=BODY, headers={"Content-Type": "application/json"}) as resp:
         await resp.read()
+        if resp.status == 429:
+            raise RefusedError(f"{url} answered 429")
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}")
 
@@ -304,16 +310,18 @@ async def latency(base: str, n: int) -> dict:
 async def open_loop(base: str, rate: float, seconds: float) -> dict:
     url = base + "/v1/chat/completions"
     lat: list[float] = []
-    errors = 0
+    errors = refused = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
         for _ in range(200):
             await _one(session, url)
 
         async def fire(scheduled: float) -> None:
-            nonlocal errors
+            nonlocal errors, refused
             try:
                 await _one(session, url)
                 lat.append((time.perf_counter() - scheduled) * 1000)
+            except RefusedError:
+                refused += 1
             except Exception:
                 errors += 1
 
@@ -328,28 +336,31 @@ async def open_loop(base: str, rate: float, seconds: float) -> dict:
             tasks.append(asyncio.create_task(fire(scheduled)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    return {"offered_rps": rate, "achieved_rps": len(lat) / elapsed, "errors": errors,
+    return {"offered_rps": rate, "achieved_rps": len(lat) / elapsed, "errors": errors, "refused": refused,
             "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99)}
 
 
 async def ceiling(base: str, concurrency: int, seconds: float) -> dict:
     url = base + "/v1/chat/completions"
-    done = 0
+    done = refused = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         for _ in range(200):
             await _one(session, url)
         end = time.perf_counter() + seconds
 
         async def worker() -> None:
-            nonlocal done
+            nonlocal done, refused
             while time.perf_counter() < end:
-                await _one(session, url)
-                done += 1
+                try:
+                    await _one(session, url)
+                    done += 1
+                except RefusedError:  # counted apart: a refusal is no completed request
+                    refused += 1
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-    return {"rps": done / elapsed, "requests": done}
+    return {"rps": done / elapsed, "requests": done, "refused": refused}
 
 
 def cpu_s(pid: int | None) -> float:
@@ -503,6 +514,7 @@ def main() -> int:
             "added_p99_ms": g["latency"]["p99_ms"] - d["latency"]["p99_ms"],
             "open_achieved_ratio": g["open"]["achieved_rps"] / d["open"]["achieved_rps"],
             "ceiling_ratio": g["ceiling"]["rps"] / d["ceiling"]["rps"],
+            "open_refused": g["open"]["refused"],
         }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -521,7 +533,8 @@ def main() -> int:
               f"{r['ceiling']['rps']:>13.0f}   {cpu}")
     for m, s in summary["gateway"].items():
         print(f"gateway/{m}: added p50 {s['added_p50_ms']:.3f} ms, p99 {s['added_p99_ms']:.3f} ms; "
-              f"at {args.rate:.0f} rps offered {s['open_achieved_ratio']:.2f}x direct; "
+              f"at {args.rate:.0f} rps offered {s['open_achieved_ratio']:.2f}x direct "
+              f"({s['open_refused']:.0f} refused); "
               f"ceiling {s['ceiling_ratio']:.2f}x direct; gateway CPU {s['cpu_ms_per_request']:.3f} ms/request "
               f"= {s['one_core_rps'] or 0:.0f} rps on one core of its own")
     return 0
