@@ -15,7 +15,19 @@ renders when the model directory is local; the tiny test model's tokenizer from
 tests/vllm_server.py) and `estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a
 15-line pass-through aiohttp proxy without any admission logic, on aiohttp's client (the
 gateway sends governed requests through its own, kvtune.gateway.upstream). Each figure is the
-median over --runs runs.
+median over --runs runs. `nginx` is the rendered nginx.conf (the other enforcer, which counts with
+the upstream's /tokenize) on a real nginx with Lua, --nginx-workers worker processes (statistical
+always runs one).
+
+--policies runs every gateway under each admission policy: `guaranteed` (a budget of 10,000,000
+blocks: admission is never refused and costs only the reservation), and `statistical`
+(epsilon 0.01, a budget of 200 blocks, the chat route's output law STAT_LENGTHS). A statistical
+ledger computes a probability only while the held requests' worst cases exceed the budget, so
+before measuring, --held requests (default 64, each worth 5 blocks at worst) are sent through the
+gateway and held by the upstream until the run ends: every measured admission then bounds the
+peak of about 65 held sequences (the exact convolution, 14 step intervals) and every release
+invalidates it, the costliest state the policy is in under load. Each measured request is
+admitted (its probability stays far below epsilon).
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
 gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
@@ -48,13 +60,15 @@ from pathlib import Path
 import aiohttp
 
 UPSTREAM_SRC = textwrap.dedent("""
-    import json, sys
+    import asyncio, json, sys
     from aiohttp import web
     ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": [{"index": 0,
         "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}}).encode()
     async def chat(request):
-        await request.read()
+        body = await request.read()
+        if b'"hold_s"' in body:  # a background request the gateway holds while the bench measures
+            await asyncio.sleep(json.loads(body)["hold_s"])
         return web.Response(body=ANSWER, content_type="application/json")
     async def tokenize(request):
         await request.read()
@@ -86,6 +100,11 @@ BARE_PROXY_SRC = textwrap.dedent("""
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None,
                 loop=uvloop.new_event_loop())
 """)
+
+# statistical: the budget, epsilon and the chat route's measured output lengths (values, counts)
+STAT_BUDGET, STAT_EPSILON = 200, 0.01
+STAT_LENGTHS = ([1, 4, 16, 64], [80, 12, 6, 2])
+HELD_BODY = {"model": "m", "messages": [{"role": "user", "content": "Hold this one."}], "max_tokens": 64}
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say ok, briefly please."}],
                    "max_tokens": 16}).encode()
@@ -150,9 +169,55 @@ def tiny_tokenizer(workdir: Path) -> Path:
     return write_tiny_model(workdir / "tiny-model")
 
 
-def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | None = None) -> tuple[Proc, str]:
+def bench_rec(upstream: str, policy: str):
+    """The recommendation nginx.conf is rendered from, the same gateway as the YAML below: block
+    size 16, context 4096, chat capped at 64 (with STAT_LENGTHS as its law), a catch-all at 64."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from enforcers import base_rec
+
+    from kvtune.policy.recommendation import Recommendation
+
+    rec = base_rec()
+    rec["upstream"] = upstream
+    statistical = policy == "statistical"
+    budget = STAT_BUDGET if statistical else 10_000_000
+    rec["capacity"]["num_blocks"] = budget + 1
+    rec["block_budget"]["value"] = budget
+    rec["settings"]["max_model_len"]["value"] = 4096
+    rec["settings"]["max_new_tokens_backstop"]["value"] = 64
+    chat = rec["routes"][0]
+    chat["max_new_tokens"]["value"] = 64
+    chat["output_lengths"] = {"uncensored": {"values": STAT_LENGTHS[0], "counts": STAT_LENGTHS[1]},
+                              "censored": {"values": [], "counts": []}}
+    rec["routes"] = [chat]
+    rec["admission"] = {"policy": "statistical", "epsilon": STAT_EPSILON} if statistical else {"policy": "guaranteed"}
+    return Recommendation.from_dict(rec, path="bench_rec")
+
+
+def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,
+                cpus: set[int] | None = None) -> tuple[Proc, str]:
+    from kvtune.deploy.render import RenderOptions, render_files
+
+    port = _free_port()
+    prefix = workdir / f"nginx-{policy}"
+    (prefix / "logs").mkdir(parents=True, exist_ok=True)
+    conf = render_files(bench_rec(upstream, policy), targets=["nginx.conf"],
+                        options=RenderOptions(listen_port=port, nginx_worker_processes=str(workers),
+                                              nginx_user="root" if os.geteuid() == 0 else None))["nginx.conf"]
+    (prefix / "nginx.conf").write_text(conf)
+    proc = Proc(["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "logs" / "error.log"),
+                 "-g", "daemon off;"], cpus, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/healthz")
+    return proc, url
+
+
+def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | None = None,
+                  policy: str = "guaranteed", nginx_workers: int = 1) -> tuple[Proc, str]:
     import yaml
 
+    if method == "nginx":
+        return start_nginx(upstream, policy, workdir, nginx_workers, cpus)
     if method == "bare-aiohttp":
         port = _free_port()
         proc = Proc([sys.executable, "-c", BARE_PROXY_SRC, str(port), upstream], cpus)
@@ -171,7 +236,13 @@ def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | No
         "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
                    {"name": "default", "max_new_tokens": 64}],
     }
-    path = workdir / f"gateway-{method}.yaml"
+    if policy == "statistical":  # the law nginx.conf gets, binned by the same renderer
+        from kvtune.deploy.render import gateway_routes
+
+        law = gateway_routes(bench_rec(upstream, policy))[0]["output_histogram"]
+        config.update(block_budget=STAT_BUDGET, admission={"policy": "statistical", "epsilon": STAT_EPSILON})
+        config["routes"][0]["output_histogram"] = law
+    path = workdir / f"gateway-{method}-{policy}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = _free_port()
     proc = Proc([sys.executable, "-m", "kvtune", "gateway", "--config", str(path), "--port", str(port)],
@@ -181,14 +252,44 @@ def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | No
     return proc, url
 
 
+async def hold_background(base: str, n: int) -> tuple[aiohttp.ClientSession, list[asyncio.Task]]:
+    """n requests the upstream holds for an hour, admitted before measuring (the statistical
+    ledger's held state); cancelled after, which releases them."""
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    body = json.dumps({**HELD_BODY, "hold_s": 3600}).encode()
+
+    async def one() -> None:
+        async with session.post(base + "/v1/chat/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as resp:
+            await resp.read()
+
+    tasks = [asyncio.create_task(one()) for _ in range(n)]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        async with session.get(base + "/kvtune/ledger") as resp:
+            ledger = await resp.json()
+        if ledger["inflight"] >= n:
+            return session, tasks
+        if any(t.done() for t in tasks):
+            raise RuntimeError(f"a held request was answered at once: {[t.exception() for t in tasks if t.done()][:1]}")
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"only {ledger['inflight']} of {n} held requests were admitted")
+
+
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, int(q * len(s) + 0.5) - 1))]
 
 
+class RefusedError(RuntimeError):
+    """A 429: the gateway's admission said no (statistical, when more is in flight than it bets on)."""
+
+
 async def _one(session: aiohttp.ClientSession, url: str) -> None:
     async with session.post(url, data=BODY, headers={"Content-Type": "application/json"}) as resp:
         await resp.read()
+        if resp.status == 429:
+            raise RefusedError(f"{url} answered 429")
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}")
 
@@ -209,16 +310,18 @@ async def latency(base: str, n: int) -> dict:
 async def open_loop(base: str, rate: float, seconds: float) -> dict:
     url = base + "/v1/chat/completions"
     lat: list[float] = []
-    errors = 0
+    errors = refused = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
         for _ in range(200):
             await _one(session, url)
 
         async def fire(scheduled: float) -> None:
-            nonlocal errors
+            nonlocal errors, refused
             try:
                 await _one(session, url)
                 lat.append((time.perf_counter() - scheduled) * 1000)
+            except RefusedError:
+                refused += 1
             except Exception:
                 errors += 1
 
@@ -233,42 +336,69 @@ async def open_loop(base: str, rate: float, seconds: float) -> dict:
             tasks.append(asyncio.create_task(fire(scheduled)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    return {"offered_rps": rate, "achieved_rps": len(lat) / elapsed, "errors": errors,
+    return {"offered_rps": rate, "achieved_rps": len(lat) / elapsed, "errors": errors, "refused": refused,
             "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99)}
 
 
 async def ceiling(base: str, concurrency: int, seconds: float) -> dict:
     url = base + "/v1/chat/completions"
-    done = 0
+    done = refused = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         for _ in range(200):
             await _one(session, url)
         end = time.perf_counter() + seconds
 
         async def worker() -> None:
-            nonlocal done
+            nonlocal done, refused
             while time.perf_counter() < end:
-                await _one(session, url)
-                done += 1
+                try:
+                    await _one(session, url)
+                    done += 1
+                except RefusedError:  # counted apart: a refusal is no completed request
+                    refused += 1
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-    return {"rps": done / elapsed, "requests": done}
+    return {"rps": done / elapsed, "requests": done, "refused": refused}
 
 
 def cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) a process has used: this one when pid is None."""
+    """CPU seconds (user + system) a process and its live children (nginx's workers) have used:
+    this one when pid is None."""
     if pid is None:
         t = os.times()
         return t.user + t.system
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
-async def measure(base: str, args: argparse.Namespace, pids: dict[str, int | None]) -> dict:
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+async def measure(base: str, args: argparse.Namespace, pids: dict[str, int | None], held: int = 0) -> dict:
     """The three loads; during the ceiling, CPU milliseconds per request of each process
-    (client, gateway, upstream): what the sustained rate costs, whoever's core it runs on."""
+    (client, gateway, upstream): what the sustained rate costs, whoever's core it runs on.
+    With `held`, that many background requests are admitted and held first."""
+    if held:
+        session, tasks = await hold_background(base, held)
+        try:
+            return await measure(base, args, pids)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await session.close()
     lat = await latency(base, args.requests)
     opened = await open_loop(base, args.rate, args.seconds)
     before = {role: cpu_s(pid) for role, pid in pids.items()}
@@ -322,9 +452,14 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=1000.0, help="open-loop requests/s")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--methods", default="upstream-tokenize,tokenizer,estimate,bare-aiohttp",
+    ap.add_argument("--methods", default="upstream-tokenize,tokenizer,estimate,nginx,bare-aiohttp",
                     help="counting methods to run the gateway with; bare-aiohttp is no gateway but a "
                          "plain aiohttp pass-through proxy, the floor any aiohttp proxy pays")
+    ap.add_argument("--policies", default="guaranteed",
+                    help="admission policies to run every gateway under: guaranteed, statistical")
+    ap.add_argument("--held", type=int, default=64,
+                    help="statistical: background requests held through the gateway while it is measured")
+    ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker processes (guaranteed)")
     ap.add_argument("--pin", default="", help="client=CPU,gateway=CPU,upstream=CPU (CPUs joined by +)")
     ap.add_argument("--max-load", type=float, default=None,
                     help="wait before each run until the 1-minute load average is at most this")
@@ -332,7 +467,13 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    methods = [m for m in args.methods.split(",") if m]
+    policies = [p for p in args.policies.split(",") if p]
+    if any(p not in ("guaranteed", "statistical") for p in policies):
+        raise SystemExit(f"--policies: guaranteed, statistical; got {args.policies!r}")
+    plain = [m for m in args.methods.split(",") if m]
+    # each gateway under each policy; the bare proxy has no policy
+    methods = [m if p == "guaranteed" or m == "bare-aiohttp" else f"{m}@{p}" for p in policies for m in plain
+               if not (m == "bare-aiohttp" and p != policies[0])]
     pins = parse_pin(args.pin)
     if "client" in pins:
         os.sched_setaffinity(0, pins["client"])
@@ -346,9 +487,12 @@ def main() -> int:
                 pids = {"client": None, "upstream": upstream.p.pid}
                 results["direct"].append(_run(measure(up_url, args, pids)))
                 for method in methods:
-                    gw, gw_url = start_gateway(up_url, method, Path(tmp), pins.get("gateway"))
+                    name, _, policy = method.partition("@")
+                    policy = policy or "guaranteed"
+                    gw, gw_url = start_gateway(up_url, name, Path(tmp), pins.get("gateway"), policy, args.nginx_workers)
+                    held = args.held if policy == "statistical" else 0
                     try:
-                        results[method].append(_run(measure(gw_url, args, {**pids, "gateway": gw.p.pid})))
+                        results[method].append(_run(measure(gw_url, args, {**pids, "gateway": gw.p.pid}, held)))
                     finally:
                         gw.stop()
                 print(f"run {run + 1}/{args.runs} done (load at start {loads[-1]:.2f})", file=sys.stderr)
@@ -370,6 +514,7 @@ def main() -> int:
             "added_p99_ms": g["latency"]["p99_ms"] - d["latency"]["p99_ms"],
             "open_achieved_ratio": g["open"]["achieved_rps"] / d["open"]["achieved_rps"],
             "ceiling_ratio": g["ceiling"]["rps"] / d["ceiling"]["rps"],
+            "open_refused": g["open"]["refused"],
         }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -381,13 +526,15 @@ def main() -> int:
     for name in ["direct", *methods]:
         r = med[name]
         label = {"direct": "direct", "bare-aiohttp": "proxy/bare-aiohttp"}.get(name, f"gateway/{name}")
+        label = label if len(label) < 27 else label[:26]
         cpu = "  ".join(f"{k} {v:.3f}" for k, v in r["ceiling"]["cpu_ms_per_request"].items())
         print(f"{label:<27}{r['latency']['p50_ms']:>8.3f}{r['latency']['p99_ms']:>8.3f}"
               f"{r['open']['achieved_rps']:>10.0f}{r['open']['p50_ms']:>10.3f}{r['open']['p99_ms']:>10.3f}"
               f"{r['ceiling']['rps']:>13.0f}   {cpu}")
     for m, s in summary["gateway"].items():
         print(f"gateway/{m}: added p50 {s['added_p50_ms']:.3f} ms, p99 {s['added_p99_ms']:.3f} ms; "
-              f"at {args.rate:.0f} rps offered {s['open_achieved_ratio']:.2f}x direct; "
+              f"at {args.rate:.0f} rps offered {s['open_achieved_ratio']:.2f}x direct "
+              f"({s['open_refused']:.0f} refused); "
               f"ceiling {s['ceiling_ratio']:.2f}x direct; gateway CPU {s['cpu_ms_per_request']:.3f} ms/request "
               f"= {s['one_core_rps'] or 0:.0f} rps on one core of its own")
     return 0

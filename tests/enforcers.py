@@ -70,7 +70,9 @@ def base_rec() -> dict:
     return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
 
 
-def small_rec(upstream_port: int) -> Recommendation:
+def small_rec(upstream_port: int, *, chat_lengths: tuple[list[int], list[int]] | None = None) -> Recommendation:
+    """`chat_lengths` (values, counts): the chat route's measured output lengths, which its
+    output_histogram (the statistical policy's law) is binned from."""
     rec = base_rec()
     rec["upstream"] = f"http://127.0.0.1:{upstream_port}"
     rec["capacity"]["num_blocks"] = 112
@@ -87,6 +89,9 @@ def small_rec(upstream_port: int) -> Recommendation:
     custom["match"] = {"path": "/v1/summarize", "model": None}
     custom["max_new_tokens"]["value"] = CUSTOM_CAP
     chat["max_new_tokens"]["value"] = CHAT_CAP
+    if chat_lengths is not None:
+        chat["output_lengths"] = {"uncensored": {"values": list(chat_lengths[0]), "counts": list(chat_lengths[1])},
+                                  "censored": {"values": [], "counts": []}}
     completions["max_new_tokens"]["value"] = COMPLETIONS_CAP
     rec["routes"] = [hostile, chat, completions, custom]
     return Recommendation.from_dict(rec, path="small_rec")

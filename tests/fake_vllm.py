@@ -39,6 +39,7 @@ An engine call does what body["x_mode"] says, else the next entry of `script`, e
   "429", "500", …    that status, {"error": {"message": "status N"}}; 429 with `retry_after`
   "hold"             nothing until release() (hold() re-arms it); never released, a hang
   "hold_stream"      the stream's first event, then waits for release()
+                     (body["x_hold_after"] = k: the first k token events, then waits)
   "die"              closes the connection half-way through the tokens
   "error_mid_stream" an error event half-way through the tokens, then ends
 Tokens answered: body["x_chunks"], else the request's cap (max_tokens, max_completion_tokens,
@@ -382,7 +383,8 @@ class FakeVllm:
             events.append(_event({"choices": [choice]}))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        hold_after_first = action == "hold_stream"
+        hold_after_first = action == "hold_stream" and body.get("x_hold_after") is None
+        hold_after = _count(body.get("x_hold_after")) if action == "hold_stream" else None
 
         async def write(data: bytes, split: bool = False) -> None:
             nonlocal hold_after_first
@@ -413,6 +415,8 @@ class FakeVllm:
                     return resp
                 await write(event, split=self.split_lines)
                 self.generation_tokens += 1
+                if hold_after is not None and i + 1 == hold_after:
+                    await self._release.wait()
         self.last_chunk_sent_at[str(body.get("x_id"))] = time.monotonic()
         tail = b"" if self.no_usage else _event({"choices": [], "usage": self._usage(body, n)})
         await resp.write(tail + DONE_EVENT)

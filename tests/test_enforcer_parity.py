@@ -811,3 +811,243 @@ def test_an_idle_kept_alive_connection_is_closed_at_the_keepalive_timeout(enforc
         sock.close()
     assert closed and data == b""
     assert LIMITS.keepalive_timeout_s / 2 <= time.monotonic() - idle_from < LIMITS.keepalive_timeout_s + 3
+
+
+# ---------------------------------------------------------------- statistical admission
+
+# The chat route's measured output lengths: most answers are short, 5 % reach the cap (64).
+CHAT_LENGTHS = ([4, 8, 24, 64], [50, 30, 15, 5])
+EPSILON = 0.01
+
+
+def _start_statistical(kind: str, tmp_path, upstream, epsilon: float = EPSILON):
+    rec = dataclasses.replace(small_rec(upstream.port, chat_lengths=CHAT_LENGTHS),
+                              admission=AdmissionPolicy.statistical(epsilon))
+    return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="1", limits=LIMITS,
+                          nginx_user="root" if os.geteuid() == 0 else None)
+
+
+@pytest.fixture(params=["python", "nginx"])
+def statistical(request, tmp_path, upstream):
+    """Either enforcer with admission {policy: statistical, epsilon: 0.01} and CHAT_LENGTHS."""
+    server = _start_statistical(request.param, tmp_path, upstream)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _oracle(epsilon: float = EPSILON):
+    """The Python StatisticalLedger with the chat route's law, as gateway.yaml renders it."""
+    from kvtune.deploy.render import route_output_law
+    from kvtune.gateway.ledger import Demand, StatisticalLedger
+
+    rec = small_rec(0, chat_lengths=CHAT_LENGTHS)
+    law = route_output_law(next(r for r in rec.routes if r.cap == CHAT_CAP))
+    ledger = StatisticalLedger(BUDGET, epsilon=epsilon, block_size=16, max_model_len=2048)
+    return ledger, lambda prompt: Demand((prompt,), CHAT_CAP, law)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def _held_one_by_one(server, upstream, prompts: list[int], **extra) -> tuple[list[int], list[float]]:
+    """Send chat(prompt) for each prompt, one after another, each held by the upstream once
+    admitted; the statuses in order and the ledger's overflow_probability after each."""
+    statuses, probabilities, threads = [], [], []
+    reserved = server.ledger()["reserved"]
+    for prompt in prompts:
+        t, box = in_thread(server.request, "/v1/chat/completions", chat(prompt, x_mode="hold", **extra))
+        threads.append((t, box))
+        want = reserved + blocks(prompt, CHAT_CAP)
+        deadline = time.monotonic() + 10
+        while "result" not in box and server.ledger()["reserved"] != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if "result" in box:
+            statuses.append(box["result"][0])
+        else:
+            statuses.append(200)
+            reserved = want
+        probabilities.append(server.ledger()["overflow_probability"])
+    return statuses, probabilities
+
+
+def test_statistical_ledger_shows_policy_epsilon_and_probability(statistical):
+    ledger = statistical.ledger()
+    assert {k: ledger[k] for k in ("policy", "factor", "epsilon", "limit", "overflow_probability", "budget")} == {
+        "policy": "statistical", "factor": None, "epsilon": EPSILON, "limit": None, "overflow_probability": 0.0,
+        "budget": BUDGET}
+
+
+def test_statistical_admits_more_than_guaranteed_and_both_enforcers_agree(tmp_path, upstream):
+    """chat(200) holds 17 blocks at worst: guaranteed admits 5 of 100 blocks, statistical 7 (their
+    answers are mostly short), the 8th and 9th answer 429; both enforcers give the same answers
+    and the same overflow probability as the Python ledger computes, to 1e-9."""
+    ledger, demand = _oracle()
+    expected_statuses, expected = [], []
+    for _ in range(9):
+        admitted = ledger.try_reserve(blocks(200, CHAT_CAP), demand(200)) is not None
+        expected_statuses.append(200 if admitted else 429)
+        expected.append(ledger.overflow_probability())
+    assert expected_statuses == [200] * 7 + [429] * 2 and 0 < expected[-1] <= EPSILON
+    seen = {}
+    for kind in ("python", "nginx"):
+        server = _start_statistical(kind, tmp_path / kind, upstream)
+        try:
+            upstream.hold()
+            statuses, probabilities = _held_one_by_one(server, upstream, [200] * 9)
+            ledger_now = server.ledger()
+            assert ledger_now["reserved"] == 7 * blocks(200, CHAT_CAP) > BUDGET  # worst cases past the budget
+            upstream.release()
+            assert server.wait_ledger(0)["reserved"] == 0
+            assert server.ledger()["overflow_probability"] == 0.0
+            seen[kind] = (statuses, probabilities)
+        finally:
+            upstream.release()
+            server.stop()
+    for kind, (statuses, probabilities) in seen.items():
+        assert statuses == expected_statuses, kind
+        assert all(_close(a, b) for a, b in zip(probabilities, expected, strict=True)), (kind, probabilities, expected)
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_statistical_epsilon_0_is_guaranteed(kind, tmp_path, upstream):
+    """At epsilon 0 the same 9 requests get guaranteed's answers: 5 admitted, then 429."""
+    server = _start_statistical(kind, tmp_path, upstream, epsilon=0.0)
+    try:
+        upstream.hold()
+        statuses, probabilities = _held_one_by_one(server, upstream, [200] * 9)
+        assert statuses == [200] * 5 + [429] * 4
+        assert probabilities == [0.0] * 9
+        status, headers, body = server.request("/v1/chat/completions", chat(1560))  # 102 blocks > 100
+        assert status == 413 and _error(body) == "kv_reservation_exceeds_budget"
+    finally:
+        upstream.release()
+        server.stop()
+
+
+def test_statistical_413s_a_request_whose_own_probability_exceeds_epsilon(statistical, upstream):
+    """chat(1560) holds 102 blocks at worst, more than the budget: alone it overflows only if its
+    answer is long (5 %), which is above epsilon 1 %: it can never be admitted."""
+    ledger, demand = _oracle()
+    assert ledger.never_fits(blocks(1560, CHAT_CAP), demand(1560))
+    assert not ledger.never_fits(blocks(1500, CHAT_CAP), demand(1500))
+    status, headers, body = statistical.request("/v1/chat/completions", chat(1560))
+    assert status == 413 and "Retry-After" not in headers
+    error = json.loads(body)["error"]
+    assert error["code"] == "kv_reservation_exceeds_budget"
+    assert error["message"] == ("this request needs 102 KV blocks but the whole budget is 100: it can never "
+                                "be admitted")
+    assert upstream.seen == []
+    assert statistical.request("/v1/chat/completions", chat(1500))[0] == 200  # 98 blocks: fits alone
+    assert statistical.wait_ledger(0)["reserved"] == 0
+
+
+def _stream_until(server, prompt: int, tokens: int, hold_after: int | None):
+    """A streamed chat(prompt) whose upstream sends `hold_after` token events (None: only the
+    first event) and then waits; returns the socket once the client has read them."""
+    payload = json.dumps(chat(prompt, stream=True, x_mode="hold_stream", x_chunks=tokens,
+                              **({"x_hold_after": hold_after} if hold_after is not None else {}))).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    want = f' w{hold_after - 1}"'.encode() if hold_after else b'"role"'
+    received = b""
+    while want not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    return sock
+
+
+@pytest.mark.parametrize("streamed", [None, 20])
+def test_statistical_conditions_on_streamed_tokens_in_both_enforcers(streamed, tmp_path, upstream):
+    """A = chat(750) streams; B = chat(750) arrives. While A has streamed nothing, its answer is
+    probably short and B is admitted; once A has streamed 20 tokens (past the mark at 16: 4 and 8
+    are ruled out), it is more likely long and B is refused. Both enforcers, and the ledger
+    probability after A's tokens, the same as the Python ledger's."""
+    ledger, demand = _oracle()
+    held = ledger.try_reserve(blocks(750, CHAT_CAP), demand(750))
+    assert held is not None
+    if streamed:
+        held.progress(streamed - 2)  # events past the role event; the usage and [DONE] not yet
+    expected_probability = ledger.overflow_probability()
+    expected = 200 if ledger.try_reserve(blocks(750, CHAT_CAP), demand(750)) is not None else 429
+    assert expected == (429 if streamed else 200)
+    for kind in ("python", "nginx"):
+        server = _start_statistical(kind, tmp_path / kind, upstream)
+        try:
+            upstream.hold()
+            sock = _stream_until(server, 750, CHAT_CAP, streamed)
+            assert _close(server.ledger()["overflow_probability"], expected_probability) or (
+                server.ledger()["overflow_probability"] == expected_probability == 0.0), kind
+            status, _, body = server.request("/v1/chat/completions", chat(750))
+            assert status == expected, (kind, body)
+            upstream.release()
+            sock.settimeout(10)
+            while sock.recv(65536):
+                pass
+            sock.close()
+            assert server.wait_ledger(0)["reserved"] == 0
+            assert server.ledger()["overflow_probability"] == 0.0
+        finally:
+            upstream.release()
+            server.stop()
+
+
+def test_statistical_releases_once_on_abort_and_upstream_death(statistical, upstream):
+    upstream.hold()
+    sock = _stream_until(statistical, 100, CHAT_CAP, 20)
+    assert statistical.ledger()["reserved"] == blocks(100, CHAT_CAP)
+    sock.close()  # the client goes away mid-stream
+    assert statistical.wait_ledger(0)["reserved"] == 0
+    upstream.release()
+    with pytest.raises(http.client.IncompleteRead):  # the upstream dies half-way: so does the answer
+        statistical.request("/v1/chat/completions", chat(5, stream=True, x_mode="die", x_chunks=40))
+    assert statistical.wait_ledger(0)["reserved"] == 0
+    assert statistical.request("/v1/chat/completions", chat(5, x_mode="500"))[0] == 500
+    ledger = statistical.wait_ledger(0)
+    assert ledger["reserved"] == 0 and ledger["inflight"] == 0 and ledger["overflow_probability"] == 0.0
+
+
+def test_statistical_nginx_counts_the_old_workers_reservations_after_a_reload(tmp_path, upstream):
+    """The held sequences live in the one worker's memory; after `nginx -s reload` the new worker
+    starts without them while the old one drains. It counts what the shared dict says the old one
+    still holds at its worst case, so it admits nothing the old reservations leave no room for."""
+    import signal
+
+    server = _start_statistical("nginx", tmp_path, upstream)
+    try:
+        upstream.hold()
+        statuses, _ = _held_one_by_one(server, upstream, [200] * 7)
+        assert statuses == [200] * 7 and server.ledger()["reserved"] == 7 * blocks(200, CHAT_CAP)
+        server.proc.send_signal(signal.SIGHUP)  # reload: a new worker, the old one drains
+        time.sleep(1.5)  # the new worker answers from here on (the held requests' clients wait 10 s)
+        ledger = server.ledger()
+        assert ledger["reserved"] == 7 * blocks(200, CHAT_CAP) and ledger["overflow_probability"] == 1.0
+        status, headers, body = server.request("/v1/chat/completions", chat(200))
+        assert status == 429 and _error(body) == "kv_budget_exhausted", body
+        upstream.release()
+        assert server.wait_ledger(0)["reserved"] == 0
+        assert server.request("/v1/chat/completions", chat(200))[0] == 200
+        assert server.ledger()["overflow_probability"] == 0.0
+    finally:
+        upstream.release()
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_statistical_admits_a_request_past_the_budget_whose_own_probability_is_within_epsilon(kind, tmp_path,
+                                                                                                upstream):
+    """At epsilon 0.1 the same chat(1560) (102 blocks at worst, 413 under guaranteed) overflows
+    alone with probability 5 % only: admitted, and alone it fills the ledger past the budget."""
+    ledger, demand = _oracle(0.1)
+    assert not ledger.never_fits(blocks(1560, CHAT_CAP), demand(1560))
+    server = _start_statistical(kind, tmp_path, upstream, epsilon=0.1)
+    try:
+        status, headers, _ = server.request("/v1/chat/completions", chat(1560))
+        assert status == 200 and _reserved(headers) == 102
+        assert server.wait_ledger(0)["reserved"] == 0
+    finally:
+        server.stop()

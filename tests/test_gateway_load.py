@@ -2,7 +2,10 @@
 streams slowly, fails, hangs past the read timeout or dies mid-stream; clients that disconnect
 mid-stream, read slowly, or are cancelled. A sampler watches the ledger the whole time, and the
 fake vLLM (tests/fake_vllm.py) keeps its own independent tally of the blocks its running requests
-can grow to: ceil((prompt + max_tokens) / 16) × n each, which must never exceed the budget."""
+can grow to: ceil((prompt + max_tokens) / 16) × n each, which must never exceed the budget (k x the
+budget for overcommit). Under the statistical policy the worst cases may add up past the budget,
+which is its point; instead every admission's overflow probability, read from the ledger's own
+state as it admits, must be at most epsilon."""
 
 from __future__ import annotations
 
@@ -22,29 +25,64 @@ BUDGET = 100
 BLOCK = 16
 
 
-# Every policy the ledger enforces, with the most its admitted worst cases may add up to.
+# Every policy the ledger enforces, with the most its admitted worst cases may add up to (None:
+# no bound on them, statistical bounds the probability instead).
+EPSILON = 0.01
 POLICIES = {
     "guaranteed": ({"policy": "guaranteed"}, BUDGET),
     "overcommit": ({"policy": "overcommit", "factor": 1.5}, 150),
+    "statistical": ({"policy": "statistical", "epsilon": EPSILON}, None),
 }
+# The chat route's output law under statistical: mostly short answers, a few to the cap.
+CHAT_HISTOGRAM = {"lengths": [4, 8, 16, 32, 64], "counts": [30, 30, 20, 15, 5]}
+
+
+def _watch_admissions(ledger, epsilon: float) -> dict:
+    """Every probability the statistical ledger admits at, checked as it admits: the one it
+    decided on (last_admitted_probability) and its state's own bound just after holding it; and
+    how often it conditioned a held request on its streamed tokens."""
+    seen: dict = {"admitted": [], "conditioned": 0}
+    try_reserve, progress = ledger.try_reserve, ledger._progress
+
+    def checked(blocks, demand=None):
+        reservation = try_reserve(blocks, demand)
+        if reservation is not None:
+            assert ledger.last_admitted_probability <= epsilon, ledger.last_admitted_probability
+            now = ledger.overflow_probability()
+            assert now <= epsilon * (1 + 1e-9), now
+            seen["admitted"].append(ledger.last_admitted_probability)
+        return reservation
+
+    def conditioned(reservation, streamed_tokens):
+        seen["conditioned"] += 1
+        return progress(reservation, streamed_tokens)
+
+    ledger.try_reserve, ledger._progress = checked, conditioned
+    return seen
 
 
 async def _load(queue: dict | None, requests: int, seed: int, policy: str = "guaranteed") -> None:
     rng = random.Random(seed)
     fake = FakeVllm(block_size=BLOCK)
     admission, limit = POLICIES[policy]
+    statistical = limit is None
     overrides = {"timeouts": {"read_s": 0.4, "drain_s": 5}, "admission": admission}
+    if statistical:
+        overrides["routes"] = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+                                "output_histogram": CHAT_HISTOGRAM},
+                               {"name": "default", "max_new_tokens": 32}]
     if queue:
         overrides["queue"] = queue
     async with running(fake, **overrides) as (session, base, gateway, _):
         peak = {"reserved": 0, "samples": 0}
         done = asyncio.Event()
+        watched = _watch_admissions(gateway.ledger, EPSILON) if statistical else None
 
         async def sampler() -> None:
             while not done.is_set():
                 reserved = gateway.ledger.reserved_blocks
-                assert 0 <= reserved <= limit, reserved
-                assert fake.running_blocks <= limit, fake.running_blocks
+                assert 0 <= reserved <= (limit or reserved), reserved
+                assert fake.running_blocks <= (limit or fake.running_blocks), fake.running_blocks
                 peak["reserved"] = max(peak["reserved"], reserved)
                 peak["samples"] += 1
                 await asyncio.sleep(0.001)
@@ -57,7 +95,7 @@ async def _load(queue: dict | None, requests: int, seed: int, policy: str = "gua
             await asyncio.sleep(rng.random() * 3.0)
             behaviour = rng.choices(["normal", "disconnect", "slow", "cancel"], [55, 15, 15, 15])[0]
             mode = rng.choices(["ok", "500", "hold", "die"], [80, 7, 5, 8])[0]  # a hold is never released
-            chunks = rng.randint(3, 10)
+            chunks = rng.randint(3, 40 if statistical else 10)  # statistical: past the marks 16 and 32
             body = chat(rng.randint(5, 250), stream=True, x_mode=mode, x_chunks=chunks,
                         x_delay=rng.choice([0.005, 0.02, 0.05]), x_id=i,
                         n=rng.choice([1, 1, 1, 2]))
@@ -122,15 +160,22 @@ async def _load(queue: dict | None, requests: int, seed: int, policy: str = "gua
         assert gateway.ledger.inflight_requests == 0
         assert gateway.admission.waiting == 0
         assert fake.active == 0 and fake.running_blocks == 0  # hung upstream calls were cut too
-        assert peak["reserved"] <= limit and peak["samples"] > 100
-        assert fake.peak_running_blocks <= limit
+        assert peak["samples"] > 100
+        if statistical:
+            # every admission within epsilon, and the worst cases really went past the budget
+            admitted_at = watched["admitted"]
+            assert len(admitted_at) >= outcomes["200"] and max(admitted_at) <= EPSILON
+            assert peak["reserved"] > BUDGET and max(admitted_at) > 0, (peak, max(admitted_at))
+            assert watched["conditioned"] > 10, watched["conditioned"]  # streamed tokens were heard
+        else:
+            assert peak["reserved"] <= limit and fake.peak_running_blocks <= limit
         # the run exercised what it claims to
         assert outcomes["200"] > 10 and outcomes["429"] > 5, outcomes
         assert outcomes["client_disconnect"] + outcomes["client_cancelled"] > 5, outcomes
         assert outcomes["504"] + outcomes["500"] + outcomes["cut_mid_stream"] > 3, outcomes
         assert retry_afters and all(1 <= r <= 60 for r in retry_afters)
         assert len(unbuffered) > 5 and all(unbuffered)
-        assert peak["reserved"] > limit // 2  # the budget was really under pressure
+        assert peak["reserved"] > (limit or BUDGET) // 2  # the budget was really under pressure
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

@@ -210,15 +210,40 @@ def test_the_admission_policy_reaches_gateway_yaml_and_nginx_conf(admission):
     r = Recommendation.from_dict(doc)
     config = parse_gateway_config(yaml.safe_load(render_files(r, targets=["gateway.yaml"])["gateway.yaml"]))
     assert config.admission == r.admission
-    if admission["policy"] == "statistical":
-        with pytest.raises(KvtuneError, match="^nginx.conf cannot enforce admission policy statistical: its Lua"):
-            render_files(r, targets=["nginx.conf"])
-        assert set(render_files(r)) == set(TARGETS) - {"nginx.conf"}  # every target that can enforce it
-        return
+    assert set(render_files(r)) == set(TARGETS)  # nginx.conf enforces every policy too
     conf = render_files(r, targets=["nginx.conf"])["nginx.conf"]
     limit = r.admission.limit_blocks(r.budget_blocks)
     assert f"admit_limit = {limit}," in conf and f'policy = "{admission["policy"]}",' in conf
-    assert parse_deployed(conf, source="nginx.conf").block_budget == r.budget_blocks
+    deployed = parse_deployed(conf, source="nginx.conf")
+    assert deployed.block_budget == r.budget_blocks and deployed.admission == r.admission
+    statistical = admission["policy"] == "statistical"
+    # the statistical ledger lives in one worker's memory; the others keep the option's worker count
+    assert ("worker_processes 1;" in conf) is statistical and ('worker_processes "auto";' in conf) is not statistical
+    assert ("body_filter_by_lua_block" in conf) is statistical
+    assert ("epsilon = 0.02," in conf) is statistical
+
+
+def test_nginx_conf_carries_the_statistical_constants_and_route_laws():
+    """The Lua runs on the Python ledger's own constants and each route's output_histogram, as
+    gateway.yaml carries them; the catch-all has none (worst case)."""
+    from kvtune.deploy.read import _LuaReader
+    from kvtune.deploy.render import gateway_routes
+    from kvtune.gateway.overflow import EXACT_WORK, FIRST_MARK, THETAS, interval_edges
+
+    doc = rec_dict()
+    doc["admission"] = {"policy": "statistical", "epsilon": 0.001}
+    r = Recommendation.from_dict(doc)
+    conf = render_files(r, targets=["nginx.conf"])["nginx.conf"]
+    block = conf[conf.index("local CONFIG =") + len("local CONFIG ="):]
+    config = _LuaReader(block, "nginx.conf").value()
+    stat = config["statistical"]
+    assert stat["epsilon"] == 0.001 and tuple(stat["thetas"]) == THETAS
+    assert stat["exact_work"] == EXACT_WORK and stat["first_mark"] == FIRST_MARK
+    assert [tuple(e) for e in stat["edges"]] == list(interval_edges(r.max_model_len))
+    assert stat["events_without_tokens"] == 3
+    laws = [route.get("law") for route in config["routes"]]
+    assert laws[:-1] == [g["output_histogram"] for g in gateway_routes(r)][:-1] and laws[-1] is None
+    assert all(law["lengths"] and len(law["lengths"]) == len(law["counts"]) for law in laws[:-1])
 
 
 def test_gateway_yaml_counts_with_a_local_tokenizer_when_given_one(tmp_path):

@@ -439,11 +439,15 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
 
 
 def _lua_admission(config: dict, source: str) -> AdmissionPolicy:
-    """CONFIG.policy and CONFIG.factor (nginx.conf files rendered before them: guaranteed)."""
+    """CONFIG.policy and CONFIG.factor or CONFIG.statistical.epsilon (nginx.conf files rendered
+    before them: guaranteed)."""
     policy = config.get("policy", "guaranteed")
     given: dict[str, Any] = {"policy": policy}
     if policy == "overcommit":
         given["factor"] = config.get("factor")
+    elif policy == "statistical":
+        statistical = config.get("statistical")
+        given["epsilon"] = statistical.get("epsilon") if isinstance(statistical, dict) else None
 
     def fail(field: str, message: str) -> InputError:
         return InputError(message, path=source, field="CONFIG." + field.removeprefix("admission."))

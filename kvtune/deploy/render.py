@@ -254,6 +254,24 @@ def lua_policy() -> dict:
     }
 
 
+def lua_statistical(rec: Recommendation) -> dict | None:
+    """The statistical policy's epsilon and kvtune.gateway.overflow's constants for the Lua in
+    nginx.conf (None for the other policies), rendered from the values the Python ledger runs on."""
+    from kvtune.gateway import ledger, overflow, relay
+
+    if rec.admission.kind is not PolicyKind.STATISTICAL:
+        return None
+    return {
+        "epsilon": rec.admission.epsilon,
+        "thetas": list(overflow.THETAS),
+        "edges": [list(e) for e in overflow.interval_edges(rec.max_model_len)],
+        "exact_work": overflow.EXACT_WORK,
+        "first_mark": overflow.FIRST_MARK,
+        "resum_every": ledger._RESUM_EVERY,
+        "events_without_tokens": relay._EVENTS_WITHOUT_TOKENS,
+    }
+
+
 def _context(rec: Recommendation, options: RenderOptions) -> dict:
     routes = gateway_routes(rec)
     upstream = parse_upstream(rec.upstream)
@@ -291,6 +309,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "passthrough": list(options.passthrough),
         "ledger_access": options.admin.ledger.value,
         "token_env": options.admin.token_env,
+        "statistical": lua_statistical(rec),
     }
     return {
         "rec": rec,
@@ -331,12 +350,8 @@ def _what_if(rec: Recommendation) -> dict | None:
 
 def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
                  options: RenderOptions | None = None) -> dict[str, str]:
-    """Render the recommendation into file name → text for each requested target (default: every
-    target the recommendation's admission policy can be enforced by: nginx.conf's Lua enforces
-    guaranteed and overcommit, so a statistical recommendation renders it only when asked, and
-    then refuses)."""
-    statistical = rec.admission.kind is PolicyKind.STATISTICAL
-    wanted = [t for t in TARGETS if not (statistical and t == "nginx.conf")] if targets is None else list(targets)
+    """Render the recommendation into file name → text for each requested target (default: all)."""
+    wanted = list(TARGETS) if targets is None else list(targets)
     unknown = [t for t in wanted if t not in TARGETS]
     if unknown:
         raise UnknownNameError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
@@ -344,10 +359,6 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     env = make_environment()
     context = _context(rec, options)
     files: dict[str, str] = {}
-    if "nginx.conf" in wanted and statistical:
-        raise OptionError("nginx.conf cannot enforce admission policy statistical: its Lua enforces "
-                          "guaranteed and overcommit only; render gateway.yaml (kvtune gateway) for it, "
-                          "or choose another policy")
     for name in wanted:
         if name == "recommendation.json":
             files[name] = rec.to_json()

@@ -96,12 +96,11 @@ class Relay:
             await response.prepare(request)
             if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 progress = None
-            events = 0
+            events = EventCounter()
             try:
                 async for chunk in up.iter_chunks():
                     if progress is not None:
-                        events += chunk.count(b"\n\n")
-                        progress(events_seen_tokens(events))
+                        progress(events_seen_tokens(events.add(chunk)))
                     async with asyncio.timeout(send_timeout):
                         await response.write(chunk)
             except UpstreamError:
@@ -127,6 +126,28 @@ class Relay:
 #: Events of a completion stream that carry no generated token: the first (the role, in chat),
 #: the last (finish_reason, or usage) and `[DONE]`.
 _EVENTS_WITHOUT_TOKENS = 3
+
+
+class EventCounter:
+    """Complete events (b"\\n\\n") of a stream read in chunks, counted as over the whole stream,
+    so a blank line split across two chunks counts once, wherever the chunks happen to break
+    (the rendered nginx.conf counts the same in its body filter)."""
+
+    __slots__ = ("events", "_newline")
+
+    def __init__(self) -> None:
+        self.events = 0
+        self._newline = False  # the stream so far ends with a newline no pair has taken
+
+    def add(self, chunk: bytes) -> int:
+        """Count `chunk` in; the events seen so far."""
+        if not chunk:
+            return self.events
+        start = 1 if self._newline and chunk[:1] == b"\n" else 0
+        self.events += start + chunk.count(b"\n\n", start)
+        trailing = len(chunk) - len(chunk.rstrip(b"\n"))
+        self._newline = (len(chunk) - max(len(chunk) - trailing, start)) % 2 == 1
+        return self.events
 
 
 def events_seen_tokens(events: int) -> int:
@@ -171,4 +192,4 @@ def _response_headers(headers: CIMultiDict[str], whole: bool) -> CIMultiDict[str
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in drop])
 
 
-__all__ = ["Relay", "events_seen_tokens", "refusal_response", "HOP_BY_HOP"]
+__all__ = ["Relay", "EventCounter", "events_seen_tokens", "refusal_response", "HOP_BY_HOP"]
