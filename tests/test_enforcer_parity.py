@@ -849,7 +849,9 @@ def _oracle(epsilon: float = EPSILON):
 
 
 def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    # Python convolves by FFT (exact up to ~1e-15 of rounding), the Lua directly: 1e-9 relative,
+    # or 1e-12 absolute for probabilities next to 0
+    return abs(a - b) <= max(1e-9 * max(abs(a), abs(b)), 1e-12)
 
 
 def _held_one_by_one(server, upstream, prompts: list[int], **extra) -> tuple[list[int], list[float]]:

@@ -31,7 +31,7 @@ from kvtune.gateway.overflow import (
     interval_edges,
     last_mark,
     next_mark,
-    row_distribution,
+    rows_distribution,
     sequence_rows,
 )
 
@@ -246,8 +246,19 @@ class StatisticalLedger(BlockLedger):
     def _exact_rows(self) -> np.ndarray:
         if self._exact is None:
             held = [s for _, rows in self._held.values() for s in rows]
-            self._exact = np.vstack([row_distribution(held, r, self.budget_blocks) for r in range(self.rows)])
+            self._exact = rows_distribution(held, self.rows, self.budget_blocks)
         return self._exact
+
+    def chernoff_bound(self, extra: Sequence[SequenceRows] = ()) -> float:
+        """The Chernoff side of overflow_probability, never below it: cheap (a sum of rows), so
+        an admission it already allows needs no convolution."""
+        capacity = self.budget_blocks
+        if self._worst + sum(s.worst for s in extra) <= capacity:
+            return 0.0
+        total = self._log_mgf
+        for s in extra:
+            total = total + s.log_mgf
+        return combine(chernoff_tail(total, capacity))
 
     # -- the ledger
 
@@ -272,9 +283,12 @@ class StatisticalLedger(BlockLedger):
                 return None
             probability = 0.0
         else:
-            probability = self.overflow_probability(rows)
+            # the bound is never below the exact probability: within epsilon, the exact one is too
+            probability = self.chernoff_bound(rows)
             if probability > self.epsilon:
-                return None
+                probability = self.overflow_probability(rows)
+                if probability > self.epsilon:
+                    return None
         self._reserved += blocks
         self._inflight += 1
         conditioned = demand is not None and len(demand.prompts) == 1

@@ -231,6 +231,32 @@ def row_distribution(held: Iterable[SequenceRows], row: int, capacity: int) -> n
     return dist
 
 
+def rows_distribution(held: Sequence[SequenceRows], rows: int, capacity: int) -> np.ndarray:
+    """Every row's exact distribution at once (shape (rows, capacity + 2), sums above capacity
+    lumped at capacity + 1), by multiplying the sequences' discrete Fourier transforms: P(sum <= C)
+    depends only on values <= C, and a transform longer than the largest possible sum has no
+    wrap-around, so the low part is the exact convolution up to float rounding (~1e-15)."""
+    size = capacity + 2
+    if not held:
+        out = np.zeros((rows, size))
+        out[:, 0] = 1.0
+        return out
+    top = capacity + 1
+    longest = sum(int(min(s.values.max(), top)) for s in held)
+    n = 1 << max(longest + 1, top).bit_length()  # no wrap-around, and every value <= capacity + 1 fits
+    pmfs = np.zeros((len(held), rows, n))
+    row_index = np.arange(rows)[:, None]
+    for i, s in enumerate(held):
+        np.add.at(pmfs[i], (np.broadcast_to(row_index, s.values.shape), np.minimum(s.values, top)),
+                  np.broadcast_to(s.probs, s.values.shape))
+    spectrum = np.prod(np.fft.rfft(pmfs, axis=2), axis=0)
+    full = np.fft.irfft(spectrum, n=n, axis=1)
+    out = np.empty((rows, size))
+    out[:, :top] = np.maximum(full[:, :top], 0.0)
+    out[:, top] = np.maximum(0.0, 1.0 - out[:, :top].sum(axis=1))
+    return out
+
+
 def convolve_clipped(dist: np.ndarray, values: np.ndarray, probs: np.ndarray, capacity: int) -> np.ndarray:
     """dist convolved with one sequence's (values, probs), sums above capacity lumped at capacity + 1."""
     size = capacity + 2
@@ -259,4 +285,4 @@ def combine(tails: np.ndarray) -> float:
 
 __all__ = ["OutputLaw", "SequenceRows", "THETAS", "EXACT_WORK", "MAX_BINS", "RENDERED_BINS", "FIRST_MARK",
            "chernoff_tail", "combine", "convolve_clipped", "exact_is_cheap", "exact_units", "interval_edges",
-           "last_mark", "next_mark", "parse_output_law", "row_distribution", "sequence_rows"]
+           "last_mark", "next_mark", "parse_output_law", "row_distribution", "rows_distribution", "sequence_rows"]
