@@ -1,7 +1,11 @@
 """`kvtune calibrate URL --timing`: bounded sweeps against a live vLLM, fitted into a step-time model.
 
 Why these sweeps: each observation must be explainable as a known set of engine steps.
-    overhead  a near-empty request alone, max_tokens 1: TTFT = HTTP overhead + one tiny step
+    overhead  a near-empty request alone, max_tokens 1: TTFT = HTTP overhead + one tiny step;
+              then bursts of BURST_SIZE of them sent together: the API server takes them in one
+              at a time, so the burst's length less a lone request's, over B − 1, is its serial
+              work per request (kvtune.capacity.timing.fit_frontend; per streamed token it is
+              read off the decode cells, the client's gap beyond the engine's)
     prefill   one request at a time, max_tokens 1, prompts up to and past max_num_batched_tokens:
               TTFT = HTTP overhead + one step per chunk (kvtune.capacity.timing.prefill_chunks)
     decode    B clients in a closed loop of waves (all send together, each its next request once
@@ -43,6 +47,7 @@ from kvtune.capacity.timing import (
     SweepReport,
     Timing,
     fit_errors,
+    fit_frontend,
     fit_step_time,
     lone_prefill_features,
     wave_decode_features,
@@ -58,6 +63,8 @@ __all__ = ["DecodeCell", "TimingPlan", "TimingProgress", "plan_timing", "batched
 DEFAULT_BUDGET_S = 300.0
 SHARES = {"overhead": 0.08, "prefill": 0.32, "decode": 0.60}
 OVERHEAD_REQUESTS = 24
+BURST_SIZE = 16  # near-empty requests sent together
+BURST_ROUNDS = 3
 PREFILL_ROUNDS = 6  # at most; fewer when the sweep's share of the budget runs out
 DECODE_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DECODE_OUTPUT_TOKENS = 64
@@ -95,7 +102,8 @@ class TimingPlan:
         prompts = sorted({c.prompt_tokens for c in self.decode_cells})
         return [
             ("overhead", f"{self.overhead_requests} near-empty requests ({self.overhead_prompt_tokens}-token prompt, "
-                         "max_tokens 1), one at a time", self.overhead_requests),
+                         f"max_tokens 1), one at a time, then {BURST_ROUNDS} bursts of {BURST_SIZE} sent together",
+             self.overhead_requests + BURST_ROUNDS * BURST_SIZE),
             ("prefill", f"one request at a time, max_tokens 1, prompts of {lengths} tokens "
                         f"(max_num_batched_tokens {self.max_num_batched_tokens:,}), up to {self.prefill_rounds} "
                         "rounds", len(self.prefill_lengths) * self.prefill_rounds),
@@ -267,6 +275,8 @@ class _Sweep:
     observations: list[Observation] = field(default_factory=list)  # fitted: the engine's own times
     client: list[Observation] = field(default_factory=list)  # the client's: TTFT, streamed gaps
     overheads: list[float] = field(default_factory=list)  # TTFT − the engine's prefill time, seconds
+    bursts: list[tuple[int, float]] = field(default_factory=list)  # (requests, first send to last answer, s)
+    stream: list[tuple[int, float, float]] = field(default_factory=list)  # (B, client gap, engine gap), s
     concurrency: set[int] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     server: ServerCheck = field(default_factory=ServerCheck)
@@ -351,9 +361,20 @@ class _Runner:
     async def overhead(self, sweep: _Sweep, until: float) -> None:
         sweep.concurrency.add(1)
         for _ in range(self.plan.overhead_requests):
-            if time.perf_counter() >= until and sweep.results:
+            if time.perf_counter() >= until and len(sweep.results) >= 3:
                 break
             await self.lone(sweep, self.plan.overhead_prompt_tokens)
+        for _ in range(BURST_ROUNDS):
+            if time.perf_counter() >= until and sweep.bursts:
+                break
+            start = time.perf_counter()
+            results = await asyncio.gather(*(self.send(sweep.name, self.plan.overhead_prompt_tokens, 1)
+                                             for _ in range(BURST_SIZE)))
+            sweep.results.extend(results)
+            done = [r for r in results if r.ok and r.e2e_ms is not None]
+            if len(done) == BURST_SIZE:
+                sweep.concurrency.add(BURST_SIZE)
+                sweep.bursts.append((BURST_SIZE, time.perf_counter() - start))
 
     async def prefill(self, sweep: _Sweep, until: float) -> None:
         sweep.concurrency.add(1)
@@ -402,6 +423,8 @@ class _Runner:
         tpots = [r.tpot_ms / 1000 for r in results if r.ok and r.output_tokens == out and r.tpot_ms]
         if tpots:  # the client's view: (e2e − TTFT) / (tokens − 1), averaged over the cell
             sweep.client.append(Observation.of("decode", features, 0, float(np.mean(tpots))))
+            if check.engine_itl_mean_s is not None and check.engine_itl_mean_s > 0:
+                sweep.stream.append((cell.concurrency, float(np.mean(tpots)), check.engine_itl_mean_s))
 
 
 def _report(sweep: _Sweep, errors: dict[str, FitError]) -> SweepReport:
@@ -474,7 +497,7 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
         # one untimed request first: the first forward passes of a fresh server are slow
         await runner.send("warmup", max(plan.prefill_lengths), 2)
         sweeps = [
-            await runner.run("overhead", plan.overhead_requests, SHARES["overhead"], runner.overhead),
+            await runner.run("overhead", plan.steps()[0][2], SHARES["overhead"], runner.overhead),
             await runner.run("prefill", plan.steps()[1][2], SHARES["prefill"] / (1 - SHARES["overhead"]),
                              runner.prefill),
             # the rest, less a margin for the last round and the counters' settling
@@ -498,6 +521,8 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
     # the error users meet: TTFT for lone requests (client), the engine's step time for decode
     errors = fit_errors(fit, [o for o in client_rows if o.sweep != "decode"]
                         + [o for o in (engine_rows or client_rows) if o.sweep == "decode"])
+    lone_ttft = [o.seconds for o in sweeps[0].client]
+    frontend = fit_frontend(lone_ttft, sweeps[0].bursts, sweeps[2].stream)
     reports = [_report(s, errors) for s in sweeps]
     reports = [dataclasses.replace(r, notes=tuple(n for sweep, n in plan.notes if sweep == r.name) + r.notes)
                for r in reports]
@@ -513,6 +538,7 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
         budget_s=budget_s,
         wall_s=time.perf_counter() - started,
         kvtune_version=__version__,
+        frontend=frontend,
     )
     stated = budget_from != "engine-default"  # what the server runs with, not kvtune's guess
     return dataclasses.replace(measured, timing=timing, max_num_batched_tokens=budget_tokens if stated

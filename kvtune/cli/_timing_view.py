@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtune.capacity.timing import COEFFICIENT_UNITS, COEFFICIENTS, FORMULA, Timing
+from kvtune.capacity.timing import COEFFICIENT_UNITS, COEFFICIENTS, FORMULA, FRONTEND_TERMS, FRONTEND_UNITS, Timing
 
 
 class RichTimingProgress:
@@ -66,6 +66,9 @@ def print_timing(timing: Timing, console: Console) -> None:
     for name in COEFFICIENTS:
         coefficients.add_row(name, f"{getattr(model, name):.4g}", COEFFICIENT_UNITS[name])
     coefficients.add_row("HTTP overhead", f"{timing.http_overhead_s:.4g}", "s per request")
+    if timing.frontend is not None:
+        for name in FRONTEND_TERMS:
+            coefficients.add_row(f"API server {name}", f"{getattr(timing.frontend, name):.4g}", FRONTEND_UNITS[name])
     console.print(coefficients)
 
     sweeps = Table(title="Fit error per sweep (|predicted − measured| / measured)", title_justify="left")
