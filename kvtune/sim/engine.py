@@ -96,8 +96,10 @@ class _Run:
                  closed_loop: ClosedLoop | None = None, frontend: FrontEndModel | None = None) -> None:
         n = len(wl)
         self.fe = None if frontend is None else FrontEnd(frontend)
-        # (tick, kind, request): requests reaching the engine, answers reaching their clients
-        self.later: list[tuple[int, int, int]] = []
+        # (tick, order pushed, kind, request): requests reaching the engine, answers reaching
+        # their clients; ties keep the order they were pushed in (FIFO, as the server's queue)
+        self.later: list[tuple[int, int, int, int]] = []
+        self.pushed = 0
         self.delivered_at = 0
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
         self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
@@ -180,7 +182,7 @@ class _Run:
                 _, request = heapq.heappop(self.retries_heap)
                 self._attempt(request, r)
             elif e is not None and e <= t and (d is None or e <= d):
-                _, kind, request = heapq.heappop(self.later)
+                _, _, kind, request = heapq.heappop(self.later)
                 if kind == _TO_ENGINE:
                     self.sched.add(request)
                 else:
@@ -245,7 +247,11 @@ class _Run:
         if self.fe is None:
             self.sched.add(request)
         else:
-            heapq.heappush(self.later, (self.fe.ingress(tick), _TO_ENGINE, request))
+            self._later(self.fe.ingress(tick), _TO_ENGINE, request)
+
+    def _later(self, tick: int, kind: int, request: int) -> None:
+        self.pushed += 1
+        heapq.heappush(self.later, (tick, self.pushed, kind, request))
 
     def _finished(self, finished: np.ndarray, out: int) -> None:
         """Requests the engine finished; their clients have the last token at tick `out`."""
@@ -255,7 +261,7 @@ class _Run:
         self.delivered_at = max(self.delivered_at, out)
         if out > self.t and (not self.direct or self.closed is not None):
             for request in finished.tolist():  # the gateway and the client see the end later
-                heapq.heappush(self.later, (out, _DELIVERED, request))
+                self._later(out, _DELIVERED, request)
             return
         for request in finished.tolist():
             self._delivered(request, out)
