@@ -16,8 +16,8 @@ from kvtune.capacity.measured import read_capacity_file, write_capacity_file
 from kvtune.capacity.timing import fit_frontend
 from kvtune.errors import InputError, OptionError
 from kvtune.sim import EngineSettings, LedgerAdmission, Outcome, SimRequest, simulate
-from kvtune.sim.results import OUTCOMES
 from kvtune.sim.frontend import FrontEnd
+from kvtune.sim.results import OUTCOMES
 from kvtune.sim.setup import timing_setup
 from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
@@ -73,7 +73,7 @@ def test_a_free_front_end_changes_nothing(engine, timing, requests):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(engine=engines(), timing=timings, requests=workloads(), budget_share=st.floats(0.2, 1.5))
-def test_with_a_front_end_fast_equals_step_by_step_and_latency_only_grows(engine, timing, requests, budget_share):
+def test_with_a_front_end_fast_equals_step_by_step(engine, timing, requests, budget_share):
     fe = FrontEndModel(0.003, 0.0005)
 
     def admission():
@@ -86,12 +86,12 @@ def test_with_a_front_end_fast_equals_step_by_step_and_latency_only_grows(engine
         _assert_same(slow, fast)
         assert slow.decisions == fast.decisions
         _assert_invariants(fast, requests, engine)
+    # the front end delays requests, it neither drops nor shortens them (a delay can move a request
+    # across a step boundary, so single latencies may shrink: only the tokens are compared)
     bare = simulate(requests, engine, timing)
     fronted = simulate(requests, engine, timing, frontend=fe)
     assert fronted.requests.output_tokens.tolist() == bare.requests.output_tokens.tolist()
-    ok = bare.requests.outcome == OUTCOMES.index(Outcome.OK)
-    if ok.any():  # the last answer comes at least one request's work and one token's later
-        assert fronted.requests.finish_s[ok].max() >= bare.requests.finish_s[ok].max() + 0.0035 - 1e-9
+    assert fronted.requests.outcome.tolist() == bare.requests.outcome.tolist()
 
 
 def test_fit_frontend_from_bursts_and_streams():

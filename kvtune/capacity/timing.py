@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvtune.hardware import Gpu
     from kvtune.model.spec import ModelSpec
 
-SWEEPS = ("overhead", "prefill", "decode")
+SWEEPS = ("overhead", "prefill", "load", "decode")
 _MAX_SECONDS = 3600.0  # no coefficient of a real engine comes near an hour
 
 
@@ -101,6 +101,27 @@ def wave_decode_features(concurrency: int, prompt_tokens: int, output_tokens: in
         total += decoding * step_features(batch)
         gaps += decoding
     return total / max(gaps, 1)
+
+
+def decode_weighted_features(decisions: Sequence[Any], prompt_tokens: Sequence[int]) -> np.ndarray | None:
+    """The mean inter-token gap of a replayed run, as features: each step's features (from the
+    simulator's decisions: (request, tokens) scheduled, preempted) weighted by how many decoding
+    requests it gave a token. A preempted request computes again from nothing (its cached
+    prefix is not counted as context: a small underestimate of its attention)."""
+    computed: dict[int, int] = {}
+    total = np.zeros(4)
+    weight = 0
+    for d in decisions:
+        for r in d.preempted:
+            computed[r] = 0
+        batch = [(n, computed.get(r, 0)) for r, n in d.scheduled]
+        decoders = sum(1 for r, n in d.scheduled if n == 1 and computed.get(r, 0) >= prompt_tokens[r])
+        if decoders:
+            total += decoders * step_features(batch)
+            weight += decoders
+        for r, n in d.scheduled:
+            computed[r] = computed.get(r, 0) + n
+    return None if weight == 0 else total / weight
 
 
 # --- observations and the fit ----------------------------------------------------------------
@@ -558,6 +579,7 @@ __all__ = [
     "fit_step_time",
     "fit_errors",
     "fit_frontend",
+    "decode_weighted_features",
     "FRONTEND_TERMS",
     "FRONTEND_UNITS",
     "FrontEndModel",

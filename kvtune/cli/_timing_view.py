@@ -77,7 +77,7 @@ def print_timing(timing: Timing, console: Console) -> None:
                    "steps seen"):
         sweeps.add_column(column, justify="right")
     for s in timing.sweeps:
-        engine = s.server.engine_itl_mean_s if s.name == "decode" else s.server.engine_prefill_mean_s
+        engine = s.server.engine_itl_mean_s if s.name in ("decode", "load") else s.server.engine_prefill_mean_s
         sweeps.add_row(
             s.name, f"{s.completed}/{s.requests}", f"{s.prompt_tokens[0]:,}–{s.prompt_tokens[1]:,}",
             ",".join(map(str, s.concurrency)) or "—", _pct(s.error.median if s.error else None),

@@ -348,7 +348,8 @@ class _Run:
             steps = StepSeries(table[:, 0], counts[:, 0], counts[:, 1], counts[:, 2], counts[:, 3], counts[:, 4])
         admission_peak = int(getattr(self.admission, "queue_peak", 0))
         return SimResult(requests, steps, tuple(self.decisions) if self.decisions is not None else None,
-                         max(self.t, self.refused_at, self.delivered_at) / TICKS_PER_S, self.num_steps, int(sched.preemptions.sum()),
+                         max(self.t, self.refused_at, self.delivered_at) / TICKS_PER_S, self.num_steps,
+                         int(sched.preemptions.sum()),
                          self.settings.usable_blocks, sched.used_peak, sched.running_peak, self.waiting_peak,
                          admission_peak, self.events, wall_s)
 
