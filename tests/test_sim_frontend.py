@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from test_sim import _assert_invariants, _assert_same, engines, timings, workloads
 from test_timing import _capacity, _timing
 
+from kvtune.bench.timing import load_observation
 from kvtune.capacity.measured import read_capacity_file, write_capacity_file
-from kvtune.capacity.timing import fit_frontend
+from kvtune.capacity.timing import decode_weighted_features, fit_frontend, step_features
 from kvtune.errors import InputError, OptionError
-from kvtune.sim import EngineSettings, LedgerAdmission, Outcome, SimRequest, simulate
+from kvtune.sim import EngineSettings, LedgerAdmission, SimRequest, simulate
 from kvtune.sim.frontend import FrontEnd
-from kvtune.sim.results import OUTCOMES
 from kvtune.sim.setup import timing_setup
 from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
@@ -152,3 +152,42 @@ def test_front_end_costs_are_checked():
         FrontEndModel(-0.001)
     with pytest.raises(OptionError):
         FrontEndModel(0.001, float("nan"))
+
+
+# --- the load sweep: a replayed run as one decode observation -------------------------------------
+
+
+def test_decode_weighted_features_weigh_each_step_by_its_decoders():
+    from kvtune.sim.results import Decision
+
+    # request 0 (prompt 4) prefills alone, then decodes beside request 1's 3-token prefill, then
+    # both decode: gaps are the 2nd step (1 decoder) and the 3rd (2 decoders)
+    decisions = [Decision(0.0, ((0, 4),), (), ()), Decision(0.1, ((0, 1), (1, 3)), (), ()),
+                 Decision(0.2, ((0, 1), (1, 1)), (), (0, 1))]
+    got = decode_weighted_features(decisions, [4, 3])
+    mixed = step_features([(1, 4), (3, 0)])
+    both = step_features([(1, 5), (1, 3)])
+    np.testing.assert_allclose(got, (mixed + 2 * both) / 3)
+    assert decode_weighted_features(decisions[:1], [4, 3]) is None  # no decode step, no gap
+
+
+def test_a_load_run_replayed_recovers_the_step_time_it_ran_with():
+    """Replay a run on the simulator with the true model: its decode-weighted features times the
+    true coefficients are the run's mean inter-token gap, which a load observation then carries."""
+    true = StepTimeModel(0.006, 2e-4, 1e-7, 5e-4)
+    rng = np.random.default_rng(3)
+    n = 60
+    replay = sorted((float(t), int(p), int(o)) for t, p, o in zip(
+        np.cumsum(rng.exponential(0.05, n)), rng.integers(16, 256, n), rng.integers(8, 64, n), strict=True))
+    engine = EngineSettings(num_blocks=9, block_size=128, max_num_seqs=128, max_num_batched_tokens=2048,
+                            max_model_len=512)
+    wl_times = [t for t, _, _ in replay]
+    result = simulate([SimRequest(t, p, o, o) for t, p, o in replay], engine, true)
+    ok = result.requests.output_tokens > 1
+    gaps = (result.requests.finish_s - result.requests.first_token_s)[ok]
+    itl = float(gaps.sum() / (result.requests.output_tokens[ok] - 1).sum())
+    row = load_observation(replay, itl, true, engine)
+    assert row is not None and row.sweep == "load" and row.http == 0
+    assert float(np.array(row.features) @ true.coefficients) == pytest.approx(itl, rel=0.02)
+    assert wl_times == sorted(wl_times)
+    assert load_observation(replay, None, true, engine) is None

@@ -498,7 +498,7 @@ def load_observation(replay: Sequence[tuple[float, int, int]], engine_itl_s: flo
     outputs = np.array([o for _, _, o in replay], dtype=np.int64)
     result = simulate(Workload.from_columns(offsets, prompts, outputs, outputs), settings, model,
                       record_decisions=True)
-    features = decode_weighted_features(result.decisions or (), prompts)
+    features = decode_weighted_features(result.decisions or (), prompts.tolist())
     return None if features is None else Observation.of("load", features, 0, engine_itl_s)
 
 
