@@ -14,6 +14,12 @@ Why these sweeps: each observation must be explainable as a known set of engine 
               still prefilled (kvtune.capacity.timing.wave_decode_features replays vLLM's schedule).
               The gaps are the engine's own (vllm:inter_token_latency_seconds): on a busy host the
               API server forwards tokens in bursts, so the client's gaps are not the steps
+    load      a closed loop of mixed prompt and output lengths, streamed: prefill chunks beside
+              decodes, requests joining mid-run, the pool filling, as under real traffic. Its
+              requests are replayed in the simulator at their send times; the replayed steps'
+              features, weighted by the decoding requests each served, are one observation of
+              the engine's mean inter-token gap over the sweep (`load_observation`), and the
+              coefficients are fitted again with it
 The server's own counters (vllm:iteration_tokens_total, prompt/generation tokens, preemptions,
 its ITL and prefill-time histograms) are read before and after each sweep and reported beside
 the client's view, and a decode cell that preempted is dropped: its steps were not B decodes.
@@ -448,7 +454,6 @@ class _Runner:
             sweep.client.append(Observation.of("decode", features, 0, float(np.mean(tpots))))
             if check.engine_itl_mean_s is not None and check.engine_itl_mean_s > 0:
                 sweep.stream.append((cell.concurrency, float(np.mean(tpots)), check.engine_itl_mean_s))
-
 
     async def load(self, sweep: _Sweep, until: float) -> None:
         """A closed loop of mixed lengths, as real traffic has: prefill chunks share steps with
