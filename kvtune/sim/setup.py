@@ -88,10 +88,12 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
 @dataclass(frozen=True, slots=True)
 class TimingSetup:
     """The step-time model, what stands between the clients and the engine, and what it was
-    computed from (the calibration's server, or the roofline's inputs). With a calibrated
-    `frontend` (the API server's serial work, which queues) the simulation uses it and no fixed
-    delay; a capacity file calibrated before kvtune measured it has only `http_overhead_s`, a
-    fixed delay before the engine sees each request."""
+    computed from (the calibration's server, or the roofline's inputs). `http_overhead_s` is
+    what a lone request spends outside the engine's steps; with a calibrated `frontend` (the
+    API server's serial work, which queues) the part of it that is serial queues in the
+    simulation and the rest (network, hand-offs between processes: latency, not work) stays a
+    fixed delay; a capacity file calibrated before kvtune measured the front end has only
+    `http_overhead_s`, all of it a fixed delay before the engine sees each request."""
 
     model: StepTimeModel
     http_overhead_s: float
@@ -101,7 +103,9 @@ class TimingSetup:
     @property
     def fixed_delay_s(self) -> float:
         """The delay added to every request outside the simulated queues."""
-        return 0.0 if self.frontend is not None else self.http_overhead_s
+        if self.frontend is None:
+            return self.http_overhead_s
+        return max(0.0, self.http_overhead_s - self.frontend.request_s - self.frontend.token_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.model.source.value, "estimate": self.model.estimate,
