@@ -4,14 +4,17 @@ Per trace (Azure conversation and code, Mooncake conversation, ServeGen DeepSeek
 lengths only): the lengths are scaled into the tiny model's context — prompt and output each by
 its own divisor, chosen so that the trace's p99 lands on a fixed share of max_model_len (so the
 shape of each distribution survives, only its unit changes) — written as kvtune JSONL logs and
-saved as a profile with `kvtune profile --save`. Then one vLLM starts with its KV squeezed
-(--kv-blocks blocks of 128 tokens), `kvtune calibrate --timing` writes the capacity file once,
-a closed loop (`kvtune bench --concurrency`) measures the capacity in requests/s, and open-loop
-Poisson runs at --loads × that capacity go to vLLM directly and through `kvtune gateway` (the
-gateway.yaml `kvtune recommend --capacity` renders), for every seed. Each run is predicted with
-`kvtune simulate` on the same profile, capacity file, rate, request count and seed (and the
-same gateway.yaml), and measured with `kvtune bench --json` (429s retried as Retry-After says,
-as the simulated clients do).
+saved as a profile with `kvtune profile --save`. Then one vLLM starts, for all traces, with its
+KV squeezed (--kv-blocks blocks of 128 tokens), and `kvtune calibrate --timing` writes the
+capacity file once. Per trace, a closed loop (`kvtune bench --concurrency`) measures the capacity
+in requests/s, and open-loop Poisson runs at --loads × that capacity go to vLLM directly and
+through `kvtune gateway` (the gateway.yaml `kvtune recommend --capacity` renders; a fresh
+gateway per run), for every seed. Each run is predicted with `kvtune simulate` on the same
+profile, capacity file, rate, request count and seed (and the same gateway.yaml), twice: with the
+calibrated API-server front end, and without it ("before": the capacity file less
+`timing.frontend`, so a fixed http_overhead_s), and measured with `kvtune bench --json` (429s
+retried as Retry-After says, as the simulated clients do). kvtune's commands run in this
+process (no interpreter start-up per call); the gateway runs in its own.
 
 Targets, on the means over seeds of each (trace, load, mode): output tokens/s within 10 %,
 Δvllm:num_preemptions within 20 % or ±3, p50 e2e within 15 %, and the gateway/direct
@@ -54,8 +57,7 @@ TRACES_DIR = REPO.parent / "shared" / "traces"
 from live import metric, start_gateway, stop_gateway  # noqa: E402
 from vllm_server import start_vllm, stop_vllm, write_tiny_model  # noqa: E402
 
-KVTUNE = [sys.executable, "-m", "kvtune"]
-SIMULATE = [*KVTUNE, "simulate"]
+SIMULATE: list[str] | None = None  # None: `kvtune simulate` in this process
 ROUTE = "/v1/chat/completions"
 MIN_PROMPT = 8  # the tiny chat template alone renders 4 tokens around the words
 PROMPT_P90_SHARE = 0.35  # a scaled trace's prompt p90 sits at this share of max_model_len (the tail is clipped) …
@@ -171,7 +173,16 @@ def save_profile(trace: ScaledTrace, work: Path) -> Path:
 
 
 def _kvtune(*args: str, timeout_s: float = 900, ok: Iterable[int] = (0,)) -> str:
-    return _run([*KVTUNE, *args], timeout_s=timeout_s, ok=ok)
+    """The kvtune CLI, in this process (as `python -m kvtune …` would run it, without a fresh
+    interpreter's start-up per call)."""
+    from click.testing import CliRunner
+
+    from kvtune.cli import cli
+
+    done = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    if done.exit_code not in tuple(ok):
+        raise RuntimeError(f"kvtune {' '.join(args[:3])} … exited {done.exit_code}:\n{done.output[-3000:]}")
+    return done.stdout
 
 
 def _run(command: Sequence[str], *, timeout_s: float = 900, ok: Iterable[int] = (0,)) -> str:
@@ -192,6 +203,8 @@ ENGINE_COUNTERS = {  # what vLLM itself saw during a run (/metrics deltas): the 
     "itl_count": "vllm:inter_token_latency_seconds_count",
     "e2e_sum_s": "vllm:e2e_request_latency_seconds_sum",
     "e2e_count": "vllm:e2e_request_latency_seconds_count",
+    "ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
+    "ttft_count": "vllm:time_to_first_token_seconds_count",
 }
 
 
@@ -214,6 +227,7 @@ def measure(url: str, metrics_url: str, profile: Path, *, rate: float | None = N
         "steps": int(d["steps"]),
         "itl_mean_ms": 1000 * d["itl_sum_s"] / d["itl_count"] if d["itl_count"] else None,
         "e2e_mean_ms": 1000 * d["e2e_sum_s"] / d["e2e_count"] if d["e2e_count"] else None,
+        "ttft_mean_ms": 1000 * d["ttft_sum_s"] / d["ttft_count"] if d["ttft_count"] else None,
     }
     return result
 
@@ -221,16 +235,26 @@ def measure(url: str, metrics_url: str, profile: Path, *, rate: float | None = N
 def predict(profile: Path, capacity: Path, *, gateway: Path | None = None, rate: float | None = None,
             concurrency: int | None = None, requests: int, seed: int) -> dict[str, Any]:
     extra = ["--gateway", str(gateway)] if gateway is not None else []
-    out = _run([*SIMULATE, "--profile", str(profile), "--capacity", str(capacity), *extra,
-                *_load_args(rate, concurrency), "--requests", str(requests), "--seed", str(seed), "--json"])
+    options = ["--profile", str(profile), "--capacity", str(capacity), *extra, *_load_args(rate, concurrency),
+               "--requests", str(requests), "--seed", str(seed), "--json"]
+    out = _run([*SIMULATE, *options]) if SIMULATE is not None else _kvtune("simulate", *options)
     return json.loads(out)
+
+
+def without_frontend(capacity: Path, out: Path) -> Path:
+    """The capacity file as kvtune wrote it before it measured the API server: the same fit,
+    no `timing.frontend` (the simulator then adds the fixed http_overhead_s): the "before" model."""
+    data = json.loads(capacity.read_text())
+    data["timing"].pop("frontend", None)
+    out.write_text(json.dumps(data, indent=1))
+    return out
 
 
 # --- one run's figures -------------------------------------------------------------------------
 
 FIGURES = ("output_tokens_per_s", "requests_per_s", "preemptions", "http_429", "ttft_p50_ms", "ttft_p99_ms",
            "e2e_p50_ms", "e2e_p99_ms", "e2e_mean_ms", "itl_mean_ms", "engine_itl_mean_ms", "engine_e2e_mean_ms",
-           "completed")
+           "engine_ttft_mean_ms", "ttft_mean_ms", "completed")
 
 
 def figures(result: dict[str, Any]) -> dict[str, float | None]:
@@ -252,10 +276,11 @@ def figures(result: dict[str, Any]) -> dict[str, float | None]:
         "http_429": (reqs.get("retries") or 0) + (failed.get("429") or 0),
         "ttft_p50_ms": pick("ttft", "p50"), "ttft_p99_ms": pick("ttft", "p99"),
         "e2e_p50_ms": pick("e2e", "p50"), "e2e_p99_ms": pick("e2e", "p99"),
-        "e2e_mean_ms": pick("e2e", "mean"), "itl_mean_ms": pick("itl", "mean"),
+        "e2e_mean_ms": pick("e2e", "mean"), "itl_mean_ms": pick("itl", "mean"), "ttft_mean_ms": pick("ttft", "mean"),
         # measured only: vLLM's own inter-token and e2e means (no HTTP, no client)
         "engine_itl_mean_ms": (result.get("engine") or {}).get("itl_mean_ms"),
         "engine_e2e_mean_ms": (result.get("engine") or {}).get("e2e_mean_ms"),
+        "engine_ttft_mean_ms": (result.get("engine") or {}).get("ttft_mean_ms"),
         "completed": reqs.get("completed"),
     }
 
@@ -271,6 +296,7 @@ class Run:
     measured: dict[str, float | None]
     measured_wall_s: float
     predicted_wall_s: float
+    before: dict[str, float | None]  # predicted by the model without the front end (fixed overhead)
 
 
 # --- one trace ---------------------------------------------------------------------------------
@@ -285,75 +311,104 @@ def gateway_config(work: Path, trace: ScaledTrace, profile: Path, capacity: Path
     return out / "gateway.yaml"
 
 
-def validate_trace(name: str, args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
+@dataclass
+class Bed:
+    """The one vLLM every trace runs on, and the capacity file `kvtune calibrate --timing` wrote."""
+
+    server: Any
+    model_dir: Path
+    capacity: Path  # as calibrated: the step time and the API server's front end
+    capacity_before: Path  # the same without `timing.frontend`: the model before it
+
+    @property
+    def metrics(self) -> str:
+        return self.server.url + "/metrics"
+
+
+def start_bed(args: argparse.Namespace, work: Path, log: Any) -> Bed:
+    """One vLLM for the whole validation (the traces differ in traffic, not in server), calibrated once."""
     t0 = time.monotonic()
-    trace = scale_trace(name, args.max_model_len)
-    profile = save_profile(trace, work)
-    model_dir = write_tiny_model(work / f"{name}-model", max_position_embeddings=args.max_model_len,
+    model_dir = write_tiny_model(work / "model", max_position_embeddings=args.max_model_len,
                                  num_layers=args.model_layers, num_attention_heads=args.model_heads,
                                  num_kv_heads=2, head_dim=args.model_head_dim)
     server = start_vllm(model_dir, max_model_len=args.max_model_len, kv_cache_memory_bytes=64 * 1024**2,
-                        num_gpu_blocks_override=args.kv_blocks, log_path=work / f"{name}-vllm.log")
-    runs: list[Run] = []
+                        num_gpu_blocks_override=args.kv_blocks, log_path=work / "vllm.log")
+    log(f"vLLM up ({server.num_blocks} blocks × {server.block_size}) in {time.monotonic() - t0:.0f} s")
     try:
-        log(f"{name}: vLLM up ({server.num_blocks} blocks × {server.block_size}) in {time.monotonic() - t0:.0f} s; "
-            f"scaled {trace.summary()}")
-        capacity = work / f"{name}-capacity.json"
+        capacity = work / "capacity.json"
         _kvtune("calibrate", server.url, "--timing", "--timing-budget-s", str(args.timing_budget_s),
                 "--vllm-log", str(server.log_path), "--out", str(capacity), "--json")
-        metrics = server.url + "/metrics"
-        cap_run = measure(server.url, metrics, profile, concurrency=args.capacity_concurrency,
-                          requests=args.capacity_requests, seed=1000)
-        capacity_rps = cap_run["throughput"]["requests_per_s"]
-        cap_pred = predict(profile, capacity, concurrency=args.capacity_concurrency,
-                           requests=args.capacity_requests, seed=1000)
-        log(f"{name}: capacity {capacity_rps:.2f} req/s measured, "
-            f"{cap_pred['throughput']['requests_per_s']:.2f} predicted (closed loop at "
-            f"{args.capacity_concurrency})")
-        gateway_yaml = gateway_config(work, trace, profile, capacity, model_dir, server.url)
-        config = yaml.safe_load(gateway_yaml.read_text())
-        for load in args.loads:
-            rate = load * capacity_rps
-            for mode in args.modes:
-                for seed in args.seeds:
-                    # a gateway per run: its ledger (and the release rate behind Retry-After) starts
-                    # empty, as the simulated one does
-                    proc = url = None
-                    if mode == "gateway":
-                        proc, url = start_gateway(config, work, f"{name}-gateway")
-                    try:
-                        started = time.monotonic()
-                        measured = measure(url or server.url, metrics, profile, rate=rate, requests=args.requests,
-                                           seed=seed)
-                        measured_wall_s = time.monotonic() - started
-                    finally:
-                        if proc is not None:
-                            stop_gateway(proc)
-                    started = time.monotonic()
-                    predicted = predict(profile, capacity, gateway=gateway_yaml if mode == "gateway" else None,
-                                        rate=rate, requests=args.requests, seed=seed)
-                    runs_dir = work / "runs"
-                    runs_dir.mkdir(exist_ok=True)
-                    stem = f"{name}-{load:g}-{mode}-{seed}"  # "0.9" has a dot: no with_suffix
-                    (runs_dir / f"{stem}.measured.json").write_text(json.dumps(measured, indent=1))
-                    (runs_dir / f"{stem}.predicted.json").write_text(json.dumps(predicted, indent=1))
-                    runs.append(Run(name, load, mode, seed, rate, figures(predicted), figures(measured),
-                                    measured_wall_s, time.monotonic() - started))
-                    r = runs[-1]
-                    log(f"{name} {load:.0%} {mode} seed {seed}: tok/s {r.predicted['output_tokens_per_s']:.0f} "
-                        f"pred / {r.measured['output_tokens_per_s']:.0f} meas, preemptions "
-                        f"{r.predicted['preemptions']} / {r.measured['preemptions']}, 429 "
-                        f"{r.predicted['http_429']} / {r.measured['http_429']} ({measured_wall_s:.0f} s)")
-    finally:
+        timing = json.loads(capacity.read_text())["timing"]
+        log(f"calibrated in {time.monotonic() - t0:.0f} s: {timing['coefficients']}, "
+            f"front end {timing.get('frontend')}")
+    except BaseException:
         stop_vllm(server)
-    cap_info = json.loads(capacity.read_text())
+        raise
+    return Bed(server, model_dir, capacity, without_frontend(capacity, work / "capacity-before.json"))
+
+
+def validate_trace(name: str, args: argparse.Namespace, work: Path, bed: Bed, log: Any) -> dict[str, Any]:
+    t0 = time.monotonic()
+    trace = scale_trace(name, args.max_model_len)
+    profile = save_profile(trace, work)
+    server, capacity, metrics = bed.server, bed.capacity, bed.metrics
+    runs: list[Run] = []
+    log(f"{name}: scaled {trace.summary()}")
+    cap_run = measure(server.url, metrics, profile, concurrency=args.capacity_concurrency,
+                      requests=args.capacity_requests, seed=1000)
+    capacity_rps = cap_run["throughput"]["requests_per_s"]
+    cap_pred = predict(profile, capacity, concurrency=args.capacity_concurrency,
+                       requests=args.capacity_requests, seed=1000)
+    log(f"{name}: capacity {capacity_rps:.2f} req/s measured, "
+        f"{cap_pred['throughput']['requests_per_s']:.2f} predicted (closed loop at "
+        f"{args.capacity_concurrency})")
+    gateway_yaml = gateway_config(work, trace, profile, capacity, bed.model_dir, server.url)
+    config = yaml.safe_load(gateway_yaml.read_text())
+    if args.retry_after_max_s is not None:  # the same file for the gateway and the simulation
+        config["retry_after"]["max_s"] = args.retry_after_max_s
+        gateway_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+    for load in args.loads:
+        rate = load * capacity_rps
+        for mode in args.modes:
+            for seed in args.seeds:
+                # a gateway per run: its ledger (and the release rate behind Retry-After) starts
+                # empty, as the simulated one does
+                proc = url = None
+                if mode == "gateway":
+                    proc, url = start_gateway(config, work, f"{name}-gateway")
+                try:
+                    started = time.monotonic()
+                    measured = measure(url or server.url, metrics, profile, rate=rate, requests=args.requests,
+                                       seed=seed)
+                    measured_wall_s = time.monotonic() - started
+                finally:
+                    if proc is not None:
+                        stop_gateway(proc)
+                started = time.monotonic()
+                gw = gateway_yaml if mode == "gateway" else None
+                predicted = predict(profile, capacity, gateway=gw, rate=rate, requests=args.requests, seed=seed)
+                predicted_wall_s = time.monotonic() - started
+                before = predict(profile, bed.capacity_before, gateway=gw, rate=rate, requests=args.requests,
+                                 seed=seed)
+                runs_dir = work / "runs"
+                runs_dir.mkdir(exist_ok=True)
+                stem = f"{name}-{load:g}-{mode}-{seed}"  # "0.9" has a dot: no with_suffix
+                (runs_dir / f"{stem}.measured.json").write_text(json.dumps(measured, indent=1))
+                (runs_dir / f"{stem}.predicted.json").write_text(json.dumps(predicted, indent=1))
+                runs.append(Run(name, load, mode, seed, rate, figures(predicted), figures(measured),
+                                measured_wall_s, predicted_wall_s, figures(before)))
+                r = runs[-1]
+                log(f"{name} {load:.0%} {mode} seed {seed}: tok/s {r.predicted['output_tokens_per_s']:.0f} "
+                    f"pred / {r.measured['output_tokens_per_s']:.0f} meas, p50 e2e {r.predicted['e2e_p50_ms']:.0f} "
+                    f"pred ({r.before['e2e_p50_ms']:.0f} before) / {r.measured['e2e_p50_ms']:.0f} meas, "
+                    f"preemptions {r.predicted['preemptions']} / {r.measured['preemptions']}, 429 "
+                    f"{r.predicted['http_429']} / {r.measured['http_429']} ({measured_wall_s:.0f} s)")
     return {
         "trace": name,
         "scaled": trace.summary(),
         "server": {"num_blocks": server.num_blocks, "block_size": server.block_size,
                    "max_model_len": args.max_model_len, "model": {"layers": args.model_layers, "heads":
                    args.model_heads, "kv_heads": 2, "head_dim": args.model_head_dim}},
-        "timing": (cap_info.get("timing") or {}).get("coefficients"),
         "gateway": {"block_budget": config.get("block_budget"),
                     "caps": {r["name"]: r["max_new_tokens"] for r in config.get("routes", [])}},
         "capacity_rps": {"measured": capacity_rps, "predicted": cap_pred["throughput"]["requests_per_s"],
@@ -388,9 +443,10 @@ def summarize(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for (load, mode), runs in groups.items():
             row: dict[str, Any] = {"trace": t["trace"], "load": load, "mode": mode, "seeds": len(runs),
                                    "rate_rps": runs[0]["rate_rps"]}
-            for side in ("predicted", "measured"):
-                row[side] = {k: _mean([r[side][k] for r in runs]) for k in FIGURES}
+            for side in ("predicted", "measured", "before"):
+                row[side] = {k: _mean([(r.get(side) or {}).get(k) for r in runs]) for k in FIGURES}
             p, m = row["predicted"], row["measured"]
+            row["e2e_p50_error_before"] = _rel(row["before"]["e2e_p50_ms"], m["e2e_p50_ms"])
             tput = _rel(p["output_tokens_per_s"], m["output_tokens_per_s"])
             e2e = _rel(p["e2e_p50_ms"], m["e2e_p50_ms"])
             checks: dict[str, dict[str, Any]] = {
@@ -454,14 +510,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def diagnostics(rows: list[dict[str, Any]]) -> str:
-    """Where the time goes: mean ITL and e2e predicted, as the client measured them, and as vLLM's
-    engine saw them (/metrics): a gap between the last two is HTTP and the API server."""
-    head = ("| trace | load | mode | ITL mean ms (pred / client / engine) | e2e mean ms (pred / client / engine) |")
-    lines = [head, "|---|---|---|---|---|"]
+    """Where the time goes: p50 e2e before (fixed HTTP overhead) and after (the API server's queue),
+    and mean ITL, TTFT and e2e predicted, as the client measured them, and as vLLM's engine saw
+    them (/metrics): a gap between the last two is HTTP and the API server."""
+    head = ("| trace | load | mode | p50 e2e ms (before / after / measured) | Δ % before | Δ % after | "
+            "ITL mean ms (pred / client / engine) | TTFT mean ms (pred / client / engine) | "
+            "e2e mean ms (pred / client / engine) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p, m = r["predicted"], r["measured"]
-        lines.append(f"| {r['trace']} | {r['load']:.0%} | {r['mode']} | {_f(p['itl_mean_ms'], '.2f')} / "
+        p, m, b = r["predicted"], r["measured"], r["before"]
+        lines.append(f"| {r['trace']} | {r['load']:.0%} | {r['mode']} | {_f(b['e2e_p50_ms'])} / "
+                     f"{_f(p['e2e_p50_ms'])} / {_f(m['e2e_p50_ms'])} | "
+                     f"{_f(_pct(r['e2e_p50_error_before']), '+.0f')} | "
+                     f"{_f(_pct(r['checks']['e2e_p50']['error']), '+.0f')} | {_f(p['itl_mean_ms'], '.2f')} / "
                      f"{_f(m['itl_mean_ms'], '.2f')} / {_f(m['engine_itl_mean_ms'], '.2f')} | "
+                     f"{_f(p['ttft_mean_ms'])} / {_f(m['ttft_mean_ms'])} / {_f(m['engine_ttft_mean_ms'])} | "
                      f"{_f(p['e2e_mean_ms'])} / {_f(m['e2e_mean_ms'])} / {_f(m['engine_e2e_mean_ms'])} |")
     return "\n".join(lines)
 
@@ -493,6 +556,12 @@ def print_tables(summary: dict[str, Any]) -> None:
     for s in summary["targets"].values():
         worst = s["worst_abs_error"]
         print(f"{s['target']}: met {s['met']}/{s['of']}" + ("" if worst is None else f", worst {worst:.3g}"))
+    before = [r for r in summary["rows"] if r.get("e2e_p50_error_before") is not None]
+    met = sum(abs(r["e2e_p50_error_before"]) <= 0.15 for r in before)
+    print(f"p50 e2e within 15 % without the front-end model (fixed HTTP overhead): met {met}/{len(before)}")
+    timing = summary.get("timing") or {}
+    print(f"step time {timing.get('coefficients')}, front end {timing.get('frontend')}, "
+          f"http_overhead_s {timing.get('http_overhead_s')}")
     print(f"\n{summary['command']}: wall time {summary['wall_s']:.0f} s")
 
 
@@ -505,11 +574,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loads", default="0.5,0.9,1.5", help="arrival rates as shares of the measured capacity")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (each run's workload and arrivals)")
     ap.add_argument("--modes", default="direct,gateway", help="direct, gateway or both")
-    ap.add_argument("--requests", type=int, default=50, help="requests per run")
+    ap.add_argument("--requests", type=int, default=20, help="requests per run")
     ap.add_argument("--short", action="store_true",
                     help="one trace, one load (0.9), direct and gateway, one seed: the test suite's run")
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--kv-blocks", type=int, default=16, help="--num-gpu-blocks-override (128-token blocks)")
+    # half the context and half the blocks of the earlier 1024 × 16 bed: the same KV pressure
+    # (the pool holds 2 × max_model_len), requests half as long, so a run of N takes half the time
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--kv-blocks", type=int, default=8, help="--num-gpu-blocks-override (128-token blocks)")
+    ap.add_argument("--retry-after-max-s", type=int, default=5,
+                    help="the gateway.yaml's retry_after.max_s (recommend renders 60; clients wait at most 30): "
+                         "bounds how long 429-retried runs last; the gateway and the simulation read the same file")
     # a model heavy enough that the engine, not vLLM's API server, is the bottleneck (as on a GPU):
     # with the 2-layer test model, 2 CPU cores spend more on HTTP, SSE and detokenizing than on steps
     ap.add_argument("--model-layers", type=int, default=4, help="the served model's layers")
@@ -517,7 +591,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-head-dim", type=int, default=64, help="its head_dim (hidden = heads × head_dim)")
     ap.add_argument("--timing-budget-s", type=float, default=30, help="kvtune calibrate --timing-budget-s")
     ap.add_argument("--capacity-concurrency", type=int, default=32, help="closed loop that measures capacity")
-    ap.add_argument("--capacity-requests", type=int, default=60)
+    ap.add_argument("--capacity-requests", type=int, default=32)
     ap.add_argument("--keep", type=Path, help="keep the work directory (logs, profiles, capacity files) here")
     ap.add_argument("--simulate-command", help="the command that predicts, run with `kvtune simulate`'s "
                     "options (default: this Python's `-m kvtune simulate`)")
@@ -536,9 +610,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes = args.modes.split(",")
     if args.short:
         args.traces, args.loads, args.seeds, args.modes = args.traces[:1], [0.9], args.seeds[:1], ["direct", "gateway"]
-        args.requests = min(args.requests, 40)
+        args.requests = min(args.requests, 20)
         args.capacity_requests = min(args.capacity_requests, 40)
-        args.timing_budget_s = min(args.timing_budget_s, 20)
     return args
 
 
@@ -557,12 +630,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtune-simval-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        traces = [validate_trace(name, args, work, log) for name in args.traces]
+        bed = start_bed(args, work, log)
+        try:
+            traces = [validate_trace(name, args, work, bed, log) for name in args.traces]
+        finally:
+            stop_vllm(bed.server)
+        timing = json.loads(bed.capacity.read_text())["timing"]
     rows = summarize(traces)
     summary = {
         "command": "python benchmarks/sim_validation.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "setup": {"max_model_len": args.max_model_len, "kv_blocks": args.kv_blocks, "requests": args.requests,
+                  "retry_after_max_s": args.retry_after_max_s,
                   "loads": args.loads, "seeds": args.seeds, "modes": args.modes},
+        "timing": {"coefficients": timing["coefficients"], "http_overhead_s": timing["http_overhead_s"],
+                   "frontend": timing.get("frontend"), "wall_s": timing["wall_s"]},
         "traces": traces,
         "rows": rows,
         "targets": target_summary(rows),

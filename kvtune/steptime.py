@@ -36,6 +36,13 @@ FORMULA = "T_step = c0 + c1*sum(n_i) + c2*sum(n_i*(ctx_i + n_i/2)) + c3*len(batc
 TICKS_PER_S = 10**15  # femtoseconds: exact integer clock (Python ints do not overflow)
 
 
+FRONTEND_TERMS = ("request_s", "token_s")
+FRONTEND_UNITS: dict[str, str] = {
+    "request_s": "s of serial front-end work per request",
+    "token_s": "s of serial front-end work per output token streamed",
+}
+
+
 class TimingSource(enum.Enum):
     """Where a step-time model came from."""
 
@@ -96,6 +103,26 @@ class StepTimeModel:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontEndModel:
+    """vLLM's API server in front of the engine: one serial worker (an asyncio process) that does
+    `request_s` of work per request before the engine sees it (HTTP, chat template, tokenizing)
+    and `token_s` per output token on its way out (detokenizing, one SSE chunk). Work queues: a
+    burst of arrivals, or more tokens per second than it can stream, delays every request behind it."""
+
+    request_s: float
+    token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in FRONTEND_TERMS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= 3600):
+                raise OptionError(f"must be a finite number of seconds in [0, 3600], got {value}", field=name)
+
+    def to_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in FRONTEND_TERMS}
+
+
+@dataclass(frozen=True, slots=True)
 class StepTicks:
     """StepTimeModel in femtoseconds; `c2_half` multiplies Σ n·(2·ctx + n), which is an integer."""
 
@@ -137,4 +164,4 @@ class StepTicks:
 
 
 __all__ = ["COEFFICIENTS", "COEFFICIENT_UNITS", "FORMULA", "TICKS_PER_S", "TimingSource", "StepTimeModel",
-           "StepTicks", "step_features"]
+           "StepTicks", "step_features", "FRONTEND_TERMS", "FRONTEND_UNITS", "FrontEndModel"]

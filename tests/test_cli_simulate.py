@@ -227,6 +227,9 @@ def test_gateway_prevents_the_preemptions_direct_mode_has(tmp_path):
     # the route's cap clamps what is generated: outputs drawn above 100 stop at 100
     assert gated["output_tokens_total"] < gated["output_tokens_requested_total"]
     assert gated["requests"]["retries"] > 0  # a full budget answered 429 and clients retried
+    # bench's field: the Retry-After waits the clients sat out, in all
+    assert gated["requests"]["retry_wait_s"] > 0
+    assert direct["requests"]["retry_wait_s"] == 0
 
 
 def test_gateway_queue_waits_instead_of_429(tmp_path):

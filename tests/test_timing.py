@@ -253,7 +253,13 @@ def test_the_plan_goes_past_the_token_budget_and_keeps_decode_inside_the_pool():
     for cell in plan.decode_cells:
         assert cell.concurrency * math.ceil((cell.prompt_tokens + plan.decode_output_tokens + 1) / 128) <= usable_blocks
     assert any("left out" in note for sweep, note in plan.notes if sweep == "decode")
-    assert [name for name, _, _ in plan.steps()] == ["overhead", "prefill", "decode"]
+    assert [name for name, _, _ in plan.steps()] == ["overhead", "prefill", "load", "decode"]
+    # the load sweep mixes lengths within half the context (prompts) and a quarter (outputs),
+    # every prompt with every output once per cycle, and its clients fill the pool about twice
+    assert set(plan.load_prompts) == {16, 32, 64, 128, 256, 512} and set(plan.load_outputs) == {16, 32, 64, 96}
+    assert sorted(zip(plan.load_prompts, plan.load_outputs, strict=True)) != sorted(
+        zip(plan.load_prompts, plan.load_prompts, strict=True))
+    assert 2 <= plan.load_concurrency <= 16
 
 
 def test_the_plan_says_when_no_prefill_can_be_chunked():

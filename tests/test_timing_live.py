@@ -48,17 +48,19 @@ def test_calibrate_timing_against_the_cpu_vllm(chunking_server, tmp_path):
     assert (against.max_num_batched_tokens, against.max_num_batched_tokens_from) == (256, "vllm-log")
 
     by_name = {s.name: s for s in timing.sweeps}
-    assert list(by_name) == ["overhead", "prefill", "decode"]
+    assert list(by_name) == ["overhead", "prefill", "load", "decode"]
     prefill, decode = by_name["prefill"], by_name["decode"]
     assert prefill.prompt_tokens[1] > 256  # past max_num_batched_tokens: chunked
     assert prefill.completed >= 8 and decode.completed >= 8
     assert len(decode.concurrency) >= 3
     for sweep in timing.sweeps:
         assert sweep.error is not None and sweep.error.observations > 0
-        assert sweep.server.preemptions == 0
+        assert sweep.name == "load" or sweep.server.preemptions == 0  # mixed traffic may fill the pool
         assert sweep.server.iterations is not None and sweep.server.iterations > 0
     # the server ran as many steps with output as the client saw tokens (one per decode step and request)
     assert decode.server.generation_tokens is not None and decode.server.generation_tokens >= decode.completed
     assert decode.error is not None and decode.error.median < 0.25
     assert prefill.error is not None and prefill.error.median < 0.35
     assert timing.model.c0 > 0 and timing.http_overhead_s > 0
+    # the API server's serial work: bursts of near-empty requests take longer than one
+    assert timing.frontend is not None and timing.frontend.request_s > 0

@@ -1,7 +1,11 @@
 """`kvtune calibrate URL --timing`: bounded sweeps against a live vLLM, fitted into a step-time model.
 
 Why these sweeps: each observation must be explainable as a known set of engine steps.
-    overhead  a near-empty request alone, max_tokens 1: TTFT = HTTP overhead + one tiny step
+    overhead  a near-empty request alone, max_tokens 1: TTFT = HTTP overhead + one tiny step;
+              then bursts of BURST_SIZE of them sent together: the API server takes them in one
+              at a time, so the burst's length less a lone request's, over B − 1, is its serial
+              work per request (kvtune.capacity.timing.fit_frontend; per streamed token it is
+              read off the decode cells, the client's gap beyond the engine's)
     prefill   one request at a time, max_tokens 1, prompts up to and past max_num_batched_tokens:
               TTFT = HTTP overhead + one step per chunk (kvtune.capacity.timing.prefill_chunks)
     decode    B clients in a closed loop of waves (all send together, each its next request once
@@ -10,6 +14,12 @@ Why these sweeps: each observation must be explainable as a known set of engine 
               still prefilled (kvtune.capacity.timing.wave_decode_features replays vLLM's schedule).
               The gaps are the engine's own (vllm:inter_token_latency_seconds): on a busy host the
               API server forwards tokens in bursts, so the client's gaps are not the steps
+    load      a closed loop of mixed prompt and output lengths, streamed: prefill chunks beside
+              decodes, requests joining mid-run, the pool filling, as under real traffic. Its
+              requests are replayed in the simulator at their send times; the replayed steps'
+              features, weighted by the decoding requests each served, are one observation of
+              the engine's mean inter-token gap over the sweep (`load_observation`), and the
+              coefficients are fitted again with it
 The server's own counters (vllm:iteration_tokens_total, prompt/generation tokens, preemptions,
 its ITL and prefill-time histograms) are read before and after each sweep and reported beside
 the client's view, and a decode cell that preempted is dropped: its steps were not B decodes.
@@ -42,7 +52,9 @@ from kvtune.capacity.timing import (
     StepTimeFit,
     SweepReport,
     Timing,
+    decode_weighted_features,
     fit_errors,
+    fit_frontend,
     fit_step_time,
     lone_prefill_features,
     wave_decode_features,
@@ -56,12 +68,18 @@ __all__ = ["DecodeCell", "TimingPlan", "TimingProgress", "plan_timing", "batched
            "calibrate_timing", "DEFAULT_BUDGET_S"]
 
 DEFAULT_BUDGET_S = 300.0
-SHARES = {"overhead": 0.08, "prefill": 0.32, "decode": 0.60}
+SHARES = {"overhead": 0.08, "prefill": 0.27, "decode": 0.45, "load": 0.20}
 OVERHEAD_REQUESTS = 24
+BURST_SIZE = 16  # near-empty requests sent together
+BURST_ROUNDS = 3
 PREFILL_ROUNDS = 6  # at most; fewer when the sweep's share of the budget runs out
 DECODE_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DECODE_OUTPUT_TOKENS = 64
 DECODE_SEGMENTS = 4  # each request's gaps, in quarters: one observation per quarter, at its context
+LOAD_PROMPTS = (16, 32, 64, 128, 256, 512)  # the load sweep's prompt lengths, within max_model_len / 2
+LOAD_OUTPUTS = (16, 32, 64, 96)  # … and output lengths, within max_model_len / 4
+LOAD_CONCURRENCY = 16  # at most: fewer when the KV pool holds fewer such requests twice over
+LOAD_SENDING = 0.7  # share of the load sweep's time in which its clients send
 MAX_REQUEST_S = 120.0
 SETTLE_S = 3.0
 
@@ -87,6 +105,9 @@ class TimingPlan:
     decode_cells: tuple[DecodeCell, ...]
     decode_output_tokens: int
     notes: tuple[tuple[str, str], ...] = ()  # (sweep, what the plan had to leave out)
+    load_concurrency: int = 0  # the load sweep's clients (0: no load sweep)
+    load_prompts: tuple[int, ...] = ()  # cycled through in this order
+    load_outputs: tuple[int, ...] = ()
 
     def steps(self) -> list[tuple[str, str, int]]:
         """(sweep, what it does, requests at most) in the order they run."""
@@ -95,10 +116,16 @@ class TimingPlan:
         prompts = sorted({c.prompt_tokens for c in self.decode_cells})
         return [
             ("overhead", f"{self.overhead_requests} near-empty requests ({self.overhead_prompt_tokens}-token prompt, "
-                         "max_tokens 1), one at a time", self.overhead_requests),
+                         f"max_tokens 1), one at a time, then {BURST_ROUNDS} bursts of {BURST_SIZE} sent together",
+             self.overhead_requests + BURST_ROUNDS * BURST_SIZE),
             ("prefill", f"one request at a time, max_tokens 1, prompts of {lengths} tokens "
                         f"(max_num_batched_tokens {self.max_num_batched_tokens:,}), up to {self.prefill_rounds} "
                         "rounds", len(self.prefill_lengths) * self.prefill_rounds),
+            ("load", f"closed loop of {self.load_concurrency} clients, prompts of "
+                     f"{', '.join(map(str, sorted(set(self.load_prompts))))} and outputs of "
+                     f"{', '.join(map(str, sorted(set(self.load_outputs))))} tokens mixed, ignore_eos, streamed: "
+                     "chunked prefills beside decodes, replayed in the simulator",
+             self.load_concurrency * 8),
             ("decode", f"closed loop at concurrency {', '.join(map(str, concurrency))} × prompts of "
                        f"{', '.join(map(str, prompts))} tokens, {self.decode_output_tokens} output tokens, "
                        "ignore_eos, streamed", sum(c.concurrency for c in self.decode_cells)),
@@ -141,8 +168,16 @@ def plan_timing(*, budget_s: float, max_num_batched_tokens: int, max_model_len: 
     dropped = len(prompts) * len(DECODE_CONCURRENCY) - len(cells)
     if dropped > 0:
         notes.append(("decode", f"{dropped} cell(s) left out: their sequences would not all fit in the KV pool"))
+    half = max(min_prompt_tokens, (max_model_len or 2048) // 2)
+    load_prompts = sorted({min(half, max(min_prompt_tokens, p)) for p in LOAD_PROMPTS})
+    load_outputs = sorted({min(max(1, (max_model_len or 2048) // 4), o) for o in LOAD_OUTPUTS})
+    mean_tokens = float(np.mean(load_prompts)) + float(np.mean(load_outputs))
+    load_c = LOAD_CONCURRENCY if usable is None else max(2, min(LOAD_CONCURRENCY, round(2 * usable / mean_tokens)))
+    order = np.random.default_rng(0)
+    prompts_cycle = tuple(int(x) for x in order.permutation(np.repeat(load_prompts, len(load_outputs))))
+    outputs_cycle = tuple(int(x) for x in order.permutation(np.tile(load_outputs, len(load_prompts))))
     return TimingPlan(budget_s, budget_tokens, min_prompt_tokens, OVERHEAD_REQUESTS, tuple(sorted(lengths)),
-                      PREFILL_ROUNDS, tuple(cells), out, tuple(notes))
+                      PREFILL_ROUNDS, tuple(cells), out, tuple(notes), load_c, prompts_cycle, outputs_cycle)
 
 
 class TimingProgress(Protocol):
@@ -267,6 +302,10 @@ class _Sweep:
     observations: list[Observation] = field(default_factory=list)  # fitted: the engine's own times
     client: list[Observation] = field(default_factory=list)  # the client's: TTFT, streamed gaps
     overheads: list[float] = field(default_factory=list)  # TTFT − the engine's prefill time, seconds
+    bursts: list[tuple[int, float]] = field(default_factory=list)  # (requests, first send to last answer, s)
+    stream: list[tuple[int, float, float]] = field(default_factory=list)  # (B, client gap, engine gap), s
+    replay: list[tuple[float, int, int]] = field(default_factory=list)  # load: (send s, prompt, output)
+    load_itl_s: float | None = None  # load: the engine's mean inter-token gap over the sweep
     concurrency: set[int] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     server: ServerCheck = field(default_factory=ServerCheck)
@@ -351,9 +390,20 @@ class _Runner:
     async def overhead(self, sweep: _Sweep, until: float) -> None:
         sweep.concurrency.add(1)
         for _ in range(self.plan.overhead_requests):
-            if time.perf_counter() >= until and sweep.results:
+            if time.perf_counter() >= until and len(sweep.results) >= 3:
                 break
             await self.lone(sweep, self.plan.overhead_prompt_tokens)
+        for _ in range(BURST_ROUNDS):
+            if time.perf_counter() >= until and sweep.bursts:
+                break
+            start = time.perf_counter()
+            results = await asyncio.gather(*(self.send(sweep.name, self.plan.overhead_prompt_tokens, 1)
+                                             for _ in range(BURST_SIZE)))
+            sweep.results.extend(results)
+            done = [r for r in results if r.ok and r.e2e_ms is not None]
+            if len(done) == BURST_SIZE:
+                sweep.concurrency.add(BURST_SIZE)
+                sweep.bursts.append((BURST_SIZE, time.perf_counter() - start))
 
     async def prefill(self, sweep: _Sweep, until: float) -> None:
         sweep.concurrency.add(1)
@@ -402,6 +452,59 @@ class _Runner:
         tpots = [r.tpot_ms / 1000 for r in results if r.ok and r.output_tokens == out and r.tpot_ms]
         if tpots:  # the client's view: (e2e − TTFT) / (tokens − 1), averaged over the cell
             sweep.client.append(Observation.of("decode", features, 0, float(np.mean(tpots))))
+            if check.engine_itl_mean_s is not None and check.engine_itl_mean_s > 0:
+                sweep.stream.append((cell.concurrency, float(np.mean(tpots)), check.engine_itl_mean_s))
+
+    async def load(self, sweep: _Sweep, until: float) -> None:
+        """A closed loop of mixed lengths, as real traffic has: prefill chunks share steps with
+        decodes, requests join and leave mid-run, the pool may fill. Every request is kept as
+        (send time, prompt, output) so the simulator can replay the run step by step."""
+        plan = self.plan
+        before = await _counters(self.session, self.metrics_url)
+        start = time.perf_counter()
+        stop = start + LOAD_SENDING * (until - start)  # the rest of its share: the last requests finish
+        count = 0
+        results: list[RequestResult] = []
+
+        async def client() -> None:
+            nonlocal count
+            while time.perf_counter() < stop:
+                i = count
+                count += 1
+                result = await self.send("load", plan.load_prompts[i % len(plan.load_prompts)],
+                                         plan.load_outputs[i % len(plan.load_outputs)])
+                results.append(result)
+                sweep.results.append(result)
+
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(plan.load_concurrency):
+                tg.create_task(client())
+        sweep.concurrency.add(plan.load_concurrency)
+        check = _server_check(before, await _settled_counters(self.session, self.metrics_url))
+        if any(not r.ok for r in results):
+            sweep.notes.append("a request failed: the run cannot be replayed, so it is left out of the fit")
+            return
+        sweep.load_itl_s = check.engine_itl_mean_s
+        sweep.replay = sorted((r.start_s - start, r.prompt_tokens or r.prompt_tokens_requested,
+                               r.output_tokens or r.output_tokens_requested) for r in results)
+
+
+def load_observation(replay: Sequence[tuple[float, int, int]], engine_itl_s: float | None, model: Any,
+                     settings: Any) -> Observation | None:
+    """The load sweep as one decode observation: its steps replayed in the simulator (with the
+    step time fitted so far, which decides only who shares a step), their features weighted by
+    the tokens each gave to a decoding request, against the engine's mean inter-token gap."""
+    from kvtune.sim import Workload, simulate
+
+    if not replay or engine_itl_s is None or not engine_itl_s > 0:
+        return None
+    offsets = np.array([max(0.0, t) for t, _, _ in replay])
+    prompts = np.array([p for _, p, _ in replay], dtype=np.int64)
+    outputs = np.array([o for _, _, o in replay], dtype=np.int64)
+    result = simulate(Workload.from_columns(offsets, prompts, outputs, outputs), settings, model,
+                      record_decisions=True)
+    features = decode_weighted_features(result.decisions or (), prompts.tolist())
+    return None if features is None else Observation.of("load", features, 0, engine_itl_s)
 
 
 def _report(sweep: _Sweep, errors: dict[str, FitError]) -> SweepReport:
@@ -473,13 +576,14 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
         runner = _Runner(session, target, synth, plan, deadline, progress, f"{root}/metrics")
         # one untimed request first: the first forward passes of a fresh server are slow
         await runner.send("warmup", max(plan.prefill_lengths), 2)
-        sweeps = [
-            await runner.run("overhead", plan.overhead_requests, SHARES["overhead"], runner.overhead),
-            await runner.run("prefill", plan.steps()[1][2], SHARES["prefill"] / (1 - SHARES["overhead"]),
-                             runner.prefill),
-            # the rest, less a margin for the last round and the counters' settling
-            await runner.run("decode", plan.steps()[2][2], 0.9, runner.decode),
-        ]
+        overhead = await runner.run("overhead", plan.steps()[0][2], SHARES["overhead"], runner.overhead)
+        prefill = await runner.run("prefill", plan.steps()[1][2], SHARES["prefill"] / (1 - SHARES["overhead"]),
+                                   runner.prefill)
+        load = await runner.run("load", plan.steps()[2][2], SHARES["load"] / (SHARES["decode"] + SHARES["load"]),
+                                runner.load)
+        # the rest, less a margin for the last round and the counters' settling
+        decode = await runner.run("decode", plan.steps()[3][2], 0.9, runner.decode)
+        sweeps = [overhead, prefill, load, decode]
     engine_rows = [o for s in sweeps for o in s.observations]
     client_rows = [o for s in sweeps for o in s.client]
     overheads = [x for s in sweeps[:2] for x in s.overheads]
@@ -489,6 +593,10 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
             # overhead is what the engine spends on admitting a request (fitted) plus TTFT − its
             # prefill time (measured): HTTP, tokenizing, detokenizing
             engine_fit = fit_step_time(engine_rows)
+            load_row = _load_row(load, engine_fit, measured, budget_tokens)
+            if load_row is not None:  # refitted with the steps of mixed traffic
+                engine_rows.append(load_row)
+                engine_fit = fit_step_time(engine_rows)
             fit = StepTimeFit(engine_fit.model, engine_fit.http_overhead_s + float(np.median(overheads)), {})
         else:  # no readable /metrics: the client's times, the overhead fitted with the steps
             fit = fit_step_time(client_rows)
@@ -497,7 +605,9 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
                             field="--timing") from None
     # the error users meet: TTFT for lone requests (client), the engine's step time for decode
     errors = fit_errors(fit, [o for o in client_rows if o.sweep != "decode"]
-                        + [o for o in (engine_rows or client_rows) if o.sweep == "decode"])
+                        + [o for o in (engine_rows or client_rows) if o.sweep in ("decode", "load")])
+    lone_ttft = [o.seconds for o in overhead.client]
+    frontend = fit_frontend(lone_ttft, overhead.bursts, decode.stream)
     reports = [_report(s, errors) for s in sweeps]
     reports = [dataclasses.replace(r, notes=tuple(n for sweep, n in plan.notes if sweep == r.name) + r.notes)
                for r in reports]
@@ -513,10 +623,21 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
         budget_s=budget_s,
         wall_s=time.perf_counter() - started,
         kvtune_version=__version__,
+        frontend=frontend,
     )
     stated = budget_from != "engine-default"  # what the server runs with, not kvtune's guess
     return dataclasses.replace(measured, timing=timing, max_num_batched_tokens=budget_tokens if stated
                                else measured.max_num_batched_tokens)
+
+
+def _load_row(sweep: _Sweep, fit: StepTimeFit, measured: MeasuredCapacity, budget_tokens: int) -> Observation | None:
+    from kvtune.sim.setup import engine_setup
+
+    try:
+        setup = engine_setup(dataclasses.replace(measured, max_num_batched_tokens=budget_tokens))
+    except KvtuneError:
+        return None  # no blocks or no max_model_len: nothing to replay on
+    return load_observation(sweep.replay, sweep.load_itl_s, fit.model, setup.settings)
 
 
 def _pool_tokens(m: MeasuredCapacity) -> int | None:

@@ -28,6 +28,9 @@ from kvtune.steptime import (
     COEFFICIENT_UNITS,
     COEFFICIENTS,
     FORMULA,
+    FRONTEND_TERMS,
+    FRONTEND_UNITS,
+    FrontEndModel,
     StepTimeModel,
     TimingSource,
     step_features,
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from kvtune.hardware import Gpu
     from kvtune.model.spec import ModelSpec
 
-SWEEPS = ("overhead", "prefill", "decode")
+SWEEPS = ("overhead", "prefill", "load", "decode")
 _MAX_SECONDS = 3600.0  # no coefficient of a real engine comes near an hour
 
 
@@ -98,6 +101,27 @@ def wave_decode_features(concurrency: int, prompt_tokens: int, output_tokens: in
         total += decoding * step_features(batch)
         gaps += decoding
     return total / max(gaps, 1)
+
+
+def decode_weighted_features(decisions: Sequence[Any], prompt_tokens: Sequence[int]) -> np.ndarray | None:
+    """The mean inter-token gap of a replayed run, as features: each step's features (from the
+    simulator's decisions: (request, tokens) scheduled, preempted) weighted by how many decoding
+    requests it gave a token. A preempted request computes again from nothing (its cached
+    prefix is not counted as context: a small underestimate of its attention)."""
+    computed: dict[int, int] = {}
+    total = np.zeros(4)
+    weight = 0
+    for d in decisions:
+        for r in d.preempted:
+            computed[r] = 0
+        batch = [(n, computed.get(r, 0)) for r, n in d.scheduled]
+        decoders = sum(1 for r, n in d.scheduled if n == 1 and computed.get(r, 0) >= prompt_tokens[r])
+        if decoders:
+            total += decoders * step_features(batch)
+            weight += decoders
+        for r, n in d.scheduled:
+            computed[r] = computed.get(r, 0) + n
+    return None if weight == 0 else total / weight
 
 
 # --- observations and the fit ----------------------------------------------------------------
@@ -225,6 +249,32 @@ def fit_errors(fit: StepTimeFit, observations: Sequence[Observation]) -> dict[st
     return errors
 
 
+def fit_frontend(lone_ttft_s: Sequence[float], bursts: Sequence[tuple[int, float]],
+                 stream: Sequence[tuple[int, float, float]]) -> FrontEndModel | None:
+    """The API server's serial work per request and per streamed token (kvtune.steptime.FrontEndModel).
+
+    lone_ttft_s  TTFTs of near-empty requests (max_tokens 1) sent one at a time
+    bursts       (B, seconds from the first send to the last answer) of B near-empty requests
+                 sent together: the server takes them in one by one, so each one after the first
+                 adds one request's work (and its one token's): (burst − lone) / (B − 1)
+    stream       (B, client's mean gap, engine's mean gap) of the decode sweep's streamed cells:
+                 where the server cannot stream B tokens a step as fast as the engine makes them,
+                 the client's gap exceeds the engine's by what the B tokens cost beyond the step,
+                 (client − engine) / B per token (the median over cells of B ≥ 4; 0 when hidden)
+    None without lone requests or bursts (the file then keeps only `http_overhead_s`).
+    """
+    lone = [x for x in lone_ttft_s if x > 0 and math.isfinite(x)]
+    per_request = [(wall - float(np.median(lone))) / (b - 1) for b, wall in bursts
+                   if b > 1 and wall > 0 and math.isfinite(wall)] if lone else []
+    if not per_request:
+        return None
+    gaps = [(client - engine) / b for b, client, engine in stream
+            if b >= 4 and math.isfinite(client) and math.isfinite(engine)]
+    token_s = max(0.0, float(np.median(gaps))) if gaps else 0.0
+    per = max(0.0, float(np.median(per_request)))
+    return FrontEndModel(max(0.0, per - token_s), min(token_s, per))
+
+
 # --- the capacity file's `timing` object -----------------------------------------------------
 
 
@@ -314,6 +364,7 @@ class Timing:
     budget_s: float
     wall_s: float
     kvtune_version: str
+    frontend: FrontEndModel | None = None  # the API server's serial work; older files have none
 
     @property
     def source(self) -> TimingSource:
@@ -329,6 +380,8 @@ class Timing:
             "coefficients": self.model.to_dict(),
             "units": dict(COEFFICIENT_UNITS),
             "http_overhead_s": self.http_overhead_s,
+            **({} if self.frontend is None else
+               {"frontend": {**self.frontend.to_dict(), "units": dict(FRONTEND_UNITS)}}),
             "sweeps": [s.to_dict() for s in self.sweeps],
             "measured_against": self.measured_against.to_dict(),
             "budget_s": self.budget_s,
@@ -339,8 +392,16 @@ class Timing:
     @classmethod
     def from_fields(cls, f: Fields) -> Timing:
         """Parse the `timing` object strictly; every error names the file and field."""
-        _known(f, {"source", "formula", "coefficients", "units", "http_overhead_s", "sweeps", "measured_against",
-                   "budget_s", "wall_s", "kvtune_version"})
+        _known(f, {"source", "formula", "coefficients", "units", "http_overhead_s", "frontend", "sweeps",
+                   "measured_against", "budget_s", "wall_s", "kvtune_version"})
+        frontend = None
+        if (fe := f.obj("frontend", optional=True)) is not None:
+            _known(fe, {*FRONTEND_TERMS, "units"})
+            if (fe_units := fe.obj("units", optional=True)) is not None:
+                _known(fe_units, set(FRONTEND_TERMS))
+                for name in FRONTEND_TERMS:
+                    fe_units.string(name, optional=True)
+            frontend = FrontEndModel(*(fe.number(name, maximum=_MAX_SECONDS) for name in FRONTEND_TERMS))
         source = TimingSource(f.choice("source", tuple(s.value for s in TimingSource)))
         c = f.obj("coefficients")
         _known(c, set(COEFFICIENTS))
@@ -371,6 +432,7 @@ class Timing:
             budget_s=f.number("budget_s", maximum=float(7 * 24 * 3600)),
             wall_s=f.number("wall_s", maximum=float(7 * 24 * 3600)),
             kvtune_version=f.string("kvtune_version", nonempty=True),
+            frontend=frontend,
         )
 
 
@@ -516,6 +578,11 @@ __all__ = [
     "nnls",
     "fit_step_time",
     "fit_errors",
+    "fit_frontend",
+    "decode_weighted_features",
+    "FRONTEND_TERMS",
+    "FRONTEND_UNITS",
+    "FrontEndModel",
     "ServerCheck",
     "SweepReport",
     "MeasuredAgainst",

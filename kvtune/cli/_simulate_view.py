@@ -54,9 +54,17 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
     c = timing["coefficients"]
     console.print(escape(f"Step time ({timing['source']}): c0 {c['c0']:.3g} s + c1 {c['c1']:.3g} s/token + "
                          f"c2 {c['c2']:.3g} s/token/context + c3 {c['c3']:.3g} s/request; "
-                         f"HTTP overhead {timing['http_overhead_s'] * 1000:.1f} ms."), soft_wrap=True, highlight=False)
+                         + _front(timing)), soft_wrap=True, highlight=False)
     if line is not None:
         for text in terminal_lines(line):
             console.print(escape(text), highlight=False, soft_wrap=True)
     done = f"{sim['events']:,} events, {sim['steps']:,} engine steps, simulated in {sim['wall_s']:.2f} s."
     console.print(escape(done), highlight=False, soft_wrap=True)
+
+
+def _front(timing: dict[str, Any]) -> str:
+    fe = timing.get("frontend")
+    if fe is None:
+        return f"HTTP overhead {timing['http_overhead_s'] * 1000:.1f} ms (fixed)."
+    return (f"API server (serial, queues): {fe['request_s'] * 1000:.2f} ms/request + "
+            f"{fe['token_s'] * 1000:.3f} ms/token.")

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtune.capacity.timing import COEFFICIENT_UNITS, COEFFICIENTS, FORMULA, Timing
+from kvtune.capacity.timing import COEFFICIENT_UNITS, COEFFICIENTS, FORMULA, FRONTEND_TERMS, FRONTEND_UNITS, Timing
 
 
 class RichTimingProgress:
@@ -66,6 +66,9 @@ def print_timing(timing: Timing, console: Console) -> None:
     for name in COEFFICIENTS:
         coefficients.add_row(name, f"{getattr(model, name):.4g}", COEFFICIENT_UNITS[name])
     coefficients.add_row("HTTP overhead", f"{timing.http_overhead_s:.4g}", "s per request")
+    if timing.frontend is not None:
+        for name in FRONTEND_TERMS:
+            coefficients.add_row(f"API server {name}", f"{getattr(timing.frontend, name):.4g}", FRONTEND_UNITS[name])
     console.print(coefficients)
 
     sweeps = Table(title="Fit error per sweep (|predicted − measured| / measured)", title_justify="left")
@@ -74,7 +77,7 @@ def print_timing(timing: Timing, console: Console) -> None:
                    "steps seen"):
         sweeps.add_column(column, justify="right")
     for s in timing.sweeps:
-        engine = s.server.engine_itl_mean_s if s.name == "decode" else s.server.engine_prefill_mean_s
+        engine = s.server.engine_itl_mean_s if s.name in ("decode", "load") else s.server.engine_prefill_mean_s
         sweeps.add_row(
             s.name, f"{s.completed}/{s.requests}", f"{s.prompt_tokens[0]:,}–{s.prompt_tokens[1]:,}",
             ",".join(map(str, s.concurrency)) or "—", _pct(s.error.median if s.error else None),

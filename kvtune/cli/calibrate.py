@@ -20,8 +20,9 @@ from kvtune.errors import OptionError
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Seconds to wait for each of the server's answers.")
 @click.option("--timing", is_flag=True,
-              help="Also measure the engine's step time (overhead, prefill and decode sweeps against URL) and "
-                   "fit T_step = c0 + c1·Σn + c2·Σn·(ctx + n/2) + c3·batch into the file's `timing` object.")
+              help="Also measure the engine's step time (overhead, prefill, load and decode sweeps against URL) "
+                   "and fit T_step = c0 + c1·Σn + c2·Σn·(ctx + n/2) + c3·batch into the file's `timing` object, "
+                   "with the API server's serial work per request and per streamed token (`frontend`).")
 @click.option("--timing-budget-s", "timing_budget_s", type=click.FloatRange(min=5), default=300.0,
               show_default=True, help="Seconds the --timing sweeps may take in all.")
 @click.option("--max-num-batched-tokens", "max_num_batched_tokens", type=click.IntRange(min=1),
@@ -35,8 +36,9 @@ def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | Non
     max_model_len, cache dtype, prefix caching) replaces kvtune's memory estimate when
     passed to `kvtune recommend --capacity FILE`. With --timing it also sends bounded
     sweeps of requests and writes the fitted step-time model (`timing`: coefficients c0..c3
-    in seconds with units, HTTP overhead, sweep ranges, the fit's error per sweep, the
-    server settings it was measured against, kvtune_version) that `kvtune simulate` uses.
+    in seconds with units, HTTP overhead, frontend {request_s, token_s, units}: the API
+    server's serial work, sweep ranges, the fit's error per sweep, the server settings it
+    was measured against, kvtune_version) that `kvtune simulate` uses.
 
     \b
     Example:

@@ -20,7 +20,8 @@ JSON_FIELDS = """\b
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, retry, max_retries}
   workload        {routes, seed, clamped: {reason: requests}}
-  requests        {sent, completed, failed: {429, 4xx, … as bench}, retries}
+  requests        {sent, completed, failed: {429, 4xx, … as bench}, retries, retry_wait_s (seconds the
+                   clients waited on Retry-After, in all)}
   duration_s      first send to last answer (simulated seconds)
   output_tokens_total, output_tokens_requested_total, prompt_tokens_requested_total
   latency_ms      {ttft, itl, tpot, e2e}: each {count, mean, p50, p90, p99} (nearest rank), from
@@ -30,7 +31,8 @@ JSON_FIELDS = """\b
   server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
                    generation_tokens, num_blocks, block_size} (peaks exact, not sampled)
   simulation      {timing: {source: calibrated|roofline-estimate, estimate, coefficients {c0..c3},
-                   http_overhead_s, measured_against | roofline}, engine: {num_blocks, block_size,
+                   http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
+                   measured_against | roofline}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|engine-default}}, admission: {kind:
                    direct|gateway, …the gateway's budget, route, cap, queue}, retry {max_retries,
@@ -135,7 +137,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     from kvtune.sim.run import run_simulation
 
     mml = setup.settings.max_model_len
-    overhead = timing.http_overhead_s
+    overhead = timing.fixed_delay_s
     traffic, context = _traffic(logs, profile_path, routes, log, load, seed, mml, overhead, cap)
     run = run_simulation(traffic, setup, timing, admission=admission, slo=slo_, context=context,
                          admission_info=admission_info,

@@ -11,6 +11,12 @@ one at a time through the same scheduler: the reference the fast path is tested 
 Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
 requests that arrived by then are seen by that step. An idle engine waits for the next event.
 
+With a `FrontEndModel` the API server's serial work sits between the clients and the engine
+(kvtune.sim.frontend): an admitted request reaches the engine after its share of the server's
+backlog, and a token reaches its client after the tokens queued before it; a request's first
+token and finish are when its client gets them, and the gateway releases its reservation (and a
+closed-loop client sends again) then. Without one, tokens reach clients when the step ends.
+
 Arrivals are the workload's own times (open loop), or with `ClosedLoop` C clients that each send
 their next request `think_s` after the previous one ended (finished, refused, or out of
 retries), as `kvtune bench --concurrency C` does; the workload's arrival times are then ignored.
@@ -29,16 +35,18 @@ import numpy as np
 from kvtune.bench.client import RetryPolicy
 from kvtune.errors import OptionError
 from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
+from kvtune.sim.frontend import FrontEnd
 from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
 from kvtune.sim.scheduler import EngineSettings, Scheduler
-from kvtune.steptime import TICKS_PER_S, StepTimeModel
+from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
 # Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,
 # waiting Retry-After capped at max_wait_s.
 CLIENT_RETRY = RetryPolicy(enabled=True)
 
 _OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in OUTCOMES)
+_TO_ENGINE, _DELIVERED = 0, 1  # kinds of the front end's events
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +76,14 @@ def simulate(
     record_steps: bool = False,
     record_decisions: bool = False,
     closed_loop: ClosedLoop | None = None,
+    frontend: FrontEndModel | None = None,
 ) -> SimResult:
-    """Serve `workload` on a simulated vLLM V1 engine behind `admission` (default: direct)."""
+    """Serve `workload` on a simulated vLLM V1 engine behind `admission` (default: direct) and,
+    with `frontend`, behind the API server's serial work."""
     wall0 = time.perf_counter()
     wl = workload if isinstance(workload, Workload) else Workload.from_requests(workload)
     run = _Run(wl, settings, timing, admission or DirectAdmission(), retry, record_steps, record_decisions,
-               closed_loop)
+               closed_loop, frontend)
     run.loop(fast)
     return run.result(time.perf_counter() - wall0)
 
@@ -83,8 +93,14 @@ class _Run:
 
     def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTimeModel, admission: Admission,
                  retry: RetryPolicy, record_steps: bool, record_decisions: bool,
-                 closed_loop: ClosedLoop | None = None) -> None:
+                 closed_loop: ClosedLoop | None = None, frontend: FrontEndModel | None = None) -> None:
         n = len(wl)
+        self.fe = None if frontend is None else FrontEnd(frontend)
+        # (tick, order pushed, kind, request): requests reaching the engine, answers reaching
+        # their clients; ties keep the order they were pushed in (FIFO, as the server's queue)
+        self.later: list[tuple[int, int, int, int]] = []
+        self.pushed = 0
+        self.delivered_at = 0
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
         self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
         self.ticks = timing.ticks()
@@ -105,6 +121,7 @@ class _Run:
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.retries = np.zeros(n, dtype=np.int64)
+        self.retry_wait = np.zeros(n)
         self.outcome = np.zeros(n, dtype=np.int8)
         self.arrival_out = wl.arrival_s.copy()
         self.sent = n
@@ -142,6 +159,8 @@ class _Run:
         nxt = self.arrival_tick
         if self.retries_heap and (nxt is None or self.retries_heap[0][0] < nxt):
             nxt = self.retries_heap[0][0]
+        if self.later and (nxt is None or self.later[0][0] < nxt):
+            nxt = self.later[0][0]
         deadline = self._deadline_tick()
         if deadline is not None and (nxt is None or deadline < nxt):
             nxt = deadline
@@ -152,14 +171,22 @@ class _Run:
         while True:
             a = self.arrival_tick
             r = self.retries_heap[0][0] if self.retries_heap else None
+            e = self.later[0][0] if self.later else None
             d = self._deadline_tick()
-            if a is not None and a <= t and (r is None or a <= r) and (d is None or a <= d):
+            if (a is not None and a <= t and (r is None or a <= r) and (e is None or a <= e)
+                    and (d is None or a <= d)):
                 request = self.order[self.next_arrival]
                 self._advance_arrivals()
                 self._attempt(request, a)
-            elif r is not None and r <= t and (d is None or r <= d):
+            elif r is not None and r <= t and (e is None or r <= e) and (d is None or r <= d):
                 _, request = heapq.heappop(self.retries_heap)
                 self._attempt(request, r)
+            elif e is not None and e <= t and (d is None or e <= d):
+                _, _, kind, request = heapq.heappop(self.later)
+                if kind == _TO_ENGINE:
+                    self.sched.add(request)
+                else:
+                    self._delivered(request, e)
             elif d is not None and d <= t:
                 deadline_s = self.admission.next_deadline_s() or 0.0
                 self._wakeup(self.admission.poll(max(d / TICKS_PER_S, deadline_s)), d)
@@ -173,7 +200,7 @@ class _Run:
             return
         verdict = self.admission.arrive(request, self.prompt[request], self.caps[request], tick / TICKS_PER_S)
         if verdict.kind is VerdictKind.ADMIT:
-            self.sched.add(request)
+            self._to_engine(request, tick)
         elif verdict.kind is VerdictKind.RETRY:
             self._retry(request, verdict.retry_after_s, tick)
         elif verdict.kind is VerdictKind.REFUSE:
@@ -186,6 +213,7 @@ class _Run:
             return
         self.retries[request] += 1
         wait_s = min(retry_after_s, policy.max_wait_s)
+        self.retry_wait[request] += wait_s
         heapq.heappush(self.retries_heap, (tick + round(wait_s * TICKS_PER_S), request))
 
     def _end(self, request: int, outcome: int, tick: int) -> None:
@@ -210,20 +238,38 @@ class _Run:
         if wakeup is None:
             return
         for request in wakeup.admitted:
-            self.sched.add(request)
+            self._to_engine(request, tick)
         for request, retry_after_s in wakeup.rejected:
             self._retry(request, retry_after_s, tick)
 
-    def _finished(self, finished: np.ndarray) -> None:
+    def _to_engine(self, request: int, tick: int) -> None:
+        """An admitted request: to the engine now, or once the API server has processed it."""
+        if self.fe is None:
+            self.sched.add(request)
+        else:
+            self._later(self.fe.ingress(tick), _TO_ENGINE, request)
+
+    def _later(self, tick: int, kind: int, request: int) -> None:
+        self.pushed += 1
+        heapq.heappush(self.later, (tick, self.pushed, kind, request))
+
+    def _finished(self, finished: np.ndarray, out: int) -> None:
+        """Requests the engine finished; their clients have the last token at tick `out`."""
         if not len(finished):
             return
-        t = self.t
-        self.finish[finished] = t / TICKS_PER_S
-        now_s = t / TICKS_PER_S
+        self.finish[finished] = out / TICKS_PER_S
+        self.delivered_at = max(self.delivered_at, out)
+        if out > self.t and (not self.direct or self.closed is not None):
+            for request in finished.tolist():  # the gateway and the client see the end later
+                self._later(out, _DELIVERED, request)
+            return
         for request in finished.tolist():
-            self._wakeup(self.admission.finish(request, now_s), t)
-            if self.closed is not None:
-                self._send_next(t)
+            self._delivered(request, out)
+
+    def _delivered(self, request: int, tick: int) -> None:
+        self._wakeup(self.admission.finish(request, tick / TICKS_PER_S), tick)
+        if self.closed is not None:
+            self._send_next(tick)
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -252,15 +298,16 @@ class _Run:
                 if math.isnan(self.first_scheduled[request]):
                     self.first_scheduled[request] = start / TICKS_PER_S
             first, finished = sched.complete()
+            out = self.t if self.fe is None else self.fe.emit(self.t, sched.sampled)
             if len(first):
-                self.first_token[first] = self.t / TICKS_PER_S
+                self.first_token[first] = out / TICKS_PER_S
             if self.steps is not None:
                 self.steps.append((start / TICKS_PER_S, 1, batch.total_tokens, sched.n + len(finished), waiting,
                                    sched.used_after_alloc))
             if self.decisions is not None and order is not None:
                 self.decisions.append(Decision(start / TICKS_PER_S, tuple(zip(*order, strict=True)),
                                                tuple(sorted(batch.preempted)), tuple(sorted(finished.tolist()))))
-            self._finished(finished)
+            self._finished(finished, out)
 
     def _decode_run(self, waiting: int) -> bool:
         """Jump over identical decode steps; False when not even one can be taken this way."""
@@ -285,14 +332,15 @@ class _Run:
                 at = start + j * step + growth * (j * (j - 1) // 2)
                 done = tuple(sorted(finished.tolist())) if j == k - 1 else ()
                 self.decisions.append(Decision(at / TICKS_PER_S, scheduled, (), done))
-        self._finished(finished)
+        out = self.t if self.fe is None else self.fe.emit_run(start, self.t, k * batch, batch)
+        self._finished(finished, out)
         return True
 
     def result(self, wall_s: float) -> SimResult:
         sched = self.sched
         requests = RequestColumns(self.arrival_out, self.first_scheduled, self.first_token, self.finish,
                                   sched.ntok_all - sched.prompt_all, sched.preemptions.copy(), self.retries,
-                                  self.outcome)
+                                  self.outcome, self.retry_wait)
         steps = None
         if self.steps is not None:
             table = np.array(self.steps, dtype=np.float64).reshape(-1, 6)
@@ -300,7 +348,8 @@ class _Run:
             steps = StepSeries(table[:, 0], counts[:, 0], counts[:, 1], counts[:, 2], counts[:, 3], counts[:, 4])
         admission_peak = int(getattr(self.admission, "queue_peak", 0))
         return SimResult(requests, steps, tuple(self.decisions) if self.decisions is not None else None,
-                         max(self.t, self.refused_at) / TICKS_PER_S, self.num_steps, int(sched.preemptions.sum()),
+                         max(self.t, self.refused_at, self.delivered_at) / TICKS_PER_S, self.num_steps,
+                         int(sched.preemptions.sum()),
                          self.settings.usable_blocks, sched.used_peak, sched.running_peak, self.waiting_peak,
                          admission_peak, self.events, wall_s)
 

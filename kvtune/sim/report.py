@@ -45,7 +45,8 @@ def summarize_sim(result: SimResult, traffic: Traffic, *, slo: Slo | None) -> di
     duration_s = result.duration_s
     summary: dict[str, Any] = {
         "requests": {"sent": int(sent.sum()), "completed": completed, "failed": failed,
-                     "retries": int(r.retries[sent].sum())},
+                     "retries": int(r.retries[sent].sum()),
+                     "retry_wait_s": round(float(r.retry_wait_s[sent].sum()), 3)},
         "duration_s": round(duration_s, 3),
         "output_tokens_total": out_total,
         "output_tokens_requested_total": int(traffic.requested_output[ok].sum()),

@@ -41,6 +41,7 @@ class RequestColumns:
     preemptions: np.ndarray
     retries: np.ndarray
     outcome: np.ndarray  # codes into OUTCOMES
+    retry_wait_s: np.ndarray  # seconds its client waited on Retry-After, in all
 
     def __len__(self) -> int:
         return len(self.arrival_s)

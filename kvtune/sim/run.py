@@ -42,7 +42,7 @@ def run_simulation(traffic: Callable[[int | None], Traffic], engine: EngineSetup
     while True:
         t = traffic(n)
         result = simulate(t.workload, engine.settings, timing.model, admission=admission(), retry=retry,
-                          record_steps=True, closed_loop=t.closed_loop)
+                          record_steps=True, closed_loop=t.closed_loop, frontend=timing.frontend)
         used_all = not (result.requests.outcome == _NOT_SENT).any()
         if not (time_bounded_closed_loop and used_all and len(t) < MAX_REQUESTS):
             break

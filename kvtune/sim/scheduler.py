@@ -100,6 +100,7 @@ class Scheduler:
         self.used_peak = 0
         self.running_peak = 0
         self.steady = False  # every running request is decoding (one token left to compute)
+        self.sampled = 0  # tokens the last step produced (decodes and completed prefills)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -243,6 +244,7 @@ class Scheduler:
         comp, ntok = self.comp[:k], self.ntok[:k]
         comp += self.sched[:k]
         sample = comp >= ntok
+        self.sampled = int(np.count_nonzero(sample))
         first = self.rid[:k][sample & (ntok == self.prompt[:k])]
         ntok += sample
         done = sample & (ntok >= self.end[:k])

@@ -16,7 +16,7 @@ from kvtune.capacity.measured import MeasuredCapacity, blocks_from_tokens
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.sim.scheduler import EngineSettings
-from kvtune.steptime import StepTimeModel
+from kvtune.steptime import FrontEndModel, StepTimeModel
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu
@@ -87,16 +87,31 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
 
 @dataclass(frozen=True, slots=True)
 class TimingSetup:
-    """The step-time model, the per-request overhead added before the engine sees a request, and
-    what it was computed from (the calibration's server, or the roofline's inputs)."""
+    """The step-time model, what stands between the clients and the engine, and what it was
+    computed from (the calibration's server, or the roofline's inputs). `http_overhead_s` is
+    what a lone request spends outside the engine's steps; with a calibrated `frontend` (the
+    API server's serial work, which queues) the part of it that is serial queues in the
+    simulation and the rest (network, hand-offs between processes: latency, not work) stays a
+    fixed delay; a capacity file calibrated before kvtune measured the front end has only
+    `http_overhead_s`, all of it a fixed delay before the engine sees each request."""
 
     model: StepTimeModel
     http_overhead_s: float
     detail: dict[str, Any]
+    frontend: FrontEndModel | None = None
+
+    @property
+    def fixed_delay_s(self) -> float:
+        """The delay added to every request outside the simulated queues."""
+        if self.frontend is None:
+            return self.http_overhead_s
+        return max(0.0, self.http_overhead_s - self.frontend.request_s - self.frontend.token_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.model.source.value, "estimate": self.model.estimate,
-                "coefficients": self.model.to_dict(), "http_overhead_s": self.http_overhead_s, **self.detail}
+                "coefficients": self.model.to_dict(), "http_overhead_s": self.http_overhead_s,
+                "frontend": None if self.frontend is None else self.frontend.to_dict(),
+                "fixed_delay_s": self.fixed_delay_s, **self.detail}
 
 
 def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, gpu: Gpu | None = None,
@@ -104,7 +119,8 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
     """The capacity file's calibrated timing; without one, the roofline for `spec` on `gpu`."""
     if measured.timing is not None:
         t = measured.timing
-        return TimingSetup(t.model, t.http_overhead_s, {"measured_against": t.measured_against.to_dict()})
+        return TimingSetup(t.model, t.http_overhead_s, {"measured_against": t.measured_against.to_dict()},
+                           t.frontend)
     if spec is None or gpu is None:
         raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --out FILE`, "
                           "or give --model and --gpu for a roofline estimate", field="--capacity")

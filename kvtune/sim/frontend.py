@@ -1,0 +1,63 @@
+"""The API server in front of the simulated engine: one serial worker whose work queues.
+
+vLLM's OpenAI server is one asyncio process: it parses each request, renders its chat template
+and tokenizes it before the engine sees it, and detokenizes and streams every output token after
+the engine computed it. On a few shared cores that work is not free, and it is serial: a burst
+of arrivals or a busy stream delays everyone behind it. kvtune.steptime.FrontEndModel gives the
+costs (`request_s` per request, `token_s` per token); this is their queue, kept as a fluid
+backlog of work (integer ticks, as the engine's clock) so a run of k decode steps costs one
+update, not k.
+
+  ingress(t)          a request arrives at t: its work joins the backlog; the engine sees it
+                      when the backlog ahead of it and its own work are done
+  emit(t, n)          a step ending at t produced n tokens: they join the backlog; a token
+                      produced now reaches its client when the backlog is done
+  emit_run(t0, t1, n, last)
+                      n tokens produced evenly over [t0, t1] (a run of decode steps, `last` of
+                      them at the final step): the backlog drains meanwhile and ends no lower
+                      than the last step's tokens
+"""
+
+from __future__ import annotations
+
+from kvtune.steptime import TICKS_PER_S, FrontEndModel
+
+
+class FrontEnd:
+    """The fluid backlog of one API server; times and work in ticks."""
+
+    __slots__ = ("request", "token", "backlog", "at")
+
+    def __init__(self, model: FrontEndModel) -> None:
+        self.request = round(model.request_s * TICKS_PER_S)
+        self.token = round(model.token_s * TICKS_PER_S)
+        self.backlog = 0  # work not done yet, as of `at`
+        self.at = 0
+
+    def _drain(self, t: int) -> None:
+        if t > self.at:
+            self.backlog = max(0, self.backlog - (t - self.at))
+            self.at = t
+
+    def ingress(self, t: int) -> int:
+        """When the engine receives a request that arrived at the server at `t`."""
+        self._drain(t)
+        self.backlog += self.request
+        return max(t, self.at) + self.backlog
+
+    def emit(self, t: int, tokens: int) -> int:
+        """When the tokens a step produced at `t` reach their clients."""
+        self._drain(t)
+        self.backlog += tokens * self.token
+        return max(t, self.at) + self.backlog
+
+    def emit_run(self, start: int, end: int, tokens: int, last: int) -> int:
+        """When the last step's tokens of a run over [start, end] reach their clients."""
+        self._drain(start)
+        work = self.backlog + tokens * self.token - (end - max(start, self.at))
+        self.backlog = max(last * self.token, work)
+        self.at = max(end, self.at)
+        return self.at + self.backlog
+
+
+__all__ = ["FrontEnd"]
