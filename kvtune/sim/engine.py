@@ -8,6 +8,11 @@ requests cross (computed per request in closed form), the next arrival/retry/dea
 of k steps is an arithmetic series (kvtune.steptime.StepTicks.decode_run). `fast=False` takes every step
 one at a time through the same scheduler: the reference the fast path is tested against.
 
+An admission that conditions on progress (the statistical ledger) says after how many generated
+tokens it wants to hear about each admitted request again; those counts are events too: a run
+stops at the step where the first running request reaches its count, the admission is told, and
+the loop goes on. Other admissions ask for nothing, and the loop does not look.
+
 Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
 requests that arrived by then are seen by that step. An idle engine waits for the next event.
 
@@ -39,6 +44,7 @@ from kvtune.steptime import TICKS_PER_S, StepTimeModel
 CLIENT_RETRY = RetryPolicy(enabled=True)
 
 _OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in OUTCOMES)
+_NO_MARK = np.iinfo(np.int64).max // 2  # a request the admission wants to hear nothing more about
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,8 @@ class _Run:
         n = len(wl)
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
         self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
+        # prompt + generated tokens at which each request's progress is reported next
+        self.marks = np.full(n, _NO_MARK, dtype=np.int64) if admission.conditions_on_progress else None
         self.ticks = timing.ticks()
         prompt = wl.prompt_tokens.astype(np.int64)
         end = np.minimum(prompt + wl.output_tokens, settings.max_model_len)
@@ -173,11 +181,34 @@ class _Run:
             return
         verdict = self.admission.arrive(request, self.prompt[request], self.caps[request], tick / TICKS_PER_S)
         if verdict.kind is VerdictKind.ADMIT:
-            self.sched.add(request)
+            self._admit(request, tick)
         elif verdict.kind is VerdictKind.RETRY:
             self._retry(request, verdict.retry_after_s, tick)
         elif verdict.kind is VerdictKind.REFUSE:
             self._end(request, _REJECTED, tick)
+
+    def _admit(self, request: int, tick: int) -> None:
+        self.sched.add(request)
+        if self.marks is not None:
+            self._report(request, int(self.sched.ntok_all[request]) - self.prompt[request], tick)
+
+    def _report(self, request: int, generated: int, tick: int) -> None:
+        """Tell the admission how far `request` has got; note when it wants to hear again."""
+        assert self.marks is not None
+        again = self.admission.progress(request, generated, tick / TICKS_PER_S)
+        self.marks[request] = _NO_MARK if again is None else self.prompt[request] + again
+
+    def _progress(self) -> None:
+        """Report every running request that has reached its mark (after a step or a run)."""
+        sched = self.sched
+        k = sched.n
+        if not k:
+            return
+        assert self.marks is not None
+        rid, ntok = sched.rid[:k], sched.ntok[:k]
+        for pos in np.flatnonzero(ntok >= self.marks[rid]).tolist():
+            request = int(rid[pos])
+            self._report(request, int(ntok[pos]) - self.prompt[request], self.t)
 
     def _retry(self, request: int, retry_after_s: float, tick: int) -> None:
         policy = self.retry
@@ -210,7 +241,7 @@ class _Run:
         if wakeup is None:
             return
         for request in wakeup.admitted:
-            self.sched.add(request)
+            self._admit(request, tick)
         for request, retry_after_s in wakeup.rejected:
             self._retry(request, retry_after_s, tick)
 
@@ -260,6 +291,8 @@ class _Run:
             if self.decisions is not None and order is not None:
                 self.decisions.append(Decision(start / TICKS_PER_S, tuple(zip(*order, strict=True)),
                                                tuple(sorted(batch.preempted)), tuple(sorted(finished.tolist()))))
+            if self.marks is not None:
+                self._progress()
             self._finished(finished)
 
     def _decode_run(self, waiting: int) -> bool:
@@ -268,7 +301,10 @@ class _Run:
         nxt = self._next_event()
         batch = sched.n
         order = sched.rid[:batch].tolist() if self.decisions is not None else []
-        k, elapsed, ctx, finished = sched.decode_run(ticks, None if nxt is None else nxt - self.t)
+        until = None
+        if self.marks is not None and batch:  # stop where the first running request reaches its mark
+            until = int((self.marks[sched.rid[:batch]] - sched.ntok[:batch]).min())
+        k, elapsed, ctx, finished = sched.decode_run(ticks, None if nxt is None else nxt - self.t, until)
         if k == 0:
             return False
         start = self.t
@@ -285,6 +321,8 @@ class _Run:
                 at = start + j * step + growth * (j * (j - 1) // 2)
                 done = tuple(sorted(finished.tolist())) if j == k - 1 else ()
                 self.decisions.append(Decision(at / TICKS_PER_S, scheduled, (), done))
+        if self.marks is not None:
+            self._progress()
         self._finished(finished)
         return True
 
