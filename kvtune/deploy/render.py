@@ -207,7 +207,7 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
         })
     backstop = rec.setting("max_new_tokens_backstop")
     routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "api": None,
-                   "max_new_tokens": backstop.tokens,
+                   "max_new_tokens": backstop.tokens, "output_histogram": None,
                    "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
 
