@@ -308,18 +308,19 @@ def mean_predicted(runs: Sequence[Predicted]) -> Predicted:
     if len(runs) == 1:
         return runs[0]
 
-    def mean(name: str, digits: int) -> float | None:
+    def mean(name: str, digits: int = 3) -> float | None:
         values = [getattr(p, name) for p in runs]
         return None if any(v is None for v in values) else round(sum(values) / len(values), digits)
 
-    fields = {f.name: f for f in dataclasses.fields(Predicted)}
-    out: dict[str, float | int | None] = {}
-    for name in fields:
-        if name in ("sent", "completed"):
-            out[name] = sum(getattr(p, name) for p in runs)
-        else:
-            out[name] = mean(name, 6 if name.endswith(("_rate", "_share", "share_429")) else 3)
-    return Predicted(**out)  # type: ignore[arg-type]
+    def share(name: str) -> float:
+        return round(sum(getattr(p, name) for p in runs) / len(runs), 6)
+
+    return Predicted(
+        output_tokens_per_s=mean("output_tokens_per_s") or 0.0, requests_per_s=mean("requests_per_s") or 0.0,
+        goodput_rps=mean("goodput_rps"), ttft_p50_ms=mean("ttft_p50_ms"), ttft_p99_ms=mean("ttft_p99_ms"),
+        e2e_p50_ms=mean("e2e_p50_ms"), e2e_p99_ms=mean("e2e_p99_ms"), preemption_rate=share("preemption_rate"),
+        share_429=share("share_429"), truncation_share=share("truncation_share"),
+        sent=sum(p.sent for p in runs), completed=sum(p.completed for p in runs))
 
 
 def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -> Predicted:
