@@ -75,8 +75,6 @@ MAX_REQUESTS = 100_000
 GUARANTEED = Policy(PolicyKind.GUARANTEED)
 STATISTICALS = tuple(Policy(PolicyKind.STATISTICAL, epsilon=e) for e in DEFAULT_EPSILONS)
 OVERCOMMITS = tuple(Policy(PolicyKind.OVERCOMMIT, factor=k) for k in DEFAULT_OVERCOMMIT_FACTORS)
-# Policies the simulator (the gateway's own gate) enforces: all of them
-ENFORCED = frozenset(PolicyKind)
 # Retry-After bounds the rendered gateway configs use (kvtune.deploy.render.RenderOptions' defaults)
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 
@@ -138,11 +136,6 @@ class SearchGrid:
     safety_fractions: tuple[float, ...] = DEFAULT_SAFETY_FRACTIONS
     policies: tuple[Policy, ...] = (GUARANTEED, *STATISTICALS, *OVERCOMMITS)
     overcommit_safety: float = 0.9
-
-    def __post_init__(self) -> None:
-        for p in self.policies:
-            if p.kind not in ENFORCED:
-                raise OptionError(f"the {p.label} policy is not enforced by the gateway yet", field="policy")
 
     def for_objective(self, objective: Objective) -> SearchGrid:
         """A preemption budget of 0 asks for the policy that guarantees it: guaranteed only."""
@@ -532,6 +525,6 @@ __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObje
            "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
            "violations", "choose", "GUARANTEED",
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
-           "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "ENFORCED", "DEFAULT_EPSILONS", "STATISTICALS",
+           "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "DEFAULT_EPSILONS", "STATISTICALS",
            "DEFAULT_SEEDS", "mean_predicted", "objective_seeds", "route_laws",
            "DEFAULT_REQUESTS", "TAIL_LEVEL"]
