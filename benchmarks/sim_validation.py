@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 TRACES_DIR = REPO.parent / "shared" / "traces"
 
-from gateway_proof import metric, start_gateway, stop_gateway  # noqa: E402
+from live import metric, start_gateway, stop_gateway  # noqa: E402
 from vllm_server import start_vllm, stop_vllm, write_tiny_model  # noqa: E402
 
 KVTUNE = [sys.executable, "-m", "kvtune"]

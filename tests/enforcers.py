@@ -258,8 +258,12 @@ def start_enforcer(kind: str, rec: dict, prefix: Path, **options) -> Nginx | PyG
     from kvtune.deploy.render import RenderOptions, render_files
 
     if kind == "python":
+        import yaml
+
         text = render_files(rec, targets=["gateway.yaml"], options=RenderOptions(listen_port=0, **options))
-        return PyGateway(text["gateway.yaml"]).start()
+        doc = yaml.safe_load(text["gateway.yaml"])
+        doc.pop("queue", None)  # nginx.conf has no wait queue: the two answer a full budget alike only without it
+        return PyGateway(yaml.safe_dump(doc)).start()
     for attempt in range(3):
         port = nginx_port()
         conf = render_files(rec, targets=["nginx.conf"], options=RenderOptions(listen_port=port, **options))

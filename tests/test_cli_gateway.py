@@ -127,14 +127,3 @@ def test_upstream_override_with_an_impossible_port(tmp_path):
     assert result.exit_code == 2
     assert result.stderr.strip() == ("Error: --upstream: the port must be a number from 1 to 65535, "
                                      "got 'http://127.0.0.1:99999'")
-
-
-def test_a_policy_the_gateway_does_not_enforce_yet_is_one_line_at_start(tmp_path):
-    path = tmp_path / "gateway.yaml"
-    path.write_text("version: 1\nupstream: http://127.0.0.1:9\nblock_size: 16\nblock_budget: 100\n"
-                    "max_model_len: 2048\nadmission: {policy: statistical, epsilon: 0.05}\n"
-                    "routes:\n  - {name: default, max_new_tokens: 32}\n")
-    result = CliRunner().invoke(cli, ["gateway", "--config", str(path)])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    assert result.stderr == ("Error: admission.policy: the statistical policy is not enforced by this gateway "
-                             "yet; use guaranteed or overcommit\n")

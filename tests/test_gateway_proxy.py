@@ -525,3 +525,98 @@ def test_a_connection_over_max_connections_is_closed_at_once_and_a_freed_slot_se
                 w.close()
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- the statistical policy
+
+_SHORT_MOSTLY = {"lengths": [4, 64], "counts": [19, 1]}  # chat answers: 4 tokens, 1 in 20 reaches the cap
+
+
+def _held_streams(policy: dict, n: int) -> tuple[int, int, list[dict]]:
+    """Open n slow streams at once on the chat route; (admitted, refused with Retry-After, ledger
+    snapshots taken while they were held), then check everything was given back."""
+    async def run():
+        routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+                   "output_histogram": _SHORT_MOSTLY}, {"name": "default", "max_new_tokens": 32}]
+        async with running(admission=policy, routes=routes) as (session, base, gateway, fake):
+            opened = []
+            for _ in range(n):
+                resp = await session.post(base + "/v1/chat/completions",
+                                          json=chat(3, stream=True, x_chunks=40, x_delay=0.05))
+                opened.append(resp)
+            admitted = [r for r in opened if r.status == 200]
+            refused = [r for r in opened if r.status == 429 and int(r.headers["Retry-After"]) >= 1]
+            async with session.get(base + "/kvtune/ledger") as resp:
+                during = [await resp.json()]
+            for r in admitted:
+                await r.read()  # 40 tokens streamed: the ledger conditions each at 16 and 32
+            for r in opened:
+                r.release()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0 and gateway.ledger.inflight_requests == 0)
+            async with session.get(base + "/kvtune/ledger") as resp:
+                during.append(await resp.json())
+            return len(admitted), len(refused), during
+
+    return asyncio.run(run())
+
+
+def test_statistical_admits_more_streams_than_guaranteed_and_gives_every_block_back():
+    guaranteed, g_refused, _ = _held_streams({"policy": "guaranteed"}, 40)
+    statistical, s_refused, ledger = _held_streams({"policy": "statistical", "epsilon": 0.05}, 40)
+    assert guaranteed + g_refused == 40 and statistical + s_refused == 40
+    assert guaranteed == 100 // blocks_of_chat3()
+    assert statistical > guaranteed
+    held, after = ledger
+    assert held["policy"] == "statistical" and held["epsilon"] == 0.05 and held["limit"] is None
+    assert 0.0 < held["overflow_probability"] <= 0.05
+    assert held["reserved"] > 100  # worst cases past the budget: the bet the policy makes
+    assert after["reserved"] == 0 and after["overflow_probability"] == 0.0
+
+
+def test_statistical_at_epsilon_zero_admits_what_guaranteed_admits():
+    guaranteed, _, _ = _held_streams({"policy": "guaranteed"}, 30)
+    zero, _, _ = _held_streams({"policy": "statistical", "epsilon": 0.0}, 30)
+    assert zero == guaranteed
+
+
+def blocks_of_chat3() -> int:
+    from enforcers import blocks
+    from fake_vllm import FakeVllm
+
+    return blocks(FakeVllm().prompt_tokens(chat(3)), 64)
+
+
+def test_statistical_metrics_show_the_overflow_probability():
+    async def run():
+        async with running(admission={"policy": "statistical", "epsilon": 0.05}) as (session, base, gateway, fake):
+            async with session.get(base + "/metrics") as resp:
+                text = await resp.text()
+            assert _sample(text, "kvtune_gateway_overflow_probability") == 0.0
+        async with running() as (session, base, gateway, fake):
+            async with session.get(base + "/metrics") as resp:
+                assert "kvtune_gateway_overflow_probability" not in await resp.text()
+
+    asyncio.run(run())
+
+
+def test_streamed_tokens_condition_what_the_statistical_ledger_expects():
+    """A chat answer is 4 tokens long 19 times in 20; once one has streamed past 16 tokens it is the
+    long kind, and the ledger's overflow probability for it goes from 1 in 20 to certain."""
+    async def run():
+        routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+                   "output_histogram": _SHORT_MOSTLY}]
+        async with running(admission={"policy": "statistical", "epsilon": 0.1}, routes=routes,
+                           block_budget=4) as (session, base, gateway, fake):
+            async with session.post(base + "/v1/chat/completions",
+                                    json=chat(3, stream=True, x_chunks=40, x_delay=0.05)) as resp:
+                assert resp.status == 200
+                assert gateway.ledger.overflow_probability() == pytest.approx(0.05)
+                seen = b""
+                while seen.count(b"\n\n") < 16 + 3:
+                    seen += await resp.content.readany()
+                await wait_for(lambda: gateway.ledger.overflow_probability() == 1.0)
+                await resp.read()
+            await wait_for(lambda: gateway.ledger.reserved_blocks == 0)
+            assert gateway.ledger.overflow_probability() == 0.0
+
+    asyncio.run(run())

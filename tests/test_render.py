@@ -188,6 +188,16 @@ def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
     ]
     # the catch-all caps anything the recommended routes do not match
     assert config.route_for("/v1/responses", "other").max_new_tokens == 700
+    # a full budget queues one budget's worth of requests for 10 s before answering 429
+    assert (config.queue_max_waiting, config.queue_timeout_s) == (300, 10.0)
+    # each recommended route carries its measured output lengths for the statistical policy, the
+    # catch-all none (its requests count as reaching the cap)
+    for route, recommended in zip(config.routes, r.routes, strict=False):
+        law = route.output_law
+        assert law is not None and law.lengths[-1] == recommended.cap and len(law.lengths) <= 32
+        lengths = recommended.output_lengths
+        assert sum(law.counts) == lengths.uncensored.total + lengths.censored.total
+    assert config.routes[-1].output_law is None
 
 
 @pytest.mark.parametrize("admission", [{"policy": "guaranteed"}, {"policy": "overcommit", "factor": 1.75},

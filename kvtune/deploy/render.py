@@ -300,6 +300,8 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "flags": vllm_flags(rec),
         "served_model": rec.served_model or rec.model,
         "routes": routes,
+        "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
+                  "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),

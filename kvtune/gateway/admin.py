@@ -71,7 +71,7 @@ class Admin:
             "rejected": self._rejected(), "waiting": self._waiting(),
             "release_rate_blocks_per_s": snap.release_rate_blocks_per_s,
             "routes": self._routes,
-            **ledger_policy(self._policy, snap.limit_blocks, None),
+            **ledger_policy(self._policy, snap.limit_blocks, snap.overflow_probability),
         })
 
     def add_routes(self, router: web.UrlDispatcher) -> None:

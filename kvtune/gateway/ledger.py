@@ -255,11 +255,6 @@ class StatisticalLedger(BlockLedger):
 
     # -- the ledger
 
-    def fits_demand(self, blocks: int, demand: Demand | None) -> bool:
-        if self.epsilon == 0.0:
-            return self._reserved + blocks <= self.budget_blocks
-        return self.overflow_probability(self._rows_of(blocks, demand)) <= self.epsilon
-
     def never_fits(self, blocks: int, demand: Demand | None = None) -> bool:
         """Its own overflow probability, alone in an empty ledger, exceeds epsilon (at 0: more
         blocks than the budget)."""

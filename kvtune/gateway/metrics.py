@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvtune.gateway.ledger import BlockLedger
+from kvtune.gateway.ledger import BlockLedger, StatisticalLedger
 from kvtune.gateway.refusals import Reason
 
 RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -25,6 +25,10 @@ class GatewayMetrics:
               registry=r).set_function(lambda: ledger.inflight_requests)
         Gauge("kvtune_gateway_waiting_requests", "Requests waiting in the admission queue.",
               registry=r).set_function(waiting)
+        if isinstance(ledger, StatisticalLedger):
+            Gauge("kvtune_gateway_overflow_probability",
+                  "Bound on P(the admitted requests' KV outgrows the budget) now (statistical policy).",
+                  registry=r).set_function(ledger.overflow_probability)
         self.admitted = Counter("kvtune_gateway_admitted", "Requests admitted, by route.",
                                 ["route"], registry=r)
         self.rejected = Counter("kvtune_gateway_rejected", "Requests refused, by route and reason.",

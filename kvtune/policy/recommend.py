@@ -242,6 +242,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     settings = _engine_settings(profile, routes, reservations, plan, version=version,
                                 budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
                                 max_len=max_len)
+    settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
+    settings["gateway_queue_timeout_s"] = rules.queue_timeout_s()
     if not measured:
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")

@@ -45,6 +45,8 @@ SETTINGS: dict[str, tuple[str, float, float]] = {
     "preemption_mode": ("str", 0, 0),
     "swap_space": ("number", 0, MAX_INTEGER),
     "max_new_tokens_backstop": ("int", 1, MAX_INTEGER),
+    "gateway_queue_max_waiting": ("int", 0, MAX_INTEGER),
+    "gateway_queue_timeout_s": ("number", 0, MAX_INTEGER),
 }
 # Settings every recommendation has (the others may be null: they do not apply to the engine).
 REQUIRED_SETTINGS = ("max_model_len", "gpu_memory_utilization", "kv_cache_dtype", "block_size",

@@ -154,6 +154,26 @@ def admitted_concurrency(budget_blocks: int, mean_reservation_blocks: float) -> 
     return int(budget_blocks // mean_reservation_blocks)
 
 
+#: How long a request waits in the gateway's queue before its 429 (queue_timeout).
+QUEUE_TIMEOUT_S = 10.0
+
+
+def queue_max_waiting(admitted: int) -> Decision:
+    """A queue one budget deep: a request that finds the budget full waits for the next release
+    instead of a 429 whose Retry-After is at least a second (hundreds of engine steps)."""
+    value = max(1, admitted)
+    return Decision(value, "queue-one-budget",
+                    f"a request that finds the budget full waits (FIFO) for a release instead of a 429 with "
+                    f"Retry-After >= 1 s; up to {value} wait, as many as the budget holds at once for the logged "
+                    f"route mix; one more answers 429 queue_full")
+
+
+def queue_timeout_s() -> Decision:
+    return Decision(QUEUE_TIMEOUT_S, "queue-timeout",
+                    f"a waiter leaves after {QUEUE_TIMEOUT_S:g} s with 429 queue_timeout and Retry-After, which "
+                    f"bounds the time a request spends queued in front of vLLM (whose own queue is unbounded)")
+
+
 def worst_case_reservation_blocks(context_tokens: int, block_size: int) -> int:
     """An unset max_tokens lets a request grow to the whole context: ceil(context / block_size)."""
     return reserved_blocks(context_tokens, 0, block_size)
