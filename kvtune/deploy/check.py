@@ -349,7 +349,8 @@ class _Checker:
     def _deployment(self, objective: Objective) -> Deployment:
         """The deployed files as the simulator sees them (kvtune.policy.search.Deployment): the
         engine's flags over vLLM's defaults on the measured pool (the recommended engine when no
-        engine file is checked), and the first gateway's budget, route caps and output laws; without a
+        engine file is checked), and the first gateway's budget, route caps, output laws and wait
+        queue; without a
         gateway, straight to vLLM capped by its backstop."""
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
@@ -370,7 +371,8 @@ class _Checker:
             gateway = self.gateways[0]
             policy = Policy.of(gateway.admission or self.rec.admission)
             return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget,
-                              route_laws(gateway.routes, self.rec.routes))
+                              route_laws(gateway.routes, self.rec.routes), gateway.queue_max_waiting or 0,
+                              30.0 if gateway.queue_timeout_s is None else gateway.queue_timeout_s)
         backstop = engine_file.max_new_tokens if engine_file is not None else None
         return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(PolicyKind.DIRECT), None)
 

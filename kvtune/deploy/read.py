@@ -80,6 +80,8 @@ class Deployed:
     block_budget: int | None = None
     routes: tuple[DeployedRoute, ...] = ()
     admission: AdmissionPolicy | None = None  # the gateway's admission policy
+    queue_max_waiting: int | None = None  # gateway.yaml's wait queue (nginx.conf has none)
+    queue_timeout_s: float | None = None
 
     @property
     def is_gateway(self) -> bool:
@@ -287,7 +289,8 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
         max_model_len=config.max_model_len, upstream=config.upstream, block_budget=config.block_budget,
         routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix,
                                    r.output_law) for r in config.routes),
-        admission=config.admission,
+        admission=config.admission, queue_max_waiting=config.queue_max_waiting,
+        queue_timeout_s=config.queue_timeout_s,
     )
 
 

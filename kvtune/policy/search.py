@@ -223,14 +223,17 @@ def traffic_profile(profile: Profile) -> Profile:
 class Deployment:
     """A configuration as the simulator sees it: the engine's settings, each traffic route's
     output cap (None: uncapped, vLLM lets it grow to the context), the gateway's policy and
-    budget (None: straight to vLLM), and each route's output law as the gateway's route carries
-    it (what the statistical policy bets on; None or absent: its requests reach their cap)."""
+    budget (None: straight to vLLM), each route's output law as the gateway's route carries it
+    (what the statistical policy bets on; None or absent: its requests reach their cap), and the
+    gateway's wait queue (gateway.yaml `queue`; 0 waiting: a full budget answers 429 at once)."""
 
     engine: EngineSettings
     caps: Mapping[str, int | None]
     policy: Policy
     budget_blocks: int | None
     laws: Mapping[str, OutputLaw | None] = dataclasses.field(default_factory=dict)
+    queue_max_waiting: int = 0
+    queue_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +279,7 @@ def _admission(d: Deployment, routes: Sequence[str]) -> Admission | None:
         laws = [d.laws.get(r) for r in routes]
     return LedgerAdmission(d.budget_blocks, block_size=d.engine.block_size, max_model_len=d.engine.max_model_len,
                            retry_after_min_s=RETRY_AFTER_MIN_S, retry_after_max_s=RETRY_AFTER_MAX_S,
+                           queue_max_waiting=d.queue_max_waiting, queue_timeout_s=d.queue_timeout_s,
                            policy=d.policy.admission(), request_laws=laws)
 
 
@@ -385,7 +389,16 @@ def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) ->
                            else OutputLaw(tuple(h["lengths"]), tuple(h["counts"])))
              for r in gateway_routes(rec)]
     return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks,
-                      route_laws(table, rec.routes))
+                      route_laws(table, rec.routes), *rendered_queue(rec))
+
+
+def rendered_queue(rec: Recommendation) -> tuple[int, float]:
+    """The wait queue gateway.yaml renders for `rec` (max waiting, timeout); none: (0, 30 s)."""
+    waiting, timeout = rec.settings.get("gateway_queue_max_waiting"), rec.settings.get("gateway_queue_timeout_s")
+    if waiting is None or timeout is None or not isinstance(waiting.value, int) \
+            or not isinstance(timeout.value, (int, float)):
+        return 0, 30.0
+    return waiting.value, float(timeout.value)
 
 
 def recommended_engine(rec: Recommendation, basis: SimBasis) -> EngineSettings:
@@ -425,7 +438,9 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
         seen.add(key)
         out.append(_Candidate(policy, level, safety, deployment, rec))
     out.append(_Candidate(worst, None, default.safety_fraction.fraction,
-                          Deployment(basis.engine, uncapped, worst, default.budget_blocks), None))
+                          Deployment(basis.engine, uncapped, worst, default.budget_blocks,
+                                     queue_max_waiting=rendered_queue(default)[0],
+                                     queue_timeout_s=rendered_queue(default)[1]), None))
     return out
 
 
