@@ -21,7 +21,7 @@ Why these ε: each is a bound on P(the held KV outgrows the budget) checked at e
 conservative by construction (bin upper edges, union bound over step intervals, Chernoff), so
 the preemptions it lets through are far rarer than ε; 0.001 sits next to guaranteed, 0.01
 between, and past 0.05 the gain levels off (on the CPU test bed at 32 clients, 0.2 and 0.5 add
-≤ 5 % output tokens/s, still without preemptions). The simulator, not ε, says what each costs.
+≤ 4 % output tokens/s and start to preempt). The simulator, not ε, says what each costs.
 
 Chosen: the row with the highest objective (output tokens/s, or goodput under --slo) among the
 candidates that meet every constraint; ties go to more output tokens/s, then fewer
