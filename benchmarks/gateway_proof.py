@@ -44,10 +44,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 from live import start_gateway, stop_gateway  # noqa: E402
 from sim_validation import (  # noqa: E402
-    SIMULATE,
     _kvtune,
     _load_args,
-    _run,
     engine_counters,
     figures,
     save_profile,
@@ -75,8 +73,8 @@ def measure(url: str, metrics_url: str, profile: Path, *, rate: float | None = N
 def predict(profile: Path, capacity: Path, *, gateway: Path | None, rate: float, requests: int, seed: int,
             slo: str) -> dict[str, Any]:
     extra = ["--gateway", str(gateway)] if gateway is not None else []
-    out = _run([*SIMULATE, "--profile", str(profile), "--capacity", str(capacity), *extra, *_load_args(rate, None),
-                "--requests", str(requests), "--seed", str(seed), "--slo", slo, "--json"])
+    out = _kvtune("simulate", "--profile", str(profile), "--capacity", str(capacity), *extra, *_load_args(rate, None),
+                  "--requests", str(requests), "--seed", str(seed), "--slo", slo, "--json")
     return json.loads(out)
 
 

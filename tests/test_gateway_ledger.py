@@ -111,3 +111,22 @@ def test_retry_after_counts_only_the_shortfall():
     ledger.try_reserve(90)
     # 10 free; a 30-block request needs 20 more to be released → 10 s
     assert ledger.retry_after_s(30, min_s=1, max_s=60) == 10
+
+
+def test_statistical_retry_after_waits_for_the_requests_own_blocks_at_most():
+    """The statistical ledger's reserved_blocks (every held worst case) exceeds the budget by
+    design: Retry-After counts at most the refused request's own blocks, not that excess."""
+    from kvtune.gateway.ledger import Demand, StatisticalLedger
+    from kvtune.gateway.overflow import OutputLaw
+
+    clock = Clock()
+    ledger = StatisticalLedger(20, epsilon=0.05, block_size=16, max_model_len=512, clock=clock)
+    short = Demand((16,), 300, OutputLaw((10, 300), (99, 1)))  # usually 2 blocks, at worst 20
+    ledger.try_reserve(20, short).release()  # rate 20 / 30 blocks/s
+    held = [ledger.try_reserve(20, short) for _ in range(3)]
+    assert all(held) and ledger.reserved_blocks == 60 > ledger.budget_blocks
+    assert ledger.retry_after_s(4, min_s=1, max_s=60) == math.ceil(4 / (20 / 30))  # 6 s, not 44 / rate = 66
+    guaranteed = BlockLedger(20, clock=clock)
+    guaranteed.try_reserve(20).release()
+    guaranteed.try_reserve(18)
+    assert guaranteed.retry_after_s(4, min_s=1, max_s=60) == math.ceil(2 / (20 / 30))  # the shortfall, as before

@@ -19,8 +19,8 @@ from kvtune.bench.report import Slo
 from kvtune.deploy.check import Severity
 from kvtune.errors import InputError, OptionError
 from kvtune.policy.recommendation import Recommendation
-from kvtune.policy.search import InfeasibleObjectiveError, SearchGrid
-from kvtune.policy.whatif import Goal, PolicyKind, Predicted, WhatIfRow
+from kvtune.policy.search import GUARANTEED, InfeasibleObjectiveError, SearchGrid
+from kvtune.policy.whatif import Goal, Policy, PolicyKind, Predicted, WhatIfRow
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +71,20 @@ def test_the_chosen_row_is_the_best_feasible_one(profile, plan, concurrency, max
     # the recommendation is the chosen row's: its budget, its caps
     assert rec.budget_blocks == best.budget_blocks
     assert {r.route: r.cap for r in rec.routes} == dict(best.caps)
-    # direct to vLLM comes first, then the whole-context reservation, then the candidates
+    # direct to vLLM comes first, then guaranteed, statistical at a few epsilons, overcommit at a
+    # few factors (only guaranteed when no preemption is allowed), the whole-context reservation last
     kinds = [r.policy.kind for r in rec.what_if]
-    assert kinds[:2] == [PolicyKind.DIRECT, PolicyKind.WORST_CASE]
-    # guaranteed, then overcommit at a few factors (only guaranteed when no preemption is allowed)
-    expected = [PolicyKind.GUARANTEED] if max_preemption_rate == 0 else [PolicyKind.GUARANTEED, PolicyKind.OVERCOMMIT]
-    assert list(dict.fromkeys(kinds[2:])) == expected
+    assert kinds[0] is PolicyKind.DIRECT and kinds[-1] is PolicyKind.WORST_CASE
+    expected = [PolicyKind.GUARANTEED] if max_preemption_rate == 0 else [
+        PolicyKind.GUARANTEED, PolicyKind.STATISTICAL, PolicyKind.OVERCOMMIT]
+    assert list(dict.fromkeys(kinds[1:-1])) == expected
+    if max_preemption_rate != 0:
+        assert sorted({r.policy.epsilon for r in rec.what_if if r.policy.kind is PolicyKind.STATISTICAL}) == [
+            0.001, 0.01, 0.05]
     if best.policy.kind is PolicyKind.OVERCOMMIT:
         assert rec.admission.factor == best.policy.factor
+    elif best.policy.kind is PolicyKind.STATISTICAL:
+        assert rec.admission.kind.value == "statistical" and rec.admission.epsilon == best.policy.epsilon
     else:
         assert rec.admission.kind.value == "guaranteed"
     assert best.why.startswith("chosen: the highest output tokens/s")
@@ -100,7 +106,7 @@ def test_rejected_rows_name_the_constraint_they_broke(profile, plan):
     assert direct is not None and direct.predicted.preemption_rate > 0  # 32 clients overflow 31 blocks
     assert [v.constraint for v in direct.violations] == ["max_preemption_rate"]
     assert "breaks preemption rate" in direct.why and direct.verdict.startswith("✗ preemption rate")
-    for row in rec.what_if[2:]:
+    for row in rec.what_if[1:]:
         assert row.predicted.preemption_rate == 0  # guaranteed reservations never preempt
 
 
@@ -110,9 +116,9 @@ def test_no_feasible_row_raises_with_the_table(profile, plan):
     err = exc.value
     assert "no configuration meets the objective" in str(err) and "429 share" in str(err)
     assert len(err.rows) > 2 and not any(r.chosen for r in err.rows)
-    assert all(r.violations for r in err.rows[2:])
-    assert all(r.why.startswith("rejected: 429 share") for r in err.rows[2:])
-    assert {r.policy.kind for r in err.rows[2:]} == {PolicyKind.GUARANTEED}
+    assert all(r.violations for r in err.rows[1:])
+    assert all(r.why.startswith("rejected: 429 share") for r in err.rows[1:-1])
+    assert {r.policy.kind for r in err.rows[1:-1]} == {PolicyKind.GUARANTEED}
 
 
 def test_a_seed_gives_the_same_table(profile, plan):
@@ -167,8 +173,6 @@ def test_an_estimated_capacity_cannot_be_simulated(profile):
 
 
 def test_a_preemption_budget_of_zero_keeps_only_the_guaranteed_policy(objective):
-    from kvtune.policy.whatif import Policy
-
     grid = SearchGrid(policies=(Policy(PolicyKind.GUARANTEED), Policy(PolicyKind.OVERCOMMIT, factor=1.5)))
     assert grid.for_objective(objective).policies == grid.policies
     strict = dataclasses.replace(objective, max_preemption_rate=0.0)
@@ -324,8 +328,13 @@ def test_an_overcommit_row_renders_and_checks_as_overcommit(profile, plan, tmp_p
     """16 clients on 31 blocks with 5 % preemption allowed: overcommitting the budget beats every
     guaranteed row, the files say overcommit, and check simulates them as such."""
     from kvtune.deploy.read import load_deployed
+    from kvtune.policy.recommend import RecommendOptions
+    from kvtune.policy.search import OVERCOMMITS, ObjectiveSpec, recommend_for_objective
 
-    rec = search(profile, plan, concurrency=16, max_preemption_rate=0.05)
+    # without the statistical rows, which would beat it here
+    grid = SearchGrid(policies=(GUARANTEED, *OVERCOMMITS))
+    spec = ObjectiveSpec(Goal.THROUGHPUT, max_preemption_rate=0.05, concurrency=16, requests=300)
+    rec = recommend_for_objective(profile, plan, RecommendOptions(), spec, grid=grid)
     chosen = rec.chosen
     assert chosen is not None and chosen.policy.kind is PolicyKind.OVERCOMMIT
     best_guaranteed = max(r.predicted.output_tokens_per_s for r in rec.what_if
@@ -340,11 +349,59 @@ def test_an_overcommit_row_renders_and_checks_as_overcommit(profile, plan, tmp_p
                                                                                          out / name])
         [met] = [f for f in result.findings if f.code == "objective-met"]
         assert f"{chosen.predicted.output_tokens_per_s:,.1f} output tokens/s" in met.message, name
-    # a gateway.yaml edited to a policy the gateway does not enforce cannot be simulated
+
+
+def test_a_statistical_row_renders_and_checks_as_statistical(searched, tmp_path):
+    """32 clients on 31 blocks, 1 % preemption allowed: a statistical row beats every guaranteed
+    one; gateway.yaml carries its epsilon and route laws, and check simulates them to the table's
+    figures. Edited to epsilon 0, the same gateway is simulated as the guaranteed row it then is."""
+    from kvtune.deploy.read import load_deployed
+
+    chosen = searched.chosen
+    assert chosen is not None and chosen.policy.kind is PolicyKind.STATISTICAL
+    assert chosen.predicted.output_tokens_per_s > max(r.predicted.output_tokens_per_s for r in searched.what_if
+                                                      if r.policy.kind is PolicyKind.GUARANTEED)
+    assert searched.admission.kind.value == "statistical" and searched.admission.epsilon == chosen.policy.epsilon
+    out = _write(tmp_path, searched)
+    deployed = load_deployed(out / "gateway.yaml")
+    assert deployed.admission == searched.admission
+    assert all(r.output_law is not None for r in deployed.routes[:-1])  # the catch-all carries none
+    rec = kvtune.load_recommendation(out / "recommendation.json")
+    result = kvtune.check(rec, [out / "vllm-serve.sh", out / "gateway.yaml"])
+    [met] = [f for f in result.findings if f.code == "objective-met"]
+    assert f"{chosen.predicted.output_tokens_per_s:,.1f} output tokens/s" in met.message
+    assert "mean of seeds 0–2" in met.message
     edited = tmp_path / "gateway.yaml"
     edited.write_text((out / "gateway.yaml").read_text().replace(
-        f"  policy: \"overcommit\"\n  factor: {chosen.policy.factor}", "  policy: \"statistical\"\n  epsilon: 0.05"))
-    statistical = load_deployed(edited).admission
-    assert statistical is not None and statistical.kind.value == "statistical"
-    result = kvtune.check(rec, [out / "vllm-serve.sh", edited])
-    assert "objective-unsimulated" in {f.code for f in result.findings} and not result.passed
+        f"  epsilon: {chosen.policy.epsilon}", "  epsilon: 0.0"))
+    assert load_deployed(edited).admission.epsilon == 0.0
+    [twin] = [r for r in searched.what_if if r.policy.kind is PolicyKind.GUARANTEED
+              and r.cap_level == chosen.cap_level and r.safety_fraction == chosen.safety_fraction]
+    [met] = [f for f in kvtune.check(rec, [out / "vllm-serve.sh", edited]).findings if f.code == "objective-met"]
+    assert f"{twin.predicted.output_tokens_per_s:,.1f} output tokens/s" in met.message
+
+
+def test_a_row_is_the_mean_over_its_seeds(objective, profile, plan):
+    """Each row is the mean of one simulation per seed (seed, seed + 1, seed + 2): rates and
+    percentiles averaged, sent and completed added up."""
+    from kvtune.policy.search import Deployment, mean_predicted, simulate_deployment
+
+    assert objective.seeds == 3
+    engine = objective.basis.engine
+    deployment = Deployment(engine, {r.route: None for r in profile.routes}, Policy(PolicyKind.DIRECT), None)
+    runs = [simulate_deployment(dataclasses.replace(objective, seed=s, seeds=1), deployment)
+            for s in (objective.seed, objective.seed + 1, objective.seed + 2)]
+    mean = simulate_deployment(objective, deployment)
+    assert mean == mean_predicted(runs)
+    assert mean.sent == sum(r.sent for r in runs)
+    assert mean.output_tokens_per_s == pytest.approx(sum(r.output_tokens_per_s for r in runs) / 3, abs=1e-3)
+    assert len({r.output_tokens_per_s for r in runs}) == 3  # the seeds draw different requests
+
+
+def test_an_objective_without_seeds_reads_back_as_one_seed(searched):
+    data = copy.deepcopy(searched.to_dict())
+    assert data["objective"]["seeds"] == 3
+    del data["objective"]["seeds"]  # files written before rows were averaged over seeds
+    back = Recommendation.from_dict(data)
+    assert back.objective is not None and back.objective.seeds == 1
+    assert back.objective.seeds_label == "seed 0"

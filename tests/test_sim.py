@@ -124,6 +124,82 @@ def test_ledger_admission_fast_equals_step_by_step(engine, timing, requests, bud
     assert (fast.requests.retries <= CLIENT_RETRY.max_retries).all()
 
 
+class _Recording(LedgerAdmission):
+    """The gateway's admission, recording every progress report the simulator makes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reports: list[tuple[int, int, float]] = []
+
+    def progress(self, request: int, generated_tokens: int, now_s: float) -> int | None:
+        self.reports.append((request, generated_tokens, now_s))
+        return super().progress(request, generated_tokens, now_s)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine=engines(), timing=timings, requests=workloads(), budget_share=st.floats(0.1, 1.5),
+       queue=st.integers(0, 4), epsilon=st.sampled_from([0.001, 0.05, 0.3]),
+       law=st.lists(st.integers(1, 5), min_size=1, max_size=6))
+def test_statistical_admission_reports_progress_at_its_marks(engine, timing, requests, budget_share, queue, epsilon,
+                                                              law):
+    """The statistical ledger hears each admitted request at admission and when it has generated
+    18, 34, 66, ... tokens (SSE events − 3 = 16, 32, 64, ... streamed, as the live relay reports),
+    at the same simulated times in both modes, which still agree to the bit."""
+    from kvtune.gateway.overflow import OutputLaw
+    from kvtune.gateway.policy import AdmissionPolicy
+    from kvtune.sim.admission import streamed_tokens_seen
+
+    output_law = OutputLaw(tuple(10 * (i + 1) for i in range(len(law))), tuple(law))
+
+    def admission() -> _Recording:
+        return _Recording(max(1, int(engine.usable_blocks * budget_share)), block_size=engine.block_size,
+                          max_model_len=engine.max_model_len, queue_max_waiting=queue, queue_timeout_s=0.5,
+                          policy=AdmissionPolicy.statistical(epsilon), output_law=output_law)
+
+    slow_adm, fast_adm = admission(), admission()
+    slow = simulate(requests, engine, timing, admission=slow_adm, fast=False, record_decisions=True)
+    fast = simulate(requests, engine, timing, admission=fast_adm, fast=True, record_decisions=True)
+    _assert_same(slow, fast)
+    assert slow.decisions == fast.decisions
+    assert slow_adm.reports == fast_adm.reports
+    _assert_invariants(fast, requests, engine)
+    assert fast_adm.reserved_blocks == 0
+    r = fast.requests
+    for i, q in enumerate(requests):
+        counts = [g for request, g, _ in fast_adm.reports if request == i]
+        if OUTCOMES[int(r.outcome[i])] is not Outcome.OK or q.prompt_tokens + 1 > engine.max_model_len:
+            assert counts == []
+            continue
+        marks = [16 * 2 ** j + 2 for j in range(12)]
+        assert counts == [0, *(m for m in marks if m < r.output_tokens[i])]  # the last token ends it first
+        assert [streamed_tokens_seen(g) for g in counts[1:]] == [16 * 2 ** j for j in range(len(counts) - 1)]
+        times = [t for request, _, t in fast_adm.reports if request == i]
+        assert times == sorted(times) and r.arrival_s[i] <= times[0]  # admitted (perhaps after retries)
+        assert all(r.first_token_s[i] < t < r.finish_s[i] for t in times[1:])
+
+
+def test_the_simulated_relay_reports_what_the_live_one_does():
+    """streamed_tokens_seen mirrors kvtune.gateway.relay.events_seen_tokens for a chat stream:
+    the role event, then one event per generated token."""
+    from kvtune.gateway.relay import events_seen_tokens
+    from kvtune.sim.admission import streamed_tokens_seen
+
+    assert [streamed_tokens_seen(g) for g in range(200)] == [events_seen_tokens(1 + g) for g in range(200)]
+
+
+def test_only_the_statistical_ledger_asks_for_progress():
+    from kvtune.gateway.policy import AdmissionPolicy
+    from kvtune.sim.admission import DirectAdmission
+
+    def asks(policy) -> bool:
+        return LedgerAdmission(10, block_size=16, max_model_len=512, policy=policy).conditions_on_progress
+
+    assert not DirectAdmission.conditions_on_progress
+    assert not asks(AdmissionPolicy()) and not asks(AdmissionPolicy.overcommit(2.0))
+    assert not asks(AdmissionPolicy.statistical(0.0))  # epsilon 0 is guaranteed: progress changes nothing
+    assert asks(AdmissionPolicy.statistical(0.01))
+
+
 def test_deterministic():
     rng = np.random.default_rng(7)
     wl = Workload.from_columns(np.sort(rng.uniform(0, 20, 400)), rng.integers(1, 400, 400), rng.integers(1, 300, 400))

@@ -90,7 +90,8 @@ objective_options = grouped("objective", ObjectiveArgs, [
     click.option("--requests", type=int, default=1000, show_default=True, metavar="N",
                  help="Requests simulated per what-if row (at most 100,000)."),
     click.option("--seed", type=int, default=0, show_default=True,
-                 help="Seed for lengths and arrivals: the requests `kvtune bench --seed` would send."),
+                 help="Seed for lengths and arrivals: the requests `kvtune bench --seed` would send "
+                      "(with --objective, each row is the mean of this seed and the next two)."),
 ])
 
 
@@ -129,12 +130,13 @@ def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) ->
 
 OBJECTIVE_HELP = """\b
 With --objective, every row of the what-if table is one configuration simulated on the
-logged traffic (`kvtune simulate`'s engine and the gateway's own admission code): direct to
-vLLM with today's defaults and the whole-context reservation as references, then the
+logged traffic (`kvtune simulate`'s engine and the gateway's own admission code), the mean
+of seeds --seed, +1, +2: direct to vLLM with today's defaults (a reference), then the
 guaranteed policy at each cap level (tail rule, p90, p95, p99, p99.9) × budget (safety 0.8,
-0.9, 1.0), then overcommit ×1.25/1.5/2/3 at each cap level (guaranteed only with
---max-preemption-rate 0). The row with the most output tokens/s (goodput) within the
-constraints is rendered, its admission policy in gateway.yaml and nginx.conf.
+0.9, 1.0), then statistical ε=0.001/0.01/0.05 and overcommit ×1.25/1.5/2/3 at each cap level
+(guaranteed only with --max-preemption-rate 0), then the whole-context reservation (a
+reference). The row with the most output tokens/s (goodput) within the constraints is
+rendered, its admission policy in gateway.yaml (and nginx.conf).
 recommendation.json then carries `objective` and `what_if`, and `kvtune check` on it
 simulates the deployed files against that objective.
 

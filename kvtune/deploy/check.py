@@ -325,12 +325,12 @@ class _Checker:
             predicted = simulate_deployment(objective, self._deployment(objective))
         except OptionError as exc:
             self.add(Severity.RISK, "objective-unsimulated", f"the deployment cannot run: {exc.message}",
-                     "vLLM refuses an engine whose context does not fit its KV pool, and the gateway a policy "
-                     "it does not enforce", self._objective_source(), None)
+                     "vLLM refuses an engine whose context does not fit its KV pool",
+                     self._objective_source(), None)
             return
         figures = (f"{predicted.output_tokens_per_s:,.1f} output tokens/s, {predicted.preemption_rate:.1%} of requests "
                    f"preempted, {predicted.share_429:.1%} answered 429 at {objective.load.label} "
-                   f"({objective.requests:,} simulated requests, seed {objective.seed})")
+                   f"({objective.requests:,} simulated requests, {objective.seeds_label})")
         broken = violations(objective, predicted)
         source = self._objective_source()
         if broken:
@@ -349,9 +349,10 @@ class _Checker:
     def _deployment(self, objective: Objective) -> Deployment:
         """The deployed files as the simulator sees them (kvtune.policy.search.Deployment): the
         engine's flags over vLLM's defaults on the measured pool (the recommended engine when no
-        engine file is checked), and the first gateway's budget and route caps; without a
+        engine file is checked), and the first gateway's budget, route caps, output laws and wait
+        queue; without a
         gateway, straight to vLLM capped by its backstop."""
-        from kvtune.policy.search import Deployment, recommended_engine, route_caps
+        from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
         from kvtune.sim.scheduler import EngineSettings
 
@@ -369,7 +370,9 @@ class _Checker:
         if self.gateways:
             gateway = self.gateways[0]
             policy = Policy.of(gateway.admission or self.rec.admission)
-            return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget)
+            return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget,
+                              route_laws(gateway.routes, self.rec.routes), gateway.queue_max_waiting or 0,
+                              30.0 if gateway.queue_timeout_s is None else gateway.queue_timeout_s)
         backstop = engine_file.max_new_tokens if engine_file is not None else None
         return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(PolicyKind.DIRECT), None)
 

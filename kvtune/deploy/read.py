@@ -18,6 +18,7 @@ from typing import Any
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError
 from kvtune.gateway.config import RouteMatch
+from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import AdmissionPolicy, parse_admission
 from kvtune.userfiles import brief
 
@@ -36,6 +37,7 @@ class DeployedRoute:
     model: str | None
     max_new_tokens: int
     path_prefix: str | None = None
+    output_law: OutputLaw | None = None  # output_histogram: what the statistical policy bets on
 
     def matches(self, path: str | None, model: str | None) -> bool:
         """Same rule as the gateways (gateway_config.RouteMatch)."""
@@ -78,6 +80,8 @@ class Deployed:
     block_budget: int | None = None
     routes: tuple[DeployedRoute, ...] = ()
     admission: AdmissionPolicy | None = None  # the gateway's admission policy
+    queue_max_waiting: int | None = None  # gateway.yaml's wait queue (nginx.conf has none)
+    queue_timeout_s: float | None = None
 
     @property
     def is_gateway(self) -> bool:
@@ -89,7 +93,8 @@ class Deployed:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["kind"] = self.kind.value
-        data["routes"] = [asdict(r) for r in self.routes]
+        # each route's output law stays out: gateway.yaml itself carries it, and it is long
+        data["routes"] = [{k: v for k, v in asdict(r).items() if k != "output_law"} for r in self.routes]
         data["admission"] = None if self.admission is None else self.admission.to_dict()
         return data
 
@@ -282,9 +287,10 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
     return Deployed(
         kind=DeployedKind.GATEWAY, source=source, model=config.model, block_size=config.block_size,
         max_model_len=config.max_model_len, upstream=config.upstream, block_budget=config.block_budget,
-        routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix)
-                     for r in config.routes),
-        admission=config.admission,
+        routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix,
+                                   r.output_law) for r in config.routes),
+        admission=config.admission, queue_max_waiting=config.queue_max_waiting,
+        queue_timeout_s=config.queue_timeout_s,
     )
 
 

@@ -158,7 +158,7 @@ class BlockLedger:
     def retry_after_s(self, blocks: int, *, min_s: int, max_s: int) -> int:
         """Seconds until `blocks` more are expected to be free at the observed release rate,
         clamped to [min_s, max_s]. No release seen yet: min_s (nothing to go on, ask soon)."""
-        need = max(1, self._reserved + blocks - self.limit_blocks)
+        need = self._retry_need(blocks)
         rate = self.release_rate()
         if rate is None:
             secs = min_s
@@ -167,6 +167,10 @@ class BlockLedger:
         else:
             secs = math.ceil(need / rate)
         return max(min_s, min(max_s, secs))
+
+    def _retry_need(self, blocks: int) -> int:
+        """Blocks that must be released before `blocks` more fit under the limit."""
+        return max(1, self._reserved + blocks - self.limit_blocks)
 
     def snapshot(self) -> LedgerSnapshot:
         return LedgerSnapshot(self.budget_blocks, self._reserved, self._inflight,
@@ -338,6 +342,12 @@ class StatisticalLedger(BlockLedger):
     def _give_back(self, reservation: Reservation) -> None:
         super()._give_back(reservation)
         self._unhold(id(reservation))
+
+    def _retry_need(self, blocks: int) -> int:
+        """At most the request's own blocks: reserved_blocks counts every held worst case and
+        exceeds the budget by design, so the excess over it (the guaranteed rule) would tell a
+        client to wait for releases admission does not need (40 s on a nearly idle pool)."""
+        return min(blocks, super()._retry_need(blocks))
 
     def snapshot(self) -> LedgerSnapshot:
         return LedgerSnapshot(self.budget_blocks, self._reserved, self._inflight, self.release_rate() or 0.0,

@@ -1,17 +1,27 @@
 """`recommend --objective`: simulate candidate configurations on the traffic, choose the best
 feasible one, and keep every row as the what-if table.
 
-The grid (SearchGrid, stated in the output): two reference rows, never chosen (straight to
-vLLM with today's defaults; the gateway reserving the whole context), then the guaranteed
-policy at every cap level (by tail class as today, p90, p95, p99, p99.9) × every budget level
-(safety 0.8, 0.9, 1.0 of the usable blocks, or the one --safety-fraction), then every other
-policy the gateway enforces (overcommit k = 1.25, 1.5, 2, 3) at every cap level on the 0.9
-budget; identical candidates once. Each candidate is `recommend()` at that level with that
-admission policy, so its engine settings are the ones its files would deploy. All rows serve
-the same requests: bench's draws for the seed at the objective's load, each capped by its
-row's route caps. Clients do not announce their lengths: each request asks for no max_tokens,
-so a gateway reserves prompt + its route's cap (bench's own clients send the drawn length,
-which a gateway could reserve exactly). Clients retry 429s as `kvtune bench --retry` does.
+The grid (SearchGrid, stated in the output), in table order: straight to vLLM with today's
+defaults (a reference row, never chosen), then the guaranteed policy at every cap level (by tail
+class as today, p90, p95, p99, p99.9) × every budget level (safety 0.8, 0.9, 1.0 of the usable
+blocks, or the one --safety-fraction), then every other policy the gateway enforces (statistical
+at ε = 0.001, 0.01, 0.05; overcommit k = 1.25, 1.5, 2, 3) at every cap level on the 0.9 budget,
+then the gateway reserving the whole context (the other reference row); identical candidates
+once. Each candidate is `recommend()` at that level with that admission policy, so its engine
+settings, and for statistical each route's output law (kvtune.deploy.render.route_output_law),
+are the ones its files would deploy. All rows serve the same requests: bench's draws for each
+seed at the objective's load, each capped by its row's route caps; a row's figures are the mean
+over the objective's seeds (DEFAULT_SEEDS, seed, seed + 1, ...). Clients do not announce their
+lengths: each request asks for no max_tokens, so a gateway reserves prompt + its route's cap
+(bench's own clients send the drawn length, which a gateway could reserve exactly), and every
+request streams, so the statistical ledger hears its progress as the live relay reports it.
+Clients retry 429s as `kvtune bench --retry` does.
+
+Why these ε: each is a bound on P(the held KV outgrows the budget) checked at every admission,
+conservative by construction (bin upper edges, union bound over step intervals, Chernoff), so
+the preemptions it lets through are far rarer than ε; 0.001 sits next to guaranteed, 0.01
+between, and past 0.05 the gain levels off (on the CPU test bed at 32 clients, 0.2 and 0.5 add
+≤ 4 % output tokens/s and start to preempt). The simulator, not ε, says what each costs.
 
 Chosen: the row with the highest objective (output tokens/s, or goodput under --slo) among the
 candidates that meet every constraint; ties go to more output tokens/s, then fewer
@@ -33,10 +43,12 @@ import numpy as np
 from kvtune.bench.report import Slo
 from kvtune.deploy.read import DeployedRoute
 from kvtune.errors import KvtuneError, OptionError
+from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 from kvtune.policy.whatif import (
+    MAX_SEEDS,
     Goal,
     Load,
     Objective,
@@ -56,13 +68,13 @@ TAIL_LEVEL = "tail"  # each route capped by its tail class (p95 light, p99 heavy
 DEFAULT_CAP_LEVELS = (TAIL_LEVEL, *CAP_LEVELS)
 DEFAULT_SAFETY_FRACTIONS = (0.8, 0.9, 1.0)
 DEFAULT_OVERCOMMIT_FACTORS = (1.25, 1.5, 2.0, 3.0)
+DEFAULT_EPSILONS = (0.001, 0.01, 0.05)
 DEFAULT_REQUESTS = 1000
+DEFAULT_SEEDS = 3
 MAX_REQUESTS = 100_000
 GUARANTEED = Policy(PolicyKind.GUARANTEED)
+STATISTICALS = tuple(Policy(PolicyKind.STATISTICAL, epsilon=e) for e in DEFAULT_EPSILONS)
 OVERCOMMITS = tuple(Policy(PolicyKind.OVERCOMMIT, factor=k) for k in DEFAULT_OVERCOMMIT_FACTORS)
-# Policies the simulator (the gateway's own gate) enforces; statistical is parsed and rendered by
-# kvtune.gateway.policy but not enforced yet, so it is not a candidate.
-ENFORCED = frozenset({PolicyKind.GUARANTEED, PolicyKind.OVERCOMMIT, PolicyKind.WORST_CASE, PolicyKind.DIRECT})
 # Retry-After bounds the rendered gateway configs use (kvtune.deploy.render.RenderOptions' defaults)
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 
@@ -93,6 +105,7 @@ class ObjectiveSpec:
     concurrency: int | None = None
     requests: int = DEFAULT_REQUESTS
     seed: int = 0
+    seeds: int = DEFAULT_SEEDS
 
     def __post_init__(self) -> None:
         for name in ("max_preemption_rate", "max_429_share"):
@@ -108,23 +121,21 @@ class ObjectiveSpec:
             raise OptionError(f"must be at least 1, got {self.concurrency}", field="concurrency")
         if not 1 <= self.requests <= MAX_REQUESTS:
             raise OptionError(f"must be from 1 to {MAX_REQUESTS:,}, got {self.requests}", field="requests")
+        if not 1 <= self.seeds <= MAX_SEEDS:
+            raise OptionError(f"must be from 1 to {MAX_SEEDS}, got {self.seeds}", field="seeds")
 
 
 @dataclass(frozen=True, slots=True)
 class SearchGrid:
     """The candidates simulated, besides the two reference rows: guaranteed at every cap level ×
-    safety fraction; each other policy (overcommit k) at every cap level on the default budget
-    (`overcommit_safety`: it overcommits the recommended budget, the factor is its own axis)."""
+    safety fraction; each other policy (statistical ε, overcommit k) at every cap level on the
+    default budget (`overcommit_safety`: they bet on the recommended budget, ε or k is their own
+    axis)."""
 
     cap_levels: tuple[str, ...] = DEFAULT_CAP_LEVELS
     safety_fractions: tuple[float, ...] = DEFAULT_SAFETY_FRACTIONS
-    policies: tuple[Policy, ...] = (GUARANTEED, *OVERCOMMITS)
+    policies: tuple[Policy, ...] = (GUARANTEED, *STATISTICALS, *OVERCOMMITS)
     overcommit_safety: float = 0.9
-
-    def __post_init__(self) -> None:
-        for p in self.policies:
-            if p.kind not in ENFORCED:
-                raise OptionError(f"the {p.label} policy is not enforced by the gateway yet", field="policy")
 
     def for_objective(self, objective: Objective) -> SearchGrid:
         """A preemption budget of 0 asks for the policy that guarantees it: guaranteed only."""
@@ -152,7 +163,7 @@ class SearchGrid:
         if others:
             parts.append(f"{', '.join(others)} × the same caps at safety {self.overcommit_safety:g}")
         return (f"{'; '.join(parts)} (≤ {self.candidates} candidates, identical ones once) + direct and "
-                "whole-context reference rows; statistical admission is not enforced yet, so not searched")
+                "whole-context reference rows")
 
 
 def objective_load(profile: Profile, spec: ObjectiveSpec) -> Load:
@@ -194,7 +205,7 @@ def build_objective(profile: Profile, plan: Plan, spec: ObjectiveSpec) -> Object
             raise OptionError(f"route {route.route[:80]!r} logs no prompt lengths; simulating it needs them",
                               field="objective")
     return Objective(spec.goal, spec.slo, spec.max_preemption_rate, spec.max_429_share, objective_load(profile, spec),
-                     spec.requests, spec.seed, sim_basis(plan), traffic_profile(profile))
+                     spec.requests, spec.seed, sim_basis(plan), traffic_profile(profile), spec.seeds)
 
 
 def traffic_profile(profile: Profile) -> Profile:
@@ -211,13 +222,18 @@ def traffic_profile(profile: Profile) -> Profile:
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """A configuration as the simulator sees it: the engine's settings, each traffic route's
-    output cap (None: uncapped, vLLM lets it grow to the context), and the gateway's policy and
-    budget (None: straight to vLLM)."""
+    output cap (None: uncapped, vLLM lets it grow to the context), the gateway's policy and
+    budget (None: straight to vLLM), each route's output law as the gateway's route carries it
+    (what the statistical policy bets on; None or absent: its requests reach their cap), and the
+    gateway's wait queue (gateway.yaml `queue`; 0 waiting: a full budget answers 429 at once)."""
 
     engine: EngineSettings
     caps: Mapping[str, int | None]
     policy: Policy
     budget_blocks: int | None
+    laws: Mapping[str, OutputLaw | None] = dataclasses.field(default_factory=dict)
+    queue_max_waiting: int = 0
+    queue_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,31 +246,41 @@ class Draws:
     send_s: np.ndarray | None  # None: a closed loop sends them
 
 
-def draw_requests(objective: Objective) -> Draws:
+def objective_seeds(objective: Objective) -> range:
+    """The seeds each row is simulated with: seed, seed + 1, ..."""
+    return range(objective.seed, objective.seed + objective.seeds)
+
+
+def draw_requests(objective: Objective, seed: int | None = None) -> Draws:
+    """Bench's draws for `seed` (default: the objective's first)."""
     from kvtune.bench.loads import LoadShape
     from kvtune.sim.traffic import draw_profile, send_offsets
 
+    seed = objective.seed if seed is None else seed
     load, n = objective.load, objective.requests
     sends = None
     if load.rate_rps is not None:
-        sends = np.asarray(send_offsets(LoadShape.rate(load.rate_rps), seed=objective.seed, max_requests=n,
+        sends = np.asarray(send_offsets(LoadShape.rate(load.rate_rps), seed=seed, max_requests=n,
                                         duration_s=None), dtype=np.float64)
         n = len(sends)
-    draws, _ = draw_profile(objective.traffic, (), seed=objective.seed, n=n,
+    draws, _ = draw_profile(objective.traffic, (), seed=seed, n=n,
                             max_model_len=objective.basis.engine.max_model_len)
     return Draws(tuple(r for r, _, _ in draws), np.array([p for _, p, _ in draws], dtype=np.int64),
                  np.array([o for _, _, o in draws], dtype=np.int64), sends)
 
 
-def _admission(d: Deployment) -> Admission | None:
-    """The gateway's admission for a policy, in simulated time (the live gateway's own code)."""
+def _admission(d: Deployment, routes: Sequence[str]) -> Admission | None:
+    """The gateway's admission for a policy, in simulated time (the live gateway's own code);
+    request i is of route routes[i]."""
     if d.policy.kind is PolicyKind.DIRECT or d.budget_blocks is None:
         return None
-    if d.policy.kind not in ENFORCED:
-        raise OptionError(f"the {d.policy.label} policy is not enforced by the gateway yet", field="policy")
+    laws = None
+    if d.policy.kind is PolicyKind.STATISTICAL:
+        laws = [d.laws.get(r) for r in routes]
     return LedgerAdmission(d.budget_blocks, block_size=d.engine.block_size, max_model_len=d.engine.max_model_len,
                            retry_after_min_s=RETRY_AFTER_MIN_S, retry_after_max_s=RETRY_AFTER_MAX_S,
-                           policy=d.policy.admission())
+                           queue_max_waiting=d.queue_max_waiting, queue_timeout_s=d.queue_timeout_s,
+                           policy=d.policy.admission(), request_laws=laws)
 
 
 def truncation_share(traffic: Profile, caps: Mapping[str, int | None]) -> float:
@@ -266,15 +292,41 @@ def truncation_share(traffic: Profile, caps: Mapping[str, int | None]) -> float:
     return round(cut / total, 6) if total else 0.0
 
 
-def simulate_deployment(objective: Objective, deployment: Deployment, draws: Draws | None = None) -> Predicted:
-    """Serve the objective's requests on `deployment` and predict its figures."""
+def simulate_deployment(objective: Objective, deployment: Deployment,
+                        draws: Sequence[Draws] | None = None) -> Predicted:
+    """Serve the objective's requests on `deployment`, once per seed, and predict its figures:
+    the mean over the seeds (of each seed's rates and percentiles; sent and completed add up)."""
+    draws = draws or [draw_requests(objective, seed) for seed in objective_seeds(objective)]
+    return mean_predicted([_simulate_once(objective, deployment, d) for d in draws])
+
+
+def mean_predicted(runs: Sequence[Predicted]) -> Predicted:
+    """The mean of each figure over `runs` (None where any run has none); sent and completed summed."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def mean(name: str, digits: int = 3) -> float | None:
+        values = [getattr(p, name) for p in runs]
+        return None if any(v is None for v in values) else round(sum(values) / len(values), digits)
+
+    def share(name: str) -> float:
+        return round(sum(getattr(p, name) for p in runs) / len(runs), 6)
+
+    return Predicted(
+        output_tokens_per_s=mean("output_tokens_per_s") or 0.0, requests_per_s=mean("requests_per_s") or 0.0,
+        goodput_rps=mean("goodput_rps"), ttft_p50_ms=mean("ttft_p50_ms"), ttft_p99_ms=mean("ttft_p99_ms"),
+        e2e_p50_ms=mean("e2e_p50_ms"), e2e_p99_ms=mean("e2e_p99_ms"), preemption_rate=share("preemption_rate"),
+        share_429=share("share_429"), truncation_share=share("truncation_share"),
+        sent=sum(p.sent for p in runs), completed=sum(p.completed for p in runs))
+
+
+def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -> Predicted:
     from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
     from kvtune.sim.report import summarize_sim
     from kvtune.sim.requests import Outcome, Workload
     from kvtune.sim.results import OUTCOMES
     from kvtune.sim.traffic import Traffic
 
-    draws = draws or draw_requests(objective)
     overhead = objective.basis.http_overhead_s
     cap = np.array([-1 if (c := deployment.caps.get(r)) is None else c for r in draws.route], dtype=np.int64)
     output = np.where(cap > 0, np.minimum(draws.output, cap), draws.output)
@@ -283,8 +335,8 @@ def simulate_deployment(objective: Objective, deployment: Deployment, draws: Dra
     workload = Workload.from_columns(arrival, draws.prompt, np.maximum(output, 1), cap)
     loop = None if objective.load.concurrency is None else ClosedLoop(objective.load.concurrency, overhead, None)
     traffic = Traffic(workload, draws.output, draws.route, tuple(sorted(set(draws.route))), loop, overhead, Counter())
-    result = simulate(workload, deployment.engine, objective.basis.timing, admission=_admission(deployment),
-                      retry=CLIENT_RETRY, closed_loop=loop)
+    result = simulate(workload, deployment.engine, objective.basis.timing,
+                      admission=_admission(deployment, draws.route), retry=CLIENT_RETRY, closed_loop=loop)
     summary = summarize_sim(result, traffic, slo=objective.slo)
     r = result.requests
     sent_mask = r.outcome != OUTCOMES.index(Outcome.NOT_SENT)
@@ -310,11 +362,20 @@ def simulate_deployment(objective: Objective, deployment: Deployment, draws: Dra
 def route_caps(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, int | None]:
     """Each logged route's output cap under a gateway's route table, matched as the gateways
     (and `kvtune check`) match it: the first route that matches its path or model; none, uncapped."""
-    out: dict[str, int | None] = {}
+    return {name: None if hit is None else hit.max_new_tokens for name, hit in _matched(table, routes).items()}
+
+
+def route_laws(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, OutputLaw | None]:
+    """Each logged route's output law under a gateway's route table (its output_histogram),
+    matched as route_caps matches; None where the matching route carries none."""
+    return {name: None if hit is None else hit.output_law for name, hit in _matched(table, routes).items()}
+
+
+def _matched(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, DeployedRoute | None]:
+    out: dict[str, DeployedRoute | None] = {}
     for route in routes:
         match = route.match or Match()
-        hit = next((r for r in table if r.matches(match.path, match.model)), None)
-        out[route.route] = None if hit is None else hit.max_new_tokens
+        out[route.route] = next((r for r in table if r.matches(match.path, match.model)), None)
     return out
 
 
@@ -323,8 +384,21 @@ def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) ->
     route table gateway.yaml carries (kvtune.deploy.render.gateway_routes), its budget."""
     from kvtune.deploy.render import gateway_routes
 
-    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"]) for r in gateway_routes(rec)]
-    return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks)
+    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"],
+                           output_law=None if (h := r.get("output_histogram")) is None
+                           else OutputLaw(tuple(h["lengths"]), tuple(h["counts"])))
+             for r in gateway_routes(rec)]
+    return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks,
+                      route_laws(table, rec.routes), *rendered_queue(rec))
+
+
+def rendered_queue(rec: Recommendation) -> tuple[int, float]:
+    """The wait queue gateway.yaml renders for `rec` (max waiting, timeout); none: (0, 30 s)."""
+    waiting, timeout = rec.settings.get("gateway_queue_max_waiting"), rec.settings.get("gateway_queue_timeout_s")
+    if waiting is None or timeout is None or not isinstance(waiting.value, int) \
+            or not isinstance(timeout.value, (int, float)):
+        return 0, 30.0
+    return waiting.value, float(timeout.value)
 
 
 def recommended_engine(rec: Recommendation, basis: SimBasis) -> EngineSettings:
@@ -350,9 +424,7 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
     uncapped: dict[str, int | None] = {r.route: None for r in profile.routes}
     default = recommend(profile, plan, options)
     direct, worst = Policy(PolicyKind.DIRECT), Policy(PolicyKind.WORST_CASE)
-    out = [_Candidate(direct, None, None, Deployment(basis.engine, uncapped, direct, None), None),
-           _Candidate(worst, None, default.safety_fraction.fraction,
-                      Deployment(basis.engine, uncapped, worst, default.budget_blocks), None)]
+    out = [_Candidate(direct, None, None, Deployment(basis.engine, uncapped, direct, None), None)]
     user_safety = options.safety_fraction is not None
     seen: set[tuple] = set()
     for level, safety, policy in grid.cells():
@@ -365,6 +437,10 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
             continue
         seen.add(key)
         out.append(_Candidate(policy, level, safety, deployment, rec))
+    out.append(_Candidate(worst, None, default.safety_fraction.fraction,
+                          Deployment(basis.engine, uncapped, worst, default.budget_blocks,
+                                     queue_max_waiting=rendered_queue(default)[0],
+                                     queue_timeout_s=rendered_queue(default)[1]), None))
     return out
 
 
@@ -420,7 +496,7 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
         grid = dataclasses.replace(grid, safety_fractions=(options.safety_fraction,),
                                    overcommit_safety=options.safety_fraction)
     candidates = _candidates(profile, plan, options, objective, grid)
-    draws = draw_requests(objective)
+    draws = [draw_requests(objective, seed) for seed in objective_seeds(objective)]
     predicted: list[Predicted] = []
     for done, c in enumerate(candidates, 1):
         predicted.append(simulate_deployment(objective, c.deployment, draws))
@@ -446,8 +522,8 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
             "--max-preemption-rate / --max-429-share or lower the load", rows, objective)
     rec = candidates[chosen].rec
     assert rec is not None
-    notes = [f"what-if search at {objective.load.label}, {objective.requests:,} requests, seed {objective.seed}: "
-             f"{grid.describe()}; {len(rows)} rows simulated"]
+    notes = [f"what-if search at {objective.load.label}, {objective.requests:,} requests, "
+             f"{objective.seeds_label}: {grid.describe()}; {len(rows)} rows simulated"]
     if objective.basis.timing.estimate:
         notes.append("the what-if figures rest on a roofline step-time estimate, not a calibration: run "
                      "`kvtune calibrate URL --timing --out FILE` and pass it with --capacity")
@@ -464,5 +540,6 @@ __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObje
            "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
            "violations", "choose", "GUARANTEED",
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
-           "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "ENFORCED",
+           "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "DEFAULT_EPSILONS", "STATISTICALS",
+           "DEFAULT_SEEDS", "mean_predicted", "objective_seeds", "route_laws",
            "DEFAULT_REQUESTS", "TAIL_LEVEL"]

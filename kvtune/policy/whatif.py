@@ -139,6 +139,8 @@ class Load:
             raise f.fail(exc.field, exc.message) from None
 
 
+MAX_SEEDS = 10  # seeds a row may be averaged over (each one more simulation per row)
+
 ENGINE_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
 
@@ -188,15 +190,25 @@ class Objective:
     seed: int
     basis: SimBasis
     traffic: Profile  # the profile the requests are drawn from (as `kvtune bench` draws them)
+    seeds: int = 1  # each row is the mean over seeds seed, seed + 1, ... (files before it: one seed)
 
     def __post_init__(self) -> None:
         for name in ("max_preemption_rate", "max_429_share"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
                 raise OptionError(f"must be a share between 0 and 1, got {value:g}", field=name)
+        if self.seeds < 1:
+            raise OptionError(f"must be at least 1, got {self.seeds}", field="seeds")
         if self.goal is Goal.GOODPUT and self.slo is None:
             raise OptionError("the goodput objective needs latency objectives, e.g. --slo ttft=500,e2e=10000",
                               field="slo")
+
+    @property
+    def seeds_label(self) -> str:
+        """The seeds each row is simulated with, e.g. "seed 0" or "mean of seeds 0–2"."""
+        if self.seeds == 1:
+            return f"seed {self.seed}"
+        return f"mean of seeds {self.seed}–{self.seed + self.seeds - 1}"
 
     @property
     def metric(self) -> str:
@@ -219,7 +231,7 @@ class Objective:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.goal.value, "slo": None if self.slo is None else self.slo.to_dict(),
                 "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,
-                "load": self.load.to_dict(), "requests": self.requests, "seed": self.seed,
+                "load": self.load.to_dict(), "requests": self.requests, "seed": self.seed, "seeds": self.seeds,
                 "simulator": self.basis.to_dict(), "traffic": self.traffic.to_dict()}
 
     @classmethod
@@ -238,7 +250,7 @@ class Objective:
             return cls(Goal(f.choice("kind", GOALS)), slo, f.number("max_preemption_rate", maximum=1, optional=True),
                        f.number("max_429_share", maximum=1, optional=True), Load.read(f.obj("load")),
                        f.integer("requests", minimum=1), f.integer("seed"), SimBasis.read(f.obj("simulator")),
-                       profile)
+                       profile, f.integer("seeds", minimum=1, maximum=MAX_SEEDS, optional=True) or 1)
         except OptionError as exc:
             raise f.fail(exc.field, exc.message) from None
 
@@ -424,7 +436,7 @@ def objective_line(objective: Objective) -> str:
         limits.append(f"429 share ≤ {objective.max_429_share:.1%}")
     timing = "roofline step-time estimate" if objective.basis.timing.estimate else "calibrated step time"
     return (f"objective: the most {objective.metric_label} within {', '.join(limits) or 'no constraints'}, at "
-            f"{objective.load.label}, {objective.requests:,} requests, seed {objective.seed} ({timing})")
+            f"{objective.load.label}, {objective.requests:,} requests, {objective.seeds_label} ({timing})")
 
 
 def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
@@ -441,5 +453,6 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
     return objective, rows
 
 
-__all__ = ["headline", "objective_line", "table_cells", "TABLE_NOTE", "Goal", "GOALS", "PolicyKind", "POLICY_KINDS",
-           "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation", "WhatIfRow", "read_what_if"]
+__all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "TABLE_NOTE", "Goal", "GOALS", "PolicyKind",
+           "POLICY_KINDS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation", "WhatIfRow",
+           "read_what_if"]

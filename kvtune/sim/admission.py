@@ -16,8 +16,8 @@ from typing import Protocol
 
 from kvtune.gateway.config import GatewayConfig, GatewayRoute
 from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
-from kvtune.gateway.ledger import Demand, Reservation
-from kvtune.gateway.overflow import OutputLaw
+from kvtune.gateway.ledger import Demand, Reservation, StatisticalLedger
+from kvtune.gateway.overflow import OutputLaw, next_mark
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 
 
@@ -47,7 +47,11 @@ class Wakeup:
 
 
 class Admission(Protocol):
-    """The admission hook the simulator calls, all in simulated seconds."""
+    """The admission hook the simulator calls, all in simulated seconds. One that conditions on
+    progress (`conditions_on_progress`) is told, at admission and then whenever a request reaches
+    the count `progress` last returned, how many tokens the request has generated."""
+
+    conditions_on_progress: bool
 
     def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict: ...
 
@@ -57,9 +61,13 @@ class Admission(Protocol):
 
     def next_deadline_s(self) -> float | None: ...
 
+    def progress(self, request: int, generated_tokens: int, now_s: float) -> int | None: ...
+
 
 class DirectAdmission:
     """Straight to vLLM: everything is admitted, nothing is held."""
+
+    conditions_on_progress = False
 
     def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
         return ADMIT
@@ -73,6 +81,23 @@ class DirectAdmission:
     def next_deadline_s(self) -> float | None:
         return None
 
+    def progress(self, request: int, generated_tokens: int, now_s: float) -> int | None:
+        return None
+
+
+#: Events of a chat completion stream before its first token (the role); the live gateway's
+#: relay counts events and reports events − 3 tokens (kvtune.gateway.relay.events_seen_tokens,
+#: not imported: it would bring aiohttp into the simulator; a test pins the two together).
+STREAM_EVENTS_BEFORE_TOKENS = 1
+STREAM_EVENTS_WITHOUT_TOKENS = 3
+
+
+def streamed_tokens_seen(generated_tokens: int) -> int:
+    """What the live gateway reports once a streamed chat completion has generated this many
+    tokens: vLLM sends the role event, then one event per engine step carrying that step's token
+    (the simulator decodes one token per step), and the relay reports events − 3."""
+    return max(0, STREAM_EVENTS_BEFORE_TOKENS + generated_tokens - STREAM_EVENTS_WITHOUT_TOKENS)
+
 
 class LedgerAdmission:
     """The gateway's admission (kvtune.gateway.gate, the code `kvtune gateway` runs) in simulated
@@ -81,15 +106,23 @@ class LedgerAdmission:
 
     `route_max_new_tokens` is the cap of the route the requests match (gateway.yaml); the cap is
     the smaller of it and the request's max_tokens. Without a route, an unset max_tokens reserves
-    max_model_len − prompt, as vLLM would let it grow."""
+    max_model_len − prompt, as vLLM would let it grow. `output_law` is that route's output law
+    (the statistical policy's bet), or `request_laws` one per request (requests of several routes).
+
+    Progress: every simulated request streams, and the statistical ledger hears what the live
+    gateway would report (streamed_tokens_seen: SSE events − 3, a little below the tokens
+    generated), at its marks 16, 32, 64, ... of reported tokens. The live gateway does not wake
+    its queue on progress, so neither does this."""
 
     def __init__(self, budget_blocks: int, *, block_size: int, max_model_len: int, retry_after_min_s: int = 1,
                  retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
                  route_max_new_tokens: int | None = None, policy: AdmissionPolicy = GUARANTEED,
-                 output_law: OutputLaw | None = None) -> None:
+                 output_law: OutputLaw | None = None,
+                 request_laws: Sequence[OutputLaw | None] | None = None) -> None:
         self._now_s = 0.0
         self.policy = policy
         self.output_law = output_law
+        self.request_laws = request_laws
         self.ledger = ledger_for(policy, budget_blocks, block_size=block_size, max_model_len=max_model_len,
                                  clock=lambda: self._now_s)
         self.gate: AdmissionGate[int] = AdmissionGate(self.ledger, max_waiting=queue_max_waiting,
@@ -99,6 +132,7 @@ class LedgerAdmission:
         self.max_model_len = max_model_len
         self.route_max_new_tokens = route_max_new_tokens
         self._held: dict[int, Reservation] = {}
+        self.conditions_on_progress = isinstance(self.ledger, StatisticalLedger) and self.ledger.epsilon > 0
 
     @classmethod
     def from_config(cls, config: GatewayConfig, route: GatewayRoute | None) -> LedgerAdmission:
@@ -124,8 +158,8 @@ class LedgerAdmission:
     def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
         self._now_s = now_s
         blocks = self.blocks(prompt_tokens, max_tokens)
-        demand = Demand((min(prompt_tokens, self.max_model_len),), self.cap(prompt_tokens, max_tokens),
-                        self.output_law)
+        law = self.output_law if self.request_laws is None else self.request_laws[request]
+        demand = Demand((min(prompt_tokens, self.max_model_len),), self.cap(prompt_tokens, max_tokens), law)
         if self.gate.never_fits(blocks, demand):
             return Verdict(VerdictKind.REFUSE)
         got = self.gate.offer(request, blocks, now_s, demand)
@@ -159,6 +193,17 @@ class LedgerAdmission:
 
     def next_deadline_s(self) -> float | None:
         return self.gate.next_deadline()
+
+    def progress(self, request: int, generated_tokens: int, now_s: float) -> int | None:
+        """Report `request`'s streamed tokens to its reservation; the generated count at which the
+        report next changes what the ledger knows (the reported tokens' next mark)."""
+        reservation = self._held.get(request)
+        if reservation is None or not self.conditions_on_progress:
+            return None
+        self._now_s = now_s
+        seen = streamed_tokens_seen(generated_tokens)
+        reservation.progress(seen)
+        return next_mark(seen) + STREAM_EVENTS_WITHOUT_TOKENS - STREAM_EVENTS_BEFORE_TOKENS
 
     @property
     def queue_peak(self) -> int:

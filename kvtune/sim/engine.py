@@ -8,6 +8,11 @@ requests cross (computed per request in closed form), the next arrival/retry/dea
 of k steps is an arithmetic series (kvtune.steptime.StepTicks.decode_run). `fast=False` takes every step
 one at a time through the same scheduler: the reference the fast path is tested against.
 
+An admission that conditions on progress (the statistical ledger) says after how many generated
+tokens it wants to hear about each admitted request again; those counts are events too: a run
+stops at the step where the first running request reaches its count, the admission is told, and
+the loop goes on. Other admissions ask for nothing, and the loop does not look.
+
 Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
 requests that arrived by then are seen by that step. An idle engine waits for the next event.
 
@@ -47,6 +52,7 @@ CLIENT_RETRY = RetryPolicy(enabled=True)
 
 _OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in OUTCOMES)
 _TO_ENGINE, _DELIVERED = 0, 1  # kinds of the front end's events
+_NO_MARK = np.iinfo(np.int64).max // 2  # a request the admission wants to hear nothing more about
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ class _Run:
         self.delivered_at = 0
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
         self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
+        # prompt + generated tokens at which each request's progress is reported next
+        self.marks = np.full(n, _NO_MARK, dtype=np.int64) if admission.conditions_on_progress else None
         self.ticks = timing.ticks()
         prompt = wl.prompt_tokens.astype(np.int64)
         end = np.minimum(prompt + wl.output_tokens, settings.max_model_len)
@@ -184,7 +192,7 @@ class _Run:
             elif e is not None and e <= t and (d is None or e <= d):
                 _, _, kind, request = heapq.heappop(self.later)
                 if kind == _TO_ENGINE:
-                    self.sched.add(request)
+                    self._admit(request, e)
                 else:
                     self._delivered(request, e)
             elif d is not None and d <= t:
@@ -205,6 +213,29 @@ class _Run:
             self._retry(request, verdict.retry_after_s, tick)
         elif verdict.kind is VerdictKind.REFUSE:
             self._end(request, _REJECTED, tick)
+
+    def _admit(self, request: int, tick: int) -> None:
+        self.sched.add(request)
+        if self.marks is not None:
+            self._report(request, int(self.sched.ntok_all[request]) - self.prompt[request], tick)
+
+    def _report(self, request: int, generated: int, tick: int) -> None:
+        """Tell the admission how far `request` has got; note when it wants to hear again."""
+        assert self.marks is not None
+        again = self.admission.progress(request, generated, tick / TICKS_PER_S)
+        self.marks[request] = _NO_MARK if again is None else self.prompt[request] + again
+
+    def _progress(self) -> None:
+        """Report every running request that has reached its mark (after a step or a run)."""
+        sched = self.sched
+        k = sched.n
+        if not k:
+            return
+        assert self.marks is not None
+        rid, ntok = sched.rid[:k], sched.ntok[:k]
+        for pos in np.flatnonzero(ntok >= self.marks[rid]).tolist():
+            request = int(rid[pos])
+            self._report(request, int(ntok[pos]) - self.prompt[request], self.t)
 
     def _retry(self, request: int, retry_after_s: float, tick: int) -> None:
         policy = self.retry
@@ -245,7 +276,7 @@ class _Run:
     def _to_engine(self, request: int, tick: int) -> None:
         """An admitted request: to the engine now, or once the API server has processed it."""
         if self.fe is None:
-            self.sched.add(request)
+            self._admit(request, tick)
         else:
             self._later(self.fe.ingress(tick), _TO_ENGINE, request)
 
@@ -307,6 +338,8 @@ class _Run:
             if self.decisions is not None and order is not None:
                 self.decisions.append(Decision(start / TICKS_PER_S, tuple(zip(*order, strict=True)),
                                                tuple(sorted(batch.preempted)), tuple(sorted(finished.tolist()))))
+            if self.marks is not None:
+                self._progress()
             self._finished(finished, out)
 
     def _decode_run(self, waiting: int) -> bool:
@@ -315,7 +348,10 @@ class _Run:
         nxt = self._next_event()
         batch = sched.n
         order = sched.rid[:batch].tolist() if self.decisions is not None else []
-        k, elapsed, ctx, finished = sched.decode_run(ticks, None if nxt is None else nxt - self.t)
+        until = None
+        if self.marks is not None and batch:  # stop where the first running request reaches its mark
+            until = int((self.marks[sched.rid[:batch]] - sched.ntok[:batch]).min())
+        k, elapsed, ctx, finished = sched.decode_run(ticks, None if nxt is None else nxt - self.t, until)
         if k == 0:
             return False
         start = self.t
@@ -333,6 +369,8 @@ class _Run:
                 done = tuple(sorted(finished.tolist())) if j == k - 1 else ()
                 self.decisions.append(Decision(at / TICKS_PER_S, scheduled, (), done))
         out = self.t if self.fe is None else self.fe.emit_run(start, self.t, k * batch, batch)
+        if self.marks is not None:
+            self._progress()
         self._finished(finished, out)
         return True
 

@@ -268,14 +268,16 @@ class Scheduler:
 
     # --- runs of identical decode steps -----------------------------------------------------
 
-    def decode_run(self, ticks: StepTicks, window: int | None) -> tuple[int, int, int, np.ndarray]:
+    def decode_run(self, ticks: StepTicks, window: int | None,
+                   max_steps: int | None = None) -> tuple[int, int, int, np.ndarray]:
         """Take as many identical decode steps as possible at once: (steps, ticks elapsed, context
         sum at the start, ids finished at the last step); steps = 0 when the next step is not one.
 
         Possible when every running request decodes, all fit the budget, and the waiting head
         cannot be admitted (free blocks only shrink during the run, so it stays blocked). The run
         stops at the first finish, before the step whose blocks the free pool no longer covers,
-        and before the first step that would start at or after `window` ticks from now."""
+        before the first step that would start at or after `window` ticks from now, and after
+        at most `max_steps` steps."""
         s, k = self.settings, self.n
         if not self.steady or k > s.max_num_batched_tokens:
             return 0, 0, 0, _EMPTY
@@ -294,6 +296,8 @@ class Scheduler:
         last = int(_min(self.end[:k] - ntok))  # the step at which the first request finishes
         ctx = int(_sum(comp))
         steps = last if window is None else min(last, ticks.decode_steps_before(k, ctx, window))
+        if max_steps is not None and max_steps < steps:
+            steps = max_steps
         if steps > int(_min(slack)):
             need = np.maximum(steps - slack + (bs - 1), 0) // bs
             total = int(_sum(need))
