@@ -91,7 +91,7 @@ def test_recommend_then_check_on_sample_logs(tmp_path):
     # edit the deployed cap of one route down to 1 token: now it truncates almost everything
     conf = (out / "nginx.conf").read_text()
     first = conf.index("max_new_tokens = ", conf.index("-- kvtune:config begin"))
-    end = conf.index(" }", first)
+    end = conf.index(",", first)  # the number only: the route's output law follows it
     (out / "nginx.conf").write_text(conf[:first] + "max_new_tokens = 1" + conf[end:])
     result = run(logs, *common, "--deployed", str(out / "nginx.conf"))
     assert result.exit_code == 1 and "RISK cap-truncates" in result.output
