@@ -56,14 +56,14 @@ def _demand(demand: Any) -> str:
 
 class LuaLedger:
     def __init__(self, budget: int, block_size: int, max_model_len: int, epsilon: float) -> None:
-        from kvtune.gateway import ledger, overflow, relay
+        from kvtune.gateway import overflow, relay, statistical
 
         self.config = (
             f"{{ block_budget = {budget}, block_size = {block_size}, statistical = {{ epsilon = {epsilon!r}, "
             f"thetas = {lua_string(list(overflow.THETAS))}, "
             f"edges = {lua_string([list(e) for e in overflow.interval_edges(max_model_len)])}, "
             f"exact_work = {overflow.EXACT_WORK}, first_mark = {overflow.FIRST_MARK}, "
-            f"resum_every = {ledger._RESUM_EVERY}, events_without_tokens = {relay._EVENTS_WITHOUT_TOKENS} }} }}")
+            f"resum_every = {statistical.RESUM_EVERY}, events_without_tokens = {relay.EVENTS_WITHOUT_TOKENS} }} }}")
 
     def run(self, ops: list[tuple]) -> list[list[Any]]:
         lines = []

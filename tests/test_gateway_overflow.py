@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvtune.errors import InputError
 from kvtune.gateway.config import parse_gateway_config
-from kvtune.gateway.ledger import BlockLedger, Demand, StatisticalLedger
+from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.overflow import (
     OutputLaw,
     chernoff_tail,
@@ -26,6 +26,7 @@ from kvtune.gateway.overflow import (
     row_distribution,
     sequence_rows,
 )
+from kvtune.gateway.statistical import Demand, StatisticalLedger
 
 
 def true_overflow(seqs: list[tuple[int, int, OutputLaw, int]], block_size: int, capacity: int) -> float:

@@ -1,7 +1,7 @@
 """The rendered nginx.conf's statistical ledger, decision for decision against the Python one.
 
 The Lua section of the template (tests/lua_statistical.py runs it in LuaJIT through ctypes, no
-nginx needed) and kvtune.gateway.ledger.StatisticalLedger go through the same random scripts of
+nginx needed) and kvtune.gateway.statistical.StatisticalLedger go through the same random scripts of
 admissions, progress reports, releases and 413 checks, over budgets, block sizes, contexts, laws
 and epsilons that reach both the exact convolution and the Chernoff bound: every decision must be
 the same and every overflow probability equal to 1e-9 relative. The enforcers themselves, on a
@@ -15,8 +15,8 @@ import random
 import pytest
 from lua_statistical import LuaLedger, luajit
 
-from kvtune.gateway.ledger import Demand, StatisticalLedger
 from kvtune.gateway.overflow import EXACT_WORK, OutputLaw, exact_is_cheap, interval_edges
+from kvtune.gateway.statistical import Demand, StatisticalLedger
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -257,7 +257,7 @@ def lua_policy() -> dict:
 def lua_statistical(rec: Recommendation) -> dict | None:
     """The statistical policy's epsilon and kvtune.gateway.overflow's constants for the Lua in
     nginx.conf (None for the other policies), rendered from the values the Python ledger runs on."""
-    from kvtune.gateway import ledger, overflow, relay
+    from kvtune.gateway import overflow, relay, statistical
 
     if rec.admission.kind is not PolicyKind.STATISTICAL:
         return None
@@ -267,8 +267,8 @@ def lua_statistical(rec: Recommendation) -> dict | None:
         "edges": [list(e) for e in overflow.interval_edges(rec.max_model_len)],
         "exact_work": overflow.EXACT_WORK,
         "first_mark": overflow.FIRST_MARK,
-        "resum_every": ledger._RESUM_EVERY,
-        "events_without_tokens": relay._EVENTS_WITHOUT_TOKENS,
+        "resum_every": statistical.RESUM_EVERY,
+        "events_without_tokens": relay.EVENTS_WITHOUT_TOKENS,
     }
 
 

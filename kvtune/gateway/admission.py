@@ -33,10 +33,11 @@ from kvtune.gateway.counting import (
 )
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
-from kvtune.gateway.ledger import BlockLedger, Demand, Reservation
+from kvtune.gateway.ledger import BlockLedger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
+from kvtune.gateway.statistical import Demand
 
 if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads what it produced
     from kvtune.gateway.intake import Incoming

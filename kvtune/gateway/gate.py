@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
-from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Demand, Reservation, StatisticalLedger
+from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Reservation
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
+from kvtune.gateway.statistical import Demand, StatisticalLedger
 
 K = TypeVar("K", bound=Hashable)
 

@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvtune.gateway.ledger import BlockLedger, StatisticalLedger
+from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.refusals import Reason
+from kvtune.gateway.statistical import StatisticalLedger
 
 RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
 

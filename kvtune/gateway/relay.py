@@ -125,7 +125,7 @@ class Relay:
 
 #: Events of a completion stream that carry no generated token: the first (the role, in chat),
 #: the last (finish_reason, or usage) and `[DONE]`.
-_EVENTS_WITHOUT_TOKENS = 3
+EVENTS_WITHOUT_TOKENS = 3
 
 
 class EventCounter:
@@ -157,7 +157,7 @@ def events_seen_tokens(events: int) -> int:
     advanced; an event ends with a blank line (JSON holds no raw newline, so b"\\n\\n" is always a
     boundary). Counting events undercounts tokens (an event may hold several), which only makes the
     statistical ledger's condition weaker, never wrong."""
-    return max(0, events - _EVENTS_WITHOUT_TOKENS)
+    return max(0, events - EVENTS_WITHOUT_TOKENS)
 
 
 def _whole_body(method: str, up: UpstreamResponse) -> bool:

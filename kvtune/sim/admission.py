@@ -16,9 +16,10 @@ from typing import Protocol
 
 from kvtune.gateway.config import GatewayConfig, GatewayRoute
 from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
-from kvtune.gateway.ledger import Demand, Reservation, StatisticalLedger
+from kvtune.gateway.ledger import Reservation
 from kvtune.gateway.overflow import OutputLaw, next_mark
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
+from kvtune.gateway.statistical import Demand, StatisticalLedger
 
 
 class VerdictKind(enum.Enum):
