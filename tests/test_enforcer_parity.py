@@ -58,8 +58,9 @@ def upstream():
         yield fake
 
 
-def _start(kind: str, tmp_path, upstream, admission: AdmissionPolicy | None = None, **extra):
-    rec = small_rec(upstream.port)
+def _start(kind: str, tmp_path, upstream, admission: AdmissionPolicy | None = None, *,
+           chat_lengths: tuple[list[int], list[int]] | None = None, **extra):
+    rec = small_rec(upstream.port, chat_lengths=chat_lengths)
     if admission is not None:
         rec = dataclasses.replace(rec, admission=admission)
     return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="1",
@@ -821,10 +822,7 @@ EPSILON = 0.01
 
 
 def _start_statistical(kind: str, tmp_path, upstream, epsilon: float = EPSILON):
-    rec = dataclasses.replace(small_rec(upstream.port, chat_lengths=CHAT_LENGTHS),
-                              admission=AdmissionPolicy.statistical(epsilon))
-    return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="1", limits=LIMITS,
-                          nginx_user="root" if os.geteuid() == 0 else None)
+    return _start(kind, tmp_path, upstream, AdmissionPolicy.statistical(epsilon), chat_lengths=CHAT_LENGTHS)
 
 
 @pytest.fixture(params=["python", "nginx"])
