@@ -1,0 +1,60 @@
+"""SGLang's facts that kvtune relies on, each stated once: its server's defaults, the environment
+variables that steer its admission estimate, and its overload behaviour.
+
+Values are SGLang 0.5.23's (its PyPI wheel), read from source; reference/engines.md gives the
+file of each. SGLang does not reserve KV for a request's output: it *estimates* it
+(`PrefillAdder.add_one_req`, `managers/schedule_policy.py`), charging each running request
+min(remaining output, CLIP) × new_token_ratio, and retracts (recomputes) requests when the
+estimate was wrong.
+"""
+
+from __future__ import annotations
+
+CURRENT_VERSION = "0.5.23"  # the release these defaults were read from
+LAUNCH_MODULE = "sglang.launch_server"
+
+# --- server defaults (srt/server_args.py, arg_groups/fields/schedule.py) ---------------------------
+
+PAGE_SIZE = 1  # --page-size: tokens per KV page
+SCHEDULE_CONSERVATIVENESS = 1.0  # --schedule-conservativeness
+MAX_PREFILL_TOKENS = 16_384  # --max-prefill-tokens
+RETRACTION_POLICY = "length"  # --retraction-policy
+
+# --- the admission estimate (scheduler_components/new_token_ratio_tracker.py) ---------------------
+#
+# new_token_ratio starts at min(INIT_NEW_TOKEN_RATIO × conservativeness, 1), decays linearly per
+# decode step to start × MIN_NEW_TOKEN_RATIO_FACTOR over NEW_TOKEN_RATIO_DECAY_STEPS steps, and is
+# reset upward after a retraction. A request's remaining output counts at most CLIP tokens.
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+CLIP_MAX_NEW_TOKENS_ESTIMATION = 4_096
+
+# environment variables read at startup (srt/environ.py)
+ENV_INIT_NEW_TOKEN_RATIO = "SGLANG_INIT_NEW_TOKEN_RATIO"
+ENV_MIN_NEW_TOKEN_RATIO_FACTOR = "SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"
+ENV_NEW_TOKEN_RATIO_DECAY_STEPS = "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS"
+ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION = "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION"
+# the server-wide hard cap on a request's output (unset: none; `init_req_max_new_tokens`)
+ENV_MAX_NEW_TOKENS_LIMIT = "SGLANG_MAX_NEW_TOKENS_LIMIT"
+
+# --- overload (`_abort_on_queued_limit`): a full queue answers 503 without Retry-After ------------
+
+QUEUE_FULL_STATUS = 503
+
+# --- the OpenAI-compatible paths it serves (srt/entrypoints/http_server.py); /generate is SGLang's
+# native API, which a gateway in front does not forward
+
+GENERATE_PATHS: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
+
+__all__ = [
+    "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
+    "RETRACTION_POLICY", "INIT_NEW_TOKEN_RATIO", "MIN_NEW_TOKEN_RATIO_FACTOR", "NEW_TOKEN_RATIO_DECAY_STEPS",
+    "CLIP_MAX_NEW_TOKENS_ESTIMATION", "ENV_INIT_NEW_TOKEN_RATIO", "ENV_MIN_NEW_TOKEN_RATIO_FACTOR",
+    "ENV_NEW_TOKEN_RATIO_DECAY_STEPS", "ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION", "ENV_MAX_NEW_TOKENS_LIMIT",
+    "QUEUE_FULL_STATUS", "GENERATE_PATHS",
+]
