@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtune.capacity.timing import Timing
 from kvtune.endpoint import get_ok, server_root
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError, OptionError
 from kvtune.fields import Fields
 from kvtune.userfiles import brief
@@ -45,6 +45,10 @@ class CapacitySource(enum.Enum):
     KV_TOKENS = "kv-tokens"
     VLLM_LOG = "vllm-log"
     METRICS = "metrics"
+    SGLANG_LOG = "sglang-log"  # an SGLang startup log (kvtune.capacity.engine_logs)
+    SGLANG_SERVER = "sglang-server"  # a running SGLang's /server_info (and /metrics)
+    TRTLLM_LOG = "trtllm-log"  # a TensorRT-LLM startup log
+    TRTLLM_METRICS = "trtllm-metrics"  # trtllm-serve's /metrics iteration stats
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,11 @@ class MeasuredCapacity:
     timing: Timing | None = None  # a step-time model, when `calibrate --timing` measured one
     max_num_seqs: int | None = None  # the scheduler's limits, where the server or its log states them
     max_num_batched_tokens: int | None = None
+    # the engine that reported it (kvtune.engines.ENGINE_NAMES); with SGLang gpu_memory_utilization
+    # holds mem_fraction_static, block_size the page size, max_num_seqs max_running_requests and
+    # max_num_batched_tokens chunked_prefill_size; with TensorRT-LLM block_size is tokens_per_block,
+    # max_model_len max_seq_len, max_num_seqs max_batch_size, max_num_batched_tokens max_num_tokens
+    engine: str = "vllm"
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens is None and self.num_blocks is None:
@@ -79,6 +88,13 @@ class MeasuredCapacity:
             positive = name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
             if value is not None and value < (1 if positive else 0):
                 raise InputError(f"must be positive, got {value}", path=self.origin, field=name)
+        if self.engine not in ENGINE_NAMES:
+            raise InputError(f"unknown engine {brief(self.engine)} (known: {', '.join(ENGINE_NAMES)})",
+                             path=self.origin, field="engine")
+        owner = _SOURCE_ENGINES.get(self.source)
+        if owner is not None and owner != self.engine:
+            raise InputError(f"source {self.source.value} is {owner}'s, not {self.engine}'s", path=self.origin,
+                             field="engine")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; `from_dict(to_dict())` gives back an equal object."""
@@ -99,6 +115,7 @@ class MeasuredCapacity:
             "origin": self.origin,
             "line": self.line,
             **{name: getattr(self, name) for name in _SCHEDULER_FIELDS if getattr(self, name) is not None},
+            **({} if self.engine == "vllm" else {"engine": self.engine}),
             **({} if self.timing is None else {"timing": self.timing.to_dict()}),
         }
 
@@ -133,6 +150,8 @@ class MeasuredCapacity:
                 values[name] = value
             else:
                 raise InputError(f"expected {kind.__name__}, found {brief(value)}", path=path, field=name)
+        if values.get("engine") is None:  # files from before engines were recorded are vLLM's
+            values.pop("engine", None)
         timing = None
         if data.get("timing") is not None:
             try:
@@ -143,6 +162,13 @@ class MeasuredCapacity:
             return cls(source=source, timing=timing, **values)
         except KvtuneError as exc:
             raise InputError(exc.message, path=path, field=exc.field) from None
+
+
+_SOURCE_ENGINES = {
+    CapacitySource.VLLM_LOG: "vllm", CapacitySource.METRICS: "vllm",
+    CapacitySource.SGLANG_LOG: "sglang", CapacitySource.SGLANG_SERVER: "sglang",
+    CapacitySource.TRTLLM_LOG: "trtllm", CapacitySource.TRTLLM_METRICS: "trtllm",
+}
 
 
 def _timing_field(field: str | None) -> str:
@@ -170,8 +196,10 @@ _FIELD_TYPES: dict[str, type] = {
     "line": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
+    "engine": str,
 }
-# written only when known, so capacity files from before they were recorded read back equal
+# written only when known (engine: when not vLLM), so capacity files from before they were
+# recorded read back equal
 _SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
 _MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
 # (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
