@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_TITLES, vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
@@ -61,6 +61,7 @@ class Plan:
     gpu_memory_utilization: Basis[float]
     kv_cache_dtype: Basis[str]
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
+    engine: str = "vllm"  # whose memory model the capacity follows; gpu_memory_utilization is its fraction
 
     @property
     def capacity(self) -> Capacity:
@@ -86,11 +87,16 @@ def plan(
     enforce_eager: bool = False,
     measured: MeasuredCapacity | None = None,
     shapes: tuple[RequestShape, ...] = (),
+    engine: str = "vllm",
+    max_kv_tokens: int | None = None,
 ) -> Plan:
     """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
 
     `gpu` names a catalog GPU (`H100-80GB`); `gpu_memory` gives memory instead (`80GB` or bytes).
-    Settings left None take the measurement's value, else vLLM's default.
+    Settings left None take the measurement's value, else vLLM's default. With `engine`
+    "sglang" or "trtllm" the capacity follows that engine's memory model and defaults
+    (kvtune.capacity.engine_memory), gpu_memory_utilization is its fraction
+    (mem_fraction_static, free_gpu_memory_fraction) and the measurement must be that engine's.
 
     >>> p = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
     >>> p.capacity.block_size, p.gpu_memory_utilization.value
@@ -107,9 +113,12 @@ def plan(
     elif gpu_memory is not None:
         memory_bytes = gpu_memory if isinstance(gpu_memory, int) else parse_memory_size(gpu_memory, field="gpu_memory")
 
-    utilization = _basis("gpu_memory_utilization", gpu_memory_utilization,
-                         measured.gpu_memory_utilization if measured else None,
-                         DEFAULT_GPU_MEMORY_UTILIZATION, measured)
+    if measured is not None and measured.engine != engine:
+        raise PlanError(f"the capacity was measured on {ENGINE_TITLES[measured.engine]} ({_where(measured)}), "
+                        f"not {ENGINE_TITLES.get(engine, engine)}: pass engine {measured.engine}", field="engine")
+    utilization = (_basis("gpu_memory_utilization", gpu_memory_utilization,
+                          measured.gpu_memory_utilization if measured else None,
+                          DEFAULT_GPU_MEMORY_UTILIZATION, measured) if engine == "vllm" else None)
     dtype = _basis("kv_cache_dtype", kv_cache_dtype, measured.kv_cache_dtype if measured else None,
                    DEFAULT_KV_CACHE_DTYPE, measured)
     if measured is not None and measured.block_size is not None and block_size is not None \
@@ -119,21 +128,31 @@ def plan(
                         field="block_size")
 
     spec = resolve_model(model)
+    if utilization is None:  # the engine's default fraction depends on the GPU and the model
+        from kvtune.capacity.engine_memory import default_fraction
+
+        utilization = _basis("gpu_memory_utilization", gpu_memory_utilization,
+                             measured.gpu_memory_utilization if measured else None,
+                             default_fraction(engine, memory_bytes, tp=tp, pp=pp, spec=spec,
+                                              chunked_prefill_size=max_num_batched_tokens), measured)
     kv = kv_bytes(spec, kv_cache_dtype=dtype.value, tp=tp, pp=pp)
     report = plan_capacity(
         spec, kv, weights_for(spec),
         gpu_name=gpu_name,
         gpu_memory_bytes=memory_bytes,
-        gpu_memory_utilization=utilization.value,
+        # an engine's own default is derived again there, where its assumptions say how
+        gpu_memory_utilization=None if engine != "vllm" and utilization.source == "default" else utilization.value,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         shapes=shapes,
         measured=measured,
         enforce_eager=enforce_eager,
+        engine=engine,
+        max_kv_tokens=max_kv_tokens,
     )
     return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,
-                measured.kv_cache_memory_bytes if measured else None)
+                measured.kv_cache_memory_bytes if measured else None, engine)
 
 
 def _basis(name: str, given: T | None, reported: T | None, default: T, measured: MeasuredCapacity | None) -> Basis[T]:
@@ -161,17 +180,32 @@ def _where(measured: MeasuredCapacity | None) -> str:
 
 
 def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = None,
-                      metrics_url: str | None = None, capacity_file: str | None = None) -> MeasuredCapacity | None:
+                      metrics_url: str | None = None, capacity_file: str | None = None,
+                      engine_log: str | None = None, engine: str = "vllm") -> MeasuredCapacity | None:
     """The one measured capacity the caller gave (None: none); two of them is an error.
     `metrics_url` reads a running server as `kvtune calibrate` does (call it outside an event
-    loop; async code awaits kvtune.capacity.measured.fetch_capacity itself)."""
-    given = [name for name, value in (("kv_tokens", kv_tokens), ("vllm_log", vllm_log),
+    loop; async code awaits kvtune.capacity.measured.fetch_capacity itself); `engine_log` and
+    `metrics_url` are read as `engine`'s (kvtune.capacity.engine_logs)."""
+    given = [name for name, value in (("kv_tokens", kv_tokens), ("vllm_log", vllm_log), ("engine_log", engine_log),
                                       ("metrics_url", metrics_url), ("capacity_file", capacity_file))
              if value is not None]
     if len(given) > 1:
         raise OptionError(f"give one measured capacity, not {' and '.join(given)}", field=given[1])
+    if vllm_log is not None and engine != "vllm":
+        raise OptionError(f"a vLLM startup log, but engine {engine}: give it as engine_log", field="vllm_log")
     if kv_tokens is not None:
-        return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="kv_tokens", kv_cache_tokens=kv_tokens)
+        return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="kv_tokens", kv_cache_tokens=kv_tokens,
+                                engine=engine)
+    if engine_log is not None:
+        from kvtune.capacity.engine_logs import read_engine_log
+
+        return read_engine_log(engine, engine_log)
+    if metrics_url is not None and engine != "vllm":
+        import asyncio
+
+        from kvtune.capacity.engine_logs import fetch_engine_capacity
+
+        return asyncio.run(fetch_engine_capacity(engine, metrics_url, field="metrics_url"))
     if vllm_log is not None:
         from kvtune.capacity.measured import read_vllm_log
 

@@ -285,7 +285,10 @@ def trtllm_memory(
 
 def default_block_size(engine: str) -> int:
     """Tokens per KV block (page) an engine uses when not told: SGLang 1, TensorRT-LLM 32."""
-    return {"sglang": sglang.PAGE_SIZE, "trtllm": trtllm.TOKENS_PER_BLOCK}[engine]
+    sizes = {"sglang": sglang.PAGE_SIZE, "trtllm": trtllm.TOKENS_PER_BLOCK}
+    if engine not in sizes:
+        raise OptionError(f"no memory model for engine {engine!r} here (known: sglang, trtllm)", field="engine")
+    return sizes[engine]
 
 
 def default_fraction(engine: str, gpu_memory_bytes: int | None, *, tp: int = 1, pp: int = 1,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtune.capacity import engine_memory
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.memory import MemoryBreakdown, estimate_overhead, kv_pool, num_blocks_for
 from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request, reserved_blocks
@@ -211,13 +212,17 @@ class CapacityReport:
     weights_format: str
     capacity: Capacity
     assumptions: tuple[str, ...]
+    engine: str = "vllm"  # whose memory model and defaults (kvtune.engines.ENGINE_NAMES)
 
     def to_dict(self) -> dict[str, Any]:
-        """The stable `--json` object. Byte figures are per GPU except weights_bytes_total."""
+        """The stable `--json` object. Byte figures are per GPU except weights_bytes_total;
+        gpu_memory_utilization is the engine's fraction (SGLang mem_fraction_static,
+        TensorRT-LLM free_gpu_memory_fraction)."""
         c = self.capacity
         m = c.memory
         return {
             "model": self.model,
+            "engine": self.engine,
             "gpu": self.gpu,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "gpu_memory_utilization": m.gpu_memory_utilization if m else None,
@@ -287,18 +292,24 @@ def plan_capacity(
     *,
     gpu_name: str | None = None,
     gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float = vllm.GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = vllm.GPU_MEMORY_UTILIZATION,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int | None = None,
     shapes: tuple[RequestShape, ...] = (),
     measured: MeasuredCapacity | None = None,
     enforce_eager: bool = False,
+    engine: str = "vllm",
+    max_kv_tokens: int | None = None,
 ) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
     Defaults follow `vllm serve`: block size 16 (128 when the measurement came from a CPU
     server), max_model_len derived from the config, max_num_batched_tokens by GPU size.
+    Another `engine` ("sglang", "trtllm") takes its own memory model and defaults
+    (kvtune.capacity.engine_memory): gpu_memory_utilization is then its fraction (None: its
+    default), max_num_batched_tokens its chunked_prefill_size / max_num_tokens, and
+    max_kv_tokens its --max-total-tokens / kv_cache_config.max_tokens clamp.
     """
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
     notes: list[str] = []
@@ -319,11 +330,27 @@ def plan_capacity(
             max_model_len = vllm.MAX_MODEL_LEN_WITHOUT_CONFIG
             notes.append(f"the config names no context length; max_model_len {max_model_len}, as vLLM defaults")
     if block_size is None:
-        block_size = vllm.default_block_size(measured.device if measured else None)
+        block_size = (vllm.default_block_size(measured.device if measured else None) if engine == "vllm"
+                      else engine_memory.default_block_size(engine))
 
-    memory = None
+    memory: MemoryBreakdown | None = None
     batched = seqs = None
-    if gpu_memory_bytes is not None:
+    if gpu_memory_bytes is not None and engine != "vllm":
+        try:
+            memory = engine_memory.engine_memory(
+                engine, spec, kv, weights, gpu_memory_bytes=gpu_memory_bytes, fraction=gpu_memory_utilization,
+                max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                max_kv_tokens=max_kv_tokens)
+        except CapacityError as exc:
+            if measured is None:
+                raise
+            notes.append(f"the estimate disagrees with the measurement: {exc.message}")
+        else:
+            batched, seqs = memory.max_num_batched_tokens, memory.max_num_seqs
+            assumptions.extend(memory.overhead.assumptions)
+    elif gpu_memory_bytes is not None:
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = vllm.GPU_MEMORY_UTILIZATION
         default_batched, seqs = vllm.default_batch_limits(gpu_memory_bytes, gpu_name)
         if max_num_batched_tokens is None:
             batched = min(seqs * max_model_len, default_batched)
@@ -360,7 +387,8 @@ def plan_capacity(
     assumptions.extend(weights.assumptions)
     if tp * pp > 1:
         assumptions.append(f"weights split evenly over tp × pp = {tp * pp} GPUs")
-    assumptions.append("per-shape counts use num_blocks − 1: vLLM keeps one block as a permanent null block")
+    assumptions.append("per-shape counts use num_blocks − 1: vLLM keeps one block as a permanent null block"
+                       if engine == "vllm" else "per-shape counts keep one block spare (num_blocks − 1), as for vLLM")
     notes.extend(_layer_notes(spec, kv))
 
     state = kv.state_bytes_per_sequence_per_gpu
@@ -392,6 +420,7 @@ def plan_capacity(
         weights_format=weights.weight_format,
         capacity=capacity,
         assumptions=tuple(assumptions),
+        engine=engine,
     )
 
 

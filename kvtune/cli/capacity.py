@@ -7,6 +7,7 @@ import json
 import click
 
 from kvtune.cli.options import CapacityArgs, capacity_options
+from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import OptionError
 
 
@@ -39,21 +40,31 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
               help="Prompt length of a request shape; repeat, paired in order with --max-tokens.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(min=1), multiple=True,
               help="Output cap of a request shape; repeat, paired in order with --prompt-tokens.")
+@click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None,
+              help="Whose memory model, defaults and logs: vLLM, SGLang or TensorRT-LLM.  "
+                   "[default: the measured capacity's engine, else vllm]")
+@click.option("--engine-log", "engine_log", metavar="FILE",
+              help="The engine's startup log to read the measured capacity from (SGLang's max_total_num_tokens "
+                   "line, TensorRT-LLM's 'Allocated … for max tokens in paged KV cache (N)').")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object instead of tables.")
 def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...],
-             json_: bool) -> None:
+             engine: str | None, engine_log: str | None, json_: bool) -> None:
     """How many tokens, blocks and requests of given shapes fit for MODEL on given GPUs.
 
     Each request shape reserves ceil((prompt + max_tokens) / block size) blocks, as an
-    admitting gateway must. A measured capacity (--kv-tokens, --vllm-log, --metrics-url,
-    --capacity) replaces the memory estimate; the output names the source used.
+    admitting gateway must. A measured capacity (--kv-tokens, --vllm-log, --engine-log,
+    --metrics-url, --capacity) replaces the memory estimate; the output names the source used.
+    --engine sglang|trtllm estimates with that engine's memory model instead of vLLM's.
 
     \b
     Example:
         kvtune capacity llama-3.1-8b --gpu H100-80GB \\
           --prompt-tokens 2000 --max-tokens 512 --prompt-tokens 200 --max-tokens 4000
+        kvtune capacity llama-3.1-8b --gpu H100-80GB --engine sglang
+        kvtune capacity llama-3.1-8b --engine trtllm --engine-log trtllm-serve.log
     """
-    report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
+    report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens), engine=engine,
+                           engine_log=engine_log).report
     if json_:
         click.echo(json.dumps(report.to_dict()))
     else:
@@ -69,13 +80,26 @@ def _print_report(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from kvtune.capacity.engine_memory import EngineMemory
+
     c = report.capacity
     console = Console()
     where = report.gpu or (_gib(report.gpu_memory_bytes) if report.gpu_memory_bytes else "measured server")
     par = f"TP {report.tensor_parallel_size} × PP {report.pipeline_parallel_size}"
     source = c.source.value + (f" ({c.measured.origin})" if c.measured and c.measured.origin else "")
 
-    if c.memory is not None:
+    if isinstance(c.memory, EngineMemory):
+        m = c.memory
+        mem = Table(title=f"{report.model} on {where}, {par}: memory per GPU (estimate, {m.title}'s model)",
+                    title_justify="left")
+        mem.add_column("part")
+        mem.add_column("GiB", justify="right")
+        mem.add_column("how")
+        for part, size, how in m.rows:
+            mem.add_row(part, _gib(size), how)
+        mem.add_row("= KV pool", _gib(m.kv_cache_bytes), "", style="bold")
+        console.print(mem)
+    elif c.memory is not None:
         m = c.memory
         mem = Table(title=f"{report.model} on {where}, {par}: memory per GPU (estimate)", title_justify="left")
         mem.add_column("part")

@@ -87,13 +87,18 @@ class CapacityArgs:
     metrics_url: str | None
     capacity_file: str | None
 
-    def plan(self, model: str, shapes: tuple = ()):  # -> kvtune.planning.Plan
-        """The plan these options describe (kvtune.plan), the measured capacity read first."""
+    def plan(self, model: str, shapes: tuple = (), *, engine: str | None = None,
+             engine_log: str | None = None):  # -> kvtune.planning.Plan
+        """The plan these options describe (kvtune.plan), the measured capacity read first.
+        `engine` None: the measured capacity's engine, else vLLM; `engine_log` is read as its log."""
         from kvtune.planning import measured_capacity, plan
 
         measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), vllm_log=self.vllm_log,
-                                     metrics_url=self.metrics_url, capacity_file=self.capacity_file)
-        return plan(model, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
+                                     metrics_url=self.metrics_url, capacity_file=self.capacity_file,
+                                     engine_log=engine_log, engine=engine or "vllm")
+        if engine is None:
+            engine = measured.engine if measured is not None else "vllm"
+        return plan(model, engine=engine, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
                     gpu_memory_utilization=self.gpu_memory_utilization,
                     max_model_len=parse_count(self.max_model_len, "max_model_len"),
                     max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
@@ -108,12 +113,15 @@ capacity_options = grouped("capacity", CapacityArgs, [
     click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size."),
     click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size."),
     click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
-                 help="vLLM's fraction of each GPU's memory for this instance.  [default: what the measured "
-                      f"capacity was taken at, else {vllm.GPU_MEMORY_UTILIZATION}]"),
+                 help="vLLM's fraction of each GPU's memory for this instance (with --engine sglang its "
+                      "--mem-fraction-static, trtllm its kv_cache_free_gpu_memory_fraction).  [default: what the "
+                      f"measured capacity was taken at, else {vllm.GPU_MEMORY_UTILIZATION}, or the engine's]"),
     click.option("--max-model-len", help="Context length; default the model's derived length (or the log's)."),
-    click.option("--max-num-batched-tokens", help="Token budget per step; default vllm serve's for the GPU size."),
+    click.option("--max-num-batched-tokens", help="Token budget per step (SGLang --chunked-prefill-size, TensorRT-LLM "
+                 "--max_num_tokens); default the engine's for the GPU size."),
     click.option("--block-size", type=click.IntRange(min=1), default=None,
-                 help="KV block size in tokens.  [default: the measured capacity's; 16; 128 for a CPU server's log]"),
+                 help="KV block size in tokens.  [default: the measured capacity's; 16; 128 for a CPU server's log; "
+                      "SGLang 1; TensorRT-LLM 32]"),
     click.option("--kv-cache-dtype", default=None,
                  help="vLLM's --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, …  "
                       "[default: what the measured capacity was taken at, else auto]"),
