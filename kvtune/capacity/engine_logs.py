@@ -68,13 +68,14 @@ def parse_sglang_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
         if m := (sglang.KV_ALLOCATED_LINE.search(line) or sglang.POST_CAPTURE_KV_LINE.search(line)):
             found = {"kv_cache_tokens": int(m["tokens"]), "line": lineno, "device": "GPU"}
         elif m := sglang.SCHEDULER_CAPACITY_LINE.search(line):
-            chunk = _optional_int(m["chunk"])
+            fields = {f["name"]: f["value"] for f in sglang.SCHEDULER_FIELD.finditer(line, m.end())}
+            chunk = _optional_int(fields.get("chunked_prefill_size"))
             found = {
                 "kv_cache_tokens": int(m["tokens"]),
                 "line": lineno,
-                "device": "CPU" if "available_cpu_mem" in line else "GPU",
-                "max_model_len": _optional_int(m["context"]),
-                "max_num_seqs": _optional_int(m["running"]),
+                "device": "CPU" if "available_cpu_mem=" in line else "GPU",
+                "max_model_len": _optional_int(fields.get("context_len")),
+                "max_num_seqs": _optional_int(fields.get("max_running_requests")),
                 "max_num_batched_tokens": chunk if chunk is not None and chunk > 0 else None,
             }
     if found is None:
@@ -252,11 +253,13 @@ def sglang_capacity(info: MeasuredCapacity, models: tuple[ServedModel, ...], met
 
 async def fetch_sglang_capacity(url: str, *, timeout_s: float = TIMEOUT_S,
                                 field: str | None = None) -> MeasuredCapacity:
-    """The capacity of the SGLang at `url`: GET /server_info and /v1/models, then /metrics
-    (served only with --enable-metrics; a 404 there is skipped)."""
+    """The capacity of the SGLang at `url` (its root, /server_info, /metrics or /v1): GET
+    /server_info and /v1/models, then /metrics (served only with --enable-metrics; a 404 there
+    is skipped)."""
     import aiohttp
 
-    root = server_root(url, field=field)
+    stripped = url.strip().rstrip("/")
+    root = server_root(stripped.removesuffix(sglang.SERVER_INFO_PATH) or stripped, field=field)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         info_url = f"{root}{sglang.SERVER_INFO_PATH}"
         body = await get_ok(session, info_url, timeout_s=timeout_s, max_bytes=SERVER_INFO_MAX_BYTES,

@@ -7,6 +7,7 @@ import json
 
 import click
 
+from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import OptionError
 
 
@@ -15,8 +16,13 @@ from kvtune.errors import OptionError
 @click.option("--out", "out", type=click.Path(),
               help="Write the capacity file here (atomically), for `kvtune recommend --capacity FILE`.")
 @click.option("--json", "json_", is_flag=True, help="Print the capacity as one JSON object instead of a table.")
-@click.option("--vllm-log", "vllm_log", type=click.Path(),
+@click.option("--engine", type=click.Choice(ENGINE_NAMES), default="vllm", show_default=True,
+              help="The server's engine: vLLM (/v1/models + /metrics), SGLang (/server_info, /v1/models, /metrics) "
+                   "or TensorRT-LLM (no endpoint states its capacity at startup: give --engine-log).")
+@click.option("--engine-log", "engine_log", type=click.Path(),
               help="The server's startup log: calibrate from it alone, or cross-check URL against it.")
+@click.option("--vllm-log", "vllm_log", type=click.Path(),
+              help="A vLLM server's startup log (the same as --engine-log with --engine vllm).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Seconds to wait for each of the server's answers.")
 @click.option("--timing", is_flag=True,
@@ -28,8 +34,9 @@ from kvtune.errors import OptionError
 @click.option("--max-num-batched-tokens", "max_num_batched_tokens", type=click.IntRange(min=1),
               help="The server's --max-num-batched-tokens, for --timing's prefill chunks; default: read from "
                    "--vllm-log or the server, else vLLM's default (2048 on CPU and GPUs under 70 GiB).")
-def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | None, timeout_s: float,
-              timing: bool, timing_budget_s: float, max_num_batched_tokens: int | None) -> None:
+def calibrate(url: str | None, out: str | None, json_: bool, engine: str, engine_log: str | None,
+              vllm_log: str | None, timeout_s: float, timing: bool, timing_budget_s: float,
+              max_num_batched_tokens: int | None) -> None:
     """Read the real KV capacity of a running vLLM from /v1/models and /metrics.
 
     URL is the server's root or its /metrics. The result (blocks, block size, tokens,
@@ -38,18 +45,34 @@ def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | Non
     sweeps of requests and writes the fitted step-time model (`timing`: coefficients c0..c3
     in seconds with units, HTTP overhead, frontend {request_s, token_s, units}: the API
     server's serial work, sweep ranges, the fit's error per sweep, the server settings it
-    was measured against, kvtune_version) that `kvtune simulate` uses.
+    was measured against, kvtune_version) that `kvtune simulate` uses. --engine sglang reads
+    /server_info instead; --engine trtllm reads a startup log (--engine-log).
 
     \b
     Example:
         kvtune calibrate http://127.0.0.1:8000 --out capacity.json
+        kvtune calibrate http://127.0.0.1:30000 --engine sglang --out capacity.json
+        kvtune calibrate --engine trtllm --engine-log trtllm-serve.log --out capacity.json
         kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
         kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --out capacity.json
     """
     from kvtune.capacity.measured import calibrate as run_calibrate
     from kvtune.capacity.measured import write_capacity_file
 
-    if timing:
+    if vllm_log is not None:
+        if engine_log is not None:
+            raise OptionError("give the startup log once, as --engine-log", field="--vllm-log")
+        if engine != "vllm":
+            raise OptionError(f"is for a vLLM log; give the {engine} log as --engine-log", field="--vllm-log")
+    vllm_log = vllm_log or engine_log
+    if engine != "vllm":
+        if timing:
+            raise OptionError("measures vLLM only; leave --engine at vllm", field="--timing")
+        from kvtune.capacity.engine_logs import calibrate_engine
+
+        _refuse_timing_options(timing_budget_s, max_num_batched_tokens)
+        measured = asyncio.run(calibrate_engine(engine, url, engine_log=engine_log, timeout_s=timeout_s))
+    elif timing:
         if url is None:
             raise OptionError("needs the server's URL: it sends requests to measure step times", field="--timing")
         from rich.console import Console
@@ -62,17 +85,21 @@ def calibrate(url: str | None, out: str | None, json_: bool, vllm_log: str | Non
                                                 budget_s=timing_budget_s,
                                                 max_num_batched_tokens=max_num_batched_tokens, progress=progress))
     else:
-        for name, given in (("--timing-budget-s", timing_budget_s != 300.0),
-                            ("--max-num-batched-tokens", max_num_batched_tokens is not None)):
-            if given:
-                raise OptionError("only applies with --timing", field=name)
+        _refuse_timing_options(timing_budget_s, max_num_batched_tokens)
         measured = asyncio.run(run_calibrate(url, vllm_log=vllm_log, timeout_s=timeout_s))
     if out is not None:
         write_capacity_file(out, measured)
     if json_:
         click.echo(json.dumps(measured.to_dict()))
     else:
-        _print_table(measured, out=out, cross_checked=url is not None and vllm_log is not None)
+        _print_table(measured, out=out, cross_checked=url is not None and (vllm_log or engine_log) is not None)
+
+
+def _refuse_timing_options(timing_budget_s: float, max_num_batched_tokens: int | None) -> None:
+    for name, given in (("--timing-budget-s", timing_budget_s != 300.0),
+                        ("--max-num-batched-tokens", max_num_batched_tokens is not None)):
+        if given:
+            raise OptionError("only applies with --timing", field=name)
 
 
 def _fmt(value) -> str:
@@ -95,6 +122,7 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
     table.add_column("field")
     table.add_column("value", justify="right")
     rows = [
+        ("engine", ENGINE_TITLES[m.engine]),
         ("source", m.source.value),
         ("read from", m.origin),
         ("model", m.model),
@@ -106,7 +134,7 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
         ("kv_cache_dtype", m.kv_cache_dtype),
         ("prefix caching", m.enable_prefix_caching),
         ("kv_cache_memory_bytes", m.kv_cache_memory_bytes),
-        ("gpu_memory_utilization", m.gpu_memory_utilization),
+        ({"sglang": "mem_fraction_static"}.get(m.engine, "gpu_memory_utilization"), m.gpu_memory_utilization),
         ("num_gpu_blocks_override", m.num_gpu_blocks_override),
     ]
     for name, value in rows:

@@ -154,13 +154,16 @@ ENV_MAX_NEW_TOKENS_LIMIT = "SGLANG_MAX_NEW_TOKENS_LIMIT"
 #       model_executor/model_runner_components/kv_pool_runtime.py:194-201
 # GB there is 2^30 bytes (memory_pool.py:116 `GB = 1024 * 1024 * 1024`).
 
-SCHEDULER_CAPACITY_LINE = re.compile(
-    r"max_total_num_tokens=(?P<tokens>\d+), chunked_prefill_size=(?P<chunk>-?\d+|None), "
-    r"max_prefill_tokens=(?P<prefill>\d+|None), max_running_requests=(?P<running>\d+|None), "
-    r"context_len=(?P<context>\d+|None), available_(?:gpu|cpu)_mem=(?P<avail>[\d.]+) GB"
+# Earlier releases print fewer fields (`…, max_running_requests=50, context_len=163840` without
+# available_gpu_mem in early 2025), so the fields after the first are read by name. The line starts
+# right after the prefix, which keeps out `(max_total_num_tokens=…` in other messages.
+SCHEDULER_CAPACITY_LINE = re.compile(r"(?:^|\] )max_total_num_tokens=(?P<tokens>\d+)(?=,|\s*$)")
+SCHEDULER_FIELD = re.compile(
+    r"\b(?P<name>chunked_prefill_size|max_prefill_tokens|max_running_requests|context_len)=(?P<value>-?\d+|None)(?=,|\s*$)"
 )
+# "dtype: …, " appeared in 2025; earlier: `KV Cache is allocated. #tokens: 367404, K size: 8.23 GB, …`
 KV_ALLOCATED_LINE = re.compile(
-    r"KV Cache is allocated\. dtype: (?P<dtype>[\w.]+), #tokens: (?P<tokens>\d+), "
+    r"KV Cache is allocated\. (?:dtype: (?P<dtype>[\w.]+), )?#tokens: (?P<tokens>\d+), "
     r"(?:K size: (?P<k_gib>[\d.]+) GB, V size: (?P<v_gib>[\d.]+) GB|KV size: (?P<kv_gib>[\d.]+) GB)"
 )
 POST_CAPTURE_KV_LINE = re.compile(
@@ -198,7 +201,8 @@ GENERATE_PATHS: dict[str, str] = {
 
 __all__ = [
     "MEMORY_TIERS", "memory_tier", "prefill_capture_sizes", "default_mem_fraction_static",
-    "default_max_running_requests", "SCHEDULER_CAPACITY_LINE", "KV_ALLOCATED_LINE", "POST_CAPTURE_KV_LINE",
+    "default_max_running_requests", "SCHEDULER_CAPACITY_LINE", "SCHEDULER_FIELD", "KV_ALLOCATED_LINE",
+    "POST_CAPTURE_KV_LINE",
     "SERVER_INFO_PATH", "MAX_TOTAL_NUM_TOKENS_METRIC", "PAGE_SIZE_METRIC", "NUM_PAGES_METRIC", "CONTEXT_LEN_METRIC",
     "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
     "RETRACTION_POLICY", "INIT_NEW_TOKEN_RATIO", "MIN_NEW_TOKEN_RATIO_FACTOR", "NEW_TOKEN_RATIO_DECAY_STEPS",
