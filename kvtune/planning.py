@@ -115,7 +115,7 @@ def plan(
 
     if measured is not None and measured.engine != engine:
         raise PlanError(f"the capacity was measured on {ENGINE_TITLES[measured.engine]} ({_where(measured)}), "
-                        f"not {ENGINE_TITLES.get(engine, engine)}: pass engine {measured.engine}", field="engine")
+                        f"not {ENGINE_TITLES.get(engine, engine)}: pass `engine` {measured.engine}", field="engine")
     utilization = (_basis("gpu_memory_utilization", gpu_memory_utilization,
                           measured.gpu_memory_utilization if measured else None,
                           DEFAULT_GPU_MEMORY_UTILIZATION, measured) if engine == "vllm" else None)

@@ -199,7 +199,7 @@ def test_plan_refuses_a_measurement_from_another_engine():
     with pytest.raises(PlanError) as info:
         plan("llama-3.1-8b", gpu="H100-80GB", measured=measured)
     assert str(info.value) == ("engine: the capacity was measured on SGLang (sglang.log), not vLLM: "
-                               "pass engine sglang")
+                               "pass `engine` sglang")
     p = plan("llama-3.1-8b", gpu="H100-80GB", measured=measured, engine="sglang")
     assert (p.capacity.num_blocks, p.capacity.block_size, p.capacity.estimated_num_blocks) == (300_000, 1, 412_220)
 

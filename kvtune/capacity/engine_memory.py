@@ -72,9 +72,9 @@ class EngineMemory(MemoryBreakdown):
         return f"{ENGINE_TITLES[self.engine]} {self.version}"
 
 
-def _check_fraction(fraction: float, name: str) -> None:
-    if not 0 < fraction < 1:
-        raise CapacityError(f"must be in (0, 1), got {fraction}", field=name)
+def _check_fraction(fraction: float, name: str, *, one: bool = False) -> None:
+    if not (0 < fraction <= 1 if one else 0 < fraction < 1):
+        raise CapacityError(f"must be in (0, 1{']' if one else ')'}, got {fraction}", field=name)
 
 
 def _baseline(tp: int, pp: int) -> tuple[int, str]:
@@ -127,7 +127,7 @@ def sglang_memory(
             f"mem_fraction_static {mem_fraction_static}: SGLang's default for {gpu_memory_bytes / MiB:,.0f} MiB, "
             f"round((GPU MiB − reserved) / GPU MiB, 3), reserved = 512 + 1.5 × chunked_prefill_size {chunk:,} "
             "+ tp × pp × 128 + the CUDA-graph reserve, at least 10 GiB above 60 GiB")
-    _check_fraction(mem_fraction_static, "mem_fraction_static")
+    _check_fraction(mem_fraction_static, "mem_fraction_static", one=True)
     baseline, baseline_text = _baseline(tp, pp)
     free_before = gpu_memory_bytes - baseline
     static = math.floor(free_before * mem_fraction_static)
@@ -323,6 +323,8 @@ def engine_memory(engine: str, spec: ModelSpec, kv: KvBytes, weights: WeightsEst
     """
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
     weights_bytes = weights.bytes_per_gpu(tp, pp)
+    if fraction is not None:  # in the caller's name for it (kvtune.plan's gpu_memory_utilization)
+        _check_fraction(fraction, "gpu_memory_utilization", one=engine == "sglang")
     if engine == "sglang":
         return sglang_memory(
             gpu_memory_bytes=gpu_memory_bytes, weights_bytes=weights_bytes,
