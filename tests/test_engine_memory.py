@@ -67,6 +67,23 @@ def test_sglang_default_fraction_by_tier(gpu, tp, fraction):
     assert sglang.default_mem_fraction_static(find_gpu(gpu).memory_bytes, tp=tp) == fraction
 
 
+# What SGLang 0.5.23's own `handle_gpu_memory_settings` (arg_groups/memory_hook.py) resolved, run once
+# on a CPU with its wheel, GPU memory patched in and a stand-in for the server arguments (CUDA
+# defaults: decode graphs full, prefill graphs breakable, no DP attention, no post-capture sizing).
+SGLANG_RESOLVED = [  # (MiB, tp, mla, mem_fraction_static, chunked_prefill_size)
+    (81_559, 1, False, 0.83, 8192), (23_028, 1, False, 0.684, 4096), (143_771, 1, False, 0.903, 8192),
+    (183_359, 1, False, 0.854, 16_384), (81_559, 4, False, 0.819, 8192), (40_960, 1, False, 0.823, 4096),
+    (46_068, 1, False, 0.843, 4096), (196_288, 1, False, 0.863, 16_384), (24_564, 8, False, 0.658, 4096),
+    (81_559, 1, True, 0.816, 8192),
+]
+
+
+@pytest.mark.parametrize("mib, tp, mla, fraction, chunk", SGLANG_RESOLVED)
+def test_sglang_default_fraction_matches_sglangs_own_resolution(mib, tp, mla, fraction, chunk):
+    assert sglang.default_mem_fraction_static(mib * MiB, tp=tp, mla=mla) == fraction
+    assert sglang.memory_tier(mib * MiB, tp)[0] == chunk
+
+
 def test_sglang_llama_8b_on_an_h100_by_hand():
     m = sglang_8b()
     # free before loading = (81,559 − 1,024) MiB = 84,447,068,160 B (the assumed 1 GiB CUDA baseline)
