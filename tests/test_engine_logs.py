@@ -345,3 +345,51 @@ def test_capacity_file_engine_must_fit_its_source(tmp_path, data, error):
     with pytest.raises(InputError) as info:
         read_capacity_file(path)
     assert str(info.value).startswith(f"{path}: {error}")
+
+
+# --- fuzz: anything else is a KvtuneError, never a traceback ---------------------------------------
+
+_LINE_PIECES = st.sampled_from([
+    "max_total_num_tokens=", "KV Cache is allocated. dtype: torch.bfloat16, #tokens: ", "K size: ", " GB, V size: ",
+    "[MemUsageChange] Allocated ", " GiB for max tokens in paged KV cache (", ").", "Number of tokens per block: ",
+    "max_seq_len=", ", max_num_requests=", ", max_num_tokens=", ", max_batch_size=", ", context_len=",
+    ", max_running_requests=", ", chunked_prefill_size=", "None", "-1", "0", "7", "99999999999", "\n", "] ", " ",
+])
+
+
+@given(st.lists(st.one_of(_LINE_PIECES, st.text(max_size=8)), max_size=30).map("".join))
+def test_fuzzed_logs_give_a_capacity_or_an_input_error(text):
+    for parse in (parse_sglang_log, parse_trtllm_log):
+        try:
+            parse(text)
+        except InputError:
+            pass
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**60) | st.floats() | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+                         ["max_total_num_tokens", "page_size", "context_length", "mem_fraction_static",
+                          "internal_states", "effective_max_running_requests_per_dp", "kv_cache_dtype",
+                          "chunked_prefill_size", "kvCacheStats", "maxNumBlocks", "tokensPerBlock", "x"]),
+                         inner, max_size=6), max_leaves=12)
+
+
+@given(_JSON)
+def test_fuzzed_server_answers_give_a_capacity_or_an_endpoint_error(data):
+    for parse in (parse_server_info, parse_trtllm_metrics):
+        try:
+            parse(data)
+        except EndpointError:
+            pass
+
+
+@given(tokens=st.integers(1, 2**60))
+def test_a_parsed_capacity_reads_back_from_its_file(tmp_path_factory, tokens):
+    path = tmp_path_factory.mktemp("c") / "c.json"
+    try:
+        m = parse_sglang_log(f"[t TP0] max_total_num_tokens={tokens}, context_len=8192")
+    except InputError as exc:
+        assert tokens > 2**53 and exc.field == "kv_cache_tokens"
+        return
+    write_capacity_file(path, m)
+    assert read_capacity_file(path) == m

@@ -88,6 +88,8 @@ class MeasuredCapacity:
             positive = name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
             if value is not None and value < (1 if positive else 0):
                 raise InputError(f"must be positive, got {value}", path=self.origin, field=name)
+            if value is not None and value > _MAX_FIELD:  # so that its capacity file reads back
+                raise InputError(f"must be at most 2^53, got {value}", path=self.origin, field=name)
         if self.engine not in ENGINE_NAMES:
             raise InputError(f"unknown engine {brief(self.engine)} (known: {', '.join(ENGINE_NAMES)})",
                              path=self.origin, field="engine")
