@@ -233,3 +233,19 @@ def test_plan_keeps_a_measured_sglang_fraction():
 def test_default_fraction():
     assert default_fraction("trtllm", H100) == 0.9
     assert default_fraction("sglang", None) == 0.95
+
+
+def test_a_pool_smaller_than_one_request_in_the_engines_words():
+    sglang_note = plan("llama-3.1-8b", gpu="H100-80GB", engine="sglang", max_kv_tokens=100_000).capacity.notes
+    assert "SGLang caps each request at 99,999 tokens (the pool − 1), below max_model_len 131,072" in sglang_note
+    trt = plan("llama-3.1-8b", gpu="H100-80GB", engine="trtllm", max_kv_tokens=100_000).capacity
+    assert (trt.num_blocks, trt.kv_cache_tokens) == (3125, 100_000)
+    assert "TensorRT-LLM lowers max_seq_len to the pool's 100,000 tokens, below 131,072" in trt.notes
+
+
+def test_another_release_is_named():
+    assert sglang_8b(version="0.5.23").overhead.assumptions[0].endswith("covers weights + KV)")
+    assert sglang_8b(version="0.4.6").overhead.assumptions[0].endswith(
+        "covers weights + KV), applied to SGLang 0.4.6: not read for that release")
+    assert trtllm_8b(version="1.2.1").overhead.assumptions[0].endswith("memory outside torch)")
+    assert "applied to TensorRT-LLM 0.21: not read" in trtllm_8b(version="0.21").overhead.assumptions[0]

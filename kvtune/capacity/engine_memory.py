@@ -77,6 +77,13 @@ def _check_fraction(fraction: float, name: str, *, one: bool = False) -> None:
         raise CapacityError(f"must be in (0, 1{']' if one else ')'}, got {fraction}", field=name)
 
 
+def _other_release(title: str, modelled: str, version: str | None) -> str:
+    """An assumption's tail when the caller's release is not the one the model was read from."""
+    if version is None or version == modelled or version.startswith(modelled + "."):
+        return ""
+    return f", applied to {title} {version}: not read for that release"
+
+
 def _baseline(tp: int, pp: int) -> tuple[int, str]:
     collectives = COLLECTIVE_BASELINE_BYTES if tp * pp > 1 else 0
     text = (f"{CUDA_BASELINE_BYTES / GiB:.2f} GiB in use before the weights load (CUDA context, driver)"
@@ -105,6 +112,7 @@ def sglang_memory(
     max_total_tokens: int | None = None,
     max_running_requests: int | None = None,
     mla: bool = False,
+    version: str | None = None,
 ) -> EngineMemory:
     """SGLang's KV pool on one GPU (`KVCacheConfigurator._profile_available_bytes`).
 
@@ -118,7 +126,8 @@ def sglang_memory(
         raise OptionError(f"must be at least 1, got {page_size}", field="page_size")
     tier_chunk, _ = sglang.memory_tier(gpu_memory_bytes, tp)
     chunk = tier_chunk if chunked_prefill_size is None else chunked_prefill_size
-    assumptions = [f"SGLang {sglang.CURRENT_VERSION}'s memory model (mem_fraction_static covers weights + KV)"]
+    assumptions = [f"SGLang {sglang.CURRENT_VERSION}'s memory model (mem_fraction_static covers weights + KV)"
+                   + _other_release("SGLang", sglang.CURRENT_VERSION, version)]
     if mem_fraction_static is None:
         mem_fraction_static = sglang.default_mem_fraction_static(
             gpu_memory_bytes, tp=tp, pp=pp, chunked_prefill_size=chunk, mla=mla,
@@ -211,6 +220,7 @@ def trtllm_memory(
     max_tokens: int | None = None,
     max_gpu_total_bytes: int | None = None,
     max_batch_size: int | None = None,
+    version: str | None = None,
 ) -> EngineMemory:
     """TensorRT-LLM's KV pool on one GPU (PyTorch backend, `KvCacheCreator._cal_max_memory`).
 
@@ -245,7 +255,8 @@ def trtllm_memory(
     ]
     assumptions = [
         f"TensorRT-LLM {trtllm.CURRENT_VERSION}'s memory model (PyTorch backend): "
-        "free_gpu_memory_fraction × (total − weights − activation peak − memory outside torch)",
+        "free_gpu_memory_fraction × (total − weights − activation peak − memory outside torch)"
+        + _other_release("TensorRT-LLM", trtllm.CURRENT_VERSION, version),
         f"free_gpu_memory_fraction {fraction}"
         + ("" if free_gpu_memory_fraction is not None else ": trtllm-serve's default"),
         activation_text,
@@ -304,6 +315,19 @@ def default_fraction(engine: str, gpu_memory_bytes: int | None, *, tp: int = 1, 
     raise OptionError(f"no memory model for engine {engine!r} here (known: sglang, trtllm)", field="engine")
 
 
+def engine_notes(engine: str, notes: tuple[str, ...], max_model_len: int, kv_cache_tokens: int) -> tuple[str, ...]:
+    """Capacity notes in the engine's terms: where vLLM would refuse to start because one request at
+    max_model_len does not fit, SGLang caps a request at the pool (tp_worker.py: max_req_len =
+    min(context_len − 1, tokens − 1)) and TensorRT-LLM lowers max_seq_len to it ("Adjusted
+    max_seq_len to N")."""
+    said = {
+        "sglang": f"SGLang caps each request at {kv_cache_tokens - 1:,} tokens (the pool − 1), below max_model_len "
+                  f"{max_model_len:,}",
+        "trtllm": f"TensorRT-LLM lowers max_seq_len to the pool's {kv_cache_tokens:,} tokens, below {max_model_len:,}",
+    }[engine]
+    return tuple(said if "vLLM would refuse to start" in note else note for note in notes)
+
+
 def _mlp_width(spec: ModelSpec) -> int:
     width = spec.intermediate_size or 4 * spec.hidden_size
     moe = spec.moe
@@ -314,12 +338,14 @@ def _mlp_width(spec: ModelSpec) -> int:
 
 def engine_memory(engine: str, spec: ModelSpec, kv: KvBytes, weights: WeightsEstimate, *, gpu_memory_bytes: int,
                   fraction: float | None, max_model_len: int, block_size: int,
-                  max_num_batched_tokens: int | None = None, max_kv_tokens: int | None = None) -> EngineMemory:
+                  max_num_batched_tokens: int | None = None, max_kv_tokens: int | None = None,
+                  version: str | None = None) -> EngineMemory:
     """The KV pool `engine` sizes for this model on one GPU of `gpu_memory_bytes`.
 
     `fraction` is the engine's own (None: its default); `max_num_batched_tokens` is SGLang's
     chunked_prefill_size or TensorRT-LLM's max_num_tokens; `max_kv_tokens` is SGLang's
-    --max-total-tokens or TensorRT-LLM's kv_cache_config.max_tokens.
+    --max-total-tokens or TensorRT-LLM's kv_cache_config.max_tokens; `version`, the engine's
+    release, is named in the assumptions when it is not the one the model was read from.
     """
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
     weights_bytes = weights.bytes_per_gpu(tp, pp)
@@ -330,19 +356,19 @@ def engine_memory(engine: str, spec: ModelSpec, kv: KvBytes, weights: WeightsEst
             gpu_memory_bytes=gpu_memory_bytes, weights_bytes=weights_bytes,
             kv_bytes_per_token_per_gpu=kv.kv_bytes_per_token_per_gpu, context_len=max_model_len, tp=tp, pp=pp,
             mem_fraction_static=fraction, chunked_prefill_size=max_num_batched_tokens, page_size=block_size,
-            max_total_tokens=max_kv_tokens, mla=spec.is_mla)
+            max_total_tokens=max_kv_tokens, mla=spec.is_mla, version=version)
     if engine == "trtllm":
         return trtllm_memory(
             gpu_memory_bytes=gpu_memory_bytes, weights_bytes=weights_bytes,
             kv_bytes_per_token_per_gpu=kv.kv_bytes_per_token_per_gpu, hidden_size=spec.hidden_size,
             mlp_width=_mlp_width(spec), vocab_size=spec.vocab_size or 0, max_seq_len=max_model_len, tp=tp, pp=pp,
             free_gpu_memory_fraction=fraction, max_num_tokens=max_num_batched_tokens,
-            tokens_per_block=block_size, max_tokens=max_kv_tokens)
+            tokens_per_block=block_size, max_tokens=max_kv_tokens, version=version)
     raise OptionError(f"no memory model for engine {engine!r} here (known: sglang, trtllm)", field="engine")
 
 
 __all__ = [
     "CUDA_BASELINE_BYTES", "COLLECTIVE_BASELINE_BYTES", "TRTLLM_CUDA_GRAPH_BYTES", "EngineMemory",
     "sglang_memory", "trtllm_memory", "trtllm_activation_bytes", "default_block_size", "default_fraction",
-    "engine_memory",
+    "engine_memory", "engine_notes",
 ]

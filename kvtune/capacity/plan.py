@@ -11,6 +11,7 @@ a measured capacity (`MeasuredCapacity`: --kv-tokens, a vLLM startup log, /metri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -405,6 +406,9 @@ def plan_capacity(
             block_size=block_size, max_model_len=max_model_len, shapes=shapes,
             state_bytes_per_sequence_per_gpu=state, notes=tuple(notes),
         )
+    if engine != "vllm":
+        capacity = dataclasses.replace(capacity, notes=engine_memory.engine_notes(
+            engine, capacity.notes, capacity.max_model_len, capacity.kv_cache_tokens))
     return CapacityReport(
         model=spec.name,
         gpu=gpu_name,
