@@ -12,6 +12,9 @@ A startup log says the same in the lines kvtune.engines.vllm lists (a log may ho
 startups; the last capacity in it wins). Given both, `cross_check` insists they agree, so a stale
 log or the wrong server is caught instead of silently trusted.
 
+SGLang's and TensorRT-LLM's readers (kvtune.capacity.engine_logs) return the same object with
+`engine` set and their own sources; capacity files record the engine (absent: vLLM).
+
 Everything here is pure except `fetch_capacity`, the one read of a live server: `calibrate URL`
 and `--metrics-url` (recommend, check, capacity) both go through it and get the same object.
 """
