@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
@@ -61,6 +61,7 @@ class Plan:
     gpu_memory_utilization: Basis[float]
     kv_cache_dtype: Basis[str]
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
+    engine: str = "vllm"  # the engine whose memory model and defaults the plan follows
 
     @property
     def capacity(self) -> Capacity:
@@ -86,6 +87,7 @@ def plan(
     enforce_eager: bool = False,
     measured: MeasuredCapacity | None = None,
     shapes: tuple[RequestShape, ...] = (),
+    engine: str = "vllm",
 ) -> Plan:
     """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
 
@@ -118,6 +120,12 @@ def plan(
                         f"block size {block_size} would not have its {measured.num_blocks or '?'} blocks",
                         field="block_size")
 
+    if engine not in ENGINE_NAMES:
+        raise OptionError(f"unknown engine {engine!r} (known: {', '.join(ENGINE_NAMES)})", field="engine")
+    if block_size is None and engine != "vllm" and (measured is None or measured.block_size is None):
+        from kvtune.deploy.launch import launcher
+
+        block_size = launcher(engine).DEFAULT_BLOCK_SIZE  # SGLang's page, TensorRT-LLM's tokens_per_block
     spec = resolve_model(model)
     kv = kv_bytes(spec, kv_cache_dtype=dtype.value, tp=tp, pp=pp)
     report = plan_capacity(
@@ -133,7 +141,7 @@ def plan(
         enforce_eager=enforce_eager,
     )
     return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,
-                measured.kv_cache_memory_bytes if measured else None)
+                measured.kv_cache_memory_bytes if measured else None, engine)
 
 
 def _basis(name: str, given: T | None, reported: T | None, default: T, measured: MeasuredCapacity | None) -> Basis[T]:

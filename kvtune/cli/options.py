@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import OptionError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -86,6 +86,7 @@ class CapacityArgs:
     vllm_log: str | None
     metrics_url: str | None
     capacity_file: str | None
+    engine: str
 
     def plan(self, model: str, shapes: tuple = ()):  # -> kvtune.planning.Plan
         """The plan these options describe (kvtune.plan), the measured capacity read first."""
@@ -98,7 +99,7 @@ class CapacityArgs:
                     max_model_len=parse_count(self.max_model_len, "max_model_len"),
                     max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
                     block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes)
+                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes, engine=self.engine)
 
 
 capacity_options = grouped("capacity", CapacityArgs, [
@@ -122,6 +123,8 @@ capacity_options = grouped("capacity", CapacityArgs, [
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
     click.option("--metrics-url", help="A running vLLM's URL (root or /metrics) to read the measured capacity from."),
     click.option("--capacity", "capacity_file", help="A capacity file written by `kvtune calibrate`."),
+    click.option("--engine", type=click.Choice(ENGINE_NAMES), default="vllm", show_default=True,
+                 help="The serving engine: its memory model, defaults and launch files."),
 ])
 
 

@@ -33,7 +33,8 @@ class PolicyArgs:
 
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
-        return kvtune.recommend(profile, capacity.plan(self.model), safety_fraction=self.safety_fraction,
+        return kvtune.recommend(profile, capacity.plan(self.model), engine=capacity.engine,
+                                safety_fraction=self.safety_fraction,
                                 max_truncation=self.max_truncation, vllm_version=self.vllm_version,
                                 upstream=self.upstream, route_by=log.route_by, served_model=self.served_model,
                                 progress=progress, **wanted)

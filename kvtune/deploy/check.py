@@ -85,7 +85,7 @@ class _Checker:
         self.budget = rec.budget_blocks
         self.settings = rec.settings
         self.gateways = [d for d in self.deployed if d.is_gateway]
-        self.engines = [d for d in self.deployed if d.kind is DeployedKind.VLLM]
+        self.engines = [d for d in self.deployed if d.is_engine]
         self.risky: set[tuple[str, str]] = set()  # (source, field) already reported as risk
 
     def add(self, severity: Severity, code: str, message: str, why: str, source: str | None,
@@ -275,7 +275,7 @@ class _Checker:
     # ------------------------------------------------------------ drift
 
     def check_drift(self, d: Deployed) -> None:
-        if d.kind is DeployedKind.VLLM:
+        if d.is_engine:
             defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
                         "block_size": vllm.BLOCK_SIZE}
             fields = ["tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
@@ -378,7 +378,7 @@ class _Checker:
 
     def run(self) -> CheckResult:
         for d in self.deployed:
-            if d.kind is DeployedKind.VLLM:
+            if d.is_engine:
                 self.check_engine(d)
             else:
                 self.check_gateway(d)
@@ -407,9 +407,17 @@ def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult
     that drifts from the recommendation, or carries a risk the recommendation does not (a route
     shadowed by another, a cap below the recommended one), is a rendering fault: `passed` is
     False and nothing should be written."""
+    from kvtune.deploy.launch import launcher
     from kvtune.deploy.read import parse_deployed
 
-    engine = [parse_deployed(files[n], source=n) for n in ("vllm-serve.sh",) if n in files]
+    def sibling(name: str) -> str:
+        named = name.rsplit("/", 1)[-1]
+        if named not in files:
+            raise KeyError(f"{name} was not rendered")
+        return files[named]
+
+    script = launcher(rec.engine.name).SCRIPT
+    engine = [parse_deployed(files[n], source=n, read_sibling=sibling) for n in (script,) if n in files]
     gateways = [parse_deployed(files[n], source=n) for n in ("gateway.yaml", "nginx.conf") if n in files]
     results = [check_deployment([*engine, g], rec) for g in gateways] or [check_deployment(engine, rec)]
     faults = []

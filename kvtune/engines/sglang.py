@@ -20,6 +20,19 @@ SCHEDULE_CONSERVATIVENESS = 1.0  # --schedule-conservativeness
 MAX_PREFILL_TOKENS = 16_384  # --max-prefill-tokens
 RETRACTION_POLICY = "length"  # --retraction-policy
 
+
+
+def default_chunked_prefill_size(gpu_memory_bytes: int | None) -> int:
+    """--chunked-prefill-size when not given (ServerArgs: by the GPU's memory in MiB): 2048 under
+    35 GiB (A10, L40, 4090), 8192 under 160 GiB (A100, H100, H200), 16384 above; 4096 unknown."""
+    if not gpu_memory_bytes:
+        return 4_096
+    mib = gpu_memory_bytes / 2**20
+    if mib < 35 * 1024:
+        return 2_048
+    return 8_192 if mib < 160 * 1024 else 16_384
+
+
 # --- the admission estimate (scheduler_components/new_token_ratio_tracker.py) ---------------------
 #
 # new_token_ratio starts at min(INIT_NEW_TOKEN_RATIO × conservativeness, 1), decays linearly per
@@ -53,7 +66,7 @@ GENERATE_PATHS: dict[str, str] = {
 
 __all__ = [
     "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
-    "RETRACTION_POLICY", "INIT_NEW_TOKEN_RATIO", "MIN_NEW_TOKEN_RATIO_FACTOR", "NEW_TOKEN_RATIO_DECAY_STEPS",
+    "RETRACTION_POLICY", "default_chunked_prefill_size", "INIT_NEW_TOKEN_RATIO", "MIN_NEW_TOKEN_RATIO_FACTOR", "NEW_TOKEN_RATIO_DECAY_STEPS",
     "CLIP_MAX_NEW_TOKENS_ESTIMATION", "ENV_INIT_NEW_TOKEN_RATIO", "ENV_MIN_NEW_TOKEN_RATIO_FACTOR",
     "ENV_NEW_TOKEN_RATIO_DECAY_STEPS", "ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION", "ENV_MAX_NEW_TOKENS_LIMIT",
     "QUEUE_FULL_STATUS", "GENERATE_PATHS",
