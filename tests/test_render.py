@@ -17,7 +17,15 @@ import yaml
 
 from kvtune.deploy.charts import histogram_bars
 from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
-from kvtune.deploy.render import COMMON_TARGETS, TARGETS, RenderOptions, local_chat_tokenizer, parse_upstream, render_files, write_files
+from kvtune.deploy.render import (
+    COMMON_TARGETS,
+    TARGETS,
+    RenderOptions,
+    local_chat_tokenizer,
+    parse_upstream,
+    render_files,
+    write_files,
+)
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation

@@ -19,8 +19,8 @@ from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedRoute
 from kvtune.deploy.launch import launchers
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError
-from kvtune.userfiles import brief
 from kvtune.gateway.policy import AdmissionPolicy, parse_admission
+from kvtune.userfiles import brief
 
 
 def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:

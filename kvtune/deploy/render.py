@@ -10,7 +10,6 @@ kvtune.deploy.charts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -23,8 +22,8 @@ import numpy as np
 
 from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
-from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.launch import launcher
+from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.endpoint import ServerUrl, parse_url
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import InputError, OptionError, UnknownNameError
@@ -372,6 +371,7 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 
 
 __all__ = [
-    "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files", "write_files", "make_environment", "local_chat_tokenizer",
+    "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
+    "write_files", "make_environment", "local_chat_tokenizer",
     "parse_upstream", "vllm_flags", "gateway_routes",
 ]

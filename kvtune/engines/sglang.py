@@ -22,6 +22,16 @@ RETRACTION_POLICY = "length"  # --retraction-policy
 
 
 
+def default_max_running_requests(max_total_num_tokens: int, context_len: int) -> int:
+    """The request slots SGLang makes when --max-running-requests is not given (ModelRunner's
+    memory-pool setup): max_total_num_tokens / context_len × 512, clamped to [2048, 4096]."""
+    return min(max(int(max_total_num_tokens / max(1, context_len) * 512), 2_048), 4_096)
+
+
+# when neither the flag nor the pool is known: the lower clamp
+DEFAULT_MAX_RUNNING_REQUESTS = 2_048
+
+
 def default_chunked_prefill_size(gpu_memory_bytes: int | None) -> int:
     """--chunked-prefill-size when not given (ServerArgs: by the GPU's memory in MiB): 2048 under
     35 GiB (A10, L40, 4090), 8192 under 160 GiB (A100, H100, H200), 16384 above; 4096 unknown."""
@@ -66,7 +76,9 @@ GENERATE_PATHS: dict[str, str] = {
 
 __all__ = [
     "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
-    "RETRACTION_POLICY", "default_chunked_prefill_size", "INIT_NEW_TOKEN_RATIO", "MIN_NEW_TOKEN_RATIO_FACTOR", "NEW_TOKEN_RATIO_DECAY_STEPS",
+    "RETRACTION_POLICY", "default_chunked_prefill_size", "default_max_running_requests",
+    "DEFAULT_MAX_RUNNING_REQUESTS",
+    "INIT_NEW_TOKEN_RATIO", "MIN_NEW_TOKEN_RATIO_FACTOR", "NEW_TOKEN_RATIO_DECAY_STEPS",
     "CLIP_MAX_NEW_TOKENS_ESTIMATION", "ENV_INIT_NEW_TOKEN_RATIO", "ENV_MIN_NEW_TOKEN_RATIO_FACTOR",
     "ENV_NEW_TOKEN_RATIO_DECAY_STEPS", "ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION", "ENV_MAX_NEW_TOKENS_LIMIT",
     "QUEUE_FULL_STATUS", "GENERATE_PATHS",

@@ -50,8 +50,8 @@ def sglang_settings(*, admission: AdmissionPolicy, largest_cap: int, max_num_seq
     """The SGLang server's queue, its estimate's environment and its conservativeness."""
     pinned = admission.kind is PolicyKind.GUARANTEED
     clip = Decision(max(largest_cap, 1), "clip-at-largest-cap",
-                    f"SGLang counts at most {sglang.ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION} tokens of a request's remaining "
-                    f"output (default {sglang.CLIP_MAX_NEW_TOKENS_ESTIMATION:,}); at the largest route cap "
+                    f"SGLang counts at most {sglang.ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION} tokens of a request's "
+                    f"remaining output (default {sglang.CLIP_MAX_NEW_TOKENS_ESTIMATION:,}); at the largest route cap "
                     f"{largest_cap} no route's charge is clipped short")
     queue = Decision(max_num_seqs, "queue-holds-gateway-admits",
                      f"the gateway admits at most {max_num_seqs} requests at once, so SGLang's queue never fills "
