@@ -25,7 +25,7 @@ from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.endpoint import ServerUrl, parse_url
-from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
+from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
     ADMIN_ACCESS,
@@ -325,8 +325,27 @@ def _what_if(rec: Recommendation) -> dict | None:
 
 
 def default_targets(rec: Recommendation) -> list[str]:
-    """What `recommend` writes for the recommendation's engine: its launch files, then the rest."""
-    return [*launcher(rec.engine.name).FILES, *COMMON_TARGETS]
+    """What `recommend` writes for the recommendation's engine: its launch files, then the rest.
+    nginx.conf counts prompts with the engine's /tokenize, so it is left out for an engine
+    without one (TensorRT-LLM)."""
+    counts = engine_facts(rec.engine.name).HAS_TOKENIZE
+    return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if counts or t != "nginx.conf")]
+
+
+def _counting(rec: Recommendation, wanted: list[str], options: RenderOptions) -> None:
+    """A gateway for an engine without /tokenize must count prompts itself: gateway.yaml in process
+    with the model's tokenizer, nginx.conf only by the estimate it was asked for."""
+    if engine_facts(rec.engine.name).HAS_TOKENIZE:
+        return
+    title = ENGINE_TITLES[rec.engine.name]
+    if "gateway.yaml" in wanted and options.gateway_tokenizer is None:
+        raise OptionError(f"{title}'s server has no /tokenize to count prompts with: give the gateway the model's "
+                          "tokenizer (--gateway-tokenizer DIR: tokenizer.json and a chat template) so it counts "
+                          "in process", field="gateway_tokenizer")
+    if "nginx.conf" in wanted and options.estimate_chars_per_token is None:
+        raise OptionError(f"{title}'s server has no /tokenize and nginx.conf cannot run a tokenizer: render "
+                          "gateway.yaml instead, or ask nginx.conf for an estimate (estimate_chars_per_token)",
+                          field="targets")
 
 
 def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
@@ -342,6 +361,7 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
     options = options or RenderOptions()
+    _counting(rec, wanted, options)
     env = make_environment()
     context = _context(rec, options)
     launch = launcher(rec.engine.name)

@@ -74,7 +74,13 @@ GENERATE_PATHS: dict[str, str] = {
     "/v1/completions": "completions",
 }
 
+# Whether the server counts a prompt for the gateway: POST /tokenize and /v1/tokenize take vLLM's
+# body ({model, prompt | messages, tools, chat_template_kwargs, add_special_tokens}) and answer
+# {tokens, count, max_model_len} (srt/entrypoints/http_server.py, openai/protocol.py TokenizeRequest)
+HAS_TOKENIZE = True
+
 __all__ = [
+    "HAS_TOKENIZE",
     "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
     "RETRACTION_POLICY", "default_chunked_prefill_size", "default_max_running_requests",
     "DEFAULT_MAX_RUNNING_REQUESTS",

@@ -36,7 +36,14 @@ GENERATE_PATHS: dict[str, str] = {
     "/v1/completions": "completions",
 }
 
+# Whether the server counts a prompt for the gateway: trtllm-serve serves /v1/models,
+# /v1/completions, /v1/chat/completions, /health, /metrics and /version only
+# (docs/source/commands/trtllm-serve.rst): no /tokenize
+
+HAS_TOKENIZE = False
+
 __all__ = [
+    "HAS_TOKENIZE",
     "CURRENT_VERSION", "SERVE_COMMAND", "MAX_BATCH_SIZE", "MAX_NUM_TOKENS", "KV_CACHE_FREE_GPU_MEMORY_FRACTION",
     "TOKENS_PER_BLOCK", "ENABLE_BLOCK_REUSE", "GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH",
     "CAPACITY_SCHEDULER_POLICIES", "GENERATE_PATHS",

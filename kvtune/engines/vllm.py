@@ -176,7 +176,11 @@ OTHER_PATHS = frozenset({
 })
 
 
+# Whether the server counts a prompt for the gateway: POST /tokenize (vllm/entrypoints/serve/tokenize)
+HAS_TOKENIZE = True
+
 __all__ = [
+    "HAS_TOKENIZE",
     "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "V0_SWAP_SPACE_GIB",
     "GPU_MEMORY_UTILIZATION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
     "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_NUM_SEQS",
