@@ -131,8 +131,11 @@ def read(text: str, source: str = "<command>", *, read_sibling: Any = None) -> D
     if named is not None and read_sibling is not None:
         try:
             sibling_text = read_sibling(named)
+        except InputError as exc:
+            raise InputError(f"cannot read {brief(named, 80)}: {exc.message}", path=source,
+                             field="--extra_llm_api_options") from exc
         except (OSError, KeyError) as exc:
-            raise InputError(f"cannot read the file it names: {exc}", path=source,
+            raise InputError(f"cannot read {brief(named, 80)}: {exc}", path=source,
                              field="--extra_llm_api_options") from exc
         extra = _options(sibling_text, named)
     for key, (section, name), convert in OPTION_KEYS:
