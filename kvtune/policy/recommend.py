@@ -333,7 +333,7 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
         "max_model_len": max_len,
         "max_num_seqs": seqs,
         "max_num_batched_tokens": batched,
-        "gpu_memory_utilization": rules.gpu_memory_utilization(plan.gpu_memory_utilization),
+        "gpu_memory_utilization": rules.gpu_memory_utilization(plan.gpu_memory_utilization, engine),
         "kv_cache_dtype": engine_rules.engine_kv_cache_dtype(
             engine, rules.kv_cache_dtype(plan.kv_cache_dtype, kv.bytes_per_element)),
         "block_size": rules.block_size(block_size, capacity.source.value, capacity.measured),
