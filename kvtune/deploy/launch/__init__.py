@@ -33,15 +33,11 @@ class Line:
 
 def launcher(engine: str) -> ModuleType:
     """The launch module of `engine` ("vllm", "sglang", "trtllm")."""
-    if engine == "vllm":
-        from kvtune.deploy.launch import vllm as module
-    elif engine == "sglang":
-        from kvtune.deploy.launch import sglang as module
-    elif engine == "trtllm":
-        from kvtune.deploy.launch import trtllm as module
-    else:
+    import importlib
+
+    if engine not in ENGINE_NAMES:
         raise UnknownNameError(f"unknown engine {engine!r} (known: {', '.join(ENGINE_NAMES)})", field="engine")
-    return module
+    return importlib.import_module(f"kvtune.deploy.launch.{engine}")
 
 
 def launchers() -> list[ModuleType]:
