@@ -209,6 +209,7 @@ def lua_policy() -> dict:
         "pool": {path: api.value for path, api in endpoints.POOL.items()},
         "uncountable": dict(endpoints.UNCOUNTABLE),
         "operator": dict.fromkeys(sorted(endpoints.OPERATOR), True),
+        "operator_prefixes": list(endpoints.OPERATOR_PREFIXES),
         # PCRE spellings of the same regular expressions (re.fullmatch: anchored, \z not $)
         "canonical": r"\A(?:" + endpoints._CANONICAL.pattern + r")\z",
         "dot_segment": endpoints._DOT_SEGMENT.pattern,

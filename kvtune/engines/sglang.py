@@ -79,7 +79,41 @@ GENERATE_PATHS: dict[str, str] = {
 # {tokens, count, max_model_len} (srt/entrypoints/http_server.py, openai/protocol.py TokenizeRequest)
 HAS_TOKENIZE = True
 
+# --- the server's paths beyond vLLM's (srt/entrypoints/http_server.py, 0.5.23, read route by route)
+#
+# The gateway refuses what it does not know, but an allow-list must never open these: SGLang's
+# own APIs generate or fill KV in request shapes the gateway does not read, and its control
+# paths free memory, swap weights or pause the scheduler.
+
+NATIVE_GENERATE_PATHS: dict[str, str] = {
+    "/generate": "SGLang's native generate API (text or input_ids, sampling_params) is not read by the gateway",
+    "/encode": "SGLang's native encode API fills KV in a request shape the gateway does not read",
+    "/v1/decisions": "structured decisions are rendered server-side",
+    "/api/chat": "the Ollama chat API (SGLANG_OLLAMA_CHAT_ROUTE) is not read by the gateway",
+    "/api/generate": "the Ollama generate API (SGLANG_OLLAMA_GENERATE_ROUTE) is not read by the gateway",
+    "/vertex_generate": "the Vertex AI predict route (AIP_PREDICT_ROUTE) is not read by the gateway",
+}
+OPERATOR_PATHS = frozenset({
+    "/set_internal_state", "/flush_cache", "/configure_logging", "/slow_down", "/pd_role_switch",
+    "/pause_generation", "/continue_generation", "/abort_request", "/freeze_gc", "/set_trace_level",
+    "/add_external_corpus", "/remove_external_corpus", "/list_external_corpora",
+    "/hicache/storage-backend", "/hicache/storage-backend/clear", "/get_hicache_l3_cache_layout",
+    "/start_profile", "/stop_profile",
+    "/start_expert_distribution_record", "/stop_expert_distribution_record", "/dump_expert_distribution_record",
+    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
+    "/update_weights_from_ipc", "/update_weight_version", "/begin_weight_update", "/end_weight_update",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance", "/get_remote_instance_transfer_engine_info",
+    "/remote_instance_transfer_engine_info", "/get_weights_by_name", "/weights_checker",
+    "/release_memory_occupation", "/resume_memory_occupation",
+    "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+    "/open_session", "/close_session", "/get_server_info", "/server_info",
+})
+# path prefixes of templated control routes (`/dumper/{method}`)
+OPERATOR_PREFIXES = ("/dumper/",)
+
 __all__ = [
+    "NATIVE_GENERATE_PATHS", "OPERATOR_PATHS", "OPERATOR_PREFIXES",
     "HAS_TOKENIZE",
     "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
     "RETRACTION_POLICY", "default_chunked_prefill_size", "default_max_running_requests",
