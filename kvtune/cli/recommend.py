@@ -99,9 +99,9 @@ objective_options = grouped("objective", ObjectiveArgs, [
 policy_options = grouped("policy", PolicyArgs, [
     click.option("--model", "-m", "model", required=True,
                  help="config.json, model directory, preset name or hub id."),
-    click.option("--served-model", help="What `vllm serve` loads (hub id or path).  [default: the model's hub id]"),
+    click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
-                 help="The vLLM the gateway configs point at."),
+                 help="The engine server the gateway configs point at."),
     click.option("--vllm-version", default=CURRENT_VLLM_VERSION, show_default=True,
                  help="Target vLLM release; 0.6 … 0.7 are V0-era (swap and --preemption-mode)."),
     click.option("--safety-fraction", type=float,
@@ -162,7 +162,7 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
               objective: ObjectiveArgs, gateway_tokenizer: str | None, out_dir: str | None, json_: bool) -> None:
-    """Recommend output caps, a KV block budget and vLLM settings from real traffic.
+    """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
     profile saved with `kvtune profile --save`. Every number comes with the rule behind it.
@@ -172,6 +172,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     \b
     Example:
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --out deploy/
+        kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --engine sglang --out deploy/
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
             --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """
