@@ -24,7 +24,16 @@ Interface (import as `from sglang_parser import ...`, as conftest imports vllm_s
         server_args_error), and mismatches(expected: {dest: value}) -> list[str] (value AND type).
     SglangParser: version, allow_abbrev (True in 0.5.23), options (every option string ->
         SglangOption(dest, action, type, default, choices, nargs, required, option_strings)),
-        option_strings, inexact_options(argv).
+        option_strings, inexact_options(argv), env_fields (every variable `sglang.srt.environ.Envs`
+        declares -> SglangEnvField(kind, default); kind is EnvInt, EnvFloat, EnvBool, …).
+    parse_sglang_batch(argvs, envs) -> SglangBatch(parser, results, env_results)
+        The same subprocess, also parsing environment mappings ({"SGLANG_X": "1"}, what a rendered
+        script exports) each value with its own EnvField.parse: env_results[i][name] is an
+        SglangEnvValue(ok, kind, value, error); an undeclared name is not ok. (EnvField.get would
+        warn and fall back to the default on a bad value, so a typo there is silent at run time.)
+    env_errors(env_result, expected=None) -> list[str]
+        One line per variable that is undeclared or does not parse, or (expected given) whose
+        parsed value or type differs.
     inexact_options(argv, parser=None) -> list[str]
         Every option token of argv (before a bare `--`, `--opt=value` split at `=`) that is not an
         exact option string: argparse's allow_abbrev accepts `--max-running-req 7` silently, so a
@@ -39,6 +48,11 @@ A test that renders sglang-serve.sh:
     assert parsed.ok, parsed.error
     assert parsed.mismatches({"max_running_requests": 48, "mem_fraction_static": 0.85}) == []
     assert parser.inexact_options(argv) == []
+
+and for its exported environment (the names issue #14 renders are EnvFloat/EnvInt in 0.5.23):
+
+    batch = parse_sglang_batch([argv], [{"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "1"}])
+    assert env_errors(batch.env_results[0], {"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": 1.0}) == []
 """
 
 from __future__ import annotations
@@ -143,12 +157,31 @@ def _same(got: object, want: object) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class SglangEnvField:
+    """One variable declared in sglang.srt.environ.Envs: its EnvField class and default."""
+
+    kind: str
+    default: object  # "<computed>" where the default is a function
+
+
+@dataclass(frozen=True, slots=True)
+class SglangEnvValue:
+    """One environment variable's value as its own EnvField parsed it, or why it could not."""
+
+    ok: bool
+    kind: str | None
+    value: object = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SglangParser:
-    """What SGLang's parser defines: every option string and its action."""
+    """What SGLang's parser defines: every option string and its action, and its env variables."""
 
     version: str | None
     allow_abbrev: bool
     options: Mapping[str, SglangOption]  # keyed by every option string
+    env_fields: Mapping[str, SglangEnvField] = field(default_factory=dict)
 
     @property
     def option_strings(self) -> frozenset[str]:
@@ -168,18 +201,35 @@ class SglangParser:
         return found
 
 
+@dataclass(frozen=True, slots=True)
+class SglangBatch:
+    """Everything one subprocess answered: the parser, each argv's parse, each env's parse."""
+
+    parser: SglangParser
+    results: list[SglangParse]
+    env_results: list[dict[str, SglangEnvValue]]
+
+
 _last_parser: SglangParser | None = None
 
 
 def parse_sglang(argvs: Sequence[Sequence[str]]) -> tuple[SglangParser, list[SglangParse]]:
     """Parse every argv with SGLang's parser in one subprocess of the venv."""
+    batch = parse_sglang_batch(argvs)
+    return batch.parser, batch.results
+
+
+def parse_sglang_batch(argvs: Sequence[Sequence[str]],
+                       envs: Sequence[Mapping[str, str]] = ()) -> SglangBatch:
+    """Parse every argv, and every environment mapping, in one subprocess of the venv."""
     global _last_parser
     python = require_sglang_python()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONNOUSERSITE="1", PYTHONWARNINGS="ignore")
+    request = {"argvs": [list(a) for a in argvs], "envs": [dict(e) for e in envs]}
     with tempfile.TemporaryDirectory(prefix="kvtune-sglang-") as folder:
         out = Path(folder) / "parsed.json"
-        proc = subprocess.run([str(python), str(_CHILD), str(out)], input=json.dumps([list(a) for a in argvs]),
+        proc = subprocess.run([str(python), str(_CHILD), str(out)], input=json.dumps(request),
                               capture_output=True, text=True, timeout=PARSE_TIMEOUT_S, env=env, cwd=folder)
         if proc.returncode != 0 or not out.is_file():
             pytest.fail(f"SGLang's parser did not run (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
@@ -194,8 +244,10 @@ def parse_sglang(argvs: Sequence[Sequence[str]]) -> tuple[SglangParser, list[Sgl
             nargs=row["nargs"], required=row["required"])
         for name in option.option_strings:
             options[name] = option
+    env_fields = {name: SglangEnvField(kind=row["kind"], default=row["default"])
+                  for name, row in document["env_fields"].items()}
     parser = SglangParser(version=document["sglang_version"], allow_abbrev=document["allow_abbrev"],
-                          options=options)
+                          options=options, env_fields=env_fields)
     _last_parser = parser
     results = [
         SglangParse(argv=tuple(argv), ok=row["ok"], status=row.get("status"), error=row.get("error"),
@@ -203,7 +255,27 @@ def parse_sglang(argvs: Sequence[Sequence[str]]) -> tuple[SglangParser, list[Sgl
                     server_args_error=row.get("server_args_error"))
         for argv, row in zip(argvs, document["results"], strict=True)
     ]
-    return parser, results
+    env_results = [
+        {name: SglangEnvValue(ok=v["ok"], kind=v["kind"], value=v.get("value"), error=v.get("error"))
+         for name, v in row.items()}
+        for row in document["env_results"]
+    ]
+    return SglangBatch(parser=parser, results=results, env_results=env_results)
+
+
+def env_errors(env_result: Mapping[str, SglangEnvValue], expected: Mapping[str, object] | None = None) -> list[str]:
+    """One line per variable that SGLang would not read as meant."""
+    problems = []
+    for name, parsed in env_result.items():
+        if not parsed.ok:
+            problems.append(f"{name}: {parsed.error}")
+            continue
+        if expected is not None and name in expected:
+            want = expected[name]
+            if type(parsed.value) is not type(want) or not _same(parsed.value, want):
+                problems.append(f"{name}: expected {want!r} ({type(want).__name__}), "
+                                f"{parsed.kind} parsed {parsed.value!r} ({type(parsed.value).__name__})")
+    return problems
 
 
 def sglang_parser() -> SglangParser:

@@ -1,8 +1,10 @@
 """Runs inside the SGLang parser virtualenv (scripts/setup-sglang-parser.sh), never in kvtune's.
 
-Reads a JSON list of argvs on stdin, writes one JSON document to the path in argv[1]: the parser's
-actions (every option string with its dest, action kind, type, default, choices) and, for each argv,
-either the parsed values or argparse's error. tests/sglang_parser.py is its only caller.
+Reads {"argvs": [...], "envs": [{NAME: VALUE}, ...]} as JSON on stdin, writes one JSON document to
+the path in argv[1]: the parser's actions (every option string with its dest, action kind, type,
+default, choices), for each argv the parsed values or argparse's error, and for each environment
+mapping each variable parsed by its own `sglang.srt.environ.Envs` field (EnvInt, EnvFloat, EnvBool,
+…) or the reason it cannot be. tests/sglang_parser.py is its only caller.
 
 The parser is built as `sglang.srt.server_args.prepare_server_args` builds it (a plain
 `argparse.ArgumentParser` plus `ServerArgs.add_cli_args`), with `error`/`exit` raising instead of
@@ -107,12 +109,42 @@ def _parse_one(parser: argparse.ArgumentParser, server_args_cls, argv: list[str]
     return result
 
 
+def _env_fields(environ_module) -> dict:
+    """Envs' declared variables: name -> its EnvField (the class attributes of Envs)."""
+    return {name: value for name, value in vars(type(environ_module.envs)).items()
+            if isinstance(value, environ_module.EnvField)}
+
+
+def _parse_env(fields: dict, env: dict) -> dict:
+    parsed = {}
+    for name, raw in env.items():
+        env_field = fields.get(name)
+        if env_field is None:
+            parsed[name] = {"ok": False, "kind": None, "error": "not declared in sglang.srt.environ.Envs"}
+            continue
+        try:
+            value = env_field.parse(raw)
+        except ValueError as exc:  # EnvField.get would warn and fall back to the default
+            parsed[name] = {"ok": False, "kind": type(env_field).__name__, "error": str(exc)}
+        else:
+            parsed[name] = {"ok": True, "kind": type(env_field).__name__, "value": _jsonable(value)}
+    return parsed
+
+
+def _env_table(fields: dict) -> dict:
+    return {name: {"kind": type(f).__name__,
+                   "default": "<computed>" if callable(f.default) else _jsonable(f.default)}
+            for name, f in fields.items()}
+
+
 def main() -> int:
     out_path = pathlib.Path(sys.argv[1])
-    argvs = json.load(sys.stdin)
+    request = json.load(sys.stdin)
+    argvs, envs = request["argvs"], request["envs"]
     noise = io.StringIO()
     with contextlib.redirect_stdout(noise):
         import sglang
+        from sglang.srt import environ
         from sglang.srt.server_args import ServerArgs
 
         parser = _RaisingParser(prog="sglang serve")
@@ -122,6 +154,8 @@ def main() -> int:
         "allow_abbrev": parser.allow_abbrev,
         "actions": _actions(parser),
         "results": [_parse_one(parser, ServerArgs, list(argv)) for argv in argvs],
+        "env_fields": _env_table(_env_fields(environ)),
+        "env_results": [_parse_env(_env_fields(environ), dict(env)) for env in envs],
     }
     out_path.write_text(json.dumps(document), encoding="utf-8")
     return 0

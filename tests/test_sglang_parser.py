@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from script_argv import after, run_with_stand_ins
-from sglang_parser import SglangParse, inexact_options, parse_sglang, require_sglang_python
+from sglang_parser import SglangParse, env_errors, inexact_options, parse_sglang_batch, require_sglang_python
 
 # option -> (dest, argparse action, type converter, default), SGLang 0.5.23.
 # human_readable_int takes an int with an optional SI/IEC suffix ("16k" = 16000, "16Ki" = 16384).
@@ -43,6 +43,23 @@ SGLANG_CHOICES: dict[str, tuple[str, ...]] = {
                           "shortest-prefill-first"),
 }
 SGLANG_ALIASES = {"--model-path": ("--model-path", "--model"), "--tp-size": ("--tp-size", "--tensor-parallel-size")}
+
+# variable -> (EnvField class, default) in sglang/srt/environ.py (class Envs), SGLang 0.5.23: the
+# environment issue #14 renders to make SGLang reserve like the recommendation (engines.md).
+SGLANG_ENV: dict[str, tuple[str, object]] = {
+    "SGLANG_INIT_NEW_TOKEN_RATIO": ("EnvFloat", 0.7),
+    "SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": ("EnvFloat", 0.14),
+    "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": ("EnvInt", 600),
+    "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": ("EnvInt", 4096),
+    "SGLANG_MAX_NEW_TOKENS_LIMIT": ("EnvInt", None),
+    "SGLANG_REQ_WAITING_TIMEOUT": ("EnvFloat", -1),  # seconds; -1 off
+}
+ENVS = {
+    "rendered": {"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "1", "SGLANG_INIT_NEW_TOKEN_RATIO": "1.0",
+                 "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "8192", "SGLANG_MAX_NEW_TOKENS_LIMIT": "8192"},
+    "bad": {"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "8k", "SGLANG_MAX_NEW_TOKEN_LIMIT": "8192",
+            "SGLANG_INIT_NEW_TOKEN_RATIO": "high"},
+}
 
 RENDERED = [
     "--model-path", "meta-llama/Llama-3.1-8B", "--host", "0.0.0.0", "--port", "30001",
@@ -78,10 +95,15 @@ CASES: dict[str, list[str]] = {
 
 
 @pytest.fixture(scope="module")
-def parsed():
-    """(parser, {case: SglangParse}) from ONE subprocess for every case of this module."""
-    parser, results = parse_sglang(list(CASES.values()))
-    return parser, dict(zip(CASES, results, strict=True))
+def batch():
+    """ONE subprocess for every argv and environment of this module."""
+    return parse_sglang_batch(list(CASES.values()), list(ENVS.values()))
+
+
+@pytest.fixture(scope="module")
+def parsed(batch):
+    """(parser, {case: SglangParse})."""
+    return batch.parser, dict(zip(CASES, batch.results, strict=True))
 
 
 def test_flag_table_matches_sglangs_parser(parsed):
@@ -196,3 +218,23 @@ def test_stand_ins_record_what_bash_passes(tmp_path):
         "--model-path", "org/mo del 'x'", "--port", "30001", "--enable-metrics"]
     with pytest.raises(AssertionError, match="no stand-in call"):
         after(calls, "-m", "vllm")
+
+
+def test_env_table_matches_sglangs_envs(batch):
+    fields = batch.parser.env_fields
+    assert len(fields) > 500  # the whole Envs class came back, not a subset
+    assert {name: (fields[name].kind, fields[name].default) for name in SGLANG_ENV} == SGLANG_ENV
+
+
+def test_rendered_environment_parses_with_sglangs_own_fields(batch):
+    rendered, bad = batch.env_results
+    assert env_errors(rendered, {"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": 1.0, "SGLANG_INIT_NEW_TOKEN_RATIO": 1.0,
+                                 "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": 8192,
+                                 "SGLANG_MAX_NEW_TOKENS_LIMIT": 8192}) == []
+    assert env_errors(rendered, {"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": 8192.0}) == [
+        "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: expected 8192.0 (float), EnvInt parsed 8192 (int)"]
+    assert env_errors(bad) == [
+        'SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: "8k" is not a valid integer value',
+        "SGLANG_MAX_NEW_TOKEN_LIMIT: not declared in sglang.srt.environ.Envs",
+        'SGLANG_INIT_NEW_TOKEN_RATIO: "high" is not a valid float value',
+    ]
