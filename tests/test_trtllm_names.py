@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from script_argv import run_with_stand_ins
 from trtllm_names import (
     KV_CACHE_CONFIG,
     OLDER_SERVE_NAMES,
@@ -199,3 +200,19 @@ def test_a_flag_and_a_yaml_key_that_disagree_are_named():
         "kv_cache_config whole drop --kv_cache_free_gpu_memory_fraction 0.85 (0.9 instead): "
         "write the fraction in the YAML"]
     assert check_trtllm_conflicts(["m"], None) == []
+
+
+def test_a_rendered_pair_checked_as_the_lead_will(tmp_path):
+    options = tmp_path / "extra-llm-api-options.yaml"
+    options.write_text(RENDERED_YAML, encoding="utf-8")
+    script = ("#!/usr/bin/env bash\nset -euo pipefail\nHERE=\"$(cd \"$(dirname \"$0\")\" && pwd)\"\n"
+              "exec trtllm-serve serve meta-llama/Llama-3.1-8B --max_batch_size 64 --max_num_tokens 8192 \\\n"
+              "  --max_seq_len 14512 --kv_cache_free_gpu_memory_fraction 0.85 --tp_size 2 \\\n"
+              "  --extra_llm_api_options \"$HERE/extra-llm-api-options.yaml\" \"$@\"\n")
+    (call,) = run_with_stand_ins(script, tmp_path, ["trtllm-serve"])
+    argv = list(call.argv)
+    data = yaml.safe_load(options.read_text(encoding="utf-8"))
+    assert check_trtllm_serve_argv(argv) == []
+    assert check_trtllm_yaml(data) == []
+    assert check_trtllm_conflicts(argv, data) == []
+    assert argv[argv.index("--extra_llm_api_options") + 1] == str(options)

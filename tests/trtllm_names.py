@@ -46,6 +46,15 @@ Interface (import as `from trtllm_names import ...`):
     check_trtllm_conflicts(argv, data) -> list[str]  a flag and a YAML key that set the same
         field to different values, and a YAML kv_cache_config that would drop the CLI fraction.
     portable_options() -> frozenset[str]         option names both serve.py commits accept.
+
+A test that renders trtllm-serve.sh + its YAML (script_argv runs the script with bash):
+
+    (call,) = script_argv.run_with_stand_ins(script, tmp_path, ["trtllm-serve"])
+    data = yaml.safe_load(yaml_text)
+    assert check_trtllm_serve_argv(call.argv) == []
+    assert check_trtllm_yaml(data) == []
+    assert check_trtllm_conflicts(call.argv, data) == []
+    assert {a for a in call.argv if a.startswith("--")} <= portable_options()
 """
 
 from __future__ import annotations
