@@ -30,10 +30,13 @@ rm -rf "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "torch==$TORCH_VERSION"
 # What sglang/srt/server_args.py imports, directly or through sglang/srt/utils (which imports
-# torch and triton at module level); sglang's own requirements would pull a CUDA stack.
+# torch and triton at module level); sglang's own requirements would pull a CUDA stack. Pinned to
+# the versions the import check passed with, so the parser the tests trust does not drift.
 "$VENV/bin/python" -m pip install --quiet \
-    triton numpy orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq \
-    aiohttp tqdm packaging typing_extensions setuptools_scm IPython
+    triton==3.9.0 numpy==2.4.6 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 \
+    pillow==13.0.0 starlette==1.10.0 msgspec==0.23.0 pydantic==2.14.4 pyzmq==27.3.0 \
+    aiohttp==3.14.5 tqdm==4.70.1 packaging==26.4 typing_extensions==4.16.0 \
+    setuptools_scm==10.3.4 IPython==9.18.1
 "$VENV/bin/python" -m pip install --quiet --no-deps "sglang==$SGLANG_VERSION"
 "$VENV/bin/python" -c "$CHECK"
 touch "$STAMP"

@@ -19,6 +19,7 @@ Interface (import as `from sglang_parser import ...`, as conftest imports vllm_s
         argv parsed, then `ServerArgs.from_cli_args(namespace)`. In 0.5.23 that only builds the
         record: `__post_init__` resolves nothing, device probing and model loading wait for
         `resolve_once()`, which the launcher calls later, so it runs here on CPU without a model.
+        Not modelled: `--config FILE` (prepare_server_args merges that YAML into argv first).
     SglangParse: ok, status (2 = argparse error), error (argparse's message), namespace (dest ->
         JSON value), server_args (dest -> value read back from the ServerArgs record, or None with
         server_args_error), and mismatches(expected: {dest: value}) -> list[str] (value AND type).
