@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from script_argv import run_with_stand_ins
 from trtllm_names import (
     KV_CACHE_CONFIG,
@@ -216,3 +218,28 @@ def test_a_rendered_pair_checked_as_the_lead_will(tmp_path):
     assert check_trtllm_yaml(data) == []
     assert check_trtllm_conflicts(argv, data) == []
     assert argv[argv.index("--extra_llm_api_options") + 1] == str(options)
+
+
+_TOKENS = st.one_of(st.sampled_from(sorted(OPTION_BY_NAME)), st.sampled_from(["serve", "--", "-", "m", "1", "-1",
+                                                                              "0.5", "trt", "info", "x=y"]),
+                    st.text(max_size=8))
+_YAML_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=6))
+_YAML = st.recursive(_YAML_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.one_of(st.sampled_from(sorted(TOP_LEVEL) + sorted(KV_CACHE_CONFIG) + sorted(SCHEDULER_CONFIG)),
+                              st.text(max_size=6), st.integers()), inner, max_size=4)), max_leaves=12)
+
+
+@given(st.lists(_TOKENS, max_size=10))
+def test_any_argv_gives_error_lines_never_an_exception(argv):
+    errors = check_trtllm_serve_argv(argv)
+    assert all(isinstance(e, str) and e for e in errors)
+    assert all(isinstance(e, str) for e in check_trtllm_conflicts(argv, {"max_batch_size": 1}))
+
+
+@given(_YAML)
+def test_any_yaml_gives_error_lines_never_an_exception(data):
+    errors = check_trtllm_yaml(data)
+    assert all(isinstance(e, str) and e for e in errors)
+    if isinstance(data, dict) and not errors:
+        assert set(data) <= set(TOP_LEVEL) | {"hf_revision", "sampler_type"}
