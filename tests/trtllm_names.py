@@ -17,11 +17,13 @@ commits, none of them a release tag):
 Places are given as class/function names: line numbers were not available from the snapshots.
 
 What the source does, and what the validators model:
-  * Unknown keys are errors at every level. Every config class derives from StrictBaseModel
-    (extra="forbid": `class Config: extra = "forbid"` in llm_args.py of older versions, imported
-    from llmapi/utils.py in LLM_ARGS_COMMIT), and BaseLlmArgs sets
-    `model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")`: TorchLlmArgs(**args)
-    raises a pydantic ValidationError at startup.
+  * Unknown keys are errors at every level. BaseLlmArgs sets
+    `model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")` (read at
+    LLM_ARGS_COMMIT), so TorchLlmArgs(**args) raises a pydantic ValidationError at startup; every
+    nested config class derives from StrictBaseModel, which older llm_args.py define in place as
+    "A base model that forbids arbitrary fields" (`class Config: extra = "forbid"`). At
+    LLM_ARGS_COMMIT it is imported from llmapi/utils.py, whose stored snapshots predate it: that
+    it still forbids extras is inferred from its name and history, not read.
   * `serve` builds args from its flags (get_llm_args: KvCacheConfig(free_gpu_memory_fraction=...),
     SchedulerConfig(capacity_scheduler_policy=GUARANTEED_NO_EVICT, dynamic_batch_config=...)), then
     update_llm_args_with_extra_dict merges the YAML over them with `llm_args | llm_args_dict`: a
