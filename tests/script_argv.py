@@ -20,13 +20,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _STAND_IN = """#!{python}
 import json, os, sys
 with open(os.environ["KVTUNE_STAND_IN_LOG"], "a", encoding="utf-8") as log:
-    log.write(json.dumps({{"program": {name!r}, "argv": sys.argv[1:]}}) + "\\n")
+    env = {{k: v for k, v in os.environ.items() if k.startswith(("SGLANG_", "TRTLLM_"))}}
+    log.write(json.dumps({{"program": {name!r}, "argv": sys.argv[1:], "env": env}}) + "\\n")
 """
 
 
@@ -36,6 +37,7 @@ class Call:
 
     program: str
     argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # the SGLANG_* / TRTLLM_* variables it saw
 
 
 def run_with_stand_ins(script: str, tmp_path: Path, programs: Sequence[str], *, args: Sequence[str] = (),
@@ -51,7 +53,8 @@ def run_with_stand_ins(script: str, tmp_path: Path, programs: Sequence[str], *, 
     log.write_text("", encoding="utf-8")
     script_path = tmp_path / "launch.sh"
     script_path.write_text(script, encoding="utf-8")
-    run_env = {**os.environ, **(env or {}), "PATH": f"{bindir}:{os.environ['PATH']}",
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "TRTLLM_"))}
+    run_env = {**inherited, **(env or {}), "PATH": f"{bindir}:{os.environ['PATH']}",
                "KVTUNE_STAND_IN_LOG": str(log)}
     proc = subprocess.run(["bash", str(script_path), *args], capture_output=True, text=True, env=run_env,
                           timeout=timeout_s, cwd=tmp_path)
@@ -59,7 +62,7 @@ def run_with_stand_ins(script: str, tmp_path: Path, programs: Sequence[str], *, 
     calls = []
     for line in log.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        calls.append(Call(program=row["program"], argv=tuple(row["argv"])))
+        calls.append(Call(program=row["program"], argv=tuple(row["argv"]), env=row.get("env", {})))
     return calls
 
 

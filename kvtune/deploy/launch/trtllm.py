@@ -42,7 +42,10 @@ FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("gpu_memory_utilization", "--kv_cache_free_gpu_memory_fraction", cl.fraction),
 )
 # recommendation setting -> (section, key) of the LLM API options YAML
+# (trtllm-serve merges this file over its options, and older releases replace the whole
+# kv_cache_config with the file's: the memory fraction is written here too, to the same value)
 OPTION_KEYS: tuple[tuple[str, tuple[str, ...], Any], ...] = (
+    ("gpu_memory_utilization", ("kv_cache_config", "free_gpu_memory_fraction"), cl.fraction),
     ("kv_cache_tokens", ("kv_cache_config", "max_tokens"), cl.integer),
     ("block_size", ("kv_cache_config", "tokens_per_block"), cl.integer),
     ("kv_cache_dtype", ("kv_cache_config", "dtype"), cl.text),
@@ -143,7 +146,10 @@ def read(text: str, source: str = "<command>", *, read_sibling: Any = None) -> D
         if block is not None and not isinstance(block, dict):
             raise InputError(f"expected a mapping, found {brief(block)}", path=named, field=section)
         value = None if block is None else block.get(name)
-        values[key] = None if value is None else convert(value, f"{section}.{name}", str(named))
+        if value is not None:  # the file wins over the option, as trtllm-serve merges them
+            values[key] = convert(value, f"{section}.{name}", str(named))
+        else:
+            values.setdefault(key, None)
     return Deployed(
         kind=DeployedKind.TRTLLM, source=source, model=model,
         block_size=values["block_size"], max_model_len=values["max_model_len"],
