@@ -85,6 +85,8 @@ HAS_TOKENIZE = True
 # own APIs generate or fill KV in request shapes the gateway does not read, and its control
 # paths free memory, swap weights or pause the scheduler.
 
+# pooling paths vLLM does not have, by the API the gateway reads them with (ClassifyRequest: input)
+POOL_PATHS: dict[str, str] = {"/v1/classify": "embed"}
 NATIVE_GENERATE_PATHS: dict[str, str] = {
     "/generate": "SGLang's native generate API (text or input_ids, sampling_params) is not read by the gateway",
     "/encode": "SGLang's native encode API fills KV in a request shape the gateway does not read",
@@ -109,11 +111,18 @@ OPERATOR_PATHS = frozenset({
     "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
     "/open_session", "/close_session", "/get_server_info", "/server_info",
 })
+# paths that neither generate nor control the engine (refused unless allow-listed, like vLLM's)
+OTHER_PATHS = frozenset({
+    "/", "/ready", "/health", "/health_generate", "/ping", "/get_model_info", "/model_info",
+    "/v1/models", "/v1/models/{model:path}", "/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize",
+    "/parse_function_call", "/separate_reasoning", "/v1/messages/count_tokens", "/api/tags", "/api/show",
+    "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+})
 # path prefixes of templated control routes (`/dumper/{method}`)
 OPERATOR_PREFIXES = ("/dumper/",)
 
 __all__ = [
-    "NATIVE_GENERATE_PATHS", "OPERATOR_PATHS", "OPERATOR_PREFIXES",
+    "POOL_PATHS", "NATIVE_GENERATE_PATHS", "OPERATOR_PATHS", "OPERATOR_PREFIXES", "OTHER_PATHS",
     "HAS_TOKENIZE",
     "CURRENT_VERSION", "LAUNCH_MODULE", "PAGE_SIZE", "SCHEDULE_CONSERVATIVENESS", "MAX_PREFILL_TOKENS",
     "RETRACTION_POLICY", "default_chunked_prefill_size", "default_max_running_requests",

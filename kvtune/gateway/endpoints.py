@@ -55,7 +55,7 @@ ROUTE_APIS = (Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.MESSAGES, Api.ANY)
 
 # vLLM's own paths by class (kvtune.engines.vllm), read by the APIs they speak.
 GENERATE: dict[str, Api] = {path: Api(api) for path, api in vllm.GENERATE_PATHS.items()}
-POOL: dict[str, Api] = {path: Api(api) for path, api in vllm.POOL_PATHS.items()}
+POOL: dict[str, Api] = {path: Api(api) for path, api in {**vllm.POOL_PATHS, **sglang.POOL_PATHS}.items()}
 UNCOUNTABLE: dict[str, str] = {**vllm.UNCOUNTABLE_PATHS, **sglang.NATIVE_GENERATE_PATHS}  # path -> why
 OPERATOR = vllm.OPERATOR_PATHS | sglang.OPERATOR_PATHS
 OPERATOR_PREFIXES = sglang.OPERATOR_PREFIXES  # templated control routes
