@@ -119,7 +119,8 @@ def profile_limits(model: MemoryModel, *, max_model_len: int, max_num_batched_to
         if max_num_batched_tokens is None:
             batched = max(max_model_len, V0_MAX_NUM_BATCHED_TOKENS)
             why = (f"max_num_batched_tokens {batched:,} = max(max_model_len, {V0_MAX_NUM_BATCHED_TOKENS:,}): "
-                   f"{model.label} profiles without chunked prefill")
+                   f"{model.label} profiles without chunked prefill (give --max-num-batched-tokens if the server "
+                   "ran with it)")
         else:
             batched = max_num_batched_tokens
             why = (f"max_num_batched_tokens {batched:,} as given ({model.label}; below max_model_len it needs "
