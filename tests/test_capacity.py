@@ -355,3 +355,17 @@ def test_every_part_of_the_estimate_names_the_release(llama):
     current = plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama),
                             gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB")
     assert current.engine_version == "0.33" and any("vLLM 0.33 (V1)" in a for a in current.assumptions)
+
+
+@given(st.sampled_from(["0.2.4", "0.2.7", "0.6.5", "0.7.3", "0.9.2", "0.21", None]), st.integers(1, 65_536),
+       st.integers(0, 65_536), st.integers(1, 1024), st.integers(0, 1024), st.sampled_from([1, 2, 8]))
+def test_overhead_grows_with_the_profiled_batch(version, tokens, more_tokens, seqs, more_seqs, tp):
+    def overhead(t, s):
+        return estimate_overhead(hidden_size=4096, mlp_width=14336, vocab_size=128_256, max_num_batched_tokens=t,
+                                 max_num_seqs=s, tp=tp, engine_version=version)
+
+    base = overhead(tokens, seqs)
+    assert overhead(tokens + more_tokens, seqs + more_seqs).total_bytes >= base.total_bytes
+    model = memory_model(version)
+    assert (base.cuda_graph_bytes > 0) == model.counts_cuda_graphs
+    assert (base.non_torch_bytes > 0) == model.counts_non_torch
