@@ -168,10 +168,11 @@ def estimate_overhead(
     sampler = (max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
                + max_num_batched_tokens * hidden_size * ACTIVATION_BYTES_PER_ELEMENT)
     if enforce_eager:
-        graphs, graphs_why = 0, "CUDA graphs: 0 (--enforce-eager)"
+        graphs, graphs_why = 0, f"CUDA graphs ({model.label}): 0 (--enforce-eager)"
     elif model.counts_cuda_graphs:
         graphs = CUDA_GRAPH_BYTES
-        graphs_why = (f"CUDA graphs: {CUDA_GRAPH_BYTES / GiB:.2f} GiB, subtracted by the profiler from 0.21 on "
+        graphs_why = (f"CUDA graphs ({model.label}): {CUDA_GRAPH_BYTES / GiB:.2f} GiB, subtracted by the profiler "
+                      "from 0.21 on "
                       "(vLLM logs 0.1–1 GiB; 0 with --enforce-eager)")
     else:
         graphs = 0
@@ -180,7 +181,8 @@ def estimate_overhead(
     collectives = COLLECTIVE_BYTES if tp * pp > 1 and model.counts_non_torch else 0
     if model.counts_non_torch:
         non_torch = NON_TORCH_BYTES + collectives
-        non_torch_why = (f"non-torch memory: {NON_TORCH_BYTES / GiB:.2f} GiB of workspaces (vLLM logs 0.03–0.20 GiB)"
+        non_torch_why = (f"non-torch memory ({model.label}): {NON_TORCH_BYTES / GiB:.2f} GiB of workspaces "
+                         "(vLLM logs 0.03–0.20 GiB)"
                          + (f" + {COLLECTIVE_BYTES / GiB:.2f} GiB NCCL/all-reduce buffers (tp × pp > 1, as "
                             "vllm#10511 measured on H100)" if collectives else ""))
         if model.whole_device:
@@ -192,7 +194,7 @@ def estimate_overhead(
         non_torch_why = f"non-torch memory: not charged ({model.label} counted the torch peak only, vllm#2031)"
     assumptions = (
         f"memory model: {model.label}: {model.profile}",
-        f"activation peak = max(forward: {max_num_batched_tokens:,} batched tokens × {per_token:,} B "
+        f"activation peak ({model.label}) = max(forward: {max_num_batched_tokens:,} batched tokens × {per_token:,} B "
         f"(2 B × (4 × hidden {hidden_size:,} + 3 × MLP width {mlp_width:,} / tp {tp})) = {forward / GiB:.2f} GiB, "
         f"dummy sampler: {max_num_seqs:,} seqs × vocab {vocab_size:,} × {SAMPLER_BYTES_PER_LOGIT} B sorting "
         f"top-k/top-p (vllm#13594) = {sampler / GiB:.2f} GiB)",
