@@ -221,3 +221,10 @@ def test_engine_version_picks_the_memory_model():
     assert (new["engine_version"], new["max_num_batched_tokens"], new["max_num_seqs"]) == ("0.33", 8192, 1024)
     assert old["overhead"]["cuda_graph_bytes"] == 0 < new["overhead"]["cuda_graph_bytes"]
     assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in old["assumptions"])
+
+
+def test_engine_version_is_vllms_only_for_now():
+    result = run("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "sglang", "--engine-version", "0.5.23")
+    assert result.exit_code == 2
+    assert result.stderr == ("Error: --engine-version: kvtune's memory models by release are vLLM's; sglang's "
+                             "estimate has none yet: leave --engine-version unset\n")
