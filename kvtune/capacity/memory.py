@@ -35,7 +35,9 @@ ACTIVATION_BYTES_PER_ELEMENT = 2  # activations in 16-bit
 # Measured in vllm#13594 (H100, facebook/opt-125m, 36,864 B of KV per token): adding the sampler to V1's
 # profile cost 58,928 tokens = 2.02 GiB for 1,024 dummy requests × 50,272 vocab = 42 B per logit, 8 B of
 # them the int64 prompt_token_ids copy later releases no longer pass (prompt_token_ids=None); + 2 B for the
-# 16-bit logits the profile held before the change.
+# 16-bit logits the profile held before the change (1,024: V1's default max_num_seqs on an H100 then, an
+# assumption). V0 startup logs, whose peak is the sampler's, corroborate without setting it: activation peak
+# 1.26 GiB for 256 × 128,256 logits (vllm#10511) and 1.42 GiB for 256 × 152,064 (vllm#13882), 38–39 B each.
 SAMPLER_BYTES_PER_LOGIT = 36
 CUDA_GRAPH_BYTES = GiB // 2  # vLLM logs "Graph capturing finished ..., took 0.1–1 GiB"
 # cuBLAS/attention workspaces allocated after the baseline snapshot: non_torch_memory 0.16 GiB (vllm#12126,
