@@ -130,11 +130,10 @@ def recommend(
     """
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
-    from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
     options = RecommendOptions(
         safety_fraction=safety_fraction, max_truncation=max_truncation,
-        vllm_version=CURRENT_VLLM_VERSION if vllm_version is None else vllm_version,
+        vllm_version=plan.report.engine_version if vllm_version is None else vllm_version,  # the plan's release
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
         route_by="path" if route_by is None else route_by, served_model=served_model,
         engine=plan.engine if engine is None else engine, engine_version=engine_version,

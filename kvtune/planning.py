@@ -88,11 +88,14 @@ def plan(
     measured: MeasuredCapacity | None = None,
     shapes: tuple[RequestShape, ...] = (),
     engine: str = "vllm",
+    engine_version: str | None = None,
 ) -> Plan:
     """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
 
     `gpu` names a catalog GPU (`H100-80GB`); `gpu_memory` gives memory instead (`80GB` or bytes).
-    Settings left None take the measurement's value, else vLLM's default.
+    Settings left None take the measurement's value, else vLLM's default. `engine_version` is the
+    vLLM release ('0.6.3', '0.19.0'; None: the current one) whose defaults and memory profiler the
+    estimate follows.
 
     >>> p = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
     >>> p.capacity.block_size, p.gpu_memory_utilization.value
@@ -122,6 +125,9 @@ def plan(
 
     if engine not in ENGINE_NAMES:
         raise OptionError(f"unknown engine {engine!r} (known: {', '.join(ENGINE_NAMES)})", field="engine")
+    if engine_version is not None and engine != "vllm":
+        raise OptionError(f"kvtune's memory models by release are vLLM's; {engine}'s estimate has none yet: "
+                          "leave engine_version unset", field="engine_version")
     if block_size is None and engine != "vllm" and (measured is None or measured.block_size is None):
         from kvtune.deploy.launch import launcher
 
@@ -139,6 +145,7 @@ def plan(
         shapes=shapes,
         measured=measured,
         enforce_eager=enforce_eager,
+        engine_version=engine_version,
     )
     return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,
                 measured.kv_cache_memory_bytes if measured else None, engine)

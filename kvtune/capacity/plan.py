@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
-from kvtune.capacity.memory import MemoryBreakdown, estimate_overhead, kv_pool, num_blocks_for
+from kvtune.capacity.memory import (
+    MemoryBreakdown,
+    estimate_overhead,
+    kv_pool,
+    memory_model,
+    num_blocks_for,
+    profile_limits,
+)
 from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request, reserved_blocks
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, OptionError
@@ -211,6 +218,7 @@ class CapacityReport:
     weights_format: str
     capacity: Capacity
     assumptions: tuple[str, ...]
+    engine_version: str = vllm.CURRENT_VERSION  # the vLLM release whose memory model the estimate assumes
 
     def to_dict(self) -> dict[str, Any]:
         """The stable `--json` object. Byte figures are per GPU except weights_bytes_total."""
@@ -224,6 +232,7 @@ class CapacityReport:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "engine_version": self.engine_version,
             "kv_bytes_per_token_per_gpu": c.kv_bytes_per_token_per_gpu,
             "source": c.source.value,
             "measured_from": c.measured.origin if c.measured else None,
@@ -294,12 +303,15 @@ def plan_capacity(
     shapes: tuple[RequestShape, ...] = (),
     measured: MeasuredCapacity | None = None,
     enforce_eager: bool = False,
+    engine_version: str | None = None,
 ) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
-    Defaults follow `vllm serve`: block size 16 (128 when the measurement came from a CPU
-    server), max_model_len derived from the config, max_num_batched_tokens by GPU size.
+    Defaults follow `vllm serve` of `engine_version` (None: the current release): block size 16
+    (128 when the measurement came from a CPU server), max_model_len derived from the config,
+    max_num_batched_tokens by GPU size (V1) or max(max_model_len, 2048) (V0, before 0.8).
     """
+    engine = memory_model(engine_version)
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
     notes: list[str] = []
     assumptions: list[str] = []
@@ -324,13 +336,11 @@ def plan_capacity(
     memory = None
     batched = seqs = None
     if gpu_memory_bytes is not None:
-        default_batched, seqs = vllm.default_batch_limits(gpu_memory_bytes, gpu_name)
-        if max_num_batched_tokens is None:
-            batched = min(seqs * max_model_len, default_batched)
-            assumptions.append(f"max_num_batched_tokens {batched:,}: vllm serve's default for this GPU size")
-        else:
-            batched = max_num_batched_tokens
-        seqs = min(seqs, batched)
+        batched, seqs, why = profile_limits(engine, max_model_len=max_model_len,
+                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=None,
+                                            gpu_memory_bytes=gpu_memory_bytes, gpu_name=gpu_name)
+        if max_num_batched_tokens is None or not engine.v1:
+            assumptions.append(why)
         mlp_width = spec.intermediate_size or 4 * spec.hidden_size
         moe = spec.moe
         if moe is not None and moe.experts_per_token is not None and moe.intermediate_size is not None:
@@ -344,6 +354,7 @@ def plan_capacity(
             tp=tp,
             pp=pp,
             enforce_eager=enforce_eager,
+            engine_version=engine_version,
         )
         assumptions.extend(overhead.assumptions)
         try:
@@ -392,6 +403,7 @@ def plan_capacity(
         weights_format=weights.weight_format,
         capacity=capacity,
         assumptions=tuple(assumptions),
+        engine_version=".".join(map(str, engine.version)),
     )
 
 

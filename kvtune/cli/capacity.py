@@ -77,7 +77,8 @@ def _print_report(report) -> None:
 
     if c.memory is not None:
         m = c.memory
-        mem = Table(title=f"{report.model} on {where}, {par}: memory per GPU (estimate)", title_justify="left")
+        mem = Table(title=f"{report.model} on {where}, {par}: memory per GPU (estimate) as vLLM "
+                    f"{report.engine_version} profiles it", title_justify="left")
         mem.add_column("part")
         mem.add_column("GiB", justify="right")
         mem.add_column("how")

@@ -82,6 +82,7 @@ class CapacityArgs:
     block_size: int | None
     kv_cache_dtype: str | None
     enforce_eager: bool
+    engine_version: str | None
     kv_tokens: str | None
     vllm_log: str | None
     metrics_url: str | None
@@ -99,7 +100,8 @@ class CapacityArgs:
                     max_model_len=parse_count(self.max_model_len, "max_model_len"),
                     max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
                     block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes, engine=self.engine)
+                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes, engine=self.engine,
+                    engine_version=self.engine_version)
 
 
 capacity_options = grouped("capacity", CapacityArgs, [
@@ -119,6 +121,10 @@ capacity_options = grouped("capacity", CapacityArgs, [
                  help="vLLM's --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, …  "
                       "[default: what the measured capacity was taken at, else auto]"),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: do not reserve memory for them."),
+    click.option("--engine-version", metavar="TEXT",
+                 help="The vLLM release whose defaults and memory profiler the estimate follows (before 0.8: "
+                      "V0, which profiles at max_model_len and swaps).  "
+                      f"[default: {vllm.CURRENT_VERSION}]"),
     click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line)."),
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
     click.option("--metrics-url", help="A running vLLM's URL (root or /metrics) to read the measured capacity from."),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ class PolicyArgs:
     model: str
     served_model: str | None
     upstream: str
-    vllm_version: str
+    vllm_version: str | None  # --engine-version's older name
     safety_fraction: float | None
     max_truncation: float | None
 
@@ -31,13 +32,27 @@ class PolicyArgs:
         rules (or, with an objective, search the simulated what-if table)."""
         import kvtune
 
+        version = self.engine_version(capacity)
+        capacity = dataclasses.replace(capacity, engine_version=version)
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
         return kvtune.recommend(profile, capacity.plan(self.model), engine=capacity.engine,
                                 safety_fraction=self.safety_fraction,
-                                max_truncation=self.max_truncation, vllm_version=self.vllm_version,
+                                max_truncation=self.max_truncation, vllm_version=version or CURRENT_VLLM_VERSION,
                                 upstream=self.upstream, route_by=log.route_by, served_model=self.served_model,
                                 progress=progress, **wanted)
+
+    def engine_version(self, capacity: CapacityArgs) -> str | None:
+        """--engine-version, or --vllm-version (its alias); both given must agree."""
+        if self.vllm_version is None:
+            return capacity.engine_version
+        if capacity.engine_version is not None and capacity.engine_version != self.vllm_version:
+            raise OptionError(f"{self.vllm_version} disagrees with --engine-version {capacity.engine_version}; "
+                              "give one of them (--vllm-version is its older name)", field="vllm_version")
+        from kvtune.capacity.memory import memory_model
+
+        memory_model(self.vllm_version, field="vllm_version")  # a bad value names the flag the user typed
+        return self.vllm_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +117,7 @@ policy_options = grouped("policy", PolicyArgs, [
     click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
                  help="The engine server the gateway configs point at."),
-    click.option("--vllm-version", default=CURRENT_VLLM_VERSION, show_default=True,
-                 help="Target vLLM release; 0.6 … 0.7 are V0-era (swap and --preemption-mode)."),
+    click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
