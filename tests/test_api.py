@@ -77,3 +77,9 @@ def test_profile_logs_takes_the_on_error_words(tmp_path):
     with pytest.raises(KvtuneError) as caught:
         kvtune.profile_logs([path], on_error="stop")
     assert caught.value.field == "on_error" and "use skip or fail" in str(caught.value)
+
+
+def test_recommend_follows_the_release_the_plan_assumed():
+    profile = kvtune.profile_logs([str(Path(__file__).parent / "data" / "logs" / "kvtune.jsonl")])
+    rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB", engine_version="0.6.3"))
+    assert (rec.engine.version, rec.engine.v1) == ("0.6.3", False)

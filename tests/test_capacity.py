@@ -9,7 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
-from kvtune.capacity.memory import Overhead, estimate_overhead, kv_pool, num_blocks_for
+from kvtune.capacity.memory import (
+    COLLECTIVE_BYTES,
+    Overhead,
+    estimate_overhead,
+    kv_pool,
+    memory_model,
+    num_blocks_for,
+    profile_limits,
+)
 from kvtune.capacity.plan import capacity_from_blocks, estimate_capacity, measured_capacity, plan_capacity
 from kvtune.capacity.reservation import RequestShape, fit_request, reserved_blocks
 from kvtune.errors import CapacityError, InputError, OptionError
@@ -60,21 +68,24 @@ def test_weights_that_exceed_memory_say_so_with_numbers():
 def test_overhead_model_by_hand():
     o = estimate_overhead(hidden_size=4096, mlp_width=14336, vocab_size=128_256,
                           max_num_batched_tokens=8192, max_num_seqs=1024)
-    # per token 2 B × (4·4096 + 3·14336) = 2 × 59,392 = 118,784 B; × 8,192 tokens = 973,078,528 B
-    # logits 1,024 × 128,256 × 4 B = 525,336,576 B
-    assert o.activation_bytes == 973_078_528 + 525_336_576
-    assert o.cuda_graph_bytes == GiB // 2
+    # forward: per token 2 B × (4·4096 + 3·14336) = 2 × 59,392 = 118,784 B; × 8,192 tokens = 973,078,528 B
+    # dummy sampler (top-k/top-p sort): 1,024 × 128,256 × 36 B = 4,728,029,184 B, + the forward's output
+    # hidden states 8,192 × 4,096 × 2 B = 67,108,864 B; the peak is the larger of the two runs
+    assert o.activation_bytes == max(973_078_528, 4_728_029_184 + 67_108_864)
+    assert o.cuda_graph_bytes == GiB // 2  # the current release (0.33) subtracts its CUDA-graph estimate
     assert o.non_torch_bytes == GiB // 4
-    assert len(o.assumptions) == 3 and "8,192 batched tokens" in o.assumptions[0]
+    assert len(o.assumptions) == 4 and "vLLM 0.33 (V1)" in o.assumptions[0]
+    assert "8,192 batched tokens" in o.assumptions[1]
 
 
 def test_overhead_under_tp_and_eager():
     o = estimate_overhead(hidden_size=4096, mlp_width=14336, vocab_size=128_256,
                           max_num_batched_tokens=2048, max_num_seqs=256, tp=2, enforce_eager=True)
-    # per token 2 × (16,384 + 3 · 7,168) = 75,776 B; × 2,048 = 155,189,248; logits 256 × 128,256 × 4 = 131,334,144
-    assert o.activation_bytes == 155_189_248 + 131_334_144
+    # forward per token 2 × (16,384 + 3 · 7,168) = 75,776 B; × 2,048 = 155,189,248; sampler 256 × 128,256 × 36
+    # = 1,182,007,296 + hidden states 2,048 × 4,096 × 2 = 16,777,216
+    assert o.activation_bytes == 1_182_007_296 + 16_777_216
     assert o.cuda_graph_bytes == 0
-    assert o.non_torch_bytes == GiB // 4 + GiB // 2  # workspaces + NCCL/all-reduce buffers
+    assert o.non_torch_bytes == GiB // 4 + COLLECTIVE_BYTES  # workspaces + NCCL/all-reduce buffers (1.79 GiB)
 
 
 def test_issue_example_long_cap_costs_more_than_long_prompt():
@@ -289,3 +300,72 @@ def test_plan_notes_mla_block_size():
     assert any(n.startswith("MLA:") for n in report.capacity.notes)
     # MLA is replicated on every TP rank: 61 layers × (512 + 64) × 2 B = 70,272 B per token per GPU
     assert report.capacity.kv_bytes_per_token_per_gpu == 70_272
+
+
+# --- the memory model by vLLM release ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("version", "v1", "non_torch", "whole_device", "graphs"), [
+    ("0.2.4", False, False, False, False),  # torch peak only, before vllm#2031
+    ("0.2.7", False, True, True, False),  # all device memory in use after the profile (vllm#2031)
+    ("0.6.3", False, True, True, False),
+    ("0.6.5", False, True, False, False),  # per part (vllm#10511)
+    ("v0.7.3", False, True, False, False),
+    ("0.8.0", True, True, False, False),  # V1; CUDA graphs captured after the pool
+    ("0.10.1.post1", True, True, False, False),
+    ("0.21.0", True, True, False, True),  # the CUDA-graph estimate is subtracted
+    (None, True, True, False, True),  # the current release
+])
+def test_memory_model_by_release(version, v1, non_torch, whole_device, graphs):
+    m = memory_model(version)
+    assert (m.v1, m.counts_non_torch, m.whole_device, m.counts_cuda_graphs) == (v1, non_torch, whole_device, graphs)
+    assert m.label.endswith("(V1)" if v1 else "(V0)")
+
+
+def test_a_bad_engine_version_names_the_field():
+    with pytest.raises(OptionError, match="not a vLLM version: 'latest'") as err:
+        memory_model("latest")
+    assert err.value.field == "engine_version"
+
+
+def test_v0_profiles_max_model_len_and_charges_no_cuda_graphs():
+    kw = {"hidden_size": 4096, "mlp_width": 14336, "vocab_size": 128_256, "max_num_seqs": 256}
+    v0, v1 = memory_model("0.6.3"), memory_model("0.19.0")
+    # V0 without chunked prefill: max(max_model_len, 2048) tokens and 256 sequences; V1: the GPU-size default
+    assert profile_limits(v0, max_model_len=32_768, max_num_batched_tokens=None, max_num_seqs=None,
+                          gpu_memory_bytes=80 * GiB, gpu_name="H100-80GB")[:2] == (32_768, 256)
+    assert profile_limits(v1, max_model_len=32_768, max_num_batched_tokens=None, max_num_seqs=None,
+                          gpu_memory_bytes=80 * GiB, gpu_name="H100-80GB")[:2] == (8192, 1024)
+    old = estimate_overhead(max_num_batched_tokens=32_768, engine_version="0.6.3", **kw)
+    assert old.cuda_graph_bytes == 0 and "captures them after allocating it" in old.assumptions[2]
+    assert old.activation_bytes == 32_768 * 118_784  # the 32k-token forward outweighs 256 × vocab logits sorted
+    assert estimate_overhead(max_num_batched_tokens=8192, engine_version="0.21", **kw).cuda_graph_bytes == GiB // 2
+    assert estimate_overhead(max_num_batched_tokens=8192, engine_version="0.2.4", **kw).non_torch_bytes == 0
+
+
+def test_every_part_of_the_estimate_names_the_release(llama):
+    report = plan_capacity(llama, kv_bytes(llama, tp=2), estimate_from_parameters(llama),
+                           gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB",
+                           max_model_len=8192, engine_version="0.6.3")
+    assert report.engine_version == "0.6.3" and report.to_dict()["engine_version"] == "0.6.3"
+    assert report.max_num_batched_tokens == 8192 and report.max_num_seqs == 256
+    assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in report.assumptions)
+    assert any("max(max_model_len, 2,048)" in a and "vLLM 0.6.3 (V0)" in a for a in report.assumptions)
+    assert any("measure the capacity" in a for a in report.assumptions)  # whole-device profiler at TP 2
+    current = plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama),
+                            gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB")
+    assert current.engine_version == "0.33" and any("vLLM 0.33 (V1)" in a for a in current.assumptions)
+
+
+@given(st.sampled_from(["0.2.4", "0.2.7", "0.6.5", "0.7.3", "0.9.2", "0.21", None]), st.integers(1, 65_536),
+       st.integers(0, 65_536), st.integers(1, 1024), st.integers(0, 1024), st.sampled_from([1, 2, 8]))
+def test_overhead_grows_with_the_profiled_batch(version, tokens, more_tokens, seqs, more_seqs, tp):
+    def overhead(t, s):
+        return estimate_overhead(hidden_size=4096, mlp_width=14336, vocab_size=128_256, max_num_batched_tokens=t,
+                                 max_num_seqs=s, tp=tp, engine_version=version)
+
+    base = overhead(tokens, seqs)
+    assert overhead(tokens + more_tokens, seqs + more_seqs).total_bytes >= base.total_bytes
+    model = memory_model(version)
+    assert (base.cuda_graph_bytes > 0) == model.counts_cuda_graphs
+    assert (base.non_torch_bytes > 0) == model.counts_non_torch

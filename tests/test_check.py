@@ -74,7 +74,7 @@ def test_parse_vllm_command_errors_name_the_flag():
         parse_vllm_command("vllm serve m --override-generation-config '{max_new_tokens: 5}'")
     with pytest.raises(InputError, match="no `vllm serve`"):
         parse_vllm_command("echo hello")
-    with pytest.raises(InputError, match="s.sh: not a `vllm serve` command line"):
+    with pytest.raises(InputError, match="s.sh: not a launch command of vLLM, SGLang or TensorRT-LLM"):
         parse_deployed("just text", source="s.sh")
 
 
@@ -312,6 +312,6 @@ def test_a_gateway_yaml_refused_as_yaml_says_why(tmp_path):
     path.write_text("version: 1\nroutes: &r []\nroutes: *r\n")
     with pytest.raises(InputError) as info:
         load_deployed(path)
-    assert str(info.value) == (f"{path}: not a `vllm serve` command line, a gateway.yaml or an nginx.conf rendered "
-                               "by kvtune (read as YAML: line 2: unsupported YAML: anchors and aliases are not allowed "
+    assert str(info.value) == (f"{path}: not a launch command of vLLM, SGLang or TensorRT-LLM, a gateway.yaml or "
+                               "an nginx.conf rendered by kvtune (read as YAML: line 2: unsupported YAML: anchors and aliases are not allowed "
                                "(&r / *r); write each value out)")

@@ -154,6 +154,8 @@ def test_shape_that_does_not_fit_reports_zero_with_a_note():
         (["--gpu", "L4", "--prompt-tokens", "100"], "Error: --max-tokens: a request shape needs both"),
         (["--gpu", "L4", "--max-model-len", "long"], "Error: --max-model-len: expected a positive integer"),
         (["--kv-tokens", "5", "--vllm-log", "x.log"], "Error: --vllm-log: give one measured capacity"),
+        (["--gpu", "L4", "--engine-version", "latest"],
+         "Error: --engine-version: not a vLLM version: 'latest' (a release number such as 0.33)"),
     ],
 )
 def test_bad_inputs_are_one_error_line_and_exit_2(args, line):
@@ -209,3 +211,22 @@ def test_absurd_gpu_memory_is_one_error_line(size):
     assert result.exit_code == 2
     assert result.stderr.startswith("Error: --gpu-memory: ") and result.stderr.count("\n") == 1
     assert len(result.stderr) < 300
+
+
+def test_engine_version_picks_the_memory_model():
+    """V0 (before 0.8) profiles max_model_len tokens with 256 sequences and captures CUDA graphs after the pool."""
+    old = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--max-model-len", "16k", "--engine-version", "0.6.3")
+    new = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--max-model-len", "16k")
+    assert (old["engine_version"], old["max_num_batched_tokens"], old["max_num_seqs"]) == ("0.6.3", 16_000, 256)
+    assert (new["engine_version"], new["max_num_batched_tokens"], new["max_num_seqs"]) == ("0.33", 8192, 1024)
+    assert old["overhead"]["cuda_graph_bytes"] == 0 < new["overhead"]["cuda_graph_bytes"]
+    assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in old["assumptions"])
+
+
+def test_engine_version_of_another_engine_is_named_in_its_assumptions():
+    result = run("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "sglang", "--engine-version", "0.4.6",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["engine"], data["engine_version"]) == ("sglang", "0.5.23")  # the release whose model it applies
+    assert data["assumptions"][0].endswith("applied to SGLang 0.4.6: not read for that release")

@@ -92,8 +92,12 @@ def test_capacity_file_brings_its_engine(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--engine", "trtllm", "--engine-log",
                                       str(DATA / "trtllm-1.2-startup.log"), "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    d = run_json("llama-3.1-8b", "--gpu", "H100-80GB", "--capacity", str(out))  # no --engine: the file's
+    d = run_json("llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "trtllm", "--capacity", str(out))
     assert (d["engine"], d["source"], d["num_blocks"], d["block_size"]) == ("trtllm", "trtllm-log", 14_350, 32)
+    result = run("llama-3.1-8b", "--gpu", "H100-80GB", "--capacity", str(out))  # --engine left at vllm
+    assert result.exit_code == 2
+    assert result.stderr == (f"Error: --engine: the capacity was measured on TensorRT-LLM ({DATA / 'trtllm-1.2-startup.log'}), "
+                             "not vLLM: pass --engine trtllm\n")
 
 
 @pytest.mark.parametrize("args, line", [
@@ -111,7 +115,8 @@ def test_capacity_file_brings_its_engine(tmp_path):
      f"Error: {DATA / 'trtllm-1.2-startup.log'}: no KV cache capacity in this log"),
     (["--engine", "sglang", "--gpu", "H100-80GB", "--gpu-memory-utilization", "0.1"],
      "Error: SGLang leaves no KV pool: weights 14.96 GiB per GPU against 7.86 GiB (78.65 GiB free × "
-     "mem_fraction_static 0.1); use more GPUs (--tp/--pp), a bigger GPU, or quantized weights"),
+     "mem_fraction_static 0.1); raise mem_fraction_static (--gpu-memory-utilization) above 0.191, or use more "
+     "GPUs (--tp/--pp), a bigger GPU, or quantized weights"),
     (["--engine", "trtllm", "--gpu", "H100-80GB", "--gpu-memory-utilization", "1"],
      "Error: --gpu-memory-utilization: must be in (0, 1), got 1.0"),
     (["--engine", "tgi"], "Usage:"),

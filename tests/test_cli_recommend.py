@@ -254,3 +254,21 @@ def test_a_policy_option_out_of_range_is_one_line_naming_the_flag(flag, value, f
     result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", flag, value])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"Error: {field}: ") and result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", ["--engine-version", "--vllm-version"])
+def test_engine_version_and_its_older_name_both_set_the_release(flag):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--json",
+                                      flag, "0.6.3"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)["recommendation"]
+    assert rec["engine"]["version"] == "0.6.3" and rec["engine"]["v1"] is False
+    assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in rec["capacity"]["assumptions"])
+
+
+def test_engine_version_and_vllm_version_must_agree():
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--engine-version", "0.6.3", "--vllm-version", "0.19"])
+    assert result.exit_code == 2
+    assert result.stderr == ("Error: --vllm-version: 0.19 disagrees with --engine-version 0.6.3; give one of them "
+                             "(--vllm-version is its older name)\n")

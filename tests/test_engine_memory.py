@@ -125,6 +125,16 @@ def test_sglang_weights_that_do_not_fit():
         "mem_fraction_static 0.83); use more GPUs (`tp`/`pp`), a bigger GPU, or quantized weights")
 
 
+def test_sglang_default_fraction_too_small_for_the_weights_says_what_to_raise():
+    # an L4 (23,034 MiB): SGLang derives 0.684; 0.684 × 21.49 GiB free = 14.70 GiB < 14.96 GiB of weights
+    with pytest.raises(CapacityError) as info:
+        plan("llama-3.1-8b", gpu="L4", engine="sglang")
+    assert str(info.value) == (
+        "SGLang leaves no KV pool: weights 14.96 GiB per GPU against 14.70 GiB (21.49 GiB free × "
+        "mem_fraction_static 0.684); raise mem_fraction_static (`gpu_memory_utilization`) above 0.696, or use "
+        "more GPUs (`tp`/`pp`), a bigger GPU, or quantized weights")
+
+
 @given(f1=st.floats(0.05, 0.99), f2=st.floats(0.05, 0.99), weights=st.integers(0, 40 * GiB))
 def test_sglang_pool_grows_with_the_fraction(f1, f2, weights):
     low, high = sorted((f1, f2))

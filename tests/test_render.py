@@ -17,7 +17,15 @@ import yaml
 
 from kvtune.deploy.charts import histogram_bars
 from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
-from kvtune.deploy.render import TARGETS, RenderOptions, local_chat_tokenizer, parse_upstream, render_files, write_files
+from kvtune.deploy.render import (
+    COMMON_TARGETS,
+    TARGETS,
+    RenderOptions,
+    local_chat_tokenizer,
+    parse_upstream,
+    render_files,
+    write_files,
+)
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation
@@ -152,7 +160,11 @@ def test_parse_upstream_refuses_what_it_cannot_render():
 
 def test_render_files_gives_every_target_and_refuses_unknown():
     files = render_files(rec())
-    assert set(files) == set(TARGETS)
+    assert set(files) == {"vllm-serve.sh", *COMMON_TARGETS}  # a vLLM recommendation: vLLM's launch file
+    assert set(TARGETS) == {"vllm-serve.sh", "sglang-serve.sh", "trtllm-serve.sh", "trtllm-llm-api.yaml",
+                            *COMMON_TARGETS}
+    with pytest.raises(KvtuneError, match="launches SGLang, but the recommendation is for vLLM"):
+        render_files(rec(), targets=["sglang-serve.sh"])
     assert json.loads(files["recommendation.json"]) == rec().to_dict()
     assert Recommendation.from_dict(json.loads(files["recommendation.json"])).to_dict() == rec().to_dict()
     assert set(render_files(rec(), targets=["gateway.yaml"])) == {"gateway.yaml"}
@@ -210,7 +222,7 @@ def test_the_admission_policy_reaches_gateway_yaml_and_nginx_conf(admission):
     r = Recommendation.from_dict(doc)
     config = parse_gateway_config(yaml.safe_load(render_files(r, targets=["gateway.yaml"])["gateway.yaml"]))
     assert config.admission == r.admission
-    assert set(render_files(r)) == set(TARGETS)  # nginx.conf enforces every policy too
+    assert set(render_files(r)) == {"vllm-serve.sh", *COMMON_TARGETS}  # nginx.conf enforces every policy too
     conf = render_files(r, targets=["nginx.conf"])["nginx.conf"]
     limit = r.admission.limit_blocks(r.budget_blocks)
     assert f"admit_limit = {limit}," in conf and f'policy = "{admission["policy"]}",' in conf

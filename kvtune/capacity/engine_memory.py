@@ -91,10 +91,13 @@ def _baseline(tp: int, pp: int) -> tuple[int, str]:
     return CUDA_BASELINE_BYTES + collectives, text
 
 
-def _no_room(engine: str, weights: int, budget: int, how: str) -> CapacityError:
+def _no_room(engine: str, weights: int, budget: int, how: str, *, raise_to: float | None = None) -> CapacityError:
+    fix = "use more GPUs (`tp`/`pp`), a bigger GPU, or quantized weights"
+    if raise_to is not None and raise_to < 1:
+        fix = f"raise mem_fraction_static (`gpu_memory_utilization`) above {raise_to:.3f}, or {fix}"
     return CapacityError(
         f"{ENGINE_TITLES[engine]} leaves no KV pool: weights {weights / GiB:.2f} GiB per GPU against "
-        f"{budget / GiB:.2f} GiB ({how}); use more GPUs (`tp`/`pp`), a bigger GPU, or quantized weights"
+        f"{budget / GiB:.2f} GiB ({how}); {fix}"
     )
 
 
@@ -141,9 +144,10 @@ def sglang_memory(
     free_before = gpu_memory_bytes - baseline
     static = math.floor(free_before * mem_fraction_static)
     pool = static - weights_bytes
-    if pool <= 0:
+    if pool <= 0:  # SGLang's own error says "Raise --mem-fraction-static above …" (kv_cache_configurator.py:3043-3058)
         raise _no_room("sglang", weights_bytes, static,
-                       f"{free_before / GiB:.2f} GiB free × mem_fraction_static {mem_fraction_static}")
+                       f"{free_before / GiB:.2f} GiB free × mem_fraction_static {mem_fraction_static}",
+                       raise_to=math.ceil(weights_bytes / free_before * 1000) / 1000 if free_before > 0 else None)
     rows = [
         ("GPU memory", gpu_memory_bytes, "device total (nvidia-smi)"),
         ("− in use before loading", baseline, "CUDA context, driver (assumed)"),
@@ -294,6 +298,14 @@ def trtllm_memory(
     )
 
 
+def modelled_version(engine: str) -> str:
+    """The release whose memory model kvtune applies for `engine` (SGLang 0.5.23, TensorRT-LLM 1.2)."""
+    versions = {"sglang": sglang.CURRENT_VERSION, "trtllm": trtllm.CURRENT_VERSION}
+    if engine not in versions:
+        raise OptionError(f"no memory model for engine {engine!r} here (known: sglang, trtllm)", field="engine")
+    return versions[engine]
+
+
 def default_block_size(engine: str) -> int:
     """Tokens per KV block (page) an engine uses when not told: SGLang 1, TensorRT-LLM 32."""
     sizes = {"sglang": sglang.PAGE_SIZE, "trtllm": trtllm.TOKENS_PER_BLOCK}
@@ -370,5 +382,5 @@ def engine_memory(engine: str, spec: ModelSpec, kv: KvBytes, weights: WeightsEst
 __all__ = [
     "CUDA_BASELINE_BYTES", "COLLECTIVE_BASELINE_BYTES", "TRTLLM_CUDA_GRAPH_BYTES", "EngineMemory",
     "sglang_memory", "trtllm_memory", "trtllm_activation_bytes", "default_block_size", "default_fraction",
-    "engine_memory", "engine_notes",
+    "engine_memory", "engine_notes", "modelled_version",
 ]

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity import engine_memory
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
-from kvtune.capacity.memory import MemoryBreakdown, estimate_overhead, kv_pool, num_blocks_for
+from kvtune.capacity.memory import (
+    MemoryBreakdown,
+    estimate_overhead,
+    kv_pool,
+    memory_model,
+    num_blocks_for,
+    profile_limits,
+)
 from kvtune.capacity.reservation import RequestFit, RequestShape, fit_request, reserved_blocks
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, OptionError
@@ -214,6 +221,7 @@ class CapacityReport:
     capacity: Capacity
     assumptions: tuple[str, ...]
     engine: str = "vllm"  # whose memory model and defaults (kvtune.engines.ENGINE_NAMES)
+    engine_version: str = vllm.CURRENT_VERSION  # the release of `engine` whose memory model the estimate assumes
 
     def to_dict(self) -> dict[str, Any]:
         """The stable `--json` object. Byte figures are per GPU except weights_bytes_total;
@@ -230,6 +238,7 @@ class CapacityReport:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "engine_version": self.engine_version,
             "kv_bytes_per_token_per_gpu": c.kv_bytes_per_token_per_gpu,
             "source": c.source.value,
             "measured_from": c.measured.origin if c.measured else None,
@@ -300,18 +309,22 @@ def plan_capacity(
     shapes: tuple[RequestShape, ...] = (),
     measured: MeasuredCapacity | None = None,
     enforce_eager: bool = False,
+    engine_version: str | None = None,
     engine: str = "vllm",
     max_kv_tokens: int | None = None,
 ) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
-    Defaults follow `vllm serve`: block size 16 (128 when the measurement came from a CPU
-    server), max_model_len derived from the config, max_num_batched_tokens by GPU size.
+    Defaults follow `vllm serve` of `engine_version` (None: the current release): block size 16
+    (128 when the measurement came from a CPU server), max_model_len derived from the config,
+    max_num_batched_tokens by GPU size (V1) or max(max_model_len, 2048) (V0, before 0.8).
     Another `engine` ("sglang", "trtllm") takes its own memory model and defaults
-    (kvtune.capacity.engine_memory): gpu_memory_utilization is then its fraction (None: its
-    default), max_num_batched_tokens its chunked_prefill_size / max_num_tokens, and
-    max_kv_tokens its --max-total-tokens / kv_cache_config.max_tokens clamp.
+    (kvtune.capacity.engine_memory; `engine_version` is then that engine's release):
+    gpu_memory_utilization is its fraction (None: its default), max_num_batched_tokens its
+    chunked_prefill_size / max_num_tokens, and max_kv_tokens its --max-total-tokens /
+    kv_cache_config.max_tokens clamp.
     """
+    release = memory_model(engine_version if engine == "vllm" else None)  # vLLM's memory model by release
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
     notes: list[str] = []
     assumptions: list[str] = []
@@ -341,7 +354,7 @@ def plan_capacity(
             memory = engine_memory.engine_memory(
                 engine, spec, kv, weights, gpu_memory_bytes=gpu_memory_bytes, fraction=gpu_memory_utilization,
                 max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                max_kv_tokens=max_kv_tokens)
+                max_kv_tokens=max_kv_tokens, version=engine_version)
         except CapacityError as exc:
             if measured is None:
                 raise
@@ -352,13 +365,11 @@ def plan_capacity(
     elif gpu_memory_bytes is not None:
         if gpu_memory_utilization is None:
             gpu_memory_utilization = vllm.GPU_MEMORY_UTILIZATION
-        default_batched, seqs = vllm.default_batch_limits(gpu_memory_bytes, gpu_name)
-        if max_num_batched_tokens is None:
-            batched = min(seqs * max_model_len, default_batched)
-            assumptions.append(f"max_num_batched_tokens {batched:,}: vllm serve's default for this GPU size")
-        else:
-            batched = max_num_batched_tokens
-        seqs = min(seqs, batched)
+        batched, seqs, why = profile_limits(release, max_model_len=max_model_len,
+                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=None,
+                                            gpu_memory_bytes=gpu_memory_bytes, gpu_name=gpu_name)
+        if max_num_batched_tokens is None or not release.v1:
+            assumptions.append(why)
         mlp_width = spec.intermediate_size or 4 * spec.hidden_size
         moe = spec.moe
         if moe is not None and moe.experts_per_token is not None and moe.intermediate_size is not None:
@@ -372,6 +383,7 @@ def plan_capacity(
             tp=tp,
             pp=pp,
             enforce_eager=enforce_eager,
+            engine_version=engine_version,
         )
         assumptions.extend(overhead.assumptions)
         try:
@@ -425,6 +437,8 @@ def plan_capacity(
         capacity=capacity,
         assumptions=tuple(assumptions),
         engine=engine,
+        engine_version=(".".join(map(str, release.version)) if engine == "vllm"
+                        else engine_memory.modelled_version(engine)),
     )
 
 

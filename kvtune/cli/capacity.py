@@ -7,7 +7,6 @@ import json
 import click
 
 from kvtune.cli.options import CapacityArgs, capacity_options
-from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import OptionError
 
 
@@ -40,15 +39,9 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
               help="Prompt length of a request shape; repeat, paired in order with --max-tokens.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(min=1), multiple=True,
               help="Output cap of a request shape; repeat, paired in order with --prompt-tokens.")
-@click.option("--engine", type=click.Choice(ENGINE_NAMES), default=None,
-              help="Whose memory model, defaults and logs: vLLM, SGLang or TensorRT-LLM.  "
-                   "[default: the measured capacity's engine, else vllm]")
-@click.option("--engine-log", "engine_log", metavar="FILE",
-              help="The engine's startup log to read the measured capacity from (SGLang's max_total_num_tokens "
-                   "line, TensorRT-LLM's 'Allocated … for max tokens in paged KV cache (N)').")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object instead of tables.")
 def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...],
-             engine: str | None, engine_log: str | None, json_: bool) -> None:
+             json_: bool) -> None:
     """How many tokens, blocks and requests of given shapes fit for MODEL on given GPUs.
 
     Each request shape reserves ceil((prompt + max_tokens) / block size) blocks, as an
@@ -63,8 +56,7 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
         kvtune capacity llama-3.1-8b --gpu H100-80GB --engine sglang
         kvtune capacity llama-3.1-8b --engine trtllm --engine-log trtllm-serve.log
     """
-    report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens), engine=engine,
-                           engine_log=engine_log).report
+    report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
     if json_:
         click.echo(json.dumps(report.to_dict()))
     else:
@@ -101,7 +93,8 @@ def _print_report(report) -> None:
         console.print(mem)
     elif c.memory is not None:
         m = c.memory
-        mem = Table(title=f"{report.model} on {where}, {par}: memory per GPU (estimate)", title_justify="left")
+        mem = Table(title=f"{report.model} on {where}, {par}: memory per GPU (estimate) as vLLM "
+                    f"{report.engine_version} profiles it", title_justify="left")
         mem.add_column("part")
         mem.add_column("GiB", justify="right")
         mem.add_column("how")

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import OptionError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -82,28 +82,29 @@ class CapacityArgs:
     block_size: int | None
     kv_cache_dtype: str | None
     enforce_eager: bool
+    engine_version: str | None
     kv_tokens: str | None
     vllm_log: str | None
     metrics_url: str | None
     capacity_file: str | None
+    engine_log: str | None
+    engine: str
 
-    def plan(self, model: str, shapes: tuple = (), *, engine: str | None = None,
-             engine_log: str | None = None):  # -> kvtune.planning.Plan
-        """The plan these options describe (kvtune.plan), the measured capacity read first.
-        `engine` None: the measured capacity's engine, else vLLM; `engine_log` is read as its log."""
+    def plan(self, model: str, shapes: tuple = ()):  # -> kvtune.planning.Plan
+        """The plan these options describe (kvtune.plan), the measured capacity read first (an
+        --engine-log or --metrics-url as the engine's)."""
         from kvtune.planning import measured_capacity, plan
 
         measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), vllm_log=self.vllm_log,
                                      metrics_url=self.metrics_url, capacity_file=self.capacity_file,
-                                     engine_log=engine_log, engine=engine or "vllm")
-        if engine is None:
-            engine = measured.engine if measured is not None else "vllm"
-        return plan(model, engine=engine, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
+                                     engine_log=self.engine_log, engine=self.engine)
+        return plan(model, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
                     gpu_memory_utilization=self.gpu_memory_utilization,
                     max_model_len=parse_count(self.max_model_len, "max_model_len"),
                     max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
                     block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes)
+                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes, engine=self.engine,
+                    engine_version=self.engine_version)
 
 
 capacity_options = grouped("capacity", CapacityArgs, [
@@ -126,10 +127,20 @@ capacity_options = grouped("capacity", CapacityArgs, [
                  help="vLLM's --kv-cache-dtype: auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, …  "
                       "[default: what the measured capacity was taken at, else auto]"),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: do not reserve memory for them."),
+    click.option("--engine-version", metavar="TEXT",
+                 help="The vLLM release whose defaults and memory profiler the estimate follows (before 0.8: "
+                      "V0, which profiles at max_model_len and swaps); with --engine sglang|trtllm their release, "
+                      "named in the assumptions (kvtune models SGLang 0.5.23, TensorRT-LLM 1.2).  "
+                      f"[default: {vllm.CURRENT_VERSION}]"),
     click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line)."),
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
     click.option("--metrics-url", help="A running vLLM's URL (root or /metrics) to read the measured capacity from."),
     click.option("--capacity", "capacity_file", help="A capacity file written by `kvtune calibrate`."),
+    click.option("--engine-log", "engine_log", metavar="FILE",
+                 help="The engine's startup log to read the measured capacity from (vLLM's as --vllm-log, SGLang's "
+                      "max_total_num_tokens line, TensorRT-LLM's 'Allocated … for max tokens in paged KV cache (N)')."),
+    click.option("--engine", type=click.Choice(ENGINE_NAMES), default="vllm", show_default=True,
+                 help="The serving engine: its memory model, defaults and launch files."),
 ])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ class PolicyArgs:
     model: str
     served_model: str | None
     upstream: str
-    vllm_version: str
+    vllm_version: str | None  # --engine-version's older name
     safety_fraction: float | None
     max_truncation: float | None
 
@@ -31,12 +32,27 @@ class PolicyArgs:
         rules (or, with an objective, search the simulated what-if table)."""
         import kvtune
 
+        version = self.engine_version(capacity)
+        capacity = dataclasses.replace(capacity, engine_version=version)
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
-        return kvtune.recommend(profile, capacity.plan(self.model), safety_fraction=self.safety_fraction,
-                                max_truncation=self.max_truncation, vllm_version=self.vllm_version,
+        return kvtune.recommend(profile, capacity.plan(self.model), engine=capacity.engine,
+                                safety_fraction=self.safety_fraction,
+                                max_truncation=self.max_truncation, vllm_version=version or CURRENT_VLLM_VERSION,
                                 upstream=self.upstream, route_by=log.route_by, served_model=self.served_model,
                                 progress=progress, **wanted)
+
+    def engine_version(self, capacity: CapacityArgs) -> str | None:
+        """--engine-version, or --vllm-version (its alias); both given must agree."""
+        if self.vllm_version is None:
+            return capacity.engine_version
+        if capacity.engine_version is not None and capacity.engine_version != self.vllm_version:
+            raise OptionError(f"{self.vllm_version} disagrees with --engine-version {capacity.engine_version}; "
+                              "give one of them (--vllm-version is its older name)", field="vllm_version")
+        from kvtune.capacity.memory import memory_model
+
+        memory_model(self.vllm_version, field="vllm_version")  # a bad value names the flag the user typed
+        return self.vllm_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +114,10 @@ objective_options = grouped("objective", ObjectiveArgs, [
 policy_options = grouped("policy", PolicyArgs, [
     click.option("--model", "-m", "model", required=True,
                  help="config.json, model directory, preset name or hub id."),
-    click.option("--served-model", help="What `vllm serve` loads (hub id or path).  [default: the model's hub id]"),
+    click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
-                 help="The vLLM the gateway configs point at."),
-    click.option("--vllm-version", default=CURRENT_VLLM_VERSION, show_default=True,
-                 help="Target vLLM release; 0.6 … 0.7 are V0-era (swap and --preemption-mode)."),
+                 help="The engine server the gateway configs point at."),
+    click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
@@ -161,7 +176,7 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
               objective: ObjectiveArgs, gateway_tokenizer: str | None, out_dir: str | None, json_: bool) -> None:
-    """Recommend output caps, a KV block budget and vLLM settings from real traffic.
+    """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
     profile saved with `kvtune profile --save`. Every number comes with the rule behind it.
@@ -171,6 +186,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     \b
     Example:
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --out deploy/
+        kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --engine sglang --out deploy/
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
             --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.deploy.launch import launcher
 from kvtune.deploy.read import Deployed, DeployedKind
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
+from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ class _Checker:
         self.budget = rec.budget_blocks
         self.settings = rec.settings
         self.gateways = [d for d in self.deployed if d.is_gateway]
-        self.engines = [d for d in self.deployed if d.kind is DeployedKind.VLLM]
+        self.engines = [d for d in self.deployed if d.is_engine]
         self.risky: set[tuple[str, str]] = set()  # (source, field) already reported as risk
 
     def add(self, severity: Severity, code: str, message: str, why: str, source: str | None,
@@ -185,33 +187,100 @@ class _Checker:
             self.add(Severity.WARN, "model-mismatch",
                      f"serves {d.model!r} but the recommendation is for {served!r}",
                      "KV per token, capacity and caps were computed for another model", d.source)
-        if engine.v1:
+        if d.kind.value != engine.name:
+            self.add(Severity.WARN, "engine-mismatch",
+                     f"launches {ENGINE_TITLES[d.kind.value]} but the recommendation is for "
+                     f"{ENGINE_TITLES[engine.name]}",
+                     "each engine sizes its KV pool and admits requests its own way: recommend again with "
+                     f"--engine {d.kind.value} to check its settings", d.source)
+        if d.kind is DeployedKind.VLLM and engine.name == "vllm" and engine.v1:
             for flag in ("preemption-mode", "swap-space"):
                 if flag in d.flags:
                     self.add(Severity.RISK, "invalid-flag",
                              f"--{flag} does not exist in vLLM {engine.version} (V1 engine)",
                              "vLLM refuses to start on an unknown flag; V1 preempts by recompute only",
                              d.source, flag.replace("-", "_"))
-        if d.max_new_tokens is None:
-            if self.gateways:
-                self.add(Severity.WARN, "no-backstop-cap",
-                         "no --override-generation-config max_new_tokens: only the gateway caps output",
-                         "a request that reaches vLLM without passing the gateway may generate up to the "
-                         "whole context", d.source, None)
-            else:
-                self.add(Severity.RISK, "no-output-cap",
-                         "no cap on output: neither --override-generation-config max_new_tokens nor a "
-                         "gateway config",
-                         "chat and responses requests without max_tokens default to max_model_len − prompt, "
-                         "so each may hold KV for the whole context", d.source, "max_new_tokens")
+        if d.kind is DeployedKind.TRTLLM:
+            self.check_trtllm_cap(d)
+        else:
+            self.check_backstop(d)
+        if d.kind is DeployedKind.SGLANG:
+            self.check_sglang_estimate(d)
         self.check_preemption(d)
 
+    def check_backstop(self, d: Deployed) -> None:
+        """vLLM's --override-generation-config or SGLang's SGLANG_MAX_NEW_TOKENS_LIMIT caps what
+        reaches the engine past the gateway."""
+        where = ("--override-generation-config max_new_tokens" if d.kind is DeployedKind.VLLM
+                 else f"{sglang.ENV_MAX_NEW_TOKENS_LIMIT}")
+        if d.max_new_tokens is not None:
+            return
+        if self.gateways:
+            self.add(Severity.WARN, "no-backstop-cap", f"no {where}: only the gateway caps output",
+                     "a request that reaches the engine without passing the gateway may generate up to the "
+                     "whole context", d.source, None)
+        else:
+            self.add(Severity.RISK, "no-output-cap", f"no cap on output: neither {where} nor a gateway config",
+                     "chat and responses requests without max_tokens default to the context length − prompt, "
+                     "so each may hold KV for the whole context", d.source, "max_new_tokens")
+
+    def check_trtllm_cap(self, d: Deployed) -> None:
+        """TensorRT-LLM has no server-wide cap, and GUARANTEED_NO_EVICT reserves the whole window for
+        a request without max_tokens: without a gateway writing each route's cap, every such request
+        holds max_seq_len of KV from its first step."""
+        if self.gateways:
+            return
+        window = d.max_model_len or self.rec.concurrency.context_tokens
+        self.add(Severity.RISK, "no-output-cap",
+                 "no cap on output: TensorRT-LLM has no server-wide one and no gateway config is checked",
+                 f"a request without max_tokens reserves --max_seq_len ({window:,}) − prompt tokens under "
+                 "GUARANTEED_NO_EVICT, so few run at once; put kvtune's gateway in front (it writes each route's "
+                 "cap into the request) and pass it with another --deployed", d.source, "max_new_tokens")
+
+    def check_sglang_estimate(self, d: Deployed) -> None:
+        """Under the guaranteed policy SGLang's estimate must charge the full remaining cap: a ratio
+        pinned at 1 and a CLIP at least the largest route cap."""
+        if self.rec.admission.kind is not PolicyKind.GUARANTEED:
+            return
+        init = d.options.get("init_new_token_ratio")
+        floor = d.options.get("min_new_token_ratio_factor")
+        init = sglang.INIT_NEW_TOKEN_RATIO if init is None else init
+        floor = sglang.MIN_NEW_TOKEN_RATIO_FACTOR if floor is None else floor
+        clip = d.options.get("clip_max_new_tokens_estimation") or sglang.CLIP_MAX_NEW_TOKENS_ESTIMATION
+        largest = max(r.cap for r in self.rec.routes)
+        if min(init * (d.options.get("schedule_conservativeness") or 1.0), 1.0) < 1.0 or floor < 1.0:
+            self.add(Severity.WARN, "estimate-not-pinned",
+                     f"SGLang's new_token_ratio starts at {min(init, 1.0):g} and decays to {floor:g} of it",
+                     "it admits on a guess of each running request's remaining output and retracts (recomputes) "
+                     f"requests when the guess was short; {sglang.ENV_INIT_NEW_TOKEN_RATIO}=1 and "
+                     f"{sglang.ENV_MIN_NEW_TOKEN_RATIO_FACTOR}=1 make it reserve what the gateway reserves",
+                     d.source)
+        if clip < largest:
+            self.add(Severity.WARN, "estimate-clipped",
+                     f"{sglang.ENV_CLIP_MAX_NEW_TOKENS_ESTIMATION} {clip} is below the largest route cap {largest}",
+                     "SGLang charges at most CLIP tokens of a request's remaining output, so it admits more than "
+                     "the gateway reserved for and retracts when those requests run long", d.source)
+
     def check_preemption(self, d: Deployed) -> None:
-        """Without a gateway, vLLM admits up to max_num_seqs sequences that each grow to prompt + cap."""
+        """Without a gateway, vLLM admits up to max_num_seqs sequences that each grow to prompt + cap
+        (SGLang the same on a decaying estimate, TensorRT-LLM under MAX_UTILIZATION); TensorRT-LLM's
+        GUARANTEED_NO_EVICT reserves first and never evicts."""
+        if d.kind is DeployedKind.TRTLLM and (d.options.get("capacity_scheduler_policy")
+                                              or trtllm.GUARANTEED_NO_EVICT) == trtllm.GUARANTEED_NO_EVICT:
+            return
+        if d.kind is DeployedKind.SGLANG and (d.options.get("init_new_token_ratio") or 0) >= 1 \
+                and (d.options.get("min_new_token_ratio_factor") or 0) >= 1:
+            return  # the estimate is the full remaining cap: SGLang queues instead of retracting
         context = d.max_model_len or self.rec.concurrency.context_tokens
-        block_size = d.block_size or vllm.BLOCK_SIZE
+        block_size = d.block_size or launcher(d.kind.value).DEFAULT_BLOCK_SIZE
         gpu_bytes = self.rec.hardware.gpu_memory_bytes or 0
-        seqs = d.max_num_seqs or vllm.default_batch_limits(gpu_bytes, self.rec.hardware.gpu)[1]
+        if d.kind is DeployedKind.VLLM:
+            default_seqs = vllm.default_batch_limits(gpu_bytes, self.rec.hardware.gpu)[1]
+        elif d.kind is DeployedKind.TRTLLM:
+            default_seqs = trtllm.MAX_BATCH_SIZE
+        else:
+            default_seqs = sglang.DEFAULT_MAX_RUNNING_REQUESTS
+        seqs = d.max_num_seqs or default_seqs
         prompt_max = max(r.prompt_max for r in self.rec.routes)
         cap = d.max_new_tokens or context
         per_seq_tokens = _blocks(min(context, prompt_max + cap), block_size) * block_size
@@ -226,9 +295,10 @@ class _Checker:
                      "the gateway's block budget, not max_num_seqs, bounds what is reserved", d.source)
         else:
             self.add(Severity.RISK, "preemption-risk", message,
-                     "vLLM does not reserve KV for output: when blocks run out it preempts and recomputes "
-                     "running requests. Put kvtune's gateway (gateway.yaml or nginx.conf) in front and pass "
-                     "it with another --deployed", d.source, "max_num_seqs")
+                     f"{ENGINE_TITLES[d.kind.value]} does not reserve KV for output: when blocks run out it "
+                     "preempts (retracts, pauses) and recomputes running requests. Put kvtune's gateway "
+                     "(gateway.yaml or nginx.conf) in front and pass it with another --deployed",
+                     d.source, "max_num_seqs")
 
     # ------------------------------------------------------------ gateway
 
@@ -269,13 +339,18 @@ class _Checker:
                          f"gateway max_model_len {d.max_model_len} > engine max_model_len {engine.max_model_len}",
                          "the gateway admits prompts the engine then rejects", d.source, None)
         self.add(Severity.INFO, "gateway-budget",
-                 f"{d.kind} budget {d.block_budget} blocks of {d.block_size} tokens; "
+                 f"{d.kind.value} budget {d.block_budget} blocks of {d.block_size} tokens; "
                  f"{len(d.routes)} routes", "reservations are bounded by this budget", d.source)
 
     # ------------------------------------------------------------ drift
 
     def check_drift(self, d: Deployed) -> None:
-        if d.kind is DeployedKind.VLLM:
+        if d.is_engine and d.kind.value != self.rec.engine.name:
+            return  # reported as engine-mismatch: its settings mean other things
+        if d.is_engine and d.kind is not DeployedKind.VLLM:
+            settings = launcher(d.kind.value).deployed_settings(d)
+            pairs = [(name, have, unset, self._recommended(name)) for name, (have, unset) in settings.items()]
+        elif d.is_engine:
             defaults = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
                         "block_size": vllm.BLOCK_SIZE}
             fields = ["tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
@@ -378,7 +453,7 @@ class _Checker:
 
     def run(self) -> CheckResult:
         for d in self.deployed:
-            if d.kind is DeployedKind.VLLM:
+            if d.is_engine:
                 self.check_engine(d)
             else:
                 self.check_gateway(d)
@@ -407,9 +482,17 @@ def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult
     that drifts from the recommendation, or carries a risk the recommendation does not (a route
     shadowed by another, a cap below the recommended one), is a rendering fault: `passed` is
     False and nothing should be written."""
+    from kvtune.deploy.launch import launcher
     from kvtune.deploy.read import parse_deployed
 
-    engine = [parse_deployed(files[n], source=n) for n in ("vllm-serve.sh",) if n in files]
+    def sibling(name: str) -> str:
+        named = name.rsplit("/", 1)[-1]
+        if named not in files:
+            raise KeyError(f"{name} was not rendered")
+        return files[named]
+
+    script = launcher(rec.engine.name).SCRIPT
+    engine = [parse_deployed(files[n], source=n, read_sibling=sibling) for n in (script,) if n in files]
     gateways = [parse_deployed(files[n], source=n) for n in ("gateway.yaml", "nginx.conf") if n in files]
     results = [check_deployment([*engine, g], rec) for g in gateways] or [check_deployment(engine, rec)]
     faults = []

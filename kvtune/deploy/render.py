@@ -10,7 +10,6 @@ kvtune.deploy.charts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -23,8 +22,10 @@ import numpy as np
 
 from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
+from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.endpoint import ServerUrl, parse_url
+from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
     ADMIN_ACCESS,
@@ -45,15 +46,19 @@ if TYPE_CHECKING:
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # output file name -> template name
-TARGETS: dict[str, str] = {
-    "vllm-serve.sh": "vllm-serve.sh.j2",
+# the files every recommendation renders, whichever engine it is for; each engine's launch files
+# (kvtune.deploy.launch) come first
+COMMON_TARGETS: dict[str, str] = {
     "gateway.yaml": "gateway.yaml.j2",
     "nginx.conf": "nginx.conf.j2",
     "recommendation.json": "",  # json.dumps, no template
     "report.html": "report.html.j2",
     "report.md": "report.md.j2",
 }
-EXECUTABLE = frozenset({"vllm-serve.sh"})
+LAUNCH_TARGETS: dict[str, str] = {name: engine for engine in ENGINE_NAMES for name in launcher(engine).FILES}
+TARGETS: dict[str, str] = {**{name: launcher(LAUNCH_TARGETS[name]).FILES[name] for name in LAUNCH_TARGETS},
+                           **COMMON_TARGETS}
+EXECUTABLE = frozenset(launcher(engine).SCRIPT for engine in ENGINE_NAMES)
 CATCH_ALL_ROUTE = "default"
 
 
@@ -140,40 +145,11 @@ def parse_upstream(url: str) -> ServerUrl:
 
 
 def vllm_flags(rec: Recommendation) -> list[dict]:
-    """The `vllm serve` flags for the recommendation's engine version, each with its rule and
-    reason. V1 (0.8+) has no --preemption-mode/--swap-space, so they render only on V0."""
-    upstream = parse_upstream(rec.upstream)
-    flags: list[dict] = [
-        {"flag": "--host", "value": upstream.host, "rule": "upstream",
-         "reason": f"the gateway's upstream is {rec.upstream}"},
-        {"flag": "--port", "value": upstream.port, "rule": "upstream",
-         "reason": f"the gateway's upstream is {rec.upstream}"},
-    ]
-    order = [
-        ("tensor_parallel_size", "--tensor-parallel-size"),
-        ("pipeline_parallel_size", "--pipeline-parallel-size"),
-        ("max_model_len", "--max-model-len"),
-        ("max_num_seqs", "--max-num-seqs"),
-        ("max_num_batched_tokens", "--max-num-batched-tokens"),
-        ("gpu_memory_utilization", "--gpu-memory-utilization"),
-        ("kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
-        ("kv_cache_dtype", "--kv-cache-dtype"),
-        ("block_size", "--block-size"),
-    ]
-    if not rec.engine.v1:
-        order += [("preemption_mode", "--preemption-mode"), ("swap_space", "--swap-space")]
-    for key, flag in order:
-        decision = rec.settings.get(key)
-        if decision is None or decision.value is None:
-            continue
-        flags.append({"flag": flag, "value": decision.value, "rule": decision.rule, "reason": decision.reason})
-    backstop = rec.setting("max_new_tokens_backstop")
-    flags.append({
-        "flag": "--override-generation-config",
-        "value": json.dumps({"max_new_tokens": backstop.tokens}),
-        "rule": backstop.rule, "reason": backstop.reason,
-    })
-    return flags
+    """The `vllm serve` flags, each with its rule and reason (kvtune.deploy.launch.vllm)."""
+    from kvtune.deploy.launch import vllm
+
+    return [{"flag": line.name, "value": line.value, "rule": line.rule, "reason": line.reason}
+            for line in vllm.flags(rec)]
 
 
 def route_output_law(route: RouteRecommendation) -> OutputLaw:
@@ -233,6 +209,7 @@ def lua_policy() -> dict:
         "pool": {path: api.value for path, api in endpoints.POOL.items()},
         "uncountable": dict(endpoints.UNCOUNTABLE),
         "operator": dict.fromkeys(sorted(endpoints.OPERATOR), True),
+        "operator_prefixes": list(endpoints.OPERATOR_PREFIXES),
         # PCRE spellings of the same regular expressions (re.fullmatch: anchored, \z not $)
         "canonical": r"\A(?:" + endpoints._CANONICAL.pattern + r")\z",
         "dot_segment": endpoints._DOT_SEGMENT.pattern,
@@ -316,7 +293,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "options": options,
         "kvtune_version": __version__,
         "upstream": upstream,
-        "flags": vllm_flags(rec),
+        "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
         "routes": routes,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
@@ -348,22 +325,56 @@ def _what_if(rec: Recommendation) -> dict | None:
             "why": chosen.why if chosen is not None else ""}
 
 
+def default_targets(rec: Recommendation) -> list[str]:
+    """What `recommend` writes for the recommendation's engine: its launch files, then the rest.
+    nginx.conf counts prompts with the engine's /tokenize, so it is left out for an engine
+    without one (TensorRT-LLM)."""
+    counts = engine_facts(rec.engine.name).HAS_TOKENIZE
+    return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if counts or t != "nginx.conf")]
+
+
+def _counting(rec: Recommendation, wanted: list[str], options: RenderOptions) -> None:
+    """A gateway for an engine without /tokenize must count prompts itself: gateway.yaml in process
+    with the model's tokenizer, nginx.conf only by the estimate it was asked for."""
+    if engine_facts(rec.engine.name).HAS_TOKENIZE:
+        return
+    title = ENGINE_TITLES[rec.engine.name]
+    if "gateway.yaml" in wanted and options.gateway_tokenizer is None:
+        raise OptionError(f"{title}'s server has no /tokenize to count prompts with: give the gateway the model's "
+                          "tokenizer (--gateway-tokenizer DIR: tokenizer.json and a chat template) so it counts "
+                          "in process", field="gateway_tokenizer")
+    if "nginx.conf" in wanted and options.estimate_chars_per_token is None:
+        raise OptionError(f"{title}'s server has no /tokenize and nginx.conf cannot run a tokenizer: render "
+                          "gateway.yaml instead, or ask nginx.conf for an estimate (estimate_chars_per_token)",
+                          field="targets")
+
+
 def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
                  options: RenderOptions | None = None) -> dict[str, str]:
-    """Render the recommendation into file name → text for each requested target (default: all)."""
-    wanted = list(TARGETS) if targets is None else list(targets)
+    """Render the recommendation into file name → text for each requested target (default: the
+    engine's launch files and every common one)."""
+    wanted = default_targets(rec) if targets is None else list(targets)
     unknown = [t for t in wanted if t not in TARGETS]
     if unknown:
         raise UnknownNameError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
+    other = [t for t in wanted if LAUNCH_TARGETS.get(t, rec.engine.name) != rec.engine.name]
+    if other:
+        raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
+                          f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
     options = options or RenderOptions()
+    _counting(rec, wanted, options)
     env = make_environment()
     context = _context(rec, options)
+    launch = launcher(rec.engine.name)
+    launch_files = launch.render(rec, env, context) if any(t in launch.FILES for t in wanted) else {}
     files: dict[str, str] = {}
     for name in wanted:
-        if name == "recommendation.json":
+        if name in launch_files:
+            files[name] = launch_files[name]
+        elif name == "recommendation.json":
             files[name] = rec.to_json()
-            continue
-        files[name] = env.get_template(TARGETS[name]).render(context)
+        else:
+            files[name] = env.get_template(TARGETS[name]).render(context)
     return files
 
 
@@ -381,6 +392,7 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 
 
 __all__ = [
-    "RenderOptions", "TARGETS", "render_files", "write_files", "make_environment", "local_chat_tokenizer",
+    "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
+    "write_files", "make_environment", "local_chat_tokenizer",
     "parse_upstream", "vllm_flags", "gateway_routes",
 ]

@@ -11,7 +11,20 @@ gateway import an engine's facts from its module. Each engine also has one launc
 log and metrics).
 """
 
+from types import ModuleType
+
 ENGINE_NAMES = ("vllm", "sglang", "trtllm")
 ENGINE_TITLES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
-__all__ = ["ENGINE_NAMES", "ENGINE_TITLES"]
+
+
+def engine_facts(name: str) -> ModuleType:
+    """The facts module of engine `name`."""
+    import importlib
+
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"unknown engine {name!r} (known: {', '.join(ENGINE_NAMES)})")
+    return importlib.import_module(f"kvtune.engines.{name}")
+
+
+__all__ = ["ENGINE_NAMES", "ENGINE_TITLES", "engine_facts"]

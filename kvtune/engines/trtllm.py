@@ -88,9 +88,15 @@ GENERATE_PATHS: dict[str, str] = {
     "/v1/completions": "completions",
 }
 
+# Whether the server counts a prompt for the gateway: trtllm-serve serves /v1/models,
+# /v1/completions, /v1/chat/completions, /health, /metrics and /version only
+# (docs/source/commands/trtllm-serve.rst): no /tokenize
+
+HAS_TOKENIZE = False
+
 __all__ = [
     "ESTIMATION_MAX_NUM_TOKENS", "TOKENS_PER_BLOCK_LINE", "KV_ALLOCATED_LINE", "EXECUTOR_LIMITS_LINE",
-    "METRICS_PATH", "KV_CACHE_STATS", "MAX_NUM_BLOCKS_FIELD", "TOKENS_PER_BLOCK_FIELD",
+    "METRICS_PATH", "KV_CACHE_STATS", "MAX_NUM_BLOCKS_FIELD", "TOKENS_PER_BLOCK_FIELD", "HAS_TOKENIZE",
     "CURRENT_VERSION", "SERVE_COMMAND", "MAX_BATCH_SIZE", "MAX_NUM_TOKENS", "KV_CACHE_FREE_GPU_MEMORY_FRACTION",
     "TOKENS_PER_BLOCK", "ENABLE_BLOCK_REUSE", "GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH",
     "CAPACITY_SCHEDULER_POLICIES", "GENERATE_PATHS",

@@ -16,6 +16,9 @@ from kvtune.hardware import GiB
 CURRENT_VERSION = "0.33"  # the release these defaults and formats were read from
 # Releases before this one ran the V0 engine by default, with swap and --preemption-mode.
 FIRST_V1_DEFAULT_VERSION = (0, 8)
+# From this release the V1 profiler subtracts its CUDA-graph estimate before sizing the KV pool
+# (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1 is the default "since v0.21.0", vllm-facts.md §4).
+FIRST_CUDA_GRAPH_ESTIMATE_VERSION = (0, 21)
 V0_SWAP_SPACE_GIB = 4  # V0's --swap-space default
 
 # --- `vllm serve` defaults (vllm-facts.md §1) -----------------------------------------------------
@@ -176,8 +179,12 @@ OTHER_PATHS = frozenset({
 })
 
 
+# Whether the server counts a prompt for the gateway: POST /tokenize (vllm/entrypoints/serve/tokenize)
+HAS_TOKENIZE = True
+
 __all__ = [
-    "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "V0_SWAP_SPACE_GIB",
+    "HAS_TOKENIZE",
+    "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "FIRST_CUDA_GRAPH_ESTIMATE_VERSION", "V0_SWAP_SPACE_GIB",
     "GPU_MEMORY_UTILIZATION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
     "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_NUM_SEQS",
     "default_block_size", "default_batch_limits", "default_scheduler_limits", "is_cpu",

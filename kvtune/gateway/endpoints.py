@@ -1,5 +1,6 @@
 """Which request paths the gateway governs, and how: the paths of vLLM's OpenAI-compatible
-server (kvtune.engines.vllm) sorted into classes.
+server (kvtune.engines.vllm) sorted into classes, with the paths SGLang serves beyond them
+(kvtune.engines.sglang), so a gateway in front of either engine refuses what it cannot govern.
 
 A public gateway that forwards what it does not know is a hole: `/invocations` generates like
 `/v1/chat/completions`, `/v1/embeddings` fills KV like a prompt, `/sleep` frees the engine's
@@ -20,7 +21,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-from kvtune.engines import vllm
+from kvtune.engines import sglang, vllm
 
 
 class Api(enum.Enum):
@@ -54,9 +55,10 @@ ROUTE_APIS = (Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.MESSAGES, Api.ANY)
 
 # vLLM's own paths by class (kvtune.engines.vllm), read by the APIs they speak.
 GENERATE: dict[str, Api] = {path: Api(api) for path, api in vllm.GENERATE_PATHS.items()}
-POOL: dict[str, Api] = {path: Api(api) for path, api in vllm.POOL_PATHS.items()}
-UNCOUNTABLE: dict[str, str] = vllm.UNCOUNTABLE_PATHS  # path -> why it cannot be counted
-OPERATOR = vllm.OPERATOR_PATHS
+POOL: dict[str, Api] = {path: Api(api) for path, api in {**vllm.POOL_PATHS, **sglang.POOL_PATHS}.items()}
+UNCOUNTABLE: dict[str, str] = {**vllm.UNCOUNTABLE_PATHS, **sglang.NATIVE_GENERATE_PATHS}  # path -> why
+OPERATOR = vllm.OPERATOR_PATHS | sglang.OPERATOR_PATHS
+OPERATOR_PREFIXES = sglang.OPERATOR_PREFIXES  # templated control routes
 OTHER_KNOWN = vllm.OTHER_PATHS  # neither generate nor control the engine: refused unless allow-listed
 # The harmless ones a gateway forwards when gateway.yaml names no passthrough list.
 DEFAULT_PASSTHROUGH: tuple[str, ...] = (
@@ -98,7 +100,7 @@ def classify(path: str, passthrough: frozenset[str] | tuple[str, ...] = DEFAULT_
         return Endpoint(PathClass.POOL, POOL[path])
     if path in UNCOUNTABLE:
         return Endpoint(PathClass.UNCOUNTABLE, reason=UNCOUNTABLE[path])
-    if path in OPERATOR:
+    if path in OPERATOR or path.startswith(OPERATOR_PREFIXES):
         return Endpoint(PathClass.OPERATOR)
     if path in passthrough:
         return Endpoint(PathClass.PASSTHROUGH)
@@ -123,7 +125,7 @@ def never_passthrough(path: str) -> str | None:
         return "it is governed by the gateway (an allow-list would let it past admission)"
     if path in UNCOUNTABLE:
         return f"it generates and cannot be counted: {UNCOUNTABLE[path]}"
-    if path in OPERATOR:
+    if path in OPERATOR or path.startswith(OPERATOR_PREFIXES):
         return "it controls the engine and must never be reachable through a public gateway"
     return None
 
@@ -131,5 +133,5 @@ def never_passthrough(path: str) -> str | None:
 __all__ = [
     "Api", "PathClass", "Endpoint", "classify", "canonical_path", "never_passthrough", "why_not_a_route_path",
     "ROUTE_APIS",
-    "GENERATE", "POOL", "UNCOUNTABLE", "OPERATOR", "OTHER_KNOWN", "DEFAULT_PASSTHROUGH",
+    "GENERATE", "POOL", "UNCOUNTABLE", "OPERATOR", "OPERATOR_PREFIXES", "OTHER_KNOWN", "DEFAULT_PASSTHROUGH",
 ]

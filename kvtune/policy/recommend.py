@@ -16,14 +16,15 @@ from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.endpoint import url_problem
-from kvtune.engines import vllm
+from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
 from kvtune.planning import Plan
-from kvtune.policy import rules
+from kvtune.policy import engine_rules, rules
 from kvtune.policy.recommendation import (
+    SETTINGS,
     Binned,
     CapacitySummary,
     Concurrency,
@@ -57,6 +58,8 @@ class RecommendOptions:
     safety_fraction: float | None = None
     max_truncation: float | None = None
     vllm_version: str = rules.CURRENT_VLLM_VERSION
+    engine: str = "vllm"  # the engine the settings are for (kvtune.engines.ENGINE_NAMES)
+    engine_version: str | None = None  # its release (None: the release kvtune's facts were read from)
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
     served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
@@ -78,6 +81,8 @@ class RecommendOptions:
         except ValueError:
             raise OptionError(f"not a vLLM version: {self.vllm_version!r} (a release number such as "
                               f"{rules.CURRENT_VLLM_VERSION})", field="vllm_version") from None
+        if self.engine not in ENGINE_NAMES:
+            raise OptionError(f"unknown engine {self.engine!r} (known: {', '.join(ENGINE_NAMES)})", field="engine")
         problem = url_problem(self.upstream)
         if problem is None and urlsplit(self.upstream).path not in ("", "/"):
             problem = (f"must be the server's root (the gateway forwards each request's own path), "
@@ -239,7 +244,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         notes.append(f"routes come from the field {options.route_by!r}, which a gateway cannot match on; "
                      "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
-    settings = _engine_settings(profile, routes, reservations, plan, version=version,
+    settings = _engine_settings(profile, routes, reservations, plan, options, version=version,
                                 budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
                                 max_len=max_len)
     settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
@@ -251,7 +256,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     return Recommendation(
         model=plan.model,
         served_model=options.served_model or plan.spec.serve_id or plan.model,
-        engine=Engine("vllm", options.vllm_version, rules.is_v1_engine(version)),
+        engine=_engine(options, version),
         upstream=options.upstream,
         hardware=Hardware(plan.gpu, plan.gpu_memory_bytes, plan.kv.tensor_parallel_size,
                           plan.kv.pipeline_parallel_size),
@@ -266,6 +271,15 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         notes=tuple(notes),
         admission=options.admission,
     )
+
+
+def _engine(options: RecommendOptions, vllm_version: tuple[int, ...]) -> Engine:
+    """The engine and release the settings are for; `v1` says whether a vLLM runs its V1 engine
+    (False for the other engines, whose flags have no V0/V1 split)."""
+    if options.engine == "vllm":
+        return Engine("vllm", options.engine_version or options.vllm_version, rules.is_v1_engine(vllm_version))
+    facts = sglang if options.engine == "sglang" else trtllm
+    return Engine(options.engine, options.engine_version or facts.CURRENT_VERSION, False)
 
 
 def _capacity_summary(capacity: Capacity) -> CapacitySummary:
@@ -286,44 +300,72 @@ def _capacity_summary(capacity: Capacity) -> CapacitySummary:
 
 
 def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
-                     plan: Plan, *, version: tuple[int, ...], budget_blocks: int, limit_blocks: int,
-                     max_len: Decision) -> dict[str, Decision | None]:
-    """The vLLM flags, each from its rule: scheduler limits sized for what the budget admits,
-    and the settings the capacity rests on, as the plan resolved them (measured ones win)."""
+                     plan: Plan, options: RecommendOptions, *, version: tuple[int, ...], budget_blocks: int,
+                     limit_blocks: int, max_len: Decision) -> dict[str, Decision | None]:
+    """The engine's settings, each from its rule: scheduler limits sized for what the budget admits,
+    and the settings the capacity rests on, as the plan resolved them (measured ones win). Settings
+    only one engine has (vLLM's preemption mode, SGLang's estimate, TensorRT-LLM's scheduler
+    policy) come from that engine's rules; the others are None."""
     kv, capacity = plan.kv, plan.capacity
+    engine = options.engine
     block_size = capacity.block_size
     context_tokens = max_len.tokens
     caps = [r.cap for r in routes]
-    sequence_p99 = max((r.prompt_tokens.p99 if r.prompt_tokens else 0) + r.cap for r in routes)
-    preemption = rules.preemption_mode(version, sequence_p99)
     kv_pool = capacity.kv_cache_bytes or capacity.num_blocks * block_size * kv.kv_bytes_per_token_per_gpu
     p1_reservation = rules.weighted_quantile(np.concatenate([r.blocks for r in reservations]),
                                              np.concatenate([r.counts for r in reservations]), 0.01)
     seqs = rules.max_num_seqs(budget_blocks, p1_reservation, limit_blocks)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
-    engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
-                      if plan.gpu_memory_bytes else vllm.MAX_NUM_BATCHED_TOKENS)
+    if engine == "sglang":
+        engine_default = sglang.default_chunked_prefill_size(plan.gpu_memory_bytes)
+    elif engine == "trtllm":
+        engine_default = trtllm.MAX_NUM_TOKENS
+    else:
+        engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
+                          if plan.gpu_memory_bytes else vllm.MAX_NUM_BATCHED_TOKENS)
     batched = rules.max_num_batched_tokens(p95_prompt, engine_default, seqs.tokens, context_tokens)
     backstop = max(caps)
-    return {
+    settings: dict[str, Decision | None] = {
         "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given", _tp_reason(kv, capacity)),
         "pipeline_parallel_size": Decision(kv.pipeline_parallel_size, "pp-given",
                                            f"pipeline parallel {kv.pipeline_parallel_size} as given"),
         "max_model_len": max_len,
         "max_num_seqs": seqs,
         "max_num_batched_tokens": batched,
-        "gpu_memory_utilization": rules.gpu_memory_utilization(plan.gpu_memory_utilization),
-        "kv_cache_memory_bytes": rules.kv_cache_memory_bytes(plan.kv_cache_memory_bytes, plan.measured),
-        "kv_cache_dtype": rules.kv_cache_dtype(plan.kv_cache_dtype, kv.bytes_per_element),
+        "gpu_memory_utilization": rules.gpu_memory_utilization(plan.gpu_memory_utilization, engine),
+        "kv_cache_dtype": engine_rules.engine_kv_cache_dtype(
+            engine, rules.kv_cache_dtype(plan.kv_cache_dtype, kv.bytes_per_element)),
         "block_size": rules.block_size(block_size, capacity.source.value, capacity.measured),
-        "preemption_mode": preemption,
-        "swap_space": rules.swap_space_gib(kv_pool, str(preemption.value)),
-        "max_new_tokens_backstop": Decision(
-            backstop, "backstop-largest-route-cap",
-            f"--override-generation-config max_new_tokens is a server-wide default and cap in vLLM; "
-            f"the largest route cap {backstop} never clamps a route below its own cap"),
     }
+    if engine == "vllm":
+        sequence_p99 = max((r.prompt_tokens.p99 if r.prompt_tokens else 0) + r.cap for r in routes)
+        preemption = rules.preemption_mode(version, sequence_p99)
+        settings.update({
+            "kv_cache_memory_bytes": rules.kv_cache_memory_bytes(plan.kv_cache_memory_bytes, plan.measured),
+            "preemption_mode": preemption,
+            "swap_space": rules.swap_space_gib(kv_pool, str(preemption.value)),
+            "max_new_tokens_backstop": Decision(
+                backstop, "backstop-largest-route-cap",
+                f"--override-generation-config max_new_tokens is a server-wide default and cap in vLLM; "
+                f"the largest route cap {backstop} never clamps a route below its own cap"),
+        })
+        return _in_file_order(settings)
+    settings["kv_cache_tokens"] = engine_rules.kv_cache_tokens(engine, capacity.kv_cache_tokens,
+                                                               capacity.source.value)
+    if engine == "sglang":
+        settings.update(engine_rules.sglang_settings(admission=options.admission, largest_cap=backstop,
+                                                     max_num_seqs=seqs.tokens))
+        settings["max_new_tokens_backstop"] = engine_rules.sglang_backstop(backstop)
+    else:
+        settings.update(engine_rules.trtllm_settings(admission=options.admission))
+        settings["max_new_tokens_backstop"] = engine_rules.trtllm_backstop(backstop)
+    return _in_file_order(settings)
+
+
+def _in_file_order(settings: dict[str, Decision | None]) -> dict[str, Decision | None]:
+    """recommendation.json lists settings in one order (SETTINGS'), whichever engine set them."""
+    return {name: settings[name] for name in SETTINGS if name in settings}
 
 
 def _tp_reason(kv: KvBytes, capacity: Capacity) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from kvtune.policy.whatif import Objective, WhatIfRow
 
 SCHEMA_VERSION = 2
-ENGINE_NAMES = ("vllm",)
 CAPACITY_SOURCES = ("estimate", "kv-tokens", "vllm-log", "metrics")
 TAIL_CLASSES = tuple(t.value for t in TailClass)
 # settings.<name>.value: (kind, minimum, maximum); kind "str" for text settings
@@ -45,6 +45,13 @@ SETTINGS: dict[str, tuple[str, float, float]] = {
     "preemption_mode": ("str", 0, 0),
     "swap_space": ("number", 0, MAX_INTEGER),
     "max_new_tokens_backstop": ("int", 1, MAX_INTEGER),
+    "kv_cache_tokens": ("int", 1, MAX_INTEGER),  # SGLang --max-total-tokens, TensorRT-LLM max_tokens
+    "schedule_conservativeness": ("number", 0, MAX_INTEGER),  # SGLang
+    "init_new_token_ratio": ("number", 0, 1),  # SGLang's estimate
+    "min_new_token_ratio_factor": ("number", 0, 1),
+    "clip_max_new_tokens_estimation": ("int", 1, MAX_INTEGER),
+    "engine_max_queued_requests": ("int", 1, MAX_INTEGER),  # SGLang --max-queued-requests
+    "capacity_scheduler_policy": ("str", 0, 0),  # TensorRT-LLM
     "gateway_queue_max_waiting": ("int", 0, MAX_INTEGER),
     "gateway_queue_timeout_s": ("number", 0, MAX_INTEGER),
 }
@@ -500,6 +507,8 @@ class Recommendation:
             if name not in SETTINGS:
                 raise settings_f.fail(name, "unknown setting")
         for name, (kind, low, high) in SETTINGS.items():
+            if name not in settings_f.data and name not in REQUIRED_SETTINGS:
+                continue  # a setting another engine has
             sub = settings_f.obj(name) if name in REQUIRED_SETTINGS else settings_f.obj(name, optional=True)
             settings[name] = None if sub is None else Decision.read(sub, kind, low, high)
         concurrency = f.obj("concurrency")

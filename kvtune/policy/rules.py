@@ -192,9 +192,25 @@ def is_v1_engine(version: tuple[int, ...]) -> bool:
     return version >= FIRST_V1_DEFAULT_VERSION
 
 
-def gpu_memory_utilization(basis: Any) -> Decision:
+# what each engine's memory fraction means, for the reasons below
+MEMORY_FRACTION_MEANING = {
+    "vllm": "vLLM's --gpu-memory-utilization (the share of each GPU for weights, activations and KV)",
+    "sglang": "SGLang's --mem-fraction-static (the share of each GPU for weights and the KV pool)",
+    "trtllm": "TensorRT-LLM's --kv_cache_free_gpu_memory_fraction (the share of the memory left after the "
+              "weights that the KV pool takes)",
+}
+
+
+def gpu_memory_utilization(basis: Any, engine: str = "vllm") -> Decision:
     """The utilization the KV capacity was measured or computed at: another value on the server
-    changes its pool, so the budget would no longer hold (`basis`: a kvtune.planning.Basis)."""
+    changes its pool, so the budget would no longer hold (`basis`: a kvtune.planning.Basis).
+    Each engine means its own fraction (MEMORY_FRACTION_MEANING)."""
+    if engine != "vllm":
+        meaning = MEMORY_FRACTION_MEANING[engine]
+        how = {"measured": "the value the KV capacity was measured at", "given": "as given",
+               "default": "the engine's default"}[basis.source]
+        return Decision(basis.value, f"memory-fraction-{basis.source}",
+                        f"{meaning}: {how}; the block budget was computed from the pool it leaves")
     if basis.measured:
         where = f" ({basis.origin})" if basis.origin else ""
         return Decision(basis.value, "gpu-util-measured",

@@ -1,0 +1,103 @@
+"""What is deployed, as one plain record per file: an engine's launch command (vLLM, SGLang,
+TensorRT-LLM) or one of kvtune's gateway configs. `kvtune check` compares these records with a
+recommendation; kvtune.deploy.read and the launch modules fill them.
+
+Engine fields use kvtune's setting names (the recommendation's `settings`), whatever the engine
+calls them: SGLang's --max-running-requests and TensorRT-LLM's --max_batch_size are both
+`max_num_seqs`, so one checker judges every engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtune.gateway.config import RouteMatch
+from kvtune.gateway.overflow import OutputLaw
+from kvtune.gateway.policy import AdmissionPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class DeployedRoute:
+    name: str
+    path: str | None
+    model: str | None
+    max_new_tokens: int
+    path_prefix: str | None = None
+    output_law: OutputLaw | None = None  # output_histogram: what the statistical policy bets on
+
+    def matches(self, path: str | None, model: str | None) -> bool:
+        """Same rule as the gateways (gateway_config.RouteMatch)."""
+        return RouteMatch(self.path, self.model, self.path_prefix).matches(path, model)
+
+
+class DeployedKind(enum.Enum):
+    """What a deployed file is: an engine's command or one of the two gateways' configs."""
+
+    VLLM = "vllm"  # a vllm serve command line or script
+    SGLANG = "sglang"  # python -m sglang.launch_server, with the SGLANG_* environment it sets
+    TRTLLM = "trtllm"  # trtllm-serve, with its --extra_llm_api_options YAML
+    GATEWAY = "gateway"  # kvtune's gateway.yaml
+    NGINX = "nginx"  # an nginx.conf kvtune rendered
+
+    @property
+    def is_engine(self) -> bool:
+        return self not in (DeployedKind.GATEWAY, DeployedKind.NGINX)
+
+
+@dataclass(frozen=True, slots=True)
+class Deployed:
+    """One deployed file. An engine fills the engine fields, a gateway the admission ones;
+    None means the file does not set it (the engine's default applies)."""
+
+    kind: DeployedKind
+    source: str
+    model: str | None = None
+    block_size: int | None = None  # vLLM --block-size, SGLang --page-size, TensorRT-LLM tokens_per_block
+    max_model_len: int | None = None
+    # the engine
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    kv_cache_dtype: str | None = None
+    gpu_memory_utilization: float | None = None  # the engine's memory fraction, in its own sense
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_tokens: int | None = None  # SGLang --max-total-tokens, TensorRT-LLM kv_cache_config.max_tokens
+    max_new_tokens: int | None = None  # the server-wide output cap (vLLM's override, SGLang's limit)
+    preemption_mode: str | None = None
+    swap_space: float | None = None
+    num_gpu_blocks_override: int | None = None
+    flags: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # environment the script sets for the engine
+    options: dict[str, Any] = field(default_factory=dict)  # engine settings beyond flags (TensorRT-LLM YAML)
+    # gateway / nginx
+    upstream: str | None = None
+    block_budget: int | None = None
+    routes: tuple[DeployedRoute, ...] = ()
+    admission: AdmissionPolicy | None = None  # the gateway's admission policy
+    queue_max_waiting: int | None = None  # gateway.yaml's wait queue (nginx.conf has none)
+    queue_timeout_s: float | None = None
+
+    @property
+    def is_gateway(self) -> bool:
+        return not self.kind.is_engine
+
+    @property
+    def is_engine(self) -> bool:
+        return self.kind.is_engine
+
+    def route_for(self, path: str | None, model: str | None) -> DeployedRoute | None:
+        return next((r for r in self.routes if r.matches(path, model)), None)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["kind"] = self.kind.value
+        # each route's output law stays out: gateway.yaml itself carries it, and it is long
+        data["routes"] = [{k: v for k, v in asdict(r).items() if k != "output_law"} for r in self.routes]
+        data["admission"] = None if self.admission is None else self.admission.to_dict()
+        return data
+
+
+__all__ = ["Deployed", "DeployedKind", "DeployedRoute"]
