@@ -37,7 +37,7 @@ from kvtune.errors import OptionError
 def calibrate(url: str | None, out: str | None, json_: bool, engine: str, engine_log: str | None,
               vllm_log: str | None, timeout_s: float, timing: bool, timing_budget_s: float,
               max_num_batched_tokens: int | None) -> None:
-    """Read the real KV capacity of a running vLLM from /v1/models and /metrics.
+    """Read the real KV capacity of a running vLLM (/v1/models, /metrics), SGLang or startup log.
 
     URL is the server's root or its /metrics. The result (blocks, block size, tokens,
     max_model_len, cache dtype, prefix caching) replaces kvtune's memory estimate when
