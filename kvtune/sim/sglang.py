@@ -54,7 +54,9 @@ class SGLangScheduler:
                  end_tokens: np.ndarray, max_new_tokens: np.ndarray) -> None:
         self.settings, self.rule = settings, rule
         self.page = rule.page_size
-        self.usable = settings.usable_blocks * settings.block_size  # max_total_num_tokens
+        # max_total_num_tokens, whole pages (at least one max_model_len sequence's)
+        pool = settings.usable_blocks * settings.block_size
+        self.usable = max(pool // self.page * self.page, -(-settings.max_model_len // self.page) * self.page)
         self.free = self.usable
         self.max_running = settings.max_num_seqs
         self.chunk_size = settings.max_num_batched_tokens  # --chunked-prefill-size

@@ -30,6 +30,7 @@ tokens, LoRA pages, beams, draft tokens, disaggregated serving.
 from __future__ import annotations
 
 import bisect
+import heapq
 
 import numpy as np
 
@@ -50,11 +51,16 @@ class TrtllmScheduler:
                  end_tokens: np.ndarray, max_new_tokens: np.ndarray) -> None:
         self.settings, self.rule = settings, rule
         self.tpb = rule.tokens_per_block
-        self.usable = settings.usable_blocks * settings.block_size // self.tpb  # the pool, in TRT blocks
+        # the pool in TensorRT-LLM's blocks; rounded up where rounding down would not hold one
+        # max_seq_len sequence (TensorRT-LLM would not start: the simulator keeps serving)
+        self.usable = max(settings.usable_blocks * settings.block_size // self.tpb,
+                          -(-settings.max_model_len // self.tpb))
         self.free = self.usable
         self.max_batch = settings.max_num_seqs
         self.max_tokens = settings.max_num_batched_tokens
         self.maxutil = rule.capacity_policy is CapacityPolicy.MAX_UTILIZATION
+        # chunks are whole blocks (chunkUnitSize), unless a block exceeds --max_num_tokens
+        self._unit = self.tpb if self.max_tokens >= self.tpb else 1
         n = len(prompt_tokens)
         self.prompt_all = prompt_tokens
         self.end_all = end_tokens
@@ -68,6 +74,7 @@ class TrtllmScheduler:
         self.order_all = np.zeros(n, dtype=np.int64)  # place in the active list
         self.preemptions = np.zeros(n, dtype=np.int64)  # pauses
         self._added = 0
+        self._mid: set[int] = set()  # pending requests mid-context (started: their blocks are allocated)
         self.pending: list[tuple[int, int]] = []  # (order, request), sorted
         cap = self.max_batch + 1
         self._cols = np.zeros((5, cap), dtype=np.int64)
@@ -111,6 +118,7 @@ class TrtllmScheduler:
                 self.free -= blocks
                 self.held_all[r] = blocks
                 self.state_all[r] = _CONTEXT
+                self._mid.add(r)
                 admitted.append(r)
         need = self._blocks(self.ntok[:gen]) - self.held[:gen]
         total_need = int(_sum(need)) if gen else 0
@@ -172,37 +180,39 @@ class TrtllmScheduler:
         return self._capacity_maxutil_slow(paused)
 
     def _capacity_maxutil_slow(self, paused: list[int]) -> list[int]:
-        """The scheduler's loop as written, over the active list in order."""
+        """The scheduler's loop as written, over the active list in order (generating and pending
+        requests merged by their place in it); a victim is the started request (generating, or
+        mid-context) latest in the list at or after the one that does not fit."""
         k = self.n
-        active = sorted([(int(self.order[i]), int(self.rid[i])) for i in range(k)] + self.pending)
+        running = list(zip(self.order[:k].tolist(), self.rid[:k].tolist(), strict=True))
+        position = {r: i for i, (_, r) in enumerate(running)}
+        started = sorted(running + [(int(self.order_all[r]), r) for r in self._mid])
         free = self.free
         scheduled: list[int] = []
         blocks = 0
-        end = len(active)
-        i = 0
-        while i < end:
-            r = active[i][1]
-            state = self.state_all[r]
-            if state == _GENERATING:
-                pos = self._position(r)
-                need = int(self._blocks(int(self.ntok[pos]))) - int(self.held[pos])
+        end = self._added  # requests at or after this place are out of the loop (paused)
+        active = heapq.merge(running, self.pending)
+        cur = next(active, None)
+        while cur is not None and cur[0] < end:
+            order, r = cur
+            if r in position:
+                i = position[r]
+                need = int(self._blocks(int(self.ntok[i]))) - int(self.held[i])
             else:
                 need = self._one_step(r)
             if len(scheduled) < self.max_batch and blocks + need <= free:
                 scheduled.append(r)
                 blocks += need
-                i += 1
+                cur = next(active, None)
                 continue
-            j = next((j for j in range(end - 1, i - 1, -1) if self.state_all[active[j][1]] != _NEW), None)
-            if j is None:
-                break
-            victim = active[j][1]
-            free += self._held(victim)
+            if not started or started[-1][0] < order:
+                break  # nothing started at or after it: scheduling stops
+            end, victim = started.pop()
+            free += int(self.held[position[victim]]) if victim in position else int(self.held_all[victim])
             paused.append(victim)
-            end = j
         for victim in paused:
             self._pause(victim)
-        return [r for r in scheduled if self.state_all[r] != _GENERATING]
+        return [r for r in scheduled if r not in position]
 
     def _position(self, r: int) -> int:
         return int(np.flatnonzero(self.rid[:self.n] == r)[0])
@@ -226,6 +236,7 @@ class TrtllmScheduler:
         else:
             self.free += int(self.held_all[r])
             self.pending.remove((int(self.order_all[r]), r))
+            self._mid.discard(r)
         self.held_all[r] = 0
         self.comp_all[r] = 0
         self.state_all[r] = _NEW
@@ -243,7 +254,7 @@ class TrtllmScheduler:
                     break
                 chunk = left
             else:
-                chunk = left if left <= budget else budget // self.tpb * self.tpb
+                chunk = left if left <= budget else budget // self._unit * self._unit
                 if chunk <= 0:
                     break
             budget -= chunk
@@ -285,6 +296,7 @@ class TrtllmScheduler:
                 first.append(r)
             fill += 1
             completed += 1
+            self._mid.discard(r)
             self.ntok_all[r] = fill
             self.pending.remove((int(self.order_all[r]), r))
             if fill >= int(self.end_all[r]):
