@@ -319,3 +319,28 @@ def test_sglang_with_the_ratio_pinned_at_one_never_retracts(engine, requests):
 
 def test_engine_names_cover_the_four_rules():
     assert ENGINE_NAMES == ("vllm", "sglang", "trtllm-gne", "trtllm-maxutil")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.integers(8, 40), tpb=st.sampled_from([4, 8]), max_batch=st.integers(1, 6),
+       lengths=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 60), st.integers(0, 40)), min_size=1,
+                        max_size=15))
+def test_trtllm_no_evict_never_promises_more_blocks_than_it_has(blocks, tpb, max_batch, lengths):
+    """After every step, the blocks every admitted request will hold at completion fit the pool."""
+    mml = blocks * tpb
+    settings_ = EngineSettings(num_blocks=blocks * tpb // 4 + 1, block_size=4, max_num_seqs=max_batch,
+                               max_num_batched_tokens=64, max_model_len=mml)
+    prompt = _cols(*(min(p, mml - 1) for p, _, _ in lengths))
+    end = np.minimum(prompt + _cols(*(o for _, o, _ in lengths)), mml)
+    max_new = np.maximum(np.minimum(end - prompt + _cols(*(x for _, _, x in lengths)), mml - prompt), end - prompt)
+    s = TrtllmScheduler(settings_, TrtllmRule(tokens_per_block=tpb), prompt, end, max_new)
+    for r in range(len(lengths)):
+        s.add(r)
+    for _ in range(10_000):
+        if s.idle():
+            break
+        batch, _, _ = _step(s)
+        assert not batch.preempted
+        admitted = [int(s.rid[i]) for i in range(s.n)] + [r for _, r in s.pending if s.held_all[r] > 0]
+        assert int(s.total_blocks[admitted].sum()) <= s.usable
+    assert s.idle() and np.array_equal(s.ntok_all, end)

@@ -26,8 +26,15 @@ Read from sgl-project/sglang (files of different commits, as stored):
     `scheduler_components/new_token_ratio_tracker.py`, 1a882c5c): linearly from
     min(0.7 × conservativeness, 1) to start × 0.14 over 600 steps; an idle scheduler resets it
     (`self_check_during_idle`).
+The same code paths checked in the sglang 0.5.23 wheel (the release kvtune renders for):
+`PrefillAdder.add_one_req` (total_tokens = extend + min(max_new − out, CLIP) + page),
+`ScheduleBatch.retract_decode` / `_get_decode_retraction_order` (the "length" key),
+`NewTokenRatioTracker.estimate_new_token_ratio_after_retract`, `Scheduler.update_running_batch`
+(decay_step when no retraction; batch_is_full cleared when the batch shrinks) and
+`_add_request_to_queue` (retracted requests appended to the waiting queue).
 Left out: the radix cache (requests share no prefix here; a retracted request does not find its
-prompt again), the overlap scheduler's one-step lag, priorities and other schedule policies,
+prompt again), the overlap scheduler's one-step lag (and 0.5.23's deferral of a retraction when requests
+finish in flight), priorities and other schedule policies,
 ignore_eos requests (ratio 1.0), hybrid/SWA pools, abort of a last request that cannot fit.
 
 Tokens are counted in the pool's tokens; `held` is what a request has allocated (whole pages).
