@@ -104,8 +104,9 @@ def test_sglang_ratio_starts_at_conservativeness_times_init_capped_at_one():
     assert SGLangRule(schedule_conservativeness=0.5).init_ratio == pytest.approx(0.35)
     assert SGLangRule(schedule_conservativeness=2.0).init_ratio == 1.0
     assert SGLangRule(init_new_token_ratio=1.0, min_new_token_ratio_factor=1.0).ratio_decay == 0.0
-    rendered = SGLangRule.as_rendered(8000)
-    assert (rendered.init_ratio, rendered.min_ratio, rendered.clip_max_new_tokens) == (1.0, 1.0, 8000)
+    rendered = SGLangRule.as_rendered(800)
+    assert (rendered.init_ratio, rendered.min_ratio, rendered.clip_max_new_tokens) == (1.0, 1.0, 800)
+    assert SGLangRule.as_rendered(None).clip_max_new_tokens == 4096
 
 
 def test_sglang_retracts_the_shortest_output_when_the_estimate_was_wrong_and_resets_the_ratio():
@@ -313,7 +314,8 @@ def test_sglang_with_the_ratio_pinned_at_one_never_retracts(engine, requests):
     chunk = engine.max_num_batched_tokens
     wl = Workload.from_requests([SimRequest(q.arrival_s, min(q.prompt_tokens, chunk), q.output_tokens,
                                             q.max_tokens) for q in requests])
-    result = simulate(wl, engine, TIMING, engine=SGLangRule.as_rendered(int(wl.max_tokens.max())))
+    # (the rendered gateway caps every request; uncapped ones here may ask up to the context)
+    result = simulate(wl, engine, TIMING, engine=SGLangRule.as_rendered(engine.max_model_len))
     assert result.preemptions == 0
 
 

@@ -461,13 +461,22 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
 
 def _engine_candidates(default: Recommendation, basis: SimBasis, uncapped: dict[str, int | None],
                        engines: Sequence[str], cap_level: str) -> list[_Candidate]:
-    """The engine rows: each engine's own admission on the same requests, no gateway admitting.
+    """The engine rows: each engine's own admission on the same requests, no ledger admitting.
     "SGLang (defaults)" is the analogue of direct to vLLM (vLLM's engine defaults on the measured
-    pool, no caps: SGLang reserves context − prompt, clipped at 4096); the rendered SGLang and
-    both TensorRT-LLM rows run the default recommendation's engine limits with its route caps in
-    every request (the rendered gateway clamps max_tokens to them), SGLang with the ratio pinned
-    at 1 and the estimate clipped no lower than the largest cap."""
+    pool, no caps: SGLang reserves context − prompt, clipped at 4096). The rendered SGLang and
+    both TensorRT-LLM rows run what kvtune renders for them from the default recommendation: its
+    engine limits, its route caps in every request (the gateway clamps max_tokens), the pool
+    pinned at its block budget (--max-total-tokens, kv_cache_config.max_tokens) where that still
+    holds max_model_len, and for SGLang the ratio pinned at 1 with the estimate clipped at the
+    largest cap (kvtune.policy.engine_rules.sglang_settings)."""
     rendered = rendered_deployment(default, basis, GUARANTEED)
+    engine = rendered.engine
+    if default.budget_blocks is not None:
+        try:
+            engine = dataclasses.replace(engine, num_blocks=min(engine.num_blocks, default.budget_blocks + 1))
+        except OptionError:
+            pass  # a budget below one max_model_len sequence: the whole pool, as the engine would refuse it
+    caps = [c for c in rendered.caps.values() if c is not None]
     out = []
     for name in engines:
         policy = Policy(PolicyKind.ENGINE, engine=name)
@@ -475,11 +484,9 @@ def _engine_candidates(default: Recommendation, basis: SimBasis, uncapped: dict[
             out.append(_Candidate(policy, None, None, Deployment(basis.engine, uncapped, policy, None,
                                                                  rule=engine_rule("sglang")), None))
             continue
-        caps = [c for c in rendered.caps.values() if c is not None]
-        rule = (SGLangRule.as_rendered(max(caps, default=None)) if name == "sglang-rendered"
-                else engine_rule(name))
-        out.append(_Candidate(policy, cap_level, None, Deployment(rendered.engine, rendered.caps, policy, None,
-                                                                   rule=rule), None))
+        rule = SGLangRule.as_rendered(max(caps, default=None)) if name == "sglang-rendered" else engine_rule(name)
+        out.append(_Candidate(policy, cap_level, None, Deployment(engine, rendered.caps, policy, None, rule=rule),
+                              None))
     return out
 
 

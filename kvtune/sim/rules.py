@@ -79,10 +79,11 @@ class SGLangRule:
 
     @classmethod
     def as_rendered(cls, largest_cap: int | None) -> SGLangRule:
-        """The environment kvtune renders for SGLang (kvtune/shared engines.md): the ratio starts
-        at 1 and never decays (SGLANG_INIT_NEW_TOKEN_RATIO=1, SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR=1)
-        and the estimate is not clipped below the largest route cap."""
-        clip = max(SGLANG_CLIP_MAX_NEW_TOKENS, largest_cap or 0)
+        """The environment kvtune renders for SGLang under the guaranteed policy
+        (kvtune.policy.engine_rules.sglang_settings): the ratio starts at 1 and never decays
+        (SGLANG_INIT_NEW_TOKEN_RATIO=1, SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR=1) and
+        SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION is the largest route cap (None: SGLang's 4096)."""
+        clip = SGLANG_CLIP_MAX_NEW_TOKENS if largest_cap is None else max(largest_cap, 1)
         return cls(init_new_token_ratio=1.0, min_new_token_ratio_factor=1.0, clip_max_new_tokens=clip)
 
 
