@@ -12,6 +12,7 @@ Each figure is the median of --repeat runs. The step-time model is an illustrati
 (6 ms + 20 µs/token + 2 ns/token·ctx + 30 µs/seq), not a calibration.
 
     python benchmarks/sim_bench.py --repeat 3
+    python benchmarks/sim_bench.py --engines --repeat 3   # the trace under each engine's rule
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtune.sim import EngineSettings, SimResult, Workload, simulate
+from kvtune.sim.rules import ENGINE_RULES, EngineRule
 from kvtune.steptime import StepTimeModel
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -53,12 +55,13 @@ def head(wl: Workload, n: int) -> Workload:
     return Workload(wl.arrival_s[:n], wl.prompt_tokens[:n], wl.output_tokens[:n], wl.max_tokens[:n])
 
 
-def measure(wl: Workload, repeat: int, *, fast: bool = True) -> tuple[float, float, SimResult]:
+def measure(wl: Workload, repeat: int, *, fast: bool = True,
+            engine: EngineRule = None) -> tuple[float, float, SimResult]:
     """Median wall and CPU seconds: on a shared machine CPU time is what one core spent."""
     walls, cpus, result = [], [], None
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
-        result = simulate(wl, ENGINE, TIMING, fast=fast)
+        result = simulate(wl, ENGINE, TIMING, fast=fast, engine=engine)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     assert result is not None
@@ -83,9 +86,14 @@ def main() -> None:
     ap.add_argument("--peer-requests", type=int, default=2_000, help="trace slice the step-by-step peer runs")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engines", action="store_true",
+                    help="time the trace (and 8× its arrival rate) under each engine's rule instead")
     args = ap.parse_args()
 
     trace = load_trace(args.trace)
+    if args.engines:
+        engines(trace, args)
+        return
     print(f"engine: {ENGINE.num_blocks:,} blocks × {ENGINE.block_size}, max_num_seqs {ENGINE.max_num_seqs}, "
           f"max_num_batched_tokens {ENGINE.max_num_batched_tokens}; timing {TIMING}; median of {args.repeat}")
     print(f"{'workload':<34} {'requests':>9} {'wall s':>8} {'cpu s':>7} {'events':>10} {'events/s':>10} "
@@ -109,6 +117,25 @@ def main() -> None:
     wall_big, cpu_big, r_big = measure(big, args.repeat)
     print(row(f"synthetic {args.requests:,} (fast)", big, wall_big, cpu_big, r_big),
           "  target ≤ 60 s:", "met" if wall_big <= 60 else "MISSED", f"(CPU {cpu_big:.1f} s)")
+
+
+def engines(trace: Workload, args: argparse.Namespace) -> None:
+    """The Azure trace under each engine's rule (kvtune.sim.rules) on the same settings, and the
+    fast path against the step-by-step one on the peer slice."""
+    print(f"engine settings: {ENGINE}; timing {TIMING}; median of {args.repeat}")
+    print(f"{'workload':<34} {'requests':>9} {'wall s':>8} {'cpu s':>7} {'events':>10} {'events/s':>10} "
+          f"{'steps':>11} {'evict':>7} {'run^':>5} {'KV^':>6}")
+    squeezed = Workload(trace.arrival_s / 8, trace.prompt_tokens, trace.output_tokens, trace.max_tokens)
+    peer_wl = head(trace, args.peer_requests)
+    for name, rule in ENGINE_RULES.items():
+        wall, cpu, r = measure(trace, args.repeat, engine=rule)
+        print(row(f"{name}: Azure conv", trace, wall, cpu, r))
+        wall8, cpu8, r8 = measure(squeezed, args.repeat, engine=rule)
+        print(row(f"{name}: Azure conv, arrivals 8×", squeezed, wall8, cpu8, r8))
+        _, peer_cpu, peer = measure(peer_wl, 1, fast=False, engine=rule)
+        _, fast_cpu, fast = measure(peer_wl, 1, engine=rule)
+        print(f"{'':<34} first {len(peer_wl):,}: step by step {peer_cpu:.2f} s CPU, fast {fast_cpu:.2f} s, "
+              f"identical: {same(peer, fast)}")
 
 
 if __name__ == "__main__":

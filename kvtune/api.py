@@ -109,6 +109,7 @@ def recommend(
     requests: int | None = None,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    compare_engines: bool = False,
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
     number says which rule produced it. `route_by` must be what the profile's routes were named by.
@@ -118,7 +119,8 @@ def recommend(
     logged arrival rate (or `rate_rps` / `concurrency`), and return the best one within
     `max_preemption_rate` and `max_429_share`, its `what_if` table attached; `progress(done,
     total)` after each row. kvtune.policy.search.InfeasibleObjectiveError (with the table) when
-    no candidate meets them.
+    no candidate meets them. `compare_engines` adds reference rows on SGLang's and TensorRT-LLM's
+    own admission rules (kvtune.policy.whatif.ENGINE_ROWS).
 
     >>> rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB"), max_truncation=0.01)
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule      # doctest: +SKIP
@@ -142,7 +144,8 @@ def recommend(
         raise OptionError(f"the plan follows {plan.engine}'s memory model and defaults; plan it with "
                           f"engine={options.engine!r} too", field="engine")
     searched = {"slo": slo, "max_preemption_rate": max_preemption_rate, "max_429_share": max_429_share,
-                "rate_rps": rate_rps, "concurrency": concurrency, "requests": requests}
+                "rate_rps": rate_rps, "concurrency": concurrency, "requests": requests,
+                "compare_engines": compare_engines or None}
     if objective is None:
         given = next((k for k, v in searched.items() if v is not None), None)
         if given is not None:
@@ -154,7 +157,8 @@ def recommend(
     if objective not in GOALS:
         raise OptionError(f"{objective!r} is not one of {', '.join(GOALS)}", field="objective")
     spec = ObjectiveSpec(Goal(objective), slo, max_preemption_rate, max_429_share, rate_rps, concurrency,
-                         DEFAULT_REQUESTS if requests is None else requests, seed)
+                         DEFAULT_REQUESTS if requests is None else requests, seed,
+                         compare_engines=compare_engines)
     return recommend_for_objective(profile, plan, options, spec, progress=progress)
 
 

@@ -36,6 +36,16 @@ def test_the_table_in_the_terminal(log):
     assert "concurrent requests for the logged route mix" not in out  # ... instead of the worst-case ratio
 
 
+def test_compare_engines_shows_a_row_per_engine(log):
+    result = CliRunner(env={"COLUMNS": "250"}).invoke(cli, [
+        "recommend", log, "--model", MODEL, "--capacity", CPU_CAPACITY, "--requests", "100", "--objective",
+        "throughput", "--concurrency", "16", "--compare-engines"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    for label in ("SGLang as rendered (ratio pinned at 1 by the env kvtune renders)", "SGLang (defaults)",
+                  "TensorRT-LLM GUARANTEED_NO_EVICT", "TensorRT-LLM MAX_UTILIZATION"):
+        assert label in result.stdout, label
+
+
 def test_the_table_in_json_report_and_recommendation(log, tmp_path):
     out = tmp_path / "deploy"
     result = recommend(log, "--objective", "throughput", "--concurrency", "32", "--max-preemption-rate", "0.01",
@@ -110,6 +120,7 @@ def test_without_an_objective_nothing_is_simulated(log):
      "--capacity FILE from `kvtune calibrate` (its `timing`, or --gpu for a roofline estimate)"),
     (("--slo", "ttft=500"), "Error: --slo: only applies with --objective throughput|goodput"),
     (("--max-preemption-rate", "0.1"), "Error: --max-preemption-rate: only applies with --objective throughput|goodput"),
+    (("--compare-engines",), "Error: --compare-engines: only applies with --objective throughput|goodput"),
     (("--objective", "goodput", "--rate", "5"), "Error: --slo: the goodput objective needs latency objectives, e.g. "
      "--slo ttft=500,e2e=10000"),
     (("--objective", "throughput", "--rate", "5", "--concurrency", "4"),

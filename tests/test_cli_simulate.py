@@ -206,6 +206,24 @@ def test_closed_loop_and_replay(tmp_path, profile):
     assert replayed["load"]["kind"] == "replay" and replayed["requests"]["sent"] > 0
 
 
+def test_engine_picks_whose_scheduler_runs(tmp_path):
+    """The squeezed pool of the gateway test, straight to each engine: vLLM preempts, SGLang's
+    estimate retracts or holds back, TensorRT-LLM's GUARANTEED_NO_EVICT never evicts."""
+    rng = np.random.default_rng(4)
+    profile = profile_file(tmp_path, rng.integers(20, 60, 100), rng.integers(40, 120, 100))
+    cap = capacity_file(tmp_path, num_blocks=17, block_size=16, max_model_len=256)
+    args = ("--profile", profile, "--capacity", cap, "--concurrency", "8", "--requests", "60")
+    runs = {name: simulate_json(*args, "--engine", name) for name in ("vllm", "sglang", "trtllm-gne", "trtllm-maxutil")}
+    assert {name: d["simulation"]["rule"] for name, d in runs.items()} == {name: name for name in runs}
+    assert all(d["requests"]["completed"] == 60 for d in runs.values())
+    assert runs["vllm"]["server"]["preemptions"] > 0
+    assert runs["trtllm-gne"]["server"]["preemptions"] == 0
+    assert runs["trtllm-gne"]["server"]["block_size"] == 32
+    assert all(d["server"]["kv_cache_usage_peak"] <= 1.0 for d in runs.values())
+    bad = simulate(*args, "--engine", "tgi")
+    assert bad.exit_code == 2 and "'tgi' is not one of" in bad.output
+
+
 # --- the gateway in front -------------------------------------------------------------------------
 
 

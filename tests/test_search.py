@@ -405,3 +405,40 @@ def test_an_objective_without_seeds_reads_back_as_one_seed(searched):
     back = Recommendation.from_dict(data)
     assert back.objective is not None and back.objective.seeds == 1
     assert back.objective.seeds_label == "seed 0"
+
+
+def test_compare_engines_adds_a_reference_row_per_engine_that_reads_back(profile, plan):
+    """--compare-engines: after direct to vLLM, one row per engine rule on the same requests,
+    never chosen; the capped ones carry the default recommendation's caps; the file reads back."""
+    from kvtune.policy.recommend import RecommendOptions
+    from kvtune.policy.search import ObjectiveSpec, recommend_for_objective
+    from kvtune.policy.whatif import ENGINE_ROWS
+
+    spec = ObjectiveSpec(Goal.THROUGHPUT, concurrency=16, requests=100, seeds=1, compare_engines=True)
+    rec = recommend_for_objective(profile, plan, RecommendOptions(), spec,
+                                  grid=SearchGrid(cap_levels=("tail",), safety_fractions=(0.9,), policies=(GUARANTEED,)))
+    engines = [r for r in rec.what_if if r.policy.kind is PolicyKind.ENGINE]
+    assert [r.policy.engine for r in engines] == list(ENGINE_ROWS)
+    assert rec.what_if[0].policy.kind is PolicyKind.DIRECT and rec.what_if[1:5] == tuple(engines)
+    assert all(r.reference and not r.chosen and r.budget_blocks is None for r in engines)
+    assert [r.label for r in engines] == list(ENGINE_ROWS.values())
+    guaranteed = next(r for r in rec.what_if if r.policy.kind is PolicyKind.GUARANTEED)
+    by_name = {r.policy.engine: r for r in engines}
+    assert all(c is None for c in by_name["sglang"].caps.values())
+    assert dict(by_name["trtllm-gne"].caps) == dict(guaranteed.caps)
+    assert by_name["trtllm-gne"].predicted.preemption_rate == 0.0  # GUARANTEED_NO_EVICT never evicts
+    assert all(r.predicted.completed > 0 for r in engines)
+    back = Recommendation.from_dict(json.loads(rec.to_json()), path="recommendation.json")
+    assert back.to_json() == rec.to_json()
+    data = rec.to_dict()
+    data["what_if"][1]["policy"]["engine"] = "tgi"
+    with pytest.raises(InputError, match=r"what_if\[1\].policy.engine: 'tgi' is not one of"):
+        Recommendation.from_dict(data, path="r.json")
+    data["what_if"][1]["policy"].pop("engine")
+    with pytest.raises(InputError, match="an engine row names its engine"):
+        Recommendation.from_dict(data, path="r.json")
+
+
+def test_compare_engines_only_applies_with_an_objective(profile, plan):
+    with pytest.raises(OptionError, match="only applies with an objective"):
+        kvtune.recommend(profile, plan, compare_engines=True)

@@ -67,13 +67,16 @@ class ObjectiveArgs:
     concurrency: int | None
     requests: int
     seed: int
+    compare_engines: bool = False
 
     def wanted(self, capacity: CapacityArgs) -> dict:
         """kvtune.recommend's objective keywords; {} without --objective (and then no other of these)."""
         if self.objective is None:
             given = [flag for flag, value in (("--slo", self.slo), ("--max-preemption-rate", self.max_preemption_rate),
                                               ("--max-429-share", self.max_429_share), ("--rate", self.rate),
-                                              ("--concurrency", self.concurrency)) if value is not None]
+                                              ("--concurrency", self.concurrency),
+                                              ("--compare-engines", self.compare_engines or None))
+                     if value is not None]
             if given:
                 raise OptionError("only applies with --objective throughput|goodput", field=given[0])
             return {}
@@ -85,7 +88,7 @@ class ObjectiveArgs:
         return {"objective": self.objective, "slo": parse_slo(self.slo) if self.slo else None,
                 "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,
                 "rate_rps": self.rate, "concurrency": self.concurrency, "requests": self.requests,
-                "seed": self.seed}
+                "seed": self.seed, "compare_engines": self.compare_engines}
 
 
 objective_options = grouped("objective", ObjectiveArgs, [
@@ -108,6 +111,10 @@ objective_options = grouped("objective", ObjectiveArgs, [
     click.option("--seed", type=int, default=0, show_default=True,
                  help="Seed for lengths and arrivals: the requests `kvtune bench --seed` would send "
                       "(with --objective, each row is the mean of this seed and the next two)."),
+    click.option("--compare-engines", is_flag=True,
+                 help="Add reference rows for the same traffic on SGLang (as rendered, and its defaults) and "
+                      "TensorRT-LLM (GUARANTEED_NO_EVICT, MAX_UTILIZATION), each simulated with its own "
+                      "admission rule."),
 ])
 
 

@@ -12,6 +12,7 @@ import click
 from kvtune.cli.bench import LoadArgs, load_options
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
 from kvtune.errors import InputError, OptionError
+from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.userfiles import brief
 
 JSON_FIELDS = """\b
@@ -35,7 +36,8 @@ JSON_FIELDS = """\b
                    measured_against | roofline}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|engine-default}}, admission: {kind:
-                   direct|gateway, …the gateway's budget, route, cap, queue}, retry {max_retries,
+                   direct|gateway, …the gateway's budget, route, cap, queue}, rule: vllm|sglang|
+                   trtllm-gne|trtllm-maxutil (whose scheduler), retry {max_retries,
                    max_wait_s}, events, steps, wall_s, requests_not_sent, admission_waiting_peak,
                    preempted_requests}
 
@@ -55,6 +57,7 @@ class EngineArgs:
     model: str | None
     gpu: str | None
     endpoint: str
+    engine_name: str = "vllm"
 
 
 _engine_options = [
@@ -73,6 +76,10 @@ _engine_options = [
     click.option("--gpu", help="GPU from the catalog for the roofline step time (and vLLM's GPU defaults)."),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="The path requests are sent to, as `kvtune bench --endpoint`: picks the gateway's route."),
+    click.option("--engine", "engine_name", type=click.Choice(ENGINE_NAMES),
+                 default="vllm", show_default=True,
+                 help="Whose scheduler to simulate: vLLM's, SGLang's (new_token_ratio estimate, retraction) "
+                      "or TensorRT-LLM's (GUARANTEED_NO_EVICT, MAX_UTILIZATION), sized by the same settings."),
 ]
 
 
@@ -139,8 +146,10 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     mml = setup.settings.max_model_len
     overhead = timing.fixed_delay_s
     traffic, context = _traffic(logs, profile_path, routes, log, load, seed, mml, overhead, cap)
+    from kvtune.sim.rules import engine_rule
+
     run = run_simulation(traffic, setup, timing, admission=admission, slo=slo_, context=context,
-                         admission_info=admission_info,
+                         admission_info=admission_info, rule=engine_rule(engine.engine_name),
                          time_bounded_closed_loop=load.concurrency is not None and load.max_requests is None)
     text = json.dumps(run.report, indent=2)
     if out_dir is not None:

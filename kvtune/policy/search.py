@@ -48,6 +48,7 @@ from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 from kvtune.policy.whatif import (
+    ENGINE_ROWS,
     MAX_SEEDS,
     Goal,
     Load,
@@ -62,6 +63,7 @@ from kvtune.policy.whatif import (
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
+from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
 from kvtune.sim.scheduler import EngineSettings
 
 TAIL_LEVEL = "tail"  # each route capped by its tail class (p95 light, p99 heavy), as without --objective
@@ -106,6 +108,7 @@ class ObjectiveSpec:
     requests: int = DEFAULT_REQUESTS
     seed: int = 0
     seeds: int = DEFAULT_SEEDS
+    compare_engines: bool = False  # add the engine rows (SearchGrid.engines)
 
     def __post_init__(self) -> None:
         for name in ("max_preemption_rate", "max_429_share"):
@@ -130,12 +133,20 @@ class SearchGrid:
     """The candidates simulated, besides the two reference rows: guaranteed at every cap level ×
     safety fraction; each other policy (statistical ε, overcommit k) at every cap level on the
     default budget (`overcommit_safety`: they bet on the recommended budget, ε or k is their own
-    axis)."""
+    axis). `engines` (keys of kvtune.policy.whatif.ENGINE_ROWS) adds a reference row per
+    engine rule after the direct one: the same requests straight to SGLang or TensorRT-LLM."""
 
     cap_levels: tuple[str, ...] = DEFAULT_CAP_LEVELS
     safety_fractions: tuple[float, ...] = DEFAULT_SAFETY_FRACTIONS
     policies: tuple[Policy, ...] = (GUARANTEED, *STATISTICALS, *OVERCOMMITS)
     overcommit_safety: float = 0.9
+    engines: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.engines if e not in ENGINE_ROWS]
+        if unknown:
+            raise OptionError(f"unknown engine row {unknown[0]!r}; choose from {', '.join(ENGINE_ROWS)}",
+                              field="engines")
 
     def for_objective(self, objective: Objective) -> SearchGrid:
         """A preemption budget of 0 asks for the policy that guarantees it: guaranteed only."""
@@ -162,7 +173,8 @@ class SearchGrid:
         others = [p.label for p in self.policies if p.kind is not PolicyKind.GUARANTEED]
         if others:
             parts.append(f"{', '.join(others)} × the same caps at safety {self.overcommit_safety:g}")
-        return (f"{'; '.join(parts)} (≤ {self.candidates} candidates, identical ones once) + direct and "
+        engines = f", {len(self.engines)} engine rows" if self.engines else ""
+        return (f"{'; '.join(parts)} (≤ {self.candidates} candidates, identical ones once) + direct{engines} and "
                 "whole-context reference rows")
 
 
@@ -234,6 +246,7 @@ class Deployment:
     laws: Mapping[str, OutputLaw | None] = dataclasses.field(default_factory=dict)
     queue_max_waiting: int = 0
     queue_timeout_s: float = 30.0
+    rule: EngineRule = None  # the engine's scheduling rule (kvtune.sim.rules; None: vLLM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +285,7 @@ def draw_requests(objective: Objective, seed: int | None = None) -> Draws:
 def _admission(d: Deployment, routes: Sequence[str]) -> Admission | None:
     """The gateway's admission for a policy, in simulated time (the live gateway's own code);
     request i is of route routes[i]."""
-    if d.policy.kind is PolicyKind.DIRECT or d.budget_blocks is None:
+    if d.policy.kind in (PolicyKind.DIRECT, PolicyKind.ENGINE) or d.budget_blocks is None:
         return None
     laws = None
     if d.policy.kind is PolicyKind.STATISTICAL:
@@ -336,7 +349,8 @@ def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -
     loop = None if objective.load.concurrency is None else ClosedLoop(objective.load.concurrency, overhead, None)
     traffic = Traffic(workload, draws.output, draws.route, tuple(sorted(set(draws.route))), loop, overhead, Counter())
     result = simulate(workload, deployment.engine, objective.basis.timing,
-                      admission=_admission(deployment, draws.route), retry=CLIENT_RETRY, closed_loop=loop)
+                      admission=_admission(deployment, draws.route), retry=CLIENT_RETRY, closed_loop=loop,
+                      engine=deployment.rule)
     summary = summarize_sim(result, traffic, slo=objective.slo)
     r = result.requests
     sent_mask = r.outcome != OUTCOMES.index(Outcome.NOT_SENT)
@@ -425,6 +439,7 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
     default = recommend(profile, plan, options)
     direct, worst = Policy(PolicyKind.DIRECT), Policy(PolicyKind.WORST_CASE)
     out = [_Candidate(direct, None, None, Deployment(basis.engine, uncapped, direct, None), None)]
+    out += _engine_candidates(default, basis, uncapped, grid.engines, options.cap_level or TAIL_LEVEL)
     user_safety = options.safety_fraction is not None
     seen: set[tuple] = set()
     for level, safety, policy in grid.cells():
@@ -441,6 +456,37 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
                           Deployment(basis.engine, uncapped, worst, default.budget_blocks,
                                      queue_max_waiting=rendered_queue(default)[0],
                                      queue_timeout_s=rendered_queue(default)[1]), None))
+    return out
+
+
+def _engine_candidates(default: Recommendation, basis: SimBasis, uncapped: dict[str, int | None],
+                       engines: Sequence[str], cap_level: str) -> list[_Candidate]:
+    """The engine rows: each engine's own admission on the same requests, no ledger admitting.
+    "SGLang (defaults)" is the analogue of direct to vLLM (vLLM's engine defaults on the measured
+    pool, no caps: SGLang reserves context − prompt, clipped at 4096). The rendered SGLang and
+    both TensorRT-LLM rows run what kvtune renders for them from the default recommendation: its
+    engine limits, its route caps in every request (the gateway clamps max_tokens), the pool
+    pinned at its block budget (--max-total-tokens, kv_cache_config.max_tokens) where that still
+    holds max_model_len, and for SGLang the ratio pinned at 1 with the estimate clipped at the
+    largest cap (kvtune.policy.engine_rules.sglang_settings)."""
+    rendered = rendered_deployment(default, basis, GUARANTEED)
+    engine = rendered.engine
+    if default.budget_blocks is not None:
+        try:
+            engine = dataclasses.replace(engine, num_blocks=min(engine.num_blocks, default.budget_blocks + 1))
+        except OptionError:
+            pass  # a budget below one max_model_len sequence: the whole pool, as the engine would refuse it
+    caps = [c for c in rendered.caps.values() if c is not None]
+    out = []
+    for name in engines:
+        policy = Policy(PolicyKind.ENGINE, engine=name)
+        if name == "sglang":
+            out.append(_Candidate(policy, None, None, Deployment(basis.engine, uncapped, policy, None,
+                                                                 rule=engine_rule("sglang")), None))
+            continue
+        rule = SGLangRule.as_rendered(max(caps, default=None)) if name == "sglang-rendered" else engine_rule(name)
+        out.append(_Candidate(policy, cap_level, None, Deployment(engine, rendered.caps, policy, None, rule=rule),
+                              None))
     return out
 
 
@@ -517,7 +563,8 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
         closest = min((i for i, c in enumerate(candidates) if c.rec is not None),
                       key=lambda i: (sum(v.value - v.limit for v in broken[i]), i))
         raise InfeasibleObjectiveError(
-            f"no configuration meets the objective: of {len(candidates) - 2} candidates the closest, "
+            f"no configuration meets the objective: of {sum(c.rec is not None for c in candidates)} candidates "
+            f"the closest, "
             f"{rows[closest].label}, breaks {'; '.join(v.text for v in broken[closest])}; relax "
             "--max-preemption-rate / --max-429-share or lower the load", rows, objective)
     rec = candidates[chosen].rec
@@ -532,7 +579,11 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
 
 def recommend_for_objective(profile: Profile, plan: Plan, options: RecommendOptions, spec: ObjectiveSpec, *,
                             grid: SearchGrid | None = None, progress: Progress | None = None) -> Recommendation:
-    """`recommend --objective`: the objective resolved on the plan's measured capacity, then searched."""
+    """`recommend --objective`: the objective resolved on the plan's measured capacity, then searched
+    (with `spec.compare_engines`, the grid's engine rows are every engine in ENGINE_ROWS)."""
+    grid = grid or SearchGrid()
+    if spec.compare_engines and not grid.engines:
+        grid = dataclasses.replace(grid, engines=tuple(ENGINE_ROWS))
     return search(profile, plan, options, build_objective(profile, plan, spec), grid=grid, progress=progress)
 
 

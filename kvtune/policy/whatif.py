@@ -43,11 +43,19 @@ class PolicyKind(enum.Enum):
     GUARANTEED = "guaranteed"  # the gateway reserving prompt + cap for each request's whole life
     OVERCOMMIT = "overcommit"  # guaranteed reservations held against factor × the budget
     STATISTICAL = "statistical"  # admit while P(KV overflow) ≤ epsilon
+    ENGINE = "engine"  # another engine's own admission rule (kvtune.sim.rules), no gateway admitting
 
 
 POLICY_KINDS = tuple(k.value for k in PolicyKind)
 # rows shown for comparison, never chosen: they are not a kvtune deployment
-REFERENCE_KINDS = frozenset({PolicyKind.DIRECT, PolicyKind.WORST_CASE})
+REFERENCE_KINDS = frozenset({PolicyKind.DIRECT, PolicyKind.WORST_CASE, PolicyKind.ENGINE})
+# the engine rows `recommend --objective --compare-engines` adds, and what each one is
+ENGINE_ROWS = {
+    "sglang-rendered": "SGLang as rendered (ratio pinned at 1 by the env kvtune renders)",
+    "sglang": "SGLang (defaults)",
+    "trtllm-gne": "TensorRT-LLM GUARANTEED_NO_EVICT",
+    "trtllm-maxutil": "TensorRT-LLM MAX_UTILIZATION",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +63,12 @@ class Policy:
     kind: PolicyKind
     factor: float | None = None  # overcommit
     epsilon: float | None = None  # statistical
+    engine: str | None = None  # engine: a key of ENGINE_ROWS
 
     @property
     def label(self) -> str:
+        if self.kind is PolicyKind.ENGINE:
+            return ENGINE_ROWS.get(self.engine or "", str(self.engine))
         if self.kind is PolicyKind.OVERCOMMIT:
             return f"overcommit ×{self.factor:g}"
         if self.kind is PolicyKind.STATISTICAL:
@@ -70,8 +81,8 @@ class Policy:
 
     def admission(self) -> AdmissionPolicy:
         """The gateway's admission policy this row deploys (the whole-context row: guaranteed)."""
-        if self.kind is PolicyKind.DIRECT:
-            raise ValueError("straight to vLLM, no gateway admits anything")
+        if self.kind in (PolicyKind.DIRECT, PolicyKind.ENGINE):
+            raise ValueError("straight to the engine, no gateway admits anything")
         if self.kind is PolicyKind.OVERCOMMIT:
             return AdmissionPolicy.overcommit(self.factor or 1.0)
         if self.kind is PolicyKind.STATISTICAL:
@@ -88,18 +99,24 @@ class Policy:
         return cls(PolicyKind.GUARANTEED)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "factor": self.factor, "epsilon": self.epsilon}
+        out: dict[str, Any] = {"kind": self.kind.value, "factor": self.factor, "epsilon": self.epsilon}
+        if self.engine is not None:
+            out["engine"] = self.engine
+        return out
 
     @classmethod
     def read(cls, f: Fields) -> Policy:
         kind = PolicyKind(f.choice("kind", POLICY_KINDS))
         factor = f.number("factor", minimum=1.0, maximum=MAX_FACTOR, optional=True)
         epsilon = f.number("epsilon", maximum=1.0, optional=True)
+        engine = f.choice("engine", tuple(ENGINE_ROWS), optional=True)
+        if (engine is not None) != (kind is PolicyKind.ENGINE):
+            raise f.fail("engine", "an engine row names its engine, no other row does")
         if (factor is not None) != (kind is PolicyKind.OVERCOMMIT):
             raise f.fail("factor", "an overcommit policy has a factor, no other policy has one")
         if (epsilon is not None) != (kind is PolicyKind.STATISTICAL):
             raise f.fail("epsilon", "a statistical policy has an epsilon, no other policy has one")
-        return cls(kind, factor, epsilon)
+        return cls(kind, factor, epsilon, engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +375,8 @@ class WhatIfRow:
             return "direct to vLLM (today's defaults)"
         if self.policy.kind is PolicyKind.WORST_CASE:
             return "gateway, whole-context reservation"
+        if self.policy.kind is PolicyKind.ENGINE:
+            return self.policy.label
         return f"{self.policy.label}, caps {self.cap_level}, safety {self.safety_fraction:g}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -454,5 +473,5 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
 
 
 __all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "TABLE_NOTE", "Goal", "GOALS", "PolicyKind",
-           "POLICY_KINDS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation", "WhatIfRow",
-           "read_what_if"]
+           "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation",
+           "WhatIfRow", "read_what_if"]

@@ -43,6 +43,7 @@ from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
 from kvtune.sim.frontend import FrontEnd
 from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
+from kvtune.sim.rules import EngineRule, SGLangRule, TrtllmRule
 from kvtune.sim.scheduler import EngineSettings, Scheduler
 from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
@@ -83,13 +84,15 @@ def simulate(
     record_decisions: bool = False,
     closed_loop: ClosedLoop | None = None,
     frontend: FrontEndModel | None = None,
+    engine: EngineRule = None,
 ) -> SimResult:
-    """Serve `workload` on a simulated vLLM V1 engine behind `admission` (default: direct) and,
-    with `frontend`, behind the API server's serial work."""
+    """Serve `workload` on a simulated engine behind `admission` (default: direct) and, with
+    `frontend`, behind the API server's serial work; `engine` picks the scheduling rule
+    (kvtune.sim.rules; None: vLLM V1)."""
     wall0 = time.perf_counter()
     wl = workload if isinstance(workload, Workload) else Workload.from_requests(workload)
     run = _Run(wl, settings, timing, admission or DirectAdmission(), retry, record_steps, record_decisions,
-               closed_loop, frontend)
+               closed_loop, frontend, engine)
     run.loop(fast)
     return run.result(time.perf_counter() - wall0)
 
@@ -99,7 +102,8 @@ class _Run:
 
     def __init__(self, wl: Workload, settings: EngineSettings, timing: StepTimeModel, admission: Admission,
                  retry: RetryPolicy, record_steps: bool, record_decisions: bool,
-                 closed_loop: ClosedLoop | None = None, frontend: FrontEndModel | None = None) -> None:
+                 closed_loop: ClosedLoop | None = None, frontend: FrontEndModel | None = None,
+                 engine: EngineRule = None) -> None:
         n = len(wl)
         self.fe = None if frontend is None else FrontEnd(frontend)
         # (tick, order pushed, kind, request): requests reaching the engine, answers reaching
@@ -114,7 +118,7 @@ class _Run:
         self.ticks = timing.ticks()
         prompt = wl.prompt_tokens.astype(np.int64)
         end = np.minimum(prompt + wl.output_tokens, settings.max_model_len)
-        self.sched = Scheduler(settings, prompt, end)
+        self.sched = _scheduler(engine, settings, prompt, end, wl.max_tokens.astype(np.int64))
         self.prompt = prompt.tolist()
         self.caps = [None if c < 0 else c for c in wl.max_tokens.tolist()]
         self.too_long = (prompt + 1 > settings.max_model_len).tolist()  # vLLM answers 400
@@ -388,8 +392,28 @@ class _Run:
         return SimResult(requests, steps, tuple(self.decisions) if self.decisions is not None else None,
                          max(self.t, self.refused_at, self.delivered_at) / TICKS_PER_S, self.num_steps,
                          int(sched.preemptions.sum()),
-                         self.settings.usable_blocks, sched.used_peak, sched.running_peak, self.waiting_peak,
+                         sched.usable, sched.used_peak, sched.running_peak, self.waiting_peak,
                          admission_peak, self.events, wall_s)
+
+
+def _scheduler(rule: EngineRule, settings: EngineSettings, prompt: np.ndarray, end: np.ndarray,
+               caps: np.ndarray):
+    """The engine's scheduler. SGLang and TensorRT-LLM reserve for the max_tokens a request
+    carries; without one SGLang takes context − prompt − 1 (`init_req_max_new_tokens`),
+    TensorRT-LLM max_seq_len − prompt (`_deduce_max_tokens`), and neither lets it pass the
+    context; it is never below the tokens the simulated request generates."""
+    if rule is None:
+        return Scheduler(settings, prompt, end)
+    limit = settings.max_model_len - prompt - (1 if isinstance(rule, SGLangRule) else 0)
+    max_new = np.maximum(np.where(caps >= 0, np.minimum(caps, limit), limit), end - prompt)
+    if isinstance(rule, SGLangRule):
+        from kvtune.sim.sglang import SGLangScheduler
+
+        return SGLangScheduler(settings, rule, prompt, end, max_new)
+    assert isinstance(rule, TrtllmRule)
+    from kvtune.sim.trtllm import TrtllmScheduler
+
+    return TrtllmScheduler(settings, rule, prompt, end, max_new)
 
 
 __all__ = ["simulate", "CLIENT_RETRY", "ClosedLoop"]

@@ -77,6 +77,11 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
+    """`preemptions` (and each request's) counts the engine's evictions whatever the engine:
+    vLLM's preemptions, SGLang's retractions, TensorRT-LLM MAX_UTILIZATION's pauses; the pool
+    (`usable_blocks`, `blocks_used_peak`) is in the engine's unit: vLLM's blocks, SGLang's
+    tokens, TensorRT-LLM's blocks of tokens_per_block."""
+
     requests: RequestColumns
     steps: StepSeries | None
     decisions: tuple[Decision, ...] | None

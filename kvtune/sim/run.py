@@ -20,6 +20,7 @@ from kvtune.sim.plot import Timeline, timeline
 from kvtune.sim.report import sim_report
 from kvtune.sim.requests import Outcome
 from kvtune.sim.results import OUTCOMES, SimResult
+from kvtune.sim.rules import EngineRule, rule_name
 from kvtune.sim.setup import EngineSetup, TimingSetup
 from kvtune.sim.traffic import MAX_REQUESTS, Traffic
 
@@ -36,21 +37,24 @@ class SimulationRun:
 def run_simulation(traffic: Callable[[int | None], Traffic], engine: EngineSetup, timing: TimingSetup, *,
                    admission: Callable[[], Admission | None], slo: Slo | None, context: dict[str, Any],
                    admission_info: dict[str, Any], time_bounded_closed_loop: bool = False,
-                   retry: RetryPolicy = CLIENT_RETRY) -> SimulationRun:
-    """Simulate `traffic(n)` (n: requests to draw for a closed loop, None: the traffic's own bound)."""
+                   retry: RetryPolicy = CLIENT_RETRY, rule: EngineRule = None) -> SimulationRun:
+    """Simulate `traffic(n)` (n: requests to draw for a closed loop, None: the traffic's own bound)
+    on the engine whose scheduler `rule` names (kvtune.sim.rules; None: vLLM)."""
     n: int | None = None
     while True:
         t = traffic(n)
         result = simulate(t.workload, engine.settings, timing.model, admission=admission(), retry=retry,
-                          record_steps=True, closed_loop=t.closed_loop, frontend=timing.frontend)
+                          record_steps=True, closed_loop=t.closed_loop, frontend=timing.frontend, engine=rule)
         used_all = not (result.requests.outcome == _NOT_SENT).any()
         if not (time_bounded_closed_loop and used_all and len(t) < MAX_REQUESTS):
             break
         n = 2 * len(t)
     simulation = {"timing": timing.to_dict(), "engine": engine.to_dict(), "admission": admission_info,
+                  "rule": rule_name(rule),
                   "retry": {"max_retries": retry.max_retries, "max_wait_s": retry.max_wait_s}}
-    report = sim_report(result, t, slo=slo, context=context, simulation=simulation,
-                        block_size=engine.settings.block_size)
+    # the unit the pool is counted in: vLLM's blocks, SGLang's tokens, TensorRT-LLM's blocks
+    unit = engine.settings.block_size if rule is None else getattr(rule, "tokens_per_block", 1)
+    report = sim_report(result, t, slo=slo, context=context, simulation=simulation, block_size=unit)
     line = None if result.steps is None else timeline(result.steps, usable_blocks=result.usable_blocks,
                                                       end_s=result.duration_s)
     return SimulationRun(report, result, line)

@@ -80,6 +80,7 @@ class Scheduler:
     def __init__(self, settings: EngineSettings, prompt_tokens: np.ndarray, end_tokens: np.ndarray) -> None:
         self.settings = settings
         self.pool = BlockPool(settings.num_blocks, caching=settings.enable_prefix_caching)
+        self.usable = self.pool.usable  # the pool SimResult reports usage against
         self.waiting: deque[int] = deque()
         self.prompt_all = prompt_tokens
         self.end_all = end_tokens  # prompt + tokens it will generate (capped at max_model_len)
