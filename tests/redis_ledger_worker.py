@@ -1,0 +1,80 @@
+"""One gateway replica's worth of ledger traffic, as its own OS process, for tests/test_redis_ledger.py.
+
+    python tests/redis_ledger_worker.py CONFIG_JSON
+
+CONFIG_JSON: {"url", "prefix", "owner", "lease_s", "budgets": {upstream: blocks}, "seed",
+"concurrency", "max_blocks", "hold_ms": [lo, hi], "grants": N (churn until N granted in all),
+"fixed": K (reserve K long-held reservations per upstream first, print {"ready": [ids]}, then
+churn until a line arrives on stdin)}. At the end it releases what it holds and prints one JSON
+line: granted, refused, released (True answers), not_released (False answers), fixed_released,
+leases_lost, seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+
+from kvtune.gateway.redis_ledger import RedisLedger
+
+
+async def main(cfg: dict) -> dict:
+    rng = random.Random(cfg["seed"])
+    budgets: dict[str, int] = cfg["budgets"]
+    upstreams = sorted(budgets)
+    lo_ms, hi_ms = cfg["hold_ms"]
+    counts = {"granted": 0, "refused": 0, "released": 0, "not_released": 0, "fixed_released": 0}
+    target = cfg.get("grants")
+    stop = asyncio.Event()
+    started = time.monotonic()
+    async with RedisLedger(cfg["url"], owner=cfg["owner"], key_prefix=cfg["prefix"], lease_s=cfg["lease_s"]) as ledger:
+        fixed: list[str] = []
+        for upstream in upstreams:
+            for i in range(cfg.get("fixed", 0)):
+                rid = f"{cfg['owner']}-fixed-{upstream}-{i}"
+                if not await ledger.reserve(upstream, rid, rng.randint(1, cfg["max_blocks"]), budgets[upstream]):
+                    raise SystemExit(f"fixed reservation {rid} refused: the test's budgets are too small")
+                fixed.append(rid)
+        if fixed:
+            print(json.dumps({"ready": fixed}), flush=True)
+            loop = asyncio.get_running_loop()
+
+            def on_stdin() -> None:
+                loop.remove_reader(sys.stdin.fileno())
+                stop.set()
+
+            loop.add_reader(sys.stdin.fileno(), on_stdin)
+        serial = 0
+
+        async def one_task() -> None:
+            nonlocal serial
+            while not stop.is_set() and (target is None or counts["granted"] < target):
+                serial += 1
+                rid = f"{cfg['owner']}-{serial}"
+                upstream = rng.choice(upstreams)
+                blocks = rng.randint(1, cfg["max_blocks"])
+                if not await ledger.reserve(upstream, rid, blocks, budgets[upstream]):
+                    counts["refused"] += 1
+                    await asyncio.sleep(0.002)
+                    continue
+                counts["granted"] += 1
+                await asyncio.sleep(rng.uniform(lo_ms, hi_ms) / 1000)
+                counts["released" if await ledger.release(rid) else "not_released"] += 1
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(cfg["concurrency"]):
+                group.create_task(one_task())
+        if fixed:
+            await stop.wait()
+        for rid in fixed:
+            counts["fixed_released"] += await ledger.release(rid)
+        counts["leases_lost"] = ledger.leases_lost
+    counts["seconds"] = round(time.monotonic() - started, 3)
+    return counts
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(json.loads(sys.argv[1])))), flush=True)
