@@ -6,8 +6,9 @@ CONFIG_JSON: {"url", "prefix", "owner", "lease_s", "budgets": {upstream: blocks}
 "concurrency", "max_blocks", "hold_ms": [lo, hi], "grants": N (churn until N granted in all),
 "fixed": K (reserve K long-held reservations per upstream first, print {"ready": [ids]}, then
 churn until a line arrives on stdin)}. At the end it releases what it holds and prints one JSON
-line: granted, refused, released (True answers), not_released (False answers), fixed_released,
-leases_lost, seconds.
+line: granted, refused, released (True answers, or queued after raising), not_released (False
+answers), fixed_released, unavailable (LedgerUnavailableError answers), held_at_end (what this
+owner still held after its last release was given back: 0), leases_lost, seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import random
 import sys
 import time
 
+from kvtune.errors import LedgerUnavailableError
 from kvtune.gateway.redis_ledger import RedisLedger
 
 
@@ -26,11 +28,12 @@ async def main(cfg: dict) -> dict:
     budgets: dict[str, int] = cfg["budgets"]
     upstreams = sorted(budgets)
     lo_ms, hi_ms = cfg["hold_ms"]
-    counts = {"granted": 0, "refused": 0, "released": 0, "not_released": 0, "fixed_released": 0}
+    counts = {"granted": 0, "refused": 0, "released": 0, "not_released": 0, "fixed_released": 0, "unavailable": 0}
     target = cfg.get("grants")
     stop = asyncio.Event()
     started = time.monotonic()
-    async with RedisLedger(cfg["url"], owner=cfg["owner"], key_prefix=cfg["prefix"], lease_s=cfg["lease_s"]) as ledger:
+    async with RedisLedger(cfg["url"], owner=cfg["owner"], key_prefix=cfg["prefix"], lease_s=cfg["lease_s"],
+                           op_timeout_s=2.0) as ledger:  # this machine's 2 cores are shared
         fixed: list[str] = []
         for upstream in upstreams:
             for i in range(cfg.get("fixed", 0)):
@@ -56,13 +59,22 @@ async def main(cfg: dict) -> dict:
                 rid = f"{cfg['owner']}-{serial}"
                 upstream = rng.choice(upstreams)
                 blocks = rng.randint(1, cfg["max_blocks"])
-                if not await ledger.reserve(upstream, rid, blocks, budgets[upstream]):
+                try:
+                    granted = await ledger.reserve(upstream, rid, blocks, budgets[upstream])
+                except LedgerUnavailableError:  # a 503 at the gateway; the store gives it back if held
+                    counts["unavailable"] += 1
+                    continue
+                if not granted:
                     counts["refused"] += 1
                     await asyncio.sleep(0.002)
                     continue
                 counts["granted"] += 1
                 await asyncio.sleep(rng.uniform(lo_ms, hi_ms) / 1000)
-                counts["released" if await ledger.release(rid) else "not_released"] += 1
+                try:
+                    counts["released" if await ledger.release(rid) else "not_released"] += 1
+                except LedgerUnavailableError:  # queued: the store gives it back when Redis answers
+                    counts["unavailable"] += 1
+                    counts["released"] += 1
 
         async with asyncio.TaskGroup() as group:
             for _ in range(cfg["concurrency"]):
@@ -71,6 +83,11 @@ async def main(cfg: dict) -> dict:
             await stop.wait()
         for rid in fixed:
             counts["fixed_released"] += await ledger.release(rid)
+        for _ in range(500):
+            if ledger.pending_releases == 0:
+                break
+            await asyncio.sleep(0.01)
+        counts["held_at_end"] = await ledger.held()  # before closing retires whatever is left
         counts["leases_lost"] = ledger.leases_lost
     counts["seconds"] = round(time.monotonic() - started, 3)
     return counts

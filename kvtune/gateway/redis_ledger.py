@@ -27,9 +27,12 @@ release), and its next script opens a fresh lease (`leases_lost` counts these).
 release(id) deletes the id from the caller's own hash and subtracts only if it was there: exactly
 once. reserve(id) is idempotent (an id already held answers granted, unchanged), which is also
 what makes redis-py's retry of a command whose reply was lost safe. A reserve that raised
-LedgerUnavailableError did not grant as far as the caller is concerned; in case Redis recorded
-it anyway, the id is queued for release and given back when Redis answers again. `release_soon`
-queues the same way, without awaiting, for a `finally` that must not await.
+(LedgerUnavailableError, or cancelled) did not grant as far as the caller is concerned; in case
+Redis recorded it anyway, the id is queued for release, and so is a release that raised: the
+heartbeat task gives them back as soon as Redis answers again. `release_soon` queues the same
+way without awaiting, for a `finally` that must not await. Redis errors and timeouts (each
+operation is bounded by op_timeout_s, redis-py retrying twice within it) surface as
+LedgerUnavailableError, never as redis' own exceptions; the client reconnects by itself.
 
 Redis restarts: with persistence (appendonly) the state and the leases survive; a downtime longer
 than lease_s expires every lease, so every reservation is reclaimed at the first script after it
@@ -235,6 +238,7 @@ class RedisLedger:
         self.reclaimed = 0  # reservations of expired owners this owner's scripts reclaimed
         self.script_loads = 0  # SCRIPT LOADs, the first included (more: Redis restarted or flushed)
         self.errors = 0  # operations that raised LedgerUnavailableError
+        self.available = False  # whether the last operation reached Redis (for /metrics, and fallbacks)
 
     def reservations_key(self, owner: str) -> str:
         """The hash of one owner's reservations (id -> "<blocks> <upstream>")."""
@@ -248,8 +252,9 @@ class RedisLedger:
     # -- lifecycle
 
     async def start(self, *, heartbeat: bool = True) -> None:
-        """Connect, load the scripts and take the lease (LedgerUnavailableError if Redis does not
-        answer); then renew it in the background unless heartbeat=False."""
+        """Connect, load the scripts and take the lease, and renew it in the background unless
+        heartbeat=False. LedgerUnavailableError if Redis does not answer now: the store stays
+        started and keeps trying (the caller chooses to wait, to refuse, or to fall back)."""
         if self._state is not _State.NEW:
             raise RuntimeError(f"a RedisLedger cannot be started twice (it is {self._state.value})")
         import redis.asyncio as aioredis
@@ -257,15 +262,18 @@ class RedisLedger:
         from redis.backoff import ExponentialWithJitterBackoff
 
         self._state = _State.STARTED
+        # No socket_timeout: redis-py then sends through asyncio.wait_for, which on Python 3.11
+        # swallows a cancellation that lands as the send completes (the reserve of a client that
+        # went away would carry on); each operation is bounded by asyncio.timeout in _run instead.
         pool = aioredis.BlockingConnectionPool.from_url(
             self.url, max_connections=self._max_connections, timeout=self.op_timeout_s,
-            socket_timeout=self.op_timeout_s, socket_connect_timeout=self._connect_timeout_s,
+            socket_timeout=None, socket_connect_timeout=self._connect_timeout_s,
             retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2), health_check_interval=0)
         self._redis = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
-        await self._load_scripts()
-        await self.renew()
         if heartbeat:
             self._task = asyncio.get_running_loop().create_task(self._tend(), name=f"kvtune-ledger-{self.owner}")
+        await self._load_scripts()
+        await self.renew()
 
     async def aclose(self, *, retire: bool = True) -> None:
         """Stop the heartbeat, give back queued releases and, with retire, everything this owner
@@ -305,9 +313,11 @@ class RedisLedger:
         self._check_started()
         if blocks < 1:
             raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
+        if budget_blocks < 1:
+            raise ValueError(f"budget_blocks must be at least 1, got {budget_blocks}")
         try:
             granted, had, _, reclaimed = await self._run("reserve", upstream, reservation_id, blocks, budget_blocks)
-        except LedgerUnavailableError:
+        except BaseException:  # unavailable, or cancelled: Redis may have recorded it all the same
             self.release_soon(reservation_id)
             raise
         self._lease_seen(had, reclaimed)
@@ -315,9 +325,15 @@ class RedisLedger:
 
     async def release(self, reservation_id: str) -> bool:
         """Give the reservation's blocks back; True the first time, False if it is not held (already
-        released, never granted, or reclaimed after this owner's lease expired)."""
+        released, never granted, or reclaimed after this owner's lease expired; or released by an
+        earlier attempt whose reply was lost). One that raises (unavailable, cancelled) is queued
+        and given back when Redis answers again, so no release is lost."""
         self._check_started()
-        return await self._release(reservation_id)
+        try:
+            return await self._release(reservation_id)
+        except BaseException:
+            self.release_soon(reservation_id)
+            raise
 
     async def _release(self, reservation_id: str) -> bool:
         released, had, reclaimed = await self._run("release", reservation_id)
@@ -336,6 +352,13 @@ class RedisLedger:
         self._check_started()
         had, reclaimed, _ = await self._run("renew")
         return self._lease_seen(had, reclaimed)
+
+    async def held(self) -> int:
+        """How many reservations this owner holds in Redis now (renewing its lease on the way)."""
+        self._check_started()
+        had, reclaimed, held = await self._run("renew")
+        self._lease_seen(had, reclaimed)
+        return int(held)
 
     async def set_budgets(self, budgets: Mapping[str, int]) -> None:
         """Record each upstream's budget for `snapshot` before any reserve (reserve records it too)."""
@@ -380,6 +403,7 @@ class RedisLedger:
                     self.script_loads += 1
         except Exception as exc:  # redis' errors and our own timeout alike
             self.errors += 1
+            self.available = False
             raise self._unavailable(exc) from exc
 
     def _check_started(self) -> None:
@@ -395,14 +419,19 @@ class RedisLedger:
         try:
             async with asyncio.timeout(self.op_timeout_s):
                 try:
-                    return await self._redis.evalsha(script.sha, len(keys), *keys, *self._args, *args)
+                    if not script.sha:  # Redis was down when the scripts were first loaded
+                        raise NoScriptError("not loaded yet")
+                    out = await self._redis.evalsha(script.sha, len(keys), *keys, *self._args, *args)
                 except NoScriptError:
                     script.sha = await self._redis.script_load(script.source)
                     self.script_loads += 1
-                    return await self._redis.evalsha(script.sha, len(keys), *keys, *self._args, *args)
+                    out = await self._redis.evalsha(script.sha, len(keys), *keys, *self._args, *args)
         except Exception as exc:  # redis' errors and our own timeout alike; cancellation passes
             self.errors += 1
+            self.available = False
             raise self._unavailable(exc) from exc
+        self.available = True
+        return out
 
     def _unavailable(self, exc: Exception) -> LedgerUnavailableError:
         what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
