@@ -252,6 +252,9 @@ def test_no_redis_is_one_typed_error(redis_server):
         assert isinstance(caught.value, EndpointError)
         assert str(caught.value).startswith(f"ledger t: the shared ledger at {url} failed: ")
         await ledger.aclose()
+        with pytest.raises(LedgerUnavailableError):  # `async with` closes what it started, too
+            async with RedisLedger(url, owner="b", key_prefix="t"):
+                pass
 
     run(go())
 
@@ -576,3 +579,14 @@ def test_a_redis_restart_mid_load_admits_nothing_it_cannot_record_and_resumes_by
     assert sampler.violations == []
     # nothing a raised reserve may have recorded, nor any release that raised, is left behind
     assert final == dict.fromkeys(budgets, (0, 0, 0))
+
+
+def test_the_error_line_never_shows_the_password():
+    async def go():
+        with pytest.raises(LedgerUnavailableError) as caught:
+            async with RedisLedger("redis://gw:s3cret@127.0.0.1:1/0", owner="a", key_prefix="t"):
+                pass
+        assert "s3cret" not in str(caught.value)
+        assert "redis://gw:***@127.0.0.1:1/0" in str(caught.value)
+
+    run(go())

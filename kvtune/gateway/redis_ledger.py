@@ -210,6 +210,8 @@ class RedisLedger:
                  rate_window_s: float = RATE_WINDOW_S) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
+        if not key_prefix:
+            raise ValueError("key_prefix must not be empty")
         if op_timeout_s <= 0:
             raise ValueError(f"op_timeout_s must be positive, got {op_timeout_s}")
         self.url = url
@@ -297,7 +299,11 @@ class RedisLedger:
             await self._redis.aclose()
 
     async def __aenter__(self) -> RedisLedger:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
