@@ -4,10 +4,11 @@
 
 CONFIG_JSON: {"url", "prefix", "owner", "lease_s", "budgets": {upstream: blocks}, "seed",
 "concurrency", "max_blocks", "hold_ms": [lo, hi], "grants": N (churn until N granted in all),
+"cancel_p": p (cancel that share of reserves at a random step, as a client that goes away),
 "fixed": K (reserve K long-held reservations per upstream first, print {"ready": [ids]}, then
 churn until a line arrives on stdin)}. At the end it releases what it holds and prints one JSON
 line: granted, refused, released (True answers, or queued after raising), not_released (False
-answers), fixed_released, unavailable (LedgerUnavailableError answers), held_at_end (what this
+answers), fixed_released, cancelled, unavailable (LedgerUnavailableError answers), held_at_end (what this
 owner still held after its last release was given back: 0), leases_lost, seconds.
 """
 
@@ -28,7 +29,8 @@ async def main(cfg: dict) -> dict:
     budgets: dict[str, int] = cfg["budgets"]
     upstreams = sorted(budgets)
     lo_ms, hi_ms = cfg["hold_ms"]
-    counts = {"granted": 0, "refused": 0, "released": 0, "not_released": 0, "fixed_released": 0, "unavailable": 0}
+    counts = {"granted": 0, "refused": 0, "released": 0, "not_released": 0, "fixed_released": 0, "unavailable": 0,
+              "cancelled": 0}
     target = cfg.get("grants")
     stop = asyncio.Event()
     started = time.monotonic()
@@ -60,7 +62,18 @@ async def main(cfg: dict) -> dict:
                 upstream = rng.choice(upstreams)
                 blocks = rng.randint(1, cfg["max_blocks"])
                 try:
-                    granted = await ledger.reserve(upstream, rid, blocks, budgets[upstream])
+                    if rng.random() < cfg.get("cancel_p", 0.0):  # the client goes away mid-reserve
+                        reserving = asyncio.create_task(ledger.reserve(upstream, rid, blocks, budgets[upstream]))
+                        for _ in range(rng.randint(0, 3)):
+                            await asyncio.sleep(0)
+                        reserving.cancel()
+                        try:
+                            granted = await reserving
+                        except asyncio.CancelledError:
+                            counts["cancelled"] += 1  # the store gives it back if Redis recorded it
+                            continue
+                    else:
+                        granted = await ledger.reserve(upstream, rid, blocks, budgets[upstream])
                 except LedgerUnavailableError:  # a 503 at the gateway; the store gives it back if held
                     counts["unavailable"] += 1
                     continue

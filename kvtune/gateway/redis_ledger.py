@@ -8,6 +8,8 @@ Keys, all under `key_prefix` (P); for Redis Cluster put a hash tag in it ("{kvtu
 share one slot:
     P:owners        ZSET  owner -> lease deadline, in ms of the Redis server's clock (TIME)
     P:res:<owner>   HASH  reservation id -> "<blocks> <upstream>", the reservations one owner holds
+    P:void:<owner>  ZSET  reservation id -> ms: ids given up on (below), refused if their reserve
+                          arrives after all; kept VOID_KEEP_S
     P:reserved      HASH  upstream -> blocks reserved, by every owner together
     P:inflight      HASH  upstream -> reservations held
     P:budget        HASH  upstream -> the budget the last reserve was checked against (for reading)
@@ -29,8 +31,10 @@ once. reserve(id) is idempotent (an id already held answers granted, unchanged),
 what makes redis-py's retry of a command whose reply was lost safe. A reserve that raised
 (LedgerUnavailableError, or cancelled) did not grant as far as the caller is concerned; in case
 Redis recorded it anyway, the id is queued for release, and so is a release that raised: the
-heartbeat task gives them back as soon as Redis answers again. `release_soon` queues the same
-way without awaiting, for a `finally` that must not await. Redis errors and timeouts (each
+heartbeat task gives them back as soon as Redis answers again. A queued release that finds
+nothing leaves a tombstone, so that a reserve still on its way (sent on a connection the
+cancellation dropped) is refused when it lands instead of leaking. `release_soon` queues the
+same way without awaiting, for a `finally` that must not await. Redis errors and timeouts (each
 operation is bounded by op_timeout_s, redis-py retrying twice within it) surface as
 LedgerUnavailableError, never as redis' own exceptions; the client reconnects by itself.
 
@@ -72,13 +76,15 @@ TEND_EVERY_S = 1.0
 SWEEP_OWNERS = 16
 #: Pause after a failed heartbeat or release drain before trying again.
 RETRY_PAUSE_S = 0.1
+#: How long a queued release that found nothing keeps its id refused (a reserve still in flight).
+VOID_KEEP_S = 60.0
 
-# KEYS[1..5]: owners, reserved, inflight, released, budget; KEYS[6]: the caller's own hash.
-# ARGV[1..4]: key prefix of the owners' hashes, lease ms, release window ms, owner.
+# KEYS[1..5]: owners, reserved, inflight, released, budget; KEYS[6..7]: the caller's own hash and
+# tombstones. ARGV[1..4]: the key prefix, lease ms, release window ms, owner.
 _PRELUDE = """
 local owners_key, reserved_key, inflight_key = KEYS[1], KEYS[2], KEYS[3]
-local released_key, budget_key, own_key = KEYS[4], KEYS[5], KEYS[6]
-local res_prefix, lease_ms, window_ms, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local released_key, budget_key, own_key, void_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local prefix, lease_ms, window_ms, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -96,13 +102,13 @@ local function give_back(upstream, blocks)
 end
 
 local function reclaim(who)
-  local key = res_prefix .. who
+  local key = prefix .. ':res:' .. who
   local held = redis.call('HGETALL', key)
   for i = 1, #held, 2 do
     local blocks, upstream = string.match(held[i + 1], '^(%d+) (.*)$')
     give_back(upstream, tonumber(blocks))
   end
-  redis.call('DEL', key)
+  redis.call('DEL', key, prefix .. ':void:' .. who)
   redis.call('ZREM', owners_key, who)
   return #held / 2
 end
@@ -126,6 +132,7 @@ local had = lease()
 redis.call('HSET', budget_key, upstream, budget)
 local reserved = tonumber(redis.call('HGET', reserved_key, upstream) or '0')
 if redis.call('HEXISTS', own_key, id) == 1 then return {1, had, reserved, reclaimed} end
+if redis.call('ZSCORE', void_key, id) then return {0, had, reserved, reclaimed} end  -- given up on already
 if reserved + blocks > budget then return {0, had, reserved, reclaimed} end
 redis.call('HINCRBY', reserved_key, upstream, blocks)
 redis.call('HINCRBY', inflight_key, upstream, 1)
@@ -133,11 +140,15 @@ redis.call('HSET', own_key, id, blocks .. ' ' .. upstream)
 return {1, had, reserved + blocks, reclaimed}
 """
 
-# ARGV[5]: id -> {released, had lease, reclaimed}
+# ARGV[5..6]: id, tombstone (1: if it is not held, refuse it should its reserve arrive later)
+# -> {released, had lease, reclaimed}
 _RELEASE = _PRELUDE + """
 local had = lease()
 local v = redis.call('HGET', own_key, ARGV[5])
-if not v then return {0, had, reclaimed} end
+if not v then
+  if ARGV[6] == '1' then redis.call('ZADD', void_key, now_ms, ARGV[5]) end
+  return {0, had, reclaimed}
+end
 redis.call('HDEL', own_key, ARGV[5])
 local blocks, upstream = string.match(v, '^(%d+) (.*)$')
 give_back(upstream, tonumber(blocks))
@@ -147,8 +158,9 @@ return {1, had, reclaimed}
 # -> {had lease, reclaimed, held by this owner}
 _RENEW = _PRELUDE + """
 local had = lease()
+redis.call('ZREMRANGEBYSCORE', void_key, '-inf', now_ms - VOID_KEEP_MS)
 return {had, reclaimed, redis.call('HLEN', own_key)}
-"""
+""".replace("VOID_KEEP_MS", str(round(VOID_KEEP_S * 1000)))
 
 # ARGV[5..]: budgets as upstream, blocks, ... -> reclaimed
 _SET_BUDGETS = _PRELUDE + """
@@ -224,8 +236,8 @@ class RedisLedger:
         self._max_connections = max_connections
         p = key_prefix
         self._keys = [f"{p}:owners", f"{p}:reserved", f"{p}:inflight", f"{p}:released", f"{p}:budget",
-                      self.reservations_key(self.owner)]
-        self._args = [f"{p}:res:", str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
+                      self.reservations_key(self.owner), f"{p}:void:{self.owner}"]
+        self._args = [p, str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
         self._scripts = {name: _Script(source) for name, source in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("renew", _RENEW), ("set_budgets", _SET_BUDGETS),
             ("snapshot", _SNAPSHOT), ("retire", _RETIRE))}
@@ -341,8 +353,8 @@ class RedisLedger:
             self.release_soon(reservation_id)
             raise
 
-    async def _release(self, reservation_id: str) -> bool:
-        released, had, reclaimed = await self._run("release", reservation_id)
+    async def _release(self, reservation_id: str, *, tombstone: bool = False) -> bool:
+        released, had, reclaimed = await self._run("release", reservation_id, int(tombstone))
         self._lease_seen(had, reclaimed)
         return bool(released)
 
@@ -448,7 +460,8 @@ class RedisLedger:
         """Give back the queued releases, a few at a time; what Redis does not take stays queued."""
         while self._pending:
             batch = list(itertools.islice(self._pending, 32))  # they stay queued until Redis answers
-            results = await asyncio.gather(*(self._release(rid) for rid in batch), return_exceptions=True)
+            results = await asyncio.gather(*(self._release(rid, tombstone=True) for rid in batch),
+                                           return_exceptions=True)
             for rid, result in zip(batch, results, strict=True):
                 if not isinstance(result, BaseException):
                     self._pending.pop(rid, None)
