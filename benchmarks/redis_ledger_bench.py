@@ -6,6 +6,7 @@ deployment would run it) on a free port unless --url names one, then times:
     memory        BlockLedger.try_reserve + Reservation.release, one after the other
     redis c=1     RedisLedger.reserve + release, one after the other (two EVALSHA round trips)
     redis c=N     the same from N concurrent asyncio tasks (one event loop, as one gateway process)
+    redis R/s     pairs started at R per second whatever the others do (open loop, as requests arrive)
 on uvloop by default, as the gateway runs
 and prints p50 / p99 / p99.9 of one reserve+release pair in microseconds, and pairs per second.
 
@@ -68,6 +69,27 @@ async def shared(url: str, pairs: int, concurrency: int) -> tuple[list[float], f
         return out, pairs / (time.perf_counter() - began)
 
 
+async def shared_at_rate(url: str, pairs: int, rate_per_s: float) -> list[float]:
+    """Open loop: a pair starts every 1/rate s whatever the others do, as requests arrive."""
+    out: list[float] = []
+    async with RedisLedger(url, owner="bench-rate", key_prefix="bench") as ledger:
+        async def pair(i: int) -> None:
+            began = time.perf_counter()
+            assert await ledger.reserve("u", f"q{i}", 4, 10**9)
+            assert await ledger.release(f"q{i}")
+            out.append(time.perf_counter() - began)
+
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async with asyncio.TaskGroup() as group:
+            for i in range(pairs):
+                delay = start + i / rate_per_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                group.create_task(pair(i))
+    return out
+
+
 def start_redis(directory: Path, appendonly: bool) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,6 +116,7 @@ def main() -> None:
     parser.add_argument("--url", help="an existing Redis (default: start one)")
     parser.add_argument("--pairs", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=1000.0, help="open-loop pairs per second (the last line)")
     parser.add_argument("--appendonly", action="store_true", help="the started Redis writes an AOF")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop",
                         help="the event loop (the gateway runs on uvloop when it is installed)")
@@ -112,6 +135,9 @@ def main() -> None:
                 with asyncio.Runner(loop_factory=loop_factory) as runner:
                     lat, rate = runner.run(shared(url, args.pairs, c))
                 print(f"redis c={c:<4} {percentiles(lat)}  {rate:10.0f} pairs/s")
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                lat = runner.run(shared_at_rate(url, args.pairs, args.rate))
+            print(f"redis {args.rate:g}/s {percentiles(lat)}  (open loop)")
         finally:
             if process is not None:
                 process.terminate()
