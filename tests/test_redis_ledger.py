@@ -114,9 +114,9 @@ def test_release_is_exactly_once_and_an_unknown_id_changes_nothing(redis_server)
 def test_upstreams_have_their_own_budgets(redis_server):
     async def go():
         async with RedisLedger(redis_server.url, owner="a", key_prefix="t") as ledger:
-            await ledger.set_budgets({"http://e1": 8, "http://e2": 3})
-            assert {k: (v.budget_blocks, v.reserved_blocks) for k, v in (await ledger.snapshot()).items()} == {
-                "http://e1": (8, 0), "http://e2": (3, 0)}
+            await ledger.set_budgets({"http://e1": 8, "http://e2": 3}, limits={"http://e2": 4})
+            assert {k: (v.budget_blocks, v.limit_blocks, v.reserved_blocks)
+                    for k, v in (await ledger.snapshot()).items()} == {"http://e1": (8, 8, 0), "http://e2": (3, 4, 0)}
             assert await ledger.reserve("http://e1", "a1", 8, 8)
             assert not await ledger.reserve("http://e1", "a2", 1, 8)
             assert await ledger.reserve("http://e2", "b1", 3, 3)  # e1 full does not touch e2

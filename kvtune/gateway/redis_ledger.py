@@ -12,7 +12,8 @@ share one slot:
                           arrives after all; kept VOID_KEEP_S
     P:reserved      HASH  upstream -> blocks reserved, by every owner together
     P:inflight      HASH  upstream -> reservations held
-    P:budget        HASH  upstream -> the budget the last reserve was checked against (for reading)
+    P:budget        HASH  upstream -> its budget, as the gateways state it (set_budgets; for reading)
+    P:limit         HASH  upstream -> the limit the last reserve was checked against
     P:released      HASH  upstream -> "<sum> <ms>": blocks given back, decayed over RATE_WINDOW_S
 
 An owner is one gateway process. Its lease is its deadline in P:owners: every script it runs
@@ -50,8 +51,8 @@ its held sequences' log-moment rows (rows x THETAS floats) and per reservation i
 release subtracts what the reserve added; the Chernoff bound is then a few exp/log in Lua over
 that sum (the exact convolution is too costly server-side, so the shared ledger would admit on
 the bound alone). It would live in P:stat:<upstream> and P:res:<owner> values, with a reserve
-script of its own; only the guaranteed (and overcommit: pass the limit as the budget) ledger is
-implemented here.
+script of its own; only the guaranteed ledger is implemented here (and overcommit, whose limit
+floor(k x budget) is what reserve's limit_blocks then is).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ RETRY_PAUSE_S = 0.1
 VOID_KEEP_S = 60.0
 
 # KEYS[1..5]: owners, reserved, inflight, released, budget; KEYS[6..7]: the caller's own hash and
-# tombstones. ARGV[1..4]: the key prefix, lease ms, release window ms, owner.
+# tombstones; KEYS[8]: limit. ARGV[1..4]: the key prefix, lease ms, release window ms, owner.
 _PRELUDE = """
 local owners_key, reserved_key, inflight_key = KEYS[1], KEYS[2], KEYS[3]
-local released_key, budget_key, own_key, void_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local released_key, budget_key, own_key, void_key, limit_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local prefix, lease_ms, window_ms, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -125,15 +126,15 @@ local function lease()
 end
 """.replace("SWEEP_OWNERS", str(SWEEP_OWNERS))
 
-# ARGV[5..8]: upstream, id, blocks, budget -> {granted, had lease, reserved after, reclaimed}
+# ARGV[5..8]: upstream, id, blocks, limit -> {granted, had lease, reserved after, reclaimed}
 _RESERVE = _PRELUDE + """
-local upstream, id, blocks, budget = ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
+local upstream, id, blocks, limit = ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
 local had = lease()
-redis.call('HSET', budget_key, upstream, budget)
+redis.call('HSET', limit_key, upstream, limit)
 local reserved = tonumber(redis.call('HGET', reserved_key, upstream) or '0')
 if redis.call('HEXISTS', own_key, id) == 1 then return {1, had, reserved, reclaimed} end
 if redis.call('ZSCORE', void_key, id) then return {0, had, reserved, reclaimed} end  -- given up on already
-if reserved + blocks > budget then return {0, had, reserved, reclaimed} end
+if reserved + blocks > limit then return {0, had, reserved, reclaimed} end
 redis.call('HINCRBY', reserved_key, upstream, blocks)
 redis.call('HINCRBY', inflight_key, upstream, 1)
 redis.call('HSET', own_key, id, blocks .. ' ' .. upstream)
@@ -162,22 +163,29 @@ redis.call('ZREMRANGEBYSCORE', void_key, '-inf', now_ms - VOID_KEEP_MS)
 return {had, reclaimed, redis.call('HLEN', own_key)}
 """.replace("VOID_KEEP_MS", str(round(VOID_KEEP_S * 1000)))
 
-# ARGV[5..]: budgets as upstream, blocks, ... -> reclaimed
+# ARGV[5..]: upstream, budget, limit, ... -> reclaimed
 _SET_BUDGETS = _PRELUDE + """
-for i = 5, #ARGV, 2 do redis.call('HSET', budget_key, ARGV[i], ARGV[i + 1]) end
+for i = 5, #ARGV, 3 do
+  redis.call('HSET', budget_key, ARGV[i], ARGV[i + 1])
+  redis.call('HSET', limit_key, ARGV[i], ARGV[i + 2])
+end
 return reclaimed
 """
 
-# -> {reclaimed, then per upstream: name, budget, reserved, inflight, release rate per s (a string)}
+# -> {reclaimed, then per upstream: name, budget, limit, reserved, inflight, release rate per s
+# (a string: Lua numbers become integers in a reply)}
 _SNAPSHOT = _PRELUDE + """
 local out = {reclaimed}
 local seen = {}
-for _, key in ipairs({budget_key, reserved_key}) do
+for _, key in ipairs({budget_key, limit_key, reserved_key}) do
   for _, upstream in ipairs(redis.call('HKEYS', key)) do
     if not seen[upstream] then
       seen[upstream] = true
+      local budget = redis.call('HGET', budget_key, upstream)
+      local limit = redis.call('HGET', limit_key, upstream)
       table.insert(out, upstream)
-      table.insert(out, tonumber(redis.call('HGET', budget_key, upstream) or '0'))
+      table.insert(out, tonumber(budget or limit or '0'))
+      table.insert(out, tonumber(limit or budget or '0'))
       table.insert(out, tonumber(redis.call('HGET', reserved_key, upstream) or '0'))
       table.insert(out, tonumber(redis.call('HGET', inflight_key, upstream) or '0'))
       table.insert(out, string.format('%.17g', decayed(upstream) * 1000 / window_ms))
@@ -236,7 +244,7 @@ class RedisLedger:
         self._max_connections = max_connections
         p = key_prefix
         self._keys = [f"{p}:owners", f"{p}:reserved", f"{p}:inflight", f"{p}:released", f"{p}:budget",
-                      self.reservations_key(self.owner), f"{p}:void:{self.owner}"]
+                      self.reservations_key(self.owner), f"{p}:void:{self.owner}", f"{p}:limit"]
         self._args = [p, str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
         self._scripts = {name: _Script(source) for name, source in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("renew", _RENEW), ("set_budgets", _SET_BUDGETS),
@@ -323,18 +331,19 @@ class RedisLedger:
 
     # -- the ledger
 
-    async def reserve(self, upstream: str, reservation_id: str, blocks: int, budget_blocks: int) -> bool:
+    async def reserve(self, upstream: str, reservation_id: str, blocks: int, limit_blocks: int) -> bool:
         """Hold `blocks` of `upstream` under `reservation_id` if every replica's reservations plus
-        these fit in `budget_blocks` (the limit: the budget, or k x it under overcommit). True if
-        granted (or already held under this id). A reservation id that raised is spent: the store
-        gives it back later in case Redis recorded it; use a fresh one."""
+        these fit in `limit_blocks` (what BlockLedger calls it: the budget under the guaranteed
+        policy, floor(k x budget) under overcommit). True if granted (or already held under this
+        id). A reservation id that raised is spent: the store gives it back later in case Redis
+        recorded it; use a fresh one."""
         self._check_started()
         if blocks < 1:
             raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
-        if budget_blocks < 1:
-            raise ValueError(f"budget_blocks must be at least 1, got {budget_blocks}")
+        if limit_blocks < 1:
+            raise ValueError(f"limit_blocks must be at least 1, got {limit_blocks}")
         try:
-            granted, had, _, reclaimed = await self._run("reserve", upstream, reservation_id, blocks, budget_blocks)
+            granted, had, _, reclaimed = await self._run("reserve", upstream, reservation_id, blocks, limit_blocks)
         except BaseException:  # unavailable, or cancelled: Redis may have recorded it all the same
             self.release_soon(reservation_id)
             raise
@@ -378,12 +387,13 @@ class RedisLedger:
         self._lease_seen(had, reclaimed)
         return int(held)
 
-    async def set_budgets(self, budgets: Mapping[str, int]) -> None:
-        """Record each upstream's budget for `snapshot` before any reserve (reserve records it too)."""
+    async def set_budgets(self, budgets: Mapping[str, int], limits: Mapping[str, int] | None = None) -> None:
+        """Record each upstream's budget (and limit, the budget unless given) for `snapshot`, as
+        the gateway starts; reserve records the limit it checks too."""
         self._check_started()
         args: list[str | int] = []
         for upstream, blocks in budgets.items():
-            args += [upstream, blocks]
+            args += [upstream, blocks, (limits or {}).get(upstream, blocks)]
         self.reclaimed += int(await self._run("set_budgets", *args))
 
     async def snapshot(self) -> dict[str, LedgerSnapshot]:
@@ -393,10 +403,10 @@ class RedisLedger:
         out = await self._run("snapshot")
         self.reclaimed += int(out[0])
         snap: dict[str, LedgerSnapshot] = {}
-        for i in range(1, len(out), 5):
+        for i in range(1, len(out), 6):
             name = out[i].decode() if isinstance(out[i], bytes) else str(out[i])
-            budget, reserved, inflight = int(out[i + 1]), int(out[i + 2]), int(out[i + 3])
-            snap[name] = LedgerSnapshot(budget, reserved, inflight, float(out[i + 4]), budget)
+            budget, limit, reserved, inflight = (int(x) for x in out[i + 1:i + 5])
+            snap[name] = LedgerSnapshot(budget, reserved, inflight, float(out[i + 5]), limit)
         return snap
 
     async def reserved(self, upstream: str) -> int:
