@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from kvtune.errors import EndpointError, LedgerUnavailableError
-from kvtune.gateway.redis_ledger import RedisLedger
+from kvtune.gateway.redis_ledger import SWEEP_OWNERS, RedisLedger
 
 WORKER = Path(__file__).resolve().parent / "redis_ledger_worker.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +201,28 @@ def test_an_expired_lease_is_reclaimed_and_its_owner_does_not_release_twice(redi
         finally:
             await a.aclose()
             await b.aclose()
+
+    run(go())
+
+
+def test_one_script_reclaims_at_most_sweep_owners_and_the_next_ones_the_rest(redis_server):
+    async def go():
+        dead = [RedisLedger(redis_server.url, owner=f"dead-{i}", key_prefix="t", lease_s=0.2) for i in range(20)]
+        for i, ledger in enumerate(dead):
+            await ledger.start(heartbeat=False)
+            assert await ledger.reserve("u", f"r{i}", 1, 100)
+        live = RedisLedger(redis_server.url, owner="live", key_prefix="t", lease_s=5)
+        await live.start(heartbeat=False)
+        try:
+            await asyncio.sleep(0.4)
+            await live.renew()
+            assert live.reclaimed == SWEEP_OWNERS  # a bounded pause for Redis, whatever died
+            assert await live.reserved("u") == 0  # and the next script takes the rest
+            assert live.reclaimed == 20
+        finally:
+            await live.aclose()
+            for ledger in dead:
+                await ledger.aclose(retire=False)
 
     run(go())
 

@@ -20,7 +20,8 @@ An owner is one gateway process. Its lease is its deadline in P:owners: every sc
 pushes the deadline to now + lease_s, and a background task (`start`) runs `renew` every
 min(lease_s / 3, 1 s) so an idle replica keeps it too. Every script, whoever runs it, first
 sweeps: each owner whose deadline has passed by Redis' clock (never a client's) is reclaimed, its
-blocks returned to their upstreams and its hash deleted. So a replica that dies (SIGKILL, machine
+blocks returned to their upstreams and its hash deleted (at most SWEEP_OWNERS owners a script,
+so Redis pauses a bounded time whatever died; the next scripts take the rest). So a replica that dies (SIGKILL, machine
 loss) loses its reservations at the first script any replica runs after its deadline, within
 lease_s + 1 s of its last heartbeat while any replica lives, waiting for nobody. Expired means
 reclaimed, whoever notices first, the owner itself included: a replica that comes back after a
@@ -509,4 +510,4 @@ def _redacted(url: str) -> str:
     return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
 
 
-__all__ = ["RedisLedger", "default_owner", "TEND_EVERY_S"]
+__all__ = ["RedisLedger", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS", "VOID_KEEP_S"]
