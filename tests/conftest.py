@@ -153,6 +153,34 @@ def vllm_server_each_tokenizer(vllm_factory, vllm_model_dir_for, vllm_tokenizer)
                         kv_cache_memory_bytes=2 * 1024**2)
 
 
+# --- a real redis-server on loopback (tests/redis_server.py documents the interface) -----------
+
+
+@pytest.fixture
+def make_redis(tmp_path):
+    """make(appendonly=False) -> a running RedisServer in its own directory; all stopped at teardown."""
+    from redis_server import start_redis
+
+    servers = []
+
+    def make(*, appendonly: bool = False):
+        server = start_redis(tmp_path / f"redis-{len(servers)}", appendonly=appendonly)
+        servers.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def redis_server(make_redis):
+    """A fresh redis-server for one test, without persistence."""
+    return make_redis()
+
+
 # --- paths that are not regular files (FIFO, device, directory, socket, link to a FIFO) --------
 
 NON_REGULAR_KINDS = ("fifo", "dev-zero", "directory", "socket", "symlink-to-fifo")

@@ -1,0 +1,513 @@
+"""One block ledger shared by every gateway replica, kept in Redis: exact, atomic, lease-protected.
+
+Every mutation is one Lua script run server-side with EVALSHA (loaded with SCRIPT LOAD, reloaded
+on NOSCRIPT, as after a Redis restart), so the check "reserved + blocks <= budget" and the add are
+one step no other replica can interleave with: two gateways cannot over-admit in a race.
+
+Keys, all under `key_prefix` (P); for Redis Cluster put a hash tag in it ("{kvtune}") so they
+share one slot:
+    P:owners        ZSET  owner -> lease deadline, in ms of the Redis server's clock (TIME)
+    P:res:<owner>   HASH  reservation id -> "<blocks> <upstream>", the reservations one owner holds
+    P:void:<owner>  ZSET  reservation id -> ms: ids given up on (below), refused if their reserve
+                          arrives after all; kept VOID_KEEP_S
+    P:reserved      HASH  upstream -> blocks reserved, by every owner together
+    P:inflight      HASH  upstream -> reservations held
+    P:budget        HASH  upstream -> its budget, as the gateways state it (set_budgets; for reading)
+    P:limit         HASH  upstream -> the limit the last reserve was checked against
+    P:released      HASH  upstream -> "<sum> <ms>": blocks given back, decayed over RATE_WINDOW_S
+
+An owner is one gateway process. Its lease is its deadline in P:owners: every script it runs
+pushes the deadline to now + lease_s, and a background task (`start`) runs `renew` every
+min(lease_s / 3, 1 s) so an idle replica keeps it too. Every script, whoever runs it, first
+sweeps: each owner whose deadline has passed by Redis' clock (never a client's) is reclaimed, its
+blocks returned to their upstreams and its hash deleted (at most SWEEP_OWNERS owners a script,
+so Redis pauses a bounded time whatever died; the next scripts take the rest). So a replica that dies (SIGKILL, machine
+loss) loses its reservations at the first script any replica runs after its deadline, within
+lease_s + 1 s of its last heartbeat while any replica lives, waiting for nobody. Expired means
+reclaimed, whoever notices first, the owner itself included: a replica that comes back after a
+partition finds its hash gone, its `release` returns False and changes nothing (no double
+release), and its next script opens a fresh lease (`leases_lost` counts these).
+
+release(id) deletes the id from the caller's own hash and subtracts only if it was there: exactly
+once. reserve(id) is idempotent (an id already held answers granted, unchanged), which is also
+what makes redis-py's retry of a command whose reply was lost safe. A reserve that raised
+(LedgerUnavailableError, or cancelled) did not grant as far as the caller is concerned; in case
+Redis recorded it anyway, the id is queued for release, and so is a release that raised: the
+heartbeat task gives them back as soon as Redis answers again. A queued release that finds
+nothing leaves a tombstone, so that a reserve still on its way (sent on a connection the
+cancellation dropped) is refused when it lands instead of leaking. `release_soon` queues the
+same way without awaiting, for a `finally` that must not await. Redis errors and timeouts (each
+operation is bounded by op_timeout_s, redis-py retrying twice within it) surface as
+LedgerUnavailableError, never as redis' own exceptions; the client reconnects by itself.
+
+Redis restarts: with persistence (appendonly) the state and the leases survive; a downtime longer
+than lease_s expires every lease, so every reservation is reclaimed at the first script after it
+(the gateways' in-flight requests are then no longer counted). Without persistence the restarted
+ledger is empty: in-flight reservations are forgotten, their releases return False, and until
+those requests finish the engines hold more than the ledger says, so the gateways may admit up
+to a whole budget more per upstream than fits. Run Redis with appendonly for this ledger.
+
+The statistical policy (kvtune.gateway.statistical) would need, per upstream, the running sum of
+its held sequences' log-moment rows (rows x THETAS floats) and per reservation its own rows, so a
+release subtracts what the reserve added; the Chernoff bound is then a few exp/log in Lua over
+that sum (the exact convolution is too costly server-side, so the shared ledger would admit on
+the bound alone). It would live in P:stat:<upstream> and P:res:<owner> values, with a reserve
+script of its own; only the guaranteed ledger is implemented here (and overcommit, whose limit
+floor(k x budget) is what reserve's limit_blocks then is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtune.errors import LedgerUnavailableError
+from kvtune.gateway.ledger import RATE_WINDOW_S, LedgerSnapshot
+
+#: How often the background task renews the lease and sweeps, at most (also lease_s / 3).
+TEND_EVERY_S = 1.0
+#: How many expired owners one script reclaims at most (the rest go to the next script).
+SWEEP_OWNERS = 16
+#: Pause after a failed heartbeat or release drain before trying again.
+RETRY_PAUSE_S = 0.1
+#: How long a queued release that found nothing keeps its id refused (a reserve still in flight).
+VOID_KEEP_S = 60.0
+
+# KEYS[1..5]: owners, reserved, inflight, released, budget; KEYS[6..7]: the caller's own hash and
+# tombstones; KEYS[8]: limit. ARGV[1..4]: the key prefix, lease ms, release window ms, owner.
+_PRELUDE = """
+local owners_key, reserved_key, inflight_key = KEYS[1], KEYS[2], KEYS[3]
+local released_key, budget_key, own_key, void_key, limit_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local prefix, lease_ms, window_ms, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function decayed(upstream)
+  local v = redis.call('HGET', released_key, upstream)
+  if not v then return 0 end
+  local s, at = string.match(v, '^(%S+) (%S+)$')
+  return tonumber(s) * math.exp(-math.max(0, now_ms - tonumber(at)) / window_ms)
+end
+
+local function give_back(upstream, blocks)
+  redis.call('HINCRBY', reserved_key, upstream, -blocks)
+  redis.call('HINCRBY', inflight_key, upstream, -1)
+  redis.call('HSET', released_key, upstream, string.format('%.17g %d', decayed(upstream) + blocks, now_ms))
+end
+
+local function reclaim(who)
+  local key = prefix .. ':res:' .. who
+  local held = redis.call('HGETALL', key)
+  for i = 1, #held, 2 do
+    local blocks, upstream = string.match(held[i + 1], '^(%d+) (.*)$')
+    give_back(upstream, tonumber(blocks))
+  end
+  redis.call('DEL', key, prefix .. ':void:' .. who)
+  redis.call('ZREM', owners_key, who)
+  return #held / 2
+end
+
+local reclaimed = 0
+for _, who in ipairs(redis.call('ZRANGEBYSCORE', owners_key, '-inf', now_ms, 'LIMIT', 0, SWEEP_OWNERS)) do
+  reclaimed = reclaimed + reclaim(who)
+end
+
+local function lease()
+  local had = redis.call('ZSCORE', owners_key, owner) and 1 or 0
+  redis.call('ZADD', owners_key, now_ms + lease_ms, owner)
+  return had
+end
+""".replace("SWEEP_OWNERS", str(SWEEP_OWNERS))
+
+# ARGV[5..8]: upstream, id, blocks, limit -> {granted, had lease, reserved after, reclaimed}
+_RESERVE = _PRELUDE + """
+local upstream, id, blocks, limit = ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
+local had = lease()
+redis.call('HSET', limit_key, upstream, limit)
+local reserved = tonumber(redis.call('HGET', reserved_key, upstream) or '0')
+if redis.call('HEXISTS', own_key, id) == 1 then return {1, had, reserved, reclaimed} end
+if redis.call('ZSCORE', void_key, id) then return {0, had, reserved, reclaimed} end  -- given up on already
+if reserved + blocks > limit then return {0, had, reserved, reclaimed} end
+redis.call('HINCRBY', reserved_key, upstream, blocks)
+redis.call('HINCRBY', inflight_key, upstream, 1)
+redis.call('HSET', own_key, id, blocks .. ' ' .. upstream)
+return {1, had, reserved + blocks, reclaimed}
+"""
+
+# ARGV[5..6]: id, tombstone (1: if it is not held, refuse it should its reserve arrive later)
+# -> {released, had lease, reclaimed}
+_RELEASE = _PRELUDE + """
+local had = lease()
+local v = redis.call('HGET', own_key, ARGV[5])
+if not v then
+  if ARGV[6] == '1' then redis.call('ZADD', void_key, now_ms, ARGV[5]) end
+  return {0, had, reclaimed}
+end
+redis.call('HDEL', own_key, ARGV[5])
+local blocks, upstream = string.match(v, '^(%d+) (.*)$')
+give_back(upstream, tonumber(blocks))
+return {1, had, reclaimed}
+"""
+
+# -> {had lease, reclaimed, held by this owner}
+_RENEW = _PRELUDE + """
+local had = lease()
+redis.call('ZREMRANGEBYSCORE', void_key, '-inf', now_ms - VOID_KEEP_MS)
+return {had, reclaimed, redis.call('HLEN', own_key)}
+""".replace("VOID_KEEP_MS", str(round(VOID_KEEP_S * 1000)))
+
+# ARGV[5..]: upstream, budget, limit, ... -> reclaimed
+_SET_BUDGETS = _PRELUDE + """
+for i = 5, #ARGV, 3 do
+  redis.call('HSET', budget_key, ARGV[i], ARGV[i + 1])
+  redis.call('HSET', limit_key, ARGV[i], ARGV[i + 2])
+end
+return reclaimed
+"""
+
+# -> {reclaimed, then per upstream: name, budget, limit, reserved, inflight, release rate per s
+# (a string: Lua numbers become integers in a reply)}
+_SNAPSHOT = _PRELUDE + """
+local out = {reclaimed}
+local seen = {}
+for _, key in ipairs({budget_key, limit_key, reserved_key}) do
+  for _, upstream in ipairs(redis.call('HKEYS', key)) do
+    if not seen[upstream] then
+      seen[upstream] = true
+      local budget = redis.call('HGET', budget_key, upstream)
+      local limit = redis.call('HGET', limit_key, upstream)
+      table.insert(out, upstream)
+      table.insert(out, tonumber(budget or limit or '0'))
+      table.insert(out, tonumber(limit or budget or '0'))
+      table.insert(out, tonumber(redis.call('HGET', reserved_key, upstream) or '0'))
+      table.insert(out, tonumber(redis.call('HGET', inflight_key, upstream) or '0'))
+      table.insert(out, string.format('%.17g', decayed(upstream) * 1000 / window_ms))
+    end
+  end
+end
+return out
+"""
+
+# the owner gives up its lease and everything it holds -> reclaimed (its own included)
+_RETIRE = _PRELUDE + """
+return reclaimed + reclaim(owner)
+"""
+
+
+@dataclass(slots=True)
+class _Script:
+    source: str
+    sha: str = ""
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STARTED = "started"
+    CLOSED = "closed"
+
+
+def default_owner() -> str:
+    """An owner id unique to this process: host, pid and a random tag (a restart is a new owner)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class RedisLedger:
+    """The shared ledger one gateway replica (`owner`) talks to; see the module docstring.
+
+    `start()` connects, loads the scripts, takes the lease and starts the heartbeat; `aclose()`
+    stops it and, with retire=True, gives back whatever this owner still holds. Every Redis error
+    or timeout surfaces as LedgerUnavailableError; the client reconnects by itself."""
+
+    def __init__(self, url: str, *, owner: str | None = None, key_prefix: str = "kvtune", lease_s: float = 10.0,
+                 op_timeout_s: float = 0.5, connect_timeout_s: float = 0.25, max_connections: int = 64,
+                 rate_window_s: float = RATE_WINDOW_S) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        if not key_prefix:
+            raise ValueError("key_prefix must not be empty")
+        if op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be positive, got {op_timeout_s}")
+        self.url = url
+        self.owner = owner or default_owner()
+        self.key_prefix = key_prefix
+        self.lease_s = lease_s
+        self.tend_every_s = min(lease_s / 3, TEND_EVERY_S)
+        self.op_timeout_s = op_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._max_connections = max_connections
+        p = key_prefix
+        self._keys = [f"{p}:owners", f"{p}:reserved", f"{p}:inflight", f"{p}:released", f"{p}:budget",
+                      self.reservations_key(self.owner), f"{p}:void:{self.owner}", f"{p}:limit"]
+        self._args = [p, str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
+        self._scripts = {name: _Script(source) for name, source in (
+            ("reserve", _RESERVE), ("release", _RELEASE), ("renew", _RENEW), ("set_budgets", _SET_BUDGETS),
+            ("snapshot", _SNAPSHOT), ("retire", _RETIRE))}
+        self._redis: Any = None
+        self._state = _State.NEW
+        self._leased = False
+        self._pending: dict[str, None] = {}  # reservation ids to give back when Redis answers, in order
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # counters for /metrics
+        self.leases_lost = 0  # times this owner found its lease expired (its reservations reclaimed)
+        self.reclaimed = 0  # reservations of expired owners this owner's scripts reclaimed
+        self.script_loads = 0  # SCRIPT LOADs, the first included (more: Redis restarted or flushed)
+        self.errors = 0  # operations that raised LedgerUnavailableError
+        self.available = False  # whether the last operation reached Redis (for /metrics, and fallbacks)
+
+    def reservations_key(self, owner: str) -> str:
+        """The hash of one owner's reservations (id -> "<blocks> <upstream>")."""
+        return f"{self.key_prefix}:res:{owner}"
+
+    @property
+    def pending_releases(self) -> int:
+        """Reservation ids waiting for Redis to answer before they are given back."""
+        return len(self._pending)
+
+    # -- lifecycle
+
+    async def start(self, *, heartbeat: bool = True) -> None:
+        """Connect, load the scripts and take the lease, and renew it in the background unless
+        heartbeat=False. LedgerUnavailableError if Redis does not answer now: the store stays
+        started and keeps trying (the caller chooses to wait, to refuse, or to fall back)."""
+        if self._state is not _State.NEW:
+            raise RuntimeError(f"a RedisLedger cannot be started twice (it is {self._state.value})")
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialWithJitterBackoff
+
+        self._state = _State.STARTED
+        # No socket_timeout: redis-py then sends through asyncio.wait_for, which on Python 3.11
+        # swallows a cancellation that lands as the send completes (the reserve of a client that
+        # went away would carry on); each operation is bounded by asyncio.timeout in _run instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.url, max_connections=self._max_connections, timeout=self.op_timeout_s,
+            socket_timeout=None, socket_connect_timeout=self._connect_timeout_s,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2), health_check_interval=0)
+        self._redis = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
+        if heartbeat:
+            self._task = asyncio.get_running_loop().create_task(self._tend(), name=f"kvtune-ledger-{self.owner}")
+        await self._load_scripts()
+        await self.renew()
+
+    async def aclose(self, *, retire: bool = True) -> None:
+        """Stop the heartbeat, give back queued releases and, with retire, everything this owner
+        holds (best effort: what Redis does not take is reclaimed when the lease lapses). Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        started = self._state is _State.STARTED
+        self._state = _State.CLOSED
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if started:
+            with contextlib.suppress(LedgerUnavailableError):
+                if retire:
+                    await self._run("retire")
+                    self._pending.clear()
+                else:
+                    await self._drain()
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> RedisLedger:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the ledger
+
+    async def reserve(self, upstream: str, reservation_id: str, blocks: int, limit_blocks: int) -> bool:
+        """Hold `blocks` of `upstream` under `reservation_id` if every replica's reservations plus
+        these fit in `limit_blocks` (what BlockLedger calls it: the budget under the guaranteed
+        policy, floor(k x budget) under overcommit). True if granted (or already held under this
+        id). A reservation id that raised is spent: the store gives it back later in case Redis
+        recorded it; use a fresh one."""
+        self._check_started()
+        if blocks < 1:
+            raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
+        if limit_blocks < 1:
+            raise ValueError(f"limit_blocks must be at least 1, got {limit_blocks}")
+        try:
+            granted, had, _, reclaimed = await self._run("reserve", upstream, reservation_id, blocks, limit_blocks)
+        except BaseException:  # unavailable, or cancelled: Redis may have recorded it all the same
+            self.release_soon(reservation_id)
+            raise
+        self._lease_seen(had, reclaimed)
+        return bool(granted)
+
+    async def release(self, reservation_id: str) -> bool:
+        """Give the reservation's blocks back; True the first time, False if it is not held (already
+        released, never granted, or reclaimed after this owner's lease expired; or released by an
+        earlier attempt whose reply was lost). One that raises (unavailable, cancelled) is queued
+        and given back when Redis answers again, so no release is lost."""
+        self._check_started()
+        try:
+            return await self._release(reservation_id)
+        except BaseException:
+            self.release_soon(reservation_id)
+            raise
+
+    async def _release(self, reservation_id: str, *, tombstone: bool = False) -> bool:
+        released, had, reclaimed = await self._run("release", reservation_id, int(tombstone))
+        self._lease_seen(had, reclaimed)
+        return bool(released)
+
+    def release_soon(self, reservation_id: str) -> None:
+        """Queue a release without awaiting (for a `finally`); the heartbeat task gives it back,
+        retrying while Redis is unavailable."""
+        self._pending[reservation_id] = None
+        self._wake.set()
+
+    async def renew(self) -> bool:
+        """Push this owner's lease deadline to now + lease_s (and sweep expired owners). False if the
+        lease had expired (or never existed): whatever this owner held was reclaimed."""
+        self._check_started()
+        had, reclaimed, _ = await self._run("renew")
+        return self._lease_seen(had, reclaimed)
+
+    async def held(self) -> int:
+        """How many reservations this owner holds in Redis now (renewing its lease on the way)."""
+        self._check_started()
+        had, reclaimed, held = await self._run("renew")
+        self._lease_seen(had, reclaimed)
+        return int(held)
+
+    async def set_budgets(self, budgets: Mapping[str, int], limits: Mapping[str, int] | None = None) -> None:
+        """Record each upstream's budget (and limit, the budget unless given) for `snapshot`, as
+        the gateway starts; reserve records the limit it checks too."""
+        self._check_started()
+        args: list[str | int] = []
+        for upstream, blocks in budgets.items():
+            args += [upstream, blocks, (limits or {}).get(upstream, blocks)]
+        self.reclaimed += int(await self._run("set_budgets", *args))
+
+    async def snapshot(self) -> dict[str, LedgerSnapshot]:
+        """Every upstream's budget, blocks reserved and reservations held by all replicas together,
+        and the rate at which blocks come back (after a sweep)."""
+        self._check_started()
+        out = await self._run("snapshot")
+        self.reclaimed += int(out[0])
+        snap: dict[str, LedgerSnapshot] = {}
+        for i in range(1, len(out), 6):
+            name = out[i].decode() if isinstance(out[i], bytes) else str(out[i])
+            budget, limit, reserved, inflight = (int(x) for x in out[i + 1:i + 5])
+            snap[name] = LedgerSnapshot(budget, reserved, inflight, float(out[i + 5]), limit)
+        return snap
+
+    async def reserved(self, upstream: str) -> int:
+        """Blocks of `upstream` reserved by every replica together (after a sweep)."""
+        got = (await self.snapshot()).get(upstream)
+        return 0 if got is None else got.reserved_blocks
+
+    # -- internals
+
+    def _lease_seen(self, had: int, reclaimed: int) -> bool:
+        self.reclaimed += int(reclaimed)
+        if not had and self._leased:
+            self.leases_lost += 1
+        self._leased = True
+        return bool(had)
+
+    async def _load_scripts(self) -> None:
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                for script in self._scripts.values():
+                    script.sha = await self._redis.script_load(script.source)
+                    self.script_loads += 1
+        except Exception as exc:  # redis' errors and our own timeout alike
+            self.errors += 1
+            self.available = False
+            raise self._unavailable(exc) from exc
+
+    def _check_started(self) -> None:
+        if self._state is not _State.STARTED:
+            raise RuntimeError(f"the RedisLedger is {self._state.value}, not started")
+
+    async def _run(self, name: str, *args: str | int) -> Any:
+        """One script by EVALSHA; on NOSCRIPT (Redis restarted or flushed) load it and run it again."""
+        from redis.exceptions import NoScriptError
+
+        script = self._scripts[name]
+        keys = self._keys
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                try:
+                    if not script.sha:  # Redis was down when the scripts were first loaded
+                        raise NoScriptError("not loaded yet")
+                    out = await self._redis.evalsha(script.sha, len(keys), *keys, *self._args, *args)
+                except NoScriptError:
+                    script.sha = await self._redis.script_load(script.source)
+                    self.script_loads += 1
+                    out = await self._redis.evalsha(script.sha, len(keys), *keys, *self._args, *args)
+        except Exception as exc:  # redis' errors and our own timeout alike; cancellation passes
+            self.errors += 1
+            self.available = False
+            raise self._unavailable(exc) from exc
+        self.available = True
+        return out
+
+    def _unavailable(self, exc: Exception) -> LedgerUnavailableError:
+        what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
+        return LedgerUnavailableError(f"the shared ledger at {_redacted(self.url)} {what}",
+                                      field=f"ledger {self.key_prefix}")
+
+    async def _drain(self) -> None:
+        """Give back the queued releases, a few at a time; what Redis does not take stays queued."""
+        while self._pending:
+            batch = list(itertools.islice(self._pending, 32))  # they stay queued until Redis answers
+            results = await asyncio.gather(*(self._release(rid, tombstone=True) for rid in batch),
+                                           return_exceptions=True)
+            for rid, result in zip(batch, results, strict=True):
+                if not isinstance(result, BaseException):
+                    self._pending.pop(rid, None)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result  # LedgerUnavailableError: the heartbeat tries again
+
+    async def _tend(self) -> None:
+        """The heartbeat: renew (and sweep) every tend_every_s, give back queued releases at once."""
+        loop = asyncio.get_running_loop()
+        next_renew = loop.time() + self.tend_every_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_renew - loop.time())):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                if self._pending:
+                    await self._drain()
+                if loop.time() >= next_renew:
+                    await self.renew()
+                    next_renew = loop.time() + self.tend_every_s
+            except LedgerUnavailableError:
+                await asyncio.sleep(RETRY_PAUSE_S)
+                if self._pending:
+                    self._wake.set()
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password (redis://user:secret@host -> redis://user:***@host)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
+
+
+__all__ = ["RedisLedger", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS", "VOID_KEEP_S"]
