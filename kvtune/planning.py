@@ -134,10 +134,6 @@ def plan(
                         f"block size {block_size} would not have its {measured.num_blocks or '?'} blocks",
                         field="block_size")
 
-    if block_size is None and engine != "vllm" and (measured is None or measured.block_size is None):
-        from kvtune.deploy.launch import launcher
-
-        block_size = launcher(engine).DEFAULT_BLOCK_SIZE  # SGLang's page, TensorRT-LLM's tokens_per_block
     spec = resolve_model(model)
     if utilization is None:  # the engine's default fraction depends on the GPU and the model
         from kvtune.capacity.engine_memory import default_fraction
