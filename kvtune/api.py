@@ -132,13 +132,18 @@ def recommend(
     """
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
+    from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
+    engine = plan.engine if engine is None else engine
+    # the release the plan's memory model assumed, unless the caller names one
+    release = plan.report.engine_version if engine_version is None else engine_version
     options = RecommendOptions(
         safety_fraction=safety_fraction, max_truncation=max_truncation,
-        vllm_version=plan.report.engine_version if vllm_version is None else vllm_version,  # the plan's release
+        vllm_version=(release if engine == "vllm" else CURRENT_VLLM_VERSION) if vllm_version is None
+        else vllm_version,
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
         route_by="path" if route_by is None else route_by, served_model=served_model,
-        engine=plan.engine if engine is None else engine, engine_version=engine_version,
+        engine=engine, engine_version=release if engine != "vllm" else engine_version,
     )
     if options.engine != plan.engine:
         raise OptionError(f"the plan follows {plan.engine}'s memory model and defaults; plan it with "

@@ -36,9 +36,11 @@ class PolicyArgs:
         capacity = dataclasses.replace(capacity, engine_version=version)
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
+        vllm = capacity.engine == "vllm"
         return kvtune.recommend(profile, capacity.plan(self.model), engine=capacity.engine,
-                                safety_fraction=self.safety_fraction,
-                                max_truncation=self.max_truncation, vllm_version=version or CURRENT_VLLM_VERSION,
+                                engine_version=None if vllm else version, safety_fraction=self.safety_fraction,
+                                max_truncation=self.max_truncation,
+                                vllm_version=(version if vllm else None) or CURRENT_VLLM_VERSION,
                                 upstream=self.upstream, route_by=log.route_by, served_model=self.served_model,
                                 progress=progress, **wanted)
 
