@@ -190,3 +190,20 @@ def test_every_engine_has_a_launch_module():
         assert module.ENGINE == engine and module.SCRIPT in module.FILES
     with pytest.raises(UnknownNameError, match="unknown engine"):
         launcher("tgi")
+
+
+def test_the_cli_renders_the_engine_release_it_was_told(tmp_path):
+    from click.testing import CliRunner
+
+    from kvtune.cli import cli
+
+    result = CliRunner().invoke(cli, ["recommend", str(SAMPLE_LOGS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--engine", "sglang", "--engine-version", "0.4.6", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    script = (tmp_path / "sglang-serve.sh").read_text(encoding="utf-8")
+    assert script.splitlines()[1].startswith("# Rendered by kvtune") and "SGLang 0.4.6 serving" in script
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "recommendation.json", "report.html", "report.md"])
+    result = CliRunner().invoke(cli, ["recommend", str(SAMPLE_LOGS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--engine", "trtllm", "--out", str(tmp_path / "t")])
+    assert result.exit_code == 2 and "--gateway-tokenizer" in result.output and not (tmp_path / "t").exists()
