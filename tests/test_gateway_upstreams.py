@@ -245,6 +245,32 @@ def test_a_refused_connection_goes_to_another_upstream_and_is_released_once_on_e
     asyncio.run(run())
 
 
+def test_a_count_moves_to_another_upstream_when_the_connection_is_refused():
+    async def run():
+        async with FakeVllm() as a, FakeVllm() as b:
+            async with gateway_over([a, b], [100, 100], health={"interval_s": 60}) as (session, base, gateway):
+                await a._stop()  # a's /tokenize is asked first (its turn) and refuses: b counts
+                async with session.post(base + "/v1/chat/completions", json=ten_blocks()) as resp:
+                    assert resp.status == 200
+                assert len(b.count_calls) == 1 and len(b.engine_calls) == 1
+                assert [r.healthy for r in gateway.pool.replicas] == [False, True]
+
+    asyncio.run(run())
+
+
+def test_a_pass_through_request_moves_to_another_upstream_when_the_connection_is_refused():
+    async def run():
+        async with FakeVllm() as a, FakeVllm() as b:
+            async with gateway_over([a, b], [100, 100], health={"interval_s": 60}) as (session, base, gateway):
+                await a._stop()  # a's turn first: it refuses, b answers
+                async with session.get(base + "/v1/models") as resp:
+                    assert resp.status == 200
+                assert [c.path for c in b.other if c.path != "/health"] == ["/v1/models"]
+                assert [r.healthy for r in gateway.pool.replicas] == [False, True]
+
+    asyncio.run(run())
+
+
 def test_with_every_upstream_down_a_request_fails_as_with_one_not_as_a_full_budget():
     async def run():
         async with FakeVllm() as a, FakeVllm() as b:

@@ -56,6 +56,7 @@ class GatewayMetrics:
         # labels() hashes and locks on every call; children are looked up once per label set
         self._admitted: dict[str, tuple] = {}
         self._rejected: dict[tuple[str, Reason], Counter] = {}
+        self._sent: dict[str, Counter] = {}
 
     def _upstream_gauges(self, replicas: tuple[Replica, ...]) -> None:
         r = self.registry
@@ -78,7 +79,10 @@ class GatewayMetrics:
                 gauge.labels(replica.url).set_function(functools.partial(read, replica))
 
     def count_sent(self, upstream: str) -> None:
-        self.sent.labels(upstream).inc()
+        child = self._sent.get(upstream)
+        if child is None:
+            child = self._sent[upstream] = self.sent.labels(upstream)
+        child.inc()
 
     def count_retried(self, upstream: str) -> None:
         self.retried.labels(upstream).inc()

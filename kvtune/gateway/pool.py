@@ -126,6 +126,8 @@ class UpstreamPool:
 
     def try_reserve(self, blocks: int, demand: Demand | None = None) -> Reservation | None:
         """Hold `blocks` on the routable replica with the most free budget where they fit."""
+        if len(self.replicas) == 1:
+            return self.replicas[0].ledger.try_reserve(blocks, demand)
         order = sorted(self.routable(), key=lambda r: (-r.score, r.ledger.inflight_requests, r.index))
         for replica in order:
             reservation = replica.ledger.try_reserve(blocks, demand)
