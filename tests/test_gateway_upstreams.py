@@ -15,6 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 from fake_vllm import FakeVllm
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtune.errors import InputError
 from kvtune.gateway.config import GatewayConfig, GatewayUpstream, parse_gateway_config
@@ -480,3 +482,21 @@ def test_neither_upstream_nor_upstreams_names_the_missing_field():
     assert _error(single) == "upstream: missing (or give upstreams: a list of {url, block_budget})"
     assert _error({**single, "upstream": "http://a:8000"}) == \
         "block_budget: missing (or give upstreams: a list of {url, block_budget})"
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8),
+                     st.sampled_from(["http://a:8000", "http://a:8000/", "https://b", "ftp://c", "http://a:99999"]))
+_ITEM = st.one_of(_SCALARS, st.dictionaries(st.sampled_from(["url", "block_budget", "weight", "x"]), _SCALARS,
+                                            max_size=4))
+
+
+@given(st.one_of(_SCALARS, st.lists(_ITEM, max_size=4)),
+       st.dictionaries(st.sampled_from(["interval_s", "timeout_s", "path", "x"]), _SCALARS, max_size=3))
+def test_fuzzed_upstreams_are_upstreams_or_an_error_naming_the_field(upstreams, health):
+    try:
+        config = parse_gateway_config(doc(upstreams, health=health))
+    except InputError as exc:
+        assert exc.field is not None and exc.field.startswith(("upstreams", "health"))
+        return
+    assert len({u.url for u in config.upstreams}) == len(config.upstreams) >= 1
+    assert all(u.block_budget >= 1 and u.weight > 0 for u in config.upstreams)
