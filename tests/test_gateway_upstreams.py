@@ -187,6 +187,58 @@ def test_each_upstream_runs_its_own_ledger_of_the_policy():
     asyncio.run(run())
 
 
+def test_sticky_by_user_keeps_a_users_requests_on_one_upstream_while_they_fit():
+    async def run():
+        async with FakeVllm() as a, FakeVllm() as b:
+            async with gateway_over([a, b], [30, 200], sticky={"by": "user"}) as (session, base, gateway):
+                home = gateway.pool.affine("alice")
+                fake = a if home.url == a.url else b
+                other = b if fake is a else a
+                for _ in range(3):  # sequential: the home upstream even when the other has more free
+                    async with session.post(base + "/v1/chat/completions",
+                                            json=ten_blocks(user="alice")) as resp:
+                        assert resp.status == 200
+                assert (len(fake.engine_calls), len(other.engine_calls)) == (3, 0)
+                users = [f"user-{i}" for i in range(40)]
+                homes = {gateway.pool.affine(u).url for u in users}
+                assert homes == {a.url, b.url}  # keys spread over both
+                # a user whose home is a, the small one: 3 held fill it (30 blocks), the 4th goes by free budget
+                small = gateway.pool.replicas[0]
+                user = next(u for u in users if gateway.pool.affine(u) is small)
+                held = [asyncio.create_task(session.post(base + "/v1/chat/completions",
+                                                         json=ten_blocks(user=user, x_mode="hold"))) for _ in range(4)]
+                await wait_for(lambda: a.active + b.active == 4)
+                assert (a.active, b.active) == (3, 1)
+                a.release()
+                b.release()
+                for resp in await asyncio.gather(*held):
+                    resp.release()
+
+    asyncio.run(run())
+
+
+def test_sticky_by_header_and_its_config_errors():
+    async def run():
+        async with FakeVllm() as a, FakeVllm() as b:
+            async with gateway_over([a, b], [100, 100], sticky={"by": "header", "header": "X-Session"}) \
+                    as (session, base, gateway):
+                home = gateway.pool.affine("s-1")
+                for _ in range(4):
+                    async with session.post(base + "/v1/chat/completions", json=ten_blocks(),
+                                            headers={"X-Session": "s-1"}) as resp:
+                        assert resp.status == 200
+                fake = a if home.url == a.url else b
+                assert len(fake.engine_calls) == 4
+
+    asyncio.run(run())
+    one = [{"url": "http://a:8000", "block_budget": 1}]
+    assert _error(doc(one, sticky={"by": "header"})) == \
+        "sticky.header: missing: the request header whose value keeps requests together"
+    assert _error(doc(one, sticky={"by": "cookie"})) == "sticky.by: 'cookie' is not one of user, header"
+    assert _error(doc(one, sticky={"by": "user", "header": "X"})) == "sticky.header: only for sticky.by: header"
+    assert _error(doc(one, sticky={"by": "header", "header": "X Y"})) == "sticky.header: 'X Y' is not a header name"
+
+
 # ---------------------------------------------------------------- health
 
 def test_a_killed_upstream_is_taken_out_within_2s_and_its_share_moves_to_the_other():

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NoReturn
 from kvtune.capacity.reservation import request_reserved_blocks
 from kvtune.gateway.apis import Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
-from kvtune.gateway.config import GatewayConfig, GatewayRoute
+from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
 from kvtune.gateway.counting import (
     PromptCount,
     PromptCounter,
@@ -174,7 +174,7 @@ class Admission:
             blocks, demand = self._blocks(asked, cap, counts.tokens, counts.exact, route)
             forwarded = rewrite(body, asked, cap) if cap is not None else raw
             target = incoming.target((route.upstream_path if route else None) or incoming.path)
-            reservation = await self.reserve(blocks, demand)
+            reservation = await self.reserve(blocks, demand, self._sticky_key(incoming, doc))
         except Rejection as rejection:
             raise Refused(route, rejection) from None
         return Admitted(route, upstream, target, blocks, cap, forwarded, reservation, demand)
@@ -281,10 +281,26 @@ class Admission:
                         f"the gateway could not count the prompt: {exc}",
                         retry_after_s=self.config.retry_after_min_s) from None
 
-    async def reserve(self, blocks: int, demand: Demand | None) -> Reservation:
+    def _sticky_key(self, incoming: Incoming, doc: dict) -> str | None:
+        """What keeps this request with others on one upstream (gateway.yaml `sticky`), or None."""
+        sticky = self.config.sticky
+        if sticky is None or len(self.pool.replicas) == 1:
+            return None
+        if sticky.by is StickyBy.HEADER:
+            return incoming.sticky_header
+        user = doc.get("user")
+        return user if isinstance(user, str) and user else None
+
+    async def reserve(self, blocks: int, demand: Demand | None, sticky: str | None = None) -> Reservation:
         """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised.
-        Also a request's second reservation, when its first upstream refused the connection."""
+        Also a request's second reservation, when its first upstream refused the connection.
+        With a sticky key, its upstream first (when nobody waits: FIFO still holds), then by
+        free budget."""
         queue = self.queue
+        if sticky is not None and not queue.waiting:
+            reservation = self.pool.affine(sticky).ledger.try_reserve(blocks, demand)
+            if reservation is not None:
+                return reservation
         key, got = queue.offer(blocks, demand)
         if got is None:  # queued
             started = time.monotonic()

@@ -164,6 +164,22 @@ class HealthProbe:
     path: str = "/health"
 
 
+class StickyBy(enum.Enum):
+    """What keeps a client's requests on one upstream (gateway.yaml `sticky.by`): its prefix cache."""
+
+    USER = "user"  # the body's `user` field (OpenAI's end-user id)
+    HEADER = "header"  # a request header, `sticky.header`
+
+
+@dataclass(frozen=True, slots=True)
+class Sticky:
+    """Requests with the same key go to the same upstream while it is healthy and they fit there
+    (rendezvous hashing over the healthy upstreams); otherwise, and without a key, by free budget."""
+
+    by: StickyBy
+    header: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     upstreams: tuple[GatewayUpstream, ...]
@@ -186,6 +202,7 @@ class GatewayConfig:
     admin: AdminAccess = field(default_factory=AdminAccess)
     admission: AdmissionPolicy = GUARANTEED
     health: HealthProbe = field(default_factory=HealthProbe)
+    sticky: Sticky | None = None  # off by default
 
     @property
     def upstream(self) -> str:
@@ -315,7 +332,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         data, "",
         {"version", "listen", "upstream", "upstreams", "model", "block_size", "block_budget", "max_model_len",
          "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin",
-         "admission", "health"},
+         "admission", "health", "sticky"},
         {"version", "block_size", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
@@ -373,6 +390,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         admin=_admin(r, top.get("admin", {})),
         admission=parse_admission(top.get("admission", {"policy": "guaranteed"}), r.fail),
         health=_health(r, top.get("health", {})),
+        sticky=_sticky(r, top.get("sticky")),
     )
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")
@@ -418,6 +436,25 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
             url, r.integer(doc["block_budget"], f"{where}.block_budget", 1),
             r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT)))
     return tuple(out)
+
+
+def _sticky(r: _Reader, value: Any) -> Sticky | None:
+    if value is None:
+        return None
+    doc = r.mapping(value, "sticky", {"by", "header"}, {"by"})
+    names = {b.value: b for b in StickyBy}
+    by = doc["by"]
+    if not isinstance(by, str) or by not in names:
+        raise r.fail("sticky.by", f"{brief(by)} is not one of {', '.join(names)}")
+    header = r.string(doc.get("header"), "sticky.header", optional=True)
+    if names[by] is StickyBy.HEADER:
+        if header is None:
+            raise r.fail("sticky.header", "missing: the request header whose value keeps requests together")
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", header):
+            raise r.fail("sticky.header", f"{brief(header)} is not a header name")
+    elif header is not None:
+        raise r.fail("sticky.header", "only for sticky.by: header")
+    return Sticky(names[by], header)
 
 
 def _health(r: _Reader, value: Any) -> HealthProbe:

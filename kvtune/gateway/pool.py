@@ -10,6 +10,9 @@ gate (kvtune.gateway.gate) asks it to reserve, and it places the reservation on 
     replica expected to free room first;
   * a reservation is held on its replica's ledger, which `replica_of` names, and released there
     once (Reservation.release), waking the gate's waiters, who may land on any replica;
+  * sticky (gateway.yaml `sticky`, off by default): a request with a key (the body's `user`, or
+    a header) is tried first on the replica its key hashes to among the healthy ones (prefix-cache
+    affinity), when nobody waits, then as above;
   * health (kvtune.gateway.proxy): a failed connect, or a periodic GET /health answered other
     than 200, takes a replica out, and its budget with it; a 200 brings it back and wakes the
     gate. When no replica is healthy, all are routed to as if they were (a request then fails
@@ -26,6 +29,7 @@ Pure and synchronous, like the ledgers: no aiohttp, no clock of its own.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -99,6 +103,11 @@ class UpstreamPool:
         """A routable replica in turn: where a prompt is counted, an untouched request forwarded."""
         routable = self.routable()
         return routable[next(self._turn) % len(routable)].url
+
+    def affine(self, key: str) -> Replica:
+        """The routable replica a sticky key belongs to (rendezvous hashing: the highest hash of
+        key and URL), so a key moves only when its replica goes out or another comes back."""
+        return max(self.routable(), key=lambda r: _rank(key, r.url))
 
     def others_healthy(self, replica: Replica) -> bool:
         """Whether another replica than this one is healthy: somewhere to retry."""
@@ -192,6 +201,11 @@ class UpstreamPool:
                               sum(s.inflight_requests for s in snaps),
                               sum(s.release_rate_blocks_per_s for s in snaps),
                               sum(s.limit_blocks for s in live), probability)
+
+
+def _rank(key: str, url: str) -> int:
+    digest = hashlib.blake2b(f"{url}\0{key}".encode("utf-8", "surrogateescape"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 __all__ = ["UpstreamPool", "Replica", "LedgerFactory", "local_ledger"]
