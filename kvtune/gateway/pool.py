@@ -89,6 +89,8 @@ class UpstreamPool:
 
     def routable(self) -> Sequence[Replica]:
         """The healthy replicas; every one when none is."""
+        if len(self.replicas) == 1:
+            return self.replicas
         healthy = [r for r in self.replicas if r.healthy]
         return healthy or self.replicas
 
@@ -101,6 +103,8 @@ class UpstreamPool:
 
     def next_url(self) -> str:
         """A routable replica in turn: where a prompt is counted, an untouched request forwarded."""
+        if len(self.replicas) == 1:
+            return self.replicas[0].url
         routable = self.routable()
         return routable[next(self._turn) % len(routable)].url
 

@@ -11,6 +11,12 @@ This module wires them into an aiohttp application with the admin endpoints
 reservation is released in `finally`, before any await, so every ending (completion, client
 disconnect, upstream error, cancellation, shutdown) releases it once.
 
+Several upstreams (gateway.yaml `upstreams:`) share one pool (kvtune.gateway.pool): each request
+is reserved on one and forwarded there; a connect that fails, or the periodic GET health.path,
+takes an upstream out, a 200 brings it back. A request whose connection could not be opened was
+not sent at all, so it gives its blocks back there and is admitted again for another upstream;
+one that was sent is never sent again (the engine may have started it).
+
 Clients are bounded (kvtune.gateway.connections and the limits in gateway.yaml): a deadline for
 each request head and between body reads and writes, caps on head and body size, on open
 connections; CONNECT and Upgrade are refused.
