@@ -278,6 +278,20 @@ def test_an_unhealthy_upstream_comes_back_when_health_answers_200():
     asyncio.run(run())
 
 
+def test_an_upstream_that_does_not_answer_health_in_time_is_taken_out():
+    async def run():
+        async with FakeVllm() as a, FakeVllm() as b:
+            async with gateway_over([a, b], [100, 100], health={"interval_s": 0.1, "timeout_s": 0.1}) \
+                    as (session, base, gateway):
+                b.delay_s = 1.0  # accepts, answers nothing in time
+                await wait_for(lambda: not gateway.pool.replicas[1].healthy)
+                assert "no answer within 0.1 s" in gateway.pool.replicas[1].why
+                b.delay_s = 0.0
+                await wait_for(lambda: gateway.pool.replicas[1].healthy, timeout=3)
+
+    asyncio.run(run())
+
+
 def test_a_refused_connection_goes_to_another_upstream_and_is_released_once_on_each():
     async def run():
         async with FakeVllm() as a, FakeVllm() as b:
