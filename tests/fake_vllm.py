@@ -22,6 +22,8 @@ Endpoints, shaped as vLLM 0.32 answers them:
         answered as below.
   GET /v1/models                                {"data": [{"id": model, "max_model_len"}]}
   GET /metrics                                  vLLM's names for what it is serving and served
+  GET /health                                   empty, `health_status` (200); recorded in
+        `other` and counted in `health_calls`
   anything else                                 recorded in `other` and echoed: 207, b"echo",
         X-Upstream: yes, Keep-Alive (a hop-by-hop header to drop), Set-Cookie on /v1/login
   `routes` {path: (status, content type, body)} answers those paths verbatim (real captures);
@@ -153,6 +155,8 @@ class FakeVllm:
         self.preempt_per_request = preempt_per_request
         self.host = host
         self.tokenize_status = 200
+        self.health_status = 200
+        self.health_calls = 0
         self.tokenize_answer: Any = None
         # what arrived
         self.engine_calls: list[Call] = []
@@ -272,6 +276,10 @@ class FakeVllm:
                 await self._record_other(request)
                 return web.json_response({"object": "list", "data": [
                     {"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
+            if request.method == "GET" and path == "/health":
+                await self._record_other(request)
+                self.health_calls += 1
+                return web.Response(status=self.health_status)
             if request.method == "GET" and path == "/metrics":
                 await self._record_other(request)
                 return web.Response(text=self.metrics_text(), content_type="text/plain")

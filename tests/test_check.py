@@ -315,3 +315,30 @@ def test_a_gateway_yaml_refused_as_yaml_says_why(tmp_path):
     assert str(info.value) == (f"{path}: not a launch command of vLLM, SGLang or TensorRT-LLM, a gateway.yaml or "
                                "an nginx.conf rendered by kvtune (read as YAML: line 2: unsupported YAML: anchors and aliases are not allowed "
                                "(&r / *r); write each value out)")
+
+
+# ---------------------------------------------------------------- a gateway.yaml with several upstreams
+
+def upstreams_yaml(*budgets: int) -> str:
+    doc = json.loads(gateway_yaml())
+    del doc["upstream"], doc["block_budget"]
+    doc["upstreams"] = [{"url": f"http://10.0.0.{i + 1}:8000", "block_budget": b} for i, b in enumerate(budgets)]
+    return json.dumps(doc)
+
+
+def test_each_upstreams_budget_is_checked_against_one_engines_capacity():
+    d = parse_deployed(upstreams_yaml(26999, 26999), source="gateway.yaml")
+    assert [(u.url, u.block_budget) for u in d.upstreams] == [("http://10.0.0.1:8000", 26999),
+                                                              ("http://10.0.0.2:8000", 26999)]
+    assert d.block_budget == 26999  # one engine's, not the sum
+    result = check_deployment([d], rec())
+    assert result.passed and codes(result, "warn") == []
+    info = next(f for f in result.findings if f.code == "gateway-budget")
+    assert info.message.startswith("gateway budgets 26999, 26999 blocks of 16 tokens on 2 upstreams")
+    over = check_deployment([parse_deployed(upstreams_yaml(26999, 30000), source="gateway.yaml")], rec())
+    risks = [f.message for f in over.findings if f.severity is Severity.RISK]
+    assert risks == ["upstream http://10.0.0.2:8000: block budget 30000 × 16 tokens = 480,000 tokens exceeds "
+                     "the KV capacity of 479,984 tokens (29999 blocks)"]
+    drift = check_deployment([parse_deployed(upstreams_yaml(20000, 26999), source="gateway.yaml")], rec())
+    assert [f.message for f in drift.findings if f.code == "drift"] == [
+        "upstreams[0].block_budget: deployed 20000, recommended 26999"]

@@ -52,6 +52,17 @@ def test_bad_upstream_override(tmp_path):
     assert result.stderr.strip() == "Error: --upstream: must look like http://host:port, got 'ftp://x'"
 
 
+def test_upstream_override_of_several_upstreams_is_refused(tmp_path):
+    doc = {k: v for k, v in GOOD.items() if k not in ("upstream", "block_budget")}
+    doc["upstreams"] = [{"url": "http://127.0.0.1:9", "block_budget": 100},
+                        {"url": "http://127.0.0.1:10", "block_budget": 50}]
+    path = write(tmp_path, doc)
+    result = CliRunner().invoke(cli, ["gateway", "--config", path, "--upstream", "http://127.0.0.1:11"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"Error: --upstream: {path} names 2 upstreams, each with its own budget: "
+                                     "edit its upstreams: instead")
+
+
 def test_listed_in_help():
     result = CliRunner().invoke(cli, ["--help"])
     assert re.search(r"^\s+gateway\s+Run the admission gateway", result.output, re.M)

@@ -272,3 +272,33 @@ def test_engine_version_and_vllm_version_must_agree():
     assert result.exit_code == 2
     assert result.stderr == ("Error: --vllm-version: 0.19 disagrees with --engine-version 0.6.3; give one of them "
                              "(--vllm-version is its older name)\n")
+
+
+# ---------------------------------------------------------------- --replicas
+
+def test_replicas_render_one_upstream_per_port_each_with_one_engines_budget(tmp_path):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--upstream", "http://10.0.0.5:8000", "--replicas", "3", "--out",
+                                      str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "nginx.conf").exists()
+    assert "Note: nginx.conf is not rendered for 3 replicas: nginx.conf keeps its ledger in one nginx's" \
+        in result.stderr
+    doc = yaml.safe_load((tmp_path / "gateway.yaml").read_text())
+    budget = json.loads((tmp_path / "recommendation.json").read_text())["block_budget"]["value"]
+    assert "upstream" not in doc and "block_budget" not in doc
+    assert doc["upstreams"] == [{"url": f"http://10.0.0.5:{8000 + i}", "block_budget": budget} for i in range(3)]
+    checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model", "llama-3.1-8b",
+                                       "--deployed", str(tmp_path / "gateway.yaml")])
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--replicas", "0"], "Error: Invalid value for '--replicas': 0 is not in the range x>=1."),
+    (["--replicas", "300"], "Error: --replicas: must be from 1 to 256, got 300"),
+    (["--upstream", "http://127.0.0.1:65535", "--replicas", "2"],
+     "Error: --replicas: 2 replicas from port 65535 run past port 65535"),
+])
+def test_replicas_out_of_range_is_one_line(args, line):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", *args])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == line

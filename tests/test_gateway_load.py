@@ -76,7 +76,7 @@ async def _load(queue: dict | None, requests: int, seed: int, policy: str = "gua
     async with running(fake, **overrides) as (session, base, gateway, _):
         peak = {"reserved": 0, "samples": 0}
         done = asyncio.Event()
-        watched = _watch_admissions(gateway.ledger, EPSILON) if statistical else None
+        watched = _watch_admissions(gateway.pool.replicas[0].ledger, EPSILON) if statistical else None
 
         async def sampler() -> None:
             while not done.is_set():

@@ -440,3 +440,26 @@ def test_refused_values_are_quoted_briefly():
         with pytest.raises(KvtuneError) as info:
             call()
         assert len(str(info.value)) < 200
+
+
+# ---------------------------------------------------------------- several engine replicas
+
+def test_replicas_render_upstreams_on_consecutive_ports_each_with_the_budget():
+    files = render_files(rec(), options=RenderOptions(replicas=4))
+    assert "nginx.conf" not in files  # it fronts one engine
+    doc = yaml.safe_load(files["gateway.yaml"])
+    assert doc["upstreams"] == [{"url": f"http://127.0.0.1:{8000 + i}", "block_budget": 26999} for i in range(4)]
+    assert "# 4 engine replicas, one per port" in files["gateway.yaml"]
+    config = parse_gateway_config(doc)
+    assert [u.block_budget for u in config.upstreams] == [26999] * 4 and config.block_budget == 4 * 26999
+    one = yaml.safe_load(render_files(rec(), targets=["gateway.yaml"])["gateway.yaml"])
+    assert (one["upstream"], one["block_budget"], "upstreams" in one) == ("http://127.0.0.1:8000", 26999, False)
+
+
+def test_nginx_conf_for_several_replicas_is_refused_with_the_reason():
+    with pytest.raises(KvtuneError) as caught:
+        render_files(rec(), targets=["gateway.yaml", "nginx.conf"], options=RenderOptions(replicas=2))
+    assert caught.value.field == "replicas"
+    assert caught.value.message.startswith("nginx.conf keeps its ledger in one nginx's shared memory")
+    with pytest.raises(KvtuneError, match="must be from 1 to 256, got 65000"):
+        render_files(rec(), targets=["gateway.yaml"], options=RenderOptions(replicas=65000))

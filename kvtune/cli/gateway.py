@@ -38,7 +38,13 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
                           ("--host", host is not None and host_problem(host))):
         if problem:
             raise InputError(problem, field=flag)
-    config = dataclasses.replace(config, upstream=upstream or config.upstream, host=host or config.host,
+    upstreams = config.upstreams
+    if upstream is not None:
+        if len(upstreams) > 1:
+            raise InputError(f"{config_path} names {len(upstreams)} upstreams, each with its own budget: "
+                             "edit its upstreams: instead", field="--upstream")
+        upstreams = (dataclasses.replace(upstreams[0], url=upstream),)
+    config = dataclasses.replace(config, upstreams=upstreams, host=host or config.host,
                                  port=config.port if port is None else port)
 
     async def run() -> None:
@@ -48,8 +54,10 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
             loop.add_signal_handler(sig, stop.set)
 
         def ready(addresses: str) -> None:
-            click.echo(f"kvtune gateway listening on {addresses} -> {config.upstream} "
-                       f"(budget {config.block_budget} blocks of {config.block_size} tokens)", err=True)
+            to = ", ".join(f"{u.url} (budget {u.block_budget})" for u in config.upstreams)
+            if len(config.upstreams) == 1:
+                to = f"{config.upstream} (budget {config.block_budget} blocks of {config.block_size} tokens)"
+            click.echo(f"kvtune gateway listening on {addresses} -> {to}", err=True)
 
         gw = await serve(config, stop=stop, on_ready=ready)
         click.echo(f"kvtune gateway stopped; {gw.ledger.reserved_blocks} blocks still reserved", err=True)

@@ -181,10 +181,15 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
                    "both, else upstream]")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
+                   "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
+                   "upstreams: for replicas on other hosts). nginx.conf fronts one engine: not written for N > 1.")
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
-              objective: ObjectiveArgs, gateway_tokenizer: str | None, out_dir: str | None, json_: bool) -> None:
+              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int, out_dir: str | None,
+              json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -201,7 +206,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     """
     import kvtune
     from kvtune.cli._recommend_view import search_progress
+    from kvtune.deploy.render import NGINX_ONE_ENGINE, RenderOptions, replica_upstreams
 
+    if replicas > 1:
+        replica_upstreams(policy.upstream, replicas, field="--replicas")  # ports in range, before any work
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     from kvtune.policy.search import InfeasibleObjectiveError
 
@@ -212,12 +220,14 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         _infeasible(exc, json_)
         return
     try:
-        files = kvtune.render(rec, gateway_tokenizer=counting_with)
+        files = kvtune.render(rec, options=RenderOptions(replicas=replicas), gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
         for f in exc.result.findings:
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
+    if replicas > 1:
+        click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = kvtune.write_files(out_dir, files) if out_dir else []
     if json_:
         click.echo(json.dumps({"recommendation": rec.to_dict(), "files": files}, indent=2))

@@ -195,7 +195,8 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
     def fresh() -> LedgerAdmission:
         return LedgerAdmission.from_config(config, route)
 
-    info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.block_budget,
+    # one engine is simulated: the first upstream's budget (LedgerAdmission.from_config)
+    info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.upstreams[0].block_budget,
             "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
             "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
             "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s}}

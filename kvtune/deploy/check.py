@@ -302,21 +302,35 @@ class _Checker:
 
     # ------------------------------------------------------------ gateway
 
-    def check_gateway(self, d: Deployed) -> None:
-        assert d.block_budget is not None and d.block_size is not None
-        budget_tokens = d.block_budget * d.block_size
+    def _budgets(self, d: Deployed) -> list[tuple[str, str, int]]:
+        """(field, what the message calls it, budget) for each engine the gateway sends to: one
+        engine's budget each (a gateway.yaml with several upstreams holds one per upstream)."""
+        assert d.block_budget is not None
+        if len(d.upstreams) <= 1:
+            return [("block_budget", "block budget", d.block_budget)]
+        return [(f"upstreams[{i}].block_budget", f"upstream {u.url}: block budget", u.block_budget)
+                for i, u in enumerate(d.upstreams)]
+
+    def _check_budget(self, d: Deployed, field: str, called: str, budget: int, block_size: int) -> None:
+        """One engine's budget against its KV capacity and the recommended budget."""
+        budget_tokens = budget * block_size
         if budget_tokens > self.usable_tokens:
             self.add(Severity.RISK, "budget-over-capacity",
-                     f"block budget {d.block_budget} × {d.block_size} tokens = {budget_tokens:,} tokens exceeds "
+                     f"{called} {budget} × {block_size} tokens = {budget_tokens:,} tokens exceeds "
                      f"the KV capacity of {self.usable_tokens:,} tokens ({self.usable_blocks} blocks)",
                      "the gateway admits more reservations than the engine can hold: preemptions or OOM "
-                     f"under load; use the recommended budget {self.budget}", d.source, "block_budget")
+                     f"under load; use the recommended budget {self.budget}", d.source, field)
         elif budget_tokens > self.budget * self.block_size:
             self.add(Severity.WARN, "budget-above-safety",
-                     f"block budget {d.block_budget} is above the recommended {self.budget} "
+                     f"{called} {budget} is above the recommended {self.budget} "
                      f"(safety fraction {self.rec.safety_fraction.value})",
                      "it fits the estimated capacity but leaves less margin for prompt-count drift "
                      "and capacity error", d.source, None)
+
+    def check_gateway(self, d: Deployed) -> None:
+        assert d.block_budget is not None and d.block_size is not None
+        for field, called, budget in self._budgets(d):
+            self._check_budget(d, field, called, budget, d.block_size)
         engine_block = next((e.block_size for e in self.engines if e.block_size), None) or self.block_size
         if d.block_size < engine_block:
             self.add(Severity.RISK, "block-size-mismatch",
@@ -338,9 +352,15 @@ class _Checker:
                 self.add(Severity.WARN, "max-model-len-differs",
                          f"gateway max_model_len {d.max_model_len} > engine max_model_len {engine.max_model_len}",
                          "the gateway admits prompts the engine then rejects", d.source, None)
-        self.add(Severity.INFO, "gateway-budget",
-                 f"{d.kind.value} budget {d.block_budget} blocks of {d.block_size} tokens; "
-                 f"{len(d.routes)} routes", "reservations are bounded by this budget", d.source)
+        if len(d.upstreams) > 1:
+            self.add(Severity.INFO, "gateway-budget",
+                     f"{d.kind.value} budgets {', '.join(str(u.block_budget) for u in d.upstreams)} blocks of "
+                     f"{d.block_size} tokens on {len(d.upstreams)} upstreams; {len(d.routes)} routes",
+                     "reservations on each upstream are bounded by its own budget", d.source)
+        else:
+            self.add(Severity.INFO, "gateway-budget",
+                     f"{d.kind.value} budget {d.block_budget} blocks of {d.block_size} tokens; "
+                     f"{len(d.routes)} routes", "reservations are bounded by this budget", d.source)
 
     # ------------------------------------------------------------ drift
 
@@ -361,8 +381,8 @@ class _Checker:
             pairs.append(("max_new_tokens_backstop", d.max_new_tokens, d.max_new_tokens is None,
                           self.rec.backstop))
         else:
-            pairs = [("block_budget", d.block_budget, False, self.budget),
-                     ("block_size", d.block_size, False, self.block_size),
+            pairs = [(field, budget, False, self.budget) for field, _, budget in self._budgets(d)]
+            pairs += [("block_size", d.block_size, False, self.block_size),
                      ("max_model_len", d.max_model_len, False, self.rec.max_model_len)]
         for name, have, unset, want in pairs:
             if want is None or (d.source, name) in self.risky:

@@ -32,6 +32,14 @@ class DeployedRoute:
         return RouteMatch(self.path, self.model, self.path_prefix).matches(path, model)
 
 
+@dataclass(frozen=True, slots=True)
+class DeployedUpstream:
+    """One engine replica a gateway.yaml sends to, with its own budget."""
+
+    url: str
+    block_budget: int
+
+
 class DeployedKind(enum.Enum):
     """What a deployed file is: an engine's command or one of the two gateways' configs."""
 
@@ -74,7 +82,9 @@ class Deployed:
     options: dict[str, Any] = field(default_factory=dict)  # engine settings beyond flags (TensorRT-LLM YAML)
     # gateway / nginx
     upstream: str | None = None
+    # one engine's budget: with several upstreams, the largest (what the simulator runs)
     block_budget: int | None = None
+    upstreams: tuple[DeployedUpstream, ...] = ()  # gateway.yaml's, each with its budget (one or more)
     routes: tuple[DeployedRoute, ...] = ()
     admission: AdmissionPolicy | None = None  # the gateway's admission policy
     queue_max_waiting: int | None = None  # gateway.yaml's wait queue (nginx.conf has none)
@@ -100,4 +110,4 @@ class Deployed:
         return data
 
 
-__all__ = ["Deployed", "DeployedKind", "DeployedRoute"]
+__all__ = ["Deployed", "DeployedKind", "DeployedRoute", "DeployedUpstream"]

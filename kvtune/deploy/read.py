@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.deploy.command_line import MAX_INTEGER
-from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedRoute
+from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedRoute, DeployedUpstream
 from kvtune.deploy.launch import launchers
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError
@@ -38,7 +38,9 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
     config = parse_gateway_config(data, path=source)
     return Deployed(
         kind=DeployedKind.GATEWAY, source=source, model=config.model, block_size=config.block_size,
-        max_model_len=config.max_model_len, upstream=config.upstream, block_budget=config.block_budget,
+        max_model_len=config.max_model_len, upstream=config.upstream,
+        block_budget=max(u.block_budget for u in config.upstreams),
+        upstreams=tuple(DeployedUpstream(u.url, u.block_budget) for u in config.upstreams),
         routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix,
                                    r.output_law) for r in config.routes),
         admission=config.admission, queue_max_waiting=config.queue_max_waiting,

@@ -93,6 +93,25 @@ class RenderOptions:
     # tokenizer.json and a chat template, see local_chat_tokenizer): exact like /tokenize, without
     # its round trip. None: the upstream's /tokenize.
     gateway_tokenizer: str | None = None
+    # Engine replicas behind the gateway, each with the recommended budget (one engine's): the
+    # recommendation's upstream and the ports after it (replica_upstreams). nginx.conf keeps its
+    # ledger in one nginx's shared memory and fronts one engine: it renders only for one.
+    replicas: int = 1
+
+
+#: The most engine replicas one gateway.yaml lists.
+MAX_REPLICAS = 256
+
+
+def replica_upstreams(upstream: str, replicas: int, *, field: str = "replicas") -> list[str]:
+    """`replicas` engine URLs on the upstream's host: its port and the ports after it
+    (http://10.0.0.5:8000, 3 -> :8000, :8001, :8002), one engine per port."""
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise OptionError(f"must be from 1 to {MAX_REPLICAS}, got {replicas}", field=field)
+    url = parse_upstream(upstream)
+    if url.port + replicas - 1 > 65535:
+        raise OptionError(f"{replicas} replicas from port {url.port} run past port 65535", field=field)
+    return [f"{url.scheme}://{dataclasses.replace(url, port=url.port + i).host_port}" for i in range(replicas)]
 
 
 def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
@@ -296,6 +315,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
         "routes": routes,
+        "upstreams": replica_upstreams(rec.upstream, options.replicas),
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
         "report_routes": report_routes,
@@ -325,12 +345,20 @@ def _what_if(rec: Recommendation) -> dict | None:
             "why": chosen.why if chosen is not None else ""}
 
 
-def default_targets(rec: Recommendation) -> list[str]:
+def default_targets(rec: Recommendation, options: RenderOptions | None = None) -> list[str]:
     """What `recommend` writes for the recommendation's engine: its launch files, then the rest.
     nginx.conf counts prompts with the engine's /tokenize, so it is left out for an engine
-    without one (TensorRT-LLM)."""
-    counts = engine_facts(rec.engine.name).HAS_TOKENIZE
-    return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if counts or t != "nginx.conf")]
+    without one (TensorRT-LLM), and fronts one engine, so it is left out for several replicas
+    (NGINX_ONE_ENGINE)."""
+    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and (options is None or options.replicas == 1)
+    return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if nginx or t != "nginx.conf")]
+
+
+#: Why nginx.conf is not rendered for several engine replicas.
+NGINX_ONE_ENGINE = ("nginx.conf keeps its ledger in one nginx's shared memory (lua_shared_dict) and sends to one "
+                    "engine: it cannot hold a budget per replica, nor share one with another nginx on another "
+                    "machine; render gateway.yaml for several replicas (one budget each), or one nginx.conf per "
+                    "engine, each without --replicas and with --upstream of its own engine")
 
 
 def _counting(rec: Recommendation, wanted: list[str], options: RenderOptions) -> None:
@@ -353,7 +381,8 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
                  options: RenderOptions | None = None) -> dict[str, str]:
     """Render the recommendation into file name → text for each requested target (default: the
     engine's launch files and every common one)."""
-    wanted = default_targets(rec) if targets is None else list(targets)
+    options = options or RenderOptions()
+    wanted = default_targets(rec, options) if targets is None else list(targets)
     unknown = [t for t in wanted if t not in TARGETS]
     if unknown:
         raise UnknownNameError(f"unknown render target {unknown[0]!r} (known: {', '.join(TARGETS)})")
@@ -361,7 +390,8 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     if other:
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
-    options = options or RenderOptions()
+    if options.replicas > 1 and "nginx.conf" in wanted:
+        raise OptionError(NGINX_ONE_ENGINE, field="replicas")
     _counting(rec, wanted, options)
     env = make_environment()
     context = _context(rec, options)
@@ -394,5 +424,5 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
     "write_files", "make_environment", "local_chat_tokenizer",
-    "parse_upstream", "vllm_flags", "gateway_routes",
+    "parse_upstream", "vllm_flags", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE", "MAX_REPLICAS",
 ]

@@ -13,9 +13,9 @@ from aiohttp import web
 
 from kvtune.errors import InputError
 from kvtune.gateway.config import Access, AdminAccess, GatewayConfig
-from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
+from kvtune.gateway.pool import UpstreamPool
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
@@ -24,7 +24,7 @@ class Admin:
     """The admin endpoints over one gateway's ledger and metrics. `rejected` and `waiting` are
     read at each request (the gateway's refusal count, the admission queue's length)."""
 
-    def __init__(self, config: GatewayConfig, ledger: BlockLedger, metrics: GatewayMetrics, *,
+    def __init__(self, config: GatewayConfig, ledger: UpstreamPool, metrics: GatewayMetrics, *,
                  rejected: Callable[[], int], waiting: Callable[[], int]) -> None:
         self.access: AdminAccess = config.admin
         self.ledger = ledger
@@ -62,16 +62,21 @@ class Admin:
         return web.Response(body=payload, headers={"Content-Type": content_type})
 
     async def ledger_endpoint(self, request: web.Request) -> web.Response:
-        """The same JSON as the rendered nginx.conf's /kvtune/ledger; who may read it is admin.ledger."""
+        """The same JSON as the rendered nginx.conf's /kvtune/ledger, plus `upstreams`: each one's
+        url, budget, reserved, inflight and healthy (the totals count the healthy upstreams'
+        budgets, and what is held on all of them); who may read it is admin.ledger."""
         if not self.allowed(request, self.access.ledger):
             raise web.HTTPForbidden()
         snap = self.ledger.snapshot()
+        upstreams = [{"url": u.url, "budget": u.ledger.budget_blocks, "reserved": u.ledger.reserved_blocks,
+                      "inflight": u.ledger.inflight_requests, "healthy": u.healthy} for u in self.ledger.replicas]
         return web.json_response({
             "reserved": snap.reserved_blocks, "budget": snap.budget_blocks, "inflight": snap.inflight_requests,
             "rejected": self._rejected(), "waiting": self._waiting(),
             "release_rate_blocks_per_s": snap.release_rate_blocks_per_s,
             "routes": self._routes,
             **ledger_policy(self._policy, snap.limit_blocks, snap.overflow_probability),
+            "upstreams": upstreams,
         })
 
     def add_routes(self, router: web.UrlDispatcher) -> None:

@@ -18,12 +18,12 @@ import itertools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvtune.capacity.reservation import request_reserved_blocks
 from kvtune.gateway.apis import Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
-from kvtune.gateway.config import GatewayConfig, GatewayRoute
+from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
 from kvtune.gateway.counting import (
     PromptCount,
     PromptCounter,
@@ -33,11 +33,13 @@ from kvtune.gateway.counting import (
 )
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
-from kvtune.gateway.ledger import BlockLedger, Reservation
+from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
+from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
 from kvtune.gateway.statistical import Demand
+from kvtune.gateway.upstream import UpstreamConnectError
 
 if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads what it produced
     from kvtune.gateway.intake import Incoming
@@ -47,7 +49,7 @@ class WaitQueue:
     """The admission gate (kvtune.gateway.gate) in real time: a waiter is an asyncio future that a
     release resolves synchronously, already holding its reservation; its timeout is asyncio's."""
 
-    def __init__(self, ledger: BlockLedger, *, max_waiting: int, timeout_s: float, retry_after_min_s: int = 1,
+    def __init__(self, ledger: Ledger, *, max_waiting: int, timeout_s: float, retry_after_min_s: int = 1,
                  retry_after_max_s: int = 60) -> None:
         self.ledger = ledger
         self.gate: AdmissionGate[int] = AdmissionGate(ledger, max_waiting=max_waiting, timeout_s=timeout_s,
@@ -91,6 +93,10 @@ class WaitQueue:
         if granted:
             self._grant(granted)
 
+    def wake(self) -> None:
+        """Room appeared without a release (an upstream came back): serve the waiters that fit."""
+        self._grant(self.gate.wake())
+
     def _gone(self, key: int) -> bool:
         fut = self._futures.get(key)
         return fut is None or fut.done()
@@ -102,28 +108,32 @@ class WaitQueue:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A request the gateway admits: where it goes, what it holds, the body it forwards. Its
-    reservation must be given back once, through Admission.release."""
+    """A request the gateway admits: what it holds (and on which upstream: the pool's
+    replica_of), the body it forwards. Its reservation must be given back once, through
+    Admission.release. `upstream` is a route's own upstream (one upstream only), else None."""
 
     route: GatewayRoute | None
-    upstream: str
+    upstream: str | None
     target: str
     blocks: int
     cap: int | None
     body: bytes
     reservation: Reservation
+    demand: Demand | None = None
 
 
 class Admission:
-    """Counting -> cap -> reservation -> ledger for one gateway.yaml. The prompt counters, one per
-    upstream, arrive with the upstream clients (`counters`, set when the gateway starts)."""
+    """Counting -> cap -> reservation -> the upstreams' ledgers for one gateway.yaml. The prompt
+    counters, one per upstream, arrive with the upstream clients (`counters`, set when the
+    gateway starts)."""
 
-    def __init__(self, config: GatewayConfig, ledger: BlockLedger, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, pool: UpstreamPool, metrics: GatewayMetrics) -> None:
         self.config = config
-        self.ledger = ledger
+        self.pool = pool
         self.metrics = metrics
-        self.queue = WaitQueue(ledger, max_waiting=config.queue_max_waiting, timeout_s=config.queue_timeout_s,
+        self.queue = WaitQueue(pool, max_waiting=config.queue_max_waiting, timeout_s=config.queue_timeout_s,
                                retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s)
+        pool.on_capacity = self.queue.wake
         self.counters: Mapping[str, PromptCounter] = {}
 
     @property
@@ -158,20 +168,21 @@ class Admission:
                 if route is None:  # every generation path has a route by now, or answered no_route
                     raise RuntimeError(f"{incoming.path} generates but has no route")
                 cap = self._cap(route, asked)
-            upstream = (route.upstream if route else None) or self.config.upstream
+            upstream = route.upstream if route else None
             self._never_fits(asked, cap, self._lower_bounds(asked))
             counts = await self._count(upstream, asked, model)
             blocks, demand = self._blocks(asked, cap, counts.tokens, counts.exact, route)
             forwarded = rewrite(body, asked, cap) if cap is not None else raw
             target = incoming.target((route.upstream_path if route else None) or incoming.path)
-            reservation = await self._reserve(blocks, demand)
+            reservation = await self.reserve(blocks, demand, self._sticky_key(incoming, doc))
         except Rejection as rejection:
             raise Refused(route, rejection) from None
-        return Admitted(route, upstream, target, blocks, cap, forwarded, reservation)
+        return Admitted(route, upstream, target, blocks, cap, forwarded, reservation, demand)
 
-    def release(self, admitted: Admitted) -> None:
-        """Give the blocks back (once) and hand them to whoever waits; never awaits."""
-        self.queue.release(admitted.reservation)
+    def release(self, reservation: Reservation) -> None:
+        """Give an admitted request's blocks back (once, later calls do nothing) and hand them to
+        whoever waits; never awaits."""
+        self.queue.release(reservation)
 
     @staticmethod
     def _cap(route: GatewayRoute, asked: Request) -> int:
@@ -232,31 +243,64 @@ class Admission:
                             "it can never be admitted")
 
     def _limit_text(self) -> str:
-        """What a 413 says it was measured against (the same words as the rendered nginx.conf)."""
+        """What a 413 says it was measured against (the same words as the rendered nginx.conf;
+        with several upstreams, the largest one's)."""
         cfg = self.config
-        if cfg.admit_limit_blocks == cfg.block_budget:
-            return f"the whole budget is {cfg.block_budget}"
-        return (f"the overcommit limit is {cfg.admit_limit_blocks} ({cfg.admission.factor:g} x the budget "
-                f"{cfg.block_budget})")
+        largest = self.pool.largest
+        budget, limit = largest.budget_blocks, largest.limit_blocks
+        whose = "the budget" if len(self.pool.replicas) == 1 else "the largest upstream's budget"
+        if limit == budget:
+            return f"the whole budget is {budget}" if len(self.pool.replicas) == 1 else f"{whose} is {budget}"
+        return f"the overcommit limit is {limit} ({cfg.admission.factor:g} x {whose} {budget})"
 
-    async def _count(self, upstream: str, asked: Request, model: str | None) -> PromptCount:
-        counter = self.counters[upstream]
-        try:
-            return await counter.count(asked.prompts, model)
-        except PromptRejectedError as exc:
+    async def _count(self, upstream: str | None, asked: Request, model: str | None) -> PromptCount:
+        """The prompt counted on the route's own upstream, else on the healthy upstreams in turn;
+        one that cannot be connected to (nothing was sent) is taken out and the next one asked."""
+        for _ in self.pool.replicas:
+            url = upstream or self.pool.next_url()
+            try:
+                return await self.counters[url].count(asked.prompts, model)
+            except PromptCountError as exc:
+                if (upstream is None and isinstance(exc.__cause__, UpstreamConnectError)
+                        and self.pool.mark_down(self.pool.replica(url), str(exc.__cause__))
+                        and self.pool.others_healthy(self.pool.replica(url))):
+                    continue
+                self._count_failed(exc)
+        raise RuntimeError("unreachable: the last count raised")
+
+    def _count_failed(self, exc: PromptCountError) -> NoReturn:
+        """A failed count as the client's answer: 400 refused by the engine, 502 a count that is
+        none, 503 (retryable) for anything else."""
+        if isinstance(exc, PromptRejectedError):
             reason = Reason.CONTEXT_LENGTH_EXCEEDED if "context length" in str(exc) else Reason.INVALID_PROMPT
             raise Rejection(400, reason, str(exc)) from None
-        except PromptCountInvalidError as exc:
+        if isinstance(exc, PromptCountInvalidError):
             raise Rejection(502, Reason.PROMPT_COUNT_INVALID,
                             f"the gateway could not count the prompt: {exc}") from None
-        except PromptCountError as exc:
-            raise Rejection(503, Reason.PROMPT_COUNT_UNAVAILABLE,
-                            f"the gateway could not count the prompt: {exc}",
-                            retry_after_s=self.config.retry_after_min_s) from None
+        raise Rejection(503, Reason.PROMPT_COUNT_UNAVAILABLE,
+                        f"the gateway could not count the prompt: {exc}",
+                        retry_after_s=self.config.retry_after_min_s) from None
 
-    async def _reserve(self, blocks: int, demand: Demand | None) -> Reservation:
-        """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised."""
+    def _sticky_key(self, incoming: Incoming, doc: dict) -> str | None:
+        """What keeps this request with others on one upstream (gateway.yaml `sticky`), or None."""
+        sticky = self.config.sticky
+        if sticky is None or len(self.pool.replicas) == 1:
+            return None
+        if sticky.by is StickyBy.HEADER:
+            return incoming.sticky_header
+        user = doc.get("user")
+        return user if isinstance(user, str) and user else None
+
+    async def reserve(self, blocks: int, demand: Demand | None, sticky: str | None = None) -> Reservation:
+        """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised.
+        Also a request's second reservation, when its first upstream refused the connection.
+        With a sticky key, its upstream first (when nobody waits: FIFO still holds), then by
+        free budget."""
         queue = self.queue
+        if sticky is not None and not queue.waiting:
+            reservation = self.pool.affine(sticky).ledger.try_reserve(blocks, demand)
+            if reservation is not None:
+                return reservation
         key, got = queue.offer(blocks, demand)
         if got is None:  # queued
             started = time.monotonic()
@@ -265,7 +309,7 @@ class Admission:
                 self.metrics.queue_wait.observe(time.monotonic() - started)
         if isinstance(got, Reservation):
             return got
-        ledger = self.ledger
+        ledger = self.pool
         self.metrics.retry_after.observe(got.retry_after_s)
         raise Rejection(429, got.reason,
                         f"KV budget full: {blocks} blocks needed, {ledger.reserved_blocks} of "

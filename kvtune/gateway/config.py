@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from kvtune.endpoint import MAX_PORT, host_problem, url_problem
+from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
     DEFAULT_PASSTHROUGH,
@@ -143,10 +143,47 @@ class AdminAccess:
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    upstream: str
-    block_size: int
+class GatewayUpstream:
+    """One engine replica the gateway sends to, with its own KV block budget (gateway.yaml
+    `upstreams[i]`, or the single `upstream` and `block_budget`). `weight` scales its free budget
+    when requests are routed (1: the budget alone decides)."""
+
+    url: str
     block_budget: int
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class HealthProbe:
+    """How an upstream is taken out and brought back (gateway.yaml `health`, with several upstreams
+    only): a failed connect takes it out at once; every interval_s it is asked GET `path`, and
+    an answer other than 200 (or none within timeout_s) takes it out, a 200 brings it back."""
+
+    interval_s: float = 1.0
+    timeout_s: float = 1.0
+    path: str = "/health"
+
+
+class StickyBy(enum.Enum):
+    """What keeps a client's requests on one upstream (gateway.yaml `sticky.by`): its prefix cache."""
+
+    USER = "user"  # the body's `user` field (OpenAI's end-user id)
+    HEADER = "header"  # a request header, `sticky.header`
+
+
+@dataclass(frozen=True, slots=True)
+class Sticky:
+    """Requests with the same key go to the same upstream while it is healthy and they fit there
+    (rendezvous hashing over the healthy upstreams); otherwise, and without a key, by free budget."""
+
+    by: StickyBy
+    header: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    upstreams: tuple[GatewayUpstream, ...]
+    block_size: int
     max_model_len: int
     routes: tuple[GatewayRoute, ...]
     host: str = "127.0.0.1"
@@ -164,11 +201,24 @@ class GatewayConfig:
     limits: ClientLimits = field(default_factory=ClientLimits)
     admin: AdminAccess = field(default_factory=AdminAccess)
     admission: AdmissionPolicy = GUARANTEED
+    health: HealthProbe = field(default_factory=HealthProbe)
+    sticky: Sticky | None = None  # off by default
+
+    @property
+    def upstream(self) -> str:
+        """The first upstream's URL: the only one of a single-upstream file."""
+        return self.upstreams[0].url
+
+    @property
+    def block_budget(self) -> int:
+        """Every upstream's budget together (a single upstream's own)."""
+        return sum(u.block_budget for u in self.upstreams)
 
     @property
     def admit_limit_blocks(self) -> int:
-        """What worst-case reservations are held against (floor(factor x budget) for overcommit)."""
-        return self.admission.limit_blocks(self.block_budget)
+        """What worst-case reservations are held against (floor(factor x budget) for overcommit),
+        on the upstream with the largest budget: no request larger than this is ever admitted."""
+        return self.admission.limit_blocks(max(u.block_budget for u in self.upstreams))
 
     def route_for(self, path: str, model: str | None) -> GatewayRoute | None:
         """The first route, in file order, whose match accepts the request."""
@@ -187,6 +237,8 @@ class GatewayConfig:
 #: The largest integer a field may hold: exact in a double, so the rendered nginx Lua and every
 #: JSON reader see the same number.
 MAX_INTEGER = 2**53
+#: The largest upstream weight: beyond it one upstream takes everything whatever its budget.
+MAX_WEIGHT = 1000.0
 #: A day: a longer timeout (or Retry-After) is no timeout at all.
 MAX_SECONDS = 86_400
 #: No tokenizer averages more characters per token; a larger value would count prompts as nearly
@@ -278,10 +330,10 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     r = _Reader(path)
     top = r.mapping(
         data, "",
-        {"version", "listen", "upstream", "model", "block_size", "block_budget", "max_model_len",
+        {"version", "listen", "upstream", "upstreams", "model", "block_size", "block_budget", "max_model_len",
          "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin",
-         "admission"},
-        {"version", "upstream", "block_size", "block_budget", "max_model_len", "routes"},
+         "admission", "health", "sticky"},
+        {"version", "block_size", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
         raise r.fail("version", f"unsupported version {top['version']} (this kvtune reads {SCHEMA_VERSION})")
@@ -318,9 +370,8 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     max_model_len = r.integer(top["max_model_len"], "max_model_len", 1)
 
     config = GatewayConfig(
-        upstream=r.url(top["upstream"], "upstream"),
+        upstreams=_upstreams(r, top),
         block_size=r.integer(top["block_size"], "block_size", 1),
-        block_budget=r.integer(top["block_budget"], "block_budget", 1),
         max_model_len=max_model_len,
         routes=routes,
         host=r.host(listen.get("host", "127.0.0.1"), "listen.host"),
@@ -338,6 +389,8 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         limits=_limits(r, top.get("limits", {}), max_model_len),
         admin=_admin(r, top.get("admin", {})),
         admission=parse_admission(top.get("admission", {"policy": "guaranteed"}), r.fail),
+        health=_health(r, top.get("health", {})),
+        sticky=_sticky(r, top.get("sticky")),
     )
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")
@@ -346,7 +399,72 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
             raise r.fail(f"routes[{i}].max_new_tokens",
                          f"cap {route.max_new_tokens} leaves no room for a prompt in max_model_len "
                          f"{config.max_model_len}")
+        if route.upstream is not None and len(config.upstreams) > 1:
+            raise r.fail(f"routes[{i}].upstream", "with several upstreams every route is spread over them: "
+                         "a route names its own upstream only in front of a single one")
     return config
+
+
+def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
+    """`upstream` + `block_budget` (one upstream), or `upstreams`: a list of {url, block_budget,
+    weight}, each URL once."""
+    if "upstreams" not in top:
+        for key in ("upstream", "block_budget"):
+            if key not in top:
+                raise r.fail(key, "missing (or give upstreams: a list of {url, block_budget})")
+        return (GatewayUpstream(r.url(top["upstream"], "upstream"),
+                                r.integer(top["block_budget"], "block_budget", 1)),)
+    for key in ("upstream", "block_budget"):
+        if key in top:
+            raise r.fail(key, "give upstreams: (each with its own block_budget) or upstream: and block_budget:, "
+                         "not both")
+    raw = top["upstreams"]
+    if not isinstance(raw, list) or not raw:
+        raise r.fail("upstreams", "expected a non-empty list of {url, block_budget, weight}")
+    out: list[GatewayUpstream] = []
+    seen: dict[tuple, int] = {}
+    for i, item in enumerate(raw):
+        where = f"upstreams[{i}]"
+        doc = r.mapping(item, where, {"url", "block_budget", "weight"}, {"url", "block_budget"})
+        url = r.url(doc["url"], f"{where}.url")
+        parsed = parse_url(url, field=f"{where}.url")
+        same = (parsed.scheme, parsed.host.lower(), parsed.port, parsed.prefix.rstrip("/"))
+        if same in seen:
+            raise r.fail(f"{where}.url", f"{url} is upstreams[{seen[same]}] again: each engine replica is listed once")
+        seen[same] = i
+        out.append(GatewayUpstream(
+            url, r.integer(doc["block_budget"], f"{where}.block_budget", 1),
+            r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT)))
+    return tuple(out)
+
+
+def _sticky(r: _Reader, value: Any) -> Sticky | None:
+    if value is None:
+        return None
+    doc = r.mapping(value, "sticky", {"by", "header"}, {"by"})
+    names = {b.value: b for b in StickyBy}
+    by = doc["by"]
+    if not isinstance(by, str) or by not in names:
+        raise r.fail("sticky.by", f"{brief(by)} is not one of {', '.join(names)}")
+    header = r.string(doc.get("header"), "sticky.header", optional=True)
+    if names[by] is StickyBy.HEADER:
+        if header is None:
+            raise r.fail("sticky.header", "missing: the request header whose value keeps requests together")
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", header):
+            raise r.fail("sticky.header", f"{brief(header)} is not a header name")
+    elif header is not None:
+        raise r.fail("sticky.header", "only for sticky.by: header")
+    return Sticky(names[by], header)
+
+
+def _health(r: _Reader, value: Any) -> HealthProbe:
+    doc = r.mapping(value, "health", {"interval_s", "timeout_s", "path"})
+    d = HealthProbe()
+    path = r.string(doc.get("path", d.path), "health.path")
+    _literal_path(r, path, "health.path")
+    return HealthProbe(interval_s=r.number(doc.get("interval_s", d.interval_s), "health.interval_s", 0.05),
+                       timeout_s=r.number(doc.get("timeout_s", d.timeout_s), "health.timeout_s", 0.01),
+                       path=path)
 
 
 def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:

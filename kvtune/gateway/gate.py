@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
-from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Reservation
+from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Ledger, Reservation
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
 from kvtune.gateway.statistical import Demand, StatisticalLedger
@@ -75,7 +75,7 @@ class AdmissionGate(Generic[K]):
     __slots__ = ("ledger", "max_waiting", "timeout_s", "retry_after_min_s", "retry_after_max_s", "_waiters",
                  "_gone", "waiting_peak")
 
-    def __init__(self, ledger: BlockLedger, *, max_waiting: int, timeout_s: float, retry_after_min_s: int,
+    def __init__(self, ledger: Ledger, *, max_waiting: int, timeout_s: float, retry_after_min_s: int,
                  retry_after_max_s: int, gone: Callable[[K], bool] | None = None) -> None:
         """`gone(key)` says a waiter has already left without `leave` yet (asyncio: its task was
         cancelled and has not run its `finally`); such a head is dropped, not served."""

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvtune.gateway.config import ClientLimits, GatewayConfig, GatewayRoute
+from kvtune.gateway.config import ClientLimits, GatewayConfig, GatewayRoute, StickyBy
 from kvtune.gateway.endpoints import Endpoint, PathClass, canonical_path, classify
 from kvtune.gateway.refusals import Reason, Rejection
 
@@ -36,6 +36,7 @@ class Incoming:
     endpoint: Endpoint
     route: GatewayRoute | None
     raw_path: str
+    sticky_header: str | None = None  # the value of gateway.yaml's sticky.header, when it keeps by one
 
     def target(self, path: str) -> str:
         """`path` with the query string of the original request target, untouched."""
@@ -49,6 +50,8 @@ class Intake:
         self.limits: ClientLimits = config.limits
         self._route_paths = config.route_paths()
         self._passthrough = frozenset(config.passthrough)
+        sticky = config.sticky
+        self._sticky_header = sticky.header if sticky is not None and sticky.by is StickyBy.HEADER else None
 
     def classify(self, request: web.Request) -> Incoming:
         """The request's path and class, or a Rejection for what is refused before any body."""
@@ -82,7 +85,8 @@ class Intake:
                             f"{endpoint.reason}")
         elif kind is not PathClass.PASSTHROUGH:
             raise Rejection(404, Reason.NOT_FOUND, f"{path} is not served through this gateway")
-        return Incoming(path, endpoint, route, raw_path)
+        key = request.headers.get(self._sticky_header) if self._sticky_header is not None else None
+        return Incoming(path, endpoint, route, raw_path, key or None)
 
     async def read_body(self, request: web.Request, *, decode: bool = True) -> bytes:
         """The whole request body within the size cap and the between-reads timeout; a gzip or

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the statistical ledger's demand; kvtune.gateway.statistical builds on this module
     from kvtune.gateway.statistical import Demand
@@ -39,6 +39,11 @@ class Reservation:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def ledger(self) -> BlockLedger:
+        """The ledger the blocks are held on (with several upstreams: which one's)."""
+        return self._ledger
 
     def release(self) -> bool:
         """Return the blocks to the ledger; True the first time, False on any later call."""
@@ -65,6 +70,19 @@ class LedgerSnapshot:
     release_rate_blocks_per_s: float
     limit_blocks: int
     overflow_probability: float | None = None  # statistical: P(the held KV outgrows the budget)
+
+
+class Ledger(Protocol):
+    """What the admission gate (kvtune.gateway.gate) reserves through: one BlockLedger, or the
+    pool of every upstream's (kvtune.gateway.pool)."""
+
+    @property
+    def reserved_blocks(self) -> int: ...
+    @property
+    def limit_blocks(self) -> int: ...
+    def try_reserve(self, blocks: int, demand: Demand | None = None) -> Reservation | None: ...
+    def never_fits(self, blocks: int, demand: Demand | None = None) -> bool: ...
+    def retry_after_s(self, blocks: int, *, min_s: int, max_s: int) -> int: ...
 
 
 class BlockLedger:
@@ -163,4 +181,4 @@ class BlockLedger:
                               self.release_rate() or 0.0, self.limit_blocks)
 
 
-__all__ = ["BlockLedger", "Reservation", "LedgerSnapshot", "RATE_WINDOW_S"]
+__all__ = ["BlockLedger", "Ledger", "Reservation", "LedgerSnapshot", "RATE_WINDOW_S"]

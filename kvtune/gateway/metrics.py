@@ -1,13 +1,16 @@
 """Prometheus metrics for the gateway, on a registry of its own so several gateways (tests, or two
-apps in one process) never collide. Gauges read the ledger at scrape time, so they cannot drift."""
+apps in one process) never collide. Gauges read the ledgers at scrape time, so they cannot drift:
+the totals unlabelled (as before several upstreams), each upstream's own under
+`kvtune_gateway_upstream_*{upstream="URL"}`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvtune.gateway.ledger import BlockLedger
+from kvtune.gateway.pool import Replica, UpstreamPool
 from kvtune.gateway.refusals import Reason
 from kvtune.gateway.statistical import StatisticalLedger
 
@@ -15,10 +18,10 @@ RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class GatewayMetrics:
-    def __init__(self, ledger: BlockLedger, waiting: Callable[[], int]) -> None:
+    def __init__(self, ledger: UpstreamPool, waiting: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        Gauge("kvtune_gateway_budget_blocks", "KV blocks the gateway may reserve in total.",
+        Gauge("kvtune_gateway_budget_blocks", "KV blocks the gateway may reserve in total (its healthy upstreams').",
               registry=r).set_function(lambda: ledger.budget_blocks)
         Gauge("kvtune_gateway_reserved_blocks", "KV blocks reserved by admitted requests now.",
               registry=r).set_function(lambda: ledger.reserved_blocks)
@@ -26,10 +29,16 @@ class GatewayMetrics:
               registry=r).set_function(lambda: ledger.inflight_requests)
         Gauge("kvtune_gateway_waiting_requests", "Requests waiting in the admission queue.",
               registry=r).set_function(waiting)
-        if isinstance(ledger, StatisticalLedger):
+        if ledger.statistical:
             Gauge("kvtune_gateway_overflow_probability",
-                  "Bound on P(the admitted requests' KV outgrows the budget) now (statistical policy).",
-                  registry=r).set_function(ledger.overflow_probability)
+                  "Bound on P(the admitted requests' KV outgrows the budget) now, the largest of the upstreams' "
+                  "(statistical policy).", registry=r).set_function(ledger.overflow_probability)
+        self._upstream_gauges(ledger.replicas)
+        self.sent = Counter("kvtune_gateway_upstream_requests", "Admitted requests sent to each upstream.",
+                            ["upstream"], registry=r)
+        self.retried = Counter("kvtune_gateway_upstream_retried",
+                               "Admitted requests that could not connect to this upstream and were admitted again "
+                               "for another.", ["upstream"], registry=r)
         self.admitted = Counter("kvtune_gateway_admitted", "Requests admitted, by route.",
                                 ["route"], registry=r)
         self.rejected = Counter("kvtune_gateway_rejected", "Requests refused, by route and reason.",
@@ -47,6 +56,36 @@ class GatewayMetrics:
         # labels() hashes and locks on every call; children are looked up once per label set
         self._admitted: dict[str, tuple] = {}
         self._rejected: dict[tuple[str, Reason], Counter] = {}
+        self._sent: dict[str, Counter] = {}
+
+    def _upstream_gauges(self, replicas: tuple[Replica, ...]) -> None:
+        r = self.registry
+        gauges: list[tuple[str, str, Callable[[Replica], float]]] = [
+            ("budget_blocks", "KV blocks this upstream's ledger may reserve.", lambda u: u.ledger.budget_blocks),
+            ("reserved_blocks", "KV blocks reserved on this upstream now.", lambda u: u.ledger.reserved_blocks),
+            ("inflight_requests", "Admitted requests held on this upstream now.",
+             lambda u: u.ledger.inflight_requests),
+            ("healthy", "1 while requests are routed to this upstream, 0 while it is taken out.",
+             lambda u: 1.0 if u.healthy else 0.0),
+            ("ejections", "Times this upstream was taken out (failed connect or health probe).",
+             lambda u: u.ejections),
+        ]
+        if isinstance(replicas[0].ledger, StatisticalLedger):
+            gauges.append(("overflow_probability", "Bound on P(this upstream's admitted KV outgrows its budget).",
+                           _overflow_probability))
+        for name, doc, read in gauges:
+            gauge = Gauge(f"kvtune_gateway_upstream_{name}", doc, ["upstream"], registry=r)
+            for replica in replicas:
+                gauge.labels(replica.url).set_function(functools.partial(read, replica))
+
+    def count_sent(self, upstream: str) -> None:
+        child = self._sent.get(upstream)
+        if child is None:
+            child = self._sent[upstream] = self.sent.labels(upstream)
+        child.inc()
+
+    def count_retried(self, upstream: str) -> None:
+        self.retried.labels(upstream).inc()
 
     def count_admitted(self, route: str, blocks: int) -> None:
         children = self._admitted.get(route)
@@ -63,6 +102,11 @@ class GatewayMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _overflow_probability(replica: Replica) -> float:
+    ledger = replica.ledger
+    return ledger.overflow_probability() if isinstance(ledger, StatisticalLedger) else 0.0
 
 
 __all__ = ["GatewayMetrics"]

@@ -11,6 +11,12 @@ This module wires them into an aiohttp application with the admin endpoints
 reservation is released in `finally`, before any await, so every ending (completion, client
 disconnect, upstream error, cancellation, shutdown) releases it once.
 
+Several upstreams (gateway.yaml `upstreams:`) share one pool (kvtune.gateway.pool): each request
+is reserved on one and forwarded there; a connect that fails, or the periodic GET health.path,
+takes an upstream out, a 200 brings it back. A request whose connection could not be opened was
+not sent at all, so it gives its blocks back there and is admitted again for another upstream;
+one that was sent is never sent again (the engine may have started it).
+
 Clients are bounded (kvtune.gateway.connections and the limits in gateway.yaml): a deadline for
 each request head and between body reads and writes, caps on head and body size, on open
 connections; CONNECT and Upgrade are refused.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +38,12 @@ from kvtune.gateway.admission import Admission
 from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
-from kvtune.gateway.gate import ledger_for
-from kvtune.gateway.intake import Intake
+from kvtune.gateway.intake import Incoming, Intake
 from kvtune.gateway.metrics import GatewayMetrics
+from kvtune.gateway.pool import LedgerFactory, Replica, UpstreamPool, local_ledger
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.relay import Relay, refusal_response
-from kvtune.gateway.upstream import UpstreamClient
+from kvtune.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
 log = logging.getLogger("kvtune.gateway")
 
@@ -56,16 +63,18 @@ class _Upstreams:
 
 
 class Gateway:
-    """Per-app state: config, ledger, the three stages, metrics; the upstream clients arrive on
-    startup."""
+    """Per-app state: config, the upstreams and their ledgers (kvtune.gateway.pool), the three
+    stages, metrics; the upstream clients arrive on startup, with the health probe when there
+    are several upstreams. `make_ledger` builds each upstream's ledger (in memory by default)."""
 
-    def __init__(self, config: GatewayConfig, *, counter: PromptCounter | None = None) -> None:
+    def __init__(self, config: GatewayConfig, *, counter: PromptCounter | None = None,
+                 make_ledger: LedgerFactory = local_ledger) -> None:
         self.config = config
-        self.ledger = ledger_for(config.admission, config.block_budget, block_size=config.block_size,
-                                 max_model_len=config.max_model_len)
-        self.metrics = GatewayMetrics(self.ledger, lambda: self.admission.waiting)
+        self.pool = UpstreamPool(config, make_ledger)
+        self.ledger = self.pool  # the totals; each upstream's own ledger is in pool.replicas
+        self.metrics = GatewayMetrics(self.pool, lambda: self.admission.waiting)
         self.intake = Intake(config)
-        self.admission = Admission(config, self.ledger, self.metrics)
+        self.admission = Admission(config, self.pool, self.metrics)
         self.relay = Relay(config.limits.send_timeout_s)
         self.rejected = 0
         # A local tokenizer loads now, so a bad tokenizer fails at start.
@@ -74,9 +83,10 @@ class Gateway:
         tokenizer = config.prompt_tokens.tokenizer
         if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER and tokenizer is not None:
             self._local = LocalTokenizerCounter.load(tokenizer)
-        self.admin = Admin(config, self.ledger, self.metrics, rejected=lambda: self.rejected,
+        self.admin = Admin(config, self.pool, self.metrics, rejected=lambda: self.rejected,
                            waiting=lambda: self.admission.waiting)
         self._up: _Upstreams | None = None
+        self._watch: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -84,7 +94,7 @@ class Gateway:
         cfg = self.config
         clients: dict[str, UpstreamClient] = {}
         counters: dict[str, PromptCounter] = {}
-        for upstream in {cfg.upstream, *(r.upstream for r in cfg.routes if r.upstream)}:
+        for upstream in {*(u.url for u in cfg.upstreams), *(r.upstream for r in cfg.routes if r.upstream)}:
             clients[upstream] = UpstreamClient(
                 upstream, connect_timeout_s=cfg.upstream_connect_timeout_s,
                 read_timeout_s=cfg.upstream_read_timeout_s, keepalive_s=UPSTREAM_KEEPALIVE_S)
@@ -92,8 +102,15 @@ class Gateway:
                 cfg.prompt_tokens, client=clients[upstream], local=self._local)
         self._up = _Upstreams(clients, counters)
         self.admission.counters = counters
+        if self.pool.checked:
+            self._watch = asyncio.create_task(self._watch_health())
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
         if self._up is not None:
             for client in self._up.clients.values():
                 await client.close()
@@ -105,6 +122,46 @@ class Gateway:
             raise RuntimeError("the gateway is not started")
         return self._up.clients[upstream]
 
+    # ---------------------------------------------------------------- health
+
+    async def _watch_health(self) -> None:
+        """Every health.interval_s, GET health.path on every upstream at once: a 200 brings one
+        back, anything else (or nothing within health.timeout_s) takes it out."""
+        probe = self.config.health
+        while True:
+            await asyncio.sleep(probe.interval_s)
+            async with asyncio.TaskGroup() as group:
+                for replica in self.pool.replicas:
+                    group.create_task(self._probe(replica))
+
+    async def _probe(self, replica: Replica) -> None:
+        probe = self.config.health
+        why = None
+        try:
+            async with asyncio.timeout(probe.timeout_s):
+                up = await self._client(replica.url).request("GET", probe.path, (), b"")
+                await up.read_and_release()
+            if up.status != 200:
+                why = f"GET {probe.path} answered {up.status}"
+        except TimeoutError:
+            why = f"GET {probe.path} gave no answer within {probe.timeout_s:g} s"
+        except UpstreamError as exc:
+            why = f"GET {probe.path} failed: {exc}"
+        if why is None:
+            if self.pool.mark_up(replica):
+                log.warning("upstream %s is back", replica.url)
+        else:
+            self._take_out(replica, why)
+
+    def _take_out(self, replica: Replica, why: str) -> None:
+        if self.pool.mark_down(replica, why):
+            log.warning("upstream %s taken out: %s", replica.url, why[:200])
+
+    def _retry_elsewhere(self, replica: Replica, attempt: int) -> bool:
+        """Whether a request whose connection to `replica` cannot be opened goes to another
+        upstream: a healthy one is left and not every upstream has been tried."""
+        return attempt + 1 < len(self.pool.replicas) and self.pool.others_healthy(replica)
+
     # ---------------------------------------------------------------- the handler
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -113,24 +170,57 @@ class Gateway:
             incoming = self.intake.classify(request)
             if incoming.endpoint.path_class is PathClass.PASSTHROUGH:
                 raw = await self.intake.read_body(request, decode=False)
-                return await self.relay.send(request, self._client(self.config.upstream), request.method,
-                                             incoming.target(incoming.path), raw, {}, decoded=False)
+                return await self._untouched(request, incoming, raw)
             raw = await self.intake.read_body(request)
             admitted = await self.admission.admit(incoming, raw)
         except Rejection as rejection:
             return self._reject(None, rejection)
         except Refused as refused:
             return self._reject(refused.route, refused.rejection)
-        # Admitted: from here every path out of this function gives the blocks back once.
+        # Admitted: from here every path out of this function gives the blocks back once, on the
+        # upstream they are held on. An upstream that refuses the connection got nothing of the
+        # request: its blocks go back, it is taken out, and the request is admitted again (queue
+        # or 429 as a new one) on another upstream. One that took the request and then failed is
+        # never sent it twice: the engine may have run it.
+        reservation = admitted.reservation
+        route = admitted.route.name if admitted.route else ""
         try:
-            self.metrics.count_admitted(admitted.route.name if admitted.route else "", admitted.blocks)
+            self.metrics.count_admitted(route, admitted.blocks)
             extra = {"X-Kvtune-Reserved-Blocks": str(admitted.blocks)}
             if admitted.cap is not None:
                 extra["X-Kvtune-Max-Tokens"] = str(admitted.cap)
-            return await self.relay.send(request, self._client(admitted.upstream), "POST", admitted.target,
-                                         admitted.body, extra, progress=admitted.reservation.progress)
+            for attempt in range(len(self.pool.replicas)):
+                replica = self.pool.replica_of(reservation)
+                unsent = admitted.upstream is None and self._retry_elsewhere(replica, attempt)
+                try:
+                    self.metrics.count_sent(replica.url)
+                    return await self.relay.send(request, self._client(admitted.upstream or replica.url), "POST",
+                                                 admitted.target, admitted.body, extra,
+                                                 progress=reservation.progress, unsent=unsent)
+                except UpstreamConnectError as exc:
+                    self._take_out(replica, str(exc))  # first: the blocks released go to the others
+                    self.admission.release(reservation)
+                    self.metrics.count_retried(replica.url)
+                try:
+                    reservation = await self.admission.reserve(admitted.blocks, admitted.demand)
+                except Rejection as rejection:
+                    return self._reject(admitted.route, rejection)
+            raise RuntimeError("unreachable: the last attempt answers whatever happens")
         finally:
-            self.admission.release(admitted)
+            self.admission.release(reservation)
+
+    async def _untouched(self, request: web.Request, incoming: Incoming, raw: bytes) -> web.StreamResponse:
+        """A pass-through request, to the healthy upstreams in turn (another one when the
+        connection cannot be opened)."""
+        for attempt in range(len(self.pool.replicas)):
+            replica = self.pool.replica(self.pool.next_url())
+            try:
+                return await self.relay.send(request, self._client(replica.url), request.method,
+                                             incoming.target(incoming.path), raw, {}, decoded=False,
+                                             unsent=self._retry_elsewhere(replica, attempt))
+            except UpstreamConnectError as exc:
+                self._take_out(replica, str(exc))
+        raise RuntimeError("unreachable: the last attempt answers whatever happens")
 
     def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
@@ -154,11 +244,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await gateway.close()
 
 
-def make_app(config: GatewayConfig, *, counter: PromptCounter | None = None) -> web.Application:
+def make_app(config: GatewayConfig, *, counter: PromptCounter | None = None,
+             make_ledger: LedgerFactory = local_ledger) -> web.Application:
     """The gateway as an aiohttp Application; run it with `handler_cancellation=True` (serve does)
-    so a client that goes away cancels its upstream call and releases its blocks at once."""
+    so a client that goes away cancels its upstream call and releases its blocks at once.
+    `make_ledger` builds each upstream's ledger (kvtune.gateway.pool: in memory by default)."""
     app = web.Application(client_max_size=config.limits.max_body_bytes + 1)
-    gateway = Gateway(config, counter=counter)
+    gateway = Gateway(config, counter=counter, make_ledger=make_ledger)
     app[GATEWAY] = gateway
     app.cleanup_ctx.append(_lifecycle)
     gateway.admin.add_routes(app.router)

@@ -17,7 +17,13 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvtune.gateway.refusals import ErrorType, Reason, Rejection
-from kvtune.gateway.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeoutError
+from kvtune.gateway.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeoutError,
+)
 
 # RFC 9110 §7.6.1 connection-specific fields, plus what the proxy recomputes (Host, length) and
 # the request's Content-Encoding (a governed body is forwarded decoded).
@@ -55,16 +61,21 @@ class Relay:
 
     async def send(self, request: web.Request, client: UpstreamClient, method: str, target: str, body: bytes,
                    extra_headers: dict[str, str], *, decoded: bool = True,
-                   progress: Callable[[int], None] | None = None) -> web.StreamResponse:
+                   progress: Callable[[int], None] | None = None, unsent: bool = False) -> web.StreamResponse:
         """A request whose body is in hand, through the gateway's own upstream client; a body
         the gateway decoded goes without its Content-Encoding. `progress(tokens)` hears, as an
-        event stream comes back, at least how many tokens it has carried (events_seen_tokens)."""
+        event stream comes back, at least how many tokens it has carried (events_seen_tokens).
+        With `unsent`, a connection that could not be opened (nothing was sent) raises its
+        UpstreamConnectError, for the caller to send elsewhere, instead of answering 502/504."""
         headers = _forward_headers(request.headers, drop_encoding=decoded)
         try:
             up = await client.request(method, target, headers, body)
-        except UpstreamTimeoutError:
-            return refusal_response(Rejection(504, Reason.UPSTREAM_TIMEOUT, "the upstream did not answer in time"))
         except UpstreamError as exc:
+            if unsent and isinstance(exc, UpstreamConnectError):
+                raise
+            if isinstance(exc, UpstreamTimeoutError):
+                return refusal_response(Rejection(504, Reason.UPSTREAM_TIMEOUT,
+                                                  "the upstream did not answer in time"))
             return refusal_response(Rejection(502, Reason.UPSTREAM_UNAVAILABLE,
                                               f"the upstream could not be reached: {exc}"))
         return await self._relay(request, up, extra_headers, progress)

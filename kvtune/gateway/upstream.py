@@ -8,8 +8,10 @@ this client costs a few tens of microseconds. Pass-through traffic (streamed req
 anything the gateway does not govern) still goes through aiohttp.
 
 Errors:
-  UpstreamError             no usable answer: cannot connect, connection broken, not HTTP/1.x
-   └── UpstreamTimeoutError  connecting, or waiting for the next bytes, took longer than allowed
+  UpstreamError                    no usable answer: cannot connect, connection broken, not HTTP/1.x
+   ├── UpstreamConnectError        no connection could be opened: nothing of the request was sent
+   │    └── UpstreamConnectTimeoutError   (also an UpstreamTimeoutError) connecting took too long
+   └── UpstreamTimeoutError        connecting, or waiting for the next bytes, took longer than allowed
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ class UpstreamError(Exception):
 
 class UpstreamTimeoutError(UpstreamError):
     """Connecting, or waiting for the upstream's next bytes, took longer than the timeout."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection to the upstream could be opened: nothing of the request was sent, so it may
+    go to another upstream."""
+
+
+class UpstreamConnectTimeoutError(UpstreamConnectError, UpstreamTimeoutError):
+    """Connecting to the upstream took longer than the connect timeout (nothing was sent)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -326,9 +337,10 @@ class UpstreamClient:
                 _, conn = await loop.create_connection(
                     lambda: _Connection(loop, idle), self.host, self.port, ssl=self._ssl)
         except TimeoutError as exc:
-            raise UpstreamTimeoutError(f"connecting to the upstream took over {self.connect_timeout_s:g} s") from exc
+            raise UpstreamConnectTimeoutError(
+                f"connecting to the upstream took over {self.connect_timeout_s:g} s") from exc
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to the upstream: {exc.strerror or exc}") from exc
+            raise UpstreamConnectError(f"cannot connect to the upstream: {exc.strerror or exc}") from exc
         return conn
 
     async def _response(self, conn: _Connection, method: str) -> UpstreamResponse:
@@ -393,4 +405,5 @@ class UpstreamClient:
             self._idle.pop().close()
 
 
-__all__ = ["UpstreamClient", "UpstreamResponse", "UpstreamError", "UpstreamTimeoutError"]
+__all__ = ["UpstreamClient", "UpstreamResponse", "UpstreamError", "UpstreamTimeoutError", "UpstreamConnectError",
+           "UpstreamConnectTimeoutError"]

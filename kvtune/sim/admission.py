@@ -138,7 +138,8 @@ class LedgerAdmission:
     @classmethod
     def from_config(cls, config: GatewayConfig, route: GatewayRoute | None) -> LedgerAdmission:
         """The admission a gateway.yaml deploys, for requests that match `route`."""
-        return cls(config.block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
+        # one engine: the first upstream's budget (each upstream of several has its own)
+        return cls(config.upstreams[0].block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
                    retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
                    queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
                    route_max_new_tokens=None if route is None else route.max_new_tokens,
