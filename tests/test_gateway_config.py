@@ -326,3 +326,54 @@ def test_client_limits_are_validated_and_name_the_field(limits, field, says):
     with pytest.raises(InputError) as caught:
         parse_gateway_config(_doc(limits=limits))
     assert caught.value.field == field and says in caught.value.message
+
+
+# ---------------------------------------------------------------- ledger: memory | redis
+
+def test_ledger_defaults_to_memory_and_reads_redis():
+    from kvtune.gateway.config import LedgerBackend, OnLedgerError
+
+    assert not parse_gateway_config(_doc()).ledger.shared
+    ledger = parse_gateway_config(_doc(ledger={
+        "backend": "redis", "url": "redis://:s3cret@127.0.0.1:6379/0", "key_prefix": "{gw}", "lease_s": 5,
+        "on_error": "local", "replicas_hint": 3})).ledger
+    assert (ledger.backend, ledger.key_prefix, ledger.lease_s, ledger.on_error, ledger.replicas_hint) == (
+        LedgerBackend.REDIS, "{gw}", 5.0, OnLedgerError.LOCAL, 3)
+    assert "s3cret" not in repr(ledger)
+    assert parse_gateway_config(_doc(ledger={"backend": "redis", "url": "redis://h/0"})).ledger.on_error \
+        is OnLedgerError.REJECT
+
+
+REDIS = {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}
+
+
+@pytest.mark.parametrize(("overrides", "field", "words"), [
+    ({"ledger": {"backend": "etcd"}}, "ledger.backend", "is not one of memory, redis"),
+    ({"ledger": {"backend": "redis"}}, "ledger.url", "missing"),
+    ({"ledger": {**REDIS, "url": "http://127.0.0.1:6379"}}, "ledger.url", "redis://"),
+    ({"ledger": {**REDIS, "url": 6379}}, "ledger.url", "got 6379"),
+    ({"ledger": {**REDIS, "lease_s": 0}}, "ledger.lease_s", "at least 0.1"),
+    ({"ledger": {**REDIS, "lease_s": True}}, "ledger.lease_s", "expected a number"),
+    ({"ledger": {**REDIS, "key_prefix": "a b"}}, "ledger.key_prefix", "not a key prefix"),
+    ({"ledger": {**REDIS, "on_error": "retry"}}, "ledger.on_error", "is not one of reject, local"),
+    ({"ledger": {**REDIS, "on_error": "local"}}, "ledger.replicas_hint", "missing"),
+    ({"ledger": {**REDIS, "on_error": "local", "replicas_hint": 0}}, "ledger.replicas_hint", "at least 1"),
+    ({"ledger": {**REDIS, "ttl": 3}}, "ledger.ttl", "unknown key"),
+    ({"ledger": {"url": "redis://h"}}, "ledger.url", "only for ledger.backend: redis"),
+    ({"ledger": {"backend": "memory", "replicas_hint": 2}}, "ledger.replicas_hint", "only for ledger.backend"),
+    ({"ledger": REDIS, "admission": {"policy": "statistical", "epsilon": 0.01}}, "ledger.backend",
+     "statistical policy on the redis ledger is not supported yet"),
+])
+def test_ledger_errors_name_the_field(overrides, field, words):
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(**overrides), path="gateway.yaml")
+    assert info.value.field == field and words in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["http://user:hunter2@host:6379/0", "redis://user:hunter2@host:6379/0 x",
+                                 "redis//user:hunter2@host"])
+def test_a_bad_ledger_url_is_never_quoted(url):
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(ledger={"backend": "redis", "url": url}))
+    assert "hunter2" not in str(info.value) and info.value.field == "ledger.url"

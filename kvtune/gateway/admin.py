@@ -5,9 +5,11 @@ only, clients with `Authorization: Bearer $token_env`, or anyone (metrics only).
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -16,6 +18,7 @@ from kvtune.gateway.config import Access, AdminAccess, GatewayConfig
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.pool import UpstreamPool
+from kvtune.gateway.shared import SharedLedger
 
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
@@ -25,12 +28,14 @@ class Admin:
     read at each request (the gateway's refusal count, the admission queue's length)."""
 
     def __init__(self, config: GatewayConfig, ledger: UpstreamPool, metrics: GatewayMetrics, *,
-                 rejected: Callable[[], int], waiting: Callable[[], int]) -> None:
+                 rejected: Callable[[], int], waiting: Callable[[], int],
+                 shared: SharedLedger | None = None) -> None:
         self.access: AdminAccess = config.admin
         self.ledger = ledger
         self.metrics = metrics
         self._rejected = rejected
         self._waiting = waiting
+        self._shared = shared
         self._routes = [r.name for r in config.routes]
         self._policy = config.admission
         self._token: bytes | None = None
@@ -64,12 +69,27 @@ class Admin:
     async def ledger_endpoint(self, request: web.Request) -> web.Response:
         """The same JSON as the rendered nginx.conf's /kvtune/ledger, plus `upstreams`: each one's
         url, budget, reserved, inflight and healthy (the totals count the healthy upstreams'
-        budgets, and what is held on all of them); who may read it is admin.ledger."""
+        budgets, and what is held on all of them); who may read it is admin.ledger. With the
+        redis ledger, each upstream's reserved and inflight are every gateway replica's together,
+        read from the store (this replica's own while it is unavailable), and `ledger` says how."""
         if not self.allowed(request, self.access.ledger):
             raise web.HTTPForbidden()
         snap = self.ledger.snapshot()
-        upstreams = [{"url": u.url, "budget": u.ledger.budget_blocks, "reserved": u.ledger.reserved_blocks,
-                      "inflight": u.ledger.inflight_requests, "healthy": u.healthy} for u in self.ledger.replicas]
+        upstreams: list[dict[str, Any]] = [
+            {"url": u.url, "budget": u.ledger.budget_blocks, "reserved": u.ledger.reserved_blocks,
+             "inflight": u.ledger.inflight_requests, "healthy": u.healthy} for u in self.ledger.replicas]
+        extra = {}
+        if self._shared is not None:
+            shared = await self._shared.snapshot()
+            for item, replica in zip(upstreams, self.ledger.replicas, strict=True):
+                held = shared.get(replica.url) if shared is not None else None
+                item["shared"] = held is not None
+                if held is not None:
+                    item["reserved"], item["inflight"] = held.reserved_blocks, held.inflight_requests
+            if shared is not None:
+                snap = dataclasses.replace(snap, reserved_blocks=sum(int(u["reserved"]) for u in upstreams),
+                                           inflight_requests=sum(int(u["inflight"]) for u in upstreams))
+            extra["ledger"] = self._shared.describe()
         return web.json_response({
             "reserved": snap.reserved_blocks, "budget": snap.budget_blocks, "inflight": snap.inflight_requests,
             "rejected": self._rejected(), "waiting": self._waiting(),
@@ -77,6 +97,7 @@ class Admin:
             "routes": self._routes,
             **ledger_policy(self._policy, snap.limit_blocks, snap.overflow_probability),
             "upstreams": upstreams,
+            **extra,
         })
 
     def add_routes(self, router: web.UrlDispatcher) -> None:

@@ -43,6 +43,12 @@ from kvtune.gateway.upstream import UpstreamConnectError
 
 if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads what it produced
     from kvtune.gateway.intake import Incoming
+    from kvtune.gateway.pool import Replica
+    from kvtune.gateway.shared import SharedLedger
+
+#: With a shared ledger, how often a request Redis refused tries again while it may wait
+#: (another gateway replica's release does not wake this one's queue).
+SHARED_POLL_S = 0.05
 
 
 class WaitQueue:
@@ -135,10 +141,12 @@ class Admission:
                                retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s)
         pool.on_capacity = self.queue.wake
         self.counters: Mapping[str, PromptCounter] = {}
+        self.shared: SharedLedger | None = None  # set by the gateway under ledger.backend: redis
+        self._polling = 0  # requests the shared ledger refused, waiting to try again
 
     @property
     def waiting(self) -> int:
-        return self.queue.waiting
+        return self.queue.waiting + self._polling
 
     async def admit(self, incoming: Incoming, raw: bytes) -> Admitted:
         """Read, count and reserve a governed request; Rejection before a route is known, Refused
@@ -181,8 +189,10 @@ class Admission:
 
     def release(self, reservation: Reservation) -> None:
         """Give an admitted request's blocks back (once, later calls do nothing) and hand them to
-        whoever waits; never awaits."""
+        whoever waits; never awaits. With a shared ledger, its reservation there too."""
         self.queue.release(reservation)
+        if self.shared is not None:
+            self.shared.release(reservation)
 
     @staticmethod
     def _cap(route: GatewayRoute, asked: Request) -> int:
@@ -295,7 +305,68 @@ class Admission:
         """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised.
         Also a request's second reservation, when its first upstream refused the connection.
         With a sticky key, its upstream first (when nobody waits: FIFO still holds), then by
-        free budget."""
+        free budget. With a shared ledger, every local grant is confirmed there (`_shared`)."""
+        if self.shared is None:
+            return await self._reserve_local(blocks, demand, sticky)
+        return await self._reserve_shared(blocks, demand, sticky)
+
+    async def _reserve_shared(self, blocks: int, demand: Demand | None, sticky: str | None) -> Reservation:
+        """A local grant, confirmed in the shared ledger on its upstream, else on the next upstream
+        with room (when nobody waits here). Refused everywhere: a 429, or, when the queue is on,
+        another try every SHARED_POLL_S until queue.timeout_s (a release by another gateway
+        replica wakes nobody here); while it polls it counts as waiting (queue.max_waiting)."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.queue_timeout_s
+        while True:
+            reservation = await self._reserve_local(blocks, demand, sticky)
+            confirmed = await self._confirm(reservation, blocks, demand)
+            if confirmed is not None:
+                return confirmed
+            left = deadline - time.monotonic()
+            if cfg.queue_max_waiting <= 0 or left <= 0 or self.waiting >= cfg.queue_max_waiting:
+                reason = (Reason.KV_BUDGET_EXHAUSTED if cfg.queue_max_waiting <= 0 else
+                          Reason.QUEUE_TIMEOUT if left <= 0 else Reason.QUEUE_FULL)
+                turned = self.queue.gate.turn(blocks, reason)
+                self.metrics.retry_after.observe(turned.retry_after_s)
+                raise Rejection(429, reason, f"KV budget full: {blocks} blocks needed, the gateways' shared "
+                                "ledger holds too many on every upstream; retry later",
+                                retry_after_s=turned.retry_after_s)
+            self._polling += 1
+            try:
+                await asyncio.sleep(min(SHARED_POLL_S, left))
+            finally:
+                self._polling -= 1
+
+    async def _confirm(self, reservation: Reservation, blocks: int, demand: Demand | None) -> Reservation | None:
+        """Hold the local grant in the shared ledger; refused, give it back and try the other
+        routable upstreams in order of free budget (only when nobody waits: FIFO). None: refused
+        everywhere, nothing held."""
+        shared = self.shared
+        if shared is None:
+            raise RuntimeError("no shared ledger")
+        first = self.pool.replica_of(reservation)
+        candidates: list[Replica] = [first]
+        if not self.queue.waiting:
+            candidates += sorted((r for r in self.pool.routable() if r is not first),
+                                 key=lambda r: (-r.score, r.ledger.inflight_requests, r.index))
+        held: Reservation | None = reservation
+        for replica in candidates:
+            if held is None:
+                held = replica.ledger.try_reserve(blocks, demand)
+                if held is None:
+                    continue
+            try:
+                granted = await shared.hold(replica, held)
+            except BaseException:  # 503 under reject, or cancelled: nothing is admitted
+                self.queue.release(held)
+                raise
+            if granted:
+                return held
+            self.queue.release(held)
+            held = None
+        return None
+
+    async def _reserve_local(self, blocks: int, demand: Demand | None, sticky: str | None) -> Reservation:
         queue = self.queue
         if sticky is not None and not queue.waiting:
             reservation = self.pool.affine(sticky).ledger.try_reserve(blocks, demand)

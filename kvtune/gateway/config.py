@@ -180,6 +180,38 @@ class Sticky:
     header: str | None = None
 
 
+class LedgerBackend(enum.Enum):
+    """Where the reservations are kept (gateway.yaml `ledger.backend`)."""
+
+    MEMORY = "memory"  # this process only: one gateway replica
+    REDIS = "redis"  # one Redis shared by every gateway replica (kvtune.gateway.redis_ledger)
+
+
+class OnLedgerError(enum.Enum):
+    """What a redis-backed gateway does while Redis does not answer (gateway.yaml `ledger.on_error`)."""
+
+    REJECT = "reject"  # 503 + Retry-After: nothing is admitted that cannot be recorded
+    LOCAL = "local"  # admit against a static 1/replicas_hint slice of each upstream's budget
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStore:
+    """gateway.yaml `ledger`: in memory (the default), or one Redis every gateway replica shares,
+    with each replica's reservations under a lease of lease_s it renews; `on_error` says what is
+    done while Redis does not answer, `replicas_hint` how many gateway replicas share it."""
+
+    backend: LedgerBackend = LedgerBackend.MEMORY
+    url: str | None = field(default=None, repr=False)  # may hold a password: never printed
+    key_prefix: str = "kvtune"
+    lease_s: float = 10.0
+    on_error: OnLedgerError = OnLedgerError.REJECT
+    replicas_hint: int = 1
+
+    @property
+    def shared(self) -> bool:
+        return self.backend is LedgerBackend.REDIS
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     upstreams: tuple[GatewayUpstream, ...]
@@ -203,6 +235,7 @@ class GatewayConfig:
     admission: AdmissionPolicy = GUARANTEED
     health: HealthProbe = field(default_factory=HealthProbe)
     sticky: Sticky | None = None  # off by default
+    ledger: LedgerStore = field(default_factory=LedgerStore)
 
     @property
     def upstream(self) -> str:
@@ -332,7 +365,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         data, "",
         {"version", "listen", "upstream", "upstreams", "model", "block_size", "block_budget", "max_model_len",
          "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin",
-         "admission", "health", "sticky"},
+         "admission", "health", "sticky", "ledger"},
         {"version", "block_size", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
@@ -391,6 +424,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         admission=parse_admission(top.get("admission", {"policy": "guaranteed"}), r.fail),
         health=_health(r, top.get("health", {})),
         sticky=_sticky(r, top.get("sticky")),
+        ledger=_ledger(r, top),
     )
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")
@@ -436,6 +470,58 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
             url, r.integer(doc["block_budget"], f"{where}.block_budget", 1),
             r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT)))
     return tuple(out)
+
+
+#: The longest lease: a replica that dies holds its reservations at most this long.
+MAX_LEASE_S = 3600.0
+#: The most gateway replicas `replicas_hint` may name.
+MAX_REPLICAS_HINT = 1024
+
+
+def _ledger(r: _Reader, top: dict) -> LedgerStore:
+    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint}`. The URL is never
+    quoted in an error: it may hold a password."""
+    doc = r.mapping(top.get("ledger", {}), "ledger",
+                    {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint"})
+    names = {b.value: b for b in LedgerBackend}
+    given = doc.get("backend", LedgerBackend.MEMORY.value)
+    if not isinstance(given, str) or given not in names:
+        raise r.fail("ledger.backend", f"{brief(given)} is not one of {', '.join(names)}")
+    backend = names[given]
+    if backend is LedgerBackend.MEMORY:
+        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint"):
+            if key in doc:
+                raise r.fail(f"ledger.{key}", "only for ledger.backend: redis")
+        return LedgerStore()
+    admission = top.get("admission")
+    if isinstance(admission, dict) and admission.get("policy") == "statistical":
+        raise r.fail("ledger.backend", "the statistical policy on the redis ledger is not supported yet "
+                     "(use guaranteed or overcommit, or ledger.backend: memory)")
+    if "url" not in doc:
+        raise r.fail("ledger.url", "missing: the Redis every gateway replica shares, e.g. redis://127.0.0.1:6379/0")
+    url = doc["url"]
+    if not isinstance(url, str) or not url:
+        raise r.fail("ledger.url", "expected a redis://, rediss:// or unix:// URL"
+                     + ("" if isinstance(url, str) else f", got {brief(url)}"))
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("redis", "rediss", "unix") or not rest or not url.isprintable() \
+            or any(c.isspace() for c in url):
+        raise r.fail("ledger.url", "expected a redis://, rediss:// or unix:// URL (not quoted here: it may "
+                     "hold a password)")
+    prefix = r.string(doc.get("key_prefix", "kvtune"), "ledger.key_prefix")
+    if not prefix.isprintable() or any(c.isspace() for c in prefix) or len(prefix) > 128:
+        raise r.fail("ledger.key_prefix", f"{brief(prefix)} is not a key prefix (printable, no spaces, "
+                     "at most 128 characters)")
+    on_error = doc.get("on_error", OnLedgerError.REJECT.value)
+    errors = {e.value: e for e in OnLedgerError}
+    if not isinstance(on_error, str) or on_error not in errors:
+        raise r.fail("ledger.on_error", f"{brief(on_error)} is not one of {', '.join(errors)}")
+    if errors[on_error] is OnLedgerError.LOCAL and "replicas_hint" not in doc:
+        raise r.fail("ledger.replicas_hint", "missing: on_error: local admits against 1/replicas_hint of "
+                     "each budget, so it needs how many gateway replicas share it")
+    hint = r.integer(doc.get("replicas_hint", 1), "ledger.replicas_hint", 1, MAX_REPLICAS_HINT)
+    return LedgerStore(backend, url, prefix, r.number(doc.get("lease_s", 10.0), "ledger.lease_s", 0.1, MAX_LEASE_S),
+                       errors[on_error], hint)
 
 
 def _sticky(r: _Reader, value: Any) -> Sticky | None:

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtune.gateway.pool import Replica, UpstreamPool
 from kvtune.gateway.refusals import Reason
 from kvtune.gateway.statistical import StatisticalLedger
+
+if TYPE_CHECKING:
+    from kvtune.gateway.shared import SharedLedger
 
 RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
 
@@ -78,6 +82,35 @@ class GatewayMetrics:
             for replica in replicas:
                 gauge.labels(replica.url).set_function(functools.partial(read, replica))
 
+    def add_ledger_gauges(self, shared: SharedLedger | None) -> None:
+        """kvtune_gateway_ledger_mode{mode}: 1 for the mode admission runs in now (memory; redis;
+        local or unavailable while Redis does not answer), with the shared store's own counts."""
+        from kvtune.gateway.shared import MODES
+
+        r = self.registry
+        mode = Gauge("kvtune_gateway_ledger_mode", "1 for how reservations are recorded now: memory (this process), "
+                     "redis (shared), local (Redis unavailable: a static slice of each budget), unavailable "
+                     "(Redis unavailable: 503).", ["mode"], registry=r)
+        if shared is None:
+            mode.labels("memory").set(1)
+            return
+        for name in MODES[1:]:
+            mode.labels(name).set_function(functools.partial(_is_mode, shared, name))
+        store = shared.store
+        for name, doc, read in (
+                ("available", "1 while the last call to the shared ledger (Redis) succeeded.",
+                 lambda: 1.0 if store.available else 0.0),
+                ("errors", "Calls to the shared ledger that failed or timed out (a counter).", lambda: store.errors),
+                ("leases_lost", "Times this replica found its lease expired and its reservations reclaimed.",
+                 lambda: store.leases_lost),
+                ("reclaimed", "Reservations of expired gateway replicas this replica's calls reclaimed.",
+                 lambda: store.reclaimed),
+                ("pending_releases", "Releases queued until the shared ledger answers.",
+                 lambda: store.pending_releases),
+                ("local_admitted", "Requests admitted on the static local slice while Redis was unavailable "
+                 "(a counter).", lambda: shared.local_admitted)):
+            Gauge(f"kvtune_gateway_ledger_{name}", doc, registry=r).set_function(read)
+
     def count_sent(self, upstream: str) -> None:
         child = self._sent.get(upstream)
         if child is None:
@@ -102,6 +135,10 @@ class GatewayMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _is_mode(shared: SharedLedger, name: str) -> float:
+    return 1.0 if shared.mode == name else 0.0
 
 
 def _overflow_probability(replica: Replica) -> float:

@@ -43,6 +43,7 @@ from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.pool import LedgerFactory, Replica, UpstreamPool, local_ledger
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.relay import Relay, refusal_response
+from kvtune.gateway.shared import SharedLedger
 from kvtune.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
 
 log = logging.getLogger("kvtune.gateway")
@@ -77,6 +78,10 @@ class Gateway:
         self.admission = Admission(config, self.pool, self.metrics)
         self.relay = Relay(config.limits.send_timeout_s)
         self.rejected = 0
+        # ledger.backend: redis: every local grant confirmed in the store all replicas share
+        self.shared = SharedLedger(config, self.pool) if config.ledger.shared else None
+        self.admission.shared = self.shared
+        self.metrics.add_ledger_gauges(self.shared)
         # A local tokenizer loads now, so a bad tokenizer fails at start.
         self._fixed_counter = counter
         self._local: LocalTokenizerCounter | None = None
@@ -84,7 +89,7 @@ class Gateway:
         if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER and tokenizer is not None:
             self._local = LocalTokenizerCounter.load(tokenizer)
         self.admin = Admin(config, self.pool, self.metrics, rejected=lambda: self.rejected,
-                           waiting=lambda: self.admission.waiting)
+                           waiting=lambda: self.admission.waiting, shared=self.shared)
         self._up: _Upstreams | None = None
         self._watch: asyncio.Task | None = None
 
@@ -102,6 +107,8 @@ class Gateway:
                 cfg.prompt_tokens, client=clients[upstream], local=self._local)
         self._up = _Upstreams(clients, counters)
         self.admission.counters = counters
+        if self.shared is not None:
+            await self.shared.start()
         if self.pool.checked:
             self._watch = asyncio.create_task(self._watch_health())
 
@@ -116,6 +123,8 @@ class Gateway:
                 await client.close()
             self._up = None
             self.admission.counters = {}
+        if self.shared is not None:
+            await self.shared.close()  # after the drain: gives back whatever is still held
 
     def _client(self, upstream: str) -> UpstreamClient:
         if self._up is None:

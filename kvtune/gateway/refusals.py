@@ -53,6 +53,7 @@ class Reason(enum.Enum):
     KV_BUDGET_EXHAUSTED = "kv_budget_exhausted"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  # the gateways' shared ledger (Redis) does not answer
     # the upstream (kvtune.gateway.relay)
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"

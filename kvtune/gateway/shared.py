@@ -1,0 +1,153 @@
+"""The gateway's side of the ledger every gateway replica shares (gateway.yaml `ledger.backend:
+redis`, the store in kvtune.gateway.redis_ledger).
+
+Each upstream keeps its local ledger (kvtune.gateway.pool) for the gate's fast, synchronous
+decision, at its whole budget: this replica alone never holds more. A local grant is then
+confirmed in Redis (`hold`: one atomic script, reserved + blocks <= the upstream's limit over
+every replica); refused, the local grant is given back and admission tries the next upstream,
+then polls or answers 429 (kvtune.gateway.admission). `release` gives the shared reservation
+back beside the local one, exactly once, without awaiting (the store's release_soon).
+
+Redis not answering (LedgerUnavailableError): with ledger.on_error `reject` the request is
+refused with 503 + Retry-After and nothing is admitted; with `local` it is admitted against a
+static slice of each upstream's budget, budget // replicas_hint, held in this process only
+(what the slice admitted is unknown to Redis once it is back: until those requests end, the
+gateways together may hold up to one slice per replica more than the budget). While Redis is
+known to be down (an error within the last RECHECK_S, not yet answered by the store's
+heartbeat) requests do not wait on it again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from kvtune.errors import LedgerUnavailableError
+from kvtune.gateway.config import GatewayConfig, OnLedgerError
+from kvtune.gateway.gate import ledger_for
+from kvtune.gateway.ledger import BlockLedger, LedgerSnapshot, Reservation
+from kvtune.gateway.refusals import Reason, Rejection
+
+if TYPE_CHECKING:
+    from kvtune.gateway.pool import Replica, UpstreamPool
+    from kvtune.gateway.redis_ledger import RedisLedger
+
+#: After a Redis error, requests skip Redis for this long (the heartbeat notices it is back sooner).
+RECHECK_S = 1.0
+#: The ledger modes /metrics names (kvtune_gateway_ledger_mode{mode=...}).
+MODES = ("memory", "redis", "local", "unavailable")
+
+
+class SharedLedger:
+    """One gateway replica's use of the shared store: confirm, release, fall back, report."""
+
+    def __init__(self, config: GatewayConfig, pool: UpstreamPool, *, store: RedisLedger | None = None) -> None:
+        from kvtune.gateway.redis_ledger import RedisLedger
+
+        spec = config.ledger
+        if spec.url is None:
+            raise ValueError("a shared ledger needs ledger.url")
+        self.spec = spec
+        self.pool = pool
+        self.store = store if store is not None else RedisLedger(spec.url, key_prefix=spec.key_prefix,
+                                                                 lease_s=spec.lease_s)
+        self.retry_after_s = config.retry_after_min_s
+        # each upstream's static slice, for ledger.on_error: local
+        self.slices: tuple[BlockLedger, ...] = tuple(
+            ledger_for(config.admission, max(1, r.ledger.budget_blocks // spec.replicas_hint),
+                       block_size=config.block_size, max_model_len=config.max_model_len)
+            for r in pool.replicas)
+        self._held: dict[Reservation, str | Reservation] = {}  # local reservation -> store id or slice's
+        self._ids = itertools.count(1)
+        self._failed_at: float | None = None
+        self.local_admitted = 0  # reservations admitted on a slice while Redis was unavailable
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect and record the budgets; Redis down now is not fatal (the store keeps trying)."""
+        try:
+            await self.store.start()
+            await self.store.set_budgets({r.url: r.ledger.budget_blocks for r in self.pool.replicas},
+                                         {r.url: r.ledger.limit_blocks for r in self.pool.replicas})
+        except LedgerUnavailableError:
+            self._failed_at = time.monotonic()
+
+    async def close(self) -> None:
+        """Stop the heartbeat and give back whatever this replica still holds."""
+        await self.store.aclose(retire=True)
+
+    # ---------------------------------------------------------------- admission
+
+    @property
+    def mode(self) -> str:
+        """redis while Redis answers; else local or unavailable, as ledger.on_error says."""
+        if self.store.available:
+            return "redis"
+        return "local" if self.spec.on_error is OnLedgerError.LOCAL else "unavailable"
+
+    def _down(self) -> bool:
+        failed = self._failed_at
+        return not self.store.available and failed is not None and time.monotonic() - failed < RECHECK_S
+
+    async def hold(self, replica: Replica, reservation: Reservation) -> bool:
+        """Confirm a local grant on `replica` in the shared store: True if held there (or, Redis
+        unavailable under `local`, on the replica's slice); False refused, the caller gives the
+        local grant back. Redis unavailable under `reject`: a 503 Rejection."""
+        if not self._down():
+            rid = str(next(self._ids))
+            try:
+                granted = await self.store.reserve(replica.url, rid, reservation.blocks, replica.ledger.limit_blocks)
+            except LedgerUnavailableError:
+                self._failed_at = time.monotonic()
+            else:
+                if granted:
+                    self._held[reservation] = rid
+                return granted
+        if self.spec.on_error is OnLedgerError.REJECT:
+            raise Rejection(503, Reason.LEDGER_UNAVAILABLE,
+                            "the gateways' shared KV ledger is unavailable: nothing is admitted that it cannot "
+                            "record; retry later", retry_after_s=self.retry_after_s)
+        got = self.slices[replica.index].try_reserve(reservation.blocks)
+        if got is None:
+            return False
+        self._held[reservation] = got
+        self.local_admitted += 1
+        return True
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back what `hold` took for this local reservation, once; never awaits."""
+        held = self._held.pop(reservation, None)
+        if isinstance(held, str):
+            self.store.release_soon(held)
+        elif held is not None:
+            held.release()
+
+    @property
+    def held(self) -> int:
+        """Reservations this replica holds in the store or on a slice now."""
+        return len(self._held)
+
+    # ---------------------------------------------------------------- reading
+
+    async def snapshot(self) -> dict[str, LedgerSnapshot] | None:
+        """Every upstream as the store counts it (all replicas together); None while unavailable."""
+        if self._down():
+            return None
+        try:
+            return await self.store.snapshot()
+        except LedgerUnavailableError:
+            self._failed_at = time.monotonic()
+            return None
+
+    def describe(self) -> dict:
+        """/kvtune/ledger's `ledger` member: no URL (it may hold a password)."""
+        store = self.store
+        return {"backend": "redis", "mode": self.mode, "available": store.available,
+                "key_prefix": self.spec.key_prefix, "lease_s": self.spec.lease_s,
+                "on_error": self.spec.on_error.value, "replicas_hint": self.spec.replicas_hint,
+                "errors": store.errors, "leases_lost": store.leases_lost, "pending_releases": store.pending_releases}
+
+
+__all__ = ["SharedLedger", "MODES", "RECHECK_S"]
