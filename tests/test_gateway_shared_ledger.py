@@ -1,0 +1,312 @@
+"""Several gateway replicas, one ledger in a real redis-server (ledger.backend: redis;
+kvtune.gateway.shared over kvtune.gateway.redis_ledger), in front of the fake vLLM over real
+HTTP on loopback: together they never admit past an upstream's budget (read from Redis every
+10 ms), a SIGKILLed replica's reservations are reclaimed within lease_s + 1 s and nobody
+else's, Redis stopping answers 503 (reject) or admits on a static slice (local) and admission
+resumes by itself when it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis
+from fake_vllm import FakeVllm
+from vllm_server import free_port
+
+from kvtune.gateway.config import parse_gateway_config
+from kvtune.gateway.proxy import GATEWAY, make_app, serve
+
+REPO = Path(__file__).resolve().parents[1]
+ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
+          {"name": "default", "max_new_tokens": 32}]
+PREFIX = "t"
+
+
+def doc(upstreams: list[dict], ledger: dict, **overrides: Any) -> dict:
+    return {"version": 1, "upstreams": upstreams, "block_size": 16, "max_model_len": 2048, "routes": ROUTES,
+            "listen": {"host": "127.0.0.1", "port": 0}, "ledger": {"backend": "redis", "key_prefix": PREFIX,
+                                                                   **ledger}, **overrides}
+
+
+def ten_blocks(**extra: Any) -> dict:
+    """A chat request reserving exactly 10 blocks: 96 prompt tokens + the route's cap 64 = 160."""
+    return {"model": "m", "messages": [{"role": "user", "content": " ".join(["w"] * 96)}], **extra}
+
+
+@contextlib.asynccontextmanager
+async def gateway(config_doc: dict):
+    """One gateway replica (run by `serve`, as the CLI runs it); yields (base URL, Gateway)."""
+    config = parse_gateway_config(config_doc)
+    app = make_app(config)
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(config, stop=stop, on_ready=ready.set_result, app=app))
+    try:
+        yield (await asyncio.wait_for(ready, 10)).split(",")[0], app[GATEWAY]
+    finally:
+        stop.set()
+        await asyncio.wait_for(server, 40)
+
+
+def reserved(client: redis.Redis, url: str) -> int:
+    return int(client.hget(f"{PREFIX}:reserved", url) or 0)
+
+
+class Sampler:
+    """Reads an upstream's reserved blocks from Redis every 10 ms in a thread of its own."""
+
+    def __init__(self, client: redis.Redis, url: str) -> None:
+        self.client, self.url = client, url
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(reserved(self.client, self.url))
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "condition not reached"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict[str, str]]:
+    async with session.post(url, json=body) as resp:
+        await resp.read()
+        return resp.status, dict(resp.headers)
+
+
+# ---------------------------------------------------------------- the race
+
+def test_three_gateways_never_admit_past_the_budget_together(redis_server):
+    budget = 100
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def run():
+        async with FakeVllm() as fake:
+            cfg = doc([{"url": fake.url, "block_budget": budget}], {"url": redis_server.url},
+                      queue={"max_waiting": 20, "timeout_s": 2})
+            async with gateway(cfg) as (a, ga), gateway(cfg) as (b, gb), gateway(cfg) as (c, gc):
+                owners = {g.shared.store.owner for g in (ga, gb, gc)}
+                assert len(owners) == 3
+                rng = random.Random(15)
+                statuses: list[int] = []
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                    async def one(i: int) -> None:
+                        base = (a, b, c)[i % 3]
+                        body = ten_blocks(x_delay=rng.choice([0.002, 0.005, 0.01]),
+                                          stream=rng.random() < 0.5)
+                        task = asyncio.create_task(post(session, base + "/v1/chat/completions", body))
+                        if rng.random() < 0.3:  # the client goes away mid-request
+                            await asyncio.sleep(rng.uniform(0.01, 0.3))
+                            task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            statuses.append((await task)[0])
+
+                    with Sampler(client, fake.url) as sampler:
+                        for wave in range(6):
+                            await asyncio.gather(*(one(wave * 100 + i) for i in range(100)))
+                        await wait_for(lambda: reserved(client, fake.url) == 0)
+                        # each replica's /kvtune/ledger reads the total from Redis
+                        async with session.get(a + "/kvtune/ledger") as resp:
+                            ledger = await resp.json()
+                    assert ledger["upstreams"][0]["reserved"] == 0 and ledger["ledger"]["mode"] == "redis"
+                assert max(sampler.samples) <= budget, max(sampler.samples)
+                assert max(sampler.samples) >= budget - 10  # the burst did fill the budget
+                assert len(sampler.samples) > 50
+                assert statuses.count(200) > 100 and set(statuses) <= {200, 429}, sorted(set(statuses))
+                assert fake.peak_running_blocks <= budget
+                # every local ledger is whole again, and no replica holds anything in Redis
+                for g in (ga, gb, gc):
+                    assert g.pool.reserved_blocks == 0 and g.shared.held == 0
+                    assert await g.shared.store.held() == 0
+            assert reserved(client, fake.url) == 0
+
+    asyncio.run(run())
+
+
+def test_the_ledger_json_totals_every_replica(redis_server):
+    async def run():
+        async with FakeVllm() as fake:
+            cfg = doc([{"url": fake.url, "block_budget": 100}], {"url": redis_server.url})
+            async with gateway(cfg) as (a, _), gateway(cfg) as (b, _), aiohttp.ClientSession() as session:
+                held = [asyncio.create_task(post(session, base + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                        for base in (a, a, b)]
+                await wait_for(lambda: fake.active == 3)
+                for base, own in ((a, 20), (b, 10)):
+                    async with session.get(base + "/kvtune/ledger") as resp:
+                        ledger = await resp.json()
+                    assert ledger["upstreams"][0]["reserved"] == 30 and ledger["upstreams"][0]["inflight"] == 3
+                    assert ledger["reserved"] == 30 and ledger["upstreams"][0]["shared"] is True
+                    assert "redis://" not in json.dumps(ledger)
+                    async with session.get(base + "/metrics") as resp:
+                        text = await resp.text()
+                    assert f'kvtune_gateway_upstream_reserved_blocks{{upstream="{fake.url}"}} {own:.1f}' in text
+                    assert 'kvtune_gateway_ledger_mode{mode="redis"} 1.0' in text
+                fake.release()
+                assert [s for s, _ in await asyncio.gather(*held)] == [200, 200, 200]
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- a replica dies
+
+def start_gateway_process(config_path: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvtune", "gateway", "--config", str(config_path)],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()  # type: ignore[union-attr]
+    match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+    if not match:
+        proc.kill()
+        raise AssertionError(f"the gateway did not start: {line}")
+    return proc, match.group(1)
+
+
+def owner_hashes(client: redis.Redis) -> dict[str, int]:
+    return {key.decode(): client.hlen(key) for key in client.keys(f"{PREFIX}:res:*")}
+
+
+def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_else(redis_server, tmp_path):
+    lease_s = 2.0
+    client = redis.Redis.from_url(redis_server.url)
+    with FakeVllm() as fake:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(json.dumps(doc([{"url": fake.url, "block_budget": 100}],
+                                       {"url": redis_server.url, "lease_s": lease_s})))
+        procs = [start_gateway_process(path) for _ in range(2)]
+        (victim, victim_url), (survivor, survivor_url) = procs
+
+        async def hold(base: str, n: int, session: aiohttp.ClientSession) -> list[asyncio.Task]:
+            tasks = [asyncio.create_task(post(session, base + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                     for _ in range(n)]
+            return tasks
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                tasks = await hold(victim_url, 3, session)
+                await wait_for(lambda: sum(owner_hashes(client).values()) == 3)
+                victims = set(owner_hashes(client))
+                tasks += await hold(survivor_url, 4, session)
+                await wait_for(lambda: sum(owner_hashes(client).values()) == 7)
+                theirs = {k: v for k, v in owner_hashes(client).items() if k not in victims}
+                assert list(theirs.values()) == [4] and reserved(client, fake.url) == 70
+                victim.send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                took = await wait_for(lambda: reserved(client, fake.url) == 40, timeout=lease_s + 3)
+                assert time.monotonic() - killed_at <= lease_s + 1, took
+                assert owner_hashes(client) == theirs  # the survivor's reservations untouched
+                fake.release()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                assert [r[0] for r in results[3:]] == [200] * 4  # type: ignore[index]
+                await wait_for(lambda: reserved(client, fake.url) == 0)
+
+        try:
+            asyncio.run(run())
+        finally:
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(5)
+                proc.stderr.close()  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------- Redis goes away
+
+def test_redis_stopped_rejects_with_503_and_admission_resumes_by_itself(make_redis):
+    server = make_redis(appendonly=True)  # the state survives the restart
+    client = redis.Redis.from_url(server.url)
+
+    async def run():
+        async with FakeVllm() as fake:
+            cfg = doc([{"url": fake.url, "block_budget": 100}], {"url": server.url},
+                      retry_after={"min_s": 2, "max_s": 60})
+            async with gateway(cfg) as (a, g), gateway(cfg) as (b, _), aiohttp.ClientSession() as session:
+                held = [asyncio.create_task(post(session, base + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                        for base in (a, b, a)]
+                await wait_for(lambda: fake.active == 3)
+                server.stop()
+                calls = len(fake.engine_calls)
+                for base in (a, b) * 5:
+                    status, headers = await post(session, base + "/v1/chat/completions", ten_blocks())
+                    assert status == 503 and headers["Retry-After"] == "2", (status, headers)
+                assert len(fake.engine_calls) == calls  # nothing admitted it could not record
+                async with session.get(a + "/metrics") as resp:
+                    text = await resp.text()
+                assert 'kvtune_gateway_ledger_mode{mode="unavailable"} 1.0' in text
+                assert 'kvtune_gateway_rejected_total{reason="ledger_unavailable",route="chat"} 10.0' in text \
+                    or 'kvtune_gateway_rejected_total{reason="ledger_unavailable",route="chat"} 5.0' in text
+                server.start()
+                assert reserved(client, fake.url) == 30  # the in-flight reservations survived
+
+                async def admitted() -> bool:
+                    return (await post(session, a + "/v1/chat/completions", ten_blocks()))[0] == 200
+
+                deadline = time.monotonic() + 5
+                while not await admitted():
+                    assert time.monotonic() < deadline, "admission did not resume"
+                    await asyncio.sleep(0.1)
+                assert (await post(session, b + "/v1/chat/completions", ten_blocks()))[0] == 200
+                assert g.shared.mode == "redis"
+                fake.release()
+                assert [s for s, _ in await asyncio.gather(*held)] == [200] * 3
+                await wait_for(lambda: reserved(client, fake.url) == 0)
+
+    asyncio.run(run())
+
+
+def test_local_fallback_admits_within_its_slice_and_says_so():
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+
+    async def run():
+        async with FakeVllm() as fake:
+            cfg = doc([{"url": fake.url, "block_budget": 100}],
+                      {"url": dead, "on_error": "local", "replicas_hint": 2})
+            async with gateway(cfg) as (a, g), aiohttp.ClientSession() as session:
+                held = [asyncio.create_task(post(session, a + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                        for _ in range(5)]
+                await wait_for(lambda: fake.active == 5)  # 5 x 10 = the slice, 100 // 2
+                status, headers = await post(session, a + "/v1/chat/completions", ten_blocks())
+                assert status == 429 and int(headers["Retry-After"]) >= 1
+                async with session.get(a + "/metrics") as resp:
+                    text = await resp.text()
+                assert 'kvtune_gateway_ledger_mode{mode="local"} 1.0' in text
+                assert "kvtune_gateway_ledger_available 0.0" in text
+                assert "kvtune_gateway_ledger_local_admitted 5.0" in text
+                async with session.get(a + "/kvtune/ledger") as resp:
+                    ledger = await resp.text()
+                assert "hunter2" not in ledger and "hunter2" not in text
+                assert json.loads(ledger)["ledger"]["mode"] == "local"
+                fake.release()
+                assert [s for s, _ in await asyncio.gather(*held)] == [200] * 5
+                assert g.shared.held == 0 and g.shared.slices[0].reserved_blocks == 0
+
+    asyncio.run(run())
