@@ -310,3 +310,61 @@ def test_local_fallback_admits_within_its_slice_and_says_so():
                 assert g.shared.held == 0 and g.shared.slices[0].reserved_blocks == 0
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- waiting on another replica
+
+def test_a_request_waits_for_another_replicas_release_by_polling(redis_server):
+    async def run():
+        async with FakeVllm() as fake:
+            cfg = doc([{"url": fake.url, "block_budget": 20}], {"url": redis_server.url},
+                      queue={"max_waiting": 4, "timeout_s": 5})
+            async with gateway(cfg) as (a, _), gateway(cfg) as (b, gb), aiohttp.ClientSession() as session:
+                held = [asyncio.create_task(post(session, a + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                        for _ in range(2)]
+                await wait_for(lambda: fake.active == 2)  # A holds the whole budget; B's own ledger is empty
+                waiter = asyncio.create_task(post(session, b + "/v1/chat/completions", ten_blocks()))
+                await wait_for(lambda: gb.admission.waiting == 1)
+                async with session.get(b + "/kvtune/ledger") as resp:
+                    assert (await resp.json())["waiting"] == 1
+                await asyncio.sleep(0.3)
+                assert not waiter.done()
+                fake.release()
+                released = time.monotonic()
+                assert (await waiter)[0] == 200
+                assert time.monotonic() - released < 1.0
+                assert [s for s, _ in await asyncio.gather(*held)] == [200, 200]
+            # without a queue the shared ledger's refusal is a 429 at once
+            cfg = doc([{"url": fake.url, "block_budget": 10}], {"url": redis_server.url})
+            async with gateway(cfg) as (a, _), gateway(cfg) as (b, _), aiohttp.ClientSession() as session:
+                fake.hold()
+                first = asyncio.create_task(post(session, a + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                await wait_for(lambda: fake.active == 1)
+                async with session.post(b + "/v1/chat/completions", json=ten_blocks()) as resp:
+                    assert resp.status == 429 and int(resp.headers["Retry-After"]) >= 1
+                    assert (await resp.json())["error"]["code"] == "kv_budget_exhausted"
+                fake.release()
+                assert (await first)[0] == 200
+
+    asyncio.run(run())
+
+
+def test_refused_on_one_upstream_tries_the_next(redis_server):
+    async def run():
+        async with FakeVllm() as one, FakeVllm() as two:
+            cfg = doc([{"url": one.url, "block_budget": 10}, {"url": two.url, "block_budget": 10}],
+                      {"url": redis_server.url})
+            async with gateway(cfg) as (a, _), gateway(cfg) as (b, gb), aiohttp.ClientSession() as session:
+                first = asyncio.create_task(post(session, a + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                await wait_for(lambda: one.active == 1)  # equal free budgets: the first upstream
+                # B's own ledgers are empty, so it tries the first upstream too: Redis refuses it there
+                second = asyncio.create_task(post(session, b + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                await wait_for(lambda: two.active == 1)
+                assert [r.ledger.reserved_blocks for r in gb.pool.replicas] == [0, 10]
+                async with session.post(b + "/v1/chat/completions", json=ten_blocks()) as resp:
+                    assert resp.status == 429  # full on both, as Redis counts them
+                one.release()
+                two.release()
+                assert [(await t)[0] for t in (first, second)] == [200, 200]
+
+    asyncio.run(run())
