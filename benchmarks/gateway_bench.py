@@ -27,7 +27,10 @@ before measuring, --held requests (default 64, each worth 5 blocks at worst) are
 gateway and held by the upstream until the run ends: every measured admission then bounds the
 peak of about 65 held sequences (the exact convolution, 14 step intervals) and every release
 invalidates it, the costliest state the policy is in under load. Each measured request is
-admitted (its probability stays far below epsilon).
+admitted (its probability stays far below epsilon). `redis` is guaranteed with every
+reservation confirmed in the shared ledger (gateway.yaml `ledger.backend: redis`, one Lua script
+per reserve, one per release), on a redis-server this bench starts on loopback (--pin redis=CPU);
+nginx and the bare proxy have no such ledger and are not run under it.
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
 gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
@@ -212,8 +215,34 @@ def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,
     return proc, url
 
 
+def start_redis(cpus: set[int] | None = None) -> tuple[Proc, str]:
+    """redis-server on loopback, no persistence (the ledger's cost, not the disk's)."""
+    import shutil
+    import socket
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--policies redis needs redis-server (scripts/install-test-deps.sh)")
+    port = _free_port()
+    proc = Proc([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], cpus,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            proc.stop()
+            raise RuntimeError("redis-server did not come up")
+        time.sleep(0.05)
+
+
 def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | None = None,
-                  policy: str = "guaranteed", nginx_workers: int = 1) -> tuple[Proc, str]:
+                  policy: str = "guaranteed", nginx_workers: int = 1, redis_url: str | None = None) -> tuple[Proc, str]:
     import yaml
 
     if method == "nginx":
@@ -242,6 +271,8 @@ def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | No
         law = gateway_routes(bench_rec(upstream, policy))[0]["output_histogram"]
         config.update(block_budget=STAT_BUDGET, admission={"policy": "statistical", "epsilon": STAT_EPSILON})
         config["routes"][0]["output_histogram"] = law
+    if policy == "redis":
+        config["ledger"] = {"backend": "redis", "url": redis_url, "key_prefix": f"bench-{_free_port()}"}
     path = workdir / f"gateway-{method}-{policy}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = _free_port()
@@ -456,11 +487,12 @@ def main() -> int:
                     help="counting methods to run the gateway with; bare-aiohttp is no gateway but a "
                          "plain aiohttp pass-through proxy, the floor any aiohttp proxy pays")
     ap.add_argument("--policies", default="guaranteed",
-                    help="admission policies to run every gateway under: guaranteed, statistical")
+                    help="admission policies to run every gateway under: guaranteed, statistical, redis "
+                         "(guaranteed on the shared Redis ledger)")
     ap.add_argument("--held", type=int, default=64,
                     help="statistical: background requests held through the gateway while it is measured")
     ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker processes (guaranteed)")
-    ap.add_argument("--pin", default="", help="client=CPU,gateway=CPU,upstream=CPU (CPUs joined by +)")
+    ap.add_argument("--pin", default="", help="client=CPU,gateway=CPU,upstream=CPU,redis=CPU (CPUs joined by +)")
     ap.add_argument("--max-load", type=float, default=None,
                     help="wait before each run until the 1-minute load average is at most this")
     ap.add_argument("--load-wait-s", type=float, default=600, help="give up waiting for quiet after this")
@@ -468,18 +500,20 @@ def main() -> int:
     args = ap.parse_args()
 
     policies = [p for p in args.policies.split(",") if p]
-    if any(p not in ("guaranteed", "statistical") for p in policies):
-        raise SystemExit(f"--policies: guaranteed, statistical; got {args.policies!r}")
+    if any(p not in ("guaranteed", "statistical", "redis") for p in policies):
+        raise SystemExit(f"--policies: guaranteed, statistical, redis; got {args.policies!r}")
     plain = [m for m in args.methods.split(",") if m]
-    # each gateway under each policy; the bare proxy has no policy
+    # each gateway under each policy; the bare proxy has no policy, nginx no shared ledger
     methods = [m if p == "guaranteed" or m == "bare-aiohttp" else f"{m}@{p}" for p in policies for m in plain
-               if not (m == "bare-aiohttp" and p != policies[0])]
+               if not (m == "bare-aiohttp" and p != policies[0])
+               and not (p == "redis" and m in ("nginx", "bare-aiohttp"))]
     pins = parse_pin(args.pin)
     if "client" in pins:
         os.sched_setaffinity(0, pins["client"])
     results: dict[str, list[dict]] = {"direct": [], **{m: [] for m in methods}}
     loads: list[float] = []
     upstream, up_url = start_upstream(pins.get("upstream"))
+    store, redis_url = start_redis(pins.get("redis")) if "redis" in policies else (None, None)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for run in range(args.runs):
@@ -489,15 +523,21 @@ def main() -> int:
                 for method in methods:
                     name, _, policy = method.partition("@")
                     policy = policy or "guaranteed"
-                    gw, gw_url = start_gateway(up_url, name, Path(tmp), pins.get("gateway"), policy, args.nginx_workers)
+                    gw, gw_url = start_gateway(up_url, name, Path(tmp), pins.get("gateway"), policy, args.nginx_workers,
+                                               redis_url)
                     held = args.held if policy == "statistical" else 0
                     try:
-                        results[method].append(_run(measure(gw_url, args, {**pids, "gateway": gw.p.pid}, held)))
+                        roles = {**pids, "gateway": gw.p.pid}
+                        if policy == "redis" and store is not None:
+                            roles["redis"] = store.p.pid
+                        results[method].append(_run(measure(gw_url, args, roles, held)))
                     finally:
                         gw.stop()
                 print(f"run {run + 1}/{args.runs} done (load at start {loads[-1]:.2f})", file=sys.stderr)
     finally:
         upstream.stop()
+        if store is not None:
+            store.stop()
 
     med = {k: _median(v) for k, v in results.items()}
     d = med["direct"]
