@@ -6,6 +6,8 @@ import re
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtune.errors import InputError
 from kvtune.gateway.config import load_gateway_config, parse_gateway_config
@@ -377,3 +379,33 @@ def test_a_bad_ledger_url_is_never_quoted(url):
     with pytest.raises(InputError) as info:
         parse_gateway_config(_doc(ledger={"backend": "redis", "url": url}))
     assert "hunter2" not in str(info.value) and info.value.field == "ledger.url"
+
+
+_LEDGER_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True),
+                           st.text(max_size=12), st.sampled_from(["memory", "redis", "reject", "local",
+                                                                  "redis://:pw-42@h:1/0", "unix:///tmp/r.sock"]),
+                           st.lists(st.integers(), max_size=2))
+
+
+@given(st.one_of(_LEDGER_VALUES, st.dictionaries(
+    st.sampled_from(["backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint", "x"]),
+    _LEDGER_VALUES, max_size=6)))
+def test_fuzzed_ledgers_are_a_ledger_or_an_error_naming_the_field(ledger):
+    try:
+        config = parse_gateway_config(_doc(ledger=ledger))
+    except InputError as exc:
+        assert exc.field is not None and exc.field.startswith("ledger"), exc.field
+        assert "pw-42" not in str(exc)
+        return
+    spec = config.ledger
+    assert spec.lease_s >= 0.1 and spec.replicas_hint >= 1 and spec.key_prefix
+    assert (spec.url is not None) is spec.shared
+
+
+@pytest.mark.parametrize("key", ["backend", "key_prefix", "on_error", "url", "lease_s", "replicas_hint"])
+def test_a_url_in_the_wrong_ledger_field_is_never_quoted(key):
+    ledger = {"backend": "redis", "url": "redis://h/0", "on_error": "local", "replicas_hint": 2,
+              key: "redis://:hunter2@h:6379/0 "}
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(ledger=ledger))
+    assert "hunter2" not in str(info.value) and info.value.field == f"ledger.{key}", str(info.value)

@@ -368,3 +368,24 @@ def test_refused_on_one_upstream_tries_the_next(redis_server):
                 assert [(await t)[0] for t in (first, second)] == [200, 200]
 
     asyncio.run(run())
+
+
+def test_overcommit_holds_every_replica_to_k_times_the_budget(redis_server):
+    async def run():
+        async with FakeVllm() as fake:
+            cfg = doc([{"url": fake.url, "block_budget": 20}], {"url": redis_server.url},
+                      admission={"policy": "overcommit", "factor": 1.5})
+            async with gateway(cfg) as (a, _), gateway(cfg) as (b, _), aiohttp.ClientSession() as session:
+                held = [asyncio.create_task(post(session, base + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                        for base in (a, b, a)]
+                await wait_for(lambda: fake.active == 3)  # 30 = floor(1.5 x 20)
+                for base in (a, b):
+                    status, _ = await post(session, base + "/v1/chat/completions", ten_blocks())
+                    assert status == 429
+                async with session.get(b + "/kvtune/ledger") as resp:
+                    ledger = await resp.json()
+                assert (ledger["limit"], ledger["upstreams"][0]["reserved"]) == (30, 30)
+                fake.release()
+                assert [s for s, _ in await asyncio.gather(*held)] == [200] * 3
+
+    asyncio.run(run())

@@ -481,8 +481,14 @@ MAX_REPLICAS_HINT = 1024
 def _ledger(r: _Reader, top: dict) -> LedgerStore:
     """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint}`. The URL is never
     quoted in an error: it may hold a password."""
-    doc = r.mapping(top.get("ledger", {}), "ledger",
-                    {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint"})
+    value = top.get("ledger", {})
+    if isinstance(value, str):  # perhaps a URL, with its password: not quoted
+        raise r.fail("ledger", "expected a mapping such as {backend: redis, url: redis://...}, got a string")
+    doc = r.mapping(value, "ledger", {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint"})
+    for key, item in doc.items():
+        if key != "url" and isinstance(item, str) and ("@" in item or "://" in item):
+            raise r.fail(f"ledger.{key}", "got a URL-like string (not quoted: it may hold a password); "
+                         "the Redis URL goes in ledger.url")
     names = {b.value: b for b in LedgerBackend}
     given = doc.get("backend", LedgerBackend.MEMORY.value)
     if not isinstance(given, str) or given not in names:
@@ -508,7 +514,9 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
             or any(c.isspace() for c in url):
         raise r.fail("ledger.url", "expected a redis://, rediss:// or unix:// URL (not quoted here: it may "
                      "hold a password)")
-    prefix = r.string(doc.get("key_prefix", "kvtune"), "ledger.key_prefix")
+    prefix = doc.get("key_prefix", "kvtune")
+    if not isinstance(prefix, str) or not prefix:
+        raise r.fail("ledger.key_prefix", f"expected a non-empty string, got {brief(prefix)}")
     if not prefix.isprintable() or any(c.isspace() for c in prefix) or len(prefix) > 128:
         raise r.fail("ledger.key_prefix", f"{brief(prefix)} is not a key prefix (printable, no spaces, "
                      "at most 128 characters)")
