@@ -57,6 +57,8 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
             to = ", ".join(f"{u.url} (budget {u.block_budget})" for u in config.upstreams)
             if len(config.upstreams) == 1:
                 to = f"{config.upstream} (budget {config.block_budget} blocks of {config.block_size} tokens)"
+            if config.ledger.shared:  # never the URL: it may hold a password
+                to += f"; ledger shared in Redis under {config.ledger.key_prefix!r}"
             click.echo(f"kvtune gateway listening on {addresses} -> {to}", err=True)
 
         gw = await serve(config, stop=stop, on_ready=ready)

@@ -7,6 +7,8 @@ for the request's whole life, held against the limit gateway.yaml's `admission` 
 count when even its cheapest reading exceeds the budget. Whether it is reserved now, waits in the
 bounded FIFO or answers 429 with Retry-After is decided by the synchronous gate
 (kvtune.gateway.gate), the same code the simulator runs; here it only meets asyncio and the clock.
+With gateway.yaml `ledger.backend: redis`, each grant of the gate is then confirmed in the ledger
+every gateway replica shares (kvtune.gateway.shared), and a release gives both back.
 No aiohttp here: what comes in is an Incoming (kvtune.gateway.intake) and its body's bytes, what
 goes out an Admitted for the relay, or a Refused.
 """
@@ -305,7 +307,7 @@ class Admission:
         """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised.
         Also a request's second reservation, when its first upstream refused the connection.
         With a sticky key, its upstream first (when nobody waits: FIFO still holds), then by
-        free budget. With a shared ledger, every local grant is confirmed there (`_shared`)."""
+        free budget. With a shared ledger, every local grant is confirmed there (`_reserve_shared`)."""
         if self.shared is None:
             return await self._reserve_local(blocks, demand, sticky)
         return await self._reserve_shared(blocks, demand, sticky)

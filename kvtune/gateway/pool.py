@@ -20,9 +20,10 @@ gate (kvtune.gateway.gate) asks it to reserve, and it places the reservation on 
     longer counts). With a single upstream nothing is probed or taken out: there is nowhere else
     to send.
 
-The seam for a shared ledger: the pool never builds a ledger itself. `make_ledger(upstream)`
-(default `local_ledger`, in memory) returns each replica's BlockLedger, so a backend that keeps
-every gateway replica's reservations in one store replaces it and nothing else.
+The pool never builds a ledger itself: `make_ledger(upstream)` (default `local_ledger`, in
+memory) returns each replica's BlockLedger. The ledger several gateway replicas share (gateway.yaml
+`ledger.backend: redis`, kvtune.gateway.shared) keeps these local ledgers for the gate's decision
+and confirms each grant in Redis (kvtune.gateway.admission).
 
 Pure and synchronous, like the ledgers: no aiohttp, no clock of its own.
 """
