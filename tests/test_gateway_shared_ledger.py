@@ -233,15 +233,57 @@ def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_els
         try:
             asyncio.run(run())
         finally:
-            for proc, _ in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait(5)
-                proc.stderr.close()  # type: ignore[union-attr]
+            stop_processes(procs)
+
+
+def stop_processes(procs: list[tuple[subprocess.Popen, str]]) -> None:
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_three_gateway_processes_never_admit_past_the_budget_together(redis_server, tmp_path):
+    budget = 60
+    client = redis.Redis.from_url(redis_server.url)
+    with FakeVllm() as fake:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(json.dumps(doc([{"url": fake.url, "block_budget": budget}], {"url": redis_server.url},
+                                       queue={"max_waiting": 10, "timeout_s": 2})))
+        procs = [start_gateway_process(path) for _ in range(3)]
+        rng = random.Random(3)
+
+        async def run() -> list[int]:
+            statuses: list[int] = []
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                async def one(i: int) -> None:
+                    body = ten_blocks(x_delay=rng.choice([0.002, 0.005]), stream=rng.random() < 0.5)
+                    task = asyncio.create_task(post(session, procs[i % 3][1] + "/v1/chat/completions", body))
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(rng.uniform(0.01, 0.2))
+                        task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        statuses.append((await task)[0])
+
+                for wave in range(3):
+                    await asyncio.gather(*(one(wave * 100 + i) for i in range(100)))
+                await wait_for(lambda: reserved(client, fake.url) == 0)
+            return statuses
+
+        try:
+            with Sampler(client, fake.url) as sampler:
+                statuses = asyncio.run(run())
+        finally:
+            stop_processes(procs)
+        assert max(sampler.samples) <= budget and max(sampler.samples) >= budget - 10, max(sampler.samples)
+        assert fake.peak_running_blocks <= budget
+        assert statuses.count(200) > 30 and set(statuses) <= {200, 429}, sorted(set(statuses))
+        assert reserved(client, fake.url) == 0 and owner_hashes(client) == {}  # each retired on SIGTERM
 
 
 # ---------------------------------------------------------------- Redis goes away
