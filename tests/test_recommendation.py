@@ -21,6 +21,9 @@ GATEWAY = {"version": 1, "upstream": "http://127.0.0.1:8000", "block_size": 16, 
            "max_model_len": 14512, "routes": [{"name": "default", "max_new_tokens": 700}]}
 
 
+UPSTREAM = {"url": "http://10.0.0.7:8000", "block_budget": 1799, "num_blocks": 2000, "capacity_file": "a.json"}
+
+
 def parse_recommendation(data, *, path):
     return Recommendation.from_dict(data, path=path)
 
@@ -61,6 +64,13 @@ def damaged(edit) -> dict:
     (lambda r: r["routes"][0].update(tail="medium"), "routes[0].tail", "is not one of light, heavy"),
     (lambda r: r["capacity"].update(source="guess"), "capacity.source", "is not one of"),
     (lambda r: r["concurrency"].update(context_tokens="x" * 10_000), "concurrency.context_tokens", "..."),
+    (lambda r: r.update(upstreams=[]), "upstreams", "non-empty list"),
+    (lambda r: r.update(upstreams=[{**UPSTREAM, "weight": 1}]), "upstreams[0].weight", "unknown field"),
+    (lambda r: r.update(upstreams=[{**UPSTREAM, "block_budget": 0}]), "upstreams[0].block_budget", "must be in"),
+    (lambda r: r.update(upstreams=[{**UPSTREAM, "block_budget": 2000}]), "upstreams[0].block_budget",
+     "above the replica's 1999 usable blocks"),
+    (lambda r: r.update(upstreams=[{k: v for k, v in UPSTREAM.items() if k != "url"}]), "upstreams[0].url",
+     "missing"),
 ])
 def test_damaged_fields_are_named(edit, field, words, tmp_path):
     with pytest.raises(InputError) as info:
@@ -68,6 +78,14 @@ def test_damaged_fields_are_named(edit, field, words, tmp_path):
     assert info.value.field == field
     assert words in str(info.value)
     assert len(str(info.value)) < 200
+
+
+def test_per_upstream_budgets_read_back_and_a_file_without_them_has_none():
+    assert Recommendation.from_dict(GOOD, path="r.json").upstreams == ()
+    with_them = damaged(lambda r: r.update(upstreams=[UPSTREAM]))
+    rec = Recommendation.from_dict(with_them, path="r.json")
+    assert [u.to_dict() for u in rec.upstreams] == [UPSTREAM]
+    assert rec.to_dict()["upstreams"] == [UPSTREAM]
 
 
 def test_the_real_file_reads_back_unchanged():

@@ -302,35 +302,48 @@ class _Checker:
 
     # ------------------------------------------------------------ gateway
 
-    def _budgets(self, d: Deployed) -> list[tuple[str, str, int]]:
-        """(field, what the message calls it, budget) for each engine the gateway sends to: one
-        engine's budget each (a gateway.yaml with several upstreams holds one per upstream)."""
+    def _budgets(self, d: Deployed) -> list[tuple[str, str, int, int, int]]:
+        """(field, what the message calls it, budget, usable blocks, recommended budget) for each
+        engine the gateway sends to: one engine's budget each (a gateway.yaml with several upstreams
+        holds one per upstream), held to that replica's own capacity where the recommendation
+        measured each (rec.upstreams, matched by URL, else by position), else to the one capacity."""
         assert d.block_budget is not None
         if len(d.upstreams) <= 1:
-            return [("block_budget", "block budget", d.block_budget)]
-        return [(f"upstreams[{i}].block_budget", f"upstream {u.url}: block budget", u.block_budget)
-                for i, u in enumerate(d.upstreams)]
+            return [("block_budget", "block budget", d.block_budget, self.usable_blocks, self.budget)]
+        measured = {u.url: u for u in self.rec.upstreams}
+        out = []
+        for i, u in enumerate(d.upstreams):
+            own = measured.get(u.url.rstrip("/"))
+            if own is None and len(self.rec.upstreams) == len(d.upstreams):
+                own = self.rec.upstreams[i]
+            usable, recommended = (self.usable_blocks, self.budget) if own is None else (own.usable_blocks,
+                                                                                       own.block_budget)
+            out.append((f"upstreams[{i}].block_budget", f"upstream {u.url}: block budget", u.block_budget,
+                        usable, recommended))
+        return out
 
-    def _check_budget(self, d: Deployed, field: str, called: str, budget: int, block_size: int) -> None:
+    def _check_budget(self, d: Deployed, field: str, called: str, budget: int, block_size: int,
+                      usable_blocks: int, recommended: int) -> None:
         """One engine's budget against its KV capacity and the recommended budget."""
         budget_tokens = budget * block_size
-        if budget_tokens > self.usable_tokens:
+        usable_tokens = usable_blocks * self.block_size
+        if budget_tokens > usable_tokens:
             self.add(Severity.RISK, "budget-over-capacity",
                      f"{called} {budget} × {block_size} tokens = {budget_tokens:,} tokens exceeds "
-                     f"the KV capacity of {self.usable_tokens:,} tokens ({self.usable_blocks} blocks)",
+                     f"the KV capacity of {usable_tokens:,} tokens ({usable_blocks} blocks)",
                      "the gateway admits more reservations than the engine can hold: preemptions or OOM "
-                     f"under load; use the recommended budget {self.budget}", d.source, field)
-        elif budget_tokens > self.budget * self.block_size:
+                     f"under load; use the recommended budget {recommended}", d.source, field)
+        elif budget_tokens > recommended * self.block_size:
             self.add(Severity.WARN, "budget-above-safety",
-                     f"{called} {budget} is above the recommended {self.budget} "
+                     f"{called} {budget} is above the recommended {recommended} "
                      f"(safety fraction {self.rec.safety_fraction.value})",
                      "it fits the estimated capacity but leaves less margin for prompt-count drift "
                      "and capacity error", d.source, None)
 
     def check_gateway(self, d: Deployed) -> None:
         assert d.block_budget is not None and d.block_size is not None
-        for field, called, budget in self._budgets(d):
-            self._check_budget(d, field, called, budget, d.block_size)
+        for field, called, budget, usable, recommended in self._budgets(d):
+            self._check_budget(d, field, called, budget, d.block_size, usable, recommended)
         engine_block = next((e.block_size for e in self.engines if e.block_size), None) or self.block_size
         if d.block_size < engine_block:
             self.add(Severity.RISK, "block-size-mismatch",
@@ -381,7 +394,7 @@ class _Checker:
             pairs.append(("max_new_tokens_backstop", d.max_new_tokens, d.max_new_tokens is None,
                           self.rec.backstop))
         else:
-            pairs = [(field, budget, False, self.budget) for field, _, budget in self._budgets(d)]
+            pairs = [(field, budget, False, recommended) for field, _, budget, _, recommended in self._budgets(d)]
             pairs += [("block_size", d.block_size, False, self.block_size),
                      ("max_model_len", d.max_model_len, False, self.rec.max_model_len)]
         for name, have, unset, want in pairs:

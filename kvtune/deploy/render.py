@@ -114,6 +114,15 @@ def replica_upstreams(upstream: str, replicas: int, *, field: str = "replicas") 
     return [f"{url.scheme}://{dataclasses.replace(url, port=url.port + i).host_port}" for i in range(replicas)]
 
 
+def _upstreams(rec: Recommendation, options: RenderOptions) -> list[dict]:
+    """gateway.yaml's upstreams: each measured replica's own URL and budget (rec.upstreams), else
+    options.replicas ports from rec.upstream, each with the one recommended budget."""
+    if rec.upstreams:
+        return [{"url": u.url, "block_budget": u.block_budget} for u in rec.upstreams]
+    return [{"url": url, "block_budget": rec.block_budget.value}
+            for url in replica_upstreams(rec.upstream, options.replicas)]
+
+
 def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
     """The absolute model directory behind `spec` (a directory, or a file in it such as
     config.json or tokenizer.json) when it holds what `kvtune gateway` needs to count prompts
@@ -315,7 +324,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
         "routes": routes,
-        "upstreams": replica_upstreams(rec.upstream, options.replicas),
+        "upstreams": _upstreams(rec, options),
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
         "report_routes": report_routes,
@@ -390,7 +399,7 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     if other:
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
-    if options.replicas > 1 and "nginx.conf" in wanted:
+    if max(options.replicas, len(rec.upstreams)) > 1 and "nginx.conf" in wanted:
         raise OptionError(NGINX_ONE_ENGINE, field="replicas")
     _counting(rec, wanted, options)
     env = make_environment()

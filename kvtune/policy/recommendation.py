@@ -394,6 +394,37 @@ class Concurrency:
                 "context_tokens": self.context_tokens}
 
 
+@dataclass(frozen=True, slots=True)
+class UpstreamBudget:
+    """One engine replica's own budget (`recommend --capacity A --capacity B`), from its own
+    measured capacity; `kvtune check` holds that upstream's deployed budget to it."""
+
+    url: str
+    block_budget: int
+    num_blocks: int  # the replica's measured KV blocks (one is vLLM's null block)
+    capacity_file: str
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "block_budget": self.block_budget, "num_blocks": self.num_blocks,
+                "capacity_file": self.capacity_file}
+
+    @classmethod
+    def read(cls, f: Fields) -> UpstreamBudget:
+        unknown = sorted(str(k) for k in set(f.data) - {"url", "block_budget", "num_blocks", "capacity_file"})
+        if unknown:
+            raise f.fail(unknown[0] if len(unknown[0]) <= 40 else brief(unknown[0], 40), "unknown field")
+        budget = cls(f.string("url", nonempty=True), f.integer("block_budget", minimum=1),
+                     f.integer("num_blocks", minimum=2), f.string("capacity_file", nonempty=True))
+        if budget.block_budget > budget.usable_blocks:
+            raise f.fail("block_budget", f"{budget.block_budget} is above the replica's "
+                         f"{budget.usable_blocks} usable blocks")
+        return budget
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Recommendation:
     """What `kvtune recommend` decided; `to_dict()` is recommendation.json, `from_dict` reads it back."""
@@ -418,6 +449,9 @@ class Recommendation:
     # `recommend --objective`: what the search was for, and every configuration it simulated
     objective: Objective | None = None
     what_if: tuple[WhatIfRow, ...] | None = None
+    # `recommend --capacity A --capacity B`: one budget per engine replica, in upstream order;
+    # () when every replica has the one budget above (a file written before the field reads so).
+    upstreams: tuple[UpstreamBudget, ...] = ()
 
     # ------------------------------------------------------------ what the files need most
 
@@ -462,6 +496,8 @@ class Recommendation:
         if self.objective is not None and self.what_if is not None:
             out["objective"] = self.objective.to_dict()
             out["what_if"] = [r.to_dict() for r in self.what_if]
+        if self.upstreams:
+            out["upstreams"] = [u.to_dict() for u in self.upstreams]
         return out
 
     def _to_dict(self) -> dict[str, Any]:
@@ -563,6 +599,7 @@ class Recommendation:
             admission=parse_admission(f.data["admission"], f.fail) if "admission" in f.data else GUARANTEED,
             objective=None if searched is None else searched[0],
             what_if=None if searched is None else searched[1],
+            upstreams=tuple(UpstreamBudget.read(u) for u in f.items("upstreams", optional=True, nonempty=True)),
         )
 
 
@@ -608,7 +645,7 @@ def _ratio(a: int, b: int) -> float | None:
 
 
 __all__ = [
-    "Recommendation", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested", "Binned",
-    "Match", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
+    "Recommendation", "UpstreamBudget", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested",
+    "Binned", "Match", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
     "Concurrency", "load_recommendation", "looks_like_recommendation", "SCHEMA_VERSION", "SETTINGS",
 ]
