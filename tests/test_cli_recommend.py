@@ -302,3 +302,90 @@ def test_replicas_render_one_upstream_per_port_each_with_one_engines_budget(tmp_
 def test_replicas_out_of_range_is_one_line(args, line):
     result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", *args])
     assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == line
+
+
+# ---------------------------------------------------------------- --capacity per replica
+
+def replica_capacity(tmp_path: Path, name: str, num_blocks: int, origin: str | None = None, **extra) -> str:
+    """A capacity file as `kvtune calibrate URL --out FILE` writes it for one engine replica."""
+    path = tmp_path / name
+    path.write_text(json.dumps({"source": "metrics", "num_blocks": num_blocks, "block_size": 16,
+                                "kv_cache_tokens": num_blocks * 16, "max_model_len": 8192,
+                                **({"origin": origin} if origin else {}), **extra}))
+    return str(path)
+
+
+def recommend_replicas(tmp_path: Path, *args: str):
+    return CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                    "--upstream", "http://10.0.0.5:8000", *args])
+
+
+def test_one_capacity_per_replica_gives_each_upstream_its_own_budget(tmp_path):
+    small = replica_capacity(tmp_path, "a.json", 2000, origin="http://10.0.0.7:8000/metrics")
+    large = replica_capacity(tmp_path, "b.json", 3001)
+    out = tmp_path / "deploy"
+    result = recommend_replicas(tmp_path, "--capacity", small, "--capacity", large, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = yaml.safe_load((out / "gateway.yaml").read_text())
+    # floor((blocks - 1) x 0.9): the first from its origin, the second on the port after --upstream's
+    assert doc["upstreams"] == [{"url": "http://10.0.0.7:8000", "block_budget": 1799},
+                                {"url": "http://10.0.0.5:8001", "block_budget": 2700}]
+    rec = json.loads((out / "recommendation.json").read_text())
+    assert rec["block_budget"]["value"] == 1799  # caps and settings: the smallest replica's
+    assert [u["block_budget"] for u in rec["upstreams"]] == [1799, 2700]
+    assert any("smallest replica's" in n for n in rec["notes"])
+    check = ["check", str(out / "recommendation.json"), "--model", "llama-3.1-8b", "--deployed"]
+    checked = CliRunner().invoke(cli, [*check, str(out / "gateway.yaml")])
+    assert checked.exit_code == 0, checked.output
+    # the larger replica's budget is no risk on it, but the small one's own capacity holds it back
+    moved = (out / "gateway.yaml").read_text().replace("block_budget: 1799", "block_budget: 2500")
+    (tmp_path / "moved.yaml").write_text(moved)
+    flagged = CliRunner().invoke(cli, [*check, str(tmp_path / "moved.yaml")])
+    assert flagged.exit_code == 1, flagged.output
+    assert "upstream http://10.0.0.7:8000: block budget 2500" in flagged.output
+    assert "budget-over-capacity" in flagged.output
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--replicas", "3"], "Error: --replicas: 3 replicas, but 2 --capacity files (one per replica): give as many "
+                          "of each, or leave --replicas out"),
+])
+def test_replicas_disagreeing_with_capacity_files_is_one_line(tmp_path, args, line):
+    a, b = replica_capacity(tmp_path, "a.json", 2000), replica_capacity(tmp_path, "b.json", 3000)
+    out = tmp_path / "deploy"
+    result = recommend_replicas(tmp_path, "--capacity", a, "--capacity", b, *args, "--out", str(out))
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [line]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("num_blocks", "extra"), [
+    (3000, {"max_model_len": 2048}),  # runs at a shorter context than the logged requests need (3,264)
+    (150, {}),  # 149 usable blocks hold 2,384 tokens: the smallest, yet no request of 3,264 fits
+])
+def test_a_replica_too_small_for_max_model_len_is_one_line_naming_its_file(tmp_path, num_blocks, extra):
+    held = min(extra.get("max_model_len", 8192), (num_blocks - 1) * 16)
+    a = replica_capacity(tmp_path, "a.json", 2000)
+    tiny = replica_capacity(tmp_path, "tiny.json", num_blocks, **extra)
+    out = tmp_path / "deploy"
+    result = recommend_replicas(tmp_path, "--capacity", a, "--capacity", tiny, "--out", str(out))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"Error: {tiny}: --max-model-len: this replica holds {held:,} tokens of context, below the "
+                     "--max-model-len 3,264 every replica runs at: give it more KV memory or lower --max-model-len"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["capacity", "check"])
+def test_several_capacity_files_are_recommends_alone(tmp_path, command):
+    a, b = replica_capacity(tmp_path, "a.json", 2000), replica_capacity(tmp_path, "b.json", 3000)
+    gateway = tmp_path / "gateway.yaml"
+    gateway.write_text(yaml.safe_dump({"version": 1, "upstream": "http://127.0.0.1:8000", "block_size": 16,
+                                       "block_budget": 1000, "max_model_len": 4096,
+                                       "routes": [{"name": "default", "max_new_tokens": 700}]}))
+    head = (["capacity", "llama-3.1-8b"] if command == "capacity"
+            else ["check", LOGS, "--model", "llama-3.1-8b", "--deployed", str(gateway)])
+    result = CliRunner().invoke(cli, [*head, "--gpu", "H100-80GB", "--capacity", a, "--capacity", b])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: --capacity: give one capacity file here; several (one per engine replica) only "
+        "`kvtune recommend` takes")

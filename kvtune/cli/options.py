@@ -86,9 +86,17 @@ class CapacityArgs:
     kv_tokens: str | None
     vllm_log: str | None
     metrics_url: str | None
-    capacity_file: str | None
+    capacity_files: tuple[str, ...]  # --capacity, repeated: one per engine replica (`recommend` only)
     engine_log: str | None
     engine: str
+
+    @property
+    def capacity_file(self) -> str | None:
+        """The one --capacity FILE (None: not given); several only `recommend` takes, one per replica."""
+        if len(self.capacity_files) > 1:
+            raise OptionError("give one capacity file here; several (one per engine replica) only "
+                              "`kvtune recommend` takes", field="--capacity")
+        return self.capacity_files[0] if self.capacity_files else None
 
     def plan(self, model: str, shapes: tuple = ()):  # -> kvtune.planning.Plan
         """The plan these options describe (kvtune.plan), the measured capacity read first (an
@@ -135,7 +143,9 @@ capacity_options = grouped("capacity", CapacityArgs, [
     click.option("--kv-tokens", help="Measured KV capacity in tokens (e.g. from vLLM's startup line)."),
     click.option("--vllm-log", help="A vLLM startup log to read the measured capacity from."),
     click.option("--metrics-url", help="A running vLLM's URL (root or /metrics) to read the measured capacity from."),
-    click.option("--capacity", "capacity_file", help="A capacity file written by `kvtune calibrate`."),
+    click.option("--capacity", "capacity_files", multiple=True, metavar="FILE",
+                 help="A capacity file written by `kvtune calibrate`. `recommend` takes one per engine replica, "
+                      "in upstream order (each upstream's budget from its own)."),
     click.option("--engine-log", "engine_log", metavar="FILE",
                  help="The engine's startup log to read the measured capacity from (vLLM's as --vllm-log, SGLang's "
                       "max_total_num_tokens line, TensorRT-LLM's 'Allocated … for max tokens in paged KV cache (N)')."),

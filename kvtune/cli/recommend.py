@@ -181,14 +181,16 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
                    "both, else upstream]")
-@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+@click.option("--replicas", type=click.IntRange(min=1), metavar="N",
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
-                   "upstreams: for replicas on other hosts). nginx.conf fronts one engine: not written for N > 1.")
+                   "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
+                   "upstream's budget is its own (its URL the file's origin). nginx.conf fronts one engine: "
+                   "not written for N > 1.  [default: the --capacity files' count, else 1]")
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
-              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int, out_dir: str | None,
+              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, out_dir: str | None,
               json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
@@ -208,17 +210,35 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.cli._recommend_view import search_progress
     from kvtune.deploy.render import NGINX_ONE_ENGINE, RenderOptions, replica_upstreams
 
-    if replicas > 1:
-        replica_upstreams(policy.upstream, replicas, field="--replicas")  # ports in range, before any work
+    files_given = capacity.capacity_files
+    if replicas is None:
+        replicas = max(1, len(files_given))
+    elif len(files_given) > 1 and replicas != len(files_given):
+        raise OptionError(f"{replicas} replicas, but {len(files_given)} --capacity files (one per replica): "
+                          "give as many of each, or leave --replicas out", field="--replicas")
+    fallback_urls = [policy.upstream]
+    if replicas > 1:  # ports in range, before any work
+        fallback_urls = replica_upstreams(policy.upstream, replicas, field="--replicas")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     from kvtune.policy.search import InfeasibleObjectiveError
 
+    measured: list = []  # (capacity file, its plan's Capacity), one per replica
+    if len(files_given) > 1:
+        from kvtune.policy.replicas import smallest
+
+        measured = [(f, dataclasses.replace(capacity, capacity_files=(f,)).plan(policy.model).capacity)
+                    for f in files_given]
+        capacity = dataclasses.replace(capacity, capacity_files=(files_given[smallest([c for _, c in measured])],))
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
             rec = policy.recommendation(logs, capacity, log, objective, progress)
     except InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)
         return
+    if measured:
+        from kvtune.policy.replicas import per_replica
+
+        rec = per_replica(rec, measured, fallback_urls)
     try:
         files = kvtune.render(rec, options=RenderOptions(replicas=replicas), gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:

@@ -1,0 +1,81 @@
+"""Several engine replicas, each measured (`recommend --capacity A --capacity B`): one budget each.
+
+The recommendation itself (caps, engine settings) is made for the smallest replica, so every
+replica runs the same launch file; each upstream then gets its own budget from its own capacity
+by the same rule and safety fraction (rules.block_budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from kvtune.capacity.plan import Capacity
+from kvtune.errors import CapacityError, KvtuneError, OptionError
+from kvtune.policy import rules
+from kvtune.policy.recommendation import Recommendation, UpstreamBudget
+
+
+def smallest(capacities: Sequence[Capacity]) -> int:
+    """The index of the replica with the fewest KV blocks (the first of equals)."""
+    return min(range(len(capacities)), key=lambda i: capacities[i].num_blocks)
+
+
+def _origin_url(capacity: Capacity) -> str | None:
+    """The server a capacity file says it was read from (`origin`, as `kvtune calibrate` writes
+    it), as the gateway's upstream URL; None when it names no http(s) server (a log, by hand)."""
+    from kvtune.deploy.render import parse_upstream
+
+    origin = capacity.measured.origin if capacity.measured is not None else None
+    if not origin:
+        return None
+    parts = urlsplit(origin)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return None
+    try:
+        url = parse_upstream(f"{parts.scheme}://{parts.netloc}")
+    except KvtuneError:
+        return None
+    return f"{url.scheme}://{url.host_port}"
+
+
+def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
+                fallback_urls: Sequence[str]) -> Recommendation:
+    """`rec` (made for the smallest replica) with one UpstreamBudget per (capacity file, capacity),
+    in order: its URL from the file's origin, else fallback_urls[i] (consecutive ports)."""
+    safety = rec.safety_fraction.value
+    if isinstance(safety, bool) or not isinstance(safety, (int, float)):
+        raise TypeError(f"safety fraction {safety!r} is not a number")
+    budgets = []
+    for i, (path, capacity) in enumerate(replicas):
+        if capacity.block_size != rec.capacity.block_size:
+            raise CapacityError(f"block size {capacity.block_size}, but the replicas' launch file runs "
+                                f"{rec.capacity.block_size}: calibrate every replica at one block size",
+                                path=path, field="block_size")
+        context = (capacity.num_blocks - 1) * capacity.block_size
+        if capacity.max_model_len is not None:
+            context = min(context, capacity.max_model_len)
+        if context < rec.max_model_len:
+            raise CapacityError(f"this replica holds {context:,} tokens of context, below the max_model_len "
+                                f"{rec.max_model_len:,} every replica runs at: give it more KV memory or lower "
+                                "--max-model-len", path=path, field="max_model_len")
+        budget = rules.block_budget(capacity.num_blocks, safety).tokens
+        if budget < 1:
+            raise CapacityError(f"no KV blocks to budget: {capacity.num_blocks} block(s)", path=path,
+                                field="num_blocks")
+        url = _origin_url(capacity) or fallback_urls[i]
+        budgets.append(UpstreamBudget(url, budget, capacity.num_blocks, path))
+    seen: dict[str, str] = {}
+    for b in budgets:
+        if b.url in seen:
+            raise OptionError(f"{b.capacity_file} and {seen[b.url]} are both upstream {b.url}: give one "
+                              "capacity file per engine replica", field="--capacity")
+        seen[b.url] = b.capacity_file
+    small = replicas[smallest([c for _, c in replicas])]
+    note = (f"{len(budgets)} engine replicas, each upstream's block_budget from its own capacity file; caps and "
+            f"engine settings are the smallest replica's ({small[0]}, {small[1].num_blocks:,} blocks)")
+    return dataclasses.replace(rec, upstreams=tuple(budgets), notes=(*rec.notes, note))
+
+
+__all__ = ["per_replica", "smallest"]
