@@ -346,15 +346,19 @@ def test_one_capacity_per_replica_gives_each_upstream_its_own_budget(tmp_path):
     assert "budget-over-capacity" in flagged.output
 
 
-@pytest.mark.parametrize(("args", "line"), [
-    (["--replicas", "3"], "Error: --replicas: 3 replicas, but 2 --capacity files (one per replica): give as many "
-                          "of each, or leave --replicas out"),
+@pytest.mark.parametrize(("origin", "args", "line"), [
+    (None, ["--replicas", "3"], "Error: --replicas: 3 replicas, but 2 --capacity files (one per replica): give as "
+                                "many of each, or leave --replicas out"),
+    ("http://10.0.0.9:8000", [], "Error: --capacity: {b} and {a} are both upstream http://10.0.0.9:8000: give one "
+                                 "capacity file per engine replica"),
 ])
-def test_replicas_disagreeing_with_capacity_files_is_one_line(tmp_path, args, line):
-    a, b = replica_capacity(tmp_path, "a.json", 2000), replica_capacity(tmp_path, "b.json", 3000)
+def test_capacity_files_that_do_not_make_replicas_are_one_line(tmp_path, origin, args, line):
+    a = replica_capacity(tmp_path, "a.json", 2000, origin=origin)
+    b = replica_capacity(tmp_path, "b.json", 3000, origin=origin)
     out = tmp_path / "deploy"
     result = recommend_replicas(tmp_path, "--capacity", a, "--capacity", b, *args, "--out", str(out))
-    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [line]
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [line.format(a=a, b=b)]
     assert not out.exists()
 
 

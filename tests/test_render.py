@@ -456,6 +456,18 @@ def test_replicas_render_upstreams_on_consecutive_ports_each_with_the_budget():
     assert (one["upstream"], one["block_budget"], "upstreams" in one) == ("http://127.0.0.1:8000", 26999, False)
 
 
+def test_replicas_measured_each_render_their_own_budgets_and_no_nginx_conf():
+    upstreams = [{"url": "http://10.0.0.7:8000", "block_budget": 1799, "num_blocks": 2000, "capacity_file": "a.json"},
+                 {"url": "http://10.0.0.8:8000", "block_budget": 2700, "num_blocks": 3001, "capacity_file": "b.json"}]
+    measured = Recommendation.from_dict({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
+    files = render_files(measured)  # RenderOptions' replicas=1 does not hide them
+    assert "nginx.conf" not in files
+    doc = yaml.safe_load(files["gateway.yaml"])
+    assert doc["upstreams"] == [{"url": u["url"], "block_budget": u["block_budget"]} for u in upstreams]
+    assert "each block_budget its own measured KV pool" in files["gateway.yaml"]
+    assert json.loads(files["recommendation.json"])["upstreams"] == upstreams
+
+
 def test_nginx_conf_for_several_replicas_is_refused_with_the_reason():
     with pytest.raises(KvtuneError) as caught:
         render_files(rec(), targets=["gateway.yaml", "nginx.conf"], options=RenderOptions(replicas=2))

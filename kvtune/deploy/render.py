@@ -359,7 +359,8 @@ def default_targets(rec: Recommendation, options: RenderOptions | None = None) -
     nginx.conf counts prompts with the engine's /tokenize, so it is left out for an engine
     without one (TensorRT-LLM), and fronts one engine, so it is left out for several replicas
     (NGINX_ONE_ENGINE)."""
-    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and (options is None or options.replicas == 1)
+    replicas = max(1 if options is None else options.replicas, len(rec.upstreams))
+    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and replicas == 1
     return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if nginx or t != "nginx.conf")]
 
 
