@@ -5,7 +5,9 @@ they steer, never in which fake they happen to meet.
     async with FakeVllm(...) as fake:   on the test's own event loop (in-loop async tests)
     with FakeVllm(...) as fake:         on a loop in a thread (sync tests, nginx, CLIs that run
                                         asyncio themselves)
-    fake.url, fake.port                 once started; after the block the port refuses
+    fake.url, fake.port                 once started; after the block the port refuses, and
+                                        entering again serves on the same port (an engine
+                                        restarted; what arrived and the tallies carry over)
 
 Endpoints, shaped as vLLM 0.32 answers them:
   POST /tokenize {"prompt"} | {"messages"}      {"count", "max_model_len", "tokens"}
@@ -465,7 +467,7 @@ vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",engine
         # handler_cancellation as aiohttp's TestServer: a client that goes away cancels its call
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, 0).start()
+        await web.TCPSite(self._runner, self.host, self.port).start()  # 0 the first time
         self.port = self._runner.addresses[0][1]
         self.url = f"http://{self.host}:{self.port}"
 
