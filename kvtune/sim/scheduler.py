@@ -23,6 +23,7 @@ operations; a Python loop runs only from the first request whose allocation fail
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,19 @@ import numpy as np
 from kvtune.errors import OptionError
 from kvtune.sim.blocks import BlockPool
 from kvtune.steptime import StepTicks
+
+
+def most_steps(fits: Callable[[int], bool], steps: int) -> int:
+    """The most decode steps below `steps` that still fit (`fits` monotone, true at 0, false at
+    `steps`), by bisection: each engine's fast path jumps that many identical steps at once."""
+    lo, hi = 0, steps  # lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,14 +317,7 @@ class Scheduler:
             need = np.maximum(steps - slack + (bs - 1), 0) // bs
             total = int(_sum(need))
             if total > free:
-                lo, hi = 0, steps  # lo fits, hi does not
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if _blocks_within(slack, mid, bs) <= free:
-                        lo = mid
-                    else:
-                        hi = mid
-                steps = lo
+                steps = most_steps(lambda n: _blocks_within(slack, n, bs) <= free, steps)
                 if steps == 0:
                     return 0, 0, 0, _EMPTY  # the next step preempts
                 need = np.maximum(steps - slack + (bs - 1), 0) // bs
@@ -335,4 +342,4 @@ _sum, _min, _max = np.add.reduce, np.minimum.reduce, np.maximum.reduce
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
-__all__ = ["EngineSettings", "Scheduler", "Batch"]
+__all__ = ["EngineSettings", "Scheduler", "Batch", "most_steps"]

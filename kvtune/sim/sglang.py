@@ -47,7 +47,7 @@ from collections import deque
 import numpy as np
 
 from kvtune.sim.rules import SGLangRule
-from kvtune.sim.scheduler import Batch, EngineSettings
+from kvtune.sim.scheduler import Batch, EngineSettings, most_steps
 from kvtune.steptime import StepTicks
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -356,14 +356,7 @@ class SGLangScheduler:
             return int(_sum(np.maximum((ntok + (s - 1) + page - 1) // page * page - held, 0)))
 
         if steps > 0 and need(steps) > self.free:
-            lo, hi = 0, steps
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if need(mid) <= self.free:
-                    lo = mid
-                else:
-                    hi = mid
-            steps = lo
+            steps = most_steps(lambda n: need(n) <= self.free, steps)
         if steps <= 0:
             return 0, 0, 0, _EMPTY
         total = need(steps)

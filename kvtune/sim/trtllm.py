@@ -35,7 +35,7 @@ import heapq
 import numpy as np
 
 from kvtune.sim.rules import CapacityPolicy, TrtllmRule
-from kvtune.sim.scheduler import Batch, EngineSettings
+from kvtune.sim.scheduler import Batch, EngineSettings, most_steps
 from kvtune.steptime import StepTicks
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -375,14 +375,7 @@ class TrtllmScheduler:
             return int(_sum(np.maximum(self._blocks(ntok + (s - 1)) - held, 0)))
 
         if steps > 0 and need(steps) > self.free:
-            lo, hi = 0, steps
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if need(mid) <= self.free:
-                    lo = mid
-                else:
-                    hi = mid
-            steps = lo
+            steps = most_steps(lambda n: need(n) <= self.free, steps)
         if steps <= 0:
             return 0, 0, 0, _EMPTY
         self.free -= need(steps)
