@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvtune.deploy import command_line as cl
 from kvtune.deploy.deployed import Deployed, DeployedKind
 from kvtune.deploy.launch import Line
-from kvtune.deploy.launch.vllm import setting_lines, upstream_lines
+from kvtune.deploy.launch.vllm import engine_settings, setting_lines, upstream_lines
 from kvtune.engines import sglang
 from kvtune.errors import InputError
 
@@ -135,11 +135,7 @@ def read(text: str, source: str = "<command>", *, read_sibling: Any = None) -> D
 
 def deployed_settings(d: Deployed) -> dict[str, tuple[Any, bool]]:
     """{setting: (value as deployed or SGLang's default, whether the file leaves it unset)}."""
-    fields = {"tensor_parallel_size": d.tensor_parallel_size, "pipeline_parallel_size": d.pipeline_parallel_size,
-              "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs,
-              "max_num_batched_tokens": d.max_num_batched_tokens, "gpu_memory_utilization": d.gpu_memory_utilization,
-              "kv_cache_tokens": d.kv_cache_tokens, "kv_cache_dtype": d.kv_cache_dtype, "block_size": d.block_size,
-              "max_new_tokens_backstop": d.max_new_tokens, **d.options}
+    fields = {**engine_settings(d), "max_new_tokens_backstop": d.max_new_tokens, **d.options}
     return {key: (DEFAULTS.get(key) if value is None else value, value is None) for key, value in fields.items()}
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvtune.deploy import command_line as cl
 from kvtune.deploy.deployed import Deployed, DeployedKind
 from kvtune.deploy.launch import Line
-from kvtune.deploy.launch.vllm import setting_lines, upstream_lines
+from kvtune.deploy.launch.vllm import engine_settings, setting_lines, upstream_lines
 from kvtune.engines import trtllm
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
@@ -164,11 +164,7 @@ def read(text: str, source: str = "<command>", *, read_sibling: Any = None) -> D
 
 def deployed_settings(d: Deployed) -> dict[str, tuple[Any, bool]]:
     """{setting: (value as deployed or TensorRT-LLM's default, whether the files leave it unset)}."""
-    fields = {"tensor_parallel_size": d.tensor_parallel_size, "pipeline_parallel_size": d.pipeline_parallel_size,
-              "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs,
-              "max_num_batched_tokens": d.max_num_batched_tokens, "gpu_memory_utilization": d.gpu_memory_utilization,
-              "kv_cache_tokens": d.kv_cache_tokens, "kv_cache_dtype": d.kv_cache_dtype, "block_size": d.block_size,
-              "capacity_scheduler_policy": d.options.get("capacity_scheduler_policy")}
+    fields = {**engine_settings(d), "capacity_scheduler_policy": d.options.get("capacity_scheduler_policy")}
     if not d.options.get("llm_api_options_read", True):  # the YAML was not given: its keys are unknown
         for key, _, _ in OPTION_KEYS:
             fields.pop(key, None)

@@ -50,6 +50,15 @@ def setting_lines(rec: Recommendation, order: list[tuple[str, str]]) -> list[Lin
     return lines
 
 
+def engine_settings(d: Deployed) -> dict[str, Any]:
+    """The settings every engine's launch file can set, by kvtune's setting names, as read (None:
+    unset); each launch module adds its own and fills its engine's defaults."""
+    return {"tensor_parallel_size": d.tensor_parallel_size, "pipeline_parallel_size": d.pipeline_parallel_size,
+            "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs,
+            "max_num_batched_tokens": d.max_num_batched_tokens, "gpu_memory_utilization": d.gpu_memory_utilization,
+            "kv_cache_tokens": d.kv_cache_tokens, "kv_cache_dtype": d.kv_cache_dtype, "block_size": d.block_size}
+
+
 def flags(rec: Recommendation) -> list[Line]:
     """The `vllm serve` flags for the recommendation's engine version, each with its rule and
     reason. V1 (0.8+) has no --preemption-mode/--swap-space, so they render only on V0."""
@@ -153,4 +162,4 @@ def read(text: str, source: str = "<command>", *, read_sibling: Any = None) -> D
 
 
 __all__ = ["ENGINE", "SCRIPT", "FILES", "flags", "render", "read", "recognise", "command_args",
-           "upstream_lines", "setting_lines"]
+           "upstream_lines", "setting_lines", "engine_settings"]
