@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -190,14 +191,28 @@ def test_the_ledger_json_totals_every_replica(redis_server):
 # ---------------------------------------------------------------- a replica dies
 
 def start_gateway_process(config_path: Path) -> tuple[subprocess.Popen, str]:
+    """A `kvtune gateway` process; its stderr goes to a log file beside the config, not a pipe:
+    a pipe nobody drains fills at 64 KiB of refusal log lines and then blocks the gateway's event
+    loop on its next write (which is how a broken ledger's race used to hang instead of failing)."""
+    log = tempfile.NamedTemporaryFile("w+", dir=config_path.parent, prefix="gateway-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "kvtune", "gateway", "--config", str(config_path)],
-                            cwd=REPO, stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()  # type: ignore[union-attr]
-    match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-    if not match:
-        proc.kill()
-        raise AssertionError(f"the gateway did not start: {line}")
-    return proc, match.group(1)
+                            cwd=REPO, stderr=log, text=True)
+    proc.log_path = Path(log.name)  # type: ignore[attr-defined]
+    log.close()
+    deadline = time.monotonic() + 30
+    while True:
+        first = proc.log_path.read_text().partition("\n")  # type: ignore[attr-defined]
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first[0])
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None or time.monotonic() > deadline or (first[1] and not match):
+            proc.kill()
+            raise AssertionError(f"the gateway did not start: {first[0]}")
+        time.sleep(0.02)
+
+
+def gateway_log(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def owner_hashes(client: redis.Redis) -> dict[str, int]:
@@ -245,6 +260,8 @@ def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_els
 
 
 def stop_processes(procs: list[tuple[subprocess.Popen, str]]) -> None:
+    """SIGTERM each replica (SIGKILL after 10 s); then no replica may have logged a traceback:
+    a client going away, an upstream dying or Redis stopping are all answered, never crashed on."""
     for proc, _ in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -253,7 +270,9 @@ def stop_processes(procs: list[tuple[subprocess.Popen, str]]) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-        proc.stderr.close()  # type: ignore[union-attr]
+    for proc, _ in procs:
+        log = gateway_log(proc)
+        assert "Traceback" not in log, log[log.index("Traceback") - 200:][:3000]
 
 
 def test_three_gateway_processes_never_admit_past_the_budget_together(redis_server, tmp_path):

@@ -11,6 +11,7 @@ gateway's own answers (kvtune.gateway.refusals) become OpenAI-style error respon
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from aiohttp import web
@@ -104,11 +105,11 @@ class Relay:
                 finished = True
                 return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
             response = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
-            await response.prepare(request)
             if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 progress = None
             events = EventCounter()
             try:
+                await response.prepare(request)
                 async for chunk in up.iter_chunks():
                     if progress is not None:
                         progress(events_seen_tokens(events.add(chunk)))
@@ -123,8 +124,13 @@ class Relay:
                 if request.transport is not None:
                     request.transport.abort()
                 return response
+            except ConnectionResetError:
+                # The client went away between two chunks: nothing to answer; the upstream call is
+                # closed below (vLLM aborts it) and the reservation released as for any abort.
+                return response
             finished = True
-            await response.write_eof()
+            with contextlib.suppress(ConnectionResetError):  # gone after the last chunk: all was sent
+                await response.write_eof()
             return response
         finally:
             # An unfinished upstream body closes its connection, which makes vLLM abort the request.
