@@ -34,3 +34,83 @@ def test_a_slice_is_accepted_exactly_when_it_holds_one_whole_context_request(bud
 def test_nginx_replicas_out_of_range_is_refused(m):
     with pytest.raises(OptionError, match=f"must be from 1 to {MAX_NGINX_REPLICAS}, got {m}"):
         slice_blocks(100, m)
+
+
+# ---------------------------------------------------------------- nginx.conf with --nginx-replicas
+
+def _rec(budget: int = 26999):
+    import json as json_
+
+    from recs import rec_dict
+
+    from kvtune.policy.recommendation import Recommendation
+
+    doc = rec_dict()
+    doc["block_budget"]["value"] = budget
+    return Recommendation.from_dict(json_.loads(json_.dumps(doc)), path="recommendation.json")
+
+
+def test_three_nginx_replicas_render_a_third_each_with_the_trade_off_in_the_header_and_check_reads_it_back():
+    from kvtune.deploy.check import Severity, check_deployment
+    from kvtune.deploy.read import parse_deployed
+    from kvtune.deploy.render import RenderOptions, render_files
+
+    rec = _rec()
+    one = render_files(rec, targets=["nginx.conf"])["nginx.conf"]
+    text = render_files(rec, targets=["nginx.conf"], options=RenderOptions(nginx_replicas=3))["nginx.conf"]
+    assert "nginx_replicas" not in one and "1/3" not in one
+    assert "# this nginx holds 1/3 of the engine's budget: 3 nginx replicas (--nginx-replicas) each hold" in text
+    assert "floor(26999 / 3) = 8999 blocks" in text and "(3 x 8999 = 26997 <= 26999)" in text
+    assert "a request bigger than a slice is refused (413) even though" in text
+    assert "idle slices on one nginx cannot be used by another" in text and "Redis ledger" in text
+    assert "block_budget = 8999," in text and "admit_limit = 8999," in text and "nginx_replicas = 3," in text
+    d = parse_deployed(text, source="nginx.conf")
+    assert (d.block_budget, d.gateway_replicas) == (8999, 3)
+    assert parse_deployed(one, source="nginx.conf").gateway_replicas == 1
+    result = check_deployment([d], rec)
+    assert [f.code for f in result.findings if f.severity is not Severity.INFO] == []
+    # slices edited up so that 3 of them pass the engine's capacity: held to it, per upstream
+    over = parse_deployed(text.replace("block_budget = 8999,", "block_budget = 12000,"), source="nginx.conf")
+    risks = [f for f in check_deployment([over], rec).findings if f.severity is Severity.RISK]
+    assert [f.code for f in risks] == ["budget-over-capacity"]
+    assert "3 nginx replicas x slice 12000 = block budget 36000" in risks[0].message
+
+
+def test_a_slice_below_one_whole_context_request_is_refused_naming_the_option():
+    from kvtune.deploy.render import RenderOptions, render_files
+
+    rec = _rec()
+    need = -(-rec.max_model_len // rec.capacity.block_size)
+    most = rec.budget_blocks // need
+    render_files(rec, targets=["nginx.conf"], options=RenderOptions(nginx_replicas=most))
+    with pytest.raises(OptionError) as caught:
+        render_files(rec, targets=["nginx.conf"], options=RenderOptions(nginx_replicas=most + 1))
+    assert caught.value.field == "--nginx-replicas" and f"use at most {most} nginx replicas" in str(caught.value)
+
+
+def test_real_nginx_holds_only_its_slice_and_refuses_what_is_bigger_than_it(tmp_path):
+    import json as json_
+    import os
+
+    from enforcers import chat, small_fake, small_rec, start_enforcer, words
+
+    from kvtune.policy.recommendation import Recommendation
+
+    with small_fake() as fake:
+        doc = json_.loads(small_rec(fake.port).to_json())
+        doc["block_budget"]["value"], doc["capacity"]["num_blocks"] = 400, 450
+        rec = Recommendation.from_dict(doc, path="rec")
+        server = start_enforcer("nginx", rec, tmp_path / "nginx", nginx_replicas=3, nginx_worker_processes="1",
+                                nginx_user="root" if os.geteuid() == 0 else None)
+        try:
+            ledger = server.ledger()
+            assert (ledger["budget"], ledger["limit"], ledger["reserved"]) == (133, 133, 0)
+            assert server.request("/v1/chat/completions", chat(10))[0] == 200
+            # 2 x ceil((1000 + 64) / 16) = 134 blocks: over the slice of 133, within the engine's 400
+            status, _, body = server.request("/v1/chat/completions", {"model": "m", "n": 2, "messages": [
+                {"role": "user", "content": words(1000)}]})
+            assert status == 413, body
+            assert b"the whole budget is 133" in body
+            assert server.wait_ledger(0)["reserved"] == 0
+        finally:
+            server.stop()

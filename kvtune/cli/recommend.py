@@ -187,11 +187,16 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
                    "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
                    "upstream's budget is its own (its URL the file's origin). nginx.conf fronts one engine: "
                    "not written for N > 1.  [default: the --capacity files' count, else 1]")
+@click.option("--nginx-replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="M",
+              help="M nginx replicas in front of the engine: nginx.conf's ledger (a lua_shared_dict) cannot be "
+                   "shared across machines, so each nginx holds a static slice, floor(budget / M) blocks, stated "
+                   "in its header. A request bigger than a slice is refused (413) and idle slices cannot be "
+                   "lent; gateway.yaml with a Redis ledger shares one exact budget instead.")
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
-              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, out_dir: str | None,
-              json_: bool) -> None:
+              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, nginx_replicas: int,
+              out_dir: str | None, json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -216,6 +221,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     elif len(files_given) > 1 and replicas != len(files_given):
         raise OptionError(f"{replicas} replicas, but {len(files_given)} --capacity files (one per replica): "
                           "give as many of each, or leave --replicas out", field="--replicas")
+    if replicas > 1 and nginx_replicas > 1:
+        raise OptionError(f"slices one engine's budget for nginx.conf, which is not rendered for {replicas} engine "
+                          "replicas: use gateway.yaml with a Redis ledger for several gateways in front of several "
+                          "engines", field="--nginx-replicas")
     fallback_urls = [policy.upstream]
     if replicas > 1:  # ports in range, before any work
         fallback_urls = replica_upstreams(policy.upstream, replicas, field="--replicas")
@@ -240,7 +249,8 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
 
         rec = per_replica(rec, measured, fallback_urls)
     try:
-        files = kvtune.render(rec, options=RenderOptions(replicas=replicas), gateway_tokenizer=counting_with)
+        files = kvtune.render(rec, options=RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas),
+                              gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
         for f in exc.result.findings:
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
@@ -255,6 +265,13 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.cli._recommend_view import show_recommendation
 
     show_recommendation(rec, [str(p) for p in written])
+    if nginx_replicas > 1 and "nginx.conf" in files:
+        from kvtune.deploy.slices import slice_blocks
+
+        share = slice_blocks(rec.budget_blocks, nginx_replicas)
+        click.echo(f"nginx.conf: {nginx_replicas} nginx replicas, each a static slice of {share:,} blocks "
+                   f"({share * rec.capacity.block_size:,} tokens) of {rec.upstream}'s {rec.budget_blocks:,}; "
+                   f"{nginx_replicas} x {share:,} = {share * nginx_replicas:,} blocks held in all")
 
 
 def _infeasible(exc, json_: bool) -> None:

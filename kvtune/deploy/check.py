@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.read import Deployed, DeployedKind
+from kvtune.deploy.slices import slice_blocks
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
@@ -308,6 +309,10 @@ class _Checker:
         holds one per upstream), held to that replica's own capacity where the recommendation
         measured each (rec.upstreams, matched by URL, else by position), else to the one capacity."""
         assert d.block_budget is not None
+        if len(d.upstreams) <= 1 and d.gateway_replicas > 1:
+            m = d.gateway_replicas  # every nginx replica's slice together, against the one engine
+            return [("block_budget", f"{m} nginx replicas x slice {d.block_budget} = block budget",
+                     d.block_budget * m, self.usable_blocks, slice_blocks(self.budget, m) * m)]
         if len(d.upstreams) <= 1:
             return [("block_budget", "block budget", d.block_budget, self.usable_blocks, self.budget)]
         measured = {u.url: u for u in self.rec.upstreams}

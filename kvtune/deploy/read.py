@@ -195,6 +195,7 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
         block_budget=integer("block_budget"), max_model_len=integer("max_model_len"),
         upstream=upstream.group(1) if upstream else None, routes=tuple(routes),
         admission=_lua_admission(config, source),
+        gateway_replicas=integer("nginx_replicas") if "nginx_replicas" in config else 1,
     )
 
 

@@ -24,6 +24,7 @@ from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.deploy.slices import check_slice
 from kvtune.endpoint import ServerUrl, parse_url
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
@@ -97,6 +98,9 @@ class RenderOptions:
     # recommendation's upstream and the ports after it (replica_upstreams). nginx.conf keeps its
     # ledger in one nginx's shared memory and fronts one engine: it renders only for one.
     replicas: int = 1
+    # nginx replicas in front of the one engine (kvtune.deploy.slices): each nginx.conf holds
+    # floor(budget / nginx_replicas) blocks, since nginx's ledger cannot be shared between machines.
+    nginx_replicas: int = 1
 
 
 #: The most engine replicas one gateway.yaml lists.
@@ -298,12 +302,16 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         raise OptionError("admin access 'token' needs admin.token_env, the variable that holds the token")
     max_model_len = rec.max_model_len
     limits = options.limits or ClientLimits(max_body_bytes=default_max_body_bytes(max_model_len))
+    nginx_budget = rec.budget_blocks
+    if options.nginx_replicas != 1:
+        nginx_budget = check_slice(rec.budget_blocks, options.nginx_replicas, max_model_len=max_model_len,
+                                   block_size=rec.capacity.block_size)
     lua_config = {
         "block_size": rec.capacity.block_size,
-        "block_budget": rec.budget_blocks,
+        "block_budget": nginx_budget,
         "policy": rec.admission.name,
         "factor": rec.admission.factor,
-        "admit_limit": rec.admission.limit_blocks(rec.budget_blocks),
+        "admit_limit": rec.admission.limit_blocks(nginx_budget),
         "max_model_len": max_model_len,
         "retry_after_min_s": options.retry_after_min_s,
         "retry_after_max_s": options.retry_after_max_s,
@@ -316,6 +324,10 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
     }
+    nginx_slice = None
+    if options.nginx_replicas != 1:
+        nginx_slice = {"replicas": options.nginx_replicas, "engine_budget": rec.budget_blocks, "slice": nginx_budget,
+                       "total": nginx_budget * options.nginx_replicas}
     return {
         "rec": rec,
         "options": options,
@@ -332,6 +344,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "segments": capacity_segments(rec),
         "what_if": _what_if(rec),
         "lua_config": lua_config,
+        "nginx_slice": nginx_slice,
         "policy": lua_policy(),
         # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
         "upstream_timeouts": {name: f.default for f in dataclasses.fields(GatewayConfig)
