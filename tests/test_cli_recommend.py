@@ -393,3 +393,33 @@ def test_several_capacity_files_are_recommends_alone(tmp_path, command):
     assert result.stderr.strip().splitlines()[-1] == (
         "Error: --capacity: give one capacity file here; several (one per engine replica) only "
         "`kvtune recommend` takes")
+
+
+# ---------------------------------------------------------------- --nginx-replicas
+
+def test_nginx_replicas_render_a_slice_each_say_so_and_pass_check(tmp_path):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--nginx-replicas", "2", "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    budget = json.loads((tmp_path / "recommendation.json").read_text())["block_budget"]["value"]
+    share = budget // 2
+    text = (tmp_path / "nginx.conf").read_text()
+    assert "# this nginx holds 1/2 of the engine's budget" in text and f"block_budget = {share}," in text
+    assert f"nginx.conf: 2 nginx replicas, each a static slice of {share:,} blocks" in result.stdout
+    checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model", "llama-3.1-8b",
+                                       "--deployed", str(tmp_path / "nginx.conf")])
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--nginx-replicas", "0"], "Error: Invalid value for '--nginx-replicas': 0 is not in the range x>=1."),
+    (["--nginx-replicas", "2", "--replicas", "2"],
+     "Error: --nginx-replicas: slices one engine's budget for nginx.conf, which is not rendered for 2 engine "
+     "replicas: use gateway.yaml with a Redis ledger for several gateways in front of several engines"),
+])
+def test_nginx_replicas_refusals_are_one_line(tmp_path, args, line):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", *args,
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not (tmp_path / "out").exists()
