@@ -114,3 +114,62 @@ def test_real_nginx_holds_only_its_slice_and_refuses_what_is_bigger_than_it(tmp_
             assert server.wait_ledger(0)["reserved"] == 0
         finally:
             server.stop()
+
+
+def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_where_reserved(tmp_path):
+    import json as json_
+    import os
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from enforcers import chat, small_fake, small_rec, start_enforcer
+
+    from kvtune.policy.recommendation import Recommendation
+
+    with small_fake() as a, small_fake() as b, ThreadPoolExecutor(24) as pool:
+        doc = json_.loads(small_rec(a.port).to_json())
+        doc["upstreams"] = [{"url": a.url.rstrip("/"), "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
+                            {"url": b.url.rstrip("/"), "block_budget": 30, "num_blocks": 40, "capacity_file": "b.json"}]
+        rec = Recommendation.from_dict(doc, path="rec")
+        server = start_enforcer("nginx", rec, tmp_path / "nginx", nginx_worker_processes="2",
+                                nginx_user="root" if os.geteuid() == 0 else None)
+        try:
+            def held(i: int):
+                return pool.submit(server.request, "/v1/chat/completions", chat(10, x_mode="hold"), timeout=20)
+
+            pending = []
+            for i in range(8):  # 5 blocks each; one at a time so the order is the ledger's
+                pending.append(held(i))
+                server.wait_ledger(5 * (i + 1))
+            ups = server.ledger()["upstreams"]
+            # free 60 vs 30: six go to a; at 30 each the tie goes to b (fewer in flight); then a again
+            assert [(u["budget"], u["reserved"], u["inflight"]) for u in ups] == [(60, 35, 7), (30, 5, 1)]
+            assert (a.active, b.active) == (7, 1)
+            for i in range(8, 18):
+                pending.append(held(i))
+                server.wait_ledger(5 * (i + 1))
+            status, headers, _ = server.request("/v1/chat/completions", chat(10))
+            assert status == 429 and int(headers["Retry-After"]) >= 1
+            ledger = server.ledger()
+            assert [u["reserved"] for u in ledger["upstreams"]] == [60, 30] and ledger["reserved"] == 90
+            a.release()
+            b.release()
+            assert [f.result()[0] for f in pending] == [200] * 18
+            assert server.wait_ledger(0)["inflight"] == 0
+            # an upstream 500, and a client gone while its request is held: each released once
+            assert server.request("/v1/chat/completions", chat(10, x_mode="500"))[0] == 500
+            assert [u["reserved"] for u in server.wait_ledger(0)["upstreams"]] == [0, 0]
+            a.hold()
+            b.hold()
+            body = json_.dumps(chat(10, x_mode="hold")).encode()
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+                conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                server.wait_ledger(5)
+            ledger = server.wait_ledger(0)
+            assert ledger["inflight"] == 0 and [u["inflight"] for u in ledger["upstreams"]] == [0, 0]
+            assert [u["reserved"] for u in ledger["upstreams"]] == [0, 0]
+        finally:
+            a.release()
+            b.release()
+            server.stop()

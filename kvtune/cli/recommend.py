@@ -185,8 +185,9 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
                    "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
-                   "upstream's budget is its own (its URL the file's origin). nginx.conf fronts one engine: "
-                   "not written for N > 1.  [default: the --capacity files' count, else 1]")
+                   "upstream's budget is its own (its URL the file's origin). nginx.conf holds each upstream's "
+                   "budget under its own key (not for admission: statistical).  "
+                   "[default: the --capacity files' count, else 1]")
 @click.option("--nginx-replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="M",
               help="M nginx replicas in front of the engine: nginx.conf's ledger (a lua_shared_dict) cannot be "
                    "shared across machines, so each nginx holds a static slice, floor(budget / M) blocks, stated "
@@ -221,10 +222,6 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     elif len(files_given) > 1 and replicas != len(files_given):
         raise OptionError(f"{replicas} replicas, but {len(files_given)} --capacity files (one per replica): "
                           "give as many of each, or leave --replicas out", field="--replicas")
-    if replicas > 1 and nginx_replicas > 1:
-        raise OptionError(f"slices one engine's budget for nginx.conf, which is not rendered for {replicas} engine "
-                          "replicas: use gateway.yaml with a Redis ledger for several gateways in front of several "
-                          "engines", field="--nginx-replicas")
     fallback_urls = [policy.upstream]
     if replicas > 1:  # ports in range, before any work
         fallback_urls = replica_upstreams(policy.upstream, replicas, field="--replicas")
@@ -256,7 +253,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
-    if replicas > 1:
+    if replicas > 1 and "nginx.conf" not in files:
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = kvtune.write_files(out_dir, files) if out_dir else []
     if json_:
@@ -265,13 +262,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.cli._recommend_view import show_recommendation
 
     show_recommendation(rec, [str(p) for p in written])
-    if nginx_replicas > 1 and "nginx.conf" in files:
-        from kvtune.deploy.slices import slice_blocks
+    if nginx_replicas > 1 or replicas > 1:
+        from kvtune.cli._recommend_view import show_upstream_budgets
 
-        share = slice_blocks(rec.budget_blocks, nginx_replicas)
-        click.echo(f"nginx.conf: {nginx_replicas} nginx replicas, each a static slice of {share:,} blocks "
-                   f"({share * rec.capacity.block_size:,} tokens) of {rec.upstream}'s {rec.budget_blocks:,}; "
-                   f"{nginx_replicas} x {share:,} = {share * nginx_replicas:,} blocks held in all")
+        show_upstream_budgets(rec, RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas))
 
 
 def _infeasible(exc, json_: bool) -> None:

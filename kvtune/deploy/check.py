@@ -323,8 +323,11 @@ class _Checker:
                 own = self.rec.upstreams[i]
             usable, recommended = (self.usable_blocks, self.budget) if own is None else (own.usable_blocks,
                                                                                        own.block_budget)
-            out.append((f"upstreams[{i}].block_budget", f"upstream {u.url}: block budget", u.block_budget,
-                        usable, recommended))
+            m = d.gateway_replicas  # 1 but for nginx.conf's --nginx-replicas: every slice together
+            called = f"upstream {u.url}: block budget" if m == 1 else \
+                f"upstream {u.url}: {m} nginx replicas x slice {u.block_budget} = block budget"
+            out.append((f"upstreams[{i}].block_budget", called, u.block_budget * m, usable,
+                        slice_blocks(recommended, m) * m))
         return out
 
     def _check_budget(self, d: Deployed, field: str, called: str, budget: int, block_size: int,

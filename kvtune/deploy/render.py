@@ -127,6 +127,43 @@ def _upstreams(rec: Recommendation, options: RenderOptions) -> list[dict]:
             for url in replica_upstreams(rec.upstream, options.replicas)]
 
 
+def _nginx_upstreams(rec: Recommendation, options: RenderOptions, upstreams: list[dict]) -> list[dict]:
+    """nginx.conf's engine replicas: each one's upstream group, budget (its slice of it under
+    --nginx-replicas) and admission limit, and where its budget came from."""
+    if rec.admission.kind is PolicyKind.STATISTICAL:
+        raise OptionError("nginx.conf's statistical ledger holds one engine's sequences in one worker: render "
+                          "gateway.yaml for several engine replicas under admission: statistical", field="replicas")
+    schemes = {parse_upstream(u["url"]).scheme for u in upstreams}
+    if len(schemes) > 1:
+        raise OptionError("nginx.conf proxies every engine replica with one scheme: give all of them http or all "
+                          "https", field="upstreams")
+    sources = [u.capacity_file for u in rec.upstreams] or ["the recommended budget, copied"] * len(upstreams)
+    out = []
+    for i, (u, source) in enumerate(zip(upstreams, sources, strict=True)):
+        budget = u["block_budget"]
+        if options.nginx_replicas != 1:
+            budget = check_slice(budget, options.nginx_replicas, max_model_len=rec.max_model_len,
+                                 block_size=rec.capacity.block_size)
+        out.append({"name": f"kvtune_upstream_{i + 1}", "url": u["url"],
+                    "host_port": parse_upstream(u["url"]).host_port, "engine_budget": u["block_budget"],
+                    "block_budget": budget, "admit_limit": rec.admission.limit_blocks(budget),
+                    "source": source if rec.upstreams else sources[i]})
+    return out
+
+
+def upstream_budgets(rec: Recommendation, options: RenderOptions) -> list[dict]:
+    """Each engine upstream's budget as recommend shows it: url, blocks, tokens, where it came from
+    (its capacity file, or the recommended budget copied), and one nginx's slice of it."""
+    rows = []
+    sources = [u.capacity_file for u in rec.upstreams]
+    for i, u in enumerate(_upstreams(rec, options)):
+        budget = u["block_budget"]
+        rows.append({"url": u["url"], "block_budget": budget, "budget_tokens": budget * rec.capacity.block_size,
+                     "source": sources[i] if sources else "copied (the recommended budget)",
+                     "slice_blocks": budget // options.nginx_replicas})
+    return rows
+
+
 def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
     """The absolute model directory behind `spec` (a directory, or a file in it such as
     config.json or tokenizer.json) when it holds what `kvtune gateway` needs to count prompts
@@ -281,7 +318,7 @@ def lua_statistical(rec: Recommendation) -> dict | None:
     }
 
 
-def _context(rec: Recommendation, options: RenderOptions) -> dict:
+def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
@@ -303,7 +340,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
     max_model_len = rec.max_model_len
     limits = options.limits or ClientLimits(max_body_bytes=default_max_body_bytes(max_model_len))
     nginx_budget = rec.budget_blocks
-    if options.nginx_replicas != 1:
+    if options.nginx_replicas != 1 and nginx:
         nginx_budget = check_slice(rec.budget_blocks, options.nginx_replicas, max_model_len=max_model_len,
                                    block_size=rec.capacity.block_size)
     lua_config = {
@@ -328,6 +365,11 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
     if options.nginx_replicas != 1:
         nginx_slice = {"replicas": options.nginx_replicas, "engine_budget": rec.budget_blocks, "slice": nginx_budget,
                        "total": nginx_budget * options.nginx_replicas}
+    upstreams = _upstreams(rec, options)
+    nginx_upstreams = _nginx_upstreams(rec, options, upstreams) if nginx and len(upstreams) > 1 else None
+    if nginx_upstreams:
+        largest = max(nginx_upstreams, key=lambda u: u["admit_limit"])
+        lua_config["block_budget"], lua_config["admit_limit"] = largest["block_budget"], largest["admit_limit"]
     return {
         "rec": rec,
         "options": options,
@@ -336,7 +378,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
         "routes": routes,
-        "upstreams": _upstreams(rec, options),
+        "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
         "report_routes": report_routes,
@@ -345,6 +387,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "what_if": _what_if(rec),
         "lua_config": lua_config,
         "nginx_slice": nginx_slice,
+        "nginx_upstreams": nginx_upstreams,
         "policy": lua_policy(),
         # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
         "upstream_timeouts": {name: f.default for f in dataclasses.fields(GatewayConfig)
@@ -373,7 +416,8 @@ def default_targets(rec: Recommendation, options: RenderOptions | None = None) -
     without one (TensorRT-LLM), and fronts one engine, so it is left out for several replicas
     (NGINX_ONE_ENGINE)."""
     replicas = max(1 if options is None else options.replicas, len(rec.upstreams))
-    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and replicas == 1
+    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and (replicas == 1
+                                                            or rec.admission.kind is not PolicyKind.STATISTICAL)
     return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if nginx or t != "nginx.conf")]
 
 
@@ -413,11 +457,9 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     if other:
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
-    if max(options.replicas, len(rec.upstreams)) > 1 and "nginx.conf" in wanted:
-        raise OptionError(NGINX_ONE_ENGINE, field="replicas")
     _counting(rec, wanted, options)
     env = make_environment()
-    context = _context(rec, options)
+    context = _context(rec, options, nginx="nginx.conf" in wanted)
     launch = launcher(rec.engine.name)
     launch_files = launch.render(rec, env, context) if any(t in launch.FILES for t in wanted) else {}
     files: dict[str, str] = {}
@@ -447,5 +489,6 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
     "write_files", "make_environment", "local_chat_tokenizer",
-    "parse_upstream", "vllm_flags", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE", "MAX_REPLICAS",
+    "parse_upstream", "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
+    "MAX_REPLICAS",
 ]
