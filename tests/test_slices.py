@@ -173,3 +173,30 @@ def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_wh
             a.release()
             b.release()
             server.stop()
+
+
+def test_two_measured_engines_sliced_for_three_nginx_render_each_slice_and_check_holds_each_to_its_own():
+    from recs import rec_dict
+
+    from kvtune.deploy.check import Severity, check_deployment
+    from kvtune.deploy.read import parse_deployed
+    from kvtune.deploy.render import RenderOptions, render_files
+    from kvtune.policy.recommendation import Recommendation
+
+    upstreams = [{"url": "http://10.0.0.7:8000", "block_budget": 26999, "num_blocks": 30000, "capacity_file": "a.json"},
+                 {"url": "http://10.0.0.8:8000", "block_budget": 40499, "num_blocks": 45000, "capacity_file": "b.json"}]
+    rec = Recommendation.from_dict({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
+    text = render_files(rec, targets=["nginx.conf"], options=RenderOptions(nginx_replicas=3))["nginx.conf"]
+    assert "#   http://10.0.0.7:8000: budget 8999 blocks (a.json), this nginx's slice of floor(26999 / 3)" in text
+    assert "#   http://10.0.0.8:8000: budget 13499 blocks (b.json), this nginx's slice of floor(40499 / 3)" in text
+    assert "# this nginx holds 1/3 of each engine's budget: 3 nginx replicas" in text and "Redis ledger" in text
+    d = parse_deployed(text, source="nginx.conf")
+    assert [(u.url, u.block_budget) for u in d.upstreams] == [("http://10.0.0.7:8000", 8999),
+                                                              ("http://10.0.0.8:8000", 13499)]
+    assert d.gateway_replicas == 3
+    assert [f.code for f in check_deployment([d], rec).findings if f.severity is not Severity.INFO] == []
+    # b's slice edited up to 3 x 16000 = 48000 blocks, past its 45000: a risk on b alone
+    over = parse_deployed(text.replace("block_budget = 13499,", "block_budget = 16000,"), source="nginx.conf")
+    risks = [f for f in check_deployment([over], rec).findings if f.severity is Severity.RISK]
+    assert [f.code for f in risks] == ["budget-over-capacity"] and "upstream http://10.0.0.8:8000" in risks[0].message
+    assert "3 nginx replicas x slice 16000 = block budget 48000" in risks[0].message
