@@ -413,7 +413,7 @@ def _what_if(rec: Recommendation) -> dict | None:
 def default_targets(rec: Recommendation, options: RenderOptions | None = None) -> list[str]:
     """What `recommend` writes for the recommendation's engine: its launch files, then the rest.
     nginx.conf counts prompts with the engine's /tokenize, so it is left out for an engine
-    without one (TensorRT-LLM), and fronts one engine, so it is left out for several replicas
+    without one (TensorRT-LLM), and is left out for several replicas under admission: statistical
     (NGINX_ONE_ENGINE)."""
     replicas = max(1 if options is None else options.replicas, len(rec.upstreams))
     nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and (replicas == 1
@@ -421,10 +421,9 @@ def default_targets(rec: Recommendation, options: RenderOptions | None = None) -
     return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if nginx or t != "nginx.conf")]
 
 
-#: Why nginx.conf is not rendered for several engine replicas.
-NGINX_ONE_ENGINE = ("nginx.conf keeps its ledger in one nginx's shared memory (lua_shared_dict) and sends to one "
-                    "engine: it cannot hold a budget per replica, nor share one with another nginx on another "
-                    "machine; render gateway.yaml for several replicas (one budget each), or one nginx.conf per "
+#: Why nginx.conf is not rendered for several engine replicas under admission: statistical.
+NGINX_ONE_ENGINE = ("under admission: statistical nginx.conf's Lua ledger holds one engine's sequences in one "
+                    "worker: render gateway.yaml for several replicas (one budget each), or one nginx.conf per "
                     "engine, each without --replicas and with --upstream of its own engine")
 
 
