@@ -281,9 +281,9 @@ def test_replicas_render_one_upstream_per_port_each_with_one_engines_budget(tmp_
                                       "--upstream", "http://10.0.0.5:8000", "--replicas", "3", "--out",
                                       str(tmp_path)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert not (tmp_path / "nginx.conf").exists()
-    assert "Note: nginx.conf is not rendered for 3 replicas: nginx.conf keeps its ledger in one nginx's" \
-        in result.stderr
+    nginx = (tmp_path / "nginx.conf").read_text()
+    assert "# 3 engine replicas, each with its own block budget under its own keys of the shared dict" in nginx
+    assert "Upstream budgets" in result.stdout and "http://10.0.0.5:8002" in result.stdout
     doc = yaml.safe_load((tmp_path / "gateway.yaml").read_text())
     budget = json.loads((tmp_path / "recommendation.json").read_text())["block_budget"]["value"]
     assert "upstream" not in doc and "block_budget" not in doc
@@ -393,3 +393,32 @@ def test_several_capacity_files_are_recommends_alone(tmp_path, command):
     assert result.stderr.strip().splitlines()[-1] == (
         "Error: --capacity: give one capacity file here; several (one per engine replica) only "
         "`kvtune recommend` takes")
+
+
+# ---------------------------------------------------------------- --nginx-replicas
+
+def test_nginx_replicas_render_a_slice_each_say_so_and_pass_check(tmp_path):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--nginx-replicas", "2", "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    budget = json.loads((tmp_path / "recommendation.json").read_text())["block_budget"]["value"]
+    share = budget // 2
+    text = (tmp_path / "nginx.conf").read_text()
+    assert "# this nginx holds 1/2 of the engine's budget" in text and f"block_budget = {share}," in text
+    assert "Upstream budgets (2 nginx replicas, a static slice each)" in result.stdout
+    assert f"{share:,}" in result.stdout and "copied (the recommended budget)" in result.stdout
+    checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model", "llama-3.1-8b",
+                                       "--deployed", str(tmp_path / "nginx.conf")])
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--nginx-replicas", "0"], "Error: Invalid value for '--nginx-replicas': 0 is not in the range x>=1."),
+    (["--nginx-replicas", "257"], "Error: --nginx-replicas: must be from 1 to 256, got 257"),
+])
+def test_nginx_replicas_refusals_are_one_line(tmp_path, args, line):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", *args,
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not (tmp_path / "out").exists()

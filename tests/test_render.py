@@ -17,6 +17,7 @@ import yaml
 
 from kvtune.deploy.charts import histogram_bars
 from kvtune.deploy.filters import human_bytes, human_number, lua_string, md_cell, nginx_time, one_line, yaml_scalar
+from kvtune.deploy.read import parse_deployed
 from kvtune.deploy.render import (
     COMMON_TARGETS,
     TARGETS,
@@ -446,7 +447,9 @@ def test_refused_values_are_quoted_briefly():
 
 def test_replicas_render_upstreams_on_consecutive_ports_each_with_the_budget():
     files = render_files(rec(), options=RenderOptions(replicas=4))
-    assert "nginx.conf" not in files  # it fronts one engine
+    conf = parse_deployed(files["nginx.conf"], source="nginx.conf")  # one budget per engine, under its own keys
+    assert [(u.url, u.block_budget) for u in conf.upstreams] == [(f"http://127.0.0.1:{8000 + i}", 26999)
+                                                                  for i in range(4)]
     doc = yaml.safe_load(files["gateway.yaml"])
     assert doc["upstreams"] == [{"url": f"http://127.0.0.1:{8000 + i}", "block_budget": 26999} for i in range(4)]
     assert "# 4 engine replicas, one per port" in files["gateway.yaml"]
@@ -461,17 +464,22 @@ def test_replicas_measured_each_render_their_own_budgets_and_no_nginx_conf():
                  {"url": "http://10.0.0.8:8000", "block_budget": 2700, "num_blocks": 3001, "capacity_file": "b.json"}]
     measured = Recommendation.from_dict({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
     files = render_files(measured)  # RenderOptions' replicas=1 does not hide them
-    assert "nginx.conf" not in files
+    conf = parse_deployed(files["nginx.conf"], source="nginx.conf")
+    assert [(u.url, u.block_budget) for u in conf.upstreams] == [(u["url"], u["block_budget"]) for u in upstreams]
+    assert "budget 1799 blocks (a.json)" in files["nginx.conf"]
     doc = yaml.safe_load(files["gateway.yaml"])
     assert doc["upstreams"] == [{"url": u["url"], "block_budget": u["block_budget"]} for u in upstreams]
     assert "each block_budget its own measured KV pool" in files["gateway.yaml"]
     assert json.loads(files["recommendation.json"])["upstreams"] == upstreams
 
 
-def test_nginx_conf_for_several_replicas_is_refused_with_the_reason():
+def test_nginx_conf_for_several_statistical_replicas_is_refused_with_the_reason():
+    statistical = Recommendation.from_dict({**rec_dict(), "admission": {"policy": "statistical", "epsilon": 0.01}},
+                                           path="recommendation.json")
+    assert "nginx.conf" not in render_files(statistical, options=RenderOptions(replicas=2))
     with pytest.raises(KvtuneError) as caught:
-        render_files(rec(), targets=["gateway.yaml", "nginx.conf"], options=RenderOptions(replicas=2))
+        render_files(statistical, targets=["gateway.yaml", "nginx.conf"], options=RenderOptions(replicas=2))
     assert caught.value.field == "replicas"
-    assert caught.value.message.startswith("nginx.conf keeps its ledger in one nginx's shared memory")
+    assert caught.value.message.startswith("nginx.conf's statistical ledger holds one engine's sequences")
     with pytest.raises(KvtuneError, match="must be from 1 to 256, got 65000"):
         render_files(rec(), targets=["gateway.yaml"], options=RenderOptions(replicas=65000))

@@ -12,6 +12,7 @@ from rich.table import Table
 from kvtune.cli._progress import transient_bar
 
 if TYPE_CHECKING:
+    from kvtune.deploy.render import RenderOptions
     from kvtune.policy.recommendation import Recommendation
     from kvtune.policy.whatif import Objective, WhatIfRow
 
@@ -112,3 +113,20 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
         console.print(f"[yellow]note:[/yellow] {note}")
     if written:
         console.print("wrote " + ", ".join(written))
+
+
+def show_upstream_budgets(rec: Recommendation, options: RenderOptions) -> None:
+    """The engine upstreams' budgets (several replicas), and each nginx's static slice of them
+    under --nginx-replicas."""
+    from kvtune.deploy.render import upstream_budgets
+
+    m = options.nginx_replicas
+    table = Table(title="Upstream budgets" + (f" ({m} nginx replicas, a static slice each)" if m > 1 else ""))
+    for column in ("upstream", "budget blocks", "budget tokens", "source", *(("slice blocks",) if m > 1 else ())):
+        table.add_column(column, justify="left" if column in ("upstream", "source") else "right")
+    for row in upstream_budgets(rec, options):
+        cells = [row["url"], f"{row['block_budget']:,}", f"{row['budget_tokens']:,}", row["source"]]
+        if m > 1:
+            cells.append(f"{row['slice_blocks']:,}")
+        table.add_row(*cells)
+    Console(width=160).print(table)

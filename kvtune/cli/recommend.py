@@ -185,13 +185,19 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
                    "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
-                   "upstream's budget is its own (its URL the file's origin). nginx.conf fronts one engine: "
-                   "not written for N > 1.  [default: the --capacity files' count, else 1]")
+                   "upstream's budget is its own (its URL the file's origin). nginx.conf holds each upstream's "
+                   "budget under its own key (not for admission: statistical).  "
+                   "[default: the --capacity files' count, else 1]")
+@click.option("--nginx-replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="M",
+              help="M nginx replicas in front of the engine: nginx.conf's ledger (a lua_shared_dict) cannot be "
+                   "shared across machines, so each nginx holds a static slice, floor(budget / M) blocks, stated "
+                   "in its header. A request bigger than a slice is refused (413) and idle slices cannot be "
+                   "lent; gateway.yaml with a Redis ledger shares one exact budget instead.")
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
-              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, out_dir: str | None,
-              json_: bool) -> None:
+              objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, nginx_replicas: int,
+              out_dir: str | None, json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -240,13 +246,14 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
 
         rec = per_replica(rec, measured, fallback_urls)
     try:
-        files = kvtune.render(rec, options=RenderOptions(replicas=replicas), gateway_tokenizer=counting_with)
+        files = kvtune.render(rec, options=RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas),
+                              gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
         for f in exc.result.findings:
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
-    if replicas > 1:
+    if replicas > 1 and "nginx.conf" not in files and rec.admission.kind.value == "statistical":
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = kvtune.write_files(out_dir, files) if out_dir else []
     if json_:
@@ -255,6 +262,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.cli._recommend_view import show_recommendation
 
     show_recommendation(rec, [str(p) for p in written])
+    if nginx_replicas > 1 or replicas > 1:
+        from kvtune.cli._recommend_view import show_upstream_budgets
+
+        show_upstream_budgets(rec, RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas))
 
 
 def _infeasible(exc, json_: bool) -> None:

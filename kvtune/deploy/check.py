@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.read import Deployed, DeployedKind
+from kvtune.deploy.slices import slice_blocks
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
@@ -308,6 +309,10 @@ class _Checker:
         holds one per upstream), held to that replica's own capacity where the recommendation
         measured each (rec.upstreams, matched by URL, else by position), else to the one capacity."""
         assert d.block_budget is not None
+        if len(d.upstreams) <= 1 and d.gateway_replicas > 1:
+            m = d.gateway_replicas  # every nginx replica's slice together, against the one engine
+            return [("block_budget", f"{m} nginx replicas x slice {d.block_budget} = block budget",
+                     d.block_budget * m, self.usable_blocks, slice_blocks(self.budget, m) * m)]
         if len(d.upstreams) <= 1:
             return [("block_budget", "block budget", d.block_budget, self.usable_blocks, self.budget)]
         measured = {u.url: u for u in self.rec.upstreams}
@@ -318,8 +323,11 @@ class _Checker:
                 own = self.rec.upstreams[i]
             usable, recommended = (self.usable_blocks, self.budget) if own is None else (own.usable_blocks,
                                                                                        own.block_budget)
-            out.append((f"upstreams[{i}].block_budget", f"upstream {u.url}: block budget", u.block_budget,
-                        usable, recommended))
+            m = d.gateway_replicas  # 1 but for nginx.conf's --nginx-replicas: every slice together
+            called = f"upstream {u.url}: block budget" if m == 1 else \
+                f"upstream {u.url}: {m} nginx replicas x slice {u.block_budget} = block budget"
+            out.append((f"upstreams[{i}].block_budget", called, u.block_budget * m, usable,
+                        slice_blocks(recommended, m) * m))
         return out
 
     def _check_budget(self, d: Deployed, field: str, called: str, budget: int, block_size: int,

@@ -84,6 +84,9 @@ class Deployed:
     upstream: str | None = None
     # one engine's budget: with several upstreams, the largest (what the simulator runs)
     block_budget: int | None = None
+    # nginx.conf rendered with --nginx-replicas M: block_budget is one nginx's slice, M of them
+    # stand in front of the engine (kvtune.deploy.slices)
+    gateway_replicas: int = 1
     upstreams: tuple[DeployedUpstream, ...] = ()  # gateway.yaml's, each with its budget (one or more)
     routes: tuple[DeployedRoute, ...] = ()
     admission: AdmissionPolicy | None = None  # the gateway's admission policy

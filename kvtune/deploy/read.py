@@ -190,11 +190,21 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
         routes.append(DeployedRoute(raw.get("name") or f"route {i + 1}", raw.get("path"), raw.get("model"),
                                     integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix")))
     upstream = re.search(r"upstream\s+kvtune_upstream\s*\{\s*server\s+([^\s;]+)", text)
+    upstreams = []
+    raw_upstreams = config.get("upstreams", [])
+    if not isinstance(raw_upstreams, list):
+        raise InputError("expected a list of upstreams", path=source, field="CONFIG.upstreams")
+    for i, raw in enumerate(raw_upstreams):
+        if not isinstance(raw, dict) or not isinstance(raw.get("url"), str):
+            raise InputError("expected a table with a url", path=source, field=f"CONFIG.upstreams[{i + 1}]")
+        upstreams.append(DeployedUpstream(raw["url"], integer("block_budget", raw, f"upstreams[{i + 1}].")))
     return Deployed(
+        upstreams=tuple(upstreams),
         kind=DeployedKind.NGINX, source=source, block_size=integer("block_size"),
         block_budget=integer("block_budget"), max_model_len=integer("max_model_len"),
         upstream=upstream.group(1) if upstream else None, routes=tuple(routes),
         admission=_lua_admission(config, source),
+        gateway_replicas=integer("nginx_replicas") if "nginx_replicas" in config else 1,
     )
 
 

@@ -24,6 +24,7 @@ from kvtune.deploy.charts import capacity_segments, histogram_bars
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.deploy.slices import check_slice
 from kvtune.endpoint import ServerUrl, parse_url
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
@@ -97,6 +98,9 @@ class RenderOptions:
     # recommendation's upstream and the ports after it (replica_upstreams). nginx.conf keeps its
     # ledger in one nginx's shared memory and fronts one engine: it renders only for one.
     replicas: int = 1
+    # nginx replicas in front of the one engine (kvtune.deploy.slices): each nginx.conf holds
+    # floor(budget / nginx_replicas) blocks, since nginx's ledger cannot be shared between machines.
+    nginx_replicas: int = 1
 
 
 #: The most engine replicas one gateway.yaml lists.
@@ -121,6 +125,43 @@ def _upstreams(rec: Recommendation, options: RenderOptions) -> list[dict]:
         return [{"url": u.url, "block_budget": u.block_budget} for u in rec.upstreams]
     return [{"url": url, "block_budget": rec.block_budget.value}
             for url in replica_upstreams(rec.upstream, options.replicas)]
+
+
+def _nginx_upstreams(rec: Recommendation, options: RenderOptions, upstreams: list[dict]) -> list[dict]:
+    """nginx.conf's engine replicas: each one's upstream group, budget (its slice of it under
+    --nginx-replicas) and admission limit, and where its budget came from."""
+    if rec.admission.kind is PolicyKind.STATISTICAL:
+        raise OptionError("nginx.conf's statistical ledger holds one engine's sequences in one worker: render "
+                          "gateway.yaml for several engine replicas under admission: statistical", field="replicas")
+    schemes = {parse_upstream(u["url"]).scheme for u in upstreams}
+    if len(schemes) > 1:
+        raise OptionError("nginx.conf proxies every engine replica with one scheme: give all of them http or all "
+                          "https", field="upstreams")
+    sources = [u.capacity_file for u in rec.upstreams] or ["the recommended budget, copied"] * len(upstreams)
+    out = []
+    for i, (u, source) in enumerate(zip(upstreams, sources, strict=True)):
+        budget = u["block_budget"]
+        if options.nginx_replicas != 1:
+            budget = check_slice(budget, options.nginx_replicas, max_model_len=rec.max_model_len,
+                                 block_size=rec.capacity.block_size)
+        out.append({"name": f"kvtune_upstream_{i + 1}", "url": u["url"],
+                    "host_port": parse_upstream(u["url"]).host_port, "engine_budget": u["block_budget"],
+                    "block_budget": budget, "admit_limit": rec.admission.limit_blocks(budget),
+                    "source": source if rec.upstreams else sources[i]})
+    return out
+
+
+def upstream_budgets(rec: Recommendation, options: RenderOptions) -> list[dict]:
+    """Each engine upstream's budget as recommend shows it: url, blocks, tokens, where it came from
+    (its capacity file, or the recommended budget copied), and one nginx's slice of it."""
+    rows = []
+    sources = [u.capacity_file for u in rec.upstreams]
+    for i, u in enumerate(_upstreams(rec, options)):
+        budget = u["block_budget"]
+        rows.append({"url": u["url"], "block_budget": budget, "budget_tokens": budget * rec.capacity.block_size,
+                     "source": sources[i] if sources else "copied (the recommended budget)",
+                     "slice_blocks": budget // options.nginx_replicas})
+    return rows
 
 
 def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
@@ -277,7 +318,7 @@ def lua_statistical(rec: Recommendation) -> dict | None:
     }
 
 
-def _context(rec: Recommendation, options: RenderOptions) -> dict:
+def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
@@ -298,12 +339,16 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         raise OptionError("admin access 'token' needs admin.token_env, the variable that holds the token")
     max_model_len = rec.max_model_len
     limits = options.limits or ClientLimits(max_body_bytes=default_max_body_bytes(max_model_len))
+    nginx_budget = rec.budget_blocks
+    if options.nginx_replicas != 1 and nginx:
+        nginx_budget = check_slice(rec.budget_blocks, options.nginx_replicas, max_model_len=max_model_len,
+                                   block_size=rec.capacity.block_size)
     lua_config = {
         "block_size": rec.capacity.block_size,
-        "block_budget": rec.budget_blocks,
+        "block_budget": nginx_budget,
         "policy": rec.admission.name,
         "factor": rec.admission.factor,
-        "admit_limit": rec.admission.limit_blocks(rec.budget_blocks),
+        "admit_limit": rec.admission.limit_blocks(nginx_budget),
         "max_model_len": max_model_len,
         "retry_after_min_s": options.retry_after_min_s,
         "retry_after_max_s": options.retry_after_max_s,
@@ -316,6 +361,15 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
     }
+    nginx_slice = None
+    if options.nginx_replicas != 1:
+        nginx_slice = {"replicas": options.nginx_replicas, "engine_budget": rec.budget_blocks, "slice": nginx_budget,
+                       "total": nginx_budget * options.nginx_replicas}
+    upstreams = _upstreams(rec, options)
+    nginx_upstreams = _nginx_upstreams(rec, options, upstreams) if nginx and len(upstreams) > 1 else None
+    if nginx_upstreams:
+        largest = max(nginx_upstreams, key=lambda u: u["admit_limit"])
+        lua_config["block_budget"], lua_config["admit_limit"] = largest["block_budget"], largest["admit_limit"]
     return {
         "rec": rec,
         "options": options,
@@ -324,7 +378,7 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
         "routes": routes,
-        "upstreams": _upstreams(rec, options),
+        "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
         "report_routes": report_routes,
@@ -332,6 +386,8 @@ def _context(rec: Recommendation, options: RenderOptions) -> dict:
         "segments": capacity_segments(rec),
         "what_if": _what_if(rec),
         "lua_config": lua_config,
+        "nginx_slice": nginx_slice,
+        "nginx_upstreams": nginx_upstreams,
         "policy": lua_policy(),
         # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
         "upstream_timeouts": {name: f.default for f in dataclasses.fields(GatewayConfig)
@@ -357,17 +413,17 @@ def _what_if(rec: Recommendation) -> dict | None:
 def default_targets(rec: Recommendation, options: RenderOptions | None = None) -> list[str]:
     """What `recommend` writes for the recommendation's engine: its launch files, then the rest.
     nginx.conf counts prompts with the engine's /tokenize, so it is left out for an engine
-    without one (TensorRT-LLM), and fronts one engine, so it is left out for several replicas
+    without one (TensorRT-LLM), and is left out for several replicas under admission: statistical
     (NGINX_ONE_ENGINE)."""
     replicas = max(1 if options is None else options.replicas, len(rec.upstreams))
-    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and replicas == 1
+    nginx = engine_facts(rec.engine.name).HAS_TOKENIZE and (replicas == 1
+                                                            or rec.admission.kind is not PolicyKind.STATISTICAL)
     return [*launcher(rec.engine.name).FILES, *(t for t in COMMON_TARGETS if nginx or t != "nginx.conf")]
 
 
-#: Why nginx.conf is not rendered for several engine replicas.
-NGINX_ONE_ENGINE = ("nginx.conf keeps its ledger in one nginx's shared memory (lua_shared_dict) and sends to one "
-                    "engine: it cannot hold a budget per replica, nor share one with another nginx on another "
-                    "machine; render gateway.yaml for several replicas (one budget each), or one nginx.conf per "
+#: Why nginx.conf is not rendered for several engine replicas under admission: statistical.
+NGINX_ONE_ENGINE = ("under admission: statistical nginx.conf's Lua ledger holds one engine's sequences in one "
+                    "worker: render gateway.yaml for several replicas (one budget each), or one nginx.conf per "
                     "engine, each without --replicas and with --upstream of its own engine")
 
 
@@ -400,11 +456,9 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     if other:
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
-    if max(options.replicas, len(rec.upstreams)) > 1 and "nginx.conf" in wanted:
-        raise OptionError(NGINX_ONE_ENGINE, field="replicas")
     _counting(rec, wanted, options)
     env = make_environment()
-    context = _context(rec, options)
+    context = _context(rec, options, nginx="nginx.conf" in wanted)
     launch = launcher(rec.engine.name)
     launch_files = launch.render(rec, env, context) if any(t in launch.FILES for t in wanted) else {}
     files: dict[str, str] = {}
@@ -434,5 +488,6 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
     "write_files", "make_environment", "local_chat_tokenizer",
-    "parse_upstream", "vllm_flags", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE", "MAX_REPLICAS",
+    "parse_upstream", "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
+    "MAX_REPLICAS",
 ]
