@@ -363,14 +363,17 @@ REDIS = {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}
     ({"ledger": {**REDIS, "ttl": 3}}, "ledger.ttl", "unknown key"),
     ({"ledger": {"url": "redis://h"}}, "ledger.url", "only for ledger.backend: redis"),
     ({"ledger": {"backend": "memory", "replicas_hint": 2}}, "ledger.replicas_hint", "only for ledger.backend"),
-    ({"ledger": REDIS, "admission": {"policy": "statistical", "epsilon": 0.01}}, "ledger.backend",
-     "statistical policy on the redis ledger is not supported yet"),
 ])
 def test_ledger_errors_name_the_field(overrides, field, words):
     with pytest.raises(InputError) as info:
         parse_gateway_config(_doc(**overrides), path="gateway.yaml")
     assert info.value.field == field and words in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_the_statistical_policy_runs_on_the_redis_ledger():
+    config = parse_gateway_config(_doc(ledger=REDIS, admission={"policy": "statistical", "epsilon": 0.01}))
+    assert config.ledger.url == REDIS["url"] and config.admission.epsilon == 0.01
 
 
 @pytest.mark.parametrize("url", ["http://user:hunter2@host:6379/0", "redis://user:hunter2@host:6379/0 x",

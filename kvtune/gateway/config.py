@@ -499,10 +499,6 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
             if key in doc:
                 raise r.fail(f"ledger.{key}", "only for ledger.backend: redis")
         return LedgerStore()
-    admission = top.get("admission")
-    if isinstance(admission, dict) and admission.get("policy") == "statistical":
-        raise r.fail("ledger.backend", "the statistical policy on the redis ledger is not supported yet "
-                     "(use guaranteed or overcommit, or ledger.backend: memory)")
     if "url" not in doc:
         raise r.fail("ledger.url", "missing: the Redis every gateway replica shares, e.g. redis://127.0.0.1:6379/0")
     url = doc["url"]

@@ -47,13 +47,12 @@ ledger is empty: in-flight reservations are forgotten, their releases return Fal
 those requests finish the engines hold more than the ledger says, so the gateways may admit up
 to a whole budget more per upstream than fits. Run Redis with appendonly for this ledger.
 
-The statistical policy (kvtune.gateway.statistical) would need, per upstream, the running sum of
-its held sequences' log-moment rows (rows x THETAS floats) and per reservation its own rows, so a
-release subtracts what the reserve added; the Chernoff bound is then a few exp/log in Lua over
-that sum (the exact convolution is too costly server-side, so the shared ledger would admit on
-the bound alone). It would live in P:stat:<upstream> and P:res:<owner> values, with a reserve
-script of its own; only the guaranteed ledger is implemented here (and overcommit, whose limit
-floor(k x budget) is what reserve's limit_blocks then is).
+The statistical policy runs on this same machinery (kvtune.gateway.redis_statistical): each
+reservation's log-moment rows live in P:rows:<owner>, their sums per upstream in P:stat and
+P:worst, and the prelude's give_back subtracts a reservation's rows wherever its blocks go back
+(release or sweep), so both policies share one lease, sweep and release path. Its reserve
+admits on the Chernoff bound alone (no convolution server-side): never more than in memory.
+Overcommit's limit floor(k x budget) is what reserve's limit_blocks then is.
 """
 
 from __future__ import annotations
@@ -71,6 +70,7 @@ from typing import Any
 
 from kvtune.errors import LedgerUnavailableError
 from kvtune.gateway.ledger import RATE_WINDOW_S, LedgerSnapshot
+from kvtune.gateway.statistical import RESUM_EVERY
 
 #: How often the background task renews the lease and sweeps, at most (also lease_s / 3).
 TEND_EVERY_S = 1.0
@@ -97,7 +97,62 @@ local function decayed(upstream)
   return tonumber(s) * math.exp(-math.max(0, now_ms - tonumber(at)) / window_ms)
 end
 
-local function give_back(upstream, blocks)
+-- the statistical policy's rows (kvtune.gateway.redis_statistical): P:rows:<owner> id -> "<worst> <floats>",
+-- their sums per upstream in P:stat (floats) and P:worst (integers)
+local stat_key, worst_key, removals_key = prefix .. ':stat', prefix .. ':worst', prefix .. ':removals'
+
+local function parse(s)
+  local t = {}
+  for x in string.gmatch(s, '%S+') do t[#t + 1] = tonumber(x) end
+  return t
+end
+
+local function fmt(t)
+  local o = {}
+  for i = 1, #t do o[i] = string.format('%.17g', t[i]) end
+  return table.concat(o, ' ')
+end
+
+local function add_rows(upstream, rows, sign)
+  local cur = redis.call('HGET', stat_key, upstream)
+  local s = cur and parse(cur) or {}
+  for i = 1, #rows do s[i] = (s[i] or 0) + sign * rows[i] end
+  redis.call('HSET', stat_key, upstream, fmt(s))
+end
+
+local function resum(upstream)
+  local s = {}
+  for _, who in ipairs(redis.call('ZRANGE', owners_key, 0, -1)) do
+    local held = redis.call('HGETALL', prefix .. ':rows:' .. who)
+    for i = 1, #held, 2 do
+      local v = redis.call('HGET', prefix .. ':res:' .. who, held[i])
+      if v and string.match(v, '^%d+ (.*)$') == upstream then
+        local rows = parse(held[i + 1])
+        for k = 2, #rows do s[k - 1] = (s[k - 1] or 0) + rows[k] end
+      end
+    end
+  end
+  if #s == 0 then redis.call('HDEL', stat_key, upstream) else redis.call('HSET', stat_key, upstream, fmt(s)) end
+end
+
+local function unhold_rows(who, id, upstream)
+  local rows_key = prefix .. ':rows:' .. who
+  local v = redis.call('HGET', rows_key, id)
+  if not v then return end
+  redis.call('HDEL', rows_key, id)
+  local rows = parse(v)
+  local worst = table.remove(rows, 1)
+  if redis.call('HINCRBY', worst_key, upstream, -worst) == 0 then  -- nothing held: the sums are exactly 0
+    redis.call('HDEL', worst_key, upstream)
+    redis.call('HDEL', stat_key, upstream)
+  else
+    add_rows(upstream, rows, -1)
+    if redis.call('HINCRBY', removals_key, upstream, 1) % RESUM_EVERY == 0 then resum(upstream) end
+  end
+end
+
+local function give_back(upstream, blocks, who, id)
+  unhold_rows(who, id, upstream)
   redis.call('HINCRBY', reserved_key, upstream, -blocks)
   redis.call('HINCRBY', inflight_key, upstream, -1)
   redis.call('HSET', released_key, upstream, string.format('%.17g %d', decayed(upstream) + blocks, now_ms))
@@ -108,9 +163,9 @@ local function reclaim(who)
   local held = redis.call('HGETALL', key)
   for i = 1, #held, 2 do
     local blocks, upstream = string.match(held[i + 1], '^(%d+) (.*)$')
-    give_back(upstream, tonumber(blocks))
+    give_back(upstream, tonumber(blocks), who, held[i])
   end
-  redis.call('DEL', key, prefix .. ':void:' .. who)
+  redis.call('DEL', key, prefix .. ':void:' .. who, prefix .. ':rows:' .. who)
   redis.call('ZREM', owners_key, who)
   return #held / 2
 end
@@ -125,7 +180,7 @@ local function lease()
   redis.call('ZADD', owners_key, now_ms + lease_ms, owner)
   return had
 end
-""".replace("SWEEP_OWNERS", str(SWEEP_OWNERS))
+""".replace("SWEEP_OWNERS", str(SWEEP_OWNERS)).replace("RESUM_EVERY", str(RESUM_EVERY))
 
 # ARGV[5..8]: upstream, id, blocks, limit -> {granted, had lease, reserved after, reclaimed}
 _RESERVE = _PRELUDE + """
@@ -153,7 +208,7 @@ if not v then
 end
 redis.call('HDEL', own_key, ARGV[5])
 local blocks, upstream = string.match(v, '^(%d+) (.*)$')
-give_back(upstream, tonumber(blocks))
+give_back(upstream, tonumber(blocks), owner, ARGV[5])
 return {1, had, reclaimed}
 """
 

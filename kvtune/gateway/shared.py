@@ -4,7 +4,9 @@ redis`, the store in kvtune.gateway.redis_ledger).
 Each upstream keeps its local ledger (kvtune.gateway.pool) for the gate's fast, synchronous
 decision, at its whole budget: this replica alone never holds more. A local grant is then
 confirmed in Redis (`hold`: one atomic script, reserved + blocks <= the upstream's limit over
-every replica); refused, the local grant is given back and admission tries the next upstream,
+every replica; under the statistical policy, the Chernoff bound over every replica's held rows
+within epsilon, kvtune.gateway.redis_statistical, and progress updates sent on); refused,
+the local grant is given back and admission tries the next upstream,
 then polls or answers 429 (kvtune.gateway.admission). `release` gives the shared reservation
 back beside the local one, exactly once, without awaiting (the store's release_soon).
 
@@ -27,7 +29,10 @@ from kvtune.errors import LedgerUnavailableError
 from kvtune.gateway.config import GatewayConfig, OnLedgerError
 from kvtune.gateway.gate import ledger_for
 from kvtune.gateway.ledger import BlockLedger, LedgerSnapshot, Reservation
+from kvtune.gateway.policy import PolicyKind
+from kvtune.gateway.redis_statistical import RedisStatisticalLedger
 from kvtune.gateway.refusals import Reason, Rejection
+from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
     from kvtune.gateway.pool import Replica, UpstreamPool
@@ -50,8 +55,20 @@ class SharedLedger:
             raise ValueError("a shared ledger needs ledger.url")
         self.spec = spec
         self.pool = pool
-        self.store = store if store is not None else RedisLedger(spec.url, key_prefix=spec.key_prefix,
-                                                                 lease_s=spec.lease_s)
+        self.statistical = config.admission.kind is PolicyKind.STATISTICAL
+        if store is None:
+            if self.statistical:
+                from kvtune.gateway.redis_statistical import RedisStatisticalLedger
+
+                store = RedisStatisticalLedger(spec.url, epsilon=config.admission.epsilon,
+                                               key_prefix=spec.key_prefix, lease_s=spec.lease_s)
+            else:
+                store = RedisLedger(spec.url, key_prefix=spec.key_prefix, lease_s=spec.lease_s)
+        self.store = store
+        if self.statistical:
+            for replica in pool.replicas:
+                if isinstance(replica.ledger, StatisticalLedger):
+                    replica.ledger.on_progress = self._progressed
         self.retry_after_s = config.retry_after_min_s
         # each upstream's static slice, for ledger.on_error: local
         self.slices: tuple[BlockLedger, ...] = tuple(
@@ -98,7 +115,7 @@ class SharedLedger:
         if not self._down():
             rid = str(next(self._ids))
             try:
-                granted = await self.store.reserve(replica.url, rid, reservation.blocks, replica.ledger.limit_blocks)
+                granted = await self._reserve(replica, rid, reservation)
             except LedgerUnavailableError:
                 self._failed_at = time.monotonic()
             else:
@@ -115,6 +132,27 @@ class SharedLedger:
         self._held[reservation] = got
         self.local_admitted += 1
         return True
+
+    async def _reserve(self, replica: Replica, rid: str, reservation: Reservation) -> bool:
+        """The store's reserve: the guaranteed rule on the limit, or (statistical) the Chernoff
+        bound over the rows the local ledger holds for this reservation."""
+        ledger = replica.ledger
+        held = ledger.held_rows(reservation) if isinstance(ledger, StatisticalLedger) else None
+        if held is None or not isinstance(self.store, RedisStatisticalLedger):
+            return await self.store.reserve(replica.url, rid, reservation.blocks, ledger.limit_blocks)
+        worst, log_mgf = held
+        return await self.store.reserve_rows(replica.url, rid, reservation.blocks, ledger.budget_blocks,
+                                             worst, log_mgf)
+
+    def _progressed(self, reservation: Reservation) -> None:
+        """A local progress update re-held the reservation's rows: send them to the store too."""
+        rid = self._held.get(reservation)
+        ledger = reservation.ledger
+        if isinstance(rid, str) and isinstance(ledger, StatisticalLedger) \
+                and isinstance(self.store, RedisStatisticalLedger):
+            held = ledger.held_rows(reservation)
+            if held is not None:
+                self.store.progress_soon(rid, held[1])
 
     def release(self, reservation: Reservation) -> None:
         """Give back what `hold` took for this local reservation, once; never awaits."""

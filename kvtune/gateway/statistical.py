@@ -71,6 +71,8 @@ class StatisticalLedger(BlockLedger):
         self._exact[:, 0] = 1.0
         self._removals = 0
         self.last_admitted_probability = 0.0
+        # told after a progress update re-held a reservation's rows (the shared ledger sends them on)
+        self.on_progress: Callable[[Reservation], None] | None = None
 
     # -- what a request may reach
 
@@ -186,6 +188,18 @@ class StatisticalLedger(BlockLedger):
                     self._log_mgf += s.log_mgf
         return demand
 
+    def held_rows(self, reservation: Reservation) -> tuple[int, np.ndarray] | None:
+        """A held reservation's worst case and log-moment rows, its sequences' summed (what the
+        shared ledger stores for it); None if it is not held here."""
+        held = self._held.get(id(reservation))
+        if held is None:
+            return None
+        rows = held[1]
+        total = np.zeros((self.rows, len(THETAS)))
+        for s in rows:
+            total = total + s.log_mgf
+        return sum(s.worst for s in rows), total
+
     def _progress(self, reservation: Reservation, streamed_tokens: int) -> int | None:
         key = id(reservation)
         if key not in self._held:
@@ -193,6 +207,8 @@ class StatisticalLedger(BlockLedger):
         demand = self._unhold(key)
         mark = last_mark(streamed_tokens)
         self._hold(key, demand, self._rows_of(reservation.blocks, demand, min(mark, demand.cap)))
+        if self.on_progress is not None:
+            self.on_progress(reservation)
         return next_mark(streamed_tokens)
 
     def _give_back(self, reservation: Reservation) -> None:
