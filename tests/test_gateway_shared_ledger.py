@@ -29,6 +29,7 @@ from vllm_server import free_port
 
 from kvtune.gateway.config import parse_gateway_config
 from kvtune.gateway.proxy import GATEWAY, make_app, serve
+from kvtune.gateway.redis_statistical import RedisStatisticalLedger
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
@@ -567,5 +568,56 @@ def test_overcommit_holds_every_replica_to_k_times_the_budget(redis_server):
                 assert (ledger["limit"], ledger["upstreams"][0]["reserved"]) == (30, 30)
                 fake.release()
                 assert [s for s, _ in await asyncio.gather(*held)] == [200] * 3
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- the statistical policy on Redis
+
+_SHORT_MOSTLY = {"lengths": [4, 64], "counts": [19, 1]}  # chat answers: 4 tokens, 1 in 20 reaches the cap
+
+
+def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_server):
+    """Two replicas under `statistical` on one Redis admit past the worst-case budget (the bet),
+    but together no more than one replica alone would (the shared bound is over every replica's
+    held sequences); while they are held the bound in Redis is within epsilon, and after it is 0."""
+    epsilon, budget, n = 0.05, 100, 40
+    routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+               "output_histogram": _SHORT_MOSTLY}]
+    statistical = {"policy": "statistical", "epsilon": epsilon}
+
+    async def hold_many(bases: list[str], fake: FakeVllm, session: aiohttp.ClientSession) -> tuple[int, list]:
+        tasks = [asyncio.create_task(post(session, bases[i % len(bases)] + "/v1/chat/completions",
+                                          ten_blocks(x_mode="hold"))) for i in range(n)]
+        await wait_for(lambda: fake.active + sum(t.done() for t in tasks) == n, timeout=20)
+        return fake.active, tasks
+
+    async def run() -> None:
+        async with FakeVllm() as fake, aiohttp.ClientSession() as session:
+            upstreams = [{"url": fake.url, "block_budget": budget}]
+            alone = doc(upstreams, {}, admission=statistical, routes=routes)
+            alone["ledger"] = {"backend": "memory"}
+            async with gateway(alone) as (base, _):
+                single, tasks = await hold_many([base], fake, session)
+                fake.release()
+                await asyncio.gather(*tasks)
+            fake.hold()
+            shared = doc(upstreams, {"url": redis_server.url}, admission=statistical, routes=routes)
+            async with gateway(shared) as (a, _), gateway(shared) as (b, _):
+                admitted, tasks = await hold_many([a, b], fake, session)
+                async with RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix=PREFIX,
+                                                  owner="auditor") as store:
+                    held = await store.overflow_probabilities({fake.url: budget})
+                    client = redis.Redis.from_url(redis_server.url)
+                    assert reserved(client, fake.url) == 10 * admitted > budget  # worst cases past it: the bet
+                    fake.release()
+                    statuses = [s for s, _ in await asyncio.gather(*tasks)]
+                    await wait_for(lambda: reserved(client, fake.url) == 0)
+                    after = await store.overflow_probabilities({fake.url: budget})
+                    assert await store.sums(fake.url) == (0, [])
+            print(f"statistical on Redis: {admitted} admitted by two replicas, {single} by one alone, bound {held}")
+            assert budget // 10 < admitted <= single, (admitted, single)
+            assert 0.0 < held[fake.url] <= epsilon and after[fake.url] == 0.0, (held, after)
+            assert statuses.count(200) == admitted and statuses.count(429) == n - admitted
 
     asyncio.run(run())
