@@ -608,6 +608,11 @@ def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_ser
                 async with RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix=PREFIX,
                                                   owner="auditor") as store:
                     held = await store.overflow_probabilities({fake.url: budget})
+                    for base in (a, b):  # each replica's /kvtune/ledger shows the shared bound
+                        async with session.get(base + "/kvtune/ledger") as resp:
+                            led = await resp.json()
+                        assert led["overflow_probability"] == led["upstreams"][0]["overflow_probability"] \
+                            == held[fake.url], (led, held)
                     client = redis.Redis.from_url(redis_server.url)
                     assert reserved(client, fake.url) == 10 * admitted > budget  # worst cases past it: the bet
                     fake.release()

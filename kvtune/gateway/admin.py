@@ -86,9 +86,15 @@ class Admin:
                 item["shared"] = held is not None
                 if held is not None:
                     item["reserved"], item["inflight"] = held.reserved_blocks, held.inflight_requests
+                    if held.overflow_probability is not None:  # statistical: the bound over every replica
+                        item["overflow_probability"] = held.overflow_probability
             if shared is not None:
+                shared_p = [held.overflow_probability for held in shared.values()
+                            if held.overflow_probability is not None]
                 snap = dataclasses.replace(snap, reserved_blocks=sum(int(u["reserved"]) for u in upstreams),
-                                           inflight_requests=sum(int(u["inflight"]) for u in upstreams))
+                                           inflight_requests=sum(int(u["inflight"]) for u in upstreams),
+                                           overflow_probability=max(shared_p) if shared_p else
+                                           snap.overflow_probability)
             extra["ledger"] = self._shared.describe()
         return web.json_response({
             "reserved": snap.reserved_blocks, "budget": snap.budget_blocks, "inflight": snap.inflight_requests,
