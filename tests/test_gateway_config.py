@@ -338,9 +338,9 @@ def test_ledger_defaults_to_memory_and_reads_redis():
     assert not parse_gateway_config(_doc()).ledger.shared
     ledger = parse_gateway_config(_doc(ledger={
         "backend": "redis", "url": "redis://:s3cret@127.0.0.1:6379/0", "key_prefix": "{gw}", "lease_s": 5,
-        "on_error": "local", "replicas_hint": 3})).ledger
-    assert (ledger.backend, ledger.key_prefix, ledger.lease_s, ledger.on_error, ledger.replicas_hint) == (
-        LedgerBackend.REDIS, "{gw}", 5.0, OnLedgerError.LOCAL, 3)
+        "on_error": "local", "replicas_hint": 3, "op_timeout_s": 2})).ledger
+    assert (ledger.backend, ledger.key_prefix, ledger.lease_s, ledger.on_error, ledger.replicas_hint,
+            ledger.op_timeout_s) == (LedgerBackend.REDIS, "{gw}", 5.0, OnLedgerError.LOCAL, 3, 2.0)
     assert "s3cret" not in repr(ledger)
     assert parse_gateway_config(_doc(ledger={"backend": "redis", "url": "redis://h/0"})).ledger.on_error \
         is OnLedgerError.REJECT
@@ -361,6 +361,10 @@ REDIS = {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}
     ({"ledger": {**REDIS, "on_error": "local"}}, "ledger.replicas_hint", "missing"),
     ({"ledger": {**REDIS, "on_error": "local", "replicas_hint": 0}}, "ledger.replicas_hint", "at least 1"),
     ({"ledger": {**REDIS, "ttl": 3}}, "ledger.ttl", "unknown key"),
+    ({"ledger": {**REDIS, "op_timeout_s": 0}}, "ledger.op_timeout_s", "at least 0.01"),
+    ({"ledger": {**REDIS, "op_timeout_s": 31}}, "ledger.op_timeout_s", "at most 30"),
+    ({"ledger": {**REDIS, "lease_s": 2, "op_timeout_s": 2}}, "ledger.op_timeout_s", "not below lease_s (2 s)"),
+    ({"ledger": {"backend": "memory", "op_timeout_s": 1}}, "ledger.op_timeout_s", "only for ledger.backend"),
     ({"ledger": {"url": "redis://h"}}, "ledger.url", "only for ledger.backend: redis"),
     ({"ledger": {"backend": "memory", "replicas_hint": 2}}, "ledger.replicas_hint", "only for ledger.backend"),
 ])
@@ -391,7 +395,7 @@ _LEDGER_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.
 
 
 @given(st.one_of(_LEDGER_VALUES, st.dictionaries(
-    st.sampled_from(["backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint", "x"]),
+    st.sampled_from(["backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s", "x"]),
     _LEDGER_VALUES, max_size=6)))
 def test_fuzzed_ledgers_are_a_ledger_or_an_error_naming_the_field(ledger):
     try:

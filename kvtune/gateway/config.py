@@ -206,6 +206,9 @@ class LedgerStore:
     lease_s: float = 10.0
     on_error: OnLedgerError = OnLedgerError.REJECT
     replicas_hint: int = 1
+    # How long one call to Redis may take (its retries included) before it counts as unavailable:
+    # on a loaded host 0.5 s can pass without Redis being down (then on_error decides).
+    op_timeout_s: float = 0.5
 
     @property
     def shared(self) -> bool:
@@ -479,12 +482,13 @@ MAX_REPLICAS_HINT = 1024
 
 
 def _ledger(r: _Reader, top: dict) -> LedgerStore:
-    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint}`. The URL is never
+    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint, op_timeout_s}`. The URL is never
     quoted in an error: it may hold a password."""
     value = top.get("ledger", {})
     if isinstance(value, str):  # perhaps a URL, with its password: not quoted
         raise r.fail("ledger", "expected a mapping such as {backend: redis, url: redis://...}, got a string")
-    doc = r.mapping(value, "ledger", {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint"})
+    doc = r.mapping(value, "ledger", {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint",
+                                                   "op_timeout_s"})
     for key, item in doc.items():
         if key != "url" and isinstance(item, str) and ("@" in item or "://" in item):
             raise r.fail(f"ledger.{key}", "got a URL-like string (not quoted: it may hold a password); "
@@ -495,7 +499,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
         raise r.fail("ledger.backend", f"{brief(given)} is not one of {', '.join(names)}")
     backend = names[given]
     if backend is LedgerBackend.MEMORY:
-        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint"):
+        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s"):
             if key in doc:
                 raise r.fail(f"ledger.{key}", "only for ledger.backend: redis")
         return LedgerStore()
@@ -524,8 +528,12 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
         raise r.fail("ledger.replicas_hint", "missing: on_error: local admits against 1/replicas_hint of "
                      "each budget, so it needs how many gateway replicas share it")
     hint = r.integer(doc.get("replicas_hint", 1), "ledger.replicas_hint", 1, MAX_REPLICAS_HINT)
-    return LedgerStore(backend, url, prefix, r.number(doc.get("lease_s", 10.0), "ledger.lease_s", 0.1, MAX_LEASE_S),
-                       errors[on_error], hint)
+    lease_s = r.number(doc.get("lease_s", 10.0), "ledger.lease_s", 0.1, MAX_LEASE_S)
+    op_timeout_s = r.number(doc.get("op_timeout_s", 0.5), "ledger.op_timeout_s", 0.01, 30.0)
+    if "op_timeout_s" in doc and op_timeout_s >= lease_s:
+        raise r.fail("ledger.op_timeout_s", f"{op_timeout_s:g} s is not below lease_s ({lease_s:g} s): a call "
+                     "that slow would let the replica's own lease lapse while it waits")
+    return LedgerStore(backend, url, prefix, lease_s, errors[on_error], hint, op_timeout_s)
 
 
 def _sticky(r: _Reader, value: Any) -> Sticky | None:

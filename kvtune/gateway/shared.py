@@ -61,9 +61,11 @@ class SharedLedger:
                 from kvtune.gateway.redis_statistical import RedisStatisticalLedger
 
                 store = RedisStatisticalLedger(spec.url, epsilon=config.admission.epsilon,
-                                               key_prefix=spec.key_prefix, lease_s=spec.lease_s)
+                                               key_prefix=spec.key_prefix, lease_s=spec.lease_s,
+                                               op_timeout_s=spec.op_timeout_s)
             else:
-                store = RedisLedger(spec.url, key_prefix=spec.key_prefix, lease_s=spec.lease_s)
+                store = RedisLedger(spec.url, key_prefix=spec.key_prefix, lease_s=spec.lease_s,
+                                    op_timeout_s=spec.op_timeout_s)
         self.store = store
         if self.statistical:
             for replica in pool.replicas:
@@ -185,6 +187,7 @@ class SharedLedger:
         return {"backend": "redis", "mode": self.mode, "available": store.available,
                 "key_prefix": self.spec.key_prefix, "lease_s": self.spec.lease_s,
                 "on_error": self.spec.on_error.value, "replicas_hint": self.spec.replicas_hint,
+                "op_timeout_s": self.spec.op_timeout_s,
                 "errors": store.errors, "leases_lost": store.leases_lost, "pending_releases": store.pending_releases}
 
 
