@@ -626,3 +626,69 @@ def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_ser
             assert statuses.count(200) == admitted and statuses.count(429) == n - admitted
 
     asyncio.run(run())
+
+
+def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilon(redis_server, tmp_path):
+    """The race under `statistical`: 3 `kvtune gateway` processes on one Redis, 1,500 whole
+    (non-streamed: no progress updates, so nothing but admissions raises the bound) requests with
+    clients going away and upstream 500s; the bound over every replica's held sequences, computed
+    by the store's own script every 10 ms, never passes epsilon; the worst cases held do pass the
+    budget (the bet is taken); at the end the sums are exactly empty."""
+    epsilon, budget, requests = 0.05, 100, 1500
+    routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+               "output_histogram": _SHORT_MOSTLY}]
+    client = redis.Redis.from_url(redis_server.url)
+    with FakeVllm() as fake:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(json.dumps(doc([{"url": fake.url, "block_budget": budget}], {"url": redis_server.url},
+                                       admission={"policy": "statistical", "epsilon": epsilon}, routes=routes,
+                                       queue={"max_waiting": 10, "timeout_s": 2})))
+        procs = [start_gateway_process(path) for _ in range(3)]
+        rng = random.Random(16)
+        bounds: list[float] = []
+        worst: list[int] = []
+
+        async def run() -> list[int]:
+            statuses: list[int] = []
+            slots = asyncio.Semaphore(40)
+            finished = asyncio.Event()
+            async with RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix=PREFIX,
+                                              owner="auditor") as store, \
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                          timeout=aiohttp.ClientTimeout(total=30)) as session:
+                async def audit() -> None:
+                    while not finished.is_set():
+                        bounds.append((await store.overflow_probabilities({fake.url: budget}))[fake.url])
+                        worst.append(reserved(client, fake.url))
+                        await asyncio.sleep(0.01)
+
+                async def one(i: int) -> None:
+                    async with slots:
+                        body = ten_blocks(x_delay=rng.choice([0.002, 0.01]),
+                                          x_mode=rng.choices(["ok", "500"], [95, 5])[0])
+                        task = asyncio.create_task(post(session, procs[i % 3][1] + "/v1/chat/completions", body))
+                        if rng.random() < 0.2:
+                            await asyncio.sleep(rng.uniform(0.005, 0.1))
+                            task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            statuses.append((await task)[0])
+
+                auditor = asyncio.create_task(audit())
+                await asyncio.gather(*(one(i) for i in range(requests)))
+                await wait_for(lambda: reserved(client, fake.url) == 0, timeout=10)
+                finished.set()
+                await auditor
+                assert await store.sums(fake.url) == (0, [])
+                assert (await store.overflow_probabilities({fake.url: budget}))[fake.url] == 0.0
+            return statuses
+
+        try:
+            statuses = asyncio.run(run())
+        finally:
+            stop_processes(procs)
+        print(f"statistical race: {len(bounds)} audits, peak bound {max(bounds):.3g}, peak worst cases held "
+              f"{max(worst)} of {budget} blocks, statuses {sorted(collections.Counter(statuses).items())}")
+        assert len(bounds) > 100 and max(bounds) <= epsilon, max(bounds)
+        assert max(worst) > budget  # the bet was taken: more worst cases held than the budget
+        assert statuses.count(200) > 500 and set(statuses) <= {200, 429, 500}, sorted(set(statuses))
+        assert owner_hashes(client) == {}
