@@ -629,14 +629,19 @@ def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_ser
 
 
 def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilon(redis_server, tmp_path):
-    """The race under `statistical`: 3 `kvtune gateway` processes on one Redis, 1,500 whole
-    (non-streamed: no progress updates, so nothing but admissions raises the bound) requests with
-    clients going away and upstream 500s; the bound over every replica's held sequences, computed
-    by the store's own script every 10 ms, never passes epsilon; the worst cases held do pass the
-    budget (the bet is taken); at the end the sums are exactly empty."""
-    epsilon, budget, requests = 0.05, 100, 1500
+    """The race under `statistical`: 3 `kvtune gateway` processes on one Redis, 2,000 whole
+    (non-streamed: no progress updates, so nothing but admissions raises the bound) requests, 150
+    at a time, answers as long as the route's law says, clients going away, upstream 500s; the
+    bound over every replica's held sequences, computed by the store's own script as often as it
+    answers (every 10 ms at best), never passes epsilon, though it comes near it (the gateways at
+    epsilon 0.5 drive it to ~0.48, which this test then catches) and the worst cases held pass the
+    budget 4 times over; at the end the sums are exactly empty. 503s: a Redis call slower than
+    op_timeout_s on the loaded host (refused, not admitted)."""
+    epsilon, budget, requests = 0.05, 100, 2000
+    # short prompts and a spread of answer lengths: the bound moves smoothly with what is held, so
+    # epsilon (not the prompts' own blocks) is what stops admission
     routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
-               "output_histogram": _SHORT_MOSTLY}]
+               "output_histogram": {"lengths": [4, 16, 32, 64], "counts": [10, 5, 3, 2]}}]
     client = redis.Redis.from_url(redis_server.url)
     with FakeVllm() as fake:
         path = tmp_path / "gateway.yaml"
@@ -650,7 +655,7 @@ def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilo
 
         async def run() -> list[int]:
             statuses: list[int] = []
-            slots = asyncio.Semaphore(40)
+            slots = asyncio.Semaphore(150)
             finished = asyncio.Event()
             async with RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix=PREFIX,
                                               owner="auditor") as store, \
@@ -664,8 +669,9 @@ def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilo
 
                 async def one(i: int) -> None:
                     async with slots:
-                        body = ten_blocks(x_delay=rng.choice([0.002, 0.01]),
-                                          x_mode=rng.choices(["ok", "500"], [95, 5])[0])
+                        body = {"model": "m", "messages": [{"role": "user", "content": " ".join(["w"] * 8)}],
+                                "x_chunks": rng.choices([4, 16, 32, 64], [10, 5, 3, 2])[0],  # as the law says
+                                "x_delay": rng.choice([0.005, 0.01]), "x_mode": rng.choices(["ok", "500"], [95, 5])[0]}
                         task = asyncio.create_task(post(session, procs[i % 3][1] + "/v1/chat/completions", body))
                         if rng.random() < 0.2:
                             await asyncio.sleep(rng.uniform(0.005, 0.1))
@@ -688,7 +694,7 @@ def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilo
             stop_processes(procs)
         print(f"statistical race: {len(bounds)} audits, peak bound {max(bounds):.3g}, peak worst cases held "
               f"{max(worst)} of {budget} blocks, statuses {sorted(collections.Counter(statuses).items())}")
-        assert len(bounds) > 100 and max(bounds) <= epsilon, max(bounds)
+        assert len(bounds) > 30 and max(bounds) <= epsilon, max(bounds)
         assert max(worst) > budget  # the bet was taken: more worst cases held than the budget
-        assert statuses.count(200) > 500 and set(statuses) <= {200, 429, 500}, sorted(set(statuses))
+        assert statuses.count(200) > 500 and set(statuses) <= {200, 429, 500, 503}, sorted(set(statuses))
         assert owner_hashes(client) == {}
