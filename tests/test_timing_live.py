@@ -21,6 +21,7 @@ from kvtune.cli import cli
 pytestmark = pytest.mark.vllm
 
 BUDGET_S = 30
+DECODE_MEDIAN_BOUND = 0.25  # relative error of the fitted step time on the decode cells
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def _calibrate(server, out):
 def _decode_fits(out) -> bool:
     timing = read_capacity_file(out).timing
     decode = next((s for s in timing.sweeps if s.name == "decode"), None) if timing else None
-    return decode is not None and decode.error is not None and decode.error.median < 0.25
+    return decode is not None and decode.error is not None and decode.error.median < DECODE_MEDIAN_BOUND
 
 
 def test_calibrate_timing_against_the_cpu_vllm(chunking_server, tmp_path):
@@ -49,7 +50,7 @@ def test_calibrate_timing_against_the_cpu_vllm(chunking_server, tmp_path):
     assert result.exit_code == 0, result.output
     if not _decode_fits(out):
         # One decode cell is ~1.5 s of a 2-core CPU engine: a neighbour's burst can move a median
-        # of 8 past the bound (CI saw 0.255 once; quiet runs give 0.10-0.15). The measurement is
+        # of 8 past the bound (CI saw 0.255 once; quiet runs gave 0.05-0.18). The measurement is
         # taken once more and that one must hold everything below: a model that misfits decode
         # fails both.
         print(json.dumps(json.loads(result.stdout)["timing"], indent=1))
@@ -77,7 +78,7 @@ def test_calibrate_timing_against_the_cpu_vllm(chunking_server, tmp_path):
         assert sweep.server.iterations is not None and sweep.server.iterations > 0
     # the server ran as many steps with output as the client saw tokens (one per decode step and request)
     assert decode.server.generation_tokens is not None and decode.server.generation_tokens >= decode.completed
-    assert decode.error is not None and decode.error.median < 0.25
+    assert decode.error is not None and decode.error.median < DECODE_MEDIAN_BOUND
     assert prefill.error is not None and prefill.error.median < 0.35
     assert timing.model.c0 > 0 and timing.http_overhead_s > 0
     # the API server's serial work: bursts of near-empty requests take longer than one
