@@ -12,29 +12,35 @@ import collections
 import contextlib
 import json
 import random
-import re
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis
 from fake_vllm import FakeVllm
+from ledger_race import (
+    PREFIX,
+    Progress,
+    Sampler,
+    kill_and_restart,
+    owner_hashes,
+    post,
+    read_slowly,
+    reserved,
+    settle,
+    start_gateway_process,
+    stop_processes,
+    wait_for,
+)
 from vllm_server import free_port
 
 from kvtune.gateway.config import parse_gateway_config
 from kvtune.gateway.proxy import GATEWAY, make_app, serve
 from kvtune.gateway.redis_statistical import RedisStatisticalLedger
 
-REPO = Path(__file__).resolve().parents[1]
 ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
           {"name": "default", "max_new_tokens": 32}]
-PREFIX = "t"
 
 
 def doc(upstreams: list[dict], ledger: dict, **overrides: Any) -> dict:
@@ -62,52 +68,6 @@ async def gateway(config_doc: dict):
         stop.set()
         await asyncio.wait_for(server, 40)
 
-
-def reserved(client: redis.Redis, url: str) -> int:
-    return int(client.hget(f"{PREFIX}:reserved", url) or 0)
-
-
-class Sampler:
-    """Reads each upstream's reserved blocks from Redis (one HMGET: the same instant) every 10 ms in
-    a thread of its own; `samples[url]` is the series, `peak[url]` its maximum."""
-
-    def __init__(self, client: redis.Redis, *urls: str) -> None:
-        self.client, self.urls = client, urls
-        self.samples: dict[str, list[int]] = {url: [] for url in urls}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for url, value in zip(self.urls, self.client.hmget(f"{PREFIX}:reserved", self.urls), strict=True):
-                self.samples[url].append(int(value or 0))
-            self._stop.wait(0.01)
-
-    @property
-    def peak(self) -> dict[str, int]:
-        return {url: max(series, default=0) for url, series in self.samples.items()}
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, "condition not reached"
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
-
-
-async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict[str, str]]:
-    async with session.post(url, json=body) as resp:
-        await resp.read()
-        return resp.status, dict(resp.headers)
 
 
 # ---------------------------------------------------------------- the race
@@ -191,35 +151,6 @@ def test_the_ledger_json_totals_every_replica(redis_server):
 
 # ---------------------------------------------------------------- a replica dies
 
-def start_gateway_process(config_path: Path) -> tuple[subprocess.Popen, str]:
-    """A `kvtune gateway` process; its stderr goes to a log file beside the config, not a pipe:
-    a pipe nobody drains fills at 64 KiB of refusal log lines and then blocks the gateway's event
-    loop on its next write (which is how a broken ledger's race used to hang instead of failing)."""
-    log = tempfile.NamedTemporaryFile("w+", dir=config_path.parent, prefix="gateway-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "kvtune", "gateway", "--config", str(config_path)],
-                            cwd=REPO, stderr=log, text=True)
-    proc.log_path = Path(log.name)  # type: ignore[attr-defined]
-    log.close()
-    deadline = time.monotonic() + 30
-    while True:
-        first = proc.log_path.read_text().partition("\n")  # type: ignore[attr-defined]
-        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first[0])
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None or time.monotonic() > deadline or (first[1] and not match):
-            proc.kill()
-            raise AssertionError(f"the gateway did not start: {first[0]}")
-        time.sleep(0.02)
-
-
-def gateway_log(proc: subprocess.Popen) -> str:
-    return proc.log_path.read_text()  # type: ignore[attr-defined]
-
-
-def owner_hashes(client: redis.Redis) -> dict[str, int]:
-    return {key.decode(): client.hlen(key) for key in client.keys(f"{PREFIX}:res:*")}
-
-
 def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_else(redis_server, tmp_path):
     lease_s = 2.0
     client = redis.Redis.from_url(redis_server.url)
@@ -260,22 +191,6 @@ def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_els
             stop_processes(procs)
 
 
-def stop_processes(procs: list[tuple[subprocess.Popen, str]]) -> None:
-    """SIGTERM each replica (SIGKILL after 10 s); then no replica may have logged a traceback:
-    a client going away, an upstream dying or Redis stopping are all answered, never crashed on."""
-    for proc, _ in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-    for proc, _ in procs:
-        log = gateway_log(proc)
-        assert "Traceback" not in log, log[log.index("Traceback") - 200:][:3000]
-
-
 def test_three_gateway_processes_never_admit_past_the_budget_together(redis_server, tmp_path):
     budget = 60
     client = redis.Redis.from_url(redis_server.url)
@@ -291,12 +206,10 @@ def test_three_gateway_processes_never_admit_past_the_budget_together(redis_serv
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 async def one(i: int) -> None:
                     body = ten_blocks(x_delay=rng.choice([0.002, 0.005]), stream=rng.random() < 0.5)
-                    task = asyncio.create_task(post(session, procs[i % 3][1] + "/v1/chat/completions", body))
-                    if rng.random() < 0.3:
-                        await asyncio.sleep(rng.uniform(0.01, 0.2))
-                        task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        statuses.append((await task)[0])
+                    status = await settle(post(session, procs[i % 3][1] + "/v1/chat/completions", body), rng,
+                                          leave=0.3, after=(0.01, 0.2))
+                    if status is not None:
+                        statuses.append(status)
 
                 for wave in range(3):
                     await asyncio.gather(*(one(wave * 100 + i) for i in range(100)))
@@ -312,14 +225,6 @@ def test_three_gateway_processes_never_admit_past_the_budget_together(redis_serv
         assert fake.peak_running_blocks <= budget
         assert statuses.count(200) > 30 and set(statuses) <= {200, 429}, sorted(set(statuses))
         assert reserved(client, fake.url) == 0 and owner_hashes(client) == {}  # each retired on SIGTERM
-
-
-async def read_slowly(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict[str, str]]:
-    """A slow reader: takes the stream a chunk at a time, 20 ms between reads."""
-    async with session.post(url, json=body) as resp:
-        async for _ in resp.content.iter_any():
-            await asyncio.sleep(0.02)
-        return resp.status, dict(resp.headers)
 
 
 def test_three_gateway_processes_two_upstreams_5000_requests_stay_within_each_budget(redis_server, tmp_path):
@@ -350,44 +255,30 @@ def test_three_gateway_processes_two_upstreams_5000_requests_stay_within_each_bu
 
         async def run() -> list[int]:
             statuses: list[int] = []
-            done = 0
+            progress = Progress()
             slots = asyncio.Semaphore(concurrency)
             hung = aiohttp.ClientTimeout(total=20)  # a request that hangs is counted (-1), not waited out
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=hung) as session:
                 async def one_request(i: int) -> None:
-                    nonlocal done
                     async with slots:
                         stream = rng.random() < 0.6
                         body = ten_blocks(x_chunks=rng.choice([4, 8]), x_delay=rng.choice([0.002, 0.005]),
                                           stream=stream, x_mode=rng.choices(["ok", "500", "die"], [90, 5, 5])[0])
                         url = procs[i % 3][1] + "/v1/chat/completions"
                         slow = stream and rng.random() < 0.1
-                        task = asyncio.create_task((read_slowly if slow else post)(session, url, body))
-                        if rng.random() < 0.25:  # the client goes away mid-request
-                            await asyncio.sleep(rng.uniform(0.005, 0.1))
-                            task.cancel()
-                        try:
-                            statuses.append((await task)[0])
-                        except asyncio.CancelledError:
-                            pass
-                        except aiohttp.ClientError:  # a stream cut half-way
-                            statuses.append(0)
-                        except TimeoutError:
-                            statuses.append(-1)
-                        done += 1
+                        status = await settle((read_slowly if slow else post)(session, url, body), rng,
+                                              leave=0.25, after=(0.005, 0.1))  # the client goes away
+                        if status is not None:
+                            statuses.append(status)
+                        progress.done += 1
 
-                async def kill_and_restart() -> None:
-                    while done < requests // 3:
-                        await asyncio.sleep(0.01)
-                    await asyncio.to_thread(two.__exit__, None, None, None)  # its streams are cut
-                    down.append(len(sampler.samples[two.url]))
-                    while done < 2 * requests // 3:
-                        await asyncio.sleep(0.01)
-                    down.append(len(sampler.samples[two.url]))
-                    calls.append(len(two.engine_calls))
-                    await asyncio.to_thread(two.__enter__)  # back on the same port
+                async def two_goes_down() -> None:
+                    killed, restarted, at_restart = await kill_and_restart(two, progress, requests,
+                                                                           sampler.samples[two.url])
+                    down.extend((killed, restarted))
+                    calls.append(at_restart)
 
-                await asyncio.gather(kill_and_restart(), *(one_request(i) for i in range(requests)))
+                await asyncio.gather(two_goes_down(), *(one_request(i) for i in range(requests)))
                 calls.append(len(two.engine_calls))
                 await wait_for(lambda: reserved(client, one.url) == reserved(client, two.url) == 0, timeout=10)
                 # every replica reads the totals from Redis, and has taken the restarted upstream back
@@ -672,12 +563,10 @@ def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilo
                         body = {"model": "m", "messages": [{"role": "user", "content": " ".join(["w"] * 8)}],
                                 "x_chunks": rng.choices([4, 16, 32, 64], [10, 5, 3, 2])[0],  # as the law says
                                 "x_delay": rng.choice([0.005, 0.01]), "x_mode": rng.choices(["ok", "500"], [95, 5])[0]}
-                        task = asyncio.create_task(post(session, procs[i % 3][1] + "/v1/chat/completions", body))
-                        if rng.random() < 0.2:
-                            await asyncio.sleep(rng.uniform(0.005, 0.1))
-                            task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            statuses.append((await task)[0])
+                        status = await settle(post(session, procs[i % 3][1] + "/v1/chat/completions", body), rng,
+                                              leave=0.2, after=(0.005, 0.1))
+                        if status is not None:
+                            statuses.append(status)
 
                 auditor = asyncio.create_task(audit())
                 await asyncio.gather(*(one(i) for i in range(requests)))

@@ -19,13 +19,16 @@ import aiohttp
 import pytest
 import redis
 from fake_vllm import FakeVllm
-from test_gateway_shared_ledger import (
+from ledger_race import (
     PREFIX,
+    Progress,
     Sampler,
     gateway_log,
+    kill_and_restart,
     owner_hashes,
     read_slowly,
     reserved,
+    settle,
     start_gateway_process,
     stop_processes,
     wait_for,
@@ -66,9 +69,9 @@ def test_three_gateways_one_real_vllm_and_a_failing_fake_5000_requests(redis_ser
         over_cap: list[int] = []
         down: list[int] = []
 
-        async def ask(session: aiohttp.ClientSession, url: str, body: dict, slow: bool) -> int:
+        async def ask(session: aiohttp.ClientSession, url: str, body: dict, slow: bool) -> tuple[int, dict[str, str]]:
             if slow:
-                return (await read_slowly(session, url, body))[0]
+                return await read_slowly(session, url, body)
             async with session.post(url, json=body) as resp:
                 raw = await resp.read()
                 if resp.status == 200 and not body["stream"]:
@@ -76,16 +79,15 @@ def test_three_gateways_one_real_vllm_and_a_failing_fake_5000_requests(redis_ser
                     answered[answer.get("model", "fake")] += 1  # the fake names no model
                     if answer["usage"]["completion_tokens"] > CAP:
                         over_cap.append(answer["usage"]["completion_tokens"])
-                return resp.status
+                return resp.status, dict(resp.headers)
 
         async def run() -> list[int]:
             statuses: list[int] = []
-            done = 0
+            progress = Progress()
             slots = asyncio.Semaphore(CONCURRENCY)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=60)) as session:
                 async def one_request(i: int) -> None:
-                    nonlocal done
                     async with slots:
                         stream = rng.random() < 0.5
                         words = rng.choice([8, 40, 100, 200, 300])  # 1 to 3 blocks of 128 with the cap
@@ -94,31 +96,17 @@ def test_three_gateways_one_real_vllm_and_a_failing_fake_5000_requests(redis_ser
                                 "x_mode": rng.choices(["ok", "500", "die"], [90, 5, 5])[0],  # the fake obeys
                                 "x_delay": 0.002}
                         url = procs[i % 3][1] + "/v1/chat/completions"
-                        task = asyncio.create_task(ask(session, url, body, stream and rng.random() < 0.1))
-                        if rng.random() < 0.2:  # the client goes away mid-request
-                            await asyncio.sleep(rng.uniform(0.005, 0.2))
-                            task.cancel()
-                        try:
-                            statuses.append(await task)
-                        except asyncio.CancelledError:
-                            pass
-                        except aiohttp.ClientError:  # a stream cut half-way (the fake's "die")
-                            statuses.append(0)
-                        except TimeoutError:
-                            statuses.append(-1)
-                        done += 1
+                        status = await settle(ask(session, url, body, stream and rng.random() < 0.1), rng,
+                                              leave=0.2, after=(0.005, 0.2))  # the client goes away
+                        if status is not None:
+                            statuses.append(status)
+                        progress.done += 1
 
-                async def kill_and_restart_the_fake() -> None:
-                    while done < REQUESTS // 3:
-                        await asyncio.sleep(0.01)
-                    await asyncio.to_thread(fake.__exit__, None, None, None)
-                    down.append(len(sampler.samples[fake.url]))
-                    while done < 2 * REQUESTS // 3:
-                        await asyncio.sleep(0.01)
-                    down.append(len(sampler.samples[fake.url]))
-                    await asyncio.to_thread(fake.__enter__)
+                async def the_fake_goes_down() -> None:
+                    killed, restarted, _ = await kill_and_restart(fake, progress, REQUESTS, sampler.samples[fake.url])
+                    down.extend((killed, restarted))
 
-                await asyncio.gather(kill_and_restart_the_fake(), *(one_request(i) for i in range(REQUESTS)))
+                await asyncio.gather(the_fake_goes_down(), *(one_request(i) for i in range(REQUESTS)))
                 await wait_for(lambda: reserved(client, engine.url) == reserved(client, fake.url) == 0, timeout=30)
             return statuses
 

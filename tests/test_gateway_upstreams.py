@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 import aiohttp
@@ -17,6 +16,7 @@ import pytest
 from fake_vllm import FakeVllm
 from hypothesis import given
 from hypothesis import strategies as st
+from ledger_race import wait_for
 
 from kvtune.errors import InputError
 from kvtune.gateway.config import GatewayConfig, GatewayUpstream, parse_gateway_config
@@ -81,15 +81,6 @@ async def gateway_over(fakes: list[FakeVllm], budgets: list[int], *, weights: li
     finally:
         stop.set()
         await asyncio.wait_for(server, 40)
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> float:
-    """Seconds until predicate() holds; fails after timeout."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, "condition not reached"
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 async def ledger(session: aiohttp.ClientSession, base: str) -> dict:
