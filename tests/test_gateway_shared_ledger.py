@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import random
 import signal
 import time
@@ -33,6 +34,7 @@ from ledger_race import (
     stop_processes,
     wait_for,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_server import free_port
 
 from kvtune.gateway.config import parse_gateway_config
@@ -47,6 +49,15 @@ def doc(upstreams: list[dict], ledger: dict, **overrides: Any) -> dict:
     return {"version": 1, "upstreams": upstreams, "block_size": 16, "max_model_len": 2048, "routes": ROUTES,
             "listen": {"host": "127.0.0.1", "port": 0}, "ledger": {"backend": "redis", "key_prefix": PREFIX,
                                                                    **ledger}, **overrides}
+
+
+def shared_gauge(text: str, name: str, upstream: str) -> float | None:
+    """One upstream's kvtune_gateway_upstream_shared_<name> as /metrics exposes it (None: absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"kvtune_gateway_upstream_shared_{name}" and sample.labels == {"upstream": upstream}:
+                return sample.value
+    return None
 
 
 def ten_blocks(**extra: Any) -> dict:
@@ -143,6 +154,10 @@ def test_the_ledger_json_totals_every_replica(redis_server):
                         text = await resp.text()
                     assert f'kvtune_gateway_upstream_reserved_blocks{{upstream="{fake.url}"}} {own:.1f}' in text
                     assert 'kvtune_gateway_ledger_mode{mode="redis"} 1.0' in text
+                    # and every replica's totals, read from Redis at scrape time
+                    assert shared_gauge(text, "reserved_blocks", fake.url) == 30
+                    assert shared_gauge(text, "inflight_requests", fake.url) == 3
+                    assert shared_gauge(text, "overflow_probability", fake.url) is None  # worst-case: no bet
                 fake.release()
                 assert [s for s, _ in await asyncio.gather(*held)] == [200, 200, 200]
 
@@ -334,6 +349,8 @@ def test_redis_stopped_rejects_with_503_and_admission_resumes_by_itself(make_red
                 async with session.get(a + "/metrics") as resp:
                     text = await resp.text()
                 assert 'kvtune_gateway_ledger_mode{mode="unavailable"} 1.0' in text
+                assert math.isnan(shared_gauge(text, "reserved_blocks", fake.url))  # not a stale figure
+                assert math.isnan(shared_gauge(text, "inflight_requests", fake.url))
                 assert 'kvtune_gateway_rejected_total{reason="ledger_unavailable",route="chat"} 10.0' in text \
                     or 'kvtune_gateway_rejected_total{reason="ledger_unavailable",route="chat"} 5.0' in text
                 server.start()
@@ -504,6 +521,10 @@ def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_ser
                             led = await resp.json()
                         assert led["overflow_probability"] == led["upstreams"][0]["overflow_probability"] \
                             == held[fake.url], (led, held)
+                        async with session.get(base + "/metrics") as resp:  # and its /metrics
+                            text = await resp.text()
+                        assert shared_gauge(text, "overflow_probability", fake.url) == held[fake.url]
+                        assert shared_gauge(text, "inflight_requests", fake.url) == admitted
                     client = redis.Redis.from_url(redis_server.url)
                     assert reserved(client, fake.url) == 10 * admitted > budget  # worst cases past it: the bet
                     fake.release()
@@ -548,8 +569,10 @@ def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilo
             statuses: list[int] = []
             slots = asyncio.Semaphore(150)
             finished = asyncio.Event()
+            # the auditor shares this loop with 150 clients: its own calls get a wide timeout (a
+            # late audit is still an audit; the gateways keep their 0.5 s)
             async with RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix=PREFIX,
-                                              owner="auditor") as store, \
+                                              owner="auditor", op_timeout_s=10) as store, \
                     aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                           timeout=aiohttp.ClientTimeout(total=30)) as session:
                 async def audit() -> None:

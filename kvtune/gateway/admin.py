@@ -60,9 +60,12 @@ class Admin:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """The gateway's Prometheus metrics (budget, reserved and in-flight blocks, admissions and
-        refusals by route and reason); who may read them is admin.metrics."""
+        refusals by route and reason; with the redis ledger each upstream's totals over every
+        replica, read from the store at scrape time); who may read them is admin.metrics."""
         if not self.allowed(request, self.access.metrics):
             raise web.HTTPForbidden()
+        if self._shared is not None:  # every replica's totals, read from the store now
+            self.metrics.set_shared([u.url for u in self.ledger.replicas], await self._shared.snapshot())
         payload, content_type = self.metrics.exposition()
         return web.Response(body=payload, headers={"Content-Type": content_type})
 

@@ -6,7 +6,8 @@ the totals unlabelled (as before several upstreams), each upstream's own under
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,6 +17,7 @@ from kvtune.gateway.refusals import Reason
 from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
+    from kvtune.gateway.ledger import LedgerSnapshot
     from kvtune.gateway.shared import SharedLedger
 
 RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -61,6 +63,7 @@ class GatewayMetrics:
         self._admitted: dict[str, tuple] = {}
         self._rejected: dict[tuple[str, Reason], Counter] = {}
         self._sent: dict[str, Counter] = {}
+        self._shared_gauges: dict[str, Gauge] = {}  # with a shared ledger (add_ledger_gauges)
 
     def _upstream_gauges(self, replicas: tuple[Replica, ...]) -> None:
         r = self.registry
@@ -110,6 +113,29 @@ class GatewayMetrics:
                 ("local_admitted", "Requests admitted on the static local slice while Redis was unavailable "
                  "(a counter).", lambda: shared.local_admitted)):
             Gauge(f"kvtune_gateway_ledger_{name}", doc, registry=r).set_function(read)
+        self._shared_gauges = {
+            name: Gauge(f"kvtune_gateway_upstream_shared_{name}", doc, ["upstream"], registry=r)
+            for name, doc in (
+                ("reserved_blocks", "KV blocks reserved on this upstream by every gateway replica, read from the "
+                 "shared ledger at scrape time (NaN while it does not answer)."),
+                ("inflight_requests", "Requests held on this upstream by every gateway replica, read from the "
+                 "shared ledger at scrape time (NaN while it does not answer)."),
+                ("overflow_probability", "statistical: bound on P(the KV every gateway replica admitted to this "
+                 "upstream outgrows its budget), computed by the shared ledger at scrape time (NaN while it does "
+                 "not answer)."))
+            if name != "overflow_probability" or isinstance(shared.pool.replicas[0].ledger, StatisticalLedger)}
+
+    def set_shared(self, urls: Iterable[str], held: Mapping[str, LedgerSnapshot] | None) -> None:
+        """The shared ledger's totals for each upstream, as just read from the store (None: it did
+        not answer, and every shared gauge reads NaN rather than a stale figure)."""
+        for url in urls:
+            snap = held.get(url) if held is not None else None
+            values = {"reserved_blocks": snap.reserved_blocks if snap else math.nan,
+                      "inflight_requests": snap.inflight_requests if snap else math.nan,
+                      "overflow_probability": (snap.overflow_probability if snap and snap.overflow_probability
+                                               is not None else math.nan)}
+            for name, gauge in self._shared_gauges.items():
+                gauge.labels(url).set(values[name])
 
     def count_sent(self, upstream: str) -> None:
         child = self._sent.get(upstream)
