@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 import redis
 from fake_vllm import FakeVllm
 from ledger_race import (
@@ -43,6 +44,7 @@ from kvtune.gateway.redis_statistical import RedisStatisticalLedger
 
 ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
           {"name": "default", "max_new_tokens": 32}]
+_SHORT_MOSTLY = {"lengths": [4, 64], "counts": [19, 1]}  # chat answers: 4 tokens, 1 in 20 reaches the cap
 
 
 def doc(upstreams: list[dict], ledger: dict, **overrides: Any) -> dict:
@@ -166,13 +168,29 @@ def test_the_ledger_json_totals_every_replica(redis_server):
 
 # ---------------------------------------------------------------- a replica dies
 
-def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_else(redis_server, tmp_path):
+def stat_sums(client: redis.Redis, upstream: str) -> tuple[int, list[float]]:
+    """The statistical policy's stored sums for `upstream`: worst-case blocks and row sums."""
+    worst, rows = client.hget(f"{PREFIX}:worst", upstream), client.hget(f"{PREFIX}:stat", upstream)
+    return int(worst or 0), [float(x) for x in (rows or b"").split()]
+
+
+@pytest.mark.parametrize("policy", ["worst-case", "statistical"])
+def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_else(redis_server, tmp_path, policy):
+    """SIGKILL one of two gateway processes holding 3 of 7 requests: within lease_s + 1 s its 30
+    blocks are back and the survivor's 4 reservations untouched; under `statistical` the shared
+    row sums lose exactly the victim's 3 rows (the 7 requests are alike: 4/7 of them stay)."""
     lease_s = 2.0
     client = redis.Redis.from_url(redis_server.url)
+    statistical = policy == "statistical"
+    overrides: dict[str, Any] = {}
+    if statistical:
+        overrides = {"admission": {"policy": "statistical", "epsilon": 0.05},
+                     "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+                                 "output_histogram": _SHORT_MOSTLY}]}
     with FakeVllm() as fake:
         path = tmp_path / "gateway.yaml"
         path.write_text(json.dumps(doc([{"url": fake.url, "block_budget": 100}],
-                                       {"url": redis_server.url, "lease_s": lease_s})))
+                                       {"url": redis_server.url, "lease_s": lease_s}, **overrides)))
         procs = [start_gateway_process(path) for _ in range(2)]
         (victim, victim_url), (survivor, survivor_url) = procs
 
@@ -190,11 +208,17 @@ def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_els
                 await wait_for(lambda: sum(owner_hashes(client).values()) == 7)
                 theirs = {k: v for k, v in owner_hashes(client).items() if k not in victims}
                 assert list(theirs.values()) == [4] and reserved(client, fake.url) == 70
+                worst, rows = stat_sums(client, fake.url)
+                assert (worst, bool(rows)) == ((70, True) if statistical else (0, False))
                 victim.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
                 took = await wait_for(lambda: reserved(client, fake.url) == 40, timeout=lease_s + 3)
                 assert time.monotonic() - killed_at <= lease_s + 1, took
                 assert owner_hashes(client) == theirs  # the survivor's reservations untouched
+                if statistical:  # and exactly the victim's rows left the shared sums
+                    left_worst, left_rows = stat_sums(client, fake.url)
+                    assert left_worst == 40
+                    assert left_rows == pytest.approx([x * 4 / 7 for x in rows], rel=1e-9, abs=1e-12)
                 fake.release()
                 results = await asyncio.gather(*tasks, return_exceptions=True)
                 assert [r[0] for r in results[3:]] == [200] * 4  # type: ignore[index]
@@ -481,9 +505,6 @@ def test_overcommit_holds_every_replica_to_k_times_the_budget(redis_server):
 
 
 # ---------------------------------------------------------------- the statistical policy on Redis
-
-_SHORT_MOSTLY = {"lengths": [4, 64], "counts": [19, 1]}  # chat answers: 4 tokens, 1 in 20 reaches the cap
-
 
 def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_server):
     """Two replicas under `statistical` on one Redis admit past the worst-case budget (the bet),
