@@ -78,6 +78,19 @@ def test_batch_output_joins_input_on_custom_id():
     assert stats.ignored["Batch API input lines (joined by custom_id)"] == 3
 
 
+def test_batch_input_lines_that_are_not_objects_are_counted_not_fatal(tmp_path):
+    """A Batch API input file whose lines include JSON that is not an object (a string, a list, a
+    number: found by the CLI fuzzer) still joins its good lines and counts the others."""
+    text = (LOGS / "openai_batch_input.jsonl").read_text() + '"\\ud800"\n[1, 2]\n7\n'
+    (tmp_path / "openai_batch_input.jsonl").write_text(text)
+    it, stats = read_logs([str(LOGS / "openai_batch_output.jsonl"), str(tmp_path / "openai_batch_input.jsonl")],
+                          IngestOptions())
+    rows = [r for batch in it for r in batch.to_pylist()]
+    assert [(r["route"], r["max_tokens"]) for r in rows] == [("/v1/chat/completions", 16), ("/v1/chat/completions", 300)]
+    assert stats.ignored["Batch API input line not a JSON object"] == 3
+    assert stats.ignored["Batch API input lines (joined by custom_id)"] == 3
+
+
 def test_batch_output_alone_has_no_route():
     rows, _ = rows_of("openai_batch_output.jsonl")
     assert {r["route"] for r in rows} == {"*"} and rows[0]["max_tokens"] is None

@@ -179,6 +179,9 @@ class _Reader(JsonlPaths, TabularPaths):
             if isinstance(record, RowError):
                 self.stats.ignored["Batch API input line unreadable"] += 1
                 continue
+            if not isinstance(record, dict):  # valid JSON, but a string, number or list
+                self.stats.ignored["Batch API input line not a JSON object"] += 1
+                continue
             try:
                 custom_id, extra = batch_input_entry(record)
             except RowError:
