@@ -30,7 +30,10 @@ invalidates it, the costliest state the policy is in under load. Each measured r
 admitted (its probability stays far below epsilon). `redis` is guaranteed with every
 reservation confirmed in the shared ledger (gateway.yaml `ledger.backend: redis`, one Lua script
 per reserve, one per release), on a redis-server this bench starts on loopback (--pin redis=CPU);
-nginx and the bare proxy have no such ledger and are not run under it.
+`redis-statistical` is statistical on that shared ledger (every reserve also writes the
+request's log-moment rows and the script bounds every replica's held sequences; every release
+takes them out), with the same --held requests. nginx and the bare proxy have no such ledger and
+are not run under either.
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
 gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
@@ -105,6 +108,7 @@ BARE_PROXY_SRC = textwrap.dedent("""
 """)
 
 # statistical: the budget, epsilon and the chat route's measured output lengths (values, counts)
+POLICIES = ("guaranteed", "statistical", "redis", "redis-statistical")
 STAT_BUDGET, STAT_EPSILON = 200, 0.01
 STAT_LENGTHS = ([1, 4, 16, 64], [80, 12, 6, 2])
 HELD_BODY = {"model": "m", "messages": [{"role": "user", "content": "Hold this one."}], "max_tokens": 64}
@@ -265,13 +269,13 @@ def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | No
         "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
                    {"name": "default", "max_new_tokens": 64}],
     }
-    if policy == "statistical":  # the law nginx.conf gets, binned by the same renderer
+    if policy in ("statistical", "redis-statistical"):  # the law nginx.conf gets, binned by the same renderer
         from kvtune.deploy.render import gateway_routes
 
-        law = gateway_routes(bench_rec(upstream, policy))[0]["output_histogram"]
+        law = gateway_routes(bench_rec(upstream, "statistical"))[0]["output_histogram"]
         config.update(block_budget=STAT_BUDGET, admission={"policy": "statistical", "epsilon": STAT_EPSILON})
         config["routes"][0]["output_histogram"] = law
-    if policy == "redis":
+    if policy in ("redis", "redis-statistical"):
         config["ledger"] = {"backend": "redis", "url": redis_url, "key_prefix": f"bench-{_free_port()}"}
     path = workdir / f"gateway-{method}-{policy}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -488,7 +492,7 @@ def main() -> int:
                          "plain aiohttp pass-through proxy, the floor any aiohttp proxy pays")
     ap.add_argument("--policies", default="guaranteed",
                     help="admission policies to run every gateway under: guaranteed, statistical, redis "
-                         "(guaranteed on the shared Redis ledger)")
+                         "(guaranteed on the shared Redis ledger), redis-statistical (statistical on it)")
     ap.add_argument("--held", type=int, default=64,
                     help="statistical: background requests held through the gateway while it is measured")
     ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker processes (guaranteed)")
@@ -500,20 +504,21 @@ def main() -> int:
     args = ap.parse_args()
 
     policies = [p for p in args.policies.split(",") if p]
-    if any(p not in ("guaranteed", "statistical", "redis") for p in policies):
-        raise SystemExit(f"--policies: guaranteed, statistical, redis; got {args.policies!r}")
+    if any(p not in POLICIES for p in policies):
+        raise SystemExit(f"--policies: {', '.join(POLICIES)}; got {args.policies!r}")
     plain = [m for m in args.methods.split(",") if m]
     # each gateway under each policy; the bare proxy has no policy, nginx no shared ledger
     methods = [m if p == "guaranteed" or m == "bare-aiohttp" else f"{m}@{p}" for p in policies for m in plain
                if not (m == "bare-aiohttp" and p != policies[0])
-               and not (p == "redis" and m in ("nginx", "bare-aiohttp"))]
+               and not (p.startswith("redis") and m in ("nginx", "bare-aiohttp"))]
     pins = parse_pin(args.pin)
     if "client" in pins:
         os.sched_setaffinity(0, pins["client"])
     results: dict[str, list[dict]] = {"direct": [], **{m: [] for m in methods}}
     loads: list[float] = []
     upstream, up_url = start_upstream(pins.get("upstream"))
-    store, redis_url = start_redis(pins.get("redis")) if "redis" in policies else (None, None)
+    on_redis = any(p.startswith("redis") for p in policies)
+    store, redis_url = start_redis(pins.get("redis")) if on_redis else (None, None)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for run in range(args.runs):
@@ -525,10 +530,10 @@ def main() -> int:
                     policy = policy or "guaranteed"
                     gw, gw_url = start_gateway(up_url, name, Path(tmp), pins.get("gateway"), policy, args.nginx_workers,
                                                redis_url)
-                    held = args.held if policy == "statistical" else 0
+                    held = args.held if policy in ("statistical", "redis-statistical") else 0
                     try:
                         roles = {**pids, "gateway": gw.p.pid}
-                        if policy == "redis" and store is not None:
+                        if policy.startswith("redis") and store is not None:
                             roles["redis"] = store.p.pid
                         results[method].append(_run(measure(gw_url, args, roles, held)))
                     finally:

@@ -277,3 +277,16 @@ def test_probabilities_stay_finite_for_huge_blocks():
     rows = sequence_rows(2**20, 2**20, law, 0, block_size=1, edges=interval_edges(2**21))
     assert np.isfinite(rows.log_mgf).all()
     assert math.isfinite(float(chernoff_tail(rows.log_mgf, 10)[-1]))
+
+
+def test_a_sequences_rows_are_computed_once_and_cannot_be_written():
+    """A queued request is re-tried at every release with the same arguments: its rows come from
+    the cache, and a caller cannot change the shared arrays under every other holder."""
+    law = OutputLaw((4, 64), (19, 1))
+    edges = interval_edges(2048)
+    a = sequence_rows(96, 64, law, 0, block_size=16, edges=edges)
+    assert sequence_rows(96, 64, law, 0, block_size=16, edges=list(edges)) is a
+    assert sequence_rows(96, 64, law, 4, block_size=16, edges=edges) is not a  # progress: other rows
+    for array in (a.values, a.probs, a.log_mgf):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 0

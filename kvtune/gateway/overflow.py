@@ -29,6 +29,8 @@ their sum, so an admission costs one new sequence's rows, not a pass over everyo
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -194,9 +196,22 @@ class SequenceRows:
 _THETA = np.asarray(THETAS)
 
 
+#: How many sequences' rows are kept: a queued request is re-tried at every release and a held
+#: one at every progress mark, with the same arguments each time (the simulator's rows and seeds
+#: replay the same requests), so its rows are computed once, not on each try.
+ROWS_CACHE = 8192
+
+
 def sequence_rows(prompt: int, cap: int, law: OutputLaw, streamed: int, *, block_size: int,
                   edges: Sequence[tuple[int, int]]) -> SequenceRows:
-    """The rows of one sequence of `prompt` tokens capped at `cap`, `streamed` tokens in."""
+    """The rows of one sequence of `prompt` tokens capped at `cap`, `streamed` tokens in (shared,
+    read-only arrays: equal arguments give the same object)."""
+    return _sequence_rows(prompt, cap, law, streamed, block_size, tuple(edges))
+
+
+@functools.lru_cache(maxsize=ROWS_CACHE)
+def _sequence_rows(prompt: int, cap: int, law: OutputLaw, streamed: int, block_size: int,
+                   edges: tuple[tuple[int, int], ...]) -> SequenceRows:
     lengths, probs = law.conditioned(cap, streamed)
     remaining = lengths - streamed  # steps until it ends (> 0 unless it ends now)
     starts = np.asarray([a for a, _ in edges], dtype=np.int64)[:, None]
@@ -211,6 +226,8 @@ def sequence_rows(prompt: int, cap: int, law: OutputLaw, streamed: int, *, block
     top = exponent.max(axis=2, keepdims=True)
     log_mgf = (top[..., 0] + np.log(np.exp(exponent - top).sum(axis=2)))
     worst = -(-(prompt + cap) // block_size)
+    for array in (values, probs, log_mgf):
+        array.setflags(write=False)  # cached: a caller that wrote to one would change every other's
     return SequenceRows(values, probs, log_mgf, int(worst))
 
 
