@@ -30,7 +30,6 @@ their sum, so an admission costs one new sequence's rows, not a pass over everyo
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
