@@ -84,6 +84,31 @@ def vllm_model_dir_for(tmp_path_factory, vllm_model_dir):
     return get
 
 
+def _vllm_group(item: pytest.Item) -> tuple[int, int]:
+    """Which vLLM server a test runs on, as a sort key: (tokenizer, server). The factory keeps one
+    server alive and a start costs ~45 s on 2 cores, so tests of one server run back to back: the
+    default server (vllm_server, vllm_server_each_tokenizer) first, then test_gateway_live's
+    engine, then servers of their own (other settings, or processes a test starts itself)."""
+    callspec = getattr(item, "callspec", None)
+    tokenizer = callspec.params.get("vllm_tokenizer", "word") if callspec is not None else "word"
+    names = set(getattr(item, "fixturenames", ()))
+    server = 0 if names & {"vllm_server", "vllm_server_each_tokenizer"} else 1 if "engine" in names else 2
+    if tokenizer != "word":
+        server = {0: 1, 1: 0}.get(server, server)  # the word tokenizer's last server is not this one's
+    return TOKENIZERS.index(tokenizer), server
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering by session-scoped parameters
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-vLLM tests last, grouped by the server they run on (see _vllm_group); the order of
+    every other test, and of the tests within one group, is kept."""
+    live = [item for item in items if item.get_closest_marker("vllm") is not None]
+    if not live:
+        return
+    others = [item for item in items if item.get_closest_marker("vllm") is None]
+    items[:] = others + sorted(live, key=_vllm_group)
+
+
 @pytest.fixture(scope="session", params=TOKENIZERS)
 def vllm_tokenizer(request) -> str:
     """Each tokenizer of the test bed in turn: the toy one (a word is a token) and Mistral-7B's.

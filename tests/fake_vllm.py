@@ -475,8 +475,12 @@ vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",engine
         if self._release is not None:
             self._release.set()  # held calls end instead of waiting out the shutdown timeout
         if self._runner is not None:
+            server = self._runner.server
             await self._runner.cleanup()
             self._runner = None
+            if server is not None:  # connections accepted as the socket closed, under load
+                await asyncio.sleep(0.05)
+                await server.shutdown(0.1)
 
     async def __aenter__(self) -> FakeVllm:
         await self._start()
