@@ -49,7 +49,10 @@ def parse_instant(text: str, option: str = "--since") -> float:
 
 def format_instant(seconds: float) -> str:
     """Epoch seconds as an ISO 8601 UTC datetime (`2026-11-30T00:00:00Z`), for reports."""
-    text = datetime.fromtimestamp(seconds, UTC).isoformat()
+    try:
+        text = datetime.fromtimestamp(seconds, UTC).isoformat()
+    except (ValueError, OverflowError, OSError):  # beyond datetime's years: the seconds as they are
+        return f"{seconds!r} s"
     return text.replace("+00:00", "Z")
 
 
