@@ -274,3 +274,14 @@ def test_an_empty_window_is_refused_with_its_bounds() -> None:
         Window(5.0, 5.0)
     with pytest.raises(InputError, match="s is not before"):  # beyond year 9999: shown as seconds
         Window(1e15, 1e15)
+
+
+def test_a_saved_profile_with_a_window_is_refused(tmp_path: Path) -> None:
+    """A saved profile holds histograms, not rows: a window on it would be silently ignored."""
+    path = _jsonl(tmp_path / "a.jsonl", ROWS[:5])
+    saved = tmp_path / "p.json"
+    assert CliRunner().invoke(cli, ["profile", str(path), "--save", str(saved), "-q"]).exit_code == 0
+    for args in (["profile", "--merge", str(saved)], ["profile", str(saved)]):
+        result = CliRunner().invoke(cli, [*args, "--since", "2026-11-29", "-q"])
+        assert result.exit_code == 2
+        assert f"{saved}: --since: --since/--until filter log rows" in result.stderr

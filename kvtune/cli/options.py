@@ -196,11 +196,19 @@ class LogArgs:
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
         """Logs (or one saved profile) profiled; a fold beyond --max-routes is said on stderr."""
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.build import load_profile_or_logs
+        from kvtune.profile.build import is_saved_profile, load_profile_or_logs
 
+        self.window_for_logs([p for p in paths if is_saved_profile(p)])
         profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes)
         render_folded(profile, self.max_routes)
         return profile
+
+    def window_for_logs(self, saved: list[str]) -> None:
+        """--since/--until filter log rows: a saved profile has none left to filter, so it is refused."""
+        if saved and (self.since is not None or self.until is not None):
+            raise OptionError("--since/--until filter log rows; a saved profile holds only histograms (profile the "
+                              "logs with the window instead)", path=saved[0],
+                              field="--since" if self.since is not None else "--until")
 
 
 #: Where bench and simulate draw their traffic from, besides LOGS: the same words for both.

@@ -64,6 +64,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     if log.assume_cap is not None and trace_max_is_cap:
         raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
     saved = [p for p in paths if is_saved_profile(p)]
+    log.window_for_logs(saved)
     if saved and not merge:
         raise InputError("this is a saved profile; pass --merge to combine saved profiles", path=saved[0])
     logs = [p for p in paths if p not in saved]
