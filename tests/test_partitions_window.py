@@ -285,3 +285,18 @@ def test_a_saved_profile_with_a_window_is_refused(tmp_path: Path) -> None:
         result = CliRunner().invoke(cli, [*args, "--since", "2026-11-29", "-q"])
         assert result.exit_code == 2
         assert f"{saved}: --since: --since/--until filter log rows" in result.stderr
+
+
+def test_window_on_the_azure_csv_as_published() -> None:
+    """The real trace as it is (CSV, naive 7-digit timestamps read as UTC): the window keeps the
+    rows a plain reading of the file puts inside it, and counts the rest as outside."""
+    since, until = "2023-11-16T18:16:00", "2023-11-16T18:20:00.5"
+    with TRACE.open(newline="") as f:
+        stamps = [r["TIMESTAMP"] for r in csv.DictReader(f)]
+    lo, hi = parse_instant(since), parse_instant(until)
+    inside = sum(lo <= parse_instant(t) < hi for t in stamps)
+    assert 0 < inside < len(stamps)
+    got = profile_logs([str(TRACE)], IngestOptions(window=Window(lo, hi)))
+    assert got.requests == inside
+    assert got.window is not None and got.window.outside_rows == len(stamps) - inside
+    assert got.window.pruned_files == 0
