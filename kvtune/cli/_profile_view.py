@@ -119,6 +119,15 @@ def render_skipped(profile: Profile, *, file=None) -> None:
         print(f"  {count:,} {reason}" + (f" (first: {where})" if where else ""), file=out)
 
 
+def render_window(profile: Profile, *, file=None) -> None:
+    """One line on stderr for a --since/--until window: its bounds, files pruned, rows outside."""
+    w = profile.window
+    if w is None:
+        return
+    print(f"window [{w.since or '-inf'}, {w.until or '+inf'}): {w.pruned_files:,} files pruned by partition "
+          f"date (not read), {w.outside_rows:,} rows outside the window", file=file or sys.stderr)
+
+
 def render_folded(profile: Profile, max_routes: int | None, *, file=None) -> None:
     """One line on stderr when routes were folded into `*`, so a `*` in the output is explained."""
     if not profile.folded_routes:

@@ -172,25 +172,43 @@ class LogArgs:
     strict: bool
     assume_cap: int | None
     max_routes: int
+    since: str | None = None  # checked by _instant when parsed; the window is built in `ingest`
+    until: str | None = None
 
     def ingest(self):  # -> kvtune.ingest.IngestOptions
         """The ingest options; the process is about to read logs, so malloc is tuned for it."""
         from kvtune.allocator import tune_for_streaming
+        from kvtune.errors import KvtuneError
         from kvtune.ingest import IngestOptions, OnError
+        from kvtune.ingest.window import Window
 
+        try:
+            window = Window.parse(self.since, self.until)
+        except ValueError as exc:  # LogArgs built without click
+            raise click.BadParameter(str(exc)) from None
+        except KvtuneError as exc:  # since not before until
+            raise click.BadParameter(exc.message, param_hint=f"'{exc.field}'") from None
         tune_for_streaming()
         return IngestOptions(format=self.format_, fields=parse_fields(self.fields), route_by=self.route_by,
                              tokenizer=self.tokenizer, on_error=OnError(self.on_error), strict=self.strict,
-                             assume_cap=self.assume_cap)
+                             assume_cap=self.assume_cap, window=window)
 
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
         """Logs (or one saved profile) profiled; a fold beyond --max-routes is said on stderr."""
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.build import load_profile_or_logs
+        from kvtune.profile.build import is_saved_profile, load_profile_or_logs
 
+        self.window_for_logs([p for p in paths if is_saved_profile(p)])
         profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes)
         render_folded(profile, self.max_routes)
         return profile
+
+    def window_for_logs(self, saved: list[str]) -> None:
+        """--since/--until filter log rows: a saved profile has none left to filter, so it is refused."""
+        if saved and (self.since is not None or self.until is not None):
+            raise OptionError("--since/--until filter log rows; a saved profile holds only histograms (profile the "
+                              "logs with the window instead)", path=saved[0],
+                              field="--since" if self.since is not None else "--until")
 
 
 #: Where bench and simulate draw their traffic from, besides LOGS: the same words for both.
@@ -200,6 +218,19 @@ traffic_source_options = compose([
     click.option("--route", "routes", multiple=True, metavar="NAME",
                  help="Only these routes (repeatable).  [default: all, by share]"),
 ])
+
+
+def _instant(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--since/--until: an ISO date or datetime, checked when the command line is parsed."""
+    if value is None:
+        return None
+    from kvtune.ingest.window import parse_instant
+
+    try:
+        parse_instant(value, "--" + str(param.name))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).replace(f" for --{param.name}", "")) from None
+    return value
 
 
 log_options = grouped("log", LogArgs, [
@@ -218,6 +249,12 @@ log_options = grouped("log", LogArgs, [
     click.option("--max-routes", type=click.IntRange(min=1), default=MAX_ROUTES, show_default=True, metavar="N",
                  help="Keep the N busiest routes and fold the rest into `*`, with a note saying how many: "
                       "thousands of routes mean ids in the route key (try --route-by), and bound memory."),
+    click.option("--since", metavar="WHEN", callback=_instant,
+                 help="Only requests at or after WHEN (ISO date or datetime, UTC unless it has an offset: "
+                      "2026-11-30, 2026-11-30T12:00+02:00). Partitions dated wholly outside are not read."),
+    click.option("--until", metavar="WHEN", callback=_instant,
+                 help="Only requests before WHEN (exclusive; same forms as --since). A row without a "
+                      "timestamp is a bad row while either is given."),
 ])
 
 

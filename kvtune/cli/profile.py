@@ -30,6 +30,8 @@ JSON_FIELDS = """\b
   inputs[]        {path, format, rows}: each log file (format detected) or saved profile
   folded          {routes, requests, into: "*"}: routes beyond --max-routes (the least busy)
                   and their requests, summed into the route `*`
+  window          with --since/--until only: {since, until (ISO UTC or null), pruned_files
+                  (not read: partition date outside), outside_rows (timestamp outside)}
 """
 
 
@@ -62,6 +64,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     if log.assume_cap is not None and trace_max_is_cap:
         raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
     saved = [p for p in paths if is_saved_profile(p)]
+    log.window_for_logs(saved)
     if saved and not merge:
         raise InputError("this is a saved profile; pass --merge to combine saved profiles", path=saved[0])
     logs = [p for p in paths if p not in saved]
@@ -86,10 +89,11 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     if json_:
         click.echo(json.dumps(result.summary_dict()))
     else:
-        from kvtune.cli._profile_view import render_profile, render_skipped
+        from kvtune.cli._profile_view import render_profile, render_skipped, render_window
 
         render_profile(result)
         render_skipped(result)
+        render_window(result)
     render_folded(result, log.max_routes)
     if save_path and not json_:
         click.echo(f"saved profile to {save_path}", err=True)

@@ -22,6 +22,8 @@ from kvtune.ingest.schemas import FORMATS
 if TYPE_CHECKING:
     import pyarrow
 
+    from kvtune.ingest.window import Window
+
 COLUMNS = (
     "route",
     "model",
@@ -43,13 +45,14 @@ class FileInfo:
     path: str
     format: str
     rows: int = 0
+    partitions: dict[str, str] = field(default_factory=dict)  # Hive keys of its path (dt=…), outermost first
 
 
 @dataclass
 class IngestStats:
     """What was read: files, rows read, rows kept, and skipped rows by reason.
 
-    Invariant: rows_read == rows_ok + sum(skipped.values()).
+    Invariant: rows_read == rows_ok + sum(skipped.values()) + outside_window.
     `examples` holds the first location (`path:line: field: message`) of each skip reason so a
     summary can point at a line to look at.
     """
@@ -62,6 +65,10 @@ class IngestStats:
     # Records that are not requests (OTel spans without gen_ai attributes, Langfuse SPAN/EVENT
     # observations, Batch API input lines): reported, never fatal, not part of rows_read.
     ignored: Counter[str] = field(default_factory=Counter)
+    # With a --since/--until window: files never opened (partition date outside it, not in `files`)
+    # and rows read whose timestamp lies outside it.
+    pruned: list[str] = field(default_factory=list)
+    outside_window: int = 0
 
     def skip(self, reason: str, where: str, count: int = 1) -> None:
         self.skipped[reason] += count
@@ -92,6 +99,8 @@ class IngestOptions:
     source path such as `usage.completion_tokens` or `choices[0].finish_reason`.
     route_by is "path", "model" or a source field path; None means the request path when logged.
     assume_cap treats outputs >= this value as cut at a cap (for traces without finish reasons).
+    window keeps only rows whose timestamp falls in it (`kvtune.ingest.window`) and prunes the
+    partitions outside it (`kvtune.ingest.partitions`).
     """
 
     format: str | None = None
@@ -101,6 +110,7 @@ class IngestOptions:
     on_error: OnError = OnError.SKIP
     strict: bool = False
     assume_cap: int | None = None
+    window: Window | None = None
 
 
 def read_logs(

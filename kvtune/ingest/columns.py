@@ -10,7 +10,7 @@ Arrow buffers, dictionaries), so one place decides what a row means whichever pa
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -171,9 +171,41 @@ class ColumnChecks(abc.ABC):
             keep = arrays.bool_array(~drop)
             cols = {t: pc.filter(c, keep) for t, c in cols.items()}
             n = int((~drop).sum())
+            if self.options.window is not None:
+                kept = np.flatnonzero(~drop)
+                locate = (lambda at: lambda i: at(int(kept[i])))(locate)
+        if self.options.window is not None and n:
+            cols, n = self._in_window(cols, n, sources, locate)
         if n == 0:
             return None
         return self._assemble(cols, n)
+
+    def _in_window(
+        self, cols: dict[str, pa.Array], n: int, sources: Mapping[str, str], locate: Callable[[int], Location]
+    ) -> tuple[dict[str, pa.Array], int]:
+        """The rows inside --since/--until: a row without a timestamp is a bad row (NO_TIMESTAMP),
+        one outside the window is counted in `stats.outside_window`."""
+        from kvtune.ingest.window import NO_TIMESTAMP
+
+        window = self.options.window
+        assert window is not None
+        times = cols.get("timestamp_s")
+        stamps = arrays.floats(times) if times is not None else np.full(n, np.nan)
+        missing = np.isnan(stamps)
+        if missing.any():
+            first = int(np.argmax(missing))
+            line, index = _line_and_index(locate(first))
+            self.skip(NO_TIMESTAMP, "missing: a row without a timestamp cannot be placed in the --since/--until "
+                      "window", line, sources.get("timestamp_s", "timestamp_s"), index, count=int(missing.sum()))
+        inside = window.inside(stamps)
+        self.stats.outside_window += int((~missing & ~inside).sum())
+        kept = int(inside.sum())
+        if kept == n:
+            return cols, n
+        import pyarrow.compute as pc
+
+        keep = arrays.bool_array(inside)
+        return {t: pc.filter(c, keep) for t, c in cols.items()}, kept
 
     def _route(self, cols: dict[str, pa.Array], n: int) -> pa.DictionaryArray:
         """The route column, always dictionary<int32, string>: few distinct values, cheap group-by."""

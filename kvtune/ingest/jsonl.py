@@ -187,7 +187,9 @@ class JsonlPaths(ColumnChecks):
                     break
                 cols = _strict_columns(batch, sources)
                 n = batch.num_rows
-                if cols is None or _bad_rows(cols, n, flat.zero_output_failed, flat.time_unit):
+                if cols is None or _bad_rows(cols, n, flat.zero_output_failed, flat.time_unit) or (
+                        self.options.window is not None  # rows without a timestamp: named by the block reader
+                        and ("timestamp_s" not in cols or cols["timestamp_s"].null_count)):
                     break
                 self.info.rows += n
                 self.stats.rows_read += n

@@ -29,6 +29,7 @@ import pyarrow as pa
 from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, flatscan
 from kvtune.ingest.columns import _TYPES, Records
 from kvtune.ingest.jsonl import JsonlPaths
+from kvtune.ingest.partitions import partition_keys, prune
 from kvtune.ingest.paths import expand_paths
 from kvtune.ingest.plan import _Plan, _plan, _route_field, check_options
 from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, STR_TARGETS, TEXT_TARGETS, as_bool, flat_rows
@@ -61,14 +62,15 @@ def open_logs(
     prefetch: int = 0,
 ) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
     check_options(options)
-    files = expand_paths(paths)
+    files, pruned = prune(expand_paths(paths), options.window)
     plans = [_plan(p, options) for p in files]
     tokenizer = None
     if options.tokenizer:
         from kvtune.ingest.tokenize import load_tokenizer
 
         tokenizer = load_tokenizer(options.tokenizer)
-    stats = IngestStats(files=[FileInfo(str(p.path), p.format) for p in plans])
+    stats = IngestStats(files=[FileInfo(str(p.path), p.format, partitions=partition_keys(p.path)) for p in plans],
+                        pruned=[str(p) for p in pruned])
     reader = _Reader(options, stats, tokenizer, progress, sum(p.size or 0 for p in plans))
     batches = reader.run(plans)
     return (_ahead(batches, prefetch) if prefetch else batches), stats

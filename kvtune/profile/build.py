@@ -644,9 +644,16 @@ def _profile_once(paths: Sequence[str], options: IngestOptions, progress: Progre
     for batch in batches:
         builder.add_batch(batch)
     inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]
-    return builder.result(
+    profile = builder.result(
         inputs=inputs, skipped=dict(stats.skipped), skip_examples=dict(getattr(stats, "examples", {}))
     )
+    if options.window is None:
+        return profile
+    from dataclasses import replace
+
+    from kvtune.ingest.window import WindowReport
+
+    return replace(profile, window=WindowReport.of(options.window, len(stats.pruned), stats.outside_window))
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

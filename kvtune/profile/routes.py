@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtune.errors import InputError
+from kvtune.ingest.window import WindowReport, merge_reports
 from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
 from kvtune.userfiles import brief
 
@@ -593,6 +594,7 @@ class Profile:
     skip_examples: Mapping[str, str] = field(default_factory=dict)  # reason -> first location
     folded_routes: int = 0
     folded_requests: int = 0
+    window: WindowReport | None = None  # read with --since/--until: what the window left out
 
     def __post_init__(self) -> None:
         names = [r.route for r in self.routes]
@@ -606,13 +608,14 @@ class Profile:
         if not isinstance(other, Profile):
             return NotImplemented
         return (self.routes, self.inputs, self.skipped, self.skip_examples, self.folded_routes,
-                self.folded_requests) == (
+                self.folded_requests, self.window) == (
             other.routes,
             other.inputs,
             other.skipped,
             other.skip_examples,
             other.folded_routes,
             other.folded_requests,
+            other.window,
         )
 
     # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
@@ -652,6 +655,7 @@ class Profile:
             skip_examples={**other.skip_examples, **self.skip_examples},
             folded_routes=self.folded_routes + other.folded_routes,
             folded_requests=self.folded_requests + other.folded_requests,
+            window=merge_reports(self.window, other.window),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -663,6 +667,7 @@ class Profile:
             "skipped": dict(self.skipped),
             "skip_examples": dict(self.skip_examples),
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests},
+            **({"window": self.window.to_dict()} if self.window is not None else {}),
         }
 
     @classmethod
@@ -693,6 +698,7 @@ class Profile:
             skip_examples=_string_map(data.get("skip_examples", {}), "skip_examples"),
             folded_routes=folded.get("routes", 0),
             folded_requests=folded.get("requests", 0),
+            window=WindowReport.from_dict(data["window"]) if data.get("window") is not None else None,
         )
 
     def summary_dict(self) -> dict[str, Any]:
@@ -707,6 +713,7 @@ class Profile:
             },
             "inputs": [i.to_dict() for i in self.inputs],
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests, "into": "*"},
+            **({"window": self.window.to_dict()} if self.window is not None else {}),
         }
 
 
@@ -748,6 +755,7 @@ def fold_routes(profile: Profile, max_routes: int | None) -> Profile:
         skip_examples=profile.skip_examples,
         folded_routes=profile.folded_routes + len(folded),
         folded_requests=profile.folded_requests + sum(r.requests for r in folded),
+        window=profile.window,
     )
 
 
