@@ -159,7 +159,7 @@ def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
         if pf.metadata.num_rows == 0:
             raise InputError("Parquet file has no rows", path=str(plan.path))
         try:
-            first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS))
+            first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS, row_groups=_first_groups(pf)))
         except KvtuneError:
             raise
         except Exception as exc:
@@ -168,6 +168,18 @@ def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
     finally:
         if not isinstance(source, Path):
             source.close()
+
+
+def _first_groups(pf: Any) -> list[int]:
+    """The row groups that hold the first SAMPLE_RECORDS rows: only those are read for the sample
+    (a remote file is not fetched whole to sniff it)."""
+    groups, rows = [], 0
+    for i in range(pf.metadata.num_row_groups):
+        groups.append(i)
+        rows += pf.metadata.row_group(i).num_rows
+        if rows >= SAMPLE_RECORDS:
+            break
+    return groups
 
 
 def parquet_source(path: LogFile) -> Path | io.RawIOBase:

@@ -71,7 +71,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, PermissionError):
         return "access denied (check the credentials for this store)"
     if isinstance(exc, aiohttp.ClientResponseError):
-        return f"HTTP {exc.status} {exc.message}".strip()
+        return "not found (HTTP 404)" if exc.status == 404 else f"HTTP {exc.status} {exc.message}".strip()
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect to {exc.host}:{exc.port}: {exc.os_error.strerror or exc.os_error}"
     text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
@@ -238,10 +238,12 @@ def expand_url(text: str, is_log_name: Callable[[str], bool]) -> list[RemoteFile
     try:
         info = fs.info(path)
     except FileNotFoundError as exc:
-        if _http_cause(exc) is not None:
-            raise InputError(f"cannot read: {describe(exc)}", path=redact(text)) from exc
-        raise InputError("no such file or directory" if scheme not in ("http", "https")
-                         else "not found (HTTP 404)", path=redact(text)) from None
+        cause = _http_cause(exc)
+        if cause is None:
+            raise InputError("no such file or directory" if scheme not in ("http", "https")
+                             else "not found (HTTP 404)", path=redact(text)) from None
+        what = describe(cause)
+        raise InputError(what if what.startswith("not found") else f"cannot read: {what}", path=redact(text)) from exc
     except Exception as exc:
         raise InputError(f"cannot read: {describe(exc)}", path=redact(text)) from exc
     if info.get("type") == "directory":
