@@ -220,6 +220,7 @@ class _Server:
         asyncio.set_event_loop(self.loop)
         app = web.Application()
         app.router.add_route("*", "/{name}", self._file)
+        app.router.add_static("/dir/", self.root, show_index=True)  # an index page linking the files
         self.runner = web.AppRunner(app, access_log=None)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -348,3 +349,16 @@ def test_recommend_reads_logs_by_url_as_it_reads_them_locally(logs):
     remote = CliRunner().invoke(cli, ["recommend", url, *args])
     assert local.exit_code == remote.exit_code == 0, remote.output
     assert remote.stdout == as_url(local.stdout, path, url)
+
+
+def test_an_http_index_page_is_walked_and_globbed_like_a_directory(server, logs):
+    """A directory URL over HTTP is its index page: the log files it links are read (sizes by
+    HEAD, as a listing has none), other links skipped; a glob matches the links."""
+    base = f"http://127.0.0.1:{server.port}/dir/"
+    listed = [str(f) for f in expand_paths([base])]
+    assert listed == sorted(base + p.name for p in server.root.iterdir() if is_log_name(p.name))
+    globbed = expand_paths([base + "*.csv"])
+    assert [(str(f), f.size) for f in globbed] == [(base + "azure_style_trace.csv", logs["azure_style_trace.csv"].stat().st_size)]
+    code, out = profile(base + "*.csv", "--json")
+    path = logs["azure_style_trace.csv"]
+    assert code == 0 and out == as_url(local_json(path), path, base + "azure_style_trace.csv"), out

@@ -246,7 +246,7 @@ def expand_url(text: str, is_log_name: Callable[[str], bool]) -> list[RemoteFile
         raise InputError(what if what.startswith("not found") else f"cannot read: {what}", path=redact(text)) from exc
     except Exception as exc:
         raise InputError(f"cannot read: {describe(exc)}", path=redact(text)) from exc
-    if info.get("type") == "directory":
+    if info.get("type") == "directory" or _index_page(fs, text, path, info):
         files = _walk(fs, text, path, is_log_name)
         if not files:
             raise InputError(
@@ -255,6 +255,15 @@ def expand_url(text: str, is_log_name: Callable[[str], bool]) -> list[RemoteFile
             )
         return [_remote(fs, text, name, info, listed=True) for name, info in files]
     return [_remote(fs, text, path, info, listed=False)]
+
+
+def _index_page(fs: Any, text: str, path: str, info: dict[str, Any]) -> bool:
+    """Whether an HTTP URL is a directory's index page (HTML that links to files under it):
+    fsspec's HTTP filesystem lists those links, so it is walked like a directory."""
+    if not str(info.get("mimetype") or "").startswith("text/html"):
+        return False
+    found: bool = _guarded(text, "cannot list", lambda: fs.isdir(path))
+    return found
 
 
 def _walk(fs: Any, text: str, root: str, is_log_name: Callable[[str], bool]) -> list[tuple[str, dict[str, Any]]]:
@@ -270,6 +279,8 @@ def _walk(fs: Any, text: str, root: str, is_log_name: Callable[[str], bool]) -> 
 def _remote(fs: Any, text: str, name: str, info: dict[str, Any], *, listed: bool) -> RemoteFile:
     url = fs.unstrip_protocol(name) if listed else text
     size = info.get("size")
+    if size is None and listed:  # a listing without sizes (links on an HTTP index page): ask the file
+        size = _guarded(url, "cannot read", lambda: fs.info(name)).get("size")
     if size is None:
         raise InputError("the store gives no size for this file (no Content-Length): kvtune reads "
                          "byte ranges of it and needs its size", path=redact(url))
