@@ -49,12 +49,15 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
             json_: bool, quiet: bool) -> None:
     """Per-route output and prompt length distributions from request logs.
 
-    PATH: files, directories or globs of JSONL, CSV or Parquet (.gz, .zst), any mix of schemas.
+    PATH: files, directories or globs of JSONL, CSV or Parquet (.gz, .zst), any mix of schemas;
+    or URLs of them (s3://, gs://, az://, abfs://, hf://, https://: read by ranges through
+    fsspec; the stores' packages: pip install 'kvtune[remote]').
 
     \b
     Example:
         kvtune profile sample_logs/openai_chat.jsonl
         kvtune profile logs/ --save week1.json --json
+        kvtune profile 's3://my-logs/2026-11-*/*.parquet' --json
         kvtune profile --merge week1.json week2.json
     """
     from kvtune.profile.build import is_saved_profile, load_profile, profile_logs

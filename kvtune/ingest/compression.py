@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeAlias
 
 from kvtune.errors import InputError
+from kvtune.ingest.remote import RemoteFile
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -111,10 +112,16 @@ class _Sized(io.RawIOBase):
     Bytes appended meanwhile are not read, so every pass over a file sees the same rows.
     """
 
-    def __init__(self, path: Path, size: int | None) -> None:
-        self.file = io.FileIO(path, "rb")
+    def __init__(self, path: Path | RemoteFile, size: int | None) -> None:
         self.path = str(path)
-        self.size = os.fstat(self.file.fileno()).st_size if size is None else size
+        self.remote = path if isinstance(path, RemoteFile) else None
+        self.file: io.FileIO | io.RawIOBase
+        if isinstance(path, RemoteFile):  # an object in a store: ranged reads, its size as listed
+            self.file = path.open()
+            self.size = path.size if size is None else size
+        else:
+            self.file = io.FileIO(path, "rb")
+            self.size = os.fstat(self.file.fileno()).st_size if size is None else size
         self.pos = 0
 
     def readable(self) -> bool:
@@ -138,16 +145,26 @@ class _Sized(io.RawIOBase):
         if want <= 0:
             return 0
         view = memoryview(b).cast("B")
-        n = self.file.readinto(view[:want])
+        n = self.file.readinto(view[:want]) or 0
         self.pos += n
         if n < want:  # a regular file reads short only at its end: has it shrunk?
-            check_not_shrunk(self.path, self.size, os.fstat(self.file.fileno()).st_size)
+            if self.remote is not None:
+                if n == 0:
+                    _remote_shrunk(self.path, self.size, self.pos)
+            else:
+                check_not_shrunk(self.path, self.size, os.fstat(self.file.fileno()).st_size)
         return n
 
     def read_at(self, offset: int, buf: Any) -> int:
         """Fill `buf` from `offset` without moving the position (pread: threads may read at once);
         short only at the end of the file as planned."""
         view = memoryview(buf).cast("B")[: max(0, min(len(buf), self.size - offset))]
+        if self.remote is not None:  # one ranged read (a Range request over HTTP), thread-safe
+            data = self.remote.read_range(offset, len(view))
+            view[: len(data)] = data
+            if len(data) < len(view):
+                _remote_shrunk(self.path, self.size, offset + len(data))
+            return len(data)
         got = 0
         while got < len(view):
             n = _pread_into(self.file.fileno(), view[got:], offset + got)
@@ -171,6 +188,10 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return len(data)
 
 
+def _remote_shrunk(url: str, size: int, at: int) -> None:
+    raise InputError(f"ends at byte {at:,} but was listed as {size:,} bytes: replaced while being read?", path=url)
+
+
 def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> None:
     """InputError when a file read as `size` bytes is now shorter (default: stat it now)."""
     if now is None:
@@ -190,7 +211,7 @@ def check_not_shrunk(path: str | Path, size: int, now: int | None = None) -> Non
 Stream: TypeAlias = "io.BufferedReader[_Sized] | io.BufferedReader[_Decompressed]"  # not generic at runtime
 
 
-def open_bytes(path: Path, size: int | None = None) -> tuple[Stream, io.BufferedReader[_Sized]]:
+def open_bytes(path: Path | RemoteFile, size: int | None = None) -> tuple[Stream, io.BufferedReader[_Sized]]:
     """(decompressed binary stream, raw file) for a plain, gzip or zstd file, by magic bytes.
 
     `size`: the file's size when it was planned (default: now); reading stops there, and a file

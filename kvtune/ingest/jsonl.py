@@ -25,6 +25,7 @@ from kvtune.ingest import arrays, flatscan
 from kvtune.ingest.columns import _TYPES, ColumnChecks, Records, _bad_rows
 from kvtune.ingest.compression import Stream, _Sized, check_not_shrunk, compression_of, open_bytes
 from kvtune.ingest.plan import _Plan
+from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError, is_unicode
 
 if TYPE_CHECKING:
@@ -147,6 +148,9 @@ class JsonlPaths(ColumnChecks):
         first record to the block reader (`_json_fast`), which reports exact lines. DuckDB keeps
         file order (preserve_insertion_order), so the records already used are known by count.
         """
+        if isinstance(plan.path, RemoteFile):  # DuckDB would open the URL itself: the block reader
+            yield from self._json_fast(plan)
+            return
         try:
             import duckdb
         except ImportError:  # an install without it: the pyarrow block reader does the same work

@@ -1,4 +1,4 @@
-"""Turning the user's PATH arguments (files, directories, globs) into a list of log files."""
+"""Turning the user's PATH arguments (files, directories, globs, URLs) into a list of log files."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import glob
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TypeAlias
 
 from kvtune.errors import InputError
+from kvtune.ingest.remote import RemoteFile, expand_url, protocol
+
+#: One log file to read: a local path, or an object in a store (`kvtune.ingest.remote`).
+LogFile: TypeAlias = Path | RemoteFile
 
 # Data extensions looked for inside directories; explicit file arguments are taken as given.
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet", ".pq")
@@ -33,15 +38,23 @@ def _walk(directory: Path) -> list[Path]:
     return found
 
 
-def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[LogFile]:
     """Files as given, directories recursively (log-like names only), globs expanded; no duplicates.
 
-    An argument that matches nothing is an error: a typo must not become an empty profile.
+    A URL (`s3://…`, `https://…`, `memory://…`) is listed through fsspec the same way
+    (`remote.expand_url`). An argument that matches nothing is an error: a typo must not become an
+    empty profile.
     """
-    out: list[Path] = []
-    seen: set[Path] = set()
+    out: list[LogFile] = []
+    seen: set[Path | str] = set()
     for arg in paths:
         text = os.fspath(arg)
+        if protocol(text) is not None:
+            for remote in expand_url(text, is_log_name):
+                if remote.url not in seen:
+                    seen.add(remote.url)
+                    out.append(remote)
+            continue
         p = Path(text)
         if p.is_dir():
             matches = _walk(p)

@@ -18,9 +18,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvtune.errors import InputError, UnknownNameError
+from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import IngestOptions, OnError, arrays
 from kvtune.ingest.compression import open_bytes
+from kvtune.ingest.paths import LogFile
+from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
 from kvtune.ingest.schemas._base import TARGETS
 
@@ -28,7 +30,7 @@ HEAD_BYTES = 1 << 20  # bytes read for detection
 SAMPLE_RECORDS = 200
 
 
-def _container(path: Path, head: bytes) -> str:
+def _container(path: LogFile, head: bytes) -> str:
     name = path.name.lower()
     for comp in (".gz", ".zst", ".zstd"):
         if name.endswith(comp):
@@ -48,7 +50,7 @@ def _container(path: Path, head: bytes) -> str:
 
 @dataclass
 class _Plan:
-    path: Path
+    path: LogFile  # a local file, or an object in a store (kvtune.ingest.remote)
     container: str  # json, csv, tsv, parquet
     adapter: Adapter | None  # None: --format fields
     flat: Flat | None = None  # effective flat spec (with --field overrides)
@@ -64,7 +66,7 @@ class _Plan:
         return self.adapter.name if self.adapter else "fields"
 
 
-def _head(path: Path) -> bytes:
+def _head(path: LogFile) -> bytes:
     stream, raw = open_bytes(path)
     try:
         return stream.read(HEAD_BYTES)
@@ -94,7 +96,7 @@ def _json_sample(plan: _Plan, head: bytes) -> list[Any]:
     return records
 
 
-def _load_document(path: Path) -> list[Any] | None:
+def _load_document(path: LogFile) -> list[Any] | None:
     """A whole-file JSON array or object (Helicone/Langfuse exports, pretty OTLP), or None."""
     stream, raw = open_bytes(path)
     try:
@@ -145,18 +147,45 @@ def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, str]]:
 def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
+    source = parquet_source(plan.path)
     try:
-        pf = pq.ParquetFile(plan.path)
-    except Exception as exc:
-        raise InputError(f"not a readable Parquet file: {exc}", path=str(plan.path)) from exc
-    plan.columns = pf.schema_arrow.names
-    if pf.metadata.num_rows == 0:
-        raise InputError("Parquet file has no rows", path=str(plan.path))
-    try:
-        first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS))
-    except Exception as exc:
-        raise InputError(f"corrupt Parquet file: {exc}", path=str(plan.path)) from exc
-    return arrays.rows(first)
+        try:
+            pf = pq.ParquetFile(source)
+        except KvtuneError:
+            raise
+        except Exception as exc:
+            raise InputError(f"not a readable Parquet file: {exc}", path=str(plan.path)) from exc
+        plan.columns = pf.schema_arrow.names
+        if pf.metadata.num_rows == 0:
+            raise InputError("Parquet file has no rows", path=str(plan.path))
+        try:
+            first = next(pf.iter_batches(batch_size=SAMPLE_RECORDS, row_groups=_first_groups(pf)))
+        except KvtuneError:
+            raise
+        except Exception as exc:
+            raise InputError(f"corrupt Parquet file: {exc}", path=str(plan.path)) from exc
+        return arrays.rows(first)
+    finally:
+        if not isinstance(source, Path):
+            source.close()
+
+
+def _first_groups(pf: Any) -> list[int]:
+    """The row groups that hold the first SAMPLE_RECORDS rows: only those are read for the sample
+    (a remote file is not fetched whole to sniff it)."""
+    groups, rows = [], 0
+    for i in range(pf.metadata.num_row_groups):
+        groups.append(i)
+        rows += pf.metadata.row_group(i).num_rows
+        if rows >= SAMPLE_RECORDS:
+            break
+    return groups
+
+
+def parquet_source(path: LogFile) -> Path | io.RawIOBase:
+    """What pyarrow opens a Parquet file from: the local path, or a store's file object (ranged
+    reads: the footer, then the column chunks wanted). The caller closes a file object."""
+    return path.open(readahead=False) if isinstance(path, RemoteFile) else path
 
 
 def _detect(records: list[Any], container: str) -> Adapter | None:
@@ -179,19 +208,14 @@ _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO or pipe")
                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _plan(path: Path, options: IngestOptions) -> _Plan:
-    try:
-        info = path.stat()
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
-    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open, a device never end
-        kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "not a regular file")
-        raise InputError(f"not a log file but {kind}: kvtune reads each file more than once, so save "
-                         "a stream to a file first", path=str(path))
-    size = info.st_size
+def _plan(path: LogFile, options: IngestOptions) -> _Plan:
+    size = path.size if isinstance(path, RemoteFile) else _local_size(path)
     if size == 0:
         raise InputError("empty file", path=str(path))
-    head = _head(path)
+    if isinstance(path, RemoteFile) and _container(path, b"") == "parquet":
+        head = path.read_range(0, 4)  # by its name: only the magic, the footer tells the rest
+    else:
+        head = _head(path)
     if not head.strip():
         raise InputError("empty file (no data after decompression)", path=str(path))
     container = _container(path, head)
@@ -231,6 +255,18 @@ def _plan(path: Path, options: IngestOptions) -> _Plan:
     plan.adapter = adapter
     _plan_flat(plan, options, sample)
     return plan
+
+
+def _local_size(path: Path) -> int:
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", path=str(path)) from exc
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the open, a device never end
+        kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "not a regular file")
+        raise InputError(f"not a log file but {kind}: kvtune reads each file more than once, so save "
+                         "a stream to a file first", path=str(path))
+    return info.st_size
 
 
 def _plan_flat(plan: _Plan, options: IngestOptions, sample: list[Any]) -> None:

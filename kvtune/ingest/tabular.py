@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -18,8 +20,11 @@ from kvtune.errors import InputError, KvtuneError
 from kvtune.ingest import arrays
 from kvtune.ingest.columns import _TYPES, ColumnChecks, Records
 from kvtune.ingest.compression import open_bytes
-from kvtune.ingest.plan import _Plan
+from kvtune.ingest.plan import _Plan, parquet_source
 from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
 CSV_BLOCK_BYTES = 4 << 20  # CSV bytes per pyarrow batch
@@ -125,7 +130,14 @@ class TabularPaths(ColumnChecks):
         if plan.flat is not None:
             labels = ("route", "path", "_route", "model", "finish_reason")
             label_sources = [s for t, s in self._sources(plan).items() if t in labels]
-        pf = pq.ParquetFile(plan.path, read_dictionary=label_sources or None)
+        source = parquet_source(plan.path)
+        try:
+            yield from self._parquet_batches(plan, pq.ParquetFile(source, read_dictionary=label_sources or None))
+        finally:
+            if not isinstance(source, Path):
+                source.close()
+
+    def _parquet_batches(self, plan: _Plan, pf: pq.ParquetFile) -> Iterator[pa.RecordBatch]:
         size = plan.size or 0
         groups = max(pf.metadata.num_row_groups, 1)
         if plan.flat is None:
