@@ -1,6 +1,6 @@
 """Hive-partitioned datasets and the --since/--until window, on rows of the Azure conversation trace.
 
-The dataset: 400 rows of the real trace spread over four UTC days (2026-11-27 … 30), one
+The dataset: the first 400 rows of the real trace spread over four UTC days (2026-11-27 … 30), one
 partition per day (`dt=` for JSONL, `year=/month=/day=` for Parquet). A windowed profile must equal
 the profile of a file holding exactly the rows inside the window; partitions outside are never
 opened (a corrupt one there does not fail the run, while it fails an unwindowed run).
@@ -28,7 +28,8 @@ from kvtune.ingest.partitions import may_overlap, partition_keys, partition_span
 from kvtune.ingest.window import NO_TIMESTAMP, Window, parse_instant
 from kvtune.profile.build import profile_logs
 
-TRACE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+# the header and first 400 rows of Azure's conversation trace, TIMESTAMP kept (tests/data/SOURCES.md)
+TRACE = Path(__file__).parent / "data" / "traces" / "AzureLLMInferenceTrace_conv.first-400.csv"
 DAYS = [datetime(2026, 11, 27 + d, tzinfo=UTC) for d in range(4)]
 PER_DAY = 100
 
@@ -290,7 +291,7 @@ def test_a_saved_profile_with_a_window_is_refused(tmp_path: Path) -> None:
 def test_window_on_the_azure_csv_as_published() -> None:
     """The real trace as it is (CSV, naive 7-digit timestamps read as UTC): the window keeps the
     rows a plain reading of the file puts inside it, and counts the rest as outside."""
-    since, until = "2023-11-16T18:16:00", "2023-11-16T18:20:00.5"
+    since, until = "2023-11-16T18:16:00", "2023-11-16T18:17:00.5"
     with TRACE.open(newline="") as f:
         stamps = [r["TIMESTAMP"] for r in csv.DictReader(f)]
     lo, hi = parse_instant(since), parse_instant(until)
@@ -300,3 +301,17 @@ def test_window_on_the_azure_csv_as_published() -> None:
     assert got.requests == inside
     assert got.window is not None and got.window.outside_rows == len(stamps) - inside
     assert got.window.pruned_files == 0
+
+
+def test_a_partitioned_dataset_by_url_is_pruned_as_locally(dataset) -> None:
+    """The same dataset read through fsspec (a file:// URL, the path a remote store takes): the
+    partitions come from the URL's path, the same files are pruned and the profile is the local one."""
+    _, root, files = dataset
+    for f in files[:2]:  # pruned below: never opened, so their damage never shows
+        f.write_bytes(b"{not json\n\x00\xff")
+    window = Window.parse("2026-11-29T12:00", "2026-11-30")
+    local = profile_logs([str(root)], IngestOptions(window=window, on_error=OnError.FAIL))
+    remote = profile_logs([root.as_uri()], IngestOptions(window=window, on_error=OnError.FAIL))
+    assert remote.window == local.window and remote.window is not None and remote.window.pruned_files == 2
+    assert remote.routes == local.routes and remote.requests == local.requests
+    assert [i.path.rsplit("/", 3)[-3:] for i in remote.inputs] == [str(p).rsplit("/", 3)[-3:] for p in files[2:]]
