@@ -17,9 +17,11 @@ import os
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Protocol, TypeVar
+from typing import TypeVar
 from urllib.parse import unquote, urlsplit
 
+from kvtune.ingest.paths import LogFile
+from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.window import Window
 
 #: How far a partition's local date can sit from UTC: zones run from UTC−12 to UTC+14.
@@ -32,25 +34,18 @@ _SEGMENT = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>.*)")
 _DATE = re.compile(r"(?P<y>\d{4})-?(?P<m>\d{2})-?(?P<d>\d{2})")
 _NUMBER = re.compile(r"\d{1,4}")
 
-class _AtUrl(Protocol):
-    """A log file by URL (kvtune.ingest.remote.RemoteFile): its partitions are in the URL's path."""
-
-    @property
-    def url(self) -> str: ...
+P = TypeVar("P", bound="LogFile | str")
 
 
-P = TypeVar("P", bound="os.PathLike[str] | str | _AtUrl")
-
-
-def partition_keys(path: os.PathLike[str] | str | _AtUrl) -> dict[str, str]:
+def partition_keys(path: LogFile | str) -> dict[str, str]:
     """The `key=value` segments of a file's directory path (a URL's path for a remote file),
     outermost first, keys lower-cased and values unescaped as Hive writes them (`%3A` → `:`); the
     file's own name is not a partition."""
-    if isinstance(path, (str, os.PathLike)):
-        text = os.fspath(path).replace(os.sep, "/")
-    else:
+    if isinstance(path, RemoteFile):
         split = urlsplit(path.url)
         text = split.netloc + split.path
+    else:
+        text = os.fspath(path).replace(os.sep, "/")
     keys: dict[str, str] = {}
     for segment in text.split("/")[:-1]:
         m = _SEGMENT.fullmatch(segment)
