@@ -1,3 +1,4 @@
 from kvtune.cli import main
 
-main()
+if __name__ == "__main__":  # not when a worker process of `--workers` re-imports the main module
+    main()

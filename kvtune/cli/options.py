@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from kvtune.engines import ENGINE_NAMES, vllm
-from kvtune.errors import OptionError
+from kvtune.errors import KvtuneError, OptionError
 
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
 #: kvtune.profile.build.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
@@ -174,6 +174,8 @@ class LogArgs:
     max_routes: int
     since: str | None = None  # checked by _instant when parsed; the window is built in `ingest`
     until: str | None = None
+    workers: int | None = 1  # processes for the map step; None: every core when the input pays for it
+    ray_address: str | None = None  # run the map step as Ray tasks ("" a local cluster)
 
     def ingest(self):  # -> kvtune.ingest.IngestOptions
         """The ingest options; the process is about to read logs, so malloc is tuned for it."""
@@ -199,7 +201,8 @@ class LogArgs:
         from kvtune.profile.build import is_saved_profile, load_profile_or_logs
 
         self.window_for_logs([p for p in paths if is_saved_profile(p)])
-        profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes)
+        profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes,
+                                       workers=self.workers, ray_address=self.ray_address)
         render_folded(profile, self.max_routes)
         return profile
 
@@ -233,6 +236,30 @@ def _instant(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
+def _workers(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    """--workers: a count of at least 1, or auto (None)."""
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a number or auto, got {value!r}") from None
+    if count < 1:
+        raise click.BadParameter(f"at least 1, got {count}")
+    return count
+
+
+def _ray_address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    from kvtune.profile.on_ray import check_address
+
+    try:
+        return check_address(value)
+    except KvtuneError as exc:
+        raise click.BadParameter(exc.message) from None
+
+
 log_options = grouped("log", LogArgs, [
     click.option("--format", "format_", metavar="NAME", help=_format_help()),
     click.option("--field", "fields", multiple=True, metavar="TARGET=PATH",
@@ -255,6 +282,14 @@ log_options = grouped("log", LogArgs, [
     click.option("--until", metavar="WHEN", callback=_instant,
                  help="Only requests before WHEN (exclusive; same forms as --since). A row without a "
                       "timestamp is a bad row while either is given."),
+    click.option("--workers", default="auto", show_default=True, metavar="N|auto", callback=_workers,
+                 help="Processes that read and count the logs (a file or a run of Parquet row groups each), "
+                      "merged exactly: the same output as one. auto: every core once the input is 256 MiB."),
+    click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+                 callback=_ray_address,
+                 help="Read and count the logs as tasks on a Ray cluster (auto, HOST:PORT, ray://HOST:PORT; "
+                      "none: a local one), merged exactly. Workers read the inputs themselves: give URLs. "
+                      "pip install 'kvtune[ray]'."),
 ])
 
 

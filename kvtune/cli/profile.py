@@ -78,7 +78,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
 
         with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
             parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap,
-                                      max_routes=log.max_routes))
+                                      max_routes=log.max_routes, workers=log.workers, ray_address=log.ray_address))
     result = fold_routes(merge_profiles(parts), log.max_routes)
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))

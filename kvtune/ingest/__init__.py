@@ -10,6 +10,7 @@ pyarrow is imported lazily so that `kvtune --help` stays fast.
 from __future__ import annotations
 
 import enum
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,25 @@ class IngestOptions:
     window: Window | None = None
 
 
+_threads: int | None = None
+
+
+def set_threads(count: int | None) -> None:
+    """The threads one reader uses (its JSONL blocks in flight, pyarrow's decoding); None: one per
+    core. A parallel map step gives each worker process its share of the cores, not all of them."""
+    global _threads
+    _threads = count
+    if count is not None:
+        import pyarrow
+
+        pyarrow.set_cpu_count(count)
+
+
+def reader_threads() -> int:
+    """The threads a reader runs (`set_threads`)."""
+    return _threads or max(1, os.cpu_count() or 1)
+
+
 def read_logs(
     paths: Sequence[str],
     options: IngestOptions,
@@ -142,4 +162,6 @@ __all__ = [
     "expand_paths",
     "parse_on_error",
     "read_logs",
+    "reader_threads",
+    "set_threads",
 ]

@@ -31,7 +31,7 @@ from kvtune.ingest.schemas._fields import (
 )
 
 if TYPE_CHECKING:
-    from kvtune.ingest.plan import _Plan
+    from kvtune.ingest.plan import FilePlan
 
 #: Where a row was read: its line, or (line, index) where records come from a JSON document
 #: (line None) or a slow-path batch (`readers._Sink`).
@@ -103,11 +103,11 @@ class ColumnChecks(abc.ABC):
         """Report `pos` bytes of the current file as read."""
 
     @abc.abstractmethod
-    def _records(self, plan: _Plan, records: Records) -> Iterator[pa.RecordBatch]:
+    def _records(self, plan: FilePlan, records: Records) -> Iterator[pa.RecordBatch]:
         """The slow path: records one at a time through the plan's flat spec or adapter."""
 
     @abc.abstractmethod
-    def _sources(self, plan: _Plan) -> dict[str, str]:
+    def _sources(self, plan: FilePlan) -> dict[str, str]:
         """The source field of each target column of a flat plan."""
 
     # -- skips and errors
@@ -132,7 +132,7 @@ class ColumnChecks(abc.ABC):
     # -- checks and the normalized batch
 
     def _finalize(
-        self, plan: _Plan, cols: dict[str, pa.Array], n: int, locate: Callable[[int], Location]
+        self, plan: FilePlan, cols: dict[str, pa.Array], n: int, locate: Callable[[int], Location]
     ) -> pa.RecordBatch | None:
         flat = plan.flat
         sources = flat.columns if flat is not None else {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,10 +20,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from kvtune.ingest import arrays, flatscan
+from kvtune.ingest import arrays, flatscan, reader_threads
 from kvtune.ingest.columns import _TYPES, ColumnChecks, Records, _bad_rows
 from kvtune.ingest.compression import Stream, _Sized, check_not_shrunk, compression_of, open_bytes
-from kvtune.ingest.plan import _Plan
+from kvtune.ingest.plan import FilePlan
 from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError, is_unicode
 
@@ -52,7 +51,7 @@ class JsonlPaths(ColumnChecks):
 
     # -- slow path: records one at a time
 
-    def _json_records(self, plan: _Plan) -> Records:
+    def _json_records(self, plan: FilePlan) -> Records:
         if plan.document is not None:
             for i, rec in enumerate(plan.document):
                 yield None, i, rec
@@ -69,12 +68,12 @@ class JsonlPaths(ColumnChecks):
             stream.close()
             raw.close()
 
-    def _json_slow(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+    def _json_slow(self, plan: FilePlan) -> Iterator[pa.RecordBatch]:
         yield from self._records(plan, self._json_records(plan))
 
     # -- fast path: JSONL blocks
 
-    def _json_scan(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+    def _json_scan(self, plan: FilePlan) -> Iterator[pa.RecordBatch]:
         """Flat JSONL through kvtune's C scanner (kvtune.ingest.flatscan), blocks in parallel.
 
         The scanner takes a block only when every record in it is one it reads exactly as the
@@ -96,7 +95,7 @@ class JsonlPaths(ColumnChecks):
 
     def _json_scanned(
         self,
-        plan: _Plan,
+        plan: FilePlan,
         scanned: flatscan.ScannedBlock | None,
         block: memoryview,
         pos: int,
@@ -137,7 +136,7 @@ class JsonlPaths(ColumnChecks):
         self._progress(pos)
         return line0 + lines
 
-    def _json_duckdb(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+    def _json_duckdb(self, plan: FilePlan) -> Iterator[pa.RecordBatch]:
         """Flat JSONL through DuckDB's JSON reader (about twice pyarrow's speed), strictly.
 
         DuckDB converts leniently (12.5 → 12 for an integer column, numbers and objects → text
@@ -162,7 +161,7 @@ class JsonlPaths(ColumnChecks):
         keys = list(dict.fromkeys(sources.values()))
         codec = compression_of(plan.path)
         con = duckdb.connect(config={
-            "threads": max(1, os.cpu_count() or 1),
+            "threads": reader_threads(),
             "memory_limit": DUCKDB_MEMORY,
             "preserve_insertion_order": True,
         })
@@ -206,7 +205,7 @@ class JsonlPaths(ColumnChecks):
             con.close()
         yield from self._json_fast(plan, skip_records=done)
 
-    def _json_fast(self, plan: _Plan, skip_records: int = 0) -> Iterator[pa.RecordBatch]:
+    def _json_fast(self, plan: FilePlan, skip_records: int = 0) -> Iterator[pa.RecordBatch]:
         assert plan.flat is not None
         sources = self._sources(plan)
         parse = _json_parse_options(sources)
@@ -221,7 +220,7 @@ class JsonlPaths(ColumnChecks):
 
     def _json_parsed(
         self,
-        plan: _Plan,
+        plan: FilePlan,
         future: Future[tuple[pa.Table | None, int]],
         block: memoryview,
         pos: int,
@@ -239,7 +238,7 @@ class JsonlPaths(ColumnChecks):
         return line0 + lines
 
     def _json_block(
-        self, plan: _Plan, block: bytes, line0: int, sources: dict[str, str], parse: pj.ParseOptions
+        self, plan: FilePlan, block: bytes, line0: int, sources: dict[str, str], parse: pj.ParseOptions
     ) -> Iterator[pa.RecordBatch]:
         import pyarrow.json as pj
 
@@ -264,7 +263,7 @@ class JsonlPaths(ColumnChecks):
         yield from self._json_table(plan, table, block, line0, sources)
 
     def _json_table(
-        self, plan: _Plan, table: pa.Table, block: bytes | memoryview, line0: int, sources: dict[str, str]
+        self, plan: FilePlan, table: pa.Table, block: bytes | memoryview, line0: int, sources: dict[str, str]
     ) -> Iterator[pa.RecordBatch]:
         n = table.num_rows
         self.info.rows += n
@@ -318,7 +317,7 @@ def _in_order(
 ) -> Iterator[tuple[Future[_Result], _Block, int]]:
     """(future of work(block), block, position) for each block, in file order, with the next
     blocks already running on one thread per CPU; a consumer that stops early cancels the rest."""
-    workers = max(1, os.cpu_count() or 1)
+    workers = reader_threads()
     pending: deque[tuple[Future[_Result], _Block, int]] = deque()
     with ThreadPoolExecutor(workers) as pool:
         try:

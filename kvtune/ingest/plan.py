@@ -49,7 +49,10 @@ def _container(path: LogFile, head: bytes) -> str:
 
 
 @dataclass
-class _Plan:
+class FilePlan:
+    """How one file will be read, decided from its head before any row is: plain data, so a
+    parallel map step plans in one process and reads in another."""
+
     path: LogFile  # a local file, or an object in a store (kvtune.ingest.remote)
     container: str  # json, csv, tsv, parquet
     adapter: Adapter | None  # None: --format fields
@@ -60,6 +63,8 @@ class _Plan:
     ts_type: pa.DataType | None = None  # CSV timestamp column type
     bytes_per_record: float = 256.0  # JSONL: from the head, for progress where only rows are known
     size: int | None = None  # bytes when planned: every read stops there, and fails if the file shrank
+    group_rows: list[int] = field(default_factory=list)  # Parquet: rows in each row group, from the footer
+    row_groups: tuple[int, int] | None = None  # Parquet: read only row groups [start, stop) (one task's part)
 
     @property
     def format(self) -> str:
@@ -75,7 +80,7 @@ def _head(path: LogFile) -> bytes:
         raw.close()
 
 
-def _json_sample(plan: _Plan, head: bytes) -> list[Any]:
+def _json_sample(plan: FilePlan, head: bytes) -> list[Any]:
     lines = [ln for ln in head.split(b"\n")[:SAMPLE_RECORDS] if ln.strip()]
     if lines:
         plan.bytes_per_record = sum(len(ln) + 1 for ln in lines) / len(lines)
@@ -115,7 +120,7 @@ def _load_document(path: LogFile) -> list[Any] | None:
     return [doc]
 
 
-def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, str]]:
+def _csv_sample(plan: FilePlan, head: bytes) -> list[dict[str, str]]:
     if b"\x00" in head:
         raise InputError("not CSV text: the file holds NUL bytes (binary data, or UTF-16)", path=str(plan.path))
     text = head.decode("utf-8-sig", errors="replace")
@@ -144,7 +149,7 @@ def _csv_sample(plan: _Plan, head: bytes) -> list[dict[str, str]]:
     return rows
 
 
-def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
+def _parquet_sample(plan: FilePlan) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     source = parquet_source(plan.path)
@@ -156,6 +161,7 @@ def _parquet_sample(plan: _Plan) -> list[dict[str, Any]]:
         except Exception as exc:
             raise InputError(f"not a readable Parquet file: {exc}", path=str(plan.path)) from exc
         plan.columns = pf.schema_arrow.names
+        plan.group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
         if pf.metadata.num_rows == 0:
             raise InputError("Parquet file has no rows", path=str(plan.path))
         try:
@@ -208,7 +214,7 @@ _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO or pipe")
                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _plan(path: LogFile, options: IngestOptions) -> _Plan:
+def _plan(path: LogFile, options: IngestOptions) -> FilePlan:
     size = path.size if isinstance(path, RemoteFile) else _local_size(path)
     if size == 0:
         raise InputError("empty file", path=str(path))
@@ -219,7 +225,7 @@ def _plan(path: LogFile, options: IngestOptions) -> _Plan:
     if not head.strip():
         raise InputError("empty file (no data after decompression)", path=str(path))
     container = _container(path, head)
-    plan = _Plan(path, container, None, size=size)
+    plan = FilePlan(path, container, None, size=size)
     if container == "parquet":
         if head[:4] != b"PAR1":
             raise InputError(
@@ -269,7 +275,7 @@ def _local_size(path: Path) -> int:
     return info.st_size
 
 
-def _plan_flat(plan: _Plan, options: IngestOptions, sample: list[Any]) -> None:
+def _plan_flat(plan: FilePlan, options: IngestOptions, sample: list[Any]) -> None:
     """Decide the effective flat spec and whether the vectorized path applies."""
     adapter = plan.adapter
     if adapter is None:

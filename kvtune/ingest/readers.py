@@ -30,8 +30,8 @@ from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, flatsca
 from kvtune.ingest.columns import _TYPES, Records
 from kvtune.ingest.jsonl import JsonlPaths
 from kvtune.ingest.partitions import partition_keys, prune
-from kvtune.ingest.paths import expand_paths
-from kvtune.ingest.plan import _Plan, _plan, _route_field, check_options
+from kvtune.ingest.paths import LogFile, expand_paths
+from kvtune.ingest.plan import FilePlan, _plan, _route_field, check_options
 from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, STR_TARGETS, TEXT_TARGETS, as_bool, flat_rows
 from kvtune.ingest.schemas._fields import (
     BAD_TEXT,
@@ -61,9 +61,28 @@ def open_logs(
     progress: Callable[[int, int], None] | None = None,
     prefetch: int = 0,
 ) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
+    plans, pruned = plan_logs(paths, options)
+    return open_plans(plans, options, pruned=pruned, progress=progress, prefetch=prefetch)
+
+
+def plan_logs(paths: Sequence[str], options: IngestOptions) -> tuple[list[FilePlan], list[LogFile]]:
+    """(each file's plan, the files a window pruned): every path, option and format is checked
+    here, before a row is read, so a typo in the last file fails before any work."""
     check_options(options)
     files, pruned = prune(expand_paths(paths), options.window)
-    plans = [_plan(p, options) for p in files]
+    return [_plan(p, options) for p in files], pruned
+
+
+def open_plans(
+    plans: Sequence[FilePlan],
+    options: IngestOptions,
+    *,
+    pruned: Sequence[LogFile] = (),
+    progress: Callable[[int, int], None] | None = None,
+    prefetch: int = 0,
+) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
+    """Read planned files in order (a parallel map step reads one plan, or one plan's Parquet
+    row groups, per task: rows keep the file's own numbers either way)."""
     tokenizer = None
     if options.tokenizer:
         from kvtune.ingest.tokenize import load_tokenizer
@@ -72,7 +91,7 @@ def open_logs(
     stats = IngestStats(files=[FileInfo(str(p.path), p.format, partitions=partition_keys(p.path)) for p in plans],
                         pruned=[str(p) for p in pruned])
     reader = _Reader(options, stats, tokenizer, progress, sum(p.size or 0 for p in plans))
-    batches = reader.run(plans)
+    batches = reader.run(list(plans))
     return (_ahead(batches, prefetch) if prefetch else batches), stats
 
 
@@ -147,7 +166,7 @@ class _Reader(JsonlPaths, TabularPaths):
 
     # -- driver
 
-    def run(self, plans: list[_Plan]) -> Generator[pa.RecordBatch, None, None]:
+    def run(self, plans: list[FilePlan]) -> Generator[pa.RecordBatch, None, None]:
         # Batch API inputs first: their url and max_tokens join onto the outputs by custom_id
         order = sorted(range(len(plans)), key=lambda i: plans[i].format != "openai-batch-input")
         for i in order:
@@ -176,7 +195,7 @@ class _Reader(JsonlPaths, TabularPaths):
 
     # -- Batch API input
 
-    def _read_batch_input(self, plan: _Plan) -> None:
+    def _read_batch_input(self, plan: FilePlan) -> None:
         for _, _, record in self._json_records(plan):
             if isinstance(record, RowError):
                 self.stats.ignored["Batch API input line unreadable"] += 1
@@ -195,7 +214,7 @@ class _Reader(JsonlPaths, TabularPaths):
 
     # -- slow path: records one at a time
 
-    def _records(self, plan: _Plan, records: Records) -> Iterator[pa.RecordBatch]:
+    def _records(self, plan: FilePlan, records: Records) -> Iterator[pa.RecordBatch]:
         sink = _Sink(self, plan)
         for line, index, record in records:
             if isinstance(record, RowError):
@@ -232,7 +251,7 @@ class _Reader(JsonlPaths, TabularPaths):
                     yield from sink.flush()
         yield from sink.flush()
 
-    def _complete(self, row: dict[str, Any], record: Mapping[str, Any], plan: _Plan) -> dict[str, Any]:
+    def _complete(self, row: dict[str, Any], record: Mapping[str, Any], plan: FilePlan) -> dict[str, Any]:
         """--field overrides, --route-by FIELD and the Batch API join, on one extracted row."""
         ctx = row.pop("_ctx", record)
         if plan.flat is None:
@@ -251,7 +270,7 @@ class _Reader(JsonlPaths, TabularPaths):
 
     # -- fast paths: the source field of each target column
 
-    def _sources(self, plan: _Plan) -> dict[str, str]:
+    def _sources(self, plan: FilePlan) -> dict[str, str]:
         assert plan.flat is not None
         sources = {t: s for t, s in plan.flat.columns.items() if t in _TYPES}
         if self.route_field:
@@ -274,7 +293,7 @@ def _coerce(target: str, value: Any, source: str) -> Any:
 class _Sink:
     """Rows from the slow path, tokenized in batches and handed to the shared normalization."""
 
-    def __init__(self, reader: _Reader, plan: _Plan) -> None:
+    def __init__(self, reader: _Reader, plan: FilePlan) -> None:
         self.reader = reader
         self.plan = plan
         self.rows: list[dict[str, Any]] = []
@@ -324,7 +343,7 @@ class _Sink:
             values = [r.get(t) for r in rows]
             if any(v is not None for v in values):
                 cols[t] = pa.array(values, _TYPES[t])
-        sink_plan = _Plan(self.plan.path, self.plan.container, self.plan.adapter)  # units done
+        sink_plan = FilePlan(self.plan.path, self.plan.container, self.plan.adapter)  # units done
         batch = self.reader._finalize(sink_plan, cols, len(rows), lambda i: where[i])
         if batch is not None:
             yield batch

@@ -20,7 +20,7 @@ from kvtune.errors import InputError, KvtuneError
 from kvtune.ingest import arrays
 from kvtune.ingest.columns import _TYPES, ColumnChecks, Records
 from kvtune.ingest.compression import open_bytes
-from kvtune.ingest.plan import _Plan, parquet_source
+from kvtune.ingest.plan import FilePlan, parquet_source
 from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class TabularPaths(ColumnChecks):
 
     # -- fast path: CSV
 
-    def _csv(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+    def _csv(self, plan: FilePlan) -> Iterator[pa.RecordBatch]:
         if plan.flat is None:  # a record adapter over CSV (LiteLLM, Helicone exports)
             yield from self._records(plan, self._csv_records(plan, 0))
             return
@@ -84,7 +84,7 @@ class TabularPaths(ColumnChecks):
             raw.close()
         yield from self._records(plan, self._csv_records(plan, done))
 
-    def _csv_records(self, plan: _Plan, skip_rows: int) -> Records:
+    def _csv_records(self, plan: FilePlan, skip_rows: int) -> Records:
         stream, raw = open_bytes(plan.path, plan.size)
         try:
             text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="strict", newline="")
@@ -123,7 +123,7 @@ class TabularPaths(ColumnChecks):
 
     # -- fast path: Parquet
 
-    def _parquet(self, plan: _Plan) -> Iterator[pa.RecordBatch]:
+    def _parquet(self, plan: FilePlan) -> Iterator[pa.RecordBatch]:
         import pyarrow.parquet as pq
 
         label_sources = []
@@ -137,21 +137,25 @@ class TabularPaths(ColumnChecks):
             if not isinstance(source, Path):
                 source.close()
 
-    def _parquet_batches(self, plan: _Plan, pf: pq.ParquetFile) -> Iterator[pa.RecordBatch]:
+    def _parquet_batches(self, plan: FilePlan, pf: pq.ParquetFile) -> Iterator[pa.RecordBatch]:
         size = plan.size or 0
-        groups = max(pf.metadata.num_row_groups, 1)
         if plan.flat is None:
             columns = None
             sources: dict[str, str] = {}
         else:
             sources = self._sources(plan)
             columns = list(dict.fromkeys(sources.values()))
-        done = 0
+        group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+        start, stop = plan.row_groups or (0, len(group_rows))
+        if not 0 <= start <= stop <= len(group_rows):
+            raise InputError(f"row groups {start}..{stop} asked of a file of {len(group_rows)}", path=self.path)
+        done = sum(group_rows[:start])  # rows before this part: row numbers stay the file's own
+        first, part_rows = done, max(sum(group_rows[start:stop]), 1)
         try:
             # whole row groups per batch where they are of a sane size: no re-slicing across groups
-            group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
             batch_size = min(max(max(group_rows, default=0), PARQUET_MIN_BATCH), PARQUET_MAX_BATCH)
-            batches = pf.iter_batches(batch_size=batch_size, columns=columns, use_threads=True)
+            batches = pf.iter_batches(batch_size=batch_size, row_groups=range(start, stop), columns=columns,
+                                      use_threads=True)
             for batch in batches:
                 n = batch.num_rows
                 if plan.flat is None:
@@ -172,12 +176,11 @@ class TabularPaths(ColumnChecks):
                 done += n
                 if out is not None:
                     yield out
-                self._progress(int(size * min(done / max(pf.metadata.num_rows, 1), 1.0)))
+                self._progress(int(size * min((done - first) / part_rows, 1.0)))
         except KvtuneError:
             raise
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"corrupt Parquet file: {exc}", path=self.path, line=done + 1 if done else None) from exc
-        del groups
 
 
 def _lines_from(first: int) -> Callable[[int], int]:

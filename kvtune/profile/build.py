@@ -41,7 +41,7 @@ from kvtune.profile.routes import (
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
 
-    from kvtune.ingest import IngestOptions
+    from kvtune.ingest import IngestOptions, IngestStats
 
 __all__ = [
     "MAX_ROUTES",
@@ -617,6 +617,8 @@ def profile_logs(
     progress: ProgressCallback | None = None,
     trace_max_is_cap: bool = False,
     max_routes: int | None = MAX_ROUTES,
+    workers: int | None = 1,
+    ray_address: str | None = None,
 ) -> Profile:
     """Read logs through `kvtune.ingest` and profile them; skipped rows are kept in the profile.
 
@@ -624,14 +626,26 @@ def profile_logs(
     cap (Mooncake conversation: 30 rows at exactly 2000), read twice: once to find the largest
     output, then with outputs at that value treated as cut (ingest's assume_cap).
     max_routes: the busiest routes kept; the others fold into `*` (None keeps every route).
+    workers: processes for the map step (None: every core when the input pays for it);
+    ray_address: run it as Ray tasks instead ("" starts a local cluster). Either way the profile
+    is the one a single process builds (`kvtune.profile.parallel`).
     """
-    profile = _profile_once(paths, options, progress, max_routes)
+
+    def once(opts: IngestOptions) -> Profile:
+        if workers == 1 and ray_address is None:
+            return _profile_once(paths, opts, progress, max_routes)
+        from kvtune.profile.parallel import profile_parallel
+
+        return profile_parallel(paths, opts, workers=workers, ray_address=ray_address, progress=progress,
+                                max_routes=max_routes)
+
+    profile = once(options)
     if trace_max_is_cap and profile.routes:
         import dataclasses
 
         top = max(r.output.observed.max or 0 for r in profile.routes)
         if top > 0:
-            profile = _profile_once(paths, dataclasses.replace(options, assume_cap=top), progress, max_routes)
+            profile = once(dataclasses.replace(options, assume_cap=top))
     return profile
 
 
@@ -640,13 +654,18 @@ def _profile_once(paths: Sequence[str], options: IngestOptions, progress: Progre
     from kvtune.ingest import read_logs
 
     batches, stats = read_logs(list(paths), options, progress=progress, prefetch=PREFETCH_BATCHES)
+    return profile_read(batches, stats, options, max_routes)
+
+
+def profile_read(batches: Iterable[pa.RecordBatch], stats: IngestStats, options: IngestOptions,
+                 max_routes: int | None) -> Profile:
+    """The profile of batches as they are read (stats fill in as they come): inputs, skips and,
+    with a window, what it left out."""
     builder = ProfileBuilder(max_routes)
     for batch in batches:
         builder.add_batch(batch)
     inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]
-    profile = builder.result(
-        inputs=inputs, skipped=dict(stats.skipped), skip_examples=dict(getattr(stats, "examples", {}))
-    )
+    profile = builder.result(inputs=inputs, skipped=dict(stats.skipped), skip_examples=dict(stats.examples))
     if options.window is None:
         return profile
     from dataclasses import replace
@@ -690,17 +709,19 @@ def is_saved_profile(path: str | os.PathLike[str]) -> bool:
 
 def load_profile_or_logs(
     paths: Sequence[str], options: IngestOptions | None = None, *, progress: ProgressCallback | None = None,
-    max_routes: int | None = MAX_ROUTES,
+    max_routes: int | None = MAX_ROUTES, workers: int | None = 1, ray_address: str | None = None,
 ) -> Profile:
-    """For later commands: one saved-profile .json loads it; anything else is read as logs.
-    Either way at most `max_routes` routes keep their own profile (`fold_routes`)."""
+    """For later commands: one saved-profile .json loads it; anything else is read as logs
+    (workers, ray_address: as `profile_logs` takes them). Either way at most `max_routes` routes
+    keep their own profile (`fold_routes`)."""
     if len(paths) == 1 and is_saved_profile(paths[0]):
         return fold_routes(load_profile(paths[0]), max_routes)
     if options is None:
         from kvtune.ingest import IngestOptions
 
         options = IngestOptions()
-    return profile_logs(paths, options, progress=progress, max_routes=max_routes)
+    return profile_logs(paths, options, progress=progress, max_routes=max_routes, workers=workers,
+                        ray_address=ray_address)
 
 
 def merge_saved(paths: Iterable[str]) -> Profile:

@@ -14,7 +14,7 @@ import enum
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -644,7 +644,8 @@ class Profile:
         return merged
 
     def merge(self, other: Profile) -> Profile:
-        """Exact and order-independent in every histogram; inputs are listed in order."""
+        """Exact and order-independent in every histogram; inputs are listed in order, and each
+        skip reason keeps its first example (self's, then other's new reasons after self's)."""
         by_name = {r.route: r for r in self.routes}
         for r in other.routes:
             by_name[r.route] = by_name[r.route].merge(r) if r.route in by_name else r
@@ -652,7 +653,8 @@ class Profile:
             routes=tuple(by_name.values()),
             inputs=self.inputs + other.inputs,
             skipped=_merge_counts(self.skipped, other.skipped),
-            skip_examples={**other.skip_examples, **self.skip_examples},
+            skip_examples={**self.skip_examples,
+                           **{k: v for k, v in other.skip_examples.items() if k not in self.skip_examples}},
             folded_routes=self.folded_routes + other.folded_routes,
             folded_requests=self.folded_requests + other.folded_requests,
             window=merge_reports(self.window, other.window),
@@ -718,10 +720,15 @@ class Profile:
 
 
 def merge_profiles(profiles: Iterable[Profile]) -> Profile:
+    """Many profiles as one: what merging them pairwise in order gives (`Profile.merge`), with each
+    route's histograms summed in one sort rather than one per profile (a parallel map step's parts)."""
     merged = Profile(routes=())
+    by_name: dict[str, list[RouteProfile]] = {}
     for p in profiles:
-        merged = merged.merge(p)
-    return merged
+        merged = merged.merge(replace(p, routes=()))
+        for r in p.routes:
+            by_name.setdefault(r.route, []).append(r)
+    return replace(merged, routes=tuple(_sum_routes(name, routes) for name, routes in by_name.items()))
 
 
 def busiest_routes(requests: Mapping[str, int], max_routes: int) -> set[str]:

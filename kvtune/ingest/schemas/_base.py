@@ -53,12 +53,25 @@ class Adapter:
     flat: Flat | None = None
     containers: frozenset[str] = field(default=frozenset({"json", "csv", "parquet"}))
 
+    def __reduce__(self) -> tuple[Callable[[str], Adapter], tuple[str]]:
+        """Pickled by name: a file's plan crosses to a worker process (`kvtune.profile.parallel`),
+        and an adapter's functions are lambdas, which pickle cannot carry; every adapter is one
+        module-level instance in the registry."""
+        return (adapter_named, (self.name,))
+
     def extract(self, record: Mapping[str, Any]) -> Iterator[Row | RowError]:
         if self.flat is not None and self.rows is None:
             yield from flat_rows(self.flat, record)
         else:
             assert self.rows is not None
             yield from self.rows(record)
+
+
+def adapter_named(name: str) -> Adapter:
+    """The registered adapter of this name (how a pickled adapter comes back)."""
+    from kvtune.ingest.schemas import BY_NAME
+
+    return BY_NAME[name]
 
 
 def flat_rows(flat: Flat, record: Mapping[str, Any]) -> Iterator[Row | RowError]:
