@@ -30,6 +30,9 @@ __all__ = ["TASK_RETRIES", "check_address", "run_on_ray"]
 #: Times Ray runs a task again when its worker process or node dies (not when its input is bad).
 TASK_RETRIES = 3
 
+#: Seconds to wait for a Ray head's port to accept a connection before saying it is not there.
+CONNECT_TIMEOUT_S = 5.0
+
 #: What `ray.init(address=…)` takes: auto, local, host:port, ray://host:port.
 _ADDRESS = re.compile(r"^(auto|local|(ray://)?[\w.\-\[\]:]+:\d{1,5})$")
 
@@ -52,6 +55,7 @@ def run_on_ray(plans: Sequence[FilePlan], options: IngestOptions, address: str,
     ray = _import_ray()
     started = not ray.is_initialized()
     if started:
+        _reachable(address)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         try:
             ray.init(address=address or None, logging_level=logging.WARNING, log_to_driver=False,
@@ -105,6 +109,21 @@ def _gather(ray: Any, refs: list[Any], tasks: Sequence[Task],
                 raise EndpointError(f"Ray could not run the task reading {task.plan.path} ({type(exc).__name__}, "
                                     f"after {TASK_RETRIES} retries)", field="--ray") from exc
     return parts
+
+
+def _reachable(address: str) -> None:
+    """Fail at once on a HOST:PORT nothing listens on: Ray itself retries a missing head node for
+    about a minute before it gives up."""
+    import socket
+
+    match = re.match(r"^(?:ray://)?\[?([\w.\-:]+?)\]?:(\d{1,5})$", address)
+    if match is None:  # "", auto, local: Ray's own discovery
+        return
+    host, port = match.group(1), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise EndpointError(f"cannot join the Ray cluster at {address}: {exc.strerror or exc}", field="--ray") from None
 
 
 def _import_ray() -> Any:
