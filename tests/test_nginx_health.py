@@ -189,3 +189,32 @@ def test_upstreams_named_by_host_name_are_probed_at_the_addresses_the_name_resol
             assert server.request("/v1/chat/completions", chat(10))[0] == 200 and len(a.engine_calls) == 1
         finally:
             server.stop()
+
+
+def test_one_upstream_is_never_probed_and_the_probe_options_are_checked(tmp_path):
+    import subprocess
+
+    from recs import rec_dict
+
+    from kvtune.deploy.render import RenderOptions, render_files
+    from kvtune.errors import OptionError
+
+    rec = Recommendation.from_dict(rec_dict())
+    one = render_files(rec, targets=["nginx.conf"])["nginx.conf"]
+    assert "init_worker_by_lua_block" not in one and "health = {" not in one
+    # https engines named by host name, a probe of its own: rendered alike in gateway.yaml
+    doc = {**rec_dict(), "upstream": "https://localhost:8443"}
+    probe = HealthProbe(interval_s=0.5, timeout_s=0.25, path="/ping")
+    files = render_files(Recommendation.from_dict(doc), targets=["nginx.conf", "gateway.yaml"],
+                         options=RenderOptions(replicas=2, health=probe, listen_port=18080))
+    conf = files["nginx.conf"]
+    assert "GET /ping every 0.5 s" in conf and "one deadline of 0.25 s" in conf
+    assert 'path = "/ping", https = true' in conf and "init_worker_by_lua_block" in conf
+    assert "health:\n  interval_s: 0.5\n  timeout_s: 0.25\n  path: \"/ping\"" in files["gateway.yaml"]
+    server = Nginx(tmp_path, conf, 0)
+    result = subprocess.run(server.args("-t"), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr  # init_by_lua resolved localhost
+    for bad, field in [(HealthProbe(interval_s=0.01), "health"), (HealthProbe(path="/a/../b"), "health.path")]:
+        with pytest.raises(OptionError) as caught:
+            render_files(rec, targets=["nginx.conf"], options=RenderOptions(replicas=2, health=bad))
+        assert caught.value.field == field
