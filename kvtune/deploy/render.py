@@ -35,6 +35,7 @@ from kvtune.gateway.config import (
     AdminAccess,
     ClientLimits,
     GatewayConfig,
+    HealthProbe,
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
@@ -101,6 +102,9 @@ class RenderOptions:
     # nginx replicas in front of the one engine (kvtune.deploy.slices): each nginx.conf holds
     # floor(budget / nginx_replicas) blocks, since nginx's ledger cannot be shared between machines.
     nginx_replicas: int = 1
+    # With several engine replicas: how each is probed, taken out and brought back (gateway.yaml
+    # `health`); gateway.yaml and nginx.conf render the same probe.
+    health: HealthProbe = HealthProbe()
 
 
 #: The most engine replicas one gateway.yaml lists.
@@ -144,8 +148,9 @@ def _nginx_upstreams(rec: Recommendation, options: RenderOptions, upstreams: lis
         if options.nginx_replicas != 1:
             budget = check_slice(budget, options.nginx_replicas, max_model_len=rec.max_model_len,
                                  block_size=rec.capacity.block_size)
-        out.append({"name": f"kvtune_upstream_{i + 1}", "url": u["url"],
-                    "host_port": parse_upstream(u["url"]).host_port, "engine_budget": u["block_budget"],
+        url = parse_upstream(u["url"])
+        out.append({"name": f"kvtune_upstream_{i + 1}", "url": u["url"], "host": url.host, "port": url.port,
+                    "netloc": url.netloc, "host_port": url.host_port, "engine_budget": u["block_budget"],
                     "block_budget": budget, "admit_limit": rec.admission.limit_blocks(budget),
                     "source": source if rec.upstreams else sources[i]})
     return out
@@ -388,6 +393,7 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "lua_config": lua_config,
         "nginx_slice": nginx_slice,
         "nginx_upstreams": nginx_upstreams,
+        "health": _health(options.health),
         "policy": lua_policy(),
         # gateway.yaml leaves these at the Python gateway's defaults; nginx.conf takes the same
         "upstream_timeouts": {name: f.default for f in dataclasses.fields(GatewayConfig)
@@ -396,6 +402,20 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def _health(probe: HealthProbe) -> dict:
+    """The health probe as both gateways' files write it, and whether it is gateway.yaml's default
+    (then gateway.yaml leaves it out). Held to gateway.yaml's own bounds, which parse it back."""
+    from kvtune.gateway.endpoints import canonical_path
+
+    if not (probe.interval_s >= 0.05 and probe.timeout_s >= 0.01):
+        raise OptionError("the health probe's interval_s must be at least 0.05 and timeout_s at least 0.01",
+                          field="health")
+    if canonical_path(probe.path) != probe.path or "?" in probe.path:
+        raise OptionError(f"{probe.path!r} is not a plain request path", field="health.path")
+    return {"interval_s": probe.interval_s, "timeout_s": probe.timeout_s, "path": probe.path,
+            "default": probe == HealthProbe()}
 
 
 def _what_if(rec: Recommendation) -> dict | None:
