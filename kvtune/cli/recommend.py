@@ -27,9 +27,11 @@ class PolicyArgs:
     max_truncation: float | None
 
     def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs,
-                       objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None):
+                       objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None,
+                       replica_files: tuple[str, ...] = (), primary: int = 0):
         """The whole pipeline, as library calls: profile the logs, plan the capacity, apply the
-        rules (or, with an objective, search the simulated what-if table)."""
+        rules (or, with an objective, search the simulated what-if table, on every replica of
+        `replica_files` when there are several, replica_files[primary] the smallest)."""
         import kvtune
 
         version = self.engine_version(capacity)
@@ -37,7 +39,12 @@ class PolicyArgs:
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
-        return kvtune.recommend(profile, capacity.plan(self.model), engine=capacity.engine,
+        plan = capacity.plan(self.model)
+        if wanted and len(replica_files) > 1:
+            plans = [plan if i == primary else dataclasses.replace(capacity, capacity_files=(f,)).plan(self.model)
+                     for i, f in enumerate(replica_files)]
+            wanted["replicas"] = list(zip(replica_files, plans, strict=True))
+        return kvtune.recommend(profile, plan, engine=capacity.engine,
                                 engine_version=None if vllm else version, safety_fraction=self.safety_fraction,
                                 max_truncation=self.max_truncation,
                                 vllm_version=(version if vllm else None) or CURRENT_VLLM_VERSION,
@@ -229,15 +236,18 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.policy.search import InfeasibleObjectiveError
 
     measured: list = []  # (capacity file, its plan's Capacity), one per replica
+    primary = 0
     if len(files_given) > 1:
-        from kvtune.policy.replicas import smallest
+        from kvtune.policy.replicas import check_same_deployment, smallest
 
         measured = [(f, dataclasses.replace(capacity, capacity_files=(f,)).plan(policy.model).capacity)
                     for f in files_given]
-        capacity = dataclasses.replace(capacity, capacity_files=(files_given[smallest([c for _, c in measured])],))
+        check_same_deployment(measured)
+        primary = smallest([c for _, c in measured])
+        capacity = dataclasses.replace(capacity, capacity_files=(files_given[primary],))
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
-            rec = policy.recommendation(logs, capacity, log, objective, progress)
+            rec = policy.recommendation(logs, capacity, log, objective, progress, files_given, primary)
     except InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)
         return

@@ -438,7 +438,13 @@ class _Checker:
         from kvtune.policy.search import simulate_deployment, violations
 
         try:
-            predicted = simulate_deployment(objective, self._deployment(objective))
+            replicas = self._replica_deployments(objective)
+            if replicas is None:
+                predicted = simulate_deployment(objective, self._deployment(objective))
+            else:
+                from kvtune.policy.replica_search import simulate_replicas
+
+                predicted = simulate_replicas(objective, *replicas)[0]
         except OptionError as exc:
             self.add(Severity.RISK, "objective-unsimulated", f"the deployment cannot run: {exc.message}",
                      "vLLM refuses an engine whose context does not fit its KV pool",
@@ -457,6 +463,38 @@ class _Checker:
         else:
             self.add(Severity.INFO, "objective-met", f"simulated {figures}",
                      "within the objective it was rendered for", source)
+
+    def _replica_deployments(self, objective: Objective) -> tuple | None:
+        """A recommendation searched over several replicas, checked against a gateway with as
+        many upstreams: (each replica's objective, its deployment, the split), as the search
+        simulated them (kvtune.policy.replica_search), each upstream on its own replica's pool and
+        step time with its deployed budget and the engine limits recommended for it; None otherwise."""
+        gateway = self.gateways[0] if self.gateways else None
+        if not objective.replicas or gateway is None or len(gateway.upstreams) != len(objective.replicas):
+            return None
+        import dataclasses
+
+        from kvtune.policy.replica_search import replica_queue, split_load
+        from kvtune.sim.scheduler import EngineSettings
+
+        base = self._deployment(objective)
+        split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
+        recommended = {u.capacity_file: u for u in self.rec.upstreams}
+        objectives, deployments = [], []
+        for i, (replica, upstream) in enumerate(zip(objective.replicas, gateway.upstreams, strict=True)):
+            own = recommended.get(replica.capacity_file)
+            pool = replica.basis.engine
+            engine = EngineSettings(
+                num_blocks=pool.num_blocks, block_size=base.engine.block_size,
+                max_num_seqs=own.max_num_seqs if own is not None and own.max_num_seqs else base.engine.max_num_seqs,
+                max_num_batched_tokens=(own.max_num_batched_tokens if own is not None and own.max_num_batched_tokens
+                                        else base.engine.max_num_batched_tokens),
+                max_model_len=base.engine.max_model_len, enable_prefix_caching=pool.enable_prefix_caching)
+            objectives.append(dataclasses.replace(objective, basis=replica.basis, replicas=()))
+            deployments.append(dataclasses.replace(base, engine=engine, budget_blocks=upstream.block_budget,
+                                                   queue_max_waiting=replica_queue(base.queue_max_waiting,
+                                                                                   split.shares[i])))
+        return objectives, deployments, split
 
     def _objective_source(self) -> str | None:
         gateway = self.gateways[0] if self.gateways else None

@@ -158,9 +158,14 @@ def upstream_budgets(rec: Recommendation, options: RenderOptions) -> list[dict]:
     sources = [u.capacity_file for u in rec.upstreams]
     for i, u in enumerate(_upstreams(rec, options)):
         budget = u["block_budget"]
+        own = rec.upstreams[i] if rec.upstreams else None
         rows.append({"url": u["url"], "block_budget": budget, "budget_tokens": budget * rec.capacity.block_size,
                      "source": sources[i] if sources else "copied (the recommended budget)",
-                     "slice_blocks": budget // options.nginx_replicas})
+                     "slice_blocks": budget // options.nginx_replicas,
+                     # `recommend --objective` over several replicas: its own engine limits and figures
+                     "max_num_seqs": own.max_num_seqs if own else None,
+                     "max_num_batched_tokens": own.max_num_batched_tokens if own else None,
+                     "predicted": own.predicted if own else None})
     return rows
 
 
