@@ -34,12 +34,20 @@ def replica_file(directory: Path, name: str, num_blocks: int, port: int, **extra
     return str(path)
 
 
+def slower(factor: float) -> dict:
+    """The test bed's calibrated step time, every coefficient `factor` times larger."""
+    timing = json.loads(Path(CPU_CAPACITY).read_text())["timing"]
+    timing["coefficients"] = {k: v * factor for k, v in timing["coefficients"].items()}
+    return timing
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("replicas")
     return {"log": objective_log(d / "log.jsonl"),
             "small": replica_file(d, "small.json", 32, 8000), "large": replica_file(d, "large.json", 64, 8001),
             "twin": replica_file(d, "twin.json", 32, 8001),
+            "slow": replica_file(d, "slow.json", 64, 8001, timing=slower(3.0)),
             "other": replica_file(d, "other.json", 64, 8001, model="another-model")}
 
 
@@ -102,6 +110,28 @@ def test_every_rows_total_is_the_sum_of_its_replicas(two):
         assert total.ttft_p99_ms is None or total.ttft_p99_ms <= max(p.ttft_p99_ms or 0 for p in parts) + 1e-3
 
 
+@pytest.mark.parametrize("load", [{"rate_rps": 150.0}, {"concurrency": 3}])
+def test_open_loop_and_few_clients_add_up_too(files, load):
+    rec = searched(files, "small", "large", **{"concurrency": None, **load})
+    row = rec.chosen
+    parts = [r.predicted for r in row.replicas]
+    assert row.predicted.output_tokens_per_s == pytest.approx(sum(p.output_tokens_per_s for p in parts), abs=0.01)
+    assert row.predicted.sent == sum(p.sent for p in parts) == 900  # 300 requests x 3 seeds, each sent once
+    if "concurrency" in load:
+        assert [r.share for r in row.replicas] == [round(1 / 3, 6), round(2 / 3, 6)]  # 3 clients: 1 and 2
+    else:
+        assert [round(r.share, 3) for r in row.replicas] == [round(31 / 94, 3), round(63 / 94, 3)]
+
+
+def test_a_slower_replica_shows_in_its_own_figures(files):
+    rec = searched(files, "small", "slow")
+    fast, slow = rec.chosen.replicas
+    # the slow replica has twice the blocks and two thirds of the load, at a third of the speed
+    assert slow.budget_blocks > fast.budget_blocks
+    assert slow.predicted.e2e_p50_ms > 2 * fast.predicted.e2e_p50_ms
+    assert rec.chosen.predicted.e2e_p99_ms <= max(fast.predicted.e2e_p99_ms, slow.predicted.e2e_p99_ms) + 1e-3
+
+
 def test_the_document_reads_back_and_the_files_pass_check(two, tmp_path):
     doc = two.to_dict()
     assert [r["capacity_file"] for r in doc["objective"]["replicas"]] == [u.capacity_file for u in two.upstreams]
@@ -114,6 +144,11 @@ def test_the_document_reads_back_and_the_files_pass_check(two, tmp_path):
     large = two.upstreams[1]
     assert (f"#   http://127.0.0.1:8001 ({large.capacity_file}): ./vllm-serve.sh --host 127.0.0.1 --port 8001 "
             f"--kv-cache-memory-bytes {large.kv_cache_memory_bytes} --max-num-seqs {large.max_num_seqs}") in script
+    report = files["report.md"]
+    assert "### The chosen row on each engine replica" in report
+    assert f"| {large.capacity_file} | 66% | {large.block_budget} | {large.max_num_seqs} |" in report
+    assert "| deployment (total) | 100% |" in report
+    assert "The chosen row on each engine replica" in files["report.html"]
     assert yaml.safe_load(files["gateway.yaml"])["upstreams"] == [
         {"url": u.url, "block_budget": u.block_budget} for u in two.upstreams]
 

@@ -407,12 +407,13 @@ def _what_if(rec: Recommendation) -> dict | None:
     """The report's what-if section (`recommend --objective`), or None."""
     if rec.what_if is None or rec.objective is None:
         return None
-    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, table_cells
+    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, replica_cells, table_cells
 
     chosen = rec.chosen
     return {"headline": headline(rec.what_if, rec.objective), "objective": objective_line(rec.objective),
             "rows": table_cells(rec.what_if), "note": TABLE_NOTE, "goodput": rec.objective.slo is not None,
-            "why": chosen.why if chosen is not None else ""}
+            "why": chosen.why if chosen is not None else "",
+            "replicas": replica_cells(chosen) if chosen is not None else []}
 
 
 def default_targets(rec: Recommendation, options: RenderOptions | None = None) -> list[str]:

@@ -493,6 +493,28 @@ def table_cells(rows: tuple[WhatIfRow, ...]) -> list[dict[str, Any]]:
     return out
 
 
+def replica_cells(row: WhatIfRow) -> list[dict[str, Any]]:
+    """Each replica's part of a row, then the deployment's total, as the reports show them."""
+    out = []
+    for r in row.replicas:
+        p = r.predicted
+        out.append({"replica": r.capacity_file, "share": f"{r.share:.0%}",
+                    "budget": "—" if r.budget_blocks is None else f"{r.budget_blocks:,}",
+                    "max_num_seqs": f"{r.max_num_seqs:,}", "max_num_batched_tokens": f"{r.max_num_batched_tokens:,}",
+                    **_figure_cells(p)})
+    if out:
+        out.append({"replica": "deployment (total)", "share": "100%",
+                    "budget": "—" if row.budget_blocks is None else f"{row.budget_blocks:,}",
+                    "max_num_seqs": "", "max_num_batched_tokens": "", **_figure_cells(row.predicted)})
+    return out
+
+
+def _figure_cells(p: Predicted) -> dict[str, str]:
+    return {"tokens_per_s": f"{p.output_tokens_per_s:,.1f}", "ttft": f"{_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)}",
+            "e2e": f"{_ms(p.e2e_p50_ms)} / {_ms(p.e2e_p99_ms)}", "preempted": f"{p.preemption_rate:.1%}",
+            "share_429": f"{p.share_429:.1%}"}
+
+
 TABLE_NOTE = ("latencies in ms of completed requests (p50 / p99); budget in blocks (safety fraction); caps: each "
               "route's percentile of output tokens (tail: p95 for light tails, p99 for heavy ones)")
 
@@ -523,6 +545,6 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
     return objective, rows
 
 
-__all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "TABLE_NOTE", "Goal", "GOALS", "PolicyKind",
-           "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation",
+__all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE", "Goal", "GOALS",
+           "PolicyKind", "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation",
            "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if"]
