@@ -546,5 +546,5 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
 
 
 __all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE", "Goal", "GOALS",
-           "PolicyKind", "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation",
-           "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if"]
+           "PolicyKind", "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted",
+           "Violation", "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if"]
