@@ -48,7 +48,8 @@ def files(tmp_path_factory) -> dict[str, str]:
             "small": replica_file(d, "small.json", 32, 8000), "large": replica_file(d, "large.json", 64, 8001),
             "twin": replica_file(d, "twin.json", 32, 8001),
             "slow": replica_file(d, "slow.json", 64, 8001, timing=slower(3.0)),
-            "other": replica_file(d, "other.json", 64, 8001, model="another-model")}
+            "other": replica_file(d, "other.json", 64, 8001, model="another-model"),
+            "short": replica_file(d, "short.json", 64, 8001, max_model_len=256)}
 
 
 def searched(files, *names: str, **kwargs) -> Recommendation:
@@ -188,4 +189,16 @@ def test_a_replica_of_another_model_is_one_line_naming_its_file(files, tmp_path,
         f"Error: {files['other']}: served model 'another-model', but {files['small']} measured 'tiny': "
         "every replica behind one gateway serves the same model the same way; calibrate the replicas of this "
         "deployment"]
+    assert not out.exists()
+
+
+def test_a_replica_too_short_for_the_deployment_is_one_line_before_any_simulation(files, tmp_path):
+    out = tmp_path / "deploy"
+    result = CliRunner().invoke(cli, ["recommend", files["log"], "--model", MODEL, "--capacity", files["small"],
+                                      "--capacity", files["short"], "--objective", "throughput", "--concurrency", "8",
+                                      "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {files['short']}: --max-model-len: this replica holds 256 tokens of context, below the "
+        "--max-model-len 512 every replica runs at: give it more KV memory or lower --max-model-len"]
     assert not out.exists()

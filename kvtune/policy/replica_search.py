@@ -36,10 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtune.errors import KvtuneError
 from kvtune.planning import Plan
 from kvtune.policy import rules
 from kvtune.policy.recommend import RecommendOptions, recommend
 from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.replicas import check_replica
 from kvtune.policy.search import (
     TAIL_LEVEL,
     Candidate,
@@ -116,8 +118,17 @@ def split_draws(draws: Draws, replica: np.ndarray, count: int) -> list[Draws]:
 
 
 def replicas_for(profile: Profile, plans: Sequence[tuple[str, Plan]], spec: ObjectiveSpec) -> list[Replica]:
-    """Every replica with the objective resolved on its own measured capacity."""
-    return [Replica(path, plan, build_objective(profile, plan, spec)) for path, plan in plans]
+    """Every replica with the objective resolved on its own measured capacity; a capacity the
+    simulator cannot run names its file."""
+    out = []
+    for path, plan in plans:
+        try:
+            out.append(Replica(path, plan, build_objective(profile, plan, spec)))
+        except KvtuneError as exc:
+            if exc.path is None:
+                exc.path = path
+            raise
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +189,10 @@ def search_replicas(profile: Profile, primary: int, replicas: Sequence[Replica],
     grid = searched_grid(grid, options, objective)
     candidates = grid_candidates(profile, main.plan, options, objective, grid)
     split = split_load(objective, [r.objective.basis.engine.num_blocks - 1 for r in replicas])
-    defaults = [recommend(profile, r.plan, options) for r in replicas]
+    defaults = [_default(profile, r, options) for r in replicas]
+    for r in replicas:  # before any simulation, each error naming its replica's file
+        check_replica(r.capacity_file, r.plan.capacity, block_size=defaults[primary].capacity.block_size,
+                      max_model_len=defaults[primary].max_model_len)
     objectives = [r.objective for r in replicas]
 
     def evaluate(c: Candidate) -> tuple[Predicted, tuple[ReplicaRow, ...]]:
@@ -195,6 +209,16 @@ def search_replicas(profile: Profile, primary: int, replicas: Sequence[Replica],
             + ", ".join(f"{r.capacity_file} {s:.0%}" for r, s in zip(replicas, split.shares, strict=True))
             + "), each with its own budget and engine limits; the what-if figures are the deployment's totals")
     return dataclasses.replace(rec, notes=(*rec.notes, note))
+
+
+def _default(profile: Profile, replica: Replica, options: RecommendOptions) -> Recommendation:
+    """The rules' recommendation on one replica; a capacity they cannot serve names its file."""
+    try:
+        return recommend(profile, replica.plan, options)
+    except KvtuneError as exc:
+        if exc.path is None:
+            exc.path = replica.capacity_file
+        raise
 
 
 def _replica_deployment(profile: Profile, c: Candidate, replica: Replica, default: Recommendation,

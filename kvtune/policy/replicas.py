@@ -67,6 +67,22 @@ def _origin_url(capacity: Capacity) -> str | None:
     return f"{url.scheme}://{url.host_port}"
 
 
+def check_replica(path: str, capacity: Capacity, *, block_size: int, max_model_len: int) -> None:
+    """CapacityError naming the replica's file when it cannot run the launch file every replica
+    runs: another block size, or less context than its max_model_len."""
+    if capacity.block_size != block_size:
+        raise CapacityError(f"block size {capacity.block_size}, but the replicas' launch file runs "
+                            f"{block_size}: calibrate every replica at one block size",
+                            path=path, field="block_size")
+    context = (capacity.num_blocks - 1) * capacity.block_size
+    if capacity.max_model_len is not None:
+        context = min(context, capacity.max_model_len)
+    if context < max_model_len:
+        raise CapacityError(f"this replica holds {context:,} tokens of context, below the max_model_len "
+                            f"{max_model_len:,} every replica runs at: give it more KV memory or lower "
+                            "--max-model-len", path=path, field="max_model_len")
+
+
 def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
                 fallback_urls: Sequence[str]) -> Recommendation:
     """`rec` (made for the smallest replica) with one UpstreamBudget per (capacity file, capacity),
@@ -78,17 +94,7 @@ def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
         raise TypeError(f"safety fraction {safety!r} is not a number")
     budgets = []
     for i, (path, capacity) in enumerate(replicas):
-        if capacity.block_size != rec.capacity.block_size:
-            raise CapacityError(f"block size {capacity.block_size}, but the replicas' launch file runs "
-                                f"{rec.capacity.block_size}: calibrate every replica at one block size",
-                                path=path, field="block_size")
-        context = (capacity.num_blocks - 1) * capacity.block_size
-        if capacity.max_model_len is not None:
-            context = min(context, capacity.max_model_len)
-        if context < rec.max_model_len:
-            raise CapacityError(f"this replica holds {context:,} tokens of context, below the max_model_len "
-                                f"{rec.max_model_len:,} every replica runs at: give it more KV memory or lower "
-                                "--max-model-len", path=path, field="max_model_len")
+        check_replica(path, capacity, block_size=rec.capacity.block_size, max_model_len=rec.max_model_len)
         budget = rules.block_budget(capacity.num_blocks, safety).tokens
         if budget < 1:
             raise CapacityError(f"no KV blocks to budget: {capacity.num_blocks} block(s)", path=path,
@@ -120,4 +126,4 @@ def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
     return dataclasses.replace(rec, upstreams=tuple(budgets), notes=(*rec.notes, note))
 
 
-__all__ = ["per_replica", "smallest", "check_same_deployment"]
+__all__ = ["per_replica", "smallest", "check_same_deployment", "check_replica"]
