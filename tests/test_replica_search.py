@@ -168,15 +168,20 @@ def test_the_cli_shows_each_replica_and_the_deployment(files, tmp_path):
     out = tmp_path / "deploy"
     result = CliRunner(env={"COLUMNS": "220"}).invoke(cli, [
         "recommend", files["log"], "--model", MODEL, "--capacity", files["small"], "--capacity", files["large"],
-        "--requests", "300", "--objective", "throughput", "--concurrency", "32", "--max-preemption-rate", "0.01",
+        "--requests", "300", "--objective", "throughput", "--concurrency", "32", "--max-preemption-rate", "0",
         "--out", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "each replica's simulated figures" in result.stdout
     assert "│ deployment" in result.stdout and "the sum" in result.stdout
+    # guaranteed: nginx.conf is rendered too, and checked first (gateway.yaml's upstreams are simulated)
     checked = CliRunner().invoke(cli, ["check", str(out / "recommendation.json"), "--model", MODEL,
-                                       "--deployed", str(out / "gateway.yaml"), "--deployed", str(out / "vllm-serve.sh")])
+                                       "--deployed", str(out / "nginx.conf"), "--deployed", str(out / "gateway.yaml"),
+                                       "--deployed", str(out / "vllm-serve.sh")])
     assert checked.exit_code == 0, checked.output
-    assert "objective-met" in checked.output
+    # check simulates both replicas again, as the search did: the chosen row's total
+    doc = json.loads((out / "recommendation.json").read_text())
+    total = next(r for r in doc["what_if"] if r["chosen"])["predicted"]["output_tokens_per_s"]
+    assert f"objective-met [{out / 'gateway.yaml'}]: simulated {total:,.1f} output tokens/s" in checked.output
 
 
 @pytest.mark.parametrize("objective", [[], ["--objective", "throughput", "--concurrency", "32"]])

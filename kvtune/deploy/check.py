@@ -469,15 +469,15 @@ class _Checker:
         many upstreams: (each replica's objective, its deployment, the split), as the search
         simulated them (kvtune.policy.replica_search), each upstream on its own replica's pool and
         step time with its deployed budget and the engine limits recommended for it; None otherwise."""
-        gateway = self.gateways[0] if self.gateways else None
-        if not objective.replicas or gateway is None or len(gateway.upstreams) != len(objective.replicas):
+        gateway = self._replica_gateway(objective)
+        if gateway is None:
             return None
         import dataclasses
 
         from kvtune.policy.replica_search import replica_queue, split_load
         from kvtune.sim.scheduler import EngineSettings
 
-        base = self._deployment(objective)
+        base = self._deployment(objective, gateway)
         split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
         recommended = {u.capacity_file: u for u in self.rec.upstreams}
         objectives, deployments = [], []
@@ -496,15 +496,26 @@ class _Checker:
                                                                                    split.shares[i])))
         return objectives, deployments, split
 
+    def _replica_gateway(self, objective: Objective) -> Deployed | None:
+        """The gateway whose upstreams are the objective's replicas, gateway.yaml first (an
+        nginx.conf under --nginx-replicas holds one nginx's slices); None without replicas."""
+        if not objective.replicas:
+            return None
+        matching = [g for g in self.gateways if len(g.upstreams) == len(objective.replicas)]
+        return next((g for g in matching if g.kind is DeployedKind.GATEWAY), matching[0] if matching else None)
+
     def _objective_source(self) -> str | None:
-        gateway = self.gateways[0] if self.gateways else None
+        objective = self.rec.objective
+        gateway = self._replica_gateway(objective) if objective is not None else None
+        if gateway is None and self.gateways:
+            gateway = self.gateways[0]
         return (gateway or self.deployed[0]).source
 
-    def _deployment(self, objective: Objective) -> Deployment:
+    def _deployment(self, objective: Objective, gateway: Deployed | None = None) -> Deployment:
         """The deployed files as the simulator sees them (kvtune.policy.search.Deployment): the
         engine's flags over vLLM's defaults on the measured pool (the recommended engine when no
-        engine file is checked), and the first gateway's budget, route caps, output laws and wait
-        queue; without a
+        engine file is checked), and the gateway's (default: the first) budget, route caps, output
+        laws and wait queue; without a
         gateway, straight to vLLM capped by its backstop."""
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
@@ -521,8 +532,9 @@ class _Checker:
                 max_num_seqs=e.max_num_seqs or base.max_num_seqs,
                 max_num_batched_tokens=e.max_num_batched_tokens or base.max_num_batched_tokens,
                 max_model_len=e.max_model_len or base.max_model_len, enable_prefix_caching=base.enable_prefix_caching)
-        if self.gateways:
+        if gateway is None and self.gateways:
             gateway = self.gateways[0]
+        if gateway is not None:
             policy = Policy.of(gateway.admission or self.rec.admission)
             return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget,
                               route_laws(gateway.routes, self.rec.routes), gateway.queue_max_waiting or 0,
