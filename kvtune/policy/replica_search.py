@@ -12,15 +12,19 @@ Why each replica serves its share of the traffic, in proportion to its budget, i
 simulation of the gateway's router (a reservation to the replica where it fits with the most
 free budget, ties by fewest in flight): under load, the only regime where the settings differ,
 that router keeps every replica's budget full and hands each the requests it frees budget for,
-which is its budget's share when the replicas run at the same speed (the spread #15's routing
-test measures on the live gateway); below it no replica is near its budget and the split changes
-nothing. A split also keeps each replica's simulation whole (the event loop's fast path jumps
-many decode steps at once, which a router consulted at every arrival would cut at every other
-replica's step), so the grid costs what it costs for one engine, times the replicas. It is no
-better than the router in one case, stated here: replicas of different speeds. The router then
-gives the faster one more than its budget's share; the split does not, so it overstates the
-slower replica's queueing and 429s: a pessimistic error, never an optimistic one. And a request
-refused by its replica here would be refused by the router only if it fit on none.
+which is its budget's share when the replicas run at the same speed (the spread the live
+gateway's pool is tested for: tests/test_gateway_upstreams.py, load in proportion to budgets);
+below it no replica is near its budget and the split changes nothing. A split also keeps each
+replica's simulation whole (the event loop's fast path jumps many decode steps at once, which a
+router consulted at every arrival would cut at every other replica's step), so the grid costs
+what it costs for one engine, times the replicas, and each replica's figures are its own.
+Where it is less faithful, stated here: replicas of different speeds. The router then gives the
+faster one more than its budget's share; the split does not, so the deployment's totals err on
+the pessimistic side (less throughput, more queueing and 429s on the slower replica) and the
+faster replica's own figures on the optimistic one. And a request refused by its replica here
+would be refused by the router only if it fit on none. (The faithful alternative, the gateway's
+own kvtune.gateway.pool.UpstreamPool as the simulated admission over N engines in one event
+loop, needs kvtune.sim.engine to step several schedulers on one clock.)
 
 The split is deterministic (smooth weighted round robin over the drawn requests, in send order),
 so each replica's arrivals are as even as the router makes them, and every row serves the same
