@@ -392,7 +392,7 @@ class WhatIfRow:
     why: str
     # several replicas: each one's part, in upstream order; `predicted` is then the deployment's
     # total (rates summed, shares and latency percentiles over all its requests), `budget_blocks`
-    # the sum of theirs, max_num_seqs and max_num_batched_tokens the first replica's
+    # the sum of theirs, max_num_seqs and max_num_batched_tokens the smallest replica's (vllm-serve.sh's)
     replicas: tuple[ReplicaRow, ...] = ()
 
     @property
