@@ -643,4 +643,5 @@ __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObje
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
            "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "DEFAULT_EPSILONS", "STATISTICALS",
            "DEFAULT_SEEDS", "mean_predicted", "objective_seeds", "route_laws",
-           "DEFAULT_REQUESTS", "TAIL_LEVEL"]
+           "DEFAULT_REQUESTS", "TAIL_LEVEL", "Candidate", "grid_candidates", "engine_candidates", "simulate_run",
+           "predicted_of", "searched_grid", "chosen_recommendation"]
