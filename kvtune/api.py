@@ -110,6 +110,7 @@ def recommend(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     compare_engines: bool = False,
+    replicas: Sequence[tuple[str, Plan]] = (),
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
     number says which rule produced it. `route_by` must be what the profile's routes were named by.
@@ -120,7 +121,10 @@ def recommend(
     `max_preemption_rate` and `max_429_share`, its `what_if` table attached; `progress(done,
     total)` after each row. kvtune.policy.search.InfeasibleObjectiveError (with the table) when
     no candidate meets them. `compare_engines` adds reference rows on SGLang's and TensorRT-LLM's
-    own admission rules (kvtune.policy.whatif.ENGINE_ROWS).
+    own admission rules (kvtune.policy.whatif.ENGINE_ROWS). With an objective, `replicas` lists
+    every engine replica behind the gateway as (capacity file, its plan), `plan` being the
+    smallest's: each row is simulated on all of them, each on its share of the load with its own
+    budget and engine limits (kvtune.policy.replica_search); without one, the rules alone.
 
     >>> rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB"), max_truncation=0.01)
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule      # doctest: +SKIP
@@ -157,13 +161,23 @@ def recommend(
             raise OptionError("only applies with an objective (throughput or goodput)", field=given)
         return apply_rules(profile, plan, options)
     from kvtune.policy.search import DEFAULT_REQUESTS, ObjectiveSpec, recommend_for_objective
-    from kvtune.policy.whatif import GOALS, Goal
+    from kvtune.policy.whatif import ENGINE_ROWS, GOALS, Goal
 
     if objective not in GOALS:
         raise OptionError(f"{objective!r} is not one of {', '.join(GOALS)}", field="objective")
     spec = ObjectiveSpec(Goal(objective), slo, max_preemption_rate, max_429_share, rate_rps, concurrency,
                          DEFAULT_REQUESTS if requests is None else requests, seed,
                          compare_engines=compare_engines)
+    if len(replicas) > 1:
+        from kvtune.policy.replica_search import replicas_for, search_replicas
+        from kvtune.policy.search import SearchGrid
+
+        found = replicas_for(profile, replicas, spec)
+        primary = next((i for i, (_, p) in enumerate(replicas) if p is plan), None)
+        if primary is None:
+            raise OptionError("plan must be one of the replicas' plans (the smallest's)", field="replicas")
+        grid = SearchGrid(engines=tuple(ENGINE_ROWS)) if compare_engines else None
+        return search_replicas(profile, primary, found, options, grid=grid, progress=progress)
     return recommend_for_objective(profile, plan, options, spec, progress=progress)
 
 

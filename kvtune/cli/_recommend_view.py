@@ -121,12 +121,34 @@ def show_upstream_budgets(rec: Recommendation, options: RenderOptions) -> None:
     from kvtune.deploy.render import upstream_budgets
 
     m = options.nginx_replicas
-    table = Table(title="Upstream budgets" + (f" ({m} nginx replicas, a static slice each)" if m > 1 else ""))
-    for column in ("upstream", "budget blocks", "budget tokens", "source", *(("slice blocks",) if m > 1 else ())):
+    rows = upstream_budgets(rec, options)
+    simulated = all(r["predicted"] is not None for r in rows)
+    figures = ("max_num_seqs", "batched tokens", "tokens/s", "TTFT p50 / p99 ms", "preempted", "429")
+    table = Table(title="Upstream budgets" + (f" ({m} nginx replicas, a static slice each)" if m > 1 else "")
+                  + (" and each replica's simulated figures" if simulated else ""))
+    for column in ("upstream", "budget blocks", "budget tokens", "source", *(("slice blocks",) if m > 1 else ()),
+                   *(figures if simulated else ())):
         table.add_column(column, justify="left" if column in ("upstream", "source") else "right")
-    for row in upstream_budgets(rec, options):
+    for row in rows:
         cells = [row["url"], f"{row['block_budget']:,}", f"{row['budget_tokens']:,}", row["source"]]
         if m > 1:
             cells.append(f"{row['slice_blocks']:,}")
+        if simulated:
+            p = row["predicted"]
+            cells += [f"{row['max_num_seqs']:,}", f"{row['max_num_batched_tokens']:,}", *_figures(p)]
         table.add_row(*cells)
-    Console(width=160).print(table)
+    chosen = rec.chosen
+    if simulated and chosen is not None:
+        total = sum(r["block_budget"] for r in rows)
+        table.add_row("deployment", f"{total:,}", f"{total * rec.capacity.block_size:,}", "the sum",
+                      *([""] if m > 1 else []), "", "", *_figures(chosen.predicted), style="bold")
+    Console(width=200).print(table)
+
+
+def _figures(p) -> list[str]:
+    """A Predicted's cells: output tokens/s, TTFT p50 / p99, preempted and 429 shares."""
+    def ms(v: float | None) -> str:
+        return "—" if v is None else f"{v:,.0f}"
+
+    return [f"{p.output_tokens_per_s:,.1f}", f"{ms(p.ttft_p50_ms)} / {ms(p.ttft_p99_ms)}",
+            f"{p.preemption_rate:.1%}", f"{p.share_429:.1%}"]

@@ -27,9 +27,11 @@ class PolicyArgs:
     max_truncation: float | None
 
     def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs,
-                       objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None):
+                       objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None,
+                       replica_files: tuple[str, ...] = (), primary: int = 0):
         """The whole pipeline, as library calls: profile the logs, plan the capacity, apply the
-        rules (or, with an objective, search the simulated what-if table)."""
+        rules (or, with an objective, search the simulated what-if table, on every replica of
+        `replica_files` when there are several, replica_files[primary] the smallest)."""
         import kvtune
 
         version = self.engine_version(capacity)
@@ -37,7 +39,12 @@ class PolicyArgs:
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
-        return kvtune.recommend(profile, capacity.plan(self.model), engine=capacity.engine,
+        plan = capacity.plan(self.model)
+        if wanted and len(replica_files) > 1:
+            plans = [plan if i == primary else dataclasses.replace(capacity, capacity_files=(f,)).plan(self.model)
+                     for i, f in enumerate(replica_files)]
+            wanted["replicas"] = list(zip(replica_files, plans, strict=True))
+        return kvtune.recommend(profile, plan, engine=capacity.engine,
                                 engine_version=None if vllm else version, safety_fraction=self.safety_fraction,
                                 max_truncation=self.max_truncation,
                                 vllm_version=(version if vllm else None) or CURRENT_VLLM_VERSION,
@@ -162,7 +169,10 @@ guaranteed policy at each cap level (tail rule, p90, p95, p99, p99.9) × budget 
 reference). The row with the most output tokens/s (goodput) within the constraints is
 rendered, its admission policy in gateway.yaml (and nginx.conf).
 recommendation.json then carries `objective` and `what_if`, and `kvtune check` on it
-simulates the deployed files against that objective.
+simulates the deployed files against that objective. With one --capacity FILE per engine
+replica, every row is simulated on all of them (each on its share of the load, in proportion
+to its KV blocks, with its own budget and engine limits): the table shows the deployment's
+totals, and each replica's own figures follow it.
 
 \b
 Exit codes: 0 done, 1 no configuration meets the objective (the table is shown, nothing is
@@ -185,7 +195,9 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
                    "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
-                   "upstream's budget is its own (its URL the file's origin). nginx.conf holds each upstream's "
+                   "upstream's budget is its own (its URL the file's origin), and with --objective each replica is "
+                   "simulated on its share of the load with its own max_num_seqs and max_num_batched_tokens. "
+                   "nginx.conf holds each upstream's "
                    "budget under its own key (not for admission: statistical).  "
                    "[default: the --capacity files' count, else 1]")
 @click.option("--nginx-replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="M",
@@ -229,15 +241,18 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.policy.search import InfeasibleObjectiveError
 
     measured: list = []  # (capacity file, its plan's Capacity), one per replica
+    primary = 0
     if len(files_given) > 1:
-        from kvtune.policy.replicas import smallest
+        from kvtune.policy.replicas import check_same_deployment, smallest
 
         measured = [(f, dataclasses.replace(capacity, capacity_files=(f,)).plan(policy.model).capacity)
                     for f in files_given]
-        capacity = dataclasses.replace(capacity, capacity_files=(files_given[smallest([c for _, c in measured])],))
+        check_same_deployment(measured)
+        primary = smallest([c for _, c in measured])
+        capacity = dataclasses.replace(capacity, capacity_files=(files_given[primary],))
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
-            rec = policy.recommendation(logs, capacity, log, objective, progress)
+            rec = policy.recommendation(logs, capacity, log, objective, progress, files_given, primary)
     except InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)
         return

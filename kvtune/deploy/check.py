@@ -438,7 +438,13 @@ class _Checker:
         from kvtune.policy.search import simulate_deployment, violations
 
         try:
-            predicted = simulate_deployment(objective, self._deployment(objective))
+            replicas = self._replica_deployments(objective)
+            if replicas is None:
+                predicted = simulate_deployment(objective, self._deployment(objective))
+            else:
+                from kvtune.policy.replica_search import simulate_replicas
+
+                predicted = simulate_replicas(objective, *replicas)[0]
         except OptionError as exc:
             self.add(Severity.RISK, "objective-unsimulated", f"the deployment cannot run: {exc.message}",
                      "vLLM refuses an engine whose context does not fit its KV pool",
@@ -458,15 +464,58 @@ class _Checker:
             self.add(Severity.INFO, "objective-met", f"simulated {figures}",
                      "within the objective it was rendered for", source)
 
+    def _replica_deployments(self, objective: Objective) -> tuple | None:
+        """A recommendation searched over several replicas, checked against a gateway with as
+        many upstreams: (each replica's objective, its deployment, the split), as the search
+        simulated them (kvtune.policy.replica_search), each upstream on its own replica's pool and
+        step time with its deployed budget and the engine limits recommended for it; None otherwise."""
+        gateway = self._replica_gateway(objective)
+        if gateway is None:
+            return None
+        import dataclasses
+
+        from kvtune.policy.replica_search import replica_queue, split_load
+        from kvtune.sim.scheduler import EngineSettings
+
+        base = self._deployment(objective, gateway)
+        split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
+        recommended = {u.capacity_file: u for u in self.rec.upstreams}
+        objectives, deployments = [], []
+        for i, (replica, upstream) in enumerate(zip(objective.replicas, gateway.upstreams, strict=True)):
+            own = recommended.get(replica.capacity_file)
+            pool = replica.basis.engine
+            engine = EngineSettings(
+                num_blocks=pool.num_blocks, block_size=base.engine.block_size,
+                max_num_seqs=own.max_num_seqs if own is not None and own.max_num_seqs else base.engine.max_num_seqs,
+                max_num_batched_tokens=(own.max_num_batched_tokens if own is not None and own.max_num_batched_tokens
+                                        else base.engine.max_num_batched_tokens),
+                max_model_len=base.engine.max_model_len, enable_prefix_caching=pool.enable_prefix_caching)
+            objectives.append(dataclasses.replace(objective, basis=replica.basis, replicas=()))
+            deployments.append(dataclasses.replace(base, engine=engine, budget_blocks=upstream.block_budget,
+                                                   queue_max_waiting=replica_queue(base.queue_max_waiting,
+                                                                                   split.shares[i])))
+        return objectives, deployments, split
+
+    def _replica_gateway(self, objective: Objective) -> Deployed | None:
+        """The gateway whose upstreams are the objective's replicas, gateway.yaml first (an
+        nginx.conf under --nginx-replicas holds one nginx's slices); None without replicas."""
+        if not objective.replicas:
+            return None
+        matching = [g for g in self.gateways if len(g.upstreams) == len(objective.replicas)]
+        return next((g for g in matching if g.kind is DeployedKind.GATEWAY), matching[0] if matching else None)
+
     def _objective_source(self) -> str | None:
-        gateway = self.gateways[0] if self.gateways else None
+        objective = self.rec.objective
+        gateway = self._replica_gateway(objective) if objective is not None else None
+        if gateway is None and self.gateways:
+            gateway = self.gateways[0]
         return (gateway or self.deployed[0]).source
 
-    def _deployment(self, objective: Objective) -> Deployment:
+    def _deployment(self, objective: Objective, gateway: Deployed | None = None) -> Deployment:
         """The deployed files as the simulator sees them (kvtune.policy.search.Deployment): the
         engine's flags over vLLM's defaults on the measured pool (the recommended engine when no
-        engine file is checked), and the first gateway's budget, route caps, output laws and wait
-        queue; without a
+        engine file is checked), and the gateway's (default: the first) budget, route caps, output
+        laws and wait queue; without a
         gateway, straight to vLLM capped by its backstop."""
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
@@ -483,8 +532,9 @@ class _Checker:
                 max_num_seqs=e.max_num_seqs or base.max_num_seqs,
                 max_num_batched_tokens=e.max_num_batched_tokens or base.max_num_batched_tokens,
                 max_model_len=e.max_model_len or base.max_model_len, enable_prefix_caching=base.enable_prefix_caching)
-        if self.gateways:
+        if gateway is None and self.gateways:
             gateway = self.gateways[0]
+        if gateway is not None:
             policy = Policy.of(gateway.admission or self.rec.admission)
             return Deployment(engine, route_caps(gateway.routes, self.rec.routes), policy, gateway.block_budget,
                               route_laws(gateway.routes, self.rec.routes), gateway.queue_max_waiting or 0,

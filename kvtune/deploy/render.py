@@ -163,9 +163,14 @@ def upstream_budgets(rec: Recommendation, options: RenderOptions) -> list[dict]:
     sources = [u.capacity_file for u in rec.upstreams]
     for i, u in enumerate(_upstreams(rec, options)):
         budget = u["block_budget"]
+        own = rec.upstreams[i] if rec.upstreams else None
         rows.append({"url": u["url"], "block_budget": budget, "budget_tokens": budget * rec.capacity.block_size,
                      "source": sources[i] if sources else "copied (the recommended budget)",
-                     "slice_blocks": budget // options.nginx_replicas})
+                     "slice_blocks": budget // options.nginx_replicas,
+                     # `recommend --objective` over several replicas: its own engine limits and figures
+                     "max_num_seqs": own.max_num_seqs if own else None,
+                     "max_num_batched_tokens": own.max_num_batched_tokens if own else None,
+                     "predicted": own.predicted if own else None})
     return rows
 
 
@@ -422,12 +427,13 @@ def _what_if(rec: Recommendation) -> dict | None:
     """The report's what-if section (`recommend --objective`), or None."""
     if rec.what_if is None or rec.objective is None:
         return None
-    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, table_cells
+    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, replica_cells, table_cells
 
     chosen = rec.chosen
     return {"headline": headline(rec.what_if, rec.objective), "objective": objective_line(rec.objective),
             "rows": table_cells(rec.what_if), "note": TABLE_NOTE, "goodput": rec.objective.slo is not None,
-            "why": chosen.why if chosen is not None else ""}
+            "why": chosen.why if chosen is not None else "",
+            "replicas": replica_cells(chosen) if chosen is not None else []}
 
 
 def default_targets(rec: Recommendation, options: RenderOptions | None = None) -> list[str]:

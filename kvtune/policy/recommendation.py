@@ -26,7 +26,7 @@ from kvtune.userfiles import brief
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
-    from kvtune.policy.whatif import Objective, WhatIfRow
+    from kvtune.policy.whatif import Objective, Predicted, WhatIfRow
 
 SCHEMA_VERSION = 2
 CAPACITY_SOURCES = ("estimate", "kv-tokens", "vllm-log", "metrics")
@@ -403,22 +403,44 @@ class UpstreamBudget:
     block_budget: int
     num_blocks: int  # the replica's measured KV blocks (one is vLLM's null block)
     capacity_file: str
+    # `recommend --objective`: the engine limits the search gave this replica, and its part of the
+    # chosen row's figures (kvtune.policy.replica_search); None: every replica runs the launch file's
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    predicted: Predicted | None = None
+    kv_cache_memory_bytes: int | None = None  # the replica's measured --kv-cache-memory-bytes, when it has one
 
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "block_budget": self.block_budget, "num_blocks": self.num_blocks,
-                "capacity_file": self.capacity_file}
+        out: dict[str, Any] = {"url": self.url, "block_budget": self.block_budget, "num_blocks": self.num_blocks,
+                               "capacity_file": self.capacity_file}
+        if self.max_num_seqs is not None:
+            out.update(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        if self.predicted is not None:
+            out["predicted"] = self.predicted.to_dict()
+        if self.kv_cache_memory_bytes is not None:
+            out["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        return out
 
     @classmethod
     def read(cls, f: Fields) -> UpstreamBudget:
-        unknown = sorted(str(k) for k in set(f.data) - {"url", "block_budget", "num_blocks", "capacity_file"})
+        from kvtune.policy.whatif import Predicted
+
+        known = {"url", "block_budget", "num_blocks", "capacity_file", "max_num_seqs", "max_num_batched_tokens",
+                 "predicted", "kv_cache_memory_bytes"}
+        unknown = sorted(str(k) for k in set(f.data) - known)
         if unknown:
             raise f.fail(unknown[0] if len(unknown[0]) <= 40 else brief(unknown[0], 40), "unknown field")
+        predicted = f.obj("predicted", optional=True)
         budget = cls(f.string("url", nonempty=True), f.integer("block_budget", minimum=1),
-                     f.integer("num_blocks", minimum=2), f.string("capacity_file", nonempty=True))
+                     f.integer("num_blocks", minimum=2), f.string("capacity_file", nonempty=True),
+                     f.integer("max_num_seqs", minimum=1, optional=True),
+                     f.integer("max_num_batched_tokens", minimum=1, optional=True),
+                     None if predicted is None else Predicted.read(predicted),
+                     f.integer("kv_cache_memory_bytes", minimum=1, optional=True))
         if budget.block_budget > budget.usable_blocks:
             raise f.fail("block_budget", f"{budget.block_budget} is above the replica's "
                          f"{budget.usable_blocks} usable blocks")

@@ -2,7 +2,9 @@
 
 The recommendation itself (caps, engine settings) is made for the smallest replica, so every
 replica runs the same launch file; each upstream then gets its own budget from its own capacity
-by the same rule and safety fraction (rules.block_budget).
+by the same rule and safety fraction (rules.block_budget). With `--objective` the search
+simulates every replica (kvtune.policy.replica_search) and each upstream also carries the engine
+limits and figures the search found for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,31 @@ from kvtune.policy.recommendation import Recommendation, UpstreamBudget
 def smallest(capacities: Sequence[Capacity]) -> int:
     """The index of the replica with the fewest KV blocks (the first of equals)."""
     return min(range(len(capacities)), key=lambda i: capacities[i].num_blocks)
+
+
+# what every replica behind one gateway must share: one model, one engine, one KV layout
+_SAME = (("model", "served model"), ("engine", "engine"), ("kv_cache_dtype", "KV cache dtype"),
+         ("block_size", "block size"))
+
+
+def check_same_deployment(replicas: Sequence[tuple[str, Capacity]]) -> None:
+    """CapacityError naming the first capacity file that measured another model, engine, KV dtype
+    or block size than the first file: one gateway routes one model over replicas of one kind."""
+    first_path, first = replicas[0]
+    for path, capacity in replicas[1:]:
+        for name, what in _SAME:
+            a, b = _measured(first, name), _measured(capacity, name)
+            if a is not None and b is not None and a != b:
+                raise CapacityError(f"{what} {b!r}, but {first_path} measured {a!r}: every replica behind one "
+                                    f"gateway serves the same model the same way; calibrate the replicas of this "
+                                    "deployment", path=path)  # no field: the CLI would name its own flag
+
+
+def _measured(capacity: Capacity, name: str) -> object:
+    if name == "block_size":
+        return capacity.block_size
+    measured = capacity.measured
+    return None if measured is None else getattr(measured, name, None)
 
 
 def _origin_url(capacity: Capacity) -> str | None:
@@ -40,32 +67,47 @@ def _origin_url(capacity: Capacity) -> str | None:
     return f"{url.scheme}://{url.host_port}"
 
 
+def check_replica(path: str, capacity: Capacity, *, block_size: int, max_model_len: int) -> None:
+    """CapacityError naming the replica's file when it cannot run the launch file every replica
+    runs: another block size, or less context than its max_model_len."""
+    if capacity.block_size != block_size:
+        raise CapacityError(f"block size {capacity.block_size}, but the replicas' launch file runs "
+                            f"{block_size}: calibrate every replica at one block size",
+                            path=path, field="block_size")
+    context = (capacity.num_blocks - 1) * capacity.block_size
+    if capacity.max_model_len is not None:
+        context = min(context, capacity.max_model_len)
+    if context < max_model_len:
+        raise CapacityError(f"this replica holds {context:,} tokens of context, below the max_model_len "
+                            f"{max_model_len:,} every replica runs at: give it more KV memory or lower "
+                            "--max-model-len", path=path, field="max_model_len")
+
+
 def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
                 fallback_urls: Sequence[str]) -> Recommendation:
     """`rec` (made for the smallest replica) with one UpstreamBudget per (capacity file, capacity),
     in order: its URL from the file's origin, else fallback_urls[i] (consecutive ports)."""
     safety = rec.safety_fraction.value
+    chosen = rec.chosen
+    searched = chosen.replicas if chosen is not None else ()  # `--objective`: each replica's part of the row
     if isinstance(safety, bool) or not isinstance(safety, (int, float)):
         raise TypeError(f"safety fraction {safety!r} is not a number")
     budgets = []
     for i, (path, capacity) in enumerate(replicas):
-        if capacity.block_size != rec.capacity.block_size:
-            raise CapacityError(f"block size {capacity.block_size}, but the replicas' launch file runs "
-                                f"{rec.capacity.block_size}: calibrate every replica at one block size",
-                                path=path, field="block_size")
-        context = (capacity.num_blocks - 1) * capacity.block_size
-        if capacity.max_model_len is not None:
-            context = min(context, capacity.max_model_len)
-        if context < rec.max_model_len:
-            raise CapacityError(f"this replica holds {context:,} tokens of context, below the max_model_len "
-                                f"{rec.max_model_len:,} every replica runs at: give it more KV memory or lower "
-                                "--max-model-len", path=path, field="max_model_len")
+        check_replica(path, capacity, block_size=rec.capacity.block_size, max_model_len=rec.max_model_len)
         budget = rules.block_budget(capacity.num_blocks, safety).tokens
         if budget < 1:
             raise CapacityError(f"no KV blocks to budget: {capacity.num_blocks} block(s)", path=path,
                                 field="num_blocks")
         url = _origin_url(capacity) or fallback_urls[i]
-        budgets.append(UpstreamBudget(url, budget, capacity.num_blocks, path))
+        part = searched[i] if searched else None
+        if part is not None and part.budget_blocks != budget:
+            raise ValueError(f"replica {path}: searched budget {part.budget_blocks}, rules give {budget}")
+        pool = capacity.measured.kv_cache_memory_bytes if capacity.measured is not None else None
+        budgets.append(UpstreamBudget(url, budget, capacity.num_blocks, path,
+                                      part.max_num_seqs if part is not None else None,
+                                      part.max_num_batched_tokens if part is not None else None,
+                                      part.predicted if part is not None else None, pool))
     seen: dict[str, str] = {}
     for b in budgets:
         if b.url in seen:
@@ -73,9 +115,15 @@ def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
                               "capacity file per engine replica", field="--capacity")
         seen[b.url] = b.capacity_file
     small = replicas[smallest([c for _, c in replicas])]
-    note = (f"{len(budgets)} engine replicas, each upstream's block_budget from its own capacity file; caps and "
-            f"engine settings are the smallest replica's ({small[0]}, {small[1].num_blocks:,} blocks)")
+    if searched:
+        note = (f"{len(budgets)} engine replicas, each upstream's block_budget, max_num_seqs and "
+                f"max_num_batched_tokens its own (upstreams in recommendation.json); caps, admission and "
+                f"max_model_len are the deployment's, vllm-serve.sh the smallest replica's ({small[0]}, "
+                f"{small[1].num_blocks:,} blocks)")
+    else:
+        note = (f"{len(budgets)} engine replicas, each upstream's block_budget from its own capacity file; caps and "
+                f"engine settings are the smallest replica's ({small[0]}, {small[1].num_blocks:,} blocks)")
     return dataclasses.replace(rec, upstreams=tuple(budgets), notes=(*rec.notes, note))
 
 
-__all__ = ["per_replica", "smallest"]
+__all__ = ["per_replica", "smallest", "check_same_deployment", "check_replica"]

@@ -37,6 +37,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,6 +57,7 @@ from kvtune.policy.whatif import (
     Policy,
     PolicyKind,
     Predicted,
+    ReplicaRow,
     SimBasis,
     Violation,
     WhatIfRow,
@@ -65,6 +67,10 @@ from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
 from kvtune.sim.scheduler import EngineSettings
+
+if TYPE_CHECKING:
+    from kvtune.sim.results import SimResult
+    from kvtune.sim.traffic import Traffic
 
 TAIL_LEVEL = "tail"  # each route capped by its tail class (p95 light, p99 heavy), as without --objective
 DEFAULT_CAP_LEVELS = (TAIL_LEVEL, *CAP_LEVELS)
@@ -334,10 +340,15 @@ def mean_predicted(runs: Sequence[Predicted]) -> Predicted:
 
 
 def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -> Predicted:
+    return predicted_of(objective, deployment, *simulate_run(objective, deployment, draws))
+
+
+def simulate_run(objective: Objective, deployment: Deployment, draws: Draws,
+                 concurrency: int | None = None) -> tuple[SimResult, Traffic]:
+    """One seed's requests served on `deployment` (a closed loop of `concurrency` clients,
+    default the objective's), as the simulator returns them."""
     from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
-    from kvtune.sim.report import summarize_sim
-    from kvtune.sim.requests import Outcome, Workload
-    from kvtune.sim.results import OUTCOMES
+    from kvtune.sim.requests import Workload
     from kvtune.sim.traffic import Traffic
 
     overhead = objective.basis.http_overhead_s
@@ -346,11 +357,21 @@ def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -
     n = len(draws.route)
     arrival = np.zeros(n) if draws.send_s is None else draws.send_s + overhead
     workload = Workload.from_columns(arrival, draws.prompt, np.maximum(output, 1), cap)
-    loop = None if objective.load.concurrency is None else ClosedLoop(objective.load.concurrency, overhead, None)
+    clients = objective.load.concurrency if concurrency is None else concurrency
+    loop = None if clients is None or objective.load.concurrency is None else ClosedLoop(clients, overhead, None)
     traffic = Traffic(workload, draws.output, draws.route, tuple(sorted(set(draws.route))), loop, overhead, Counter())
     result = simulate(workload, deployment.engine, objective.basis.timing,
                       admission=_admission(deployment, draws.route), retry=CLIENT_RETRY, closed_loop=loop,
                       engine=deployment.rule)
+    return result, traffic
+
+
+def predicted_of(objective: Objective, deployment: Deployment, result: SimResult, traffic: Traffic) -> Predicted:
+    """A run's figures as the what-if table shows them."""
+    from kvtune.sim.report import summarize_sim
+    from kvtune.sim.requests import Outcome
+    from kvtune.sim.results import OUTCOMES
+
     summary = summarize_sim(result, traffic, slo=objective.slo)
     r = result.requests
     sent_mask = r.outcome != OUTCOMES.index(Outcome.NOT_SENT)
@@ -424,7 +445,9 @@ def recommended_engine(rec: Recommendation, basis: SimBasis) -> EngineSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class _Candidate:
+class Candidate:
+    """One row of the grid before it is simulated (rec None: a reference row)."""
+
     policy: Policy
     cap_level: str | None
     safety_fraction: float | None
@@ -432,14 +455,14 @@ class _Candidate:
     rec: Recommendation | None  # None: a reference row
 
 
-def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective,
-                grid: SearchGrid) -> list[_Candidate]:
+def grid_candidates(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective,
+                    grid: SearchGrid) -> list[Candidate]:
     basis = objective.basis
     uncapped: dict[str, int | None] = {r.route: None for r in profile.routes}
     default = recommend(profile, plan, options)
     direct, worst = Policy(PolicyKind.DIRECT), Policy(PolicyKind.WORST_CASE)
-    out = [_Candidate(direct, None, None, Deployment(basis.engine, uncapped, direct, None), None)]
-    out += _engine_candidates(default, basis, uncapped, grid.engines, options.cap_level or TAIL_LEVEL)
+    out = [Candidate(direct, None, None, Deployment(basis.engine, uncapped, direct, None), None)]
+    out += engine_candidates(default, basis, uncapped, grid.engines, options.cap_level or TAIL_LEVEL)
     user_safety = options.safety_fraction is not None
     seen: set[tuple] = set()
     for level, safety, policy in grid.cells():
@@ -451,16 +474,16 @@ def _candidates(profile: Profile, plan: Plan, options: RecommendOptions, objecti
         if key in seen:
             continue
         seen.add(key)
-        out.append(_Candidate(policy, level, safety, deployment, rec))
-    out.append(_Candidate(worst, None, default.safety_fraction.fraction,
-                          Deployment(basis.engine, uncapped, worst, default.budget_blocks,
-                                     queue_max_waiting=rendered_queue(default)[0],
-                                     queue_timeout_s=rendered_queue(default)[1]), None))
+        out.append(Candidate(policy, level, safety, deployment, rec))
+    out.append(Candidate(worst, None, default.safety_fraction.fraction,
+                         Deployment(basis.engine, uncapped, worst, default.budget_blocks,
+                                    queue_max_waiting=rendered_queue(default)[0],
+                                    queue_timeout_s=rendered_queue(default)[1]), None))
     return out
 
 
-def _engine_candidates(default: Recommendation, basis: SimBasis, uncapped: dict[str, int | None],
-                       engines: Sequence[str], cap_level: str) -> list[_Candidate]:
+def engine_candidates(default: Recommendation, basis: SimBasis, uncapped: dict[str, int | None],
+                      engines: Sequence[str], cap_level: str) -> list[Candidate]:
     """The engine rows: each engine's own admission on the same requests, no ledger admitting.
     "SGLang (defaults)" is the analogue of direct to vLLM (vLLM's engine defaults on the measured
     pool, no caps: SGLang reserves context − prompt, clipped at 4096). The rendered SGLang and
@@ -481,12 +504,12 @@ def _engine_candidates(default: Recommendation, basis: SimBasis, uncapped: dict[
     for name in engines:
         policy = Policy(PolicyKind.ENGINE, engine=name)
         if name == "sglang":
-            out.append(_Candidate(policy, None, None, Deployment(basis.engine, uncapped, policy, None,
-                                                                 rule=engine_rule("sglang")), None))
+            out.append(Candidate(policy, None, None, Deployment(basis.engine, uncapped, policy, None,
+                                                                rule=engine_rule("sglang")), None))
             continue
         rule = SGLangRule.as_rendered(max(caps, default=None)) if name == "sglang-rendered" else engine_rule(name)
-        out.append(_Candidate(policy, cap_level, None, Deployment(engine, rendered.caps, policy, None, rule=rule),
-                              None))
+        out.append(Candidate(policy, cap_level, None, Deployment(engine, rendered.caps, policy, None, rule=rule),
+                             None))
     return out
 
 
@@ -537,27 +560,48 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
            grid: SearchGrid | None = None, progress: Progress | None = None) -> Recommendation:
     """Simulate the grid, choose the best feasible candidate, return its recommendation with the
     what-if table; InfeasibleObjectiveError (with the table) when no candidate meets the constraints."""
+    grid = searched_grid(grid, options, objective)
+    candidates = grid_candidates(profile, plan, options, objective, grid)
+    draws = [draw_requests(objective, seed) for seed in objective_seeds(objective)]
+    return chosen_recommendation(objective, grid, candidates,
+                                 lambda c: (simulate_deployment(objective, c.deployment, draws), ()), progress)
+
+
+def searched_grid(grid: SearchGrid | None, options: RecommendOptions, objective: Objective) -> SearchGrid:
+    """The grid as the objective and a --safety-fraction narrow it."""
     grid = (grid or SearchGrid()).for_objective(objective)
     if options.safety_fraction is not None:
         grid = dataclasses.replace(grid, safety_fractions=(options.safety_fraction,),
                                    overcommit_safety=options.safety_fraction)
-    candidates = _candidates(profile, plan, options, objective, grid)
-    draws = [draw_requests(objective, seed) for seed in objective_seeds(objective)]
+    return grid
+
+
+Evaluate = Callable[[Candidate], tuple[Predicted, tuple[ReplicaRow, ...]]]  # a row's total and replicas
+
+
+def chosen_recommendation(objective: Objective, grid: SearchGrid, candidates: Sequence[Candidate],
+                          evaluate: Evaluate, progress: Progress | None) -> Recommendation:
+    """Each candidate's figures (and, for several replicas, each replica's part) by `evaluate`,
+    the best feasible one chosen: its recommendation with the what-if table attached."""
     predicted: list[Predicted] = []
+    parts: list[tuple[ReplicaRow, ...]] = []
     for done, c in enumerate(candidates, 1):
-        predicted.append(simulate_deployment(objective, c.deployment, draws))
+        total, replicas = evaluate(c)
+        predicted.append(total)
+        parts.append(replicas)
         if progress is not None:
             progress(done, len(candidates))
     broken = [violations(objective, p) for p in predicted]
     feasible = [i for i, c in enumerate(candidates) if c.rec is not None and not broken[i]]
-    chosen = choose(objective, predicted, [c.deployment.budget_blocks for c in candidates],
-                    [c.rec is None for c in candidates])
+    budgets = [c.deployment.budget_blocks if not parts[i] else _total_budget(parts[i])
+               for i, c in enumerate(candidates)]
+    chosen = choose(objective, predicted, budgets, [c.rec is None for c in candidates])
     rows = tuple(WhatIfRow(
-        policy=c.policy, cap_level=c.cap_level, caps=dict(c.deployment.caps), budget_blocks=c.deployment.budget_blocks,
+        policy=c.policy, cap_level=c.cap_level, caps=dict(c.deployment.caps), budget_blocks=budgets[i],
         safety_fraction=c.safety_fraction, max_num_seqs=c.deployment.engine.max_num_seqs,
         max_num_batched_tokens=c.deployment.engine.max_num_batched_tokens, predicted=predicted[i],
         violations=broken[i], chosen=i == chosen,
-        why=_why(objective, i, chosen, predicted, broken[i], c.rec is None, len(feasible)))
+        why=_why(objective, i, chosen, predicted, broken[i], c.rec is None, len(feasible)), replicas=parts[i])
         for i, c in enumerate(candidates))
     if chosen is None:
         closest = min((i for i, c in enumerate(candidates) if c.rec is not None),
@@ -577,6 +621,12 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
     return dataclasses.replace(rec, objective=objective, what_if=rows, notes=(*rec.notes, *notes))
 
 
+def _total_budget(parts: tuple[ReplicaRow, ...]) -> int | None:
+    """A row's budget over every replica (None: no gateway in front of them)."""
+    budgets = [p.budget_blocks for p in parts]
+    return None if any(b is None for b in budgets) else sum(b for b in budgets if b is not None)
+
+
 def recommend_for_objective(profile: Profile, plan: Plan, options: RecommendOptions, spec: ObjectiveSpec, *,
                             grid: SearchGrid | None = None, progress: Progress | None = None) -> Recommendation:
     """`recommend --objective`: the objective resolved on the plan's measured capacity, then searched
@@ -593,4 +643,5 @@ __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObje
            "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
            "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "DEFAULT_EPSILONS", "STATISTICALS",
            "DEFAULT_SEEDS", "mean_predicted", "objective_seeds", "route_laws",
-           "DEFAULT_REQUESTS", "TAIL_LEVEL"]
+           "DEFAULT_REQUESTS", "TAIL_LEVEL", "Candidate", "grid_candidates", "engine_candidates", "simulate_run",
+           "predicted_of", "searched_grid", "chosen_recommendation"]

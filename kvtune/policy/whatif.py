@@ -194,6 +194,22 @@ class SimBasis:
         return cls(timing, t.number("http_overhead_s"), engine)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaBasis:
+    """One engine replica's footing in the simulator (several --capacity files): the file it was
+    measured in, and its own step time and pool."""
+
+    capacity_file: str
+    basis: SimBasis
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"capacity_file": self.capacity_file, "simulator": self.basis.to_dict()}
+
+    @classmethod
+    def read(cls, f: Fields) -> ReplicaBasis:
+        return cls(f.string("capacity_file", nonempty=True), SimBasis.read(f.obj("simulator")))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Objective:
     """What the recommendation was searched for, and what it takes to simulate it again."""
@@ -208,6 +224,9 @@ class Objective:
     basis: SimBasis
     traffic: Profile  # the profile the requests are drawn from (as `kvtune bench` draws them)
     seeds: int = 1  # each row is the mean over seeds seed, seed + 1, ... (files before it: one seed)
+    # several engine replicas (kvtune.policy.replica_search): each one's footing, in upstream
+    # order; `basis` is then the smallest one's (whose caps and max_model_len they all run)
+    replicas: tuple[ReplicaBasis, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_preemption_rate", "max_429_share"):
@@ -249,7 +268,8 @@ class Objective:
         return {"kind": self.goal.value, "slo": None if self.slo is None else self.slo.to_dict(),
                 "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,
                 "load": self.load.to_dict(), "requests": self.requests, "seed": self.seed, "seeds": self.seeds,
-                "simulator": self.basis.to_dict(), "traffic": self.traffic.to_dict()}
+                "simulator": self.basis.to_dict(), "traffic": self.traffic.to_dict(),
+                **({"replicas": [r.to_dict() for r in self.replicas]} if self.replicas else {})}
 
     @classmethod
     def read(cls, f: Fields) -> Objective:
@@ -267,7 +287,8 @@ class Objective:
             return cls(Goal(f.choice("kind", GOALS)), slo, f.number("max_preemption_rate", maximum=1, optional=True),
                        f.number("max_429_share", maximum=1, optional=True), Load.read(f.obj("load")),
                        f.integer("requests", minimum=1), f.integer("seed"), SimBasis.read(f.obj("simulator")),
-                       profile, f.integer("seeds", minimum=1, maximum=MAX_SEEDS, optional=True) or 1)
+                       profile, f.integer("seeds", minimum=1, maximum=MAX_SEEDS, optional=True) or 1,
+                       tuple(ReplicaBasis.read(r) for r in f.items("replicas", optional=True, nonempty=True)))
         except OptionError as exc:
             raise f.fail(exc.field, exc.message) from None
 
@@ -330,6 +351,30 @@ class Violation:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaRow:
+    """One engine replica's part of a what-if row (`recommend --objective` with one --capacity
+    FILE per replica): its own budget and engine limits, its share of the load, its figures."""
+
+    capacity_file: str
+    budget_blocks: int | None  # None: no gateway in front of it
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    share: float  # of the requests (and, in a closed loop, of the clients) sent to it
+    predicted: Predicted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"capacity_file": self.capacity_file, "budget_blocks": self.budget_blocks,
+                "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "share": self.share, "predicted": self.predicted.to_dict()}
+
+    @classmethod
+    def read(cls, f: Fields) -> ReplicaRow:
+        return cls(f.string("capacity_file", nonempty=True), f.integer("budget_blocks", minimum=1, optional=True),
+                   f.integer("max_num_seqs", minimum=1), f.integer("max_num_batched_tokens", minimum=1),
+                   f.number("share", maximum=1), Predicted.read(f.obj("predicted")))
+
+
+@dataclass(frozen=True, slots=True)
 class WhatIfRow:
     """One simulated configuration: policy, per-route caps (None: uncapped), budget, engine
     limits, predictions, the constraints it broke, and whether (and why) it was chosen."""
@@ -345,6 +390,10 @@ class WhatIfRow:
     violations: tuple[Violation, ...]
     chosen: bool
     why: str
+    # several replicas: each one's part, in upstream order; `predicted` is then the deployment's
+    # total (rates summed, shares and latency percentiles over all its requests), `budget_blocks`
+    # the sum of theirs, max_num_seqs and max_num_batched_tokens the smallest replica's (vllm-serve.sh's)
+    replicas: tuple[ReplicaRow, ...] = ()
 
     @property
     def reference(self) -> bool:
@@ -384,7 +433,8 @@ class WhatIfRow:
                 "caps": dict(self.caps), "budget_blocks": self.budget_blocks, "safety_fraction": self.safety_fraction,
                 "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "predicted": self.predicted.to_dict(), "feasible": self.feasible,
-                "violations": [v.to_dict() for v in self.violations], "chosen": self.chosen, "why": self.why}
+                "violations": [v.to_dict() for v in self.violations], "chosen": self.chosen, "why": self.why,
+                **({"replicas": [r.to_dict() for r in self.replicas]} if self.replicas else {})}
 
     @classmethod
     def read(cls, f: Fields) -> WhatIfRow:
@@ -394,7 +444,8 @@ class WhatIfRow:
                   f.integer("budget_blocks", minimum=1, optional=True),
                   f.number("safety_fraction", maximum=1, optional=True), f.integer("max_num_seqs", minimum=1),
                   f.integer("max_num_batched_tokens", minimum=1), Predicted.read(f.obj("predicted")),
-                  tuple(Violation.read(v) for v in f.items("violations")), f.boolean("chosen"), f.string("why"))
+                  tuple(Violation.read(v) for v in f.items("violations")), f.boolean("chosen"), f.string("why"),
+                  tuple(ReplicaRow.read(r) for r in f.items("replicas", optional=True, nonempty=True)))
         for key, derived in (("reference", row.reference), ("feasible", row.feasible)):
             if f.boolean(key) != derived:
                 raise f.fail(key, f"is {f.data[key]}, but the row's policy and violations say {derived}")
@@ -442,6 +493,28 @@ def table_cells(rows: tuple[WhatIfRow, ...]) -> list[dict[str, Any]]:
     return out
 
 
+def replica_cells(row: WhatIfRow) -> list[dict[str, Any]]:
+    """Each replica's part of a row, then the deployment's total, as the reports show them."""
+    out = []
+    for r in row.replicas:
+        p = r.predicted
+        out.append({"replica": r.capacity_file, "share": f"{r.share:.0%}",
+                    "budget": "—" if r.budget_blocks is None else f"{r.budget_blocks:,}",
+                    "max_num_seqs": f"{r.max_num_seqs:,}", "max_num_batched_tokens": f"{r.max_num_batched_tokens:,}",
+                    **_figure_cells(p)})
+    if out:
+        out.append({"replica": "deployment (total)", "share": "100%",
+                    "budget": "—" if row.budget_blocks is None else f"{row.budget_blocks:,}",
+                    "max_num_seqs": "", "max_num_batched_tokens": "", **_figure_cells(row.predicted)})
+    return out
+
+
+def _figure_cells(p: Predicted) -> dict[str, str]:
+    return {"tokens_per_s": f"{p.output_tokens_per_s:,.1f}", "ttft": f"{_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)}",
+            "e2e": f"{_ms(p.e2e_p50_ms)} / {_ms(p.e2e_p99_ms)}", "preempted": f"{p.preemption_rate:.1%}",
+            "share_429": f"{p.share_429:.1%}"}
+
+
 TABLE_NOTE = ("latencies in ms of completed requests (p50 / p99); budget in blocks (safety fraction); caps: each "
               "route's percentile of output tokens (tail: p95 for light tails, p99 for heavy ones)")
 
@@ -472,6 +545,6 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
     return objective, rows
 
 
-__all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "TABLE_NOTE", "Goal", "GOALS", "PolicyKind",
-           "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted", "Violation",
-           "WhatIfRow", "read_what_if"]
+__all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE", "Goal", "GOALS",
+           "PolicyKind", "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted",
+           "Violation", "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import TYPE_CHECKING, Any
 
 from kvtune.deploy import command_line as cl
@@ -82,7 +83,28 @@ def flags(rec: Recommendation) -> list[Line]:
 
 
 def render(rec: Recommendation, env: jinja2.Environment, context: dict[str, Any]) -> dict[str, str]:
-    return {SCRIPT: env.get_template(FILES[SCRIPT]).render({**context, "flags": flags(rec)})}
+    return {SCRIPT: env.get_template(FILES[SCRIPT]).render({**context, "flags": flags(rec),
+                                                            "replica_lines": replica_lines(rec)})}
+
+
+def replica_lines(rec: Recommendation) -> list[dict[str, Any]]:
+    """Several measured replicas (rec.upstreams): how each one starts from this one script, its
+    own flags after it ("$@" comes last, and vllm serve takes the last of a repeated flag): its
+    host and port, and its own KV pool and engine limits where they differ from the script's."""
+    if len(rec.upstreams) < 2:
+        return []
+    script = {line.name: line.value for line in flags(rec)}
+    out = []
+    for u in rec.upstreams:
+        url = parse_url(u.url, field="upstreams", allow_prefix=False)
+        own: list[tuple[str, Any]] = [("--host", url.host), ("--port", url.port)]
+        for name, value in (("--kv-cache-memory-bytes", u.kv_cache_memory_bytes), ("--max-num-seqs", u.max_num_seqs),
+                            ("--max-num-batched-tokens", u.max_num_batched_tokens)):
+            if value is not None and name in script and script[name] != value:
+                own.append((name, value))
+        out.append({"url": u.url, "capacity_file": u.capacity_file,
+                    "args": " ".join(f"{name} {shlex.quote(str(value))}" for name, value in own)})
+    return out
 
 
 # ---------------------------------------------------------------- reading it back
