@@ -11,9 +11,11 @@ it: the first failure in input order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,14 @@ def run_on_ray(plans: Sequence[FilePlan], options: IngestOptions, address: str,
     """(the tasks, their parts in task order): the plans cut into tasks for the cluster's CPUs and
     run there. Joins the cluster at `address` ("" starts a local one, stopped afterwards)."""
     ray = _import_ray()
+    # Ray's driver prints what the cluster reports (a worker died, a task is retried) to stdout,
+    # which is where `--json` goes: while Ray runs here, stdout is stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(ray, plans, options, address, progress)
+
+
+def _run(ray: Any, plans: Sequence[FilePlan], options: IngestOptions, address: str,
+         progress: Callable[[int, int], None] | None) -> tuple[list[Task], list[Profile]]:
     started = not ray.is_initialized()
     if started:
         _reachable(address)
