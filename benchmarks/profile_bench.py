@@ -3,8 +3,12 @@
 Generates (seeded, once, into --data-dir) a Parquet file and a JSONL file of flat rows
 (route, prompt_tokens, output_tokens, finish_reason), then for each file times, in the same run:
     kvtune   `python -m kvtune profile FILE --json` as a subprocess
+    kvtune-wN  the same with --workers N (the map step in N processes; kvtune-wauto: the default)
     duckdb   quantile_disc at .5/.9/.95/.99/.999, max and mean of output and prompt, GROUP BY route,
              as a subprocess (`python` importing only duckdb), so both CLIs pay interpreter startup
+    duckdb-full  the statistics kvtune's profile computes: that, plus total (prompt + output)
+             tokens, the censored count, finish reasons and the joint (prompt bin, output bin)
+             counts on kvtune's bin edges, over the rows read once into a table
     pandas   read, then groupby(route) with np.percentile(method="inverted_cdf") per group
 Each measurement runs in its own child process (this script re-invoked with `_measure`), which
 reports its wall time and peak RSS (ru_maxrss of itself, or of its one child for kvtune and duckdb). Prints
@@ -15,7 +19,7 @@ no installed kvtune pays. With --small-rows it also profiles a smaller file, to 
 with rows. Outputs here are uncensored (finish_reason only stop), so kvtune's Kaplan–Meier
 percentiles are the plain nearest-rank ones that DuckDB and pandas compute.
 
-    python benchmarks/profile_bench.py --rows 10000000 --small-rows 1000000 --repeat 3
+    python benchmarks/profile_bench.py --rows 10000000 --small-rows 1000000 --repeat 5
 """
 
 from __future__ import annotations
@@ -88,16 +92,17 @@ def generate(rows: int, data_dir: Path, seed: int = 7) -> tuple[Path, Path]:
 # the three tools, each returning {route: {"output": [...5 q, max, mean], "prompt": [...]}}
 
 
-def run_kvtune(path: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "kvtune", "profile", path, "--json", "--quiet"],
+def run_kvtune(path: str, workers: str = "1") -> dict:
+    proc = subprocess.run([sys.executable, "-m", "kvtune", "profile", path, "--json", "--quiet", "--workers", workers],
                           capture_output=True, text=True, check=True)
     data = json.loads(proc.stdout)
     out = {}
     for r in data["routes"]:
         out[r["route"]] = {
             kind: [r[f"{kind}_tokens"][k] for k in KEYS] + [r[f"{kind}_tokens"]["max"], r[f"{kind}_tokens"]["mean"]]
-            for kind in ("output", "prompt")
+            for kind in ("output", "prompt", "total")
         }
+        out[r["route"]]["censored"] = r["censored"]["count"]
     return out
 
 
@@ -123,6 +128,54 @@ def duckdb_query(path: str) -> dict:
     return {r[0]: {"output": [*r[1], r[2], r[3]], "prompt": [*r[4], r[5], r[6]]} for r in rows}
 
 
+def duckdb_full(path: str, edges: list[int]) -> dict:
+    """The statistics kvtune's profile computes, in DuckDB: per route the percentiles, max and mean
+    of output, prompt and total (prompt + output) tokens, the censored count (finish_reason
+    length), finish reasons, and the joint (prompt bin, output bin) counts on kvtune's log bins
+    (the same edges, joined on the distinct values). The rows are read once into a table."""
+    import duckdb
+
+    bins = ", ".join(f"({i}, {lo}, {hi})" for i, (lo, hi) in enumerate(zip(edges, [*edges[1:], 2**62])))
+    con = duckdb.connect()
+    con.execute(f"CREATE TEMP TABLE t AS SELECT route, prompt_tokens AS p, output_tokens AS o, finish_reason AS f "
+                f"FROM {_duckdb_source(path)}")
+    qs = "[" + ", ".join(map(str, QS)) + "]"
+    stats = con.execute(
+        f"SELECT route, quantile_disc(o, {qs}), max(o), avg(o), quantile_disc(p, {qs}), max(p), avg(p), "
+        f"quantile_disc(p + o, {qs}), max(p + o), avg(p + o), count(*) FILTER (WHERE f = 'length') "
+        f"FROM t GROUP BY route ORDER BY route").fetchall()
+    finish = con.execute("SELECT route, f, count(*) FROM t GROUP BY ALL").fetchall()
+    joint = con.execute(
+        f"WITH e(bin, lo, hi) AS (VALUES {bins}), "
+        "v AS (SELECT DISTINCT x FROM (SELECT p AS x FROM t UNION ALL SELECT o FROM t)), "
+        "b AS (SELECT x, bin FROM v JOIN e ON x >= lo AND x < hi) "
+        "SELECT route, pb.bin, ob.bin, count(*) FROM t JOIN b pb ON t.p = pb.x JOIN b ob ON t.o = ob.x "
+        "GROUP BY ALL").fetchall()
+    out = {r[0]: {"output": [*r[1], r[2], r[3]], "prompt": [*r[4], r[5], r[6]], "total": [*r[7], r[8], r[9]],
+                  "censored": r[10]} for r in stats}
+    for route, reason, n in finish:
+        out[route].setdefault("finish_reasons", {})[reason] = n
+    for route, pb, ob, n in joint:
+        out[route]["joint_cells"] = out[route].get("joint_cells", 0) + 1
+    return out
+
+
+def _duckdb_source(path: str) -> str:
+    return (f"read_parquet('{path}')" if path.endswith(".parquet") else
+            f"read_json('{path}', format='newline_delimited', columns={{route: 'VARCHAR', "
+            f"prompt_tokens: 'BIGINT', output_tokens: 'BIGINT', finish_reason: 'VARCHAR'}})")
+
+
+def run_duckdb_full(path: str) -> dict:
+    """In a fresh interpreter that imports only duckdb: kvtune's bin edges come on its command line."""
+    from kvtune.profile.histogram import JOINT_EDGES
+
+    edges = json.dumps([int(e) for e in JOINT_EDGES])
+    proc = subprocess.run([sys.executable, __file__, "_duckdb_full", path, edges], capture_output=True, text=True,
+                          check=True)
+    return json.loads(proc.stdout)
+
+
 def run_pandas(path: str) -> dict:
     import numpy as np
     import pandas as pd
@@ -143,7 +196,15 @@ def run_pandas(path: str) -> dict:
     return out
 
 
-TOOLS = {"kvtune": run_kvtune, "duckdb": run_duckdb, "pandas": run_pandas}
+TOOLS = {"kvtune": run_kvtune, "duckdb": run_duckdb, "duckdb-full": run_duckdb_full, "pandas": run_pandas}
+
+
+def _tool(name: str):
+    """A tool by name; kvtune-wN is kvtune with --workers N (kvtune-wauto: the default)."""
+    if name.startswith("kvtune-w"):
+        workers = name.removeprefix("kvtune-w")
+        return lambda path: run_kvtune(path, workers)
+    return TOOLS[name]
 
 
 def measure_child(tool: str, path: str) -> None:
@@ -154,9 +215,9 @@ def measure_child(tool: str, path: str) -> None:
     C program) where it exists, and prefers the %M it reports.
     """
     start = time.perf_counter()
-    result = TOOLS[tool](path)
+    result = _tool(tool)(path)
     wall = time.perf_counter() - start
-    who = resource.RUSAGE_CHILDREN if tool in ("kvtune", "duckdb") else resource.RUSAGE_SELF
+    who = resource.RUSAGE_SELF if tool == "pandas" else resource.RUSAGE_CHILDREN
     print(json.dumps({"wall_s": wall, "peak_rss_mib": resource.getrusage(who).ru_maxrss / 1024, "result": result}))
 
 
@@ -183,7 +244,11 @@ def compare(a: dict, b: dict) -> list[str]:
     """Differences between two tools' results, as readable lines."""
     diffs = []
     for route in sorted(set(a) | set(b)):
-        for kind in ("output", "prompt"):
+        if "censored" in a.get(route, {}) and "censored" in b.get(route, {}) and a[route]["censored"] != b[route]["censored"]:
+            diffs.append(f"{route} censored: {a[route]['censored']} vs {b[route]['censored']}")
+        kinds = ("output", "prompt", "total") if "total" in a.get(route, {}) and "total" in b.get(route, {}) \
+            else ("output", "prompt")
+        for kind in kinds:
             x, y = a.get(route, {}).get(kind), b.get(route, {}).get(kind)
             if x is None or y is None:
                 diffs.append(f"{route} {kind}: missing")
@@ -202,6 +267,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_duckdb":
         print(json.dumps(duckdb_query(sys.argv[2])))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_duckdb_full":
+        print(json.dumps(duckdb_full(sys.argv[2], json.loads(sys.argv[3]))))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_generate":
         generate(int(sys.argv[2]), Path(sys.argv[3]))
         return
@@ -212,7 +280,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvtune-bench")
     parser.add_argument("--formats", default="parquet,jsonl")
-    parser.add_argument("--tools", default="kvtune,duckdb,pandas")
+    parser.add_argument("--tools", default="kvtune,kvtune-w2,duckdb,duckdb-full,pandas",
+                        help="kvtune, kvtune-wN (--workers N; kvtune-wauto), duckdb (quantile_disc only), "
+                             "duckdb-full (the profile's statistics), pandas")
     args = parser.parse_args()
 
     if "kvtune" in args.tools.split(","):
@@ -235,14 +305,14 @@ def main() -> None:
     for fmt in args.formats.split(","):
         results = {tool: measure(tool, files[fmt], args.repeat) for tool in tools}
         print(f"\n{fmt}, {args.rows:,} rows")
-        print(f"  {'tool':<8} {'wall s':>8} {'peak RSS MiB':>13}")
+        print(f"  {'tool':<12} {'wall s':>8} {'peak RSS MiB':>13}")
         for tool, r in results.items():
-            print(f"  {tool:<8} {r['wall_s']:>8.2f} {r['peak_rss_mib']:>13,.0f}")
-        if "kvtune" in results:
-            for peer in ("duckdb", "pandas"):
+            print(f"  {tool:<12} {r['wall_s']:>8.2f} {r['peak_rss_mib']:>13,.0f}")
+        for mine in (t for t in tools if t.startswith("kvtune")):
+            for peer in ("duckdb", "duckdb-full", "pandas"):
                 if peer in results:
-                    k, p = results["kvtune"], results[peer]
-                    print(f"  kvtune/{peer}: time {k['wall_s'] / p['wall_s']:.2f}×, "
+                    k, p = results[mine], results[peer]
+                    print(f"  {mine}/{peer}: time {k['wall_s'] / p['wall_s']:.2f}×, "
                           f"memory {k['peak_rss_mib'] / p['peak_rss_mib']:.2f}×")
         base = tools[0]
         for tool in tools[1:]:

@@ -284,7 +284,7 @@ log_options = grouped("log", LogArgs, [
                       "timestamp is a bad row while either is given."),
     click.option("--workers", default="auto", show_default=True, metavar="N|auto", callback=_workers,
                  help="Processes that read and count the logs (a file or a run of Parquet row groups each), "
-                      "merged exactly: the same output as one. auto: every core once the input is 256 MiB."),
+                      "merged exactly: the same output as one. auto: one per 2 cores once the input is 256 MiB."),
     click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
                  callback=_ray_address,
                  help="Read and count the logs as tasks on a Ray cluster (auto, HOST:PORT, ray://HOST:PORT; "

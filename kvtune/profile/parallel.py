@@ -41,6 +41,11 @@ __all__ = ["Task", "auto_workers", "split", "profile_part", "merge_parts", "prof
 
 #: Tasks per worker a big input is cut into, so a slow part does not leave the others idle.
 TASKS_PER_WORKER = 4
+#: Cores one reading process keeps busy by itself: its reader's threads decode (pyarrow, the
+#: JSONL scanner) while its main thread counts. On this project's 2-core machine one process
+#: matched two at every size measured (benchmarks/profile_bench.py, kvtune-w2), so `auto` starts
+#: a second process only where there are cores the first cannot use.
+CORES_PER_WORKER = 2
 #: Below this many bytes of input, starting processes costs more than it saves (each imports
 #: pyarrow and numpy, about half a second on a 2-core machine): `auto_workers` picks one.
 AUTO_MIN_BYTES = 256 << 20
@@ -71,10 +76,12 @@ def usable_cores() -> int:
 
 
 def auto_workers(plans: Sequence[FilePlan]) -> int:
-    """What `--workers` defaults to: every core when the input is big enough to pay for the
-    processes, else one."""
+    """What `--workers` defaults to: one process per CORES_PER_WORKER cores once the input is big
+    enough to pay for the processes, else one."""
     size = sum(p.size or 0 for p in plans)
-    return usable_cores() if size >= AUTO_MIN_BYTES and _parallel_safe(plans) else 1
+    if size < AUTO_MIN_BYTES or not _parallel_safe(plans):
+        return 1
+    return max(1, usable_cores() // CORES_PER_WORKER)
 
 
 def _parallel_safe(plans: Sequence[FilePlan]) -> bool:
