@@ -135,7 +135,7 @@ def duckdb_full(path: str, edges: list[int]) -> dict:
     (the same edges, joined on the distinct values). The rows are read once into a table."""
     import duckdb
 
-    bins = ", ".join(f"({i}, {lo}, {hi})" for i, (lo, hi) in enumerate(zip(edges, [*edges[1:], 2**62])))
+    bins = ", ".join(f"({i}, {lo}, {hi})" for i, (lo, hi) in enumerate(zip(edges, [*edges[1:], 2**62], strict=True)))
     con = duckdb.connect()
     con.execute(f"CREATE TEMP TABLE t AS SELECT route, prompt_tokens AS p, output_tokens AS o, finish_reason AS f "
                 f"FROM {_duckdb_source(path)}")
@@ -156,7 +156,7 @@ def duckdb_full(path: str, edges: list[int]) -> dict:
     for route, reason, n in finish:
         out[route].setdefault("finish_reasons", {})[reason] = n
     for route, pb, ob, n in joint:
-        out[route]["joint_cells"] = out[route].get("joint_cells", 0) + 1
+        out[route].setdefault("joint", {})[f"{pb},{ob}"] = n
     return out
 
 
@@ -244,7 +244,8 @@ def compare(a: dict, b: dict) -> list[str]:
     """Differences between two tools' results, as readable lines."""
     diffs = []
     for route in sorted(set(a) | set(b)):
-        if "censored" in a.get(route, {}) and "censored" in b.get(route, {}) and a[route]["censored"] != b[route]["censored"]:
+        x, y = a.get(route, {}), b.get(route, {})
+        if "censored" in x and "censored" in y and x["censored"] != y["censored"]:
             diffs.append(f"{route} censored: {a[route]['censored']} vs {b[route]['censored']}")
         kinds = ("output", "prompt", "total") if "total" in a.get(route, {}) and "total" in b.get(route, {}) \
             else ("output", "prompt")
