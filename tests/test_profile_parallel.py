@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from parallel_dataset import BAD, FILES, ROWS_PER_FILE, write_dataset
 
 from kvtune.cli import cli
 from kvtune.ingest import IngestOptions, OnError
@@ -24,7 +25,6 @@ from kvtune.ingest.readers import plan_logs
 from kvtune.profile import parallel
 from kvtune.profile.build import profile_logs
 from kvtune.profile.routes import Profile, merge_profiles
-from tests.parallel_dataset import BAD, FILES, ROWS_PER_FILE, write_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 

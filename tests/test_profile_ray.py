@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.parallel_dataset import BAD, write_dataset
+from http_files import FileServer
+from parallel_dataset import BAD, write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +84,21 @@ def test_a_cluster_gives_the_bytes_of_one_process_printed_and_saved(dataset, sin
     summary = json.loads(proc.stdout)
     assert summary["skipped"]["count"] == len(BAD)
     assert any(r["censored"]["count"] for r in summary["routes"])
+
+
+def test_workers_read_urls_themselves_with_ranged_reads(dataset, cluster):
+    """Inputs in a store (here fsspec's HTTP filesystem against a real server on loopback, which
+    answers Range requests): each Ray task opens its own URL where it runs, and the merged output
+    is one process's."""
+    root, paths = dataset
+    with FileServer(root) as server:
+        urls = [f"http://127.0.0.1:{server.port}/dir/{p.relative_to(root).as_posix()}" for p in paths]
+        one = _kvtune("profile", *urls, "--json", "--quiet", "--workers", "1")
+        ray = _kvtune("profile", *urls, "--json", "--quiet", f"--ray={cluster}")
+    assert one.returncode == ray.returncode == 0, ray.stderr
+    assert ray.stdout == one.stdout
+    summary = json.loads(ray.stdout)
+    assert [i["path"] for i in summary["inputs"]] == urls and summary["skipped"]["count"] == len(BAD)
 
 
 def test_a_bad_row_on_a_worker_is_named_by_its_file_and_line(dataset, cluster):

@@ -8,13 +8,11 @@ path in `inputs`, and in skip examples) written as the URL in the local run's ou
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import importlib.util
 import json
 import re
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +24,9 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from aiohttp import web
 from click.testing import CliRunner
 from conftest import REPO, TRACES
+from http_files import FileServer
 
 from kvtune.cli import cli
 from kvtune.errors import InputError
@@ -190,60 +188,6 @@ def test_credentials_in_a_url_are_never_shown():
 # -- a real HTTP server on loopback -----------------------------------------------------------------
 
 
-class _Server:
-    """An aiohttp server on 127.0.0.1 in its own thread, serving a directory with web.FileResponse
-    (which answers Range requests) and logging each request's method, path and Range header."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.log: list[tuple[str, str, str | None]] = []
-        self.fail_after: dict[str, int] = {}  # name: GETs answered before it answers 503
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    async def _file(self, request: web.Request) -> web.StreamResponse:
-        self.log.append((request.method, request.path, request.headers.get("Range")))
-        name = request.match_info["name"]
-        path = self.root / name
-        if name.startswith("private"):
-            raise web.HTTPForbidden()
-        if not path.is_file():
-            raise web.HTTPNotFound()
-        if request.method == "GET" and name in self.fail_after:
-            self.fail_after[name] -= 1
-            if self.fail_after[name] < 0:
-                raise web.HTTPServiceUnavailable()
-        return web.FileResponse(path)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_route("*", "/{name}", self._file)
-        app.router.add_static("/dir/", self.root, show_index=True)  # an index page linking the files
-        self.runner = web.AppRunner(app, access_log=None)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = self.runner.addresses[0][1]
-        self.ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(self.runner.cleanup())
-        self.loop.close()
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        assert self.ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
-
-
 @pytest.fixture(scope="module")
 def big_parquet(tmp_path_factory) -> Path:
     """The Azure conversation trace as Parquet, with a wide column that no profile reads (a
@@ -257,11 +201,11 @@ def big_parquet(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def server(logs, big_parquet) -> Iterator[_Server]:
+def server(logs, big_parquet) -> Iterator[FileServer]:
     root = big_parquet.parent
     for name, path in logs.items():
         (root / name).write_bytes(path.read_bytes())
-    with _Server(root) as srv:
+    with FileServer(root) as srv:
         yield srv
 
 
