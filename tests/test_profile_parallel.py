@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from http_files import FileServer
 from parallel_dataset import BAD, FILES, ROWS_PER_FILE, write_dataset
 
 from kvtune.cli import cli
@@ -72,6 +73,15 @@ def test_the_cli_as_a_program_forks_its_workers_from_python_m_kvtune(dataset):
         return proc.stdout
 
     assert run("2") == run("1")
+
+
+def test_urls_are_read_by_the_worker_processes_themselves(dataset, tmp_path):
+    """A file in a store crosses to a worker as its URL and filesystem (here fsspec's HTTP one,
+    against a real server on loopback), and is read there by ranges."""
+    root, paths = dataset
+    with FileServer(root) as server:
+        urls = [f"http://127.0.0.1:{server.port}/dir/{p.relative_to(root).as_posix()}" for p in paths]
+        assert _saved(tmp_path, "u2", *urls, "--workers", "2") == _saved(tmp_path, "u1", *urls, "--workers", "1")
 
 
 def test_the_first_example_of_each_skip_reason_is_the_earliest_files(dataset):
