@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from http_files import FileServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from http_files import FileServer
 from parallel_dataset import BAD, FILES, ROWS_PER_FILE, write_dataset
 
 from kvtune.cli import cli
@@ -160,7 +160,7 @@ def test_recommend_and_simulate_take_workers_too(dataset, tmp_path):
 def test_batch_api_inputs_join_across_files_so_they_are_read_in_one_process(tmp_path):
     logs = [str(ROOT / "tests" / "data" / "logs" / f"openai_batch_{kind}.jsonl") for kind in ("output", "input")]
     plans, _ = plan_logs(logs, IngestOptions())
-    assert not parallel._parallel_safe(plans)
+    assert not parallel.parallel_safe(plans)
     one = profile_logs(logs, IngestOptions())
     assert profile_logs(logs, IngestOptions(), workers=2) == one
     assert any(r.max_tokens.total for r in one.routes)  # the join took place: max_tokens come from the inputs

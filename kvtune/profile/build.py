@@ -632,12 +632,15 @@ def profile_logs(
     """
 
     def once(opts: IngestOptions) -> Profile:
-        if workers == 1 and ray_address is None:
+        if ray_address is not None:
+            from kvtune.profile.on_ray import profile_on_ray
+
+            return profile_on_ray(paths, opts, address=ray_address, progress=progress, max_routes=max_routes)
+        if workers == 1:
             return _profile_once(paths, opts, progress, max_routes)
         from kvtune.profile.parallel import profile_parallel
 
-        return profile_parallel(paths, opts, workers=workers, ray_address=ray_address, progress=progress,
-                                max_routes=max_routes)
+        return profile_parallel(paths, opts, workers=workers, progress=progress, max_routes=max_routes)
 
     profile = once(options)
     if trace_max_is_cap and profile.routes:

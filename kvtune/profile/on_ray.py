@@ -20,14 +20,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtune.errors import EndpointError, KvtuneError, OptionError
-from kvtune.profile.parallel import Task, profile_part, split
+from kvtune.profile.parallel import Task, merge_parts, parallel_safe, profile_part, split
 from kvtune.profile.routes import Profile
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtune.ingest import IngestOptions
     from kvtune.ingest.plan import FilePlan
 
-__all__ = ["TASK_RETRIES", "check_address", "run_on_ray"]
+__all__ = ["TASK_RETRIES", "check_address", "profile_on_ray", "run_on_ray"]
 
 #: Times Ray runs a task again when its worker process or node dies (not when its input is bad).
 TASK_RETRIES = 3
@@ -48,6 +48,20 @@ def check_address(address: str) -> str:
         raise OptionError(f"{address!r} was read as the Ray address: put the log paths before --ray, or write "
                           "--ray=ADDRESS", field="--ray")
     raise OptionError(f"not a Ray address: {address!r} (auto, local, HOST:PORT or ray://HOST:PORT)", field="--ray")
+
+
+def profile_on_ray(paths: Sequence[str], options: IngestOptions, *, address: str,
+                   progress: Callable[[int, int], None] | None = None, max_routes: int | None) -> Profile:
+    """Profile logs with the map step as Ray tasks on the cluster at `address` ("" starts a local
+    one); the same bytes as one process."""
+    from kvtune.ingest.readers import plan_logs
+
+    plans, pruned = plan_logs(paths, options)
+    if not parallel_safe(plans):
+        raise OptionError("an input holds Batch API input files or memory:// files, which are read in one "
+                          "process: drop --ray", field="--ray")
+    tasks, parts = run_on_ray(plans, options, address, progress)
+    return merge_parts(tasks, parts, len(pruned), options, max_routes)
 
 
 def run_on_ray(plans: Sequence[FilePlan], options: IngestOptions, address: str,

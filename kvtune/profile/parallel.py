@@ -1,4 +1,5 @@
-"""The map step of profiling in several processes, or as tasks on a Ray cluster, merged exactly.
+"""The map step of profiling in several local processes, merged exactly (`on_ray` runs the same
+tasks on a Ray cluster).
 
 Histograms add, so the profiles of an input's parts, merged, are the profile of the whole. The
 merged result is byte-identical to one process's because:
@@ -13,7 +14,7 @@ merged result is byte-identical to one process's because:
 
 Batch API input files are joined onto their output files by custom_id across files, and
 `memory://` files live in this process's memory only: an input holding either is read here, in
-one process.
+one process (and refused by `--ray`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kvtune.errors import OptionError
 from kvtune.profile.build import profile_read
 from kvtune.profile.routes import InputFile, Profile, fold_routes, merge_profiles
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtune.ingest.paths import LogFile
     from kvtune.ingest.plan import FilePlan
 
-__all__ = ["Task", "auto_workers", "split", "profile_part", "merge_parts", "profile_parallel"]
+__all__ = ["Task", "auto_workers", "parallel_safe", "split", "profile_part", "merge_parts", "profile_parallel"]
 
 #: Tasks per worker a big input is cut into, so a slow part does not leave the others idle.
 TASKS_PER_WORKER = 4
@@ -79,12 +79,12 @@ def auto_workers(plans: Sequence[FilePlan]) -> int:
     """What `--workers` defaults to: one process per CORES_PER_WORKER cores once the input is big
     enough to pay for the processes, else one."""
     size = sum(p.size or 0 for p in plans)
-    if size < AUTO_MIN_BYTES or not _parallel_safe(plans):
+    if size < AUTO_MIN_BYTES or not parallel_safe(plans):
         return 1
     return max(1, usable_cores() // CORES_PER_WORKER)
 
 
-def _parallel_safe(plans: Sequence[FilePlan]) -> bool:
+def parallel_safe(plans: Sequence[FilePlan]) -> bool:
     """Whether the plans may be read apart: no Batch API inputs (joined across files by
     custom_id) and no memory:// files (in this process's memory only)."""
     from kvtune.ingest.remote import RemoteFile
@@ -158,25 +158,16 @@ def profile_parallel(
     options: IngestOptions,
     *,
     workers: int | None,
-    ray_address: str | None = None,
     progress: ProgressCallback | None = None,
     max_routes: int | None,
 ) -> Profile:
-    """Profile logs with the map step in `workers` local processes (None: `auto_workers`), or as
-    Ray tasks when `ray_address` is given ("" starts a local cluster); the same bytes as one process."""
+    """Profile logs with the map step in `workers` local processes (None: `auto_workers`); the
+    same bytes as one process. An input that pays for no second process is read here."""
     from kvtune.ingest.readers import plan_logs
 
     plans, pruned = plan_logs(paths, options)
-    if ray_address is not None:
-        if not _parallel_safe(plans):
-            raise OptionError("an input holds Batch API input files or memory:// files, which are read in one "
-                              "process: drop --ray", field="--ray")
-        from kvtune.profile.on_ray import run_on_ray
-
-        tasks, parts = run_on_ray(plans, options, ray_address, progress)
-        return merge_parts(tasks, parts, len(pruned), options, max_routes)
     count = auto_workers(plans) if workers is None else workers
-    tasks = split(plans, count) if count > 1 and _parallel_safe(plans) else []
+    tasks = split(plans, count) if count > 1 and parallel_safe(plans) else []
     if len(tasks) < 2:
         return _in_process(plans, pruned, options, progress, max_routes)
     parts = _run_local(tasks, options, min(count, len(tasks)), progress)
