@@ -69,7 +69,7 @@ def profile_logs(
     [('/v1/chat/completions', 2474)]
     """
     from kvtune.ingest import IngestOptions, parse_on_error
-    from kvtune.profile.build import load_profile_or_logs
+    from kvtune.profile.logs import load_profile_or_logs
 
     options = IngestOptions(format=format, fields=dict(fields or {}), route_by=route_by, tokenizer=tokenizer,
                             on_error=parse_on_error(on_error), strict=strict, assume_cap=assume_cap)

@@ -623,7 +623,7 @@ def test_invalid_text_is_a_counted_skip_on_every_path(tmp_path, monkeypatch, rea
 def test_extreme_numbers_are_counted_skips_and_profile_exactly(tmp_path, monkeypatch, reader, bad, reason):
     """Counts whose sum overflows int64 (prompt + output ≥ 2^63), counts past 2^53, times that
     are no time (1e308, negative, NaN, inf): each row is skipped and counted; the rest profile."""
-    from kvtune.profile.build import profile_logs
+    from kvtune.profile.logs import profile_logs
 
     _use_reader(monkeypatch, reader)
     path = _jsonl_with(tmp_path, bad)
@@ -639,7 +639,7 @@ def test_extreme_numbers_are_counted_skips_and_profile_exactly(tmp_path, monkeyp
        stamp=st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**70), 2**70))
 def test_any_count_or_time_profiles_or_is_skipped(tmp_path, prompt, output, stamp):
     """The class: any int64 counts and any JSON number as a time give a profile or a counted skip."""
-    from kvtune.profile.build import profile_logs
+    from kvtune.profile.logs import profile_logs
 
     path = tmp_path / "one.jsonl"
     row = {"route": "a", "output_tokens": output, "prompt_tokens": prompt, "timestamp_s": stamp}

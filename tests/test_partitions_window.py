@@ -26,7 +26,7 @@ from kvtune.errors import InputError
 from kvtune.ingest import IngestOptions, OnError
 from kvtune.ingest.partitions import may_overlap, partition_keys, partition_span, prune
 from kvtune.ingest.window import NO_TIMESTAMP, Window, parse_instant
-from kvtune.profile.build import profile_logs
+from kvtune.profile.logs import profile_logs
 
 # the header and first 400 rows of Azure's conversation trace, TIMESTAMP kept (tests/data/SOURCES.md)
 TRACE = Path(__file__).parent / "data" / "traces" / "AzureLLMInferenceTrace_conv.first-400.csv"

@@ -24,7 +24,7 @@ from kvtune.ingest import IngestOptions, OnError
 from kvtune.ingest.plan import FilePlan
 from kvtune.ingest.readers import plan_logs
 from kvtune.profile import parallel
-from kvtune.profile.build import profile_logs
+from kvtune.profile.logs import profile_logs
 from kvtune.profile.routes import Profile, merge_profiles
 
 ROOT = Path(__file__).resolve().parent.parent

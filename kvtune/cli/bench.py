@@ -267,7 +267,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     else:
         from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.build import load_profile, load_profile_or_logs
+        from kvtune.profile.build import load_profile
+        from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
 
         max_routes = log.max_routes

@@ -198,7 +198,8 @@ class LogArgs:
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
         """Logs (or one saved profile) profiled; a fold beyond --max-routes is said on stderr."""
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.build import is_saved_profile, load_profile_or_logs
+        from kvtune.profile.build import is_saved_profile
+        from kvtune.profile.logs import load_profile_or_logs
 
         self.window_for_logs([p for p in paths if is_saved_profile(p)])
         profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes,

@@ -60,7 +60,8 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         kvtune profile 's3://my-logs/2026-11-*/*.parquet' --json
         kvtune profile --merge week1.json week2.json
     """
-    from kvtune.profile.build import is_saved_profile, load_profile, profile_logs
+    from kvtune.profile.build import is_saved_profile, load_profile
+    from kvtune.profile.logs import profile_logs
     from kvtune.profile.routes import fold_routes, merge_profiles
 
     strict = log.strict

@@ -230,7 +230,8 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     else:
         from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded
-        from kvtune.profile.build import load_profile, load_profile_or_logs
+        from kvtune.profile.build import load_profile
+        from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
 
         profile = (fold_routes(load_profile(profile_path), log.max_routes) if profile_path

@@ -1,0 +1,89 @@
+"""Logs → a profile: in this process, in local worker processes (`parallel`) or as Ray tasks
+(`on_ray`), all three giving the same bytes; or a saved profile loaded instead of logs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtune.profile.build import (
+    MAX_ROUTES,
+    PREFETCH_BATCHES,
+    ProgressCallback,
+    is_saved_profile,
+    load_profile,
+    profile_read,
+)
+from kvtune.profile.routes import Profile, fold_routes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtune.ingest import IngestOptions
+
+__all__ = ["profile_logs", "load_profile_or_logs"]
+
+
+def profile_logs(
+    paths: Sequence[str],
+    options: IngestOptions,
+    *,
+    progress: ProgressCallback | None = None,
+    trace_max_is_cap: bool = False,
+    max_routes: int | None = MAX_ROUTES,
+    workers: int | None = 1,
+    ray_address: str | None = None,
+) -> Profile:
+    """Read logs through `kvtune.ingest` and profile them; skipped rows are kept in the profile.
+
+    trace_max_is_cap: for traces without finish reasons whose largest output is a generation
+    cap (Mooncake conversation: 30 rows at exactly 2000), read twice: once to find the largest
+    output, then with outputs at that value treated as cut (ingest's assume_cap).
+    max_routes: the busiest routes kept; the others fold into `*` (None keeps every route).
+    workers: processes for the map step (None: every core when the input pays for it);
+    ray_address: run it as Ray tasks instead ("" starts a local cluster). Either way the profile
+    is the one a single process builds (`kvtune.profile.parallel`).
+    """
+
+    def once(opts: IngestOptions) -> Profile:
+        if ray_address is not None:
+            from kvtune.profile.on_ray import profile_on_ray
+
+            return profile_on_ray(paths, opts, address=ray_address, progress=progress, max_routes=max_routes)
+        if workers == 1:
+            return _profile_once(paths, opts, progress, max_routes)
+        from kvtune.profile.parallel import profile_parallel
+
+        return profile_parallel(paths, opts, workers=workers, progress=progress, max_routes=max_routes)
+
+    profile = once(options)
+    if trace_max_is_cap and profile.routes:
+        import dataclasses
+
+        top = max(r.output.observed.max or 0 for r in profile.routes)
+        if top > 0:
+            profile = once(dataclasses.replace(options, assume_cap=top))
+    return profile
+
+
+def _profile_once(paths: Sequence[str], options: IngestOptions, progress: ProgressCallback | None,
+                  max_routes: int | None) -> Profile:
+    from kvtune.ingest import read_logs
+
+    batches, stats = read_logs(list(paths), options, progress=progress, prefetch=PREFETCH_BATCHES)
+    return profile_read(batches, stats, options, max_routes)
+
+
+def load_profile_or_logs(
+    paths: Sequence[str], options: IngestOptions | None = None, *, progress: ProgressCallback | None = None,
+    max_routes: int | None = MAX_ROUTES, workers: int | None = 1, ray_address: str | None = None,
+) -> Profile:
+    """For later commands: one saved-profile .json loads it; anything else is read as logs
+    (workers, ray_address: as `profile_logs` takes them). Either way at most `max_routes` routes
+    keep their own profile (`fold_routes`)."""
+    if len(paths) == 1 and is_saved_profile(paths[0]):
+        return fold_routes(load_profile(paths[0]), max_routes)
+    if options is None:
+        from kvtune.ingest import IngestOptions
+
+        options = IngestOptions()
+    return profile_logs(paths, options, progress=progress, max_routes=max_routes, workers=workers,
+                        ray_address=ray_address)
