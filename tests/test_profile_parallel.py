@@ -84,6 +84,28 @@ def test_urls_are_read_by_the_worker_processes_themselves(dataset, tmp_path):
         assert _saved(tmp_path, "u2", *urls, "--workers", "2") == _saved(tmp_path, "u1", *urls, "--workers", "1")
 
 
+def test_a_real_tokenizer_counts_text_in_every_worker_as_in_one_process(tmp_path):
+    """Logs that carry text and no usage, counted with Mistral-7B's SentencePiece tokenizer
+    (converted to tokenizer.json from the model mistral-common ships): each worker loads it."""
+    from vllm_server import mistral_tokenizer_json
+
+    records = [json.loads(line) for line in (ROOT / "sample_logs" / "openai_chat_pairs.jsonl").read_text().splitlines()]
+    prose = [line for line in (ROOT / "README.md").read_text().splitlines() if len(line) > 40]
+    for n, record in enumerate(records):  # real text in place of the sample's "[redacted]", no usage
+        record["request"]["messages"][-1]["content"] = " ".join(prose[n % len(prose):][:1 + n % 7])
+        record["response"]["choices"][0]["message"]["content"] = prose[(3 * n) % len(prose)]
+        record["response"].pop("usage", None)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for i in range(4):
+        (logs / f"part-{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[i::4]))
+    tokenizer = str(mistral_tokenizer_json())
+    one = _saved(tmp_path, "t1", str(logs), "--tokenizer", tokenizer, "--workers", "1")
+    assert _saved(tmp_path, "t2", str(logs), "--tokenizer", tokenizer, "--workers", "2") == one
+    summary = json.loads(one[0])
+    assert summary["requests"] == len(records) and summary["skipped"]["count"] == 0
+
+
 def test_the_first_example_of_each_skip_reason_is_the_earliest_files(dataset):
     root, paths = dataset
     one = profile_logs([str(root)], IngestOptions())
