@@ -212,9 +212,9 @@ reference). The row with the most output tokens/s (goodput) within the constrain
 rendered, its admission policy in gateway.yaml (and nginx.conf).
 recommendation.json then carries `objective` and `what_if`, and `kvtune check` on it
 simulates the deployed files against that objective. With one --capacity FILE per engine
-replica, every row is simulated on all of them (each on its share of the load, in proportion
-to its KV blocks, with its own budget and engine limits): the table shows the deployment's
-totals, and each replica's own figures follow it.
+replica (or --replicas N and one FILE for all), every row is simulated on all of them (each
+on its share of the load, in proportion to its KV blocks, with its own budget and engine
+limits): the table shows the deployment's totals, and each replica's own figures follow it.
 
 \b
 Exit codes: 0 done, 1 no configuration meets the objective (the table is shown, nothing is
@@ -236,10 +236,11 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 @click.option("--replicas", type=click.IntRange(min=1), metavar="N",
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
-                   "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
-                   "upstream's budget is its own (its URL the file's origin), and with --objective each replica is "
-                   "simulated on its share of the load with its own max_num_seqs and max_num_batched_tokens. "
-                   "nginx.conf holds each upstream's "
+                   "upstreams: for replicas on other hosts); with one --capacity FILE, N replicas of it, as if "
+                   "FILE were given N times. With one --capacity FILE per replica, each upstream's budget, "
+                   "max_num_seqs and max_num_batched_tokens are its own (its URL the file's origin), and with "
+                   "--objective each replica is simulated on its share of the logged load (the whole "
+                   "deployment's). nginx.conf holds each upstream's "
                    "budget under its own key (not for admission: statistical).  "
                    "[default: the --capacity files' count, else 1]")
 @click.option("--nginx-replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="M",
