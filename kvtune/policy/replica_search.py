@@ -28,8 +28,9 @@ loop, needs kvtune.sim.engine to step several schedulers on one clock.)
 
 The split is deterministic (`interleave`: stride scheduling over the drawn requests, in send
 order, vectorized), so each replica's arrivals are as even as the router makes them, and every
-row serves the same requests on the same replica. In a closed loop (--concurrency) the clients are split the same
-way (largest remainder), and each replica's requests in proportion to its clients.
+row serves the same requests on the same replica. In a closed loop (--concurrency) the clients
+are split the same way (largest remainder), and each replica's requests in proportion to its
+clients.
 """
 
 from __future__ import annotations
