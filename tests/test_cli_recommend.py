@@ -346,6 +346,30 @@ def test_one_capacity_per_replica_gives_each_upstream_its_own_budget(tmp_path):
     assert "budget-over-capacity" in flagged.output
 
 
+def test_each_replica_gets_its_own_engine_limits_without_an_objective(tmp_path):
+    """The rules on each replica's own capacity, as one replica alone would get them: its
+    max_num_seqs grows with its budget, and vllm-serve.sh's header says what it adds."""
+    small = replica_capacity(tmp_path, "a.json", 2000)
+    large = replica_capacity(tmp_path, "b.json", 3001)
+    out = tmp_path / "deploy"
+    result = recommend_replicas(tmp_path, "--capacity", small, "--capacity", large, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    rec = json.loads((out / "recommendation.json").read_text())
+    alone = [json.loads(recommend_replicas(tmp_path, "--capacity", f, "--json").stdout)["recommendation"]["settings"]
+             for f in (small, large)]
+    limits = [(u["max_num_seqs"], u["max_num_batched_tokens"]) for u in rec["upstreams"]]
+    assert limits == [(s["max_num_seqs"]["value"], s["max_num_batched_tokens"]["value"]) for s in alone]
+    assert limits[1][0] > limits[0][0] == rec["settings"]["max_num_seqs"]["value"]
+    script = (out / "vllm-serve.sh").read_text()
+    assert f"#   http://10.0.0.5:8000 ({small}): ./vllm-serve.sh --host 10.0.0.5 --port 8000\n" in script
+    assert (f"#   http://10.0.0.5:8001 ({large}): ./vllm-serve.sh --host 10.0.0.5 --port 8001 "
+            f"--max-num-seqs {limits[1][0]}") in script
+    assert "max_num_seqs" in result.stdout and "batched tokens" in result.stdout  # the upstream budgets table
+    checked = CliRunner().invoke(cli, ["check", str(out / "recommendation.json"), "--model", "llama-3.1-8b",
+                                       "--deployed", str(out / "gateway.yaml"), "--deployed", str(out / "vllm-serve.sh")])
+    assert checked.exit_code == 0, checked.output
+
+
 @pytest.mark.parametrize(("origin", "args", "line"), [
     (None, ["--replicas", "3"], "Error: --replicas: 3 replicas, but 2 --capacity files (one per replica): give as "
                                 "many of each, or leave --replicas out"),

@@ -17,7 +17,7 @@ import kvtune
 from kvtune.cli import cli
 from kvtune.policy import rules
 from kvtune.policy.recommendation import Recommendation
-from kvtune.policy.replica_search import smooth_round_robin, split_clients
+from kvtune.policy.replica_search import interleave, split_clients, split_draws
 from kvtune.policy.replicas import per_replica
 
 
@@ -68,9 +68,9 @@ def two(files) -> Recommendation:
 
 
 def test_the_split_follows_the_weights():
-    replica = smooth_round_robin([1, 2], 9)
+    replica = interleave([1, 2], 9)
     assert replica.tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1]  # spread evenly, in proportion
-    assert np.bincount(smooth_round_robin([31, 63], 9400)).tolist() == [3100, 6300]
+    assert np.bincount(interleave([31, 63], 9400)).tolist() == [3100, 6300]
     assert split_clients(32, [31 / 94, 63 / 94]) == [11, 21]
     assert split_clients(1, [0.5, 0.5]) == [1, 0]
 
@@ -207,3 +207,62 @@ def test_a_replica_too_short_for_the_deployment_is_one_line_before_any_simulatio
         f"Error: {files['short']}: --max-model-len: this replica holds 256 tokens of context, below the "
         "--max-model-len 512 every replica runs at: give it more KV memory or lower --max-model-len"]
     assert not out.exists()
+
+
+def _recommend_json(*args: str) -> dict:
+    result = CliRunner().invoke(cli, ["recommend", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("objective", [[], ["--objective", "throughput", "--concurrency", "16", "--requests", "200"]])
+def test_replicas_n_with_one_capacity_is_n_identical_capacity_files(files, tmp_path, objective):
+    """The logs are the whole deployment's traffic: `--replicas 2 --capacity A` is two replicas of
+    A, each simulated on its share of the load, exactly as `--capacity A --capacity A`."""
+    doc = json.loads(Path(files["small"]).read_text())
+    del doc["origin"]  # one file named twice is one server: without an origin, each on its own port
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(doc))
+    head = [files["log"], "--model", MODEL, *objective]
+    once = _recommend_json(*head, "--replicas", "2", "--capacity", str(a))
+    twice = _recommend_json(*head, "--capacity", str(a), "--capacity", str(a))
+    assert once == twice
+    rec = once["recommendation"]
+    assert [u["url"] for u in rec["upstreams"]] == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert [u["capacity_file"] for u in rec["upstreams"]] == [str(a)] * 2
+    if objective:  # every row on both replicas, each at half the load
+        assert all([r["share"] for r in row["replicas"]] == [0.5, 0.5] for row in rec["what_if"])
+        chosen = next(r for r in rec["what_if"] if r["chosen"])
+        assert chosen["predicted"]["sent"] == sum(r["predicted"]["sent"] for r in chosen["replicas"]) == 600
+
+
+def test_replicas_n_with_one_measured_capacity_takes_the_ports_not_its_origin(files):
+    """One capacity file for N replicas names one server: the replicas are --upstream's ports."""
+    rec = _recommend_json(files["log"], "--model", MODEL, "--replicas", "3", "--capacity", files["small"],
+                          "--upstream", "http://10.0.0.5:9000")["recommendation"]
+    assert [u["url"] for u in rec["upstreams"]] == [f"http://10.0.0.5:{9000 + i}" for i in range(3)]
+    assert len({(u["block_budget"], u["max_num_seqs"], u["max_num_batched_tokens"]) for u in rec["upstreams"]}) == 1
+    assert rec["upstreams"][0]["max_num_seqs"] == rec["settings"]["max_num_seqs"]["value"]
+
+
+def test_interleave_is_deterministic_and_even_for_many_replicas():
+    weights = np.random.default_rng(1).integers(30, 100, 256)
+    order = interleave(weights, 100_000)
+    assert np.array_equal(order, interleave(weights, 100_000))
+    counts = np.bincount(order, minlength=256)
+    assert counts.sum() == 100_000 and np.abs(counts - 100_000 * weights / weights.sum()).max() < 1
+    assert np.array_equal(interleave([1, 0, 1], 5), [0, 2, 0, 2, 0])  # a replica without clients gets nothing
+    assert interleave([3, 1], 0).size == 0
+
+
+def test_split_draws_keeps_each_replicas_requests_in_order():
+    from kvtune.policy.search import Draws
+
+    n = 1000
+    draws = Draws(tuple(f"/r{i % 7}" for i in range(n)), np.arange(n), np.arange(n) * 2, np.arange(n) / 10)
+    replica = interleave([5, 3, 2], n)
+    for i, part in enumerate(split_draws(draws, replica, 3)):
+        mine = np.flatnonzero(replica == i)
+        assert part.route == tuple(draws.route[j] for j in mine)
+        assert np.array_equal(part.prompt, mine) and np.array_equal(part.output, 2 * mine)
+        assert part.send_s is not None and np.array_equal(part.send_s, mine / 10)

@@ -123,25 +123,28 @@ def show_upstream_budgets(rec: Recommendation, options: RenderOptions) -> None:
     m = options.nginx_replicas
     rows = upstream_budgets(rec, options)
     simulated = all(r["predicted"] is not None for r in rows)
-    figures = ("max_num_seqs", "batched tokens", "tokens/s", "TTFT p50 / p99 ms", "preempted", "429")
+    limits = all(r["max_num_seqs"] is not None for r in rows)  # each replica's own engine limits
+    figures = ("tokens/s", "TTFT p50 / p99 ms", "preempted", "429")
     table = Table(title="Upstream budgets" + (f" ({m} nginx replicas, a static slice each)" if m > 1 else "")
                   + (" and each replica's simulated figures" if simulated else ""))
     for column in ("upstream", "budget blocks", "budget tokens", "source", *(("slice blocks",) if m > 1 else ()),
-                   *(figures if simulated else ())):
+                   *(("max_num_seqs", "batched tokens") if limits else ()), *(figures if simulated else ())):
         table.add_column(column, justify="left" if column in ("upstream", "source") else "right")
     for row in rows:
         cells = [row["url"], f"{row['block_budget']:,}", f"{row['budget_tokens']:,}", row["source"]]
         if m > 1:
             cells.append(f"{row['slice_blocks']:,}")
+        if limits:
+            cells += [f"{row['max_num_seqs']:,}", f"{row['max_num_batched_tokens']:,}"]
         if simulated:
-            p = row["predicted"]
-            cells += [f"{row['max_num_seqs']:,}", f"{row['max_num_batched_tokens']:,}", *_figures(p)]
+            cells += _figures(row["predicted"])
         table.add_row(*cells)
     chosen = rec.chosen
     if simulated and chosen is not None:
         total = sum(r["block_budget"] for r in rows)
         table.add_row("deployment", f"{total:,}", f"{total * rec.capacity.block_size:,}", "the sum",
-                      *([""] if m > 1 else []), "", "", *_figures(chosen.predicted), style="bold")
+                      *([""] if m > 1 else []), *(["", ""] if limits else []), *_figures(chosen.predicted),
+                      style="bold")
     Console(width=200).print(table)
 
 

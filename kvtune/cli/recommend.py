@@ -28,28 +28,70 @@ class PolicyArgs:
 
     def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs,
                        objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None,
-                       replica_files: tuple[str, ...] = (), primary: int = 0):
+                       replica_files: tuple[str, ...] = (), urls: tuple[str, ...] = (), from_origin: bool = True):
         """The whole pipeline, as library calls: profile the logs, plan the capacity, apply the
-        rules (or, with an objective, search the simulated what-if table, on every replica of
-        `replica_files` when there are several, replica_files[primary] the smallest)."""
+        rules (or, with an objective, search the simulated what-if table). With several
+        `replica_files` (one per engine replica, a file repeated for replicas measured once), the
+        recommendation is the smallest replica's, searched on all of them, and each upstream gets
+        its own budget and engine limits (kvtune.policy.replicas.per_replica; its URL from the
+        file's origin with `from_origin`, else urls[i])."""
         import kvtune
 
         version = self.engine_version(capacity)
         capacity = dataclasses.replace(capacity, engine_version=version)
+        plans = self._replica_plans(capacity, replica_files)
+        primary = 0
+        if plans:
+            from kvtune.policy.replicas import smallest
+
+            primary = smallest([p.capacity for _, p in plans])
+            capacity = dataclasses.replace(capacity, capacity_files=(replica_files[primary],))
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
-        plan = capacity.plan(self.model)
-        if wanted and len(replica_files) > 1:
-            plans = [plan if i == primary else dataclasses.replace(capacity, capacity_files=(f,)).plan(self.model)
-                     for i, f in enumerate(replica_files)]
-            wanted["replicas"] = list(zip(replica_files, plans, strict=True))
-        return kvtune.recommend(profile, plan, engine=capacity.engine,
-                                engine_version=None if vllm else version, safety_fraction=self.safety_fraction,
-                                max_truncation=self.max_truncation,
-                                vllm_version=(version if vllm else None) or CURRENT_VLLM_VERSION,
-                                upstream=self.upstream, route_by=log.route_by, served_model=self.served_model,
-                                progress=progress, **wanted)
+        plan = plans[primary][1] if plans else capacity.plan(self.model)
+        if wanted and plans:
+            wanted["replicas"] = plans
+        given = {"engine": capacity.engine, "engine_version": None if vllm else version,
+                 "safety_fraction": self.safety_fraction, "max_truncation": self.max_truncation,
+                 "vllm_version": (version if vllm else None) or CURRENT_VLLM_VERSION, "upstream": self.upstream,
+                 "route_by": log.route_by, "served_model": self.served_model}
+        rec = kvtune.recommend(profile, plan, progress=progress, **given, **wanted)
+        if not plans:
+            return rec
+        from kvtune.errors import KvtuneError
+        from kvtune.policy.replicas import check_replica, per_replica
+
+        own = None
+        if not wanted:  # each replica's engine limits: the rules on its own capacity, once per file
+            by_plan = {id(plan): rec}
+            for f, p in plans:
+                check_replica(f, p.capacity, block_size=rec.capacity.block_size, max_model_len=rec.max_model_len)
+                if id(p) in by_plan:
+                    continue
+                try:
+                    by_plan[id(p)] = kvtune.recommend(profile, p, **given)
+                except KvtuneError as exc:
+                    if exc.path is None:
+                        exc.path = f
+                    raise
+            own = [by_plan[id(p)] for _, p in plans]
+        return per_replica(rec, [(f, p.capacity) for f, p in plans], urls, own=own, from_origin=from_origin)
+
+    def _replica_plans(self, capacity: CapacityArgs, replica_files: tuple[str, ...]) -> list:
+        """(file, its plan) per replica, each file planned once; [] for one replica. Replicas of
+        another model, engine, KV dtype or block size than the first are one line naming the file."""
+        if len(replica_files) < 2:
+            return []
+        from kvtune.policy.replicas import check_same_deployment
+
+        planned: dict = {}
+        for f in replica_files:
+            if f not in planned:
+                planned[f] = dataclasses.replace(capacity, capacity_files=(f,)).plan(self.model)
+        plans = [(f, planned[f]) for f in replica_files]
+        check_same_deployment([(f, p.capacity) for f, p in plans])
+        return plans
 
     def engine_version(self, capacity: CapacityArgs) -> str | None:
         """--engine-version, or --vllm-version (its alias); both given must agree."""
@@ -170,9 +212,9 @@ reference). The row with the most output tokens/s (goodput) within the constrain
 rendered, its admission policy in gateway.yaml (and nginx.conf).
 recommendation.json then carries `objective` and `what_if`, and `kvtune check` on it
 simulates the deployed files against that objective. With one --capacity FILE per engine
-replica, every row is simulated on all of them (each on its share of the load, in proportion
-to its KV blocks, with its own budget and engine limits): the table shows the deployment's
-totals, and each replica's own figures follow it.
+replica (or --replicas N and one FILE for all), every row is simulated on all of them (each
+on its share of the load, in proportion to its KV blocks, with its own budget and engine
+limits): the table shows the deployment's totals, and each replica's own figures follow it.
 
 \b
 Exit codes: 0 done, 1 no configuration meets the objective (the table is shown, nothing is
@@ -194,10 +236,11 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 @click.option("--replicas", type=click.IntRange(min=1), metavar="N",
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
-                   "upstreams: for replicas on other hosts). With one --capacity FILE per replica, each "
-                   "upstream's budget is its own (its URL the file's origin), and with --objective each replica is "
-                   "simulated on its share of the load with its own max_num_seqs and max_num_batched_tokens. "
-                   "nginx.conf holds each upstream's "
+                   "upstreams: for replicas on other hosts); with one --capacity FILE, N replicas of it, as if "
+                   "FILE were given N times. With one --capacity FILE per replica, each upstream's budget, "
+                   "max_num_seqs and max_num_batched_tokens are its own (its URL the file's origin), and with "
+                   "--objective each replica is simulated on its share of the logged load (the whole "
+                   "deployment's). nginx.conf holds each upstream's "
                    "budget under its own key (not for admission: statistical).  "
                    "[default: the --capacity files' count, else 1]")
 @click.option("--nginx-replicas", type=click.IntRange(min=1), default=1, show_default=True, metavar="M",
@@ -240,26 +283,16 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     from kvtune.policy.search import InfeasibleObjectiveError
 
-    measured: list = []  # (capacity file, its plan's Capacity), one per replica
-    primary = 0
-    if len(files_given) > 1:
-        from kvtune.policy.replicas import check_same_deployment, smallest
-
-        measured = [(f, dataclasses.replace(capacity, capacity_files=(f,)).plan(policy.model).capacity)
-                    for f in files_given]
-        check_same_deployment(measured)
-        primary = smallest([c for _, c in measured])
-        capacity = dataclasses.replace(capacity, capacity_files=(files_given[primary],))
+    # one capacity file for N replicas: N identical replicas, each at its share of the load (the logs
+    # are the whole deployment's traffic), on the ports from --upstream's (one origin cannot be N servers)
+    replica_files = files_given if len(files_given) > 1 else files_given * replicas if replicas > 1 else ()
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
-            rec = policy.recommendation(logs, capacity, log, objective, progress, files_given, primary)
+            rec = policy.recommendation(logs, capacity, log, objective, progress, replica_files, tuple(fallback_urls),
+                                        from_origin=len(files_given) > 1)
     except InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)
         return
-    if measured:
-        from kvtune.policy.replicas import per_replica
-
-        rec = per_replica(rec, measured, fallback_urls)
     try:
         files = kvtune.render(rec, options=RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas),
                               gateway_tokenizer=counting_with)

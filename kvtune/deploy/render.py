@@ -167,7 +167,7 @@ def upstream_budgets(rec: Recommendation, options: RenderOptions) -> list[dict]:
         rows.append({"url": u["url"], "block_budget": budget, "budget_tokens": budget * rec.capacity.block_size,
                      "source": sources[i] if sources else "copied (the recommended budget)",
                      "slice_blocks": budget // options.nginx_replicas,
-                     # `recommend --objective` over several replicas: its own engine limits and figures
+                     # several measured replicas: its own engine limits (and with --objective its figures)
                      "max_num_seqs": own.max_num_seqs if own else None,
                      "max_num_batched_tokens": own.max_num_batched_tokens if own else None,
                      "predicted": own.predicted if own else None})

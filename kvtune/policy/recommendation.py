@@ -403,8 +403,9 @@ class UpstreamBudget:
     block_budget: int
     num_blocks: int  # the replica's measured KV blocks (one is vLLM's null block)
     capacity_file: str
-    # `recommend --objective`: the engine limits the search gave this replica, and its part of the
-    # chosen row's figures (kvtune.policy.replica_search); None: every replica runs the launch file's
+    # its own engine limits (the rules on its capacity, or what `recommend --objective`'s search gave
+    # it) and with the search its part of the chosen row's figures (kvtune.policy.replica_search);
+    # None: every replica runs the launch file's
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     predicted: Predicted | None = None

@@ -26,10 +26,11 @@ would be refused by the router only if it fit on none. (The faithful alternative
 own kvtune.gateway.pool.UpstreamPool as the simulated admission over N engines in one event
 loop, needs kvtune.sim.engine to step several schedulers on one clock.)
 
-The split is deterministic (smooth weighted round robin over the drawn requests, in send order),
-so each replica's arrivals are as even as the router makes them, and every row serves the same
-requests on the same replica. In a closed loop (--concurrency) the clients are split the same
-way (largest remainder), and each replica's requests in proportion to its clients.
+The split is deterministic (`interleave`: stride scheduling over the drawn requests, in send
+order, vectorized), so each replica's arrivals are as even as the router makes them, and every
+row serves the same requests on the same replica. In a closed loop (--concurrency) the clients
+are split the same way (largest remainder), and each replica's requests in proportion to its
+clients.
 """
 
 from __future__ import annotations
@@ -87,19 +88,18 @@ def traffic_shares(weights: Sequence[int]) -> tuple[float, ...]:
     return tuple(w / total for w in weights)
 
 
-def smooth_round_robin(weights: Sequence[float], n: int) -> np.ndarray:
-    """The replica of each of `n` requests, in order: smooth weighted round robin (nginx's), so
-    each replica's requests are spread evenly through the sequence, in proportion to its weight."""
-    current = [0.0] * len(weights)
-    total = float(sum(weights))
-    out = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        for i, w in enumerate(weights):
-            current[i] += w
-        pick = max(range(len(weights)), key=lambda i: (current[i], -i))
-        current[pick] -= total
-        out[j] = pick
-    return out
+def interleave(weights: Sequence[float], n: int) -> np.ndarray:
+    """The replica of each of `n` requests, in order: with share = weight / all weights, each
+    replica's k-th request placed at (k + ½) / share and all of them merged by place, the first
+    replica of equal places first (stride scheduling, vectorized), so each one's requests are
+    spread evenly through the sequence, in proportion to its share."""
+    share = np.asarray(weights, dtype=np.float64)
+    share = share / share.sum()
+    live = np.flatnonzero(share > 0)
+    counts = np.ceil(n * share[live]).astype(np.int64) + 1  # more than each one's part of any n
+    owner = np.repeat(live, counts)
+    k = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner[np.argsort((k + 0.5) / share[owner], kind="stable")[:n]]
 
 
 def split_clients(concurrency: int, shares: Sequence[float]) -> list[int]:
@@ -113,11 +113,14 @@ def split_clients(concurrency: int, shares: Sequence[float]) -> list[int]:
 
 def split_draws(draws: Draws, replica: np.ndarray, count: int) -> list[Draws]:
     """Each replica's requests of `draws`, in their order (send times kept)."""
+    order = np.argsort(replica, kind="stable")
+    ends = np.cumsum(np.bincount(replica, minlength=count))
+    route = np.array(draws.route, dtype=object)
     out = []
     for i in range(count):
-        mask = replica == i
-        out.append(Draws(tuple(r for r, m in zip(draws.route, mask.tolist(), strict=True) if m),
-                         draws.prompt[mask], draws.output[mask], None if draws.send_s is None else draws.send_s[mask]))
+        own = order[ends[i - 1] if i else 0:ends[i]]
+        out.append(Draws(tuple(route[own].tolist()), draws.prompt[own], draws.output[own],
+                         None if draws.send_s is None else draws.send_s[own]))
     return out
 
 
@@ -156,7 +159,7 @@ def split_load(objective: Objective, usable_blocks: Sequence[int]) -> Split:
     per_seed = []
     for seed in objective_seeds(objective):
         draws = draw_requests(objective, seed)
-        per_seed.append(tuple(split_draws(draws, smooth_round_robin(shares, len(draws.route)), len(shares))))
+        per_seed.append(tuple(split_draws(draws, interleave(shares, len(draws.route)), len(shares))))
     return Split(shares, clients, tuple(per_seed))
 
 
@@ -298,4 +301,4 @@ def _total(objective: Objective, deployment: Deployment, runs: list, parts: Sequ
 
 
 __all__ = ["Replica", "Split", "replicas_for", "search_replicas", "split_load", "simulate_replicas",
-           "replica_queue", "traffic_shares", "smooth_round_robin", "split_clients", "split_draws"]
+           "replica_queue", "traffic_shares", "interleave", "split_clients", "split_draws"]

@@ -1,10 +1,10 @@
 """Several engine replicas, each measured (`recommend --capacity A --capacity B`): one budget each.
 
-The recommendation itself (caps, engine settings) is made for the smallest replica, so every
-replica runs the same launch file; each upstream then gets its own budget from its own capacity
-by the same rule and safety fraction (rules.block_budget). With `--objective` the search
-simulates every replica (kvtune.policy.replica_search) and each upstream also carries the engine
-limits and figures the search found for it.
+The recommendation itself (caps, max_model_len, the launch file) is made for the smallest
+replica; each upstream then gets its own budget from its own capacity by the same rule and safety
+fraction (rules.block_budget), and its own max_num_seqs and max_num_batched_tokens: the rules on
+its own capacity, or with `--objective` what the search, which simulates every replica
+(kvtune.policy.replica_search), found for it, with its figures.
 """
 
 from __future__ import annotations
@@ -83,15 +83,20 @@ def check_replica(path: str, capacity: Capacity, *, block_size: int, max_model_l
                             "--max-model-len", path=path, field="max_model_len")
 
 
-def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
-                fallback_urls: Sequence[str]) -> Recommendation:
+def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]], fallback_urls: Sequence[str], *,
+                own: Sequence[Recommendation] | None = None, from_origin: bool = True) -> Recommendation:
     """`rec` (made for the smallest replica) with one UpstreamBudget per (capacity file, capacity),
-    in order: its URL from the file's origin, else fallback_urls[i] (consecutive ports)."""
+    in order: its URL from the file's origin, else fallback_urls[i] (consecutive ports; always
+    without `from_origin`, for one file measured once and deployed N times). Its engine limits
+    are the search's part of the chosen row (`--objective`), else those of own[i], the rules on
+    that replica's own plan, else none (every replica runs the launch file's)."""
     safety = rec.safety_fraction.value
     chosen = rec.chosen
     searched = chosen.replicas if chosen is not None else ()  # `--objective`: each replica's part of the row
     if isinstance(safety, bool) or not isinstance(safety, (int, float)):
         raise TypeError(f"safety fraction {safety!r} is not a number")
+    if own is not None and len(own) != len(replicas):
+        raise ValueError(f"{len(own)} recommendations for {len(replicas)} replicas")
     budgets = []
     for i, (path, capacity) in enumerate(replicas):
         check_replica(path, capacity, block_size=rec.capacity.block_size, max_model_len=rec.max_model_len)
@@ -99,14 +104,19 @@ def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
         if budget < 1:
             raise CapacityError(f"no KV blocks to budget: {capacity.num_blocks} block(s)", path=path,
                                 field="num_blocks")
-        url = _origin_url(capacity) or fallback_urls[i]
+        url = (_origin_url(capacity) if from_origin else None) or fallback_urls[i]
         part = searched[i] if searched else None
-        if part is not None and part.budget_blocks != budget:
-            raise ValueError(f"replica {path}: searched budget {part.budget_blocks}, rules give {budget}")
+        limits: tuple[int | None, int | None] = (None, None)
+        if part is not None:
+            if part.budget_blocks != budget:
+                raise ValueError(f"replica {path}: searched budget {part.budget_blocks}, rules give {budget}")
+            limits = (part.max_num_seqs, part.max_num_batched_tokens)
+        elif own is not None:
+            if own[i].budget_blocks != budget:
+                raise ValueError(f"replica {path}: its own budget {own[i].budget_blocks}, rules give {budget}")
+            limits = (own[i].setting("max_num_seqs").tokens, own[i].setting("max_num_batched_tokens").tokens)
         pool = capacity.measured.kv_cache_memory_bytes if capacity.measured is not None else None
-        budgets.append(UpstreamBudget(url, budget, capacity.num_blocks, path,
-                                      part.max_num_seqs if part is not None else None,
-                                      part.max_num_batched_tokens if part is not None else None,
+        budgets.append(UpstreamBudget(url, budget, capacity.num_blocks, path, *limits,
                                       part.predicted if part is not None else None, pool))
     seen: dict[str, str] = {}
     for b in budgets:
@@ -115,9 +125,10 @@ def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]],
                               "capacity file per engine replica", field="--capacity")
         seen[b.url] = b.capacity_file
     small = replicas[smallest([c for _, c in replicas])]
-    if searched:
+    if searched or own is not None:
         note = (f"{len(budgets)} engine replicas, each upstream's block_budget, max_num_seqs and "
-                f"max_num_batched_tokens its own (upstreams in recommendation.json); caps, admission and "
+                f"max_num_batched_tokens its own (upstreams in recommendation.json"
+                f"{'' if searched else ', the rules on its own capacity'}); caps, admission and "
                 f"max_model_len are the deployment's, vllm-serve.sh the smallest replica's ({small[0]}, "
                 f"{small[1].num_blocks:,} blocks)")
     else:
