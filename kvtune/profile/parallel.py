@@ -25,7 +25,6 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +32,8 @@ from kvtune.profile.build import profile_read
 from kvtune.profile.routes import InputFile, Profile, fold_routes, merge_profiles
 
 if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Future
+
     from kvtune.ingest import IngestOptions
     from kvtune.ingest.paths import LogFile
     from kvtune.ingest.plan import FilePlan
