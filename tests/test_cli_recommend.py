@@ -293,6 +293,33 @@ def test_replicas_render_one_upstream_per_port_each_with_one_engines_budget(tmp_
     assert checked.exit_code == 0, checked.output
 
 
+def test_the_health_probe_options_reach_both_gateways_and_check_reads_them_back(tmp_path):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--replicas", "2", "--health-interval", "0.5", "--health-timeout", "0.25",
+                                      "--health-path", "/ready", "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = yaml.safe_load((tmp_path / "gateway.yaml").read_text())
+    assert doc["health"] == {"interval_s": 0.5, "timeout_s": 0.25, "path": "/ready"}
+    nginx = (tmp_path / "nginx.conf").read_text()
+    assert 'health = { interval_s = 0.5, timeout_s = 0.25, path = "/ready"' in nginx
+    checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model", "llama-3.1-8b",
+                                       "--deployed", str(tmp_path / "gateway.yaml")])
+    assert checked.exit_code == 0, checked.output
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--health-path", "ready?x"], "Error: health.path: 'ready?x' is not a plain request path"),
+    (["--health-interval", "0"], "Error: Invalid value for '--health-interval': 0.0 is not in the range x>=0.05."),
+])
+def test_a_bad_health_probe_is_one_line_and_writes_nothing(tmp_path, args, line):
+    out = tmp_path / "deploy"
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--replicas", "2", *args, "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["--replicas", "0"], "Error: Invalid value for '--replicas': 0 is not in the range x>=1."),
     (["--replicas", "300"], "Error: --replicas: must be from 1 to 256, got 300"),

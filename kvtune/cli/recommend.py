@@ -248,11 +248,19 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
                    "shared across machines, so each nginx holds a static slice, floor(budget / M) blocks, stated "
                    "in its header. A request bigger than a slice is refused (413) and idle slices cannot be "
                    "lent; gateway.yaml with a Redis ledger shares one exact budget instead.")
+@click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True, metavar="S",
+              help="With several replicas: both gateways ask each one GET --health-path every S seconds and take "
+                   "it out (its budget with it) until it answers 200.")
+@click.option("--health-timeout", type=click.FloatRange(min=0.01), default=1.0, show_default=True, metavar="S",
+              help="An answer to the health probe later than S seconds counts as a failure.")
+@click.option("--health-path", default="/health", show_default=True, metavar="PATH",
+              help="The path the health probe asks (vLLM and SGLang answer /health).")
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
               objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, nginx_replicas: int,
-              out_dir: str | None, json_: bool) -> None:
+              health_interval: float, health_timeout: float, health_path: str, out_dir: str | None,
+              json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -286,6 +294,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     # one capacity file for N replicas: N identical replicas, each at its share of the load (the logs
     # are the whole deployment's traffic), on the ports from --upstream's (one origin cannot be N servers)
     replica_files = files_given if len(files_given) > 1 else files_given * replicas if replicas > 1 else ()
+    from kvtune.gateway.config import HealthProbe
+
+    render_options = RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas,
+                                   health=HealthProbe(health_interval, health_timeout, health_path))
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
             rec = policy.recommendation(logs, capacity, log, objective, progress, replica_files, tuple(fallback_urls),
@@ -294,8 +306,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         _infeasible(exc, json_)
         return
     try:
-        files = kvtune.render(rec, options=RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas),
-                              gateway_tokenizer=counting_with)
+        files = kvtune.render(rec, options=render_options, gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
         for f in exc.result.findings:
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
@@ -313,7 +324,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     if nginx_replicas > 1 or replicas > 1:
         from kvtune.cli._recommend_view import show_upstream_budgets
 
-        show_upstream_budgets(rec, RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas))
+        show_upstream_budgets(rec, render_options)
 
 
 def _infeasible(exc, json_: bool) -> None:
