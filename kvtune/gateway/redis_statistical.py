@@ -27,7 +27,7 @@ import numpy as np
 from kvtune.errors import LedgerUnavailableError
 from kvtune.gateway.ledger import LedgerSnapshot
 from kvtune.gateway.overflow import THETAS
-from kvtune.gateway.redis_ledger import _PRELUDE, RedisLedger
+from kvtune.gateway.redis_ledger import _FITS_BLOCKS, _PRELUDE, _REREGISTER, RedisLedger
 
 _THETAS_LUA = "{" + ", ".join(f"{t:.17g}" for t in THETAS) + "}"
 
@@ -116,6 +116,23 @@ return string.format('%.17g', probability(ARGV[5], tonumber(ARGV[6]), tonumber(A
 """
 
 
+# the statistical rule for a reservation held again after a lost lease: what _RESERVE_ROWS checks
+# (the guaranteed rule for one without rows), and its rows held with it
+_REREGISTER_ROWS = _PRELUDE + _BOUND + _FITS_BLOCKS + """
+local function fits(upstream, blocks, limit, epsilon, worst, rows)
+  if rows == '' then return fits_blocks(upstream, blocks, limit) end
+  local p = probability(upstream, limit, worst, parse(rows))
+  return p == 0 or (epsilon > 0 and p <= epsilon)
+end
+local function hold_rows(upstream, id, worst, rows)
+  if rows == '' then return end
+  redis.call('HSET', prefix .. ':rows:' .. owner, id, worst .. ' ' .. rows)
+  redis.call('HINCRBY', worst_key, upstream, worst)
+  add_rows(upstream, parse(rows), 1)
+end
+""" + _REREGISTER
+
+
 def encode_rows(log_mgf: np.ndarray) -> str:
     """A reservation's rows as the scripts read them: row-major, each float exactly (repr)."""
     return " ".join(repr(float(x)) for x in np.asarray(log_mgf, dtype=np.float64).ravel())
@@ -132,7 +149,7 @@ class RedisStatisticalLedger(RedisLedger):
         self.epsilon = epsilon
         self._budgets: dict[str, int] = {}
         for name, source in (("reserve_rows", _RESERVE_ROWS), ("progress", _PROGRESS), ("overflow", _OVERFLOW),
-                             ("bound_of", _BOUND_OF)):
+                             ("bound_of", _BOUND_OF), ("reregister", _REREGISTER_ROWS)):
             self._scripts[name] = type(self._scripts["reserve"])(source)
         self._updates: set[asyncio.Task[None]] = set()
         self.last_probability = 0.0  # the bound the last reserve_rows computed
@@ -155,6 +172,9 @@ class RedisStatisticalLedger(RedisLedger):
         self._lease_seen(had, reclaimed)
         self.last_probability = float(p)
         return bool(granted)
+
+    def _epsilon_arg(self) -> str:
+        return repr(self.epsilon)
 
     async def progress(self, reservation_id: str, log_mgf: np.ndarray) -> bool:
         """Replace a held reservation's rows (its law conditioned on what it streamed); False if
