@@ -25,8 +25,15 @@ so Redis pauses a bounded time whatever died; the next scripts take the rest). S
 loss) loses its reservations at the first script any replica runs after its deadline, within
 lease_s + 1 s of its last heartbeat while any replica lives, waiting for nobody. Expired means
 reclaimed, whoever notices first, the owner itself included: a replica that comes back after a
-partition finds its hash gone, its `release` returns False and changes nothing (no double
-release), and its next script opens a fresh lease (`leases_lost` counts these).
+partition (or a pause longer than lease_s) finds its hash gone, and its next script opens a fresh
+lease (`leases_lost` counts these). Its requests still run, though, and the engines hold their
+KV: the heartbeat then holds them again (`reregister`, the ids and rows `in_flight` reports),
+in one script, each only if it fits now by the policy's reserve rule, so new admissions see
+them again and the budget still holds; those that no longer fit (another replica admitted into
+their room) cannot be stopped: they are counted (`reregister_over`, logged) and tried again
+every heartbeat until they fit or end. Same ids, same owner: each release gives back once (a
+release that finds nothing while a re-registration is on its way leaves a tombstone the script
+honours).
 
 release(id) deletes the id from the caller's own hash and subtracts only if it was there: exactly
 once. reserve(id) is idempotent (an id already held answers granted, unchanged), which is also
