@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 import redis
 from fake_vllm import FakeVllm
@@ -173,7 +174,7 @@ def test_the_ledger_json_totals_every_replica(redis_server):
 def stat_sums(client: redis.Redis, upstream: str) -> tuple[int, list[float]]:
     """The statistical policy's stored sums for `upstream`: worst-case blocks and row sums."""
     worst, rows = client.hget(f"{PREFIX}:worst", upstream), client.hget(f"{PREFIX}:stat", upstream)
-    return int(worst or 0), [float(x) for x in (rows or b"").split()]
+    return int(worst or 0), np.frombuffer(rows or b"", dtype="<f8").tolist()
 
 
 @pytest.mark.parametrize("policy", ["worst-case", "statistical"])
