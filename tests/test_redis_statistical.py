@@ -170,3 +170,32 @@ def test_a_lost_lease_holds_what_still_runs_again_within_the_bound(shared_redis)
             await b.aclose()
 
     asyncio.run(go())
+
+
+def test_a_chernoff_only_local_ledger_admits_exactly_what_redis_does(shared_redis):
+    """The shared ledger's local ledgers admit on the Chernoff bound alone (chernoff_only): Redis
+    bounds a superset of their rows by Chernoff, so what a convolution would admit beyond it,
+    Redis refuses anyway. Alike requests: the local ledger stops where Redis does, while an
+    exact in-memory ledger goes further."""
+    budget, epsilon = 200, 0.01
+
+    async def go():
+        exact = StatisticalLedger(budget, epsilon=epsilon, block_size=16, max_model_len=2048)
+        local = StatisticalLedger(budget, epsilon=epsilon, block_size=16, max_model_len=2048)
+        local.chernoff_only = True
+        demand = Demand((10,), 400, LAW)
+        _, worst, log_mgf = _rows(exact, demand, 26)
+        counts = {}
+        for name, ledger in (("exact", exact), ("local", local)):
+            n = 0
+            while ledger.try_reserve(26, demand) is not None:
+                n += 1
+            counts[name] = n
+        async with RedisStatisticalLedger(shared_redis.url, epsilon=epsilon, key_prefix="only") as store:
+            n = 0
+            while await store.reserve_rows("u", str(n), 26, budget, worst, log_mgf):
+                n += 1
+            counts["redis"] = n
+        assert counts["local"] == counts["redis"] < counts["exact"], counts
+
+    asyncio.run(go())

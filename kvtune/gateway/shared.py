@@ -72,6 +72,7 @@ class SharedLedger:
             for replica in pool.replicas:
                 if isinstance(replica.ledger, StatisticalLedger):
                     replica.ledger.on_progress = self._progressed
+                    replica.ledger.chernoff_only = True  # Redis bounds by Chernoff: no convolution here
         self.retry_after_s = config.retry_after_min_s
         # each upstream's static slice, for ledger.on_error: local
         self.slices: tuple[BlockLedger, ...] = tuple(
