@@ -731,16 +731,16 @@ def test_the_heartbeat_holds_what_still_runs_again_by_itself(redis_server):
     from kvtune.gateway.redis_ledger import InFlight
 
     async def go():
-        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t", lease_s=0.3)
+        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t", lease_s=0.6)
         a.in_flight = lambda: [InFlight("x", "u", 4, 10)]
         async with a, RedisLedger(redis_server.url, owner="sweeper", key_prefix="t", lease_s=5) as sweeper:
             assert await a.reserve("u", "x", 4, 10)
-            time.sleep(0.5)  # the whole loop stalls: no renewal
+            time.sleep(0.9)  # the whole loop stalls: no renewal
             for _ in range(100):
                 if await sweeper.reserved("u") == 4:
                     break
                 await asyncio.sleep(0.02)
-            assert await sweeper.reserved("u") == 4 and a.leases_lost == 1 and a.reregistered == 1
+            assert await sweeper.reserved("u") == 4 and a.leases_lost >= 1 and a.reregistered >= 1
             assert await a.release("x") and await sweeper.reserved("u") == 0
 
     run(go())
