@@ -382,6 +382,7 @@ class RedisLedger:
         self._lost = False  # the lease was found lost, the re-registration not yet done
         self._reregistering = False  # a re-registration is on its way: a release finding nothing leaves a tombstone
         self._unregistered: set[str] = set()  # in flight, not held in Redis: they did not fit when held again
+        self._ended: set[str] = set()  # released while a re-registration was on its way
         # counters for /metrics
         self.leases_lost = 0  # times this owner found its lease expired (its reservations reclaimed)
         self.reclaimed = 0  # reservations of expired owners this owner's scripts reclaimed
@@ -498,7 +499,7 @@ class RedisLedger:
             raise
 
     async def _release(self, reservation_id: str, *, tombstone: bool = False) -> bool:
-        self._unregistered.discard(reservation_id)
+        self._forget(reservation_id)
         tombstone = tombstone or self._reregistering
         released, had, reclaimed = await self._run("release", reservation_id, int(tombstone))
         self._lease_seen(had, reclaimed)
@@ -508,7 +509,7 @@ class RedisLedger:
         """Queue a release without awaiting (for a `finally`); the heartbeat task gives it back,
         retrying while Redis is unavailable."""
         self._pending[reservation_id] = None
-        self._unregistered.discard(reservation_id)
+        self._forget(reservation_id)
         self._wake.set()
 
     async def renew(self) -> bool:
@@ -579,10 +580,11 @@ class RedisLedger:
                 raise
         finally:
             self._reregistering = False
+            ended, self._ended = self._ended, set()
         self._lease_seen(out[0], out[1])
         registered, kept = int(out[2]), int(out[3])
         over = {x.decode() if isinstance(x, bytes) else str(x) for x in out[4:]}
-        self._unregistered = over
+        self._unregistered = over - ended
         self.reregistered += registered
         if lost:
             self.reregister_over += len(over)
@@ -594,6 +596,12 @@ class RedisLedger:
                         registered, len(over))
 
     # -- internals
+
+    def _forget(self, reservation_id: str) -> None:
+        """A reservation ended: no longer one to hold again."""
+        self._unregistered.discard(reservation_id)
+        if self._reregistering:
+            self._ended.add(reservation_id)
 
     def _epsilon_arg(self) -> str:
         """The re-registration script's epsilon (the guaranteed rule ignores it)."""
