@@ -2,7 +2,8 @@
 kvtune.gateway.shared over kvtune.gateway.redis_ledger), in front of the fake vLLM over real
 HTTP on loopback: together they never admit past an upstream's budget (read from Redis every
 10 ms, with clients going away and upstream failures), a SIGKILLed replica's reservations are
-reclaimed within lease_s + 1 s and nobody else's, Redis stopping answers 503 (reject) or admits
+reclaimed within lease_s + 1 s and nobody else's, a replica paused past its lease holds its
+running requests again as far as they fit, Redis stopping answers 503 (reject) or admits
 on a static slice (local) and admission resumes by itself when it is back."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 import redis
 from fake_vllm import FakeVllm
@@ -25,6 +27,7 @@ from ledger_race import (
     PREFIX,
     Progress,
     Sampler,
+    gateway_log,
     kill_and_restart,
     owner_hashes,
     post,
@@ -171,7 +174,7 @@ def test_the_ledger_json_totals_every_replica(redis_server):
 def stat_sums(client: redis.Redis, upstream: str) -> tuple[int, list[float]]:
     """The statistical policy's stored sums for `upstream`: worst-case blocks and row sums."""
     worst, rows = client.hget(f"{PREFIX}:worst", upstream), client.hget(f"{PREFIX}:stat", upstream)
-    return int(worst or 0), [float(x) for x in (rows or b"").split()]
+    return int(worst or 0), np.frombuffer(rows or b"", dtype="<f8").tolist()
 
 
 @pytest.mark.parametrize("policy", ["worst-case", "statistical"])
@@ -631,3 +634,130 @@ def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilo
         assert max(worst) > budget  # the bet was taken: more worst cases held than the budget
         assert statuses.count(200) > 500 and set(statuses) <= {200, 429, 500, 503}, sorted(set(statuses))
         assert owner_hashes(client) == {}
+
+
+# ---------------------------------------------------------------- a replica paused past its lease
+
+def ledger_counter(text: str, name: str) -> float:
+    """One unlabelled kvtune_gateway_ledger_<name> sample as /metrics exposes it."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"kvtune_gateway_ledger_{name}" and not sample.labels:
+                return sample.value
+    raise AssertionError(f"kvtune_gateway_ledger_{name} is not exposed")
+
+
+@pytest.mark.parametrize("policy", ["worst-case", "statistical"])
+def test_a_replica_paused_past_its_lease_holds_its_running_requests_again(redis_server, tmp_path, policy):
+    """SIGSTOP gateway A, holding 6 requests, for longer than lease_s: B's heartbeat sweeps A's
+    reservations and B admits long requests into the room. SIGCONT A: its heartbeat finds the
+    lease lost and holds its 6 running requests again in one script, each only if it fits now;
+    those that do not are counted in /metrics and held once B's requests end. Throughout, read
+    from Redis every 10 ms, the budget holds (worst-case: the blocks reserved; statistical: the
+    shared bound within epsilon); at the end every sum is exactly 0, and no release counted twice."""
+    lease_s, budget, epsilon = 2.0, 100, 0.05
+    statistical = policy == "statistical"
+    client = redis.Redis.from_url(redis_server.url)
+    overrides: dict[str, Any] = {}
+    if statistical:
+        overrides = {"admission": {"policy": "statistical", "epsilon": epsilon},
+                     "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+                                 "output_histogram": _SHORT_MOSTLY}]}
+    with FakeVllm() as fake:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(json.dumps(doc([{"url": fake.url, "block_budget": budget}],
+                                       {"url": redis_server.url, "lease_s": lease_s}, **overrides)))
+        procs = [start_gateway_process(path) for _ in range(2)]
+        (paused, a), (_, b) = procs
+        bounds: list[float] = []
+
+        async def metrics(session: aiohttp.ClientSession) -> dict[str, float]:
+            async with session.get(a + "/metrics") as resp:
+                text = await resp.text()
+            return {name: ledger_counter(text, name) for name in
+                    ("lease_lost_total", "reregistered_total", "reregister_over_total", "unregistered")}
+
+        async def run() -> None:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session, \
+                    RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix=PREFIX, owner="auditor",
+                                           op_timeout_s=10) as store:
+                done = asyncio.Event()
+
+                async def audit() -> None:
+                    while not done.is_set():
+                        bounds.append((await store.overflow_probabilities({fake.url: budget}))[fake.url])
+                        await asyncio.sleep(0.01)
+
+                auditor = asyncio.create_task(audit())
+                held = [asyncio.create_task(post(session, a + "/v1/chat/completions", ten_blocks(x_mode="hold")))
+                        for _ in range(6)]
+                await wait_for(lambda: fake.active == 6 and reserved(client, fake.url) == 60)
+                before = await store.sums(fake.url)
+                base = await metrics(session)  # counts since the pause, should the loaded host have cost it
+                # a lease already
+
+                def since(seen: dict[str, float]) -> dict[str, float]:
+                    return {k: v - base[k] if k.endswith("_total") else v for k, v in seen.items()}
+
+                paused.send_signal(signal.SIGSTOP)
+                try:
+                    await wait_for(lambda: reserved(client, fake.url) == 0, timeout=lease_s + 2)  # swept
+                    # B takes most of the room with requests of ~2 s (7 of the 10 worst cases; 10 of the
+                    # 14 the bound admits alone, the rest 429)
+                    sent = 10 if statistical else 7
+                    long = [asyncio.create_task(post(session, b + "/v1/chat/completions",
+                                                     ten_blocks(x_chunks=8, x_delay=0.25, stream=True)))
+                            for _ in range(sent)]
+                    await wait_for(lambda: fake.active - 6 + sum(t.done() for t in long) == sent, timeout=5)
+                    admitted_b = fake.active - 6
+                finally:
+                    paused.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 3
+                while (seen := since(await metrics(session)))["lease_lost_total"] < 1 or \
+                        seen["reregistered_total"] + seen["reregister_over_total"] < 6:
+                    assert time.monotonic() < deadline, seen
+                    await asyncio.sleep(0.05)
+                first = seen
+                print(f"{policy}: B admitted {admitted_b} into A's swept room; A on resuming: {first}")
+                assert first["lease_lost_total"] == 1 and first["unregistered"] == first["reregister_over_total"]
+                assert admitted_b == sent
+                async with session.get(a + "/kvtune/ledger") as resp:
+                    described = (await resp.json())["ledger"]
+                assert (described["leases_lost"], described["reregistered"], described["unregistered"]) == \
+                    (base["lease_lost_total"] + 1, base["reregistered_total"] + first["reregistered_total"],
+                     first["unregistered"])
+                if not statistical:  # B's 10-block requests and A's, up to the budget: 10 in all
+                    assert first["reregistered_total"] == 3 and first["unregistered"] == 3
+                # some fit again, the rest did not (B had taken their room)
+                assert first["reregistered_total"] >= 1 and first["reregister_over_total"] >= 1
+                assert sum(owner_hashes(client).values()) == admitted_b + first["reregistered_total"]
+                assert [s for s, _ in await asyncio.gather(*long) if s == 200] == [200] * admitted_b
+                # B's requests ended: A's heartbeat holds the rest again
+                deadline = time.monotonic() + 3
+                while (seen := since(await metrics(session)))["unregistered"] > 0:
+                    assert time.monotonic() < deadline, seen
+                    await asyncio.sleep(0.05)
+                assert seen["reregistered_total"] == 6 and reserved(client, fake.url) == 60
+                after = await store.sums(fake.url)
+                assert after[0] == before[0] and after[1] == pytest.approx(before[1], rel=1e-9, abs=1e-12)
+                fake.release()
+                assert [s for s, _ in await asyncio.gather(*held)] == [200] * 6
+                await wait_for(lambda: reserved(client, fake.url) == 0)
+                assert await store.sums(fake.url) == (0, [])  # released once each: exactly 0
+                assert since(await metrics(session))["lease_lost_total"] == 1
+                done.set()
+                await auditor
+
+        try:
+            with Sampler(client, fake.url) as sampler:
+                asyncio.run(run())
+        finally:
+            stop_processes(procs)
+        samples = sampler.samples[fake.url]
+        assert len(samples) > 100 and samples[-1] == 0
+        if statistical:
+            assert len(bounds) > 50 and max(bounds) <= epsilon, max(bounds)
+        else:
+            assert max(samples) <= budget, max(samples)
+        assert "lease of" in gateway_log(paused) and "no longer fit" in gateway_log(paused)
+        assert reserved(client, fake.url) == 0 and owner_hashes(client) == {}

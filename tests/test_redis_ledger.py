@@ -637,3 +637,110 @@ def test_the_error_line_never_shows_the_password():
         assert "redis://gw:***@127.0.0.1:1/0" in str(caught.value)
 
     run(go())
+
+
+# --- a lost lease: what still runs is held again -------------------------------------------------
+
+def test_a_lost_lease_holds_what_still_runs_again_as_far_as_it_fits_and_releases_it_once(redis_server):
+    """a is paused past its lease (heartbeat=False stands for it): b sweeps its three reservations
+    and admits into the room. a's renew reports the loss; one re-registration script holds again
+    those of a's requests that fit now (in order), counts the one that does not, and tries it
+    again once b's release makes room. Each release then gives back exactly once."""
+    from kvtune.gateway.redis_ledger import InFlight
+
+    async def go():
+        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t", lease_s=0.3)
+        b = RedisLedger(redis_server.url, owner="gw-b", key_prefix="t", lease_s=5)
+        running = {rid: InFlight(rid, "u", 3, 10) for rid in ("x1", "x2", "x3")}
+        a.in_flight = lambda: list(running.values())
+        await a.start(heartbeat=False)
+        await b.start()
+        try:
+            for rid in running:
+                assert await a.reserve("u", rid, 3, 10)
+            await asyncio.sleep(0.5)
+            assert await b.reserve("u", "y", 3, 10)  # b's script swept a's 9 blocks away
+            assert await b.reserved("u") == 3
+            assert not await a.renew() and a.leases_lost == 1  # a learns it
+            await a.reregister()
+            assert (a.reregistered, a.reregister_over, a.unregistered) == (2, 1, 1)  # 3 + 3 + 3 fit, not 4 x 3
+            assert await a.reserved("u") == 9 and await a.held() == 2
+            assert audit(redis.Redis.from_url(redis_server.url), "t") == {"u": (9, 9, 3)}
+            assert not await b.reserve("u", "z", 3, 10)  # new admissions see what a runs
+            await a.reregister()  # no room yet: still out
+            assert a.unregistered == 1 and await a.reserved("u") == 9
+            assert await b.release("y")
+            await a.reregister()  # a heartbeat's retry: x3 fits now
+            assert (a.reregistered, a.reregister_over, a.unregistered) == (3, 1, 0)
+            assert await a.reserved("u") == 9 and await a.held() == 3
+            await a.reregister()  # nothing lost, nothing out: no script
+            for rid in list(running):
+                assert await a.release(rid)
+                assert not await a.release(rid)  # exactly once
+                del running[rid]
+            assert await a.reserved("u") == 0 and a.leases_lost == 1
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    run(go())
+
+
+def test_a_release_racing_the_reregistration_gives_back_exactly_once(redis_server):
+    """A request that ends while the re-registration script is on its way, its release landing
+    just before or after the script (a release finding nothing then leaves a tombstone the
+    script honours): either way nothing of it stays held, and the other is held once."""
+    from kvtune.gateway.redis_ledger import InFlight
+
+    async def go():
+        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t", lease_s=0.2)
+        races: list[asyncio.Task[bool]] = []
+
+        def running() -> list[InFlight]:  # read as the script leaves; the release races it
+            async def release_late(delay: float) -> bool:
+                await asyncio.sleep(delay)
+                return await a.release("x2")
+            races.append(asyncio.get_running_loop().create_task(release_late(0.0005 * len(races))))
+            return [InFlight("x1", "u", 3, 10), InFlight("x2", "u", 3, 10)]
+
+        a.in_flight = running
+        await a.start(heartbeat=False)
+        try:
+            async with RedisLedger(redis_server.url, owner="sweeper", key_prefix="t") as sweeper:
+                for _ in range(8):
+                    assert await a.reserve("u", "x1", 3, 10) and await a.reserve("u", "x2", 3, 10)
+                    await asyncio.sleep(0.3)
+                    assert await sweeper.reserved("u") == 0  # swept
+                    assert not await a.renew()
+                    await a.reregister()
+                    await races[-1]
+                    assert await a.reserved("u") == 3 and await a.held() == 1  # x1 only, once
+                    assert await a.release("x1") and not await a.release("x1")
+                    assert await a.reserved("u") == 0
+            print("release before the script:", sum(not t.result() for t in races), "of", len(races))
+        finally:
+            await a.aclose()
+
+    run(go())
+
+
+def test_the_heartbeat_holds_what_still_runs_again_by_itself(redis_server):
+    """With its heartbeat on: a's renewals stop for longer than its lease (its task is paused by a
+    blocking sleep, as a GC pause would), a sweeper reclaims a's rows; when a's loop runs again its
+    heartbeat finds the loss and holds everything again, without anyone calling it."""
+    from kvtune.gateway.redis_ledger import InFlight
+
+    async def go():
+        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t", lease_s=0.6)
+        a.in_flight = lambda: [InFlight("x", "u", 4, 10)]
+        async with a, RedisLedger(redis_server.url, owner="sweeper", key_prefix="t", lease_s=5) as sweeper:
+            assert await a.reserve("u", "x", 4, 10)
+            time.sleep(0.9)  # the whole loop stalls: no renewal
+            for _ in range(100):
+                if await sweeper.reserved("u") == 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert await sweeper.reserved("u") == 4 and a.leases_lost >= 1 and a.reregistered >= 1
+            assert await a.release("x") and await sweeper.reserved("u") == 0
+
+    run(go())

@@ -115,3 +115,87 @@ def test_an_expired_owners_rows_leave_the_sums(shared_redis):
         await dead.aclose(retire=False)
 
     asyncio.run(go())
+
+
+def test_a_lost_lease_holds_what_still_runs_again_within_the_bound(shared_redis):
+    """Statistical: 23 alike requests fit the bound (epsilon 0.01, budget 200), 24 do not. a holds
+    23 and loses its lease; b admits 10 into the room; a's re-registration holds 13 again (the
+    script's bound, as Python's) and counts 10 over; once b gives 5 back, 5 more are held. The
+    stored sums are always exactly the rows held; each release gives back once; they end at 0."""
+    from kvtune.gateway.redis_ledger import InFlight
+    from kvtune.gateway.redis_statistical import encode_rows
+
+    budget, epsilon = 200, 0.01
+
+    async def go():
+        py = StatisticalLedger(budget, epsilon=epsilon, block_size=16, max_model_len=2048)
+        rows, worst, log_mgf = _rows(py, Demand((10,), 400, LAW), 26)
+        assert py.chernoff_bound(rows * 23) <= epsilon < py.chernoff_bound(rows * 24)
+        a = RedisStatisticalLedger(shared_redis.url, epsilon=epsilon, key_prefix="lost", lease_s=0.3, owner="a")
+        b = RedisStatisticalLedger(shared_redis.url, epsilon=epsilon, key_prefix="lost", lease_s=5, owner="b")
+        running = {f"a{i}": InFlight(f"a{i}", "u", 26, budget, worst, encode_rows(log_mgf)) for i in range(23)}
+        a.in_flight = lambda: list(running.values())
+        await a.start(heartbeat=False)
+        await b.start(heartbeat=False)
+        try:
+            for rid in running:
+                assert await a.reserve_rows("u", rid, 26, budget, worst, log_mgf)
+            assert not await a.reserve_rows("u", "a-extra", 26, budget, worst, log_mgf)
+            await asyncio.sleep(0.4)
+            for i in range(10):
+                assert await b.reserve_rows("u", f"b{i}", 26, budget, worst, log_mgf)  # into the swept room
+            assert not await a.renew() and a.leases_lost == 1
+            await a.reregister()
+            assert (a.reregistered, a.reregister_over, a.unregistered) == (13, 10, 10)
+            assert await a.held() == 13
+            held_worst, sums = await a.sums("u")
+            assert held_worst == 23 * worst and sums == pytest.approx(list(23 * log_mgf.ravel()), rel=1e-9)
+            assert 0 < await a.bound("u", budget) <= epsilon  # the shared bound holds
+            assert not await b.reserve_rows("u", "b-extra", 26, budget, worst, log_mgf)  # they are seen
+            for i in range(5):
+                assert await b.release(f"b{i}")
+            await a.reregister()  # a heartbeat's retry
+            assert (a.reregistered, a.unregistered) == (18, 5) and await a.held() == 18
+            assert (await a.sums("u"))[0] == 23 * worst
+            for i, rid in enumerate(list(running)):  # held again in order: a0 .. a17; a18 .. a22 still out
+                assert await a.release(rid) == (i < 18) and not await a.release(rid)
+                del running[rid]
+            assert a.unregistered == 0
+            for i in range(5, 10):
+                assert await b.release(f"b{i}")
+            assert await a.sums("u") == (0, [])  # nothing held: exactly 0
+            assert (await a.snapshot())["u"].reserved_blocks == 0
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_chernoff_only_local_ledger_admits_exactly_what_redis_does(shared_redis):
+    """The shared ledger's local ledgers admit on the Chernoff bound alone (chernoff_only): Redis
+    bounds a superset of their rows by Chernoff, so what a convolution would admit beyond it,
+    Redis refuses anyway. Alike requests: the local ledger stops where Redis does, while an
+    exact in-memory ledger goes further."""
+    budget, epsilon = 200, 0.01
+
+    async def go():
+        exact = StatisticalLedger(budget, epsilon=epsilon, block_size=16, max_model_len=2048)
+        local = StatisticalLedger(budget, epsilon=epsilon, block_size=16, max_model_len=2048)
+        local.chernoff_only = True
+        demand = Demand((10,), 400, LAW)
+        _, worst, log_mgf = _rows(exact, demand, 26)
+        counts = {}
+        for name, ledger in (("exact", exact), ("local", local)):
+            n = 0
+            while ledger.try_reserve(26, demand) is not None:
+                n += 1
+            counts[name] = n
+        async with RedisStatisticalLedger(shared_redis.url, epsilon=epsilon, key_prefix="only") as store:
+            n = 0
+            while await store.reserve_rows("u", str(n), 26, budget, worst, log_mgf):
+                n += 1
+            counts["redis"] = n
+        assert counts["local"] == counts["redis"] < counts["exact"], counts
+
+    asyncio.run(go())

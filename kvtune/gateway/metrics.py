@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from kvtune.gateway.pool import Replica, UpstreamPool
 from kvtune.gateway.refusals import Reason
@@ -18,6 +20,7 @@ from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
     from kvtune.gateway.ledger import LedgerSnapshot
+    from kvtune.gateway.redis_ledger import RedisLedger
     from kvtune.gateway.shared import SharedLedger
 
 RETRY_AFTER_BUCKETS_S = (1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -111,8 +114,12 @@ class GatewayMetrics:
                 ("pending_releases", "Releases queued until the shared ledger answers.",
                  lambda: store.pending_releases),
                 ("local_admitted", "Requests admitted on the static local slice while Redis was unavailable "
-                 "(a counter).", lambda: shared.local_admitted)):
+                 "(a counter).", lambda: shared.local_admitted),
+                ("unregistered", "In-flight requests the shared ledger does not count: they no longer fit when "
+                 "this replica's lost lease was taken again (held again once they fit).",
+                 lambda: store.unregistered)):
             Gauge(f"kvtune_gateway_ledger_{name}", doc, registry=r).set_function(read)
+        r.register(_LeaseCounters(store))
         self._shared_gauges = {
             name: Gauge(f"kvtune_gateway_upstream_shared_{name}", doc, ["upstream"], registry=r)
             for name, doc in (
@@ -161,6 +168,24 @@ class GatewayMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _LeaseCounters(Collector):
+    """The shared store's lease counters as Prometheus counters (read at scrape time)."""
+
+    def __init__(self, store: RedisLedger) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        store = self.store
+        for name, doc, value in (
+                ("lease_lost", "Times this replica found its lease expired (its reservations swept by another).",
+                 store.leases_lost),
+                ("reregistered", "In-flight requests held again in the shared ledger after a lost lease.",
+                 store.reregistered),
+                ("reregister_over", "In-flight requests that no longer fit when their lost lease was taken again "
+                 "(they run on, uncounted until they fit).", store.reregister_over)):
+            yield CounterMetricFamily(f"kvtune_gateway_ledger_{name}", doc, value=value)
 
 
 def _is_mode(shared: SharedLedger, name: str) -> float:

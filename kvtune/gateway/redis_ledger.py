@@ -25,8 +25,15 @@ so Redis pauses a bounded time whatever died; the next scripts take the rest). S
 loss) loses its reservations at the first script any replica runs after its deadline, within
 lease_s + 1 s of its last heartbeat while any replica lives, waiting for nobody. Expired means
 reclaimed, whoever notices first, the owner itself included: a replica that comes back after a
-partition finds its hash gone, its `release` returns False and changes nothing (no double
-release), and its next script opens a fresh lease (`leases_lost` counts these).
+partition (or a pause longer than lease_s) finds its hash gone, and its next script opens a fresh
+lease (`leases_lost` counts these). Its requests still run, though, and the engines hold their
+KV: the heartbeat then holds them again (`reregister`, the ids and rows `in_flight` reports),
+in one script, each only if it fits now by the policy's reserve rule, so new admissions see
+them again and the budget still holds; those that no longer fit (another replica admitted into
+their room) cannot be stopped: they are counted (`reregister_over`, logged) and tried again
+every heartbeat until they fit or end. Same ids, same owner: each release gives back once (a
+release that finds nothing while a re-registration is on its way leaves a tombstone the script
+honours).
 
 release(id) deletes the id from the caller's own hash and subtracts only if it was there: exactly
 once. reserve(id) is idempotent (an id already held answers granted, unchanged), which is also
@@ -61,16 +68,19 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import logging
 import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvtune.errors import LedgerUnavailableError
 from kvtune.gateway.ledger import RATE_WINDOW_S, LedgerSnapshot
 from kvtune.gateway.statistical import RESUM_EVERY
+
+log = logging.getLogger("kvtune.gateway")
 
 #: How often the background task renews the lease and sweeps, at most (also lease_s / 3).
 TEND_EVERY_S = 1.0
@@ -97,20 +107,25 @@ local function decayed(upstream)
   return tonumber(s) * math.exp(-math.max(0, now_ms - tonumber(at)) / window_ms)
 end
 
--- the statistical policy's rows (kvtune.gateway.redis_statistical): P:rows:<owner> id -> "<worst> <floats>",
--- their sums per upstream in P:stat (floats) and P:worst (integers)
+-- the statistical policy's rows (kvtune.gateway.redis_statistical): P:rows:<owner> id -> its worst
+-- case then its rows, their sums per upstream in P:stat and P:worst (integers). Floats travel and
+-- rest as little-endian doubles (struct), exact both ways and cheaper than decimal text.
 local stat_key, worst_key, removals_key = prefix .. ':stat', prefix .. ':worst', prefix .. ':removals'
 
 local function parse(s)
-  local t = {}
-  for x in string.gmatch(s, '%S+') do t[#t + 1] = tonumber(x) end
+  local n = #s / 8
+  if n < 1 then return {} end
+  local t = {struct.unpack('<' .. string.rep('d', n), s)}
+  t[n + 1] = nil  -- unpack's last value is the next position
   return t
 end
 
 local function fmt(t)
-  local o = {}
-  for i = 1, #t do o[i] = string.format('%.17g', t[i]) end
-  return table.concat(o, ' ')
+  return struct.pack('<' .. string.rep('d', #t), unpack(t))
+end
+
+local function with_worst(worst, rows)
+  return struct.pack('<d', worst) .. rows
 end
 
 local function add_rows(upstream, rows, sign)
@@ -251,10 +266,61 @@ end
 return out
 """
 
+# The re-registration after a lost lease: ARGV[5]: epsilon (statistical), then 6 a reservation: id,
+# upstream, blocks, limit, worst, rows (none: empty). Each is held again, in order, only if it fits
+# now (fits(), the reserve rule of the policy's script); held again, its rows too (hold_rows()).
+# -> {had lease, reclaimed, re-registered, held already, then the ids that did not fit}
+_REREGISTER = """
+local had = lease()
+local epsilon = tonumber(ARGV[5])
+local out = {had, reclaimed, 0, 0}
+for i = 6, #ARGV, 6 do
+  local id, upstream, blocks, limit = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local worst, rows = tonumber(ARGV[i + 4]), ARGV[i + 5]
+  if redis.call('HEXISTS', own_key, id) == 1 then
+    out[4] = out[4] + 1
+  elseif redis.call('ZSCORE', void_key, id) then  -- released while this script was on its way
+  elseif fits(upstream, blocks, limit, epsilon, worst, rows) then
+    redis.call('HINCRBY', reserved_key, upstream, blocks)
+    redis.call('HINCRBY', inflight_key, upstream, 1)
+    redis.call('HSET', own_key, id, blocks .. ' ' .. upstream)
+    hold_rows(upstream, id, worst, rows)
+    out[3] = out[3] + 1
+  else
+    table.insert(out, id)
+  end
+end
+return out
+"""
+
+_FITS_BLOCKS = """
+local function fits_blocks(upstream, blocks, limit)
+  return tonumber(redis.call('HGET', reserved_key, upstream) or '0') + blocks <= limit
+end
+"""
+
+# the guaranteed rule: what _RESERVE checks
+_REREGISTER_BLOCKS = _PRELUDE + _FITS_BLOCKS + """
+local function fits(upstream, blocks, limit, epsilon, worst, rows) return fits_blocks(upstream, blocks, limit) end
+local function hold_rows(upstream, id, worst, rows) end
+""" + _REREGISTER
+
 # the owner gives up its lease and everything it holds -> reclaimed (its own included)
 _RETIRE = _PRELUDE + """
 return reclaimed + reclaim(owner)
 """
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A reservation this replica still runs, as it holds it again after losing its lease."""
+
+    reservation_id: str
+    upstream: str
+    blocks: int
+    limit_blocks: int  # what its reserve was checked against (statistical: the budget)
+    worst: int = 0  # statistical: its worst-case blocks and log-moment rows (encode_rows; b"" for none)
+    rows: bytes = b""
 
 
 @dataclass(slots=True)
@@ -304,23 +370,37 @@ class RedisLedger:
         self._args = [p, str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
         self._scripts = {name: _Script(source) for name, source in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("renew", _RENEW), ("set_budgets", _SET_BUDGETS),
-            ("snapshot", _SNAPSHOT), ("retire", _RETIRE))}
+            ("snapshot", _SNAPSHOT), ("retire", _RETIRE), ("reregister", _REREGISTER_BLOCKS))}
         self._redis: Any = None
         self._state = _State.NEW
         self._leased = False
         self._pending: dict[str, None] = {}  # reservation ids to give back when Redis answers, in order
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # what this replica still runs (the gateway's SharedLedger sets it): held again after a lost lease
+        self.in_flight: Callable[[], Iterable[InFlight]] | None = None
+        self._lost = False  # the lease was found lost, the re-registration not yet done
+        self._reregistering = False  # a re-registration is on its way: a release finding nothing leaves a tombstone
+        self._unregistered: set[str] = set()  # in flight, not held in Redis: they did not fit when held again
+        self._ended: set[str] = set()  # released while a re-registration was on its way
         # counters for /metrics
         self.leases_lost = 0  # times this owner found its lease expired (its reservations reclaimed)
         self.reclaimed = 0  # reservations of expired owners this owner's scripts reclaimed
         self.script_loads = 0  # SCRIPT LOADs, the first included (more: Redis restarted or flushed)
         self.errors = 0  # operations that raised LedgerUnavailableError
         self.available = False  # whether the last operation reached Redis (for /metrics, and fallbacks)
+        self.reregistered = 0  # in-flight reservations held again after a lost lease
+        self.reregister_over = 0  # in-flight reservations that no longer fit when their lease was lost
 
     def reservations_key(self, owner: str) -> str:
         """The hash of one owner's reservations (id -> "<blocks> <upstream>")."""
         return f"{self.key_prefix}:res:{owner}"
+
+    @property
+    def unregistered(self) -> int:
+        """In-flight reservations Redis does not count now: they no longer fit when this replica's
+        lost lease was taken again (retried every heartbeat until they fit or end)."""
+        return len(self._unregistered)
 
     @property
     def pending_releases(self) -> int:
@@ -419,6 +499,8 @@ class RedisLedger:
             raise
 
     async def _release(self, reservation_id: str, *, tombstone: bool = False) -> bool:
+        self._forget(reservation_id)
+        tombstone = tombstone or self._reregistering
         released, had, reclaimed = await self._run("release", reservation_id, int(tombstone))
         self._lease_seen(had, reclaimed)
         return bool(released)
@@ -427,6 +509,7 @@ class RedisLedger:
         """Queue a release without awaiting (for a `finally`); the heartbeat task gives it back,
         retrying while Redis is unavailable."""
         self._pending[reservation_id] = None
+        self._forget(reservation_id)
         self._wake.set()
 
     async def renew(self) -> bool:
@@ -470,12 +553,66 @@ class RedisLedger:
         got = (await self.snapshot()).get(upstream)
         return 0 if got is None else got.reserved_blocks
 
+    async def reregister(self) -> None:
+        """Hold again, in one script, what this replica still runs (`in_flight`) after its lease
+        was lost: each only if it fits now (the policy's reserve rule), so the ledger counts what
+        runs again; those that do not fit cannot be stopped, they are counted (reregister_over,
+        logged) and tried again every heartbeat until they fit or end. Without a lost lease, only
+        those are tried. The same ids under the same owner: a release gives each back once."""
+        self._check_started()
+        lost, self._lost = self._lost, False
+        if self.in_flight is None or not (lost or self._unregistered):
+            return
+        self._reregistering = True  # before reading what runs: a release racing the script tombstones
+        try:
+            running = list(self.in_flight())
+            self._unregistered &= {held.reservation_id for held in running}  # those that ended need nothing
+            todo = running if lost else [held for held in running if held.reservation_id in self._unregistered]
+            if not todo:
+                return
+            args: list[str | int | bytes] = [self._epsilon_arg()]
+            for held in todo:
+                args += [held.reservation_id, held.upstream, held.blocks, held.limit_blocks, held.worst, held.rows]
+            try:
+                out = await self._run("reregister", *args)
+            except BaseException:
+                self._lost = self._lost or lost  # the next heartbeat tries again
+                raise
+        finally:
+            self._reregistering = False
+            ended, self._ended = self._ended, set()
+        self._lease_seen(out[0], out[1])
+        registered, kept = int(out[2]), int(out[3])
+        over = {x.decode() if isinstance(x, bytes) else str(x) for x in out[4:]}
+        self._unregistered = over - ended
+        self.reregistered += registered
+        if lost:
+            self.reregister_over += len(over)
+            log.warning("the shared ledger lease of %s was lost (its reservations were reclaimed): %d in-flight "
+                        "requests held again, %d held already, %d no longer fit (counted in Redis once they do)",
+                        self.owner, registered, kept, len(over))
+        elif registered:
+            log.warning("%d in-flight requests held again in the shared ledger, %d still do not fit",
+                        registered, len(over))
+
     # -- internals
+
+    def _forget(self, reservation_id: str) -> None:
+        """A reservation ended: no longer one to hold again."""
+        self._unregistered.discard(reservation_id)
+        if self._reregistering:
+            self._ended.add(reservation_id)
+
+    def _epsilon_arg(self) -> str:
+        """The re-registration script's epsilon (the guaranteed rule ignores it)."""
+        return "0"
 
     def _lease_seen(self, had: int, reclaimed: int) -> bool:
         self.reclaimed += int(reclaimed)
         if not had and self._leased:
             self.leases_lost += 1
+            self._lost = True  # the heartbeat holds what still runs again
+            self._wake.set()
         self._leased = True
         return bool(had)
 
@@ -494,7 +631,7 @@ class RedisLedger:
         if self._state is not _State.STARTED:
             raise RuntimeError(f"the RedisLedger is {self._state.value}, not started")
 
-    async def _run(self, name: str, *args: str | int) -> Any:
+    async def _run(self, name: str, *args: str | int | bytes) -> Any:
         """One script by EVALSHA; on NOSCRIPT (Redis restarted or flushed) load it and run it again."""
         from redis.exceptions import NoScriptError
 
@@ -545,14 +682,18 @@ class RedisLedger:
                     await self._wake.wait()
             self._wake.clear()
             try:
+                if self._lost:
+                    await self.reregister()
                 if self._pending:
                     await self._drain()
                 if loop.time() >= next_renew:
                     await self.renew()
                     next_renew = loop.time() + self.tend_every_s
+                    if self._unregistered and not self._lost:
+                        await self.reregister()
             except LedgerUnavailableError:
                 await asyncio.sleep(RETRY_PAUSE_S)
-                if self._pending:
+                if self._pending or self._lost:
                     self._wake.set()
 
 
@@ -565,4 +706,4 @@ def _redacted(url: str) -> str:
     return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
 
 
-__all__ = ["RedisLedger", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS", "VOID_KEEP_S"]
+__all__ = ["RedisLedger", "InFlight", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS", "VOID_KEEP_S"]

@@ -17,6 +17,11 @@ static slice of each upstream's budget, budget // replicas_hint, held in this pr
 gateways together may hold up to one slice per replica more than the budget). While Redis is
 known to be down (an error within the last RECHECK_S, not yet answered by the store's
 heartbeat) requests do not wait on it again.
+
+A lost lease (this process paused or cut off for longer than lease_s: the other replicas swept
+its reservations): the store holds what this replica still runs again, in one script, each
+with its limit and current rows (`_in_flight`), each only if it fits now; those that do not are
+counted (/metrics kvtune_gateway_ledger_reregister_over_total) and retried every heartbeat.
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ from kvtune.gateway.config import GatewayConfig, OnLedgerError
 from kvtune.gateway.gate import ledger_for
 from kvtune.gateway.ledger import BlockLedger, LedgerSnapshot, Reservation
 from kvtune.gateway.policy import PolicyKind
-from kvtune.gateway.redis_statistical import RedisStatisticalLedger
+from kvtune.gateway.redis_ledger import InFlight, RedisLedger
+from kvtune.gateway.redis_statistical import RedisStatisticalLedger, encode_rows
 from kvtune.gateway.refusals import Reason, Rejection
 from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
     from kvtune.gateway.pool import Replica, UpstreamPool
-    from kvtune.gateway.redis_ledger import RedisLedger
 
 #: After a Redis error, requests skip Redis for this long (the heartbeat notices it is back sooner).
 RECHECK_S = 1.0
@@ -48,8 +53,6 @@ class SharedLedger:
     """One gateway replica's use of the shared store: confirm, release, fall back, report."""
 
     def __init__(self, config: GatewayConfig, pool: UpstreamPool, *, store: RedisLedger | None = None) -> None:
-        from kvtune.gateway.redis_ledger import RedisLedger
-
         spec = config.ledger
         if spec.url is None:
             raise ValueError("a shared ledger needs ledger.url")
@@ -58,8 +61,6 @@ class SharedLedger:
         self.statistical = config.admission.kind is PolicyKind.STATISTICAL
         if store is None:
             if self.statistical:
-                from kvtune.gateway.redis_statistical import RedisStatisticalLedger
-
                 store = RedisStatisticalLedger(spec.url, epsilon=config.admission.epsilon,
                                                key_prefix=spec.key_prefix, lease_s=spec.lease_s,
                                                op_timeout_s=spec.op_timeout_s)
@@ -71,13 +72,16 @@ class SharedLedger:
             for replica in pool.replicas:
                 if isinstance(replica.ledger, StatisticalLedger):
                     replica.ledger.on_progress = self._progressed
+                    replica.ledger.chernoff_only = True  # Redis bounds by Chernoff: no convolution here
         self.retry_after_s = config.retry_after_min_s
         # each upstream's static slice, for ledger.on_error: local
         self.slices: tuple[BlockLedger, ...] = tuple(
             ledger_for(config.admission, max(1, r.ledger.budget_blocks // spec.replicas_hint),
                        block_size=config.block_size, max_model_len=config.max_model_len)
             for r in pool.replicas)
-        self._held: dict[Reservation, str | Reservation] = {}  # local reservation -> store id or slice's
+        # local reservation -> (store id, its upstream), or the slice's reservation
+        self._held: dict[Reservation, tuple[str, Replica] | Reservation] = {}
+        store.in_flight = self._in_flight
         self._ids = itertools.count(1)
         self._failed_at: float | None = None
         self.local_admitted = 0  # reservations admitted on a slice while Redis was unavailable
@@ -122,7 +126,7 @@ class SharedLedger:
                 self._failed_at = time.monotonic()
             else:
                 if granted:
-                    self._held[reservation] = rid
+                    self._held[reservation] = (rid, replica)
                 return granted
         if self.spec.on_error is OnLedgerError.REJECT:
             raise Rejection(503, Reason.LEDGER_UNAVAILABLE,
@@ -148,19 +152,36 @@ class SharedLedger:
 
     def _progressed(self, reservation: Reservation) -> None:
         """A local progress update re-held the reservation's rows: send them to the store too."""
-        rid = self._held.get(reservation)
+        held_as = self._held.get(reservation)
         ledger = reservation.ledger
-        if isinstance(rid, str) and isinstance(ledger, StatisticalLedger) \
+        if isinstance(held_as, tuple) and isinstance(ledger, StatisticalLedger) \
                 and isinstance(self.store, RedisStatisticalLedger):
             held = ledger.held_rows(reservation)
             if held is not None:
-                self.store.progress_soon(rid, held[1])
+                self.store.progress_soon(held_as[0], held[1])
+
+    def _in_flight(self) -> list[InFlight]:
+        """What this replica holds in the store, as the store holds it again after a lost lease:
+        each with its limit and (statistical) its current rows, as its reserve sent them."""
+        out = []
+        for reservation, held_as in self._held.items():
+            if not isinstance(held_as, tuple):
+                continue  # held on a slice: Redis never counted it
+            rid, replica = held_as
+            ledger = replica.ledger
+            rows = ledger.held_rows(reservation) if isinstance(ledger, StatisticalLedger) else None
+            if rows is None or not isinstance(self.store, RedisStatisticalLedger):
+                out.append(InFlight(rid, replica.url, reservation.blocks, ledger.limit_blocks))
+            else:
+                out.append(InFlight(rid, replica.url, reservation.blocks, ledger.budget_blocks, rows[0],
+                                    encode_rows(rows[1])))
+        return out
 
     def release(self, reservation: Reservation) -> None:
         """Give back what `hold` took for this local reservation, once; never awaits."""
         held = self._held.pop(reservation, None)
-        if isinstance(held, str):
-            self.store.release_soon(held)
+        if isinstance(held, tuple):
+            self.store.release_soon(held[0])
         elif held is not None:
             held.release()
 
@@ -188,7 +209,9 @@ class SharedLedger:
                 "key_prefix": self.spec.key_prefix, "lease_s": self.spec.lease_s,
                 "on_error": self.spec.on_error.value, "replicas_hint": self.spec.replicas_hint,
                 "op_timeout_s": self.spec.op_timeout_s,
-                "errors": store.errors, "leases_lost": store.leases_lost, "pending_releases": store.pending_releases}
+                "errors": store.errors, "leases_lost": store.leases_lost, "pending_releases": store.pending_releases,
+                "reregistered": store.reregistered, "reregister_over": store.reregister_over,
+                "unregistered": store.unregistered}
 
 
 __all__ = ["SharedLedger", "MODES", "RECHECK_S"]

@@ -73,6 +73,11 @@ class StatisticalLedger(BlockLedger):
         self.last_admitted_probability = 0.0
         # told after a progress update re-held a reservation's rows (the shared ledger sends them on)
         self.on_progress: Callable[[Reservation], None] | None = None
+        # admit on the Chernoff bound alone, never convolving (the exact law is then computed only
+        # when read, for /metrics): the shared ledger sets it, as Redis then bounds a superset of
+        # these rows by Chernoff (never below this one's): what the convolution would admit
+        # beyond it, Redis refuses anyway
+        self.chernoff_only = False
 
     # -- what a request may reach
 
@@ -148,6 +153,8 @@ class StatisticalLedger(BlockLedger):
             # the bound is never below the exact probability: within epsilon, the exact one is too
             probability = self.chernoff_bound(rows)
             if probability > self.epsilon:
+                if self.chernoff_only:
+                    return None
                 probability = self.overflow_probability(rows)
                 if probability > self.epsilon:
                     return None
@@ -167,7 +174,7 @@ class StatisticalLedger(BlockLedger):
             self._units += exact_units(s.worst, capacity)
             self._log_mgf += s.log_mgf
             if self._exact is not None:
-                if exact_is_cheap(self._units, capacity, self.rows):
+                if exact_is_cheap(self._units, capacity, self.rows) and not self.chernoff_only:
                     self._exact = np.vstack([convolve_clipped(self._exact[r], s.values[r], s.probs, capacity)
                                              for r in range(self.rows)])
                 else:
