@@ -23,9 +23,10 @@ always runs one).
 blocks: admission is never refused and costs only the reservation), and `statistical`
 (epsilon 0.01, a budget of 200 blocks, the chat route's output law STAT_LENGTHS). A statistical
 ledger computes a probability only while the held requests' worst cases exceed the budget, so
-before measuring, --held requests (default 64, each worth 5 blocks at worst) are sent through the
-gateway and held by the upstream until the run ends: every measured admission then bounds the
-peak of about 65 held sequences (the exact convolution, 14 step intervals) and every release
+before measuring, --held requests (default 40, each worth 5 blocks at worst: 200, the budget) are
+sent through the gateway and held by the upstream until the run ends: every measured admission
+then bounds the peak of about 41 held sequences (the exact convolution, 14 step intervals; on
+the shared ledger the Chernoff bound, which reaches epsilon near 64 held) and every release
 invalidates it, the costliest state the policy is in under load. Each measured request is
 admitted (its probability stays far below epsilon). `redis` is guaranteed with every
 reservation confirmed in the shared ledger (gateway.yaml `ledger.backend: redis`, one Lua script
@@ -493,7 +494,7 @@ def main() -> int:
     ap.add_argument("--policies", default="guaranteed",
                     help="admission policies to run every gateway under: guaranteed, statistical, redis "
                          "(guaranteed on the shared Redis ledger), redis-statistical (statistical on it)")
-    ap.add_argument("--held", type=int, default=64,
+    ap.add_argument("--held", type=int, default=40,
                     help="statistical: background requests held through the gateway while it is measured")
     ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker processes (guaranteed)")
     ap.add_argument("--pin", default="", help="client=CPU,gateway=CPU,upstream=CPU,redis=CPU (CPUs joined by +)")
