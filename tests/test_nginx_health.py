@@ -11,7 +11,8 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,22 @@ DEFAULT = HealthProbe()  # gateway.yaml's: every 1 s, within 1 s
 FAST = HealthProbe(interval_s=0.2, timeout_s=0.2)
 
 
-def nginx_over(a: FakeVllm, b: FakeVllm, prefix: Path, health: HealthProbe = DEFAULT) -> Nginx:
-    """nginx.conf rendered for a (60 blocks) and b (90 blocks: the most free, so first while in)."""
+@contextmanager
+def nginx_over(a: FakeVllm, b: FakeVllm, prefix: Path, health: HealthProbe = DEFAULT, *, workers: str = "2",
+               host: str | None = None) -> Iterator[Nginx]:
+    """nginx.conf rendered for a (60 blocks) and b (90 blocks: the most free, so first while in),
+    by their URLs or as `host`:port, running until the block ends."""
     doc = json.loads(small_rec(a.port).to_json())
-    doc["upstreams"] = [{"url": a.url, "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
-                        {"url": b.url, "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
+    urls = [f.url if host is None else f"http://{host}:{f.port}" for f in (a, b)]
+    doc["upstreams"] = [{"url": urls[0], "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
+                        {"url": urls[1], "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
     rec = Recommendation.from_dict(doc, path="rec")
-    return start_enforcer("nginx", rec, prefix, nginx_worker_processes="2", health=health,
-                          nginx_user="root" if os.geteuid() == 0 else None)
+    server = start_enforcer("nginx", rec, prefix, nginx_worker_processes=workers, health=health,
+                            nginx_user="root" if os.geteuid() == 0 else None)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def on_fake(fake: FakeVllm, step: Callable) -> None:
@@ -53,142 +62,109 @@ def wait_health(server: Nginx, healthy: list[bool], timeout: float = 5.0) -> tup
 
 
 def test_a_stopped_upstream_is_taken_out_within_2s_and_used_again_once_it_is_back(tmp_path):
-    with small_fake() as a, small_fake() as b:
-        server = nginx_over(a, b, tmp_path / "nginx")  # the default probe: every 1 s
-        try:
-            assert "every 1.0 s" in server.conf.read_text() and "deadline of 1.0 s" in server.conf.read_text()
-            ledger = server.ledger()
-            assert [u["healthy"] for u in ledger["upstreams"]] == [True, True] and ledger["budget"] == 150
-            assert server.request("/v1/chat/completions", chat(10))[0] == 200
-            assert (len(a.engine_calls), len(b.engine_calls)) == (0, 1)  # b has the most free
-            on_fake(b, b._stop)
-            took, ledger = wait_health(server, [True, False])
-            assert took < 2.0
-            down = ledger["upstreams"][1]
-            assert down["ejections"] == 1 and "GET /health failed: cannot connect" in down["why"]
-            assert ledger["budget"] == 60 and ledger["limit"] == 60  # its budget went out with it
-            for _ in range(5):
-                status, headers, body = server.request("/v1/chat/completions", chat(10))
-                assert status == 200, body
-            assert (len(a.engine_calls), len(b.engine_calls)) == (5, 1)
-            on_fake(b, b._start)
-            took, ledger = wait_health(server, [True, True])
-            assert took < 2.0 and ledger["budget"] == 150 and ledger["upstreams"][1]["why"] is None
-            assert server.request("/v1/chat/completions", chat(10))[0] == 200
-            assert (len(a.engine_calls), len(b.engine_calls)) == (5, 2)  # b again
-            assert server.wait_ledger(0)["inflight"] == 0
-            assert "upstream " + b.url + " taken out" in server.error_log() and " is back" in server.error_log()
-        finally:
-            server.stop()
+    # the default probe: every 1 s
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx") as server:
+        assert "every 1.0 s" in server.conf.read_text() and "deadline of 1.0 s" in server.conf.read_text()
+        ledger = server.ledger()
+        assert [u["healthy"] for u in ledger["upstreams"]] == [True, True] and ledger["budget"] == 150
+        assert server.request("/v1/chat/completions", chat(10))[0] == 200
+        assert (len(a.engine_calls), len(b.engine_calls)) == (0, 1)  # b has the most free
+        on_fake(b, b._stop)
+        took, ledger = wait_health(server, [True, False])
+        assert took < 2.0
+        down = ledger["upstreams"][1]
+        assert down["ejections"] == 1 and "GET /health failed: cannot connect" in down["why"]
+        assert ledger["budget"] == 60 and ledger["limit"] == 60  # its budget went out with it
+        for _ in range(5):
+            status, headers, body = server.request("/v1/chat/completions", chat(10))
+            assert status == 200, body
+        assert (len(a.engine_calls), len(b.engine_calls)) == (5, 1)
+        on_fake(b, b._start)
+        took, ledger = wait_health(server, [True, True])
+        assert took < 2.0 and ledger["budget"] == 150 and ledger["upstreams"][1]["why"] is None
+        assert server.request("/v1/chat/completions", chat(10))[0] == 200
+        assert (len(a.engine_calls), len(b.engine_calls)) == (5, 2)  # b again
+        assert server.wait_ledger(0)["inflight"] == 0
+        assert "upstream " + b.url + " taken out" in server.error_log() and " is back" in server.error_log()
 
 
 def test_an_upstream_answering_health_503_is_out_until_it_answers_200(tmp_path):
-    with small_fake() as a, small_fake() as b:
-        server = nginx_over(a, b, tmp_path / "nginx", FAST)
-        try:
-            b.health_status = 503
-            _, ledger = wait_health(server, [True, False], timeout=2)
-            assert ledger["upstreams"][1]["why"] == "GET /health answered 503"
-            for _ in range(3):
-                assert server.request("/v1/chat/completions", chat(10))[0] == 200
-            assert (len(a.engine_calls), len(b.engine_calls)) == (3, 0)
-            b.health_status = 200
-            wait_health(server, [True, True], timeout=2)
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", FAST) as server:
+        b.health_status = 503
+        _, ledger = wait_health(server, [True, False], timeout=2)
+        assert ledger["upstreams"][1]["why"] == "GET /health answered 503"
+        for _ in range(3):
             assert server.request("/v1/chat/completions", chat(10))[0] == 200
-            assert len(b.engine_calls) == 1
-            calls = b.health_calls
-            time.sleep(0.5)
-            assert 1 <= b.health_calls - calls <= 4  # one worker probes, every 0.2 s
-        finally:
-            server.stop()
+        assert (len(a.engine_calls), len(b.engine_calls)) == (3, 0)
+        b.health_status = 200
+        wait_health(server, [True, True], timeout=2)
+        assert server.request("/v1/chat/completions", chat(10))[0] == 200
+        assert len(b.engine_calls) == 1
+        calls = b.health_calls
+        time.sleep(0.5)
+        assert 1 <= b.health_calls - calls <= 4  # one worker probes, every 0.2 s
 
 
 def test_an_upstream_that_answers_health_too_late_is_taken_out(tmp_path):
-    with small_fake() as a, small_fake() as b:
-        server = nginx_over(a, b, tmp_path / "nginx", FAST)
-        try:
-            b.delay_s = 1.0  # accepts, answers nothing within 0.2 s
-            _, ledger = wait_health(server, [True, False], timeout=2)
-            assert ledger["upstreams"][1]["why"] == "GET /health gave no answer within 0.2 s"
-            b.delay_s = 0.0
-            wait_health(server, [True, True], timeout=3)
-        finally:
-            server.stop()
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", FAST) as server:
+        b.delay_s = 1.0  # accepts, answers nothing within 0.2 s
+        _, ledger = wait_health(server, [True, False], timeout=2)
+        assert ledger["upstreams"][1]["why"] == "GET /health gave no answer within 0.2 s"
+        b.delay_s = 0.0
+        wait_health(server, [True, True], timeout=3)
 
 
 def test_with_every_upstream_out_a_governed_request_answers_503_with_retry_after(tmp_path):
-    with small_fake() as a, small_fake() as b:
-        server = nginx_over(a, b, tmp_path / "nginx", FAST)
-        try:
-            a.health_status = b.health_status = 503  # both still serve: only health says no
-            _, ledger = wait_health(server, [False, False], timeout=2)
-            assert (ledger["budget"], ledger["limit"], ledger["reserved"]) == (0, 0, 0)
-            for _ in range(3):
-                status, headers, body = server.request("/v1/chat/completions", chat(10))
-                assert status == 503 and int(headers["Retry-After"]) >= 1, body
-                error = json.loads(body)["error"]
-                assert (error["code"], error["type"]) == ("no_healthy_upstream", "server_error")
-                assert error["message"].startswith("every upstream is taken out")
-            assert (len(a.engine_calls), len(b.engine_calls), len(a.count_calls), len(b.count_calls)) == (0, 0, 0, 0)
-            assert server.ledger()["reserved"] == 0
-            # stopped too: the same answer
-            on_fake(a, a._stop)
-            on_fake(b, b._stop)
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", FAST) as server:
+        a.health_status = b.health_status = 503  # both still serve: only health says no
+        _, ledger = wait_health(server, [False, False], timeout=2)
+        assert (ledger["budget"], ledger["limit"], ledger["reserved"]) == (0, 0, 0)
+        for _ in range(3):
             status, headers, body = server.request("/v1/chat/completions", chat(10))
-            assert status == 503 and "Retry-After" in headers
-            assert json.loads(body)["error"]["code"] == "no_healthy_upstream"
-            on_fake(a, a._start)
-            a.health_status = 200
-            wait_health(server, [True, False], timeout=2)
-            assert server.request("/v1/chat/completions", chat(10))[0] == 200
-            assert len(a.engine_calls) == 1
-        finally:
-            server.stop()
+            assert status == 503 and int(headers["Retry-After"]) >= 1, body
+            error = json.loads(body)["error"]
+            assert (error["code"], error["type"]) == ("no_healthy_upstream", "server_error")
+            assert error["message"].startswith("every upstream is taken out")
+        assert (len(a.engine_calls), len(b.engine_calls), len(a.count_calls), len(b.count_calls)) == (0, 0, 0, 0)
+        assert server.ledger()["reserved"] == 0
+        # stopped too: the same answer
+        on_fake(a, a._stop)
+        on_fake(b, b._stop)
+        status, headers, body = server.request("/v1/chat/completions", chat(10))
+        assert status == 503 and "Retry-After" in headers
+        assert json.loads(body)["error"]["code"] == "no_healthy_upstream"
+        on_fake(a, a._start)
+        a.health_status = 200
+        wait_health(server, [True, False], timeout=2)
+        assert server.request("/v1/chat/completions", chat(10))[0] == 200
+        assert len(a.engine_calls) == 1
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_refused_connection_when_proxying_takes_the_upstream_out_at_once(tmp_path, workers):
-    with small_fake() as a, small_fake() as b:
-        # probes an hour apart: only the request itself finds b gone
-        doc = json.loads(small_rec(a.port).to_json())
-        doc["upstreams"] = [{"url": a.url, "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
-                            {"url": b.url, "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
-        server = start_enforcer("nginx", Recommendation.from_dict(doc, path="rec"), tmp_path / "nginx",
-                                nginx_worker_processes=workers, health=HealthProbe(interval_s=3600),
-                                nginx_user="root" if os.geteuid() == 0 else None)
-        try:
-            on_fake(b, b._stop)
-            status, _, body = server.request("/v1/chat/completions", chat(10))
-            assert status == 502, body  # held on b, nginx could not connect: nothing was sent
-            _, ledger = wait_health(server, [True, False], timeout=2)  # in the log phase, after the answer
-            ledger = server.wait_ledger(0)
-            assert "cannot connect to the upstream (nginx answered 502)" in ledger["upstreams"][1]["why"]
-            assert [u["reserved"] for u in ledger["upstreams"]] == [0, 0] and ledger["inflight"] == 0
-            for _ in range(3):
-                assert server.request("/v1/chat/completions", chat(10))[0] == 200
-            assert len(a.engine_calls) == 3
-        finally:
-            server.stop()
+    # probes an hour apart: only the request itself finds b gone
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", HealthProbe(interval_s=3600),
+                                                          workers=workers) as server:
+        on_fake(b, b._stop)
+        status, _, body = server.request("/v1/chat/completions", chat(10))
+        assert status == 502, body  # held on b, nginx could not connect: nothing was sent
+        _, ledger = wait_health(server, [True, False], timeout=2)  # in the log phase, after the answer
+        ledger = server.wait_ledger(0)
+        assert "cannot connect to the upstream (nginx answered 502)" in ledger["upstreams"][1]["why"]
+        assert [u["reserved"] for u in ledger["upstreams"]] == [0, 0] and ledger["inflight"] == 0
+        for _ in range(3):
+            assert server.request("/v1/chat/completions", chat(10))[0] == 200
+        assert len(a.engine_calls) == 3
 
 
 def test_upstreams_named_by_host_name_are_probed_at_the_addresses_the_name_resolves_to(tmp_path):
-    with small_fake() as a, small_fake() as b:
-        doc = json.loads(small_rec(a.port).to_json())
-        doc["upstreams"] = [{"url": f"http://localhost:{a.port}", "block_budget": 60, "num_blocks": 70,
-                             "capacity_file": "a.json"},
-                            {"url": f"http://localhost:{b.port}", "block_budget": 90, "num_blocks": 100,
-                             "capacity_file": "b.json"}]
-        server = start_enforcer("nginx", Recommendation.from_dict(doc, path="rec"), tmp_path / "nginx",
-                                nginx_worker_processes="1", health=FAST,
-                                nginx_user="root" if os.geteuid() == 0 else None)
-        try:
-            b.health_status = 503
-            _, ledger = wait_health(server, [True, False], timeout=2)
-            assert ledger["upstreams"][1]["why"] == "GET /health answered 503"
-            assert a.health_calls >= 1 and a.other[-1].headers["Host"] == f"localhost:{a.port}"
-            assert server.request("/v1/chat/completions", chat(10))[0] == 200 and len(a.engine_calls) == 1
-        finally:
-            server.stop()
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", FAST, workers="1",
+                                                          host="localhost") as server:
+        b.health_status = 503
+        _, ledger = wait_health(server, [True, False], timeout=2)
+        assert ledger["upstreams"][1]["why"] == "GET /health answered 503"
+        assert a.health_calls >= 1 and a.other[-1].headers["Host"] == f"localhost:{a.port}"
+        assert server.request("/v1/chat/completions", chat(10))[0] == 200 and len(a.engine_calls) == 1
 
 
 def test_one_upstream_is_never_probed_and_the_probe_options_are_checked(tmp_path):
