@@ -116,9 +116,7 @@ def run_duckdb(path: str) -> dict:
 def duckdb_query(path: str) -> dict:
     import duckdb
 
-    source = (f"read_parquet('{path}')" if path.endswith(".parquet") else
-              f"read_json('{path}', format='newline_delimited', columns={{route: 'VARCHAR', "
-              f"prompt_tokens: 'BIGINT', output_tokens: 'BIGINT', finish_reason: 'VARCHAR'}})")
+    source = _duckdb_source(path)
     qs = "[" + ", ".join(map(str, QS)) + "]"
     rows = duckdb.connect().execute(
         f"SELECT route, quantile_disc(output_tokens, {qs}), max(output_tokens), avg(output_tokens), "
