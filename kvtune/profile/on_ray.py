@@ -36,7 +36,7 @@ TASK_RETRIES = 3
 CONNECT_TIMEOUT_S = 5.0
 
 #: What `ray.init(address=…)` takes: auto, local, host:port, ray://host:port.
-_ADDRESS = re.compile(r"^(auto|local|(ray://)?[\w.\-\[\]:]+:\d{1,5})$")
+_ADDRESS = re.compile(r"^(?:auto|local|(?:ray://)?(?P<host>[\w.\-\[\]:]+):(?P<port>\d{1,5}))$")
 
 
 def check_address(address: str) -> str:
@@ -140,10 +140,10 @@ def _reachable(address: str) -> None:
     about a minute before it gives up."""
     import socket
 
-    match = re.match(r"^(?:ray://)?\[?([\w.\-:]+?)\]?:(\d{1,5})$", address)
-    if match is None:  # "", auto, local: Ray's own discovery
+    match = _ADDRESS.match(address)
+    if match is None or match["host"] is None:  # "", auto, local: Ray's own discovery
         return
-    host, port = match.group(1), int(match.group(2))
+    host, port = match["host"].strip("[]"), int(match["port"])
     try:
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as exc:
