@@ -62,6 +62,7 @@ class Plan:
     kv_cache_dtype: Basis[str]
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
     engine: str = "vllm"  # whose memory model and defaults the plan follows; gpu_memory_utilization is its fraction
+    max_model_len_given: int | None = None  # the caller's max_model_len (None: the model's context is the default)
 
     @property
     def capacity(self) -> Capacity:
@@ -160,7 +161,7 @@ def plan(
         max_kv_tokens=max_kv_tokens,
     )
     return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,
-                measured.kv_cache_memory_bytes if measured else None, engine)
+                measured.kv_cache_memory_bytes if measured else None, engine, max_model_len)
 
 
 def _basis(name: str, given: T | None, reported: T | None, default: T, measured: MeasuredCapacity | None) -> Basis[T]:

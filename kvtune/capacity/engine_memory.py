@@ -327,6 +327,9 @@ def default_fraction(engine: str, gpu_memory_bytes: int | None, *, tp: int = 1, 
     raise OptionError(f"no memory model for engine {engine!r} here (known: sglang, trtllm)", field="engine")
 
 
+CONTEXT_NOTES = ("SGLang caps each request at ", "TensorRT-LLM lowers max_seq_len ")  # engine_notes' words
+
+
 def engine_notes(engine: str, notes: tuple[str, ...], max_model_len: int, kv_cache_tokens: int) -> tuple[str, ...]:
     """Capacity notes in the engine's terms: where vLLM would refuse to start because one request at
     max_model_len does not fit, SGLang caps a request at the pool (tp_worker.py: max_req_len =

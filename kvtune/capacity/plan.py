@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from kvtune.model import ModelSpec
     from kvtune.weights import WeightsEstimate
 
+CONTEXT_NOTE = "one request at max_model_len "  # the note's start; engine_notes rewrites it per engine
+
+
+def is_context_note(note: str) -> bool:
+    """Whether a capacity note is the one about a request at max_model_len not fitting (in any
+    engine's words): `recommend` states that for the length it renders instead."""
+    return note.startswith((CONTEXT_NOTE, *engine_memory.CONTEXT_NOTES))
+
+
 @dataclass(frozen=True, slots=True)
 class Capacity:
     """KV capacity of one serving instance, where it came from, and what fits in it."""
@@ -80,11 +89,11 @@ def capacity_from_blocks(
     notes_list = list(notes)
     blocks_per_max_len = reserved_blocks(max_model_len, 0, block_size)  # vLLM's own concurrency figure
     concurrency = num_blocks / blocks_per_max_len
-    if concurrency < 1:
+    if blocks_per_max_len > num_blocks - 1:  # vLLM's startup check plans without its null block
         notes_list.append(
-            f"one request at max_model_len {max_model_len:,} needs {blocks_per_max_len:,} blocks but only "
-            f"{num_blocks:,} exist: vLLM would refuse to start; lower --max-model-len to at most "
-            f"{num_blocks * block_size:,}"
+            f"{CONTEXT_NOTE}{max_model_len:,} needs {blocks_per_max_len:,} blocks but only "
+            f"{max(0, num_blocks - 1):,} are usable beside the null block: vLLM would refuse to start; lower "
+            f"--max-model-len to at most {max(0, num_blocks - 1) * block_size:,}"
         )
     state_blocks = 0
     if state_bytes_per_sequence_per_gpu and kv_bytes_per_token_per_gpu:
@@ -445,6 +454,8 @@ def plan_capacity(
 __all__ = [
     "Capacity",
     "capacity_from_blocks",
+    "is_context_note",
+    "CONTEXT_NOTE",
     "estimate_capacity",
     "measured_capacity",
     "CapacityReport",

@@ -58,6 +58,9 @@ class PolicyArgs:
                  "route_by": log.route_by, "served_model": self.served_model}
         rec = kvtune.recommend(profile, plan, progress=progress, **given, **wanted)
         if not plans:
+            if rec.feasibility is not None and not rec.feasibility.fits:
+                rec = dataclasses.replace(rec, feasibility=self._with_remedies(rec.feasibility, profile, plan,
+                                                                              capacity, given))
             return rec
         from kvtune.errors import KvtuneError
         from kvtune.policy.replicas import check_replica, per_replica
@@ -77,6 +80,42 @@ class PolicyArgs:
                     raise
             own = [by_plan[id(p)] for _, p in plans]
         return per_replica(rec, [(f, p.capacity) for f, p in plans], urls, own=own, from_origin=from_origin)
+
+    def _with_remedies(self, verdict, profile, plan, capacity: CapacityArgs, given: dict):
+        """The verdict with its fix line: which of a max_model_len that fits, fp8 KV and the smallest
+        larger --tp (up to 8 GPUs) would make the whole recommendation feasible, each tried by
+        recommending again on the changed plan (the memory estimate: a measured pool is measured at
+        the settings it was taken with, so the estimate needs --gpu or --gpu-memory)."""
+        import kvtune
+        from kvtune.errors import KvtuneError
+        from kvtune.policy import feasibility
+
+        remedies = []
+        remedy = feasibility.max_model_len_remedy(verdict, plan.max_model_len_given)
+        if remedy is not None:
+            remedies.append(remedy)
+        estimate = dataclasses.replace(capacity, kv_tokens=None, vllm_log=None, metrics_url=None, capacity_files=(),
+                                       engine_log=None)
+        measured = estimate != capacity
+        tries = []
+        if plan.kv.bytes_per_element >= 2:
+            tries.append(("--kv-cache-dtype fp8", dataclasses.replace(estimate, kv_cache_dtype="fp8")))
+        tries.extend((f"--tp {tp}", dataclasses.replace(estimate, tp=tp))
+                     for tp in (2, 4, 8) if tp > capacity.tp and tp * capacity.pp <= 8)
+        if capacity.gpu is None and capacity.gpu_memory is None:
+            tries = []  # nothing to estimate another pool with
+        for option, changed in tries:
+            try:
+                other = kvtune.recommend(profile, changed.plan(self.model), **given)
+            except KvtuneError:  # the model does not split that way, or the weights do not fit
+                continue
+            if other.feasibility is not None and other.feasibility.fits:
+                remedies.append(feasibility.Remedy(option, True, other.capacity.num_blocks,
+                                                   "by the estimate: measure it there" if measured else ""))
+                if option.startswith("--tp"):
+                    break  # the smallest tensor-parallel size that fits
+        return dataclasses.replace(verdict, fix=feasibility.fix_line(remedies,
+                                                                     fallback=feasibility.fallback_fix(verdict)))
 
     def _replica_plans(self, capacity: CapacityArgs, replica_files: tuple[str, ...]) -> list:
         """(file, its plan) per replica, each file planned once; [] for one replica. Replicas of
@@ -305,6 +344,9 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     except InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)
         return
+    if rec.feasibility is not None and not rec.feasibility.fits:
+        _refuse(rec, json_)
+        return
     try:
         files = kvtune.render(rec, options=render_options, gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
@@ -325,6 +367,18 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         from kvtune.cli._recommend_view import show_upstream_budgets
 
         show_upstream_budgets(rec, render_options)
+
+
+def _refuse(rec, json_: bool) -> None:
+    """The deployment cannot run the logged traffic: nothing rendered or written, the reasons and
+    one line that would fix it on stderr (the verdict in --json too), exit 1."""
+    verdict = rec.feasibility
+    if json_:
+        click.echo(json.dumps({"recommendation": rec.to_dict(), "files": {}, "error": verdict.why}, indent=2))
+    click.echo(f"Error: this deployment cannot serve the logged traffic: {verdict.why}", err=True)
+    click.echo(f"Fix: {verdict.fix}", err=True)
+    click.echo("Nothing was written.", err=True)
+    click.get_current_context().exit(1)
 
 
 def _infeasible(exc, json_: bool) -> None:

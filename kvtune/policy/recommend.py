@@ -7,13 +7,14 @@ shape written as recommendation.json and rendered into the deploy files.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from kvtune.capacity.measured import CapacitySource
-from kvtune.capacity.plan import Capacity
+from kvtune.capacity.plan import Capacity, is_context_note
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.endpoint import url_problem
 from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
@@ -22,7 +23,7 @@ from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
 from kvtune.planning import Plan
-from kvtune.policy import engine_rules, rules
+from kvtune.policy import engine_rules, feasibility, rules
 from kvtune.policy.recommendation import (
     SETTINGS,
     Binned,
@@ -224,8 +225,19 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
 
     caps = [c.tokens for _, c, _ in drafts]
     longest = rules.longest_request([r.prompt.max or 0 for r, _, _ in drafts], caps)
-    max_len = rules.max_model_len(longest, model_limit, block_size)
+    held = feasibility.longest_held_tokens(options.engine, capacity.num_blocks, block_size)
+    max_len = rules.max_model_len(context_tokens=plan.spec.max_position_embeddings or model_limit,
+                                  longest_request_tokens=longest, held_tokens=held, block_size=block_size,
+                                  given=plan.max_model_len_given, engine=options.engine)
     context_tokens = max_len.tokens
+    smallest = min(int(r.blocks.min()) for _, _, r in drafts)
+    verdict = feasibility.verdict(options.engine, pool_blocks=capacity.num_blocks, block_size=block_size,
+                                  max_model_len=context_tokens, budget_blocks=budget_blocks,
+                                  smallest_reservation_blocks=smallest, longest_request_tokens=longest)
+    if not verdict.fits:
+        remedy = feasibility.max_model_len_remedy(verdict, plan.max_model_len_given)
+        verdict = dataclasses.replace(verdict, fix=feasibility.fix_line(
+            [remedy] if remedy else [], fallback=feasibility.fallback_fix(verdict)))
     worst_blocks = rules.worst_case_reservation_blocks(context_tokens, block_size)
     worst_concurrency = budget_blocks // worst_blocks
 
@@ -252,7 +264,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     if not measured:
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
-    notes.extend(capacity.notes)
+    notes.extend(n for n in capacity.notes if not is_context_note(n))  # the verdict says it, for the rendered length
     return Recommendation(
         model=plan.model,
         served_model=options.served_model or plan.spec.serve_id or plan.model,
@@ -270,6 +282,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         settings=settings,
         notes=tuple(notes),
         admission=options.admission,
+        feasibility=verdict,
     )
 
 

@@ -21,6 +21,7 @@ from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.policy.feasibility import Verdict, verdict
 from kvtune.profile.routes import CensoredHistogram, TailClass
 from kvtune.userfiles import brief
 from kvtune.version import __version__
@@ -475,6 +476,9 @@ class Recommendation:
     # `recommend --capacity A --capacity B`: one budget per engine replica, in upstream order;
     # () when every replica has the one budget above (a file written before the field reads so).
     upstreams: tuple[UpstreamBudget, ...] = ()
+    # whether the deployment runs the logged traffic at all (kvtune.policy.feasibility); None in a
+    # file written before the field existed
+    feasibility: Verdict | None = None
 
     # ------------------------------------------------------------ what the files need most
 
@@ -521,6 +525,8 @@ class Recommendation:
             out["what_if"] = [r.to_dict() for r in self.what_if]
         if self.upstreams:
             out["upstreams"] = [u.to_dict() for u in self.upstreams]
+        if self.feasibility is not None:
+            out["feasibility"] = self.feasibility.to_dict()
         return out
 
     def _to_dict(self) -> dict[str, Any]:
@@ -623,7 +629,20 @@ class Recommendation:
             objective=None if searched is None else searched[0],
             what_if=None if searched is None else searched[1],
             upstreams=tuple(UpstreamBudget.read(u) for u in f.items("upstreams", optional=True, nonempty=True)),
+            feasibility=_read_verdict(f.obj("feasibility", optional=True)),
         )
+
+
+def _read_verdict(f: Fields | None) -> Verdict | None:
+    """The verdict's inputs read back and its reasons derived again (the same function decides)."""
+    if f is None:
+        return None
+    return verdict(f.choice("engine", ENGINE_NAMES), pool_blocks=f.integer("pool_blocks", minimum=0),
+                   block_size=f.integer("block_size", minimum=1), max_model_len=f.integer("max_model_len", minimum=1),
+                   budget_blocks=f.integer("budget_blocks", minimum=0, optional=True),
+                   smallest_reservation_blocks=f.integer("smallest_reservation_blocks", minimum=0, optional=True),
+                   longest_request_tokens=f.integer("longest_request_tokens", minimum=0, optional=True),
+                   fix=f.string("fix", optional=True))
 
 
 _MARKER = b'"kvtune_version"'  # the second key kvtune writes; JSON logs do not carry it

