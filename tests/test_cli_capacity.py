@@ -131,10 +131,50 @@ def test_metrics_url_reads_the_server_as_calibrate_does():
 
 
 def test_shape_that_does_not_fit_reports_zero_with_a_note():
-    d = run_json("capacity", "llama-3.1-8b", "--kv-tokens", "1600", "--max-model-len", "32768",
-                 "--prompt-tokens", "1000", "--max-tokens", "1000")
+    # issue 25 item 9: what does not fit exits 1 and says why in --json (it used to exit 0)
+    result = run("capacity", "llama-3.1-8b", "--kv-tokens", "1600", "--max-model-len", "32768",
+                 "--prompt-tokens", "1000", "--max-tokens", "1000", "--json")
+    assert result.exit_code == 1, result.output
+    d = json.loads(result.stdout)
     (r,) = d["requests"]
     assert r["max_concurrent"] == 0 and r["note"] == "does not fit: needs 125 blocks, only 99 usable"
+    assert d["fits"] is False
+    assert d["why"] == ("vLLM would refuse to start: one request at max_model_len 32,768 needs 2,048 blocks of 16, "
+                        "the pool has 100 (99 usable beside the null block), so at most 1,584 tokens; "
+                        "a request of prompt 1,000 + max_tokens 1,000: does not fit: needs 125 blocks, only 99 usable")
+
+
+def test_fits_and_why_when_everything_fits():
+    d = run_json(*README_ARGS)
+    assert d["fits"] is True and d["why"] is None
+
+
+def test_llama_70b_on_two_h100s_does_not_start_exit_1():
+    """Issue 25 item 9: the estimate says vLLM would refuse to start; --json carries fits/why, exit 1,
+    and the table output says it on stderr."""
+    args = ["capacity", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2"]
+    result = run(*args, "--json")
+    assert result.exit_code == 1
+    d = json.loads(result.stdout)
+    assert d["num_blocks"] == 204 and d["max_model_len"] == 131072
+    assert d["fits"] is False and d["why"].startswith("vLLM would refuse to start: one request at max_model_len "
+                                                      "131,072 needs 8,192 blocks of 16, the pool has 204")
+    table = run(*args)
+    assert table.exit_code == 1 and "Does not fit: vLLM would refuse to start" in table.stderr
+    # the largest length that fits: (204 - 1 null block) x 16 tokens starts; one block more does not
+    assert run(*args, "--max-model-len", str(203 * 16), "--json").exit_code == 0
+    assert run(*args, "--max-model-len", str(203 * 16 + 1), "--json").exit_code == 1
+
+
+@pytest.mark.parametrize("engine", ["sglang", "trtllm"])
+def test_other_engines_say_they_shorten_the_context(engine):
+    result = run("capacity", "llama-3.1-8b", "--engine", engine, "--kv-tokens", "4096", "--max-model-len", "8192",
+                 "--json")
+    assert result.exit_code == 1
+    d = json.loads(result.stdout)
+    assert d["fits"] is False and "starts but" in d["why"] and "8,192" in d["why"]
+    assert run("capacity", "llama-3.1-8b", "--engine", engine, "--kv-tokens", "8192", "--max-model-len", "8192",
+               "--json").exit_code == 0
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,8 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
     admitting gateway must. A measured capacity (--kv-tokens, --vllm-log, --engine-log,
     --metrics-url, --capacity) replaces the memory estimate; the output names the source used.
     --engine sglang|trtllm estimates with that engine's memory model instead of vLLM's.
+    Exit 1 when one request at max_model_len (the engine would refuse to start, or serve a
+    shorter context) or one of the asked shapes does not fit; --json says so in `fits` and `why`.
 
     \b
     Example:
@@ -56,11 +58,18 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
         kvtune capacity llama-3.1-8b --gpu H100-80GB --engine sglang
         kvtune capacity llama-3.1-8b --engine trtllm --engine-log trtllm-serve.log
     """
+    from kvtune.policy.feasibility import capacity_verdict
+
     report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
+    verdict = capacity_verdict(report.engine, report.capacity)
     if json_:
-        click.echo(json.dumps(report.to_dict()))
+        click.echo(json.dumps({**report.to_dict(), "fits": verdict.fits, "why": verdict.why}))
     else:
         _print_report(report)
+        if not verdict.fits:
+            click.echo(f"Does not fit: {verdict.why}", err=True)
+    if not verdict.fits:
+        click.get_current_context().exit(1)
 
 
 def _gib(n: int | None) -> str:

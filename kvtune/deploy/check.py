@@ -14,6 +14,7 @@ which engine settings are risky, because then the gateway bounds KV reservations
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.gateway.policy import PolicyKind
+from kvtune.policy.feasibility import ENGINE_REFUSES, ENGINE_SHORTENS, fix_line, max_model_len_remedy, verdict
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
 if TYPE_CHECKING:
@@ -542,7 +544,34 @@ class _Checker:
         backstop = engine_file.max_new_tokens if engine_file is not None else None
         return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(PolicyKind.DIRECT), None)
 
+    def check_feasibility(self) -> None:
+        """Each failed condition of the feasibility verdict (kvtune.policy.feasibility) is a risk: the
+        recommendation's own, and each deployed engine's max_model_len against the recommendation's
+        pool (a pool recomputed from the deployed flags is held to the same verdict elsewhere)."""
+        base = self.rec.feasibility
+        if base is None:
+            return
+        seen: set[str] = set()
+        verdicts = [(None, base)]
+        for d in self.engines:
+            if d.max_model_len is not None and d.max_model_len != base.max_model_len:
+                v = verdict(base.engine, pool_blocks=base.pool_blocks, block_size=base.block_size,
+                            max_model_len=d.max_model_len, longest_request_tokens=base.longest_request_tokens)
+                remedy = max_model_len_remedy(v, d.max_model_len)
+                verdicts.append((d.source, v if remedy is None else
+                                 dataclasses.replace(v, fix=fix_line([remedy], fallback=""))))
+        for source, v in verdicts:
+            for reason in v.reasons:
+                if reason.text in seen:
+                    continue
+                seen.add(reason.text)
+                fix = f"; {v.fix}" if v.fix else ""
+                self.add(Severity.RISK, reason.code, reason.text,
+                         f"the deployment cannot serve the logged traffic{fix}", source,
+                         "max_model_len" if reason.code in (ENGINE_REFUSES, ENGINE_SHORTENS) else None)
+
     def run(self) -> CheckResult:
+        self.check_feasibility()
         for d in self.deployed:
             if d.is_engine:
                 self.check_engine(d)

@@ -17,10 +17,12 @@ recommendation's, or one recomputed from deployed flags).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.engines import ENGINE_TITLES
 
@@ -29,7 +31,8 @@ ENGINE_REFUSES = "engine-refuses-start"  # vLLM
 ENGINE_SHORTENS = "engine-shortens-context"  # SGLang, TensorRT-LLM
 BUDGET_ADMITS_NOTHING = "budget-admits-nothing"
 POOL_BELOW_BUDGET = "pool-below-budget"
-CODES = (ENGINE_REFUSES, ENGINE_SHORTENS, BUDGET_ADMITS_NOTHING, POOL_BELOW_BUDGET)
+REQUEST_DOES_NOT_FIT = "request-does-not-fit"  # `kvtune capacity`'s asked request shapes
+CODES = (ENGINE_REFUSES, ENGINE_SHORTENS, BUDGET_ADMITS_NOTHING, POOL_BELOW_BUDGET, REQUEST_DOES_NOT_FIT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,17 @@ def verdict(engine: str, *, pool_blocks: int, block_size: int, max_model_len: in
                    longest_request_tokens, tuple(reasons), None if not reasons else fix)
 
 
+def capacity_verdict(engine: str, capacity: Capacity) -> Verdict:
+    """`kvtune capacity`'s verdict: one request at its max_model_len fits the pool (the engine starts
+    and serves it), and so does one of each asked request shape."""
+    v = verdict(engine, pool_blocks=capacity.num_blocks, block_size=capacity.block_size,
+                max_model_len=capacity.max_model_len)
+    shapes = tuple(Reason(REQUEST_DOES_NOT_FIT, f"a request of prompt {r.prompt_tokens:,} + max_tokens "
+                                                f"{r.max_tokens:,}: {r.note}")
+                   for r in capacity.requests if r.max_concurrent < 1)
+    return dataclasses.replace(v, reasons=v.reasons + shapes)
+
+
 @dataclass(frozen=True, slots=True)
 class Remedy:
     """One change that was tried: the option a user would pass and whether the deployment then fits."""
@@ -171,6 +185,6 @@ def fallback_fix(v: Verdict) -> str:
     return "needs a larger KV pool: more GPUs (--tp), a larger GPU or fp8 KV (--kv-cache-dtype fp8)"
 
 
-__all__ = ["Reason", "Verdict", "Remedy", "verdict", "fix_line", "longest_held_tokens", "max_model_len_remedy",
-           "fallback_fix", "CODES", "ENGINE_REFUSES", "ENGINE_SHORTENS", "BUDGET_ADMITS_NOTHING",
-           "POOL_BELOW_BUDGET"]
+__all__ = ["Reason", "Verdict", "Remedy", "verdict", "capacity_verdict", "fix_line", "longest_held_tokens",
+           "max_model_len_remedy", "fallback_fix", "CODES", "ENGINE_REFUSES", "ENGINE_SHORTENS",
+           "BUDGET_ADMITS_NOTHING", "POOL_BELOW_BUDGET", "REQUEST_DOES_NOT_FIT"]
