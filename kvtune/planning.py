@@ -63,6 +63,8 @@ class Plan:
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
     engine: str = "vllm"  # whose memory model and defaults the plan follows; gpu_memory_utilization is its fraction
     max_model_len_given: int | None = None  # the caller's max_model_len (None: the model's context is the default)
+    # the longest context every engine replica holds, when one launch file runs several (None: this plan's pool)
+    replica_context_tokens: int | None = None
 
     @property
     def capacity(self) -> Capacity:

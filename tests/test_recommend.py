@@ -75,9 +75,11 @@ def test_azure_conv_and_code_on_h100():
     assert by_route["/conv"].max_new_tokens.value == 601
     assert by_route["/code"].max_new_tokens.value == 252  # nearest rank (linear interpolation: 251.46)
 
-    # max_model_len: the longest prompt + its route cap (conv: 14050 + 601 = 14651) rounded up to 16
-    assert rec.settings["max_model_len"].value == 14656
-    worst_blocks = 14656 // 16
+    # max_model_len: the model's context (issue 25 item 11: it used to be the longest prompt + its route
+    # cap, 14,656, which buys vLLM V1 no KV capacity); the pool holds one request of it
+    assert rec.settings["max_model_len"].value == 131072
+    assert rec.settings["max_model_len"].rule == "max-model-len-model-context"
+    worst_blocks = 131072 // 16
     assert rec.concurrency.worst_case_reservation_blocks == worst_blocks
     assert rec.concurrency.worst_case == budget // worst_blocks
     # the mix: reservations weighted by each route's share of requests

@@ -115,10 +115,19 @@ def test_swap_space_only_for_swap():
     assert rules.swap_space_gib(10 * 2**30, "swap").value == 4
 
 
-def test_max_model_len_rounds_to_blocks_within_model_limit():
-    # 14050 + 601 = 14651 → next multiple of 16 = 14656
-    assert rules.max_model_len(14651, 131072, 16).value == 14656
-    assert rules.max_model_len(200_000, 131072, 16).value == 131072
+def test_max_model_len_is_the_context_unless_the_pool_cannot_hold_it_or_it_is_given():
+    # issue 25 item 11: the longest logged request (14,651) no longer shrinks it: V1 allocates on demand
+    d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=400_000, block_size=16)
+    assert (d.value, d.rule) == (131072, "max-model-len-model-context")
+    # a pool of 5,000 usable blocks holds 80,000 tokens: the largest multiple of the block size it holds
+    d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=80_000 + 7, block_size=16)
+    assert (d.value, d.rule) == (80_000, "max-model-len-pool-holds")
+    # not even the longest logged request fits: the context, which the feasibility verdict refuses
+    d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=14_000, block_size=16)
+    assert (d.value, d.rule) == (131072, "max-model-len-model-context")
+    d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=400_000, block_size=16,
+                            given=16384)
+    assert (d.value, d.rule) == (16384, "max-model-len-given")
 
 
 def test_max_num_seqs_covers_what_the_budget_admits():

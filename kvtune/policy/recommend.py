@@ -226,6 +226,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     caps = [c.tokens for _, c, _ in drafts]
     longest = rules.longest_request([r.prompt.max or 0 for r, _, _ in drafts], caps)
     held = feasibility.longest_held_tokens(options.engine, capacity.num_blocks, block_size)
+    if plan.replica_context_tokens is not None:  # one launch file for every replica: the least any holds
+        held = min(held, plan.replica_context_tokens)
     max_len = rules.max_model_len(context_tokens=plan.spec.max_position_embeddings or model_limit,
                                   longest_request_tokens=longest, held_tokens=held, block_size=block_size,
                                   given=plan.max_model_len_given, engine=options.engine)

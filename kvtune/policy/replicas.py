@@ -67,6 +67,14 @@ def _origin_url(capacity: Capacity) -> str | None:
     return f"{url.scheme}://{url.host_port}"
 
 
+def replica_context(capacity: Capacity) -> int:
+    """The longest request a replica holds: its usable blocks, at most the max_model_len it was measured at."""
+    context = (capacity.num_blocks - 1) * capacity.block_size
+    if capacity.max_model_len is not None:
+        context = min(context, capacity.max_model_len)
+    return context
+
+
 def check_replica(path: str, capacity: Capacity, *, block_size: int, max_model_len: int) -> None:
     """CapacityError naming the replica's file when it cannot run the launch file every replica
     runs: another block size, or less context than its max_model_len."""
@@ -74,9 +82,7 @@ def check_replica(path: str, capacity: Capacity, *, block_size: int, max_model_l
         raise CapacityError(f"block size {capacity.block_size}, but the replicas' launch file runs "
                             f"{block_size}: calibrate every replica at one block size",
                             path=path, field="block_size")
-    context = (capacity.num_blocks - 1) * capacity.block_size
-    if capacity.max_model_len is not None:
-        context = min(context, capacity.max_model_len)
+    context = replica_context(capacity)
     if context < max_model_len:
         raise CapacityError(f"this replica holds {context:,} tokens of context, below the max_model_len "
                             f"{max_model_len:,} every replica runs at: give it more KV memory or lower "
