@@ -27,7 +27,14 @@ from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.gateway.policy import PolicyKind
-from kvtune.policy.feasibility import ENGINE_REFUSES, ENGINE_SHORTENS, fix_line, max_model_len_remedy, verdict
+from kvtune.policy.feasibility import (
+    ENGINE_REFUSES,
+    ENGINE_SHORTENS,
+    Verdict,
+    fix_line,
+    max_model_len_remedy,
+    verdict,
+)
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
 if TYPE_CHECKING:
@@ -552,7 +559,7 @@ class _Checker:
         if base is None:
             return
         seen: set[str] = set()
-        verdicts = [(None, base)]
+        verdicts: list[tuple[str | None, Verdict]] = [(None, base)]
         for d in self.engines:
             if d.max_model_len is not None and d.max_model_len != base.max_model_len:
                 v = verdict(base.engine, pool_blocks=base.pool_blocks, block_size=base.block_size,
