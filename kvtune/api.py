@@ -176,14 +176,24 @@ def recommend(
                          compare_engines=compare_engines)
     if len(replicas) > 1:
         from kvtune.policy.replica_search import replicas_for, search_replicas
+        from kvtune.policy.replicas import check_replicas, with_replica_context
         from kvtune.policy.search import SearchGrid
 
-        found = replicas_for(profile, replicas, spec)
         primary = next((i for i, (_, p) in enumerate(replicas) if p is plan), None)
         if primary is None:
             raise OptionError("plan must be one of the replicas' plans (the smallest's)", field="replicas")
+        replicas = with_replica_context(replicas)
+        plan = replicas[primary][1]
+        by_rules = apply_rules(profile, plan, options)
+        check_replicas([(f, p.capacity) for f, p in replicas], by_rules)  # each error naming its file
+        if by_rules.feasibility is not None and not by_rules.feasibility.fits:
+            return by_rules  # no row of the grid can run: every row has this pool and max_model_len
+        found = replicas_for(profile, replicas, spec)
         grid = SearchGrid(engines=tuple(ENGINE_ROWS)) if compare_engines else None
         return search_replicas(profile, primary, found, options, grid=grid, progress=progress)
+    by_rules = apply_rules(profile, plan, options)
+    if by_rules.feasibility is not None and not by_rules.feasibility.fits:
+        return by_rules  # no row of the grid can run: every row has this pool and max_model_len
     return recommend_for_objective(profile, plan, options, spec, progress=progress)
 
 

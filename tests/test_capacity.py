@@ -138,7 +138,9 @@ def test_capacity_from_blocks_reproduces_vllm_cpu_example():
 def test_too_small_for_one_full_request_is_noted():
     cap = capacity_from_blocks(source=CapacitySource.ESTIMATE, num_blocks=100, block_size=16, max_model_len=8192)
     assert cap.max_concurrency_at_max_model_len == 100 / 512
-    assert any("vLLM would refuse to start" in n and "1,600" in n for n in cap.notes)
+    # vLLM's startup check plans without its null block (kv_cache_utils.py check_enough_kv_cache_memory):
+    # 99 usable blocks hold 1,584 tokens (the note said 100 × 16 = 1,600 before issue 25, one block too many)
+    assert any("vLLM would refuse to start" in n and "at most 1,584" in n for n in cap.notes)
 
 
 def test_per_sequence_state_reserves_whole_blocks():

@@ -42,14 +42,10 @@ class PolicyArgs:
         plans = self._replica_plans(capacity, replica_files)
         primary = 0
         if plans:
-            from kvtune.policy.replicas import smallest
+            from kvtune.policy.replicas import smallest, with_replica_context
 
             primary = smallest([p.capacity for _, p in plans])
-            from kvtune.policy.replicas import replica_context
-
-            held = min(replica_context(p.capacity) for _, p in plans)
-            limited = {id(p): dataclasses.replace(p, replica_context_tokens=held) for _, p in plans}
-            plans = [(f, limited[id(p)]) for f, p in plans]  # a file given twice stays one plan
+            plans = with_replica_context(plans)
             capacity = dataclasses.replace(capacity, capacity_files=(replica_files[primary],))
         wanted = objective.wanted(capacity) if objective is not None else {}
         profile = log.profile(logs)
@@ -68,17 +64,13 @@ class PolicyArgs:
                                                                               capacity, given))
             return rec
         from kvtune.errors import KvtuneError
-        from kvtune.policy.replicas import check_replica, per_replica
+        from kvtune.policy.replicas import check_replicas, per_replica
 
         own = None
         if not wanted:  # each replica's engine limits: the rules on its own capacity, once per file
             by_plan = {id(plan): rec}
-            verdict, length = rec.feasibility, rec.max_model_len
-            if verdict is not None and not verdict.fits and verdict.longest_request_tokens is not None:
-                # no length every replica holds serves the logs: name the replica that holds too little
-                length = -(-verdict.longest_request_tokens // verdict.block_size) * verdict.block_size
+            check_replicas([(f, p.capacity) for f, p in plans], rec)
             for f, p in plans:
-                check_replica(f, p.capacity, block_size=rec.capacity.block_size, max_model_len=length)
                 if id(p) in by_plan:
                     continue
                 try:

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from kvtune.capacity.plan import Capacity
 from kvtune.errors import CapacityError, KvtuneError, OptionError
+from kvtune.planning import Plan
 from kvtune.policy import rules
 from kvtune.policy.recommendation import Recommendation, UpstreamBudget
 
@@ -73,6 +74,25 @@ def replica_context(capacity: Capacity) -> int:
     if capacity.max_model_len is not None:
         context = min(context, capacity.max_model_len)
     return context
+
+
+def with_replica_context(replicas: Sequence[tuple[str, Plan]]) -> list[tuple[str, Plan]]:
+    """The replicas' plans, each told the longest context every replica holds (one launch file runs
+    them all, so its max_model_len is at most that); a file given twice stays one plan."""
+    held = min(replica_context(p.capacity) for _, p in replicas)
+    limited = {id(p): dataclasses.replace(p, replica_context_tokens=held) for _, p in replicas}
+    return [(f, limited[id(p)]) for f, p in replicas]
+
+
+def check_replicas(replicas: Sequence[tuple[str, Capacity]], rec: Recommendation) -> None:
+    """check_replica for each, at the recommendation's max_model_len; when no length serves the logs
+    (the verdict refuses it), at the longest logged request, so the replica that holds too little is named."""
+    length = rec.max_model_len
+    verdict = rec.feasibility
+    if verdict is not None and not verdict.fits and verdict.longest_request_tokens is not None:
+        length = -(-verdict.longest_request_tokens // verdict.block_size) * verdict.block_size
+    for path, capacity in replicas:
+        check_replica(path, capacity, block_size=rec.capacity.block_size, max_model_len=length)
 
 
 def check_replica(path: str, capacity: Capacity, *, block_size: int, max_model_len: int) -> None:
@@ -143,4 +163,5 @@ def per_replica(rec: Recommendation, replicas: Sequence[tuple[str, Capacity]], f
     return dataclasses.replace(rec, upstreams=tuple(budgets), notes=(*rec.notes, note))
 
 
-__all__ = ["per_replica", "smallest", "check_same_deployment", "check_replica"]
+__all__ = ["per_replica", "smallest", "check_same_deployment", "check_replica", "check_replicas", "replica_context",
+           "with_replica_context"]
