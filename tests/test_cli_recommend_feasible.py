@@ -138,13 +138,35 @@ def profile(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """A model directory the gateway counts with (TensorRT-LLM has no /tokenize)."""
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path_factory.mktemp("tok")
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    return str(path)
+
+
+def test_trtllm_keeps_max_seq_len_to_the_longest_request(tmp_path, tokenizer_dir):
+    """GUARANTEED_NO_EVICT reserves max_seq_len − prompt for a request without max_tokens: the window
+    stays the longest logged request (32,885 → 32,896 in 32-token blocks), not the model's 131,072."""
+    result = recommend(SAMPLE, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "trtllm",
+                       "--gateway-tokenizer", tokenizer_dir, "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "--max_seq_len 32896" in (tmp_path / "trtllm-serve.sh").read_text()
+    rec = json.loads((tmp_path / "recommendation.json").read_text())
+    assert rec["settings"]["max_model_len"]["rule"] == "max-seq-len-longest-request"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("gpu", GPUS)
 @pytest.mark.parametrize("model", MODELS)
-def test_exit_0_only_when_the_deployment_serves_the_logged_traffic(profile, model, gpu, tp, engine):
+def test_exit_0_only_when_the_deployment_serves_the_logged_traffic(profile, tokenizer_dir, model, gpu, tp, engine):
     result = recommend(profile, "--model", model, "--gpu", gpu, "--tp", str(tp), "--engine", engine,
-                       "--gateway-tokenizer", "upstream", "--json")
+                       "--gateway-tokenizer", tokenizer_dir if engine == "trtllm" else "upstream", "--json")
     if result.exit_code == 2:  # the weights do not fit at all: a capacity error, nothing recommended
         assert result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1
         return

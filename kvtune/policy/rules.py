@@ -311,6 +311,8 @@ def max_model_len(*, context_tokens: int, longest_request_tokens: int, held_toke
         return Decision(given, "max-model-len-given",
                         f"set by --max-model-len to {given:,} (rendered as {flag}); the model's context is "
                         f"{context_tokens:,}")
+    if engine == "trtllm":
+        return _max_seq_len(context_tokens, longest_request_tokens, held_tokens, block_size)
     if context_tokens <= held_tokens:
         return Decision(context_tokens, "max-model-len-model-context",
                         f"the model's context {context_tokens:,}: {MAX_MODEL_LEN_SOURCE}; the pool holds one "
@@ -330,6 +332,21 @@ def max_model_len(*, context_tokens: int, longest_request_tokens: int, held_toke
 
 
 ENGINE_SHORT = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+
+
+def _max_seq_len(context_tokens: int, longest_request_tokens: int, held_tokens: int, block_size: int) -> Decision:
+    """TensorRT-LLM's --max_seq_len stays the longest logged request (rounded up to the block size,
+    at most the model's context): GUARANTEED_NO_EVICT reserves max_seq_len − prompt for a request
+    without max_tokens before it starts it (kvtune.engines.trtllm), so a longer window only makes an
+    uncapped request hold more; above what the pool holds the feasibility verdict refuses it."""
+    rounded = reserved_blocks(longest_request_tokens, 0, block_size) * block_size
+    value = min(rounded, context_tokens)
+    held = "" if value <= held_tokens else f"; the pool holds only {held_tokens:,}"
+    return Decision(value, "max-seq-len-longest-request",
+                    f"the longest logged prompt + its cap ({longest_request_tokens:,} tokens) rounded up to the block "
+                    f"size {block_size}, at most the model's context {context_tokens:,}: TensorRT-LLM's "
+                    "GUARANTEED_NO_EVICT reserves max_seq_len − prompt for a request without max_tokens, so a longer "
+                    f"window only makes such a request hold more{held}")
 
 
 def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int, limit_blocks: int | None = None) -> Decision:
