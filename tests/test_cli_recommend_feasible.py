@@ -184,3 +184,16 @@ def test_exit_0_only_when_the_deployment_serves_the_logged_traffic(profile, toke
     else:
         assert d["files"] == {} and v["fits"] is False and v["fix"]
         assert result.stderr.splitlines()[1].startswith("Fix: ")
+
+
+def test_objective_search_is_refused_before_any_simulation(tmp_path):
+    """--objective on a measured pool (the CPU test bed's 32 blocks of 128 tokens) that holds no
+    request of the logs' longest 32,885 tokens: every row would share that pool, so exit 1, nothing
+    written (main wrote the files with exit 0)."""
+    capacity = str(ROOT / "tests" / "data" / "capacity-cpu-0.32-timing.json")
+    result = recommend(SAMPLE, "--model", "llama-3.1-8b", "--capacity", capacity, "--objective", "throughput",
+                       "--out", str(tmp_path / "d"))
+    assert result.exit_code == 1 and not (tmp_path / "d").exists()
+    assert result.stderr.splitlines()[1] == (
+        "Fix: needs a KV pool that holds the longest logged prompt + cap (32,885 tokens, the pool holds 3,968): "
+        "more GPUs (--tp), a larger GPU or fp8 KV (--kv-cache-dtype fp8)")
