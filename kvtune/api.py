@@ -120,6 +120,8 @@ def recommend(
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
     number says which rule produced it. `route_by` must be what the profile's routes were named by.
+    `rec.feasibility` says whether the deployment can serve the logged traffic at all
+    (kvtune.policy.feasibility); an infeasible one is returned, not raised: the CLI refuses it.
 
     With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
     simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the
