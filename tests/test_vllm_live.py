@@ -106,7 +106,13 @@ def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server_each_to
     # the same through the /metrics URL, without the log
     assert {**_calibrate(vllm_server.url + "/metrics"), "device": "CPU"} == data
 
+    # issue 25: this pool (31 usable blocks of 128 = 3,968 tokens) holds no request of
+    # openai_chat_pairs.jsonl's longest (32,908 tokens): refused; logs it holds are recommended
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
+                                      "--model", str(vllm_server.model_dir), "--capacity", str(cap), "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 1 and "vLLM would refuse to start" in result.stderr
+    result = CliRunner().invoke(cli, ["recommend", str(REPO / "tests" / "data" / "logs" / "kvtune.jsonl"),
                                       "--model", str(vllm_server.model_dir), "--capacity", str(cap), "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
