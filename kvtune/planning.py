@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.memory import memory_model
 from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, vllm
@@ -26,7 +27,9 @@ from kvtune.weights import weights_for
 
 T = TypeVar("T", float, str)
 
-# vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md).
+# vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md);
+# the utilization is the current release's (an older `engine_version` takes its own:
+# kvtune.engines.vllm.default_gpu_memory_utilization).
 DEFAULT_GPU_MEMORY_UTILIZATION = vllm.GPU_MEMORY_UTILIZATION
 DEFAULT_KV_CACHE_DTYPE = "auto"
 
@@ -125,7 +128,8 @@ def plan(
                         f"not {ENGINE_TITLES.get(engine, engine)}: pass `engine` {measured.engine}", field="engine")
     utilization = (_basis("gpu_memory_utilization", gpu_memory_utilization,
                           measured.gpu_memory_utilization if measured else None,
-                          DEFAULT_GPU_MEMORY_UTILIZATION, measured) if engine == "vllm" else None)
+                          vllm.default_gpu_memory_utilization(memory_model(engine_version).version), measured)
+                   if engine == "vllm" else None)
     dtype = _basis("kv_cache_dtype", kv_cache_dtype, measured.kv_cache_dtype if measured else None,
                    DEFAULT_KV_CACHE_DTYPE, measured)
     if measured is not None and measured.block_size is not None and block_size is not None \

@@ -302,7 +302,7 @@ def plan_capacity(
     *,
     gpu_name: str | None = None,
     gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float | None = vllm.GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int | None = None,
@@ -315,7 +315,8 @@ def plan_capacity(
 ) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
-    Defaults follow `vllm serve` of `engine_version` (None: the current release): block size 16
+    Defaults follow `vllm serve` of `engine_version` (None: the current release): its
+    gpu_memory_utilization (0.92, 0.9 before kvtune.engines.vllm.FIRST_092_UTILIZATION_VERSION), block size 16
     (128 when the measurement came from a CPU server), max_model_len derived from the config,
     max_num_batched_tokens by GPU size (V1) or max(max_model_len, 2048) (V0, before 0.8).
     Another `engine` ("sglang", "trtllm") takes its own memory model and defaults
@@ -364,7 +365,7 @@ def plan_capacity(
             assumptions.extend(memory.overhead.assumptions)
     elif gpu_memory_bytes is not None:
         if gpu_memory_utilization is None:
-            gpu_memory_utilization = vllm.GPU_MEMORY_UTILIZATION
+            gpu_memory_utilization = vllm.default_gpu_memory_utilization(release.version)
         batched, seqs, why = profile_limits(release, max_model_len=max_model_len,
                                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=None,
                                             gpu_memory_bytes=gpu_memory_bytes, gpu_name=gpu_name)
