@@ -230,7 +230,9 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
           max_truncation: float | None = None) -> CheckResult:
     """Deployed files (a vllm serve command or script, gateway.yaml, nginx.conf) judged together
-    against the recommendation: `result.passed` is False on a risk.
+    against the recommendation: `result.passed` is False on a risk. An estimated capacity is
+    recomputed from each engine file's flags (the recommendation's model resolved again), and
+    the gateway budgets are held to that pool.
 
     >>> result = kvtune.check(rec, ["deploy/vllm-serve.sh", "deploy/gateway.yaml"])
     >>> result.passed, [f.code for f in result.findings]                # doctest: +SKIP
@@ -238,8 +240,19 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
     """
     from kvtune.deploy.check import check_deployment
     from kvtune.deploy.read import load_deployed
+    from kvtune.errors import KvtuneError
+    from kvtune.model import resolve_model
+    from kvtune.weights import weights_for
 
-    return check_deployment([load_deployed(p) for p in deployed], rec, max_truncation=max_truncation)
+    files = [load_deployed(p) for p in deployed]
+    spec = weights = None
+    if rec.capacity.source == "estimate" and any(d.is_engine for d in files):
+        try:
+            spec = resolve_model(rec.model)
+            weights = weights_for(spec)
+        except KvtuneError:
+            spec = weights = None  # the check says the pool was not recomputed
+    return check_deployment(files, rec, max_truncation=max_truncation, spec=spec, weights=weights)
 
 
 def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:

@@ -312,6 +312,7 @@ def plan_capacity(
     engine_version: str | None = None,
     engine: str = "vllm",
     max_kv_tokens: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
@@ -323,7 +324,9 @@ def plan_capacity(
     (kvtune.capacity.engine_memory; `engine_version` is then that engine's release):
     gpu_memory_utilization is its fraction (None: its default), max_num_batched_tokens its
     chunked_prefill_size / max_num_tokens, and max_kv_tokens its --max-total-tokens /
-    kv_cache_config.max_tokens clamp.
+    kv_cache_config.max_tokens clamp. `max_num_seqs` (None: the engine's default for the GPU) is
+    the sequence count the profile's dummy sampler runs at (vLLM), or SGLang's
+    --max-running-requests / TensorRT-LLM's max_batch_size.
     """
     release = memory_model(engine_version if engine == "vllm" else None)  # vLLM's memory model by release
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
@@ -355,7 +358,7 @@ def plan_capacity(
             memory = engine_memory.engine_memory(
                 engine, spec, kv, weights, gpu_memory_bytes=gpu_memory_bytes, fraction=gpu_memory_utilization,
                 max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                max_kv_tokens=max_kv_tokens, version=engine_version)
+                max_kv_tokens=max_kv_tokens, version=engine_version, max_num_seqs=max_num_seqs)
         except CapacityError as exc:
             if measured is None:
                 raise
@@ -367,7 +370,7 @@ def plan_capacity(
         if gpu_memory_utilization is None:
             gpu_memory_utilization = vllm.default_gpu_memory_utilization(release.version)
         batched, seqs, why = profile_limits(release, max_model_len=max_model_len,
-                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=None,
+                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                             gpu_memory_bytes=gpu_memory_bytes, gpu_name=gpu_name)
         if max_num_batched_tokens is None or not release.v1:
             assumptions.append(why)

@@ -1,0 +1,138 @@
+"""`kvtune check` recomputes the KV pool from the deployed engine's own flags (kvtune.deploy.pool)
+and holds every gateway budget to it: an edited flag that shrinks the pool below the budget is a
+risk, naming both numbers and the flag; a measured capacity wins over the flags."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtune.cli import cli
+
+REPO = Path(__file__).resolve().parents[1]
+LOGS = str(REPO / "sample_logs")
+H100 = ["--model", "llama-3.1-8b", "--gpu", "H100-80GB"]
+
+
+def recommend(out: Path, *args: str) -> Path:
+    made = CliRunner().invoke(cli, ["recommend", LOGS, *H100, *args, "--out", str(out)], catch_exceptions=False)
+    assert made.exit_code == 0, made.output
+    return out
+
+
+def check(*args: str):
+    return CliRunner().invoke(cli, ["check", LOGS, *H100, *args, "--json"], catch_exceptions=False)
+
+
+def edit(path: Path, flag: str, value: str) -> None:
+    """Set `flag` to `value` in a rendered launch script (adding it when absent)."""
+    text = path.read_text()
+    if re.search(rf"^    {flag} \S+ \\$", text, flags=re.M):
+        text = re.sub(rf"^    {flag} \S+ \\$", f"    {flag} {value} \\\\", text, flags=re.M)
+    else:
+        text = text.replace('    "$@"', f"    {flag} {value} \\\n    \"$@\"")
+    path.write_text(text)
+
+
+def findings(result, severity: str = "risk") -> dict[str, dict]:
+    data = json.loads(result.output)
+    return {f["code"]: f for f in data["findings"] if f["severity"] == severity}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> Path:
+    return recommend(tmp_path_factory.mktemp("deploy"))
+
+
+@pytest.mark.parametrize("gateway", ["gateway.yaml", "nginx.conf"])
+def test_utilization_edited_down_leaves_a_pool_below_the_budget(tmp_path, rendered, gateway):
+    """Issue #25 item 2: --gpu-memory-utilization 0.80 in the rendered script was only `WARN drift`;
+    the pool it leaves (20,692 blocks) is under the 24,468-block budget the gateway admits to."""
+    serve = tmp_path / "vllm-serve.sh"
+    serve.write_text((rendered / "vllm-serve.sh").read_text())
+    edit(serve, "--gpu-memory-utilization", "0.80")
+    result = check("--deployed", str(serve), "--deployed", str(rendered / gateway))
+    assert result.exit_code == 1, result.output
+    risk = findings(result)["pool-below-budget"]
+    assert risk["source"] == str(rendered / gateway)
+    budget = json.loads((rendered / "recommendation.json").read_text())["block_budget"]["value"]
+    assert f"budget {budget} × 16 tokens" in risk["message"]
+    assert "20,692 blocks × 16 tokens" in risk["message"]
+    assert "shrunk by gpu_memory_utilization 0.8 (at the recommended 0.92" in risk["message"]
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--max-num-seqs", "16384", "max_num_seqs 16384"),  # the profile's dummy sampler sorts 16,384 × vocab logits
+    ("--max-num-batched-tokens", "262144", "max_num_batched_tokens 262144"),  # a larger forward activation peak
+    ("--kv-cache-memory-bytes", "20000000000", "kv_cache_memory_bytes 20000000000"),
+    ("--num-gpu-blocks-override", "20000", None),
+])
+def test_every_pool_flag_is_recomputed(tmp_path, rendered, flag, value, named):
+    serve = tmp_path / "vllm-serve.sh"
+    serve.write_text((rendered / "vllm-serve.sh").read_text())
+    edit(serve, flag, value)
+    result = check("--deployed", str(serve), "--deployed", str(rendered / "gateway.yaml"))
+    assert result.exit_code == 1, result.output
+    risk = findings(result)["pool-below-budget"]
+    if named:
+        assert named in risk["message"]
+
+
+def test_flags_that_grow_the_pool_are_not_a_risk(tmp_path, rendered):
+    """fp8 KV and --enforce-eager leave a larger pool than recommended: the budget still fits."""
+    serve = tmp_path / "vllm-serve.sh"
+    serve.write_text((rendered / "vllm-serve.sh").read_text())
+    edit(serve, "--kv-cache-dtype", "fp8")
+    edit(serve, "--enforce-eager", "")
+    result = check("--deployed", str(serve), "--deployed", str(rendered / "gateway.yaml"))
+    assert not {"pool-below-budget", "budget-over-capacity", "budget-above-safety"} & (
+        set(findings(result)) | set(findings(result, "warn"))), result.output
+
+
+def test_a_raised_budget_is_held_to_the_deployed_pool(tmp_path, rendered):
+    """Raising block_budget by hand over the pool the unedited flags leave is a risk, as before."""
+    gateway = tmp_path / "gateway.yaml"
+    text = (rendered / "gateway.yaml").read_text()
+    budget = json.loads((rendered / "recommendation.json").read_text())["block_budget"]["value"]
+    gateway.write_text(text.replace(f"block_budget: {budget}", "block_budget: 40000"))
+    result = check("--deployed", str(rendered / "vllm-serve.sh"), "--deployed", str(gateway))
+    assert result.exit_code == 1, result.output
+    assert "pool-below-budget" in findings(result)
+
+
+def test_max_model_len_that_does_not_fit_the_deployed_pool(tmp_path, rendered):
+    """At 0.30 of an H100 Llama-3.1-8B keeps a pool smaller than one 32,896-token request: vLLM
+    refuses to start."""
+    serve = tmp_path / "vllm-serve.sh"
+    serve.write_text((rendered / "vllm-serve.sh").read_text())
+    edit(serve, "--gpu-memory-utilization", "0.30")
+    result = check("--deployed", str(serve), "--deployed", str(rendered / "gateway.yaml"))
+    assert result.exit_code == 1, result.output
+    risk = findings(result)["max-model-len-over-pool"]
+    assert risk["message"].startswith("max_model_len 32,896 needs 2,056 blocks of 16 tokens")
+    assert "vLLM refuses to start" in risk["why"]
+
+
+def test_a_measured_capacity_wins_over_the_flags(tmp_path):
+    """With --kv-tokens the pool is the measured one: the edited utilization drifts but the
+    budget is held to the measurement, not to the flags' arithmetic."""
+    out = recommend(tmp_path / "d", "--kv-tokens", "400000")
+    edit(out / "vllm-serve.sh", "--gpu-memory-utilization", "0.80")
+    result = check("--kv-tokens", "400000", "--deployed", str(out / "vllm-serve.sh"),
+                   "--deployed", str(out / "gateway.yaml"))
+    assert result.exit_code == 0, result.output
+    assert "pool-below-budget" not in findings(result)
+    assert "drift" in findings(result, "warn")
+
+
+def test_sglang_mem_fraction_edited_down(tmp_path):
+    out = recommend(tmp_path / "d", "--engine", "sglang")
+    edit(out / "sglang-serve.sh", "--mem-fraction-static", "0.70")
+    result = check("--engine", "sglang", "--deployed", str(out / "sglang-serve.sh"),
+                   "--deployed", str(out / "gateway.yaml"))
+    assert result.exit_code == 1, result.output
+    assert "gpu_memory_utilization 0.7" in findings(result)["pool-below-budget"]["message"]
