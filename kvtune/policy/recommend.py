@@ -21,7 +21,7 @@ from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
-from kvtune.planning import Plan
+from kvtune.planning import Plan, replan
 from kvtune.policy import engine_rules, rules
 from kvtune.policy.recommendation import (
     SETTINGS,
@@ -182,8 +182,20 @@ def _route_recommendation(route: RouteProfile, cap: Decision, reservations: _Res
     )
 
 
+# Rounds of settings → memory → pool → budget → settings; two replans always settle (see recommend).
+FIXED_POINT_ROUNDS = 4
+
+
 def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = None) -> Recommendation:
     """Apply every rule to the traffic and the plan; the result says which rule produced each number.
+
+    On a vLLM memory estimate the rendered scheduler limits are the ones the estimate assumed:
+    vLLM's startup profile runs its dummy sampler over max_num_seqs sequences and its forward over
+    max_num_batched_tokens tokens, so the plan is estimated again at the limits the rules chose,
+    with max_num_seqs never below the count it was estimated at, until the limits repeat. It
+    settles: the pool, hence the budget and the count it admits, f(s), only shrink as s grows;
+    s_next = max(f(s), s) never decreases, and after a step up to s' = f(s) > s, f(s') <= f(s) = s',
+    so the next round keeps s'. The bound FIXED_POINT_ROUNDS only guards that argument.
 
     >>> import kvtune
     >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.plan("llama-3.1-8b", gpu="H100-80GB"))
@@ -191,6 +203,28 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     (25883, 'cap-p99-heavy-tail')
     """
     options = options or RecommendOptions()
+    rec = _recommend_at(profile, plan, options)
+    if plan.engine != "vllm" or plan.capacity.source is not CapacitySource.ESTIMATE or plan.inputs is None:
+        return rec
+    for _ in range(FIXED_POINT_ROUNDS):
+        seqs, batched = _scheduler_limits(rec)
+        if (plan.report.max_num_seqs, plan.report.max_num_batched_tokens) == (seqs, batched):
+            return rec
+        plan = replan(plan, max_num_seqs=seqs, max_num_batched_tokens=batched)
+        rec = _recommend_at(profile, plan, options, profiled_seqs=seqs)
+    raise RuntimeError(f"the scheduler limits did not settle in {FIXED_POINT_ROUNDS} rounds")
+
+
+def _scheduler_limits(rec: Recommendation) -> tuple[int, int]:
+    seqs, batched = rec.settings["max_num_seqs"], rec.settings["max_num_batched_tokens"]
+    assert seqs is not None and batched is not None
+    return seqs.tokens, batched.tokens
+
+
+def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
+                  profiled_seqs: int | None = None) -> Recommendation:
+    """The rules on one plan; `profiled_seqs`, the sequence count the plan's memory estimate
+    profiled the sampler at, is max_num_seqs' floor."""
     capacity = plan.capacity
     if not profile.routes:
         raise InputError("the profile has no requests to recommend from")
@@ -246,7 +280,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
 
     settings = _engine_settings(profile, routes, reservations, plan, options, version=version,
                                 budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
-                                max_len=max_len)
+                                max_len=max_len, profiled_seqs=profiled_seqs)
     settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
     settings["gateway_queue_timeout_s"] = rules.queue_timeout_s()
     if not measured:
@@ -301,7 +335,8 @@ def _capacity_summary(capacity: Capacity) -> CapacitySummary:
 
 def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
                      plan: Plan, options: RecommendOptions, *, version: tuple[int, ...], budget_blocks: int,
-                     limit_blocks: int, max_len: Decision) -> dict[str, Decision | None]:
+                     limit_blocks: int, max_len: Decision, profiled_seqs: int | None = None
+                     ) -> dict[str, Decision | None]:
     """The engine's settings, each from its rule: scheduler limits sized for what the budget admits,
     and the settings the capacity rests on, as the plan resolved them (measured ones win). Settings
     only one engine has (vLLM's preemption mode, SGLang's estimate, TensorRT-LLM's scheduler
@@ -315,6 +350,8 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
     p1_reservation = rules.weighted_quantile(np.concatenate([r.blocks for r in reservations]),
                                              np.concatenate([r.counts for r in reservations]), 0.01)
     seqs = rules.max_num_seqs(budget_blocks, p1_reservation, limit_blocks)
+    if profiled_seqs is not None:
+        seqs = rules.max_num_seqs_profiled(seqs, profiled_seqs)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
     if engine == "sglang":
@@ -325,6 +362,8 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
         engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
                           if plan.gpu_memory_bytes else vllm.MAX_NUM_BATCHED_TOKENS)
     batched = rules.max_num_batched_tokens(p95_prompt, engine_default, seqs.tokens, context_tokens)
+    if profiled_seqs is not None:
+        batched = rules.batched_tokens_profiled(batched)
     backstop = max(caps)
     settings: dict[str, Decision | None] = {
         "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given", _tp_reason(kv, capacity)),
