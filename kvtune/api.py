@@ -20,6 +20,7 @@ the field. The CLI commands are thin calls of these functions.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -238,21 +239,24 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
     >>> result.passed, [f.code for f in result.findings]                # doctest: +SKIP
     (True, [])
     """
-    from kvtune.deploy.check import check_deployment
+    from kvtune.deploy.check import Finding, Severity, check_deployment
     from kvtune.deploy.read import load_deployed
-    from kvtune.errors import KvtuneError
     from kvtune.model import resolve_model
     from kvtune.weights import weights_for
 
     files = [load_deployed(p) for p in deployed]
-    spec = weights = None
-    if rec.capacity.source == "estimate" and any(d.is_engine for d in files):
-        try:
-            spec = resolve_model(rec.model)
-            weights = weights_for(spec)
-        except KvtuneError:
-            spec = weights = None  # the check says the pool was not recomputed
-    return check_deployment(files, rec, max_truncation=max_truncation, spec=spec, weights=weights)
+    engines = [d for d in files if d.is_engine]
+    if rec.capacity.source != "estimate" or not engines:
+        return check_deployment(files, rec, max_truncation=max_truncation)
+    try:
+        spec = resolve_model(rec.model)
+    except KvtuneError as exc:
+        result = check_deployment(files, rec, max_truncation=max_truncation)
+        unresolved = Finding(Severity.INFO, "pool-not-recomputed",
+                             f"the KV pool was not recomputed from the engine's flags: {exc.message}",
+                             "budgets are held to the recommendation's estimated pool", engines[0].source)
+        return dataclasses.replace(result, findings=(*result.findings, unresolved))
+    return check_deployment(files, rec, max_truncation=max_truncation, spec=spec, weights=weights_for(spec))
 
 
 def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:

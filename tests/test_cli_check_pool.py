@@ -136,3 +136,26 @@ def test_sglang_mem_fraction_edited_down(tmp_path):
                    "--deployed", str(out / "gateway.yaml"))
     assert result.exit_code == 1, result.output
     assert "gpu_memory_utilization 0.7" in findings(result)["pool-below-budget"]["message"]
+
+
+def test_a_saved_recommendation_is_held_to_the_deployed_pool(tmp_path, rendered):
+    """check deploy/recommendation.json recomputes the pool as check on the logs does."""
+    serve = tmp_path / "vllm-serve.sh"
+    serve.write_text((rendered / "vllm-serve.sh").read_text())
+    edit(serve, "--gpu-memory-utilization", "0.80")
+    result = CliRunner().invoke(cli, ["check", str(rendered / "recommendation.json"), "--model", "llama-3.1-8b",
+                                      "--deployed", str(serve), "--deployed", str(rendered / "nginx.conf"), "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    assert "20,692 blocks × 16 tokens" in findings(result)["pool-below-budget"]["message"]
+
+
+def test_a_model_that_cannot_be_resolved_says_the_pool_was_not_recomputed(tmp_path, rendered):
+    saved = json.loads((rendered / "recommendation.json").read_text())
+    saved["model"] = str(tmp_path / "gone")  # a model directory that no longer exists
+    rec = tmp_path / "recommendation.json"
+    rec.write_text(json.dumps(saved))
+    result = CliRunner().invoke(cli, ["check", str(rec), "--model", saved["model"], "--deployed",
+                                      str(rendered / "vllm-serve.sh"), "--json"], catch_exceptions=False)
+    info = findings(result, "info")["pool-not-recomputed"]
+    assert info["message"].startswith("the KV pool was not recomputed from the engine's flags: ")

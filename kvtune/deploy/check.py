@@ -138,11 +138,6 @@ class _Checker:
         if self.rec.capacity.source != "estimate" or not self.rec.hardware.gpu_memory_bytes:
             return {}
         if self.spec is None or self.weights is None:
-            if self.engines:
-                self.add(Severity.INFO, "pool-not-recomputed",
-                         f"the KV pool was not recomputed from the engine's flags: model {self.rec.model!r} "
-                         "could not be resolved here", "budgets are held to the recommendation's estimated pool",
-                         self.engines[0].source)
             return {}
         pools = {}
         for engine in self.engines:
