@@ -159,3 +159,37 @@ def test_a_model_that_cannot_be_resolved_says_the_pool_was_not_recomputed(tmp_pa
                                       str(rendered / "vllm-serve.sh"), "--json"], catch_exceptions=False)
     info = findings(result, "info")["pool-not-recomputed"]
     assert info["message"].startswith("the KV pool was not recomputed from the engine's flags: ")
+
+
+def test_trtllm_free_gpu_memory_fraction_edited_down(tmp_path):
+    """TensorRT-LLM's pool follows kv_cache_config.free_gpu_memory_fraction in the extra YAML."""
+    from tokenizers import Tokenizer, models
+
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(str(tokenizer / "tokenizer.json"))
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    out = recommend(tmp_path / "d", "--engine", "trtllm", "--gateway-tokenizer", str(tokenizer))
+    deployed = ["--deployed", str(out / "trtllm-serve.sh"), "--deployed", str(out / "gateway.yaml")]
+    assert check("--engine", "trtllm", *deployed).exit_code == 0
+    options = out / "trtllm-llm-api.yaml"
+    text = options.read_text()
+    assert "  free_gpu_memory_fraction: 0.9\n" in text
+    options.write_text(text.replace("  free_gpu_memory_fraction: 0.9\n", "  free_gpu_memory_fraction: 0.6\n"))
+    result = check("--engine", "trtllm", *deployed)
+    assert result.exit_code == 1, result.output
+    risk = findings(result)["pool-below-budget"]["message"]
+    assert "blocks × 32 tokens" in risk and "gpu_memory_utilization 0.6 (at the recommended 0.9" in risk
+
+
+def test_every_upstream_of_a_replicated_gateway_is_held_to_the_deployed_pool(tmp_path, rendered):
+    """gateway.yaml with --replicas 3 holds one engine's budget per upstream: each is checked
+    against the pool the deployed engine's flags leave."""
+    out = recommend(tmp_path / "d", "--replicas", "3")
+    edit(out / "vllm-serve.sh", "--gpu-memory-utilization", "0.80")
+    result = check("--deployed", str(out / "vllm-serve.sh"), "--deployed", str(out / "gateway.yaml"))
+    assert result.exit_code == 1, result.output
+    risks = [f for f in json.loads(result.output)["findings"] if f["code"] == "pool-below-budget"]
+    assert [r["message"].split(": block budget")[0] for r in risks] == [
+        f"upstream http://127.0.0.1:{8000 + i}" for i in range(3)]
+    assert all("20,692 blocks × 16 tokens" in r["message"] for r in risks)
