@@ -64,3 +64,18 @@ def test_rendered_files_check_clean(tmp_path):
                                       "--deployed", str(out / "gateway.yaml"), "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert not [f for f in json.loads(result.output)["findings"] if f["severity"] != "info"]
+
+
+@pytest.mark.parametrize(("engine", "gpu"), [("sglang", "H100-80GB"), ("sglang", "L40S")])
+def test_other_engines_rendered_flags_reestimate_to_the_printed_pool(tmp_path, engine, gpu):
+    """SGLang's pool does not depend on its scheduler limits in kvtune's model (it pins
+    --max-total-tokens to the estimate): its rendered flags re-estimate to the printed pool too."""
+    out = tmp_path / "d"
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", gpu, "--engine", engine,
+                                      "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rec = json.loads((out / "recommendation.json").read_text())
+    spec = resolve_model("llama-3.1-8b")
+    again = deployed_capacity(load_deployed(str(out / f"{engine}-serve.sh")), spec, weights_for(spec),
+                              gpu=rec["hardware"]["gpu"], gpu_memory_bytes=rec["hardware"]["gpu_memory_bytes"]).capacity
+    assert again.num_blocks == rec["capacity"]["num_blocks"]
