@@ -193,3 +193,14 @@ def test_every_upstream_of_a_replicated_gateway_is_held_to_the_deployed_pool(tmp
     assert [r["message"].split(": block budget")[0] for r in risks] == [
         f"upstream http://127.0.0.1:{8000 + i}" for i in range(3)]
     assert all("20,692 blocks × 16 tokens" in r["message"] for r in risks)
+
+
+def test_nginx_slices_together_are_held_to_the_deployed_pool(tmp_path):
+    """nginx.conf rendered with --nginx-replicas 2 holds one slice per nginx: both slices together
+    are checked against the pool the deployed engine's flags leave."""
+    out = recommend(tmp_path / "d", "--nginx-replicas", "2")
+    edit(out / "vllm-serve.sh", "--gpu-memory-utilization", "0.80")
+    result = check("--deployed", str(out / "vllm-serve.sh"), "--deployed", str(out / "nginx.conf"))
+    assert result.exit_code == 1, result.output
+    risk = findings(result)["pool-below-budget"]["message"]
+    assert risk.startswith("2 nginx replicas x slice ") and "20,692 blocks × 16 tokens" in risk
