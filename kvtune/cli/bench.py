@@ -266,7 +266,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
             return Workload.from_rows(rows, synth, seed)
     else:
         from kvtune.bench.workload import select_routes
-        from kvtune.cli._profile_view import render_folded
+        from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
@@ -276,6 +276,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
                    else load_profile_or_logs(list(logs), ingest, max_routes=max_routes, workers=log.workers,
                                               ray_address=log.ray_address))
         render_folded(profile, max_routes)
+        render_skipped_files(profile)
         for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
             if r.prompt.total == 0:
                 raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",

@@ -229,7 +229,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         route_names = sorted({r for r, _, _ in rows})
     else:
         from kvtune.bench.workload import select_routes
-        from kvtune.cli._profile_view import render_folded
+        from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
@@ -238,6 +238,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                    else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,
                                               workers=log.workers, ray_address=log.ray_address))
         render_folded(profile, log.max_routes)
+        render_skipped_files(profile)
         chosen = select_routes(profile, routes)
         for r in chosen:
             if r.prompt.total == 0:

@@ -197,7 +197,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     block_size = capacity.block_size
     model_limit = capacity.max_model_len
     version = rules.parse_vllm_version(options.vllm_version)
-    notes: list[str] = []
+    notes: list[str] = list(profile.notes)  # the files its logs did not read, first
     measured = capacity.source is not CapacitySource.ESTIMATE
 
     safety = (rules.safety_searched(options.safety_fraction) if options.searched and options.safety_fraction is not None

@@ -1,0 +1,34 @@
+"""Files kvtune itself writes, told apart from logs by their content, so that a recommendation.json
+written by `recommend --out` into a log directory is skipped with a note instead of aborting the run.
+
+Judged by the first record of the file, not by its name: every JSON file kvtune writes carries a
+marker of its own (the `kvtune_version` key of a recommendation, a bench or simulate report; the
+`kind: kvtune-profile` of a saved profile; the measured-capacity keys of a `calibrate` file; the
+per-request keys of bench's --requests-log). No log schema kvtune reads carries any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# The keys that make a record one of kvtune's outputs, most specific first: (keys, what it is).
+_KEY_MARKERS: tuple[tuple[frozenset[str], str], ...] = (
+    (frozenset({"kvtune_version", "block_budget", "routes"}), "written by kvtune recommend --out"),
+    (frozenset({"source", "kv_cache_tokens", "num_blocks", "block_size"}), "written by kvtune calibrate"),
+    (frozenset({"index", "start_ms", "outcome", "attempts", "prompt_tokens_requested"}),
+     "written by kvtune bench --requests-log"),
+    (frozenset({"kvtune_version"}), "a kvtune report (kvtune_version)"),
+)
+_PROFILE_KIND = "kvtune-profile"  # kvtune.profile.routes.PROFILE_KIND (ingest does not import profile)
+
+
+def kvtune_output(sample: list[Any]) -> str | None:
+    """What kvtune output a file is, from its first sampled record (None: not one of kvtune's)."""
+    first = sample[0] if sample else None
+    if not isinstance(first, Mapping):
+        return None
+    if first.get("kind") == _PROFILE_KIND:
+        return "written by kvtune profile --save"
+    keys = set(first)
+    return next((what for marker, what in _KEY_MARKERS if marker <= keys), None)
