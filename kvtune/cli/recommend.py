@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, grouped, log_options
+from kvtune.engines import ENGINE_TITLES, engine_facts
 from kvtune.errors import OptionError
 from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
@@ -312,6 +313,11 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
+    if "nginx.conf" not in files and not engine_facts(rec.engine.name).HAS_TOKENIZE:
+        click.echo(f"Note: nginx.conf is not rendered for {ENGINE_TITLES[rec.engine.name]}: its server has no "
+                   "/tokenize and nginx cannot run a tokenizer (gateway.yaml counts with "
+                   f"{counting_with or rec.served_model or rec.model} in process; nginx.conf only with an "
+                   "estimate)", err=True)
     if replicas > 1 and "nginx.conf" not in files and rec.admission.kind.value == "statistical":
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = kvtune.write_files(out_dir, files) if out_dir else []
