@@ -175,3 +175,29 @@ def test_exclude_and_own_outputs_in_a_store_and_over_http(tmp_path):
     out = json.loads(r.stdout)
     assert out["requests"] == 3  # the index page lists the top level only
     assert sorted(f["path"] for f in out["skipped_files"]) == sorted(base + name for name in OWN)
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "http://127.0.0.1:9", "--replay", "--requests", "5"],  # fails before connecting
+    ["simulate", "--replay", "--capacity", str(CAPACITY), "--requests", "5"],
+])
+def test_a_replay_of_logs_without_a_usable_row_names_the_inputs_and_the_skip_reasons(unusable, command):
+    args = [command[0], command[1], str(unusable), *command[2:]] if command[0] == "bench" else \
+        [command[0], str(unusable), *command[1:]]
+    r = kvtune(*args)
+    assert r.exit_code == 2
+    assert r.stderr.strip() == (f"Error: {unusable}: nothing to replay: no request has a timestamp, prompt and "
+                                f"output length ({REASON}: 7)")
+
+
+def test_a_replay_and_check_say_which_files_kvtune_wrote(tmp_path, deployed):
+    logs = _log_dir_with_kvtune_outputs(tmp_path)
+    r = kvtune("simulate", str(logs), "--replay", "--capacity", str(CAPACITY), "--requests", "5", "--json")
+    assert r.exit_code == 0, r.output
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 3 files kvtune wrote (not logs): ")]
+    assert len(notes) == 1
+    c = kvtune("check", str(logs), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--deployed",
+               str(deployed / "vllm-serve.sh"), "--json")
+    assert c.exit_code in (0, 1), c.output
+    assert notes[0].removeprefix("note: ") in json.loads(c.stdout)["notes"]
+    assert notes[0] in c.stderr.splitlines()

@@ -255,11 +255,9 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         tokenizer = load_tokenizer(log.tokenizer)
 
     if load.replay:
-        rows, stamps, skipped = replay_rows(logs, ingest, routes)
-        if not rows:
-            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
-            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
-                             field="LOGS")
+        rows, stamps, notes = replay_rows(logs, ingest, routes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
         shape = LoadShape.replay(stamps, load.speedup)
 
         def build(synth):

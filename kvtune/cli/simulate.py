@@ -212,11 +212,9 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     if load.replay:
         from kvtune.bench.workload import replay_rows
 
-        rows, stamps, skipped = replay_rows(logs, log.ingest(), routes)
-        if not rows:
-            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
-            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
-                             field="LOGS")
+        rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
 
         def traffic(n: int | None) -> Any:
             return replay_traffic(rows, stamps, speedup=load.speedup, seed=seed, max_requests=load.max_requests,
