@@ -5,6 +5,7 @@ HF_HOME, offline) and counts as it does from a local directory; missing, one lin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,7 +19,9 @@ from click.testing import CliRunner
 from conftest import CHAT_TEMPLATE, REPO
 
 from kvtune.cli import cli
+from kvtune.gateway.apis import read_request
 from kvtune.gateway.counting import LocalTokenizerCounter
+from kvtune.gateway.endpoints import Api
 
 MODEL = "meta-llama/Llama-3.1-8B"
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -55,12 +58,17 @@ def _cache(hf_home: Path, tokenizer_json: Path) -> Path:
     return local
 
 
+def _count(counter: LocalTokenizerCounter, api: Api, body: dict) -> tuple[int, ...]:
+    """Count a body as the gateway does: read by its endpoint's rules, then counted."""
+    return asyncio.run(counter.count(read_request(api, body).prompts, None)).tokens
+
+
 def _gateway(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "kvtune", "gateway", "--config", str(config), "--host",
                              "127.0.0.1", "--port", "0"], stderr=subprocess.PIPE, text=True, env=env)
 
 
-def test_a_tokenizer_missing_from_the_cache_is_one_line_naming_the_fix(rendered, tmp_path, monkeypatch):
+def test_a_tokenizer_missing_from_the_cache_is_one_line_naming_the_fix(rendered, tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1"}
     proc = _gateway(rendered / "gateway.yaml", env)
     _, err = proc.communicate(timeout=60)
@@ -83,8 +91,11 @@ def test_the_cached_tokenizer_loads_at_start_and_counts_as_the_local_one(rendere
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
     by_id, by_dir = LocalTokenizerCounter.load(MODEL), LocalTokenizerCounter.load(str(local))
     texts = ["Hello, world!", "Ünïcödé — and emoji 🎉 in a longer prompt, with numbers 12345.", "a b c " * 50]
-    ids = [by_id.tokenizer.encode(t).ids for t in texts]
-    assert ids == [by_dir.tokenizer.encode(t).ids for t in texts] and all(ids)
+    bodies = [(Api.CHAT, {"messages": [{"role": "system", "content": texts[0]}, {"role": "user", "content": t}]})
+              for t in texts] + [(Api.COMPLETIONS, {"prompt": texts}), (Api.RESPONSES, {"input": texts[1]})]
+    counted = [_count(by_id, api, body) for api, body in bodies]
+    assert counted == [_count(by_dir, api, body) for api, body in bodies]
+    assert all(tokens and min(tokens) > 1 for tokens in counted)
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     proc = _gateway(rendered / "gateway.yaml", env)
     try:

@@ -107,3 +107,45 @@ def test_refusals_are_logged_as_counts_per_reason_per_second(tmp_path):
             if reader.is_alive():
                 reader.join(10)
             proc.stderr.close()
+
+
+NGINX_LINE = re.compile(r"kvtune: refused (\d+) in (\d+\.\d) s: kv_budget_exhausted route=(\S+) status=429 "
+                        r"needed (\d+) blocks, 0 free \(last\)")
+
+
+def test_nginx_logs_its_refusals_as_counts_per_reason_per_second_in_each_worker(tmp_path):
+    """The rendered nginx.conf's Lua does the same: one warn line per reason and route per second
+    in the worker, flushed by its timer and when the worker exits (SIGQUIT)."""
+    import os
+
+    from enforcers import chat, in_thread, small_fake, small_rec, start_enforcer
+
+    with small_fake() as fake:
+        server = start_enforcer("nginx", small_rec(fake.port), tmp_path / "nginx", nginx_worker_processes="1",
+                                nginx_user="root" if os.geteuid() == 0 else None)
+        try:
+            fake.hold()
+            held, box = in_thread(server.request, "/v1/chat/completions", chat(1536, x_mode="hold"))
+            assert server.wait_ledger(100)["reserved"] == 100
+            n = 40
+            started = time.monotonic()
+            for _ in range(n):  # over about 1.6 s: more than one window
+                assert server.request("/v1/chat/completions", chat(1))[0] == 429
+                time.sleep(0.03)
+            spent = time.monotonic() - started
+            deadline = time.monotonic() + 5
+            while sum(int(m[0]) for m in NGINX_LINE.findall(server.error_log())) < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            found = NGINX_LINE.findall(server.error_log())
+            assert sum(int(m[0]) for m in found) == n, server.error_log()
+            assert 2 <= len(found) <= spent + 2
+            assert {m[2] for m in found} == {"/v1/chat/completions"}
+            for _ in range(3):
+                assert server.request("/v1/chat/completions", chat(1))[0] == 429
+            fake.release()
+            held.join(10)
+            assert box["result"][0] == 200
+        finally:
+            server.stop()
+        found = NGINX_LINE.findall(server.error_log())
+        assert sum(int(m[0]) for m in found) == n + 3, server.error_log()  # the last window at the worker's exit
