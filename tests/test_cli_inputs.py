@@ -201,3 +201,25 @@ def test_a_replay_and_check_say_which_files_kvtune_wrote(tmp_path, deployed):
     assert c.exit_code in (0, 1), c.output
     assert notes[0].removeprefix("note: ") in json.loads(c.stdout)["notes"]
     assert notes[0] in c.stderr.splitlines()
+
+
+def test_a_glob_over_a_directory_recommend_wrote_into_reads_only_the_logs(tmp_path):
+    """`logs/*` reaches every file recommend --out wrote (gateway.yaml, nginx.conf, the launch
+    script, the reports): each is told by its first lines and skipped with the note."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    shutil.copy(SAMPLES / "openai_chat_pairs.jsonl", logs / "chat.jsonl")
+    shutil.copy(SAMPLES / "azure_style_trace.csv", logs / "trace.csv")
+    for engine in ("vllm", "sglang", "trtllm"):
+        r = kvtune("recommend", str(logs / "chat.jsonl"), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                   "--engine", engine, "--out", str(logs))
+        assert r.exit_code == 0, r.output
+    rendered = sorted(p.name for p in logs.iterdir() if p.name not in ("chat.jsonl", "trace.csv"))
+    assert len(rendered) == 9  # gateway.yaml, nginx.conf, recommendation.json, report.{html,md}, 4 launch files
+    r = kvtune("profile", str(logs / "*"), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [i["path"] for i in out["inputs"]] == [str(logs / "chat.jsonl"), str(logs / "trace.csv")]
+    assert sorted(Path(f["path"]).name for f in out["skipped_files"]) == rendered
+    assert out["notes"][0].startswith("skipped 9 files kvtune wrote (not logs): ")
+    assert out["notes"][0].endswith(" and 4 more; --exclude GLOB leaves any file out by name")

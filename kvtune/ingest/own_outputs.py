@@ -5,10 +5,14 @@ Judged by the first record of the file, not by its name: every JSON file kvtune 
 marker of its own (the `kvtune_version` key of a recommendation, a bench or simulate report; the
 `kind: kvtune-profile` of a saved profile; the measured-capacity keys of a `calibrate` file; the
 per-request keys of bench's --requests-log). No log schema kvtune reads carries any of them.
+The rendered deploy files (gateway.yaml, nginx.conf, the launch scripts, report.md and .html) are
+not log-like names, but a glob (`logs/*`) or a file argument reaches them: their first lines say
+who rendered them (`kvtune_text_output`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,3 +36,21 @@ def kvtune_output(sample: list[Any]) -> str | None:
         return "written by kvtune profile --save"
     keys = set(first)
     return next((what for marker, what in _KEY_MARKERS if marker <= keys), None)
+
+
+# A comment line among the first few that says kvtune rendered the file (gateway.yaml, nginx.conf,
+# the engines' launch scripts and YAML, report.md), or report.html's title.
+_RENDERED = re.compile(rb"^#.*\b(rendered by kvtune|kvtune recommendation:)", re.IGNORECASE)
+_HTML_TITLE = re.compile(rb"<title>kvtune: ", re.IGNORECASE)
+_TEXT_LINES = 3
+
+
+def kvtune_text_output(head: bytes) -> str | None:
+    """What kvtune-rendered text file this is, from the head of a file that is not JSON (None: not
+    one kvtune rendered). Only comment lines are looked at, never data rows."""
+    lines = head.lstrip(b"\xef\xbb\xbf").splitlines()[:_TEXT_LINES]
+    if any(_RENDERED.match(line) for line in lines):
+        return "rendered by kvtune recommend --out"
+    if lines and lines[0].lower().startswith((b"<!doctype html", b"<html")) and _HTML_TITLE.search(head[:2048]):
+        return "rendered by kvtune recommend --out"
+    return None

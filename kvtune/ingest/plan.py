@@ -21,7 +21,7 @@ import pyarrow as pa
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import IngestOptions, OnError, arrays
 from kvtune.ingest.compression import open_bytes
-from kvtune.ingest.own_outputs import kvtune_output
+from kvtune.ingest.own_outputs import kvtune_output, kvtune_text_output
 from kvtune.ingest.paths import LogFile
 from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
@@ -242,6 +242,9 @@ def _plan(path: LogFile, options: IngestOptions) -> FilePlan:
         if plan.kvtune_output is not None:
             return plan
     else:
+        plan.kvtune_output = kvtune_text_output(head)
+        if plan.kvtune_output is not None:
+            return plan
         sample = _csv_sample(plan, head)
 
     if options.format == "fields":
