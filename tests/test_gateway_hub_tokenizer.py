@@ -106,3 +106,14 @@ def test_the_cached_tokenizer_loads_at_start_and_counts_as_the_local_one(rendere
         proc.wait(20)
         proc.stderr.close()
     assert proc.returncode == 0
+
+
+def test_upstream_counting_for_an_engine_without_tokenize_is_refused_in_one_line(tmp_path):
+    r = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"), "--model",
+                                 "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "trtllm", "--gateway-tokenizer",
+                                 "upstream", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2
+    assert r.stderr.strip() == (
+        "Error: --gateway-tokenizer: TensorRT-LLM's server has no /tokenize to count with: leave --gateway-tokenizer "
+        "out (the served model's tokenizer, by its hub id) or give a model directory")
+    assert not (tmp_path / "out").exists()

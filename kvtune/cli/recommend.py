@@ -233,7 +233,8 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="Model directory (tokenizer.json + chat template) gateway.yaml counts prompts with, in "
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
-                   "both, else upstream]")
+                   "both, else upstream; for TensorRT-LLM, which has no /tokenize, the served model's hub id, "
+                   "which `kvtune gateway` loads from the Hugging Face cache at start]")
 @click.option("--replicas", type=click.IntRange(min=1), metavar="N",
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
@@ -289,6 +290,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     fallback_urls = [policy.upstream]
     if replicas > 1:  # ports in range, before any work
         fallback_urls = replica_upstreams(policy.upstream, replicas, field="--replicas")
+    if gateway_tokenizer == "upstream" and not engine_facts(capacity.engine).HAS_TOKENIZE:
+        raise OptionError(f"{ENGINE_TITLES[capacity.engine]}'s server has no /tokenize to count with: leave "
+                          "--gateway-tokenizer out (the served model's tokenizer, by its hub id) or give a model "
+                          "directory", field="--gateway-tokenizer")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     from kvtune.policy.search import InfeasibleObjectiveError
 
