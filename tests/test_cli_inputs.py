@@ -223,3 +223,16 @@ def test_a_glob_over_a_directory_recommend_wrote_into_reads_only_the_logs(tmp_pa
     assert sorted(Path(f["path"]).name for f in out["skipped_files"]) == rendered
     assert out["notes"][0].startswith("skipped 9 files kvtune wrote (not logs): ")
     assert out["notes"][0].endswith(" and 4 more; --exclude GLOB leaves any file out by name")
+
+
+def test_the_python_api_takes_exclude_and_reports_the_files_not_read(tmp_path):
+    import kvtune
+    from kvtune.errors import InputError
+
+    logs = _log_dir_with_kvtune_outputs(tmp_path)
+    profile = kvtune.profile_logs([logs], exclude=["openai_*"])
+    assert profile.requests == 2400
+    assert [f.reason for f in profile.skipped_files] == ["--exclude openai_*", *(
+        f"kvtune's own output: {what}" for what in OWN.values())]
+    with pytest.raises(InputError, match="no usable row"):
+        kvtune.profile_logs([logs], exclude=["*.jsonl"])
