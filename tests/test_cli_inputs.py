@@ -196,6 +196,10 @@ def test_a_replay_and_check_say_which_files_kvtune_wrote(tmp_path, deployed):
     assert r.exit_code == 0, r.output
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 3 files kvtune wrote (not logs): ")]
     assert len(notes) == 1
+    assert json.loads(r.stdout)["notes"] == [notes[0].removeprefix("note: ")]
+    by_profile = kvtune("simulate", str(logs), "--capacity", str(CAPACITY), "--requests", "5", "--json")
+    assert by_profile.exit_code == 0, by_profile.output
+    assert json.loads(by_profile.stdout)["notes"] == [notes[0].removeprefix("note: ")]
     c = kvtune("check", str(logs), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--deployed",
                str(deployed / "vllm-serve.sh"), "--json")
     assert c.exit_code in (0, 1), c.output
@@ -236,3 +240,16 @@ def test_the_python_api_takes_exclude_and_reports_the_files_not_read(tmp_path):
         f"kvtune's own output: {what}" for what in OWN.values())]
     with pytest.raises(InputError, match="no usable row"):
         kvtune.profile_logs([logs], exclude=["*.jsonl"])
+
+
+def test_bench_against_a_server_says_which_files_kvtune_wrote(tmp_path):
+    """A real bench run (the fake vLLM on loopback), profiled and replayed: --json's notes."""
+    from fake_vllm import FakeVllm
+
+    logs = _log_dir_with_kvtune_outputs(tmp_path)
+    with FakeVllm() as fake:
+        for extra in ((), ("--replay", "--speedup", "1000")):
+            r = kvtune("bench", fake.url, str(logs), "--requests", "3", "--json", *extra)
+            assert r.exit_code == 0, r.output
+            note = next(ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 3 files kvtune wrote"))
+            assert json.loads(r.stdout)["notes"] == [note.removeprefix("note: ")]

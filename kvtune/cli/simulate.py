@@ -21,6 +21,7 @@ JSON_FIELDS = """\b
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, retry, max_retries}
   workload        {routes, seed, clamped: {reason: requests}}
+  notes           the files the logs' reading left out (kvtune's own outputs, --exclude)
   requests        {sent, completed, failed: {429, 4xx, … as bench}, retries, retry_wait_s (seconds the
                    clients waited on Retry-After, in all)}
   duration_s      first send to last answer (simulated seconds)
@@ -209,6 +210,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     from kvtune.sim.traffic import profile_traffic, replay_traffic
 
     load_info: dict[str, Any]
+    notes: list[str]
     if load.replay:
         from kvtune.bench.workload import replay_rows
 
@@ -237,6 +239,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                                               workers=log.workers, ray_address=log.ray_address))
         render_folded(profile, log.max_routes)
         render_skipped_files(profile)
+        notes = profile.notes
         chosen = select_routes(profile, routes)
         for r in chosen:
             if r.prompt.total == 0:
@@ -257,6 +260,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         "load": {**load_info, "max_requests": load.max_requests, "duration_s": load.duration_s, "retry": True,
                  "max_retries": CLIENT_RETRY.max_retries},
         "workload": {"routes": route_names, "seed": seed},
+        "notes": notes,  # the files the logs' reading left out
     }
     return traffic, context
 
