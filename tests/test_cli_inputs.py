@@ -253,3 +253,12 @@ def test_bench_against_a_server_says_which_files_kvtune_wrote(tmp_path):
             assert r.exit_code == 0, r.output
             note = next(ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 3 files kvtune wrote"))
             assert json.loads(r.stdout)["notes"] == [note.removeprefix("note: ")]
+
+
+def test_a_kvtune_file_given_as_the_only_input_is_no_usable_row(deployed):
+    r = kvtune("profile", str(deployed / "recommendation.json"))
+    assert r.exit_code == 2
+    assert r.stderr.strip() == (
+        f"Error: {deployed / 'recommendation.json'}: no usable row: 1 file not read (skipped 1 file kvtune wrote "
+        f"(not logs): {deployed / 'recommendation.json'} (written by kvtune recommend --out); --exclude GLOB leaves "
+        "any file out by name)")

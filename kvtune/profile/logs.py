@@ -86,12 +86,13 @@ def require_rows(profile: Profile, paths: Sequence[str]) -> Profile:
         w = profile.window
         why.append(f"{w.outside_rows:,} rows outside --since/--until and {w.pruned_files:,} files pruned by it")
     if profile.skipped_files:
-        why.append(f"{len(profile.skipped_files):,} files not read (" + "; ".join(profile.notes) + ")")
+        files = len(profile.skipped_files)
+        why.append(f"{files:,} file{'s' if files != 1 else ''} not read (" + "; ".join(profile.notes) + ")")
     if not why:
         why.append("the files hold no rows" if profile.inputs else "no file was read")
+    hint = " (see --tokenizer, --field, --format, --on-error)" if profile.skipped_rows else ""
     shown = ", ".join(paths[:_SHOWN]) + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
-    raise InputError("no usable row: " + "; ".join(why) + " (see --tokenizer, --field, --format, --on-error)",
-                     path=shown)
+    raise InputError("no usable row: " + "; ".join(why) + hint, path=shown)
 
 
 def _profile_once(paths: Sequence[str], options: IngestOptions, progress: ProgressCallback | None,
