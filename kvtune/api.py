@@ -62,13 +62,16 @@ def profile_logs(
     progress: Callable | None = None,
     workers: int | None = 1,
     ray_address: str | None = None,
+    exclude: Sequence[str] = (),
 ) -> Profile:
     """Per-route exact histograms of output and prompt tokens from log files, directories or
     globs (or one saved profile, which is loaded). `route_by` names a route by "path" (default),
     "model" or a source field; `max_routes` folds the rest into `*`. `workers` processes read
     the logs (None: one per 2 cores for a big input; call it under `if __name__ == "__main__":`,
     as multiprocessing needs), or Ray tasks at `ray_address` ("" a local cluster): the same
-    profile either way.
+    profile either way. Files matching an `exclude` glob (relative path or base name) and files
+    kvtune wrote are not read (`Profile.skipped_files`, `Profile.notes`); logs without one usable
+    row raise InputError.
 
     >>> profile = kvtune.profile_logs(["sample_logs/"])
     >>> [(r.route, r.output.quantile(0.99).value_tokens) for r in profile.routes][:1]  # doctest: +SKIP
@@ -78,7 +81,8 @@ def profile_logs(
     from kvtune.profile.logs import load_profile_or_logs
 
     options = IngestOptions(format=format, fields=dict(fields or {}), route_by=route_by, tokenizer=tokenizer,
-                            on_error=parse_on_error(on_error), strict=strict, assume_cap=assume_cap)
+                            on_error=parse_on_error(on_error), strict=strict, assume_cap=assume_cap,
+                            exclude=tuple(exclude))
     return load_profile_or_logs([os.fspath(p) for p in paths], options, progress=progress, max_routes=max_routes,
                                 workers=workers, ray_address=ray_address)
 

@@ -128,6 +128,12 @@ def render_window(profile: Profile, *, file=None) -> None:
           f"date (not read), {w.outside_rows:,} rows outside the window", file=file or sys.stderr)
 
 
+def render_skipped_files(profile: Profile, *, file=None) -> None:
+    """One line on stderr per kind of file not read (kvtune's own outputs, --exclude), never silent."""
+    for note in profile.notes:
+        print(f"note: {note}", file=file or sys.stderr)
+
+
 def render_folded(profile: Profile, max_routes: int | None, *, file=None) -> None:
     """One line on stderr when routes were folded into `*`, so a `*` in the output is explained."""
     if not profile.folded_routes:

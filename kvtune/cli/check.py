@@ -33,7 +33,8 @@ def _saved_recommendation(paths: tuple[str, ...]):
 @policy_options
 @capacity_options
 @log_options
-@click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed} as JSON.")
+@click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed, notes} as JSON (notes: the "
+              "recommendation's, first the files its logs did not read).")
 def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
           deployed_paths: tuple[str, ...], json_: bool) -> None:
     """Check deployed configs against real traffic: exit 1 on risk, 0 when fine.
@@ -61,7 +62,7 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
     deployed = result.deployed
 
     if json_:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        click.echo(json.dumps({**result.to_dict(), "notes": list(rec.notes)}, indent=2))
     else:
         for finding in result.findings:
             label, color = _STYLE[finding.severity]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, grouped, log_options
+from kvtune.engines import ENGINE_TITLES, engine_facts
 from kvtune.errors import OptionError
 from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
@@ -232,7 +233,8 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="Model directory (tokenizer.json + chat template) gateway.yaml counts prompts with, in "
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
-                   "both, else upstream]")
+                   "both, else upstream; for TensorRT-LLM, which has no /tokenize, the served model's hub id, "
+                   "which `kvtune gateway` loads from the Hugging Face cache at start]")
 @click.option("--replicas", type=click.IntRange(min=1), metavar="N",
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
@@ -288,6 +290,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     fallback_urls = [policy.upstream]
     if replicas > 1:  # ports in range, before any work
         fallback_urls = replica_upstreams(policy.upstream, replicas, field="--replicas")
+    if gateway_tokenizer == "upstream" and not engine_facts(capacity.engine).HAS_TOKENIZE:
+        raise OptionError(f"{ENGINE_TITLES[capacity.engine]}'s server has no /tokenize to count with: leave "
+                          "--gateway-tokenizer out (the served model's tokenizer, by its hub id) or give a model "
+                          "directory", field="--gateway-tokenizer")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     from kvtune.policy.search import InfeasibleObjectiveError
 
@@ -312,6 +318,11 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
+    if "nginx.conf" not in files and not engine_facts(rec.engine.name).HAS_TOKENIZE:
+        click.echo(f"Note: nginx.conf is not rendered for {ENGINE_TITLES[rec.engine.name]}: its server has no "
+                   "/tokenize and nginx cannot run a tokenizer (gateway.yaml counts with "
+                   f"{counting_with or rec.served_model or rec.model} in process; nginx.conf only with an "
+                   "estimate)", err=True)
     if replicas > 1 and "nginx.conf" not in files and rec.admission.kind.value == "statistical":
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = kvtune.write_files(out_dir, files) if out_dir else []

@@ -21,6 +21,7 @@ JSON_FIELDS = """\b
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, retry, max_retries}
   workload        {routes, seed, clamped: {reason: requests}}
+  notes           the files the logs' reading left out (kvtune's own outputs, --exclude)
   requests        {sent, completed, failed: {429, 4xx, … as bench}, retries, retry_wait_s (seconds the
                    clients waited on Retry-After, in all)}
   duration_s      first send to last answer (simulated seconds)
@@ -209,14 +210,13 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     from kvtune.sim.traffic import profile_traffic, replay_traffic
 
     load_info: dict[str, Any]
+    notes: list[str]
     if load.replay:
         from kvtune.bench.workload import replay_rows
 
-        rows, stamps, skipped = replay_rows(logs, log.ingest(), routes)
-        if not rows:
-            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
-            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
-                             field="LOGS")
+        rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
 
         def traffic(n: int | None) -> Any:
             return replay_traffic(rows, stamps, speedup=load.speedup, seed=seed, max_requests=load.max_requests,
@@ -229,7 +229,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         route_names = sorted({r for r, _, _ in rows})
     else:
         from kvtune.bench.workload import select_routes
-        from kvtune.cli._profile_view import render_folded
+        from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
@@ -238,6 +238,8 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                    else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,
                                               workers=log.workers, ray_address=log.ray_address))
         render_folded(profile, log.max_routes)
+        render_skipped_files(profile)
+        notes = profile.notes
         chosen = select_routes(profile, routes)
         for r in chosen:
             if r.prompt.total == 0:
@@ -258,6 +260,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         "load": {**load_info, "max_requests": load.max_requests, "duration_s": load.duration_s, "retry": True,
                  "max_retries": CLIENT_RETRY.max_retries},
         "workload": {"routes": route_names, "seed": seed},
+        "notes": notes,  # the files the logs' reading left out
     }
     return traffic, context
 

@@ -453,16 +453,20 @@ NGINX_ONE_ENGINE = ("under admission: statistical nginx.conf's Lua ledger holds 
                     "engine, each without --replicas and with --upstream of its own engine")
 
 
+def gateway_counting(rec: Recommendation, options: RenderOptions) -> RenderOptions:
+    """A gateway for an engine without /tokenize counts prompts itself: gateway.yaml in process with
+    the tokenizer given, else the served model's by its hub id (`kvtune gateway` loads it at start
+    from the Hugging Face cache), so the engine's files never wait on a tokenizer directory."""
+    if engine_facts(rec.engine.name).HAS_TOKENIZE or options.gateway_tokenizer is not None:
+        return options
+    return dataclasses.replace(options, gateway_tokenizer=rec.served_model or rec.model)
+
+
 def _counting(rec: Recommendation, wanted: list[str], options: RenderOptions) -> None:
-    """A gateway for an engine without /tokenize must count prompts itself: gateway.yaml in process
-    with the model's tokenizer, nginx.conf only by the estimate it was asked for."""
+    """nginx.conf for an engine without /tokenize counts only by the estimate it was asked for."""
     if engine_facts(rec.engine.name).HAS_TOKENIZE:
         return
     title = ENGINE_TITLES[rec.engine.name]
-    if "gateway.yaml" in wanted and options.gateway_tokenizer is None:
-        raise OptionError(f"{title}'s server has no /tokenize to count prompts with: give the gateway the model's "
-                          "tokenizer (--gateway-tokenizer DIR: tokenizer.json and a chat template) so it counts "
-                          "in process", field="gateway_tokenizer")
     if "nginx.conf" in wanted and options.estimate_chars_per_token is None:
         raise OptionError(f"{title}'s server has no /tokenize and nginx.conf cannot run a tokenizer: render "
                           "gateway.yaml instead, or ask nginx.conf for an estimate (estimate_chars_per_token)",
@@ -482,6 +486,7 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     if other:
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
+    options = gateway_counting(rec, options)
     _counting(rec, wanted, options)
     env = make_environment()
     context = _context(rec, options, nginx="nginx.conf" in wanted)

@@ -231,7 +231,7 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
     block_size = capacity.block_size
     model_limit = capacity.max_model_len
     version = rules.parse_vllm_version(options.vllm_version)
-    notes: list[str] = []
+    notes: list[str] = list(profile.notes)  # the files its logs did not read, first
     measured = capacity.source is not CapacitySource.ESTIMATE
 
     safety = (rules.safety_searched(options.safety_fraction) if options.searched and options.safety_fraction is not None
