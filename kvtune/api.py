@@ -103,6 +103,7 @@ def recommend(
     vllm_version: str | None = None,
     upstream: str | None = None,
     route_by: str | None = None,
+    route_header: str | None = None,
     served_model: str | None = None,
     engine: str | None = None,
     engine_version: str | None = None,
@@ -152,7 +153,7 @@ def recommend(
         vllm_version=(release if engine == "vllm" else CURRENT_VLLM_VERSION) if vllm_version is None
         else vllm_version,
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
-        route_by="path" if route_by is None else route_by, served_model=served_model,
+        route_by="path" if route_by is None else route_by, route_header=route_header, served_model=served_model,
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
     )
     if options.engine != plan.engine:
