@@ -132,3 +132,16 @@ def test_both_enforcers_cap_each_group_from_the_rendered_files(deploy, tmp_path,
                 assert fake.seen[-1]["max_tokens"] == cap and headers["X-Kvtune-Max-Tokens"] == str(cap), team
         finally:
             server.stop()
+
+
+def test_the_what_if_search_simulates_each_group_under_its_own_cap(deploy):
+    """recommend --objective simulates the files it renders: each logged group meets its own header
+    route, not the first route of the table nor the catch-all."""
+    from kvtune.deploy.render import gateway_routes
+    from kvtune.policy.search import route_caps
+
+    rec = load_recommendation(deploy / "recommendation.json")
+    table = [load_deployed(deploy / "gateway.yaml").routes, load_deployed(deploy / "nginx.conf").routes]
+    assert [route_caps(t, rec.routes) for t in table] == [_group_caps(rec)] * 2
+    assert [(r["header"], r["value"]) for r in gateway_routes(rec)] == [
+        ("x-team", "rag-search"), ("x-team", "support-chat"), (None, None)]
