@@ -145,3 +145,29 @@ def test_the_what_if_search_simulates_each_group_under_its_own_cap(deploy):
     assert [route_caps(t, rec.routes) for t in table] == [_group_caps(rec)] * 2
     assert [(r["header"], r["value"]) for r in gateway_routes(rec)] == [
         ("x-team", "rag-search"), ("x-team", "support-chat"), (None, None)]
+
+
+def test_simulate_routes_each_group_by_its_header(deploy, tmp_path):
+    """simulate --gateway runs the gateway's admission with each simulated request's group in the
+    route header: every group's route caps it (here all at 1 token, the catch-all at its own)."""
+    from test_cli_simulate import capacity_file
+
+    cap_file = capacity_file(tmp_path, num_blocks=4000, block_size=16, max_model_len=40960, device="GPU")
+    text = (deploy / "gateway.yaml").read_text()
+    for team in ("rag-search", "support-chat"):
+        at = text.index("max_new_tokens:", text.index(f'value: "{team}"'))
+        text = text[:at] + "max_new_tokens: 1" + text[text.index("\n", at):]
+    gateway = tmp_path / "gateway.yaml"
+    gateway.write_text(text)
+    args = ["simulate", TEAMS, *BY_TEAM, "--capacity", cap_file, "--gateway", str(gateway), "--rate", "4",
+            "--requests", "80", "--json"]
+    refused = invoke(*args)
+    assert refused.exit_code == 2 and refused.output.startswith(
+        f"Error: --route-header: {str(gateway)!r} caps routes by the x-team header: name it (--route-header x-team)")
+    result = invoke(*args, "--route-header", "X-Team")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["simulation"]["admission"]["route_header"] == "x-team"
+    assert data["requests"]["completed"] == 80 and data["output_tokens_total"] == 80
+    wrong = invoke(*args, "--route-header", "X-Tenant")
+    assert wrong.exit_code == 2 and "matches the 'x-tenant' header (its routes match x-team)" in wrong.output
