@@ -145,6 +145,17 @@ def test_the_header_name_is_case_insensitive(team_enforcer, upstream):
         assert status == 200 and upstream.seen[-1]["max_tokens"] == TEAM_B_CAP, name
 
 
+def test_the_route_header_counts_after_many_other_headers(team_enforcer, upstream):
+    """Past the 100 headers ngx.req.get_headers reads by default: the value, and a second copy, still count."""
+    pad = {f"X-Pad-{i}": "x" for i in range(110)}  # aiohttp (the fake) takes at most 128
+    status, headers, answer = team_enforcer.request("/v1/chat/completions", chat(10), headers={**pad, "X-Team": TEAM_B})
+    assert status == 200, answer
+    assert headers["X-Kvtune-Max-Tokens"] == str(TEAM_B_CAP)
+    status, _, answer = team_enforcer.request("/v1/chat/completions", chat(10),
+                                              headers={"x-team": TEAM_B, **pad, "X-Team": TEAM_A})
+    assert (status, _error(answer)) == (400, "duplicate_route_header")
+
+
 def test_header_routes_are_in_the_route_table(team_enforcer):
     assert team_enforcer.ledger()["routes"][:3] == [TEAM_A, TEAM_B, TEAM_B + " summarize"]
 
