@@ -120,7 +120,9 @@ def recommend(
     replicas: Sequence[tuple[str, Plan]] = (),
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
-    number says which rule produced it. `route_by` must be what the profile's routes were named by.
+    number says which rule produced it. `route_by` must be what the profile's routes were named by;
+    with a log field, `route_header` names the request header that carries each group to the
+    gateway (without it, more than one group is an OptionError: no gateway could enforce their caps).
 
     With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
     simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the

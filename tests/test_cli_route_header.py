@@ -171,3 +171,13 @@ def test_simulate_routes_each_group_by_its_header(deploy, tmp_path):
     assert data["requests"]["completed"] == 80 and data["output_tokens_total"] == 80
     wrong = invoke(*args, "--route-header", "X-Tenant")
     assert wrong.exit_code == 2 and "matches the 'x-tenant' header (its routes match x-team)" in wrong.output
+
+
+def test_a_group_no_header_value_can_carry_is_refused(tmp_path):
+    log = tmp_path / "teams.jsonl"
+    log.write_text(Path(TEAMS).read_text().replace('"support-chat"', '"support, chat"'))
+    result = invoke("recommend", str(log), *COMMON, *BY_TEAM, "--route-header", "X-Team", "--out", str(tmp_path / "d"))
+    assert (result.exit_code, result.output) == (2, (
+        "Error: --route-header: the group 'support, chat' is not a header value a gateway can match exactly "
+        "(printable ASCII, no comma, no space at either end, at most 256 characters)\n"))
+    assert not (tmp_path / "d").exists()
