@@ -108,6 +108,7 @@ def recommend(
     vllm_version: str | None = None,
     upstream: str | None = None,
     route_by: str | None = None,
+    route_header: str | None = None,
     served_model: str | None = None,
     engine: str | None = None,
     engine_version: str | None = None,
@@ -124,7 +125,9 @@ def recommend(
     replicas: Sequence[tuple[str, Plan]] = (),
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
-    number says which rule produced it. `route_by` must be what the profile's routes were named by.
+    number says which rule produced it. `route_by` must be what the profile's routes were named by;
+    with a log field, `route_header` names the request header that carries each group to the
+    gateway (without it, more than one group is an OptionError: no gateway could enforce their caps).
 
     With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
     simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the
@@ -157,7 +160,7 @@ def recommend(
         vllm_version=(release if engine == "vllm" else CURRENT_VLLM_VERSION) if vllm_version is None
         else vllm_version,
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
-        route_by="path" if route_by is None else route_by, served_model=served_model,
+        route_by="path" if route_by is None else route_by, route_header=route_header, served_model=served_model,
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
     )
     if options.engine != plan.engine:

@@ -26,6 +26,7 @@ class PolicyArgs:
     vllm_version: str | None  # --engine-version's older name
     safety_fraction: float | None
     max_truncation: float | None
+    route_header: str | None  # the request header that carries --route-by FIELD's group
 
     def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs,
                        objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None,
@@ -56,7 +57,7 @@ class PolicyArgs:
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,
                  "safety_fraction": self.safety_fraction, "max_truncation": self.max_truncation,
                  "vllm_version": (version if vllm else None) or CURRENT_VLLM_VERSION, "upstream": self.upstream,
-                 "route_by": log.route_by, "served_model": self.served_model}
+                 "route_by": log.route_by, "route_header": self.route_header, "served_model": self.served_model}
         rec = kvtune.recommend(profile, plan, progress=progress, **given, **wanted)
         if not plans:
             return rec
@@ -181,6 +182,10 @@ policy_options = grouped("policy", PolicyArgs, [
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
                  help="Pick the smallest cap whose expected truncation share is ≤ F (e.g. 0.01) instead of p95/p99."),
+    click.option("--route-header", metavar="NAME",
+                 help="With --route-by FIELD: the request header that carries the group at request time; the "
+                      "gateways cap each group by its exact value (set it in a trusted layer in front: a client "
+                      "that sets it picks its own cap). Without it, per-group caps are refused."),
 ])
 
 

@@ -209,7 +209,7 @@ class _Checker:
         for route in self.rec.routes:
             match = route.match or Match()
             if d.is_gateway:
-                hit = d.route_for(match.path, match.model)
+                hit = d.route_for(match.path, match.model, match.headers)
                 out.append((route, hit.max_new_tokens if hit else None))
             else:
                 out.append((route, d.max_new_tokens))

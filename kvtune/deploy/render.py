@@ -253,6 +253,8 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
             "name": str(route.route) or "(unnamed)",
             "path": path,
             "model": route.match.model or None,
+            "header": route.match.header,
+            "value": route.match.value,
             # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
             "api": "any" if path is not None and path not in GENERATE else None,
             "max_new_tokens": route.cap,
@@ -261,7 +263,7 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
             "reason": route.max_new_tokens.reason,
         })
     backstop = rec.setting("max_new_tokens_backstop")
-    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "api": None,
+    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "header": None, "value": None, "api": None,
                    "max_new_tokens": backstop.tokens, "output_histogram": None,
                    "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
@@ -388,6 +390,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
         "routes": routes,
+        # the header routes match on (one per recommendation: the --route-header), for the notes
+        "route_header": next((r["header"] for r in routes if r["header"] is not None), None),
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},

@@ -162,7 +162,7 @@ class Admission:
         route = incoming.route
         endpoint = incoming.endpoint
         if endpoint.path_class is PathClass.GENERATE and route is None:
-            route = self.config.route_for(incoming.path, model)
+            route = self.config.route_for(incoming.path, model, incoming.route_headers)
             if route is None:
                 raise Rejection(404, Reason.NO_ROUTE, f"no route of this gateway serves {incoming.path} for this model")
         try:

@@ -32,6 +32,7 @@ class Reason(enum.Enum):
     UNSUPPORTED_ENCODING = "unsupported_encoding"
     UNCOUNTABLE_ENDPOINT = "uncountable_endpoint"
     NOT_FOUND = "not_found"
+    DUPLICATE_ROUTE_HEADER = "duplicate_route_header"  # a header routes match on, sent twice
     # reading the body (kvtune.gateway.intake, body)
     BODY_TOO_LARGE = "body_too_large"
     BODY_TIMEOUT = "body_timeout"

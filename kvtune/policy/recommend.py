@@ -18,6 +18,7 @@ from kvtune.capacity.reservation import reserved_blocks
 from kvtune.endpoint import url_problem
 from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError, InputError, OptionError
+from kvtune.gateway.config import HEADER_NAME, MAX_ROUTE_HEADER_VALUE, ROUTE_HEADER_VALUE
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
@@ -62,6 +63,9 @@ class RecommendOptions:
     engine_version: str | None = None  # its release (None: the release kvtune's facts were read from)
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
+    # The request header that carries a --route-by FIELD's value at request time (a group such
+    # as a team): gateway routes match it. None: per-group caps are refused, none could be enforced.
+    route_header: str | None = None
     served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
     # The what-if search (kvtune.policy.search) sets these: every route capped at this percentile
     # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
@@ -91,6 +95,12 @@ class RecommendOptions:
             raise OptionError(problem, field="upstream")
         if not self.route_by:
             raise OptionError("names no route key: path, model or a log field", field="route_by")
+        if self.route_header is not None:
+            if self.route_by in ROUTE_BY_MATCH:
+                raise OptionError(f"only with --route-by FIELD: routes by {self.route_by} are matched on the "
+                                  f"request's {self.route_by}, not a header", field="route_header")
+            if not HEADER_NAME.fullmatch(self.route_header):
+                raise OptionError(f"{brief(self.route_header)} is not a header name", field="route_header")
         if self.cap_level is not None and self.cap_level not in CAP_LEVELS:
             raise OptionError(f"not a cap level: {self.cap_level!r} (one of {', '.join(CAP_LEVELS)})",
                               field="cap_level")
@@ -98,16 +108,38 @@ class RecommendOptions:
             raise OptionError("a searched budget needs its safety fraction", field="safety_fraction")
 
 
-def _route_match(route: str, route_by: str) -> Match | None:
-    """What a gateway matches this route on: its path or model; everything for the unnamed
-    route `*`; None when routes come from a field a gateway cannot see, or when a logged path
-    is no literal request path a gateway could govern (the catch-all serves them)."""
+def _route_match(route: str, route_by: str, route_header: str | None = None) -> Match | None:
+    """What a gateway matches this route on: its path, model or the value of the header that
+    carries its group; everything for the unnamed route `*`; None when a logged path is no
+    literal request path a gateway could govern (the catch-all serves them)."""
     if route == "*":
         return Match()
+    if route_header is not None:
+        return Match(header=route_header.lower(), value=route)
     key = ROUTE_BY_MATCH.get(route_by)
     if key is None or (key == "path" and why_not_a_route_path(route) is not None):
         return None
     return Match(path=route) if key == "path" else Match(model=route)
+
+
+def _enforceable_groups(profile: Profile, options: RecommendOptions) -> None:
+    """Per-group caps (--route-by FIELD) only where a gateway can tell the groups apart: by the
+    header --route-header names, each group's value a header value it can match exactly."""
+    if options.route_by in ROUTE_BY_MATCH:
+        return
+    groups = [r.route for r in profile.routes if r.route != "*"]
+    if options.route_header is None:
+        if len(profile.routes) > 1:
+            raise OptionError(f"routes by {options.route_by!r} give {len(groups)} groups a cap each, but no "
+                              "gateway sees that field: name the request header a trusted layer in front "
+                              "sets to it with --route-header NAME (e.g. X-Team), or drop --route-by",
+                              field="route_header")
+        return
+    for group in groups:
+        if not ROUTE_HEADER_VALUE.fullmatch(group):
+            raise OptionError(f"the group {brief(group)} is not a header value a gateway can match exactly "
+                              f"(printable ASCII, no comma, no space at either end, at most "
+                              f"{MAX_ROUTE_HEADER_VALUE} characters)", field="route_header")
 
 
 def _cap(route: RouteProfile, options: RecommendOptions, context_cap: int) -> Decision:
@@ -160,13 +192,14 @@ def _reservations(route: RouteProfile, cap_tokens: int, block_size: int) -> _Res
 
 
 def _route_recommendation(route: RouteProfile, cap: Decision, reservations: _Reservations, route_by: str, *,
-                          budget_blocks: int, worst_concurrency: int, total_requests: int) -> RouteRecommendation:
+                          budget_blocks: int, worst_concurrency: int, total_requests: int,
+                          route_header: str | None = None) -> RouteRecommendation:
     """One route's cap with what it costs: reservations over the route's real prompts."""
     cap_tokens = cap.tokens
     dist = rules.weighted_distribution(reservations.blocks, reservations.counts)
     return RouteRecommendation(
         route=route.route,
-        match=_route_match(route.route, route_by),
+        match=_route_match(route.route, route_by, route_header),
         requests=route.requests,
         share=route.requests / total_requests,
         tail=route.tail.class_,
@@ -241,6 +274,7 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
     if budget_blocks < 1:
         raise CapacityError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")
 
+    _enforceable_groups(profile, options)
     total_requests = profile.requests
     drafts = []
     for route in profile.routes:
@@ -265,7 +299,8 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
 
     routes = [
         _route_recommendation(route, cap, reservations, options.route_by, budget_blocks=budget_blocks,
-                              worst_concurrency=worst_concurrency, total_requests=total_requests)
+                              worst_concurrency=worst_concurrency, total_requests=total_requests,
+                              route_header=options.route_header)
         for route, cap, reservations in drafts
     ]
     # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
@@ -274,9 +309,6 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
     reservations = [drafts[i][2] for i in order]
     mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)
     admitted = rules.admitted_concurrency(budget_blocks, mean_reservation)
-    if options.route_by not in ROUTE_BY_MATCH and len(routes) > 1:
-        notes.append(f"routes come from the field {options.route_by!r}, which a gateway cannot match on; "
-                     "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
     settings = _engine_settings(profile, routes, reservations, plan, options, version=version,
                                 budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),

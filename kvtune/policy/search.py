@@ -410,7 +410,7 @@ def _matched(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendatio
     out: dict[str, DeployedRoute | None] = {}
     for route in routes:
         match = route.match or Match()
-        out[route.route] = next((r for r in table if r.matches(match.path, match.model)), None)
+        out[route.route] = next((r for r in table if r.matches(match.path, match.model, match.headers)), None)
     return out
 
 
@@ -419,7 +419,7 @@ def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) ->
     route table gateway.yaml carries (kvtune.deploy.render.gateway_routes), its budget."""
     from kvtune.deploy.render import gateway_routes
 
-    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"],
+    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"], header=r["header"], value=r["value"],
                            output_law=None if (h := r.get("output_histogram")) is None
                            else OutputLaw(tuple(h["lengths"]), tuple(h["counts"])))
              for r in gateway_routes(rec)]
