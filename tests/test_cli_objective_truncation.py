@@ -1,0 +1,95 @@
+"""`recommend --objective` never buys throughput by truncating answers (issue #25, item 6): a
+row whose caps cut more answers than --max-truncation (default: what the tail cap rule cuts) is
+infeasible, and goodput counts an answer cut by a cap the client did not ask for as not met.
+Qwen3-8B with reasoning-length outputs on the CPU test bed's calibrated capacity file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from objective_logs import CPU_CAPACITY, reasoning_log
+
+from kvtune.cli import cli
+
+QWEN = "/work/shared/configs/Qwen3-8B.json"
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory):
+    return reasoning_log(tmp_path_factory.mktemp("reasoning") / "qwen3-reasoning.jsonl")
+
+
+def recommend(log: str, *args: str):
+    return CliRunner(env={"COLUMNS": "250"}).invoke(cli, [
+        "recommend", log, "--model", QWEN, "--capacity", CPU_CAPACITY, "--requests", "300", "--concurrency", "32",
+        *args], catch_exceptions=False)
+
+
+def test_the_chosen_row_cuts_no_more_than_the_tail_rule(log):
+    result = recommend(log, "--objective", "throughput", "--max-preemption-rate", "0.01", "--json")
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)["recommendation"]
+    rows, limit = rec["what_if"], rec["objective"]["max_truncation"]
+    tail = {r["predicted"]["truncation_share"] for r in rows if r["cap_level"] == "tail" and not r["reference"]}
+    assert limit == max(tail) == pytest.approx(0.05, abs=0.01)  # the tail rule: p95 of a light tail
+    [chosen] = [r for r in rows if r["chosen"]]
+    assert chosen["predicted"]["truncation_share"] <= limit
+    # without the bound the p90 rows (10 % of answers cut) won: statistical ε=0.05 at p90
+    p90 = [r for r in rows if r["cap_level"] == "p90"]
+    assert p90 and all(r["predicted"]["truncation_share"] > limit for r in p90)
+    for r in p90:
+        assert not r["feasible"] and not r["chosen"]
+        assert {"constraint": "max_truncation", "limit": limit,
+                "value": r["predicted"]["truncation_share"]} in r["violations"]
+    # every row, engine rows included, shows the share its caps cut; uncapped rows cut none
+    for r in rows:
+        assert 0 <= r["predicted"]["truncation_share"] <= 1
+        if all(c is None for c in r["caps"].values()):
+            assert r["predicted"]["truncation_share"] == 0
+
+
+def test_the_terminal_says_why_a_truncating_row_is_infeasible(log):
+    result = recommend(log, "--objective", "throughput", "--max-preemption-rate", "0.01")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "within preemption rate ≤ 1.0%, answers truncated by the caps ≤ 5.0%" in out
+    assert out.count("✗ truncated 10.0% > 5.0%") >= 5  # the p90 rows, their verdict says why
+    headline = out.splitlines()[1]
+    assert "caps p90" not in headline and "5.0% truncated" in headline, headline
+
+
+def test_max_truncation_bounds_every_row(log):
+    result = recommend(log, "--objective", "throughput", "--max-truncation", "0.02", "--json")
+    assert result.exit_code == 0, result.output
+    rec = json.loads(result.stdout)["recommendation"]
+    assert rec["objective"]["max_truncation"] == 0.02
+    # the caps are raised to the smallest cap within 2 %, so no candidate cuts more
+    assert all(r["predicted"]["truncation_share"] <= 0.02 for r in rec["what_if"])
+
+
+def test_compare_engines_rows_show_their_truncation(log):
+    result = recommend(log, "--objective", "throughput", "--compare-engines", "--json", "--requests", "100")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["recommendation"]["what_if"]
+    engines = {r["policy"].get("engine"): r for r in rows if r["policy"]["kind"] == "engine"}
+    assert engines["sglang"]["predicted"]["truncation_share"] == 0  # uncapped
+    capped = engines["trtllm-gne"]
+    assert capped["predicted"]["truncation_share"] > 0 and capped["cap_level"] == "tail"
+
+
+def test_goodput_counts_a_truncated_answer_as_not_met(log):
+    # an SLO every completed request meets: goodput is then completed requests/s, less the cut ones
+    result = recommend(log, "--objective", "goodput", "--slo", "ttft=1000000,e2e=1000000",
+                       "--max-truncation", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["recommendation"]["what_if"]
+    direct = rows[0]["predicted"]
+    assert rows[0]["policy"]["kind"] == "direct" and direct["truncation_share"] == 0
+    assert direct["goodput_rps"] == pytest.approx(direct["requests_per_s"], rel=1e-3)
+    p90 = [r["predicted"] for r in rows if r["cap_level"] == "p90"]
+    assert p90
+    for p in p90:  # ~10 % of answers cut at the p90 cap: not met, though fast
+        assert p["goodput_rps"] < 0.95 * p["requests_per_s"], p
+
