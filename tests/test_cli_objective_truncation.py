@@ -93,3 +93,20 @@ def test_goodput_counts_a_truncated_answer_as_not_met(log):
     for p in p90:  # ~10 % of answers cut at the p90 cap: not met, though fast
         assert p["goodput_rps"] < 0.95 * p["requests_per_s"], p
 
+
+
+def test_simulated_goodput_misses_the_answers_a_gateway_cap_cut(log, tmp_path):
+    # the gateway.yaml recommend renders (tail caps) in front, an SLO every request meets in time
+    out = tmp_path / "deploy"
+    assert CliRunner().invoke(cli, ["recommend", log, "--model", QWEN, "--capacity", CPU_CAPACITY, "--out",
+                                    str(out)]).exit_code == 0
+    base = ["simulate", log, "--capacity", CPU_CAPACITY, "--concurrency", "8", "--requests", "300", "--slo",
+            "ttft=1000000,e2e=1000000", "--json"]
+    direct = json.loads(CliRunner().invoke(cli, base, catch_exceptions=False).stdout)
+    gated = json.loads(CliRunner().invoke(cli, [*base, "--gateway", str(out / "gateway.yaml")],
+                                          catch_exceptions=False).stdout)
+    assert direct["requests"]["completed"] == gated["requests"]["completed"] == 300
+    assert direct["goodput"]["requests_met"] == 300  # nothing cut straight to the engine
+    assert gated["output_tokens_total"] < gated["output_tokens_requested_total"]  # the caps cut some answers
+    assert 0 < 300 - gated["goodput"]["requests_met"] <= 0.1 * 300  # those, and only those, missed
+    assert gated["goodput"]["attainment"] < direct["goodput"]["attainment"]
