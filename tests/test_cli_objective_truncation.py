@@ -110,3 +110,25 @@ def test_simulated_goodput_misses_the_answers_a_gateway_cap_cut(log, tmp_path):
     assert gated["output_tokens_total"] < gated["output_tokens_requested_total"]  # the caps cut some answers
     assert 0 < 300 - gated["goodput"]["requests_met"] <= 0.1 * 300  # those, and only those, missed
     assert gated["goodput"]["attainment"] < direct["goodput"]["attainment"]
+
+
+def test_check_holds_a_deployment_to_the_truncation_bound(log, tmp_path):
+    out = tmp_path / "deploy"
+    result = recommend(log, "--objective", "throughput", "--max-preemption-rate", "0.01", "--requests", "100",
+                       "--out", str(out))
+    assert result.exit_code == 0, result.output
+    rec = json.loads((out / "recommendation.json").read_text())
+    [route] = rec["routes"]
+    p90 = next(r for r in rec["what_if"] if r["cap_level"] == "p90")["caps"][route["route"]]
+    gateway = (out / "gateway.yaml").read_text()
+    edited = tmp_path / "gateway.yaml"  # the cap lowered to the p90 the search refused
+    cap = route["max_new_tokens"]["value"]
+    edited.write_text(gateway.replace(f"max_new_tokens: {cap}\n", f"max_new_tokens: {p90}\n"))
+    checked = CliRunner().invoke(cli, ["check", str(out / "recommendation.json"), "--model", QWEN, "--deployed",
+                                       str(out / "vllm-serve.sh"), "--deployed", str(edited)])
+    assert checked.exit_code == 1
+    limit = rec["objective"]["max_truncation"]
+    assert f"RISK objective-missed [{edited}]: simulated truncated 10.0% > {limit:.1%}" in checked.stdout
+    kept = CliRunner().invoke(cli, ["check", str(out / "recommendation.json"), "--model", QWEN, "--deployed",
+                                    str(out / "vllm-serve.sh"), "--deployed", str(out / "gateway.yaml")])
+    assert kept.exit_code == 0 and "objective-met" in kept.stdout and "of answers cut by the caps" in kept.stdout
