@@ -48,6 +48,7 @@ def test_the_rendered_command_is_shown(replicas_report):
     script = (replicas_report.parent / "vllm-serve.sh").read_text()
     command = script[script.index("exec vllm serve"):].strip()
     assert page["commands"] == [command]
+    assert f"```\n{command}\n```" in (replicas_report.parent / "report.md").read_text()
     assert "--max-num-seqs" in command and "--gpu-memory-utilization" in command
 
 

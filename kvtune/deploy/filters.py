@@ -175,8 +175,9 @@ _NAME_JOINTS = re.compile(r"([_/.=-]+)")
 
 
 def breakable(value: Any) -> Markup:
-    """HTML text of a name (setting, route, model id) that may wrap after its joints (_ / . = -)
-    and nowhere else, so a narrow cell never breaks `max_num_batched_tokens` mid-word."""
+    """HTML text of a name (route, model id, URL, setting value) that may wrap after its joints
+    (_ / . = -) and nowhere else: a narrow cell breaks `/v1/chat/completions` after a slash,
+    never mid-word (code is not word-break: break-all)."""
     return Markup(_NAME_JOINTS.sub(r"\1<wbr>", str(escape(one_line(value)))))
 
 

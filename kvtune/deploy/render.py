@@ -489,7 +489,8 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     launch = launcher(rec.engine.name)
     reports = any(t in REPORT_TARGETS for t in wanted)
     launch_files = launch.render(rec, env, context) if reports or any(t in launch.FILES for t in wanted) else {}
-    context["launch_commands"] = [{"file": name, "text": launch_command(text)} for name, text in launch_files.items()]
+    context["launch_commands"] = [{"file": name, "text": command, "fence": code_fence(command)}
+                                  for name, text in launch_files.items() for command in [launch_command(text)]]
     files: dict[str, str] = {}
     for name in wanted:
         if name in launch_files:
@@ -512,6 +513,12 @@ def launch_command(text: str) -> str:
         return text.strip()
     body = [line for line in lines if not line.startswith("#") and not line.startswith("set -")]
     return "\n".join(body).strip()
+
+
+def code_fence(text: str) -> str:
+    """A Markdown code fence longer than any run of backticks in `text`, so it cannot end early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
 
 
 def hardware_title(rec: Recommendation, options: RenderOptions) -> str:
