@@ -9,9 +9,13 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from objective_logs import CPU_CAPACITY, reasoning_log
+from objective_logs import CPU_CAPACITY, MODEL, objective_log, reasoning_log
 
+import kvtune
 from kvtune.cli import cli
+from kvtune.policy.recommend import RecommendOptions
+from kvtune.policy.search import GUARANTEED, ObjectiveSpec, SearchGrid, recommend_for_objective, tail_rule_truncation
+from kvtune.policy.whatif import Goal
 
 QWEN = "/work/shared/configs/Qwen3-8B.json"
 
@@ -132,3 +136,17 @@ def test_check_holds_a_deployment_to_the_truncation_bound(log, tmp_path):
     kept = CliRunner().invoke(cli, ["check", str(out / "recommendation.json"), "--model", QWEN, "--deployed",
                                     str(out / "vllm-serve.sh"), "--deployed", str(out / "gateway.yaml")])
     assert kept.exit_code == 0 and "objective-met" in kept.stdout and "of answers cut by the caps" in kept.stdout
+
+
+def test_a_grid_without_the_tail_level_is_held_to_the_tail_rule(tmp_path):
+    # the library's search on a narrowed grid (no tail-rule row to read the bound from)
+    profile = kvtune.profile_logs([objective_log(tmp_path / "log.jsonl")])
+    plan = kvtune.plan(MODEL, measured=kvtune.measured_capacity(capacity_file=CPU_CAPACITY))
+    grid = SearchGrid(cap_levels=("p90", "p99"), safety_fractions=(0.9,), policies=(GUARANTEED,))
+    rec = recommend_for_objective(profile, plan, RecommendOptions(),
+                                  ObjectiveSpec(Goal.THROUGHPUT, concurrency=8, requests=50, seeds=1), grid=grid)
+    assert rec.objective is not None and rec.chosen is not None
+    assert rec.objective.max_truncation == tail_rule_truncation(rec.objective.traffic) > 0
+    assert rec.chosen.cap_level == "p99"
+    [p90] = [r for r in rec.what_if if r.cap_level == "p90"]
+    assert not p90.feasible

@@ -330,7 +330,7 @@ def truncation_limit(objective: Objective, candidates: Sequence[Candidate]) -> O
         return objective
     tail = [truncation_share(objective.traffic, c.deployment.caps) for c in candidates
             if c.cap_level == TAIL_LEVEL and c.rec is not None]
-    return dataclasses.replace(objective, max_truncation=max(tail_rule_truncation(objective.traffic), *tail))
+    return dataclasses.replace(objective, max_truncation=max([tail_rule_truncation(objective.traffic), *tail]))
 
 
 def simulate_deployment(objective: Objective, deployment: Deployment,
