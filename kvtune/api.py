@@ -132,7 +132,8 @@ def recommend(
     With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
     simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the
     logged arrival rate (or `rate_rps` / `concurrency`), and return the best one within
-    `max_preemption_rate` and `max_429_share`, its `what_if` table attached; `progress(done,
+    `max_preemption_rate`, `max_429_share` and `max_truncation` (the share of answers its caps
+    cut; default what the tail cap rule cuts), its `what_if` table attached; `progress(done,
     total)` after each row. kvtune.policy.search.InfeasibleObjectiveError (with the table) when
     no candidate meets them. `compare_engines` adds reference rows on SGLang's and TensorRT-LLM's
     own admission rules (kvtune.policy.whatif.ENGINE_ROWS). With an objective, `replicas` lists
@@ -181,7 +182,7 @@ def recommend(
         raise OptionError(f"{objective!r} is not one of {', '.join(GOALS)}", field="objective")
     spec = ObjectiveSpec(Goal(objective), slo, max_preemption_rate, max_429_share, rate_rps, concurrency,
                          DEFAULT_REQUESTS if requests is None else requests, seed,
-                         compare_engines=compare_engines)
+                         compare_engines=compare_engines, max_truncation=max_truncation)
     if len(replicas) > 1:
         from kvtune.policy.replica_search import replicas_for, search_replicas
         from kvtune.policy.search import SearchGrid

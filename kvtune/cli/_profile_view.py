@@ -25,12 +25,11 @@ def _fmt(q) -> str:
 
 def render_profile(profile: Profile, *, file=None) -> None:
     """Print the per-route table, one histogram per route, and the inputs read."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file, highlight=False)
-    if not console.is_terminal:  # a file or pipe: do not squeeze the table into 80 columns
-        console = Console(file=file, highlight=False, width=160)
+    from kvtune.cli._console import output_console
+
+    console = output_console(file, highlight=False)
     if not profile.routes:
         console.print("No requests to profile.")
         return

@@ -336,8 +336,7 @@ def _emit(report: dict[str, Any], output: OutputArgs, outputs: Any, out_file: An
     if output.json_:
         click.echo(text)
     else:
-        from rich.console import Console
-
         from kvtune.cli._bench_view import render_summary
+        from kvtune.cli._console import output_console
 
-        render_summary(report, Console())
+        render_summary(report, output_console())

@@ -58,7 +58,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
 
     \b
     Example:
-        kvtune profile sample_logs/openai_chat.jsonl
+        kvtune profile sample_logs/openai_chat_pairs.jsonl
         kvtune profile logs/ --save week1.json --json
         kvtune profile 's3://my-logs/2026-11-*/*.parquet' --json
         kvtune profile --merge week1.json week2.json

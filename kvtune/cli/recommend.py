@@ -181,7 +181,9 @@ policy_options = grouped("policy", PolicyArgs, [
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
-                 help="Pick the smallest cap whose expected truncation share is ≤ F (e.g. 0.01) instead of p95/p99."),
+                 help="Pick the smallest cap whose expected truncation share is ≤ F (e.g. 0.01) instead of p95/p99; "
+                      "with --objective, rows whose caps cut more answers are infeasible.  [default with "
+                      "--objective: the share the p95/p99 tail rule cuts]"),
     click.option("--route-header", metavar="NAME",
                  help="With --route-by FIELD: the request header that carries the group at request time; the "
                       "gateways cap each group by its exact value (set it in a trusted layer in front: a client "

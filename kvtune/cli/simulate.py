@@ -176,11 +176,10 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     if json_:
         click.echo(text)
     else:
-        from rich.console import Console
-
+        from kvtune.cli._console import output_console
         from kvtune.cli._simulate_view import render_simulation
 
-        render_simulation(run.report, run.timeline, Console())
+        render_simulation(run.report, run.timeline, output_console())
 
 
 def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tuple[Any, dict[str, Any], Any]:

@@ -572,7 +572,8 @@ class _Checker:
     def check_objective(self) -> None:
         """A recommendation searched for an objective (`recommend --objective`) carries it: the
         deployed engine and gateway are simulated on its traffic and load, as the what-if table
-        was, and a preemption rate or 429 share above its limits is a risk."""
+        was, and a preemption rate, 429 share or share of answers cut by the caps above its limits
+        is a risk."""
         objective = self.rec.objective
         if objective is None:
             return
@@ -593,7 +594,8 @@ class _Checker:
                      self._objective_source(), None)
             return
         figures = (f"{predicted.output_tokens_per_s:,.1f} output tokens/s, {predicted.preemption_rate:.1%} of requests "
-                   f"preempted, {predicted.share_429:.1%} answered 429 at {objective.load.label} "
+                   f"preempted, {predicted.share_429:.1%} answered 429, {predicted.truncation_share:.1%} of answers "
+                   f"cut by the caps at {objective.load.label} "
                    f"({objective.requests:,} simulated requests, {objective.seeds_label})")
         broken = violations(objective, predicted)
         source = self._objective_source()

@@ -388,6 +388,7 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "kvtune_version": __version__,
         "upstream": upstream,
         "engine_title": ENGINE_TITLES[rec.engine.name],
+        "hardware_title": hardware_title(rec, options),
         "served_model": rec.served_model or rec.model,
         "routes": routes,
         # the header routes match on (one per recommendation: the --route-header), for the notes
@@ -495,7 +496,10 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     env = make_environment()
     context = _context(rec, options, nginx="nginx.conf" in wanted)
     launch = launcher(rec.engine.name)
-    launch_files = launch.render(rec, env, context) if any(t in launch.FILES for t in wanted) else {}
+    reports = any(t in REPORT_TARGETS for t in wanted)
+    launch_files = launch.render(rec, env, context) if reports or any(t in launch.FILES for t in wanted) else {}
+    context["launch_commands"] = [{"file": name, "text": command, "fence": code_fence(command)}
+                                  for name, text in launch_files.items() for command in [launch_command(text)]]
     files: dict[str, str] = {}
     for name in wanted:
         if name in launch_files:
@@ -505,6 +509,33 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
         else:
             files[name] = env.get_template(TARGETS[name]).render(context)
     return files
+
+
+REPORT_TARGETS = ("report.html", "report.md")  # they show the launch commands rendered beside them
+
+
+def launch_command(text: str) -> str:
+    """What a rendered launch file runs, as the report shows it: a script without its shebang,
+    comment header and `set` line (the command itself); any other file (YAML options) whole."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("#!"):
+        return text.strip()
+    body = [line for line in lines if not line.startswith("#") and not line.startswith("set -")]
+    return "\n".join(body).strip()
+
+
+def code_fence(text: str) -> str:
+    """A Markdown code fence longer than any run of backticks in `text`, so it cannot end early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def hardware_title(rec: Recommendation, options: RenderOptions) -> str:
+    """What the deployment runs on, as the report titles it: "3 replicas × L40S × 1" (GPUs per replica)."""
+    gpus = rec.hardware.tensor_parallel_size * rec.hardware.pipeline_parallel_size
+    one = f"{rec.hardware.gpu or 'the given GPU memory'} × {gpus}"
+    replicas = max(options.replicas, len(rec.upstreams))
+    return f"{replicas} replicas × {one}" if replicas > 1 else one
 
 
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
