@@ -232,8 +232,8 @@ def test_engine_version_of_another_engine_is_named_in_its_assumptions():
     assert data["assumptions"][0].endswith("applied to SGLang 0.4.6: not read for that release")
 
 
-@pytest.mark.parametrize(("version", "utilization"), [("0.6.3", 0.9), ("0.11", 0.9), ("0.11.2", 0.9),
-                                                      ("0.12", 0.92), ("0.12.0", 0.92), ("0.33", 0.92)])
+@pytest.mark.parametrize(("version", "utilization"), [("0.6.3", 0.9), ("0.11", 0.9), ("0.19.1", 0.9),
+                                                      ("0.20", 0.92), ("0.20.0", 0.92), ("0.33", 0.92)])
 def test_engine_version_picks_the_default_utilization(version, utilization):
     """vLLM raised --gpu-memory-utilization's default from 0.9 to 0.92 (kvtune.engines.vllm
     FIRST_092_UTILIZATION_VERSION): an older release's pool is estimated at its own default."""

