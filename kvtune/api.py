@@ -20,6 +20,7 @@ the field. The CLI commands are thin calls of these functions.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -61,13 +62,16 @@ def profile_logs(
     progress: Callable | None = None,
     workers: int | None = 1,
     ray_address: str | None = None,
+    exclude: Sequence[str] = (),
 ) -> Profile:
     """Per-route exact histograms of output and prompt tokens from log files, directories or
     globs (or one saved profile, which is loaded). `route_by` names a route by "path" (default),
     "model" or a source field; `max_routes` folds the rest into `*`. `workers` processes read
     the logs (None: one per 2 cores for a big input; call it under `if __name__ == "__main__":`,
     as multiprocessing needs), or Ray tasks at `ray_address` ("" a local cluster): the same
-    profile either way.
+    profile either way. Files matching an `exclude` glob (relative path or base name) and files
+    kvtune wrote are not read (`Profile.skipped_files`, `Profile.notes`); logs without one usable
+    row raise InputError.
 
     >>> profile = kvtune.profile_logs(["sample_logs/"])
     >>> [(r.route, r.output.quantile(0.99).value_tokens) for r in profile.routes][:1]  # doctest: +SKIP
@@ -77,7 +81,8 @@ def profile_logs(
     from kvtune.profile.logs import load_profile_or_logs
 
     options = IngestOptions(format=format, fields=dict(fields or {}), route_by=route_by, tokenizer=tokenizer,
-                            on_error=parse_on_error(on_error), strict=strict, assume_cap=assume_cap)
+                            on_error=parse_on_error(on_error), strict=strict, assume_cap=assume_cap,
+                            exclude=tuple(exclude))
     return load_profile_or_logs([os.fspath(p) for p in paths], options, progress=progress, max_routes=max_routes,
                                 workers=workers, ray_address=ray_address)
 
@@ -103,6 +108,7 @@ def recommend(
     vllm_version: str | None = None,
     upstream: str | None = None,
     route_by: str | None = None,
+    route_header: str | None = None,
     served_model: str | None = None,
     engine: str | None = None,
     engine_version: str | None = None,
@@ -119,14 +125,17 @@ def recommend(
     replicas: Sequence[tuple[str, Plan]] = (),
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
-    number says which rule produced it. `route_by` must be what the profile's routes were named by.
+    number says which rule produced it. `route_by` must be what the profile's routes were named by;
+    with a log field, `route_header` names the request header that carries each group to the
+    gateway (without it, more than one group is an OptionError: no gateway could enforce their caps).
     `rec.feasibility` says whether the deployment can serve the logged traffic at all
     (kvtune.policy.feasibility); an infeasible one is returned, not raised: the CLI refuses it.
 
     With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
     simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the
     logged arrival rate (or `rate_rps` / `concurrency`), and return the best one within
-    `max_preemption_rate` and `max_429_share`, its `what_if` table attached; `progress(done,
+    `max_preemption_rate`, `max_429_share` and `max_truncation` (the share of answers its caps
+    cut; default what the tail cap rule cuts), its `what_if` table attached; `progress(done,
     total)` after each row. kvtune.policy.search.InfeasibleObjectiveError (with the table) when
     no candidate meets them. `compare_engines` adds reference rows on SGLang's and TensorRT-LLM's
     own admission rules (kvtune.policy.whatif.ENGINE_ROWS). With an objective, `replicas` lists
@@ -154,7 +163,7 @@ def recommend(
         vllm_version=(release if engine == "vllm" else CURRENT_VLLM_VERSION) if vllm_version is None
         else vllm_version,
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
-        route_by="path" if route_by is None else route_by, served_model=served_model,
+        route_by="path" if route_by is None else route_by, route_header=route_header, served_model=served_model,
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
     )
     if options.engine != plan.engine:
@@ -175,7 +184,7 @@ def recommend(
         raise OptionError(f"{objective!r} is not one of {', '.join(GOALS)}", field="objective")
     spec = ObjectiveSpec(Goal(objective), slo, max_preemption_rate, max_429_share, rate_rps, concurrency,
                          DEFAULT_REQUESTS if requests is None else requests, seed,
-                         compare_engines=compare_engines)
+                         compare_engines=compare_engines, max_truncation=max_truncation)
     if len(replicas) > 1:
         from kvtune.policy.replica_search import replicas_for, search_replicas
         from kvtune.policy.replicas import check_replicas, with_replica_context
@@ -242,16 +251,32 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
           max_truncation: float | None = None) -> CheckResult:
     """Deployed files (a vllm serve command or script, gateway.yaml, nginx.conf) judged together
-    against the recommendation: `result.passed` is False on a risk.
+    against the recommendation: `result.passed` is False on a risk. An estimated capacity is
+    recomputed from each engine file's flags (the recommendation's model resolved again), and
+    the gateway budgets are held to that pool.
 
     >>> result = kvtune.check(rec, ["deploy/vllm-serve.sh", "deploy/gateway.yaml"])
     >>> result.passed, [f.code for f in result.findings]                # doctest: +SKIP
     (True, [])
     """
-    from kvtune.deploy.check import check_deployment
+    from kvtune.deploy.check import Finding, Severity, check_deployment
     from kvtune.deploy.read import load_deployed
+    from kvtune.model import resolve_model
+    from kvtune.weights import weights_for
 
-    return check_deployment([load_deployed(p) for p in deployed], rec, max_truncation=max_truncation)
+    files = [load_deployed(p) for p in deployed]
+    engines = [d for d in files if d.is_engine]
+    if rec.capacity.source != "estimate" or not engines:
+        return check_deployment(files, rec, max_truncation=max_truncation)
+    try:
+        spec = resolve_model(rec.model)
+    except KvtuneError as exc:
+        result = check_deployment(files, rec, max_truncation=max_truncation)
+        unresolved = Finding(Severity.INFO, "pool-not-recomputed",
+                             f"the KV pool was not recomputed from the engine's flags: {exc.message}",
+                             "budgets are held to the recommendation's estimated pool", engines[0].source)
+        return dataclasses.replace(result, findings=(*result.findings, unresolved))
+    return check_deployment(files, rec, max_truncation=max_truncation, spec=spec, weights=weights_for(spec))
 
 
 def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:

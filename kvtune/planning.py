@@ -11,11 +11,13 @@ them (`PlanError` names the setting, the caller's value and the measured one).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.memory import memory_model
 from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, vllm
@@ -24,9 +26,14 @@ from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
 from kvtune.weights import weights_for
 
+if TYPE_CHECKING:
+    from kvtune.weights import WeightsEstimate
+
 T = TypeVar("T", float, str)
 
-# vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md).
+# vLLM's defaults where neither the caller nor a measurement says (reference/vllm-facts.md);
+# the utilization is the current release's (an older `engine_version` takes its own:
+# kvtune.engines.vllm.default_gpu_memory_utilization).
 DEFAULT_GPU_MEMORY_UTILIZATION = vllm.GPU_MEMORY_UTILIZATION
 DEFAULT_KV_CACHE_DTYPE = "auto"
 
@@ -49,6 +56,27 @@ class Basis(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
+class CapacityInputs:
+    """What the capacity was planned from besides the model (kvtune.capacity.plan.plan_capacity's
+    arguments): `replan` repeats it at other scheduler limits."""
+
+    weights: WeightsEstimate
+    gpu_name: str | None
+    gpu_memory_bytes: int | None
+    gpu_memory_utilization: float | None
+    max_model_len: int | None
+    max_num_batched_tokens: int | None
+    block_size: int | None
+    shapes: tuple[RequestShape, ...]
+    measured: MeasuredCapacity | None
+    enforce_eager: bool
+    engine: str
+    engine_version: str | None
+    max_kv_tokens: int | None
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A model on a deployment: spec, KV cost, capacity, and the settings behind the capacity."""
 
@@ -62,6 +90,7 @@ class Plan:
     kv_cache_dtype: Basis[str]
     kv_cache_memory_bytes: int | None = None  # the server's --kv-cache-memory-bytes, when measured
     engine: str = "vllm"  # whose memory model and defaults the plan follows; gpu_memory_utilization is its fraction
+    inputs: CapacityInputs | None = None  # what the capacity was planned from (None: a plan built by hand)
     max_model_len_given: int | None = None  # the caller's max_model_len (None: the model's context is the default)
     # the longest context every engine replica holds, when one launch file runs several (None: this plan's pool)
     replica_context_tokens: int | None = None
@@ -128,7 +157,8 @@ def plan(
                         f"not {ENGINE_TITLES.get(engine, engine)}: pass `engine` {measured.engine}", field="engine")
     utilization = (_basis("gpu_memory_utilization", gpu_memory_utilization,
                           measured.gpu_memory_utilization if measured else None,
-                          DEFAULT_GPU_MEMORY_UTILIZATION, measured) if engine == "vllm" else None)
+                          vllm.default_gpu_memory_utilization(memory_model(engine_version).version), measured)
+                   if engine == "vllm" else None)
     dtype = _basis("kv_cache_dtype", kv_cache_dtype, measured.kv_cache_dtype if measured else None,
                    DEFAULT_KV_CACHE_DTYPE, measured)
     if measured is not None and measured.block_size is not None and block_size is not None \
@@ -146,24 +176,31 @@ def plan(
                              default_fraction(engine, memory_bytes, tp=tp, pp=pp, spec=spec,
                                               chunked_prefill_size=max_num_batched_tokens), measured)
     kv = kv_bytes(spec, kv_cache_dtype=dtype.value, tp=tp, pp=pp)
-    report = plan_capacity(
-        spec, kv, weights_for(spec),
-        gpu_name=gpu_name,
-        gpu_memory_bytes=memory_bytes,
+    inputs = CapacityInputs(
+        weights=weights_for(spec), gpu_name=gpu_name, gpu_memory_bytes=memory_bytes,
         # an engine's own default is derived again there, where its assumptions say how
         gpu_memory_utilization=None if engine != "vllm" and utilization.source == "default" else utilization.value,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size,
-        shapes=shapes,
-        measured=measured,
-        enforce_eager=enforce_eager,
-        engine=engine,
-        engine_version=engine_version,
+        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+        shapes=shapes, measured=measured, enforce_eager=enforce_eager, engine=engine, engine_version=engine_version,
         max_kv_tokens=max_kv_tokens,
     )
-    return Plan(model, spec, kv, report, gpu_name, memory_bytes, utilization, dtype,
-                measured.kv_cache_memory_bytes if measured else None, engine, max_model_len)
+    return Plan(model, spec, kv, _planned(spec, kv, inputs), gpu_name, memory_bytes, utilization, dtype,
+                measured.kv_cache_memory_bytes if measured else None, engine, inputs, max_model_len)
+
+
+def _planned(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs) -> CapacityReport:
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.name != "weights"}
+    return plan_capacity(spec, kv, inputs.weights, **fields)
+
+
+def replan(p: Plan, *, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
+    """The same plan with the engine's scheduler limits set: vLLM's startup profile runs its dummy
+    sampler over max_num_seqs sequences and its forward over max_num_batched_tokens tokens, so
+    the pool it leaves depends on both (kvtune.capacity.memory.estimate_overhead)."""
+    if p.inputs is None:
+        raise ValueError("a plan built by hand cannot be replanned")
+    inputs = dataclasses.replace(p.inputs, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return dataclasses.replace(p, report=_planned(p.spec, p.kv, inputs), inputs=inputs)
 
 
 def _basis(name: str, given: T | None, reported: T | None, default: T, measured: MeasuredCapacity | None) -> Basis[T]:
@@ -234,5 +271,5 @@ def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = No
     return None
 
 
-__all__ = ["Plan", "Basis", "PlanError", "plan", "measured_capacity",
+__all__ = ["Plan", "Basis", "CapacityInputs", "PlanError", "plan", "replan", "measured_capacity",
            "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_KV_CACHE_DTYPE"]

@@ -2,6 +2,7 @@
 # What the test suite needs besides Python packages (idempotent):
 #   - nginx with the Lua module and lua-cjson (Debian packages), to test the rendered nginx.conf;
 #   - redis-server (Debian package), the real Redis the shared ledger's tests start on a free port;
+#   - chromium (Debian package), the headless browser that lays out report.html in its tests;
 #   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine;
 #   - SGLang's argument parser in its own virtualenv (scripts/setup-sglang-parser.sh), to check
 #     rendered sglang-serve.sh files with SGLang's own parser.
@@ -21,6 +22,13 @@ if ! command -v redis-server >/dev/null; then
     [[ $(id -u) -eq 0 ]] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if ! command -v chromium >/dev/null; then
+    SUDO=""
+    [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
 scripts/setup-vllm-cpu.sh

@@ -14,7 +14,8 @@ came back.
 
 small_rec(upstream_port) is the recommendation both are rendered from: a budget of 100 blocks of
 16 tokens, context 2048, chat cap 64, completions cap 96, a hostile-model chat route capped at
-32, a custom path /v1/summarize capped at 48, and a catch-all capped at 128. small_fake() is the
+32, a custom path /v1/summarize capped at 48, and a catch-all capped at 128; team_rec(port) the
+same with X-Team header routes in front. small_fake() is the
 fake vLLM it fronts: one token per word, context 2048, and /v1/summarize an engine path.
 """
 
@@ -95,6 +96,29 @@ def small_rec(upstream_port: int, *, chat_lengths: tuple[list[int], list[int]] |
     completions["max_new_tokens"]["value"] = COMPLETIONS_CAP
     rec["routes"] = [hostile, chat, completions, custom]
     return Recommendation.from_dict(rec, path="small_rec")
+
+
+TEAM_HEADER, TEAM_A, TEAM_B = "X-Team", "rag-search", "support-chat"
+TEAM_A_CAP, TEAM_B_CAP, TEAM_B_CUSTOM_CAP = 40, 24, 20
+
+
+def team_rec(upstream_port: int) -> Recommendation:
+    """small_rec with routes on the X-Team header in front (as `recommend --route-header X-Team`
+    renders them, plus a header and a path together): rag-search capped at 40 on every path,
+    support-chat at 24 on chat only and at 20 on the custom /v1/summarize."""
+    rec = small_rec(upstream_port).to_dict()
+    chat_route = rec["routes"][1]
+    team_a, team_b, team_b_custom = (copy.deepcopy(chat_route) for _ in range(3))
+    team_a["route"], team_a["match"] = TEAM_A, {"path": None, "model": None, "header": "x-team", "value": TEAM_A}
+    team_a["max_new_tokens"]["value"] = TEAM_A_CAP
+    team_b["route"] = TEAM_B
+    team_b["match"] = {"path": "/v1/chat/completions", "model": None, "header": "x-team", "value": TEAM_B}
+    team_b["max_new_tokens"]["value"] = TEAM_B_CAP
+    team_b_custom["route"] = TEAM_B + " summarize"
+    team_b_custom["match"] = {"path": "/v1/summarize", "model": None, "header": "x-team", "value": TEAM_B}
+    team_b_custom["max_new_tokens"]["value"] = TEAM_B_CUSTOM_CAP
+    rec["routes"] = [team_a, team_b, team_b_custom, *rec["routes"]]
+    return Recommendation.from_dict(rec, path="team_rec")
 
 
 def words(n: int) -> str:

@@ -32,3 +32,20 @@ def objective_log(path: Path, *, rows: int = 600, rate_rps: float = 20.0, seed: 
         lines.append(json.dumps(row))
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+def reasoning_log(path: Path, *, rows: int = 600, rate_rps: float = 20.0, seed: int = 0) -> str:
+    """Qwen3-8B's reasoning-length answers on the CPU test bed's context (512 tokens): one chat
+    route with long heavy-tailed outputs (lognormal, median ~120 tokens, up to 440), prompts
+    16–64 tokens, Poisson arrivals at `rate_rps`; every row names the logged model."""
+    rng = np.random.default_rng(seed)
+    t = 1_700_000_000.0
+    lines = []
+    for _ in range(rows):
+        prompt = int(rng.integers(16, 64))
+        output = int(min(440, max(1, rng.lognormal(4.8, 0.8))))
+        t += float(rng.exponential(1 / rate_rps))
+        lines.append(json.dumps({"route": "/v1/chat/completions", "model": "Qwen/Qwen3-8B", "prompt_tokens": prompt,
+                                 "output_tokens": output, "finish_reason": "stop", "timestamp_s": round(t, 3)}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)

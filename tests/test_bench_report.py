@@ -126,3 +126,10 @@ def test_slo_attainment_check_without_expect():
                                          "detail": "share of requests (errors included) that met every SLO"}}
     assert judge(results, server(), expect=None, slo=parse_slo("ttft=500"), attainment=0.95)["passed"] is False
     assert judge(results, server(), expect=None) is None
+
+
+def test_an_answer_cut_short_of_what_it_asked_for_misses_the_slo():
+    # in time, but a gateway's cap stopped it at 30 of the 50 tokens its client asked for
+    results = [result(0, asked=50, got=50), result(1, asked=50, got=30), result(2, asked=50, got=50, finish="stop")]
+    s = summarize(results, duration_s=1.0, slo=parse_slo("ttft=500"))
+    assert s["requests"]["completed"] == 3 and s["goodput"]["requests_met"] == 2

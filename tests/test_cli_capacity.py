@@ -270,3 +270,19 @@ def test_engine_version_of_another_engine_is_named_in_its_assumptions():
     data = json.loads(result.stdout)
     assert (data["engine"], data["engine_version"]) == ("sglang", "0.5.23")  # the release whose model it applies
     assert data["assumptions"][0].endswith("applied to SGLang 0.4.6: not read for that release")
+
+
+@pytest.mark.parametrize(("version", "utilization"), [("0.6.3", 0.9), ("0.11", 0.9), ("0.19.1", 0.9),
+                                                      ("0.20", 0.92), ("0.20.0", 0.92), ("0.33", 0.92)])
+def test_engine_version_picks_the_default_utilization(version, utilization):
+    """vLLM raised --gpu-memory-utilization's default from 0.9 to 0.92 (kvtune.engines.vllm
+    FIRST_092_UTILIZATION_VERSION): an older release's pool is estimated at its own default."""
+    d = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine-version", version)
+    assert d["gpu_memory_utilization"] == utilization
+    assert d["requested_memory_bytes"] == -(-d["gpu_memory_bytes"] * round(utilization * 100) // 100)
+
+
+def test_a_given_utilization_wins_over_the_release_default():
+    d = run_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine-version", "0.11",
+                 "--gpu-memory-utilization", "0.92")
+    assert d["gpu_memory_utilization"] == 0.92

@@ -48,6 +48,6 @@ def test_an_infeasible_recommendation_is_a_risk_against_any_deployed_file(tmp_pa
     assert result.exit_code == 1
     lines = result.output.splitlines()
     risk = next(i for i, line in enumerate(lines) if line.startswith("RISK engine-refuses-start"))
-    assert "the pool has 204 (203 usable beside the null block)" in lines[risk]
-    assert lines[risk + 1].strip() == ("why: the deployment cannot serve the logged traffic; fits with --tp 4 "
-                                       "(pool 27,322 blocks)")
+    assert "the pool has 1,585 (1,584 usable beside the null block)" in lines[risk]
+    assert lines[risk + 1].strip() == ("why: the deployment cannot serve the logged traffic; fits with "
+                                       "--kv-cache-dtype fp8 (pool 3,171 blocks); or --tp 4 (pool 24,730 blocks)")

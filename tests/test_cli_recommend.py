@@ -266,6 +266,19 @@ def test_engine_version_and_its_older_name_both_set_the_release(flag):
     assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in rec["capacity"]["assumptions"])
 
 
+@pytest.mark.parametrize(("version", "rendered"), [("0.19", "0.9"), ("0.20", "0.92")])
+def test_the_rendered_utilization_is_the_release_default(tmp_path, version, rendered):
+    """recommend --engine-version renders the release's own --gpu-memory-utilization default (0.9
+    before 0.20), the one its capacity estimate was computed at."""
+    out = tmp_path / "d"
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--engine-version", version, "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert f"--gpu-memory-utilization {rendered} " in (out / "vllm-serve.sh").read_text()
+    rec = json.loads((out / "recommendation.json").read_text())
+    assert rec["settings"]["gpu_memory_utilization"]["value"] == float(rendered)
+
+
 def test_engine_version_and_vllm_version_must_agree():
     result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                                       "--engine-version", "0.6.3", "--vllm-version", "0.19"])

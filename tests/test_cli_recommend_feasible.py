@@ -27,23 +27,26 @@ def rec_json(*args: str) -> dict:
     return json.loads(result.stdout)["recommendation"]
 
 
-def test_llama_70b_on_two_h100s_is_refused_with_the_smallest_tp_that_fits(tmp_path):
+def test_llama_70b_on_two_h100s_is_refused_with_fp8_and_the_smallest_tp_that_fit(tmp_path):
     out = tmp_path / "d"
     result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2", "--out", str(out))
     assert result.exit_code == 1
     assert not out.exists()
     assert result.stderr.splitlines() == [
         "Error: this deployment cannot serve the logged traffic: vLLM would refuse to start: one request at "
-        "max_model_len 131,072 needs 8,192 blocks of 16, the pool has 204 (203 usable beside the null block), so "
-        "at most 3,248 tokens",
-        "Fix: fits with --tp 4 (pool 27,322 blocks)",
+        "max_model_len 131,072 needs 8,192 blocks of 16, the pool has 1,585 (1,584 usable beside the null block), "
+        "so at most 25,344 tokens",
+        "Fix: fits with --kv-cache-dtype fp8 (pool 3,171 blocks); or --tp 4 (pool 24,730 blocks)",
         "Nothing was written.",
     ]
-    # the fix is right: tp 4 fits (and fp8 KV at tp 2 does not, so it is not offered)
+    # the fix is right: fp8 KV at tp 2 holds the longest logged request (32,885 tokens) in 3,170 usable blocks,
+    # and so does tp 4; tp 3 is not a split the model takes, so 4 is the smallest larger one
+    fp8 = recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2", "--kv-cache-dtype", "fp8",
+                    "--out", str(out))
+    assert fp8.exit_code == 0, fp8.output
+    assert "--max-model-len 50720" in (out / "vllm-serve.sh").read_text()  # (3,171 − 1) × 16
     assert recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "4", "--out",
-                     str(out)).exit_code == 0
-    assert recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2", "--kv-cache-dtype",
-                     "fp8", "--json").exit_code == 1
+                     str(tmp_path / "tp4")).exit_code == 0
 
 
 def test_json_carries_the_verdict_and_no_files():
@@ -53,8 +56,9 @@ def test_json_carries_the_verdict_and_no_files():
     assert d["files"] == {}
     v = d["recommendation"]["feasibility"]
     assert v["fits"] is False and v["reasons"][0]["code"] == "engine-refuses-start"
-    assert v["pool_blocks"] == 204 and v["longest_held_tokens"] == 203 * 16
-    assert v["longest_request_tokens"] == 32885 and v["fix"] == "fits with --tp 4 (pool 27,322 blocks)"
+    assert v["pool_blocks"] == 1585 and v["longest_held_tokens"] == 1584 * 16
+    assert v["longest_request_tokens"] == 32885
+    assert v["fix"] == "fits with --kv-cache-dtype fp8 (pool 3,171 blocks); or --tp 4 (pool 24,730 blocks)"
     assert d["error"] == v["why"]
 
 
@@ -75,7 +79,8 @@ def test_a_measured_pool_below_the_longest_request_is_refused_with_the_estimated
     result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "30000", "--gpu", "H100-80GB", "--tp", "2",
                        "--out", str(tmp_path / "d"))
     assert result.exit_code == 1 and not (tmp_path / "d").exists()
-    assert "Fix: fits with --tp 4 (pool 27,322 blocks) by the estimate: measure it there" in result.stderr
+    assert ("Fix: fits with --kv-cache-dtype fp8 (pool 3,171 blocks) by the estimate: measure it there; "
+            "or --tp 4 (pool 24,730 blocks) by the estimate: measure it there") in result.stderr
     # without a GPU to estimate another pool with, the pool the logs need
     result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "30000")
     assert result.exit_code == 1
@@ -109,9 +114,10 @@ def test_qwen3_8b_renders_its_context_when_the_logs_are_short(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ["sglang", "trtllm"])
-def test_other_engines_are_refused_when_the_pool_is_below_the_longest_request(engine, tmp_path):
+def test_other_engines_are_refused_when_the_pool_is_below_the_longest_request(engine, tmp_path, tokenizer_dir):
     result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--engine", engine, "--kv-tokens", "20000",
-                       "--gateway-tokenizer", "upstream", "--out", str(tmp_path / "d"))
+                       "--gateway-tokenizer", tokenizer_dir if engine == "trtllm" else "upstream",
+                       "--out", str(tmp_path / "d"))
     assert result.exit_code == 1 and not (tmp_path / "d").exists()
     assert "starts but" in result.stderr.splitlines()[0]
     assert result.stderr.splitlines()[1].startswith("Fix: needs a KV pool that holds the longest logged prompt")

@@ -31,7 +31,8 @@ def test_the_table_in_the_terminal(log):
     assert "What if (simulated)" in out and "▶ chosen" in out
     assert "direct (vLLM defaults)" in out and "whole context" in out
     assert "✗ preemption rate" in out  # direct to vLLM preempts 32 clients on 31 blocks
-    assert "objective: the most output tokens/s within preemption rate ≤ 1.0%, at 32 concurrent clients" in out
+    assert "objective: the most output tokens/s within preemption rate ≤ 1.0%, answers truncated by the caps ≤ " in out
+    assert "%, at 32 concurrent clients" in out
     assert "× direct to vLLM's" in out  # the headline compares with direct ...
     assert "concurrent requests for the logged route mix" not in out  # ... instead of the worst-case ratio
 

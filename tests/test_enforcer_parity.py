@@ -30,12 +30,18 @@ from enforcers import (
     HOSTILE,
     HOSTILE_CAP,
     HOSTILE_MODEL,
+    TEAM_A,
+    TEAM_A_CAP,
+    TEAM_B,
+    TEAM_B_CAP,
+    TEAM_B_CUSTOM_CAP,
     blocks,
     chat,
     in_thread,
     small_fake,
     small_rec,
     start_enforcer,
+    team_rec,
     words,
 )
 from fake_vllm import DONE_EVENT, ROLE_EVENT
@@ -90,6 +96,96 @@ def test_route_table_and_budget(enforcer):
     assert ledger["budget"] == BUDGET and ledger["reserved"] == 0
     assert {k: ledger[k] for k in ("policy", "factor", "epsilon", "limit", "overflow_probability")} == {
         "policy": "guaranteed", "factor": None, "epsilon": None, "limit": BUDGET, "overflow_probability": None}
+
+
+# ---------------------------------------------------------------- routes on a request header
+
+@pytest.fixture(params=["python", "nginx"])
+def team_enforcer(request, tmp_path, upstream):
+    server = start_enforcer(request.param, team_rec(upstream.port), tmp_path / "nginx", nginx_worker_processes="1",
+                            limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("path, team, cap", [
+    ("/v1/chat/completions", TEAM_A, TEAM_A_CAP),
+    ("/v1/chat/completions", TEAM_B, TEAM_B_CAP),
+    ("/v1/completions", TEAM_A, TEAM_A_CAP),              # rag-search's route names no path
+    ("/v1/completions", TEAM_B, COMPLETIONS_CAP),         # support-chat's names chat: the path route
+    ("/v1/summarize", TEAM_B, TEAM_B_CUSTOM_CAP),         # header and custom path together
+    ("/v1/summarize", None, CUSTOM_CAP),
+    ("/v1/chat/completions", None, CHAT_CAP),             # no header: the routes after the header ones
+    ("/v1/responses", None, DEFAULT_CAP),                 # ... down to the catch-all, still capped
+    ("/v1/responses", TEAM_A, TEAM_A_CAP),
+    ("/v1/responses", "unknown-team", DEFAULT_CAP),       # a value no route names
+    ("/v1/responses", "", DEFAULT_CAP),                   # an empty one
+    ("/v1/responses", TEAM_A.upper(), DEFAULT_CAP),       # values are exact, case included
+    ("/v1/responses", f"  {TEAM_A}  ", TEAM_A_CAP),       # the space around a header value is no part of it
+    ("/v1/responses", TEAM_A + "x" * 3000, DEFAULT_CAP),  # a long value never matches (nor costs a regex)
+    ("/v1/responses", f"{TEAM_A}, {TEAM_B}", DEFAULT_CAP),  # two values on one line match neither
+])
+def test_a_header_route_caps_its_group(team_enforcer, upstream, path, team, cap):
+    body = {"/v1/chat/completions": chat(10, max_tokens=4000),
+            "/v1/completions": {"model": "m", "prompt": words(10), "max_tokens": 4000},
+            "/v1/summarize": {"model": "m", "prompt": words(10)},
+            "/v1/responses": {"model": "m", "input": words(10), "max_output_tokens": 4000}}[path]
+    status, headers, answer = team_enforcer.request(path, body, headers=None if team is None else {"X-Team": team})
+    assert status == 200, answer
+    assert headers["X-Kvtune-Max-Tokens"] == str(cap)
+    assert _reserved(headers) == blocks(10, cap)
+    assert team_enforcer.wait_ledger(0)["reserved"] == 0
+
+
+def test_the_header_name_is_case_insensitive(team_enforcer, upstream):
+    for name in ("x-team", "X-TEAM", "x-TeAm"):
+        status, headers, _ = team_enforcer.request("/v1/chat/completions", chat(10), headers={name: TEAM_B})
+        assert status == 200 and upstream.seen[-1]["max_tokens"] == TEAM_B_CAP, name
+
+
+def test_the_route_header_counts_after_many_other_headers(team_enforcer, upstream):
+    """Past the 100 headers ngx.req.get_headers reads by default: the value, and a second copy, still count."""
+    pad = {f"X-Pad-{i}": "x" for i in range(110)}  # aiohttp (the fake) takes at most 128
+    status, headers, answer = team_enforcer.request("/v1/chat/completions", chat(10), headers={**pad, "X-Team": TEAM_B})
+    assert status == 200, answer
+    assert headers["X-Kvtune-Max-Tokens"] == str(TEAM_B_CAP)
+    status, _, answer = team_enforcer.request("/v1/chat/completions", chat(10),
+                                              headers={"x-team": TEAM_B, **pad, "X-Team": TEAM_A})
+    assert (status, _error(answer)) == (400, "duplicate_route_header")
+
+
+def test_header_routes_are_in_the_route_table(team_enforcer):
+    assert team_enforcer.ledger()["routes"][:3] == [TEAM_A, TEAM_B, TEAM_B + " summarize"]
+
+
+def _twice(port: int, path: str, first: str, second: str, value_a: str, value_b: str) -> tuple[int, str]:
+    """A request carrying the route header on two lines (http.client would join a dict's)."""
+    body = json.dumps(chat(10)).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader(first, value_a)
+        conn.putheader(second, value_b)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, _error(resp.read()) if resp.status != 200 else ""
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("first, second, value_a, value_b", [
+    ("X-Team", "X-Team", TEAM_B, TEAM_A),       # two groups: which one holds is not for the client to pick
+    ("X-Team", "x-team", TEAM_A, TEAM_A),       # the same one twice, in two spellings of the name
+    ("x-team", "X-Team", "", TEAM_A),           # an empty one beside a real one
+])
+def test_a_route_header_sent_twice_is_refused(team_enforcer, upstream, first, second, value_a, value_b):
+    assert _twice(team_enforcer.port, "/v1/chat/completions", first, second, value_a, value_b) == (
+        400, "duplicate_route_header")
+    assert upstream.seen == [] and team_enforcer.ledger()["reserved"] == 0
 
 
 # ---------------------------------------------------------------- caps, by each endpoint's own fields

@@ -123,11 +123,11 @@ def test_bad_sglang_values_name_the_variable_or_flag(text, field):
 # --- TensorRT-LLM ---------------------------------------------------------------------------------
 
 
-def test_trtllm_needs_a_tokenizer_for_its_gateway(profile):
+def test_trtllm_gateway_counts_with_the_served_models_tokenizer_by_its_hub_id(profile):
     rec = recommendation(profile, "trtllm")
     assert "nginx.conf" not in default_targets(rec)  # nginx counts with /tokenize, which trtllm-serve lacks
-    with pytest.raises(OptionError, match="no /tokenize"):
-        render_files(rec)
+    gateway = render_files(rec)["gateway.yaml"]  # the engine's files never wait on a tokenizer directory
+    assert '  method: "tokenizer"\n  tokenizer: "meta-llama/Llama-3.1-8B"\n' in gateway
     with pytest.raises(OptionError, match="nginx.conf cannot run a tokenizer"):
         render_files(rec, targets=["nginx.conf"])
     assert "nginx.conf" in render_files(rec, targets=["nginx.conf"], options=RenderOptions(estimate_chars_per_token=4))
@@ -206,4 +206,7 @@ def test_the_cli_renders_the_engine_release_it_was_told(tmp_path):
         ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "recommendation.json", "report.html", "report.md"])
     result = CliRunner().invoke(cli, ["recommend", str(SAMPLE_LOGS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                                       "--engine", "trtllm", "--out", str(tmp_path / "t")])
-    assert result.exit_code == 2 and "--gateway-tokenizer" in result.output and not (tmp_path / "t").exists()
+    assert result.exit_code == 0, result.output  # no --gateway-tokenizer: the engine's files all the same
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == sorted(
+        ["trtllm-serve.sh", "trtllm-llm-api.yaml", "gateway.yaml", "recommendation.json", "report.html", "report.md"])
+    assert "Note: nginx.conf is not rendered for TensorRT-LLM: its server has no /tokenize" in result.stderr

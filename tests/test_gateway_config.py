@@ -46,6 +46,36 @@ def test_prefix_and_model_match():
     assert config.route_for("/v2/x", "coder").name == "rest"
 
 
+def test_header_routes_match_the_exact_value_of_a_case_insensitive_name():
+    config = parse_gateway_config(_doc(routes=[
+        {"name": "rag", "match": {"header": "X-Team", "value": "rag-search"}, "max_new_tokens": 300},
+        {"name": "support", "match": {"header": "x-team", "value": "support chat", "path": "/v1/chat/completions"},
+         "max_new_tokens": 200},
+        {"name": "rest", "max_new_tokens": 500},
+    ]))
+    assert config.route_headers == ("x-team",) and config.routes[0].match.header == "x-team"
+    assert config.route_for("/v1/completions", None, {"x-team": "rag-search"}).name == "rag"
+    assert config.route_for("/v1/chat/completions", None, {"x-team": "support chat"}).name == "support"
+    assert config.route_for("/v1/completions", None, {"x-team": "support chat"}).name == "rest"
+    assert config.route_for("/v1/completions", None, {"x-team": "Rag-Search"}).name == "rest"
+    assert config.route_for("/v1/completions", None).name == "rest"
+
+
+@pytest.mark.parametrize("match, field, words", [
+    ({"header": "X-Team"}, "routes[0].match.value", "missing"),
+    ({"value": "a"}, "routes[0].match.value", "only with match.header"),
+    ({"header": "X Team", "value": "a"}, "routes[0].match.header", "is not a header name"),
+    ({"header": "X-Team", "value": "a,b"}, "routes[0].match.value", "no comma"),
+    ({"header": "X-Team", "value": " a"}, "routes[0].match.value", "no space at either end"),
+    ({"header": "X-Team", "value": "équipe"}, "routes[0].match.value", "printable ASCII"),
+    ({"header": "X-Team", "value": "a" * 257}, "routes[0].match.value", "at most 256"),
+    ({"header": "X-Team", "value": 7}, "routes[0].match.value", "not a header value"),
+])
+def test_header_matches_a_gateway_cannot_hold_are_refused(match, field, words):
+    with pytest.raises(InputError, match=re.escape(field) + ": .*" + words):
+        parse_gateway_config(_doc(routes=[{"name": "r", "max_new_tokens": 20, "match": match}]))
+
+
 def test_paths_are_literal():
     """A `*` came from logs as part of a route name: it never widens a route to a prefix."""
     with pytest.raises(InputError, match="routes\\[0\\].match.path: a path is literal"):

@@ -177,7 +177,9 @@ def test_one_upstream_is_never_probed_and_the_probe_options_are_checked(tmp_path
 
     rec = Recommendation.from_dict(rec_dict())
     one = render_files(rec, targets=["nginx.conf"])["nginx.conf"]
-    assert "init_worker_by_lua_block" not in one and "health = {" not in one
+    # every worker starts the refusal log's timer; only several upstreams start the probe's
+    assert 'require("kvtune_gateway").watch_health()' not in one and "health = {" not in one
+    assert 'require("kvtune_gateway").watch_refusals()' in one
     # https engines named by host name, a probe of its own: rendered alike in gateway.yaml
     doc = {**rec_dict(), "upstream": "https://localhost:8443"}
     probe = HealthProbe(interval_s=0.5, timeout_s=0.25, path="/ping")

@@ -143,7 +143,7 @@ def test_the_first_bad_file_in_input_order_is_the_one_reported(dataset):
 def test_a_parquet_file_read_in_runs_of_row_groups_names_its_bad_row_by_the_files_number(dataset, tmp_path):
     _, paths = dataset
     parquet = paths[17]
-    plans, _ = plan_logs([str(parquet)], IngestOptions())
+    plans, _, _ = plan_logs([str(parquet)], IngestOptions())
     tasks = parallel.split(plans, 3)
     assert [t.plan.row_groups for t in tasks] == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
     assert _saved(tmp_path, "pq2", str(parquet), "--workers", "2") == _saved(tmp_path, "pq1", str(parquet))
@@ -181,7 +181,7 @@ def test_recommend_and_simulate_take_workers_too(dataset, tmp_path):
 
 def test_batch_api_inputs_join_across_files_so_they_are_read_in_one_process(tmp_path):
     logs = [str(ROOT / "tests" / "data" / "logs" / f"openai_batch_{kind}.jsonl") for kind in ("output", "input")]
-    plans, _ = plan_logs(logs, IngestOptions())
+    plans, _, _ = plan_logs(logs, IngestOptions())
     assert not parallel.parallel_safe(plans)
     one = profile_logs(logs, IngestOptions())
     assert profile_logs(logs, IngestOptions(), workers=2) == one
@@ -190,7 +190,7 @@ def test_batch_api_inputs_join_across_files_so_they_are_read_in_one_process(tmp_
 
 def test_auto_uses_one_process_for_a_small_input(dataset):
     root, _ = dataset
-    plans, _ = plan_logs([str(root)], IngestOptions())
+    plans, _, _ = plan_logs([str(root)], IngestOptions())
     assert parallel.auto_workers(plans) == 1
     big = [replace(p, size=parallel.AUTO_MIN_BYTES) for p in plans[:1]]
     assert parallel.auto_workers(big) == max(1, parallel.usable_cores() // parallel.CORES_PER_WORKER)

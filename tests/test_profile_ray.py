@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,3 +158,23 @@ def test_an_address_where_no_cluster_listens_is_one_line_at_once(dataset):
     assert "cannot join the Ray cluster at 127.0.0.1:" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - start < 30
+
+
+def test_exclude_and_kvtune_outputs_are_left_out_on_a_cluster_as_in_one_process(dataset, cluster, tmp_path):
+    """--exclude and the files kvtune wrote are decided where the inputs are planned, before any
+    task: a cluster reads the same files as one process and reports the same files not read."""
+    root, paths = dataset
+    logs = tmp_path / "logs"
+    shutil.copytree(root, logs)
+    saved = _kvtune("profile", str(logs), "--quiet", "--workers", "1", "--save", str(logs / "week.json"))
+    assert saved.returncode == 0, saved.stderr
+    skip = paths[0].relative_to(root).as_posix()
+    args = ("profile", str(logs), "--json", "--quiet", "--exclude", skip)
+    one = _kvtune(*args, "--workers", "1")
+    ray = _kvtune(*args, f"--ray={cluster}")
+    assert one.returncode == ray.returncode == 0, ray.stderr
+    assert ray.stdout == one.stdout
+    summary = json.loads(ray.stdout)
+    assert summary["skipped_files"] == [{"path": str(logs / skip), "reason": f"--exclude {skip}"},
+                                        {"path": str(logs / "week.json"),
+                                         "reason": "kvtune's own output: written by kvtune profile --save"}]

@@ -50,8 +50,9 @@ class Slo:
     e2e_ms: float | None = None
 
     def met(self, r: RequestResult) -> bool:
-        """OK and within every objective; a TPOT objective holds trivially for one-token answers."""
-        return self.meets(r.ok, r.ttft_ms, r.tpot_ms, r.e2e_ms)
+        """OK, whole (not cut by a length limit short of what it asked for) and within every
+        objective; a TPOT objective holds trivially for one-token answers."""
+        return self.meets(r.ok and not _truncated(r), r.ttft_ms, r.tpot_ms, r.e2e_ms)
 
     def meets(self, ok: bool, ttft_ms: float | None, tpot_ms: float | None, e2e_ms: float | None) -> bool:
         """`met` for a request known by its figures (a simulated one)."""

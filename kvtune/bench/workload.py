@@ -22,7 +22,7 @@ import numpy as np
 from kvtune.bench.client import RequestSpec
 from kvtune.errors import EndpointError, InputError, UnknownNameError
 from kvtune.profile.histogram import JOINT_EDGES, Histogram
-from kvtune.profile.routes import Profile, RouteProfile
+from kvtune.profile.routes import Profile, RouteProfile, skipped_file_notes
 from kvtune.userfiles import brief
 
 __all__ = [
@@ -241,11 +241,13 @@ def select_routes(profile: Profile, routes: Sequence[str]) -> list[RouteProfile]
 
 
 def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
-                ) -> tuple[list[tuple[str, int, int]], list[float], Counter]:
-    """(route, prompt, output) and timestamps of every logged request with both, in time order."""
+                ) -> tuple[list[tuple[str, int, int]], list[float], list[str]]:
+    """(route, prompt, output) and timestamps of every logged request with both, in time order, and
+    the notes on the files not read (`Profile.notes`). None at all: one InputError naming the inputs
+    and why each row went (ingest's skip reasons, then the fields missing here)."""
     from kvtune.ingest import read_logs
 
-    batches, _stats = read_logs(list(paths), options)
+    batches, stats = read_logs(list(paths), options)
     keep_routes = set(routes)
     triples: list[tuple[str, int, int]] = []
     stamps: list[float] = []
@@ -266,8 +268,14 @@ def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
             else:
                 triples.append((route, int(p), int(o)))
                 stamps.append(float(ts))
+    notes = skipped_file_notes(stats.skipped_files)
+    if not triples:
+        why = ", ".join(f"{k}: {v:,}" for k, v in (stats.skipped + skipped).most_common()) or "no rows"
+        raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})"
+                         + "".join(f"; {note}" for note in notes),
+                         path=", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else ""))
     order = np.argsort(np.asarray(stamps, dtype=np.float64), kind="stable")
-    return [triples[i] for i in order.tolist()], [stamps[i] for i in order.tolist()], skipped
+    return [triples[i] for i in order.tolist()], [stamps[i] for i in order.tolist()], notes
 
 
 # ---------------------------------------------------------------------------------------------

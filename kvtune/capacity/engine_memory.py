@@ -354,12 +354,13 @@ def _mlp_width(spec: ModelSpec) -> int:
 def engine_memory(engine: str, spec: ModelSpec, kv: KvBytes, weights: WeightsEstimate, *, gpu_memory_bytes: int,
                   fraction: float | None, max_model_len: int, block_size: int,
                   max_num_batched_tokens: int | None = None, max_kv_tokens: int | None = None,
-                  version: str | None = None) -> EngineMemory:
+                  version: str | None = None, max_num_seqs: int | None = None) -> EngineMemory:
     """The KV pool `engine` sizes for this model on one GPU of `gpu_memory_bytes`.
 
     `fraction` is the engine's own (None: its default); `max_num_batched_tokens` is SGLang's
     chunked_prefill_size or TensorRT-LLM's max_num_tokens; `max_kv_tokens` is SGLang's
-    --max-total-tokens or TensorRT-LLM's kv_cache_config.max_tokens; `version`, the engine's
+    --max-total-tokens or TensorRT-LLM's kv_cache_config.max_tokens; `max_num_seqs` SGLang's
+    --max-running-requests or TensorRT-LLM's max_batch_size; `version`, the engine's
     release, is named in the assumptions when it is not the one the model was read from.
     """
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
@@ -371,14 +372,14 @@ def engine_memory(engine: str, spec: ModelSpec, kv: KvBytes, weights: WeightsEst
             gpu_memory_bytes=gpu_memory_bytes, weights_bytes=weights_bytes,
             kv_bytes_per_token_per_gpu=kv.kv_bytes_per_token_per_gpu, context_len=max_model_len, tp=tp, pp=pp,
             mem_fraction_static=fraction, chunked_prefill_size=max_num_batched_tokens, page_size=block_size,
-            max_total_tokens=max_kv_tokens, mla=spec.is_mla, version=version)
+            max_total_tokens=max_kv_tokens, max_running_requests=max_num_seqs, mla=spec.is_mla, version=version)
     if engine == "trtllm":
         return trtllm_memory(
             gpu_memory_bytes=gpu_memory_bytes, weights_bytes=weights_bytes,
             kv_bytes_per_token_per_gpu=kv.kv_bytes_per_token_per_gpu, hidden_size=spec.hidden_size,
             mlp_width=_mlp_width(spec), vocab_size=spec.vocab_size or 0, max_seq_len=max_model_len, tp=tp, pp=pp,
             free_gpu_memory_fraction=fraction, max_num_tokens=max_num_batched_tokens,
-            tokens_per_block=block_size, max_tokens=max_kv_tokens, version=version)
+            tokens_per_block=block_size, max_tokens=max_kv_tokens, max_batch_size=max_num_seqs, version=version)
     raise OptionError(f"no memory model for engine {engine!r} here (known: sglang, trtllm)", field="engine")
 
 

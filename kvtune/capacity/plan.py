@@ -311,7 +311,7 @@ def plan_capacity(
     *,
     gpu_name: str | None = None,
     gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float | None = vllm.GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int | None = None,
@@ -321,17 +321,21 @@ def plan_capacity(
     engine_version: str | None = None,
     engine: str = "vllm",
     max_kv_tokens: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
-    Defaults follow `vllm serve` of `engine_version` (None: the current release): block size 16
+    Defaults follow `vllm serve` of `engine_version` (None: the current release): its
+    gpu_memory_utilization (0.92, 0.9 before kvtune.engines.vllm.FIRST_092_UTILIZATION_VERSION), block size 16
     (128 when the measurement came from a CPU server), max_model_len derived from the config,
     max_num_batched_tokens by GPU size (V1) or max(max_model_len, 2048) (V0, before 0.8).
     Another `engine` ("sglang", "trtllm") takes its own memory model and defaults
     (kvtune.capacity.engine_memory; `engine_version` is then that engine's release):
     gpu_memory_utilization is its fraction (None: its default), max_num_batched_tokens its
     chunked_prefill_size / max_num_tokens, and max_kv_tokens its --max-total-tokens /
-    kv_cache_config.max_tokens clamp.
+    kv_cache_config.max_tokens clamp. `max_num_seqs` (None: the engine's default for the GPU) is
+    the sequence count the profile's dummy sampler runs at (vLLM), or SGLang's
+    --max-running-requests / TensorRT-LLM's max_batch_size.
     """
     release = memory_model(engine_version if engine == "vllm" else None)  # vLLM's memory model by release
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
@@ -363,7 +367,7 @@ def plan_capacity(
             memory = engine_memory.engine_memory(
                 engine, spec, kv, weights, gpu_memory_bytes=gpu_memory_bytes, fraction=gpu_memory_utilization,
                 max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                max_kv_tokens=max_kv_tokens, version=engine_version)
+                max_kv_tokens=max_kv_tokens, version=engine_version, max_num_seqs=max_num_seqs)
         except CapacityError as exc:
             if measured is None:
                 raise
@@ -373,9 +377,9 @@ def plan_capacity(
             assumptions.extend(memory.overhead.assumptions)
     elif gpu_memory_bytes is not None:
         if gpu_memory_utilization is None:
-            gpu_memory_utilization = vllm.GPU_MEMORY_UTILIZATION
+            gpu_memory_utilization = vllm.default_gpu_memory_utilization(release.version)
         batched, seqs, why = profile_limits(release, max_model_len=max_model_len,
-                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=None,
+                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                             gpu_memory_bytes=gpu_memory_bytes, gpu_name=gpu_name)
         if max_num_batched_tokens is None or not release.v1:
             assumptions.append(why)

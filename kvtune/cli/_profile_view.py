@@ -25,12 +25,11 @@ def _fmt(q) -> str:
 
 def render_profile(profile: Profile, *, file=None) -> None:
     """Print the per-route table, one histogram per route, and the inputs read."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file, highlight=False)
-    if not console.is_terminal:  # a file or pipe: do not squeeze the table into 80 columns
-        console = Console(file=file, highlight=False, width=160)
+    from kvtune.cli._console import output_console
+
+    console = output_console(file, highlight=False)
     if not profile.routes:
         console.print("No requests to profile.")
         return
@@ -126,6 +125,12 @@ def render_window(profile: Profile, *, file=None) -> None:
         return
     print(f"window [{w.since or '-inf'}, {w.until or '+inf'}): {w.pruned_files:,} files pruned by partition "
           f"date (not read), {w.outside_rows:,} rows outside the window", file=file or sys.stderr)
+
+
+def render_skipped_files(profile: Profile, *, file=None) -> None:
+    """One line on stderr per kind of file not read (kvtune's own outputs, --exclude), never silent."""
+    for note in profile.notes:
+        print(f"note: {note}", file=file or sys.stderr)
 
 
 def render_folded(profile: Profile, max_routes: int | None, *, file=None) -> None:

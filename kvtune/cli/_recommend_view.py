@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from kvtune.cli._console import output_console
 from kvtune.cli._progress import transient_bar
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def show_what_if(rows: tuple[WhatIfRow, ...], objective: Objective, console: Con
     """The what-if table: one row per simulated configuration, the chosen one marked."""
     from kvtune.policy.whatif import TABLE_NOTE, objective_line, table_cells
 
-    console = console or Console()
+    console = console or output_console()
     console.print(objective_line(objective))
     table = Table(title="What if (simulated)", title_justify="left", pad_edge=False)
     goodput = objective.slo is not None
@@ -65,7 +66,7 @@ def show_what_if(rows: tuple[WhatIfRow, ...], objective: Objective, console: Con
 
 
 def show_recommendation(rec: Recommendation, written: list[str], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or output_console()
     conc, cap, hw = rec.concurrency, rec.capacity, rec.hardware
     gain = f"{conc.gain:.1f}×" if conc.gain is not None else "n/a"
     console.print(

@@ -25,6 +25,7 @@ JSON_FIELDS = """\b
   workload        {routes, seed, prompts: {method: tokenize|tokenizer|assumed,
                    filler: words|vocabulary|repeat, overhead_tokens, vocabulary_words,
                    calibration_calls, notes}, prompt_check: {checked, exact}, clamped: {reason: requests}}
+  notes           the files the logs' reading left out (kvtune's own outputs, --exclude)
   requests        {sent, completed, failed: {429, 503, 4xx, 5xx, timeout, disconnect, connect,
                    stream_error, cancelled}, retries, retry_wait_s}
   duration_s      first send to last answer
@@ -254,19 +255,18 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
         tokenizer = load_tokenizer(log.tokenizer)
 
+    notes: list[str] = []  # on the files the logs' reading left out; --json's notes
     if load.replay:
-        rows, stamps, skipped = replay_rows(logs, ingest, routes)
-        if not rows:
-            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
-            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
-                             field="LOGS")
+        rows, stamps, notes = replay_rows(logs, ingest, routes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
         shape = LoadShape.replay(stamps, load.speedup)
 
         def build(synth):
             return Workload.from_rows(rows, synth, seed)
     else:
         from kvtune.bench.workload import select_routes
-        from kvtune.cli._profile_view import render_folded
+        from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
@@ -276,6 +276,8 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
                    else load_profile_or_logs(list(logs), ingest, max_routes=max_routes, workers=log.workers,
                                               ray_address=log.ray_address))
         render_folded(profile, max_routes)
+        render_skipped_files(profile)
+        notes = profile.notes
         for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
             if r.prompt.total == 0:
                 raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",
@@ -317,10 +319,10 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
             report = asyncio.run(run_bench(config, build, tokenizer=tokenizer, recorder=recorder))
         except KeyboardInterrupt:
             report = recorder.report(server=None, slo=slo, expect=None, interrupted=True)
-            _emit(report, output, outputs, out_file)
+            _emit({**report, "notes": notes}, output, outputs, out_file)
             click.echo("interrupted: partial results written", err=True)
             sys.exit(130)
-        _emit(report, output, outputs, out_file)
+        _emit({**report, "notes": notes}, output, outputs, out_file)
     verdict = report.get("verdict")
     if verdict is not None and not verdict["passed"]:
         sys.exit(1)
@@ -334,8 +336,7 @@ def _emit(report: dict[str, Any], output: OutputArgs, outputs: Any, out_file: An
     if output.json_:
         click.echo(text)
     else:
-        from rich.console import Console
-
         from kvtune.cli._bench_view import render_summary
+        from kvtune.cli._console import output_console
 
-        render_summary(report, Console())
+        render_summary(report, output_console())

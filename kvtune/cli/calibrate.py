@@ -114,9 +114,10 @@ def _fmt(value) -> str:
 
 def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
     """A small rich table for people; rich is imported only here so `--json` stays fast."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+
+    from kvtune.cli._console import output_console
 
     table = Table(title=f"KV capacity of {escape(m.model or 'the server')}", title_justify="left")
     table.add_column("field")
@@ -139,7 +140,7 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
     ]
     for name, value in rows:
         table.add_row(name, escape(_fmt(value)))
-    console = Console(highlight=False)
+    console = output_console(highlight=False)
     console.print(table)
     if m.timing is not None:
         from kvtune.cli._timing_view import print_timing

@@ -78,13 +78,13 @@ def _gib(n: int | None) -> str:
 
 def _print_report(report) -> None:
     """Rich tables for people; rich is imported only here so `--json` stays fast."""
-    from rich.console import Console
     from rich.table import Table
 
     from kvtune.capacity.engine_memory import EngineMemory
+    from kvtune.cli._console import output_console
 
     c = report.capacity
-    console = Console()
+    console = output_console()
     where = report.gpu or (_gib(report.gpu_memory_bytes) if report.gpu_memory_bytes else "measured server")
     par = f"TP {report.tensor_parallel_size} × PP {report.pipeline_parallel_size}"
     source = c.source.value + (f" ({c.measured.origin})" if c.measured and c.measured.origin else "")

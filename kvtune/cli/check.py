@@ -33,35 +33,36 @@ def _saved_recommendation(paths: tuple[str, ...]):
 @policy_options
 @capacity_options
 @log_options
-@click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed} as JSON.")
+@click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed, notes} as JSON (notes: the "
+              "recommendation's, first the files its logs did not read).")
 def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
           deployed_paths: tuple[str, ...], json_: bool) -> None:
     """Check deployed configs against real traffic: exit 1 on risk, 0 when fine.
 
     LOGS are the logs (or a saved profile) the recommendation is computed from, or a
     recommendation.json written by `kvtune recommend --out`. Findings cover uncapped output,
-    caps that truncate more than the budget, KV reservations beyond capacity, max_model_len
-    that rejects logged prompts, and drift from the current recommendation.
+    caps that truncate more than the budget, KV reservations beyond capacity (on an estimated
+    capacity, the pool the engine file's own flags leave), max_model_len that rejects logged
+    prompts or does not fit that pool, and drift from the current recommendation.
 
     \b
     Example:
         kvtune check sample_logs/ --model llama-3.1-8b --gpu H100-80GB \\
             --deployed deploy/vllm-serve.sh --deployed deploy/gateway.yaml
     """
-    from kvtune.deploy.check import check_deployment
-    from kvtune.deploy.read import load_deployed
+    import kvtune
 
-    deployed = [load_deployed(path) for path in deployed_paths]
     rec = _saved_recommendation(logs)
     if rec is None:
         rec = policy.recommendation(logs, capacity, log)
     elif policy.model not in (rec.model, rec.served_model):
         raise InputError(f"the recommendation is for {brief(rec.model)}, not {brief(policy.model)}", path=logs[0],
                          field="model")
-    result = check_deployment(deployed, rec, max_truncation=policy.max_truncation)
+    result = kvtune.check(rec, deployed_paths, max_truncation=policy.max_truncation)
+    deployed = result.deployed
 
     if json_:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        click.echo(json.dumps({**result.to_dict(), "notes": list(rec.notes)}, indent=2))
     else:
         for finding in result.findings:
             label, color = _STYLE[finding.severity]

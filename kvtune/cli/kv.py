@@ -37,8 +37,9 @@ def kv(model: str, tp: int, pp: int, kv_cache_dtype: str, json_: bool) -> None:
 
 def _print_table(result: KvBytes) -> None:
     """A rich table for people; rich is imported only here so `--json` stays fast."""
-    from rich.console import Console
     from rich.table import Table
+
+    from kvtune.cli._console import output_console
 
     title = (f"{result.model}: {result.attention.upper()}, {result.num_kv_heads} KV heads × "
              f"head_dim {result.head_dim}, kv-cache dtype {result.kv_cache_dtype} "
@@ -54,7 +55,7 @@ def _print_table(result: KvBytes) -> None:
                       f"{layer.kv_bytes_per_token:,}", f"{layer.kv_bytes_per_token / 1024:,.2f}")
     table.add_row("total", str(sum(layer.count for layer in result.layers)), "", f"{result.kv_bytes_per_token:,}",
                   f"{result.kv_kib_per_token:,.2f}", style="bold")
-    console = Console()
+    console = output_console()
     console.print(table)
     per_gpu = result.kv_bytes_per_token_per_gpu
     console.print(

@@ -176,6 +176,7 @@ class LogArgs:
     until: str | None = None
     workers: int | None = 1  # processes for the map step; None: every core when the input pays for it
     ray_address: str | None = None  # run the map step as Ray tasks ("" a local cluster)
+    exclude: tuple[str, ...] = ()  # --exclude GLOB, repeated: files not to read
 
     def ingest(self):  # -> kvtune.ingest.IngestOptions
         """The ingest options; the process is about to read logs, so malloc is tuned for it."""
@@ -193,11 +194,11 @@ class LogArgs:
         tune_for_streaming()
         return IngestOptions(format=self.format_, fields=parse_fields(self.fields), route_by=self.route_by,
                              tokenizer=self.tokenizer, on_error=OnError(self.on_error), strict=self.strict,
-                             assume_cap=self.assume_cap, window=window)
+                             assume_cap=self.assume_cap, window=window, exclude=self.exclude)
 
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
         """Logs (or one saved profile) profiled; a fold beyond --max-routes is said on stderr."""
-        from kvtune.cli._profile_view import render_folded
+        from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import is_saved_profile
         from kvtune.profile.logs import load_profile_or_logs
 
@@ -205,6 +206,7 @@ class LogArgs:
         profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes,
                                        workers=self.workers, ray_address=self.ray_address)
         render_folded(profile, self.max_routes)
+        render_skipped_files(profile)
         return profile
 
     def window_for_logs(self, saved: list[str]) -> None:
@@ -291,6 +293,12 @@ log_options = grouped("log", LogArgs, [
                  help="Read and count the logs as tasks on a Ray cluster (auto, HOST:PORT, ray://HOST:PORT; "
                       "none: a local one), merged exactly. Workers read the inputs themselves: give URLs. "
                       "pip install 'kvtune[ray]'."),
+    click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+                 help="Do not read the files matching GLOB (repeatable): matched against each file's path "
+                      "relative to the directory or URL given (e.g. 'deploy/*', 'dt=2026-11-*/*.json'; * also "
+                      "crosses /) and against its base name (e.g. '*.csv'). Files kvtune wrote "
+                      "(recommendation.json, a saved profile, calibrate and bench outputs) are skipped anyway, by "
+                      "their content, with a note."),
 ])
 
 

@@ -32,6 +32,9 @@ JSON_FIELDS = """\b
                   and their requests, summed into the route `*`
   window          with --since/--until only: {since, until (ISO UTC or null), pruned_files
                   (not read: partition date outside), outside_rows (timestamp outside)}
+  skipped_files[] {path, reason}: files not read: kvtune's own outputs (a recommendation.json,
+                  a saved profile …, told by content) and those --exclude matched
+  notes[]         what to know about the inputs beside the numbers (the files not read)
 """
 
 
@@ -55,7 +58,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
 
     \b
     Example:
-        kvtune profile sample_logs/openai_chat.jsonl
+        kvtune profile sample_logs/openai_chat_pairs.jsonl
         kvtune profile logs/ --save week1.json --json
         kvtune profile 's3://my-logs/2026-11-*/*.parquet' --json
         kvtune profile --merge week1.json week2.json
@@ -88,7 +91,7 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         from kvtune.profile.build import save_profile
 
         save_profile(result, save_path)
-    from kvtune.cli._profile_view import render_folded
+    from kvtune.cli._profile_view import render_folded, render_skipped_files
 
     if json_:
         click.echo(json.dumps(result.summary_dict()))
@@ -99,5 +102,6 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         render_skipped(result)
         render_window(result)
     render_folded(result, log.max_routes)
+    render_skipped_files(result)
     if save_path and not json_:
         click.echo(f"saved profile to {save_path}", err=True)

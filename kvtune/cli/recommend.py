@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, grouped, log_options
+from kvtune.engines import ENGINE_TITLES, engine_facts
 from kvtune.errors import OptionError
 from kvtune.policy.rules import CURRENT_VLLM_VERSION
 
@@ -25,6 +26,7 @@ class PolicyArgs:
     vllm_version: str | None  # --engine-version's older name
     safety_fraction: float | None
     max_truncation: float | None
+    route_header: str | None  # the request header that carries --route-by FIELD's group
 
     def recommendation(self, logs: tuple[str, ...], capacity: CapacityArgs, log: LogArgs,
                        objective: ObjectiveArgs | None = None, progress: Callable[[int, int], None] | None = None,
@@ -56,7 +58,7 @@ class PolicyArgs:
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,
                  "safety_fraction": self.safety_fraction, "max_truncation": self.max_truncation,
                  "vllm_version": (version if vllm else None) or CURRENT_VLLM_VERSION, "upstream": self.upstream,
-                 "route_by": log.route_by, "served_model": self.served_model}
+                 "route_by": log.route_by, "route_header": self.route_header, "served_model": self.served_model}
         rec = kvtune.recommend(profile, plan, progress=progress, **given, **wanted)
         if not plans:
             if rec.feasibility is not None and not rec.feasibility.fits:
@@ -219,7 +221,13 @@ policy_options = grouped("policy", PolicyArgs, [
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
-                 help="Pick the smallest cap whose expected truncation share is ≤ F (e.g. 0.01) instead of p95/p99."),
+                 help="Pick the smallest cap whose expected truncation share is ≤ F (e.g. 0.01) instead of p95/p99; "
+                      "with --objective, rows whose caps cut more answers are infeasible.  [default with "
+                      "--objective: the share the p95/p99 tail rule cuts]"),
+    click.option("--route-header", metavar="NAME",
+                 help="With --route-by FIELD: the request header that carries the group at request time; the "
+                      "gateways cap each group by its exact value (set it in a trusted layer in front: a client "
+                      "that sets it picks its own cap). Without it, per-group caps are refused."),
 ])
 
 
@@ -272,7 +280,8 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="Model directory (tokenizer.json + chat template) gateway.yaml counts prompts with, in "
                    "process; `upstream` counts with vLLM's /tokenize instead (one more round trip per "
                    "request).  [default: the --served-model, --model or --tokenizer directory that holds "
-                   "both, else upstream]")
+                   "both, else upstream; for TensorRT-LLM, which has no /tokenize, the served model's hub id, "
+                   "which `kvtune gateway` loads from the Hugging Face cache at start]")
 @click.option("--replicas", type=click.IntRange(min=1), metavar="N",
               help="N engine replicas behind gateway.yaml, each with the recommended budget (one engine's): "
                    "--upstream's port and the N-1 ports after it, one engine per port (edit gateway.yaml's "
@@ -328,6 +337,10 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     fallback_urls = [policy.upstream]
     if replicas > 1:  # ports in range, before any work
         fallback_urls = replica_upstreams(policy.upstream, replicas, field="--replicas")
+    if gateway_tokenizer == "upstream" and not engine_facts(capacity.engine).HAS_TOKENIZE:
+        raise OptionError(f"{ENGINE_TITLES[capacity.engine]}'s server has no /tokenize to count with: leave "
+                          "--gateway-tokenizer out (the served model's tokenizer, by its hub id) or give a model "
+                          "directory", field="--gateway-tokenizer")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     from kvtune.policy.search import InfeasibleObjectiveError
 
@@ -355,6 +368,11 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
             click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
+    if "nginx.conf" not in files and not engine_facts(rec.engine.name).HAS_TOKENIZE:
+        click.echo(f"Note: nginx.conf is not rendered for {ENGINE_TITLES[rec.engine.name]}: its server has no "
+                   "/tokenize and nginx cannot run a tokenizer (gateway.yaml counts with "
+                   f"{counting_with or rec.served_model or rec.model} in process; nginx.conf only with an "
+                   "estimate)", err=True)
     if replicas > 1 and "nginx.conf" not in files and rec.admission.kind.value == "statistical":
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = kvtune.write_files(out_dir, files) if out_dir else []

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,12 +16,16 @@ from kvtune.errors import InputError, OptionError
 from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.userfiles import brief
 
+if TYPE_CHECKING:
+    from kvtune.gateway.config import GatewayRoute
+
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
 `kvtune bench --json` mean the same and are computed by the same functions:
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, retry, max_retries}
   workload        {routes, seed, clamped: {reason: requests}}
+  notes           the files the logs' reading left out (kvtune's own outputs, --exclude)
   requests        {sent, completed, failed: {429, 4xx, … as bench}, retries, retry_wait_s (seconds the
                    clients waited on Retry-After, in all)}
   duration_s      first send to last answer (simulated seconds)
@@ -36,7 +41,8 @@ JSON_FIELDS = """\b
                    measured_against | roofline}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|engine-default}}, admission: {kind:
-                   direct|gateway, …the gateway's budget, route, cap, queue}, rule: vllm|sglang|
+                   direct|gateway, …the gateway's budget, route, cap, queue, route_header (each
+                   request's route in it, with --route-header)}, rule: vllm|sglang|
                    trtllm-gne|trtllm-maxutil (whose scheduler), retry {max_retries,
                    max_wait_s}, events, steps, wall_s, requests_not_sent, admission_waiting_peak,
                    preempted_requests}
@@ -56,6 +62,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None
     model: str | None
     gpu: str | None
+    route_header: str | None
     endpoint: str
     engine_name: str = "vllm"
 
@@ -76,6 +83,9 @@ _engine_options = [
     click.option("--gpu", help="GPU from the catalog for the roofline step time (and vLLM's GPU defaults)."),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="The path requests are sent to, as `kvtune bench --endpoint`: picks the gateway's route."),
+    click.option("--route-header", metavar="NAME",
+                 help="With a gateway.yaml that routes on this request header: each simulated request carries "
+                      "its route (the --route-by group) in it, and gets that group's route and cap."),
     click.option("--engine", "engine_name", type=click.Choice(ENGINE_NAMES),
                  default="vllm", show_default=True,
                  help="Whose scheduler to simulate: vLLM's, SGLang's (new_token_ratio estimate, retraction) "
@@ -166,11 +176,10 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     if json_:
         click.echo(text)
     else:
-        from rich.console import Console
-
+        from kvtune.cli._console import output_console
         from kvtune.cli._simulate_view import render_simulation
 
-        render_simulation(run.report, run.timeline, Console())
+        render_simulation(run.report, run.timeline, output_console())
 
 
 def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tuple[Any, dict[str, Any], Any]:
@@ -178,29 +187,65 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
     from kvtune.sim.admission import DirectAdmission, LedgerAdmission
 
     if engine.gateway_path is None:
-        return DirectAdmission, {"kind": "direct"}, None
+        if engine.route_header is not None:
+            raise OptionError("only with --gateway: the header its routes match on", field="--route-header")
+        return lambda routes: DirectAdmission(), {"kind": "direct"}, None
     from kvtune.gateway.config import load_gateway_config
+    from kvtune.gateway.gate import route_cap
 
     config = load_gateway_config(engine.gateway_path)
     path = "/v1/chat/completions" if engine.endpoint == "chat" else "/v1/completions"
     served = config.model or model
-    route = config.route_for(path, served)
-    if route is None:
-        raise OptionError(f"no route of {brief(engine.gateway_path)} serves {path} for model {served!r}: the gateway "
-                          "would answer 404 to every request", field="--gateway")
+    header = _route_header(engine, config.route_headers)
+    chosen: dict[str | None, GatewayRoute] = {}
+
+    def route_of(name: str | None) -> GatewayRoute:
+        """The route a request of the traffic's route `name` matches: by its header, with --route-header."""
+        if name not in chosen:
+            found = config.route_for(path, served, None if header is None or name is None else {header: name})
+            if found is None:
+                raise OptionError(f"no route of {brief(engine.gateway_path)} serves {path} for model {served!r}"
+                                  + ("" if name is None or header is None else f" and {header} {brief(name)}")
+                                  + ": the gateway would answer 404 to every request", field="--gateway")
+            chosen[name] = found
+        return chosen[name]
+
+    route = route_of(None)
     if config.max_model_len > max_model_len:
         raise OptionError(f"the gateway's max_model_len {config.max_model_len:,} exceeds the engine's "
                           f"{max_model_len:,}", field="--gateway")
 
-    def fresh() -> LedgerAdmission:
-        return LedgerAdmission.from_config(config, route)
+    def fresh(routes: Sequence[str]) -> LedgerAdmission:
+        if header is None:
+            return LedgerAdmission.from_config(config, route)
+        return LedgerAdmission.from_config(config, route, [route_of(r) for r in routes])
+
+    def cap(name: str, prompt_tokens: int, max_tokens: int) -> int:
+        return route_cap(route_of(name if header is not None else None).max_new_tokens, (max_tokens,))
 
     # one engine is simulated: the first upstream's budget (LedgerAdmission.from_config)
     info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.upstreams[0].block_budget,
             "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
             "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
-            "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s}}
-    return fresh, info, fresh().cap
+            "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s},
+            "route_header": header}
+    return fresh, info, cap
+
+
+def _route_header(engine: EngineArgs, headers: tuple[str, ...]) -> str | None:
+    """The header each simulated request carries its route in (lower case): --route-header, which
+    must be one the gateway's routes match on; a gateway that routes on one needs it named."""
+    if engine.route_header is None:
+        if headers:
+            raise OptionError(f"{brief(engine.gateway_path)} caps routes by the {headers[0]} header: name it "
+                              f"(--route-header {headers[0]}) so that each simulated request carries its "
+                              f"--route-by group there", field="--route-header")
+        return None
+    header = engine.route_header.lower()
+    if header not in headers:
+        raise OptionError(f"no route of {brief(engine.gateway_path)} matches the {brief(header)} header"
+                          + (f" (its routes match {', '.join(headers)})" if headers else ""), field="--route-header")
+    return header
 
 
 def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], log: LogArgs,
@@ -209,14 +254,13 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     from kvtune.sim.traffic import profile_traffic, replay_traffic
 
     load_info: dict[str, Any]
+    notes: list[str]
     if load.replay:
         from kvtune.bench.workload import replay_rows
 
-        rows, stamps, skipped = replay_rows(logs, log.ingest(), routes)
-        if not rows:
-            why = ", ".join(f"{k}: {v}" for k, v in skipped.items()) or "no rows"
-            raise InputError(f"nothing to replay: no request has a timestamp, prompt and output length ({why})",
-                             field="LOGS")
+        rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
 
         def traffic(n: int | None) -> Any:
             return replay_traffic(rows, stamps, speedup=load.speedup, seed=seed, max_requests=load.max_requests,
@@ -229,7 +273,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         route_names = sorted({r for r, _, _ in rows})
     else:
         from kvtune.bench.workload import select_routes
-        from kvtune.cli._profile_view import render_folded
+        from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
@@ -238,6 +282,8 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                    else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,
                                               workers=log.workers, ray_address=log.ray_address))
         render_folded(profile, log.max_routes)
+        render_skipped_files(profile)
+        notes = profile.notes
         chosen = select_routes(profile, routes)
         for r in chosen:
             if r.prompt.total == 0:
@@ -258,6 +304,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         "load": {**load_info, "max_requests": load.max_requests, "duration_s": load.duration_s, "retry": True,
                  "max_retries": CLIENT_RETRY.max_retries},
         "workload": {"routes": route_names, "seed": seed},
+        "notes": notes,  # the files the logs' reading left out
     }
     return traffic, context
 

@@ -4,12 +4,18 @@ Pure: it takes parsed deployed files (kvtune.deploy.read) and a Recommendation a
 findings; a cap's truncation share is the route's exact Kaplan–Meier estimate, as when the
 recommendation chose it. Severities:
     risk  the deployment will hurt under the logged traffic (uncapped output, a budget above the KV
-          capacity, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses,
+          capacity or above the pool the engine's own flags leave, an engine that cannot hold one
+          request at its max_model_len, preemptions, rejected prompts, truncation above the budget, a flag vLLM refuses,
           a simulated preemption rate or 429 share above the objective it was rendered for)
     warn  it drifted from the current recommendation, or works but wastes capacity
     info  context worth stating
 Several files can be checked together (vllm-serve.sh + gateway.yaml): a gateway in front changes
 which engine settings are risky, because then the gateway bounds KV reservations.
+
+Given the model (`spec`, `weights`) and an estimated capacity, each engine file's pool is
+recomputed from its own flags (kvtune.deploy.pool) and every gateway budget is held to that
+pool: a file edited to --gpu-memory-utilization 0.80 leaves fewer blocks than the budget that
+was computed at 0.92. A measured capacity is the pool as measured and wins over the flags.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.launch import launcher
+from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
+from kvtune.errors import CapacityError
 from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
@@ -38,8 +46,11 @@ from kvtune.policy.feasibility import (
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
 
 if TYPE_CHECKING:
+    from kvtune.capacity.plan import Capacity
+    from kvtune.model import ModelSpec
     from kvtune.policy.search import Deployment
     from kvtune.policy.whatif import Objective
+    from kvtune.weights import WeightsEstimate
 
 
 class Severity(enum.Enum):
@@ -85,8 +96,25 @@ def _blocks(tokens: int, block_size: int) -> int:
     return reserved_blocks(tokens, 0, block_size)
 
 
+# flags that size the pool outright: unset when the recommendation sets none
+_POOL_SIZE_FIELDS = frozenset({"kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_tokens"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """The KV pool one engine file's flags leave (kvtune.deploy.pool), and the file."""
+
+    engine: Deployed
+    capacity: Capacity
+
+    @property
+    def usable_tokens(self) -> int:
+        return self.capacity.usable_blocks * self.capacity.block_size
+
+
 class _Checker:
-    def __init__(self, deployed: Sequence[Deployed], rec: Recommendation, max_truncation: float | None):
+    def __init__(self, deployed: Sequence[Deployed], rec: Recommendation, max_truncation: float | None,
+                 spec: ModelSpec | None = None, weights: WeightsEstimate | None = None):
         self.deployed = tuple(deployed)
         self.rec = rec
         self.max_truncation = max_truncation
@@ -99,6 +127,85 @@ class _Checker:
         self.gateways = [d for d in self.deployed if d.is_gateway]
         self.engines = [d for d in self.deployed if d.is_engine]
         self.risky: set[tuple[str, str]] = set()  # (source, field) already reported as risk
+        self.spec, self.weights = spec, weights
+        self.pools = self._engine_pools()
+        # the gateway's budget is held to the smallest pool an engine file leaves (None: the recommendation's)
+        self.pool = min(self.pools.values(), key=lambda p: p.usable_tokens, default=None)
+
+    # ------------------------------------------------------------ the pool the deployed flags leave
+
+    def _recompute(self, engine: Deployed) -> Capacity:
+        assert self.spec is not None and self.weights is not None and self.rec.hardware.gpu_memory_bytes
+        return deployed_capacity(engine, self.spec, self.weights, gpu=self.rec.hardware.gpu,
+                                 gpu_memory_bytes=self.rec.hardware.gpu_memory_bytes,
+                                 engine_version=self.rec.engine.version).capacity
+
+    def _engine_pools(self) -> dict[str, _Pool]:
+        """Each engine file's pool, recomputed from its flags, when the recommendation's capacity is
+        an estimate (a measured one is the pool as measured and wins) and the model is known."""
+        if self.rec.capacity.source != "estimate" or not self.rec.hardware.gpu_memory_bytes:
+            return {}
+        if self.spec is None or self.weights is None:
+            return {}
+        pools = {}
+        for engine in self.engines:
+            if engine.kind.value != self.rec.engine.name:
+                continue  # reported as engine-mismatch: the recommendation's memory model is another engine's
+            try:
+                pools[engine.source] = _Pool(engine, self._recompute(engine))
+            except CapacityError as exc:
+                self.add(Severity.RISK, "no-kv-pool", f"the deployed flags leave no KV pool: {exc.message}",
+                         f"{ENGINE_TITLES[engine.kind.value]} refuses to start without room for one block",
+                         engine.source, "gpu_memory_utilization")
+        return pools
+
+    def _recommended_pool_value(self, name: str) -> Any:
+        if name == "enforce_eager":
+            return False
+        if name in ("num_gpu_blocks_override",):
+            return None
+        return self._recommended(name)
+
+    def _shrinking_flags(self, pool: _Pool) -> list[str]:
+        """The deployed flags that, set back to the recommended value one at a time, would leave a
+        larger pool: what shrank it, each with the blocks it costs."""
+        engine = pool.engine
+        out = []
+        for name in POOL_FIELDS:
+            want = self._recommended_pool_value(name)
+            have = enforce_eager(engine) if name == "enforce_eager" else getattr(engine, name)
+            if have is None or have == want or (want is None and name not in _POOL_SIZE_FIELDS):
+                continue
+            if name == "enforce_eager":
+                flags = {k: v for k, v in engine.flags.items() if k != "enforce-eager"}
+                restored = dataclasses.replace(engine, flags=flags)
+            else:
+                restored = dataclasses.replace(engine, **{name: want})
+            try:
+                blocks = self._recompute(restored).num_blocks
+            except CapacityError:
+                continue
+            if blocks > pool.capacity.num_blocks:
+                out.append(f"{name} {have} ({'unset' if want is None else f'at the recommended {want}'}: "
+                           f"{blocks:,} blocks)")
+        return out
+
+    def check_pool(self, pool: _Pool) -> None:
+        """The feasibility verdict's engine condition on the pool the deployed flags leave: vLLM
+        refuses to start when one request at max_model_len does not fit it less its null block
+        (SGLang and TensorRT-LLM start but serve a shorter context)."""
+        c, engine = pool.capacity, pool.engine
+        v = verdict(engine.kind.value, pool_blocks=c.num_blocks, block_size=c.block_size,
+                    max_model_len=c.max_model_len)
+        if v.fits:
+            return
+        need = _blocks(c.max_model_len, c.block_size)
+        fits = v.longest_held_tokens // c.block_size * c.block_size
+        self.add(Severity.RISK, "max-model-len-over-pool",
+                 f"max_model_len {c.max_model_len:,} needs {need:,} blocks of {c.block_size} tokens, but the deployed "
+                 f"flags leave a KV pool of {c.num_blocks:,} blocks ({fits:,} tokens hold one request)",
+                 f"{v.why}; lower --max-model-len to at most {fits:,}, or give the pool more memory",
+                 engine.source, "max_model_len")
 
     def add(self, severity: Severity, code: str, message: str, why: str, source: str | None,
             field: str | None = None) -> None:
@@ -114,7 +221,7 @@ class _Checker:
         for route in self.rec.routes:
             match = route.match or Match()
             if d.is_gateway:
-                hit = d.route_for(match.path, match.model)
+                hit = d.route_for(match.path, match.model, match.headers)
                 out.append((route, hit.max_new_tokens if hit else None))
             else:
                 out.append((route, d.max_new_tokens))
@@ -295,11 +402,13 @@ class _Checker:
         cap = d.max_new_tokens or context
         per_seq_tokens = _blocks(min(context, prompt_max + cap), block_size) * block_size
         total = seqs * per_seq_tokens
-        if total <= self.usable_tokens:
+        own = self.pools.get(d.source)
+        usable_tokens = self.usable_tokens if own is None else own.usable_tokens
+        if total <= usable_tokens:
             return
         message = (f"max_num_seqs {seqs}{'' if d.max_num_seqs else ' (default)'} × {per_seq_tokens} tokens "
                    f"per sequence (longest prompt {prompt_max} + cap {cap}) = {total:,} tokens > KV capacity "
-                   f"{self.usable_tokens:,} tokens")
+                   f"{usable_tokens:,} tokens")
         if self.gateways:
             self.add(Severity.INFO, "engine-bounded-by-gateway", message,
                      "the gateway's block budget, not max_num_seqs, bounds what is reserved", d.source)
@@ -312,38 +421,49 @@ class _Checker:
 
     # ------------------------------------------------------------ gateway
 
-    def _budgets(self, d: Deployed) -> list[tuple[str, str, int, int, int]]:
-        """(field, what the message calls it, budget, usable blocks, recommended budget) for each
+    def _budgets(self, d: Deployed) -> list[tuple[str, str, int, int, int, _Pool | None]]:
+        """(field, what the message calls it, budget, usable blocks, recommended budget, the
+        recomputed pool it is held to or None) for each
         engine the gateway sends to: one engine's budget each (a gateway.yaml with several upstreams
         holds one per upstream), held to that replica's own capacity where the recommendation
-        measured each (rec.upstreams, matched by URL, else by position), else to the one capacity."""
+        measured each (rec.upstreams, matched by URL, else by position), else to the one capacity:
+        the pool the deployed engine's flags leave when one was recomputed (usable blocks then
+        counted in the recommendation's block size), else the recommendation's."""
         assert d.block_budget is not None
+        pool = self.pool
+        usable = self.usable_blocks if pool is None else pool.usable_tokens // self.block_size
         if len(d.upstreams) <= 1 and d.gateway_replicas > 1:
             m = d.gateway_replicas  # every nginx replica's slice together, against the one engine
             return [("block_budget", f"{m} nginx replicas x slice {d.block_budget} = block budget",
-                     d.block_budget * m, self.usable_blocks, slice_blocks(self.budget, m) * m)]
+                     d.block_budget * m, usable, slice_blocks(self.budget, m) * m, pool)]
         if len(d.upstreams) <= 1:
-            return [("block_budget", "block budget", d.block_budget, self.usable_blocks, self.budget)]
+            return [("block_budget", "block budget", d.block_budget, usable, self.budget, pool)]
         measured = {u.url: u for u in self.rec.upstreams}
         out = []
         for i, u in enumerate(d.upstreams):
             own = measured.get(u.url.rstrip("/"))
             if own is None and len(self.rec.upstreams) == len(d.upstreams):
                 own = self.rec.upstreams[i]
-            usable, recommended = (self.usable_blocks, self.budget) if own is None else (own.usable_blocks,
-                                                                                       own.block_budget)
+            held, recommended, held_to = ((usable, self.budget, pool) if own is None
+                                          else (own.usable_blocks, own.block_budget, None))
             m = d.gateway_replicas  # 1 but for nginx.conf's --nginx-replicas: every slice together
             called = f"upstream {u.url}: block budget" if m == 1 else \
                 f"upstream {u.url}: {m} nginx replicas x slice {u.block_budget} = block budget"
-            out.append((f"upstreams[{i}].block_budget", called, u.block_budget * m, usable,
-                        slice_blocks(recommended, m) * m))
+            out.append((f"upstreams[{i}].block_budget", called, u.block_budget * m, held,
+                        slice_blocks(recommended, m) * m, held_to))
         return out
 
     def _check_budget(self, d: Deployed, field: str, called: str, budget: int, block_size: int,
-                      usable_blocks: int, recommended: int) -> None:
-        """One engine's budget against its KV capacity and the recommended budget."""
+                      usable_blocks: int, recommended: int, pool: _Pool | None = None) -> None:
+        """One engine's budget against its KV capacity and the recommended budget. Against a pool
+        recomputed from the engine's flags, a budget above the pool itself is a risk
+        (pool-below-budget: the gateway admits reservations the engine cannot hold), and one above
+        safety fraction × the pool a warning, as against the recommendation's own pool."""
         budget_tokens = budget * block_size
         usable_tokens = usable_blocks * self.block_size
+        if pool is not None:
+            self._check_budget_against_pool(d, field, called, budget, block_size, pool)
+            return
         if budget_tokens > usable_tokens:
             self.add(Severity.RISK, "budget-over-capacity",
                      f"{called} {budget} × {block_size} tokens = {budget_tokens:,} tokens exceeds "
@@ -357,10 +477,35 @@ class _Checker:
                      "it fits the estimated capacity but leaves less margin for prompt-count drift "
                      "and capacity error", d.source, None)
 
+    def _check_budget_against_pool(self, d: Deployed, field: str, called: str, budget: int, block_size: int,
+                                   pool: _Pool) -> None:
+        c = pool.capacity
+        budget_tokens = budget * block_size
+        recommended = self.rec.capacity.num_blocks
+        safety = self.rec.safety_fraction.value
+        assert isinstance(safety, (int, float))
+        if budget_tokens > pool.usable_tokens:
+            shrunk = self._shrinking_flags(pool)
+            by = ("; shrunk by " + ", ".join(shrunk)) if shrunk else ""
+            self.add(Severity.RISK, "pool-below-budget",
+                     f"{called} {budget} × {block_size} tokens = {budget_tokens:,} tokens exceeds the KV pool "
+                     f"{pool.engine.source}'s flags leave: {c.num_blocks:,} blocks × {c.block_size} tokens "
+                     f"({pool.usable_tokens:,} usable tokens; the recommendation's pool was {recommended:,} "
+                     f"blocks){by}",
+                     "the gateway admits reservations the engine cannot hold: preemptions under load; deploy the "
+                     f"recommended flags, or lower the budget to at most floor(usable × {safety:g}) = "
+                     f"{int(pool.usable_tokens * safety) // block_size} blocks", d.source, field)
+        elif budget_tokens > safety * pool.usable_tokens:
+            self.add(Severity.WARN, "budget-above-safety",
+                     f"{called} {budget} is above safety fraction {safety:g} × the {pool.usable_tokens:,}-token pool "
+                     f"{pool.engine.source}'s flags leave ({c.num_blocks:,} blocks × {c.block_size} tokens)",
+                     "it fits the pool those flags leave but with less margin for prompt-count drift and capacity "
+                     "error", d.source, None)
+
     def check_gateway(self, d: Deployed) -> None:
         assert d.block_budget is not None and d.block_size is not None
-        for field, called, budget, usable, recommended in self._budgets(d):
-            self._check_budget(d, field, called, budget, d.block_size, usable, recommended)
+        for field, called, budget, usable, recommended, pool in self._budgets(d):
+            self._check_budget(d, field, called, budget, d.block_size, usable, recommended, pool)
         engine_block = next((e.block_size for e in self.engines if e.block_size), None) or self.block_size
         if d.block_size < engine_block:
             self.add(Severity.RISK, "block-size-mismatch",
@@ -411,7 +556,7 @@ class _Checker:
             pairs.append(("max_new_tokens_backstop", d.max_new_tokens, d.max_new_tokens is None,
                           self.rec.backstop))
         else:
-            pairs = [(field, budget, False, recommended) for field, _, budget, _, recommended in self._budgets(d)]
+            pairs = [(field, budget, False, recommended) for field, _, budget, _, recommended, _ in self._budgets(d)]
             pairs += [("block_size", d.block_size, False, self.block_size),
                      ("max_model_len", d.max_model_len, False, self.rec.max_model_len)]
         for name, have, unset, want in pairs:
@@ -439,7 +584,8 @@ class _Checker:
     def check_objective(self) -> None:
         """A recommendation searched for an objective (`recommend --objective`) carries it: the
         deployed engine and gateway are simulated on its traffic and load, as the what-if table
-        was, and a preemption rate or 429 share above its limits is a risk."""
+        was, and a preemption rate, 429 share or share of answers cut by the caps above its limits
+        is a risk."""
         objective = self.rec.objective
         if objective is None:
             return
@@ -460,7 +606,8 @@ class _Checker:
                      self._objective_source(), None)
             return
         figures = (f"{predicted.output_tokens_per_s:,.1f} output tokens/s, {predicted.preemption_rate:.1%} of requests "
-                   f"preempted, {predicted.share_429:.1%} answered 429 at {objective.load.label} "
+                   f"preempted, {predicted.share_429:.1%} answered 429, {predicted.truncation_share:.1%} of answers "
+                   f"cut by the caps at {objective.load.label} "
                    f"({objective.requests:,} simulated requests, {objective.seeds_label})")
         broken = violations(objective, predicted)
         source = self._objective_source()
@@ -554,13 +701,16 @@ class _Checker:
     def check_feasibility(self) -> None:
         """Each failed condition of the feasibility verdict (kvtune.policy.feasibility) is a risk: the
         recommendation's own, and each deployed engine's max_model_len against the recommendation's
-        pool (a pool recomputed from the deployed flags is held to the same verdict elsewhere)."""
+        pool where it is measured (a pool recomputed from the deployed flags is held to the same
+        verdict in check_pool)."""
         base = self.rec.feasibility
         if base is None:
             return
         seen: set[str] = set()
         verdicts: list[tuple[str | None, Verdict]] = [(None, base)]
         for d in self.engines:
+            if d.source in self.pools:
+                continue  # its own pool, recomputed from its flags, is held to the verdict in check_pool
             if d.max_model_len is not None and d.max_model_len != base.max_model_len:
                 v = verdict(base.engine, pool_blocks=base.pool_blocks, block_size=base.block_size,
                             max_model_len=d.max_model_len, longest_request_tokens=base.longest_request_tokens)
@@ -579,6 +729,8 @@ class _Checker:
 
     def run(self) -> CheckResult:
         self.check_feasibility()
+        for pool in self.pools.values():
+            self.check_pool(pool)
         for d in self.deployed:
             if d.is_engine:
                 self.check_engine(d)
@@ -630,11 +782,14 @@ def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult
 
 
 def check_deployment(deployed: Sequence[Deployed], rec: Recommendation, *,
-                     max_truncation: float | None = None) -> CheckResult:
-    """Findings for deployed files (checked together) against a recommendation dict."""
+                     max_truncation: float | None = None, spec: ModelSpec | None = None,
+                     weights: WeightsEstimate | None = None) -> CheckResult:
+    """Findings for deployed files (checked together) against a recommendation. With the model's
+    `spec` and `weights`, an estimated capacity is recomputed from each engine file's flags and
+    the gateway budgets are held to that pool (kvtune.deploy.pool)."""
     if not deployed:
         raise ValueError("nothing to check")
-    return _Checker(deployed, rec, max_truncation).run()
+    return _Checker(deployed, rec, max_truncation, spec, weights).run()
 
 
 __all__ = ["Severity", "Finding", "CheckResult", "check_deployment", "check_rendered", "INHERENT_RISKS", "SEVERITIES"]

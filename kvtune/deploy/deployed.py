@@ -10,6 +10,7 @@ calls them: SGLang's --max-running-requests and TensorRT-LLM's --max_batch_size 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,10 +27,13 @@ class DeployedRoute:
     max_new_tokens: int
     path_prefix: str | None = None
     output_law: OutputLaw | None = None  # output_histogram: what the statistical policy bets on
+    header: str | None = None  # match.header (lower-case) and the value it selects
+    value: str | None = None
 
-    def matches(self, path: str | None, model: str | None) -> bool:
+    def matches(self, path: str | None, model: str | None, headers: Mapping[str, str] | None = None) -> bool:
         """Same rule as the gateways (gateway_config.RouteMatch)."""
-        return RouteMatch(self.path, self.model, self.path_prefix).matches(path, model)
+        match = RouteMatch(self.path, self.model, self.path_prefix, self.header, self.value)
+        return match.matches(path, model, headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +105,9 @@ class Deployed:
     def is_engine(self) -> bool:
         return self.kind.is_engine
 
-    def route_for(self, path: str | None, model: str | None) -> DeployedRoute | None:
-        return next((r for r in self.routes if r.matches(path, model)), None)
+    def route_for(self, path: str | None, model: str | None,
+                  headers: Mapping[str, str] | None = None) -> DeployedRoute | None:
+        return next((r for r in self.routes if r.matches(path, model, headers)), None)
 
     def to_dict(self) -> dict:
         data = asdict(self)

@@ -16,6 +16,8 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
+from markupsafe import Markup, escape
+
 from kvtune.errors import RenderError
 from kvtune.userfiles import brief
 
@@ -169,8 +171,19 @@ def percent(value: Any, decimals: int = 1) -> str:
     return f"{float(value) * 100:.{decimals}f}%"
 
 
+_NAME_JOINTS = re.compile(r"([_/.=-]+)")
+
+
+def breakable(value: Any) -> Markup:
+    """HTML text of a name (route, model id, URL, setting value) that may wrap after its joints
+    (_ / . = -) and nowhere else: a narrow cell breaks `/v1/chat/completions` after a slash,
+    never mid-word (code is not word-break: break-all)."""
+    return Markup(_NAME_JOINTS.sub(r"\1<wbr>", str(escape(one_line(value)))))
+
+
 FILTERS = {
     "shell": shell_quote, "json": json_scalar, "yaml": yaml_scalar, "lua": lua_string, "md": md_cell,
     "nginx": nginx_word, "nginx_listen": nginx_listen, "nginx_time": nginx_time,
     "one_line": one_line, "human": human_number, "bytes": human_bytes, "percent": percent,
+    "breakable": breakable,
 }

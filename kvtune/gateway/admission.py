@@ -162,7 +162,7 @@ class Admission:
         route = incoming.route
         endpoint = incoming.endpoint
         if endpoint.path_class is PathClass.GENERATE and route is None:
-            route = self.config.route_for(incoming.path, model)
+            route = self.config.route_for(incoming.path, model, incoming.route_headers)
             if route is None:
                 raise Rejection(404, Reason.NO_ROUTE, f"no route of this gateway serves {incoming.path} for this model")
         try:
@@ -236,7 +236,7 @@ class Admission:
         if self.queue.gate.never_fits(largest, demand):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but {self._limit_text()}: "
-                            "it can never be admitted")
+                            "it can never be admitted", blocks=(largest, self.pool.free_blocks))
         return max(largest, 1), demand
 
     def _never_fits(self, asked: Request, cap: int | None, lower: list[int]) -> None:
@@ -252,7 +252,7 @@ class Admission:
         if smallest is not None and self.queue.gate.never_fits(smallest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs at least {smallest} KV blocks but {self._limit_text()}: "
-                            "it can never be admitted")
+                            "it can never be admitted", blocks=(smallest, self.pool.free_blocks))
 
     def _limit_text(self) -> str:
         """What a 413 says it was measured against (the same words as the rendered nginx.conf;
@@ -332,7 +332,7 @@ class Admission:
                 self.metrics.retry_after.observe(turned.retry_after_s)
                 raise Rejection(429, reason, f"KV budget full: {blocks} blocks needed, the gateways' shared "
                                 "ledger holds too many on every upstream; retry later",
-                                retry_after_s=turned.retry_after_s)
+                                retry_after_s=turned.retry_after_s, blocks=(blocks, self.pool.free_blocks))
             self._polling += 1
             try:
                 await asyncio.sleep(min(SHARED_POLL_S, left))
@@ -386,7 +386,8 @@ class Admission:
         self.metrics.retry_after.observe(got.retry_after_s)
         raise Rejection(429, got.reason,
                         f"KV budget full: {blocks} blocks needed, {ledger.reserved_blocks} of "
-                        f"{ledger.limit_blocks} reserved; retry later", retry_after_s=got.retry_after_s)
+                        f"{ledger.limit_blocks} reserved; retry later", retry_after_s=got.retry_after_s,
+                        blocks=(blocks, ledger.free_blocks))
 
 
 __all__ = ["Admission", "Admitted", "WaitQueue"]

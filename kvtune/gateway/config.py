@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -45,24 +46,44 @@ class CountingMethod(enum.Enum):
 PROMPT_COUNT_METHODS = tuple(m.value for m in CountingMethod)
 
 
+#: The longest route header value gateway.yaml may name: a group name, not a payload.
+MAX_ROUTE_HEADER_VALUE = 256
+#: What a header name may hold (RFC 9110 token characters).
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: What a route header value may hold: printable ASCII, no comma (a header sent twice may arrive
+#: joined by one), no space at either end (both enforcers strip them); at most MAX_ROUTE_HEADER_VALUE.
+ROUTE_HEADER_VALUE = re.compile(rf"[!-+\--~](?:[ !-+\--~]{{0,{MAX_ROUTE_HEADER_VALUE - 2}}}[!-+\--~])?")
+
+
 @dataclass(frozen=True, slots=True)
 class RouteMatch:
     """A request belongs to a route when every given key matches; none given matches everything.
     `path` is literal (a `*` in it is just a character); only `path_prefix`, which a user writes
-    in their own config, matches a family of paths."""
+    in their own config, matches a family of paths. `header` (a lower-case name) and `value`:
+    the request carries that header once with exactly that value (a group such as a team, set by
+    a trusted layer in front: a client that sets it itself picks its own cap)."""
 
     path: str | None = None
     model: str | None = None
     path_prefix: str | None = None
+    header: str | None = None
+    value: str | None = None
 
-    def matches(self, path: str | None, model: str | None) -> bool:
-        """Exact path, path prefix, and model equality; a request without a known path never
-        matches a route that names one."""
+    def matches(self, path: str | None, model: str | None, headers: Mapping[str, str] | None = None) -> bool:
+        """Exact path, path prefix, model equality and the header's exact value (`headers`: the
+        request's route headers by lower-case name, absent or empty ones left out); a request
+        without a known path never matches a route that names one."""
         if self.path is not None and path != self.path:
             return False
         if self.path_prefix is not None and (path is None or not path.startswith(self.path_prefix)):
             return False
+        if not self.header_matches(headers):
+            return False
         return self.model is None or self.model == model
+
+    def header_matches(self, headers: Mapping[str, str] | None) -> bool:
+        """No header named, or the request's value of it is exactly `value`."""
+        return self.header is None or (headers is not None and headers.get(self.header) == self.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,9 +277,19 @@ class GatewayConfig:
         on the upstream with the largest budget: no request larger than this is ever admitted."""
         return self.admission.limit_blocks(max(u.block_budget for u in self.upstreams))
 
-    def route_for(self, path: str, model: str | None) -> GatewayRoute | None:
+    def route_for(self, path: str, model: str | None, headers: Mapping[str, str] | None = None) -> GatewayRoute | None:
         """The first route, in file order, whose match accepts the request."""
-        return next((r for r in self.routes if r.match.matches(path, model)), None)
+        return next((r for r in self.routes if r.match.matches(path, model, headers)), None)
+
+    def path_route(self, path: str, headers: Mapping[str, str] | None = None) -> GatewayRoute | None:
+        """For a literal route path that is no vLLM endpoint: the first route naming it whose
+        header (if any) the request carries; None sends it to route_for."""
+        return next((r for r in self.routes if r.match.path == path and r.match.header_matches(headers)), None)
+
+    @property
+    def route_headers(self) -> tuple[str, ...]:
+        """The request headers routes match on (lower-case names, each once, in file order)."""
+        return tuple(dict.fromkeys(r.match.header for r in self.routes if r.match.header is not None))
 
     def route_paths(self) -> dict[str, GatewayRoute]:
         """Literal route paths that are not vLLM endpoints: each makes its path governed."""
@@ -568,7 +599,8 @@ def _health(r: _Reader, value: Any) -> HealthProbe:
 def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
     item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path",
                                   "output_histogram"}, {"name", "max_new_tokens"})
-    match_doc = r.mapping(item.get("match", {}), f"{where}.match", {"path", "path_prefix", "model"})
+    match_doc = r.mapping(item.get("match", {}), f"{where}.match", {"path", "path_prefix", "model", "header", "value"})
+    header, value = _route_header(r, match_doc, f"{where}.match")
     path = r.string(match_doc.get("path"), f"{where}.match.path", optional=True)
     prefix = r.string(match_doc.get("path_prefix"), f"{where}.match.path_prefix", optional=True)
     if path is not None and prefix is not None:
@@ -611,7 +643,7 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
     return GatewayRoute(
         name=r.string(item["name"], f"{where}.name"),
         match=RouteMatch(path=path, model=r.string(match_doc.get("model"), f"{where}.match.model", optional=True),
-                         path_prefix=prefix),
+                         path_prefix=prefix, header=header, value=value),
         max_new_tokens=r.integer(item["max_new_tokens"], f"{where}.max_new_tokens", 1),
         upstream=r.url(item.get("upstream"), f"{where}.upstream", optional=True),
         api=api,
@@ -619,6 +651,25 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
         output_law=(None if item.get("output_histogram") is None
                     else parse_output_law(item["output_histogram"], r.fail, f"{where}.output_histogram")),
     )
+
+
+def _route_header(r: _Reader, doc: dict, where: str) -> tuple[str | None, str | None]:
+    """`match.header` and `match.value`, both or neither: a header name (kept lower-case: names
+    are case-insensitive) and the exact value a request's single such header must hold."""
+    header = r.string(doc.get("header"), f"{where}.header", optional=True)
+    value = doc.get("value")
+    if header is None:
+        if value is not None:
+            raise r.fail(f"{where}.value", "only with match.header: the request header whose value this is")
+        return None, None
+    if not HEADER_NAME.fullmatch(header):
+        raise r.fail(f"{where}.header", f"{brief(header)} is not a header name")
+    if value is None:
+        raise r.fail(f"{where}.value", "missing: the exact value of the header that selects this route")
+    if not isinstance(value, str) or not ROUTE_HEADER_VALUE.fullmatch(value):
+        raise r.fail(f"{where}.value", f"{brief(value)} is not a header value a route can match (printable "
+                     f"ASCII, no comma, no space at either end, at most {MAX_ROUTE_HEADER_VALUE} characters)")
+    return header.lower(), value
 
 
 def _literal_path(r: _Reader, path: str, where: str) -> None:

@@ -235,23 +235,24 @@ class LocalTokenizerCounter:
     def load(cls, spec: str, *, upstream: UpstreamTokenizeCounter | None = None) -> LocalTokenizerCounter:
         """From a tokenizer.json, a model directory, or a hub id (tokenizer_config.json beside it
         supplies the chat template and bos/eos tokens)."""
-        from kvtune.ingest.tokenize import chat_template_of, load_tokenizer, read_chat_template
+        from kvtune.ingest.tokenize import chat_template_of, hub_file, load_tokenizer, read_chat_template
 
         try:
             tokenizer = load_tokenizer(spec)
         except InputError as exc:  # name the gateway.yaml key, not the profile command's option
-            raise InputError(exc.message, path=exc.path, field="prompt_tokens.tokenizer") from exc
+            raise InputError(exc.message.replace("set tokenizer:", "set prompt_tokens.tokenizer:"), path=exc.path,
+                             field="prompt_tokens.tokenizer") from exc
         path = Path(spec).expanduser()
         folder = path if path.is_dir() else path.parent if path.is_file() else None
         if folder is not None:
             config, template = read_chat_template(folder)
         else:
             try:
-                from huggingface_hub import hf_hub_download
-
-                config = json.loads(Path(hf_hub_download(spec, "tokenizer_config.json")).read_text("utf-8"))
-            except Exception as exc:
-                raise InputError(f"cannot fetch tokenizer_config.json for {spec!r} ({type(exc).__name__})",
+                config = json.loads(Path(hub_file(spec, "tokenizer_config.json")).read_text("utf-8"))
+            except InputError as exc:
+                raise InputError(exc.message, field="prompt_tokens.tokenizer") from exc
+            except (OSError, ValueError) as exc:
+                raise InputError(f"cannot read tokenizer_config.json for {spec!r} ({type(exc).__name__})",
                                  field="prompt_tokens.tokenizer") from exc
             template = chat_template_of(config)
         if template is None:

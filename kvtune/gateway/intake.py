@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +38,8 @@ class Incoming:
     route: GatewayRoute | None
     raw_path: str
     sticky_header: str | None = None  # the value of gateway.yaml's sticky.header, when it keeps by one
+    # The values of the headers routes match on (lower-case names; absent or empty ones left out)
+    route_headers: Mapping[str, str] = field(default_factory=dict)
 
     def target(self, path: str) -> str:
         """`path` with the query string of the original request target, untouched."""
@@ -48,7 +51,9 @@ class Intake:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.limits: ClientLimits = config.limits
+        self._config = config
         self._route_paths = config.route_paths()
+        self._route_headers = config.route_headers
         self._passthrough = frozenset(config.passthrough)
         sticky = config.sticky
         self._sticky_header = sticky.header if sticky is not None and sticky.by is StickyBy.HEADER else None
@@ -67,9 +72,9 @@ class Intake:
         if path is None:
             raise Rejection(400, Reason.INVALID_PATH, "the request path must be plain (no percent-escapes, "
                             "'//', '.' or '..' segments)")
-        route = self._route_paths.get(path)
-        if route is not None:
-            endpoint = Endpoint(PathClass.GENERATE, route.api)
+        first = self._route_paths.get(path)
+        if first is not None:
+            endpoint = Endpoint(PathClass.GENERATE, first.api)
         else:
             endpoint = classify(path, self._passthrough)
         kind = endpoint.path_class
@@ -85,8 +90,23 @@ class Intake:
                             f"{endpoint.reason}")
         elif kind is not PathClass.PASSTHROUGH:
             raise Rejection(404, Reason.NOT_FOUND, f"{path} is not served through this gateway")
+        groups = self._groups(request) if kind is PathClass.GENERATE else {}
+        route = self._config.path_route(path, groups) if first is not None else None
         key = request.headers.get(self._sticky_header) if self._sticky_header is not None else None
-        return Incoming(path, endpoint, route, raw_path, key or None)
+        return Incoming(path, endpoint, route, raw_path, key or None, groups)
+
+    def _groups(self, request: web.Request) -> dict[str, str]:
+        """The headers routes match on; one sent twice is refused, since the two enforcers (and the
+        layer in front that sets it) could each take a different one of them."""
+        out = {}
+        for name in self._route_headers:
+            values = request.headers.getall(name, [])
+            if len(values) > 1:
+                raise Rejection(400, Reason.DUPLICATE_ROUTE_HEADER, f"the {name} header is sent "
+                                f"{len(values)} times: routes match on its one value")
+            if values and values[0]:
+                out[name] = values[0]
+        return out
 
     async def read_body(self, request: web.Request, *, decode: bool = True) -> bytes:
         """The whole request body within the size cap and the between-reads timeout; a gzip or

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.intake import Incoming, Intake
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.pool import LedgerFactory, Replica, UpstreamPool, local_ledger
-from kvtune.gateway.refusals import Reason, Refused, Rejection
+from kvtune.gateway.refusals import RefusalLog, Refused, Rejection
 from kvtune.gateway.relay import Relay, refusal_response
 from kvtune.gateway.shared import SharedLedger
 from kvtune.gateway.upstream import UpstreamClient, UpstreamConnectError, UpstreamError
@@ -53,8 +54,6 @@ log = logging.getLogger("kvtune.gateway")
 # is closing, and the request fails with a reset (seen as 502s when a burst of /tokenize calls
 # left a pool of connections idle behind a slow queue).
 UPSTREAM_KEEPALIVE_S = 4.0
-# Besides 502/503/504, the refusals that get a log line: clients too slow or too large.
-_LOGGED = frozenset({Reason.BODY_TIMEOUT, Reason.BODY_TOO_LARGE})
 
 
 @dataclass
@@ -78,6 +77,8 @@ class Gateway:
         self.admission = Admission(config, self.pool, self.metrics)
         self.relay = Relay(config.limits.send_timeout_s)
         self.rejected = 0
+        self.refusals = RefusalLog()  # every refusal, one log line per reason and route per second
+        self._refusal_timer: asyncio.Task | None = None
         # ledger.backend: redis: every local grant confirmed in the store all replicas share
         self.shared = SharedLedger(config, self.pool) if config.ledger.shared else None
         self.admission.shared = self.shared
@@ -111,8 +112,28 @@ class Gateway:
             await self.shared.start()
         if self.pool.checked:
             self._watch = asyncio.create_task(self._watch_health())
+        self._refusal_timer = asyncio.create_task(self._flush_refusals())
+
+    async def _flush_refusals(self) -> None:
+        """Log the refusals of a window that has lasted its second and seen no refusal since."""
+        while True:
+            await asyncio.sleep(self.refusals.window_s / 4)
+            now = time.monotonic()
+            if self.refusals.due(now):
+                self._log_refusals(self.refusals.flush(now))
+
+    @staticmethod
+    def _log_refusals(lines: list[str]) -> None:
+        for line in lines:
+            log.warning("%s", line)
 
     async def close(self) -> None:
+        if self._refusal_timer is not None:
+            self._refusal_timer.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._refusal_timer
+            self._refusal_timer = None
+        self._log_refusals(self.refusals.flush(time.monotonic()))
         if self._watch is not None:
             self._watch.cancel()
             with suppress(asyncio.CancelledError):
@@ -233,9 +254,9 @@ class Gateway:
 
     def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
-        self.metrics.count_rejected(route.name if route else "", rejection.reason)
-        if rejection.status in (502, 503, 504) or rejection.reason in _LOGGED:
-            log.warning("refused %s: %s", rejection.code, rejection.message[:200])
+        name = route.name if route else ""
+        self.metrics.count_rejected(name, rejection.reason)
+        self._log_refusals(self.refusals.record(name, rejection, time.monotonic()))
         return refusal_response(rejection)
 
 

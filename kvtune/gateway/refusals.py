@@ -8,11 +8,13 @@ log line; the rendered nginx.conf answers with the same ones (tests/test_enforce
 
     Rejection          an answer the gateway gives itself (4xx/5xx)
     Refused            a Rejection of a request already matched to a route (the metrics' label)
+    RefusalLog         refusals counted per reason and route, one log line each per second
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ class Reason(enum.Enum):
     UNSUPPORTED_ENCODING = "unsupported_encoding"
     UNCOUNTABLE_ENDPOINT = "uncountable_endpoint"
     NOT_FOUND = "not_found"
+    DUPLICATE_ROUTE_HEADER = "duplicate_route_header"  # a header routes match on, sent twice
     # reading the body (kvtune.gateway.intake, body)
     BODY_TOO_LARGE = "body_too_large"
     BODY_TIMEOUT = "body_timeout"
@@ -79,10 +82,11 @@ class Rejection(Exception):
     `close` also ends the connection (a body left unread, a client too slow to finish)."""
 
     def __init__(self, status: int, reason: Reason, message: str, *, retry_after_s: int | None = None,
-                 close: bool = False, allow: str | None = None) -> None:
+                 close: bool = False, allow: str | None = None, blocks: tuple[int, int] | None = None) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
         self.close, self.allow = close, allow
+        self.blocks = blocks  # (needed, free) when KV blocks decided it, for the log line
 
     @property
     def code(self) -> str:
@@ -98,4 +102,62 @@ class Refused(Exception):
         self.route, self.rejection = route, rejection
 
 
-__all__ = ["Reason", "ErrorType", "Rejection", "Refused"]
+#: Seconds over which refusals of one reason and route are counted into one log line.
+REFUSAL_LOG_S = 1.0
+
+
+@dataclass(slots=True)
+class _Tally:
+    count: int
+    last: Rejection
+
+
+class RefusalLog:
+    """Refusals counted per (reason, route) over a window of REFUSAL_LOG_S: at full rate the log
+    gets one line per reason and route per window, with the count and the last one's blocks
+    needed and free (or its message), never a line per request. Pure: the caller passes the clock
+    and logs the lines `record` and `flush` return (on the next refusal after the window, from a
+    timer, and at shutdown)."""
+
+    __slots__ = ("_started", "_tallies", "window_s")
+
+    def __init__(self, window_s: float = REFUSAL_LOG_S) -> None:
+        self.window_s = window_s
+        self._started: float | None = None
+        self._tallies: dict[tuple[str, str], _Tally] = {}
+
+    def record(self, route: str, rejection: Rejection, now: float) -> list[str]:
+        """Count one refusal; the lines of the window it closes, if it arrives after that one."""
+        lines = self.flush(now) if self.due(now) else []
+        if self._started is None:
+            self._started = now
+        tally = self._tallies.get((rejection.code, route))
+        if tally is None:
+            self._tallies[(rejection.code, route)] = _Tally(1, rejection)
+        else:
+            tally.count += 1
+            tally.last = rejection
+        return lines
+
+    def due(self, now: float) -> bool:
+        """Whether a window is open and has lasted its REFUSAL_LOG_S."""
+        return self._started is not None and now - self._started >= self.window_s
+
+    def flush(self, now: float) -> list[str]:
+        """One line per reason and route counted since the window opened; the window closes."""
+        if self._started is None:
+            return []
+        elapsed = max(now - self._started, 0.0)
+        lines = [_line(count=t.count, elapsed_s=elapsed, code=code, route=route, last=t.last)
+                 for (code, route), t in self._tallies.items()]
+        self._started, self._tallies = None, {}
+        return lines
+
+
+def _line(*, count: int, elapsed_s: float, code: str, route: str, last: Rejection) -> str:
+    what = (f"needed {last.blocks[0]:,} blocks, {last.blocks[1]:,} free (last)" if last.blocks is not None
+            else f"last: {last.message[:200]}")
+    return f"refused {count:,} in {elapsed_s:.1f} s: {code} route={route or '-'} status={last.status} {what}"
+
+
+__all__ = ["Reason", "ErrorType", "Rejection", "Refused", "RefusalLog", "REFUSAL_LOG_S"]

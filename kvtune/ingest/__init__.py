@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtune.errors import UnknownNameError
-from kvtune.ingest.paths import expand_paths
+from kvtune.ingest.paths import SkippedFile, expand_inputs, expand_paths
 from kvtune.ingest.schemas import FORMATS
 
 if TYPE_CHECKING:
@@ -70,6 +70,8 @@ class IngestStats:
     # and rows read whose timestamp lies outside it.
     pruned: list[str] = field(default_factory=list)
     outside_window: int = 0
+    # Files never read on purpose: an --exclude pattern matched them, or kvtune wrote them.
+    skipped_files: list[SkippedFile] = field(default_factory=list)
 
     def skip(self, reason: str, where: str, count: int = 1) -> None:
         self.skipped[reason] += count
@@ -101,7 +103,8 @@ class IngestOptions:
     route_by is "path", "model" or a source field path; None means the request path when logged.
     assume_cap treats outputs >= this value as cut at a cap (for traces without finish reasons).
     window keeps only rows whose timestamp falls in it (`kvtune.ingest.window`) and prunes the
-    partitions outside it (`kvtune.ingest.partitions`).
+    partitions outside it (`kvtune.ingest.partitions`). exclude: glob patterns of files not to read
+    (`kvtune.ingest.paths.excluded_by`).
     """
 
     format: str | None = None
@@ -112,6 +115,7 @@ class IngestOptions:
     strict: bool = False
     assume_cap: int | None = None
     window: Window | None = None
+    exclude: tuple[str, ...] = ()  # --exclude globs: files whose relative path or base name match are not read
 
 
 _threads: int | None = None
@@ -159,6 +163,8 @@ __all__ = [
     "IngestOptions",
     "IngestStats",
     "OnError",
+    "SkippedFile",
+    "expand_inputs",
     "expand_paths",
     "parse_on_error",
     "read_logs",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
@@ -38,24 +40,69 @@ def _walk(directory: Path) -> list[Path]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class SkippedFile:
+    """An input file left unread on purpose, and why: an --exclude pattern, or kvtune's own output."""
+
+    path: str
+    reason: str
+
+
+def excluded_by(relative: str, patterns: Sequence[str]) -> str | None:
+    """The first --exclude pattern matching a file's path relative to the argument it was found
+    under, or its base name (fnmatch: `*` also crosses `/`); None when none matches."""
+    name = relative.rsplit("/", 1)[-1]
+    return next((g for g in patterns if fnmatch.fnmatchcase(relative, g) or fnmatch.fnmatchcase(name, g)), None)
+
+
+def _relative(match: LogFile, arg: str, root: Path | None) -> str:
+    """A file's path as --exclude matches it: under a directory argument, relative to it; a URL
+    under the URL given; anything else as found."""
+    if isinstance(match, RemoteFile):  # compared without the scheme: fsspec writes memory://f as memory:///f
+        url, prefix = (text.partition("://")[2].lstrip("/") for text in (match.url, arg.rstrip("/") + "/"))
+        return url[len(prefix):] if url.startswith(prefix) else match.url
+    if root is not None:
+        return match.relative_to(root).as_posix()
+    return match.as_posix()
+
+
 def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[LogFile]:
-    """Files as given, directories recursively (log-like names only), globs expanded; no duplicates.
+    """Files as given, directories recursively (log-like names only), globs expanded; no duplicates
+    (`expand_inputs` with no --exclude)."""
+    return expand_inputs(paths)[0]
+
+
+def expand_inputs(
+    paths: Iterable[str | os.PathLike[str]], exclude: Sequence[str] = ()
+) -> tuple[list[LogFile], list[SkippedFile]]:
+    """(the log files to read, those an --exclude pattern left out): files as given, directories
+    recursively (log-like names only), globs expanded; no duplicates.
 
     A URL (`s3://…`, `https://…`, `memory://…`) is listed through fsspec the same way
     (`remote.expand_url`). An argument that matches nothing is an error: a typo must not become an
-    empty profile.
+    empty profile (files it matched that --exclude then left out are reported, not an error).
     """
     out: list[LogFile] = []
+    skipped: list[SkippedFile] = []
     seen: set[Path | str] = set()
+
+    def keep(match: LogFile, arg: str, root: Path | None) -> bool:
+        pattern = excluded_by(_relative(match, arg, root), exclude) if exclude else None
+        if pattern is not None:
+            skipped.append(SkippedFile(str(match), f"--exclude {pattern}"))
+        return pattern is None
+
     for arg in paths:
         text = os.fspath(arg)
         if protocol(text) is not None:
             for remote in expand_url(text, is_log_name):
                 if remote.url not in seen:
                     seen.add(remote.url)
-                    out.append(remote)
+                    if keep(remote, text, None):
+                        out.append(remote)
             continue
         p = Path(text)
+        root = p if p.is_dir() else None
         if p.is_dir():
             matches = _walk(p)
             if not matches:
@@ -81,5 +128,6 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[LogFile]:
             key = Path(os.path.realpath(match))  # never raises: a link loop is reported when it is read
             if key not in seen:
                 seen.add(key)
-                out.append(match)
-    return out
+                if keep(match, text, root):
+                    out.append(match)
+    return out, skipped

@@ -21,6 +21,7 @@ import pyarrow as pa
 from kvtune.errors import InputError, KvtuneError, UnknownNameError
 from kvtune.ingest import IngestOptions, OnError, arrays
 from kvtune.ingest.compression import open_bytes
+from kvtune.ingest.own_outputs import kvtune_output, kvtune_text_output
 from kvtune.ingest.paths import LogFile
 from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.schemas import ADAPTERS, BY_NAME, Adapter, Flat
@@ -65,6 +66,7 @@ class FilePlan:
     size: int | None = None  # bytes when planned: every read stops there, and fails if the file shrank
     group_rows: list[int] = field(default_factory=list)  # Parquet: rows in each row group, from the footer
     row_groups: tuple[int, int] | None = None  # Parquet: read only row groups [start, stop) (one task's part)
+    kvtune_output: str | None = None  # what kvtune file this is (`own_outputs`): skipped, not read
 
     @property
     def format(self) -> str:
@@ -236,7 +238,13 @@ def _plan(path: LogFile, options: IngestOptions) -> FilePlan:
         sample: list[Any] = _parquet_sample(plan)
     elif container == "json":
         sample = _json_sample(plan, head)
+        plan.kvtune_output = kvtune_output(sample)
+        if plan.kvtune_output is not None:
+            return plan
     else:
+        plan.kvtune_output = kvtune_text_output(head)
+        if plan.kvtune_output is not None:
+            return plan
         sample = _csv_sample(plan, head)
 
     if options.format == "fields":

@@ -30,7 +30,7 @@ from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, flatsca
 from kvtune.ingest.columns import _TYPES, Records
 from kvtune.ingest.jsonl import JsonlPaths
 from kvtune.ingest.partitions import partition_keys, prune
-from kvtune.ingest.paths import LogFile, expand_paths
+from kvtune.ingest.paths import LogFile, SkippedFile, expand_inputs
 from kvtune.ingest.plan import FilePlan, _plan, _route_field, check_options
 from kvtune.ingest.schemas._base import FLOAT_TARGETS, INT_TARGETS, STR_TARGETS, TEXT_TARGETS, as_bool, flat_rows
 from kvtune.ingest.schemas._fields import (
@@ -61,16 +61,20 @@ def open_logs(
     progress: Callable[[int, int], None] | None = None,
     prefetch: int = 0,
 ) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
-    plans, pruned = plan_logs(paths, options)
-    return open_plans(plans, options, pruned=pruned, progress=progress, prefetch=prefetch)
+    plans, pruned, skipped = plan_logs(paths, options)
+    return open_plans(plans, options, pruned=pruned, skipped_files=skipped, progress=progress, prefetch=prefetch)
 
 
-def plan_logs(paths: Sequence[str], options: IngestOptions) -> tuple[list[FilePlan], list[LogFile]]:
-    """(each file's plan, the files a window pruned): every path, option and format is checked
-    here, before a row is read, so a typo in the last file fails before any work."""
+def plan_logs(paths: Sequence[str], options: IngestOptions) -> tuple[list[FilePlan], list[LogFile], list[SkippedFile]]:
+    """(each file's plan, the files a window pruned, the files left unread: --exclude matched them,
+    or kvtune wrote them): every path, option and format is checked here, before a row is read, so a
+    typo in the last file fails before any work."""
     check_options(options)
-    files, pruned = prune(expand_paths(paths), options.window)
-    return [_plan(p, options) for p in files], pruned
+    found, skipped = expand_inputs(paths, options.exclude)
+    files, pruned = prune(found, options.window)
+    plans = [_plan(p, options) for p in files]
+    skipped += [SkippedFile(str(p.path), f"kvtune's own output: {p.kvtune_output}") for p in plans if p.kvtune_output]
+    return [p for p in plans if p.kvtune_output is None], pruned, skipped
 
 
 def open_plans(
@@ -78,6 +82,7 @@ def open_plans(
     options: IngestOptions,
     *,
     pruned: Sequence[LogFile] = (),
+    skipped_files: Sequence[SkippedFile] = (),
     progress: Callable[[int, int], None] | None = None,
     prefetch: int = 0,
 ) -> tuple[Iterator[pa.RecordBatch], IngestStats]:
@@ -89,7 +94,7 @@ def open_plans(
 
         tokenizer = load_tokenizer(options.tokenizer)
     stats = IngestStats(files=[FileInfo(str(p.path), p.format, partitions=partition_keys(p.path)) for p in plans],
-                        pruned=[str(p) for p in pruned])
+                        pruned=[str(p) for p in pruned], skipped_files=list(skipped_files))
     reader = _Reader(options, stats, tokenizer, progress, sum(p.size or 0 for p in plans))
     batches = reader.run(list(plans))
     return (_ahead(batches, prefetch) if prefetch else batches), stats

@@ -60,21 +60,35 @@ def load_tokenizer(spec: str) -> Any:
     if os.sep in spec and spec.count("/") > 1 or spec.startswith((".", "~")):
         raise InputError("no such tokenizer file or directory", path=spec, field="tokenizer")
     try:
-        from huggingface_hub import hf_hub_download
+        import huggingface_hub  # noqa: F401  (hub_file reads the cache with it)
     except ImportError as exc:
         raise InputError(
             "a hub id needs huggingface_hub (pip install huggingface_hub), or pass a tokenizer.json",
             field="--tokenizer",
         ) from exc
     try:
-        local = hf_hub_download(repo_id=spec, filename="tokenizer.json")
-    except Exception as exc:
-        raise InputError(
-            f"cannot fetch tokenizer.json for hub id {spec!r} ({type(exc).__name__}); "
-            "pass a local tokenizer.json or model directory",
-            field="--tokenizer",
-        ) from exc
+        local = hub_file(spec, "tokenizer.json")
+    except InputError as exc:
+        raise InputError(exc.message, field="--tokenizer") from exc
     return Tokenizer.from_file(local)
+
+
+def hub_file(repo_id: str, filename: str) -> str:
+    """A file of a hub model, offline first: the Hugging Face cache, then (unless HF_HUB_OFFLINE)
+    the hub. Missing from both: one InputError saying how to put it in the cache."""
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        return hf_hub_download(repo_id=repo_id, filename=filename, local_files_only=True)
+    except Exception as cached_exc:
+        if not constants.HF_HUB_OFFLINE:
+            try:
+                return hf_hub_download(repo_id=repo_id, filename=filename)
+            except Exception:  # unreachable, gated, no such repo: say what fixes it
+                pass
+        raise InputError(f"{repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub "
+                         f"cannot be reached: run huggingface-cli download {repo_id} tokenizer.json "
+                         "tokenizer_config.json, or set tokenizer: to a local directory") from cached_exc
 
 
 def count_tokens(tokenizer: Any, texts: Sequence[str]) -> list[int]:

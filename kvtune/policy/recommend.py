@@ -19,10 +19,11 @@ from kvtune.capacity.reservation import reserved_blocks
 from kvtune.endpoint import url_problem
 from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError, InputError, OptionError
+from kvtune.gateway.config import HEADER_NAME, MAX_ROUTE_HEADER_VALUE, ROUTE_HEADER_VALUE
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
-from kvtune.planning import Plan
+from kvtune.planning import Plan, replan
 from kvtune.policy import engine_rules, feasibility, rules
 from kvtune.policy.recommendation import (
     SETTINGS,
@@ -63,6 +64,9 @@ class RecommendOptions:
     engine_version: str | None = None  # its release (None: the release kvtune's facts were read from)
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
+    # The request header that carries a --route-by FIELD's value at request time (a group such
+    # as a team): gateway routes match it. None: per-group caps are refused, none could be enforced.
+    route_header: str | None = None
     served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
     # The what-if search (kvtune.policy.search) sets these: every route capped at this percentile
     # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
@@ -92,6 +96,12 @@ class RecommendOptions:
             raise OptionError(problem, field="upstream")
         if not self.route_by:
             raise OptionError("names no route key: path, model or a log field", field="route_by")
+        if self.route_header is not None:
+            if self.route_by in ROUTE_BY_MATCH:
+                raise OptionError(f"only with --route-by FIELD: routes by {self.route_by} are matched on the "
+                                  f"request's {self.route_by}, not a header", field="route_header")
+            if not HEADER_NAME.fullmatch(self.route_header):
+                raise OptionError(f"{brief(self.route_header)} is not a header name", field="route_header")
         if self.cap_level is not None and self.cap_level not in CAP_LEVELS:
             raise OptionError(f"not a cap level: {self.cap_level!r} (one of {', '.join(CAP_LEVELS)})",
                               field="cap_level")
@@ -99,16 +109,38 @@ class RecommendOptions:
             raise OptionError("a searched budget needs its safety fraction", field="safety_fraction")
 
 
-def _route_match(route: str, route_by: str) -> Match | None:
-    """What a gateway matches this route on: its path or model; everything for the unnamed
-    route `*`; None when routes come from a field a gateway cannot see, or when a logged path
-    is no literal request path a gateway could govern (the catch-all serves them)."""
+def _route_match(route: str, route_by: str, route_header: str | None = None) -> Match | None:
+    """What a gateway matches this route on: its path, model or the value of the header that
+    carries its group; everything for the unnamed route `*`; None when a logged path is no
+    literal request path a gateway could govern (the catch-all serves them)."""
     if route == "*":
         return Match()
+    if route_header is not None:
+        return Match(header=route_header.lower(), value=route)
     key = ROUTE_BY_MATCH.get(route_by)
     if key is None or (key == "path" and why_not_a_route_path(route) is not None):
         return None
     return Match(path=route) if key == "path" else Match(model=route)
+
+
+def _enforceable_groups(profile: Profile, options: RecommendOptions) -> None:
+    """Per-group caps (--route-by FIELD) only where a gateway can tell the groups apart: by the
+    header --route-header names, each group's value a header value it can match exactly."""
+    if options.route_by in ROUTE_BY_MATCH:
+        return
+    groups = [r.route for r in profile.routes if r.route != "*"]
+    if options.route_header is None:
+        if len(profile.routes) > 1:
+            raise OptionError(f"routes by {options.route_by!r} give {len(groups)} groups a cap each, but no "
+                              "gateway sees that field: name the request header a trusted layer in front "
+                              "sets to it with --route-header NAME (e.g. X-Team), or drop --route-by",
+                              field="route_header")
+        return
+    for group in groups:
+        if not ROUTE_HEADER_VALUE.fullmatch(group):
+            raise OptionError(f"the group {brief(group)} is not a header value a gateway can match exactly "
+                              f"(printable ASCII, no comma, no space at either end, at most "
+                              f"{MAX_ROUTE_HEADER_VALUE} characters)", field="route_header")
 
 
 def _cap(route: RouteProfile, options: RecommendOptions, context_cap: int) -> Decision:
@@ -161,13 +193,14 @@ def _reservations(route: RouteProfile, cap_tokens: int, block_size: int) -> _Res
 
 
 def _route_recommendation(route: RouteProfile, cap: Decision, reservations: _Reservations, route_by: str, *,
-                          budget_blocks: int, worst_concurrency: int, total_requests: int) -> RouteRecommendation:
+                          budget_blocks: int, worst_concurrency: int, total_requests: int,
+                          route_header: str | None = None) -> RouteRecommendation:
     """One route's cap with what it costs: reservations over the route's real prompts."""
     cap_tokens = cap.tokens
     dist = rules.weighted_distribution(reservations.blocks, reservations.counts)
     return RouteRecommendation(
         route=route.route,
-        match=_route_match(route.route, route_by),
+        match=_route_match(route.route, route_by, route_header),
         requests=route.requests,
         share=route.requests / total_requests,
         tail=route.tail.class_,
@@ -183,8 +216,20 @@ def _route_recommendation(route: RouteProfile, cap: Decision, reservations: _Res
     )
 
 
+# Rounds of settings → memory → pool → budget → settings; two replans always settle (see recommend).
+FIXED_POINT_ROUNDS = 4
+
+
 def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = None) -> Recommendation:
     """Apply every rule to the traffic and the plan; the result says which rule produced each number.
+
+    On a vLLM memory estimate the rendered scheduler limits are the ones the estimate assumed:
+    vLLM's startup profile runs its dummy sampler over max_num_seqs sequences and its forward over
+    max_num_batched_tokens tokens, so the plan is estimated again at the limits the rules chose,
+    with max_num_seqs never below the count it was estimated at, until the limits repeat. It
+    settles: the pool, hence the budget and the count it admits, f(s), only shrink as s grows;
+    s_next = max(f(s), s) never decreases, and after a step up to s' = f(s) > s, f(s') <= f(s) = s',
+    so the next round keeps s'. The bound FIXED_POINT_ROUNDS only guards that argument.
 
     >>> import kvtune
     >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.plan("llama-3.1-8b", gpu="H100-80GB"))
@@ -192,13 +237,35 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     (25883, 'cap-p99-heavy-tail')
     """
     options = options or RecommendOptions()
+    rec = _recommend_at(profile, plan, options)
+    if plan.engine != "vllm" or plan.capacity.source is not CapacitySource.ESTIMATE or plan.inputs is None:
+        return rec
+    for _ in range(FIXED_POINT_ROUNDS):
+        seqs, batched = _scheduler_limits(rec)
+        if (plan.report.max_num_seqs, plan.report.max_num_batched_tokens) == (seqs, batched):
+            return rec
+        plan = replan(plan, max_num_seqs=seqs, max_num_batched_tokens=batched)
+        rec = _recommend_at(profile, plan, options, profiled_seqs=seqs)
+    raise RuntimeError(f"the scheduler limits did not settle in {FIXED_POINT_ROUNDS} rounds")
+
+
+def _scheduler_limits(rec: Recommendation) -> tuple[int, int]:
+    seqs, batched = rec.settings["max_num_seqs"], rec.settings["max_num_batched_tokens"]
+    assert seqs is not None and batched is not None
+    return seqs.tokens, batched.tokens
+
+
+def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
+                  profiled_seqs: int | None = None) -> Recommendation:
+    """The rules on one plan; `profiled_seqs`, the sequence count the plan's memory estimate
+    profiled the sampler at, is max_num_seqs' floor."""
     capacity = plan.capacity
     if not profile.routes:
         raise InputError("the profile has no requests to recommend from")
     block_size = capacity.block_size
     model_limit = capacity.max_model_len
     version = rules.parse_vllm_version(options.vllm_version)
-    notes: list[str] = []
+    notes: list[str] = list(profile.notes)  # the files its logs did not read, first
     measured = capacity.source is not CapacitySource.ESTIMATE
 
     safety = (rules.safety_searched(options.safety_fraction) if options.searched and options.safety_fraction is not None
@@ -208,6 +275,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     if budget_blocks < 1:
         raise CapacityError(f"no KV blocks to budget: capacity has {capacity.num_blocks} block(s)")
 
+    _enforceable_groups(profile, options)
     total_requests = profile.requests
     drafts = []
     for route in profile.routes:
@@ -245,7 +313,8 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
 
     routes = [
         _route_recommendation(route, cap, reservations, options.route_by, budget_blocks=budget_blocks,
-                              worst_concurrency=worst_concurrency, total_requests=total_requests)
+                              worst_concurrency=worst_concurrency, total_requests=total_requests,
+                              route_header=options.route_header)
         for route, cap, reservations in drafts
     ]
     # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
@@ -254,13 +323,10 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     reservations = [drafts[i][2] for i in order]
     mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)
     admitted = rules.admitted_concurrency(budget_blocks, mean_reservation)
-    if options.route_by not in ROUTE_BY_MATCH and len(routes) > 1:
-        notes.append(f"routes come from the field {options.route_by!r}, which a gateway cannot match on; "
-                     "gateway configs send every request to the catch-all route, capped at the largest route cap")
 
     settings = _engine_settings(profile, routes, reservations, plan, options, version=version,
                                 budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
-                                max_len=max_len)
+                                max_len=max_len, profiled_seqs=profiled_seqs)
     settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
     settings["gateway_queue_timeout_s"] = rules.queue_timeout_s()
     if not measured:
@@ -316,7 +382,8 @@ def _capacity_summary(capacity: Capacity) -> CapacitySummary:
 
 def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
                      plan: Plan, options: RecommendOptions, *, version: tuple[int, ...], budget_blocks: int,
-                     limit_blocks: int, max_len: Decision) -> dict[str, Decision | None]:
+                     limit_blocks: int, max_len: Decision, profiled_seqs: int | None = None
+                     ) -> dict[str, Decision | None]:
     """The engine's settings, each from its rule: scheduler limits sized for what the budget admits,
     and the settings the capacity rests on, as the plan resolved them (measured ones win). Settings
     only one engine has (vLLM's preemption mode, SGLang's estimate, TensorRT-LLM's scheduler
@@ -330,6 +397,8 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
     p1_reservation = rules.weighted_quantile(np.concatenate([r.blocks for r in reservations]),
                                              np.concatenate([r.counts for r in reservations]), 0.01)
     seqs = rules.max_num_seqs(budget_blocks, p1_reservation, limit_blocks)
+    if profiled_seqs is not None:
+        seqs = rules.max_num_seqs_profiled(seqs, profiled_seqs)
     combined_prompt = profile.combined().prompt
     p95_prompt = int(combined_prompt.quantile(0.95) or 0) if combined_prompt.total else 0
     if engine == "sglang":
@@ -340,6 +409,8 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
         engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
                           if plan.gpu_memory_bytes else vllm.MAX_NUM_BATCHED_TOKENS)
     batched = rules.max_num_batched_tokens(p95_prompt, engine_default, seqs.tokens, context_tokens)
+    if profiled_seqs is not None:
+        batched = rules.batched_tokens_profiled(batched)
     backstop = max(caps)
     settings: dict[str, Decision | None] = {
         "tensor_parallel_size": Decision(kv.tensor_parallel_size, "tp-given", _tp_reason(kv, capacity)),

@@ -198,13 +198,24 @@ class Binned:
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """What a gateway matches a route on (neither: every request)."""
+    """What a gateway matches a route on (none: every request): a path, a model, or a request
+    header's exact value (`header`, lower-case, naming the group it carries)."""
 
     path: str | None = None
     model: str | None = None
+    header: str | None = None
+    value: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """The request headers a request of this route carries, as the gateways' matches read them."""
+        return None if self.header is None or self.value is None else {self.header: self.value}
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "model": self.model}
+        out = {"path": self.path, "model": self.model}
+        if self.header is not None:
+            out |= {"header": self.header, "value": self.value}
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +279,8 @@ class RouteRecommendation:
     @classmethod
     def read(cls, f: Fields) -> RouteRecommendation:
         m = f.obj("match", optional=True)
-        match = None if m is None else Match(m.string("path", optional=True), m.string("model", optional=True))
+        match = None if m is None else Match(m.string("path", optional=True), m.string("model", optional=True),
+                                             m.string("header", optional=True), m.string("value", optional=True))
         prompt = f.obj("prompt_tokens", optional=True)
         requested = f.obj("requested_max_tokens", optional=True)
         lengths = f.obj("output_lengths")

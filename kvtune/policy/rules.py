@@ -363,6 +363,23 @@ def max_num_seqs(budget_blocks: int, p1_reservation_blocks: int, limit_blocks: i
                     "when it fills with the shortest 1 % of logged requests; the engine must run them all")
 
 
+def max_num_seqs_profiled(rule: Decision, profiled_seqs: int) -> Decision:
+    """max_num_seqs as the memory estimate assumed it: vLLM's profile sorts max_num_seqs × vocab
+    logits, so the pool the budget comes from was sized at `profiled_seqs` sequences. Never below
+    it (a smaller count would leave a pool the budget was not computed from); the rule's count, when
+    larger, is what the next estimate profiles."""
+    value = max(rule.tokens, profiled_seqs)
+    if value == rule.tokens:
+        return Decision(value, rule.rule, f"{rule.reason}; the memory estimate profiled the sampler at this count")
+    return Decision(value, "max-num-seqs-profiled",
+                    f"max_num_seqs {value:,}: the memory estimate profiled the sampler at this count, and the pool it "
+                    f"leaves admits fewer ({rule.reason})")
+
+
+def batched_tokens_profiled(rule: Decision) -> Decision:
+    return Decision(rule.value, rule.rule, f"{rule.reason}; the memory estimate's activation peak assumed it")
+
+
 def max_num_batched_tokens(
     p95_prompt_tokens: int, engine_default: int, max_num_seqs_value: int, max_model_len_value: int
 ) -> Decision:

@@ -48,6 +48,7 @@ from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
+from kvtune.policy.rules import CAP_PERCENTILE
 from kvtune.policy.whatif import (
     ENGINE_ROWS,
     MAX_SEEDS,
@@ -115,9 +116,10 @@ class ObjectiveSpec:
     seed: int = 0
     seeds: int = DEFAULT_SEEDS
     compare_engines: bool = False  # add the engine rows (SearchGrid.engines)
+    max_truncation: float | None = None  # None: what the tail cap rule cuts (truncation_limit)
 
     def __post_init__(self) -> None:
-        for name in ("max_preemption_rate", "max_429_share"):
+        for name in ("max_preemption_rate", "max_429_share", "max_truncation"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and 0 <= value <= 1):
                 raise OptionError(f"must be a share between 0 and 1, got {value:g}", field=name)
@@ -223,7 +225,8 @@ def build_objective(profile: Profile, plan: Plan, spec: ObjectiveSpec) -> Object
             raise OptionError(f"route {route.route[:80]!r} logs no prompt lengths; simulating it needs them",
                               field="objective")
     return Objective(spec.goal, spec.slo, spec.max_preemption_rate, spec.max_429_share, objective_load(profile, spec),
-                     spec.requests, spec.seed, sim_basis(plan), traffic_profile(profile), spec.seeds)
+                     spec.requests, spec.seed, sim_basis(plan), traffic_profile(profile), spec.seeds,
+                     max_truncation=spec.max_truncation)
 
 
 def traffic_profile(profile: Profile) -> Profile:
@@ -309,6 +312,25 @@ def truncation_share(traffic: Profile, caps: Mapping[str, int | None]) -> float:
     cut = sum(r.requests * r.output.truncation_share(cap) for r in traffic.routes
               if (cap := caps.get(r.route)) is not None)
     return round(cut / total, 6) if total else 0.0
+
+
+def tail_rule_truncation(traffic: Profile) -> float:
+    """The share of answers the default cap rule cuts: each route capped at its tail class's
+    percentile (kvtune.policy.rules.CAP_PERCENTILE), as truncation_share weighs them."""
+    caps = {r.route: r.output.quantile(CAP_PERCENTILE[r.tail.class_]).value_tokens
+            for r in traffic.routes if r.output.total}
+    return truncation_share(traffic, caps)
+
+
+def truncation_limit(objective: Objective, candidates: Sequence[Candidate]) -> Objective:
+    """The objective with its truncation bound: --max-truncation as given, else what the tail
+    rule accepts (the larger of its share unclipped and its rows' as deployed, whose caps the
+    context may clip), so truncation is a constraint of the search, never a lever it pulls."""
+    if objective.max_truncation is not None:
+        return objective
+    tail = [truncation_share(objective.traffic, c.deployment.caps) for c in candidates
+            if c.cap_level == TAIL_LEVEL and c.rec is not None]
+    return dataclasses.replace(objective, max_truncation=max([tail_rule_truncation(objective.traffic), *tail]))
 
 
 def simulate_deployment(objective: Objective, deployment: Deployment,
@@ -410,7 +432,7 @@ def _matched(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendatio
     out: dict[str, DeployedRoute | None] = {}
     for route in routes:
         match = route.match or Match()
-        out[route.route] = next((r for r in table if r.matches(match.path, match.model)), None)
+        out[route.route] = next((r for r in table if r.matches(match.path, match.model, match.headers)), None)
     return out
 
 
@@ -419,7 +441,7 @@ def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) ->
     route table gateway.yaml carries (kvtune.deploy.render.gateway_routes), its budget."""
     from kvtune.deploy.render import gateway_routes
 
-    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"],
+    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"], header=r["header"], value=r["value"],
                            output_law=None if (h := r.get("output_histogram")) is None
                            else OutputLaw(tuple(h["lengths"]), tuple(h["counts"])))
              for r in gateway_routes(rec)]
@@ -583,6 +605,7 @@ def chosen_recommendation(objective: Objective, grid: SearchGrid, candidates: Se
                           evaluate: Evaluate, progress: Progress | None) -> Recommendation:
     """Each candidate's figures (and, for several replicas, each replica's part) by `evaluate`,
     the best feasible one chosen: its recommendation with the what-if table attached."""
+    objective = truncation_limit(objective, candidates)
     predicted: list[Predicted] = []
     parts: list[tuple[ReplicaRow, ...]] = []
     for done, c in enumerate(candidates, 1):
@@ -610,7 +633,7 @@ def chosen_recommendation(objective: Objective, grid: SearchGrid, candidates: Se
             f"no configuration meets the objective: of {sum(c.rec is not None for c in candidates)} candidates "
             f"the closest, "
             f"{rows[closest].label}, breaks {'; '.join(v.text for v in broken[closest])}; relax "
-            "--max-preemption-rate / --max-429-share or lower the load", rows, objective)
+            "--max-preemption-rate / --max-429-share / --max-truncation or lower the load", rows, objective)
     rec = candidates[chosen].rec
     assert rec is not None
     notes = [f"what-if search at {objective.load.label}, {objective.requests:,} requests, "
@@ -640,7 +663,8 @@ def recommend_for_objective(profile: Profile, plan: Plan, options: RecommendOpti
 __all__ = ["ObjectiveSpec", "SearchGrid", "Deployment", "Draws", "InfeasibleObjectiveError", "build_objective",
            "draw_requests", "simulate_deployment", "rendered_deployment", "recommended_engine", "route_caps", "search",
            "violations", "choose", "GUARANTEED",
-           "recommend_for_objective", "truncation_share", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
+           "recommend_for_objective", "truncation_share", "truncation_limit",
+           "tail_rule_truncation", "DEFAULT_CAP_LEVELS", "DEFAULT_SAFETY_FRACTIONS",
            "DEFAULT_OVERCOMMIT_FACTORS", "OVERCOMMITS", "DEFAULT_EPSILONS", "STATISTICALS",
            "DEFAULT_SEEDS", "mean_predicted", "objective_seeds", "route_laws",
            "DEFAULT_REQUESTS", "TAIL_LEVEL", "Candidate", "grid_candidates", "engine_candidates", "simulate_run",

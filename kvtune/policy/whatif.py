@@ -227,9 +227,12 @@ class Objective:
     # several engine replicas (kvtune.policy.replica_search): each one's footing, in upstream
     # order; `basis` is then the smallest one's (whose caps and max_model_len they all run)
     replicas: tuple[ReplicaBasis, ...] = ()
+    # the largest share of answers a row's caps may cut (kvtune.policy.search.truncation_limit:
+    # --max-truncation, else what the tail cap rule cuts); None: unbounded (files before it)
+    max_truncation: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_preemption_rate", "max_429_share"):
+        for name in ("max_preemption_rate", "max_429_share", "max_truncation"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:
                 raise OptionError(f"must be a share between 0 and 1, got {value:g}", field=name)
@@ -262,12 +265,15 @@ class Objective:
             out.append(("max_preemption_rate", self.max_preemption_rate, "preemption_rate"))
         if self.max_429_share is not None:
             out.append(("max_429_share", self.max_429_share, "share_429"))
+        if self.max_truncation is not None:
+            out.append(("max_truncation", self.max_truncation, "truncation_share"))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.goal.value, "slo": None if self.slo is None else self.slo.to_dict(),
                 "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,
-                "load": self.load.to_dict(), "requests": self.requests, "seed": self.seed, "seeds": self.seeds,
+                "max_truncation": self.max_truncation, "load": self.load.to_dict(), "requests": self.requests,
+                "seed": self.seed, "seeds": self.seeds,
                 "simulator": self.basis.to_dict(), "traffic": self.traffic.to_dict(),
                 **({"replicas": [r.to_dict() for r in self.replicas]} if self.replicas else {})}
 
@@ -288,7 +294,8 @@ class Objective:
                        f.number("max_429_share", maximum=1, optional=True), Load.read(f.obj("load")),
                        f.integer("requests", minimum=1), f.integer("seed"), SimBasis.read(f.obj("simulator")),
                        profile, f.integer("seeds", minimum=1, maximum=MAX_SEEDS, optional=True) or 1,
-                       tuple(ReplicaBasis.read(r) for r in f.items("replicas", optional=True, nonempty=True)))
+                       tuple(ReplicaBasis.read(r) for r in f.items("replicas", optional=True, nonempty=True)),
+                       f.number("max_truncation", maximum=1, optional=True))
         except OptionError as exc:
             raise f.fail(exc.field, exc.message) from None
 
@@ -328,6 +335,11 @@ class Predicted:
                    f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"))
 
 
+# each constraint (its option's name) as a row's verdict names it
+CONSTRAINT_NAMES = {"max_preemption_rate": "preemption rate", "max_429_share": "429 share",
+                    "max_truncation": "truncated"}
+
+
 @dataclass(frozen=True, slots=True)
 class Violation:
     """A constraint a row broke: its name (the option), its limit and the predicted value."""
@@ -338,7 +350,7 @@ class Violation:
 
     @property
     def text(self) -> str:
-        what = "preemption rate" if self.constraint == "max_preemption_rate" else "429 share"
+        what = CONSTRAINT_NAMES[self.constraint]
         return f"{what} {self.value:.1%} > {self.limit:.1%}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -346,7 +358,7 @@ class Violation:
 
     @classmethod
     def read(cls, f: Fields) -> Violation:
-        return cls(f.choice("constraint", ("max_preemption_rate", "max_429_share")), f.number("limit", maximum=1),
+        return cls(f.choice("constraint", tuple(CONSTRAINT_NAMES)), f.number("limit", maximum=1),
                    f.number("value", maximum=1))
 
 
@@ -516,7 +528,8 @@ def _figure_cells(p: Predicted) -> dict[str, str]:
 
 
 TABLE_NOTE = ("latencies in ms of completed requests (p50 / p99); budget in blocks (safety fraction); caps: each "
-              "route's percentile of output tokens (tail: p95 for light tails, p99 for heavy ones)")
+              "route's percentile of output tokens (tail: p95 for light tails, p99 for heavy ones); trunc: the "
+              "share of answers the row's caps cut (the logged output lengths' Kaplan–Meier estimate)")
 
 
 def objective_line(objective: Objective) -> str:
@@ -526,6 +539,8 @@ def objective_line(objective: Objective) -> str:
         limits.append(f"preemption rate ≤ {objective.max_preemption_rate:.1%}")
     if objective.max_429_share is not None:
         limits.append(f"429 share ≤ {objective.max_429_share:.1%}")
+    if objective.max_truncation is not None:
+        limits.append(f"answers truncated by the caps ≤ {objective.max_truncation:.1%}")
     timing = "roofline step-time estimate" if objective.basis.timing.estimate else "calibrated step time"
     return (f"objective: the most {objective.metric_label} within {', '.join(limits) or 'no constraints'}, at "
             f"{objective.load.label}, {objective.requests:,} requests, {objective.seeds_label} ({timing})")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -616,11 +617,10 @@ def profile_read(batches: Iterable[pa.RecordBatch], stats: IngestStats, options:
     for batch in batches:
         builder.add_batch(batch)
     inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]
-    profile = builder.result(inputs=inputs, skipped=dict(stats.skipped), skip_examples=dict(stats.examples))
+    profile = replace(builder.result(inputs=inputs, skipped=dict(stats.skipped), skip_examples=dict(stats.examples)),
+                      skipped_files=tuple(stats.skipped_files))
     if options.window is None:
         return profile
-    from dataclasses import replace
-
     from kvtune.ingest.window import WindowReport
 
     return replace(profile, window=WindowReport.of(options.window, len(stats.pruned), stats.outside_window))

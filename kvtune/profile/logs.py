@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvtune.errors import InputError
 from kvtune.profile.build import (
     MAX_ROUTES,
     PREFETCH_BATCHES,
@@ -19,7 +20,10 @@ from kvtune.profile.routes import Profile, fold_routes
 if TYPE_CHECKING:  # pragma: no cover
     from kvtune.ingest import IngestOptions
 
-__all__ = ["profile_logs", "load_profile_or_logs"]
+__all__ = ["profile_logs", "load_profile_or_logs", "require_rows"]
+
+#: Inputs and skip reasons named in the one-line error for logs without a usable row.
+_SHOWN = 3
 
 
 def profile_logs(
@@ -40,7 +44,8 @@ def profile_logs(
     max_routes: the busiest routes kept; the others fold into `*` (None keeps every route).
     workers: processes for the map step (None: every core when the input pays for it);
     ray_address: run it as Ray tasks instead ("" starts a local cluster). Either way the profile
-    is the one a single process builds (`kvtune.profile.parallel`).
+    is the one a single process builds (`kvtune.profile.parallel`). Logs without one usable row
+    are an InputError (`require_rows`): CI must not pass on an empty profile.
     """
 
     def once(opts: IngestOptions) -> Profile:
@@ -54,7 +59,7 @@ def profile_logs(
 
         return profile_parallel(paths, opts, workers=workers, progress=progress, max_routes=max_routes)
 
-    profile = once(options)
+    profile = require_rows(once(options), paths)
     if trace_max_is_cap and profile.routes:
         import dataclasses
 
@@ -62,6 +67,32 @@ def profile_logs(
         if top > 0:
             profile = once(dataclasses.replace(options, assume_cap=top))
     return profile
+
+
+def require_rows(profile: Profile, paths: Sequence[str]) -> Profile:
+    """The profile, if its logs gave at least one usable row; otherwise one InputError naming the
+    inputs and why each row went (skip reasons with counts and the first place, the window, the
+    files not read)."""
+    if profile.requests:
+        return profile
+    why = []
+    if profile.skipped_rows:
+        reasons = sorted(profile.skipped.items(), key=lambda kv: (-kv[1], kv[0]))
+        why.append(f"{profile.skipped_rows:,} rows skipped (" + "; ".join(
+            f"{count:,} {reason}" for reason, count in reasons[:_SHOWN]) + (", …" if len(reasons) > _SHOWN else "")
+            + (f"; first at {profile.skip_examples[reasons[0][0]]}" if reasons[0][0] in profile.skip_examples else "")
+            + ")")
+    if profile.window is not None and (profile.window.outside_rows or profile.window.pruned_files):
+        w = profile.window
+        why.append(f"{w.outside_rows:,} rows outside --since/--until and {w.pruned_files:,} files pruned by it")
+    if profile.skipped_files:
+        files = len(profile.skipped_files)
+        why.append(f"{files:,} file{'s' if files != 1 else ''} not read (" + "; ".join(profile.notes) + ")")
+    if not why:
+        why.append("the files hold no rows" if profile.inputs else "no file was read")
+    hint = " (see --tokenizer, --field, --format, --on-error)" if profile.skipped_rows else ""
+    shown = ", ".join(paths[:_SHOWN]) + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
+    raise InputError("no usable row: " + "; ".join(why) + hint, path=shown)
 
 
 def _profile_once(paths: Sequence[str], options: IngestOptions, progress: ProgressCallback | None,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtune.errors import EndpointError, KvtuneError, OptionError
-from kvtune.profile.parallel import Task, merge_parts, parallel_safe, profile_part, split
+from kvtune.profile.parallel import Task, in_process, merge_parts, parallel_safe, profile_part, split
 from kvtune.profile.routes import Profile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,12 +56,14 @@ def profile_on_ray(paths: Sequence[str], options: IngestOptions, *, address: str
     one); the same bytes as one process."""
     from kvtune.ingest.readers import plan_logs
 
-    plans, pruned = plan_logs(paths, options)
+    plans, pruned, skipped = plan_logs(paths, options)
+    if not plans:  # every file excluded or kvtune's own: nothing for the cluster to read
+        return in_process(plans, pruned, skipped, options, progress, max_routes)
     if not parallel_safe(plans):
         raise OptionError("an input holds Batch API input files or memory:// files, which are read in one "
                           "process: drop --ray", field="--ray")
     tasks, parts = run_on_ray(plans, options, address, progress)
-    return merge_parts(tasks, parts, len(pruned), options, max_routes)
+    return merge_parts(tasks, parts, len(pruned), skipped, options, max_routes)
 
 
 def run_on_ray(plans: Sequence[FilePlan], options: IngestOptions, address: str,

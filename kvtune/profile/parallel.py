@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Future
 
     from kvtune.ingest import IngestOptions
-    from kvtune.ingest.paths import LogFile
+    from kvtune.ingest.paths import LogFile, SkippedFile
     from kvtune.ingest.plan import FilePlan
 
 __all__ = ["Task", "auto_workers", "parallel_safe", "split", "profile_part", "merge_parts", "profile_parallel"]
@@ -131,10 +131,11 @@ def profile_part(task: Task, options: IngestOptions) -> Profile:
     return profile_read(batches, stats, options, max_routes=None)
 
 
-def merge_parts(tasks: Sequence[Task], parts: Sequence[Profile], pruned: int, options: IngestOptions,
-                max_routes: int | None) -> Profile:
+def merge_parts(tasks: Sequence[Task], parts: Sequence[Profile], pruned: int, skipped: Sequence[SkippedFile],
+                options: IngestOptions, max_routes: int | None) -> Profile:
     """The parts (in task order) as one profile, as a single reader would have built it: a file
-    read in several runs is one input with all their rows, and routes fold once, at the end."""
+    read in several runs is one input with all their rows, the files planned but not read are the
+    parent's, and routes fold once, at the end."""
     merged = merge_profiles(parts)
     inputs: list[InputFile] = []
     last = -1
@@ -145,7 +146,7 @@ def merge_parts(tasks: Sequence[Task], parts: Sequence[Profile], pruned: int, op
         else:
             inputs.append(read)
         last = task.index
-    merged = replace(merged, inputs=tuple(inputs))
+    merged = replace(merged, inputs=tuple(inputs), skipped_files=tuple(skipped))
     if options.window is not None:
         from kvtune.ingest.window import WindowReport
 
@@ -166,21 +167,23 @@ def profile_parallel(
     same bytes as one process. An input that pays for no second process is read here."""
     from kvtune.ingest.readers import plan_logs
 
-    plans, pruned = plan_logs(paths, options)
+    plans, pruned, skipped = plan_logs(paths, options)
     count = auto_workers(plans) if workers is None else workers
     tasks = split(plans, count) if count > 1 and parallel_safe(plans) else []
     if len(tasks) < 2:
-        return _in_process(plans, pruned, options, progress, max_routes)
+        return in_process(plans, pruned, skipped, options, progress, max_routes)
     parts = _run_local(tasks, options, min(count, len(tasks)), progress)
-    return merge_parts(tasks, parts, len(pruned), options, max_routes)
+    return merge_parts(tasks, parts, len(pruned), skipped, options, max_routes)
 
 
-def _in_process(plans: Sequence[FilePlan], pruned: Sequence[LogFile], options: IngestOptions,
-                progress: ProgressCallback | None, max_routes: int | None) -> Profile:
+def in_process(plans: Sequence[FilePlan], pruned: Sequence[LogFile], skipped: Sequence[SkippedFile],
+               options: IngestOptions, progress: ProgressCallback | None, max_routes: int | None) -> Profile:
+    """The planned files read here, in this process (an input that pays for no second one)."""
     from kvtune.ingest.readers import open_plans
     from kvtune.profile.build import PREFETCH_BATCHES
 
-    batches, stats = open_plans(plans, options, pruned=pruned, progress=progress, prefetch=PREFETCH_BATCHES)
+    batches, stats = open_plans(plans, options, pruned=pruned, skipped_files=skipped, progress=progress,
+                                prefetch=PREFETCH_BATCHES)
     return profile_read(batches, stats, options, max_routes)
 
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtune.errors import InputError
+from kvtune.ingest.paths import SkippedFile
 from kvtune.ingest.window import WindowReport, merge_reports
 from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
 from kvtune.userfiles import brief
@@ -595,6 +596,7 @@ class Profile:
     folded_routes: int = 0
     folded_requests: int = 0
     window: WindowReport | None = None  # read with --since/--until: what the window left out
+    skipped_files: tuple[SkippedFile, ...] = ()  # files not read: --exclude matched them, or kvtune wrote them
 
     def __post_init__(self) -> None:
         names = [r.route for r in self.routes]
@@ -608,7 +610,7 @@ class Profile:
         if not isinstance(other, Profile):
             return NotImplemented
         return (self.routes, self.inputs, self.skipped, self.skip_examples, self.folded_routes,
-                self.folded_requests, self.window) == (
+                self.folded_requests, self.window, self.skipped_files) == (
             other.routes,
             other.inputs,
             other.skipped,
@@ -616,6 +618,7 @@ class Profile:
             other.folded_routes,
             other.folded_requests,
             other.window,
+            other.skipped_files,
         )
 
     # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
@@ -627,6 +630,11 @@ class Profile:
     @property
     def skipped_rows(self) -> int:
         return sum(self.skipped.values())
+
+    @property
+    def notes(self) -> list[str]:
+        """What a reader must know about the inputs besides the numbers: the files not read."""
+        return skipped_file_notes(self.skipped_files)
 
     def route(self, name: str) -> RouteProfile:
         for r in self.routes:
@@ -658,6 +666,7 @@ class Profile:
             folded_routes=self.folded_routes + other.folded_routes,
             folded_requests=self.folded_requests + other.folded_requests,
             window=merge_reports(self.window, other.window),
+            skipped_files=self.skipped_files + other.skipped_files,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -670,6 +679,7 @@ class Profile:
             "skip_examples": dict(self.skip_examples),
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests},
             **({"window": self.window.to_dict()} if self.window is not None else {}),
+            **({"skipped_files": [_skipped_file_dict(f) for f in self.skipped_files]} if self.skipped_files else {}),
         }
 
     @classmethod
@@ -701,6 +711,7 @@ class Profile:
             folded_routes=folded.get("routes", 0),
             folded_requests=folded.get("requests", 0),
             window=WindowReport.from_dict(data["window"]) if data.get("window") is not None else None,
+            skipped_files=_skipped_files(data.get("skipped_files", [])),
         )
 
     def summary_dict(self) -> dict[str, Any]:
@@ -716,7 +727,49 @@ class Profile:
             "inputs": [i.to_dict() for i in self.inputs],
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests, "into": "*"},
             **({"window": self.window.to_dict()} if self.window is not None else {}),
+            "skipped_files": [_skipped_file_dict(f) for f in self.skipped_files],
+            "notes": self.notes,
         }
+
+
+#: Files listed by name in a note; beyond this the note says how many more.
+NOTE_FILES = 5
+
+
+def skipped_file_notes(files: Iterable[SkippedFile]) -> list[str]:
+    """One note for the files kvtune wrote and one for those --exclude left out, never silent."""
+    own = [f for f in files if not f.reason.startswith("--exclude")]
+    excluded = [f for f in files if f.reason.startswith("--exclude")]
+    notes = []
+    if own:
+        notes.append(f"skipped {_files(len(own))} kvtune wrote (not logs): "
+                     + _listed(f"{f.path} ({f.reason.partition(': ')[2]})" for f in own)
+                     + "; --exclude GLOB leaves any file out by name")
+    if excluded:
+        notes.append(f"left out {_files(len(excluded))} matching --exclude: " + _listed(f.path for f in excluded))
+    return notes
+
+
+def _files(count: int) -> str:
+    return f"{count:,} file" + ("" if count == 1 else "s")
+
+
+def _listed(items: Iterable[str]) -> str:
+    shown = list(items)
+    more = len(shown) - NOTE_FILES
+    return ", ".join(shown[:NOTE_FILES]) + (f" and {more:,} more" if more > 0 else "")
+
+
+def _skipped_file_dict(f: SkippedFile) -> dict[str, str]:
+    return {"path": f.path, "reason": f.reason}
+
+
+def _skipped_files(data: Any) -> tuple[SkippedFile, ...]:
+    if not isinstance(data, list) or not all(
+            isinstance(x, Mapping) and set(x) == {"path", "reason"} and all(isinstance(v, str) for v in x.values())
+            for x in data):
+        raise InputError("expected a list of {path: str, reason: str}", field="skipped_files")
+    return tuple(SkippedFile(x["path"], x["reason"]) for x in data)
 
 
 def merge_profiles(profiles: Iterable[Profile]) -> Profile:
@@ -763,6 +816,7 @@ def fold_routes(profile: Profile, max_routes: int | None) -> Profile:
         folded_routes=profile.folded_routes + len(folded),
         folded_requests=profile.folded_requests + sum(r.requests for r in folded),
         window=profile.window,
+        skipped_files=profile.skipped_files,
     )
 
 

@@ -108,7 +108,8 @@ class LedgerAdmission:
     `route_max_new_tokens` is the cap of the route the requests match (gateway.yaml); the cap is
     the smaller of it and the request's max_tokens. Without a route, an unset max_tokens reserves
     max_model_len − prompt, as vLLM would let it grow. `output_law` is that route's output law
-    (the statistical policy's bet), or `request_laws` one per request (requests of several routes).
+    (the statistical policy's bet), or `request_laws` one per request (requests of several routes);
+    `request_caps` likewise each request's own route cap (routes on a request header, one per group).
 
     Progress: every simulated request streams, and the statistical ledger hears what the live
     gateway would report (streamed_tokens_seen: SSE events − 3, a little below the tokens
@@ -119,7 +120,8 @@ class LedgerAdmission:
                  retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
                  route_max_new_tokens: int | None = None, policy: AdmissionPolicy = GUARANTEED,
                  output_law: OutputLaw | None = None,
-                 request_laws: Sequence[OutputLaw | None] | None = None) -> None:
+                 request_laws: Sequence[OutputLaw | None] | None = None,
+                 request_caps: Sequence[int | None] | None = None) -> None:
         self._now_s = 0.0
         self.policy = policy
         self.output_law = output_law
@@ -132,36 +134,46 @@ class LedgerAdmission:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.route_max_new_tokens = route_max_new_tokens
+        self.request_caps = request_caps
         self._held: dict[int, Reservation] = {}
         self.conditions_on_progress = isinstance(self.ledger, StatisticalLedger) and self.ledger.epsilon > 0
 
     @classmethod
-    def from_config(cls, config: GatewayConfig, route: GatewayRoute | None) -> LedgerAdmission:
-        """The admission a gateway.yaml deploys, for requests that match `route`."""
+    def from_config(cls, config: GatewayConfig, route: GatewayRoute | None,
+                    request_routes: Sequence[GatewayRoute | None] | None = None) -> LedgerAdmission:
+        """The admission a gateway.yaml deploys, for requests that match `route` (or request i
+        `request_routes[i]`)."""
         # one engine: the first upstream's budget (each upstream of several has its own)
         return cls(config.upstreams[0].block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
                    retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
                    queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
                    route_max_new_tokens=None if route is None else route.max_new_tokens,
-                   policy=config.admission, output_law=None if route is None else route.output_law)
+                   policy=config.admission, output_law=None if route is None else route.output_law,
+                   request_laws=None if request_routes is None
+                   else [None if r is None else r.output_law for r in request_routes],
+                   request_caps=None if request_routes is None
+                   else [None if r is None else r.max_new_tokens for r in request_routes])
 
-    def cap(self, prompt_tokens: int, max_tokens: int | None) -> int:
+    def cap(self, prompt_tokens: int, max_tokens: int | None, request: int | None = None) -> int:
         """The output cap the gateway reserves for (and writes into the forwarded request)."""
-        if self.route_max_new_tokens is not None:
-            return route_cap(self.route_max_new_tokens, (max_tokens,))
+        route_max = self.route_max_new_tokens
+        if self.request_caps is not None and request is not None:
+            route_max = self.request_caps[request]
+        if route_max is not None:
+            return route_cap(route_max, (max_tokens,))
         return max_tokens if max_tokens is not None else max(self.max_model_len - prompt_tokens, 0)
 
-    def blocks(self, prompt_tokens: int, max_tokens: int | None) -> int:
+    def blocks(self, prompt_tokens: int, max_tokens: int | None, request: int | None = None) -> int:
         """The reservation, as the gateway computes it for a one-sequence request."""
-        grow = self.cap(prompt_tokens, max_tokens)
+        grow = self.cap(prompt_tokens, max_tokens, request)
         return max(sequence_blocks((prompt_tokens,), grow, block_size=self.block_size,
                                    max_model_len=self.max_model_len), 1)
 
     def arrive(self, request: int, prompt_tokens: int, max_tokens: int | None, now_s: float) -> Verdict:
         self._now_s = now_s
-        blocks = self.blocks(prompt_tokens, max_tokens)
+        blocks = self.blocks(prompt_tokens, max_tokens, request)
         law = self.output_law if self.request_laws is None else self.request_laws[request]
-        demand = Demand((min(prompt_tokens, self.max_model_len),), self.cap(prompt_tokens, max_tokens), law)
+        demand = Demand((min(prompt_tokens, self.max_model_len),), self.cap(prompt_tokens, max_tokens, request), law)
         if self.gate.never_fits(blocks, demand):
             return Verdict(VerdictKind.REFUSE)
         got = self.gate.offer(request, blocks, now_s, demand)

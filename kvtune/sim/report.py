@@ -5,7 +5,8 @@ Where a field means the same thing it has the same name and the same computation
 duration_s, output_tokens_total, latency_ms {ttft, itl, tpot, e2e}, throughput, goodput, server.
 A simulated request streams no tokens one by one, so its inter-token gaps are its mean gap
 ((e2e − TTFT) / (tokens − 1)) repeated for each gap: `itl` is tpot weighted by gaps. What only a
-simulation knows goes under `simulation`.
+simulation knows goes under `simulation`. Goodput counts an answer cut by a cap its client did
+not ask for (fewer tokens than requested_output) as not met, as bench's Slo.met does.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ def summarize_sim(result: SimResult, traffic: Traffic, *, slo: Slo | None) -> di
         },
     }
     if slo is not None:
+        # an answer the gateway's cap cut short of what its client asked for is no answer met
+        whole = ok & (tokens >= traffic.requested_output)
         met = sum(slo.meets(bool(o), None if np.isnan(a) else float(a), None if np.isnan(b) else float(b),
                             None if np.isnan(c) else float(c))
-                  for o, a, b, c in zip(ok.tolist(), ttft.tolist(), tpot.tolist(), e2e.tolist(), strict=True)
+                  for o, a, b, c in zip(whole.tolist(), ttft.tolist(), tpot.tolist(), e2e.tolist(), strict=True)
                   if o)
         summary["goodput"] = goodput(slo, met, int(sent.sum()), duration_s)
     return summary

@@ -8,7 +8,7 @@ a prefix of its longer draws, so the requests sent are the same).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,15 +35,16 @@ class SimulationRun:
 
 
 def run_simulation(traffic: Callable[[int | None], Traffic], engine: EngineSetup, timing: TimingSetup, *,
-                   admission: Callable[[], Admission | None], slo: Slo | None, context: dict[str, Any],
+                   admission: Callable[[Sequence[str]], Admission | None], slo: Slo | None, context: dict[str, Any],
                    admission_info: dict[str, Any], time_bounded_closed_loop: bool = False,
                    retry: RetryPolicy = CLIENT_RETRY, rule: EngineRule = None) -> SimulationRun:
     """Simulate `traffic(n)` (n: requests to draw for a closed loop, None: the traffic's own bound)
-    on the engine whose scheduler `rule` names (kvtune.sim.rules; None: vLLM)."""
+    on the engine whose scheduler `rule` names (kvtune.sim.rules; None: vLLM); `admission(routes)`
+    a fresh admission for requests whose routes are `routes` (one per request)."""
     n: int | None = None
     while True:
         t = traffic(n)
-        result = simulate(t.workload, engine.settings, timing.model, admission=admission(), retry=retry,
+        result = simulate(t.workload, engine.settings, timing.model, admission=admission(t.route), retry=retry,
                           record_steps=True, closed_loop=t.closed_loop, frontend=timing.frontend, engine=rule)
         used_all = not (result.requests.outcome == _NOT_SENT).any()
         if not (time_bounded_closed_loop and used_all and len(t) < MAX_REQUESTS):

@@ -76,15 +76,16 @@ def send_offsets(shape: LoadShape, *, seed: int, max_requests: int | None, durat
 
 
 def build_traffic(draws: Sequence[tuple[str, int, int]], sends: Sequence[float] | None, *, overhead_s: float,
-                  cap: Callable[[int, int], int] | None, closed_loop: ClosedLoop | None,
+                  cap: Callable[[str, int, int], int] | None, closed_loop: ClosedLoop | None,
                   clamped: Counter) -> Traffic:
-    """Columns for the engine; `cap(prompt, max_tokens)` is the gateway's output cap, if one runs."""
+    """Columns for the engine; `cap(route, prompt, max_tokens)` is the gateway's output cap, if one runs."""
     n = len(draws)
     route = tuple(r for r, _, _ in draws)
     prompt = np.fromiter((p for _, p, _ in draws), dtype=np.int64, count=n)
     asked = np.fromiter((o for _, _, o in draws), dtype=np.int64, count=n)
     output = asked if cap is None else np.fromiter(
-        (min(o, cap(p, o)) for p, o in zip(prompt.tolist(), asked.tolist(), strict=True)), dtype=np.int64, count=n)
+        (min(o, cap(r, p, o)) for r, p, o in zip(route, prompt.tolist(), asked.tolist(), strict=True)),
+        dtype=np.int64, count=n)
     arrival = np.zeros(n) if sends is None else np.asarray(sends, dtype=np.float64) + overhead_s
     return Traffic(Workload.from_columns(arrival, prompt, np.maximum(output, 1), asked), asked, route,
                    tuple(sorted(set(route))), closed_loop, overhead_s, clamped)
@@ -92,7 +93,7 @@ def build_traffic(draws: Sequence[tuple[str, int, int]], sends: Sequence[float] 
 
 def profile_traffic(profile: Profile, routes: Sequence[str], shape: LoadShape, *, seed: int, max_requests: int | None,
                     duration_s: float | None, max_model_len: int, overhead_s: float,
-                    cap: Callable[[int, int], int] | None = None, closed_n: int | None = None) -> Traffic:
+                    cap: Callable[[str, int, int], int] | None = None, closed_n: int | None = None) -> Traffic:
     """Bench's traffic for a profile; a closed loop draws `closed_n` (default --requests) requests."""
     if shape.open_loop:
         sends: list[float] | None = send_offsets(shape, seed=seed, max_requests=max_requests, duration_s=duration_s)
@@ -108,7 +109,7 @@ def profile_traffic(profile: Profile, routes: Sequence[str], shape: LoadShape, *
 
 def replay_traffic(rows: Sequence[tuple[str, int, int]], stamps: Sequence[float], *, speedup: float, seed: int,
                    max_requests: int | None, duration_s: float | None, max_model_len: int, overhead_s: float,
-                   cap: Callable[[int, int], int] | None = None) -> Traffic:
+                   cap: Callable[[str, int, int], int] | None = None) -> Traffic:
     """The logs' own requests at their own times (divided by `speedup`), as `bench --replay` sends them."""
     shape = LoadShape.replay(stamps, speedup)
     limit = min(max_requests or len(rows), len(rows))
