@@ -152,7 +152,8 @@ def test_simulate_routes_each_group_by_its_header(deploy, tmp_path):
     route header: every group's route caps it (here all at 1 token, the catch-all at its own)."""
     from test_cli_simulate import capacity_file
 
-    cap_file = capacity_file(tmp_path, num_blocks=4000, block_size=16, max_model_len=40960, device="GPU")
+    # the engine runs the model's whole 131,072-token context, as rendered since issue 25 item 11
+    cap_file = capacity_file(tmp_path, num_blocks=9000, block_size=16, max_model_len=131072, device="GPU")
     text = (deploy / "gateway.yaml").read_text()
     for team in ("rag-search", "support-chat"):
         at = text.index("max_new_tokens:", text.index(f'value: "{team}"'))

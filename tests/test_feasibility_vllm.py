@@ -39,8 +39,9 @@ def test_vllm_starts_at_the_length_kvtune_says_fits_and_refuses_one_block_more(v
         for prompt, output in ((100, 50), (1000, 300), (3000, 500)):
             f.write(json.dumps({"route": "/v1/chat/completions", "prompt_tokens": prompt, "output_tokens": output,
                                 "finish_reason": "stop"}) + "\n")
-    result = CliRunner().invoke(cli, ["recommend", logs, "--model", str(vllm_model_dir), "--metrics-url", server.url,
-                                      "--json"])
+    # (the pool as a token count: /metrics would add the max_model_len this server was started at)
+    result = CliRunner().invoke(cli, ["recommend", logs, "--model", str(vllm_model_dir), "--kv-tokens",
+                                      str(server.kv_cache_tokens), "--block-size", str(server.block_size), "--json"])
     assert result.exit_code == 0, result.output
     mml = json.loads(result.stdout)["recommendation"]["settings"]["max_model_len"]
     assert (mml["value"], mml["rule"]) == (3968, "max-model-len-pool-holds")

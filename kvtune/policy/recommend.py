@@ -298,7 +298,10 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
         held = min(held, plan.replica_context_tokens)
     max_len = rules.max_model_len(context_tokens=plan.spec.max_position_embeddings or model_limit,
                                   longest_request_tokens=longest, held_tokens=held, block_size=block_size,
-                                  given=plan.max_model_len_given, engine=options.engine)
+                                  given=plan.max_model_len_given,
+                                  measured=capacity.measured.max_model_len if capacity.measured else None,
+                                  measured_origin=capacity.measured.origin if capacity.measured else None,
+                                  engine=options.engine)
     context_tokens = max_len.tokens
     smallest = min(int(r.blocks.min()) for _, _, r in drafts)
     verdict = feasibility.verdict(options.engine, pool_blocks=capacity.num_blocks, block_size=block_size,

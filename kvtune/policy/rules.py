@@ -299,10 +299,13 @@ MAX_MODEL_LEN_SOURCE = ("vLLM V1 allocates KV blocks as tokens are computed (vll
 
 
 def max_model_len(*, context_tokens: int, longest_request_tokens: int, held_tokens: int, block_size: int,
-                  given: int | None = None, engine: str = "vllm") -> Decision:
-    """max_model_len = the model's context, unless the user gave one, or the pool cannot hold one
-    request of the context: then the largest length it holds (a multiple of the block size), if that
-    still holds the longest logged request (else the context, which the feasibility verdict refuses).
+                  given: int | None = None, measured: int | None = None, measured_origin: str | None = None,
+                  engine: str = "vllm") -> Decision:
+    """max_model_len = the model's context, unless the user gave one, the capacity was measured on a
+    server running a shorter one (its pool, and every other kvtune reading of it, is that server's),
+    or the pool cannot hold one request of the context: then the largest length it holds (a multiple
+    of the block size), if that still holds the longest logged request (else the context, which the
+    feasibility verdict refuses).
 
     `held_tokens` is the longest length the engine serves from this pool
     (kvtune.policy.feasibility.longest_held_tokens)."""
@@ -311,6 +314,13 @@ def max_model_len(*, context_tokens: int, longest_request_tokens: int, held_toke
         return Decision(given, "max-model-len-given",
                         f"set by --max-model-len to {given:,} (rendered as {flag}); the model's context is "
                         f"{context_tokens:,}")
+    if engine != "trtllm" and measured is not None and measured < context_tokens and measured <= held_tokens \
+            and measured >= longest_request_tokens:
+        where = f" ({measured_origin})" if measured_origin else ""
+        return Decision(measured, "max-model-len-measured",
+                        f"the max_model_len the capacity was measured at{where}, below the model's context "
+                        f"{context_tokens:,}: the server's pool and limits are that server's; the longest logged "
+                        f"prompt + cap is {longest_request_tokens:,} tokens")
     if engine == "trtllm":
         return _max_seq_len(context_tokens, longest_request_tokens, held_tokens, block_size)
     if context_tokens <= held_tokens:
