@@ -128,6 +128,13 @@ def test_max_model_len_is_the_context_unless_the_pool_cannot_hold_it_or_it_is_gi
     d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=400_000, block_size=16,
                             given=16384)
     assert (d.value, d.rule) == (16384, "max-model-len-given")
+    # a capacity measured on a server started at 32,768: that server's length, when it holds the logs
+    d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=400_000, block_size=16,
+                            measured=32768, measured_origin="capacity.json")
+    assert (d.value, d.rule) == (32768, "max-model-len-measured") and "(capacity.json)" in d.reason
+    d = rules.max_model_len(context_tokens=131072, longest_request_tokens=14651, held_tokens=400_000, block_size=16,
+                            measured=8192)  # too short for the logs: the context
+    assert (d.value, d.rule) == (131072, "max-model-len-model-context")
 
 
 def test_max_num_seqs_covers_what_the_budget_admits():
