@@ -242,18 +242,33 @@ def select_routes(profile: Profile, routes: Sequence[str]) -> list[RouteProfile]
 
 def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
                 ) -> tuple[list[tuple[str, int, int]], list[float], Counter]:
-    """(route, prompt, output) and timestamps of every logged request with both, in time order."""
+    """(route, prompt, output) and timestamps of every logged request with both, in time order; of
+    one logged model (options.log_model selects it; logs naming several without it are an error,
+    as for a profile: kvtune.profile.logged_model)."""
     from kvtune.ingest import read_logs
+    from kvtune.profile.logged_model import ModelSelection, one_logged_model, same_model
 
     batches, _stats = read_logs(list(paths), options)
     keep_routes = set(routes)
     triples: list[tuple[str, int, int]] = []
     stamps: list[float] = []
     skipped: Counter = Counter()
+    selected = options.log_model
+    named: Counter[str] = Counter()
+    left_out: Counter[str] = Counter()
+    unnamed = 0
     for batch in batches:
         cols = batch.to_pydict()
-        columns = (cols["route"], cols["prompt_tokens"], cols["output_tokens"], cols["timestamp_s"])
-        for route, p, o, ts in zip(*columns, strict=True):
+        columns = (cols["route"], cols["model"], cols["prompt_tokens"], cols["output_tokens"], cols["timestamp_s"])
+        for route, model, p, o, ts in zip(*columns, strict=True):
+            if selected is not None and (model is None or not same_model(model, selected)):
+                if model is None:
+                    unnamed += 1
+                else:
+                    left_out[model] += 1
+                continue
+            if model is not None:
+                named[model] += 1
             route = route if route is not None else "default"
             if keep_routes and route not in keep_routes:
                 continue
@@ -266,6 +281,7 @@ def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
             else:
                 triples.append((route, int(p), int(o)))
                 stamps.append(float(ts))
+    one_logged_model(named, None if selected is None else ModelSelection(selected, left_out, unnamed))
     order = np.argsort(np.asarray(stamps, dtype=np.float64), kind="stable")
     return [triples[i] for i in order.tolist()], [stamps[i] for i in order.tolist()], skipped
 

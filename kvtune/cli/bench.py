@@ -275,6 +275,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
                    else load_profile_or_logs(list(logs), ingest, max_routes=max_routes, workers=log.workers,
                                               ray_address=log.ray_address))
+        log.logged_model(profile)  # one model's traffic: several without --log-model is an error
         render_folded(profile, max_routes)
         for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
             if r.prompt.total == 0:

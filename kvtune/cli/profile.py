@@ -23,6 +23,7 @@ JSON_FIELDS = """\b
     tail            {class: light|heavy, rule, p99_over_p50, p999_over_p99, lower_bound}
     max_tokens_requested  percentiles of the requested max_tokens, or null
     finish_reasons, models   {name: count}
+  models          {logged model id: rows} over every route (rows naming none not counted)
     arrival         {requests, first_s, last_s, duration_s, mean_rate_rps,
                      peak_window_s, peak_window_requests, peak_rate_rps, peak_1s_requests} or null
     latency_ms, ttft_ms   {requests, p50, p90, p95, p99, p999, max} (±1%) or null
@@ -32,6 +33,8 @@ JSON_FIELDS = """\b
                   and their requests, summed into the route `*`
   window          with --since/--until only: {since, until (ISO UTC or null), pruned_files
                   (not read: partition date outside), outside_rows (timestamp outside)}
+  log_model       with --log-model only: {name, left_out: {model: rows} (other models'
+                  rows), unnamed_rows (rows naming no model)}
 """
 
 
@@ -84,6 +87,8 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))
         raise InputError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
+    if log.log_model is not None:  # a NAME no row names is an error; several models are shown, not refused
+        log.logged_model(result)
     if save_path:
         from kvtune.profile.build import save_profile
 
@@ -98,6 +103,9 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         render_profile(result)
         render_skipped(result)
         render_window(result)
+    from kvtune.cli._profile_view import render_models
+
+    render_models(result)
     render_folded(result, log.max_routes)
     if save_path and not json_:
         click.echo(f"saved profile to {save_path}", err=True)

@@ -102,6 +102,8 @@ class IngestOptions:
     assume_cap treats outputs >= this value as cut at a cap (for traces without finish reasons).
     window keeps only rows whose timestamp falls in it (`kvtune.ingest.window`) and prunes the
     partitions outside it (`kvtune.ingest.partitions`).
+    log_model keeps only the rows that name this logged model (ignoring case); the profile
+    builder selects them, in every worker, and counts what it left out (`kvtune.profile.logged_model`).
     """
 
     format: str | None = None
@@ -112,6 +114,7 @@ class IngestOptions:
     strict: bool = False
     assume_cap: int | None = None
     window: Window | None = None
+    log_model: str | None = None
 
 
 _threads: int | None = None

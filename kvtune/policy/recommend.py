@@ -21,6 +21,7 @@ from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
+from kvtune.model.config import HUB_ID
 from kvtune.planning import Plan
 from kvtune.policy import engine_rules, rules
 from kvtune.policy.recommendation import (
@@ -62,7 +63,8 @@ class RecommendOptions:
     engine_version: str | None = None  # its release (None: the release kvtune's facts were read from)
     upstream: str = DEFAULT_UPSTREAM
     route_by: str = "path"
-    served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
+    served_model: str | None = None  # what `vllm serve` loads; default the logs' model, else the model's hub id
+    logged_model: str | None = None  # the one model the profiled rows name (kvtune.profile.logged_model)
     # The what-if search (kvtune.policy.search) sets these: every route capped at this percentile
     # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
     cap_level: str | None = None
@@ -253,9 +255,12 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
     notes.extend(capacity.notes)
+    served_model, served_why = _served_model(options, plan)
+    if served_why is not None:
+        notes.append(served_why)
     return Recommendation(
         model=plan.model,
-        served_model=options.served_model or plan.spec.serve_id or plan.model,
+        served_model=served_model,
         engine=_engine(options, version),
         upstream=options.upstream,
         hardware=Hardware(plan.gpu, plan.gpu_memory_bytes, plan.kv.tensor_parallel_size,
@@ -271,6 +276,26 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         notes=tuple(notes),
         admission=options.admission,
     )
+
+
+def _served_model(options: RecommendOptions, plan: Plan) -> tuple[str, str | None]:
+    """What the deploy files serve, and the note saying where that id came from (None when the logs
+    name no model: the model's own id, as before). The logs' id is what clients send, so the engine
+    must answer to it; an id that is neither a hub id nor a path is a name no engine could load."""
+    own = plan.spec.serve_id or plan.model
+    logged = options.logged_model
+    if options.served_model is not None:
+        if logged is None or options.served_model == logged:
+            return options.served_model, None
+        return options.served_model, (f"serves {options.served_model} (--served-model), though the logged rows "
+                                      f"name {logged}")
+    if logged is None:
+        return own, None
+    if HUB_ID.fullmatch(logged) or logged.startswith("/"):
+        differs = "" if logged == own else f"; the model's own id is {own}"
+        return logged, f"serves {logged}: the model every logged row names (--served-model overrides{differs})"
+    return own, (f"serves {own}, the model's own id: the logs name {logged!r}, which is not a hub id (owner/name) "
+                 "or a path an engine could load; give --served-model if the engine loads another checkpoint")
 
 
 def _engine(options: RecommendOptions, vllm_version: tuple[int, ...]) -> Engine:

@@ -22,6 +22,7 @@ import numpy as np
 from kvtune.errors import InputError
 from kvtune.ingest.window import WindowReport, merge_reports
 from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
+from kvtune.profile.logged_model import ModelSelection
 from kvtune.userfiles import brief
 
 __all__ = [
@@ -595,6 +596,7 @@ class Profile:
     folded_routes: int = 0
     folded_requests: int = 0
     window: WindowReport | None = None  # read with --since/--until: what the window left out
+    log_model: ModelSelection | None = None  # read with --log-model: what the selection left out
 
     def __post_init__(self) -> None:
         names = [r.route for r in self.routes]
@@ -608,7 +610,7 @@ class Profile:
         if not isinstance(other, Profile):
             return NotImplemented
         return (self.routes, self.inputs, self.skipped, self.skip_examples, self.folded_routes,
-                self.folded_requests, self.window) == (
+                self.folded_requests, self.window, self.log_model) == (
             other.routes,
             other.inputs,
             other.skipped,
@@ -616,6 +618,7 @@ class Profile:
             other.folded_routes,
             other.folded_requests,
             other.window,
+            other.log_model,
         )
 
     # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
@@ -627,6 +630,14 @@ class Profile:
     @property
     def skipped_rows(self) -> int:
         return sum(self.skipped.values())
+
+    @property
+    def models(self) -> dict[str, int]:
+        """Rows per logged model over every route (rows that name none are not counted)."""
+        counts: Counter[str] = Counter()
+        for r in self.routes:
+            counts.update(r.models)
+        return dict(sorted(counts.items()))
 
     def route(self, name: str) -> RouteProfile:
         for r in self.routes:
@@ -658,6 +669,7 @@ class Profile:
             folded_routes=self.folded_routes + other.folded_routes,
             folded_requests=self.folded_requests + other.folded_requests,
             window=merge_reports(self.window, other.window),
+            log_model=self.log_model.merge(other.log_model) if self.log_model is not None else other.log_model,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -670,6 +682,7 @@ class Profile:
             "skip_examples": dict(self.skip_examples),
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests},
             **({"window": self.window.to_dict()} if self.window is not None else {}),
+            **({"log_model": self.log_model.to_dict()} if self.log_model is not None else {}),
         }
 
     @classmethod
@@ -701,6 +714,7 @@ class Profile:
             folded_routes=folded.get("routes", 0),
             folded_requests=folded.get("requests", 0),
             window=WindowReport.from_dict(data["window"]) if data.get("window") is not None else None,
+            log_model=ModelSelection.from_dict(data["log_model"]) if data.get("log_model") is not None else None,
         )
 
     def summary_dict(self) -> dict[str, Any]:
@@ -716,6 +730,8 @@ class Profile:
             "inputs": [i.to_dict() for i in self.inputs],
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests, "into": "*"},
             **({"window": self.window.to_dict()} if self.window is not None else {}),
+            "models": self.models,
+            **({"log_model": self.log_model.to_dict()} if self.log_model is not None else {}),
         }
 
 
@@ -763,6 +779,7 @@ def fold_routes(profile: Profile, max_routes: int | None) -> Profile:
         folded_routes=profile.folded_routes + len(folded),
         folded_requests=profile.folded_requests + sum(r.requests for r in folded),
         window=profile.window,
+        log_model=profile.log_model,
     )
 
 
