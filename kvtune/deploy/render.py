@@ -387,6 +387,7 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "upstream": upstream,
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "served_model": rec.served_model or rec.model,
+        "served_model_decision": rec.settings.get("served_model"),  # where the id came from (None: older files)
         "routes": routes,
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),

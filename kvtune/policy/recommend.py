@@ -255,12 +255,10 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
     notes.extend(capacity.notes)
-    served_model, served_why = _served_model(options, plan)
-    if served_why is not None:
-        notes.append(served_why)
+    served = settings["served_model"] = _served_model(options, plan)
     return Recommendation(
         model=plan.model,
-        served_model=served_model,
+        served_model=str(served.value),
         engine=_engine(options, version),
         upstream=options.upstream,
         hardware=Hardware(plan.gpu, plan.gpu_memory_bytes, plan.kv.tensor_parallel_size,
@@ -278,24 +276,26 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     )
 
 
-def _served_model(options: RecommendOptions, plan: Plan) -> tuple[str, str | None]:
-    """What the deploy files serve, and the note saying where that id came from (None when the logs
-    name no model: the model's own id, as before). The logs' id is what clients send, so the engine
-    must answer to it; an id that is neither a hub id nor a path is a name no engine could load."""
+def _served_model(options: RecommendOptions, plan: Plan) -> Decision:
+    """What the deploy files serve, and where that id came from. The logs' id is what clients send,
+    so the engine must answer to it; an id that is neither a hub id nor a path is a name no engine
+    could load (a gateway alias), so the model's own id is served and the reason says so."""
     own = plan.spec.serve_id or plan.model
     logged = options.logged_model
     if options.served_model is not None:
         if logged is None or options.served_model == logged:
-            return options.served_model, None
-        return options.served_model, (f"serves {options.served_model} (--served-model), though the logged rows "
-                                      f"name {logged}")
+            return Decision(options.served_model, "served-model-given", "--served-model")
+        return Decision(options.served_model, "served-model-given",
+                        f"--served-model, though the logged rows name {logged}")
     if logged is None:
-        return own, None
+        return Decision(own, "served-model-own-id", "the model's own id; the logs name no model")
     if HUB_ID.fullmatch(logged) or logged.startswith("/"):
         differs = "" if logged == own else f"; the model's own id is {own}"
-        return logged, f"serves {logged}: the model every logged row names (--served-model overrides{differs})"
-    return own, (f"serves {own}, the model's own id: the logs name {logged!r}, which is not a hub id (owner/name) "
-                 "or a path an engine could load; give --served-model if the engine loads another checkpoint")
+        return Decision(logged, "served-model-logged",
+                        f"the model every logged row names (--served-model overrides){differs}")
+    return Decision(own, "served-model-own-id",
+                    f"the model's own id: the logs name {logged!r}, which is not a hub id (owner/name) or a path an "
+                    "engine could load; give --served-model if the engine loads another checkpoint")
 
 
 def _engine(options: RecommendOptions, vllm_version: tuple[int, ...]) -> Engine:
