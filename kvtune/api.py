@@ -104,7 +104,6 @@ def recommend(
     upstream: str | None = None,
     route_by: str | None = None,
     served_model: str | None = None,
-    logged_model: str | None = None,
     engine: str | None = None,
     engine_version: str | None = None,
     objective: str | None = None,
@@ -120,9 +119,9 @@ def recommend(
     replicas: Sequence[tuple[str, Plan]] = (),
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
-    number says which rule produced it. `route_by` must be what the profile's routes were named by;
-    `logged_model` the one model its rows name (kvtune.profile.logged_model.one_logged_model), which
-    the files then serve unless `served_model` says otherwise.
+    number says which rule produced it. `route_by` must be what the profile's routes were named by.
+    The profile's rows must name one model (or none; kvtune.profile.logged_model), which the files
+    then serve unless `served_model` says otherwise.
 
     With `objective` ("throughput" or "goodput", which needs `slo`), as `recommend --objective`:
     simulate each candidate (cap level × budget × policy) on the plan's measured capacity at the
@@ -146,6 +145,7 @@ def recommend(
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
     from kvtune.policy.rules import CURRENT_VLLM_VERSION
+    from kvtune.profile.logged_model import one_logged_model
 
     engine = plan.engine if engine is None else engine
     # the release the plan's memory model assumed, unless the caller names one
@@ -156,7 +156,7 @@ def recommend(
         else vllm_version,
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
         route_by="path" if route_by is None else route_by, served_model=served_model,
-        logged_model=logged_model,
+        logged_model=one_logged_model(profile.models, profile.log_model),
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
     )
     if options.engine != plan.engine:

@@ -63,8 +63,7 @@ class PolicyArgs:
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,
                  "safety_fraction": self.safety_fraction, "max_truncation": self.max_truncation,
                  "vllm_version": (version if vllm else None) or CURRENT_VLLM_VERSION, "upstream": self.upstream,
-                 "route_by": log.route_by, "served_model": self.served_model,
-                 "logged_model": log.logged_model(profile)}
+                 "route_by": log.route_by, "served_model": self.served_model}
         rec = kvtune.recommend(profile, plan, progress=progress, **given, **wanted)
         if not plans:
             return rec
