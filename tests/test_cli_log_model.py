@@ -273,6 +273,8 @@ def test_check_reads_model_gpu_and_engine_from_the_recommendation(deployed):
     ("--tp", "2", "2 contradicts the recommendation's 1"),
     ("--engine", "sglang", "'sglang' contradicts the recommendation's 'vllm'"),
     ("--kv-cache-dtype", "fp8", "'fp8' contradicts the recommendation's 'auto'"),
+    ("--upstream", "http://10.0.0.5:8000", "'http://10.0.0.5:8000' contradicts the recommendation's "
+                                           "'http://127.0.0.1:8000'"),
 ])
 def test_check_refuses_an_option_that_contradicts_the_recommendation(deployed, option, value, message):
     rec = deployed / "recommendation.json"

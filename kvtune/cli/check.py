@@ -27,9 +27,10 @@ def _saved_recommendation(paths: tuple[str, ...]):
 
 def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityArgs) -> None:
     """check RECOMMENDATION.json reads the deployment (model, GPU, engine, tp/pp, release, block size,
-    KV dtype, lengths, utilization) from the file: an option typed on the command line that says
-    otherwise is one error line naming it, not silently overridden nor obeyed. Options the file
-    has no value for (a measured capacity) would change what the file already decided."""
+    KV dtype, lengths, utilization, upstream, safety fraction) from the file: an option typed on
+    the command line that says otherwise is one error line naming it, not silently overridden nor
+    obeyed. Options the file has no value for (a measured capacity) would change what the file
+    already decided."""
     from click.core import ParameterSource
 
     from kvtune.cli.options import parse_count
@@ -48,6 +49,8 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
     compared = {
         "model": lambda: (policy.model, rec.model, policy.model in (rec.model, rec.served_model)),
         "served_model": lambda: (policy.served_model, rec.served_model, None),
+        "upstream": lambda: (policy.upstream, rec.upstream, None),
+        "safety_fraction": lambda: (policy.safety_fraction, rec.safety_fraction.value, None),
         "gpu": lambda: (find_gpu(capacity.gpu or "", field="--gpu").name, hw.gpu, None),
         "gpu_memory": lambda: (parse_memory_size(capacity.gpu_memory or "", field="--gpu-memory"),
                                hw.gpu_memory_bytes, None),
@@ -82,8 +85,12 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
 
 
 def _shown(value) -> str:
-    return "none" if value is None else brief(value) if isinstance(value, str) else f"{value:,}" \
-        if isinstance(value, int) else str(value)
+    """An option's or the file's value as the error line quotes it."""
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        return brief(value)
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 @click.command()

@@ -23,7 +23,6 @@ JSON_FIELDS = """\b
     tail            {class: light|heavy, rule, p99_over_p50, p999_over_p99, lower_bound}
     max_tokens_requested  percentiles of the requested max_tokens, or null
     finish_reasons, models   {name: count}
-  models          {logged model id: rows} over every route (rows naming none not counted)
     arrival         {requests, first_s, last_s, duration_s, mean_rate_rps,
                      peak_window_s, peak_window_requests, peak_rate_rps, peak_1s_requests} or null
     latency_ms, ttft_ms   {requests, p50, p90, p95, p99, p999, max} (±1%) or null
@@ -33,6 +32,7 @@ JSON_FIELDS = """\b
                   and their requests, summed into the route `*`
   window          with --since/--until only: {since, until (ISO UTC or null), pruned_files
                   (not read: partition date outside), outside_rows (timestamp outside)}
+  models          {logged model id: rows} over every route (rows naming none not counted)
   log_model       with --log-model only: {name, left_out: {model: rows} (other models'
                   rows), unnamed_rows (rows naming no model)}
 """

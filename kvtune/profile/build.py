@@ -511,10 +511,10 @@ class ProfileBuilder:
         import pyarrow.compute as pc
 
         assert self.log_model is not None
-        column = batch.column("model")
-        if column.null_count == batch.num_rows:
+        if batch.schema.get_field_index("model") < 0 or batch.column("model").null_count == batch.num_rows:
             self._unnamed_rows += batch.num_rows
             return batch.slice(0, 0)
+        column = batch.column("model")
         if not pa.types.is_dictionary(column.type):
             column = pc.dictionary_encode(column)
         names = column.dictionary.to_pylist()
