@@ -296,3 +296,31 @@ def test_check_on_logs_without_model_takes_it_from_the_logs(deployed):
     result = _cli("check", str(SAMPLES), "--gpu", "H100-80GB", "--deployed", str(deployed / "vllm-serve.sh"),
                   "--deployed", str(deployed / "gateway.yaml"))
     assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------- ids that differ only in case; saved files
+
+
+def test_ids_that_differ_only_in_case_are_one_model_served_as_most_rows_spell_it(tmp_path):
+    records = mixed_models.rows()
+    for r in records:  # the Qwen rows: some lowercased (a gateway that logs ids lowercased)
+        if r["model_group"] == QWEN and int(r["request_id"][-1]) % 4 == 0:
+            r["model_group"] = QWEN.lower()
+    lowered = sum(r["model_group"] == QWEN.lower() for r in records)
+    assert 0 < lowered < 100
+    logs = mixed_models.write(tmp_path / "logs.jsonl", [r for r in records if r["model_group"] not in (LLAMA, "")])
+    profile = json.loads(_cli("profile", str(logs), "--json").stdout)
+    assert profile["models"] == {QWEN: 200 - lowered, QWEN.lower(): lowered}  # as logged
+    rec = _recommend_json(str(logs), "--model", "qwen3-8b")["recommendation"]
+    assert rec["served_model"] == QWEN and rec["routes"][0]["requests"] == 200
+
+
+def test_a_damaged_selection_in_a_saved_profile_is_one_line_naming_the_field(mixed, tmp_path):
+    saved = tmp_path / "p.json"
+    assert _cli("profile", str(mixed), "--log-model", QWEN, "--save", str(saved), "-q").exit_code == 0
+    data = json.loads(saved.read_text())
+    data["log_model"]["unnamed_rows"] = -1
+    saved.write_text(json.dumps(data))
+    result = _cli("recommend", str(saved), "--model", "qwen3-8b", "--gpu", "H100-80GB")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"Error: {saved}: log_model.unnamed_rows: expected a count of rows"

@@ -58,12 +58,17 @@ class ModelSelection:
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "log_model") -> ModelSelection:
-        if (not isinstance(data, Mapping) or not isinstance(data.get("name"), str) or not data["name"]
-                or not isinstance(data.get("left_out"), Mapping)
-                or not all(isinstance(k, str) and _count(v) for k, v in data["left_out"].items())
-                or not _count(data.get("unnamed_rows"))):
-            raise InputError("expected {name: str, left_out: {model: rows}, unnamed_rows: int}", field=where)
-        return cls(data["name"], dict(data["left_out"]), data["unnamed_rows"])
+        """A saved profile's selection; an InputError names the field that is wrong."""
+        if not isinstance(data, Mapping):
+            raise InputError("expected {name, left_out, unnamed_rows}", field=where)
+        if not isinstance(data.get("name"), str) or not data["name"]:
+            raise InputError("expected the model's id", field=f"{where}.name")
+        left_out = data.get("left_out")
+        if not isinstance(left_out, Mapping) or not all(isinstance(k, str) and _count(v) for k, v in left_out.items()):
+            raise InputError("expected {model: rows}", field=f"{where}.left_out")
+        if not _count(data.get("unnamed_rows")):
+            raise InputError("expected a count of rows", field=f"{where}.unnamed_rows")
+        return cls(data["name"], dict(left_out), data["unnamed_rows"])
 
 
 def _count(value: Any) -> bool:
