@@ -324,3 +324,18 @@ def test_a_damaged_selection_in_a_saved_profile_is_one_line_naming_the_field(mix
     result = _cli("recommend", str(saved), "--model", "qwen3-8b", "--gpu", "H100-80GB")
     assert result.exit_code == 2
     assert result.stderr.strip() == f"Error: {saved}: log_model.unnamed_rows: expected a count of rows"
+
+
+def test_selected_profiles_of_parts_merge_to_the_selected_profile_of_the_whole(tmp_path):
+    """Mergeable like the rest of the profile: `profile --merge` of each file's saved profile is the
+    profile of all files at once, the left-out counts included."""
+    parts = mixed_models.write_parts(tmp_path / "logs", parts=3)
+    saved = []
+    for part in parts:
+        saved.append(tmp_path / f"{part.stem}.json")
+        assert _cli("profile", str(part), "--log-model", LLAMA, "--save", str(saved[-1]), "-q").exit_code == 0
+    merged = _cli("profile", "--merge", *map(str, saved), "--json")
+    whole = _cli("profile", *map(str, parts), "--log-model", LLAMA, "--json")
+    assert merged.exit_code == whole.exit_code == 0
+    assert json.loads(merged.stdout) == json.loads(whole.stdout)
+    assert json.loads(whole.stdout)["log_model"]["left_out"] == {QWEN: 200}
