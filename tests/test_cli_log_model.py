@@ -232,6 +232,25 @@ def test_model_is_taken_from_a_local_config_the_logs_name(tmp_path):
     assert rec["kv"]["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # Mistral-7B's layers, kv heads, head dim
 
 
+def test_model_is_taken_from_the_hugging_face_cache_for_a_hub_id_the_logs_name(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1), a hub id whose config.json the cache holds resolves; a subprocess,
+    because huggingface_hub reads HF_HOME when it is imported."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--acme--mistral-7b-ft"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    shutil.copy(DATA / "configs" / "Mistral-7B-v0.1.json", repo / "snapshots" / revision / "config.json")
+    logs = mixed_models.write(tmp_path / "logs.jsonl", mixed_models.rows(models={LLAMA: "acme/mistral-7b-ft"}))
+    proc = subprocess.run([sys.executable, "-m", "kvtune", "recommend", str(logs), "--log-model", "acme/mistral-7b-ft",
+                           "--gpu", "H100-80GB", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)["recommendation"]
+    assert (rec["model"], rec["served_model"]) == ("acme/mistral-7b-ft", "acme/mistral-7b-ft")
+    assert rec["kv"]["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+
+
 def test_a_logged_model_that_resolves_to_nothing_asks_for_model(tmp_path, mixed):
     logs = mixed_models.write(tmp_path / "logs.jsonl", mixed_models.rows(models={LLAMA: "acme/mystery-7b"}))
     result = _cli("recommend", str(logs), "--log-model", "acme/mystery-7b", "--gpu", "H100-80GB")
