@@ -206,6 +206,22 @@ def test_other_engines_serve_the_logged_model_too(tmp_path, engine, launch):
     assert f"# --model-path {LLAMA}: served-model-logged: the model every logged row names" in text
 
 
+def test_a_model_whose_architecture_is_not_the_logged_ones_is_refused(mixed):
+    """The files serve the logged id: planning it as another model would size a 70B's pool for an
+    8B (or an 8B's for a 70B, which then cannot start). --served-model says it is on purpose."""
+    result = _cli("recommend", str(mixed), "--log-model", LLAMA, "--model", "llama-3.1-70b", "--gpu", "H100-80GB",
+                  "--tp", "2")
+    assert (result.exit_code, result.stderr.strip()) == (
+        2, f"Error: --model: the logs name '{LLAMA}', which has the llama-3.1-8b preset's architecture, not "
+           "llama-3.1-70b's: give --model llama-3.1-8b (or --served-model to serve another checkpoint)")
+    rec = _recommend_json(str(mixed), "--log-model", LLAMA, "--model", "llama-3.1-70b", "--tp", "2",
+                          "--served-model", "meta-llama/Llama-3.1-70B-Instruct")["recommendation"]
+    assert rec["served_model"] == "meta-llama/Llama-3.1-70B-Instruct"
+    # the same architecture from a config.json of the base model is fine
+    rec = _recommend_json(str(mixed), "--log-model", LLAMA, "--model", str(DATA / "configs" / "Llama-3.1-8B.json"))
+    assert rec["recommendation"]["served_model"] == LLAMA
+
+
 def test_served_model_overrides_the_logs_and_says_so():
     rec = _recommend_json(str(SAMPLES), "--model", "llama-3.1-8b", "--served-model", "/models/llama-8b-ft")
     assert rec["recommendation"]["served_model"] == "/models/llama-8b-ft"

@@ -36,7 +36,7 @@ class PolicyArgs:
         its own budget and engine limits (kvtune.policy.replicas.per_replica; its URL from the
         file's origin with `from_origin`, else urls[i])."""
         import kvtune
-        from kvtune.model.sources import model_for_logged_id
+        from kvtune.model.sources import check_logged_architecture, model_for_logged_id
 
         version = self.engine_version(capacity)
         capacity = dataclasses.replace(capacity, engine_version=version)
@@ -58,6 +58,8 @@ class PolicyArgs:
             profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
         plan = plans[primary][1] if plans else capacity.plan(model)
+        if self.model is not None and self.served_model is None:  # the files would serve the logged id
+            check_logged_architecture(log.logged_model(profile), plan.spec, self.model)
         if wanted and plans:
             wanted["replicas"] = plans
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,

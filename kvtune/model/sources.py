@@ -142,6 +142,27 @@ def model_for_logged_id(logged: str | None) -> str:
                       "give --model (a preset, config.json, model directory or hub id)", field="--model")
 
 
+def check_logged_architecture(logged: str | None, spec: ModelSpec, given: str) -> None:
+    """--model given and the logs name one model: when that id is a preset's (or its base model's)
+    and its layers, heads or dimensions are not --model's, the files would serve the logged
+    checkpoint with another model's memory arithmetic, so it is an error (--served-model serves
+    another checkpoint on purpose). An id kvtune cannot place is served as logged."""
+    preset = None if logged is None else _preset_of_logged_id(logged)
+    if preset is None:
+        return
+    logged_spec = load_preset(preset)
+    if _shape(logged_spec) != _shape(spec):
+        raise OptionError(f"the logs name {logged!r}, which has the {preset} preset's architecture, not "
+                          f"{given}'s: give --model {preset} (or --served-model to serve another checkpoint)",
+                          field="--model")
+
+
+def _shape(spec: ModelSpec) -> tuple:
+    """What the memory arithmetic reads of a model: its layers, attention, widths and experts."""
+    return (spec.num_layers, spec.layer_kinds, spec.attention, spec.hidden_size, spec.intermediate_size, spec.mla,
+            spec.mamba, spec.linear, spec.moe)
+
+
 def _preset_of_logged_id(logged: str) -> str | None:
     """The preset whose hub id is `logged`, or whose hub id is `logged` less a TUNED_SUFFIXES suffix."""
     wanted = {logged.casefold()}
