@@ -195,15 +195,32 @@ def test_the_files_serve_the_model_the_logs_name_and_check_accepts_the_real_comm
     assert "model-mismatch" in check.output
 
 
-@pytest.mark.parametrize("engine, launch", [("sglang", "sglang-serve.sh")])
-def test_other_engines_serve_the_logged_model_too(tmp_path, engine, launch):
+def _chat_tokenizer_dir(path: Path) -> Path:
+    """A model directory `kvtune gateway` can count prompts with: tokenizer.json and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    return path
+
+
+@pytest.mark.parametrize("engine, launch, served", [
+    ("sglang", "sglang-serve.sh", f"    --model-path {LLAMA} \\\n"),
+    ("trtllm", "trtllm-serve.sh", f"exec trtllm-serve {LLAMA} \\\n"),
+])
+def test_other_engines_serve_the_logged_model_too(tmp_path, engine, launch, served):
     out = tmp_path / "deploy"
     result = _cli("recommend", str(SAMPLES), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", engine,
-                  "--out", str(out))
+                  "--gateway-tokenizer", str(_chat_tokenizer_dir(tmp_path / "tok")), "--out", str(out))
     assert result.exit_code == 0, result.output
     text = (out / launch).read_text()
-    assert f"    --model-path {LLAMA} \\\n" in text
-    assert f"# --model-path {LLAMA}: served-model-logged: the model every logged row names" in text
+    assert served in text
+    assert f"{LLAMA}: served-model-logged: the model every logged row names" in text
+    assert f'model: "{LLAMA}"' in (out / "gateway.yaml").read_text()
 
 
 def test_a_model_whose_architecture_is_not_the_logged_ones_is_refused(mixed):
