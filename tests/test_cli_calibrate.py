@@ -110,9 +110,10 @@ def test_recommend_uses_the_file(tmp_path):
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
         "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
+    # the sample logs name meta-llama/Llama-3.1-8B-Instruct; the engine measured serves the tiny model
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
-                                      "--model", str(model), "--capacity", str(cap), "--json"],
-                                catch_exceptions=False)
+                                      "--model", str(model), "--served-model", str(model), "--capacity", str(cap),
+                                      "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)["recommendation"]
     assert (rec["capacity"]["source"], rec["capacity"]["num_blocks"], rec["capacity"]["block_size"]) == ("metrics", 32, 128)

@@ -106,8 +106,10 @@ def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server_each_to
     # the same through the /metrics URL, without the log
     assert {**_calibrate(vllm_server.url + "/metrics"), "device": "CPU"} == data
 
+    # the sample logs name meta-llama/Llama-3.1-8B-Instruct; this bed serves the tiny model on purpose
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
-                                      "--model", str(vllm_server.model_dir), "--capacity", str(cap), "--json"],
+                                      "--model", str(vllm_server.model_dir), "--served-model", str(vllm_server.model_dir),
+                                      "--capacity", str(cap), "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)["recommendation"]

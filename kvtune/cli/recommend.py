@@ -20,7 +20,7 @@ from kvtune.policy.rules import CURRENT_VLLM_VERSION
 class PolicyArgs:
     """The model and what the user decided about the policy, as `recommend` and `check` take them."""
 
-    model: str
+    model: str | None  # None: the model the logs name (kvtune.model.sources.model_for_logged_id)
     served_model: str | None
     upstream: str
     vllm_version: str | None  # --engine-version's older name
@@ -38,10 +38,17 @@ class PolicyArgs:
         its own budget and engine limits (kvtune.policy.replicas.per_replica; its URL from the
         file's origin with `from_origin`, else urls[i])."""
         import kvtune
+        from kvtune.model.sources import check_logged_architecture, model_for_logged_id
 
         version = self.engine_version(capacity)
         capacity = dataclasses.replace(capacity, engine_version=version)
-        plans = self._replica_plans(capacity, replica_files)
+        profile = None
+        if self.model is not None:  # the model and options are checked before the logs are read
+            model = self.model
+        else:
+            profile = log.profile(logs)
+            model = model_for_logged_id(log.logged_model(profile))
+        plans = self._replica_plans(capacity, replica_files, model)
         primary = 0
         if plans:
             from kvtune.policy.replicas import smallest
@@ -49,9 +56,12 @@ class PolicyArgs:
             primary = smallest([p.capacity for _, p in plans])
             capacity = dataclasses.replace(capacity, capacity_files=(replica_files[primary],))
         wanted = objective.wanted(capacity) if objective is not None else {}
-        profile = log.profile(logs)
+        if profile is None:
+            profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
-        plan = plans[primary][1] if plans else capacity.plan(self.model)
+        plan = plans[primary][1] if plans else capacity.plan(model)
+        if self.model is not None and self.served_model is None:  # the files would serve the logged id
+            check_logged_architecture(log.logged_model(profile), plan.spec, self.model)
         if wanted and plans:
             wanted["replicas"] = plans
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,
@@ -80,7 +90,7 @@ class PolicyArgs:
             own = [by_plan[id(p)] for _, p in plans]
         return per_replica(rec, [(f, p.capacity) for f, p in plans], urls, own=own, from_origin=from_origin)
 
-    def _replica_plans(self, capacity: CapacityArgs, replica_files: tuple[str, ...]) -> list:
+    def _replica_plans(self, capacity: CapacityArgs, replica_files: tuple[str, ...], model: str) -> list:
         """(file, its plan) per replica, each file planned once; [] for one replica. Replicas of
         another model, engine, KV dtype or block size than the first are one line naming the file."""
         if len(replica_files) < 2:
@@ -90,7 +100,7 @@ class PolicyArgs:
         planned: dict = {}
         for f in replica_files:
             if f not in planned:
-                planned[f] = dataclasses.replace(capacity, capacity_files=(f,)).plan(self.model)
+                planned[f] = dataclasses.replace(capacity, capacity_files=(f,)).plan(model)
         plans = [(f, planned[f]) for f in replica_files]
         check_same_deployment([(f, p.capacity) for f, p in plans])
         return plans
@@ -172,9 +182,12 @@ objective_options = grouped("objective", ObjectiveArgs, [
 
 
 policy_options = grouped("policy", PolicyArgs, [
-    click.option("--model", "-m", "model", required=True,
-                 help="config.json, model directory, preset name or hub id."),
-    click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model's hub id]"),
+    click.option("--model", "-m", "model",
+                 help="config.json, model directory, preset name or hub id.  [default: the model the logs name, "
+                      "when it is a preset's hub id (or its -Instruct/-Chat variant), a local model directory or "
+                      "a hub id in the Hugging Face cache]"),
+    click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model the logs "
+                 "name, else the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
                  help="The engine server the gateway configs point at."),
     click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),
