@@ -128,6 +128,8 @@ def recommend(
     number says which rule produced it. `route_by` must be what the profile's routes were named by;
     with a log field, `route_header` names the request header that carries each group to the
     gateway (without it, more than one group is an OptionError: no gateway could enforce their caps).
+    The profile's rows must name one model (or none; kvtune.profile.logged_model), which the files
+    then serve unless `served_model` says otherwise.
     `rec.feasibility` says whether the deployment can serve the logged traffic at all
     (kvtune.policy.feasibility); an infeasible one is returned, not raised: the CLI refuses it.
 
@@ -154,6 +156,7 @@ def recommend(
     from kvtune.policy.recommend import DEFAULT_UPSTREAM, RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
     from kvtune.policy.rules import CURRENT_VLLM_VERSION
+    from kvtune.profile.logged_model import one_logged_model
 
     engine = plan.engine if engine is None else engine
     # the release the plan's memory model assumed, unless the caller names one
@@ -164,6 +167,7 @@ def recommend(
         else vllm_version,
         upstream=DEFAULT_UPSTREAM if upstream is None else upstream,
         route_by="path" if route_by is None else route_by, route_header=route_header, served_model=served_model,
+        logged_model=one_logged_model(profile.models, profile.log_model),
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
     )
     if options.engine != plan.engine:

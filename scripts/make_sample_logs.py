@@ -5,6 +5,7 @@ real traces in ../shared/traces:
     chat route      output ln N(5.019, 0.859), prompt ln N(6.633, 0.985)  Azure 2023 conversation
     code route      output ln N(2.788, 0.847), prompt ln N(6.999, 1.360)  Azure 2023 code
     summarize route output ln N(5.187, 0.796), prompt ln N(7.717, 0.755)  vidur arXiv summarization
+Every row names one model, meta-llama/Llama-3.1-8B-Instruct (one deployment's traffic).
 Prompt and output are drawn independently (their log correlation is 0.09 in conv, 0.00 in code).
 A response whose drawn length reaches its request's max_tokens is cut there, with finish reason
 `length` (`stop` otherwise), so the logs carry real right-censoring. Arrivals are Poisson with a
@@ -36,12 +37,15 @@ import numpy as np
 SEED = 20231116
 START_S = 1_735_000_000  # 2024-12-24, a fixed epoch second
 
+#: The one model every route's rows name, by its hub id as vLLM serves it by default: the logs are
+#: one deployment's traffic (logs naming several models need `--log-model`).
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # route -> (model, output ln-mean, ln-sd, prompt ln-mean, ln-sd, max_tokens choices and weights)
 ROUTES = {
-    "/v1/chat/completions": ("llama-3.1-8b-instruct", 5.019, 0.859, 6.633, 0.985,
+    "/v1/chat/completions": (MODEL, 5.019, 0.859, 6.633, 0.985,
                              ((None, 512, 1024, 4096), (0.3, 0.3, 0.3, 0.1))),
-    "/v1/code/completions": ("qwen2.5-coder-7b", 2.788, 0.847, 6.999, 1.360, ((None, 256, 2048), (0.2, 0.5, 0.3))),
-    "/v1/summarize": ("llama-3.1-8b-instruct", 5.187, 0.796, 7.717, 0.755, ((512, 1024), (0.5, 0.5))),
+    "/v1/code/completions": (MODEL, 2.788, 0.847, 6.999, 1.360, ((None, 256, 2048), (0.2, 0.5, 0.3))),
+    "/v1/summarize": (MODEL, 5.187, 0.796, 7.717, 0.755, ((512, 1024), (0.5, 0.5))),
 }
 CONTEXT = 32768
 

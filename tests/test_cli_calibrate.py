@@ -113,12 +113,14 @@ def test_recommend_uses_the_file(tmp_path):
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
         "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
     # issue 25: the measured pool (31 usable blocks of 128 = 3,968 tokens) holds no request of
-    # openai_chat_pairs.jsonl's longest (32,908 tokens): refused, where it used to be written
+    # openai_chat_pairs.jsonl's longest (32,908 tokens): refused, where it used to be written.
+    # The logs name other models (Llama-3.1-8B-Instruct, llama-3.1-8b); the engine measured serves the tiny one
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
-                                      "--model", str(model), "--capacity", str(cap), "--json"],
-                                catch_exceptions=False)
+                                      "--model", str(model), "--served-model", str(model), "--capacity", str(cap),
+                                      "--json"], catch_exceptions=False)
     assert result.exit_code == 1 and "vLLM would refuse to start" in result.stderr
-    result = CliRunner().invoke(cli, ["recommend", str(SHORT_LOG), "--model", str(model), "--capacity", str(cap),
+    result = CliRunner().invoke(cli, ["recommend", str(SHORT_LOG), "--model", str(model), "--served-model", str(model),
+                                      "--capacity", str(cap),
                                       "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)["recommendation"]

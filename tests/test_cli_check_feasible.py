@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from kvtune.cli import cli
 
+# the sample logs name meta-llama/Llama-3.1-8B-Instruct: serving the 70B on them is another checkpoint, said so
+LLAMA_70B = ["--model", "llama-3.1-70b", "--served-model", "meta-llama/Llama-3.1-70B-Instruct"]
 SAMPLE = str(Path(__file__).parent.parent / "sample_logs")
 
 
@@ -19,15 +21,15 @@ def run(*args: str):
 
 def test_a_deployed_max_model_len_the_pool_cannot_hold_is_a_risk(tmp_path):
     out = tmp_path / "d"
-    assert run("recommend", SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "40000", "--out",
+    assert run("recommend", SAMPLE, *LLAMA_70B, "--kv-tokens", "40000", "--out",
                str(out)).exit_code == 0
     script = out / "vllm-serve.sh"
     rec = str(out / "recommendation.json")
     gateway = str(out / "gateway.yaml")
-    passed = run("check", rec, "--model", "llama-3.1-70b", "--deployed", str(script), "--deployed", gateway, "--json")
+    passed = run("check", rec, *LLAMA_70B, "--deployed", str(script), "--deployed", gateway, "--json")
     assert passed.exit_code == 0, passed.output
     script.write_text(script.read_text().replace("--max-model-len 39984", "--max-model-len 131072"))
-    result = run("check", rec, "--model", "llama-3.1-70b", "--deployed", str(script), "--deployed", gateway, "--json")
+    result = run("check", rec, *LLAMA_70B, "--deployed", str(script), "--deployed", gateway, "--json")
     assert result.exit_code == 1
     risks = [f for f in json.loads(result.stdout)["findings"] if f["severity"] == "risk"]
     refuses = [f for f in risks if f["code"] == "engine-refuses-start"]
@@ -41,9 +43,9 @@ def test_a_deployed_max_model_len_the_pool_cannot_hold_is_a_risk(tmp_path):
 def test_an_infeasible_recommendation_is_a_risk_against_any_deployed_file(tmp_path):
     """The 70B on 2 H100s: whatever is deployed, the pool holds no logged request."""
     out = tmp_path / "d"
-    assert run("recommend", SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "4", "--out",
+    assert run("recommend", SAMPLE, *LLAMA_70B, "--gpu", "H100-80GB", "--tp", "4", "--out",
                str(out)).exit_code == 0
-    result = run("check", SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2",
+    result = run("check", SAMPLE, *LLAMA_70B, "--gpu", "H100-80GB", "--tp", "2",
                  "--deployed", str(out / "vllm-serve.sh"))
     assert result.exit_code == 1
     lines = result.output.splitlines()

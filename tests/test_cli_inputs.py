@@ -18,6 +18,7 @@ from http_files import FileServer
 from kvtune.cli import cli
 
 SAMPLES = REPO / "sample_logs"
+SAMPLE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the model every sample log row names
 CAPACITY = DATA / "capacity-cpu-0.32-timing.json"
 REASON = "no token counts (use --tokenizer)"
 
@@ -86,13 +87,20 @@ def test_a_window_that_leaves_no_row_says_so(tmp_path):
     assert "no usable row: 2,400 rows outside --since/--until" in r.stderr
 
 
+def _same_model_copy(source: Path, target: Path) -> None:
+    """A copy of an OpenAI response log whose rows all name the sample logs' model: one deployment
+    serves one model, so logs naming several are refused (tests/test_cli_log_model.py)."""
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    target.write_text("".join(json.dumps({**row, "model": SAMPLE_MODEL}) + "\n" for row in rows))
+
+
 def _log_dir_with_kvtune_outputs(tmp_path: Path) -> Path:
     """A log directory into which `recommend --out` and `profile --save` wrote (the issue's case),
     with a capacity file from `calibrate` beside them."""
     logs = tmp_path / "logs"
     (logs / "2026-11-30").mkdir(parents=True)
     shutil.copy(SAMPLES / "openai_chat_pairs.jsonl", logs / "2026-11-30" / "chat.jsonl")
-    shutil.copy(DATA / "logs" / "openai_chat.jsonl", logs / "openai_chat.jsonl")
+    _same_model_copy(DATA / "logs" / "openai_chat.jsonl", logs / "openai_chat.jsonl")
     r = kvtune("recommend", str(logs), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--out", str(logs))
     assert r.exit_code == 0, r.output
     assert kvtune("profile", str(logs), "--save", str(logs / "week.json"), "-q").exit_code == 0

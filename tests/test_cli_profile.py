@@ -35,8 +35,9 @@ def test_json_fields_are_present_and_stable():
     result = run(str(SAMPLES / "openai_chat_pairs.jsonl"), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert set(data) == {"requests", "routes", "skipped", "inputs", "folded", "skipped_files", "notes"}
+    assert set(data) == {"requests", "routes", "skipped", "inputs", "folded", "skipped_files", "notes", "models"}
     assert data["skipped_files"] == [] and data["notes"] == []
+    assert data["models"] == {"meta-llama/Llama-3.1-8B-Instruct": 2400}
     assert data["folded"] == {"routes": 0, "requests": 0, "into": "*"}
     assert data["inputs"] == [{"path": str(SAMPLES / "openai_chat_pairs.jsonl"), "format": "openai-pair", "rows": 2400}]
     assert data["skipped"] == {"count": 0, "reasons": {}, "examples": {}}

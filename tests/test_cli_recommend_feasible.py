@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from kvtune.cli import cli
 
 ROOT = Path(__file__).parent.parent
+# the sample logs name meta-llama/Llama-3.1-8B-Instruct: serving the 70B on them is another checkpoint, said so
+LLAMA_70B = ["--model", "llama-3.1-70b", "--served-model", "meta-llama/Llama-3.1-70B-Instruct"]
 SAMPLE = str(ROOT / "sample_logs")
 SHORT = str(ROOT / "tests" / "data" / "logs" / "kvtune.jsonl")  # short requests only
 
@@ -29,7 +31,7 @@ def rec_json(*args: str) -> dict:
 
 def test_llama_70b_on_two_h100s_is_refused_with_fp8_and_the_smallest_tp_that_fit(tmp_path):
     out = tmp_path / "d"
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2", "--out", str(out))
+    result = recommend(SAMPLE, *LLAMA_70B, "--gpu", "H100-80GB", "--tp", "2", "--out", str(out))
     assert result.exit_code == 1
     assert not out.exists()
     assert result.stderr.splitlines() == [
@@ -41,16 +43,16 @@ def test_llama_70b_on_two_h100s_is_refused_with_fp8_and_the_smallest_tp_that_fit
     ]
     # the fix is right: fp8 KV at tp 2 holds the longest logged request (32,885 tokens) in 3,170 usable blocks,
     # and so does tp 4; tp 3 is not a split the model takes, so 4 is the smallest larger one
-    fp8 = recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2", "--kv-cache-dtype", "fp8",
+    fp8 = recommend(SAMPLE, *LLAMA_70B, "--gpu", "H100-80GB", "--tp", "2", "--kv-cache-dtype", "fp8",
                     "--out", str(out))
     assert fp8.exit_code == 0, fp8.output
     assert "--max-model-len 50720" in (out / "vllm-serve.sh").read_text()  # (3,171 − 1) × 16
-    assert recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "4", "--out",
+    assert recommend(SAMPLE, *LLAMA_70B, "--gpu", "H100-80GB", "--tp", "4", "--out",
                      str(tmp_path / "tp4")).exit_code == 0
 
 
 def test_json_carries_the_verdict_and_no_files():
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--gpu", "H100-80GB", "--tp", "2", "--json")
+    result = recommend(SAMPLE, *LLAMA_70B, "--gpu", "H100-80GB", "--tp", "2", "--json")
     assert result.exit_code == 1
     d = json.loads(result.stdout)
     assert d["files"] == {}
@@ -65,7 +67,7 @@ def test_json_carries_the_verdict_and_no_files():
 def test_a_measured_pool_of_40000_tokens_holds_the_logs_so_the_largest_length_it_holds_is_rendered(tmp_path):
     """--kv-tokens 40000 holds the longest logged request (32,885 tokens): feasible, and max_model_len is
     the largest length vLLM starts with, (2,500 blocks − 1 null block) × 16, not the model's 131,072."""
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "40000", "--out", str(tmp_path))
+    result = recommend(SAMPLE, *LLAMA_70B, "--kv-tokens", "40000", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     script = (tmp_path / "vllm-serve.sh").read_text()
     assert "--max-model-len 39984" in script
@@ -76,20 +78,20 @@ def test_a_measured_pool_of_40000_tokens_holds_the_logs_so_the_largest_length_it
 
 
 def test_a_measured_pool_below_the_longest_request_is_refused_with_the_estimated_fix(tmp_path):
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "30000", "--gpu", "H100-80GB", "--tp", "2",
+    result = recommend(SAMPLE, *LLAMA_70B, "--kv-tokens", "30000", "--gpu", "H100-80GB", "--tp", "2",
                        "--out", str(tmp_path / "d"))
     assert result.exit_code == 1 and not (tmp_path / "d").exists()
     assert ("Fix: fits with --kv-cache-dtype fp8 (pool 3,171 blocks) by the estimate: measure it there; "
             "or --tp 4 (pool 24,730 blocks) by the estimate: measure it there") in result.stderr
     # without a GPU to estimate another pool with, the pool the logs need
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "30000")
+    result = recommend(SAMPLE, *LLAMA_70B, "--kv-tokens", "30000")
     assert result.exit_code == 1
     assert ("Fix: needs a KV pool that holds the longest logged prompt + cap (32,885 tokens, the pool holds 29,984)"
             in result.stderr)
 
 
 def test_a_given_max_model_len_the_pool_cannot_hold_is_refused_with_one_that_fits(tmp_path):
-    args = [SAMPLE, "--model", "llama-3.1-70b", "--kv-tokens", "40000"]
+    args = [SAMPLE, *LLAMA_70B, "--kv-tokens", "40000"]
     result = recommend(*args, "--max-model-len", "131072", "--out", str(tmp_path / "d"))
     assert result.exit_code == 1 and not (tmp_path / "d").exists()
     assert "Fix: fits with --max-model-len 39984" in result.stderr
@@ -101,21 +103,22 @@ def test_a_given_max_model_len_the_pool_cannot_hold_is_refused_with_one_that_fit
 def test_qwen3_8b_renders_its_context_when_the_logs_are_short(tmp_path):
     """Item 11: vLLM V1 allocates blocks on demand, so max_model_len is the model's 40,960, not the
     longest logged request; --max-model-len is honoured."""
-    result = recommend(SHORT, "--model", "qwen3-8b", "--gpu", "H100-80GB", "--out", str(tmp_path))
+    qwen = ["--model", "qwen3-8b", "--served-model", "Qwen/Qwen3-8B"]  # the log names llama-3.1-8b
+    result = recommend(SHORT, *qwen, "--gpu", "H100-80GB", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "--max-model-len 40960" in (tmp_path / "vllm-serve.sh").read_text()
     rec = json.loads((tmp_path / "recommendation.json").read_text())
     mml = rec["settings"]["max_model_len"]
     assert mml["value"] == 40960 and mml["rule"] == "max-model-len-model-context"
     assert "vllm/v1/core/kv_cache_manager.py" in mml["reason"]
-    given = rec_json(SHORT, "--model", "qwen3-8b", "--gpu", "H100-80GB", "--max-model-len", "16384")
+    given = rec_json(SHORT, *qwen, "--gpu", "H100-80GB", "--max-model-len", "16384")
     assert given["settings"]["max_model_len"]["value"] == 16384
     assert given["settings"]["max_model_len"]["rule"] == "max-model-len-given"
 
 
 @pytest.mark.parametrize("engine", ["sglang", "trtllm"])
 def test_other_engines_are_refused_when_the_pool_is_below_the_longest_request(engine, tmp_path, tokenizer_dir):
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--engine", engine, "--kv-tokens", "20000",
+    result = recommend(SAMPLE, *LLAMA_70B, "--engine", engine, "--kv-tokens", "20000",
                        "--gateway-tokenizer", tokenizer_dir if engine == "trtllm" else "upstream",
                        "--out", str(tmp_path / "d"))
     assert result.exit_code == 1 and not (tmp_path / "d").exists()
@@ -124,7 +127,7 @@ def test_other_engines_are_refused_when_the_pool_is_below_the_longest_request(en
 
 
 def test_sglang_renders_the_context_its_pool_holds(tmp_path):
-    result = recommend(SAMPLE, "--model", "llama-3.1-70b", "--engine", "sglang", "--kv-tokens", "40000",
+    result = recommend(SAMPLE, *LLAMA_70B, "--engine", "sglang", "--kv-tokens", "40000",
                        "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "--context-length 40000" in (tmp_path / "sglang-serve.sh").read_text()
@@ -171,7 +174,9 @@ def test_trtllm_keeps_max_seq_len_to_the_longest_request(tmp_path, tokenizer_dir
 @pytest.mark.parametrize("gpu", GPUS)
 @pytest.mark.parametrize("model", MODELS)
 def test_exit_0_only_when_the_deployment_serves_the_logged_traffic(profile, tokenizer_dir, model, gpu, tp, engine):
-    result = recommend(profile, "--model", model, "--gpu", gpu, "--tp", str(tp), "--engine", engine,
+    # --served-model: the sample logs name Llama-3.1-8B-Instruct, each model here is served on its traffic
+    result = recommend(profile, "--model", model, "--served-model", f"served/{model}", "--gpu", gpu, "--tp", str(tp),
+                       "--engine", engine,
                        "--gateway-tokenizer", tokenizer_dir if engine == "trtllm" else "upstream", "--json")
     if result.exit_code == 2:  # the weights do not fit at all: a capacity error, nothing recommended
         assert result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1

@@ -108,12 +108,15 @@ def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server_each_to
 
     # issue 25: this pool (31 usable blocks of 128 = 3,968 tokens) holds no request of
     # openai_chat_pairs.jsonl's longest (32,908 tokens): refused; logs it holds are recommended
+    # the logs name other models; this bed serves the tiny model on purpose
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs" / "openai_chat_pairs.jsonl"),
-                                      "--model", str(vllm_server.model_dir), "--capacity", str(cap), "--json"],
+                                      "--model", str(vllm_server.model_dir), "--served-model", str(vllm_server.model_dir),
+                                      "--capacity", str(cap), "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 1 and "vLLM would refuse to start" in result.stderr
     result = CliRunner().invoke(cli, ["recommend", str(REPO / "tests" / "data" / "logs" / "kvtune.jsonl"),
-                                      "--model", str(vllm_server.model_dir), "--capacity", str(cap), "--json"],
+                                      "--model", str(vllm_server.model_dir), "--served-model", str(vllm_server.model_dir),
+                                      "--capacity", str(cap), "--json"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rec = json.loads(result.stdout)["recommendation"]

@@ -243,19 +243,34 @@ def select_routes(profile: Profile, routes: Sequence[str]) -> list[RouteProfile]
 def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
                 ) -> tuple[list[tuple[str, int, int]], list[float], list[str]]:
     """(route, prompt, output) and timestamps of every logged request with both, in time order, and
-    the notes on the files not read (`Profile.notes`). None at all: one InputError naming the inputs
-    and why each row went (ingest's skip reasons, then the fields missing here)."""
+    the notes on the files not read (`Profile.notes`); of one logged model (options.log_model selects
+    it; logs naming several without it are an error, as for a profile: kvtune.profile.logged_model).
+    None at all: one InputError naming the inputs and why each row went (ingest's skip reasons, then
+    the fields missing here)."""
     from kvtune.ingest import read_logs
+    from kvtune.profile.logged_model import ModelSelection, one_logged_model, same_model
 
     batches, stats = read_logs(list(paths), options)
     keep_routes = set(routes)
     triples: list[tuple[str, int, int]] = []
     stamps: list[float] = []
     skipped: Counter = Counter()
+    selected = options.log_model
+    named: Counter[str] = Counter()
+    left_out: Counter[str] = Counter()
+    unnamed = 0
     for batch in batches:
         cols = batch.to_pydict()
-        columns = (cols["route"], cols["prompt_tokens"], cols["output_tokens"], cols["timestamp_s"])
-        for route, p, o, ts in zip(*columns, strict=True):
+        columns = (cols["route"], cols["model"], cols["prompt_tokens"], cols["output_tokens"], cols["timestamp_s"])
+        for route, model, p, o, ts in zip(*columns, strict=True):
+            if selected is not None and (model is None or not same_model(model, selected)):
+                if model is None:
+                    unnamed += 1
+                else:
+                    left_out[model] += 1
+                continue
+            if model is not None:
+                named[model] += 1
             route = route if route is not None else "default"
             if keep_routes and route not in keep_routes:
                 continue
@@ -268,6 +283,7 @@ def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
             else:
                 triples.append((route, int(p), int(o)))
                 stamps.append(float(ts))
+    one_logged_model(named, None if selected is None else ModelSelection(selected, left_out, unnamed))
     notes = skipped_file_notes(stats.skipped_files)
     if not triples:
         why = ", ".join(f"{k}: {v:,}" for k, v in (stats.skipped + skipped).most_common()) or "no rows"

@@ -133,6 +133,25 @@ def render_skipped_files(profile: Profile, *, file=None) -> None:
         print(f"note: {note}", file=file or sys.stderr)
 
 
+def render_models(profile: Profile, *, file=None) -> None:
+    """One line on stderr naming the logged models (several: each with its rows) and what --log-model
+    left out, so a mixed log is visible before `recommend` refuses it."""
+    from kvtune.profile.logged_model import describe_models, models_by_rows
+
+    named = models_by_rows(profile.models)
+    selection = profile.log_model
+    if selection is None and len(named) < 2:
+        return
+    line = f"models: {describe_models(named) or 'none named'}"
+    if selection is not None:
+        left = describe_models(models_by_rows(selection.left_out)) or "no other model"
+        line += (f"; --log-model {selection.name} left out {left}"
+                 + (f" and {selection.unnamed_rows:,} row(s) naming none" if selection.unnamed_rows else ""))
+    else:
+        line += ": one deployment serves one; pick one with --log-model"
+    print(line, file=file or sys.stderr)
+
+
 def render_folded(profile: Profile, max_routes: int | None, *, file=None) -> None:
     """One line on stderr when routes were folded into `*`, so a `*` in the output is explained."""
     if not profile.folded_routes:

@@ -275,6 +275,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
                    else load_profile_or_logs(list(logs), ingest, max_routes=max_routes, workers=log.workers,
                                               ray_address=log.ray_address))
+        log.logged_model(profile)  # one model's traffic: several without --log-model is an error
         render_folded(profile, max_routes)
         render_skipped_files(profile)
         notes = profile.notes

@@ -9,7 +9,7 @@ import click
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.recommend import PolicyArgs, policy_options
 from kvtune.deploy.check import Severity
-from kvtune.errors import InputError
+from kvtune.errors import OptionError
 from kvtune.userfiles import brief
 
 _STYLE = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Severity.INFO: ("info", "blue")}
@@ -23,6 +23,74 @@ def _saved_recommendation(paths: tuple[str, ...]):
     if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
     return load_recommendation(paths[0])
+
+
+def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityArgs) -> None:
+    """check RECOMMENDATION.json reads the deployment (model, GPU, engine, tp/pp, release, block size,
+    KV dtype, lengths, utilization, upstream, safety fraction) from the file: an option typed on
+    the command line that says otherwise is one error line naming it, not silently overridden nor
+    obeyed. Options the file has no value for (a measured capacity) would change what the file
+    already decided."""
+    from click.core import ParameterSource
+
+    from kvtune.cli.options import parse_count
+    from kvtune.hardware import find_gpu, parse_memory_size
+
+    ctx = click.get_current_context()
+
+    def typed(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+    def setting(name: str):
+        decision = rec.settings.get(name)
+        return None if decision is None else decision.value
+
+    hw = rec.hardware
+    compared = {
+        "model": lambda: (policy.model, rec.model, policy.model in (rec.model, rec.served_model)),
+        "served_model": lambda: (policy.served_model, rec.served_model, None),
+        "upstream": lambda: (policy.upstream, rec.upstream, None),
+        "safety_fraction": lambda: (policy.safety_fraction, rec.safety_fraction.value, None),
+        "gpu": lambda: (find_gpu(capacity.gpu or "", field="--gpu").name, hw.gpu, None),
+        "gpu_memory": lambda: (parse_memory_size(capacity.gpu_memory or "", field="--gpu-memory"),
+                               hw.gpu_memory_bytes, None),
+        "tp": lambda: (capacity.tp, hw.tensor_parallel_size, None),
+        "pp": lambda: (capacity.pp, hw.pipeline_parallel_size, None),
+        "engine": lambda: (capacity.engine, rec.engine.name, None),
+        "engine_version": lambda: (capacity.engine_version, rec.engine.version, None),
+        "vllm_version": lambda: (policy.vllm_version, rec.engine.version, None),
+        "block_size": lambda: (capacity.block_size, setting("block_size"), None),
+        "kv_cache_dtype": lambda: (capacity.kv_cache_dtype, setting("kv_cache_dtype"), None),
+        "max_model_len": lambda: (parse_count(capacity.max_model_len, "--max-model-len"), setting("max_model_len"),
+                                  None),
+        "max_num_batched_tokens": lambda: (parse_count(capacity.max_num_batched_tokens, "--max-num-batched-tokens"),
+                                           setting("max_num_batched_tokens"), None),
+        "gpu_memory_utilization": lambda: (capacity.gpu_memory_utilization, setting("gpu_memory_utilization"), None),
+    }
+    for name, values in compared.items():
+        if not typed(name):
+            continue
+        given, in_file, agrees = values()
+        if agrees if agrees is not None else given == in_file:
+            continue
+        option = "--" + name.replace("_", "-")
+        raise OptionError(f"{_shown(given)} contradicts the recommendation's {_shown(in_file)}: check reads the "
+                          f"deployment from {brief(path)}; leave {option} out, or recommend again with it",
+                          field=option)
+    for name in ("kv_tokens", "vllm_log", "metrics_url", "capacity_files", "engine_log", "enforce_eager"):
+        if typed(name):
+            option = "--capacity" if name == "capacity_files" else "--" + name.replace("_", "-")
+            raise OptionError(f"the recommendation already holds its capacity ({rec.capacity.source}); "
+                              f"recommend again with {option} to check against it", field=option)
+
+
+def _shown(value) -> str:
+    """An option's or the file's value as the error line quotes it."""
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        return brief(value)
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 @click.command()
@@ -40,7 +108,8 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
     """Check deployed configs against real traffic: exit 1 on risk, 0 when fine.
 
     LOGS are the logs (or a saved profile) the recommendation is computed from, or a
-    recommendation.json written by `kvtune recommend --out`. Findings cover uncapped output,
+    recommendation.json written by `kvtune recommend --out`, which names the model, GPU and
+    engine itself (an option that contradicts it is an error). Findings cover uncapped output,
     caps that truncate more than the budget, KV reservations beyond capacity (on an estimated
     capacity, the pool the engine file's own flags leave), max_model_len that rejects logged
     prompts or does not fit that pool, and drift from the current recommendation.
@@ -49,15 +118,15 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
     Example:
         kvtune check sample_logs/ --model llama-3.1-8b --gpu H100-80GB \\
             --deployed deploy/vllm-serve.sh --deployed deploy/gateway.yaml
+        kvtune check deploy/recommendation.json --deployed deploy/vllm-serve.sh
     """
     import kvtune
 
     rec = _saved_recommendation(logs)
     if rec is None:
         rec = policy.recommendation(logs, capacity, log)
-    elif policy.model not in (rec.model, rec.served_model):
-        raise InputError(f"the recommendation is for {brief(rec.model)}, not {brief(policy.model)}", path=logs[0],
-                         field="model")
+    else:
+        _file_contradictions(rec, logs[0], policy, capacity)
     result = kvtune.check(rec, deployed_paths, max_truncation=policy.max_truncation)
     deployed = result.deployed
 

@@ -177,6 +177,7 @@ class LogArgs:
     workers: int | None = 1  # processes for the map step; None: every core when the input pays for it
     ray_address: str | None = None  # run the map step as Ray tasks ("" a local cluster)
     exclude: tuple[str, ...] = ()  # --exclude GLOB, repeated: files not to read
+    log_model: str | None = None  # only the rows naming this logged model (kvtune.profile.logged_model)
 
     def ingest(self):  # -> kvtune.ingest.IngestOptions
         """The ingest options; the process is about to read logs, so malloc is tuned for it."""
@@ -194,10 +195,12 @@ class LogArgs:
         tune_for_streaming()
         return IngestOptions(format=self.format_, fields=parse_fields(self.fields), route_by=self.route_by,
                              tokenizer=self.tokenizer, on_error=OnError(self.on_error), strict=self.strict,
-                             assume_cap=self.assume_cap, window=window, exclude=self.exclude)
+                             assume_cap=self.assume_cap, window=window, exclude=self.exclude,
+                             log_model=self.log_model)
 
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
-        """Logs (or one saved profile) profiled; a fold beyond --max-routes is said on stderr."""
+        """Logs (or one saved profile) profiled, of one logged model (`logged_model`); a fold beyond
+        --max-routes is said on stderr."""
         from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import is_saved_profile
         from kvtune.profile.logs import load_profile_or_logs
@@ -205,9 +208,17 @@ class LogArgs:
         self.window_for_logs([p for p in paths if is_saved_profile(p)])
         profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes,
                                        workers=self.workers, ray_address=self.ray_address)
+        self.logged_model(profile)
         render_folded(profile, self.max_routes)
         render_skipped_files(profile)
         return profile
+
+    def logged_model(self, profile) -> str | None:  # profile: kvtune.profile.routes.Profile
+        """The one model the profile's rows name (None: none names one); several without
+        --log-model, or a --log-model no row names, are one error line."""
+        from kvtune.profile.logged_model import one_logged_model
+
+        return one_logged_model(profile.models, profile.log_model, self.log_model)
 
     def window_for_logs(self, saved: list[str]) -> None:
         """--since/--until filter log rows: a saved profile has none left to filter, so it is refused."""
@@ -285,6 +296,9 @@ log_options = grouped("log", LogArgs, [
     click.option("--until", metavar="WHEN", callback=_instant,
                  help="Only requests before WHEN (exclusive; same forms as --since). A row without a "
                       "timestamp is a bad row while either is given."),
+    click.option("--log-model", metavar="NAME",
+                 help="Only the rows of this logged model (its id as the logs name it, any case). Logs that name "
+                      "several models need it: one deployment serves one model. Rows naming no model are left out."),
     click.option("--workers", default="auto", show_default=True, metavar="N|auto", callback=_workers,
                  help="Processes that read and count the logs (a file or a run of Parquet row groups each), "
                       "merged exactly: the same output as one. auto: one per 2 cores once the input is 256 MiB."),

@@ -35,6 +35,9 @@ JSON_FIELDS = """\b
   skipped_files[] {path, reason}: files not read: kvtune's own outputs (a recommendation.json,
                   a saved profile …, told by content) and those --exclude matched
   notes[]         what to know about the inputs beside the numbers (the files not read)
+  models          {logged model id: rows} over every route (rows naming none not counted)
+  log_model       with --log-model only: {name, left_out: {model: rows} (other models'
+                  rows), unnamed_rows (rows naming no model)}
 """
 
 
@@ -87,6 +90,8 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))
         raise InputError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
+    if log.log_model is not None:  # a NAME no row names is an error; several models are shown, not refused
+        log.logged_model(result)
     if save_path:
         from kvtune.profile.build import save_profile
 
@@ -101,6 +106,9 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         render_profile(result)
         render_skipped(result)
         render_window(result)
+    from kvtune.cli._profile_view import render_models
+
+    render_models(result)
     render_folded(result, log.max_routes)
     render_skipped_files(result)
     if save_path and not json_:

@@ -20,7 +20,7 @@ from kvtune.policy.rules import CURRENT_VLLM_VERSION
 class PolicyArgs:
     """The model and what the user decided about the policy, as `recommend` and `check` take them."""
 
-    model: str
+    model: str | None  # None: the model the logs name (kvtune.model.sources.model_for_logged_id)
     served_model: str | None
     upstream: str
     vllm_version: str | None  # --engine-version's older name
@@ -38,10 +38,17 @@ class PolicyArgs:
         its own budget and engine limits (kvtune.policy.replicas.per_replica; its URL from the
         file's origin with `from_origin`, else urls[i])."""
         import kvtune
+        from kvtune.model.sources import check_logged_architecture, model_for_logged_id
 
         version = self.engine_version(capacity)
         capacity = dataclasses.replace(capacity, engine_version=version)
-        plans = self._replica_plans(capacity, replica_files)
+        profile = None
+        if self.model is not None:  # the model and options are checked before the logs are read
+            model = self.model
+        else:
+            profile = log.profile(logs)
+            model = model_for_logged_id(log.logged_model(profile))
+        plans = self._replica_plans(capacity, replica_files, model)
         primary = 0
         if plans:
             from kvtune.policy.replicas import smallest, with_replica_context
@@ -50,9 +57,12 @@ class PolicyArgs:
             plans = with_replica_context(plans)
             capacity = dataclasses.replace(capacity, capacity_files=(replica_files[primary],))
         wanted = objective.wanted(capacity) if objective is not None else {}
-        profile = log.profile(logs)
+        if profile is None:
+            profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
-        plan = plans[primary][1] if plans else capacity.plan(self.model)
+        plan = plans[primary][1] if plans else capacity.plan(model)
+        if self.model is not None and self.served_model is None:  # the files would serve the logged id
+            check_logged_architecture(log.logged_model(profile), plan.spec, self.model)
         if wanted and plans:
             wanted["replicas"] = plans
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,
@@ -63,7 +73,7 @@ class PolicyArgs:
         if not plans:
             if rec.feasibility is not None and not rec.feasibility.fits:
                 rec = dataclasses.replace(rec, feasibility=self._with_remedies(rec.feasibility, profile, plan,
-                                                                              capacity, given))
+                                                                              capacity, given, model))
             return rec
         from kvtune.errors import KvtuneError
         from kvtune.policy.replicas import check_replicas, per_replica
@@ -84,7 +94,7 @@ class PolicyArgs:
             own = [by_plan[id(p)] for _, p in plans]
         return per_replica(rec, [(f, p.capacity) for f, p in plans], urls, own=own, from_origin=from_origin)
 
-    def _with_remedies(self, verdict, profile, plan, capacity: CapacityArgs, given: dict):
+    def _with_remedies(self, verdict, profile, plan, capacity: CapacityArgs, given: dict, model: str):
         """The verdict with its fix line: which of a max_model_len that fits, fp8 KV and the smallest
         larger --tp (up to 8 GPUs) would make the whole recommendation feasible, each tried by
         recommending again on the changed plan (the memory estimate: a measured pool is measured at
@@ -109,7 +119,7 @@ class PolicyArgs:
             tries = []  # nothing to estimate another pool with
         for option, changed in tries:
             try:
-                other = kvtune.recommend(profile, changed.plan(self.model), **given)
+                other = kvtune.recommend(profile, changed.plan(model), **given)
             except KvtuneError:  # the model does not split that way, or the weights do not fit
                 continue
             if other.feasibility is not None and other.feasibility.fits:
@@ -120,7 +130,7 @@ class PolicyArgs:
         return dataclasses.replace(verdict, fix=feasibility.fix_line(remedies,
                                                                      fallback=feasibility.fallback_fix(verdict)))
 
-    def _replica_plans(self, capacity: CapacityArgs, replica_files: tuple[str, ...]) -> list:
+    def _replica_plans(self, capacity: CapacityArgs, replica_files: tuple[str, ...], model: str) -> list:
         """(file, its plan) per replica, each file planned once; [] for one replica. Replicas of
         another model, engine, KV dtype or block size than the first are one line naming the file."""
         if len(replica_files) < 2:
@@ -130,7 +140,7 @@ class PolicyArgs:
         planned: dict = {}
         for f in replica_files:
             if f not in planned:
-                planned[f] = dataclasses.replace(capacity, capacity_files=(f,)).plan(self.model)
+                planned[f] = dataclasses.replace(capacity, capacity_files=(f,)).plan(model)
         plans = [(f, planned[f]) for f in replica_files]
         check_same_deployment([(f, p.capacity) for f, p in plans])
         return plans
@@ -212,9 +222,12 @@ objective_options = grouped("objective", ObjectiveArgs, [
 
 
 policy_options = grouped("policy", PolicyArgs, [
-    click.option("--model", "-m", "model", required=True,
-                 help="config.json, model directory, preset name or hub id."),
-    click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model's hub id]"),
+    click.option("--model", "-m", "model",
+                 help="config.json, model directory, preset name or hub id.  [default: the model the logs name, "
+                      "when it is a preset's hub id (or its -Instruct/-Chat variant), a local model directory or "
+                      "a hub id in the Hugging Face cache]"),
+    click.option("--served-model", help="What the engine loads (hub id or path).  [default: the model the logs "
+                 "name, else the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
                  help="The engine server the gateway configs point at."),
     click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),

@@ -281,6 +281,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         profile = (fold_routes(load_profile(profile_path), log.max_routes) if profile_path
                    else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,
                                               workers=log.workers, ray_address=log.ray_address))
+        log.logged_model(profile)  # one model's traffic: several without --log-model is an error
         render_folded(profile, log.max_routes)
         render_skipped_files(profile)
         notes = profile.notes

@@ -390,6 +390,7 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "engine_title": ENGINE_TITLES[rec.engine.name],
         "hardware_title": hardware_title(rec, options),
         "served_model": rec.served_model or rec.model,
+        "served_model_decision": rec.settings.get("served_model"),  # where the id came from (None: older files)
         "routes": routes,
         # the header routes match on (one per recommendation: the --route-header), for the notes
         "route_header": next((r["header"] for r in routes if r["header"] is not None), None),

@@ -105,6 +105,8 @@ class IngestOptions:
     window keeps only rows whose timestamp falls in it (`kvtune.ingest.window`) and prunes the
     partitions outside it (`kvtune.ingest.partitions`). exclude: glob patterns of files not to read
     (`kvtune.ingest.paths.excluded_by`).
+    log_model keeps only the rows that name this logged model (ignoring case); the profile
+    builder selects them, in every worker, and counts what it left out (`kvtune.profile.logged_model`).
     """
 
     format: str | None = None
@@ -116,6 +118,7 @@ class IngestOptions:
     assume_cap: int | None = None
     window: Window | None = None
     exclude: tuple[str, ...] = ()  # --exclude globs: files whose relative path or base name match are not read
+    log_model: str | None = None
 
 
 _threads: int | None = None

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvtune.errors import InputError, KvtuneError, UnknownNameError
+from kvtune.errors import InputError, KvtuneError, OptionError, UnknownNameError
 from kvtune.model.config import HUB_ID, parse_model_spec
 from kvtune.model.spec import ModelSpec
 
@@ -106,3 +106,82 @@ def _preset_for_hub_id(repo_id: str) -> str | None:
         if isinstance(source, str) and source.split()[0].lower() == repo_id.lower():
             return path.stem
     return None
+
+
+#: Suffixes of a chat/instruction-tuned checkpoint whose config is its base model's: fine-tuning
+#: changes weights, not layers, heads or dimensions (Llama-3.1-8B-Instruct's config.json differs
+#: from Llama-3.1-8B's only in eos_token_id). Matched at the end of the id, any case.
+TUNED_SUFFIXES = ("-Instruct", "-Chat")
+
+
+def model_for_logged_id(logged: str | None) -> str:
+    """The MODEL source (preset name, local directory or config.json, hub id) behind the id the logs
+    name, for `recommend`/`check` without --model; an error naming the id when none is known.
+
+    In order: a preset whose hub id is the logged id ignoring case, or its base model's (the id
+    less an -Instruct/-Chat suffix; an id without an owner is compared with the hub id's name);
+    a local model directory or config.json (engines log the path they loaded); a hub id whose
+    config.json the Hugging Face cache (or hub) holds."""
+    if logged is None:
+        raise OptionError("the logs name no model: give --model (a preset, config.json, model directory or "
+                          "hub id)", field="--model")
+    preset = _preset_of_logged_id(logged)
+    if preset is not None:
+        return preset
+    p = Path(logged).expanduser()
+    if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix == ".json"):
+        return logged
+    if HUB_ID.fullmatch(logged) and not _looks_like_path(logged):
+        try:
+            _from_hub(logged)
+        except KvtuneError as exc:
+            raise OptionError(f"the logs name {logged!r}, which is no preset's model, and its config.json is not in "
+                              "the Hugging Face cache nor on a reachable hub: give --model", field="--model") from exc
+        return logged
+    raise OptionError(f"the logs name {logged!r}, which is no preset's model, local model directory or hub id: "
+                      "give --model (a preset, config.json, model directory or hub id)", field="--model")
+
+
+def check_logged_architecture(logged: str | None, spec: ModelSpec, given: str) -> None:
+    """--model given and the logs name one model: when that id is a preset's (or its base model's)
+    and its layers, heads or dimensions are not --model's, the files would serve the logged
+    checkpoint with another model's memory arithmetic, so it is an error (--served-model serves
+    another checkpoint on purpose). An id kvtune cannot place is served as logged."""
+    preset = None if logged is None else _preset_of_logged_id(logged)
+    if preset is None:
+        return
+    logged_spec = load_preset(preset)
+    if _shape(logged_spec) != _shape(spec):
+        raise OptionError(f"the logs name {logged!r}, which has the {preset} preset's architecture, not "
+                          f"{given}'s: give --model {preset} (or --served-model to serve another checkpoint)",
+                          field="--model")
+
+
+def _shape(spec: ModelSpec) -> tuple:
+    """What the memory arithmetic reads of a model: its layers, attention, widths and experts."""
+    return (spec.num_layers, spec.layer_kinds, spec.attention, spec.hidden_size, spec.intermediate_size, spec.mla,
+            spec.mamba, spec.linear, spec.moe)
+
+
+def _preset_of_logged_id(logged: str) -> str | None:
+    """The preset whose hub id is `logged`, or whose hub id is `logged` less a TUNED_SUFFIXES suffix."""
+    wanted = {logged.casefold()}
+    for suffix in TUNED_SUFFIXES:
+        if logged.casefold().endswith(suffix.casefold()) and len(logged) > len(suffix):
+            wanted.add(logged[: -len(suffix)].casefold())
+    owned = "/" in logged
+    for name, hub_id in _preset_hub_ids().items():
+        if (hub_id if owned else hub_id.split("/", 1)[-1]).casefold() in wanted:
+            return name
+    return None
+
+
+def _preset_hub_ids() -> dict[str, str]:
+    """Preset name → the hub id its `_source` names first (presets without one left out)."""
+    found: dict[str, str] = {}
+    for path in sorted(PRESETS_DIR.glob("*.json")):
+        source = load_config_file(path).get("_source", "")
+        words = source.split() if isinstance(source, str) else []
+        if words and HUB_ID.fullmatch(words[0]):
+            found[path.stem] = words[0]
+    return found

@@ -23,6 +23,7 @@ from kvtune.gateway.config import HEADER_NAME, MAX_ROUTE_HEADER_VALUE, ROUTE_HEA
 from kvtune.gateway.endpoints import why_not_a_route_path
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
+from kvtune.model.config import HUB_ID
 from kvtune.planning import Plan, replan
 from kvtune.policy import engine_rules, feasibility, rules
 from kvtune.policy.recommendation import (
@@ -67,7 +68,8 @@ class RecommendOptions:
     # The request header that carries a --route-by FIELD's value at request time (a group such
     # as a team): gateway routes match it. None: per-group caps are refused, none could be enforced.
     route_header: str | None = None
-    served_model: str | None = None  # what `vllm serve` loads; default the model's hub id
+    served_model: str | None = None  # what `vllm serve` loads; default the logs' model, else the model's hub id
+    logged_model: str | None = None  # the one model the profiled rows name (kvtune.profile.logged_model)
     # The what-if search (kvtune.policy.search) sets these: every route capped at this percentile
     # (CAP_LEVELS; None: by its tail class), and the caps and safety fraction said to be searched.
     cap_level: str | None = None
@@ -336,9 +338,10 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
     notes.extend(n for n in capacity.notes if not is_context_note(n))  # the verdict says it, for the rendered length
+    served = settings["served_model"] = _served_model(options, plan)
     return Recommendation(
         model=plan.model,
-        served_model=options.served_model or plan.spec.serve_id or plan.model,
+        served_model=str(served.value),
         engine=_engine(options, version),
         upstream=options.upstream,
         hardware=Hardware(plan.gpu, plan.gpu_memory_bytes, plan.kv.tensor_parallel_size,
@@ -355,6 +358,28 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
         admission=options.admission,
         feasibility=verdict,
     )
+
+
+def _served_model(options: RecommendOptions, plan: Plan) -> Decision:
+    """What the deploy files serve, and where that id came from. The logs' id is what clients send,
+    so the engine must answer to it; an id that is neither a hub id nor a path is a name no engine
+    could load (a gateway alias), so the model's own id is served and the reason says so."""
+    own = plan.spec.serve_id or plan.model
+    logged = options.logged_model
+    if options.served_model is not None:
+        if logged is None or options.served_model == logged:
+            return Decision(options.served_model, "served-model-given", "--served-model")
+        return Decision(options.served_model, "served-model-given",
+                        f"--served-model, though the logged rows name {logged}")
+    if logged is None:
+        return Decision(own, "served-model-own-id", "the model's own id; the logs name no model")
+    if HUB_ID.fullmatch(logged) or logged.startswith("/"):
+        differs = "" if logged == own else f"; the model's own id is {own}"
+        return Decision(logged, "served-model-logged",
+                        f"the model every logged row names (--served-model overrides){differs}")
+    return Decision(own, "served-model-own-id",
+                    f"the model's own id: the logs name {logged!r}, which is not a hub id (owner/name) or a path an "
+                    "engine could load; give --served-model if the engine loads another checkpoint")
 
 
 def _engine(options: RecommendOptions, vllm_version: tuple[int, ...]) -> Engine:

@@ -55,6 +55,7 @@ SETTINGS: dict[str, tuple[str, float, float]] = {
     "capacity_scheduler_policy": ("str", 0, 0),  # TensorRT-LLM
     "gateway_queue_max_waiting": ("int", 0, MAX_INTEGER),
     "gateway_queue_timeout_s": ("number", 0, MAX_INTEGER),
+    "served_model": ("str", 0, 0),  # the id the files serve and why (absent in files written before it)
 }
 # Settings every recommendation has (the others may be null: they do not apply to the engine).
 REQUIRED_SETTINGS = ("max_model_len", "gpu_memory_utilization", "kv_cache_dtype", "block_size",

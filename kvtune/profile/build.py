@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvtune.profile.histogram import (
     joint_bin,
     log_bin,
 )
+from kvtune.profile.logged_model import ModelSelection, same_model
 from kvtune.profile.routes import (
     Arrival,
     CensoredHistogram,
@@ -403,12 +405,17 @@ class ProfileBuilder:
     Rows must already be valid (ingest skips bad ones): output_tokens non-null and ≥ 0. Null or
     negative optional fields are left out of their own histograms only. `max_routes`: how many
     routes `result()` keeps (the busiest; the rest fold into `*`); None keeps them all.
+    `log_model`: count only the rows naming this logged model (ignoring case), and how many rows
+    of each other model (or of none) were left out (`kvtune.profile.logged_model`).
     """
 
-    def __init__(self, max_routes: int | None = MAX_ROUTES) -> None:
+    def __init__(self, max_routes: int | None = MAX_ROUTES, log_model: str | None = None) -> None:
         if max_routes is not None and max_routes < 1:
             raise ValueError("max_routes must be at least 1")
         self.max_routes = max_routes
+        self.log_model = log_model
+        self._left_out: Counter[str] = Counter()
+        self._unnamed_rows = 0
         self._routes, self._finish, self._models = _Routes(), _Vocab(), _Vocab()
         # censored tables use row 2·route + censored
         self._output, self._total = _Table(halves=2), _Table(halves=2)
@@ -424,6 +431,8 @@ class ProfileBuilder:
     def add_batch(self, batch: pa.RecordBatch) -> None:
         from kvtune.ingest import arrays
 
+        if self.log_model is not None:
+            batch = self._select_model(batch)
         n = batch.num_rows
         if n == 0:
             return
@@ -496,6 +505,31 @@ class ProfileBuilder:
                 if ok.any():
                     i, v = _where(ok, ids, ms)
                     table.add(routes, i, log_bin(v), dense)
+
+    def _select_model(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """The rows naming `log_model`; the others counted by their model (or as unnamed)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        assert self.log_model is not None
+        if batch.schema.get_field_index("model") < 0 or batch.column("model").null_count == batch.num_rows:
+            self._unnamed_rows += batch.num_rows
+            return batch.slice(0, 0)
+        column = batch.column("model")
+        if not pa.types.is_dictionary(column.type):
+            column = pc.dictionary_encode(column)
+        names = column.dictionary.to_pylist()
+        wanted = pa.array([same_model(str(name), self.log_model) for name in names], pa.bool_())
+        keep = pc.fill_null(pc.take(wanted, column.indices), False)
+        if keep.true_count == batch.num_rows:
+            return batch
+        self._unnamed_rows += column.null_count
+        other = pc.drop_null(pc.filter(column.indices, pc.invert(keep)))
+        if len(other):
+            codes, counts = np.unique(other.to_numpy(zero_copy_only=False), return_counts=True)
+            for code, count in zip(codes.tolist(), counts.tolist(), strict=True):
+                self._left_out[str(names[code])] += count
+        return batch.filter(keep)
 
     def _add_arrivals(self, gid: np.ndarray, ts: np.ndarray) -> None:
         ok = np.isfinite(ts) & (ts >= 0) & (ts < 2.0**_SECOND_BITS)
@@ -576,6 +610,8 @@ class ProfileBuilder:
             skip_examples=dict(skip_examples or {}),
             folded_routes=len(folded),
             folded_requests=sum(folded.values()),
+            log_model=(None if self.log_model is None
+                       else ModelSelection(self.log_model, dict(self._left_out), self._unnamed_rows)),
         )
 
     def _arrival_profiles(self, out_of_gid: np.ndarray, n_out: int) -> list[Arrival | None]:
@@ -613,7 +649,7 @@ def profile_read(batches: Iterable[pa.RecordBatch], stats: IngestStats, options:
                  max_routes: int | None) -> Profile:
     """The profile of batches as they are read (stats fill in as they come): inputs, skips and,
     with a window, what it left out."""
-    builder = ProfileBuilder(max_routes)
+    builder = ProfileBuilder(max_routes, log_model=options.log_model)
     for batch in batches:
         builder.add_batch(batch)
     inputs = [InputFile(str(f.path), str(f.format), int(f.rows)) for f in stats.files]

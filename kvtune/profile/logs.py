@@ -15,6 +15,7 @@ from kvtune.profile.build import (
     load_profile,
     profile_read,
 )
+from kvtune.profile.logged_model import one_logged_model
 from kvtune.profile.routes import Profile, fold_routes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +76,8 @@ def require_rows(profile: Profile, paths: Sequence[str]) -> Profile:
     files not read)."""
     if profile.requests:
         return profile
+    if profile.log_model is not None:  # a --log-model that no row names says so, listing the models
+        one_logged_model(profile.models, profile.log_model)
     why = []
     if profile.skipped_rows:
         reasons = sorted(profile.skipped.items(), key=lambda kv: (-kv[1], kv[0]))

@@ -23,6 +23,7 @@ from kvtune.errors import InputError
 from kvtune.ingest.paths import SkippedFile
 from kvtune.ingest.window import WindowReport, merge_reports
 from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
+from kvtune.profile.logged_model import ModelSelection
 from kvtune.userfiles import brief
 
 __all__ = [
@@ -597,6 +598,7 @@ class Profile:
     folded_requests: int = 0
     window: WindowReport | None = None  # read with --since/--until: what the window left out
     skipped_files: tuple[SkippedFile, ...] = ()  # files not read: --exclude matched them, or kvtune wrote them
+    log_model: ModelSelection | None = None  # read with --log-model: what the selection left out
 
     def __post_init__(self) -> None:
         names = [r.route for r in self.routes]
@@ -610,7 +612,7 @@ class Profile:
         if not isinstance(other, Profile):
             return NotImplemented
         return (self.routes, self.inputs, self.skipped, self.skip_examples, self.folded_routes,
-                self.folded_requests, self.window, self.skipped_files) == (
+                self.folded_requests, self.window, self.skipped_files, self.log_model) == (
             other.routes,
             other.inputs,
             other.skipped,
@@ -619,6 +621,7 @@ class Profile:
             other.folded_requests,
             other.window,
             other.skipped_files,
+            other.log_model,
         )
 
     # unhashable, like the arrays it holds: a class that defines __eq__ gets __hash__ = None
@@ -635,6 +638,14 @@ class Profile:
     def notes(self) -> list[str]:
         """What a reader must know about the inputs besides the numbers: the files not read."""
         return skipped_file_notes(self.skipped_files)
+
+    @property
+    def models(self) -> dict[str, int]:
+        """Rows per logged model over every route (rows that name none are not counted)."""
+        counts: Counter[str] = Counter()
+        for r in self.routes:
+            counts.update(r.models)
+        return dict(sorted(counts.items()))
 
     def route(self, name: str) -> RouteProfile:
         for r in self.routes:
@@ -667,6 +678,7 @@ class Profile:
             folded_requests=self.folded_requests + other.folded_requests,
             window=merge_reports(self.window, other.window),
             skipped_files=self.skipped_files + other.skipped_files,
+            log_model=self.log_model.merge(other.log_model) if self.log_model is not None else other.log_model,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -680,6 +692,7 @@ class Profile:
             "folded": {"routes": self.folded_routes, "requests": self.folded_requests},
             **({"window": self.window.to_dict()} if self.window is not None else {}),
             **({"skipped_files": [_skipped_file_dict(f) for f in self.skipped_files]} if self.skipped_files else {}),
+            **({"log_model": self.log_model.to_dict()} if self.log_model is not None else {}),
         }
 
     @classmethod
@@ -712,6 +725,7 @@ class Profile:
             folded_requests=folded.get("requests", 0),
             window=WindowReport.from_dict(data["window"]) if data.get("window") is not None else None,
             skipped_files=_skipped_files(data.get("skipped_files", [])),
+            log_model=ModelSelection.from_dict(data["log_model"]) if data.get("log_model") is not None else None,
         )
 
     def summary_dict(self) -> dict[str, Any]:
@@ -729,6 +743,8 @@ class Profile:
             **({"window": self.window.to_dict()} if self.window is not None else {}),
             "skipped_files": [_skipped_file_dict(f) for f in self.skipped_files],
             "notes": self.notes,
+            "models": self.models,
+            **({"log_model": self.log_model.to_dict()} if self.log_model is not None else {}),
         }
 
 
@@ -817,6 +833,7 @@ def fold_routes(profile: Profile, max_routes: int | None) -> Profile:
         folded_requests=profile.folded_requests + sum(r.requests for r in folded),
         window=profile.window,
         skipped_files=profile.skipped_files,
+        log_model=profile.log_model,
     )
 
 

@@ -68,7 +68,9 @@ _BOOLEAN_PREFIXES = ("enable-", "disable-", "skip-")
 def flags(rec: Recommendation) -> list[Line]:
     """`python -m sglang.launch_server`'s flags, each with its rule and reason."""
     served = rec.served_model or rec.model
-    return [Line("--model-path", served, "served-model", "the model the recommendation was made for"),
+    why = rec.settings.get("served_model")  # None in files written before it
+    return [Line("--model-path", served, why.rule if why else "served-model",
+                 why.reason if why else "the model the recommendation was made for"),
             *upstream_lines(rec, "--host", "--port"),
             *setting_lines(rec, [(key, flag) for key, flag, _ in FLAGS]),
             Line("--enable-metrics", True, "metrics-on",
