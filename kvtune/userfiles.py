@@ -12,8 +12,9 @@ process or exhaust memory. Log files are read by `kvtune.ingest`, which streams 
 - A size cap per kind of file (the constants below), enforced while reading (cap + 1 bytes at
   most), so /proc files and files growing under the reader cannot exceed it either.
 - Strict UTF-8 (a vLLM log is the exception: it is read with replacement characters).
-- YAML without anchors, aliases, merge keys or duplicate keys; JSON without duplicate keys,
-  NaN or Infinity in the files kvtune writes itself; lone surrogates refused in both.
+- YAML without anchors, aliases, merge keys, duplicate keys or numbers other than plain decimal
+  (YAML 1.1's `1:0` = 60, `010` = 8); JSON without duplicate keys, NaN or Infinity in the files
+  kvtune writes itself; lone surrogates refused in both.
 - `brief(value)`: the one way an error message quotes a value from a file, at most ~80 chars.
 """
 
@@ -214,6 +215,17 @@ class _Loader(Protocol):
     def dispose(self) -> None: ...
 
 
+# PyYAML reads YAML 1.1, where `1:0` is 60 (base 60), `010` is 8, `0b11`, `0x10` and `1_000` are
+# numbers; YAML 1.2's core schema reads the first as a string and `010` as 10. Only plain decimal
+# means the same in both, so anything else is refused rather than read one way or the other.
+_DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
+
+
+def _not_decimal(text: object) -> str:
+    return (f"the number {brief(text)} is not plain decimal (YAML 1.1 reads 1:0 as 60, 010 as 8, "
+            "1_000 as 1000); write it in decimal digits, or quote it if it is text")
+
+
 @functools.cache
 def _strict_loader() -> Callable[[str], _Loader]:
     """PyYAML's safe loader without anchors, aliases, merge keys or duplicate keys (built on first
@@ -252,11 +264,19 @@ def _strict_loader() -> Callable[[str], _Loader]:
             digits = len(str(node.value))
             if digits > _MAX_DIGITS:
                 raise _RefusedYAML(f"an integer of {digits:,} digits", node.start_mark)
+            if not _DECIMAL_INT.fullmatch(str(node.value)):
+                raise _RefusedYAML(_not_decimal(node.value), node.start_mark)
             return super().construct_yaml_int(node)
 
+        def construct_yaml_float(self, node: ScalarNode) -> float:
+            if any(c in str(node.value) for c in ":_"):
+                raise _RefusedYAML(_not_decimal(node.value), node.start_mark)
+            return super().construct_yaml_float(node)
+
         # what add_constructor("tag:yaml.org,2002:int", construct_yaml_int) does: a copy of the
-        # inherited table with that entry replaced
-        yaml_constructors = {**SafeConstructor.yaml_constructors, "tag:yaml.org,2002:int": construct_yaml_int}
+        # inherited table with those entries replaced
+        yaml_constructors = {**SafeConstructor.yaml_constructors, "tag:yaml.org,2002:int": construct_yaml_int,
+                             "tag:yaml.org,2002:float": construct_yaml_float}
 
     # libyaml scans and parses in C; composing stays in Python (Composer comes first), where
     # aliases are refused

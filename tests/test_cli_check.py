@@ -95,3 +95,15 @@ def test_recommend_then_check_on_sample_logs(tmp_path):
     (out / "nginx.conf").write_text(conf[:first] + "max_new_tokens = 1" + conf[end:])
     result = run(logs, *common, "--deployed", str(out / "nginx.conf"))
     assert result.exit_code == 1 and "RISK cap-truncates" in result.output
+
+
+def test_a_yaml_1_1_sexagesimal_block_size_is_refused_not_read_as_60(tmp_path):
+    """PyYAML reads `block_size: 1:0` as 60 (YAML 1.1 base 60; YAML 1.2 reads a string) and `010`
+    as 8: check judged a gateway its author never wrote. Such numbers are refused, with the line."""
+    for written in ("1:0", "010", "1_6"):
+        path = tmp_path / "gateway.yaml"
+        path.write_text(json.dumps(GATEWAY).replace('"block_size": 16', f'"block_size": {written}'))
+        result = CliRunner().invoke(cli, ["check", REC, "--model", "llama-3.1-8b", "--deployed", str(path)])
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"Error: {path}: ") and result.output.count("\n") == 1, result.output
+        assert f"line 1: unsupported YAML: the number '{written}' is not plain decimal" in result.output

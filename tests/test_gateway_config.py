@@ -446,3 +446,13 @@ def test_a_url_in_the_wrong_ledger_field_is_never_quoted(key):
     with pytest.raises(InputError) as info:
         parse_gateway_config(_doc(ledger=ledger))
     assert "hunter2" not in str(info.value) and info.value.field == f"ledger.{key}", str(info.value)
+
+
+@pytest.mark.parametrize("written", ["1:0", "010", "0x10", "1_6", "1:30.5"])
+def test_yaml_numbers_other_than_plain_decimal_are_refused(tmp_path, written):
+    """YAML 1.1 (PyYAML) reads `block_size: 1:0` as 60 and `010` as 8; YAML 1.2 reads neither so."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"version: 1\nupstream: http://127.0.0.1:8000\nblock_size: {written}\n")
+    with pytest.raises(InputError) as info:
+        load_gateway_config(path)
+    assert str(info.value).startswith(f"{path}:3: unsupported YAML: the number '{written}' is not plain decimal")
