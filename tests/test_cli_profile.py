@@ -517,3 +517,33 @@ def test_save_refuses_what_is_not_a_regular_file(tmp_path, kind, private_device)
         assert stat.S_ISCHR(os.lstat(target).st_mode)
     kept = {"device": ["null-device"], "proc": []}.get(kind, ["p.json"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["real.json", *kept])
+
+
+def test_an_archive_is_named_with_what_to_do(tmp_path):
+    """A .tar.gz of the sample logs said "not CSV text: the file holds NUL bytes"."""
+    import tarfile
+    import zipfile
+    from bz2 import compress as bz2_compress
+
+    archives = {"logs.tar.gz": "a tar archive, not a log file: extract it (tar xf logs.tar.gz)",
+                "logs.tar": "a tar archive, not a log file: extract it (tar xf logs.tar)",
+                "logs.zip": "a zip archive, not a log file: extract it (unzip logs.zip)"}
+    for name in archives:
+        path = tmp_path / name
+        if name.endswith(".zip"):
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+                archive.write(SAMPLES / "openai_chat_pairs.jsonl", "openai_chat_pairs.jsonl")
+        else:
+            with tarfile.open(path, "w:gz" if name.endswith(".gz") else "w") as archive:
+                archive.add(SAMPLES, "sample_logs")
+    for name, says in archives.items():
+        path = tmp_path / name
+        result = run(str(path))
+        assert result.exit_code == 2
+        assert result.output == f"Error: {path}: {says} and pass the files or their directory\n"
+    bz2 = tmp_path / "chat.jsonl.bz2"
+    bz2.write_bytes(bz2_compress((SAMPLES / "openai_chat_pairs.jsonl").read_bytes()))
+    result = run(str(bz2))
+    assert result.exit_code == 2
+    assert result.output == (f"Error: {bz2}: bzip2-compressed, not a log file: kvtune reads gzip and zstd: "
+                             "recompress it (bzip2 -dc chat.jsonl.bz2 | gzip > chat.jsonl.gz)\n")

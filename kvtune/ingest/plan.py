@@ -49,6 +49,31 @@ def _container(path: LogFile, head: bytes) -> str:
     return "json" if head.lstrip()[:1] in (b"{", b"[") else "csv"
 
 
+# Containers a log is often shipped in that are not themselves logs, by magic bytes after any
+# gzip/zstd layer: (offset, magic, what it is, what to do).
+_EXTRACT = "extract it ({}) and pass the files or their directory"
+_RECOMPRESS = "kvtune reads gzip and zstd: recompress it ({} -dc {{name}} | gzip > {{stem}}.gz)"
+# What logs are often shipped in but kvtune does not read, by magic bytes after any gzip/zstd
+# layer: (offset, magic, what it is, what to do with it).
+_ARCHIVES = (
+    (257, b"ustar", "a tar archive", _EXTRACT.format("tar xf {name}")),
+    (0, b"PK\x03\x04", "a zip archive", _EXTRACT.format("unzip {name}")),
+    (0, b"PK\x05\x06", "an empty zip archive", "nothing to read"),
+    (0, b"7z\xbc\xaf\x27\x1c", "a 7z archive", _EXTRACT.format("7z x {name}")),
+    (0, b"Rar!\x1a\x07", "a RAR archive", _EXTRACT.format("unrar x {name}")),
+    (0, b"BZh", "bzip2-compressed", _RECOMPRESS.format("bzip2")),
+    (0, b"\xfd7zXZ\x00", "xz-compressed", _RECOMPRESS.format("xz")),
+)
+
+
+def _refuse_archive(path: LogFile, head: bytes) -> None:
+    """An archive was read as CSV ("not CSV text: NUL bytes"): say what it is and what to do."""
+    for offset, magic, kind, remedy in _ARCHIVES:
+        if head[offset : offset + len(magic)] == magic:
+            todo = remedy.format(name=path.name, stem=path.name.rsplit(".", 1)[0])
+            raise InputError(f"{kind}, not a log file: {todo}", path=str(path))
+
+
 @dataclass
 class FilePlan:
     """How one file will be read, decided from its head before any row is: plain data, so a
@@ -226,6 +251,7 @@ def _plan(path: LogFile, options: IngestOptions) -> FilePlan:
         head = _head(path)
     if not head.strip():
         raise InputError("empty file (no data after decompression)", path=str(path))
+    _refuse_archive(path, head)
     container = _container(path, head)
     plan = FilePlan(path, container, None, size=size)
     if container == "parquet":
