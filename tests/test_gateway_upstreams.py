@@ -351,6 +351,28 @@ def test_with_every_upstream_down_a_request_fails_as_with_one_not_as_a_full_budg
     asyncio.run(run())
 
 
+def test_with_every_upstream_down_the_ledger_reports_a_usable_budget_of_0_and_why():
+    """/kvtune/ledger said budget: 200 with both upstreams down: every replica's budget, since the
+    routing then tries them all. No budget is usable: 0, and budget_note says why."""
+    async def run():
+        async with FakeVllm() as a, FakeVllm() as b:
+            async with gateway_over([a, b], [100, 100], health={"interval_s": 0.1}) as (session, base, gateway):
+                got = await ledger(session, base)
+                assert (got["budget"], got["limit"], got["budget_note"]) == (200, 200, None)
+                await a._stop()
+                await b._stop()
+                await wait_for(lambda: not any(r.healthy for r in gateway.pool.replicas), timeout=5)
+                got = await ledger(session, base)
+                assert [u["healthy"] for u in got["upstreams"]] == [False, False]
+                assert [u["budget"] for u in got["upstreams"]] == [100, 100]  # each one's own, as configured
+                assert (got["budget"], got["limit"]) == (0, 0)
+                assert got["budget_note"].startswith("every upstream is down")
+                async with session.get(base + "/metrics") as resp:
+                    assert "kvtune_gateway_budget_blocks 0.0" in (await resp.text()).splitlines()
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------- release exactly once
 
 def test_every_ending_releases_once_on_the_upstream_it_was_held_on():

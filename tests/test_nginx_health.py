@@ -19,6 +19,7 @@ import pytest
 from enforcers import Nginx, chat, small_fake, small_rec, start_enforcer
 from fake_vllm import FakeVllm
 
+from kvtune.gateway.admin import EVERY_UPSTREAM_DOWN
 from kvtune.gateway.config import HealthProbe
 from kvtune.policy.recommendation import Recommendation
 
@@ -119,6 +120,7 @@ def test_with_every_upstream_out_a_governed_request_answers_503_with_retry_after
         a.health_status = b.health_status = 503  # both still serve: only health says no
         _, ledger = wait_health(server, [False, False], timeout=2)
         assert (ledger["budget"], ledger["limit"], ledger["reserved"]) == (0, 0, 0)
+        assert ledger["budget_note"] == EVERY_UPSTREAM_DOWN  # the Python gateway's words
         for _ in range(3):
             status, headers, body = server.request("/v1/chat/completions", chat(10))
             assert status == 503 and int(headers["Retry-After"]) >= 1, body

@@ -72,7 +72,8 @@ class Admin:
     async def ledger_endpoint(self, request: web.Request) -> web.Response:
         """The same JSON as the rendered nginx.conf's /kvtune/ledger, plus `upstreams`: each one's
         url, budget, reserved, inflight and healthy (the totals count the healthy upstreams'
-        budgets, and what is held on all of them); who may read it is admin.ledger. With the
+        budgets, 0 with every one down, which budget_note then says, and what is held on all of
+        them); who may read it is admin.ledger. With the
         redis ledger, each upstream's reserved and inflight are every gateway replica's together,
         read from the store (this replica's own while it is unavailable), and `ledger` says how."""
         if not self.allowed(request, self.access.ledger):
@@ -99,8 +100,10 @@ class Admin:
                                            overflow_probability=max(shared_p) if shared_p else
                                            snap.overflow_probability)
             extra["ledger"] = self._shared.describe()
+        every_down = self.ledger.checked and not self.ledger.usable()
         return web.json_response({
             "reserved": snap.reserved_blocks, "budget": snap.budget_blocks, "inflight": snap.inflight_requests,
+            "budget_note": EVERY_UPSTREAM_DOWN if every_down else None,
             "rejected": self._rejected(), "waiting": self._waiting(),
             "release_rate_blocks_per_s": snap.release_rate_blocks_per_s,
             "routes": self._routes,
@@ -113,6 +116,12 @@ class Admin:
         router.add_get("/healthz", self.healthz)
         router.add_get("/metrics", self.metrics_endpoint)
         router.add_get("/kvtune/ledger", self.ledger_endpoint)
+
+
+# /kvtune/ledger's budget_note when the usable budget is 0 because no upstream is healthy (the
+# rendered nginx.conf says the same).
+EVERY_UPSTREAM_DOWN = ("every upstream is down (health check failed or connection refused): "
+                       "no budget is usable until one answers its health check with 200")
 
 
 def ledger_policy(policy: AdmissionPolicy, limit_blocks: int, overflow_probability: float | None) -> dict:
@@ -129,4 +138,4 @@ def ledger_policy(policy: AdmissionPolicy, limit_blocks: int, overflow_probabili
     }
 
 
-__all__ = ["Admin", "ledger_policy"]
+__all__ = ["Admin", "EVERY_UPSTREAM_DOWN", "ledger_policy"]

@@ -95,6 +95,13 @@ class UpstreamPool:
         healthy = [r for r in self.replicas if r.healthy]
         return healthy or self.replicas
 
+    def usable(self) -> Sequence[Replica]:
+        """The healthy replicas, none when every one is down: what the budget totals count (the
+        routing still tries every one then, but no budget of theirs is there to admit against)."""
+        if len(self.replicas) == 1:
+            return self.replicas
+        return [r for r in self.replicas if r.healthy]
+
     def replica(self, url: str) -> Replica:
         return self._by_url[url]
 
@@ -171,12 +178,12 @@ class UpstreamPool:
 
     @property
     def budget_blocks(self) -> int:
-        """The budgets requests are admitted against now: the routable replicas'."""
-        return sum(r.ledger.budget_blocks for r in self.routable())
+        """The usable budget: the healthy replicas' (0 with every one down, not all of theirs)."""
+        return sum(r.ledger.budget_blocks for r in self.usable())
 
     @property
     def limit_blocks(self) -> int:
-        return sum(r.ledger.limit_blocks for r in self.routable())
+        return sum(r.ledger.limit_blocks for r in self.usable())
 
     @property
     def free_blocks(self) -> int:
@@ -188,8 +195,8 @@ class UpstreamPool:
         return max((r.ledger for r in self.replicas), key=lambda ledger: ledger.limit_blocks)
 
     def overflow_probability(self) -> float:
-        """Statistical: the largest bound among the routable replicas (0 for the other policies)."""
-        return max((r.ledger.overflow_probability() for r in self.routable()
+        """Statistical: the largest bound among the usable replicas (0 for the other policies)."""
+        return max((r.ledger.overflow_probability() for r in self.usable()
                     if isinstance(r.ledger, StatisticalLedger)), default=0.0)
 
     @property
@@ -198,8 +205,8 @@ class UpstreamPool:
 
     def snapshot(self) -> LedgerSnapshot:
         snaps = [r.ledger.snapshot() for r in self.replicas]
-        routable = {id(r) for r in self.routable()}
-        live = [s for r, s in zip(self.replicas, snaps, strict=True) if id(r) in routable]
+        usable = {id(r) for r in self.usable()}
+        live = [s for r, s in zip(self.replicas, snaps, strict=True) if id(r) in usable]
         probability = (max((s.overflow_probability or 0.0) for s in live)
                        if self.statistical else None)
         return LedgerSnapshot(sum(s.budget_blocks for s in live), sum(s.reserved_blocks for s in snaps),
