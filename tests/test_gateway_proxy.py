@@ -620,3 +620,56 @@ def test_streamed_tokens_condition_what_the_statistical_ledger_expects():
             assert gateway.ledger.overflow_probability() == 0.0
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- framing surprises from the upstream
+
+async def _one_answer_server(answer: bytes) -> tuple[asyncio.Server, list[int]]:
+    """A raw HTTP/1.1 upstream that answers every request with `answer` (keeping the connection
+    open); returns the server and a list that counts its connections."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), connections
+
+
+def test_an_upstream_answer_with_chunked_and_content_length_reaches_the_client_whole():
+    """Transfer-Encoding: chunked and Content-Length: 100 on a 2-byte body: the gateway forwarded
+    the Content-Length and its client waited for 98 bytes that never came. RFC 9112 §6.3: the
+    coding wins and the length is removed; the connection, which may hide a smuggled answer, is
+    not reused."""
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+              b"Content-Length: 100\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+
+    async def run():
+        server, connections = await _one_answer_server(answer)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with running(routes=[{"name": "odd", "upstream": url, "max_new_tokens": 8}],
+                               prompt_tokens={"method": "estimate", "chars_per_token": 3, "margin_tokens": 8}) \
+                    as (session, base, gateway, fake):
+                for _ in range(2):
+                    async with asyncio.timeout(5):
+                        async with session.post(f"{base}/v1/chat/completions", json=chat(5)) as resp:
+                            assert resp.status == 200 and "Content-Length" not in resp.headers
+                            assert await resp.read() == b"{}"
+                assert len(connections) == 2  # not reused
+                assert gateway.ledger.reserved_blocks == 0
+        finally:
+            server.close()
+
+    asyncio.run(run())

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
+import time
 
 import pytest
 
@@ -124,6 +127,72 @@ def test_answers_that_end_the_connection_are_not_reused(answer):
         async with serving(script) as (client, _):
             _, body = await _call(client)
             assert body in (b"until the end", b"ok")
+            await _call(client)
+        assert script.connections == 2
+
+    run(main())
+
+
+def test_bytes_after_an_answer_are_never_read_as_the_next_answer():
+    """An upstream that sends more after a complete answer (here a whole second answer, 50 ms
+    later): bytes the kernel holds when the connection is taken for the next /tokenize call were
+    read as that call's answer ({"count":99}) whenever the event loop had not yet handed them
+    over (a busy gateway, here one that blocks 0.15 s). A connection with unread bytes waiting
+    is a framing surprise: it is closed, and the call goes on a new one."""
+    late = b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"count":99}'
+    right = b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"count":1}'
+
+    connections = []
+
+    def upstream(listener: socket.socket) -> None:  # in a thread: it runs while the loop is blocked
+        while len(connections) < 2:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the test is over
+                return
+            connections.append(conn)
+            with conn:
+                for answer in ([OK, late], [right]) if len(connections) == 1 else ([right], [right]):
+                    request = b""
+                    while b'{"a":1}' not in request:
+                        if not (data := conn.recv(65536)):
+                            break
+                        request += data
+                    if not request:
+                        break
+                    for part in answer:
+                        conn.sendall(part)
+                        time.sleep(0.05)
+
+    async def main():
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            thread = threading.Thread(target=upstream, args=(listener,), daemon=True)
+            thread.start()
+            client = UpstreamClient(f"http://127.0.0.1:{listener.getsockname()[1]}")
+            try:
+                assert (await _call(client))[1] == b"{}"
+                time.sleep(0.2)  # the late answer is in the kernel; the loop has not run
+                assert (await _call(client))[1] == b'{"count":1}'
+            finally:
+                await client.close()
+            thread.join(5)
+        assert len(connections) == 2
+
+    run(main())
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 100\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+])
+def test_chunked_with_a_content_length_drops_the_length_and_the_connection(answer):
+    """RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, which a proxy must remove before
+    forwarding; both at once may hide a smuggled answer, so the connection is not reused."""
+    async def main():
+        script = Scripted(answer, OK)
+        async with serving(script) as (client, _):
+            resp, body = await _call(client)
+            assert body == b"{}" and resp.content_length is None and "Content-Length" not in resp.headers
             await _call(client)
         assert script.connections == 2
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import socket
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Iterable
@@ -122,6 +123,17 @@ class _Connection(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         return not self.eof and not self.buffer and self.transport is not None and not self.transport.is_closing()
+
+    def unread_bytes_waiting(self) -> bool:
+        """Whether the kernel holds bytes (or the upstream's FIN) this idle connection has not been
+        handed yet: the event loop delivers them on its next turn, after a request sent now, which
+        would then read them as its own answer. As urllib3 and httpcore check before reuse."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     async def write(self, data: bytes) -> None:
         if self.transport is None:
@@ -329,9 +341,9 @@ class UpstreamClient:
         idle = self._idle
         while idle:
             conn = idle.pop()
-            if conn.reusable and now - conn.idle_since < self.keepalive_s:
+            if conn.reusable and now - conn.idle_since < self.keepalive_s and not conn.unread_bytes_waiting():
                 return conn
-            conn.close()
+            conn.close()  # bytes after the end of the last answer: a framing surprise
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
@@ -378,17 +390,21 @@ class UpstreamClient:
             if len(values) != 1 or not next(iter(values)).isdigit():
                 raise UpstreamError(f"invalid Content-Length from the upstream: {sorted(values)}")
             length = int(values.pop())
+        surprise = False  # framing that may smuggle a second answer: this connection is not reused
         if method == "HEAD" or status in (204, 304):
             mode = _NONE
         elif "Transfer-Encoding" in headers:
             codings = ",".join(headers.getall("Transfer-Encoding")).lower()
             mode, length = (_CHUNKED if codings.rstrip(" \t,").endswith("chunked") else _CLOSE), None
+            if "Content-Length" in headers:  # RFC 9112 §6.3: the coding wins; the length is not forwarded
+                del headers["Content-Length"]
+                surprise = True
         elif length is not None:
             mode = _LENGTH
         else:
             mode = _CLOSE
         tokens = ",".join(headers.getall("Connection", ())).lower()
-        keep_alive = version == "HTTP/1.1" and mode != _CLOSE and "close" not in tokens
+        keep_alive = version == "HTTP/1.1" and mode != _CLOSE and "close" not in tokens and not surprise
         return UpstreamResponse(self, conn, status, reason, headers, mode, length, keep_alive)
 
     def _keep(self, conn: _Connection) -> None:
