@@ -333,6 +333,7 @@ def test_client_limits_default_to_nginx_own_and_a_body_cap_sized_to_the_context(
     limits = parse_gateway_config(_doc()).limits
     assert (limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s) == (60.0, 60.0, 75.0)
     assert limits.send_timeout_s == 60.0 and limits.max_connections == 4096
+    assert limits.body_deadline_s == 120.0  # the whole body; nginx has no such limit
     assert limits.max_body_bytes == 1024 * 1024  # 32 bytes a token of an 8k context is under the 1 MiB floor
     assert parse_gateway_config(_doc(max_model_len=131072)).limits.max_body_bytes == 32 * 131072
     given = parse_gateway_config(_doc(limits={"keepalive_timeout_s": 4, "max_connections": 64,
@@ -343,6 +344,7 @@ def test_client_limits_default_to_nginx_own_and_a_body_cap_sized_to_the_context(
 @pytest.mark.parametrize(("limits", "field", "says"), [
     ({"header_timeout_s": float("nan")}, "limits.header_timeout_s", "finite"),
     ({"body_timeout_s": 0}, "limits.body_timeout_s", "at least"),
+    ({"body_deadline_s": 0}, "limits.body_deadline_s", "at least"),
     ({"keepalive_timeout_s": 10**6}, "limits.keepalive_timeout_s", "at most"),
     ({"send_timeout_s": "60"}, "limits.send_timeout_s", "expected a number"),
     ({"max_connections": 0}, "limits.max_connections", "at least 1"),

@@ -6,6 +6,7 @@ upstream errors and timeouts, disconnects, metrics and graceful shutdown. The po
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -671,5 +672,39 @@ def test_an_upstream_answer_with_chunked_and_content_length_reaches_the_client_w
                 assert gateway.ledger.reserved_blocks == 0
         finally:
             server.close()
+
+    asyncio.run(run())
+
+
+def test_a_body_trickling_in_is_cut_at_the_body_deadline():
+    """A byte every 0.4 s never trips body_timeout_s: 1 (between reads), so a long body held the
+    connection for as long as it was long (40 s in the issue under body_timeout_s: 3, a byte every
+    2 s). limits.body_deadline_s bounds the whole body: 408 and the connection closed at 2 s."""
+    async def run():
+        async with running(limits={"body_timeout_s": 1, "body_deadline_s": 2}) as (session, base, gateway, fake):
+            port = int(base.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n")
+            started = time.monotonic()
+
+            async def trickle():
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(100):
+                        writer.write(b" ")
+                        await writer.drain()
+                        await asyncio.sleep(0.4)
+
+            sender = asyncio.create_task(trickle())
+            try:
+                answer = await asyncio.wait_for(reader.read(), 10)  # to the close
+            finally:
+                sender.cancel()
+                writer.close()
+            took = time.monotonic() - started
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+            assert b"the request body did not arrive within 2 s" in answer
+            assert 1.9 < took < 4, took
+            assert fake.engine_calls == [] and gateway.ledger.reserved_blocks == 0
 
     asyncio.run(run())

@@ -109,9 +109,11 @@ class Intake:
         return out
 
     async def read_body(self, request: web.Request, *, decode: bool = True) -> bytes:
-        """The whole request body within the size cap and the between-reads timeout; a gzip or
-        deflate body is decoded (`decode`), the cap applying to what it decodes to."""
+        """The whole request body within the size cap, the between-reads timeout and the whole-body
+        deadline; a gzip or deflate body is decoded (`decode`), the cap applying to what it decodes to."""
         limits = self.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.body_deadline_s
         cap = limits.max_body_bytes
         if request.content_length is not None and request.content_length > cap:
             raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes", close=True)
@@ -122,15 +124,16 @@ class Intake:
         content = request.content
         while True:
             try:
-                async with asyncio.timeout(limits.body_timeout_s):
+                async with asyncio.timeout_at(min(deadline, loop.time() + limits.body_timeout_s)):
                     chunk = await content.readany()
                 received += len(chunk)  # what came over the wire is bounded too, decoded or not
                 if received > cap:
                     raise Rejection(413, Reason.BODY_TOO_LARGE, f"request bodies are limited to {cap} bytes",
                                     close=True)
             except TimeoutError:
-                raise Rejection(408, Reason.BODY_TIMEOUT, f"no request body bytes for {limits.body_timeout_s:g} s",
-                                close=True) from None
+                why = (f"the request body did not arrive within {limits.body_deadline_s:g} s"
+                       if loop.time() >= deadline else f"no request body bytes for {limits.body_timeout_s:g} s")
+                raise Rejection(408, Reason.BODY_TIMEOUT, why, close=True) from None
             except (web.HTTPException, RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
                 raise Rejection(400, Reason.INVALID_BODY, f"the request body could not be read ({type(exc).__name__})",
                                 close=True) from None
