@@ -334,6 +334,7 @@ def test_client_limits_default_to_nginx_own_and_a_body_cap_sized_to_the_context(
     assert (limits.header_timeout_s, limits.body_timeout_s, limits.keepalive_timeout_s) == (60.0, 60.0, 75.0)
     assert limits.send_timeout_s == 60.0 and limits.max_connections == 4096
     assert limits.body_deadline_s == 120.0  # the whole body; nginx has no such limit
+    assert parse_gateway_config(_doc(limits={"body_timeout_s": 3})).limits.body_deadline_s == 6.0  # twice
     assert limits.max_body_bytes == 1024 * 1024  # 32 bytes a token of an 8k context is under the 1 MiB floor
     assert parse_gateway_config(_doc(max_model_len=131072)).limits.max_body_bytes == 32 * 131072
     given = parse_gateway_config(_doc(limits={"keepalive_timeout_s": 4, "max_connections": 64,

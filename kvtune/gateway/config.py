@@ -134,7 +134,8 @@ class ClientLimits:
     header_timeout_s: float = 60.0  # from a request head's first byte to its end
     body_timeout_s: float = 60.0  # between two reads of a request body
     # the whole body, from the end of the head: a byte every body_timeout_s - 1 s held a connection
-    # for as long as the body was long (nginx has no such limit: client_body_timeout is between reads)
+    # for as long as the body was long (nginx has no such limit: client_body_timeout is between
+    # reads); gateway.yaml's default is twice body_timeout_s
     body_deadline_s: float = 120.0
     keepalive_timeout_s: float = 75.0  # an idle connection between requests
     send_timeout_s: float = 60.0  # between two writes the client accepts
@@ -708,7 +709,8 @@ def _limits(r: _Reader, value: Any, max_model_len: int) -> ClientLimits:
     limits = ClientLimits(
         header_timeout_s=seconds("header_timeout_s"),
         body_timeout_s=seconds("body_timeout_s"),
-        body_deadline_s=seconds("body_deadline_s"),
+        body_deadline_s=r.number(doc.get("body_deadline_s", 2 * seconds("body_timeout_s")), "limits.body_deadline_s",
+                                 0.001),
         keepalive_timeout_s=seconds("keepalive_timeout_s"),
         send_timeout_s=seconds("send_timeout_s"),
         max_header_bytes=r.integer(doc.get("max_header_bytes", d.max_header_bytes), "limits.max_header_bytes", 1024),
