@@ -73,9 +73,9 @@ class Admin:
         """The same JSON as the rendered nginx.conf's /kvtune/ledger, plus `upstreams`: each one's
         url, budget, reserved, inflight and healthy (the totals count the healthy upstreams'
         budgets, 0 with every one down, which budget_note then says, and what is held on all of
-        them); who may read it is admin.ledger. With the
-        redis ledger, each upstream's reserved and inflight are every gateway replica's together,
-        read from the store (this replica's own while it is unavailable), and `ledger` says how."""
+        them); who may read it is admin.ledger. With the redis ledger, each upstream's reserved
+        and inflight are every gateway replica's together, read from the store (this replica's
+        own while it is unavailable), and `ledger` says how."""
         if not self.allowed(request, self.access.ledger):
             raise web.HTTPForbidden()
         snap = self.ledger.snapshot()
