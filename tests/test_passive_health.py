@@ -92,7 +92,7 @@ def test_a_replica_answering_500_is_ejected_and_gets_traffic_again_once_it_recov
         # each ejection costs 5 failures, plus at most the 3 other clients' requests already held on b
         assert len(b.engine_calls) <= 8 * (ejections + 1), (len(b.engine_calls), ejections)
         assert statuses[500] == len(b.engine_calls) and statuses[200] == len(a.engine_calls)
-        assert statuses[200] >= 10 * statuses[500], statuses
+        assert statuses[200] >= 5 * statuses[500], statuses
         assert [False, True] in seen and all(not all(s) for s in seen)  # a was never ejected
         assert [u["healthy"] for u in ledger["upstreams"]] == [True, True]  # its probe passes throughout
         assert ledger["upstreams"][0]["passive_ejections"] == 0
@@ -133,9 +133,8 @@ def test_ejections_in_a_row_double_up_to_the_max(tmp_path, kind):
         wait_ejected(server, [False, False], timeout=2.5)
         assert server.request("/v1/chat/completions", chat(10))[0] == 200
         b.engine_status = 500
-        load(server, 0.4, threads=1)
-        ledger = wait_ejected(server, [False, True], timeout=1.0)
-        assert ledger["upstreams"][1]["ejection_s"] == 0.5
+        load(server, 1.0, threads=1, watch=watch)
+        assert lengths[ejections + 1] == 0.5, lengths
 
 
 @pytest.mark.parametrize("kind", ["python", "nginx"])
