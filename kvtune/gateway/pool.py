@@ -163,9 +163,11 @@ class UpstreamPool:
             if not replica.ejected:
                 replica.ejected_in_a_row = 0
             return None
+        if replica.ejected:
+            return None  # a straggler sent before the ejection: its next run starts after it
         replica.failures += 1
         limit = self.health.consecutive_failures
-        if not self.checked or limit == 0 or replica.ejected or replica.failures < limit:
+        if not self.checked or limit == 0 or replica.failures < limit:
             return None
         ejected = sum(1 for r in self.replicas if r.ejected)
         others_routed = any(r.routed for r in self.replicas if r is not replica)
