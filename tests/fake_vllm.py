@@ -40,7 +40,9 @@ An engine call does what body["x_mode"] says, else the next entry of `script`, e
                      SSE stream: for chat first ROLE_EVENT, then one event per token (" w0",
                      " w1", …), the last with `finish_reason`, a usage event (unless `no_usage`),
                      then DONE_EVENT
-  "429", "500", …    that status, {"error": {"message": "status N"}}; 429 with `retry_after`
+  "429", "500", …    that status, {"error": {"message": "status N"}}; 429 with `retry_after`;
+                     `engine_status` (e.g. 500), while set, answers every engine call so, before
+                     anything else, while /health still answers `health_status` (a broken replica)
   "hold"             nothing until release() (hold() re-arms it); never released, a hang
   "hold_stream"      the stream's first event, then waits for release()
                      (body["x_hold_after"] = k: the first k token events, then waits)
@@ -159,6 +161,7 @@ class FakeVllm:
         self.tokenize_status = 200
         self.health_status = 200
         self.health_calls = 0
+        self.engine_status: int | None = None
         self.tokenize_answer: Any = None
         # what arrived
         self.engine_calls: list[Call] = []
@@ -336,6 +339,8 @@ class FakeVllm:
             raise TypeError("not a JSON object")
         mode = body.get("x_mode")
         action = mode if isinstance(mode, str) else self.script.popleft() if self.script else "ok"
+        if self.engine_status is not None:
+            action = str(self.engine_status)
         blocks = self._blocks(body)
         self.preemptions += self.preempt_per_request
         self.active += 1

@@ -37,6 +37,11 @@ def write(tmp_path, doc) -> str:
     ({"colour": "blue"}, "colour: unknown key"),
     ({"prompt_tokens": {"method": "tokenizer", "tokenizer": "/nonexistent/dir/tok.json"}},
      "prompt_tokens.tokenizer"),
+    ({"health": {"consecutive_failures": -1}}, "health.consecutive_failures: must be at least 0, got -1"),
+    ({"health": {"consecutive_failures": 2.5}}, "health.consecutive_failures: expected an integer, got 2.5"),
+    ({"health": {"ejection_s": 30, "max_ejection_s": 10}}, "health.max_ejection_s: 10 is below health.ejection_s (30)"),
+    ({"health": {"max_ejected_share": 1.5}}, "health.max_ejected_share: must be at most 1, got 1.5"),
+    ({"health": {"ejection": 2}}, "health.ejection: unknown key"),
 ])
 def test_config_errors_exit_2_in_one_line(tmp_path, change, line):
     path = write(tmp_path, {**GOOD, **change})

@@ -312,17 +312,56 @@ def test_the_health_probe_options_reach_both_gateways_and_check_reads_them_back(
                                       "--health-path", "/ready", "--out", str(tmp_path)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     doc = yaml.safe_load((tmp_path / "gateway.yaml").read_text())
-    assert doc["health"] == {"interval_s": 0.5, "timeout_s": 0.25, "path": "/ready"}
+    # passive health at its defaults (5 in a row, 2 s doubled up to 60 s, half the replicas)
+    assert doc["health"] == {"interval_s": 0.5, "timeout_s": 0.25, "path": "/ready", "consecutive_failures": 5,
+                             "ejection_s": 2.0, "max_ejection_s": 60.0, "max_ejected_share": 0.5}
     nginx = (tmp_path / "nginx.conf").read_text()
     assert 'health = { interval_s = 0.5, timeout_s = 0.25, path = "/ready"' in nginx
+    assert "consecutive_failures = 5, ejection_s = 2.0, max_ejection_s = 60.0, max_ejected_share = 0.5 }" in nginx
     checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model", "llama-3.1-8b",
                                        "--deployed", str(tmp_path / "gateway.yaml")])
     assert checked.exit_code == 0, checked.output
 
 
+def test_passive_health_options_reach_both_gateways_and_check_reads_them_back(tmp_path):
+    result = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--replicas", "3", "--health-failures", "3", "--health-ejection", "0.5",
+                                      "--health-max-ejection", "8", "--health-max-ejected-share", "0.34",
+                                      "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = yaml.safe_load((tmp_path / "gateway.yaml").read_text())
+    assert doc["health"] == {"interval_s": 1.0, "timeout_s": 1.0, "path": "/health", "consecutive_failures": 3,
+                             "ejection_s": 0.5, "max_ejection_s": 8.0, "max_ejected_share": 0.34}
+    nginx = (tmp_path / "nginx.conf").read_text()
+    assert "consecutive_failures = 3, ejection_s = 0.5, max_ejection_s = 8.0, max_ejected_share = 0.34 }" in nginx
+    said = ("ejects an upstream after 3 consecutive 5xx or failed connections, for 0.5 s doubled per ejection "
+            "in a row up to 8 s; at most 0.34 of the upstreams at once")
+    for name in ("gateway.yaml", "nginx.conf"):
+        checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model",
+                                           "llama-3.1-8b", "--deployed", str(tmp_path / name), "--json"])
+        assert checked.exit_code == 0, checked.output
+        found = {f["code"]: f for f in json.loads(checked.stdout)["findings"]}
+        assert said in found["passive-health"]["message"] and "no-passive-health" not in found
+    # turned off by hand (or a file rendered before passive health): check warns, in both files
+    (tmp_path / "gateway.yaml").write_text((tmp_path / "gateway.yaml").read_text().replace(
+        "consecutive_failures: 3", "consecutive_failures: 0"))
+    (tmp_path / "nginx.conf").write_text(nginx.replace(
+        "consecutive_failures = 3, ejection_s = 0.5, max_ejection_s = 8.0, max_ejected_share = 0.34 }", "}"))
+    for name in ("gateway.yaml", "nginx.conf"):
+        checked = CliRunner().invoke(cli, ["check", str(tmp_path / "recommendation.json"), "--model",
+                                           "llama-3.1-8b", "--deployed", str(tmp_path / name), "--json"])
+        assert checked.exit_code == 0, checked.output
+        found = {f["code"]: f for f in json.loads(checked.stdout)["findings"]}
+        assert found["no-passive-health"]["severity"] == "warn" and "passive-health" not in found
+        assert "never ejects an upstream that answers 5xx while its /health passes" in \
+            found["no-passive-health"]["message"]
+
+
 @pytest.mark.parametrize(("args", "line"), [
     (["--health-path", "ready?x"], "Error: health.path: 'ready?x' is not a plain request path"),
     (["--health-interval", "0"], "Error: Invalid value for '--health-interval': 0.0 is not in the range x>=0.05."),
+    (["--health-ejection", "90"], "Error: health: passive health needs consecutive_failures ≥ 0, "
+                                  "0.01 ≤ ejection_s ≤ max_ejection_s and max_ejected_share in [0, 1]"),
 ])
 def test_a_bad_health_probe_is_one_line_and_writes_nothing(tmp_path, args, line):
     out = tmp_path / "deploy"

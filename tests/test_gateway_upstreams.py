@@ -432,8 +432,10 @@ def test_the_ledger_json_and_metrics_show_each_upstream():
                 await wait_for(lambda: a.active == 1)
                 got = await ledger(session, base)
                 assert got["upstreams"] == [
-                    {"url": a.url, "budget": 100, "reserved": 10, "inflight": 1, "healthy": True},
-                    {"url": b.url, "budget": 50, "reserved": 0, "inflight": 0, "healthy": True}]
+                    {"url": a.url, "budget": 100, "reserved": 10, "inflight": 1, "healthy": True,
+                     "ejected": False, "passive_ejections": 0, "ejection_s": 0.0},
+                    {"url": b.url, "budget": 50, "reserved": 0, "inflight": 0, "healthy": True,
+                     "ejected": False, "passive_ejections": 0, "ejection_s": 0.0}]
                 assert (got["budget"], got["reserved"], got["inflight"]) == (150, 10, 1)
                 async with session.get(base + "/metrics") as resp:
                     text = await resp.text()
@@ -464,7 +466,8 @@ def test_a_single_upstream_is_one_entry_and_never_probed():
                 await asyncio.sleep(0.3)
                 got = await ledger(session, base)
                 assert got["upstreams"] == [{"url": a.url, "budget": 100, "reserved": 0, "inflight": 0,
-                                             "healthy": True}]
+                                             "healthy": True, "ejected": False, "passive_ejections": 0,
+                                             "ejection_s": 0.0}]
             stop.set()
             await server
             assert a.health_calls == 0

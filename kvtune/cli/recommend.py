@@ -317,12 +317,22 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               help="An answer to the health probe later than S seconds counts as a failure.")
 @click.option("--health-path", default="/health", show_default=True, metavar="PATH",
               help="The path the health probe asks (vLLM and SGLang answer /health).")
+@click.option("--health-failures", type=click.IntRange(min=0, max=1_000_000), default=5, show_default=True,
+              metavar="N", help="Passive health, with several replicas: both gateways eject a replica whose last N "
+                                "answers were 5xx (or failed connections), whatever its /health says; 0: off.")
+@click.option("--health-ejection", type=click.FloatRange(min=0.01, max=86_400), default=2.0, show_default=True,
+              metavar="S", help="A passive ejection lasts S seconds, doubled at each ejection in a row.")
+@click.option("--health-max-ejection", type=click.FloatRange(min=0.01, max=86_400), default=60.0, show_default=True,
+              metavar="S", help="The longest a passive ejection lasts.")
+@click.option("--health-max-ejected-share", type=click.FloatRange(min=0.0, max=1.0), default=0.5, show_default=True,
+              metavar="F", help="At most this share of the replicas (one at least, never the last) ejected at once.")
 @click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
               objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, nginx_replicas: int,
-              health_interval: float, health_timeout: float, health_path: str, out_dir: str | None,
-              json_: bool) -> None:
+              health_interval: float, health_timeout: float, health_path: str, health_failures: int,
+              health_ejection: float, health_max_ejection: float, health_max_ejected_share: float,
+              out_dir: str | None, json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -363,7 +373,11 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     from kvtune.gateway.config import HealthProbe
 
     render_options = RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas,
-                                   health=HealthProbe(health_interval, health_timeout, health_path))
+                                   health=HealthProbe(health_interval, health_timeout, health_path,
+                                                      consecutive_failures=health_failures,
+                                                      ejection_s=health_ejection,
+                                                      max_ejection_s=health_max_ejection,
+                                                      max_ejected_share=health_max_ejected_share))
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
             rec = policy.recommendation(logs, capacity, log, objective, progress, replica_files, tuple(fallback_urls),

@@ -34,6 +34,7 @@ from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError
+from kvtune.gateway.config import HealthProbe
 from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
@@ -527,6 +528,8 @@ class _Checker:
                 self.add(Severity.WARN, "max-model-len-differs",
                          f"gateway max_model_len {d.max_model_len} > engine max_model_len {engine.max_model_len}",
                          "the gateway admits prompts the engine then rejects", d.source, None)
+        if len(d.upstreams) > 1 and d.health is not None:
+            self.check_passive_health(d, d.health)
         if len(d.upstreams) > 1:
             self.add(Severity.INFO, "gateway-budget",
                      f"{d.kind.value} budgets {', '.join(str(u.block_budget) for u in d.upstreams)} blocks of "
@@ -536,6 +539,23 @@ class _Checker:
             self.add(Severity.INFO, "gateway-budget",
                      f"{d.kind.value} budget {d.block_budget} blocks of {d.block_size} tokens; "
                      f"{len(d.routes)} routes", "reservations are bounded by this budget", d.source)
+
+    def check_passive_health(self, d: Deployed, health: HealthProbe) -> None:
+        """A replica that passes /health but answers 5xx frees its blocks at once, so "most free"
+        sends it nearly everything: without passive health it takes most of the traffic."""
+        if health.consecutive_failures == 0:
+            self.add(Severity.WARN, "no-passive-health",
+                     f"{d.kind.value} never ejects an upstream that answers 5xx while its /health passes "
+                     "(health.consecutive_failures is 0, or the file predates passive health)",
+                     "a replica answering 500 to every generation frees its blocks at once and wins "
+                     "'most free': it gets nearly all requests; render again with kvtune recommend "
+                     "(--health-failures, default 5)", d.source, "health.consecutive_failures")
+            return
+        self.add(Severity.INFO, "passive-health",
+                 f"{d.kind.value} ejects an upstream after {health.consecutive_failures} consecutive 5xx or "
+                 f"failed connections, for {health.ejection_s:g} s doubled per ejection in a row up to "
+                 f"{health.max_ejection_s:g} s; at most {health.max_ejected_share:g} of the upstreams at once",
+                 "an upstream that fails every request is skipped whatever its /health says", d.source)
 
     # ------------------------------------------------------------ drift
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtune.gateway.config import RouteMatch
+from kvtune.gateway.config import HealthProbe, RouteMatch
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import AdmissionPolicy
 
@@ -96,6 +96,8 @@ class Deployed:
     admission: AdmissionPolicy | None = None  # the gateway's admission policy
     queue_max_waiting: int | None = None  # gateway.yaml's wait queue (nginx.conf has none)
     queue_timeout_s: float | None = None
+    # how a gateway with several upstreams takes one out (probe and passive health); None: one upstream
+    health: HealthProbe | None = None
 
     @property
     def is_gateway(self) -> bool:

@@ -8,6 +8,7 @@ markers), not from a comment, so an edited budget or cap is what gets checked.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedRoute, Deploy
 from kvtune.deploy.launch import launchers
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.errors import InputError
+from kvtune.gateway.config import HealthProbe
 from kvtune.gateway.policy import AdmissionPolicy, parse_admission
 from kvtune.userfiles import brief
 
@@ -45,6 +47,7 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
                                    r.output_law, r.match.header, r.match.value) for r in config.routes),
         admission=config.admission, queue_max_waiting=config.queue_max_waiting,
         queue_timeout_s=config.queue_timeout_s,
+        health=config.health if len(config.upstreams) > 1 else None,
     )
 
 
@@ -210,7 +213,32 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
         upstream=upstream.group(1) if upstream else None, routes=tuple(routes),
         admission=_lua_admission(config, source),
         gateway_replicas=integer("nginx_replicas") if "nginx_replicas" in config else 1,
+        health=_lua_health(config, source) if len(upstreams) > 1 else None,
     )
+
+
+def _lua_health(config: dict, source: str) -> HealthProbe:
+    """CONFIG.health: the probe, and passive health (nginx.conf files rendered before it have
+    none: consecutive_failures 0)."""
+    health = config.get("health")
+    if not isinstance(health, dict):
+        raise InputError("expected a table", path=source, field="CONFIG.health")
+    given = {"consecutive_failures": 0, **{k: v for k, v in health.items() if k != "https"}}
+    for key, value in given.items():
+        if key == "path":
+            if not isinstance(value, str):
+                raise InputError("expected a string", path=source, field="CONFIG.health.path")
+        elif key not in HEALTH_FIELDS:
+            raise InputError(f"unknown key (allowed: {', '.join(sorted(HEALTH_FIELDS))})", path=source,
+                             field=f"CONFIG.health.{brief(key, 40)}")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_INTEGER \
+                or (key == "consecutive_failures" and not isinstance(value, int)):
+            raise InputError(f"expected a number ≥ 0, got {brief(value)}", path=source,
+                             field=f"CONFIG.health.{key}")
+    return HealthProbe(**given)
+
+
+HEALTH_FIELDS = {f.name for f in dataclasses.fields(HealthProbe)}
 
 
 def _lua_admission(config: dict, source: str) -> AdmissionPolicy:

@@ -425,7 +425,13 @@ def _health(probe: HealthProbe) -> dict:
                           field="health")
     if canonical_path(probe.path) != probe.path or "?" in probe.path:
         raise OptionError(f"{probe.path!r} is not a plain request path", field="health.path")
+    if not (probe.consecutive_failures >= 0 and 0.01 <= probe.ejection_s <= probe.max_ejection_s
+            and 0.0 <= probe.max_ejected_share <= 1.0):
+        raise OptionError("passive health needs consecutive_failures ≥ 0, 0.01 ≤ ejection_s ≤ max_ejection_s "
+                          "and max_ejected_share in [0, 1]", field="health")
     return {"interval_s": probe.interval_s, "timeout_s": probe.timeout_s, "path": probe.path,
+            "consecutive_failures": probe.consecutive_failures, "ejection_s": probe.ejection_s,
+            "max_ejection_s": probe.max_ejection_s, "max_ejected_share": probe.max_ejected_share,
             "default": probe == HealthProbe()}
 
 

@@ -71,17 +71,19 @@ class Admin:
 
     async def ledger_endpoint(self, request: web.Request) -> web.Response:
         """The same JSON as the rendered nginx.conf's /kvtune/ledger, plus `upstreams`: each one's
-        url, budget, reserved, inflight and healthy (the totals count the healthy upstreams'
-        budgets, 0 with every one down, which budget_note then says, and what is held on all of
-        them); who may read it is admin.ledger. With the redis ledger, each upstream's reserved
-        and inflight are every gateway replica's together, read from the store (this replica's
-        own while it is unavailable), and `ledger` says how."""
+        url, budget, reserved, inflight, healthy (its probe), ejected, passive_ejections and
+        ejection_s (passive health: ejected now, how many times, for how long the last time); the
+        totals count the routed upstreams' budgets (0 with every one down, which budget_note then
+        says), and what is held on all of them; who may read it is admin.ledger. With the redis
+        ledger, each upstream's reserved and inflight are every gateway replica's together, read
+        from the store (this replica's own while it is unavailable), and `ledger` says how."""
         if not self.allowed(request, self.access.ledger):
             raise web.HTTPForbidden()
         snap = self.ledger.snapshot()
         upstreams: list[dict[str, Any]] = [
             {"url": u.url, "budget": u.ledger.budget_blocks, "reserved": u.ledger.reserved_blocks,
-             "inflight": u.ledger.inflight_requests, "healthy": u.healthy} for u in self.ledger.replicas]
+             "inflight": u.ledger.inflight_requests, "healthy": u.healthy, "ejected": u.ejected,
+             "passive_ejections": u.passive_ejections, "ejection_s": u.ejection_s} for u in self.ledger.replicas]
         extra = {}
         if self._shared is not None:
             shared = await self._shared.snapshot()

@@ -182,11 +182,31 @@ class GatewayUpstream:
 class HealthProbe:
     """How an upstream is taken out and brought back (gateway.yaml `health`, with several upstreams
     only): a failed connect takes it out at once; every interval_s it is asked GET `path`, and
-    an answer other than 200 (or none within timeout_s) takes it out, a 200 brings it back."""
+    an answer other than 200 (or none within timeout_s) takes it out, a 200 brings it back.
+
+    Passive health (Envoy's outlier detection, consecutive_5xx): an upstream whose last
+    consecutive_failures requests each ended in a 5xx or a failed connection is ejected for
+    ejection_s, doubled at each ejection in a row up to max_ejection_s, whatever its /health says
+    (a replica that passes /health and answers 500 to every generation frees its blocks at once
+    and would win "most free"). No more than max_ejected_share of the upstreams (at least one) are
+    ejected at once, and never the last one routed to. consecutive_failures 0: off."""
 
     interval_s: float = 1.0
     timeout_s: float = 1.0
     path: str = "/health"
+    consecutive_failures: int = 5
+    ejection_s: float = 2.0
+    max_ejection_s: float = 60.0
+    max_ejected_share: float = 0.5
+
+    def ejection_for_s(self, times_in_a_row: int) -> float:
+        """How long the `times_in_a_row`-th ejection in a row lasts (1: ejection_s)."""
+        return min(self.max_ejection_s, self.ejection_s * 2.0 ** min(max(0, times_in_a_row - 1), 32))
+
+    def may_eject(self, upstreams: int, ejected: int) -> bool:
+        """Whether one more of `upstreams` may be ejected while `ejected` are."""
+        allowed = max(1, int(self.max_ejected_share * upstreams + 1e-9))
+        return ejected + 1 <= allowed and ejected + 1 < upstreams
 
 
 class StickyBy(enum.Enum):
@@ -591,13 +611,24 @@ def _sticky(r: _Reader, value: Any) -> Sticky | None:
 
 
 def _health(r: _Reader, value: Any) -> HealthProbe:
-    doc = r.mapping(value, "health", {"interval_s", "timeout_s", "path"})
+    doc = r.mapping(value, "health", {"interval_s", "timeout_s", "path", "consecutive_failures", "ejection_s",
+                                      "max_ejection_s", "max_ejected_share"})
     d = HealthProbe()
     path = r.string(doc.get("path", d.path), "health.path")
     _literal_path(r, path, "health.path")
+    ejection_s = r.number(doc.get("ejection_s", d.ejection_s), "health.ejection_s", 0.01)
+    max_ejection_s = r.number(doc.get("max_ejection_s", max(d.max_ejection_s, ejection_s)),
+                              "health.max_ejection_s", 0.01)
+    if max_ejection_s < ejection_s:
+        raise r.fail("health.max_ejection_s", f"{max_ejection_s:g} is below health.ejection_s ({ejection_s:g})")
     return HealthProbe(interval_s=r.number(doc.get("interval_s", d.interval_s), "health.interval_s", 0.05),
                        timeout_s=r.number(doc.get("timeout_s", d.timeout_s), "health.timeout_s", 0.01),
-                       path=path)
+                       path=path,
+                       consecutive_failures=r.integer(doc.get("consecutive_failures", d.consecutive_failures),
+                                                      "health.consecutive_failures", 0, 1_000_000),
+                       ejection_s=ejection_s, max_ejection_s=max_ejection_s,
+                       max_ejected_share=r.number(doc.get("max_ejected_share", d.max_ejected_share),
+                                                  "health.max_ejected_share", 0.0, 1.0))
 
 
 def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:

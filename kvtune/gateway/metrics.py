@@ -75,10 +75,14 @@ class GatewayMetrics:
             ("reserved_blocks", "KV blocks reserved on this upstream now.", lambda u: u.ledger.reserved_blocks),
             ("inflight_requests", "Admitted requests held on this upstream now.",
              lambda u: u.ledger.inflight_requests),
-            ("healthy", "1 while requests are routed to this upstream, 0 while it is taken out.",
+            ("healthy", "1 while its health probe passes, 0 while it is taken out.",
              lambda u: 1.0 if u.healthy else 0.0),
             ("ejections", "Times this upstream was taken out (failed connect or health probe).",
              lambda u: u.ejections),
+            ("ejected", "1 while passive health ejects this upstream (consecutive 5xx or failed connections).",
+             lambda u: 1.0 if u.ejected else 0.0),
+            ("passive_ejections", "Times passive health ejected this upstream (consecutive 5xx or failed "
+             "connections).", lambda u: u.passive_ejections),
         ]
         if isinstance(replicas[0].ledger, StatisticalLedger):
             gauges.append(("overflow_probability", "Bound on P(this upstream's admitted KV outgrows its budget).",

@@ -15,7 +15,14 @@ gate (kvtune.gateway.gate) asks it to reserve, and it places the reservation on 
     affinity), when nobody waits, then as above;
   * health (kvtune.gateway.proxy): a failed connect, or a periodic GET /health answered other
     than 200, takes a replica out, and its budget with it; a 200 brings it back and wakes the
-    gate. When no replica is healthy, all are routed to as if they were (a request then fails
+    gate;
+  * passive health (outlier detection, gateway.yaml `health.consecutive_failures`): every answer
+    is an outcome (`record`): a 5xx or a failed connection adds to the replica's run of failures,
+    anything else ends it; a run of consecutive_failures ejects the replica for a while that
+    doubles with each ejection in a row (HealthProbe.ejection_for_s), whatever /health says. The
+    caller brings it back (`readmit`) when that while is over; the pool keeps no clock. At most
+    max_ejected_share of the replicas (one at least) are ejected at once, and never the last
+    one routed to. When no replica is healthy, all are routed to as if they were (a request then fails
     with the upstream's own error, as with one upstream, instead of waiting for a budget that no
     longer counts). With a single upstream nothing is probed or taken out: there is nowhere else
     to send.
@@ -52,7 +59,8 @@ def local_ledger(config: GatewayConfig, upstream: GatewayUpstream) -> BlockLedge
 class Replica:
     """One upstream: its URL and weight, its ledger, whether requests are routed to it."""
 
-    __slots__ = ("url", "weight", "ledger", "index", "healthy", "ejections", "why")
+    __slots__ = ("url", "weight", "ledger", "index", "healthy", "ejections", "why", "failures", "ejected",
+                 "passive_ejections", "ejected_in_a_row", "ejection_s")
 
     def __init__(self, upstream: GatewayUpstream, ledger: BlockLedger, index: int) -> None:
         self.url = upstream.url
@@ -62,6 +70,16 @@ class Replica:
         self.healthy = True
         self.ejections = 0  # times it was taken out
         self.why = ""  # why it was last taken out
+        self.failures = 0  # consecutive 5xx or failed connections (passive health)
+        self.ejected = False  # ejected by passive health, until readmitted
+        self.passive_ejections = 0  # times ejected by passive health
+        self.ejected_in_a_row = 0  # ejections with no success between them: the back-off's exponent
+        self.ejection_s = 0.0  # how long its last passive ejection lasts
+
+    @property
+    def routed(self) -> bool:
+        """In the routing set: healthy by its probe and not ejected by passive health."""
+        return self.healthy and not self.ejected
 
     @property
     def score(self) -> float:
@@ -74,6 +92,7 @@ class UpstreamPool:
     (try_reserve, never_fits, retry_after_s), with the totals /kvtune/ledger and /metrics show."""
 
     def __init__(self, config: GatewayConfig, make_ledger: LedgerFactory = local_ledger) -> None:
+        self.health = config.health
         self.replicas = tuple(Replica(u, make_ledger(config, u), i) for i, u in enumerate(config.upstreams))
         self._by_ledger = {id(r.ledger): r for r in self.replicas}
         self._by_url = {r.url: r for r in self.replicas}
@@ -89,18 +108,19 @@ class UpstreamPool:
         return len(self.replicas) > 1
 
     def routable(self) -> Sequence[Replica]:
-        """The healthy replicas; every one when none is."""
+        """The healthy replicas not ejected; every one when none is."""
         if len(self.replicas) == 1:
             return self.replicas
-        healthy = [r for r in self.replicas if r.healthy]
+        healthy = [r for r in self.replicas if r.routed]
         return healthy or self.replicas
 
     def usable(self) -> Sequence[Replica]:
-        """The healthy replicas, none when every one is down: what the budget totals count (the
-        routing still tries every one then, but no budget of theirs is there to admit against)."""
+        """The replicas in service (healthy by their probe, not ejected by passive health), none
+        when every one is down: what the budget totals count (the routing still tries every one
+        then, but no budget of theirs is there to admit against)."""
         if len(self.replicas) == 1:
             return self.replicas
-        return [r for r in self.replicas if r.healthy]
+        return [r for r in self.replicas if r.routed]
 
     def replica(self, url: str) -> Replica:
         return self._by_url[url]
@@ -122,8 +142,8 @@ class UpstreamPool:
         return max(self.routable(), key=lambda r: _rank(key, r.url))
 
     def others_healthy(self, replica: Replica) -> bool:
-        """Whether another replica than this one is healthy: somewhere to retry."""
-        return any(r.healthy and r is not replica for r in self.replicas)
+        """Whether another replica than this one is routed to: somewhere to retry."""
+        return any(r.routed and r is not replica for r in self.replicas)
 
     def mark_down(self, replica: Replica, why: str) -> bool:
         """Take the replica out (a failed connect or probe); True when it was in."""
@@ -139,6 +159,40 @@ class UpstreamPool:
         if replica.healthy:
             return False
         replica.healthy = True
+        if self.on_capacity is not None:
+            self.on_capacity()
+        return True
+
+    def record(self, replica: Replica, failed: bool) -> float | None:
+        """One answer's outcome on `replica` (failed: a 5xx or a failed connection). Returns how
+        many seconds it is ejected for when this outcome ejects it, else None."""
+        if not failed:
+            replica.failures = 0
+            if not replica.ejected:
+                replica.ejected_in_a_row = 0
+            return None
+        if replica.ejected:
+            return None  # a straggler sent before the ejection: its next run starts after it
+        replica.failures += 1
+        limit = self.health.consecutive_failures
+        if not self.checked or limit == 0 or replica.failures < limit:
+            return None
+        ejected = sum(1 for r in self.replicas if r.ejected)
+        others_routed = any(r.routed for r in self.replicas if r is not replica)
+        if not others_routed or not self.health.may_eject(len(self.replicas), ejected):
+            return None  # the last one routed to, or the share is reached: it stays
+        replica.failures = 0
+        replica.ejected = True
+        replica.passive_ejections += 1
+        replica.ejected_in_a_row += 1
+        replica.ejection_s = self.health.ejection_for_s(replica.ejected_in_a_row)
+        return replica.ejection_s
+
+    def readmit(self, replica: Replica) -> bool:
+        """Its ejection is over: routed to again (if healthy), the gate woken; True when it was out."""
+        if not replica.ejected:
+            return False
+        replica.ejected = False
         if self.on_capacity is not None:
             self.on_capacity()
         return True

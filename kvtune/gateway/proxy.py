@@ -13,7 +13,9 @@ disconnect, upstream error, cancellation, shutdown) releases it once.
 
 Several upstreams (gateway.yaml `upstreams:`) share one pool (kvtune.gateway.pool): each request
 is reserved on one and forwarded there; a connect that fails, or the periodic GET health.path,
-takes an upstream out, a 200 brings it back. A request whose connection could not be opened was
+takes an upstream out, a 200 brings it back; a run of health.consecutive_failures answers that
+are 5xx (or connections that failed) ejects it for a while, whatever /health says (passive
+health: kvtune.gateway.pool's `record`), and a timer brings it back. A request whose connection could not be opened was
 not sent at all, so it gives its blocks back there and is admitted again for another upstream;
 one that was sent is never sent again (the engine may have started it).
 
@@ -55,6 +57,9 @@ log = logging.getLogger("kvtune.gateway")
 # left a pool of connections idle behind a slow queue).
 UPSTREAM_KEEPALIVE_S = 4.0
 
+# The outcome passive health records for a connection that could not be opened (a 5xx of its own).
+CONNECT_FAILED = 599
+
 
 @dataclass
 class _Upstreams:
@@ -93,6 +98,7 @@ class Gateway:
                            waiting=lambda: self.admission.waiting, shared=self.shared)
         self._up: _Upstreams | None = None
         self._watch: asyncio.Task | None = None
+        self._readmits: dict[int, asyncio.TimerHandle] = {}  # passive health: by replica, its ejection's end
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -134,6 +140,9 @@ class Gateway:
                 await self._refusal_timer
             self._refusal_timer = None
         self._log_refusals(self.refusals.flush(time.monotonic()))
+        for timer in self._readmits.values():
+            timer.cancel()
+        self._readmits.clear()
         if self._watch is not None:
             self._watch.cancel()
             with suppress(asyncio.CancelledError):
@@ -187,6 +196,22 @@ class Gateway:
         if self.pool.mark_down(replica, why):
             log.warning("upstream %s taken out: %s", replica.url, why[:200])
 
+    def _outcome(self, replica: Replica, status: int) -> None:
+        """Passive health: one answer from `replica` (599: its connection failed); a run of
+        failures ejects it, and a timer readmits it once the ejection is over."""
+        failed = status >= 500
+        ejection_s = self.pool.record(replica, failed)
+        if ejection_s is None:
+            return
+        log.warning("upstream %s ejected for %g s: %d consecutive failures (the last answered %d)",
+                    replica.url, ejection_s, self.config.health.consecutive_failures, status)
+        self._readmits[replica.index] = asyncio.get_running_loop().call_later(ejection_s, self._readmit, replica)
+
+    def _readmit(self, replica: Replica) -> None:
+        self._readmits.pop(replica.index, None)
+        if self.pool.readmit(replica):
+            log.warning("upstream %s readmitted after its ejection", replica.url)
+
     def _retry_elsewhere(self, replica: Replica, attempt: int) -> bool:
         """Whether a request whose connection to `replica` cannot be opened goes to another
         upstream: a healthy one is left and not every upstream has been tried."""
@@ -224,13 +249,18 @@ class Gateway:
                 unsent = admitted.upstream is None and self._retry_elsewhere(replica, attempt)
                 try:
                     self.metrics.count_sent(replica.url)
-                    return await self.relay.send(request, self._client(admitted.upstream or replica.url), "POST",
-                                                 admitted.target, admitted.body, extra,
-                                                 progress=reservation.progress, unsent=unsent)
+                    response = await self.relay.send(request, self._client(admitted.upstream or replica.url),
+                                                     "POST", admitted.target, admitted.body, extra,
+                                                     progress=reservation.progress, unsent=unsent)
                 except UpstreamConnectError as exc:
                     self._take_out(replica, str(exc))  # first: the blocks released go to the others
+                    self._outcome(replica, CONNECT_FAILED)
                     self.admission.release(reservation)
                     self.metrics.count_retried(replica.url)
+                else:
+                    if admitted.upstream is None:  # a route's own upstream is not in the pool
+                        self._outcome(replica, response.status)
+                    return response
                 try:
                     reservation = await self.admission.reserve(admitted.blocks, admitted.demand)
                 except Rejection as rejection:
