@@ -172,6 +172,9 @@ class GatewayUpstream:
     url: str
     block_budget: int
     weight: float = 1.0
+    # the engine's name in the shared ledger, the same in every replica (kvtune.gateway.engines);
+    # None: its canonical URL
+    engine_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,9 +400,9 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     r = _Reader(path)
     top = r.mapping(
         data, "",
-        {"version", "listen", "upstream", "upstreams", "model", "block_size", "block_budget", "max_model_len",
-         "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin",
-         "admission", "health", "sticky", "ledger"},
+        {"version", "listen", "upstream", "engine_id", "upstreams", "model", "block_size", "block_budget",
+         "max_model_len", "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits",
+         "admin", "admission", "health", "sticky", "ledger"},
         {"version", "block_size", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
@@ -481,8 +484,9 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
             if key not in top:
                 raise r.fail(key, "missing (or give upstreams: a list of {url, block_budget})")
         return (GatewayUpstream(r.url(top["upstream"], "upstream"),
-                                r.integer(top["block_budget"], "block_budget", 1)),)
-    for key in ("upstream", "block_budget"):
+                                r.integer(top["block_budget"], "block_budget", 1),
+                                engine_id=_engine_id(r, top.get("engine_id"), "engine_id")),)
+    for key in ("upstream", "block_budget", "engine_id"):
         if key in top:
             raise r.fail(key, "give upstreams: (each with its own block_budget) or upstream: and block_budget:, "
                          "not both")
@@ -491,9 +495,16 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
         raise r.fail("upstreams", "expected a non-empty list of {url, block_budget, weight}")
     out: list[GatewayUpstream] = []
     seen: dict[tuple, int] = {}
+    ids: dict[str, int] = {}
     for i, item in enumerate(raw):
         where = f"upstreams[{i}]"
-        doc = r.mapping(item, where, {"url", "block_budget", "weight"}, {"url", "block_budget"})
+        doc = r.mapping(item, where, {"url", "block_budget", "weight", "engine_id"}, {"url", "block_budget"})
+        engine_id = _engine_id(r, doc.get("engine_id"), f"{where}.engine_id")
+        if engine_id is not None:
+            if engine_id in ids:
+                raise r.fail(f"{where}.engine_id", f"{engine_id} is upstreams[{ids[engine_id]}]'s already: each "
+                             "engine is listed once")
+            ids[engine_id] = i
         url = r.url(doc["url"], f"{where}.url")
         parsed = parse_url(url, field=f"{where}.url")
         same = (parsed.scheme, parsed.host.lower(), parsed.port, parsed.prefix.rstrip("/"))
@@ -502,8 +513,21 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
         seen[same] = i
         out.append(GatewayUpstream(
             url, r.integer(doc["block_budget"], f"{where}.block_budget", 1),
-            r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT)))
+            r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT), engine_id))
     return tuple(out)
+
+
+#: What an engine_id may hold (a Redis hash field and a log word).
+_ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}")
+
+
+def _engine_id(r: _Reader, value: Any, where: str) -> str | None:
+    """An upstream's engine_id: the name every gateway replica sharing a Redis ledger gives it."""
+    name = r.string(value, where, True)
+    if name is not None and not _ENGINE_ID.fullmatch(name):
+        raise r.fail(where, "expected a name of letters, digits and . _ : / @ + - (at most 200), such as "
+                     "vllm-a")
+    return name
 
 
 #: The longest lease: a replica that dies holds its reservations at most this long.

@@ -15,6 +15,12 @@ share one slot:
     P:budget        HASH  upstream -> its budget, as the gateways state it (set_budgets; for reading)
     P:limit         HASH  upstream -> the limit the last reserve was checked against
     P:released      HASH  upstream -> "<sum> <ms>": blocks given back, decayed over RATE_WINDOW_S
+    P:engines       HASH  engine address (ip:port) -> the identity it is budgeted under
+    P:engine_url    HASH  identity -> the URL it was first registered with (for the refusal)
+    P:engine_users:<identity>  SET  owners that registered it (a clash counts while one is live)
+
+"upstream" in these keys is the engine's identity (kvtune.gateway.engines): its engine_id, else
+its canonical URL, so that every replica budgets one engine once however it spells the URL.
 
 An owner is one gateway process. Its lease is its deadline in P:owners: every script it runs
 pushes the deadline to now + lease_s, and a background task (`start`) runs `renew` every
@@ -305,6 +311,49 @@ local function fits(upstream, blocks, limit, epsilon, worst, rows) return fits_b
 local function hold_rows(upstream, id, worst, rows) end
 """ + _REREGISTER
 
+# ARGV[5..]: per engine its identity, its URL as written, the count of its addresses, then them.
+# An address registered under another identity that a live owner uses (or that has blocks
+# reserved) refuses the whole registration, nothing written -> {0} or {1, address, the other
+# identity, the URL it was registered with, the refused identity}
+_REGISTER_ENGINES = _PRELUDE + """
+local engines_key, spelling_key = prefix .. ':engines', prefix .. ':engine_url'
+local function in_use(identity)
+  if tonumber(redis.call('HGET', reserved_key, identity) or '0') > 0 then return true end
+  local users = prefix .. ':engine_users:' .. identity
+  for _, who in ipairs(redis.call('SMEMBERS', users)) do
+    if who ~= owner then
+      if redis.call('ZSCORE', owners_key, who) then return true end
+      redis.call('SREM', users, who)
+    end
+  end
+  return false
+end
+local engines = {}
+local i = 5
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 2])
+  local e = {id = ARGV[i], url = ARGV[i + 1], addresses = {}}
+  for k = 1, n do e.addresses[k] = ARGV[i + 2 + k] end
+  table.insert(engines, e)
+  i = i + 3 + n
+end
+for _, e in ipairs(engines) do
+  for _, address in ipairs(e.addresses) do
+    local other = redis.call('HGET', engines_key, address)
+    if other and other ~= e.id and in_use(other) then
+      return {1, address, other, redis.call('HGET', spelling_key, other) or other, e.id}
+    end
+  end
+end
+lease()
+for _, e in ipairs(engines) do
+  for _, address in ipairs(e.addresses) do redis.call('HSET', engines_key, address, e.id) end
+  redis.call('HSETNX', spelling_key, e.id, e.url)
+  redis.call('SADD', prefix .. ':engine_users:' .. e.id, owner)
+end
+return {0}
+"""
+
 # the owner gives up its lease and everything it holds -> reclaimed (its own included)
 _RETIRE = _PRELUDE + """
 return reclaimed + reclaim(owner)
@@ -321,6 +370,27 @@ class InFlight:
     limit_blocks: int  # what its reserve was checked against (statistical: the budget)
     worst: int = 0  # statistical: its worst-case blocks and log-moment rows (encode_rows; b"" for none)
     rows: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineName:
+    """One upstream as register_engines records it: the identity its budget is kept under, its
+    URL as written, and the addresses it resolves to."""
+
+    identity: str
+    url: str
+    addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineClash:
+    """Why register_engines refused: `address` is registered under `registered` (first written as
+    `registered_url`), in use, and this replica would budget it as `identity`."""
+
+    address: str
+    registered: str
+    registered_url: str
+    identity: str
 
 
 @dataclass(slots=True)
@@ -370,7 +440,8 @@ class RedisLedger:
         self._args = [p, str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
         self._scripts = {name: _Script(source) for name, source in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("renew", _RENEW), ("set_budgets", _SET_BUDGETS),
-            ("snapshot", _SNAPSHOT), ("retire", _RETIRE), ("reregister", _REREGISTER_BLOCKS))}
+            ("snapshot", _SNAPSHOT), ("retire", _RETIRE), ("reregister", _REREGISTER_BLOCKS),
+            ("register_engines", _REGISTER_ENGINES))}
         self._redis: Any = None
         self._state = _State.NEW
         self._leased = False
@@ -534,6 +605,20 @@ class RedisLedger:
         for upstream, blocks in budgets.items():
             args += [upstream, blocks, (limits or {}).get(upstream, blocks)]
         self.reclaimed += int(await self._run("set_budgets", *args))
+
+    async def register_engines(self, engines: Iterable[EngineName]) -> EngineClash | None:
+        """Record which identity each engine address is budgeted under, in one script; the first
+        address already registered under another identity still in use (a live owner registered
+        it, or blocks are reserved on it) refuses them all, nothing written: that clash is returned."""
+        self._check_started()
+        args: list[str | int] = []
+        for engine in engines:
+            args += [engine.identity, engine.url, len(engine.addresses), *engine.addresses]
+        out = [x.decode() if isinstance(x, bytes) else x for x in await self._run("register_engines", *args)]
+        if int(out[0]) == 0:
+            return None
+        return EngineClash(address=str(out[1]), registered=str(out[2]), registered_url=str(out[3]),
+                           identity=str(out[4]))
 
     async def snapshot(self) -> dict[str, LedgerSnapshot]:
         """Every upstream's budget, blocks reserved and reservations held by all replicas together,
@@ -706,4 +791,5 @@ def _redacted(url: str) -> str:
     return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
 
 
-__all__ = ["RedisLedger", "InFlight", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS", "VOID_KEEP_S"]
+__all__ = ["RedisLedger", "InFlight", "EngineName", "EngineClash", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS",
+           "VOID_KEEP_S"]

@@ -30,12 +30,13 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from kvtune.errors import LedgerUnavailableError
+from kvtune.errors import InputError, LedgerUnavailableError
 from kvtune.gateway.config import GatewayConfig, OnLedgerError
+from kvtune.gateway.engines import engine_identity, resolved_addresses
 from kvtune.gateway.gate import ledger_for
 from kvtune.gateway.ledger import BlockLedger, LedgerSnapshot, Reservation
 from kvtune.gateway.policy import PolicyKind
-from kvtune.gateway.redis_ledger import InFlight, RedisLedger
+from kvtune.gateway.redis_ledger import EngineName, InFlight, RedisLedger
 from kvtune.gateway.redis_statistical import RedisStatisticalLedger, encode_rows
 from kvtune.gateway.refusals import Reason, Rejection
 from kvtune.gateway.statistical import StatisticalLedger
@@ -58,6 +59,9 @@ class SharedLedger:
             raise ValueError("a shared ledger needs ledger.url")
         self.spec = spec
         self.pool = pool
+        # each upstream's name in the store: its engine_id or canonical URL, one per engine
+        self.upstreams = config.upstreams
+        self.identity = {r.index: engine_identity(u) for r, u in zip(pool.replicas, config.upstreams, strict=True)}
         self.statistical = config.admission.kind is PolicyKind.STATISTICAL
         if store is None:
             if self.statistical:
@@ -89,13 +93,32 @@ class SharedLedger:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Connect and record the budgets; Redis down now is not fatal (the store keeps trying)."""
+        """Connect, register each engine's identity and record the budgets; Redis down now is not
+        fatal (the store keeps trying). An upstream that reaches an engine the other replicas
+        budget under another name is an InputError: one engine, one budget."""
         try:
             await self.store.start()
-            await self.store.set_budgets({r.url: r.ledger.budget_blocks for r in self.pool.replicas},
-                                         {r.url: r.ledger.limit_blocks for r in self.pool.replicas})
+            await self._register_engines()
+            await self.store.set_budgets({self.identity[r.index]: r.ledger.budget_blocks for r in self.pool.replicas},
+                                         {self.identity[r.index]: r.ledger.limit_blocks for r in self.pool.replicas})
         except LedgerUnavailableError:
             self._failed_at = time.monotonic()
+
+    async def _register_engines(self) -> None:
+        """Record every upstream's identity and addresses in the store; refuse a second name for
+        an engine registered already (nothing written, the store closed)."""
+        names = [EngineName(self.identity[r.index], u.url, await resolved_addresses(u.url))
+                 for r, u in zip(self.pool.replicas, self.upstreams, strict=True)]
+        clash = await self.store.register_engines(names)
+        if clash is None:
+            return
+        await self.store.aclose(retire=True)
+        i = next(i for i, name in enumerate(names) if name.identity == clash.identity)
+        given = f"engine_id {clash.identity}" if self.upstreams[i].engine_id else f"URL {self.upstreams[i].url}"
+        raise InputError(f"{given} reaches {clash.address}, the engine the gateways sharing this ledger budget as "
+                         f"{clash.registered} (first written {clash.registered_url}): a second name would be a second "
+                         "budget; write the same URL in every replica's gateway.yaml, or give every replica the same "
+                         "engine_id", field=f"upstreams[{i}]")
 
     async def close(self) -> None:
         """Stop the heartbeat and give back whatever this replica still holds."""
@@ -142,12 +165,12 @@ class SharedLedger:
     async def _reserve(self, replica: Replica, rid: str, reservation: Reservation) -> bool:
         """The store's reserve: the guaranteed rule on the limit, or (statistical) the Chernoff
         bound over the rows the local ledger holds for this reservation."""
-        ledger = replica.ledger
+        ledger, name = replica.ledger, self.identity[replica.index]
         held = ledger.held_rows(reservation) if isinstance(ledger, StatisticalLedger) else None
         if held is None or not isinstance(self.store, RedisStatisticalLedger):
-            return await self.store.reserve(replica.url, rid, reservation.blocks, ledger.limit_blocks)
+            return await self.store.reserve(name, rid, reservation.blocks, ledger.limit_blocks)
         worst, log_mgf = held
-        return await self.store.reserve_rows(replica.url, rid, reservation.blocks, ledger.budget_blocks,
+        return await self.store.reserve_rows(name, rid, reservation.blocks, ledger.budget_blocks,
                                              worst, log_mgf)
 
     def _progressed(self, reservation: Reservation) -> None:
@@ -168,12 +191,12 @@ class SharedLedger:
             if not isinstance(held_as, tuple):
                 continue  # held on a slice: Redis never counted it
             rid, replica = held_as
-            ledger = replica.ledger
+            ledger, name = replica.ledger, self.identity[replica.index]
             rows = ledger.held_rows(reservation) if isinstance(ledger, StatisticalLedger) else None
             if rows is None or not isinstance(self.store, RedisStatisticalLedger):
-                out.append(InFlight(rid, replica.url, reservation.blocks, ledger.limit_blocks))
+                out.append(InFlight(rid, name, reservation.blocks, ledger.limit_blocks))
             else:
-                out.append(InFlight(rid, replica.url, reservation.blocks, ledger.budget_blocks, rows[0],
+                out.append(InFlight(rid, name, reservation.blocks, ledger.budget_blocks, rows[0],
                                     encode_rows(rows[1])))
         return out
 
@@ -193,14 +216,16 @@ class SharedLedger:
     # ---------------------------------------------------------------- reading
 
     async def snapshot(self) -> dict[str, LedgerSnapshot] | None:
-        """Every upstream as the store counts it (all replicas together); None while unavailable."""
+        """Every upstream as the store counts it (all replicas together), by its URL here; None
+        while unavailable."""
         if self._down():
             return None
         try:
-            return await self.store.snapshot()
+            got = await self.store.snapshot()
         except LedgerUnavailableError:
             self._failed_at = time.monotonic()
             return None
+        return {r.url: got[self.identity[r.index]] for r in self.pool.replicas if self.identity[r.index] in got}
 
     def describe(self) -> dict:
         """/kvtune/ledger's `ledger` member: no URL (it may hold a password)."""
