@@ -218,6 +218,10 @@ class OnLedgerError(enum.Enum):
     LOCAL = "local"  # admit against a static 1/replicas_hint slice of each upstream's budget
 
 
+#: How long a lapsed replica's reservations stay counted by default: longer than most requests run.
+DEFAULT_RECLAIM_GRACE_S = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerStore:
     """gateway.yaml `ledger`: in memory (the default), or one Redis every gateway replica shares,
@@ -233,6 +237,10 @@ class LedgerStore:
     # How long one call to Redis may take (its retries included) before it counts as unavailable:
     # on a loaded host 0.5 s can pass without Redis being down (then on_error decides).
     op_timeout_s: float = 0.5
+    # How long a replica's reservations outlive its lapsed lease (it is fenced meanwhile): a replica
+    # paused or cut off still runs its requests on the engines, so their blocks stay counted until
+    # it comes back or this passes (kvtune.gateway.redis_ledger)
+    reclaim_grace_s: float = DEFAULT_RECLAIM_GRACE_S
 
     @property
     def shared(self) -> bool:
@@ -537,13 +545,14 @@ MAX_REPLICAS_HINT = 1024
 
 
 def _ledger(r: _Reader, top: dict) -> LedgerStore:
-    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint, op_timeout_s}`. The URL is never
+    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint, op_timeout_s, reclaim_grace_s}`. The URL
+    is never
     quoted in an error: it may hold a password."""
     value = top.get("ledger", {})
     if isinstance(value, str):  # perhaps a URL, with its password: not quoted
         raise r.fail("ledger", "expected a mapping such as {backend: redis, url: redis://...}, got a string")
     doc = r.mapping(value, "ledger", {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint",
-                                                   "op_timeout_s"})
+                                      "op_timeout_s", "reclaim_grace_s"})
     for key, item in doc.items():
         if key != "url" and isinstance(item, str) and ("@" in item or "://" in item):
             raise r.fail(f"ledger.{key}", "got a URL-like string (not quoted: it may hold a password); "
@@ -554,7 +563,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
         raise r.fail("ledger.backend", f"{brief(given)} is not one of {', '.join(names)}")
     backend = names[given]
     if backend is LedgerBackend.MEMORY:
-        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s"):
+        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s", "reclaim_grace_s"):
             if key in doc:
                 raise r.fail(f"ledger.{key}", "only for ledger.backend: redis")
         return LedgerStore()
@@ -588,7 +597,8 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
     if "op_timeout_s" in doc and op_timeout_s >= lease_s:
         raise r.fail("ledger.op_timeout_s", f"{op_timeout_s:g} s is not below lease_s ({lease_s:g} s): a call "
                      "that slow would let the replica's own lease lapse while it waits")
-    return LedgerStore(backend, url, prefix, lease_s, errors[on_error], hint, op_timeout_s)
+    grace = r.number(doc.get("reclaim_grace_s", DEFAULT_RECLAIM_GRACE_S), "ledger.reclaim_grace_s", 0, MAX_LEASE_S)
+    return LedgerStore(backend, url, prefix, lease_s, errors[on_error], hint, op_timeout_s, grace)
 
 
 def _sticky(r: _Reader, value: Any) -> Sticky | None:

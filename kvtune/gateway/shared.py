@@ -67,10 +67,10 @@ class SharedLedger:
             if self.statistical:
                 store = RedisStatisticalLedger(spec.url, epsilon=config.admission.epsilon,
                                                key_prefix=spec.key_prefix, lease_s=spec.lease_s,
-                                               op_timeout_s=spec.op_timeout_s)
+                                               op_timeout_s=spec.op_timeout_s, reclaim_grace_s=spec.reclaim_grace_s)
             else:
                 store = RedisLedger(spec.url, key_prefix=spec.key_prefix, lease_s=spec.lease_s,
-                                    op_timeout_s=spec.op_timeout_s)
+                                    op_timeout_s=spec.op_timeout_s, reclaim_grace_s=spec.reclaim_grace_s)
         self.store = store
         if self.statistical:
             for replica in pool.replicas:
@@ -232,6 +232,7 @@ class SharedLedger:
         store = self.store
         return {"backend": "redis", "mode": self.mode, "available": store.available,
                 "key_prefix": self.spec.key_prefix, "lease_s": self.spec.lease_s,
+                "reclaim_grace_s": self.spec.reclaim_grace_s,
                 "on_error": self.spec.on_error.value, "replicas_hint": self.spec.replicas_hint,
                 "op_timeout_s": self.spec.op_timeout_s,
                 "errors": store.errors, "leases_lost": store.leases_lost, "pending_releases": store.pending_releases,
