@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import redis
 from fake_vllm import FakeVllm
-from ledger_race import PREFIX, post, start_gateway_process, stop_processes, wait_for
+from ledger_race import PREFIX, gateway_log, post, start_gateway_process, stop_processes, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64}]
@@ -110,3 +110,35 @@ def test_an_engine_id_is_checked_in_gateway_yaml(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvtune", "gateway", "--config", str(path)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "upstreams[1].engine_id" in out.stderr, out.stderr
+
+
+def test_a_replica_started_while_redis_was_down_registers_before_it_admits(make_redis, tmp_path):
+    """Redis down when the second spelling's replica starts: it cannot be refused at start, so it
+    registers before its first admission, finds the clash, logs it and refuses 503 (nothing is
+    admitted against a second budget)."""
+    server = make_redis(appendonly=True)
+    client = redis.Redis.from_url(server.url)
+    with FakeVllm() as fake:
+        port = fake.port
+        canonical = f"http://127.0.0.1:{port}"
+        procs = [start_gateway_process(write_config(tmp_path, "a", canonical, server.url))]
+        try:
+            server.stop()
+            procs.append(start_gateway_process(write_config(tmp_path, "c", f"http://localhost:{port}", server.url)))
+            server.start()
+
+            async def run() -> tuple[int, str]:
+                async with aiohttp.ClientSession() as session:
+                    await asyncio.sleep(1.5)  # the heartbeats find Redis back
+                    body = ten_blocks() | {"x_mode": "ok"}
+                    async with session.post(procs[1][1] + "/v1/chat/completions", json=body) as resp:
+                        return resp.status, await resp.text()
+
+            status, text = asyncio.run(run())
+            assert status == 503 and "engine_id" in text and canonical in text, (status, text)
+            assert budgets(client) == {canonical: BUDGET}
+            assert fake.engine_calls == []
+            log = gateway_log(procs[1][0])
+            assert "nothing is admitted" in log and f"http://localhost:{port}" in log
+        finally:
+            stop_processes(procs)

@@ -27,6 +27,7 @@ counted (/metrics kvtune_gateway_ledger_reregister_over_total) and retried every
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
     from kvtune.gateway.pool import Replica, UpstreamPool
+
+log = logging.getLogger("kvtune.gateway")
 
 #: After a Redis error, requests skip Redis for this long (the heartbeat notices it is back sooner).
 RECHECK_S = 1.0
@@ -89,6 +92,8 @@ class SharedLedger:
         self._ids = itertools.count(1)
         self._failed_at: float | None = None
         self.local_admitted = 0  # reservations admitted on a slice while Redis was unavailable
+        self._engines_registered = False  # each upstream's identity recorded in the store
+        self._clash: str | None = None  # found after start (Redis was down then): nothing is admitted
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -99,26 +104,45 @@ class SharedLedger:
         try:
             await self.store.start()
             await self._register_engines()
-            await self.store.set_budgets({self.identity[r.index]: r.ledger.budget_blocks for r in self.pool.replicas},
-                                         {self.identity[r.index]: r.ledger.limit_blocks for r in self.pool.replicas})
         except LedgerUnavailableError:
             self._failed_at = time.monotonic()
 
-    async def _register_engines(self) -> None:
-        """Record every upstream's identity and addresses in the store; refuse a second name for
-        an engine registered already (nothing written, the store closed)."""
+    async def _register_engines(self, *, started: bool = False) -> None:
+        """Record every upstream's identity and addresses in the store, then its budget. A second
+        name for an engine registered already is refused, nothing written: at start an
+        InputError (the store closed); found later (Redis was down at start) logged once, and
+        every request refused 503 from then on."""
         names = [EngineName(self.identity[r.index], u.url, await resolved_addresses(u.url))
                  for r, u in zip(self.pool.replicas, self.upstreams, strict=True)]
         clash = await self.store.register_engines(names)
         if clash is None:
+            self._engines_registered = True
+            await self.store.set_budgets({self.identity[r.index]: r.ledger.budget_blocks for r in self.pool.replicas},
+                                         {self.identity[r.index]: r.ledger.limit_blocks for r in self.pool.replicas})
             return
-        await self.store.aclose(retire=True)
         i = next(i for i, name in enumerate(names) if name.identity == clash.identity)
         given = f"engine_id {clash.identity}" if self.upstreams[i].engine_id else f"URL {self.upstreams[i].url}"
-        raise InputError(f"{given} reaches {clash.address}, the engine the gateways sharing this ledger budget as "
-                         f"{clash.registered} (first written {clash.registered_url}): a second name would be a second "
-                         "budget; write the same URL in every replica's gateway.yaml, or give every replica the same "
-                         "engine_id", field=f"upstreams[{i}]")
+        error = InputError(f"{given} reaches {clash.address}, the engine the gateways sharing this ledger budget as "
+                           f"{clash.registered} (first written {clash.registered_url}): a second name would be a "
+                           "second budget; write the same URL in every replica's gateway.yaml, or give every "
+                           "replica the same engine_id", field=f"upstreams[{i}]")
+        if not started:
+            await self.store.aclose(retire=True)
+            raise error
+        self._clash = str(error)
+        log.error("nothing is admitted: %s", self._clash)
+
+    async def _refuse_unregistered(self) -> None:
+        """Before admitting: the upstreams' identities must be registered (Redis down at start:
+        now), and not clash with another replica's."""
+        if not self._engines_registered and self._clash is None and not self._down():
+            try:
+                await self._register_engines(started=True)
+            except LedgerUnavailableError:
+                self._failed_at = time.monotonic()
+        if self._clash is not None:
+            raise Rejection(503, Reason.LEDGER_UNAVAILABLE, f"this gateway is misconfigured: {self._clash}",
+                            retry_after_s=self.retry_after_s)
 
     async def close(self) -> None:
         """Stop the heartbeat and give back whatever this replica still holds."""
@@ -141,6 +165,7 @@ class SharedLedger:
         """Confirm a local grant on `replica` in the shared store: True if held there (or, Redis
         unavailable under `local`, on the replica's slice); False refused, the caller gives the
         local grant back. Redis unavailable under `reject`: a 503 Rejection."""
+        await self._refuse_unregistered()
         if not self._down():
             rid = str(next(self._ids))
             try:
