@@ -6,7 +6,8 @@ one step no other replica can interleave with: two gateways cannot over-admit in
 
 Keys, all under `key_prefix` (P); for Redis Cluster put a hash tag in it ("{kvtune}") so they
 share one slot:
-    P:owners        ZSET  owner -> lease deadline, in ms of the Redis server's clock (TIME)
+    P:owners        ZSET  owner -> when it is reclaimed: its lease deadline + reclaim_grace_s, in ms
+                          of the Redis server's clock (TIME)
     P:res:<owner>   HASH  reservation id -> "<blocks> <upstream>", the reservations one owner holds
     P:void:<owner>  ZSET  reservation id -> ms: ids given up on (below), refused if their reserve
                           arrives after all; kept VOID_KEEP_S
@@ -15,6 +16,8 @@ share one slot:
     P:budget        HASH  upstream -> its budget, as the gateways state it (set_budgets; for reading)
     P:limit         HASH  upstream -> the limit the last reserve was checked against
     P:released      HASH  upstream -> "<sum> <ms>": blocks given back, decayed over RATE_WINDOW_S
+    P:leases        HASH  owner -> "<lease deadline ms> <epoch>" (P:owners then holds its reclaim time)
+    P:epoch         the last lease epoch given (INCR: each registration takes the next)
     P:engines       HASH  engine address (ip:port) -> the identity it is budgeted under
     P:engine_url    HASH  identity -> the URL it was first registered with (for the refusal)
     P:engine_users:<identity>  SET  owners that registered it (a clash counts while one is live)
@@ -34,7 +37,7 @@ died; the next scripts take the rest).
 Between its deadline and its reclaim time an owner is lapsed: its reservations stay counted (a
 replica paused or cut off still runs its requests on the engines, whose KV they hold), and it is
 fenced: its admission scripts admit nothing, its renewals renew nothing, until it registers again
-(`reregister`: a new epoch, P:epochs) and holds what it still runs (the ids and rows `in_flight`
+(`reregister`: a new epoch from the counter P:epoch) and holds what it still runs (the ids and rows `in_flight`
 reports; those still held are kept as they are). A script sent under an older epoch (a reply
 lost in a pause, a second process claiming the same owner) is fenced the same way. A lapsed
 owner none of whose connections is open to Redis died (SIGKILL: the kernel closed them), and its
@@ -239,7 +242,7 @@ local function register()
     hold_lease(epoch)
     return {1, epoch}
   end
-  local e = redis.call('HINCRBY', prefix .. ':epochs', owner, 1)
+  local e = redis.call('INCR', prefix .. ':epoch')  -- one counter for all: an epoch is never given twice
   hold_lease(e)
   return {0, e}
 end
@@ -394,7 +397,11 @@ lease()
 for _, e in ipairs(engines) do
   for _, address in ipairs(e.addresses) do redis.call('HSET', engines_key, address, e.id) end
   redis.call('HSETNX', spelling_key, e.id, e.url)
-  redis.call('SADD', prefix .. ':engine_users:' .. e.id, owner)
+  local users = prefix .. ':engine_users:' .. e.id
+  for _, who in ipairs(redis.call('SMEMBERS', users)) do  -- those gone: the set stays small
+    if not redis.call('ZSCORE', owners_key, who) then redis.call('SREM', users, who) end
+  end
+  redis.call('SADD', users, owner)
 end
 return {0}
 """
