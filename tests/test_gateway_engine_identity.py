@@ -142,3 +142,24 @@ def test_a_replica_started_while_redis_was_down_registers_before_it_admits(make_
             assert "nothing is admitted" in log and f"http://localhost:{port}" in log
         finally:
             stop_processes(procs)
+
+
+def test_engine_id_and_reclaim_grace_are_refused_where_they_mean_nothing(tmp_path):
+    base = {"version": 1, "block_size": 16, "max_model_len": 2048, "routes": ROUTES}
+    cases = [
+        ({"upstreams": [{"url": "http://127.0.0.1:9", "block_budget": 10}], "engine_id": "a"},
+         "engine_id: with upstreams:, give each its own upstreams[i].engine_id"),
+        ({"upstream": "http://127.0.0.1:9", "block_budget": 10, "engine_id": "a b"}, "engine_id: expected a name"),
+        ({"upstream": "http://127.0.0.1:9", "block_budget": 10, "ledger": {"reclaim_grace_s": 5}},
+         "ledger.reclaim_grace_s: only for ledger.backend: redis"),
+        ({"upstream": "http://127.0.0.1:9", "block_budget": 10,
+          "ledger": {"backend": "redis", "url": "redis://127.0.0.1:9/0", "reclaim_grace_s": -1}},
+         "ledger.reclaim_grace_s"),
+    ]
+    for i, (doc, expected) in enumerate(cases):
+        path = tmp_path / f"bad{i}.yaml"
+        path.write_text(json.dumps(base | doc))
+        out = subprocess.run([sys.executable, "-m", "kvtune", "gateway", "--config", str(path)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and expected in out.stderr, (doc, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr

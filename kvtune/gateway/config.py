@@ -494,7 +494,9 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
         return (GatewayUpstream(r.url(top["upstream"], "upstream"),
                                 r.integer(top["block_budget"], "block_budget", 1),
                                 engine_id=_engine_id(r, top.get("engine_id"), "engine_id")),)
-    for key in ("upstream", "block_budget", "engine_id"):
+    if "engine_id" in top:
+        raise r.fail("engine_id", "with upstreams:, give each its own upstreams[i].engine_id")
+    for key in ("upstream", "block_budget"):
         if key in top:
             raise r.fail(key, "give upstreams: (each with its own block_budget) or upstream: and block_budget:, "
                          "not both")
