@@ -163,3 +163,21 @@ def test_engine_id_and_reclaim_grace_are_refused_where_they_mean_nothing(tmp_pat
                              cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and expected in out.stderr, (doc, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_engines_behind_one_address_under_different_prefixes_are_two_engines(redis_server, tmp_path):
+    """One router, two path prefixes: two engines, each its own budget, neither refused; the same
+    prefix under another hostname is refused."""
+    client = redis.Redis.from_url(redis_server.url)
+    with FakeVllm() as fake:
+        port = fake.port
+        procs = [start_gateway_process(write_config(tmp_path, name, f"http://127.0.0.1:{port}/{name}", redis_server.url))
+                 for name in ("a", "b")]
+        try:
+            assert budgets(client) == {f"http://127.0.0.1:{port}/a": BUDGET, f"http://127.0.0.1:{port}/b": BUDGET}
+            other = write_config(tmp_path, "c", f"http://localhost:{port}/a/", redis_server.url)
+            refused = subprocess.run([sys.executable, "-m", "kvtune", "gateway", "--config", str(other)],
+                                     cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert refused.returncode == 2 and f"127.0.0.1:{port}/a," in refused.stderr, refused.stderr
+        finally:
+            stop_processes(procs)

@@ -35,8 +35,9 @@ def engine_identity(upstream: GatewayUpstream) -> str:
 
 
 async def resolved_addresses(url: str) -> tuple[str, ...]:
-    """Every address:port the URL's host resolves to now (none if it does not resolve: the
-    identity alone then decides)."""
+    """Every address:port the URL's host resolves to now, with the URL's path prefix (engines
+    behind one router under different prefixes are different engines); none if it does not
+    resolve: the identity alone then decides."""
     server = parse_url(url)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(server.host, server.port, type=socket.SOCK_STREAM)
@@ -45,7 +46,8 @@ async def resolved_addresses(url: str) -> tuple[str, ...]:
     out = []
     for family, *_, address in infos:
         ip = str(address[0]).split("%")[0]
-        out.append(f"[{ip}]:{server.port}" if family == socket.AF_INET6 else f"{ip}:{server.port}")
+        host = f"[{ip}]" if family == socket.AF_INET6 else ip
+        out.append(f"{host}:{server.port}{server.prefix}")
     return tuple(sorted(set(out)))
 
 
