@@ -31,7 +31,10 @@ from ledger_race import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtune.gateway.redis_ledger import RedisLedger
+from kvtune.gateway.overflow import OutputLaw
+from kvtune.gateway.redis_ledger import InFlight, RedisLedger
+from kvtune.gateway.redis_statistical import RedisStatisticalLedger, encode_rows
+from kvtune.gateway.statistical import Demand, StatisticalLedger
 
 ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64}]
 BUDGET = 100
@@ -194,4 +197,43 @@ def test_a_lapsed_owner_is_fenced_until_it_registers_again(redis_server):
                 assert await a.reserve("e", "r3", 10, 100)  # fenced again: it registers anew first
                 assert a._epoch == epoch + 2 and a.leases_lost == 2
                 await twin.aclose(retire=False)
+    asyncio.run(run())
+
+
+def test_a_lapsed_statistical_owner_keeps_its_rows_within_the_grace(redis_server):
+    """Statistical, store level: a holds 23 alike requests (the most the bound admits: epsilon
+    0.01, budget 200) and its lease lapses within the grace: b admits nothing into its room (its
+    rows still count in the shared bound), a's next reserve is fenced, registers again with all
+    23 held still (none re-held, none over), and is refused by the bound as before the lapse."""
+    budget, epsilon = 200, 0.01
+
+    async def run() -> None:
+        py = StatisticalLedger(budget, epsilon=epsilon, block_size=16, max_model_len=2048)
+        rows = py._rows_of(26, Demand((10,), 400, OutputLaw((20, 100, 400), (70, 20, 10))))
+        worst, log_mgf = sum(r.worst for r in rows), sum(r.log_mgf for r in rows)
+        assert py.chernoff_bound(rows * 23) <= epsilon < py.chernoff_bound(rows * 24)
+        a = RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix="graced", lease_s=0.2, owner="a",
+                                   reclaim_grace_s=10)
+        b = RedisStatisticalLedger(redis_server.url, epsilon=epsilon, key_prefix="graced", lease_s=5, owner="b")
+        running = {f"a{i}": InFlight(f"a{i}", "u", 26, budget, worst, encode_rows(log_mgf)) for i in range(23)}
+        a.in_flight = lambda: list(running.values())
+        await a.start(heartbeat=False)
+        await b.start(heartbeat=False)
+        try:
+            for rid in running:
+                assert await a.reserve_rows("u", rid, 26, budget, worst, log_mgf)
+            before = await b.sums("u")
+            await asyncio.sleep(0.4)  # a's lease lapsed
+            assert not await b.reserve_rows("u", "b0", 26, budget, worst, log_mgf)  # a's rows count still
+            assert await b.sums("u") == before and b.reclaimed == 0
+            assert not await a.reserve_rows("u", "a-extra", 26, budget, worst, log_mgf)  # fenced, then the bound
+            assert (a.leases_lost, a.reregistered, a.reregister_over, a.unregistered) == (1, 0, 0, 0)
+            assert await a.held() == 23 and await a.sums("u") == before
+            for rid in running:
+                assert await a.release(rid)
+            assert await b.sums("u") == (0, [])
+        finally:
+            await a.aclose()
+            await b.aclose()
+
     asyncio.run(run())
