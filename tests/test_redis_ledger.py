@@ -195,9 +195,11 @@ def test_an_expired_lease_is_reclaimed_and_its_owner_does_not_release_twice(redi
             assert await b.reserve("u", "z", 6, 10)  # b's script swept a away: 4 + 6 fit
             assert b.reclaimed == 1
             assert not await a.release("x")  # a comes back: its release changes nothing
-            assert a.leases_lost == 1  # and a learns its lease was lost; its script took a fresh one
+            assert a.leases_lost == 1  # and a learns its lease was lost
             assert await a.reserved("u") == 10
-            assert await a.renew()
+            assert not await a.renew()  # fenced: a lapsed lease is not renewed, it is taken again
+            await a.reregister()  # under a new epoch
+            assert await a.renew() and a.leases_lost == 1
         finally:
             await a.aclose()
             await b.aclose()

@@ -176,6 +176,9 @@ class GatewayUpstream:
     url: str
     block_budget: int
     weight: float = 1.0
+    # the engine's name in the shared ledger, the same in every replica (kvtune.gateway.engines);
+    # None: its canonical URL
+    engine_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +242,10 @@ class OnLedgerError(enum.Enum):
     LOCAL = "local"  # admit against a static 1/replicas_hint slice of each upstream's budget
 
 
+#: How long a lapsed replica's reservations stay counted by default: longer than most requests run.
+DEFAULT_RECLAIM_GRACE_S = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerStore:
     """gateway.yaml `ledger`: in memory (the default), or one Redis every gateway replica shares,
@@ -254,6 +261,10 @@ class LedgerStore:
     # How long one call to Redis may take (its retries included) before it counts as unavailable:
     # on a loaded host 0.5 s can pass without Redis being down (then on_error decides).
     op_timeout_s: float = 0.5
+    # How long a replica's reservations outlive its lapsed lease (it is fenced meanwhile): a replica
+    # paused or cut off still runs its requests on the engines, so their blocks stay counted until
+    # it comes back or this passes (kvtune.gateway.redis_ledger)
+    reclaim_grace_s: float = DEFAULT_RECLAIM_GRACE_S
 
     @property
     def shared(self) -> bool:
@@ -421,9 +432,9 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
     r = _Reader(path)
     top = r.mapping(
         data, "",
-        {"version", "listen", "upstream", "upstreams", "model", "block_size", "block_budget", "max_model_len",
-         "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits", "admin",
-         "admission", "health", "sticky", "ledger"},
+        {"version", "listen", "upstream", "engine_id", "upstreams", "model", "block_size", "block_budget",
+         "max_model_len", "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits",
+         "admin", "admission", "health", "sticky", "ledger"},
         {"version", "block_size", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
@@ -505,7 +516,10 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
             if key not in top:
                 raise r.fail(key, "missing (or give upstreams: a list of {url, block_budget})")
         return (GatewayUpstream(r.url(top["upstream"], "upstream"),
-                                r.integer(top["block_budget"], "block_budget", 1)),)
+                                r.integer(top["block_budget"], "block_budget", 1),
+                                engine_id=_engine_id(r, top.get("engine_id"), "engine_id")),)
+    if "engine_id" in top:
+        raise r.fail("engine_id", "with upstreams:, give each its own upstreams[i].engine_id")
     for key in ("upstream", "block_budget"):
         if key in top:
             raise r.fail(key, "give upstreams: (each with its own block_budget) or upstream: and block_budget:, "
@@ -515,9 +529,16 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
         raise r.fail("upstreams", "expected a non-empty list of {url, block_budget, weight}")
     out: list[GatewayUpstream] = []
     seen: dict[tuple, int] = {}
+    ids: dict[str, int] = {}
     for i, item in enumerate(raw):
         where = f"upstreams[{i}]"
-        doc = r.mapping(item, where, {"url", "block_budget", "weight"}, {"url", "block_budget"})
+        doc = r.mapping(item, where, {"url", "block_budget", "weight", "engine_id"}, {"url", "block_budget"})
+        engine_id = _engine_id(r, doc.get("engine_id"), f"{where}.engine_id")
+        if engine_id is not None:
+            if engine_id in ids:
+                raise r.fail(f"{where}.engine_id", f"{engine_id} is upstreams[{ids[engine_id]}]'s already: each "
+                             "engine is listed once")
+            ids[engine_id] = i
         url = r.url(doc["url"], f"{where}.url")
         parsed = parse_url(url, field=f"{where}.url")
         same = (parsed.scheme, parsed.host.lower(), parsed.port, parsed.prefix.rstrip("/"))
@@ -526,8 +547,21 @@ def _upstreams(r: _Reader, top: dict) -> tuple[GatewayUpstream, ...]:
         seen[same] = i
         out.append(GatewayUpstream(
             url, r.integer(doc["block_budget"], f"{where}.block_budget", 1),
-            r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT)))
+            r.number(doc.get("weight", 1.0), f"{where}.weight", 0.001, MAX_WEIGHT), engine_id))
     return tuple(out)
+
+
+#: What an engine_id may hold (a Redis hash field and a log word).
+_ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}")
+
+
+def _engine_id(r: _Reader, value: Any, where: str) -> str | None:
+    """An upstream's engine_id: the name every gateway replica sharing a Redis ledger gives it."""
+    name = r.string(value, where, True)
+    if name is not None and not _ENGINE_ID.fullmatch(name):
+        raise r.fail(where, "expected a name of letters, digits and . _ : / @ + - (at most 200), such as "
+                     "vllm-a")
+    return name
 
 
 #: The longest lease: a replica that dies holds its reservations at most this long.
@@ -537,13 +571,14 @@ MAX_REPLICAS_HINT = 1024
 
 
 def _ledger(r: _Reader, top: dict) -> LedgerStore:
-    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint, op_timeout_s}`. The URL is never
+    """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint, op_timeout_s, reclaim_grace_s}`. The URL
+    is never
     quoted in an error: it may hold a password."""
     value = top.get("ledger", {})
     if isinstance(value, str):  # perhaps a URL, with its password: not quoted
         raise r.fail("ledger", "expected a mapping such as {backend: redis, url: redis://...}, got a string")
     doc = r.mapping(value, "ledger", {"backend", "url", "key_prefix", "lease_s", "on_error", "replicas_hint",
-                                                   "op_timeout_s"})
+                                      "op_timeout_s", "reclaim_grace_s"})
     for key, item in doc.items():
         if key != "url" and isinstance(item, str) and ("@" in item or "://" in item):
             raise r.fail(f"ledger.{key}", "got a URL-like string (not quoted: it may hold a password); "
@@ -554,7 +589,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
         raise r.fail("ledger.backend", f"{brief(given)} is not one of {', '.join(names)}")
     backend = names[given]
     if backend is LedgerBackend.MEMORY:
-        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s"):
+        for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s", "reclaim_grace_s"):
             if key in doc:
                 raise r.fail(f"ledger.{key}", "only for ledger.backend: redis")
         return LedgerStore()
@@ -588,7 +623,8 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
     if "op_timeout_s" in doc and op_timeout_s >= lease_s:
         raise r.fail("ledger.op_timeout_s", f"{op_timeout_s:g} s is not below lease_s ({lease_s:g} s): a call "
                      "that slow would let the replica's own lease lapse while it waits")
-    return LedgerStore(backend, url, prefix, lease_s, errors[on_error], hint, op_timeout_s)
+    grace = r.number(doc.get("reclaim_grace_s", DEFAULT_RECLAIM_GRACE_S), "ledger.reclaim_grace_s", 0, MAX_LEASE_S)
+    return LedgerStore(backend, url, prefix, lease_s, errors[on_error], hint, op_timeout_s, grace)
 
 
 def _sticky(r: _Reader, value: Any) -> Sticky | None:

@@ -6,7 +6,8 @@ one step no other replica can interleave with: two gateways cannot over-admit in
 
 Keys, all under `key_prefix` (P); for Redis Cluster put a hash tag in it ("{kvtune}") so they
 share one slot:
-    P:owners        ZSET  owner -> lease deadline, in ms of the Redis server's clock (TIME)
+    P:owners        ZSET  owner -> when it is reclaimed: its lease deadline + reclaim_grace_s, in ms
+                          of the Redis server's clock (TIME)
     P:res:<owner>   HASH  reservation id -> "<blocks> <upstream>", the reservations one owner holds
     P:void:<owner>  ZSET  reservation id -> ms: ids given up on (below), refused if their reserve
                           arrives after all; kept VOID_KEEP_S
@@ -15,25 +16,44 @@ share one slot:
     P:budget        HASH  upstream -> its budget, as the gateways state it (set_budgets; for reading)
     P:limit         HASH  upstream -> the limit the last reserve was checked against
     P:released      HASH  upstream -> "<sum> <ms>": blocks given back, decayed over RATE_WINDOW_S
+    P:leases        HASH  owner -> "<lease deadline ms> <epoch>" (P:owners then holds its reclaim time)
+    P:epoch         the last lease epoch given (INCR: each registration takes the next)
+    P:engines       HASH  engine address (ip:port) -> the identity it is budgeted under
+    P:engine_url    HASH  identity -> the URL it was first registered with (for the refusal)
+    P:engine_users:<identity>  SET  owners that registered it (a clash counts while one is live)
 
-An owner is one gateway process. Its lease is its deadline in P:owners: every script it runs
-pushes the deadline to now + lease_s, and a background task (`start`) runs `renew` every
-min(lease_s / 3, 1 s) so an idle replica keeps it too. Every script, whoever runs it, first
-sweeps: each owner whose deadline has passed by Redis' clock (never a client's) is reclaimed, its
-blocks returned to their upstreams and its hash deleted (at most SWEEP_OWNERS owners a script,
-so Redis pauses a bounded time whatever died; the next scripts take the rest). So a replica that dies (SIGKILL, machine
-loss) loses its reservations at the first script any replica runs after its deadline, within
-lease_s + 1 s of its last heartbeat while any replica lives, waiting for nobody. Expired means
-reclaimed, whoever notices first, the owner itself included: a replica that comes back after a
-partition (or a pause longer than lease_s) finds its hash gone, and its next script opens a fresh
-lease (`leases_lost` counts these). Its requests still run, though, and the engines hold their
-KV: the heartbeat then holds them again (`reregister`, the ids and rows `in_flight` reports),
-in one script, each only if it fits now by the policy's reserve rule, so new admissions see
-them again and the budget still holds; those that no longer fit (another replica admitted into
-their room) cannot be stopped: they are counted (`reregister_over`, logged) and tried again
-every heartbeat until they fit or end. Same ids, same owner: each release gives back once (a
-release that finds nothing while a re-registration is on its way leaves a tombstone the script
-honours).
+"upstream" in these keys is the engine's identity (kvtune.gateway.engines): its engine_id, else
+its canonical URL, so that every replica budgets one engine once however it spells the URL.
+
+An owner is one gateway process. Its lease is its deadline and epoch in P:leases, and
+P:owners holds when its reservations are reclaimed: the deadline plus reclaim_grace_s. A script
+the owner runs under a live lease of its epoch pushes the deadline to now + lease_s, and a
+background task (`start`) runs `renew` every min(lease_s / 3, 1 s) so an idle replica keeps it
+too. Every script, whoever runs it, first sweeps: each owner whose reclaim time has passed by
+Redis' clock (never a client's) is reclaimed, its blocks returned to their upstreams and its
+hash deleted (at most SWEEP_OWNERS owners a script, so Redis pauses a bounded time whatever
+died; the next scripts take the rest).
+
+Between its deadline and its reclaim time an owner is lapsed: its reservations stay counted (a
+replica paused or cut off still runs its requests on the engines, whose KV they hold), and it is
+fenced: its admission scripts admit nothing, its renewals renew nothing, until it registers again
+(`reregister`: a new epoch from the counter P:epoch) and holds what it still runs (the ids and rows `in_flight`
+reports; those still held are kept as they are). A script sent under an older epoch (a reply
+lost in a pause, a second process claiming the same owner) is fenced the same way. A lapsed
+owner none of whose connections is open to Redis died (SIGKILL: the kernel closed them), and its
+engines' requests with it: the heartbeat of any live replica (`reclaim_departed`, by CLIENT LIST
+and the connection name each replica sets to its owner) reclaims it at once, within lease_s + 1 s
+of its last heartbeat. A machine lost without closing its connections keeps the grace (until
+Redis' tcp-keepalive drops them).
+
+Past the grace the owner is reclaimed: one that comes back later finds its hash gone, registers
+again and holds its still-running requests again, each only if it fits now by the policy's
+reserve rule, so new admissions see them again and the ledger's budget still holds; those that
+no longer fit (another replica admitted into their room) cannot be stopped, and for as long as
+they run the engine holds more than its budget: they are counted (`reregister_over`, logged) and
+tried again every heartbeat until they fit or end. Same ids, same owner: each release gives back
+once (a release that finds nothing while a re-registration is on its way leaves a tombstone the
+script honours).
 
 release(id) deletes the id from the caller's own hash and subtracts only if it was there: exactly
 once. reserve(id) is idempotent (an id already held answers granted, unchanged), which is also
@@ -92,11 +112,15 @@ RETRY_PAUSE_S = 0.1
 VOID_KEEP_S = 60.0
 
 # KEYS[1..5]: owners, reserved, inflight, released, budget; KEYS[6..7]: the caller's own hash and
-# tombstones; KEYS[8]: limit. ARGV[1..4]: the key prefix, lease ms, release window ms, owner.
+# tombstones; KEYS[8]: limit. ARGV[1..4]: the key prefix, the caller's lease terms ("<lease ms>
+# <grace ms> <epoch>"), release window ms, owner.
 _PRELUDE = """
 local owners_key, reserved_key, inflight_key = KEYS[1], KEYS[2], KEYS[3]
 local released_key, budget_key, own_key, void_key, limit_key = KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local prefix, lease_ms, window_ms, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local prefix, window_ms, owner = ARGV[1], tonumber(ARGV[3]), ARGV[4]
+local lease_ms, grace_ms, epoch = string.match(ARGV[2], '^(%d+) (%d+) (%d+)$')
+lease_ms, grace_ms, epoch = tonumber(lease_ms), tonumber(grace_ms), tonumber(epoch)
+local leases_key = prefix .. ':leases'
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -182,6 +206,7 @@ local function reclaim(who)
   end
   redis.call('DEL', key, prefix .. ':void:' .. who, prefix .. ':rows:' .. who)
   redis.call('ZREM', owners_key, who)
+  redis.call('HDEL', leases_key, who)
   return #held / 2
 end
 
@@ -190,10 +215,36 @@ for _, who in ipairs(redis.call('ZRANGEBYSCORE', owners_key, '-inf', now_ms, 'LI
   reclaimed = reclaimed + reclaim(who)
 end
 
+-- the caller's lease: live (its deadline not passed) and of the epoch the caller names
+local function leased()
+  local v = redis.call('HGET', leases_key, owner)
+  if not v then return false end
+  local deadline, e = string.match(v, '^(%d+) (%d+)$')
+  return tonumber(deadline) >= now_ms and tonumber(e) == epoch
+end
+
+local function hold_lease(e)
+  redis.call('HSET', leases_key, owner, string.format('%d %d', now_ms + lease_ms, e))
+  redis.call('ZADD', owners_key, now_ms + lease_ms + grace_ms, owner)
+end
+
+-- renew the caller's live lease -> 1; a lapsed one (or one of an older epoch) is not renewed -> 0:
+-- the caller is fenced until it registers again (register())
 local function lease()
-  local had = redis.call('ZSCORE', owners_key, owner) and 1 or 0
-  redis.call('ZADD', owners_key, now_ms + lease_ms, owner)
-  return had
+  if not leased() then return 0 end
+  hold_lease(epoch)
+  return 1
+end
+
+-- renew the caller's lease if live, else open a new epoch -> {had, epoch}
+local function register()
+  if leased() then
+    hold_lease(epoch)
+    return {1, epoch}
+  end
+  local e = redis.call('INCR', prefix .. ':epoch')  -- one counter for all: an epoch is never given twice
+  hold_lease(e)
+  return {0, e}
 end
 """.replace("SWEEP_OWNERS", str(SWEEP_OWNERS)).replace("RESUM_EVERY", str(RESUM_EVERY))
 
@@ -201,8 +252,9 @@ end
 _RESERVE = _PRELUDE + """
 local upstream, id, blocks, limit = ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
 local had = lease()
-redis.call('HSET', limit_key, upstream, limit)
 local reserved = tonumber(redis.call('HGET', reserved_key, upstream) or '0')
+if had == 0 then return {0, had, reserved, reclaimed} end  -- fenced: register again first
+redis.call('HSET', limit_key, upstream, limit)
 if redis.call('HEXISTS', own_key, id) == 1 then return {1, had, reserved, reclaimed} end
 if redis.call('ZSCORE', void_key, id) then return {0, had, reserved, reclaimed} end  -- given up on already
 if reserved + blocks > limit then return {0, had, reserved, reclaimed} end
@@ -227,7 +279,7 @@ give_back(upstream, tonumber(blocks), owner, ARGV[5])
 return {1, had, reclaimed}
 """
 
-# -> {had lease, reclaimed, held by this owner}
+# -> {had lease, reclaimed, held by this owner} (had 0: lapsed, not renewed: register again)
 _RENEW = _PRELUDE + """
 local had = lease()
 redis.call('ZREMRANGEBYSCORE', void_key, '-inf', now_ms - VOID_KEEP_MS)
@@ -269,11 +321,13 @@ return out
 # The re-registration after a lost lease: ARGV[5]: epsilon (statistical), then 6 a reservation: id,
 # upstream, blocks, limit, worst, rows (none: empty). Each is held again, in order, only if it fits
 # now (fits(), the reserve rule of the policy's script); held again, its rows too (hold_rows()).
-# -> {had lease, reclaimed, re-registered, held already, then the ids that did not fit}
+# The lease is renewed if live, else opened under a new epoch (register()).
+# -> {had lease, reclaimed, re-registered, held already, epoch, then the ids that did not fit}
 _REREGISTER = """
-local had = lease()
+local registered = register()
+local had = registered[1]
 local epsilon = tonumber(ARGV[5])
-local out = {had, reclaimed, 0, 0}
+local out = {had, reclaimed, 0, 0, registered[2]}
 for i = 6, #ARGV, 6 do
   local id, upstream, blocks, limit = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   local worst, rows = tonumber(ARGV[i + 4]), ARGV[i + 5]
@@ -305,6 +359,76 @@ local function fits(upstream, blocks, limit, epsilon, worst, rows) return fits_b
 local function hold_rows(upstream, id, worst, rows) end
 """ + _REREGISTER
 
+# ARGV[5..]: per engine its identity, its URL as written, the count of its addresses, then them.
+# An address registered under another identity that a live owner uses (or that has blocks
+# reserved) refuses the whole registration, nothing written -> {0} or {1, address, the other
+# identity, the URL it was registered with, the refused identity}
+_REGISTER_ENGINES = _PRELUDE + """
+local engines_key, spelling_key = prefix .. ':engines', prefix .. ':engine_url'
+local function in_use(identity)
+  if tonumber(redis.call('HGET', reserved_key, identity) or '0') > 0 then return true end
+  local users = prefix .. ':engine_users:' .. identity
+  for _, who in ipairs(redis.call('SMEMBERS', users)) do
+    if who ~= owner then
+      if redis.call('ZSCORE', owners_key, who) then return true end
+      redis.call('SREM', users, who)
+    end
+  end
+  return false
+end
+local engines = {}
+local i = 5
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 2])
+  local e = {id = ARGV[i], url = ARGV[i + 1], addresses = {}}
+  for k = 1, n do e.addresses[k] = ARGV[i + 2 + k] end
+  table.insert(engines, e)
+  i = i + 3 + n
+end
+for _, e in ipairs(engines) do
+  for _, address in ipairs(e.addresses) do
+    local other = redis.call('HGET', engines_key, address)
+    if other and other ~= e.id and in_use(other) then
+      return {1, address, other, redis.call('HGET', spelling_key, other) or other, e.id}
+    end
+  end
+end
+lease()
+for _, e in ipairs(engines) do
+  for _, address in ipairs(e.addresses) do redis.call('HSET', engines_key, address, e.id) end
+  redis.call('HSETNX', spelling_key, e.id, e.url)
+  local users = prefix .. ':engine_users:' .. e.id
+  for _, who in ipairs(redis.call('SMEMBERS', users)) do  -- those gone: the set stays small
+    if not redis.call('ZSCORE', owners_key, who) then redis.call('SREM', users, who) end
+  end
+  redis.call('SADD', users, owner)
+end
+return {0}
+"""
+
+# -> the owners, other than the caller, whose lease lapsed and whose grace runs still
+_LAPSED = _PRELUDE + """
+local out = {}
+local held = redis.call('HGETALL', leases_key)
+for i = 1, #held, 2 do
+  local deadline = tonumber(string.match(held[i + 1], '^(%d+) '))
+  if held[i] ~= owner and deadline < now_ms then table.insert(out, held[i]) end
+end
+return out
+"""
+
+# ARGV[5..]: lapsed owners no connection of which is open to Redis (they died): reclaimed now,
+# each only if its lease is lapsed still -> reclaimed
+_RECLAIM_DEPARTED = _PRELUDE + """
+for i = 5, #ARGV do
+  local v = redis.call('HGET', leases_key, ARGV[i])
+  if v and ARGV[i] ~= owner and tonumber(string.match(v, '^(%d+) ')) < now_ms then
+    reclaimed = reclaimed + reclaim(ARGV[i])
+  end
+end
+return reclaimed
+"""
+
 # the owner gives up its lease and everything it holds -> reclaimed (its own included)
 _RETIRE = _PRELUDE + """
 return reclaimed + reclaim(owner)
@@ -321,6 +445,27 @@ class InFlight:
     limit_blocks: int  # what its reserve was checked against (statistical: the budget)
     worst: int = 0  # statistical: its worst-case blocks and log-moment rows (encode_rows; b"" for none)
     rows: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineName:
+    """One upstream as register_engines records it: the identity its budget is kept under, its
+    URL as written, and the addresses it resolves to."""
+
+    identity: str
+    url: str
+    addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineClash:
+    """Why register_engines refused: `address` is registered under `registered` (first written as
+    `registered_url`), in use, and this replica would budget it as `identity`."""
+
+    address: str
+    registered: str
+    registered_url: str
+    identity: str
 
 
 @dataclass(slots=True)
@@ -349,9 +494,11 @@ class RedisLedger:
 
     def __init__(self, url: str, *, owner: str | None = None, key_prefix: str = "kvtune", lease_s: float = 10.0,
                  op_timeout_s: float = 0.5, connect_timeout_s: float = 0.25, max_connections: int = 64,
-                 rate_window_s: float = RATE_WINDOW_S) -> None:
+                 rate_window_s: float = RATE_WINDOW_S, reclaim_grace_s: float = 0.0) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
+        if reclaim_grace_s < 0:
+            raise ValueError(f"reclaim_grace_s must not be negative, got {reclaim_grace_s}")
         if not key_prefix:
             raise ValueError("key_prefix must not be empty")
         if op_timeout_s <= 0:
@@ -360,6 +507,7 @@ class RedisLedger:
         self.owner = owner or default_owner()
         self.key_prefix = key_prefix
         self.lease_s = lease_s
+        self.reclaim_grace_s = reclaim_grace_s
         self.tend_every_s = min(lease_s / 3, TEND_EVERY_S)
         self.op_timeout_s = op_timeout_s
         self._connect_timeout_s = connect_timeout_s
@@ -367,10 +515,13 @@ class RedisLedger:
         p = key_prefix
         self._keys = [f"{p}:owners", f"{p}:reserved", f"{p}:inflight", f"{p}:released", f"{p}:budget",
                       self.reservations_key(self.owner), f"{p}:void:{self.owner}", f"{p}:limit"]
-        self._args = [p, str(round(lease_s * 1000)), str(round(rate_window_s * 1000)), self.owner]
+        self._terms = f"{round(lease_s * 1000)} {round(reclaim_grace_s * 1000)}"
+        self._epoch = 0  # the lease epoch Redis gave this owner (0: none yet); every script names it
+        self._args = [p, f"{self._terms} 0", str(round(rate_window_s * 1000)), self.owner]
         self._scripts = {name: _Script(source) for name, source in (
             ("reserve", _RESERVE), ("release", _RELEASE), ("renew", _RENEW), ("set_budgets", _SET_BUDGETS),
-            ("snapshot", _SNAPSHOT), ("retire", _RETIRE), ("reregister", _REREGISTER_BLOCKS))}
+            ("snapshot", _SNAPSHOT), ("retire", _RETIRE), ("reregister", _REREGISTER_BLOCKS),
+            ("register_engines", _REGISTER_ENGINES), ("lapsed", _LAPSED), ("reclaim_departed", _RECLAIM_DEPARTED))}
         self._redis: Any = None
         self._state = _State.NEW
         self._leased = False
@@ -379,7 +530,8 @@ class RedisLedger:
         self._task: asyncio.Task[None] | None = None
         # what this replica still runs (the gateway's SharedLedger sets it): held again after a lost lease
         self.in_flight: Callable[[], Iterable[InFlight]] | None = None
-        self._lost = False  # the lease was found lost, the re-registration not yet done
+        self._lost = False  # the lease was found lost (or never taken), the re-registration not yet done
+        self._registering = asyncio.Lock()  # one registration at a time: the heartbeat's or a fenced reserve's
         self._reregistering = False  # a re-registration is on its way: a release finding nothing leaves a tombstone
         self._unregistered: set[str] = set()  # in flight, not held in Redis: they did not fit when held again
         self._ended: set[str] = set()  # released while a re-registration was on its way
@@ -425,13 +577,14 @@ class RedisLedger:
         # went away would carry on); each operation is bounded by asyncio.timeout in _run instead.
         pool = aioredis.BlockingConnectionPool.from_url(
             self.url, max_connections=self._max_connections, timeout=self.op_timeout_s,
-            socket_timeout=None, socket_connect_timeout=self._connect_timeout_s,
+            socket_timeout=None, socket_connect_timeout=self._connect_timeout_s, client_name=self.owner,
             retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=2), health_check_interval=0)
         self._redis = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
         if heartbeat:
             self._task = asyncio.get_running_loop().create_task(self._tend(), name=f"kvtune-ledger-{self.owner}")
         await self._load_scripts()
-        await self.renew()
+        self._lost = True  # no lease yet: the first registration opens one (an epoch)
+        await self.reregister()
 
     async def aclose(self, *, retire: bool = True) -> None:
         """Stop the heartbeat, give back queued releases and, with retire, everything this owner
@@ -478,13 +631,26 @@ class RedisLedger:
             raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
         if limit_blocks < 1:
             raise ValueError(f"limit_blocks must be at least 1, got {limit_blocks}")
+        out = await self._admit(reservation_id, "reserve", upstream, reservation_id, blocks, limit_blocks)
+        return bool(out[0])
+
+    async def _admit(self, reservation_id: str, name: str, *args: str | int | bytes) -> Any:
+        """Run an admission script ({granted, had lease, reserved, reclaimed, ...}). Fenced (this
+        owner's lease lapsed, or Redis knows a later epoch of it), it admits nothing: register
+        again first (what still runs held again), then try once more. One that raised is queued
+        for release: Redis may have recorded it all the same."""
         try:
-            granted, had, _, reclaimed = await self._run("reserve", upstream, reservation_id, blocks, limit_blocks)
-        except BaseException:  # unavailable, or cancelled: Redis may have recorded it all the same
+            for attempt in range(2):
+                epoch = self._epoch
+                out = await self._run(name, *args)
+                self._lease_seen(out[1], out[3], epoch)
+                if out[1] or attempt:
+                    break
+                await self.reregister()
+        except BaseException:  # unavailable, or cancelled
             self.release_soon(reservation_id)
             raise
-        self._lease_seen(had, reclaimed)
-        return bool(granted)
+        return out
 
     async def release(self, reservation_id: str) -> bool:
         """Give the reservation's blocks back; True the first time, False if it is not held (already
@@ -501,8 +667,9 @@ class RedisLedger:
     async def _release(self, reservation_id: str, *, tombstone: bool = False) -> bool:
         self._forget(reservation_id)
         tombstone = tombstone or self._reregistering
+        epoch = self._epoch
         released, had, reclaimed = await self._run("release", reservation_id, int(tombstone))
-        self._lease_seen(had, reclaimed)
+        self._lease_seen(had, reclaimed, epoch)
         return bool(released)
 
     def release_soon(self, reservation_id: str) -> None:
@@ -516,14 +683,16 @@ class RedisLedger:
         """Push this owner's lease deadline to now + lease_s (and sweep expired owners). False if the
         lease had expired (or never existed): whatever this owner held was reclaimed."""
         self._check_started()
+        epoch = self._epoch
         had, reclaimed, _ = await self._run("renew")
-        return self._lease_seen(had, reclaimed)
+        return self._lease_seen(had, reclaimed, epoch)
 
     async def held(self) -> int:
         """How many reservations this owner holds in Redis now (renewing its lease on the way)."""
         self._check_started()
+        epoch = self._epoch
         had, reclaimed, held = await self._run("renew")
-        self._lease_seen(had, reclaimed)
+        self._lease_seen(had, reclaimed, epoch)
         return int(held)
 
     async def set_budgets(self, budgets: Mapping[str, int], limits: Mapping[str, int] | None = None) -> None:
@@ -534,6 +703,20 @@ class RedisLedger:
         for upstream, blocks in budgets.items():
             args += [upstream, blocks, (limits or {}).get(upstream, blocks)]
         self.reclaimed += int(await self._run("set_budgets", *args))
+
+    async def register_engines(self, engines: Iterable[EngineName]) -> EngineClash | None:
+        """Record which identity each engine address is budgeted under, in one script; the first
+        address already registered under another identity still in use (a live owner registered
+        it, or blocks are reserved on it) refuses them all, nothing written: that clash is returned."""
+        self._check_started()
+        args: list[str | int] = []
+        for engine in engines:
+            args += [engine.identity, engine.url, len(engine.addresses), *engine.addresses]
+        out = [x.decode() if isinstance(x, bytes) else x for x in await self._run("register_engines", *args)]
+        if int(out[0]) == 0:
+            return None
+        return EngineClash(address=str(out[1]), registered=str(out[2]), registered_url=str(out[3]),
+                           identity=str(out[4]))
 
     async def snapshot(self) -> dict[str, LedgerSnapshot]:
         """Every upstream's budget, blocks reserved and reservations held by all replicas together,
@@ -554,46 +737,76 @@ class RedisLedger:
         return 0 if got is None else got.reserved_blocks
 
     async def reregister(self) -> None:
-        """Hold again, in one script, what this replica still runs (`in_flight`) after its lease
-        was lost: each only if it fits now (the policy's reserve rule), so the ledger counts what
-        runs again; those that do not fit cannot be stopped, they are counted (reregister_over,
-        logged) and tried again every heartbeat until they fit or end. Without a lost lease, only
-        those are tried. The same ids under the same owner: a release gives each back once."""
+        """Take the lease again under a new epoch after it lapsed (or first, at start) and hold
+        again, in one script, what this replica still runs (`in_flight`): each only if it fits now
+        (the policy's reserve rule), so the ledger counts what runs again; those held still (the
+        lapse was within reclaim_grace_s) are kept as they are. Those that do not fit cannot be
+        stopped: they are counted (reregister_over, logged) and tried again every heartbeat until
+        they fit or end. Until this is done, every admission of this owner is fenced. Without a
+        lapsed lease, only those that did not fit are tried. Same ids, same owner: a release
+        gives each back once."""
         self._check_started()
-        lost, self._lost = self._lost, False
-        if self.in_flight is None or not (lost or self._unregistered):
-            return
-        self._reregistering = True  # before reading what runs: a release racing the script tombstones
-        try:
-            running = list(self.in_flight())
-            self._unregistered &= {held.reservation_id for held in running}  # those that ended need nothing
-            todo = running if lost else [held for held in running if held.reservation_id in self._unregistered]
-            if not todo:
+        async with self._registering:  # a fenced reserve waits for the heartbeat's, and the other way round
+            lost, first = self._lost, not self._leased
+            if not (lost or self._unregistered):
                 return
-            args: list[str | int | bytes] = [self._epsilon_arg()]
-            for held in todo:
-                args += [held.reservation_id, held.upstream, held.blocks, held.limit_blocks, held.worst, held.rows]
+            self._reregistering = True  # before reading what runs: a release racing the script tombstones
             try:
+                running = list(self.in_flight()) if self.in_flight is not None and not first else []
+                self._unregistered &= {held.reservation_id for held in running}  # those that ended need nothing
+                if not lost and not self._unregistered:
+                    return
+                args: list[str | int | bytes] = [self._epsilon_arg()]
+                for held in running:  # all of them: those Redis holds still are kept, not counted twice
+                    args += [held.reservation_id, held.upstream, held.blocks, held.limit_blocks, held.worst,
+                             held.rows]
                 out = await self._run("reregister", *args)
-            except BaseException:
-                self._lost = self._lost or lost  # the next heartbeat tries again
-                raise
-        finally:
-            self._reregistering = False
-            ended, self._ended = self._ended, set()
-        self._lease_seen(out[0], out[1])
-        registered, kept = int(out[2]), int(out[3])
-        over = {x.decode() if isinstance(x, bytes) else str(x) for x in out[4:]}
-        self._unregistered = over - ended
-        self.reregistered += registered
-        if lost:
-            self.reregister_over += len(over)
-            log.warning("the shared ledger lease of %s was lost (its reservations were reclaimed): %d in-flight "
-                        "requests held again, %d held already, %d no longer fit (counted in Redis once they do)",
-                        self.owner, registered, kept, len(over))
-        elif registered:
-            log.warning("%d in-flight requests held again in the shared ledger, %d still do not fit",
-                        registered, len(over))
+            finally:
+                self._reregistering = False
+                ended, self._ended = self._ended, set()
+            had, epoch = int(out[0]), int(out[4])
+            self.reclaimed += int(out[1])
+            if not had and not lost and not first:  # it lapsed unnoticed: a loss all the same
+                self.leases_lost += 1
+                lost = True
+            self._epoch = epoch
+            self._args[1] = f"{self._terms} {epoch}"
+            self._leased, self._lost = True, False
+            registered, kept = int(out[2]), int(out[3])
+            over = {x.decode() if isinstance(x, bytes) else str(x) for x in out[5:]}
+            self._unregistered = over - ended
+            self.reregistered += registered
+            if lost and not first:
+                self.reregister_over += len(over)
+                log.warning("the shared ledger lease of %s lapsed (epoch %d now): %d in-flight requests held "
+                            "again, %d held still, %d no longer fit (counted in Redis once they do)",
+                            self.owner, epoch, registered, kept, len(over))
+            elif registered:
+                log.warning("%d in-flight requests held again in the shared ledger, %d still do not fit",
+                            registered, len(over))
+
+    async def reclaim_departed(self) -> int:
+        """Reclaim at once the lapsed owners no connection of which is open to Redis: a process
+        that died (its connections closed with it) holds nothing on the engines either, so its
+        grace is not waited for; one paused or cut off keeps its connections, and its grace.
+        How many reservations were reclaimed (0 where Redis refuses CLIENT LIST: the grace alone)."""
+        self._check_started()
+        lapsed = [x.decode() if isinstance(x, bytes) else str(x) for x in await self._run("lapsed")]
+        if not lapsed:
+            return 0
+        from redis.exceptions import RedisError
+
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                connected = {c.get("name") for c in await self._redis.client_list()}
+        except (RedisError, TimeoutError):
+            return 0
+        departed = [who for who in lapsed if who not in connected]
+        if not departed:
+            return 0
+        got = int(await self._run("reclaim_departed", *departed))
+        self.reclaimed += got
+        return got
 
     # -- internals
 
@@ -607,13 +820,16 @@ class RedisLedger:
         """The re-registration script's epsilon (the guaranteed rule ignores it)."""
         return "0"
 
-    def _lease_seen(self, had: int, reclaimed: int) -> bool:
+    def _lease_seen(self, had: int, reclaimed: int, epoch: int) -> bool:
+        """Note a script's reply, sent under `epoch`: had 0 means this owner's lease lapsed (or was
+        never taken) and it is fenced until it registers again (the heartbeat, or the fenced
+        reserve itself, does). A reply of an epoch already replaced says nothing new."""
         self.reclaimed += int(reclaimed)
-        if not had and self._leased:
-            self.leases_lost += 1
-            self._lost = True  # the heartbeat holds what still runs again
+        if not had and epoch == self._epoch and not self._lost:
+            if self._leased:
+                self.leases_lost += 1
+            self._lost = True
             self._wake.set()
-        self._leased = True
         return bool(had)
 
     async def _load_scripts(self) -> None:
@@ -688,6 +904,7 @@ class RedisLedger:
                     await self._drain()
                 if loop.time() >= next_renew:
                     await self.renew()
+                    await self.reclaim_departed()
                     next_renew = loop.time() + self.tend_every_s
                     if self._unregistered and not self._lost:
                         await self.reregister()
@@ -706,4 +923,5 @@ def _redacted(url: str) -> str:
     return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
 
 
-__all__ = ["RedisLedger", "InFlight", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS", "VOID_KEEP_S"]
+__all__ = ["RedisLedger", "InFlight", "EngineName", "EngineClash", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS",
+           "VOID_KEEP_S"]

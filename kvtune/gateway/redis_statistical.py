@@ -70,8 +70,9 @@ _RESERVE_ROWS = _PRELUDE + _BOUND + """
 local upstream, id, blocks, budget = ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
 local epsilon, worst = tonumber(ARGV[9]), tonumber(ARGV[10])
 local had = lease()
-redis.call('HSET', limit_key, upstream, budget)
 local reserved = tonumber(redis.call('HGET', reserved_key, upstream) or '0')
+if had == 0 then return {0, had, reserved, reclaimed, '0'} end  -- fenced: register again first
+redis.call('HSET', limit_key, upstream, budget)
 if redis.call('HEXISTS', own_key, id) == 1 then return {1, had, reserved, reclaimed, '0'} end
 if redis.call('ZSCORE', void_key, id) then return {0, had, reserved, reclaimed, '0'} end
 local rows = parse(ARGV[11])
@@ -165,14 +166,9 @@ class RedisStatisticalLedger(RedisLedger):
         self._check_started()
         if blocks < 1 or worst < 0:
             raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
-        try:
-            granted, had, _, reclaimed, p = await self._run(
-                "reserve_rows", upstream, reservation_id, blocks, budget_blocks, repr(self.epsilon), worst,
-                encode_rows(log_mgf))
-        except BaseException:
-            self.release_soon(reservation_id)
-            raise
-        self._lease_seen(had, reclaimed)
+        granted, _, _, _, p = await self._admit(
+            reservation_id, "reserve_rows", upstream, reservation_id, blocks, budget_blocks, repr(self.epsilon),
+            worst, encode_rows(log_mgf))
         self.last_probability = float(p)
         return bool(granted)
 
@@ -183,8 +179,9 @@ class RedisStatisticalLedger(RedisLedger):
         """Replace a held reservation's rows (its law conditioned on what it streamed); False if
         it is not held (released already, or never granted)."""
         self._check_started()
+        epoch = self._epoch
         replaced, had, reclaimed = await self._run("progress", reservation_id, encode_rows(log_mgf))
-        self._lease_seen(had, reclaimed)
+        self._lease_seen(had, reclaimed, epoch)
         return bool(replaced)
 
     def progress_soon(self, reservation_id: str, log_mgf: np.ndarray) -> None:
