@@ -16,9 +16,10 @@ import io
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from kvtune.errors import InputError, KvtuneError
+from kvtune.masking import redact, redact_in
 
 #: Bytes fetched per read of a remote file (one Range request each; pyarrow asks for what it needs).
 BLOCK_BYTES = 4 << 20
@@ -29,7 +30,6 @@ PACKAGES = {
     "abfss": "adlfs", "adl": "adlfs", "hf": "huggingface_hub", "http": "aiohttp", "https": "aiohttp",
 }
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_SECRET_KEYS = re.compile(r"sig|token|secret|key|credential|password|auth", re.IGNORECASE)
 
 _T = TypeVar("_T")
 
@@ -38,25 +38,6 @@ def protocol(text: str) -> str | None:
     """The URL scheme of a PATH argument (`s3`, `https` …), or None for a local path."""
     m = _URL.match(text)
     return m.group(1).lower() if m else None
-
-
-def redact(url: str) -> str:
-    """The URL as errors show it: a password in it and secret-looking query values masked."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    netloc = parts.netloc
-    if "@" not in netloc and not parts.query:
-        return url  # nothing to mask (and memory:///a stays as written)
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = (userinfo.split(":", 1)[0] + ":***@" if ":" in userinfo else "***@") + host
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if _SECRET_KEYS.search(k) else v) for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def describe(exc: BaseException) -> str:
@@ -75,7 +56,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect to {exc.host}:{exc.port}: {exc.os_error.strerror or exc.os_error}"
     text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-    text = _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+    text = redact_in(text)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -92,9 +73,6 @@ def _http_cause(exc: BaseException) -> BaseException | None:
         seen.add(id(at))
         at = at.__cause__ or at.__context__
     return None
-
-
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 
 
 def _guarded(url: str, what: str, call: Callable[[], _T]) -> _T:
