@@ -8,12 +8,22 @@ stays bounded as on local files and a Parquet file is read by its footer and the
 needed, never whole. Every failure of the store (no such object, 403, a refused connection,
 missing credentials, a store package not installed) is one InputError naming the URL, with any
 credentials in it masked.
+
+A web server that ignores Range headers (Python's `http.server`, many static servers) answers
+every ranged GET with the whole file, which fsspec either refuses mid-read or hands back as the
+wrong bytes. Each http(s) file is probed once with a one-byte range away from its start; a server
+that fails the probe has the file streamed once to a temporary local file, removed at exit, and
+that copy is what the readers (and `--workers` processes) open, under the URL as given.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import io
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -262,4 +272,45 @@ def _remote(fs: Any, text: str, name: str, info: dict[str, Any], *, listed: bool
     if size is None:
         raise InputError("the store gives no size for this file (no Content-Length): kvtune reads "
                          "byte ranges of it and needs its size", path=redact(url))
+    if protocol(url) in ("http", "https") and not _answers_ranges(fs, url, name, int(size)):
+        return _downloaded(fs, url, name)
     return RemoteFile(url, fs, name, int(size))
+
+
+def _answers_ranges(fs: Any, url: str, name: str, size: int) -> bool:
+    """Whether the web server answers a Range request with that range (one byte, away from the
+    start: fsspec reads a whole answer from offset 0 as if it were the range)."""
+    if size < 2:
+        return True  # one read from the start is the whole file
+    try:
+        with fs.open(name, "rb", block_size=1, size=size, cache_type="none") as probe:
+            probe.seek(size - 1)
+            probe.read(1)
+    except ValueError as exc:
+        if "range requests" in str(exc):
+            return False
+        raise InputError(f"cannot read: {describe(exc)}", path=redact(url)) from exc
+    except Exception as exc:
+        raise InputError(f"cannot read: {describe(exc)}", path=redact(url)) from exc
+    return True
+
+
+def _downloaded(fs: Any, url: str, name: str) -> RemoteFile:
+    """The file streamed once into a temporary local file (removed when kvtune exits), opened by
+    the readers as the URL: for a web server without Range support."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    handle, local = tempfile.mkstemp(prefix="kvtune-", suffix="-" + urlsplit(url).path.rsplit("/", 1)[-1][-64:])
+    os.close(handle)
+    atexit.register(_remove, local)
+    try:
+        _guarded(url, "cannot read", lambda: fs.get_file(name, local))
+    except BaseException:
+        _remove(local)
+        raise
+    return RemoteFile(url, LocalFileSystem(), local, os.path.getsize(local))
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
