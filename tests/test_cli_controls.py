@@ -94,3 +94,15 @@ def test_no_route_string_puts_a_raw_control_on_the_terminal(tmp_path, route):
     result = run("profile", str(log))
     assert result.exit_code in (0, 2), result.output
     assert_no_raw_control(result.stdout, result.stderr)
+
+
+def test_check_lines_escape_a_deployed_path_with_controls(tmp_path):
+    out = tmp_path / "out"
+    assert run("recommend", str(PAIRS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+               "--out", str(out)).exit_code == 0
+    deployed = tmp_path / "gw\x1b]0;pwned\x07.yaml"
+    deployed.write_text((out / "gateway.yaml").read_text())
+    result = run("check", str(PAIRS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--deployed", str(deployed))
+    assert result.exit_code == 0, result.output
+    assert "gw\\x1b]0;pwned\\x07.yaml" in result.stdout
+    assert_no_raw_control(result.stdout, result.stderr)
