@@ -4,10 +4,13 @@ command that quotes an upstream, a server or a log URL in an error shows it reda
 from __future__ import annotations
 
 import json
+import string
 
 import pytest
 import yaml
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtune.cli import cli
 from kvtune.masking import redact
@@ -100,3 +103,19 @@ def test_redis_ledger_url_keeps_only_the_user():
     assert redact("redis://gw:pw-s3cret@127.0.0.1:6379/0") == "redis://gw:***@127.0.0.1:6379/0"
     assert redact("redis://:pw-s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
     assert redact("http://tok-s3cret@[::1:8000/?token=x") == "http://***@[::1:8000/?***"
+
+
+_SECRET = st.text(alphabet=string.ascii_letters + string.digits + "-._~!$&'()*+,;=%:", min_size=6, max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(password=_SECRET, token=_SECRET, key=st.sampled_from(["token", "access_token", "X-Amz-Signature", "sig",
+                                                             "api_key", "apiKey", "secret", "password", "auth"]))
+def test_redact_never_shows_a_password_or_a_secret_query_value(password, token, key):
+    password, token = "Pw" + password.replace("@", ""), "Tk" + token.replace("&", "").replace("#", "")
+    url = f"https://user:{password}@logs.example.com:8443/a.jsonl?{key}={token}&part=2"
+    shown = redact(url)
+    assert password not in shown and token not in shown, shown
+    assert shown.startswith("https://user:***@logs.example.com:8443/a.jsonl?") and "part=2" in shown
+    bare = redact(f"http://{password.replace(':', '')}@127.0.0.1:8000")  # a lone token
+    assert bare == "http://***@127.0.0.1:8000"
