@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvtune.errors import EndpointError, InputError
+from kvtune.masking import redact
 from kvtune.userfiles import brief
 
 MAX_PORT = 65535
@@ -47,7 +48,7 @@ def host_problem(host: str) -> str | None:
 
 def url_problem(url: str) -> str | None:
     """Why `url` is not http(s)://host[:port][/path prefix] (no user, query or fragment), or None."""
-    shape = f"must look like http://host:port, got {brief(url)}"
+    shape = f"must look like http://host:port, got {brief(redact(url))}"
     try:
         parts = urlsplit(url)
     except ValueError:  # e.g. an unclosed [ around an IPv6 address
@@ -59,13 +60,13 @@ def url_problem(url: str) -> str | None:
     except ValueError:
         port = 0
     if port == 0:
-        return f"the port must be a number from 1 to {MAX_PORT}, got {brief(url)}"
+        return f"the port must be a number from 1 to {MAX_PORT}, got {brief(redact(url))}"
     if parts.username is not None or parts.password is not None:
-        return f"a user or password in the URL is not supported, got {brief(url)}"
+        return f"a user or password in the URL is not supported, got {brief(redact(url))}"
     if parts.query or parts.fragment or url.endswith(("?", "#")):
-        return f"a query or fragment in the URL is not supported, got {brief(url)}"
+        return f"a query or fragment in the URL is not supported, got {brief(redact(url))}"
     if not _URL_PATH.fullmatch(parts.path):
-        return f"the path may hold only URL characters (no spaces or control characters), got {brief(url)}"
+        return f"the path may hold only URL characters (no spaces or control characters), got {brief(redact(url))}"
     return host_problem(parts.hostname)
 
 
@@ -104,7 +105,7 @@ def parse_url(url: str, *, field: str | None = None, allow_prefix: bool = True) 
     """A server URL as its parts, or an InputError saying what is wrong with it."""
     problem = url_problem(url)
     if problem is None and not allow_prefix and urlsplit(url).path not in ("", "/"):
-        problem = f"must look like http://host:port, got {brief(url)}"
+        problem = f"must look like http://host:port, got {brief(redact(url))}"
     if problem is not None:
         raise InputError(problem, field=field)
     parts = urlsplit(url)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import threading
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -57,6 +59,48 @@ class FileServer:
 
     def __exit__(self, *exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+
+class PlainFileServer:
+    """Python's own `http.server` on 127.0.0.1 in a thread, serving a directory: it ignores Range
+    headers (every GET answers 200 with the whole file), as many static web servers do. It logs
+    each request's method, path and Range header as FileServer does."""
+
+    def __init__(self, root: Path) -> None:
+        log: list[tuple[str, str, str | None]] = []
+        self.root = root
+        self.log = log
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, directory=str(root), **kwargs)
+
+            def send_head(self) -> Any:
+                log.append((self.command, self.path, self.headers.get("Range")))
+                return super().send_head()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client closing early (the one-byte probe) is not news
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> PlainFileServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
         self.thread.join(10)
 
     def url(self, name: str) -> str:

@@ -171,7 +171,8 @@ def test_a_password_in_the_url_is_refused_before_any_request():
         url = base.replace("http://", "http://user:secret@")
         result = run(url, "--json")
     assert result.exit_code == 2 and [c.path for c in fake.other] == []
-    assert result.stderr == f"Error: URL: a user or password in the URL is not supported, got '{url}'\n"
+    shown = base.replace("http://", "http://user:***@")
+    assert result.stderr == f"Error: URL: a user or password in the URL is not supported, got '{shown}'\n"
 
 
 def test_nothing_to_calibrate_from():

@@ -36,7 +36,7 @@ def test_server_root(url, root):
     ("http://", "URL: must look like http://host:port, got 'http://'"),
     ("http://h:0", "URL: the port must be a number from 1 to 65535, got 'http://h:0'"),
     ("http://h:99999/metrics", "URL: the port must be a number from 1 to 65535, got 'http://h:99999/metrics'"),
-    ("http://u:p@h:1", "URL: a user or password in the URL is not supported, got 'http://u:p@h:1'"),
+    ("http://u:p@h:1", "URL: a user or password in the URL is not supported, got 'http://u:***@h:1'"),
     ("http://h:1/metrics?x=1", "URL: a query or fragment in the URL is not supported, got 'http://h:1/metrics?x=1'"),
     ("http://a b:1", "URL: expected a hostname or IP address such as 127.0.0.1, 0.0.0.0 or ::1, got 'a b'"),
 ])

@@ -26,13 +26,13 @@ import pytest
 import zstandard
 from click.testing import CliRunner
 from conftest import REPO, TRACES
-from http_files import FileServer
+from http_files import FileServer, PlainFileServer
 
 from kvtune.cli import cli
 from kvtune.errors import InputError
 from kvtune.ingest import expand_paths, jsonl
 from kvtune.ingest.paths import is_log_name
-from kvtune.ingest.remote import RemoteFile, redact
+from kvtune.ingest.remote import BLOCK_BYTES, RemoteFile, redact
 
 SAMPLES = REPO / "sample_logs"
 MOONCAKE = TRACES / "mooncake_conversation_trace.excerpt.jsonl"
@@ -306,3 +306,32 @@ def test_an_http_index_page_is_walked_and_globbed_like_a_directory(server, logs)
     code, out = profile(base + "*.csv", "--json")
     path = logs["azure_style_trace.csv"]
     assert code == 0 and out == as_url(local_json(path), path, base + "azure_style_trace.csv"), out
+
+
+# -- a web server that ignores Range headers (issue #26 item 9) -------------------------------------
+
+
+@pytest.fixture
+def plain_server(logs, big_parquet) -> Iterator[PlainFileServer]:
+    """Python's http.server over the logs, the 10 MB Parquet file and a JSONL file of several
+    fetch blocks (so reads past the first block would need a range)."""
+    root = big_parquet.parent
+    for name, path in logs.items():
+        (root / name).write_bytes(path.read_bytes())
+    (root / "mooncake_x120.jsonl").write_bytes(MOONCAKE.read_bytes() * 120)
+    with PlainFileServer(root) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("name", ["azure_conv_bodies.parquet", "mooncake_x120.jsonl", "mooncake.jsonl.gz",
+                                  "azure_style_trace.csv", "azure_conv.parquet"])
+def test_a_server_without_range_support_is_read_whole_once(plain_server, name, workers):
+    local = plain_server.root / name
+    assert local.stat().st_size > 2 * BLOCK_BYTES or name != "mooncake_x120.jsonl"  # several fetch blocks
+    url = plain_server.url(name)
+    code, out = profile(url, "--json", "--workers", workers)
+    assert code == 0, out
+    assert out == as_url(local_json(local, "--workers", workers), local, url)
+    whole = [r for m, p, r in plain_server.log if m == "GET" and p == f"/{name}" and r is None]
+    assert len(whole) == 1  # streamed once, then read from the local copy by every worker

@@ -16,6 +16,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
+from kvtune.controls import escape_controls
 from kvtune.errors import KvtuneError
 from kvtune.version import __version__
 
@@ -64,7 +65,7 @@ class KvtuneGroup(click.Group):
             command = self.get_command(ctx, name) if name else None
             if command is not None:
                 _name_the_flags(exc, command)
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(escape_controls(f"Error: {exc}"), err=True)
             ctx.exit(2)
 
     @staticmethod

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtune.cli._console import shown
 from kvtune.engines import vllm
 
 _PASS, _FAIL, _UNKNOWN = "[green]pass[/]", "[red]fail[/]", "[yellow]unknown[/]"
@@ -136,7 +137,8 @@ def render_summary(report: Mapping[str, Any], console: Console) -> None:
                 for r in check["routes"]:
                     rr = _PASS if r["passed"] else (_FAIL if r["passed"] is False else _UNKNOWN)
                     tol = "" if r["tolerance"] is None else f" ± {r['tolerance']:.3f}"
-                    table.add_row(f"truncation {r['route']}", rr, str(r["observed"]), f"{r['expected']}{tol}", "")
+                    table.add_row(f"truncation {shown(r['route'])}", rr, str(r["observed"]),
+                                  f"{r['expected']}{tol}", "")
             else:
                 table.add_row(name, result, str(check["observed"]), str(check["expected"]), check["detail"])
         console.print(table)

@@ -12,6 +12,9 @@ import os
 from typing import IO, Any
 
 from rich.console import Console
+from rich.markup import escape
+
+from kvtune.controls import escape_controls
 
 PIPED_WIDTH = 10_000  # columns of a pipe or file without $COLUMNS: no cell is ever folded or cut
 
@@ -24,4 +27,10 @@ def output_console(file: IO[str] | None = None, **options: Any) -> Console:
     return Console(file=file, width=PIPED_WIDTH, **options)
 
 
-__all__ = ["PIPED_WIDTH", "output_console"]
+def shown(text: object) -> str:
+    """A string from a log (route, model id, path) as rich prints it: control characters escaped
+    and `[` taken literally, so neither a terminal sequence nor rich markup in it takes effect."""
+    return escape(escape_controls(str(text)))
+
+
+__all__ = ["PIPED_WIDTH", "output_console", "shown"]

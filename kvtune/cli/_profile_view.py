@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from kvtune.cli._progress import transient_bar
+from kvtune.controls import escape_controls
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, TailClass, classify_tail, summarize_plain
 
@@ -27,7 +28,7 @@ def render_profile(profile: Profile, *, file=None) -> None:
     """Print the per-route table, one histogram per route, and the inputs read."""
     from rich.table import Table
 
-    from kvtune.cli._console import output_console
+    from kvtune.cli._console import output_console, shown
 
     console = output_console(file, highlight=False)
     if not profile.routes:
@@ -47,7 +48,7 @@ def render_profile(profile: Profile, *, file=None) -> None:
         out = route.output.summary()
         prompt = summarize_plain(route.prompt) if route.prompt.total else None
         table.add_row(
-            route.route,
+            shown(route.route),
             f"{route.requests:,}",
             f"{100 * route.output.censored_share:.1f}%",
             *(_fmt(out[k]) for k in ("p50", "p90", "p95", "p99", "max")),
@@ -61,7 +62,7 @@ def render_profile(profile: Profile, *, file=None) -> None:
         _render_route_details(console, route)
     console.print()
     for item in profile.inputs:
-        console.print(f"read {item.path} ({item.format}, {item.rows:,} rows)")
+        console.print(f"read {shown(item.path)} ({item.format}, {item.rows:,} rows)")
 
 
 def _tail_label(summary) -> str:
@@ -70,7 +71,9 @@ def _tail_label(summary) -> str:
 
 
 def _render_route_details(console, route: RouteProfile) -> None:
-    console.print(f"[bold]{route.route}[/bold]: output tokens")
+    from kvtune.cli._console import shown
+
+    console.print(f"[bold]{shown(route.route)}[/bold]: output tokens")
     for label, bar, share in _bar_rows(route.output.observed):
         console.print(f"  {label:>15}  {bar:<{_BAR_WIDTH}} {100 * share:5.1f}%")
     facts = []
@@ -115,7 +118,7 @@ def render_skipped(profile: Profile, *, file=None) -> None:
     print(f"skipped {profile.skipped_rows:,} rows:", file=out)
     for reason, count in profile.skipped.items():
         where = profile.skip_examples.get(reason)
-        print(f"  {count:,} {reason}" + (f" (first: {where})" if where else ""), file=out)
+        print(escape_controls(f"  {count:,} {reason}" + (f" (first: {where})" if where else "")), file=out)
 
 
 def render_window(profile: Profile, *, file=None) -> None:
@@ -130,7 +133,7 @@ def render_window(profile: Profile, *, file=None) -> None:
 def render_skipped_files(profile: Profile, *, file=None) -> None:
     """One line on stderr per kind of file not read (kvtune's own outputs, --exclude), never silent."""
     for note in profile.notes:
-        print(f"note: {note}", file=file or sys.stderr)
+        print(escape_controls(f"note: {note}"), file=file or sys.stderr)
 
 
 def render_models(profile: Profile, *, file=None) -> None:
@@ -149,7 +152,7 @@ def render_models(profile: Profile, *, file=None) -> None:
                  + (f" and {selection.unnamed_rows:,} row(s) naming none" if selection.unnamed_rows else ""))
     else:
         line += ": one deployment serves one; pick one with --log-model"
-    print(line, file=file or sys.stderr)
+    print(escape_controls(line), file=file or sys.stderr)
 
 
 def render_folded(profile: Profile, max_routes: int | None, *, file=None) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from kvtune.cli._console import output_console
+from kvtune.cli._console import output_console, shown
 from kvtune.cli._progress import transient_bar
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
     conc, cap, hw = rec.concurrency, rec.capacity, rec.hardware
     gain = f"{conc.gain:.1f}×" if conc.gain is not None else "n/a"
     console.print(
-        f"[bold]{rec.model}[/bold] on {hw.gpu or 'the given memory'} "
+        f"[bold]{shown(rec.model)}[/bold] on {hw.gpu or 'the given memory'} "
         f"(tp {hw.tensor_parallel_size}): KV pool {cap.num_blocks:,} blocks × "
         f"{cap.block_size} tokens ({cap.source}), budget {rec.budget_blocks:,} blocks"
     )
@@ -93,7 +93,8 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
     for r in rec.routes:
         asked = r.requested_max_tokens
         routes.add_row(
-            r.route, f"{r.requests:,}", r.tail.value, f"{r.cap:,}", r.max_new_tokens.rule, f"{r.truncation_share:.1%}",
+            shown(r.route), f"{r.requests:,}", r.tail.value, f"{r.cap:,}", r.max_new_tokens.rule,
+            f"{r.truncation_share:.1%}",
             "—" if asked is None else f"{asked.share_above_cap:.0%}",
             f"{r.reservation_blocks.p50}/{r.reservation_blocks.p99} blk",
             f"{r.concurrency.admitted:,} vs {r.concurrency.worst_case:,}",
@@ -111,7 +112,7 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
     console.print(f"memory per GPU: weights {_gib(cap.weights_bytes)}, overhead {_gib(cap.overhead_bytes)}, "
                   f"KV {_gib(cap.kv_cache_bytes)}")
     for note in rec.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {shown(note)}")
     if written:
         console.print("wrote " + ", ".join(written))
 

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtune.controls import escape_controls
 from kvtune.sim.plot import Timeline, terminal_lines
 
 
@@ -22,8 +23,9 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
     estimate = timing["estimate"]
     title = "kvtune simulate" + (" — ROOFLINE ESTIMATE (no calibrated timing)" if estimate else "")
     admission = sim["admission"]
+    route = escape_controls(str(admission.get("route")))
     where = ("straight to vLLM" if admission["kind"] == "direct" else
-             f"through the gateway (budget {admission['block_budget']:,} blocks, route {admission['route']}, "
+             f"through the gateway (budget {admission['block_budget']:,} blocks, route {route}, "
              f"cap {admission['max_new_tokens']:,})")
     table = Table(title=escape(f"{title}: {where}"), title_justify="left")
     table.add_column("figure")

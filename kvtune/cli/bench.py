@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
+from kvtune.controls import escape_controls
 from kvtune.errors import InputError, OptionError
 from kvtune.userfiles import brief
 
@@ -259,7 +260,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     if load.replay:
         rows, stamps, notes = replay_rows(logs, ingest, routes)
         for note in notes:
-            click.echo(f"note: {note}", err=True)
+            click.echo(escape_controls(f"note: {note}"), err=True)
         shape = LoadShape.replay(stamps, load.speedup)
 
         def build(synth):

@@ -8,6 +8,7 @@ import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.recommend import PolicyArgs, policy_options
+from kvtune.controls import escape_controls
 from kvtune.deploy.check import Severity
 from kvtune.errors import OptionError
 from kvtune.userfiles import brief
@@ -136,11 +137,12 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
         for finding in result.findings:
             label, color = _STYLE[finding.severity]
             where = f" [{finding.source}]" if finding.source and len(deployed) > 1 else ""
-            click.echo(f"{click.style(label, fg=color, bold=True)} {finding.code}{where}: {finding.message}")
-            click.echo(f"     why: {finding.why}")
+            detail = escape_controls(f"{finding.code}{where}: {finding.message}")
+            click.echo(f"{click.style(label, fg=color, bold=True)} {detail}")
+            click.echo(escape_controls(f"     why: {finding.why}"))
         risks = sum(f.severity is Severity.RISK for f in result.findings)
         warns = sum(f.severity is Severity.WARN for f in result.findings)
         verdict = "passed" if result.passed else "FAILED"
-        click.echo(f"{verdict}: {risks} risk, {warns} warning(s) in {', '.join(deployed_paths)}")
+        click.echo(escape_controls(f"{verdict}: {risks} risk, {warns} warning(s) in {', '.join(deployed_paths)}"))
     if not result.passed:
         click.get_current_context().exit(1)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, grouped, log_options
+from kvtune.controls import escape_controls
 from kvtune.engines import ENGINE_TITLES, engine_facts
 from kvtune.errors import OptionError
 from kvtune.policy.rules import CURRENT_VLLM_VERSION
@@ -392,7 +393,8 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         files = kvtune.render(rec, options=render_options, gateway_tokenizer=counting_with)
     except kvtune.RenderCheckError as exc:
         for f in exc.result.findings:
-            click.echo(f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}", err=True)
+            line = f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}"
+            click.echo(escape_controls(line), err=True)
         click.echo("Error: nothing was written; this is a kvtune bug or a hostile log: please report it", err=True)
         click.get_current_context().exit(1)
     if "nginx.conf" not in files and not engine_facts(rec.engine.name).HAS_TOKENIZE:
@@ -421,8 +423,8 @@ def _refuse(rec, json_: bool) -> None:
     verdict = rec.feasibility
     if json_:
         click.echo(json.dumps({"recommendation": rec.to_dict(), "files": {}, "error": verdict.why}, indent=2))
-    click.echo(f"Error: this deployment cannot serve the logged traffic: {verdict.why}", err=True)
-    click.echo(f"Fix: {verdict.fix}", err=True)
+    click.echo(escape_controls(f"Error: this deployment cannot serve the logged traffic: {verdict.why}"), err=True)
+    click.echo(escape_controls(f"Fix: {verdict.fix}"), err=True)
     click.echo("Nothing was written.", err=True)
     click.get_current_context().exit(1)
 
@@ -437,5 +439,5 @@ def _infeasible(exc, json_: bool) -> None:
         from kvtune.cli._recommend_view import show_what_if
 
         show_what_if(exc.rows, exc.objective)
-    click.echo(f"Error: {exc}", err=True)
+    click.echo(escape_controls(f"Error: {exc}"), err=True)
     click.get_current_context().exit(1)

@@ -12,6 +12,7 @@ import click
 
 from kvtune.cli.bench import LoadArgs, load_options
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
+from kvtune.controls import escape_controls
 from kvtune.errors import InputError, OptionError
 from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.userfiles import brief
@@ -260,7 +261,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
 
         rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
         for note in notes:
-            click.echo(f"note: {note}", err=True)
+            click.echo(escape_controls(f"note: {note}"), err=True)
 
         def traffic(n: int | None) -> Any:
             return replay_traffic(rows, stamps, speedup=load.speedup, seed=seed, max_requests=load.max_requests,

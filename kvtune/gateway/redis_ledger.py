@@ -99,6 +99,7 @@ from typing import Any
 from kvtune.errors import LedgerUnavailableError
 from kvtune.gateway.ledger import RATE_WINDOW_S, LedgerSnapshot
 from kvtune.gateway.statistical import RESUM_EVERY
+from kvtune.masking import redact
 
 log = logging.getLogger("kvtune.gateway")
 
@@ -872,7 +873,7 @@ class RedisLedger:
 
     def _unavailable(self, exc: Exception) -> LedgerUnavailableError:
         what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
-        return LedgerUnavailableError(f"the shared ledger at {_redacted(self.url)} {what}",
+        return LedgerUnavailableError(f"the shared ledger at {redact(self.url)} {what}",
                                       field=f"ledger {self.key_prefix}")
 
     async def _drain(self) -> None:
@@ -912,15 +913,6 @@ class RedisLedger:
                 await asyncio.sleep(RETRY_PAUSE_S)
                 if self._pending or self._lost:
                     self._wake.set()
-
-
-def _redacted(url: str) -> str:
-    """The URL without a password (redis://user:secret@host -> redis://user:***@host)."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    if not at or ":" not in creds:
-        return url
-    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
 
 
 __all__ = ["RedisLedger", "InFlight", "EngineName", "EngineClash", "default_owner", "TEND_EVERY_S", "SWEEP_OWNERS",

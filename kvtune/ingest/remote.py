@@ -8,17 +8,28 @@ stays bounded as on local files and a Parquet file is read by its footer and the
 needed, never whole. Every failure of the store (no such object, 403, a refused connection,
 missing credentials, a store package not installed) is one InputError naming the URL, with any
 credentials in it masked.
+
+A web server that ignores Range headers (Python's `http.server`, many static servers) answers
+every ranged GET with the whole file, which fsspec either refuses mid-read or hands back as the
+wrong bytes. Each http(s) file is probed once with a one-byte range away from its start; a server
+that fails the probe has the file streamed once to a temporary local file, removed at exit, and
+that copy is what the readers (and `--workers` processes) open, under the URL as given.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import io
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from kvtune.errors import InputError, KvtuneError
+from kvtune.masking import redact, redact_in
 
 #: Bytes fetched per read of a remote file (one Range request each; pyarrow asks for what it needs).
 BLOCK_BYTES = 4 << 20
@@ -29,7 +40,6 @@ PACKAGES = {
     "abfss": "adlfs", "adl": "adlfs", "hf": "huggingface_hub", "http": "aiohttp", "https": "aiohttp",
 }
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_SECRET_KEYS = re.compile(r"sig|token|secret|key|credential|password|auth", re.IGNORECASE)
 
 _T = TypeVar("_T")
 
@@ -38,25 +48,6 @@ def protocol(text: str) -> str | None:
     """The URL scheme of a PATH argument (`s3`, `https` …), or None for a local path."""
     m = _URL.match(text)
     return m.group(1).lower() if m else None
-
-
-def redact(url: str) -> str:
-    """The URL as errors show it: a password in it and secret-looking query values masked."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    netloc = parts.netloc
-    if "@" not in netloc and not parts.query:
-        return url  # nothing to mask (and memory:///a stays as written)
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = (userinfo.split(":", 1)[0] + ":***@" if ":" in userinfo else "***@") + host
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if _SECRET_KEYS.search(k) else v) for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def describe(exc: BaseException) -> str:
@@ -75,7 +66,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect to {exc.host}:{exc.port}: {exc.os_error.strerror or exc.os_error}"
     text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-    text = _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+    text = redact_in(text)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -92,9 +83,6 @@ def _http_cause(exc: BaseException) -> BaseException | None:
         seen.add(id(at))
         at = at.__cause__ or at.__context__
     return None
-
-
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 
 
 def _guarded(url: str, what: str, call: Callable[[], _T]) -> _T:
@@ -284,4 +272,45 @@ def _remote(fs: Any, text: str, name: str, info: dict[str, Any], *, listed: bool
     if size is None:
         raise InputError("the store gives no size for this file (no Content-Length): kvtune reads "
                          "byte ranges of it and needs its size", path=redact(url))
+    if protocol(url) in ("http", "https") and not _answers_ranges(fs, url, name, int(size)):
+        return _downloaded(fs, url, name)
     return RemoteFile(url, fs, name, int(size))
+
+
+def _answers_ranges(fs: Any, url: str, name: str, size: int) -> bool:
+    """Whether the web server answers a Range request with that range (one byte, away from the
+    start: fsspec reads a whole answer from offset 0 as if it were the range)."""
+    if size < 2:
+        return True  # one read from the start is the whole file
+    try:
+        with fs.open(name, "rb", block_size=1, size=size, cache_type="none") as probe:
+            probe.seek(size - 1)
+            probe.read(1)
+    except ValueError as exc:
+        if "range requests" in str(exc):
+            return False
+        raise InputError(f"cannot read: {describe(exc)}", path=redact(url)) from exc
+    except Exception as exc:
+        raise InputError(f"cannot read: {describe(exc)}", path=redact(url)) from exc
+    return True
+
+
+def _downloaded(fs: Any, url: str, name: str) -> RemoteFile:
+    """The file streamed once into a temporary local file (removed when kvtune exits), opened by
+    the readers as the URL: for a web server without Range support."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    handle, local = tempfile.mkstemp(prefix="kvtune-", suffix="-" + urlsplit(url).path.rsplit("/", 1)[-1][-64:])
+    os.close(handle)
+    atexit.register(_remove, local)
+    try:
+        _guarded(url, "cannot read", lambda: fs.get_file(name, local))
+    except BaseException:
+        _remove(local)
+        raise
+    return RemoteFile(url, LocalFileSystem(), local, os.path.getsize(local))
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
