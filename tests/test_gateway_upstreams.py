@@ -544,7 +544,7 @@ def test_upstreams_parse_with_weights_and_the_single_form_is_one_upstream():
     ([{"url": "http://a:8000", "block_budget": 1, "weight": 0}], {},
      "upstreams[0].weight: must be at least 0.001, got 0"),
     ([{"url": "http://a:8000", "block_budget": 1, "wieght": 2}], {},
-     "upstreams[0].wieght: unknown key (allowed: block_budget, url, weight)"),
+     "upstreams[0].wieght: unknown key (allowed: block_budget, engine_id, url, weight)"),
     ([], {}, "upstreams: expected a non-empty list of {url, block_budget, weight}"),
     ([{"url": "http://a:8000", "block_budget": 1}], {"block_budget": 5},
      "block_budget: give upstreams: (each with its own block_budget) or upstream: and block_budget:, not both"),
