@@ -3,7 +3,7 @@ assistant's `reasoning_content` to `reasoning` (and gives the template both), pa
 call's `arguments` string into an object, joins a tool message's text parts, drops empty
 tool_calls and every key it does not know, and honours `add_special_tokens` on chat. For each
 message field vLLM's chat request accepts, the gateway's count (in process, and through the
-engine's /tokenize, which does not rename) must equal the engine's own `usage.prompt_tokens`
+engine's /tokenize, which does not rename; and nginx's, through /tokenize) must equal the engine's own `usage.prompt_tokens`
 for a max_tokens=1 request, with Mistral-7B's real tokenizer and two chat templates that render
 these fields: vLLM's DeepSeek-R1 tool template (tests/data/chat_templates, source in
 tests/data/SOURCES.md) and a template that renders reasoning and arguments as Qwen3's does."""
@@ -129,3 +129,34 @@ def test_the_count_is_what_vllm_renders(engine, name, extra):
     counts = {"tokenizer": _count(json.loads(json.dumps(body)), server.url, local),
               "upstream-tokenize": _count(json.loads(json.dumps(body)), server.url, None)}
     assert counts == {"tokenizer": truth, "upstream-tokenize": truth}, f"{counts} against vLLM's {truth}"
+
+
+@pytest.fixture(scope="module")
+def nginx(engine, tmp_path_factory):
+    """nginx.conf in front of the engine, counting through its /tokenize, with blocks of one token
+    so the reservation it reports is the prompt count plus the cap of 1."""
+    from enforcers import start_enforcer
+    from recs import make_rec_dict
+
+    from kvtune.policy.recommendation import Recommendation
+
+    server, _ = engine
+    doc = make_rec_dict(budget=100_000, num_blocks=100_001, block_size=1, routes=[("/v1/chat/completions", 1, 0.0)])
+    doc["upstream"] = server.url
+    doc["settings"]["max_model_len"]["value"] = server.max_model_len
+    gateway = start_enforcer("nginx", Recommendation.from_dict(doc, path="render test"), tmp_path_factory.mktemp("nginx"))
+    try:
+        yield server, gateway
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize("name,extra", REQUESTS, ids=[f"{n}{'+special' if e else ''}" for n, e in REQUESTS])
+def test_nginx_counts_what_vllm_renders(nginx, name, extra):
+    server, gateway = nginx
+    body = {"model": server.model, "messages": CONVERSATIONS[name], "max_tokens": 1, **extra}
+    truth = _usage(server.url, body)
+    status, headers, data = gateway.request("/v1/chat/completions", body, timeout=120)
+    assert status == 200, data
+    reserved = int(headers["X-Kvtune-Reserved-Blocks"])
+    assert reserved == truth + 1, f"nginx reserved {reserved} one-token blocks for vLLM's {truth} + a cap of 1"
