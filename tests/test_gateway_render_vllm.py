@@ -160,3 +160,48 @@ def test_nginx_counts_what_vllm_renders(nginx, name, extra):
     assert status == 200, data
     reserved = int(headers["X-Kvtune-Reserved-Blocks"])
     assert reserved == truth + 1, f"nginx reserved {reserved} one-token blocks for vLLM's {truth} + a cap of 1"
+
+
+def _preemptions(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_preemptions_total"))
+
+
+@pytest.mark.parametrize("engine", ["qwen3-style"], indirect=True)  # the template that renders reasoning
+def test_sixteen_reasoning_chats_under_guaranteed_never_preempt(engine):
+    """The issue's load: 16 concurrent chats whose history carries a long reasoning_content,
+    through the Python gateway counting with the engine's /tokenize under `guaranteed`. Counted
+    without the reasoning, each was charged a fraction of its blocks and vLLM preempted; counted
+    as rendered, the gateway admits what fits and the engine never preempts."""
+    import concurrent.futures
+
+    import yaml
+    from enforcers import PyGateway
+
+    server, _ = engine
+    cap = 1024  # outputs that grow after admission, so an engine holding too many must preempt
+    body = {"model": server.model, "max_tokens": cap, "messages": [
+        USER, {"role": "assistant", "content": "It is sunny.", "reasoning_content": THOUGHT},
+        {"role": "user", "content": "And tomorrow?"}]}
+    prompt = _usage(server.url, {**body, "max_tokens": 1})
+    per_request = -(-(prompt + cap) // server.block_size)
+    assert 16 * per_request > server.num_blocks  # the load cannot all run at once
+    config = {"version": 1, "upstream": server.url, "block_size": server.block_size,
+              "block_budget": server.num_blocks - 1, "max_model_len": server.max_model_len,
+              "listen": {"port": 0}, "prompt_tokens": {"method": "upstream-tokenize"},
+              "admission": {"policy": "guaranteed"}, "routes": [{"name": "all", "max_new_tokens": cap}]}
+    gateway = PyGateway(yaml.safe_dump(config)).start()
+    before = _preemptions(server.url)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: gateway.request("/v1/chat/completions", body, timeout=600), range(16)))
+    finally:
+        gateway.stop()
+    admitted = [int(h["X-Kvtune-Reserved-Blocks"]) for status, h, _ in answers if status == 200]
+    preempted = _preemptions(server.url) - before
+    figures = f"{preempted:g} preemptions; {len(admitted)} of 16 admitted, reserving {admitted} of {per_request} blocks"
+    assert preempted == 0, figures
+    assert admitted and all(n >= per_request for n in admitted), figures
+    assert {status for status, _, _ in answers} <= {200, 429}, figures
