@@ -104,6 +104,19 @@ def test_local_counter_renders_the_messages_vllm_renders(model_dir):
     assert counter.counts_here(prompt)
 
 
+def test_developer_messages_become_one_leading_system_message_for_a_template_without_them(model_dir):
+    """vLLM 0.32 (renderers/hf.py safe_apply_chat_template) gives a template that never names the
+    developer role its developer messages as system ones, all system messages merged up front."""
+    base = LocalTokenizerCounter.load(str(model_dir))
+    counter = LocalTokenizerCounter(base.tokenizer, FIELDS_TEMPLATE, base.special_tokens)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "developer", "content": "d", "tools": [{"type": "function"}]}]
+    prompt = read_request(Api.CHAT, {"messages": messages}).prompts[0]
+    assert counter.render(prompt) == "[system] s\n\nd\n[user] u\n"
+    aware = LocalTokenizerCounter(base.tokenizer, FIELDS_TEMPLATE + "{# 'developer' #}", base.special_tokens)
+    assert aware.render(prompt) == "[system] s\n[user] u\n[developer] d\n"
+
+
 def test_chat_add_special_tokens_is_counted_and_forwarded(model_dir):
     """A chat request may ask vLLM to add the tokenizer's special tokens before the rendered chat
     (a BOS here, before the template's own); the count adds them and /tokenize is asked so."""

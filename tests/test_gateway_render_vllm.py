@@ -1,7 +1,8 @@
 """The gateway counts what vLLM renders, not what the client sent: vLLM 0.32 renames an
 assistant's `reasoning_content` to `reasoning` (and gives the template both), parses each tool
 call's `arguments` string into an object, joins a tool message's text parts, drops empty
-tool_calls and every key it does not know, and honours `add_special_tokens` on chat. For each
+tool_calls and every key it does not know, turns developer messages into one leading system
+message for a template that never names that role, and honours `add_special_tokens` on chat. For each
 message field vLLM's chat request accepts, the gateway's count (in process, and through the
 engine's /tokenize, which does not rename; and nginx's, through /tokenize) must equal the engine's own `usage.prompt_tokens`
 for a max_tokens=1 request, with Mistral-7B's real tokenizer and two chat templates that render
@@ -74,6 +75,10 @@ CONVERSATIONS = {
                          "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "21 degrees"}]},
                         USER],
     "name": [{"role": "user", "content": "What is the weather in Paris?", "name": "alice"}],
+    "developer": [{"role": "developer", "content": "Answer briefly, in one sentence."}, USER],
+    "developer after user": [{"role": "system", "content": "You are terse."}, USER,
+                             {"role": "developer", "content": "Answer in French from now on."},
+                             {"role": "user", "content": "And Rome?"}],
     "unknown key dropped": [USER, {"role": "assistant", "content": "It is sunny.", "thinking": THOUGHT}, USER],
 }
 REQUESTS = [(name, {}) for name in CONVERSATIONS] + [

@@ -31,7 +31,7 @@ from kvtune.gateway import _json
 from kvtune.gateway.apis import Prompt
 from kvtune.gateway.config import CountingMethod, PromptCounting
 from kvtune.gateway.upstream import UpstreamError
-from kvtune.gateway.vllm_messages import as_rendered, rename_reasoning
+from kvtune.gateway.vllm_messages import as_rendered, for_template, rename_reasoning
 
 
 class PromptCountError(Exception):
@@ -227,6 +227,7 @@ class LocalTokenizerCounter:
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens
         self.upstream = upstream
+        self.template_source = chat_template or ""
         self.template = _compile_template(chat_template) if chat_template else None
         # What every render starts from: the template's globals (a ChainMap that jinja would
         # flatten on every render, most of a short render's time) and the special tokens.
@@ -277,7 +278,7 @@ class LocalTokenizerCounter:
         context.update(_template_kwargs(args))
         context["add_generation_prompt"] = args.get("add_generation_prompt", True)
         context["continue_final_message"] = args.get("continue_final_message", False)
-        messages = as_rendered(prompt.messages or [])
+        messages = for_template(as_rendered(prompt.messages or []), self.template_source)
         context["messages"] = messages
         if args.get("tools") is not None:
             context["tools"] = args["tools"]

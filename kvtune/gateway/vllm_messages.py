@@ -12,7 +12,10 @@ Two steps, as vLLM takes them:
                     a tool message's text parts joined by newlines, and
                     _postprocess_messages: each tool call's `arguments` JSON string parsed into
                     the object the template renders (malformed, empty or not an object: {}),
-                    and an empty tool_calls list dropped.
+                    and an empty tool_calls list dropped
+  for_template      renderers/hf.py safe_apply_chat_template: a template that never names the
+                    developer role gets developer messages as system ones (their tools dropped),
+                    every system message merged into one at the front.
 """
 
 from __future__ import annotations
@@ -40,6 +43,43 @@ def rename_reasoning(messages: list) -> list:
 def as_rendered(messages: list) -> list[dict]:
     """The conversation vLLM's chat template sees for these request messages."""
     return [_rendered(m) for m in rename_reasoning(messages)]
+
+
+def for_template(messages: list[dict], chat_template: str) -> list[dict]:
+    """`messages` (as_rendered) as vLLM hands them to this chat template."""
+    if '"developer"' in chat_template or "'developer'" in chat_template:
+        return messages
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    converted = []
+    for m in messages:
+        if m.get("role") == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        converted.append(m)
+    return _one_system_message(converted)
+
+
+def _one_system_message(messages: list[dict]) -> list[dict]:
+    """Every system message merged into one at the front (texts joined by a blank line), unless
+    the only one is already first."""
+    texts: list[str] = []
+    others: list[dict] = []
+    merge = False
+    for i, m in enumerate(messages):
+        if m.get("role") != "system":
+            others.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                 if (isinstance(p, dict) and "text" in p) or isinstance(p, str))
+        if content:
+            texts.append(content)
+    if not merge:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
 
 
 def _rendered(message: dict) -> dict:
@@ -107,4 +147,4 @@ def _arguments(value: Any) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-__all__ = ["rename_reasoning", "as_rendered"]
+__all__ = ["rename_reasoning", "as_rendered", "for_template"]
