@@ -313,6 +313,25 @@ def test_documents_and_reasoning_effort_reach_the_count(enforcer, upstream):
     assert kwargs["documents"] == [{"text": words(300)}] and kwargs["reasoning_effort"] == "low"
 
 
+def test_tokenize_gets_the_messages_as_vllms_chat_request_renames_them(enforcer, upstream):
+    """vLLM's chat request renames reasoning_content to reasoning (unless that is set) before the
+    template; its /tokenize does not, so both enforcers send the renamed messages, and a chat's
+    add_special_tokens (issue 26, item 1)."""
+    messages = [{"role": "user", "content": words(3)},
+                {"role": "assistant", "content": words(2), "reasoning_content": words(40)},
+                {"role": "assistant", "content": words(2), "reasoning": "kept", "reasoning_content": words(40)},
+                {"role": "assistant", "content": words(2), "reasoning": None, "reasoning_content": words(4)},
+                {"role": "user", "content": words(1), "name": "bob"}]
+    body = {"model": "m", "messages": messages, "add_special_tokens": True}
+    status, _, raw = enforcer.request("/v1/chat/completions", body)
+    assert status == 200, raw
+    call = upstream.tokenize_calls[-1]
+    assert call["messages"] == [messages[0], {"role": "assistant", "content": words(2), "reasoning": words(40)},
+                                {"role": "assistant", "content": words(2), "reasoning": "kept"},
+                                {"role": "assistant", "content": words(2), "reasoning": words(4)}, messages[4]]
+    assert call["add_special_tokens"] is True
+
+
 @pytest.mark.parametrize("body", [
     {"model": "m", "input": 5},
     {"model": "m", "input": words(5), "previous_response_id": "resp_1"},
@@ -506,6 +525,9 @@ def test_bad_numbers_in_governed_fields_are_400(enforcer, upstream, path, field,
     (b'{"model": "m", "max_tokens": 1, "max_tokens": 900000, "messages": []}', "duplicate_key"),
     (b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "invalid_json"),
     (b'{"model": "m", "messages": "hi"}', "invalid_request"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_special_tokens": "yes"}',
+     "invalid_request"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "add_special_tokens": 1}', "invalid_request"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"}',
      "uncountable_request"),
 ])

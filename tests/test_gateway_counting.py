@@ -65,6 +65,72 @@ def test_responses_prompts_get_the_second_bos_vllm_adds(model_dir):
     assert "add_special_tokens" not in tokenize_payload("m", read_request(Api.CHAT, {"messages": messages}).prompts[0])[1]
 
 
+FIELDS_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}"
+    "{% if m.reasoning_content is defined %} think={{ m.reasoning_content }}{% endif %}"
+    "{% if m.reasoning is defined %} reasoning={{ m.reasoning }}{% endif %}"
+    "{% for c in m.tool_calls or [] %} call={{ c.function.arguments | tojson }}{% endfor %}"
+    "{% if m.extra is defined %} extra={{ m.extra }}{% endif %}"
+    "{% if m.name is defined %} name={{ m.name }}{% endif %}] {{ m.content }}\n{% endfor %}"
+)
+
+
+def test_local_counter_renders_the_messages_vllm_renders(model_dir):
+    """vLLM 0.32 renames reasoning_content to reasoning and gives the template both, parses each
+    tool call's arguments string into an object, drops an empty tool_calls list and every key it
+    does not keep, and joins a tool message's text parts (test_gateway_render_vllm checks the
+    counts on the engine)."""
+    base = LocalTokenizerCounter.load(str(model_dir))
+    counter = LocalTokenizerCounter(base.tokenizer, FIELDS_TEMPLATE, base.special_tokens)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city":"Paris"}'}}
+    messages = [
+        {"role": "assistant", "content": "a", "reasoning_content": "why"},
+        {"role": "assistant", "content": "b", "reasoning": "kept", "reasoning_content": "lost"},
+        {"role": "assistant", "content": "c", "tool_calls": [call, {**call, "function": {"name": "f", "arguments": "{bad"}}]},
+        {"role": "assistant", "content": "d", "tool_calls": [], "extra": "dropped"},
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]},
+        {"role": "user", "content": "e", "name": "bob", "reasoning_content": "users have none"},
+    ]
+    prompt = read_request(Api.CHAT, {"messages": messages}).prompts[0]
+    assert counter.render(prompt) == (
+        "[assistant think=why reasoning=why] a\n"
+        "[assistant think=kept reasoning=kept] b\n"
+        '[assistant call={"city": "Paris"} call={}] c\n'
+        "[assistant] d\n"
+        "[tool] x\ny\n"
+        "[user name=bob] e\n"
+    )
+    assert messages[0] == {"role": "assistant", "content": "a", "reasoning_content": "why"}  # the request is untouched
+    assert counter.counts_here(prompt)
+
+
+def test_developer_messages_become_one_leading_system_message_for_a_template_without_them(model_dir):
+    """vLLM 0.32 (renderers/hf.py safe_apply_chat_template) gives a template that never names the
+    developer role its developer messages as system ones, all system messages merged up front."""
+    base = LocalTokenizerCounter.load(str(model_dir))
+    counter = LocalTokenizerCounter(base.tokenizer, FIELDS_TEMPLATE, base.special_tokens)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "developer", "content": "d", "tools": [{"type": "function"}]}]
+    prompt = read_request(Api.CHAT, {"messages": messages}).prompts[0]
+    assert counter.render(prompt) == "[system] s\n\nd\n[user] u\n"
+    aware = LocalTokenizerCounter(base.tokenizer, FIELDS_TEMPLATE + "{# 'developer' #}", base.special_tokens)
+    assert aware.render(prompt) == "[system] s\n[user] u\n[developer] d\n"
+
+
+def test_chat_add_special_tokens_is_counted_and_forwarded(model_dir):
+    """A chat request may ask vLLM to add the tokenizer's special tokens before the rendered chat
+    (a BOS here, before the template's own); the count adds them and /tokenize is asked so."""
+    counter = LocalTokenizerCounter.load(str(model_dir))
+    body = {"messages": [{"role": "user", "content": "how are you"}]}
+    plain = count(counter, body).tokens[0]
+    assert count(counter, {**body, "add_special_tokens": True}).tokens == (plain + 1,)
+    assert count(counter, {**body, "add_special_tokens": False}).tokens == (plain,)
+    prompt = read_request(Api.CHAT, {**body, "add_special_tokens": True}).prompts[0]
+    assert tokenize_payload("m", prompt)[1]["add_special_tokens"] is True
+    with pytest.raises(BodyError, match="add_special_tokens must be true or false"):
+        read_request(Api.CHAT, {**body, "add_special_tokens": "true"})
+
+
 def test_template_fields_override_chat_template_kwargs_as_vllm_032_does(model_dir):
     """vLLM 0.32 builds the template's kwargs as chat_template_kwargs | the request's own fields
     that are set (ChatCompletionRequest.build_chat_params; test_gateway_live checks it on the

@@ -192,6 +192,15 @@ def _template_args(doc: dict) -> dict:
     return args
 
 
+def _add_special_tokens(doc: dict) -> bool:
+    """A chat request's add_special_tokens (vLLM's default False): true puts the tokenizer's
+    start token(s) before the rendered chat, so the count must add them too."""
+    value = doc.get("add_special_tokens")
+    if value is not None and not isinstance(value, bool):
+        raise invalid("add_special_tokens must be true or false")
+    return value is True
+
+
 def _messages(value: Any, where: str) -> list:
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise invalid(f"{where} must be a list of message objects")
@@ -205,7 +214,8 @@ CHAT_CAPS = (CapField("max_tokens"), CapField("max_completion_tokens"))
 
 def _chat(doc: dict, pair_tokens: int = 0) -> Reading:
     _refuse_present(doc, _CHAT_REFUSED)
-    prompt = Prompt(messages=_messages(doc.get("messages"), "messages"), template_args=_template_args(doc))
+    prompt = Prompt(messages=_messages(doc.get("messages"), "messages"), template_args=_template_args(doc),
+                    add_special_tokens=_add_special_tokens(doc))
     return Reading(Api.CHAT, (prompt,), (Sequence((0,)),), True, CHAT_CAPS, CapField("max_tokens"),
                    _caps(doc, CHAT_CAPS), _copies(doc, ("n",)), CapField("min_tokens"))
 
@@ -216,7 +226,9 @@ def _chat_batch(doc: dict, pair_tokens: int = 0) -> Reading:
     if not isinstance(conversations, list) or not conversations:
         raise invalid("messages must be a non-empty list of conversations")
     args = _template_args(doc)
-    prompts = tuple(Prompt(messages=_messages(c, "messages[i]"), template_args=args) for c in conversations)
+    special = _add_special_tokens(doc)
+    prompts = tuple(Prompt(messages=_messages(c, "messages[i]"), template_args=args, add_special_tokens=special)
+                    for c in conversations)
     return Reading(Api.CHAT_BATCH, prompts, tuple(Sequence((i,)) for i in range(len(prompts))), True,
                    CHAT_CAPS, CapField("max_tokens"), _caps(doc, CHAT_CAPS), _copies(doc, ("n",)),
                    CapField("min_tokens"))

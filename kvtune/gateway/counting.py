@@ -31,6 +31,7 @@ from kvtune.gateway import _json
 from kvtune.gateway.apis import Prompt
 from kvtune.gateway.config import CountingMethod, PromptCounting
 from kvtune.gateway.upstream import UpstreamError
+from kvtune.gateway.vllm_messages import as_rendered, for_template, rename_reasoning
 
 
 class PromptCountError(Exception):
@@ -99,13 +100,14 @@ TOKENIZE_CONCURRENCY = 4
 def tokenize_payload(model: Any, prompt: Prompt) -> tuple[str, dict]:
     """The engine call that counts `prompt` exactly, as (path, body). Chat fields that
     /tokenize does not take (documents, reasoning_effort) travel in chat_template_kwargs,
-    where vLLM 0.32 renders them the same way (checked on the live engine)."""
+    where vLLM 0.32 renders them the same way (checked on the live engine); the messages go
+    with `reasoning_content` renamed as the chat request renames it and /tokenize does not."""
     if prompt.anthropic is not None:
         return "/v1/messages/count_tokens", prompt.anthropic
     if prompt.messages is None:
         return "/tokenize", {"model": model, "prompt": prompt.text}
     args = prompt.template_args or {}
-    payload: dict[str, Any] = {"model": model, "messages": prompt.messages}
+    payload: dict[str, Any] = {"model": model, "messages": rename_reasoning(prompt.messages)}
     for key in ("tools", "add_generation_prompt", "continue_final_message"):
         if args.get(key) is not None:
             payload[key] = args[key]
@@ -225,6 +227,7 @@ class LocalTokenizerCounter:
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens
         self.upstream = upstream
+        self.template_source = chat_template or ""
         self.template = _compile_template(chat_template) if chat_template else None
         # What every render starts from: the template's globals (a ChainMap that jinja would
         # flatten on every render, most of a short render's time) and the special tokens.
@@ -266,7 +269,7 @@ class LocalTokenizerCounter:
         """The chat template applied as vLLM 0.32 applies it (checked on the live engine): the
         special tokens, then chat_template_kwargs (which may replace them), then the request's
         own template fields wherever they are set (add_generation_prompt, default true, wins over
-        a kwarg of that name), then the messages and tools."""
+        a kwarg of that name), then the messages (as vLLM reshapes them: vllm_messages) and tools."""
         template = self.template
         if template is None:
             raise PromptCountError("no chat template to render messages with")
@@ -275,7 +278,8 @@ class LocalTokenizerCounter:
         context.update(_template_kwargs(args))
         context["add_generation_prompt"] = args.get("add_generation_prompt", True)
         context["continue_final_message"] = args.get("continue_final_message", False)
-        context["messages"] = prompt.messages
+        messages = for_template(as_rendered(prompt.messages or []), self.template_source)
+        context["messages"] = messages
         if args.get("tools") is not None:
             context["tools"] = args["tools"]
         try:
@@ -285,7 +289,7 @@ class LocalTokenizerCounter:
         except Exception as exc:  # a template raising on a bad conversation, via raise_exception
             raise PromptRejectedError(f"the chat template refused the messages: {_clip(exc)}") from exc
         if context["continue_final_message"]:
-            text = _open_final_message(text, prompt.messages)
+            text = _open_final_message(text, messages)
         return text
 
     def with_upstream(self, upstream: UpstreamTokenizeCounter | None) -> LocalTokenizerCounter:
@@ -301,7 +305,7 @@ class LocalTokenizerCounter:
             return False
         if prompt.messages is None:
             return True
-        return all(isinstance(m.get("content"), (str, type(None))) for m in prompt.messages)
+        return all(isinstance(m.get("content"), (str, type(None))) for m in as_rendered(prompt.messages))
 
     def _count_sync(self, prompts: Sequence[Prompt]) -> list[int | None]:
         encode = self._encode
