@@ -1007,6 +1007,53 @@ def test_statistical_admits_more_than_guaranteed_and_both_enforcers_agree(tmp_pa
         assert all(_close(a, b) for a, b in zip(probabilities, expected, strict=True)), (kind, probabilities, expected)
 
 
+# A request that forces its length is priced at what it forces (issue 26 item 2): a field that may
+# keep it from ending is priced at its cap (guaranteed's 5 of 9), min_tokens conditions the law
+# (length >= 20 leaves the 24 and 64 bins), and stop / stop_token_ids only add ways to end (vLLM
+# keeps EOS beside them), so the histogram still prices them (statistical's 7).
+FORCING_CASES = {  # the fields sent, and how many of 9 chat(200) are admitted
+    "ignore_eos": ({"ignore_eos": True}, 5),
+    "logit_bias": ({"logit_bias": {"2": -100}}, 5),
+    "logit_bias_up": ({"logit_bias": {"1000": 100}}, 5),
+    "bad_words": ({"bad_words": ["</s>"]}, 5),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 6, 7]}, 5),
+    "min_tokens_past_the_histogram": ({"min_tokens": 48}, 5),
+    "min_tokens_string": ({"min_tokens": "30"}, 5),
+    "min_tokens_20": ({"min_tokens": 20}, 6),
+    "stop_token_ids": ({"stop_token_ids": [7], "stop": ["w3"], "ignore_eos": False, "logit_bias": {}}, 7),
+}
+
+
+@pytest.mark.parametrize("case", list(FORCING_CASES))
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_statistical_prices_a_forced_length_at_what_it_forces(kind, case, tmp_path, upstream):
+    extra, admitted = FORCING_CASES[case]
+    server = _start_statistical(kind, tmp_path, upstream)
+    try:
+        upstream.hold()
+        statuses, _ = _held_one_by_one(server, upstream, [200] * 9, **extra)
+        assert statuses == [200] * admitted + [429] * (9 - admitted)
+    finally:
+        upstream.release()
+        server.stop()
+
+
+def test_min_tokens_conditions_the_law_between_guaranteed_and_the_histogram():
+    """The oracle of the cases above: min_tokens 20 on CHAT_LENGTHS keeps the 24 and 64 bins (6
+    admitted), 48 only the cap's bin (guaranteed's 5); the plain law admits 7."""
+    from kvtune.gateway.statistical import Demand
+
+    plain = _oracle()[1](0).law
+    counts = {}
+    for name, law in (("plain", plain), ("min20", plain.at_least(20)), ("min48", plain.at_least(48)),
+                      ("cap", None)):
+        ledger = _oracle()[0]
+        counts[name] = sum(ledger.try_reserve(blocks(200, CHAT_CAP), Demand((200,), CHAT_CAP, law)) is not None
+                           for _ in range(9))
+    assert counts == {"plain": 7, "min20": 6, "min48": 5, "cap": 5}
+    assert plain.at_least(65) is None
+
+
 @pytest.mark.parametrize("kind", ["python", "nginx"])
 def test_statistical_epsilon_0_is_guaranteed(kind, tmp_path, upstream):
     """At epsilon 0 the same 9 requests get guaranteed's answers: 5 admitted, then 429."""

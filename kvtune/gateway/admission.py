@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvtune.capacity.reservation import request_reserved_blocks
-from kvtune.gateway.apis import Request, read_request
+from kvtune.gateway.apis import Reading, Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
 from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
 from kvtune.gateway.counting import (
@@ -37,6 +37,7 @@ from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
+from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.refusals import Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
@@ -128,6 +129,16 @@ class Admitted:
     body: bytes
     reservation: Reservation
     demand: Demand | None = None
+
+
+def forced_law(law: OutputLaw | None, reading: Reading, cap: int) -> OutputLaw | None:
+    """The route's law as far as the request leaves its length to it: none (its cap) when a field
+    may keep it from ending (ignore_eos, logit_bias, ...), conditioned on length >= min_tokens."""
+    if law is None or reading.forces_cap is not None:
+        return None
+    if reading.forced_tokens > 0:
+        return law.at_least(min(reading.forced_tokens, cap))
+    return law
 
 
 class Admission:
@@ -232,7 +243,7 @@ class Admission:
                 # a reading that generates nothing (pooling) holds its prompt for its whole life: no demand
                 demand = None if grow == 0 else Demand(
                     tuple(min(p, cfg.max_model_len) for p in prompts) * reading.copies, grow,
-                    route.output_law if route is not None else None)
+                    forced_law(route.output_law if route is not None else None, reading, grow))
         if self.queue.gate.never_fits(largest, demand):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but {self._limit_text()}: "
