@@ -46,7 +46,7 @@ from enforcers import (
 )
 from fake_vllm import DONE_EVENT, ROLE_EVENT
 
-from kvtune.gateway.config import ClientLimits
+from kvtune.gateway.config import Access, AdminAccess, ClientLimits, RefusalDetail
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
 from kvtune.gateway.policy import AdmissionPolicy
 
@@ -69,6 +69,9 @@ def _start(kind: str, tmp_path, upstream, admission: AdmissionPolicy | None = No
     rec = small_rec(upstream.port, chat_lengths=chat_lengths)
     if admission is not None:
         rec = dataclasses.replace(rec, admission=admission)
+    # the ledger's figures (X-Kvtune-Reserved-Blocks, blocks in 429/413) are what these tests
+    # read: shown to their loopback client under admin.refusal_detail: ledger (default public)
+    extra.setdefault("admin", AdminAccess(refusal_detail=RefusalDetail.LEDGER))
     return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="1",
                           limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None, **extra)
 
@@ -103,7 +106,8 @@ def test_route_table_and_budget(enforcer):
 @pytest.fixture(params=["python", "nginx"])
 def team_enforcer(request, tmp_path, upstream):
     server = start_enforcer(request.param, team_rec(upstream.port), tmp_path / "nginx", nginx_worker_processes="1",
-                            limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None)
+                            limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None,
+                            admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
     try:
         yield server
     finally:
@@ -629,6 +633,60 @@ def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstre
     assert small[0] == large[0] == 429
     assert 1 <= int(small[1]["Retry-After"]) < int(large[1]["Retry-After"]) <= 60
     assert enforcer.wait_ledger(0)["reserved"] == 0
+
+
+# Refusals do not leak the ledger (issue 26 item 6): by default (admin.refusal_detail: public) a
+# 429 or 413 says its reason and Retry-After only, and no answer carries X-Kvtune-Reserved-Blocks;
+# under refusal_detail: ledger the figures go to clients admin.ledger lets read the ledger.
+TOKEN_ENV, TOKEN = "KVTUNE_TEST_LEDGER_TOKEN", "s3cret-ledger"
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_refusals_tell_the_public_the_reason_only(kind, tmp_path, upstream):
+    server = _start(kind, tmp_path, upstream, admin=AdminAccess())  # the default: public
+    try:
+        status, headers, body = server.request("/v1/chat/completions", chat(1))
+        assert status == 200 and "X-Kvtune-Reserved-Blocks" not in headers
+        assert headers["X-Kvtune-Max-Tokens"] == str(CHAT_CAP)
+        status, headers, body = server.request("/v1/chat/completions", chat(1560))  # 102 blocks > 100
+        error = json.loads(body)["error"]
+        assert status == 413 and error["code"] == "kv_reservation_exceeds_budget"
+        assert error["message"] == ("this request needs more KV blocks than this deployment can ever hold: "
+                                    "it can never be admitted")
+        upstream.hold()
+        t, box = in_thread(server.request, "/v1/chat/completions", chat(1536, x_mode="hold"))
+        assert server.wait_ledger(100)["reserved"] == 100  # the ledger itself: loopback, as before
+        status, headers, body = server.request("/v1/chat/completions", chat(1))
+        error = json.loads(body)["error"]
+        assert status == 429 and int(headers["Retry-After"]) >= 1 and "X-Kvtune-Reserved-Blocks" not in headers
+        assert (error["code"], error["message"]) == ("kv_budget_exhausted", "KV budget full; retry later")
+        upstream.release()
+        t.join(10)
+        assert box["result"][0] == 200 and "X-Kvtune-Reserved-Blocks" not in box["result"][1]
+    finally:
+        upstream.release()
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_refusal_detail_goes_to_the_ledgers_readers_only(kind, tmp_path, upstream, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    admin = AdminAccess(ledger=Access.TOKEN, token_env=TOKEN_ENV, refusal_detail=RefusalDetail.LEDGER)
+    server = _start(kind, tmp_path, upstream, admin=admin)
+    reader = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        for headers, detailed in (({}, False), ({"Authorization": "Bearer wrong-token"}, False), (reader, True)):
+            status, answer, body = server.request("/v1/chat/completions", chat(1), headers=headers)
+            assert status == 200
+            assert answer.get("X-Kvtune-Reserved-Blocks") == (str(blocks(1 + 4, CHAT_CAP)) if detailed else None)
+            status, answer, body = server.request("/v1/chat/completions", chat(1560), headers=headers)
+            message = json.loads(body)["error"]["message"]
+            assert status == 413
+            assert message == ("this request needs 102 KV blocks but the whole budget is 100: it can never be "
+                               "admitted" if detailed else "this request needs more KV blocks than this "
+                               "deployment can ever hold: it can never be admitted"), (headers, message)
+    finally:
+        server.stop()
 
 
 def test_streams_pass_through_and_client_abort_releases(enforcer, upstream):

@@ -41,6 +41,7 @@ from kvtune.gateway.config import (
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import PolicyKind
+from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
@@ -371,6 +372,9 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "max_body_bytes": limits.max_body_bytes,
         "passthrough": list(options.passthrough),
         "ledger_access": options.admin.ledger.value,
+        "refusal_detail": options.admin.refusal_detail.value,
+        "budget_full": BUDGET_FULL,
+        "never_fits": NEVER_FITS,
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
     }

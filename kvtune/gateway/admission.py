@@ -39,7 +39,7 @@ from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.pool import UpstreamPool
-from kvtune.gateway.refusals import Reason, Refused, Rejection
+from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS, Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
 from kvtune.gateway.statistical import Demand
 from kvtune.gateway.upstream import UpstreamConnectError
@@ -247,7 +247,8 @@ class Admission:
         if self.queue.gate.never_fits(largest, demand):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but {self._limit_text()}: "
-                            "it can never be admitted", blocks=(largest, self.pool.free_blocks))
+                            "it can never be admitted", blocks=(largest, self.pool.free_blocks),
+                            public=NEVER_FITS)
         return max(largest, 1), demand
 
     def _never_fits(self, asked: Request, cap: int | None, lower: list[int]) -> None:
@@ -263,7 +264,8 @@ class Admission:
         if smallest is not None and self.queue.gate.never_fits(smallest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs at least {smallest} KV blocks but {self._limit_text()}: "
-                            "it can never be admitted", blocks=(smallest, self.pool.free_blocks))
+                            "it can never be admitted", blocks=(smallest, self.pool.free_blocks),
+                            public=NEVER_FITS)
 
     def _limit_text(self) -> str:
         """What a 413 says it was measured against (the same words as the rendered nginx.conf;
@@ -343,7 +345,8 @@ class Admission:
                 self.metrics.retry_after.observe(turned.retry_after_s)
                 raise Rejection(429, reason, f"KV budget full: {blocks} blocks needed, the gateways' shared "
                                 "ledger holds too many on every upstream; retry later",
-                                retry_after_s=turned.retry_after_s, blocks=(blocks, self.pool.free_blocks))
+                                retry_after_s=turned.retry_after_s, blocks=(blocks, self.pool.free_blocks),
+                                public=BUDGET_FULL)
             self._polling += 1
             try:
                 await asyncio.sleep(min(SHARED_POLL_S, left))
@@ -398,7 +401,7 @@ class Admission:
         raise Rejection(429, got.reason,
                         f"KV budget full: {blocks} blocks needed, {ledger.reserved_blocks} of "
                         f"{ledger.limit_blocks} reserved; retry later", retry_after_s=got.retry_after_s,
-                        blocks=(blocks, ledger.free_blocks))
+                        blocks=(blocks, ledger.free_blocks), public=BUDGET_FULL)
 
 
 __all__ = ["Admission", "Admitted", "WaitQueue"]
