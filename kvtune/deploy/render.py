@@ -299,6 +299,7 @@ def lua_policy() -> dict:
         "template_fields": list(apis.TEMPLATE_FIELDS),
         "estimate_fields": list(apis.ESTIMATE_FIELDS),
         "forcing_fields": list(apis.FORCING_FIELDS),
+        "responses_forcing_fields": list(apis.RESPONSES_FORCING_FIELDS),
         "caps": {"chat": caps(apis.CHAT_CAPS), "completions": caps(apis.COMPLETION_CAPS),
                  "responses": caps(apis.RESPONSES_CAPS), "messages": caps(apis.MESSAGES_CAPS),
                  "tokens": caps(apis.TOKENS_CAPS), "any": caps(apis.ANY_CAPS)},

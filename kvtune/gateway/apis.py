@@ -184,19 +184,22 @@ def _copies(doc: dict, keys: tuple[str, ...], holder: dict | None = None) -> int
 #: bad_words and allowed_token_ids (either can ban EOS). stop and stop_token_ids only add ways
 #: to end: vLLM 0.32 keeps EOS beside them (SamplingParams.update_from_generation_config).
 FORCING_FIELDS = ("ignore_eos", "logit_bias", "bad_words", "allowed_token_ids")
+#: The ones vLLM 0.32's ResponsesRequest reads (it has no min_tokens).
+RESPONSES_FORCING_FIELDS = ("ignore_eos", "logit_bias")
 
 
-def forcing(holder: dict) -> tuple[int, str | None]:
+def forcing(holder: dict, fields: tuple[str, ...] = FORCING_FIELDS, *,
+            min_tokens: bool = True) -> tuple[int, str | None]:
     """What a request's sampling fields force its length to: the tokens it generates at least
     (min_tokens), and the field, if any, that may hold it to its cap. Read loosely, as the engine
     might coerce it: a min_tokens that is not a plain number forces the cap."""
     forced = 0
-    least = holder.get("min_tokens")
+    least = holder.get("min_tokens") if min_tokens else None
     if least is not None:
         if isinstance(least, bool) or not isinstance(least, (int, float)) or not math.isfinite(least):
             return 0, "min_tokens"
         forced = max(0, min(math.ceil(least), MAX_COUNT))
-    for key in FORCING_FIELDS:
+    for key in fields:
         value = holder.get(key)
         if value is not None and value is not False and value != 0 and value != {} and value != []:
             return forced, key
@@ -321,8 +324,10 @@ def _responses(doc: dict, pair_tokens: int = 0) -> Reading:
     if tools:
         args["tools"] = _response_tools(tools)
     prompt = Prompt(messages=messages, template_args=args, add_special_tokens=True)
+    forced, forces_cap = forcing(doc, RESPONSES_FORCING_FIELDS, min_tokens=False)
     return Reading(Api.RESPONSES, (prompt,), (Sequence((0,)),), True, RESPONSES_CAPS,
-                   CapField("max_output_tokens"), _caps(doc, RESPONSES_CAPS))
+                   CapField("max_output_tokens"), _caps(doc, RESPONSES_CAPS), forced_tokens=forced,
+                   forces_cap=forces_cap)
 
 
 def _response_item(item: Any, i: int) -> dict:
@@ -516,5 +521,5 @@ _READERS = {
 }
 
 __all__ = ["Prompt", "Sequence", "CapField", "Reading", "Request", "read_request", "count_field", "forcing",
-           "FORCING_FIELDS",
+           "FORCING_FIELDS", "RESPONSES_FORCING_FIELDS",
            "TEMPLATE_FIELDS", "ESTIMATE_FIELDS", "MAX_COUNT"]
