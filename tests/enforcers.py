@@ -206,8 +206,9 @@ class Nginx(_Client):
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"nginx exited: {self.proc.stdout.read().decode()} {self.error_log()}")
-            try:
-                self.ledger()
+            try:  # /healthz: anyone may read it, whatever admin.ledger says
+                status, _, body = self.request("/healthz", method="GET", timeout=2)
+                assert status == 200, body
                 return self
             except OSError:
                 time.sleep(0.05)

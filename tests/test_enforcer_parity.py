@@ -46,7 +46,7 @@ from enforcers import (
 )
 from fake_vllm import DONE_EVENT, ROLE_EVENT
 
-from kvtune.gateway.config import ClientLimits
+from kvtune.gateway.config import Access, AdminAccess, ClientLimits, RefusalDetail
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
 from kvtune.gateway.policy import AdmissionPolicy
 
@@ -69,6 +69,9 @@ def _start(kind: str, tmp_path, upstream, admission: AdmissionPolicy | None = No
     rec = small_rec(upstream.port, chat_lengths=chat_lengths)
     if admission is not None:
         rec = dataclasses.replace(rec, admission=admission)
+    # the ledger's figures (X-Kvtune-Reserved-Blocks, blocks in 429/413) are what these tests
+    # read: shown to their loopback client under admin.refusal_detail: ledger (default public)
+    extra.setdefault("admin", AdminAccess(refusal_detail=RefusalDetail.LEDGER))
     return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="1",
                           limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None, **extra)
 
@@ -103,7 +106,8 @@ def test_route_table_and_budget(enforcer):
 @pytest.fixture(params=["python", "nginx"])
 def team_enforcer(request, tmp_path, upstream):
     server = start_enforcer(request.param, team_rec(upstream.port), tmp_path / "nginx", nginx_worker_processes="1",
-                            limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None)
+                            limits=LIMITS, nginx_user="root" if os.geteuid() == 0 else None,
+                            admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
     try:
         yield server
     finally:
@@ -653,6 +657,60 @@ def test_full_budget_answers_429_with_retry_after_then_releases(enforcer, upstre
     assert enforcer.wait_ledger(0)["reserved"] == 0
 
 
+# Refusals do not leak the ledger (issue 26 item 6): by default (admin.refusal_detail: public) a
+# 429 or 413 says its reason and Retry-After only, and no answer carries X-Kvtune-Reserved-Blocks;
+# under refusal_detail: ledger the figures go to clients admin.ledger lets read the ledger.
+TOKEN_ENV, TOKEN = "KVTUNE_TEST_LEDGER_TOKEN", "s3cret-ledger"
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_refusals_tell_the_public_the_reason_only(kind, tmp_path, upstream):
+    server = _start(kind, tmp_path, upstream, admin=AdminAccess())  # the default: public
+    try:
+        status, headers, body = server.request("/v1/chat/completions", chat(1))
+        assert status == 200 and "X-Kvtune-Reserved-Blocks" not in headers
+        assert headers["X-Kvtune-Max-Tokens"] == str(CHAT_CAP)
+        status, headers, body = server.request("/v1/chat/completions", chat(1560))  # 102 blocks > 100
+        error = json.loads(body)["error"]
+        assert status == 413 and error["code"] == "kv_reservation_exceeds_budget"
+        assert error["message"] == ("this request needs more KV blocks than this deployment can ever hold: "
+                                    "it can never be admitted")
+        upstream.hold()
+        t, box = in_thread(server.request, "/v1/chat/completions", chat(1536, x_mode="hold"))
+        assert server.wait_ledger(100)["reserved"] == 100  # the ledger itself: loopback, as before
+        status, headers, body = server.request("/v1/chat/completions", chat(1))
+        error = json.loads(body)["error"]
+        assert status == 429 and int(headers["Retry-After"]) >= 1 and "X-Kvtune-Reserved-Blocks" not in headers
+        assert (error["code"], error["message"]) == ("kv_budget_exhausted", "KV budget full; retry later")
+        upstream.release()
+        t.join(10)
+        assert box["result"][0] == 200 and "X-Kvtune-Reserved-Blocks" not in box["result"][1]
+    finally:
+        upstream.release()
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_refusal_detail_goes_to_the_ledgers_readers_only(kind, tmp_path, upstream, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    admin = AdminAccess(ledger=Access.TOKEN, token_env=TOKEN_ENV, refusal_detail=RefusalDetail.LEDGER)
+    server = _start(kind, tmp_path, upstream, admin=admin)
+    reader = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        for headers, detailed in (({}, False), ({"Authorization": "Bearer wrong-token"}, False), (reader, True)):
+            status, answer, body = server.request("/v1/chat/completions", chat(1), headers=headers)
+            assert status == 200
+            assert answer.get("X-Kvtune-Reserved-Blocks") == (str(blocks(1 + 4, CHAT_CAP)) if detailed else None)
+            status, answer, body = server.request("/v1/chat/completions", chat(1560), headers=headers)
+            message = json.loads(body)["error"]["message"]
+            assert status == 413
+            assert message == ("this request needs 102 KV blocks but the whole budget is 100: it can never be "
+                               "admitted" if detailed else "this request needs more KV blocks than this "
+                               "deployment can ever hold: it can never be admitted"), (headers, message)
+    finally:
+        server.stop()
+
+
 def test_streams_pass_through_and_client_abort_releases(enforcer, upstream):
     upstream.hold()
     sock = socket.create_connection(("127.0.0.1", enforcer.port), timeout=10)
@@ -1027,6 +1085,53 @@ def test_statistical_admits_more_than_guaranteed_and_both_enforcers_agree(tmp_pa
     for kind, (statuses, probabilities) in seen.items():
         assert statuses == expected_statuses, kind
         assert all(_close(a, b) for a, b in zip(probabilities, expected, strict=True)), (kind, probabilities, expected)
+
+
+# A request that forces its length is priced at what it forces (issue 26 item 2): a field that may
+# keep it from ending is priced at its cap (guaranteed's 5 of 9), min_tokens conditions the law
+# (length >= 20 leaves the 24 and 64 bins), and stop / stop_token_ids only add ways to end (vLLM
+# keeps EOS beside them), so the histogram still prices them (statistical's 7).
+FORCING_CASES = {  # the fields sent, and how many of 9 chat(200) are admitted
+    "ignore_eos": ({"ignore_eos": True}, 5),
+    "logit_bias": ({"logit_bias": {"2": -100}}, 5),
+    "logit_bias_up": ({"logit_bias": {"1000": 100}}, 5),
+    "bad_words": ({"bad_words": ["</s>"]}, 5),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 6, 7]}, 5),
+    "min_tokens_past_the_histogram": ({"min_tokens": 48}, 5),
+    "min_tokens_string": ({"min_tokens": "30"}, 5),
+    "min_tokens_20": ({"min_tokens": 20}, 6),
+    "stop_token_ids": ({"stop_token_ids": [7], "stop": ["w3"], "ignore_eos": False, "logit_bias": {}}, 7),
+}
+
+
+@pytest.mark.parametrize("case", list(FORCING_CASES))
+@pytest.mark.parametrize("kind", ["python", "nginx"])
+def test_statistical_prices_a_forced_length_at_what_it_forces(kind, case, tmp_path, upstream):
+    extra, admitted = FORCING_CASES[case]
+    server = _start_statistical(kind, tmp_path, upstream)
+    try:
+        upstream.hold()
+        statuses, _ = _held_one_by_one(server, upstream, [200] * 9, **extra)
+        assert statuses == [200] * admitted + [429] * (9 - admitted)
+    finally:
+        upstream.release()
+        server.stop()
+
+
+def test_min_tokens_conditions_the_law_between_guaranteed_and_the_histogram():
+    """The oracle of the cases above: min_tokens 20 on CHAT_LENGTHS keeps the 24 and 64 bins (6
+    admitted), 48 only the cap's bin (guaranteed's 5); the plain law admits 7."""
+    from kvtune.gateway.statistical import Demand
+
+    plain = _oracle()[1](0).law
+    counts = {}
+    for name, law in (("plain", plain), ("min20", plain.at_least(20)), ("min48", plain.at_least(48)),
+                      ("cap", None)):
+        ledger = _oracle()[0]
+        counts[name] = sum(ledger.try_reserve(blocks(200, CHAT_CAP), Demand((200,), CHAT_CAP, law)) is not None
+                           for _ in range(9))
+    assert counts == {"plain": 7, "min20": 6, "min48": 5, "cap": 5}
+    assert plain.at_least(65) is None
 
 
 @pytest.mark.parametrize("kind", ["python", "nginx"])

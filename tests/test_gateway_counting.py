@@ -324,3 +324,25 @@ def test_upstream_unreachable_is_a_count_error():
             await counter.count((Prompt(text="a"),))
 
     asyncio.run(run())
+
+
+# What each API's sampling fields force a request's length to (issue 26 item 2): min_tokens read
+# where the endpoint reads it, the fields that can keep EOS from being sampled where vLLM 0.32's
+# request model reads them (Responses: ignore_eos and logit_bias only; no min_tokens).
+@pytest.mark.parametrize("api, body, forced, field", [
+    (Api.CHAT, {"messages": [], "min_tokens": 448}, 448, None),
+    (Api.CHAT, {"messages": [], "ignore_eos": True}, 0, "ignore_eos"),
+    (Api.CHAT, {"messages": [], "ignore_eos": False, "logit_bias": {}, "stop_token_ids": [2], "stop": ["x"]}, 0, None),
+    (Api.CHAT, {"messages": [], "min_tokens": "448"}, 0, "min_tokens"),
+    (Api.CHAT_BATCH, {"messages": [[]], "bad_words": ["</s>"]}, 0, "bad_words"),
+    (Api.COMPLETIONS, {"prompt": "a", "min_tokens": 20, "allowed_token_ids": [1]}, 20, "allowed_token_ids"),
+    (Api.COMPLETIONS, {"prompt": "a", "logit_bias": {"7": 5}}, 0, "logit_bias"),
+    (Api.TOKENS, {"token_ids": [1], "sampling_params": {"min_tokens": 9, "ignore_eos": 1}}, 9, "ignore_eos"),
+    (Api.TOKENS, {"token_ids": [1], "ignore_eos": True, "sampling_params": {}}, 0, None),  # not where it reads
+    (Api.RESPONSES, {"input": "a", "ignore_eos": True}, 0, "ignore_eos"),
+    (Api.RESPONSES, {"input": "a", "min_tokens": 30, "bad_words": ["x"]}, 0, None),  # fields it does not read
+    (Api.ANY, {"prompt": "a", "min_tokens": 5}, 5, None),
+])
+def test_each_api_reads_what_forces_its_length(api, body, forced, field):
+    reading = read_request(api, body).readings[0]
+    assert (reading.forced_tokens, reading.forces_cap) == (forced, field)

@@ -134,6 +134,7 @@ def test_the_gateway_reserves_what_the_engine_uses(engine, tmp_path):
     config = {"version": 1, "upstream": server.url, "block_size": server.block_size,
               "block_budget": server.num_blocks - 1, "max_model_len": server.max_model_len,
               "listen": {"port": 0}, "prompt_tokens": {"method": "tokenizer", "tokenizer": str(model)},
+              "admin": {"refusal_detail": "ledger"},
               "routes": [{"name": "all", "max_new_tokens": 8}]}
     gateway = PyGateway(yaml.safe_dump(config)).start()
     try:

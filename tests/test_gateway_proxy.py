@@ -108,7 +108,7 @@ def test_tokenize_failure_without_an_estimate_is_503_not_a_guess():
 def test_tokenize_failure_with_a_configured_estimate_falls_back():
     async def run():
         counting = {"method": "upstream-tokenize", "chars_per_token": 2, "margin_tokens": 50}
-        async with running(prompt_tokens=counting) as (session, base, gateway, fake):
+        async with running(prompt_tokens=counting, admin={"refusal_detail": "ledger"}) as (session, base, gateway, fake):
             fake.tokenize_status = 500
             body = chat(10)
             async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
@@ -123,7 +123,7 @@ def test_tokenize_failure_with_a_configured_estimate_falls_back():
 def test_local_tokenizer_counts_with_the_chat_template(model_dir):
     async def run():
         counting = {"method": "tokenizer", "tokenizer": str(model_dir)}
-        async with running(prompt_tokens=counting) as (session, base, gateway, fake):
+        async with running(prompt_tokens=counting, admin={"refusal_detail": "ledger"}) as (session, base, gateway, fake):
             fake.tokenize_status = 500  # never asked
             body = {"model": "m", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 10}
             async with session.post(f"{base}/v1/chat/completions", json=body) as resp:

@@ -564,6 +564,38 @@ def test_two_statistical_replicas_bet_on_one_shared_bound_not_one_each(redis_ser
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("forcing", [{"ignore_eos": True}, {"min_tokens": 64}, {"logit_bias": {"2": -100}}],
+                         ids=lambda f: next(iter(f)))
+def test_statistical_replicas_on_redis_price_a_forced_length_at_its_cap(redis_server, forcing):
+    """Issue 26 item 2 on the shared ledger: two statistical replicas on one Redis, requests that
+    force their length (the route's histogram says 4 tokens, 1 in 20 the cap): each is priced at
+    its cap, so together they admit what guaranteed admits (10 of 10 blocks each in 100), never
+    past the budget, where the same requests without the field are bet on past it."""
+    budget, n = 100, 16
+    routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64,
+               "output_histogram": _SHORT_MOSTLY}]
+    statistical = {"policy": "statistical", "epsilon": 0.05}
+
+    async def run() -> None:
+        async with FakeVllm() as fake, aiohttp.ClientSession() as session:
+            fake.hold()
+            shared = doc([{"url": fake.url, "block_budget": budget}], {"url": redis_server.url},
+                         admission=statistical, routes=routes)
+            async with gateway(shared) as (a, _), gateway(shared) as (b, _):
+                tasks = [asyncio.create_task(post(session, (a, b)[i % 2] + "/v1/chat/completions",
+                                                  ten_blocks(x_mode="hold", **forcing))) for i in range(n)]
+                await wait_for(lambda: fake.active + sum(t.done() for t in tasks) == n, timeout=20)
+                client = redis.Redis.from_url(redis_server.url)
+                admitted = fake.active
+                assert reserved(client, fake.url) == 10 * admitted <= budget
+                fake.release()
+                statuses = [s for s, _ in await asyncio.gather(*tasks)]
+                await wait_for(lambda: reserved(client, fake.url) == 0)
+            assert admitted == budget // 10 and statuses.count(429) == n - admitted, (admitted, statuses)
+
+    asyncio.run(run())
+
+
 def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilon(redis_server, tmp_path):
     """The race under `statistical`: 3 `kvtune gateway` processes on one Redis, 2,000 whole
     (non-streamed: no progress updates, so nothing but admissions raises the bound) requests, 150

@@ -164,7 +164,7 @@ def test_each_upstream_runs_its_own_ledger_of_the_policy():
                 async with session.post(base + "/v1/chat/completions", json=ten_blocks()) as resp:
                     assert resp.status == 200
             async with gateway_over([a, b], [100, 40], admission={"policy": "overcommit", "factor": 1.5},
-                                    max_model_len=4096) as (session, base, gateway):
+                                    max_model_len=4096, admin={"refusal_detail": "ledger"}) as (session, base, gateway):
                 assert [r.ledger.limit_blocks for r in gateway.pool.replicas] == [150, 60]
                 got = await ledger(session, base)
                 assert got["limit"] == 210 and got["budget"] == 140
@@ -287,7 +287,7 @@ def test_a_refused_connection_goes_to_another_upstream_and_is_released_once_on_e
     async def run():
         async with FakeVllm() as a, FakeVllm() as b:
             # a long probe interval: only the request itself finds b gone
-            async with gateway_over([a, b], [100, 200], health={"interval_s": 60},
+            async with gateway_over([a, b], [100, 200], health={"interval_s": 60}, admin={"refusal_detail": "ledger"},
                                     make_ledger=counting_ledgers) as (session, base, gateway):
                 await b._stop()
                 async with session.post(base + "/v1/chat/completions", json=ten_blocks()) as resp:

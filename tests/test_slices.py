@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvtune.deploy.slices import MAX_NGINX_REPLICAS, blocks_for_context, check_slice, slice_blocks
 from kvtune.errors import OptionError
+from kvtune.gateway.config import AdminAccess, RefusalDetail
 
 
 @given(st.integers(0, 10**12), st.integers(1, MAX_NGINX_REPLICAS))
@@ -101,7 +102,8 @@ def test_real_nginx_holds_only_its_slice_and_refuses_what_is_bigger_than_it(tmp_
         doc["block_budget"]["value"], doc["capacity"]["num_blocks"] = 400, 450
         rec = Recommendation.from_dict(doc, path="rec")
         server = start_enforcer("nginx", rec, tmp_path / "nginx", nginx_replicas=3, nginx_worker_processes="1",
-                                nginx_user="root" if os.geteuid() == 0 else None)
+                                nginx_user="root" if os.geteuid() == 0 else None,
+                                admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
         try:
             ledger = server.ledger()
             assert (ledger["budget"], ledger["limit"], ledger["reserved"]) == (133, 133, 0)

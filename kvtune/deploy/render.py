@@ -41,6 +41,7 @@ from kvtune.gateway.config import (
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import PolicyKind
+from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
@@ -297,6 +298,8 @@ def lua_policy() -> dict:
         "max_count": apis.MAX_COUNT,
         "template_fields": list(apis.TEMPLATE_FIELDS),
         "estimate_fields": list(apis.ESTIMATE_FIELDS),
+        "forcing_fields": list(apis.FORCING_FIELDS),
+        "responses_forcing_fields": list(apis.RESPONSES_FORCING_FIELDS),
         "caps": {"chat": caps(apis.CHAT_CAPS), "completions": caps(apis.COMPLETION_CAPS),
                  "responses": caps(apis.RESPONSES_CAPS), "messages": caps(apis.MESSAGES_CAPS),
                  "tokens": caps(apis.TOKENS_CAPS), "any": caps(apis.ANY_CAPS)},
@@ -370,6 +373,9 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "max_body_bytes": limits.max_body_bytes,
         "passthrough": list(options.passthrough),
         "ledger_access": options.admin.ledger.value,
+        "refusal_detail": options.admin.refusal_detail.value,
+        "budget_full": BUDGET_FULL,
+        "never_fits": NEVER_FITS,
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
     }

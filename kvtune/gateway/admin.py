@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtune.errors import InputError
-from kvtune.gateway.config import Access, AdminAccess, GatewayConfig
+from kvtune.gateway.config import Access, AdminAccess, GatewayConfig, RefusalDetail
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.pool import UpstreamPool
@@ -54,6 +54,11 @@ class Admin:
             return request.remote in _LOOPBACK
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         return self._token is not None and hmac.compare_digest(given, self._token)
+
+    def shows_detail(self, request: web.Request) -> bool:
+        """Whether refusals and admissions may tell this client the ledger's figures: only under
+        admin.refusal_detail: ledger, to a client admin.ledger lets read the ledger."""
+        return self.access.refusal_detail is RefusalDetail.LEDGER and self.allowed(request, self.access.ledger)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

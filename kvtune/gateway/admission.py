@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvtune.capacity.reservation import request_reserved_blocks
-from kvtune.gateway.apis import Request, read_request
+from kvtune.gateway.apis import Reading, Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
 from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
 from kvtune.gateway.counting import (
@@ -37,8 +37,9 @@ from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
+from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.pool import UpstreamPool
-from kvtune.gateway.refusals import Reason, Refused, Rejection
+from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS, Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
 from kvtune.gateway.statistical import Demand
 from kvtune.gateway.upstream import UpstreamConnectError
@@ -128,6 +129,16 @@ class Admitted:
     body: bytes
     reservation: Reservation
     demand: Demand | None = None
+
+
+def forced_law(law: OutputLaw | None, reading: Reading, cap: int) -> OutputLaw | None:
+    """The route's law as far as the request leaves its length to it: none (its cap) when a field
+    may keep it from ending (ignore_eos, logit_bias, ...), conditioned on length >= min_tokens."""
+    if law is None or reading.forces_cap is not None:
+        return None
+    if reading.forced_tokens > 0:
+        return law.at_least(min(reading.forced_tokens, cap))
+    return law
 
 
 class Admission:
@@ -232,11 +243,12 @@ class Admission:
                 # a reading that generates nothing (pooling) holds its prompt for its whole life: no demand
                 demand = None if grow == 0 else Demand(
                     tuple(min(p, cfg.max_model_len) for p in prompts) * reading.copies, grow,
-                    route.output_law if route is not None else None)
+                    forced_law(route.output_law if route is not None else None, reading, grow))
         if self.queue.gate.never_fits(largest, demand):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs {largest} KV blocks but {self._limit_text()}: "
-                            "it can never be admitted", blocks=(largest, self.pool.free_blocks))
+                            "it can never be admitted", blocks=(largest, self.pool.free_blocks),
+                            public=NEVER_FITS)
         return max(largest, 1), demand
 
     def _never_fits(self, asked: Request, cap: int | None, lower: list[int]) -> None:
@@ -252,7 +264,8 @@ class Admission:
         if smallest is not None and self.queue.gate.never_fits(smallest):
             raise Rejection(413, Reason.KV_RESERVATION_EXCEEDS_BUDGET,
                             f"this request needs at least {smallest} KV blocks but {self._limit_text()}: "
-                            "it can never be admitted", blocks=(smallest, self.pool.free_blocks))
+                            "it can never be admitted", blocks=(smallest, self.pool.free_blocks),
+                            public=NEVER_FITS)
 
     def _limit_text(self) -> str:
         """What a 413 says it was measured against (the same words as the rendered nginx.conf;
@@ -332,7 +345,8 @@ class Admission:
                 self.metrics.retry_after.observe(turned.retry_after_s)
                 raise Rejection(429, reason, f"KV budget full: {blocks} blocks needed, the gateways' shared "
                                 "ledger holds too many on every upstream; retry later",
-                                retry_after_s=turned.retry_after_s, blocks=(blocks, self.pool.free_blocks))
+                                retry_after_s=turned.retry_after_s, blocks=(blocks, self.pool.free_blocks),
+                                public=BUDGET_FULL)
             self._polling += 1
             try:
                 await asyncio.sleep(min(SHARED_POLL_S, left))
@@ -387,7 +401,7 @@ class Admission:
         raise Rejection(429, got.reason,
                         f"KV budget full: {blocks} blocks needed, {ledger.reserved_blocks} of "
                         f"{ledger.limit_blocks} reserved; retry later", retry_after_s=got.retry_after_s,
-                        blocks=(blocks, ledger.free_blocks))
+                        blocks=(blocks, ledger.free_blocks), public=BUDGET_FULL)
 
 
 __all__ = ["Admission", "Admitted", "WaitQueue"]

@@ -73,6 +73,8 @@ class Reading:
     requested_cap: int | None = None  # the smallest cap the client asked for, if any
     copies: int = 1  # sequences generated per prompt (n, best_of, beams)
     min_tokens: CapField | None = None
+    forced_tokens: int = 0  # output tokens the request forces at least (min_tokens)
+    forces_cap: str | None = None  # the field that may keep it from ending before its cap, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,7 @@ def _shift(r: Reading, offset: int) -> Reading:
         return r
     sequences = tuple(Sequence(tuple(p + offset for p in s.parts), s.extra_tokens) for s in r.sequences)
     return Reading(r.api, r.prompts, sequences, r.generates, r.caps, r.add_cap, r.requested_cap,
-                   r.copies, r.min_tokens)
+                   r.copies, r.min_tokens, r.forced_tokens, r.forces_cap)
 
 
 def _invocations(doc: dict, pair_tokens: int) -> list[Reading]:
@@ -174,6 +176,34 @@ def _copies(doc: dict, keys: tuple[str, ...], holder: dict | None = None) -> int
         if value is not None:
             copies = max(copies, count_field(key, value))
     return copies
+
+
+#: Sampling fields that can keep a sequence from ever sampling its end-of-sequence token, so its
+#: length is no longer the route's: ignore_eos; logit_bias (the gateway does not know the model's
+#: EOS ids, and a bias up on any other token pushes EOS down as surely as one against it);
+#: bad_words and allowed_token_ids (either can ban EOS). stop and stop_token_ids only add ways
+#: to end: vLLM 0.32 keeps EOS beside them (SamplingParams.update_from_generation_config).
+FORCING_FIELDS = ("ignore_eos", "logit_bias", "bad_words", "allowed_token_ids")
+#: The ones vLLM 0.32's ResponsesRequest reads (it has no min_tokens).
+RESPONSES_FORCING_FIELDS = ("ignore_eos", "logit_bias")
+
+
+def forcing(holder: dict, fields: tuple[str, ...] = FORCING_FIELDS, *,
+            min_tokens: bool = True) -> tuple[int, str | None]:
+    """What a request's sampling fields force its length to: the tokens it generates at least
+    (min_tokens), and the field, if any, that may hold it to its cap. Read loosely, as the engine
+    might coerce it: a min_tokens that is not a plain number forces the cap."""
+    forced = 0
+    least = holder.get("min_tokens") if min_tokens else None
+    if least is not None:
+        if isinstance(least, bool) or not isinstance(least, (int, float)) or not math.isfinite(least):
+            return 0, "min_tokens"
+        forced = max(0, min(math.ceil(least), MAX_COUNT))
+    for key in fields:
+        value = holder.get(key)
+        if value is not None and value is not False and value != 0 and value != {} and value != []:
+            return forced, key
+    return forced, None
 
 
 def _refuse_present(doc: dict, fields: dict[str, str]) -> None:
@@ -217,7 +247,7 @@ def _chat(doc: dict, pair_tokens: int = 0) -> Reading:
     prompt = Prompt(messages=_messages(doc.get("messages"), "messages"), template_args=_template_args(doc),
                     add_special_tokens=_add_special_tokens(doc))
     return Reading(Api.CHAT, (prompt,), (Sequence((0,)),), True, CHAT_CAPS, CapField("max_tokens"),
-                   _caps(doc, CHAT_CAPS), _copies(doc, ("n",)), CapField("min_tokens"))
+                   _caps(doc, CHAT_CAPS), _copies(doc, ("n",)), CapField("min_tokens"), *forcing(doc))
 
 
 def _chat_batch(doc: dict, pair_tokens: int = 0) -> Reading:
@@ -231,7 +261,7 @@ def _chat_batch(doc: dict, pair_tokens: int = 0) -> Reading:
                     for c in conversations)
     return Reading(Api.CHAT_BATCH, prompts, tuple(Sequence((i,)) for i in range(len(prompts))), True,
                    CHAT_CAPS, CapField("max_tokens"), _caps(doc, CHAT_CAPS), _copies(doc, ("n",)),
-                   CapField("min_tokens"))
+                   CapField("min_tokens"), *forcing(doc))
 
 
 _COMPLETION_REFUSED = {"prompt_embeds": "prompt embeddings", "mm_payload": "a multimodal payload"}
@@ -271,7 +301,7 @@ def _completions(doc: dict, pair_tokens: int = 0) -> Reading:
         sequences = [Sequence((*s.parts, len(prompts) - 1)) for s in sequences]
     return Reading(Api.COMPLETIONS, tuple(prompts), tuple(sequences), True, COMPLETION_CAPS,
                    CapField("max_tokens"), _caps(doc, COMPLETION_CAPS), _copies(doc, ("n", "best_of")),
-                   CapField("min_tokens"))
+                   CapField("min_tokens"), *forcing(doc))
 
 
 _RESPONSES_REFUSED = {"previous_response_id": "a conversation stored on the server (previous_response_id)",
@@ -306,8 +336,10 @@ def _responses(doc: dict, pair_tokens: int = 0) -> Reading:
     if tools:
         args["tools"] = _response_tools(tools)
     prompt = Prompt(messages=messages, template_args=args, add_special_tokens=True)
+    forced, forces_cap = forcing(doc, RESPONSES_FORCING_FIELDS, min_tokens=False)
     return Reading(Api.RESPONSES, (prompt,), (Sequence((0,)),), True, RESPONSES_CAPS,
-                   CapField("max_output_tokens"), _caps(doc, RESPONSES_CAPS))
+                   CapField("max_output_tokens"), _caps(doc, RESPONSES_CAPS), forced_tokens=forced,
+                   forces_cap=forces_cap)
 
 
 def _response_item(item: Any, i: int) -> dict:
@@ -369,7 +401,7 @@ def _tokens(doc: dict, pair_tokens: int = 0) -> Reading:
         raise invalid("sampling_params must be an object")
     return Reading(Api.TOKENS, (Prompt(token_count=len(ids)),), (Sequence((0,)),), True, TOKENS_CAPS,
                    TOKENS_CAPS[0], _caps(doc, TOKENS_CAPS), _copies(doc, ("n", "best_of"), params),
-                   CapField("min_tokens", "sampling_params"))
+                   CapField("min_tokens", "sampling_params"), *forcing(params))
 
 
 ANY_CAPS = (CapField("max_tokens"), CapField("max_completion_tokens"), CapField("max_output_tokens"))
@@ -391,7 +423,7 @@ def _any(doc: dict, pair_tokens: int = 0) -> Reading:
         raise invalid("the request carries no prompt (messages, prompt or input)")
     return Reading(Api.ANY, tuple(prompts), (Sequence(tuple(range(len(prompts)))),), True, ANY_CAPS,
                    CapField("max_tokens"), _caps(doc, ANY_CAPS), _copies(doc, ("n", "best_of")),
-                   CapField("min_tokens"))
+                   CapField("min_tokens"), *forcing(doc))
 
 
 # ---------------------------------------------------------------- pooling (no output)
@@ -500,5 +532,6 @@ _READERS = {
     Api.EMBED: _embed, Api.SCORE: _score, Api.RERANK: _rerank, Api.COHERE_EMBED: _cohere_embed,
 }
 
-__all__ = ["Prompt", "Sequence", "CapField", "Reading", "Request", "read_request", "count_field",
+__all__ = ["Prompt", "Sequence", "CapField", "Reading", "Request", "read_request", "count_field", "forcing",
+           "FORCING_FIELDS", "RESPONSES_FORCING_FIELDS",
            "TEMPLATE_FIELDS", "ESTIMATE_FIELDS", "MAX_COUNT"]

@@ -157,6 +157,16 @@ class Access(enum.Enum):
 ADMIN_ACCESS = tuple(a.value for a in Access)
 
 
+class RefusalDetail(enum.Enum):
+    """What a refusal tells the client about the ledger (gateway.yaml `admin.refusal_detail`)."""
+
+    PUBLIC = "public"  # the reason and Retry-After only; no X-Kvtune-Reserved-Blocks
+    LEDGER = "ledger"  # blocks needed, reserved and the budget, to clients admin.ledger lets in
+
+
+REFUSAL_DETAILS = tuple(d.value for d in RefusalDetail)
+
+
 @dataclass(frozen=True, slots=True)
 class AdminAccess:
     """Who may read the gateway's own /metrics and /kvtune/ledger (route names, budget, counts):
@@ -165,6 +175,7 @@ class AdminAccess:
     metrics: Access = Access.LOOPBACK
     ledger: Access = Access.LOOPBACK
     token_env: str | None = None
+    refusal_detail: RefusalDetail = RefusalDetail.PUBLIC
 
 
 @dataclass(frozen=True, slots=True)
@@ -793,7 +804,7 @@ def _limits(r: _Reader, value: Any, max_model_len: int) -> ClientLimits:
 
 
 def _admin(r: _Reader, value: Any) -> AdminAccess:
-    doc = r.mapping(value, "admin", {"metrics", "ledger", "token_env"})
+    doc = r.mapping(value, "admin", {"metrics", "ledger", "token_env", "refusal_detail"})
     metrics = doc.get("metrics", Access.LOOPBACK.value)
     ledger = doc.get("ledger", Access.LOOPBACK.value)
     if metrics not in ADMIN_ACCESS:
@@ -805,7 +816,11 @@ def _admin(r: _Reader, value: Any) -> AdminAccess:
         raise r.fail("admin.token_env", f"{brief(token_env)} is not an environment variable name")
     if Access.TOKEN.value in (metrics, ledger) and token_env is None:
         raise r.fail("admin.token_env", "access 'token' needs the environment variable that holds the token")
-    return AdminAccess(metrics=Access(metrics), ledger=Access(ledger), token_env=token_env)
+    detail = doc.get("refusal_detail", RefusalDetail.PUBLIC.value)
+    if detail not in REFUSAL_DETAILS:
+        raise r.fail("admin.refusal_detail", f"{brief(detail)} is not one of {', '.join(REFUSAL_DETAILS)}")
+    return AdminAccess(metrics=Access(metrics), ledger=Access(ledger), token_env=token_env,
+                       refusal_detail=RefusalDetail(detail))
 
 
 def load_gateway_config(path: str | Path) -> GatewayConfig:

@@ -136,6 +136,14 @@ class OutputLaw:
     def to_dict(self) -> dict[str, Any]:
         return {"lengths": list(self.lengths), "counts": list(self.counts)}
 
+    def at_least(self, tokens: int) -> OutputLaw | None:
+        """The law of a request that forces `tokens` output tokens (min_tokens): the bins that
+        reach them; None (every sequence reaches its cap) when no logged length did."""
+        kept = [(n, c) for n, c in zip(self.lengths, self.counts, strict=True) if n >= tokens and c > 0]
+        if not kept:
+            return None
+        return OutputLaw(tuple(n for n, _ in kept), tuple(c for _, c in kept))
+
     def conditioned(self, cap: int, streamed: int) -> tuple[np.ndarray, np.ndarray]:
         """The lengths (each at most `cap`) and their probabilities given `streamed` tokens seen.
 

@@ -229,9 +229,9 @@ class Gateway:
             raw = await self.intake.read_body(request)
             admitted = await self.admission.admit(incoming, raw)
         except Rejection as rejection:
-            return self._reject(None, rejection)
+            return self._reject(request, None, rejection)
         except Refused as refused:
-            return self._reject(refused.route, refused.rejection)
+            return self._reject(request, refused.route, refused.rejection)
         # Admitted: from here every path out of this function gives the blocks back once, on the
         # upstream they are held on. An upstream that refuses the connection got nothing of the
         # request: its blocks go back, it is taken out, and the request is admitted again (queue
@@ -241,7 +241,7 @@ class Gateway:
         route = admitted.route.name if admitted.route else ""
         try:
             self.metrics.count_admitted(route, admitted.blocks)
-            extra = {"X-Kvtune-Reserved-Blocks": str(admitted.blocks)}
+            extra = {"X-Kvtune-Reserved-Blocks": str(admitted.blocks)} if self.admin.shows_detail(request) else {}
             if admitted.cap is not None:
                 extra["X-Kvtune-Max-Tokens"] = str(admitted.cap)
             for attempt in range(len(self.pool.replicas)):
@@ -264,7 +264,7 @@ class Gateway:
                 try:
                     reservation = await self.admission.reserve(admitted.blocks, admitted.demand)
                 except Rejection as rejection:
-                    return self._reject(admitted.route, rejection)
+                    return self._reject(request, admitted.route, rejection)
             raise RuntimeError("unreachable: the last attempt answers whatever happens")
         finally:
             self.admission.release(reservation)
@@ -282,12 +282,12 @@ class Gateway:
                 self._take_out(replica, str(exc))
         raise RuntimeError("unreachable: the last attempt answers whatever happens")
 
-    def _reject(self, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
+    def _reject(self, request: web.Request, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
         name = route.name if route else ""
         self.metrics.count_rejected(name, rejection.reason)
         self._log_refusals(self.refusals.record(name, rejection, time.monotonic()))
-        return refusal_response(rejection)
+        return refusal_response(rejection, self.admin.shows_detail(request))
 
 
 # ---------------------------------------------------------------- the app

@@ -82,11 +82,19 @@ class Rejection(Exception):
     `close` also ends the connection (a body left unread, a client too slow to finish)."""
 
     def __init__(self, status: int, reason: Reason, message: str, *, retry_after_s: int | None = None,
-                 close: bool = False, allow: str | None = None, blocks: tuple[int, int] | None = None) -> None:
+                 close: bool = False, allow: str | None = None, blocks: tuple[int, int] | None = None,
+                 public: str | None = None) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+        # the message without the ledger's figures, for clients not allowed to read the ledger
+        # (gateway.yaml admin.refusal_detail); None: the message holds none
+        self.public = public
         self.close, self.allow = close, allow
         self.blocks = blocks  # (needed, free) when KV blocks decided it, for the log line
+
+    def message_for(self, detailed: bool) -> str:
+        """The message a client sees: the ledger's figures only when it may read the ledger."""
+        return self.message if detailed or self.public is None else self.public
 
     @property
     def code(self) -> str:
@@ -101,6 +109,11 @@ class Refused(Exception):
         super().__init__(rejection.message)
         self.route, self.rejection = route, rejection
 
+
+#: What 429 and 413 say to a client that may not read the ledger (gateway.yaml
+#: admin.refusal_detail): the reason, never the blocks or the budget.
+BUDGET_FULL = "KV budget full; retry later"
+NEVER_FITS = "this request needs more KV blocks than this deployment can ever hold: it can never be admitted"
 
 #: Seconds over which refusals of one reason and route are counted into one log line.
 REFUSAL_LOG_S = 1.0
@@ -160,4 +173,4 @@ def _line(*, count: int, elapsed_s: float, code: str, route: str, last: Rejectio
     return f"refused {count:,} in {elapsed_s:.1f} s: {code} route={route or '-'} status={last.status} {what}"
 
 
-__all__ = ["Reason", "ErrorType", "Rejection", "Refused", "RefusalLog", "REFUSAL_LOG_S"]
+__all__ = ["BUDGET_FULL", "NEVER_FITS", "Reason", "ErrorType", "Rejection", "Refused", "RefusalLog", "REFUSAL_LOG_S"]

@@ -38,15 +38,16 @@ _DROP_WHOLE_RESPONSE = HOP_BY_HOP | {"content-length"}  # the gateway's server s
 _WHOLE_BODY_MAX_BYTES = 1024 * 1024
 
 
-def refusal_response(rejection: Rejection) -> web.Response:
-    """The gateway's own answer: status, OpenAI error body, Retry-After and Allow when set."""
+def refusal_response(rejection: Rejection, detailed: bool = False) -> web.Response:
+    """The gateway's own answer: status, OpenAI error body, Retry-After and Allow when set; the
+    ledger's figures in the message only when `detailed` (admin.refusal_detail)."""
     status = rejection.status
     headers = {}
     if rejection.retry_after_s is not None:
         headers["Retry-After"] = str(rejection.retry_after_s)
     if rejection.allow is not None:
         headers["Allow"] = rejection.allow
-    body = {"error": {"message": rejection.message, "type": ErrorType.of(status).value, "param": None,
+    body = {"error": {"message": rejection.message_for(detailed), "type": ErrorType.of(status).value, "param": None,
                       "code": rejection.code}}
     response = web.json_response(body, status=status, headers=headers or None)
     if rejection.close:
