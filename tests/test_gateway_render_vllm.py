@@ -143,13 +143,17 @@ def nginx(engine, tmp_path_factory):
     from enforcers import start_enforcer
     from recs import make_rec_dict
 
+    from kvtune.gateway.config import AdminAccess, RefusalDetail
     from kvtune.policy.recommendation import Recommendation
 
     server, _ = engine
     doc = make_rec_dict(budget=100_000, num_blocks=100_001, block_size=1, routes=[("/v1/chat/completions", 1, 0.0)])
     doc["upstream"] = server.url
     doc["settings"]["max_model_len"]["value"] = server.max_model_len
-    gateway = start_enforcer("nginx", Recommendation.from_dict(doc, path="render test"), tmp_path_factory.mktemp("nginx"))
+    # the reservation is read from X-Kvtune-Reserved-Blocks, which only admin.refusal_detail: ledger
+    # shows (to a loopback client, as the ledger)
+    gateway = start_enforcer("nginx", Recommendation.from_dict(doc, path="render test"), tmp_path_factory.mktemp("nginx"),
+                             admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
     try:
         yield server, gateway
     finally:
@@ -196,7 +200,8 @@ def test_sixteen_reasoning_chats_under_guaranteed_never_preempt(engine):
     config = {"version": 1, "upstream": server.url, "block_size": server.block_size,
               "block_budget": server.num_blocks - 1, "max_model_len": server.max_model_len,
               "listen": {"port": 0}, "prompt_tokens": {"method": "upstream-tokenize"},
-              "admission": {"policy": "guaranteed"}, "routes": [{"name": "all", "max_new_tokens": cap}]}
+              "admission": {"policy": "guaranteed"}, "routes": [{"name": "all", "max_new_tokens": cap}],
+              "admin": {"refusal_detail": "ledger"}}  # X-Kvtune-Reserved-Blocks on each admitted answer
     gateway = PyGateway(yaml.safe_dump(config)).start()
     before = _preemptions(server.url)
     try:
