@@ -186,6 +186,20 @@ class _Client:
                 return ledger
             time.sleep(0.05)
 
+    def wait_drained(self, timeout: float = 10) -> dict:
+        """The ledger once nothing is held or in flight, on the totals and on every upstream (or
+        the last one read). One snapshot reads its counters one at a time while another nginx
+        worker may be releasing, so it can be torn (an upstream's count read before a release,
+        the totals after): wait for a snapshot that is whole, not for the first zero."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ledger = self.ledger()
+            counts = [ledger["reserved"], ledger["inflight"]]
+            counts += [n for u in ledger.get("upstreams") or [] for n in (u["reserved"], u["inflight"])]
+            if not any(counts) or time.monotonic() > deadline:
+                return ledger
+            time.sleep(0.05)
+
 
 class Nginx(_Client):
     def __init__(self, prefix: Path, conf_text: str, port: int) -> None:

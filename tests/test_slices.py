@@ -157,10 +157,10 @@ def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_wh
             a.release()
             b.release()
             assert [f.result()[0] for f in pending] == [200] * 18
-            assert server.wait_ledger(0)["inflight"] == 0
+            assert server.wait_drained()["inflight"] == 0
             # an upstream 500, and a client gone while its request is held: each released once
             assert server.request("/v1/chat/completions", chat(10, x_mode="500"))[0] == 500
-            assert [u["reserved"] for u in server.wait_ledger(0)["upstreams"]] == [0, 0]
+            assert [u["reserved"] for u in server.wait_drained()["upstreams"]] == [0, 0]
             a.hold()
             b.hold()
             body = json_.dumps(chat(10, x_mode="hold")).encode()
@@ -168,7 +168,7 @@ def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_wh
                 conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
                 server.wait_ledger(5)
-            ledger = server.wait_ledger(0)
+            ledger = server.wait_drained()
             assert ledger["inflight"] == 0 and [u["inflight"] for u in ledger["upstreams"]] == [0, 0]
             assert [u["reserved"] for u in ledger["upstreams"]] == [0, 0]
         finally:
