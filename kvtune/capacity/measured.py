@@ -130,7 +130,7 @@ class MeasuredCapacity:
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, found {type(data).__name__}", path=path)
         unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40)
-                         for k in set(data) - set(_FIELD_TYPES) - {"source", "timing"})
+                         for k in set(data) - set(_FIELD_TYPES) - {"source", "timing"} - REPORT_FIELDS)
         if unknown:
             raise InputError(f"unknown field(s): {', '.join(unknown[:5])}", path=path, field=unknown[0])
         raw_source = data.get("source")
@@ -203,6 +203,16 @@ _FIELD_TYPES: dict[str, type] = {
     "max_num_batched_tokens": int,
     "engine": str,
 }
+# `kvtune capacity --json` is a capacity file too (one format): its report (kvtune.capacity.plan.
+# CapacityReport.to_dict, `fits`, `why`) around the fields above, which CapacityReport.capacity_file
+# fills. A reader takes the fields above and leaves the report's own figures to the people who read it.
+REPORT_FIELDS = frozenset({
+    "gpu", "gpu_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size", "engine_version",
+    "kv_bytes_per_token_per_gpu", "measured_from", "kv_cache_bytes", "estimated_num_blocks",
+    "max_concurrency_at_max_model_len", "requested_memory_bytes", "weights_bytes", "weights_bytes_total",
+    "weights_source", "weights_format", "overhead_bytes", "overhead", "requests", "assumptions", "notes", "fits",
+    "why",
+})
 # written only when known (engine: when not vLLM), so capacity files from before they were
 # recorded read back equal
 _SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
@@ -519,6 +529,7 @@ def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity
 __all__ = [
     "CapacitySource",
     "MeasuredCapacity",
+    "REPORT_FIELDS",
     "ServedModel",
     "blocks_from_tokens",
     "parse_vllm_log",

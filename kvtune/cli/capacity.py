@@ -62,8 +62,10 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
 
     report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
     verdict = capacity_verdict(report.engine, report.capacity)
-    if json_:
-        click.echo(json.dumps({**report.to_dict(), "fits": verdict.fits, "why": verdict.why}))
+    if json_:  # the report around the capacity file's fields: a `--capacity FILE` for simulate and recommend
+        doc = report.to_dict()
+        record = {k: v for k, v in report.capacity_file().to_dict().items() if k not in doc}
+        click.echo(json.dumps({**doc, **record, "fits": verdict.fits, "why": verdict.why}))
     else:
         _print_report(report)
         if not verdict.fits:

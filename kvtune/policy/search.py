@@ -68,6 +68,7 @@ from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
 from kvtune.sim.scheduler import EngineSettings
+from kvtune.sim.traffic import logged_rate
 
 if TYPE_CHECKING:
     from kvtune.sim.results import SimResult
@@ -192,30 +193,35 @@ def objective_load(profile: Profile, spec: ObjectiveSpec) -> Load:
         return Load(None, spec.concurrency, "option")
     if spec.rate_rps is not None:
         return Load(spec.rate_rps, None, "option")
-    arrival = profile.combined().arrival if profile.routes else None
-    rate = None if arrival is None else arrival.mean_rate_rps
-    if rate is None or not rate > 0:
+    rate = logged_rate(profile)  # as `kvtune simulate` takes it
+    if rate is None:
         raise OptionError("the logs carry no timestamps to take an arrival rate from: give --rate RPS or "
                           "--concurrency N", field="rate")
     return Load(round(rate, 6), None, "logs")
 
 
 def sim_basis(plan: Plan) -> SimBasis:
-    """The simulator's footing on the plan's measured capacity: its timing (or the roofline for
-    the plan's model and GPU) and the engine with today's defaults."""
-    from kvtune.sim.setup import engine_setup, timing_setup
+    """The simulator's footing on the plan's capacity: a measured one's timing (or the roofline
+    for the plan's model and GPU) and the engine with today's defaults; without a capacity file
+    (or with only a pool size given), the plan's own estimate, as `kvtune simulate` takes it
+    (kvtune.sim.setup.offline_capacity)."""
+    from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, timing_setup
 
     measured = plan.measured
-    if measured is None:
-        raise OptionError("an objective is simulated on a measured capacity: give --capacity FILE from "
-                          "`kvtune calibrate`", field="capacity_file")
+    labels = None
+    if measured is None or given_pool(measured):
+        if plan.gpu is None:
+            raise OptionError("an objective without a capacity file is simulated on the roofline step time of a "
+                              "catalog GPU: give --gpu, or --capacity FILE from `kvtune calibrate --timing`",
+                              field="gpu")
+        measured, labels = offline_capacity(plan)
     gpu = None
     if plan.gpu is not None:
         from kvtune.hardware import find_gpu
 
         gpu = find_gpu(plan.gpu)
     timing = timing_setup(measured, spec=plan.spec, gpu=gpu, tp=plan.kv.tensor_parallel_size)
-    engine = engine_setup(measured, gpu=gpu).settings
+    engine = engine_setup(measured, gpu=gpu, recorded_from=labels).settings
     return SimBasis(timing.model, timing.http_overhead_s, engine)
 
 
