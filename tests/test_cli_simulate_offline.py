@@ -168,3 +168,43 @@ def test_recommend_objective_runs_on_the_same_estimate_as_simulate():
     assert no_gpu.exit_code == 2
     assert no_gpu.output.strip().splitlines()[-1].startswith(
         "Error: --gpu: an objective without a capacity file is simulated on the roofline step time of a catalog GPU")
+
+
+def test_a_saturated_long_prompt_trace_gives_the_queue_its_step_time_implies(tmp_path):
+    """100 requests of 32,000 prompt tokens at once (the published Qwen3-14B H100 run's shape),
+    with a step time given: the simulator's own queueing, chunking and pool (8 fit at a time)
+    give the figures the step time implies, neither more nor less: every prompt's prefill is
+    served in 8,192-token chunks one after another, so the run lasts at least the prefills' sum
+    and TTFT's median sits near half of it. (The absurd `ttft p50 1,589,028 ms` of issue 27 was
+    the roofline's step time charging a chunk's KV read per token; its fix is the step model's.)"""
+    from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_capacity_file
+    from kvtune.capacity.timing import FitError, MeasuredAgainst, SweepReport, Timing
+    from kvtune.steptime import StepTimeModel
+
+    c0, c1 = 0.02, 5.8e-5  # 1.86 s per 32k-token prefill, as aiconfigurator-core prices it on an H100
+    sweep = SweepReport(name="decode", requests=1, completed=1, prompt_tokens=(32, 32), output_tokens=(8, 8),
+                        concurrency=(1,), wall_s=1.0, error=FitError(1, 0.0, 0.0, 0.0), client_mean_s=0.0)
+    against = MeasuredAgainst(url="http://127.0.0.1:8000", model="qwen3-14b", max_model_len=40960, block_size=16,
+                              num_blocks=16270, kv_cache_dtype="auto", max_num_batched_tokens=8192,
+                              max_num_batched_tokens_from="engine-default")
+    timing = Timing(StepTimeModel(c0, c1, 0.0, 0.0), 0.0, (sweep,), against, 1.0, 1.0, "0")
+    cap = tmp_path / "cap.json"
+    write_capacity_file(cap, MeasuredCapacity(source=CapacitySource.METRICS, num_blocks=16270, block_size=16,
+                                              max_model_len=40960, device="GPU", timing=timing))
+    log = tmp_path / "long.jsonl"
+    log.write_text("".join(json.dumps({"route": "chat", "prompt_tokens": 32_000, "output_tokens": 100,
+                                       "timestamp_s": 1_700_000_000 + i / 100}) + "\n" for i in range(100)))
+    data = run_json("simulate", str(log), "--capacity", str(cap), "--requests", "100")
+    assert data["load"]["from"] == "logs" and data["load"]["rate_rps"] > 99  # all within a second
+    assert data["requests"]["completed"] == 100 and data["server"]["preemptions"] == 0
+    assert data["server"]["running_peak"] == 8  # 16,269 blocks hold 8 of 2,007
+    prefill_s = 100 * (32_000 * c1 + 4 * c0)  # 4 chunks each, none shared
+    # the engine is never idle once the requests are in (sent within 1 s): the run is its steps
+    busy_s = c1 * (100 * 32_000 + 100 * 99) + c0 * data["simulation"]["steps"]  # the 100th token is not fed
+    assert busy_s - 0.001 <= data["duration_s"] <= busy_s + 1.0  # duration_s is rounded to ms
+    assert prefill_s <= data["duration_s"]
+    ttft = data["latency_ms"]["ttft"]
+    assert 0.4 * prefill_s <= ttft["p50"] / 1000 <= 0.6 * prefill_s
+    assert ttft["p99"] / 1000 <= data["duration_s"]
+    tpot = data["latency_ms"]["tpot"]
+    assert c0 * 1000 <= tpot["p50"] <= (c0 + 8192 * c1) * 1000  # between a decode step and a chunk step

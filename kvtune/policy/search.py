@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtune.bench.report import Slo
+from kvtune.capacity.measured import CapacitySource
 from kvtune.deploy.read import DeployedRoute
-from kvtune.errors import KvtuneError, OptionError
+from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
@@ -484,7 +485,11 @@ class Candidate:
 
 
 def grid_candidates(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective,
-                    grid: SearchGrid) -> list[Candidate]:
+                    grid: SearchGrid, left_out: list[str] | None = None) -> list[Candidate]:
+    """The grid's rows in table order. On an estimated pool a cell's engine settings can leave no
+    memory for KV (its max_num_seqs' sampler, replanned as vLLM profiles it): with `left_out`
+    given, such a cell is no candidate and its label and reason are appended there (the search
+    says so in its notes); without it, the CapacityError propagates."""
     basis = objective.basis
     uncapped: dict[str, int | None] = {r.route: None for r in profile.routes}
     default = recommend(profile, plan, options)
@@ -494,9 +499,15 @@ def grid_candidates(profile: Profile, plan: Plan, options: RecommendOptions, obj
     user_safety = options.safety_fraction is not None
     seen: set[tuple] = set()
     for level, safety, policy in grid.cells():
-        rec = recommend(profile, plan, dataclasses.replace(
-            options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
-            searched=not user_safety, admission=policy.admission()))
+        try:
+            rec = recommend(profile, plan, dataclasses.replace(
+                options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
+                searched=not user_safety, admission=policy.admission()))
+        except CapacityError as exc:
+            if left_out is None or plan.capacity.source is not CapacitySource.ESTIMATE:
+                raise
+            left_out.append(f"{policy.label}, caps {level}, safety {safety:g}: {exc.message}")
+            continue
         deployment = rendered_deployment(rec, basis, policy)
         key = (policy, tuple(sorted(deployment.caps.items())), deployment.budget_blocks, deployment.engine)
         if key in seen:
@@ -589,10 +600,16 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
     """Simulate the grid, choose the best feasible candidate, return its recommendation with the
     what-if table; InfeasibleObjectiveError (with the table) when no candidate meets the constraints."""
     grid = searched_grid(grid, options, objective)
-    candidates = grid_candidates(profile, plan, options, objective, grid)
+    left_out: list[str] = []
+    candidates = grid_candidates(profile, plan, options, objective, grid, left_out)
     draws = [draw_requests(objective, seed) for seed in objective_seeds(objective)]
-    return chosen_recommendation(objective, grid, candidates,
-                                 lambda c: (simulate_deployment(objective, c.deployment, draws), ()), progress)
+    rec = chosen_recommendation(objective, grid, candidates,
+                                lambda c: (simulate_deployment(objective, c.deployment, draws), ()), progress)
+    if not left_out:
+        return rec
+    note = (f"{len(left_out)} candidate(s) of the grid left out: on the estimated pool their engine settings leave "
+            f"no memory for KV (first: {left_out[0]})")
+    return dataclasses.replace(rec, notes=(*rec.notes, note))
 
 
 def searched_grid(grid: SearchGrid | None, options: RecommendOptions, objective: Objective) -> SearchGrid:
