@@ -152,9 +152,9 @@ def test_the_default_load_is_the_logs_arrival_rate(tmp_path):
 def test_recommend_objective_runs_on_the_same_estimate_as_simulate():
     """recommend --objective without --capacity simulates the pool simulate estimates for the same
     options (and a --num-gpu-blocks pool), instead of refusing."""
-    args = ("--model", MODEL, "--gpu", GPU, "--objective", "throughput", "--requests", "50")
+    args = ("--model", MODEL, "--gpu", GPU, "--objective", "throughput", "--requests", "20")
     rec = run_json("recommend", CHAT, *args)["recommendation"]
-    sim = run_json("simulate", CHAT, "--model", MODEL, "--gpu", GPU, "--requests", "50")
+    sim = run_json("simulate", CHAT, "--model", MODEL, "--gpu", GPU, "--requests", "20")
     basis = rec["objective"]["simulator"]["engine"]
     engine = sim["simulation"]["engine"]
     for key in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
