@@ -152,15 +152,17 @@ def test_the_default_load_is_the_logs_arrival_rate(tmp_path):
 def test_recommend_objective_runs_on_the_same_estimate_as_simulate():
     """recommend --objective without --capacity simulates the pool simulate estimates for the same
     options (and a --num-gpu-blocks pool), instead of refusing."""
-    args = ("--model", MODEL, "--gpu", GPU, "--objective", "throughput", "--requests", "20")
+    args = ("--model", MODEL, "--gpu", GPU, "--tp", "2", "--objective", "throughput", "--requests", "20")
     rec = run_json("recommend", CHAT, *args)["recommendation"]
-    sim = run_json("simulate", CHAT, "--model", MODEL, "--gpu", GPU, "--requests", "20")
+    sim = run_json("simulate", CHAT, "--model", MODEL, "--gpu", GPU, "--tp", "2", "--requests", "20")
     basis = rec["objective"]["simulator"]["engine"]
     engine = sim["simulation"]["engine"]
     for key in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         assert basis[key] == engine[key]["value"], key
     assert rec["objective"]["load"] == {"rate_rps": sim["load"]["rate_rps"], "concurrency": None, "from": "logs"}
-    assert rec["objective"]["simulator"]["timing"]["source"] == "roofline-estimate"
+    timing = rec["objective"]["simulator"]["timing"]
+    assert timing["source"] == "roofline-estimate"
+    assert {k: timing[k] for k in ("c0", "c1", "c2", "c3")} == sim["simulation"]["timing"]["coefficients"]
     known = run_json("recommend", CHAT, *args, "--num-gpu-blocks", "6000", "--max-model-len", "32k")["recommendation"]
     assert known["objective"]["simulator"]["engine"]["num_blocks"] == 6000
     assert known["capacity"]["num_blocks"] == 6000
