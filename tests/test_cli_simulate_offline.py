@@ -106,13 +106,18 @@ def test_capacity_json_is_a_capacity_file(tmp_path):
     cap = tmp_path / "cap.json"
     written = capacity_json("--tp", "2", "--max-model-len", "32768")
     cap.write_text(json.dumps(written))
-    data = run_json("simulate", CHAT, "--capacity", str(cap), "--model", MODEL, "--gpu", GPU, "--tp", "2",
-                    "--rate", "3", "--requests", "20")
+    data = run_json("simulate", CHAT, "--capacity", str(cap), "--model", MODEL, "--gpu", GPU,
+                    "--rate", "3", "--requests", "20")  # the roofline at the file's --tp 2
     engine = data["simulation"]["engine"]
     assert engine["num_blocks"] == {"value": written["num_blocks"], "from": "capacity-file"}
     assert engine["max_model_len"] == {"value": 32768, "from": "capacity-file"}
     assert data["simulation"]["capacity"] == {"from": "capacity-file", "file": str(cap)}
     assert data["simulation"]["timing"]["roofline"]["tensor_parallel_size"] == 2
+    other = run("simulate", CHAT, "--capacity", str(cap), "--model", MODEL, "--gpu", GPU, "--tp", "4", "--rate", "3",
+                "--requests", "20")
+    assert other.exit_code == 2 and other.output.strip().splitlines() == [
+        "Error: --tp: the capacity file's pool is per GPU at tensor-parallel size 2, not 4: leave --tp out, or write "
+        "the file again with --tp 4"]
     again = run_json("capacity", MODEL, "--gpu", GPU, "--tp", "2", "--capacity", str(cap))
     for key in ("num_blocks", "block_size", "kv_cache_tokens", "max_model_len", "kv_cache_dtype"):
         assert again[key] == written[key], key

@@ -298,7 +298,8 @@ class CapacityReport:
             else utilization,
             kv_cache_memory_bytes=m.kv_cache_memory_bytes if m else None,
             origin=m.origin if m else None, line=m.line if m else None, timing=m.timing if m else None,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens, engine=self.engine)
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            tensor_parallel_size=self.tensor_parallel_size, engine=self.engine)
 
 
 def _layer_notes(spec: ModelSpec, kv: KvBytes) -> list[str]:

@@ -18,6 +18,7 @@ from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.userfiles import brief
 
 if TYPE_CHECKING:
+    from kvtune.capacity.measured import MeasuredCapacity
     from kvtune.gateway.config import GatewayRoute
 
 JSON_FIELDS = """\b
@@ -234,7 +235,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                          "kv_cache_dtype": report.kv_cache_dtype, "engine_version": report.engine_version,
                          "gpu_memory_utilization": plan.gpu_memory_utilization.value,
                          "kv_cache_tokens": report.capacity.kv_cache_tokens}
-    timing = timing_setup(measured, spec=spec, gpu=gpu, tp=engine.tp or 1)
+    timing = timing_setup(measured, spec=spec, gpu=gpu, tp=_tensor_parallel_size(engine, measured))
     setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
                          max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu, recorded_from=labels)
     admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
@@ -269,6 +270,16 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         from kvtune.cli._simulate_view import render_simulation
 
         render_simulation(run.report, run.timeline, output_console())
+
+
+def _tensor_parallel_size(engine: EngineArgs, measured: MeasuredCapacity) -> int:
+    """The roofline's tensor-parallel size: --tp, else the capacity file's (`kvtune capacity --json`
+    states it), else 1; a --tp the file contradicts is refused (its pool is per GPU at its own)."""
+    recorded = measured.tensor_parallel_size
+    if engine.tp is not None and recorded is not None and engine.tp != recorded:
+        raise OptionError(f"the capacity file's pool is per GPU at tensor-parallel size {recorded}, not {engine.tp}: "
+                          f"leave --tp out, or write the file again with --tp {engine.tp}", field="--tp")
+    return engine.tp or recorded or 1
 
 
 def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tuple[Any, dict[str, Any], Any]:
