@@ -204,7 +204,7 @@ def legacy_quantization(method: str | None, bits: int | None) -> Quantization | 
     if bits == 8 or "fp8" in m or "int8" in m or "w8a8" in m:
         return Quantization(m, 8, "float" if "fp8" in m else "int", 0, 32,
                             activations="fp8" if "fp8" in m else "int8" if "w8a8" in m else None)
-    if bits is not None:
+    if bits is not None and bits < 16:  # 16 bits and more is no quantization at all
         return Quantization(m, bits, "int", 0, 32)
     return None
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_capacity_file
 from kvtune.capacity.timing import roofline_step_time
@@ -208,3 +210,36 @@ def test_a_gpu_spec_file_gives_the_roofline_its_fp8_peak(tmp_path):
                        "--gpu-spec", str(GPU_SPECS / "h100-nvl.yaml"))
     assert (timing["roofline"]["gpu"], timing["roofline"]["matmul_dtype"]) == ("H100-NVL", "fp8")
     assert timing["roofline"]["matmul_dense_flops"] == 1670.5e12
+
+
+# --- the reader, fuzzed -------------------------------------------------------------------------
+
+_BASE = json.loads((CONFIGS / "Llama-3.1-8B.json").read_text())
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True, allow_infinity=True),
+                    st.sampled_from(["fp8", "int", "float", "group", "channel", "block", "tensor", "Linear", "lm_head",
+                                     "re:.*self_attn.*", "model.layers.3.mlp", "layers.0.", "FP8", "NVFP4"]))
+_value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["num_bits", "type", "strategy", "group_size", "symmetric", "targets", "weights",
+                     "input_activations", "block_structure", "group_0"]), inner, max_size=4), max_leaves=8)
+_quant = st.fixed_dictionaries(
+    {"quant_method": st.sampled_from(["fp8", "fbgemm_fp8", "modelopt", "compressed-tensors", "awq", "gptq", "mxfp4",
+                                      "bitsandbytes", "unknown"])},
+    optional={"weight_block_size": _value, "activation_scheme": _value, "bits": _value, "group_size": _value,
+              "zero_point": _value, "lm_head": _value, "quant_algo": _value, "modules_to_not_convert": _value,
+              "ignore": _value, "exclude_modules": _value, "config_groups": _value, "format": _value})
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(_quant)
+def test_any_quantization_config_is_a_priced_spec_or_one_config_error(q):
+    """Fuzzed quantization_config objects: a spec whose weights price to a positive size no larger
+    than at 16 bits (plus scales), or a KvtuneError naming a field, never another exception."""
+    try:
+        spec = parse_model_spec({**_BASE, "quantization_config": q}, name="fuzz", path="config.json")
+    except KvtuneError as exc:
+        assert exc.path == "config.json" and (exc.field or "").startswith("quantization_config")
+        return
+    estimate = estimate_from_parameters(spec)
+    assert 0 < estimate.weights_bytes <= 2.2 * count_parameters(spec).total
+    active, quantized = active_parameters(spec)
+    assert 0 <= quantized <= active

@@ -352,7 +352,8 @@ def _quantization(top: ConfigFields, f: ConfigFields, num_layers: int
     method = qf.str_("quant_method") or (scheme.method if scheme else None)
     bits = qf.int_("bits", "w_bit", "weight_bits", "num_bits", minimum=1)
     if bits is None and method == "compressed-tensors":
-        for group in (q.get("config_groups") or {}).values():
+        groups = q.get("config_groups")
+        for group in (groups.values() if isinstance(groups, dict) else ()):
             weights = group.get("weights") if isinstance(group, dict) else None
             if isinstance(weights, dict) and isinstance(weights.get("num_bits"), int):
                 bits = weights["num_bits"]

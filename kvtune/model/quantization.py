@@ -115,6 +115,7 @@ def _compressed_tensors(f: ConfigFields, method: str, num_layers: int) -> Quanti
         raise g.error("weights", f"expected an object, got {shown(w_data)}")
     w = ConfigFields(w_data, path=f.path, prefix=f"{g.prefix}weights.")
     bits = w.require_int("num_bits", what="weight bits")
+    _bits(w, "num_bits")
     kind = w.str_("type") or "int"
     strategy = (w.str_("strategy") or "tensor").lower()
     fmt = (f.str_("format") or group.get("format") or "")
@@ -156,7 +157,7 @@ def _compressed_tensors(f: ConfigFields, method: str, num_layers: int) -> Quanti
 
 
 def _awq(f: ConfigFields, method: str, num_layers: int) -> Quantization:
-    bits = f.int_("bits", "w_bit", minimum=1) or 4
+    bits = _bits(f, "bits", "w_bit") or 4
     group = f.int_("group_size", "q_group_size", minimum=1) or 128
     zero = f.bool_("zero_point", True)
     return Quantization(method, bits, "int", group, _SCALE_16, zero_point_bits=bits if zero else 0,
@@ -164,7 +165,7 @@ def _awq(f: ConfigFields, method: str, num_layers: int) -> Quantization:
 
 
 def _gptq(f: ConfigFields, method: str, num_layers: int) -> Quantization:
-    bits = f.int_("bits", minimum=1) or 4
+    bits = _bits(f, "bits") or 4
     raw_group = f.data.get("group_size", 128)
     if raw_group == -1:
         group: int | None = None
@@ -190,6 +191,14 @@ _READERS = {
     "compressed-tensors": _compressed_tensors, "awq": _awq, "awq_marlin": _awq, "gptq": _gptq,
     "gptq_marlin": _gptq, "mxfp4": _mxfp4,
 }
+
+
+def _bits(f: ConfigFields, *keys: str) -> int | None:
+    """A quantized weight's width: 1 to 8 bits (vLLM's formats store 2, 3, 4 or 8)."""
+    bits = f.int_(*keys, minimum=1)
+    if bits is not None and bits > 8:
+        raise f.error(f.first(*keys) or keys[0], f"a quantized weight has 1 to 8 bits, got {bits}")
+    return bits
 
 
 # --- modules kept unquantized -------------------------------------------------------------------
