@@ -167,3 +167,12 @@ def test_any_spec_object_is_a_gpu_or_one_input_error(data, keep):
             assert exc.path == "gpu.yaml" and "\n" not in str(exc)
             continue
         assert gpu.memory_bytes > 0 and gpu.hbm_bandwidth_bytes_per_s > 0 and gpu.bf16_dense_flops > 0
+
+
+def test_no_alias_names_two_gpus():
+    names: dict[str, str] = {}
+    for gpu in GPUS.values():
+        for alias in (gpu.name, *gpu.aliases):
+            key = "".join(alias.lower().replace("-", "").replace("_", "").split())
+            assert names.setdefault(key, gpu.name) == gpu.name, alias
+            assert find_gpu(alias) is gpu
