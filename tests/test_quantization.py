@@ -243,3 +243,11 @@ def test_any_quantization_config_is_a_priced_spec_or_one_config_error(q):
     assert 0 < estimate.weights_bytes <= 2.2 * count_parameters(spec).total
     active, quantized = active_parameters(spec)
     assert 0 <= quantized <= active
+
+
+@pytest.mark.parametrize(("gpu", "dtype"), [("b200", "fp4"), ("gb200", "fp4"), ("h100", "bf16"), ("mi300x", "bf16")])
+def test_nvfp4_gemms_run_at_the_fp4_peak_only_on_blackwell(gpu, dtype):
+    spec = resolve_model(str(QUANTIZED / "Qwen3-235B-A22B-NVFP4"))
+    _, inputs = roofline_step_time(spec, find_gpu(gpu), tp=4)
+    assert inputs.matmul_dtype == dtype
+    assert inputs.quantized_active_parameters == active_parameters(spec)[1] > 0
