@@ -251,7 +251,6 @@ def estimate_from_parameters(spec: ModelSpec) -> WeightsEstimate:
     scheme = quantization_of(spec)
     assumptions = [
         f"parameters counted from the config: {count.total:,} (biases and norms' bias terms ignored)",
-        "embeddings, router and norms stay 16-bit",
     ]
     if spec.dtype == "float32":
         assumptions.append("float32 checkpoint served as 16-bit, as vLLM's dtype=auto does")
