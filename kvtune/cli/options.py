@@ -16,7 +16,7 @@ import click
 
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import KvtuneError, OptionError
-from kvtune.hardware import GPUS
+from kvtune.hardware import GPUS, Gpu, find_gpu
 
 GPU_NAMES = tuple(GPUS)
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -119,10 +119,10 @@ class CapacityArgs:
                     engine_version=self.engine_version)
 
 
-def resolve_gpu(gpu: str | None, gpu_spec: str | None, gpu_memory: str | None = None):  # -> Gpu | None
+def resolve_gpu(gpu: str | None, gpu_spec: str | None, gpu_memory: str | None = None) -> Gpu | None:
     """The GPU --gpu names in the catalog or a --gpu-spec FILE describes (one of them; None: neither)."""
     if gpu_spec is None:
-        return gpu
+        return None if gpu is None else find_gpu(gpu, field="--gpu")
     if gpu is not None or gpu_memory is not None:
         raise OptionError("give --gpu-spec FILE or " + ("--gpu" if gpu is not None else "--gpu-memory") +
                           ", not both: the file names the GPU and its memory", field="--gpu-spec")

@@ -139,14 +139,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
     measured = read_capacity_file(engine.capacity_path)
-    gpu = None
-    named = resolve_gpu(engine.gpu, engine.gpu_spec)
-    if isinstance(named, str):
-        from kvtune.hardware import find_gpu
-
-        gpu = find_gpu(named, field="--gpu")
-    elif named is not None:
-        gpu = named
+    gpu = resolve_gpu(engine.gpu, engine.gpu_spec)
     spec = None
     if measured.timing is None and engine.model is not None and gpu is not None:
         from kvtune.model.sources import resolve_model
