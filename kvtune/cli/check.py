@@ -35,6 +35,7 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
     from click.core import ParameterSource
 
     from kvtune.cli.options import parse_count
+    from kvtune.gpu_spec import read_gpu_spec
     from kvtune.hardware import find_gpu, parse_memory_size
 
     ctx = click.get_current_context()
@@ -53,6 +54,7 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
         "upstream": lambda: (policy.upstream, rec.upstream, None),
         "safety_fraction": lambda: (policy.safety_fraction, rec.safety_fraction.value, None),
         "gpu": lambda: (find_gpu(capacity.gpu or "", field="--gpu").name, hw.gpu, None),
+        "gpu_spec": lambda: (read_gpu_spec(capacity.gpu_spec or "").name, hw.gpu, None),
         "gpu_memory": lambda: (parse_memory_size(capacity.gpu_memory or "", field="--gpu-memory"),
                                hw.gpu_memory_bytes, None),
         "tp": lambda: (capacity.tp, hw.tensor_parallel_size, None),

@@ -116,7 +116,7 @@ class PolicyArgs:
             tries.append(("--kv-cache-dtype fp8", dataclasses.replace(estimate, kv_cache_dtype="fp8")))
         tries.extend((f"--tp {tp}", dataclasses.replace(estimate, tp=tp))
                      for tp in (2, 4, 8) if tp > capacity.tp and tp * capacity.pp <= 8)
-        if capacity.gpu is None and capacity.gpu_memory is None:
+        if capacity.gpu is None and capacity.gpu_memory is None and capacity.gpu_spec is None:
             tries = []  # nothing to estimate another pool with
         for option, changed in tries:
             try:
