@@ -127,6 +127,19 @@ def goodput_report(tmp_path_factory) -> Path:
                          "goodput", "--slo", "ttft=1500,e2e=20000", "--concurrency", "32", "--requests", "100")
 
 
+@pytest.fixture(scope="module")
+def plot_layout(request):
+    """PLOT_PROBE's measures of a report fixture at a width, each laid out once per module."""
+    cache: dict = {}
+
+    def measure(report: str, width: int) -> tuple[Path, dict]:
+        if (report, width) not in cache:
+            page = request.getfixturevalue(report)
+            cache[report, width] = page, layout(page, width, PLOT_PROBE)
+        return cache[report, width]
+    return measure
+
+
 def _on_axis(value: float, ticks: list[dict], key: str, log: bool) -> float:
     """Where `value` falls in pixels on an axis drawn through its first and last tick."""
     first, last = ticks[0], ticks[-1]
@@ -141,10 +154,9 @@ def _overlaps(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize(("report", "width"), [("what_if_report", 1280), ("what_if_report", 760),
                                                ("goodput_report", 1280)])
-def test_the_what_if_plot_draws_every_row_where_its_numbers_say(request, report, width):
+def test_the_what_if_plot_draws_every_row_where_its_numbers_say(plot_layout, report, width):
     """Output tok/s against TTFT p99, or against goodput when that is the objective."""
-    what_if_report = request.getfixturevalue(report)
-    page = layout(what_if_report, width, PLOT_PROBE)
+    what_if_report, page = plot_layout(report, width)
     assert page["console"] == []
     rec = json.loads((what_if_report.parent / "recommendation.json").read_text())
     rows = rec["what_if"]
@@ -179,8 +191,8 @@ def test_the_what_if_plot_draws_every_row_where_its_numbers_say(request, report,
 
 
 @pytest.mark.parametrize("width", [1280, 760])
-def test_the_chosen_and_direct_rows_are_labelled_clear_of_the_marks(what_if_report, width):
-    page = layout(what_if_report, width, PLOT_PROBE)
+def test_the_chosen_and_direct_rows_are_labelled_clear_of_the_marks(plot_layout, width):
+    what_if_report, page = plot_layout("what_if_report", width)
     rows = json.loads((what_if_report.parent / "recommendation.json").read_text())["what_if"]
     chosen = next(i for i, r in enumerate(rows, 1) if r["chosen"])
     direct = next(i for i, r in enumerate(rows, 1) if r["policy"]["kind"] == "direct")
@@ -202,8 +214,8 @@ def test_the_chosen_and_direct_rows_are_labelled_clear_of_the_marks(what_if_repo
     assert not _overlaps(first, second)
 
 
-def test_the_greyed_rows_are_listed_with_their_reasons_below_the_plot(what_if_report):
-    page = layout(what_if_report, 1280, PLOT_PROBE)
+def test_the_greyed_rows_are_listed_with_their_reasons_below_the_plot(plot_layout):
+    what_if_report, page = plot_layout("what_if_report", 1280)
     rows = json.loads((what_if_report.parent / "recommendation.json").read_text())["what_if"]
     table = {int(cells[0]): cells for cells in page["rows"]}
     infeasible = [i for i, r in enumerate(rows, 1) if not r["feasible"]]

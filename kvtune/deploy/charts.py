@@ -90,7 +90,7 @@ def what_if_scatter(points: list[dict], *, x_label: str, y_label: str) -> dict:
     plot_h = SCATTER_HEIGHT - top - SCATTER_MARGIN["bottom"]
     xs = [float(p["x"]) for p in plotted] or [1.0]
     ys = [float(p["y"]) for p in plotted] or [1.0]
-    log_x = min(xs) > 0 and max(xs) / min(xs) > LOG_SCALE_RATIO
+    log_x = min(xs) >= 1e-6 and max(xs) / min(xs) > LOG_SCALE_RATIO
     if log_x:
         lo_exp, hi_exp = math.floor(math.log10(min(xs))), math.ceil(math.log10(max(xs)))
         hi_exp = max(hi_exp, lo_exp + 1)
@@ -131,13 +131,13 @@ def what_if_scatter(points: list[dict], *, x_label: str, y_label: str) -> dict:
 
 def _nice_ticks(top: float, count: int = 5) -> list[float]:
     """0 and the round steps (1, 2 or 5 × 10^k) up to the first at or above `top`."""
-    if not top > 0:
+    if not top >= 1e-9:  # nothing (or next to nothing) to scale: a unit axis
         return [0.0, 1.0]
     raw = top / count
     base = 10.0 ** math.floor(math.log10(raw))
     step = next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
     n = math.ceil(top / step - 1e-9)
-    return [round(i * step, 10) for i in range(n + 1)] if n >= 1 else [0.0, step]
+    return [float(f"{i * step:.12g}") for i in range(max(n, 1) + 1)]  # 0.1 × 3 prints as 0.3
 
 
 def _tick_text(v: float) -> str:
@@ -148,17 +148,23 @@ def _tick_text(v: float) -> str:
 
 def _place_label(mark: dict, marks: list[dict], placed: list[dict], bounds: tuple[float, float, float, float]
                  ) -> dict:
-    """The first of right, left, above, below of `mark` where the label's box stays inside the
-    plot and covers no other mark and no label already placed; else the one covering fewest."""
+    """The first of right, left, above, below of `mark` (then its corners) where the label's box
+    stays inside the plot and covers no other mark and no label already placed; else the one
+    covering fewest."""
     text = mark["tag"]
     w, h = len(text) * LABEL_CHAR_PX, LABEL_FONT_PX + 2
     cx, cy, r = mark["cx"], mark["cy"], mark["r"]
     gap = r + 4
+    diagonal = gap * 0.7
     candidates = [  # (anchor, text x, baseline y, box left, box top)
         ("start", cx + gap, cy + h / 2 - 3, cx + gap, cy - h / 2),
         ("end", cx - gap, cy + h / 2 - 3, cx - gap - w, cy - h / 2),
         ("middle", cx, cy - gap - 3, cx - w / 2, cy - gap - h),
         ("middle", cx, cy + gap + h - 3, cx - w / 2, cy + gap),
+        ("start", cx + diagonal, cy - diagonal - 3, cx + diagonal, cy - diagonal - h),  # the corners, for a
+        ("end", cx - diagonal, cy - diagonal - 3, cx - diagonal - w, cy - diagonal - h),  # mark in one
+        ("start", cx + diagonal, cy + diagonal + h - 3, cx + diagonal, cy + diagonal),
+        ("end", cx - diagonal, cy + diagonal + h - 3, cx - diagonal - w, cy + diagonal),
     ]
     best, best_cost = None, math.inf
     for anchor, tx, ty, bx, by in candidates:
