@@ -177,3 +177,24 @@ def test_sglang_max_running_requests_is_bounded_too(tmp_path):
     seqs = json.loads((out_dir / "recommendation.json").read_text())["settings"]["max_num_seqs"]
     assert seqs["rule"] == "max-num-seqs-slo"
     assert f"--max-running-requests {seqs['value']}" in (out_dir / "sglang-serve.sh").read_text()
+
+
+def test_check_against_a_saved_recommendation_refuses_a_second_slo(tmp_path):
+    out_dir = tmp_path / "d"
+    made = CliRunner().invoke(cli, ["recommend", LOGS, *H100, "--slo", "tpot=50", "--out", str(out_dir)],
+                              catch_exceptions=False)
+    assert made.exit_code == 0, made.output
+    saved = CliRunner().invoke(cli, ["check", str(out_dir / "recommendation.json"), "--deployed",
+                                     str(out_dir / "vllm-serve.sh"), "--deployed", str(out_dir / "gateway.yaml")],
+                               catch_exceptions=False)
+    assert saved.exit_code == 0, saved.output
+    twice = CliRunner().invoke(cli, ["check", str(out_dir / "recommendation.json"), "--slo", "tpot=50",
+                                     "--deployed", str(out_dir / "vllm-serve.sh")])
+    assert twice.exit_code == 2
+    assert twice.stderr.strip().splitlines() == [
+        "Error: --slo: a recommendation.json holds the limits its --slo bounded: check against it without --slo"]
+    # checked against the logs without the SLO, the bounded max_num_seqs is drift from the unbounded rules
+    plain = CliRunner().invoke(cli, ["check", LOGS, *H100, "--deployed", str(out_dir / "vllm-serve.sh"),
+                                     "--deployed", str(out_dir / "gateway.yaml"), "--json"])
+    assert any(f["code"] == "drift" and f["message"].startswith("max_num_seqs: deployed ")
+               for f in json.loads(plain.stdout)["findings"])
