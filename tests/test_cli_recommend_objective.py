@@ -121,7 +121,8 @@ def test_without_an_objective_nothing_is_simulated(log):
     # offline (issue 27 item 3): no capacity file is kvtune's estimate, which needs a GPU
     (("--objective", "throughput", "--no-capacity"), "Error: --gpu: give --gpu or --gpu-memory to estimate, or a "
      "measured capacity (--kv-tokens, --vllm-log, --metrics-url, `capacity_file`)"),
-    (("--slo", "ttft=500"), "Error: --slo: only applies with --objective throughput|goodput"),
+    (("--slo", "e2e=500"), "Error: --slo: without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
+     "model's); e2e needs --objective goodput, which simulates it"),
     (("--max-preemption-rate", "0.1"), "Error: --max-preemption-rate: only applies with --objective throughput|goodput"),
     (("--compare-engines",), "Error: --compare-engines: only applies with --objective throughput|goodput"),
     (("--objective", "goodput", "--rate", "5"), "Error: --slo: the goodput objective needs latency objectives, e.g. "

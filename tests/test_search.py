@@ -181,7 +181,7 @@ def test_an_estimated_capacity_is_simulated_on_its_estimate(profile):
     assert rec.objective.basis.timing.estimate
     # overcommit ×3's max_num_seqs leaves the estimate no KV (its sampler): left out, and said so
     assert any(n.startswith("3 candidate(s) of the grid left out: on the estimated pool") for n in rec.notes)
-    with pytest.raises(OptionError, match="give --gpu, or --capacity FILE"):
+    with pytest.raises(OptionError, match="give --gpu \\(or --gpu-spec FILE\\), or --capacity FILE"):
         search(profile, kvtune.plan(MODEL, gpu_memory="80GB", max_model_len=4096), rate_rps=2)
 
 

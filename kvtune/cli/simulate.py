@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvtune.cli.bench import LoadArgs, load_options
-from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
+from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, resolve_gpu, traffic_source_options
 from kvtune.controls import escape_controls
 from kvtune.errors import InputError, OptionError
 from kvtune.sim.rules import ENGINE_NAMES
@@ -20,6 +20,7 @@ from kvtune.userfiles import brief
 if TYPE_CHECKING:
     from kvtune.capacity.measured import MeasuredCapacity
     from kvtune.gateway.config import GatewayRoute
+    from kvtune.hardware import Gpu
 
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
@@ -81,6 +82,7 @@ class EngineArgs:
     max_model_len: str | None = None
     kv_tokens: str | None = None
     num_gpu_blocks: int | None = None
+    gpu_spec: str | None = None
 
     def check(self) -> None:
         """Options that mean nothing beside a capacity file, or beside each other: one line, exit 2."""
@@ -96,15 +98,16 @@ class EngineArgs:
             return
         if self.kv_tokens is not None and self.num_gpu_blocks is not None:
             raise OptionError("give the pool once: --kv-tokens or --num-gpu-blocks", field="--num-gpu-blocks")
-        if self.model is None or self.gpu is None:
+        if self.model is None or (self.gpu is None and self.gpu_spec is None):
             missing = "--model" if self.model is None else "--gpu"
             raise OptionError("give --capacity FILE (`kvtune calibrate`, `kvtune capacity --json`), or --model and "
-                              "--gpu to simulate on kvtune's capacity estimate and roofline step time", field=missing)
+                              "--gpu (or --gpu-spec) to simulate on kvtune's capacity estimate and roofline step time",
+                              field=missing)
         if self.engine_name != "vllm" and self.kv_tokens is None and self.num_gpu_blocks is None:
             raise OptionError(f"kvtune estimates vLLM's pool; for --engine {self.engine_name} give the pool "
                               "(--kv-tokens, --num-gpu-blocks) or --capacity FILE", field="--engine")
 
-    def plan(self):  # -> kvtune.planning.Plan
+    def plan(self, gpu: Gpu | None):  # -> kvtune.planning.Plan
         """The deployment without a capacity file, planned as `kvtune capacity` and `recommend` plan it."""
         from kvtune.cli.options import parse_count
         from kvtune.planning import measured_capacity, plan
@@ -112,7 +115,7 @@ class EngineArgs:
         assert self.model is not None
         measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "--kv-tokens"),
                                      num_gpu_blocks=self.num_gpu_blocks)
-        return plan(self.model, gpu=self.gpu, tp=self.tp or 1, pp=self.pp or 1,
+        return plan(self.model, gpu=gpu, tp=self.tp or 1, pp=self.pp or 1,
                     gpu_memory_utilization=self.gpu_memory_utilization,
                     max_model_len=parse_count(self.max_model_len, "--max-model-len"),
                     max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
@@ -135,6 +138,7 @@ _engine_options = [
                                  "and the roofline step time's when the capacity file has no `timing`."),
     click.option("--gpu", help="GPU from the catalog for the capacity estimate and the roofline step time (and "
                                "vLLM's GPU defaults)."),
+    click.option("--gpu-spec", "gpu_spec", metavar="FILE", help=GPU_SPEC_HELP),
     click.option("--tp", type=click.IntRange(min=1), metavar="N",
                  help="Tensor-parallel size of the estimate and the roofline.  [default: 1]"),
     click.option("--pp", type=click.IntRange(min=1), metavar="N",
@@ -210,11 +214,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
     engine.check()
-    gpu = None
-    if engine.gpu is not None:
-        from kvtune.hardware import find_gpu
-
-        gpu = find_gpu(engine.gpu, field="--gpu")
+    gpu = resolve_gpu(engine.gpu, engine.gpu_spec)
     spec = None
     labels = None
     if engine.capacity_path is not None:
@@ -225,7 +225,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
 
             spec = resolve_model(engine.model)
     else:
-        plan = engine.plan()
+        plan = engine.plan(gpu)
         spec = plan.spec
         measured, labels = offline_capacity(plan)
         report = plan.report

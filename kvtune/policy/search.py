@@ -211,16 +211,12 @@ def sim_basis(plan: Plan) -> SimBasis:
     measured = plan.measured
     labels = None
     if measured is None or given_pool(measured):
-        if plan.gpu is None:
+        if plan.gpu_model is None:
             raise OptionError("an objective without a capacity file is simulated on the roofline step time of a "
-                              "catalog GPU: give --gpu, or --capacity FILE from `kvtune calibrate --timing`",
-                              field="gpu")
+                              "catalog GPU: give --gpu (or --gpu-spec FILE), or --capacity FILE from "
+                              "`kvtune calibrate --timing`", field="gpu")
         measured, labels = offline_capacity(plan)
-    gpu = None
-    if plan.gpu is not None:
-        from kvtune.hardware import find_gpu
-
-        gpu = find_gpu(plan.gpu)
+    gpu = plan.gpu_model
     timing = timing_setup(measured, spec=plan.spec, gpu=gpu, tp=plan.kv.tensor_parallel_size)
     engine = engine_setup(measured, gpu=gpu, recorded_from=labels).settings
     return SimBasis(timing.model, timing.http_overhead_s, engine)
