@@ -51,6 +51,7 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    console.print(escape(f"Load: {load_line(report['load'])}."), soft_wrap=True, highlight=False)
     engine = ", ".join(f"{k} {v['value']} ({v['from']})" for k, v in sim["engine"].items())
     console.print(escape(f"Engine: {engine}."), soft_wrap=True, highlight=False)
     c = timing["coefficients"]
@@ -62,6 +63,29 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
             console.print(escape(text), highlight=False, soft_wrap=True)
     done = f"{sim['events']:,} events, {sim['steps']:,} engine steps, simulated in {sim['wall_s']:.2f} s."
     console.print(escape(done), highlight=False, soft_wrap=True)
+
+
+_LOAD_FROM = {"option": "as given", "logs": "the logs' own arrivals",
+              "default": "no timestamps in the logs, so one client at a time"}
+
+
+def load_line(load: dict[str, Any]) -> str:
+    """Which load ran and where it came from, e.g. 'Poisson 3.34 req/s (the logs' mean arrival rate)'."""
+    kind = load["kind"]
+    where = _LOAD_FROM.get(str(load.get("from")), "")
+    if kind in ("poisson", "gamma"):
+        shape = f"{'Poisson' if kind == 'poisson' else 'gamma'} arrivals at {load['rate_rps']:,.4g} req/s"
+        if kind == "gamma":
+            shape += f" (burstiness {load['burstiness']:g})"
+        if load.get("from") == "logs":
+            where = "the logs' mean arrival rate"
+    elif kind == "replay":
+        shape, where = f"the logs' own timestamps ÷ {load['speedup']:g}", ""
+    else:
+        shape = f"{load['concurrency']:,} concurrent client(s), closed loop"
+    bound = [f"{load['max_requests']:,} requests" if load.get("max_requests") else "",
+             f"{load['duration_s']:g} s" if load.get("duration_s") else ""]
+    return shape + (f" ({where})" if where else "") + "".join(f", {b}" for b in bound if b)
 
 
 def _front(timing: dict[str, Any]) -> str:
