@@ -28,6 +28,7 @@ from kvtune.profile.histogram import (
     Histogram,
     JointHistogram,
     LogHistogram,
+    distinct,
     joint_bin,
     log_bin,
 )
@@ -188,7 +189,7 @@ class _Routes:
         g = gid[sparse]
         np.add.at(self.rows, g, 1)
         hot = g[self.rows[g] >= DENSE_ROWS]  # rows of routes that have enough now
-        ready = np.flatnonzero(np.bincount(hot, minlength=groups)) if hot.size > groups else np.unique(hot)
+        ready = np.flatnonzero(np.bincount(hot, minlength=groups)) if hot.size > groups else distinct(hot)
         ready = ready[self.slot[ready] < 0]
         if ready.size:
             for route in ready[np.argsort(-self.rows[ready], kind="stable")]:  # busiest first
@@ -267,7 +268,7 @@ class _Table:
             group = routes.gids(ids[big]) * self.halves
             if cut is not None:
                 group += cut[big]
-            for g in np.unique(group):
+            for g in distinct(group):
                 self.overflow.setdefault(int(g), []).append(Histogram.of(values[big][group == g]))
             keep = ~big
             ids, values = ids[keep], values[keep]
@@ -633,7 +634,7 @@ class ProfileBuilder:
         bounds = np.searchsorted(out, np.arange(n_out + 1))
         first = np.full(n_out, np.inf)
         last = np.full(n_out, -np.inf)
-        seen = np.unique(gid)
+        seen = distinct(gid)
         np.minimum.at(first, out_of_gid[seen], self._first_s[seen])
         np.maximum.at(last, out_of_gid[seen], self._last_s[seen])
         for r in np.flatnonzero(np.diff(bounds)):
