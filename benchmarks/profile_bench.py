@@ -132,6 +132,8 @@ def command(tool: str, path: str) -> list[str]:
 
 
 def parse(tool: str, stdout: str) -> dict:
+    if tool == "duckdb":  # its progress bar (a query past 2 s) writes to stdout before the result
+        stdout = stdout.rstrip("\n").rsplit("\n", 1)[-1]
     try:
         data = json.loads(stdout)
     except json.JSONDecodeError as exc:
