@@ -82,3 +82,16 @@ def test_rows_become_the_arrays_pa_array_builds(typ, data):
         return array.type, array.null_count, [None if b is None else b.to_pybytes() for b in array.buffers()]
 
     assert build(from_pylist) == build(pa.array)
+
+
+def test_parquet_profile_imports_no_thread_pool_or_temp_files(tmp_path):
+    """The JSONL scanner's thread pool (concurrent.futures, and logging with it) and the
+    downloader's temporary files (tempfile) are imported where they are used, not by every read."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "flat.parquet"
+    pq.write_table(pa.table({"route": ["/a", "/b"] * 50, "output_tokens": list(range(100))}), path)
+    loaded = _modules("profile", str(path), "--json", "-q")
+    assert "pyarrow.parquet" in loaded
+    for module in ("concurrent.futures", "logging", "tempfile", "pandas", "numpy.ma"):
+        assert module not in loaded
