@@ -115,11 +115,12 @@ def test_kernels_count_a_million_rows_as_numpy_does(million_rows, fmt, tmp_path,
     assert max(r["output_tokens"]["max"] for r in data["routes"]) >= 1 << 22
 
 
-def test_a_key_outside_the_counts_is_refused_before_anything_is_counted():
+def test_a_key_outside_the_counts_is_refused():
     counts = np.zeros((2, 4), np.int64)
-    rows, values = np.array([0, 1, 1]), np.array([1, 3, 4])
     with pytest.raises(ValueError, match="outside counts"):
-        counting.add_counts(counts, rows, 4, values)
-    assert not counts.any()
-    counting.add_counts(counts, rows[:2], 4, values[:2], np.array([False, True]), 0)
+        counting.add_counts(counts, np.array([1, 0]), 4, np.array([4, 1]))  # key 8 of 8
+    with pytest.raises(ValueError, match="outside"):
+        counting.add_pair_counts(counts, np.array([0]), 4, np.array([5]), np.array([0]), np.zeros(4, np.int32), 1)
+    assert not counts.any()  # both stopped at their first row
+    counting.add_counts(counts, np.array([0, 1]), 4, np.array([1, 3]), np.array([False, True]), 0)
     assert counts.tolist() == [[0, 1, 0, 0], [0, 0, 0, 1]]

@@ -847,7 +847,7 @@ PyDoc_STRVAR(add_counts_doc,
 "add_counts(counts, rows, stride, values, cut, half) -> None\n\n"
 "counts[rows[i]*stride + values[i] + (half if cut[i] else 0)] += 1 for every i, without the GIL.\n"
 "counts, rows, values: contiguous int64 buffers (counts writable); cut: a bool buffer or None.\n"
-"A key outside counts raises ValueError before anything is counted.");
+"A key outside counts raises ValueError (the rows before it are counted: a caller's bug).");
 
 static PyObject *add_counts(PyObject *module, PyObject *args)
 {
@@ -877,17 +877,15 @@ static PyObject *add_counts(PyObject *module, PyObject *args)
     const unsigned char *c = cut.buf;
     int64_t *out = counts.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && !bad; i++) {  /* check every key first: all or nothing */
-        int64_t key = r[i] * stride + v[i] + (c != NULL && c[i] ? half : 0);
-        bad = key < 0 || key >= size;
-    }
-    if (!bad) {
-        if (c == NULL)
-            for (Py_ssize_t i = 0; i < n; i++)
-                out[r[i] * stride + v[i]]++;
-        else
-            for (Py_ssize_t i = 0; i < n; i++)
-                out[r[i] * stride + v[i] + (c[i] ? half : 0)]++;
+    /* one pass: a key outside counts stops the count there (a caller's bug, as np.add.at's
+       IndexError is; the branch is never taken, so it costs next to nothing) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key = (uint64_t)(r[i] * stride + v[i] + (c != NULL && c[i] ? half : 0));
+        if (key >= (uint64_t)size) {
+            bad = 1;
+            break;
+        }
+        out[key]++;
     }
     Py_END_ALLOW_THREADS
     if (bad)
@@ -906,7 +904,7 @@ PyDoc_STRVAR(add_pair_counts_doc,
 "add_pair_counts(counts, rows, stride, first, second, table, scale) -> None\n\n"
 "counts[rows[i]*stride + table[first[i]]*scale + table[second[i]]] += 1 for every i, without\n"
 "the GIL (the joint histogram's cells: table maps a count to its bin, int32). first and second\n"
-"must index table; a key outside counts raises ValueError before anything is counted.");
+"must index table; a value outside it or a key outside counts raises ValueError.");
 
 static PyObject *add_pair_counts(PyObject *module, PyObject *args)
 {
@@ -940,17 +938,18 @@ static PyObject *add_pair_counts(PyObject *module, PyObject *args)
     const int32_t *t = table.buf;
     int64_t *out = counts.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && !bad; i++) {
-        if (a[i] < 0 || a[i] >= bins || b[i] < 0 || b[i] >= bins) {
+    for (Py_ssize_t i = 0; i < n; i++) {  /* one pass, stopping at the first bad value (see add_counts) */
+        if ((uint64_t)a[i] >= (uint64_t)bins || (uint64_t)b[i] >= (uint64_t)bins) {
             bad = 1;
             break;
         }
-        int64_t key = r[i] * stride + (int64_t)t[a[i]] * scale + t[b[i]];
-        bad = key < 0 || key >= size;
+        uint64_t key = (uint64_t)(r[i] * stride + (int64_t)t[a[i]] * scale + t[b[i]]);
+        if (key >= (uint64_t)size) {
+            bad = 1;
+            break;
+        }
+        out[key]++;
     }
-    if (!bad)
-        for (Py_ssize_t i = 0; i < n; i++)
-            out[r[i] * stride + (int64_t)t[a[i]] * scale + t[b[i]]]++;
     Py_END_ALLOW_THREADS
     if (bad)
         PyErr_SetString(PyExc_ValueError, "add_pair_counts: a value falls outside table or a key outside counts");
