@@ -81,10 +81,34 @@ def cli_reference() -> str:
 
 
 def _signature(obj: Any) -> str:
+    """The signature as source reads it: one parameter a line, annotations unquoted."""
     try:
-        return str(inspect.signature(obj))
+        signature = inspect.signature(obj)
     except (TypeError, ValueError):
         return "(…)"
+    params: list[str] = []
+    star_done = False
+    for param in signature.parameters.values():
+        if param.kind is param.KEYWORD_ONLY and not star_done:
+            params.append("*")
+        if param.kind in (param.KEYWORD_ONLY, param.VAR_POSITIONAL):
+            star_done = True
+        stars = "*" if param.kind is param.VAR_POSITIONAL else "**" if param.kind is param.VAR_KEYWORD else ""
+        text = stars + param.name
+        if param.annotation is not param.empty:
+            text += f": {_annotation(param.annotation)}"
+        if param.default is not param.empty:
+            text += f" = {param.default!r}" if param.annotation is not param.empty else f"={param.default!r}"
+        params.append(text)
+    returns = "" if signature.return_annotation is signature.empty else \
+        f" -> {_annotation(signature.return_annotation)}"
+    if not params:
+        return f"(){returns}"
+    return "(\n" + "".join(f"    {p},\n" for p in params) + f"){returns}"
+
+
+def _annotation(annotation: Any) -> str:
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
 
 
 def api_reference() -> str:
@@ -97,7 +121,8 @@ def api_reference() -> str:
             continue
         kind = "class" if inspect.isclass(obj) else "def"
         parts.append(f"## `kvtune.{name}`\n")
-        parts.append(f"```python\n{kind} {name}{_signature(obj)}\n```\n")
+        signature = _signature(obj).removesuffix(" -> None") if kind == "class" else _signature(obj)
+        parts.append(f"```python\n{kind} {name}{signature}\n```\n")
         doc = inspect.getdoc(obj) or ""
         parts.append("```text\n" + doc + "\n```\n" if doc else "")
     return "\n".join(parts)
