@@ -151,7 +151,7 @@ def _example(number: int, command: str) -> tuple[int, list[str], str | None]:
     return number, words[1:], stdout_to
 
 
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]  # the README's quickstart too
 EXAMPLES = [(page, number, argv, stdout_to) for page in PAGES for number, argv, stdout_to in doc_examples(page)]
 
 
@@ -167,7 +167,7 @@ def _command(name: str) -> click.Command:
 
 
 @pytest.mark.parametrize(("page", "number", "argv", "stdout_to"), EXAMPLES,
-                         ids=[f"{p.relative_to(DOCS)}:{n}" for p, n, _, _ in EXAMPLES])
+                         ids=[f"{p.relative_to(REPO)}:{n}" for p, n, _, _ in EXAMPLES])
 def test_every_command_example_names_options_the_command_has(page, number, argv, stdout_to):
     command = _command(argv[0])
     flags = {"--help"}
@@ -207,7 +207,7 @@ SLOW_PAGES = {DOCS / "guides" / "simulate-and-objectives.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES else p
-                                  for p in RUNNABLE_PAGES], ids=[str(p.relative_to(DOCS)) for p in RUNNABLE_PAGES])
+                                  for p in RUNNABLE_PAGES], ids=[str(p.relative_to(REPO)) for p in RUNNABLE_PAGES])
 def test_the_command_examples_run(page, tmp_path, monkeypatch):
     """Every example whose inputs are here runs as written: exit 0, or 1 where the docs show a
     verdict (a risky check); an example shown with its `Error:` line prints that line and exits 2,
