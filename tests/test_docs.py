@@ -252,3 +252,11 @@ def test_the_readme_is_a_short_front_door():
     assert "pip install . && kvtune recommend sample_logs/" in readme
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (REPO / link).is_file(), link
+
+
+def test_every_benchmark_script_is_listed_with_where_its_figures_are():
+    listed = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    scripts = [p for p in (REPO / "benchmarks").glob("*.py") if "\nif __name__ ==" in p.read_text(encoding="utf-8")]
+    assert len(scripts) >= 8
+    for script in scripts:
+        assert f"| `benchmarks/{script.name}` |" in listed, script.name
