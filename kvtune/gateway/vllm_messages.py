@@ -6,7 +6,9 @@ Two steps, as vLLM takes them:
                     TokenizeChatRequest lacks it): a message's deprecated `reasoning_content`
                     becomes `reasoning` unless that is set, and is removed
   as_rendered       the request's rename, then renderers/chat_utils.py parse_chat_messages:
-                    each message rebuilt from the keys vLLM keeps (role, content, an assistant's
+                    each message rebuilt from the keys vLLM keeps (role, content in the
+                    template's content format - a null content "" or [], a text one string or
+                    one text part: content_format -, an assistant's
                     tool_calls and reasoning - given to the template both as `reasoning` and as
                     `reasoning_content` -, a tool's tool_call_id, name, task, a developer's tools),
                     a tool message's text parts joined by newlines, and
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from kvtune.gateway.content_format import ContentFormat
 
 
 def rename_reasoning(messages: list) -> list:
@@ -40,9 +44,10 @@ def rename_reasoning(messages: list) -> list:
     return renamed
 
 
-def as_rendered(messages: list) -> list[dict]:
-    """The conversation vLLM's chat template sees for these request messages."""
-    return [_rendered(m) for m in rename_reasoning(messages)]
+def as_rendered(messages: list, content_format: ContentFormat = ContentFormat.STRING) -> list[dict]:
+    """The conversation vLLM's chat template sees for these request messages. Content given as
+    parts is passed as is (what the engine counts itself), but a tool message's text parts."""
+    return [_rendered(m, content_format) for m in rename_reasoning(messages)]
 
 
 def for_template(messages: list[dict], chat_template: str) -> list[dict]:
@@ -82,9 +87,20 @@ def _one_system_message(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(texts)}, *others]
 
 
-def _rendered(message: dict) -> dict:
+def _content(content: Any, content_format: ContentFormat) -> Any:
+    """A message's content as vLLM hands it to a template of this format: null as no text, a
+    string as one text part where the template reads parts (renderers/chat_utils.py
+    _parse_chat_message_content)."""
+    if content is None:
+        return "" if content_format is ContentFormat.STRING else []
+    if isinstance(content, str) and content_format is ContentFormat.OPENAI:
+        return [{"type": "text", "text": content}]
+    return content
+
+
+def _rendered(message: dict, content_format: ContentFormat) -> dict:
     role = message.get("role")
-    out: dict[str, Any] = {"role": role, "content": message.get("content")}
+    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), content_format)}
     if role == "assistant":
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
@@ -113,8 +129,6 @@ def _rendered(message: dict) -> dict:
 
 def _tool_text(content: Any) -> Any:
     """A tool message's content given as text parts, joined as vLLM joins them."""
-    if content is None:
-        return ""
     if not isinstance(content, list):
         return content
     if any(isinstance(p, dict) and p.get("type") != "text" for p in content):
@@ -147,4 +161,4 @@ def _arguments(value: Any) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-__all__ = ["rename_reasoning", "as_rendered", "for_template"]
+__all__ = ["ContentFormat", "rename_reasoning", "as_rendered", "for_template"]
