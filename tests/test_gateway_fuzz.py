@@ -18,7 +18,7 @@ from enforcers import TEAM_A, TEAM_B, TEAM_HEADER, small_fake, start_enforcer, t
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtune.gateway.config import ClientLimits
+from kvtune.gateway.config import AdminAccess, ClientLimits, RefusalDetail
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("KVTUNE_FUZZ_EXAMPLES", "1500"))
@@ -119,7 +119,9 @@ def bodies(draw) -> bytes:
 @pytest.fixture(scope="module")
 def enforcers(tmp_path_factory):
     limits = ClientLimits(max_body_bytes=256 * 1024, header_timeout_s=5, body_timeout_s=5)
-    options = {"nginx_worker_processes": "1", "limits": limits, "nginx_user": "root" if os.geteuid() == 0 else None}
+    options = {"nginx_worker_processes": "1", "limits": limits, "nginx_user": "root" if os.geteuid() == 0 else None,
+               # X-Kvtune-Reserved-Blocks on each admitted answer, which the parity property reads
+               "admin": AdminAccess(refusal_detail=RefusalDetail.LEDGER)}
     servers = {}
     with small_fake() as upstream:
         rec = team_rec(upstream.port)
@@ -156,3 +158,32 @@ def test_hostile_requests_never_get_a_500_and_never_leak_blocks(enforcers, kind)
     if kind == "nginx":
         log = server.error_log()
         assert "runtime error" not in log and "lua entry thread aborted" not in log, log[-2000:]
+
+
+def test_both_enforcers_read_the_new_classes_alike(enforcers):
+    """The parser differential over issue 26's classes: a chat with reshaped messages, forced
+    lengths, add_special_tokens and a route header is answered with the same status by both
+    enforcers, and where admitted, with the same reservation and the same cap (both count through
+    the fake engine's /tokenize, so a message field one of them drops shows as fewer blocks)."""
+    servers, _ = enforcers
+    statuses: list[int] = []
+
+    @settings(max_examples=max(EXAMPLES // 10, 50), deadline=None,
+              derandomize="KVTUNE_FUZZ_RANDOM" not in os.environ,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(doc=st.builds(lambda m, f: {"model": "m", "messages": m, **f}, messages(), forcing),
+           team=st.sampled_from([None, TEAM_A, TEAM_B]))
+    def one(doc, team):
+        headers = {} if team is None else {TEAM_HEADER: team}
+        seen = {}
+        for kind, server in servers.items():
+            status, answer_headers, _ = server.request("/v1/chat/completions", doc, headers=headers)
+            seen[kind] = (status, answer_headers.get("X-Kvtune-Reserved-Blocks"),
+                          answer_headers.get("X-Kvtune-Max-Tokens"))
+        assert seen["python"] == seen["nginx"], (seen, doc)
+        statuses.append(seen["python"][0])
+
+    one()
+    assert statuses.count(200) >= len(statuses) // 5, sorted(statuses)  # most of them reach the engine
+    for server in servers.values():
+        assert server.wait_ledger(0)["reserved"] == 0
