@@ -32,7 +32,7 @@ from kvtune.gateway.apis import Prompt
 from kvtune.gateway.config import CountingMethod, PromptCounting
 from kvtune.gateway.content_format import ContentFormat, detect_content_format
 from kvtune.gateway.upstream import UpstreamError
-from kvtune.gateway.vllm_messages import as_rendered, for_template, rename_reasoning
+from kvtune.gateway.vllm_messages import as_rendered, countable, for_template, rename_reasoning
 
 
 class PromptCountError(Exception):
@@ -309,7 +309,7 @@ class LocalTokenizerCounter:
             return False
         if prompt.messages is None:
             return True
-        return all(isinstance(m.get("content"), (str, type(None))) for m in as_rendered(prompt.messages))
+        return countable(prompt.messages)
 
     def _count_sync(self, prompts: Sequence[Prompt]) -> list[int | None]:
         encode = self._encode
