@@ -113,14 +113,14 @@ def _annotation(annotation: Any) -> str:
 
 def api_reference() -> str:
     """Markdown for every name `kvtune` exports: its signature and its docstring."""
-    parts = ["## `kvtune.api`\n", "```text\n" + inspect.cleandoc(api.__doc__ or "") + "\n```\n"]
+    parts = ["### `kvtune.api`\n", "```text\n" + inspect.cleandoc(api.__doc__ or "") + "\n```\n"]
     for name in kvtune.__all__:
         obj = getattr(kvtune, name)
         if name == "__version__":
-            parts.append(f"## `kvtune.__version__`\n\nThe installed version, `{obj}`.\n")
+            parts.append(f"### `kvtune.__version__`\n\nThe installed version, `{obj}`.\n")
             continue
         kind = "class" if inspect.isclass(obj) else "def"
-        parts.append(f"## `kvtune.{name}`\n")
+        parts.append(f"### `kvtune.{name}`\n")
         signature = _signature(obj).removesuffix(" -> None") if kind == "class" else _signature(obj)
         parts.append(f"```python\n{kind} {name}{signature}\n```\n")
         doc = inspect.getdoc(obj) or ""
