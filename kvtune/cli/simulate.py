@@ -147,7 +147,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         from kvtune.model.sources import resolve_model
 
         spec = resolve_model(engine.model)
-    timing = timing_setup(measured, spec=spec, gpu=gpu)
+    timing = timing_setup(measured, spec=spec, gpu=gpu, engine=engine.engine_name)
     setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
                          max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu)
     admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
@@ -171,7 +171,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
 
         files: dict[str | os.PathLike[str], str] = {Path(out_dir) / "simulate.json": text + "\n"}
         if run.timeline is not None:
-            label = " (roofline estimate)" if timing.model.estimate else ""
+            label = {"silicon": " (silicon-data estimate)", "roofline-estimate": " (roofline estimate)"}.get(
+                timing.model.source.value, "")
             files[Path(out_dir) / "timeline.svg"] = svg(run.timeline, title=f"kvtune simulate{label}")
         write_files(files)
     if json_:
