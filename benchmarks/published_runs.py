@@ -159,11 +159,11 @@ def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
         rows = [{"prompt_tokens": round(mean_in), "output_tokens": max(1, round(mean_out))}] * n
     else:  # the vLLM blog: ~20,000 in / ~2,000 out, ±15 %
         rng = np.random.default_rng(0)
-        rows = [{"prompt_tokens": int(20000 * rng.uniform(0.85, 1.15)), "output_tokens": int(2000 * rng.uniform(0.85, 1.15))}
-                for _ in range(n)]
+        rows = [{"prompt_tokens": int(20000 * rng.uniform(0.85, 1.15)),
+                 "output_tokens": int(2000 * rng.uniform(0.85, 1.15))} for _ in range(n)]
     path = work / f"{case.id}.jsonl"
     with path.open("w") as f:
-        for i, row in enumerate(rows):
+        for row in rows:
             record = {"route": "/v1/chat/completions", **row, "finish_reason": "stop"}
             if not concurrency:
                 record["timestamp_s"] = 0.0

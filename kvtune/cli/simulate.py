@@ -37,9 +37,9 @@ JSON_FIELDS = """\b
   goodput         {slo, requests_met, attainment, requests_per_s} with --slo, else null
   server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
                    generation_tokens, num_blocks, block_size} (peaks exact, not sampled)
-  simulation      {timing: {source: calibrated|roofline-estimate, estimate, coefficients {c0..c3},
-                   http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
-                   measured_against | roofline}, engine: {num_blocks, block_size,
+  simulation      {timing: {source: calibrated|silicon|roofline-estimate, estimate, coefficients
+                   {c0..c4}, http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
+                   measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|engine-default}}, admission: {kind:
                    direct|gateway, …the gateway's budget, route, cap, queue, route_header (each
@@ -79,9 +79,10 @@ _engine_options = [
                  help="Override the engine's max_num_seqs.  [default: the capacity file's, else vLLM's]"),
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1), metavar="N",
                  help="Override the engine's max_num_batched_tokens.  [default: the capacity file's, else vLLM's]"),
-    click.option("--model", help="Model (preset, config.json, hub id) for the roofline step time when the "
-                                 "capacity file has no `timing`."),
-    click.option("--gpu", help="GPU from the catalog for the roofline step time (and vLLM's GPU defaults)."),
+    click.option("--model", help="Model (preset, config.json, hub id) for the silicon-data or roofline step "
+                                 "time when the capacity file has no `timing`."),
+    click.option("--gpu", help="GPU from the catalog for the silicon-data or roofline step time (and vLLM's "
+                               "GPU defaults)."),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="The path requests are sent to, as `kvtune bench --endpoint`: picks the gateway's route."),
     click.option("--route-header", metavar="NAME",
@@ -116,8 +117,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     A simulation of vLLM V1's scheduler (checked step by step against vLLM's own) with the
     step time `kvtune calibrate --timing` measured, serving the requests `kvtune bench` would
     send for the same profile and seed, straight to the engine or through the gateway's own
-    admission code (--gateway). Without a calibrated `timing`, --model and --gpu give a
-    roofline estimate, labelled as such.
+    admission code (--gateway). Without a calibrated `timing`, --model and --gpu give
+    aiconfigurator-core's silicon data for that GPU, else a roofline estimate, labelled as such.
 
     \b
     Example:
