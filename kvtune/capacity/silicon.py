@@ -102,6 +102,7 @@ def silicon_step_time(config: dict[str, Any], gpu_name: str, *, tp: int = 1, eng
                       ) -> tuple[StepTimeModel, SiliconInputs]:
     """The step form fitted to aiconfigurator's latencies for `config` (a parsed config.json) on
     `tp` GPUs `gpu_name`; NoSiliconDataError with the reason where it has no data."""
+    engine = engine.split("-")[0]  # simulate's trtllm-gne / trtllm-maxutil are TensorRT-LLM's two policies
     system = system_for(gpu_name)
     if system is None:
         raise NoSiliconDataError(f"{PACKAGE} has no measurements for {gpu_name}")
@@ -168,7 +169,7 @@ def _sample_and_fit(config_bytes: bytes, gpu_name: str, system: str, engine: str
                     tp: int, kv: str, package_version: str) -> tuple[StepTimeModel, SiliconInputs]:
     aic_logger = logging.getLogger("aiconfigurator_core")
     level = aic_logger.level
-    aic_logger.setLevel(logging.ERROR)  # it warns on stderr about fallback rows of models kvtune never asks for
+    aic_logger.setLevel(logging.CRITICAL)  # its warnings reach stderr; a failure's reason is in fallback_reason
     try:
         handle, data_version = _engine(config_bytes, system, engine, engine_version, tp, kv)
         rows, seconds = _sample(handle)
