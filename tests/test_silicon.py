@@ -141,3 +141,16 @@ def test_kv_never_imports_the_silicon_source():
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "aiconfigurator" not in out.stderr and "kvtune.capacity.silicon" not in out.stderr
+
+
+def test_an_engine_version_it_did_not_measure_uses_its_current_data_and_says_so():
+    config = load_config_file(CONFIGS / "Qwen3-8B.json")
+    _, inputs = silicon_step_time(config, "H100-80GB", engine_version="0.11.0")
+    assert inputs.engine_version == "0.11.0" and inputs.data_version != "0.11.0"
+    assert inputs.label.endswith(f"vllm {inputs.data_version} measurements, asked for 0.11.0, TP 1")
+
+
+def test_tensorrt_llm_policies_simulate_on_tensorrt_llm_data(tmp_path):
+    timing = simulate_json("--capacity", capacity(tmp_path), "--model", "qwen3-8b", "--gpu", "h100",
+                           "--engine", "trtllm-gne")["simulation"]["timing"]
+    assert timing["source"] == "silicon" and timing["silicon"]["engine"] == "trtllm"
