@@ -169,11 +169,12 @@ def recommend(
         route_by="path" if route_by is None else route_by, route_header=route_header, served_model=served_model,
         logged_model=one_logged_model(profile.models, profile.log_model),
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
+        slo=slo if objective is None else None,  # with an objective, the simulation judges it (goodput)
     )
     if options.engine != plan.engine:
         raise OptionError(f"the plan follows {plan.engine}'s memory model and defaults; plan it with "
                           f"engine={options.engine!r} too", field="engine")
-    searched = {"slo": slo, "max_preemption_rate": max_preemption_rate, "max_429_share": max_429_share,
+    searched = {"max_preemption_rate": max_preemption_rate, "max_429_share": max_429_share,
                 "rate_rps": rate_rps, "concurrency": concurrency, "requests": requests,
                 "compare_engines": compare_engines or None}
     if objective is None:

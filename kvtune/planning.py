@@ -22,6 +22,7 @@ from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, vllm
 from kvtune.errors import CapacityError, OptionError
+from kvtune.hardware import Gpu, find_gpu, parse_memory_size
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
 from kvtune.weights import weights_for
@@ -94,6 +95,7 @@ class Plan:
     max_model_len_given: int | None = None  # the caller's max_model_len (None: the model's context is the default)
     # the longest context every engine replica holds, when one launch file runs several (None: this plan's pool)
     replica_context_tokens: int | None = None
+    gpu_model: Gpu | None = None  # the catalog entry or --gpu-spec GPU named by `gpu` (None: memory given)
 
     @property
     def capacity(self) -> Capacity:
@@ -107,7 +109,7 @@ class Plan:
 def plan(
     model: str,
     *,
-    gpu: str | None = None,
+    gpu: str | Gpu | None = None,
     gpu_memory: str | int | None = None,
     tp: int = 1,
     pp: int = 1,
@@ -125,7 +127,8 @@ def plan(
 ) -> Plan:
     """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
 
-    `gpu` names a catalog GPU (`H100-80GB`); `gpu_memory` gives memory instead (`80GB` or bytes).
+    `gpu` names a catalog GPU (`H100-80GB`) or is one (a --gpu-spec file's, kvtune.gpu_spec);
+    `gpu_memory` gives memory instead (`80GB` or bytes).
     Settings left None take the measurement's value, else the engine's default. `engine_version` is the
     release ('0.6.3', '0.19.0'; None: the current one) whose defaults and memory profiler the
     estimate follows: vLLM's by release; SGLang's (0.5.23) and TensorRT-LLM's (1.2) memory models
@@ -139,13 +142,11 @@ def plan(
     >>> p.capacity.block_size, p.gpu_memory_utilization.value
     (16, 0.92)
     """
-    from kvtune.hardware import find_gpu, parse_memory_size
-
     if gpu and gpu_memory is not None:
         raise CapacityError("give a GPU model or a memory size, not both", field="gpu_memory")
-    gpu_name = memory_bytes = None
+    gpu_name = memory_bytes = found = None
     if gpu:
-        found = find_gpu(gpu)
+        found = gpu if isinstance(gpu, Gpu) else find_gpu(gpu)
         gpu_name, memory_bytes = found.name, found.memory_bytes
     elif gpu_memory is not None:
         memory_bytes = gpu_memory if isinstance(gpu_memory, int) else parse_memory_size(gpu_memory, field="gpu_memory")
@@ -185,7 +186,7 @@ def plan(
         max_kv_tokens=max_kv_tokens,
     )
     return Plan(model, spec, kv, _planned(spec, kv, inputs), gpu_name, memory_bytes, utilization, dtype,
-                measured.kv_cache_memory_bytes if measured else None, engine, inputs, max_model_len)
+                measured.kv_cache_memory_bytes if measured else None, engine, inputs, max_model_len, gpu_model=found)
 
 
 def _planned(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs) -> CapacityReport:

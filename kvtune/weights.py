@@ -3,9 +3,12 @@
 The checkpoint's own size wins when a local model directory has one (the safetensors index's
 `metadata.total_size`, or a single model.safetensors). Otherwise the parameters are counted from
 the config (embeddings, attention or MLA projections, dense MLPs, routed and shared experts,
-Mamba / linear-attention mixers, lm_head unless tied) and priced at the weight format: 16-bit,
-fp8/int8 1 byte, int4 (AWQ/GPTQ) about 4.16 bits with group-128 scales, mxfp4 4.25 bits on the
-experts only. Biases are ignored. Every such choice is listed in `WeightsEstimate.assumptions`.
+Mamba / linear-attention mixers, lm_head unless tied) and priced at the checkpoint's format
+(kvtune.model.quantization reads `quantization_config`): quantized parts at their stored bits with
+their scales, zero points and indices (fp8 1 byte + fp32 block or tensor scales, AWQ int4 4.16
+bits with group-128 fp16 scales and zeros, mxfp4 4.25 bits on the experts only, NVFP4 4.5 bits),
+the parts the format keeps (embeddings, lm_head, routers, excluded modules) at 16 bits. Biases are
+ignored. Every such choice is listed in `WeightsEstimate.assumptions`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from kvtune.errors import InputError
 from kvtune.model import ATTENTION_KINDS, Attention, LayerKind, LinearAttention, Mamba, Mamba1, Mla, ModelSpec, Moe
+from kvtune.model.spec import QUANTIZABLE_PARTS, Quantization
 
 # Bits per weight, scales included, for formats that quantize the linear layers.
 INT4_GROUP128_BITS = 4 + (16 + 4) / 128  # 4-bit weight + a 16-bit scale and a 4-bit zero per 128
@@ -183,34 +187,70 @@ def count_parameters(spec: ModelSpec) -> ParameterCount:
 # --- pricing ---------------------------------------------------------------------------------
 
 
-def _linear_bits(spec: ModelSpec) -> tuple[float | None, str]:
-    """Bits per weight of the quantized linear layers, or None when the model is not quantized."""
-    method = (spec.quantization or "").lower()
-    bits = spec.quantization_bits
+def legacy_quantization(method: str | None, bits: int | None) -> Quantization | None:
+    """A scheme for a config that names only a method and bits (or a spec built by hand): the
+    format's usual layout. None when the method says nothing about the width."""
     if not method:
-        return None, spec.dtype
-    if method == "mxfp4":
-        return MXFP4_BITS, "mxfp4 experts (4.25 bits), rest 16-bit"
-    if "nvfp4" in method or method == "modelopt_fp4":
-        return NVFP4_BITS, "nvfp4 (4.5 bits with fp8 scales per 16)"
-    if bits is not None and bits <= 4 or method in {"awq", "gptq", "awq_marlin", "gptq_marlin", "marlin"}:
+        return None
+    m = method.lower()
+    if m == "mxfp4":
+        return Quantization(m, 4, "mxfp4", 32, 8,
+                            unquantized=tuple((p, 1.0) for p in QUANTIZABLE_PARTS if p != "routed_experts"))
+    if "nvfp4" in m or m == "modelopt_fp4":
+        return Quantization(m, 4, "nvfp4", 16, 8, activations="fp4")
+    if bits is not None and bits <= 4 or m in {"awq", "gptq", "awq_marlin", "gptq_marlin", "marlin"}:
         b = bits or 4
-        return b + (16 + 4) / 128, f"{method} int{b} (group-128 scales and zeros)"
-    if bits == 8 or "fp8" in method or "int8" in method or "w8a8" in method:
-        return 8.0, f"{method} 8-bit"
-    if bits is not None:
-        return float(bits), f"{method} {bits}-bit"
-    return None, f"{method} (unknown width, priced as {spec.dtype})"
+        return Quantization(m, b, "int", 128, 16, zero_point_bits=4)  # group-128 fp16 scales, 4-bit zeros
+    if bits == 8 or "fp8" in m or "int8" in m or "w8a8" in m:
+        return Quantization(m, 8, "float" if "fp8" in m else "int", 0, 32,
+                            activations="fp8" if "fp8" in m else "int8" if "w8a8" in m else None)
+    if bits is not None and bits < 16:  # 16 bits and more is no quantization at all
+        return Quantization(m, bits, "int", 0, 32)
+    return None
+
+
+def quantization_of(spec: ModelSpec) -> Quantization | None:
+    """The checkpoint's scheme (kvtune.model.quantization), else the one its method and bits imply."""
+    return spec.quantization_config or legacy_quantization(spec.quantization, spec.quantization_bits)
+
+
+def _part_sizes(count: ParameterCount) -> dict[str, int]:
+    return {part: getattr(count, part) for part in QUANTIZABLE_PARTS}
+
+
+def quantized_parameters(spec: ModelSpec, count: ParameterCount | None = None) -> dict[str, int]:
+    """Parameters stored quantized, by part (empty for a 16-bit checkpoint)."""
+    scheme = quantization_of(spec)
+    if scheme is None:
+        return {}
+    count = count or count_parameters(spec)
+    return {part: round(n * (1 - scheme.unquantized_share(part))) for part, n in _part_sizes(count).items() if n}
+
+
+def active_parameters(spec: ModelSpec) -> tuple[int, int]:
+    """(parameters a token computes with, of which quantized): a MoE's routed experts count at
+    top-k / experts (1 of them where the config names no top-k)."""
+    count = count_parameters(spec)
+    quantized = quantized_parameters(spec, count)
+    share = 1.0
+    moe = spec.moe
+    if moe is not None and moe.num_experts and count.routed_experts:
+        k = moe.experts_per_token if moe.experts_per_token is not None else 1
+        share = min(k, moe.num_experts) / moe.num_experts
+    routed_inactive = count.routed_experts - round(count.routed_experts * share)
+    q_routed = quantized.get("routed_experts", 0)
+    q_inactive = q_routed - round(q_routed * share)
+    return count.total - routed_inactive, sum(quantized.values()) - q_inactive
 
 
 def estimate_from_parameters(spec: ModelSpec) -> WeightsEstimate:
-    """Price the parameter count at the model's weight format."""
+    """Price the parameter count at the model's weight format: quantized parts at their stored bits
+    (scales, zero points and indices included), the rest at 16 bits."""
     count = count_parameters(spec)
     dtype_bytes = _DTYPE_BYTES.get(spec.dtype, 2)
-    linear_bits, fmt = _linear_bits(spec)
+    scheme = quantization_of(spec)
     assumptions = [
         f"parameters counted from the config: {count.total:,} (biases and norms' bias terms ignored)",
-        "embeddings, lm_head, router and norms stay 16-bit",
     ]
     if spec.dtype == "float32":
         assumptions.append("float32 checkpoint served as 16-bit, as vLLM's dtype=auto does")
@@ -225,20 +265,24 @@ def estimate_from_parameters(spec: ModelSpec) -> WeightsEstimate:
         )
     if spec.mamba is not None or spec.linear is not None:
         assumptions.append("Mamba / linear-attention mixer parameters from the state sizes in the config")
-
-    sixteen_bit = count.embedding + count.lm_head + count.router + count.norms
-    linear = count.attention + count.mixer + count.dense_mlp + count.routed_experts + count.shared_experts
-    if linear_bits is None:
-        weights = (sixteen_bit + linear) * dtype_bytes
-    elif (spec.quantization or "").lower() == "mxfp4":  # gpt-oss: only the experts are mxfp4
-        experts = count.routed_experts + count.shared_experts
-        weights = (sixteen_bit + linear - experts) * 2 + math.ceil(experts * linear_bits / 8)
-    else:
-        weights = sixteen_bit * 2 + math.ceil(linear * linear_bits / 8)
+    if scheme is None:
+        fmt = spec.dtype if not spec.quantization else f"{spec.quantization} (unknown width, priced as {spec.dtype})"
+        return WeightsEstimate(weights_bytes=count.total * dtype_bytes, source=WeightsSource.PARAMETER_COUNT,
+                               weight_format=fmt, parameter_count=count.total, assumptions=tuple(assumptions))
+    quantized = quantized_parameters(spec, count)
+    h = spec.hidden_size
+    bits_per_weight = scheme.bits_per_weight(h, h)  # matrices taken as hidden × hidden for the scales' share
+    quantized_total = sum(quantized.values())
+    weights = (count.total - quantized_total) * 2 + math.ceil(quantized_total * bits_per_weight / 8)
+    kept = [f"{part} ({share:.0%} of its layers)" if share < 1 else part
+            for part, share in scheme.unquantized if _part_sizes(count).get(part)]
+    assumptions.append(f"quantized: {scheme.describe()}, {bits_per_weight:.4g} bits per weight stored "
+                       "(scales, zero points and indices included)")
+    assumptions.append("16-bit: embeddings, norms, router" + (", " + ", ".join(kept) if kept else ""))
     return WeightsEstimate(
         weights_bytes=weights,
         source=WeightsSource.PARAMETER_COUNT,
-        weight_format=fmt,
+        weight_format=scheme.describe(),
         parameter_count=count.total,
         assumptions=tuple(assumptions),
     )
@@ -301,6 +345,10 @@ __all__ = [
     "WeightsEstimate",
     "count_parameters",
     "estimate_from_parameters",
+    "legacy_quantization",
+    "quantization_of",
+    "quantized_parameters",
+    "active_parameters",
     "estimate_weights",
     "read_checkpoint_bytes",
     "weights_for",

@@ -92,18 +92,23 @@ def require_chromium() -> str:
     pytest.skip(message)
 
 
-def layout(page: Path, width: int) -> dict[str, Any]:
-    """What LAYOUT_PROBE measures in `page` laid out `width` CSS pixels wide."""
+def layout(page: Path, width: int, probe: str = LAYOUT_PROBE) -> dict[str, Any]:
+    """What `probe` (a script that writes its JSON into <pre id="kvtune-layout">; default
+    LAYOUT_PROBE) measures in `page` laid out `width` CSS pixels wide, and under "console" every
+    message the page wrote to the browser's console (errors included), which Chromium logs to
+    stderr with --enable-logging."""
     browser = require_chromium()
     text = page.read_text()
     with tempfile.TemporaryDirectory() as tmp:
         probed = Path(tmp) / page.name
-        probed.write_text(text.replace("</body>", LAYOUT_PROBE + "</body>"))
+        probed.write_text(text.replace("</body>", probe + "</body>"))
         done = subprocess.run(
             [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
              f"--user-data-dir={tmp}/profile", f"--window-size={width},900", "--virtual-time-budget=2000",
-             "--dump-dom", probed.as_uri()],
+             "--enable-logging=stderr", "--v=0", "--dump-dom", probed.as_uri()],
             capture_output=True, text=True, timeout=120)
     found = re.search(r'<pre id="kvtune-layout">(.*?)</pre>', done.stdout, re.S)
     assert found, f"Chromium printed no layout (exit {done.returncode}): {done.stderr[-2000:]}"
-    return json.loads(html_lib.unescape(found.group(1)))
+    measured = json.loads(html_lib.unescape(found.group(1)))
+    measured["console"] = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    return measured

@@ -120,7 +120,8 @@ def test_without_an_objective_nothing_is_simulated(log):
 @pytest.mark.parametrize(("args", "line"), [
     (("--objective", "throughput", "--no-capacity"), "Error: --capacity: --objective simulates the engine: give "
      "--capacity FILE from `kvtune calibrate` (its `timing`, or --gpu for a roofline estimate)"),
-    (("--slo", "ttft=500"), "Error: --slo: only applies with --objective throughput|goodput"),
+    (("--slo", "e2e=500"), "Error: --slo: without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
+     "model's); e2e needs --objective goodput, which simulates it"),
     (("--max-preemption-rate", "0.1"), "Error: --max-preemption-rate: only applies with --objective throughput|goodput"),
     (("--compare-engines",), "Error: --compare-engines: only applies with --objective throughput|goodput"),
     (("--objective", "goodput", "--rate", "5"), "Error: --slo: the goodput objective needs latency objectives, e.g. "

@@ -15,6 +15,7 @@ from conftest import CONFIGS, REPO
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_capacity_file
 from kvtune.capacity.silicon import silicon_step_time
 from kvtune.cli import cli
+from kvtune.hardware import find_gpu
 from kvtune.model.sources import load_config_file
 
 pytest.importorskip("aiconfigurator_core")  # a platform without its wheel runs the roofline tests only
@@ -65,7 +66,7 @@ def test_the_fitted_form_follows_aiconfigurator_off_its_grid():
     from aiconfigurator_core.sdk.engine import EngineHandle
 
     config = load_config_file(CONFIGS / "Llama-3.1-8B.json")
-    model, _ = silicon_step_time(config, "H100-80GB")
+    model, _ = silicon_step_time(config, find_gpu("h100"))
     path = os.environ["KVTUNE_CACHE_DIR"] + "/llama"
     os.makedirs(path, exist_ok=True)
     with open(path + "/config.json", "w") as f:
@@ -107,6 +108,7 @@ import json, sys
 {prelude}
 from click.testing import CliRunner
 from kvtune.cli import cli
+from kvtune.hardware import find_gpu
 r = CliRunner().invoke(cli, ["simulate", {logs!r}, "--capacity", {cap!r}, "--model", "qwen3-8b", "--gpu", "h100",
                              "--rate", "2", "--requests", "10", "--json"])
 print(json.dumps({{"timing": json.loads(r.stdout)["simulation"]["timing"],
@@ -145,7 +147,7 @@ def test_kv_never_imports_the_silicon_source():
 
 def test_an_engine_version_it_did_not_measure_uses_its_current_data_and_says_so():
     config = load_config_file(CONFIGS / "Qwen3-8B.json")
-    _, inputs = silicon_step_time(config, "H100-80GB", engine_version="0.11.0")
+    _, inputs = silicon_step_time(config, find_gpu("h100"), engine_version="0.11.0")
     assert inputs.engine_version == "0.11.0" and inputs.data_version != "0.11.0"
     assert inputs.label.endswith(f"vllm {inputs.data_version} measurements, asked for 0.11.0, TP 1")
 

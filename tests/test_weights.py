@@ -63,9 +63,11 @@ def test_deepseek_v3_mla_and_moe_by_hand():
     assert c.router == 58 * 7_168 * 256
     assert c.embedding == c.lm_head == 129_280 * 7_168
     assert round(c.total / 1e9, 1) == 671.0  # the published 671B (the MTP layer is not loaded by default)
-    w = estimate_from_parameters(spec)  # fp8: linear layers 1 B, embeddings/lm_head/router/norms 2 B
+    # fp8: linear layers 1 B plus the fp32 scale of each 128 × 128 block (weight_scale_inv, which
+    # the checkpoint stores: 4 B per 16,384 weights), embeddings/lm_head/router/norms 2 B
+    w = estimate_from_parameters(spec)
     sixteen_bit = c.embedding + c.lm_head + c.router + c.norms
-    assert w.weights_bytes == 2 * sixteen_bit + (c.total - sixteen_bit)
+    assert w.weights_bytes == 2 * sixteen_bit + math.ceil((c.total - sixteen_bit) * (8 + 32 / 16_384) / 8)
 
 
 def test_gpt_oss_mxfp4_only_on_the_experts():

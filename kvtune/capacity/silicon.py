@@ -26,29 +26,19 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtune.capacity.timing import nnls
 from kvtune.steptime import COEFFICIENTS, StepTimeModel, TimingSource, step_features
 
+if TYPE_CHECKING:
+    from kvtune.hardware import Gpu
+
 PACKAGE = "aiconfigurator-core"
 GRID_VERSION = 1  # bump when the grid or the fit changes: cached fits of another grid are ignored
 
-# kvtune's GPU catalog name (kvtune.hardware) -> aiconfigurator's system (its systems/*.yaml)
-SYSTEMS: dict[str, str] = {
-    "H100-80GB": "h100_sxm",
-    "H100-PCIE": "h100_pcie",
-    "H200": "h200_sxm",
-    "B200": "b200_sxm",
-    "B300": "b300_sxm",
-    "GB200": "gb200",
-    "A100-80GB": "a100_sxm",
-    "L40S": "l40s",
-    "L4": "l4",
-    "RTX-PRO-6000": "rtx_pro_6000_server",
-}
 ENGINES = ("vllm", "sglang", "trtllm")
 
 # the grid: decode batches at several contexts, prefill chunks after several cached prefixes
@@ -92,18 +82,14 @@ class SiliconInputs:
                 "samples": self.samples, "fit_error": self.fit_error}
 
 
-def system_for(gpu_name: str) -> str | None:
-    """aiconfigurator's system for a kvtune GPU, or None when it measured no such GPU."""
-    return SYSTEMS.get(gpu_name)
-
-
-def silicon_step_time(config: dict[str, Any], gpu_name: str, *, tp: int = 1, engine: str = "vllm",
+def silicon_step_time(config: dict[str, Any], gpu: Gpu, *, tp: int = 1, engine: str = "vllm",
                       engine_version: str | None = None, kv_cache_dtype: str = "auto"
                       ) -> tuple[StepTimeModel, SiliconInputs]:
     """The step form fitted to aiconfigurator's latencies for `config` (a parsed config.json) on
-    `tp` GPUs `gpu_name`; NoSiliconDataError with the reason where it has no data."""
+    `tp` GPUs `gpu` (its catalog entry names aiconfigurator's system); NoSiliconDataError with the
+    reason where it has no data."""
     engine = engine.split("-")[0]  # simulate's trtllm-gne / trtllm-maxutil are TensorRT-LLM's two policies
-    system = system_for(gpu_name)
+    gpu_name, system = gpu.name, gpu.silicon_system
     if system is None:
         raise NoSiliconDataError(f"{PACKAGE} has no measurements for {gpu_name}")
     if engine not in ENGINES:
@@ -233,5 +219,4 @@ def _sample(handle: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.array(rows), y
 
 
-__all__ = ["NoSiliconDataError", "SiliconInputs", "silicon_step_time", "system_for", "SYSTEMS", "ENGINES",
-           "PACKAGE"]
+__all__ = ["NoSiliconDataError", "SiliconInputs", "silicon_step_time", "ENGINES", "PACKAGE"]

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvtune.errors import CapacityError
 from kvtune.fields import Fields
+from kvtune.kv import kv_bytes
 from kvtune.model.spec import LayerKind
 from kvtune.profile.histogram import nearest_rank_index
 from kvtune.steptime import (
@@ -36,6 +37,7 @@ from kvtune.steptime import (
     TimingSource,
     step_features,
 )
+from kvtune.weights import active_parameters, quantization_of, weights_for
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu
@@ -502,6 +504,12 @@ class RooflineInputs:
     weights_bytes_per_gpu: int
     kv_bytes_per_token_per_gpu: int
     active_parameters: int  # whole model; per token, a MoE computes only its routed top-k
+    #: of active_parameters, those whose GEMMs run in `matmul_dtype` (a W8A8 checkpoint's linear
+    #: layers on a GPU with that tensor path); the rest run at 16 bits
+    quantized_active_parameters: int = 0
+    matmul_dtype: str = "bf16"  # bf16 | fp8 | int8 | fp4
+    matmul_dense_flops: float | None = None  # the GPU's peak in matmul_dtype (None: bf16's)
+    weight_format: str | None = None  # the checkpoint's, as kvtune.weights prices it
     attention_flops_per_pair: int = 0  # per (query, key) pair, all attending layers, whole model
 
     def to_dict(self) -> dict[str, Any]:
@@ -511,15 +519,22 @@ class RooflineInputs:
                 "bf16_dense_flops": self.bf16_dense_flops, "weights_bytes_per_gpu": self.weights_bytes_per_gpu,
                 "kv_bytes_per_token_per_gpu": self.kv_bytes_per_token_per_gpu,
                 "active_parameters": self.active_parameters,
+                "quantized_active_parameters": self.quantized_active_parameters,
+                "matmul_dtype": self.matmul_dtype,
+                "matmul_dense_flops": self.matmul_dense_flops or self.bf16_dense_flops,
+                "weight_format": self.weight_format,
                 "attention_flops_per_pair": self.attention_flops_per_pair}
 
 
 def roofline_coefficients(inputs: RooflineInputs) -> StepTimeModel:
-    """c0..c3 from peak bandwidth and FLOPs: a lower bound on a real engine's step, labelled an estimate.
+    """c0..c4 from peak bandwidth and FLOPs: a lower bound on a real engine's step, labelled an estimate.
 
-    c0 = weight bytes / bandwidth   every step reads every weight once (memory-bound decode)
-    c1 = 2·active params / FLOPs    one multiply-add per parameter per token (compute-bound prefill)
-    c2 = attention FLOPs per (query, key) pair / FLOPs
+    c0 = weight bytes / bandwidth   every step reads every weight once (memory-bound decode); a
+                                    quantized checkpoint's bytes as stored (kvtune.weights)
+    c1 = 2·active params / FLOPs    one multiply-add per parameter per token (compute-bound prefill):
+                                    the quantized GEMMs at the GPU's peak in their dtype (FP8 W8A8
+                                    on Hopper at the FP8 peak), the rest at the BF16 peak
+    c2 = attention FLOPs per (query, key) pair / BF16 FLOPs
                                     QKᵀ and PV: 4·heads·head_dim per attending layer; what a long
                                     prefill chunk pays on top of its matmuls
     c3 = 0                          per-request bookkeeping has no roofline
@@ -531,41 +546,52 @@ def roofline_coefficients(inputs: RooflineInputs) -> StepTimeModel:
     where both are equal, and close to it where one dominates, as in decode and long prefills.
     """
     bw = inputs.hbm_bandwidth_bytes_per_s
-    flops_per_gpu = inputs.bf16_dense_flops
     tp = inputs.tensor_parallel_size
+    fast = inputs.matmul_dense_flops or inputs.bf16_dense_flops
+    quantized = inputs.quantized_active_parameters if inputs.matmul_dtype != "bf16" else 0
+    seconds_per_token = 2 * ((inputs.active_parameters - quantized) / inputs.bf16_dense_flops + quantized / fast)
     return StepTimeModel(
         c0=inputs.weights_bytes_per_gpu / bw,
-        c1=2 * inputs.active_parameters / (tp * flops_per_gpu),
-        c2=inputs.attention_flops_per_pair / (tp * flops_per_gpu),
+        c1=seconds_per_token / tp,
+        c2=inputs.attention_flops_per_pair / (tp * inputs.bf16_dense_flops),
         c3=0.0,
         c4=inputs.kv_bytes_per_token_per_gpu / bw,
         source=TimingSource.ROOFLINE,
     )
 
 
+def matmul_dtype(spec: ModelSpec, gpu: Gpu) -> str:
+    """The dtype a checkpoint's quantized GEMMs run in on `gpu`: its activation dtype where the GPU
+    has that tensor path (vLLM's W8A8 FP8/INT8 and NVFP4 kernels), else bf16 (weight-only formats,
+    and W8A8 FP8 on Ampere, which vLLM serves through weight-only Marlin kernels)."""
+    scheme = quantization_of(spec)
+    activations = None if scheme is None else scheme.activations
+    if activations is not None and gpu.peak_dense_flops(activations) is not None:
+        return activations
+    return "bf16"
+
+
 def roofline_step_time(spec: ModelSpec, gpu: Gpu, *, tp: int = 1, kv_cache_dtype: str = "auto"
                        ) -> tuple[StepTimeModel, RooflineInputs]:
     """The roofline estimate for `spec` on `tp` GPUs of kind `gpu`, and what it was computed from."""
-    from kvtune.kv import kv_bytes
-    from kvtune.weights import count_parameters, weights_for
-
     if gpu.bf16_dense_flops is None:
         raise CapacityError(f"no peak BF16 FLOPs on record for {gpu.name}, so no roofline step time; "
                             "calibrate one with `kvtune calibrate URL --timing`", field="gpu")
-    count = count_parameters(spec)
-    active = count.total
-    moe = spec.moe
-    if moe is not None and moe.num_experts and count.routed_experts:
-        k = moe.experts_per_token if moe.experts_per_token is not None else 1
-        active = count.total - count.routed_experts + count.routed_experts * min(k, moe.num_experts) // moe.num_experts
+    active, quantized = active_parameters(spec)
+    dtype = matmul_dtype(spec, gpu)
+    weights = weights_for(spec)
     inputs = RooflineInputs(
         gpu=gpu.name,
         tensor_parallel_size=tp,
         hbm_bandwidth_bytes_per_s=gpu.hbm_bandwidth_bytes_per_s,
         bf16_dense_flops=gpu.bf16_dense_flops,
-        weights_bytes_per_gpu=weights_for(spec).bytes_per_gpu(tp),
+        weights_bytes_per_gpu=weights.bytes_per_gpu(tp),
         kv_bytes_per_token_per_gpu=kv_bytes(spec, kv_cache_dtype=kv_cache_dtype, tp=tp).kv_bytes_per_token_per_gpu,
         active_parameters=active,
+        quantized_active_parameters=quantized,
+        matmul_dtype=dtype,
+        matmul_dense_flops=gpu.peak_dense_flops(dtype),
+        weight_format=weights.weight_format,
         attention_flops_per_pair=4 * spec.attention.num_heads * spec.attention.head_dim * sum(
             kind in _ATTENDING for kind in spec.layer_kinds),
     )
@@ -606,4 +632,5 @@ __all__ = [
     "RooflineInputs",
     "roofline_coefficients",
     "roofline_step_time",
+    "matmul_dtype",
 ]

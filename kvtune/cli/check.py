@@ -7,7 +7,7 @@ import json
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
-from kvtune.cli.recommend import PolicyArgs, policy_options
+from kvtune.cli.recommend import ObjectiveArgs, PolicyArgs, policy_options
 from kvtune.controls import escape_controls
 from kvtune.deploy.check import Severity
 from kvtune.errors import OptionError
@@ -35,6 +35,7 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
     from click.core import ParameterSource
 
     from kvtune.cli.options import parse_count
+    from kvtune.gpu_spec import read_gpu_spec
     from kvtune.hardware import find_gpu, parse_memory_size
 
     ctx = click.get_current_context()
@@ -53,6 +54,7 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
         "upstream": lambda: (policy.upstream, rec.upstream, None),
         "safety_fraction": lambda: (policy.safety_fraction, rec.safety_fraction.value, None),
         "gpu": lambda: (find_gpu(capacity.gpu or "", field="--gpu").name, hw.gpu, None),
+        "gpu_spec": lambda: (read_gpu_spec(capacity.gpu_spec or "").name, hw.gpu, None),
         "gpu_memory": lambda: (parse_memory_size(capacity.gpu_memory or "", field="--gpu-memory"),
                                hw.gpu_memory_bytes, None),
         "tp": lambda: (capacity.tp, hw.tensor_parallel_size, None),
@@ -102,10 +104,12 @@ def _shown(value) -> str:
 @policy_options
 @capacity_options
 @log_options
+@click.option("--slo", metavar="SPEC", help="The --slo tpot=…,ttft=… the files were recommended with: the "
+              "recommendation checked against bounds max_num_seqs the same way.")
 @click.option("--json", "json_", is_flag=True, help="Print {deployed, findings, passed, notes} as JSON (notes: the "
               "recommendation's, first the files its logs did not read).")
 def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
-          deployed_paths: tuple[str, ...], json_: bool) -> None:
+          deployed_paths: tuple[str, ...], slo: str | None, json_: bool) -> None:
     """Check deployed configs against real traffic: exit 1 on risk, 0 when fine.
 
     LOGS are the logs (or a saved profile) the recommendation is computed from, or a
@@ -125,8 +129,12 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
 
     rec = _saved_recommendation(logs)
     if rec is None:
-        rec = policy.recommendation(logs, capacity, log)
+        bounds = None if slo is None else ObjectiveArgs(None, slo, None, None, None, None, 1, 0)
+        rec = policy.recommendation(logs, capacity, log, bounds)
     else:
+        if slo is not None:
+            raise OptionError("a recommendation.json holds the limits its --slo bounded: check against it "
+                              "without --slo", field="--slo")
         _file_contradictions(rec, logs[0], policy, capacity)
     result = kvtune.check(rec, deployed_paths, max_truncation=policy.max_truncation)
     deployed = result.deployed

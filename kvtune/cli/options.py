@@ -16,7 +16,9 @@ import click
 
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import KvtuneError, OptionError
+from kvtune.hardware import GPUS, Gpu, find_gpu
 
+GPU_NAMES = tuple(GPUS)
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
 #: kvtune.profile.build.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
 MAX_ROUTES = 2000
@@ -89,6 +91,7 @@ class CapacityArgs:
     capacity_files: tuple[str, ...]  # --capacity, repeated: one per engine replica (`recommend` only)
     engine_log: str | None
     engine: str
+    gpu_spec: str | None = None  # --gpu-spec FILE: a GPU the catalog does not hold
 
     @property
     def capacity_file(self) -> str | None:
@@ -106,7 +109,8 @@ class CapacityArgs:
         measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), vllm_log=self.vllm_log,
                                      metrics_url=self.metrics_url, capacity_file=self.capacity_file,
                                      engine_log=self.engine_log, engine=self.engine)
-        return plan(model, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
+        return plan(model, gpu=resolve_gpu(self.gpu, self.gpu_spec, self.gpu_memory), gpu_memory=self.gpu_memory,
+                    tp=self.tp, pp=self.pp,
                     gpu_memory_utilization=self.gpu_memory_utilization,
                     max_model_len=parse_count(self.max_model_len, "max_model_len"),
                     max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
@@ -115,9 +119,26 @@ class CapacityArgs:
                     engine_version=self.engine_version)
 
 
+def resolve_gpu(gpu: str | None, gpu_spec: str | None, gpu_memory: str | None = None) -> Gpu | None:
+    """The GPU --gpu names in the catalog or a --gpu-spec FILE describes (one of them; None: neither)."""
+    if gpu_spec is None:
+        return None if gpu is None else find_gpu(gpu, field="--gpu")
+    if gpu is not None or gpu_memory is not None:
+        raise OptionError("give --gpu-spec FILE or " + ("--gpu" if gpu is not None else "--gpu-memory") +
+                          ", not both: the file names the GPU and its memory", field="--gpu-spec")
+    from kvtune.gpu_spec import read_gpu_spec
+
+    return read_gpu_spec(gpu_spec)
+
+
+GPU_HELP = ("GPU model from the catalog: " + ", ".join(GPU_NAMES) + " (any case; h100, a100 … work). "
+            "Another GPU: --gpu-spec FILE.")
+GPU_SPEC_HELP = ("A YAML/JSON file describing a GPU the catalog does not hold: name, memory (with a unit), "
+                 "bandwidth_gb_s, dense_tflops {bf16, fp8, int8, int4, fp4}; instead of --gpu.")
+
 capacity_options = grouped("capacity", CapacityArgs, [
-    click.option("--gpu", help="GPU model from the catalog: A10G, L4, L40S, A100-40GB, A100-80GB, H100-80GB, "
-                 "H200, B200, MI300X, RTX-3090, RTX-4090 (any case; h100, a100 … work)."),
+    click.option("--gpu", help=GPU_HELP),
+    click.option("--gpu-spec", "gpu_spec", metavar="FILE", help=GPU_SPEC_HELP),
     click.option("--gpu-memory", help="Memory per GPU instead of --gpu, with a unit: 79.2GiB, 80GB, 24576MiB."),
     click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size."),
     click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size."),

@@ -58,6 +58,8 @@ class PolicyArgs:
             plans = with_replica_context(plans)
             capacity = dataclasses.replace(capacity, capacity_files=(replica_files[primary],))
         wanted = objective.wanted(capacity) if objective is not None else {}
+        bounds = {} if "objective" in wanted else wanted  # --slo alone: the rules' limits meet it
+        wanted = wanted if "objective" in wanted else {}
         if profile is None:
             profile = log.profile(logs)
         vllm = capacity.engine == "vllm"
@@ -69,7 +71,8 @@ class PolicyArgs:
         given = {"engine": capacity.engine, "engine_version": None if vllm else version,
                  "safety_fraction": self.safety_fraction, "max_truncation": self.max_truncation,
                  "vllm_version": (version if vllm else None) or CURRENT_VLLM_VERSION, "upstream": self.upstream,
-                 "route_by": log.route_by, "route_header": self.route_header, "served_model": self.served_model}
+                 "route_by": log.route_by, "route_header": self.route_header, "served_model": self.served_model,
+                 **bounds}
         rec = kvtune.recommend(profile, plan, progress=progress, **given, **wanted)
         if not plans:
             if rec.feasibility is not None and not rec.feasibility.fits:
@@ -116,7 +119,7 @@ class PolicyArgs:
             tries.append(("--kv-cache-dtype fp8", dataclasses.replace(estimate, kv_cache_dtype="fp8")))
         tries.extend((f"--tp {tp}", dataclasses.replace(estimate, tp=tp))
                      for tp in (2, 4, 8) if tp > capacity.tp and tp * capacity.pp <= 8)
-        if capacity.gpu is None and capacity.gpu_memory is None:
+        if capacity.gpu is None and capacity.gpu_memory is None and capacity.gpu_spec is None:
             tries = []  # nothing to estimate another pool with
         for option, changed in tries:
             try:
@@ -176,14 +179,22 @@ class ObjectiveArgs:
     def wanted(self, capacity: CapacityArgs) -> dict:
         """kvtune.recommend's objective keywords; {} without --objective (and then no other of these)."""
         if self.objective is None:
-            given = [flag for flag, value in (("--slo", self.slo), ("--max-preemption-rate", self.max_preemption_rate),
+            given = [flag for flag, value in (("--max-preemption-rate", self.max_preemption_rate),
                                               ("--max-429-share", self.max_429_share), ("--rate", self.rate),
                                               ("--concurrency", self.concurrency),
                                               ("--compare-engines", self.compare_engines or None))
                      if value is not None]
             if given:
                 raise OptionError("only applies with --objective throughput|goodput", field=given[0])
-            return {}
+            if self.slo is None:
+                return {}
+            from kvtune.bench.report import parse_slo
+
+            slo = parse_slo(self.slo)
+            if slo.tpot_ms is None and slo.ttft_ms is None:
+                raise OptionError("without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
+                                  "model's); e2e needs --objective goodput, which simulates it", field="slo")
+            return {"slo": slo}
         if capacity.capacity_file is None:
             raise OptionError("--objective simulates the engine: give --capacity FILE from `kvtune calibrate` "
                               "(its `timing`, or --gpu for a roofline estimate)", field="--capacity")
@@ -200,7 +211,11 @@ objective_options = grouped("objective", ObjectiveArgs, [
                  help="Search caps, budget and admission policy with the simulator for the most output tokens/s "
                       "(or goodput under --slo) within the constraints; show the what-if table.  [default: the "
                       "rules alone, no simulation]"),
-    click.option("--slo", metavar="SPEC", help="Latency objectives in ms for goodput, e.g. ttft=500,e2e=10000."),
+    click.option("--slo", metavar="SPEC",
+                 help="Latency objectives in ms, e.g. tpot=50,ttft=2000: max_num_seqs (and max_num_batched_tokens "
+                      "for ttft) are bounded so the step-time model's predicted TPOT and TTFT meet them (refused, "
+                      "exit 1, when no batch does); with --objective goodput, what a request must meet to count "
+                      "(e2e too)."),
     click.option("--max-preemption-rate", type=float, metavar="R",
                  help="At most this share of requests preempted at least once; 0 allows only the guaranteed "
                       "policy.  [default: unconstrained]"),
@@ -345,6 +360,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     Example:
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --out deploy/
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --engine sglang --out deploy/
+        kvtune recommend sample_logs/ --model llama-3.1-8b --gpu H100-80GB --slo tpot=50 --out deploy/
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
             --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """

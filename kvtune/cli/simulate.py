@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvtune.cli.bench import LoadArgs, load_options
-from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
+from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, resolve_gpu, traffic_source_options
 from kvtune.controls import escape_controls
 from kvtune.errors import InputError, OptionError
 from kvtune.sim.rules import ENGINE_NAMES
@@ -66,6 +66,7 @@ class EngineArgs:
     route_header: str | None
     endpoint: str
     engine_name: str = "vllm"
+    gpu_spec: str | None = None
 
 
 _engine_options = [
@@ -83,6 +84,7 @@ _engine_options = [
                                  "time when the capacity file has no `timing`."),
     click.option("--gpu", help="GPU from the catalog for the silicon-data or roofline step time (and vLLM's "
                                "GPU defaults)."),
+    click.option("--gpu-spec", "gpu_spec", metavar="FILE", help=GPU_SPEC_HELP),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="The path requests are sent to, as `kvtune bench --endpoint`: picks the gateway's route."),
     click.option("--route-header", metavar="NAME",
@@ -138,11 +140,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
     measured = read_capacity_file(engine.capacity_path)
-    gpu = None
-    if engine.gpu is not None:
-        from kvtune.hardware import find_gpu
-
-        gpu = find_gpu(engine.gpu, field="--gpu")
+    gpu = resolve_gpu(engine.gpu, engine.gpu_spec)
     spec = None
     if measured.timing is None and engine.model is not None and gpu is not None:
         from kvtune.model.sources import resolve_model

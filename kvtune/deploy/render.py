@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import jinja2
 import numpy as np
 
-from kvtune.deploy.charts import capacity_segments, histogram_bars
+from kvtune.deploy.charts import capacity_segments, histogram_bars, what_if_scatter
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
@@ -451,7 +451,35 @@ def _what_if(rec: Recommendation) -> dict | None:
     return {"headline": headline(rec.what_if, rec.objective), "objective": objective_line(rec.objective),
             "rows": table_cells(rec.what_if), "note": TABLE_NOTE, "goodput": rec.objective.slo is not None,
             "why": chosen.why if chosen is not None else "",
-            "replicas": replica_cells(chosen) if chosen is not None else []}
+            "replicas": replica_cells(chosen) if chosen is not None else [],
+            "plot": _what_if_plot(rec)}
+
+
+def _what_if_plot(rec: Recommendation) -> dict:
+    """The what-if rows as marks: output tokens/s against TTFT p99 (against goodput when that is
+    the objective), the chosen row and direct-to-vLLM labelled, infeasible rows greyed with why."""
+    from kvtune.policy.whatif import Goal, PolicyKind, table_cells
+
+    assert rec.what_if is not None and rec.objective is not None
+    goodput = rec.objective.goal is Goal.GOODPUT
+    points = []
+    for cells, row in zip(table_cells(rec.what_if), rec.what_if, strict=True):
+        p = row.predicted
+        direct = row.policy.kind is PolicyKind.DIRECT
+        kind = ("chosen" if row.chosen else "infeasible" if row.violations else "direct" if direct
+                else "reference" if row.reference else "ok")
+        tag = f"chosen (#{cells['index']})" if row.chosen else f"direct to vLLM (#{cells['index']})" if direct else None
+        ttft = "—" if p.ttft_p99_ms is None else f"{p.ttft_p99_ms:,.0f} ms"
+        good = "" if p.goodput_rps is None else f", goodput {p.goodput_rps:,.2f} req/s"
+        points.append({"index": cells["index"], "x": p.goodput_rps if goodput else p.ttft_p99_ms,
+                       "y": p.output_tokens_per_s, "kind": kind, "tag": tag, "label": row.label,
+                       "reason": "; ".join(v.text for v in row.violations),
+                       "title": f"#{cells['index']} {row.label}: {p.output_tokens_per_s:,.1f} output tok/s, "
+                                f"TTFT p99 {ttft}{good} — {cells['verdict']}"})
+    x_label = "goodput (requests/s within --slo)" if goodput else "TTFT p99 (ms)"
+    plot = what_if_scatter(points, x_label=x_label, y_label="output tokens/s")
+    plot["greyed"] = [p for p in points if p["kind"] == "infeasible"]
+    return plot
 
 
 def default_targets(rec: Recommendation, options: RenderOptions | None = None) -> list[str]:

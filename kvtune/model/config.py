@@ -9,7 +9,19 @@ import re
 from typing import Any
 
 from kvtune.model.fields import ConfigFields, shown
-from kvtune.model.spec import Attention, LayerKind, LinearAttention, Mamba, Mamba1, Mamba2, Mla, ModelSpec, Moe
+from kvtune.model.quantization import parse_quantization
+from kvtune.model.spec import (
+    Attention,
+    LayerKind,
+    LinearAttention,
+    Mamba,
+    Mamba1,
+    Mamba2,
+    Mla,
+    ModelSpec,
+    Moe,
+    Quantization,
+)
 from kvtune.userfiles import brief
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -92,7 +104,7 @@ def parse_model_spec(
 
     # Reads stay in this order so that a config with two faults always reports the same one.
     mamba, linear = _state_parts(f, hidden, kinds)
-    quant, bits = _quantization(top, f)
+    quant, bits, scheme = _quantization(top, f, num_layers)
     intermediate = f.int_("intermediate_size", "n_inner", "ffn_hidden_size", minimum=1)
     vocab = f.int_("vocab_size", minimum=1) or top.int_("vocab_size", minimum=1)
     tied = f.bool_("tie_word_embeddings",
@@ -118,6 +130,7 @@ def parse_model_spec(
         dtype=_dtype(f, top),
         quantization=quant,
         quantization_bits=bits,
+        quantization_config=scheme,
         max_position_embeddings=_max_model_len(f, text_type),
         source_dir=source_dir,
         serve_id=serve_id or source_dir or _hub_id_of(config),
@@ -324,25 +337,32 @@ def _dtype(f: ConfigFields, top: ConfigFields) -> str:
     return "bfloat16"
 
 
-def _quantization(top: ConfigFields, f: ConfigFields) -> tuple[str | None, int | None]:
+def _quantization(top: ConfigFields, f: ConfigFields, num_layers: int
+                  ) -> tuple[str | None, int | None, Quantization | None]:
+    """The method and weight bits the config names, and the whole scheme where kvtune knows the
+    format (kvtune.model.quantization)."""
     for fields in (top, f):
         q = fields.data.get("quantization_config")
         if isinstance(q, dict):
             break
     else:
-        return None, None
+        return None, None, None
+    scheme = parse_quantization(fields, q, num_layers=num_layers)
     qf = ConfigFields(q, path=top.path, prefix="quantization_config.")
-    method = qf.str_("quant_method")
+    method = qf.str_("quant_method") or (scheme.method if scheme else None)
     bits = qf.int_("bits", "w_bit", "weight_bits", "num_bits", minimum=1)
     if bits is None and method == "compressed-tensors":
-        for group in (q.get("config_groups") or {}).values():
+        groups = q.get("config_groups")
+        for group in (groups.values() if isinstance(groups, dict) else ()):
             weights = group.get("weights") if isinstance(group, dict) else None
             if isinstance(weights, dict) and isinstance(weights.get("num_bits"), int):
                 bits = weights["num_bits"]
                 break
+    if bits is None and scheme is not None:
+        bits = scheme.weight_bits
     if bits is None and method is not None:
         bits = _QUANT_BITS.get(method)
-    return method, bits
+    return method, bits, scheme
 
 
 def _max_model_len(f: ConfigFields, model_type: str | None) -> int | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvtune.errors import InputError, KvtuneError, OptionError, UnknownNameError
 from kvtune.model.config import HUB_ID, parse_model_spec
+from kvtune.model.quantization import parse_modelopt_file
 from kvtune.model.spec import ModelSpec
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
@@ -48,10 +50,12 @@ def resolve_model(source: str) -> ModelSpec:
         config = p / "config.json"
         if not config.exists():
             raise InputError("model directory has no config.json", path=str(p))
-        return parse_model_spec(load_config_file(config), name=source, source_dir=str(p), path=str(config))
+        spec = parse_model_spec(load_config_file(config), name=source, source_dir=str(p), path=str(config))
+        return with_modelopt_file(spec)
     if p.exists():  # a file, or a FIFO or device that load_config_file refuses by name
         source_dir = str(p.parent) if p.name == "config.json" else None
-        return parse_model_spec(load_config_file(p), name=source, source_dir=source_dir, path=str(p))
+        spec = parse_model_spec(load_config_file(p), name=source, source_dir=source_dir, path=str(p))
+        return with_modelopt_file(spec)
     if (PRESETS_DIR / f"{source.lower()}.json").is_file():
         return load_preset(source)
     if _looks_like_path(source):
@@ -59,6 +63,21 @@ def resolve_model(source: str) -> ModelSpec:
     if HUB_ID.fullmatch(source):
         return _from_hub(source)
     raise _unknown(source)
+
+
+def with_modelopt_file(spec: ModelSpec) -> ModelSpec:
+    """A ModelOpt checkpoint keeps its scheme in hf_quant_config.json beside config.json (whose own
+    quantization_config is then absent): read it, as vLLM does, when the config names none."""
+    if spec.source_dir is None or spec.quantization_config is not None:
+        return spec
+    path = Path(spec.source_dir) / "hf_quant_config.json"
+    if not path.is_file():
+        return spec
+    scheme = parse_modelopt_file(load_config_file(path), path=str(path), num_layers=spec.num_layers)
+    if scheme is None:
+        return spec
+    return dataclasses.replace(spec, quantization="modelopt", quantization_bits=scheme.weight_bits,
+                               quantization_config=scheme)
 
 
 def _looks_like_path(source: str) -> bool:

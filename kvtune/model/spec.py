@@ -109,6 +109,74 @@ class Moe:
     intermediate_size: int | None  # one routed expert's FFN width
 
 
+#: The parts of a model whose matmul weights a checkpoint may quantize (kvtune.weights.ParameterCount's
+#: names); embeddings, norms and routers always stay at the model's dtype.
+QUANTIZABLE_PARTS = ("attention", "mixer", "dense_mlp", "routed_experts", "shared_experts", "lm_head")
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """How a checkpoint stores its linear layers and which dtype their matmuls run in.
+
+    Read from config.json's `quantization_config` (or a ModelOpt hf_quant_config.json) by
+    kvtune.model.quantization; priced by kvtune.weights and the roofline (kvtune.capacity.timing).
+    """
+
+    method: str  # quant_method as the config names it (ModelOpt's: modelopt)
+    weight_bits: int  # bits of each stored weight
+    weight_type: str  # int | float | mxfp4 | nvfp4
+    #: weights sharing one scale along the input dimension; None: one scale per output row
+    #: (per channel); 0: one per tensor
+    group_size: int | None
+    scale_bits: int  # bits of each stored scale (16: fp16/bf16, 32: fp32, 8: e8m0 or fp8)
+    zero_point_bits: int = 0  # bits of each stored zero point (0: symmetric, none stored)
+    block: tuple[int, int] | None = None  # a 2-D block scale (rows, columns), e.g. DeepSeek's 128 × 128
+    #: GEMM input dtype when activations are quantized too (fp8, int8, fp4); None: weight-only,
+    #: the matmul runs at 16 bits on dequantized weights
+    activations: str | None = None
+    index_bits: int = 0  # per input column per matrix: GPTQ's act-order g_idx (int32)
+    #: part -> share of its layers stored unquantized (1.0: the whole part, e.g. lm_head)
+    unquantized: tuple[tuple[str, float], ...] = (("lm_head", 1.0),)
+
+    def unquantized_share(self, part: str) -> float:
+        return dict(self.unquantized).get(part, 0.0)
+
+    def bits_per_weight(self, in_features: int, out_features: int) -> float:
+        """Stored bits per weight of one quantized matrix, its scales, zeros and indices included."""
+        if self.block is not None:
+            per_scale = self.block[0] * self.block[1]
+        elif self.group_size is None:
+            per_scale = in_features
+        elif self.group_size == 0:
+            per_scale = in_features * out_features
+        else:
+            per_scale = min(self.group_size, in_features)
+        return (self.weight_bits + (self.scale_bits + self.zero_point_bits) / per_scale
+                + self.index_bits / out_features)
+
+    @property
+    def weight_only(self) -> bool:
+        return self.activations is None
+
+    def describe(self) -> str:
+        if self.group_size is None and self.block is None:
+            scales = "per-channel scales"
+        elif self.block is not None:
+            scales = f"{self.block[0]}x{self.block[1]} block scales"
+        elif self.group_size == 0:
+            scales = "per-tensor scales"
+        else:
+            scales = f"group-{self.group_size} scales" + (" and zeros" if self.zero_point_bits else "")
+        kind = {"int": f"int{self.weight_bits}", "float": f"fp{self.weight_bits}"}.get(self.weight_type,
+                                                                                     self.weight_type)
+        if self.activations is None:
+            act = f"W{self.weight_bits}A16"
+        else:
+            act = f"W{self.weight_bits}A{4 if self.activations == 'fp4' else 8} ({self.activations} GEMMs)"
+        method = "" if self.method == kind else f"{self.method} "
+        return f"{method}{kind} {act}, {scales}"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """One model's architecture as vLLM sizes it. Counts are totals, before any TP split."""
@@ -130,6 +198,7 @@ class ModelSpec:
     dtype: str = "bfloat16"
     quantization: str | None = None
     quantization_bits: int | None = None
+    quantization_config: Quantization | None = None  # the full scheme, when the config says enough
     max_position_embeddings: int | None = None
     source_dir: str | None = None
     serve_id: str | None = None  # what `vllm serve` loads: a hub id or a model directory

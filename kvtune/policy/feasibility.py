@@ -32,7 +32,8 @@ ENGINE_SHORTENS = "engine-shortens-context"  # SGLang, TensorRT-LLM
 BUDGET_ADMITS_NOTHING = "budget-admits-nothing"
 POOL_BELOW_BUDGET = "pool-below-budget"
 REQUEST_DOES_NOT_FIT = "request-does-not-fit"  # `kvtune capacity`'s asked request shapes
-CODES = (ENGINE_REFUSES, ENGINE_SHORTENS, BUDGET_ADMITS_NOTHING, POOL_BELOW_BUDGET, REQUEST_DOES_NOT_FIT)
+SLO_UNMET = "slo-unmet"  # `recommend --slo`: even one request alone misses it (kvtune.policy.latency)
+CODES = (ENGINE_REFUSES, ENGINE_SHORTENS, BUDGET_ADMITS_NOTHING, POOL_BELOW_BUDGET, REQUEST_DOES_NOT_FIT, SLO_UNMET)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +178,10 @@ def max_model_len_remedy(v: Verdict, given: int | None) -> Remedy | None:
 
 
 def fallback_fix(v: Verdict) -> str:
-    """What to change when no tried change fits: the pool the traffic needs."""
+    """What to change when no tried change fits: the pool the traffic needs (a missed SLO: the
+    verdict's own fix, which names the step time and the objective one request meets)."""
+    if v.fix is not None and all(r.code == SLO_UNMET for r in v.reasons):
+        return v.fix
     if v.longest_request_tokens is not None and v.longest_request_tokens > v.longest_held_tokens:
         return (f"needs a KV pool that holds the longest logged prompt + cap ({v.longest_request_tokens:,} tokens, "
                 f"the pool holds {v.longest_held_tokens:,}): more GPUs (--tp), a larger GPU or fp8 KV "
@@ -187,4 +191,4 @@ def fallback_fix(v: Verdict) -> str:
 
 __all__ = ["Reason", "Verdict", "Remedy", "verdict", "capacity_verdict", "fix_line", "longest_held_tokens",
            "max_model_len_remedy", "fallback_fix", "CODES", "ENGINE_REFUSES", "ENGINE_SHORTENS",
-           "BUDGET_ADMITS_NOTHING", "POOL_BELOW_BUDGET", "REQUEST_DOES_NOT_FIT"]
+           "BUDGET_ADMITS_NOTHING", "POOL_BELOW_BUDGET", "REQUEST_DOES_NOT_FIT", "SLO_UNMET"]

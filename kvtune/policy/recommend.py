@@ -8,11 +8,13 @@ shape written as recommendation.json and rendered into the deploy files.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvtune.bench.report import Slo
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity, is_context_note
 from kvtune.capacity.reservation import reserved_blocks
@@ -25,7 +27,7 @@ from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
 from kvtune.model.config import HUB_ID
 from kvtune.planning import Plan, replan
-from kvtune.policy import engine_rules, feasibility, rules
+from kvtune.policy import engine_rules, feasibility, latency, rules
 from kvtune.policy.recommendation import (
     SETTINGS,
     Binned,
@@ -75,6 +77,9 @@ class RecommendOptions:
     cap_level: str | None = None
     searched: bool = False
     admission: AdmissionPolicy = GUARANTEED  # the gateway's admission policy
+    # Latency objectives the scheduler limits must meet by the step-time model (kvtune.policy.latency):
+    # max_num_seqs (and max_num_batched_tokens, for TTFT) bounded so the predicted TPOT/TTFT do.
+    slo: Slo | None = None
 
     def __post_init__(self) -> None:
         if self.safety_fraction is not None and not 0 < self.safety_fraction <= 1:
@@ -231,7 +236,10 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     with max_num_seqs never below the count it was estimated at, until the limits repeat. It
     settles: the pool, hence the budget and the count it admits, f(s), only shrink as s grows;
     s_next = max(f(s), s) never decreases, and after a step up to s' = f(s) > s, f(s') <= f(s) = s',
-    so the next round keeps s'. The bound FIXED_POINT_ROUNDS only guards that argument.
+    so the next round keeps s'. An SLO (options.slo) caps it at B, the largest batch whose predicted
+    TPOT/TTFT meet it (kvtune.policy.latency), which depends on the step time and the caps, not on
+    the pool: s_next = min(B, max(f(s), s)) still never decreases until it reaches B, where it
+    stays. The bound FIXED_POINT_ROUNDS only guards that argument.
 
     >>> import kvtune
     >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.plan("llama-3.1-8b", gpu="H100-80GB"))
@@ -329,9 +337,15 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
     mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)
     admitted = rules.admitted_concurrency(budget_blocks, mean_reservation)
 
+    step = latency.plan_step_time(plan)
+    if options.slo is not None and step is None:
+        raise OptionError("bounds the batch by the step time, and this deployment has none: give --gpu (a "
+                          "roofline estimate) or --capacity FILE from `kvtune calibrate URL --timing`", field="slo")
     settings = _engine_settings(profile, routes, reservations, plan, options, version=version,
                                 budget_blocks=budget_blocks, limit_blocks=options.admission.limit_blocks(budget_blocks),
-                                max_len=max_len, profiled_seqs=profiled_seqs)
+                                max_len=max_len, step=step, profiled_seqs=profiled_seqs)
+    if options.slo is not None and step is not None:
+        verdict = _slo_verdict(verdict, options.slo, step, profile, routes, settings)
     settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
     settings["gateway_queue_timeout_s"] = rules.queue_timeout_s()
     if not measured:
@@ -410,8 +424,8 @@ def _capacity_summary(capacity: Capacity) -> CapacitySummary:
 
 def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reservations: list[_Reservations],
                      plan: Plan, options: RecommendOptions, *, version: tuple[int, ...], budget_blocks: int,
-                     limit_blocks: int, max_len: Decision, profiled_seqs: int | None = None
-                     ) -> dict[str, Decision | None]:
+                     limit_blocks: int, max_len: Decision, step: latency.StepTime | None,
+                     profiled_seqs: int | None = None) -> dict[str, Decision | None]:
     """The engine's settings, each from its rule: scheduler limits sized for what the budget admits,
     and the settings the capacity rests on, as the plan resolved them (measured ones win). Settings
     only one engine has (vLLM's preemption mode, SGLang's estimate, TensorRT-LLM's scheduler
@@ -436,7 +450,14 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
     else:
         engine_default = (vllm.default_batch_limits(plan.gpu_memory_bytes, plan.gpu)[0]
                           if plan.gpu_memory_bytes else vllm.MAX_NUM_BATCHED_TOKENS)
+    raised_batched = None
+    if step is not None:
+        shape = latency.traffic_shape(profile, {r.route: r.cap for r in routes})
+        chunk = rules.max_num_batched_tokens(p95_prompt, engine_default, 1, context_tokens).tokens
+        seqs, raised_batched = _latency_bound(seqs, step, shape, options.slo, chunk, context_tokens)
     batched = rules.max_num_batched_tokens(p95_prompt, engine_default, seqs.tokens, context_tokens)
+    if raised_batched is not None and raised_batched.tokens > batched.tokens:
+        batched = raised_batched
     if profiled_seqs is not None:
         batched = rules.batched_tokens_profiled(batched)
     backstop = max(caps)
@@ -475,6 +496,85 @@ def _engine_settings(profile: Profile, routes: list[RouteRecommendation], reserv
         settings.update(engine_rules.trtllm_settings(admission=options.admission))
         settings["max_new_tokens_backstop"] = engine_rules.trtllm_backstop(backstop)
     return _in_file_order(settings)
+
+
+def _latency_bound(seqs: Decision, step: latency.StepTime, shape: latency.TrafficShape, slo: Slo | None,
+                   chunk: int, context_tokens: int) -> tuple[Decision, Decision | None]:
+    """max_num_seqs within the SLO by the step-time model (kvtune.policy.latency), and the
+    max_num_batched_tokens a TTFT objective needs when even one request misses it at `chunk`
+    (a p99 prompt prefilled in one step); without an SLO, the reason states the TPOT it implies."""
+    model = step.model
+    if slo is None or (slo.tpot_ms is None and slo.ttft_ms is None):
+        implied = latency.tpot_s(model, shape, seqs.tokens)
+        return Decision(seqs.value, seqs.rule,
+                        f"{seqs.reason}; at {seqs.tokens:,} running, each output token takes "
+                        f"{latency.ms(implied)} (the predicted TPOT of a full batch, by the {step.source}): "
+                        "--slo tpot=MS bounds it"), None
+    most = latency.most_seqs_within(slo, model, shape, chunk, seqs.tokens)
+    raised = None
+    if most == 0 and slo.ttft_ms is not None:
+        one_step = min(context_tokens, 1 << max(0, (max(1, shape.p99_prompt_tokens) - 1).bit_length()))
+        if one_step > chunk and latency.most_seqs_within(slo, model, shape, one_step, seqs.tokens):
+            chunk = one_step
+            most = latency.most_seqs_within(slo, model, shape, chunk, seqs.tokens)
+            raised = Decision(chunk, "batched-tokens-ttft-slo",
+                              f"the p99 prompt ({shape.p99_prompt_tokens:,} tokens) prefills in one step, as "
+                              f"TTFT ≤ {slo.ttft_ms:g} ms needs (by the {step.source})")
+    objective = _slo_words(slo)
+    if most == 0:  # nothing meets it; the verdict refuses the recommendation (_slo_verdict)
+        return Decision(1, "max-num-seqs-slo", f"no batch meets {objective} (by the {step.source})"), raised
+    at = latency.batch_latency(model, shape, most, chunk)
+    figures = f"TPOT {latency.ms(at.tpot_s)}, TTFT of a p99 prompt {latency.ms(at.ttft_s)}"
+    if most >= seqs.tokens:
+        return Decision(seqs.value, seqs.rule, f"{seqs.reason}; at {seqs.tokens:,} running the predicted "
+                        f"{figures} meet {objective} (by the {step.source})"), raised
+    return Decision(most, "max-num-seqs-slo",
+                    f"the most requests that run at once within {objective}: at {most:,} the predicted {figures} "
+                    f"(by the {step.source}; queueing excluded); the budget alone would admit "
+                    f"{seqs.tokens:,} ({seqs.reason})"), raised
+
+
+def _slo_words(slo: Slo) -> str:
+    parts = [f"{name} ≤ {value:g} ms" for name, value in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms))
+             if value is not None]
+    return " and ".join(parts)
+
+
+def _slo_verdict(verdict: feasibility.Verdict, slo: Slo, step: latency.StepTime, profile: Profile,
+                 routes: list[RouteRecommendation], settings: dict[str, Decision | None]) -> feasibility.Verdict:
+    """The verdict, refusing settings whose predicted TPOT/TTFT miss the SLO: only when no batch
+    meets it, since the limits are bounded to meet it otherwise."""
+    if slo.tpot_ms is None and slo.ttft_ms is None:
+        return verdict
+    seqs, batched = settings["max_num_seqs"], settings["max_num_batched_tokens"]
+    assert seqs is not None and batched is not None
+    shape = latency.traffic_shape(profile, {r.route: r.cap for r in routes})
+    at = latency.batch_latency(step.model, shape, seqs.tokens, batched.tokens)
+    if latency.meets(slo, at):
+        return verdict
+    missed = []
+    if slo.tpot_ms is not None and at.tpot_s * 1000 > slo.tpot_ms:
+        missed.append(f"TPOT {latency.ms(at.tpot_s)} > {slo.tpot_ms:g} ms")
+    if slo.ttft_ms is not None and at.ttft_s * 1000 > slo.ttft_ms:
+        missed.append(f"TTFT of a p99 prompt ({shape.p99_prompt_tokens:,} tokens) {latency.ms(at.ttft_s)} > "
+                      f"{slo.ttft_ms:g} ms")
+    reason = feasibility.Reason(feasibility.SLO_UNMET,
+                                f"no batch meets {_slo_words(slo)}: one request alone is predicted at "
+                                f"{', '.join(missed)} (by the {step.source})")
+    fix = feasibility.fix_line([], fallback=f"a faster GPU or a larger --tp, or --slo {_slo_fix(slo, at)}")
+    if not verdict.fits:
+        return dataclasses.replace(verdict, reasons=(*verdict.reasons, reason))
+    return dataclasses.replace(verdict, reasons=(reason,), fix=fix)
+
+
+def _slo_fix(slo: Slo, at: latency.BatchLatency) -> str:
+    """The loosest objectives one request alone meets, rounded up."""
+    parts = []
+    if slo.tpot_ms is not None:
+        parts.append(f"tpot={math.ceil(max(slo.tpot_ms, at.tpot_s * 1000))}")
+    if slo.ttft_ms is not None:
+        parts.append(f"ttft={math.ceil(max(slo.ttft_ms, at.ttft_s * 1000))}")
+    return ",".join(parts)
 
 
 def _in_file_order(settings: dict[str, Decision | None]) -> dict[str, Decision | None]:

@@ -209,11 +209,7 @@ def sim_basis(plan: Plan) -> SimBasis:
     if measured is None:
         raise OptionError("an objective is simulated on a measured capacity: give --capacity FILE from "
                           "`kvtune calibrate`", field="capacity_file")
-    gpu = None
-    if plan.gpu is not None:
-        from kvtune.hardware import find_gpu
-
-        gpu = find_gpu(plan.gpu)
+    gpu = plan.gpu_model
     timing = timing_setup(measured, spec=plan.spec, gpu=gpu, tp=plan.kv.tensor_parallel_size)
     engine = engine_setup(measured, gpu=gpu).settings
     return SimBasis(timing.model, timing.http_overhead_s, engine)

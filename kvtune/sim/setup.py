@@ -141,7 +141,7 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
         else:
             try:
                 model, silicon_inputs = silicon_step_time(
-                    config, gpu.name, tp=tp, engine=engine or measured.engine, engine_version=engine_version,
+                    config, gpu, tp=tp, engine=engine or measured.engine, engine_version=engine_version,
                     kv_cache_dtype=kv_cache_dtype)
             except NoSiliconDataError as exc:
                 reason = str(exc)

@@ -1,0 +1,171 @@
+"""What a batch does to each token's latency: the TPOT and TTFT a rendered max_num_seqs and
+max_num_batched_tokens imply, from the step-time model the simulator uses (kvtune.steptime), and
+the largest batch that keeps them within an SLO.
+
+The budget alone would admit every short request it has blocks for (1,752 on an H100 for the
+sample logs), whatever that does to the time between tokens; these figures are what bounds it.
+
+Steady state of a full batch of N running requests, the logged traffic's mix (caps applied):
+  - every step decodes N tokens, each attending to its context; a request of prompt P and O
+    output tokens decodes at a mean context of P + O/2 (the step model's n·(ctx + n/2) with n = 1);
+  - the batch stays full, so the prompts of the requests that replace finished ones are prefilled
+    beside the decodes: P̄/Ō prompt tokens per output token, whose attention, whatever the chunking,
+    sums to P²/2 per prompt (Σ n·(ctx + n/2) over the chunks of a prompt is P²/2);
+  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3): one step, the same for every token.
+A p99 prompt arriving at that batch prefills in chunks of max_num_batched_tokens less the N − 1
+decodes beside it (vLLM V1 schedules decodes first, then chunks prefills into the rest of the
+token budget); its TTFT is those steps, queueing and the API server excluded (`--objective`
+simulates those).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtune.bench.report import Slo
+from kvtune.capacity.timing import roofline_step_time
+from kvtune.errors import KvtuneError
+from kvtune.hardware import find_gpu
+from kvtune.planning import Plan
+from kvtune.profile.routes import Profile
+from kvtune.steptime import StepTimeModel, TimingSource
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """A step-time model and, in words, where it came from (the reason lines quote it)."""
+
+    model: StepTimeModel
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficShape:
+    """The logged traffic as the step model prices it, per output token of the capped mix."""
+
+    decode_context_tokens: float  # mean context a decoding token attends to (P + O/2, weighted by O)
+    prefill_tokens_per_output: float  # P̄ / Ō
+    prefill_attention_per_output: float  # E[P²] / 2Ō
+    p99_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLatency:
+    """The predicted per-token latency of one batch: TPOT of a full batch, TTFT of a p99 prompt."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tpot_s: float
+    ttft_s: float
+
+
+def plan_step_time(plan: Plan) -> StepTime | None:
+    """The capacity file's calibrated timing, else the roofline for the plan's model on its GPU;
+    None when neither is known (a pool given in bytes or tokens, no GPU named)."""
+    measured = plan.measured
+    if measured is not None and measured.timing is not None:
+        origin = measured.timing.measured_against.url
+        return StepTime(measured.timing.model, f"calibrated step time (`kvtune calibrate --timing` on {origin})")
+    if plan.gpu is None:
+        return None
+    try:
+        gpu = find_gpu(plan.gpu)
+        model, _ = roofline_step_time(plan.spec, gpu, tp=plan.kv.tensor_parallel_size,
+                                      kv_cache_dtype=plan.kv_cache_dtype.value)
+    except KvtuneError:  # a GPU given by memory only, or one with no peak FLOPs on record
+        return None
+    label = ("roofline estimate" if model.source is TimingSource.ROOFLINE else f"{model.source.value} step time")
+    return StepTime(model, f"{label} for {gpu.name} × {plan.kv.tensor_parallel_size} (peak bandwidth and FLOPs, "
+                           "not measured: `kvtune calibrate URL --timing` measures it)")
+
+
+def traffic_shape(profile: Profile, caps: dict[str, int]) -> TrafficShape:
+    """The profile's routes mixed by their request counts, each output cut at its route's cap
+    (`caps`: route → tokens); prompts and outputs independent within a route."""
+    output = prompt = context = attention = 0.0
+    for route in profile.routes:
+        o = route.output.observed
+        if not o.total:
+            continue
+        capped = np.minimum(o.values.astype(np.float64), caps[route.route])
+        weights = o.counts / o.total
+        mean_o, mean_o2 = float(capped @ weights), float((capped * capped) @ weights)
+        if route.prompt.total:
+            p_values, p_weights = route.prompt.values.astype(np.float64), route.prompt.counts / route.prompt.total
+            mean_p, mean_p2 = float(p_values @ p_weights), float((p_values * p_values) @ p_weights)
+        else:
+            mean_p = mean_p2 = 0.0
+        n = route.requests
+        output += n * mean_o
+        prompt += n * mean_p
+        context += n * (mean_p * mean_o + mean_o2 / 2)
+        attention += n * mean_p2 / 2
+    combined = profile.combined().prompt
+    p99 = int(combined.quantile(0.99) or 0) if combined.total else 0
+    if output <= 0:
+        return TrafficShape(0.0, 0.0, 0.0, p99)
+    return TrafficShape(context / output, prompt / output, attention / output, p99)
+
+
+def tpot_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int) -> float:
+    """Seconds per output token when `max_num_seqs` requests run at once (module docstring)."""
+    return model.c0 + max_num_seqs * _per_request_s(model, shape)
+
+
+def ttft_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int, max_num_batched_tokens: int) -> float:
+    """Seconds to the first token of a p99 prompt that joins max_num_seqs − 1 decoding requests;
+    inf when their decodes leave no room in the token budget for a chunk."""
+    others = max_num_seqs - 1
+    chunk = max_num_batched_tokens - others
+    prompt = max(1, shape.p99_prompt_tokens)
+    if chunk < 1:
+        return math.inf
+    steps = -(-prompt // chunk)
+    decode = others * (model.c1 + model.c2 * shape.decode_context_tokens + model.c3)
+    return steps * (model.c0 + decode + model.c3) + model.c1 * prompt + model.c2 * prompt * prompt / 2
+
+
+def batch_latency(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int,
+                  max_num_batched_tokens: int) -> BatchLatency:
+    return BatchLatency(max_num_seqs, max_num_batched_tokens, tpot_s(model, shape, max_num_seqs),
+                        ttft_s(model, shape, max_num_seqs, max_num_batched_tokens))
+
+
+def most_seqs_within(slo: Slo, model: StepTimeModel, shape: TrafficShape, max_num_batched_tokens: int,
+                     at_most: int) -> int:
+    """The largest batch (≤ at_most) whose predicted TPOT and TTFT meet `slo`; 0 when none does.
+    Both grow with the batch, so the bound is found by bisection."""
+    lo, hi = 0, at_most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if meets(slo, batch_latency(model, shape, mid, max_num_batched_tokens)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def meets(slo: Slo, latency: BatchLatency) -> bool:
+    if slo.tpot_ms is not None and latency.tpot_s * 1000 > slo.tpot_ms:
+        return False
+    return not (slo.ttft_ms is not None and latency.ttft_s * 1000 > slo.ttft_ms)
+
+
+def _per_request_s(model: StepTimeModel, shape: TrafficShape) -> float:
+    """What one more running request adds to every step: its decode, and its share of prefill."""
+    return (model.c1 * (1 + shape.prefill_tokens_per_output)
+            + model.c2 * (shape.decode_context_tokens + shape.prefill_attention_per_output) + model.c3)
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds as the reason lines print them."""
+    if not math.isfinite(seconds):
+        return "∞ ms"
+    return f"{seconds * 1000:,.2f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+__all__ = ["StepTime", "TrafficShape", "BatchLatency", "plan_step_time", "traffic_shape", "tpot_s", "ttft_s",
+           "batch_latency", "most_seqs_within", "meets", "ms"]
