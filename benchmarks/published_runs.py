@@ -16,8 +16,8 @@ The runs, their setups and printed results are in ../shared/validation/published
   source printed the pool (LLMServingSim's RTX 4090: 2,588 blocks × 16) that pool instead. Once
   `simulate --model --gpu` runs without a capacity file (branch `offline`), the file goes.
 - step time: whatever `simulate` picks with --model and --gpu and no calibration: aiconfigurator's
-  silicon data where it covers the GPU (H100, A100, …), else the roofline (RTX 4090), as each row's
-  `source` column says.
+  silicon data where it covers the GPU (H100, A100, RTX PRO 6000 …), else the roofline (RTX 4090),
+  as each row's `source` column says.
 
 Printed per run: predicted ÷ published for output tok/s (total tok/s for the GSREF rows, which
 publish only that), mean TTFT, mean TPOT (medians where only medians are published: the vLLM blog),
