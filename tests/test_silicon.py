@@ -66,7 +66,7 @@ def test_the_fitted_form_follows_aiconfigurator_off_its_grid():
     from aiconfigurator_core.sdk.engine import EngineHandle
 
     config = load_config_file(CONFIGS / "Llama-3.1-8B.json")
-    model, _ = silicon_step_time(config, find_gpu("h100"))
+    model, _ = silicon_step_time({"config.json": config}, find_gpu("h100"))
     path = os.environ["KVTUNE_CACHE_DIR"] + "/llama"
     os.makedirs(path, exist_ok=True)
     with open(path + "/config.json", "w") as f:
@@ -147,7 +147,7 @@ def test_kv_never_imports_the_silicon_source():
 
 def test_an_engine_version_it_did_not_measure_uses_its_current_data_and_says_so():
     config = load_config_file(CONFIGS / "Qwen3-8B.json")
-    _, inputs = silicon_step_time(config, find_gpu("h100"), engine_version="0.11.0")
+    _, inputs = silicon_step_time({"config.json": config}, find_gpu("h100"), engine_version="0.11.0")
     assert inputs.engine_version == "0.11.0" and inputs.data_version != "0.11.0"
     assert inputs.label.endswith(f"vllm {inputs.data_version} measurements, asked for 0.11.0, TP 1")
 
@@ -156,3 +156,22 @@ def test_tensorrt_llm_policies_simulate_on_tensorrt_llm_data(tmp_path):
     timing = simulate_json("--capacity", capacity(tmp_path), "--model", "qwen3-8b", "--gpu", "h100",
                            "--engine", "trtllm-gne")["simulation"]["timing"]
     assert timing["source"] == "silicon" and timing["silicon"]["engine"] == "trtllm"
+
+
+def test_a_modelopt_checkpoint_is_priced_with_its_hf_quant_config(tmp_path):
+    """nvidia/Llama-3.1-70B-Instruct-FP8 names its FP8 GEMMs only in hf_quant_config.json: handed
+    both files, aiconfigurator prices FP8 GEMMs (a decode step on 2 × H100 ≈ 16.5 ms, where the
+    config alone prices bf16 ≈ 27.5 ms)."""
+    quantized = CONFIGS / "quantized" / "Llama-3.1-70B-Instruct-FP8"
+    whole, _ = silicon_step_time({"config.json": load_config_file(quantized / "config.json"),
+                                  "hf_quant_config.json": load_config_file(quantized / "hf_quant_config.json")},
+                                 find_gpu("h100"), tp=2)
+    alone, _ = silicon_step_time({"config.json": load_config_file(quantized / "config.json")}, find_gpu("h100"), tp=2)
+    assert whole.step_seconds([(1, 1000)]) < 0.75 * alone.step_seconds([(1, 1000)])
+    # and simulate hands it both files when --model is the checkpoint's directory (one GPU: no --tp yet)
+    timing = simulate_json("--capacity", capacity(tmp_path), "--model", str(quantized), "--gpu", "h100")[
+        "simulation"]["timing"]
+    one_gpu, _ = silicon_step_time({"config.json": load_config_file(quantized / "config.json"),
+                                    "hf_quant_config.json": load_config_file(quantized / "hf_quant_config.json")},
+                                   find_gpu("h100"))
+    assert timing["source"] == "silicon" and timing["coefficients"] == one_gpu.to_dict()

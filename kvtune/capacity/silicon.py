@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,12 +83,16 @@ class SiliconInputs:
                 "samples": self.samples, "fit_error": self.fit_error}
 
 
-def silicon_step_time(config: dict[str, Any], gpu: Gpu, *, tp: int = 1, engine: str = "vllm",
+MODEL_FILES = ("config.json", "hf_quant_config.json")  # what aiconfigurator reads from a model directory
+
+
+def silicon_step_time(files: Mapping[str, dict[str, Any]], gpu: Gpu, *, tp: int = 1, engine: str = "vllm",
                       engine_version: str | None = None, kv_cache_dtype: str = "auto"
                       ) -> tuple[StepTimeModel, SiliconInputs]:
-    """The step form fitted to aiconfigurator's latencies for `config` (a parsed config.json) on
-    `tp` GPUs `gpu` (its catalog entry names aiconfigurator's system); NoSiliconDataError with the
-    reason where it has no data."""
+    """The step form fitted to aiconfigurator's latencies for a model directory's parsed files
+    (MODEL_FILES: config.json, and a ModelOpt checkpoint's hf_quant_config.json, which decides its
+    GEMMs' dtype) on `tp` GPUs `gpu` (its catalog entry names aiconfigurator's system);
+    NoSiliconDataError with the reason where it has no data."""
     engine = engine.split("-")[0]  # simulate's trtllm-gne / trtllm-maxutil are TensorRT-LLM's two policies
     gpu_name, system = gpu.name, gpu.silicon_system
     if system is None:
@@ -96,7 +101,10 @@ def silicon_step_time(config: dict[str, Any], gpu: Gpu, *, tp: int = 1, engine: 
         raise NoSiliconDataError(f"{PACKAGE} has no measurements for engine {engine}")
     package_version = _package_version()
     kv = "fp8" if kv_cache_dtype.startswith("fp8") else "auto"
-    config_bytes = json.dumps(config, sort_keys=True).encode()
+    unknown = set(files) - set(MODEL_FILES)
+    if "config.json" not in files or unknown:
+        raise ValueError(f"model files must be config.json and optionally hf_quant_config.json, got {sorted(files)}")
+    config_bytes = json.dumps({name: files[name] for name in sorted(files)}, sort_keys=True).encode()
     key = hashlib.sha256(json.dumps(
         [GRID_VERSION, package_version, hashlib.sha256(config_bytes).hexdigest(), system, engine,
          engine_version, tp, kv]).encode()).hexdigest()[:32]
@@ -192,10 +200,11 @@ def _engine(config_bytes: bytes, system: str, engine: str, engine_version: str |
     data_version = str(perf_database.resolve_query_version(system, engine, wanted))
     model_dir = _cache_dir() / "configs" / hashlib.sha256(config_bytes).hexdigest()[:32]
     model_dir.mkdir(parents=True, exist_ok=True)
-    if not (model_dir / "config.json").exists():
-        tmp = model_dir / f".config.{os.getpid()}.tmp"
-        tmp.write_bytes(config_bytes)
-        os.replace(tmp, model_dir / "config.json")
+    for name, data in json.loads(config_bytes).items():
+        if not (model_dir / name).exists():
+            tmp = model_dir / f".{name}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, model_dir / name)
     kwargs: dict[str, Any] = {"tp_size": tp, "backend_version": data_version}
     if kv == "fp8":
         kwargs["kvcache_quant_mode"] = "fp8"
@@ -219,4 +228,4 @@ def _sample(handle: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.array(rows), y
 
 
-__all__ = ["NoSiliconDataError", "SiliconInputs", "silicon_step_time", "ENGINES", "PACKAGE"]
+__all__ = ["NoSiliconDataError", "SiliconInputs", "silicon_step_time", "ENGINES", "PACKAGE", "MODEL_FILES"]

@@ -135,13 +135,13 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
     kv_cache_dtype = measured.kv_cache_dtype or "auto"
     reason = "silicon data not asked for"
     if silicon:
-        config = model_config(spec)
-        if config is None:
+        files = model_files(spec)
+        if files is None:
             reason = f"no local config.json for {spec.name} to hand aiconfigurator-core"
         else:
             try:
                 model, silicon_inputs = silicon_step_time(
-                    config, gpu, tp=tp, engine=engine or measured.engine, engine_version=engine_version,
+                    files, gpu, tp=tp, engine=engine or measured.engine, engine_version=engine_version,
                     kv_cache_dtype=kv_cache_dtype)
             except NoSiliconDataError as exc:
                 reason = str(exc)
@@ -155,8 +155,9 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
                                     "label": f"roofline estimate for {gpu.name} ({reason})"})
 
 
-def model_config(spec: ModelSpec) -> dict[str, Any] | None:
-    """The config.json `spec` was read from (a model directory, a config file, a preset), or None."""
+def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
+    """The config.json `spec` was read from (a model directory, a config file, a preset) and, beside
+    it in a directory, a ModelOpt hf_quant_config.json; None when there is no local file."""
     candidates = []
     if spec.source_dir is not None:
         candidates.append(Path(spec.source_dir) / "config.json")
@@ -164,7 +165,11 @@ def model_config(spec: ModelSpec) -> dict[str, Any] | None:
     for path in candidates:
         if path.suffix == ".json" and path.is_file():
             try:
-                return load_config_file(path)
+                files = {"config.json": load_config_file(path)}
+                quant = path.parent / "hf_quant_config.json"
+                if spec.source_dir is not None and quant.is_file():
+                    files["hf_quant_config.json"] = load_config_file(quant)
+                return files
             except KvtuneError:
                 return None
     return None
