@@ -1,25 +1,36 @@
-"""Benchmark `kvtune profile` against DuckDB and pandas computing the same per-route quantiles.
+"""Benchmark `kvtune profile` against DuckDB and pandas computing the same per-route quantiles,
+each timed as a whole process, as a user runs it.
 
-Generates (seeded, once, into --data-dir) a Parquet file and a JSONL file of flat rows
-(route, prompt_tokens, output_tokens, finish_reason), then for each file times, in the same run:
-    kvtune   `python -m kvtune profile FILE --json` as a subprocess
+Generates (seeded, once, into --data-dir) a Parquet file of --rows flat rows and a JSONL file of
+--jsonl-rows (route, prompt_tokens, output_tokens, finish_reason), then for each file times, in
+the same run and interleaved (one run of each tool in turn, --repeat rounds):
+    kvtune   `python -m kvtune profile FILE --json --quiet`
     kvtune-wN  the same with --workers N (the map step in N processes; kvtune-wauto: the default)
-    duckdb   quantile_disc at .5/.9/.95/.99/.999, max and mean of output and prompt, GROUP BY route,
-             as a subprocess (`python` importing only duckdb), so both CLIs pay interpreter startup
+    duckdb   the one-liner `python -c "import duckdb; ... quantile_disc(...) ... GROUP BY route"`:
+             quantile_disc at .5/.9/.95/.99/.999, max and mean of output and prompt per route
     duckdb-full  the statistics kvtune's profile computes: that, plus total (prompt + output)
              tokens, the censored count, finish reasons and the joint (prompt bin, output bin)
              counts on kvtune's bin edges, over the rows read once into a table
     pandas   read, then groupby(route) with np.percentile(method="inverted_cdf") per group
-Each measurement runs in its own child process (this script re-invoked with `_measure`), which
-reports its wall time and peak RSS (ru_maxrss of itself, or of its one child for kvtune and duckdb). Prints
-the median of --repeat runs, the ratios kvtune/duckdb and kvtune/pandas, and whether all three
-agree. kvtune is byte-compiled first (`compileall`), as pip does on install: an editable checkout
-under PYTHONDONTWRITEBYTECODE=1 would otherwise recompile its modules on every run (~0.1 s), which
-no installed kvtune pays. With --small-rows it also profiles a smaller file, to show kvtune's memory does not grow
-with rows. Outputs here are uncensored (finish_reason only stop), so kvtune's Kaplan–Meier
-percentiles are the plain nearest-rank ones that DuckDB and pandas compute.
+Each run is one child process started here and reaped with wait4: its wall time (spawn to exit),
+its CPU time (user + system: how many cores it kept busy) and its peak RSS. Prints the medians,
+the ratios kvtune/peer, the load average around each file's runs, the versions it ran against
+(Python, kvtune and its commit, numpy, pyarrow, duckdb, pandas; whether kvtune's C extension is
+built) and whether the tools agree.
 
-    python benchmarks/profile_bench.py --rows 10000000 --small-rows 1000000 --repeat 5
+Wall-time ratios mean something only on a quiet machine: on a busy one DuckDB cannot use its
+second core and the ratio drifts towards the ratio of CPU times (the closing note of the
+object-store issue, 0.90-1.10x, was measured that way; quiet runs gave 1.8-2x). The CPU times
+and the load average are printed beside it so a figure can be read for what it is.
+
+kvtune is byte-compiled first (`compileall`), as pip does on install: an editable checkout under
+PYTHONDONTWRITEBYTECODE=1 would otherwise recompile its modules on every run (~0.1 s), which no
+installed kvtune pays. With --small-rows it also profiles a smaller file, to show kvtune's memory
+does not grow with rows. Outputs here are uncensored (finish_reason only stop), so kvtune's
+Kaplan–Meier percentiles are the plain nearest-rank ones that DuckDB and pandas compute.
+
+    python benchmarks/profile_bench.py                          # 10M Parquet, 3M JSONL, medians of 5
+    python benchmarks/profile_bench.py --tools kvtune,duckdb --formats parquet --repeat 9
 """
 
 from __future__ import annotations
@@ -27,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,14 +65,14 @@ def _paths(rows: int, data_dir: Path) -> tuple[Path, Path]:
     return data_dir / f"flat-{rows}.parquet", data_dir / f"flat-{rows}.jsonl"
 
 
-def generate(rows: int, data_dir: Path, seed: int = 7) -> tuple[Path, Path]:
-    """Write flat-ROWS.parquet and flat-ROWS.jsonl (skipped when already there)."""
+def generate(rows: int, data_dir: Path, seed: int = 7, jsonl: bool = True) -> tuple[Path, Path]:
+    """Write flat-ROWS.parquet and (jsonl) flat-ROWS.jsonl (each skipped when already there)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    parquet, jsonl = _paths(rows, data_dir)
+    parquet, jsonl_path = _paths(rows, data_dir)
     if not parquet.exists():
         rng = np.random.default_rng(seed)
         names = np.array(list(ROUTES))
@@ -79,23 +89,59 @@ def generate(rows: int, data_dir: Path, seed: int = 7) -> tuple[Path, Path]:
                 w.write_table(pa.table({"route": names[idx], "prompt_tokens": prompt, "output_tokens": out,
                                         "finish_reason": np.full(n, "stop")}))
         tmp.rename(parquet)
-    if not jsonl.exists():
+    if jsonl and not jsonl_path.exists():
         import duckdb
 
-        tmp = jsonl.with_suffix(".tmp")
+        tmp = jsonl_path.with_suffix(".tmp")
         duckdb.connect().execute(f"COPY (SELECT * FROM read_parquet('{parquet}')) TO '{tmp}' (FORMAT JSON)")
-        tmp.rename(jsonl)
-    return parquet, jsonl
+        tmp.rename(jsonl_path)
+    return parquet, jsonl_path
 
 
 # --------------------------------------------------------------------------------------------
-# the three tools, each returning {route: {"output": [...5 q, max, mean], "prompt": [...]}}
+# the tools: each one command line, run as a whole process; its stdout read into
+# {route: {"output": [...5 q, max, mean], "prompt": [...], ...}}
+
+#: The DuckDB one-liner as a user would type it (argv[1]: the file), printing JSON.
+DUCKDB_ONE_LINER = (
+    "import duckdb, json, sys; p = sys.argv[1]; "
+    "src = f\"read_parquet('{p}')\" if p.endswith('.parquet') else "
+    "f\"read_json('{p}', format='newline_delimited', columns={{route: 'VARCHAR', prompt_tokens: 'BIGINT', "
+    "output_tokens: 'BIGINT', finish_reason: 'VARCHAR'}})\"; "
+    "q = '[0.5, 0.9, 0.95, 0.99, 0.999]'; "
+    "print(json.dumps(duckdb.sql(f'SELECT route, quantile_disc(output_tokens, {q}), max(output_tokens), "
+    "avg(output_tokens), quantile_disc(prompt_tokens, {q}), max(prompt_tokens), avg(prompt_tokens) "
+    "FROM {src} GROUP BY route ORDER BY route').fetchall()))"
+)
 
 
-def run_kvtune(path: str, workers: str = "1") -> dict:
-    proc = subprocess.run([sys.executable, "-m", "kvtune", "profile", path, "--json", "--quiet", "--workers", workers],
-                          capture_output=True, text=True, check=True)
-    data = json.loads(proc.stdout)
+def command(tool: str, path: str) -> list[str]:
+    """The command line that runs `tool` on `path`; kvtune-wN is kvtune with --workers N."""
+    if tool == "kvtune" or tool.startswith("kvtune-w"):
+        workers = tool.removeprefix("kvtune-w") if tool != "kvtune" else "1"
+        return [sys.executable, "-m", "kvtune", "profile", path, "--json", "--quiet", "--workers", workers]
+    if tool == "duckdb":
+        return [sys.executable, "-c", DUCKDB_ONE_LINER, path]
+    if tool == "duckdb-full":
+        from kvtune.profile.histogram import JOINT_EDGES
+
+        return [sys.executable, __file__, "_duckdb_full", path, json.dumps([int(e) for e in JOINT_EDGES])]
+    if tool == "pandas":
+        return [sys.executable, __file__, "_pandas", path]
+    raise SystemExit(f"unknown tool {tool!r}")
+
+
+def parse(tool: str, stdout: str) -> dict:
+    if tool == "duckdb":  # its progress bar (a query past 2 s) writes to stdout before the result
+        stdout = stdout.rstrip("\n").rsplit("\n", 1)[-1]
+    try:
+        data = json.loads(stdout)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{tool} printed no JSON ({exc}): {stdout[:300]!r}") from None
+    if tool == "duckdb":
+        return {r[0]: {"output": [*r[1], r[2], r[3]], "prompt": [*r[4], r[5], r[6]]} for r in data}
+    if not tool.startswith("kvtune"):
+        return data
     out = {}
     for r in data["routes"]:
         out[r["route"]] = {
@@ -106,14 +152,8 @@ def run_kvtune(path: str, workers: str = "1") -> dict:
     return out
 
 
-def run_duckdb(path: str) -> dict:
-    """The DuckDB query in a fresh interpreter (this script's `_duckdb` mode, which imports only
-    duckdb), timed from spawn to exit like the kvtune CLI."""
-    proc = subprocess.run([sys.executable, __file__, "_duckdb", path], capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout)
-
-
 def duckdb_query(path: str) -> dict:
+    """The one-liner's query, in this process (for checks; the timed run is DUCKDB_ONE_LINER)."""
     import duckdb
 
     source = _duckdb_source(path)
@@ -164,17 +204,7 @@ def _duckdb_source(path: str) -> str:
             f"prompt_tokens: 'BIGINT', output_tokens: 'BIGINT', finish_reason: 'VARCHAR'}})")
 
 
-def run_duckdb_full(path: str) -> dict:
-    """In a fresh interpreter that imports only duckdb: kvtune's bin edges come on its command line."""
-    from kvtune.profile.histogram import JOINT_EDGES
-
-    edges = json.dumps([int(e) for e in JOINT_EDGES])
-    proc = subprocess.run([sys.executable, __file__, "_duckdb_full", path, edges], capture_output=True, text=True,
-                          check=True)
-    return json.loads(proc.stdout)
-
-
-def run_pandas(path: str) -> dict:
+def pandas_query(path: str) -> dict:
     import numpy as np
     import pandas as pd
 
@@ -194,48 +224,59 @@ def run_pandas(path: str) -> dict:
     return out
 
 
-TOOLS = {"kvtune": run_kvtune, "duckdb": run_duckdb, "duckdb-full": run_duckdb_full, "pandas": run_pandas}
-
-
-def _tool(name: str):
-    """A tool by name; kvtune-wN is kvtune with --workers N (kvtune-wauto: the default)."""
-    if name.startswith("kvtune-w"):
-        workers = name.removeprefix("kvtune-w")
-        return lambda path: run_kvtune(path, workers)
-    return TOOLS[name]
-
-
-def measure_child(tool: str, path: str) -> None:
-    """Runs in a fresh process: do the work, print wall time, peak RSS and the result.
-
-    Peak RSS is this process's own, or its one child's for kvtune. Linux carries a process's
-    ru_maxrss across fork and exec, so the parent starts these through /usr/bin/time (a small
-    C program) where it exists, and prefers the %M it reports.
-    """
-    start = time.perf_counter()
-    result = _tool(tool)(path)
-    wall = time.perf_counter() - start
-    who = resource.RUSAGE_SELF if tool == "pandas" else resource.RUSAGE_CHILDREN
-    print(json.dumps({"wall_s": wall, "peak_rss_mib": resource.getrusage(who).ru_maxrss / 1024, "result": result}))
-
-
-def measure(tool: str, path: Path, repeat: int) -> dict:
-    runs = []
-    timer = ["/usr/bin/time", "-f", "%M"] if Path("/usr/bin/time").exists() else []
-    for _ in range(repeat):
-        proc = subprocess.run([*timer, sys.executable, __file__, "_measure", tool, str(path)],
-                              capture_output=True, text=True)
+def run_once(tool: str, path: Path) -> dict:
+    """One whole-process run: wall (spawn to exit), CPU (user + system) and peak RSS from wait4."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command(tool, str(path)), stdout=subprocess.PIPE, stderr=err)
+        assert proc.stdout is not None
+        stdout = proc.stdout.read()  # to EOF; then reap the child here, with wait4, for its rusage
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.stdout.close()
+        proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
-            raise SystemExit(f"{tool} failed on {path}:\n{proc.stderr[-2000:]}")
-        run = json.loads(proc.stdout)
-        if timer:  # max RSS (KiB) of the measuring process and everything it waited for
-            run["peak_rss_mib"] = int(proc.stderr.strip().splitlines()[-1]) / 1024
-        runs.append(run)
-    return {
-        "wall_s": statistics.median(r["wall_s"] for r in runs),
-        "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
-        "result": runs[0]["result"],
-    }
+            err.seek(0)
+            raise SystemExit(f"{tool} failed on {path}:\n{err.read().decode()[-2000:]}")
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mib": usage.ru_maxrss / 1024,
+            "result": parse(tool, stdout.decode())}
+
+
+def measure_all(tools: list[str], path: Path, repeat: int) -> dict[str, dict]:
+    """Medians of `repeat` runs of each tool, interleaved (a round runs each tool once), so a
+    change in the machine's load falls on every tool alike."""
+    runs: dict[str, list[dict]] = {tool: [] for tool in tools}
+    for _ in range(repeat):
+        for tool in tools:
+            runs[tool].append(run_once(tool, path))
+    return {tool: {key: statistics.median(r[key] for r in rs) for key in ("wall_s", "cpu_s", "peak_rss_mib")}
+            | {"result": rs[0]["result"], "walls": [r["wall_s"] for r in rs]} for tool, rs in runs.items()}
+
+
+def versions() -> str:
+    """What this run ran against: the interpreter, kvtune (and its commit), the libraries."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import kvtune
+    from kvtune.ingest import flatscan
+
+    parts = [f"Python {sys.version.split()[0]}"]
+    commit = subprocess.run(["git", "-C", str(Path(kvtune.__file__).parent), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(Path(kvtune.__file__).parent), "status", "--porcelain", "--", "."],
+                           capture_output=True, text=True).stdout.strip()
+    parts.append(f"kvtune {kvtune.__version__}" + (f" ({commit}{', modified' if dirty else ''})" if commit else "")
+                 + f", C extension {'built' if flatscan.available() else 'NOT built'}")
+    for name in ("numpy", "pyarrow", "duckdb", "pandas", "click"):
+        try:
+            parts.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            parts.append(f"{name} not installed")
+    return ", ".join(parts)
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def compare(a: dict, b: dict) -> list[str]:
@@ -260,59 +301,69 @@ def compare(a: dict, b: dict) -> list[str]:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "_measure":
-        measure_child(sys.argv[2], sys.argv[3])
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_duckdb":
-        print(json.dumps(duckdb_query(sys.argv[2])))
-        return
     if len(sys.argv) > 1 and sys.argv[1] == "_duckdb_full":
         print(json.dumps(duckdb_full(sys.argv[2], json.loads(sys.argv[3]))))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_pandas":
+        print(json.dumps(pandas_query(sys.argv[2])))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_generate":
-        generate(int(sys.argv[2]), Path(sys.argv[3]))
+        generate(int(sys.argv[2]), Path(sys.argv[3]), jsonl=sys.argv[4] == "jsonl")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=10_000_000)
-    parser.add_argument("--small-rows", type=int, default=1_000_000,
+    parser.add_argument("--rows", type=int, default=10_000_000, help="rows of the Parquet file")
+    parser.add_argument("--jsonl-rows", type=int, default=3_000_000, help="rows of the JSONL file")
+    parser.add_argument("--small-rows", type=int, default=0,
                         help="also profile this many rows with kvtune (memory vs rows); 0 = skip")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvtune-bench")
     parser.add_argument("--formats", default="parquet,jsonl")
-    parser.add_argument("--tools", default="kvtune,kvtune-w2,duckdb,duckdb-full,pandas",
-                        help="kvtune, kvtune-wN (--workers N; kvtune-wauto), duckdb (quantile_disc only), "
+    parser.add_argument("--tools", default="kvtune,duckdb,duckdb-full,pandas",
+                        help="kvtune, kvtune-wN (--workers N; kvtune-wauto), duckdb (the quantile_disc one-liner), "
                              "duckdb-full (the profile's statistics), pandas")
     args = parser.parse_args()
+    formats, tools = args.formats.split(","), args.tools.split(",")
 
-    if "kvtune" in args.tools.split(","):
+    if any(t.startswith("kvtune") for t in tools):
         import importlib.util
 
         spec = importlib.util.find_spec("kvtune")
         if spec is not None and spec.submodule_search_locations:
             subprocess.run([sys.executable, "-m", "compileall", "-q", *spec.submodule_search_locations], check=True)
     t = time.perf_counter()
-    # generate in a child so this process stays small (children inherit its peak RSS)
-    for rows in {args.rows, args.small_rows} - {0}:
-        subprocess.run([sys.executable, __file__, "_generate", str(rows), str(args.data_dir)], check=True)
-    parquet, jsonl = _paths(args.rows, args.data_dir)
-    mib = {p: p.stat().st_size / 2**20 for p in (parquet, jsonl)}
-    print(f"data: {parquet} ({mib[parquet]:,.0f} MiB), {jsonl} ({mib[jsonl]:,.0f} MiB), {args.rows:,} rows, "
-          f"ready in {time.perf_counter() - t:.1f} s; {os.cpu_count()} CPUs; median of {args.repeat}")
-    files = {"parquet": parquet, "jsonl": jsonl}
-    tools = args.tools.split(",")
+    # generate in a child so this process stays small
+    jobs: dict[int, bool] = {}  # rows -> whether a JSONL file of them is needed
+    if "parquet" in formats:
+        jobs[args.rows] = jobs.get(args.rows, False)
+    if "jsonl" in formats:
+        jobs[args.jsonl_rows] = True
+    if args.small_rows:
+        jobs[args.small_rows] = jobs.get(args.small_rows, False) or "jsonl" in formats
+    for rows, jsonl in jobs.items():
+        subprocess.run([sys.executable, __file__, "_generate", str(rows), str(args.data_dir),
+                        "jsonl" if jsonl else "parquet"], check=True)
+    files = {"parquet": _paths(args.rows, args.data_dir)[0], "jsonl": _paths(args.jsonl_rows, args.data_dir)[1]}
+    rows_of = {"parquet": args.rows, "jsonl": args.jsonl_rows}
+    print(versions())
+    print(f"{os.cpu_count()} CPUs; data ready in {time.perf_counter() - t:.1f} s; medians of {args.repeat} "
+          f"interleaved runs, each a whole process; {_load()}")
     ok = True
-    for fmt in args.formats.split(","):
-        results = {tool: measure(tool, files[fmt], args.repeat) for tool in tools}
-        print(f"\n{fmt}, {args.rows:,} rows")
-        print(f"  {'tool':<12} {'wall s':>8} {'peak RSS MiB':>13}")
+    for fmt in formats:
+        path = files[fmt]
+        before = _load()
+        results = measure_all(tools, path, args.repeat)
+        print(f"\n{fmt}: {path} ({path.stat().st_size / 2**20:,.0f} MiB, {rows_of[fmt]:,} rows); "
+              f"{before} before, {_load()} after")
+        print(f"  {'tool':<12} {'wall s':>8} {'CPU s':>7} {'cores':>6} {'peak RSS MiB':>13}   walls")
         for tool, r in results.items():
-            print(f"  {tool:<12} {r['wall_s']:>8.2f} {r['peak_rss_mib']:>13,.0f}")
+            print(f"  {tool:<12} {r['wall_s']:>8.2f} {r['cpu_s']:>7.2f} {r['cpu_s'] / r['wall_s']:>6.2f} "
+                  f"{r['peak_rss_mib']:>13,.0f}   " + " ".join(f"{w:.2f}" for w in r["walls"]))
         for mine in (t for t in tools if t.startswith("kvtune")):
             for peer in ("duckdb", "duckdb-full", "pandas"):
                 if peer in results:
                     k, p = results[mine], results[peer]
-                    print(f"  {mine}/{peer}: time {k['wall_s'] / p['wall_s']:.2f}×, "
-                          f"memory {k['peak_rss_mib'] / p['peak_rss_mib']:.2f}×")
+                    print(f"  {mine}/{peer}: wall {k['wall_s'] / p['wall_s']:.2f}×, "
+                          f"CPU {k['cpu_s'] / p['cpu_s']:.2f}×, memory {k['peak_rss_mib'] / p['peak_rss_mib']:.2f}×")
         base = tools[0]
         for tool in tools[1:]:
             diffs = compare(results[base]["result"], results[tool]["result"])
@@ -320,14 +371,13 @@ def main() -> None:
             found = f"{len(diffs)} differences: " + "; ".join(diffs[:6])
             print(f"  {base} vs {tool}: " + (found if diffs else "identical percentiles, max and mean"))
     if args.small_rows and "kvtune" in tools:
-        small_parquet, small_jsonl = _paths(args.small_rows, args.data_dir)
         print(f"\nkvtune memory vs rows (peak RSS MiB, median of {args.repeat})")
-        for fmt, small in (("parquet", small_parquet), ("jsonl", small_jsonl)):
-            if fmt in args.formats.split(","):
-                a = measure("kvtune", small, args.repeat)
-                b = measure("kvtune", files[fmt], args.repeat)
-                print(f"  {fmt:<8} {args.small_rows:>12,} rows: {a['peak_rss_mib']:>7,.0f} MiB {a['wall_s']:>7.2f} s   "
-                      f"{args.rows:>12,} rows: {b['peak_rss_mib']:>7,.0f} MiB {b['wall_s']:>7.2f} s")
+        for fmt in formats:
+            small = _paths(args.small_rows, args.data_dir)[0 if fmt == "parquet" else 1]
+            a = measure_all(["kvtune"], small, args.repeat)["kvtune"]
+            b = measure_all(["kvtune"], files[fmt], args.repeat)["kvtune"]
+            print(f"  {fmt:<8} {args.small_rows:>12,} rows: {a['peak_rss_mib']:>7,.0f} MiB {a['wall_s']:>7.2f} s   "
+                  f"{rows_of[fmt]:>12,} rows: {b['peak_rss_mib']:>7,.0f} MiB {b['wall_s']:>7.2f} s")
     sys.exit(0 if ok else 1)
 
 

@@ -13,7 +13,6 @@ the library never does. Elsewhere than glibc (musl, macOS) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 __all__ = ["tune_for_streaming"]
 
@@ -33,7 +32,9 @@ def tune_for_streaming() -> bool:
     if _tuned:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        # the symbols already loaded into this process, the C library's among them: no
+        # ctypes.util.find_library, which imports subprocess and runs ldconfig (~10 ms)
+        libc = ctypes.CDLL(None)
         if not hasattr(libc, "gnu_get_libc_version"):
             return False  # glibc only: musl and others have no mallopt thresholds to tune
         mallopt = libc.mallopt

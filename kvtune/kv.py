@@ -8,7 +8,6 @@ linear-attention layers hold a fixed state per sequence instead, reported separa
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 
 from kvtune.errors import CapacityError, UnknownNameError
@@ -117,6 +116,8 @@ def bytes_per_element(kv_cache_dtype: str, model_dtype: str) -> int:
             field="kv_cache_dtype",
         )
     if name not in _KV_DTYPE_BYTES:
+        import difflib  # only for a name that is not known
+
         close = difflib.get_close_matches(name, list(_KV_DTYPE_BYTES), n=2, cutoff=0.6)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         raise UnknownNameError(

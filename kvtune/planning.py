@@ -230,12 +230,14 @@ def _where(measured: MeasuredCapacity | None) -> str:
 
 def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = None,
                       metrics_url: str | None = None, capacity_file: str | None = None,
-                      engine_log: str | None = None, engine: str = "vllm") -> MeasuredCapacity | None:
+                      engine_log: str | None = None, engine: str = "vllm",
+                      num_gpu_blocks: int | None = None) -> MeasuredCapacity | None:
     """The one measured capacity the caller gave (None: none); two of them is an error.
     `metrics_url` reads a running server as `kvtune calibrate` does (call it outside an event
     loop; async code awaits kvtune.capacity.measured.fetch_capacity itself); `engine_log` and
     `metrics_url` are read as `engine`'s (kvtune.capacity.engine_logs)."""
-    given = [name for name, value in (("kv_tokens", kv_tokens), ("vllm_log", vllm_log), ("engine_log", engine_log),
+    given = [name for name, value in (("kv_tokens", kv_tokens), ("num_gpu_blocks", num_gpu_blocks),
+                                      ("vllm_log", vllm_log), ("engine_log", engine_log),
                                       ("metrics_url", metrics_url), ("capacity_file", capacity_file))
              if value is not None]
     if len(given) > 1:
@@ -244,6 +246,9 @@ def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = No
         raise OptionError(f"a vLLM startup log, but engine {engine}: give it as engine_log", field="vllm_log")
     if kv_tokens is not None:
         return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="kv_tokens", kv_cache_tokens=kv_tokens,
+                                engine=engine)
+    if num_gpu_blocks is not None:  # a known pool in blocks: the block size is the plan's
+        return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="num_gpu_blocks", num_blocks=num_gpu_blocks,
                                 engine=engine)
     if engine_log is not None:
         from kvtune.capacity.engine_logs import read_engine_log

@@ -118,8 +118,9 @@ def test_without_an_objective_nothing_is_simulated(log):
 
 
 @pytest.mark.parametrize(("args", "line"), [
-    (("--objective", "throughput", "--no-capacity"), "Error: --capacity: --objective simulates the engine: give "
-     "--capacity FILE from `kvtune calibrate` (its `timing`, or --gpu for a roofline estimate)"),
+    # offline (issue 27 item 3): no capacity file is kvtune's estimate, which needs a GPU
+    (("--objective", "throughput", "--no-capacity"), "Error: --gpu: give --gpu or --gpu-memory to estimate, or a "
+     "measured capacity (--kv-tokens, --vllm-log, --metrics-url, `capacity_file`)"),
     (("--slo", "e2e=500"), "Error: --slo: without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
      "model's); e2e needs --objective goodput, which simulates it"),
     (("--max-preemption-rate", "0.1"), "Error: --max-preemption-rate: only applies with --objective throughput|goodput"),

@@ -172,9 +172,17 @@ def test_options_without_an_objective_are_refused(profile, plan):
     assert exc.value.field == "max_preemption_rate"
 
 
-def test_an_estimated_capacity_cannot_be_simulated(profile):
-    with pytest.raises(OptionError, match="measured capacity"):
-        search(profile, kvtune.plan(MODEL, gpu="L4"), rate_rps=2)
+def test_an_estimated_capacity_is_simulated_on_its_estimate(profile):
+    """Offline (issue 27 item 3): no measured capacity is the plan's own estimate and the roofline
+    for its GPU (it was refused before); a plan with no catalog GPU has no step time."""
+    plan = kvtune.plan(MODEL, gpu="H100-80GB", max_model_len=4096)
+    rec = search(profile, plan, rate_rps=2, requests=30)
+    assert rec.objective is not None and rec.objective.basis.engine.num_blocks == plan.capacity.num_blocks
+    assert rec.objective.basis.timing.estimate
+    # overcommit ×3's max_num_seqs leaves the estimate no KV (its sampler): left out, and said so
+    assert any(n.startswith("3 candidate(s) of the grid left out: on the estimated pool") for n in rec.notes)
+    with pytest.raises(OptionError, match="give --gpu \\(or --gpu-spec FILE\\), or --capacity FILE"):
+        search(profile, kvtune.plan(MODEL, gpu_memory="80GB", max_model_len=4096), rate_rps=2)
 
 
 def test_a_preemption_budget_of_zero_keeps_only_the_guaranteed_policy(objective):

@@ -76,6 +76,7 @@ class MeasuredCapacity:
     timing: Timing | None = None  # a step-time model, when `calibrate --timing` measured one
     max_num_seqs: int | None = None  # the scheduler's limits, where the server or its log states them
     max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int | None = None  # where known (`kvtune capacity --json` states it; servers do not)
     # the engine that reported it (kvtune.engines.ENGINE_NAMES); with SGLang gpu_memory_utilization
     # holds mem_fraction_static, block_size the page size, max_num_seqs max_running_requests and
     # max_num_batched_tokens chunked_prefill_size; with TensorRT-LLM block_size is tokens_per_block,
@@ -86,9 +87,10 @@ class MeasuredCapacity:
         if self.kv_cache_tokens is None and self.num_blocks is None:
             raise InputError("a measured capacity needs kv_cache_tokens or num_blocks", path=self.origin)
         for name in ("kv_cache_tokens", "num_blocks", "block_size", "max_model_len", "kv_cache_memory_bytes",
-                     "max_num_seqs", "max_num_batched_tokens"):
+                     "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
-            positive = name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+            positive = name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                                "tensor_parallel_size")
             if value is not None and value < (1 if positive else 0):
                 raise InputError(f"must be positive, got {value}", path=self.origin, field=name)
             if value is not None and value > _MAX_FIELD:  # so that its capacity file reads back
@@ -130,7 +132,7 @@ class MeasuredCapacity:
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, found {type(data).__name__}", path=path)
         unknown = sorted(k if len(str(k)) <= 40 else brief(k, 40)
-                         for k in set(data) - set(_FIELD_TYPES) - {"source", "timing"})
+                         for k in set(data) - set(_FIELD_TYPES) - {"source", "timing"} - REPORT_FIELDS)
         if unknown:
             raise InputError(f"unknown field(s): {', '.join(unknown[:5])}", path=path, field=unknown[0])
         raw_source = data.get("source")
@@ -201,11 +203,22 @@ _FIELD_TYPES: dict[str, type] = {
     "line": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
+    "tensor_parallel_size": int,
     "engine": str,
 }
+# `kvtune capacity --json` is a capacity file too (one format): its report (kvtune.capacity.plan.
+# CapacityReport.to_dict, `fits`, `why`) around the fields above, which CapacityReport.capacity_file
+# fills. A reader takes the fields above and leaves the report's own figures to the people who read it.
+REPORT_FIELDS = frozenset({
+    "gpu", "gpu_memory_bytes", "pipeline_parallel_size", "engine_version",
+    "kv_bytes_per_token_per_gpu", "measured_from", "kv_cache_bytes", "estimated_num_blocks",
+    "max_concurrency_at_max_model_len", "requested_memory_bytes", "weights_bytes", "weights_bytes_total",
+    "weights_source", "weights_format", "overhead_bytes", "overhead", "requests", "assumptions", "notes", "fits",
+    "why",
+})
 # written only when known (engine: when not vLLM), so capacity files from before they were
 # recorded read back equal
-_SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
+_SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
 _MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
 # (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
 _FIELD_RANGES: dict[str, tuple[float, float]] = {
@@ -519,6 +532,7 @@ def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity
 __all__ = [
     "CapacitySource",
     "MeasuredCapacity",
+    "REPORT_FIELDS",
     "ServedModel",
     "blocks_from_tokens",
     "parse_vllm_log",

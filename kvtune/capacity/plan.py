@@ -280,6 +280,28 @@ class CapacityReport:
         }
 
 
+    def capacity_file(self) -> MeasuredCapacity:
+        """This capacity as a capacity file states it (kvtune.capacity.measured's format, the one
+        `kvtune calibrate` writes): what `kvtune capacity --json` adds to its report, so that its
+        output is a `--capacity FILE`, and the pool an offline simulation runs on. An estimate
+        is a capacity of source `estimate` on a GPU; a measured one keeps what was measured."""
+        c = self.capacity
+        m = c.measured
+        utilization = c.memory.gpu_memory_utilization if c.memory is not None else None
+        return MeasuredCapacity(
+            source=c.source, kv_cache_tokens=c.kv_cache_tokens, num_blocks=c.num_blocks, block_size=c.block_size,
+            max_model_len=c.max_model_len, max_concurrency=m.max_concurrency if m else None,
+            device=m.device if m else "GPU", model=self.model, kv_cache_dtype=self.kv_cache_dtype,
+            num_gpu_blocks_override=m.num_gpu_blocks_override if m else None,
+            enable_prefix_caching=m.enable_prefix_caching if m else None,
+            gpu_memory_utilization=m.gpu_memory_utilization if m and m.gpu_memory_utilization is not None
+            else utilization,
+            kv_cache_memory_bytes=m.kv_cache_memory_bytes if m else None,
+            origin=m.origin if m else None, line=m.line if m else None, timing=m.timing if m else None,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            tensor_parallel_size=self.tensor_parallel_size, engine=self.engine)
+
+
 def _layer_notes(spec: ModelSpec, kv: KvBytes) -> list[str]:
     """Caveats where kvtune's per-token figure and vLLM's hybrid allocator part ways."""
     kinds = set(spec.layer_kinds)

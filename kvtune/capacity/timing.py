@@ -622,6 +622,7 @@ __all__ = [
     "fit_errors",
     "fit_frontend",
     "decode_weighted_features",
+    "FITTED",
     "FRONTEND_TERMS",
     "FRONTEND_UNITS",
     "FrontEndModel",

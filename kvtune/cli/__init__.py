@@ -16,7 +16,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
-from kvtune.controls import escape_controls
 from kvtune.errors import KvtuneError
 from kvtune.version import __version__
 
@@ -61,6 +60,8 @@ class KvtuneGroup(click.Group):
         try:
             return super().invoke(ctx)
         except KvtuneError as exc:
+            from kvtune.controls import escape_controls  # its pattern compiles only for an error line
+
             name = ctx.invoked_subcommand
             command = self.get_command(ctx, name) if name else None
             if command is not None:

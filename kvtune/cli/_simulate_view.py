@@ -55,12 +55,14 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    console.print(escape(f"Load: {load_line(report['load'])}."), soft_wrap=True, highlight=False)
     engine = ", ".join(f"{k} {v['value']} ({v['from']})" for k, v in sim["engine"].items())
     console.print(escape(f"Engine: {engine}."), soft_wrap=True, highlight=False)
     c = timing["coefficients"]
     console.print(escape(f"Step time ({timing['source']}): c0 {c['c0']:.3g} s + c1 {c['c1']:.3g} s/token + "
-                         f"c2 {c['c2']:.3g} s/token/context + c3 {c['c3']:.3g} s/request + "
-                         f"c4 {c.get('c4', 0.0):.3g} s/context token read; " + _front(timing)),
+                         f"c2 {c['c2']:.3g} s/token/context + c3 {c['c3']:.3g} s/request"
+                         + (f" + c4 {c['c4']:.3g} s/context token read" if c.get("c4") else "") + "; "
+                         + _front(timing)),
                   soft_wrap=True, highlight=False)
     if "label" in timing:
         console.print(escape(f"Step-time source: {timing['label']}."), soft_wrap=True, highlight=False)
@@ -69,6 +71,29 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
             console.print(escape(text), highlight=False, soft_wrap=True)
     done = f"{sim['events']:,} events, {sim['steps']:,} engine steps, simulated in {sim['wall_s']:.2f} s."
     console.print(escape(done), highlight=False, soft_wrap=True)
+
+
+_LOAD_FROM = {"option": "as given", "logs": "the logs' own arrivals",
+              "default": "no timestamps in the logs, so one client at a time"}
+
+
+def load_line(load: dict[str, Any]) -> str:
+    """Which load ran and where it came from, e.g. 'Poisson 3.34 req/s (the logs' mean arrival rate)'."""
+    kind = load["kind"]
+    where = _LOAD_FROM.get(str(load.get("from")), "")
+    if kind in ("poisson", "gamma"):
+        shape = f"{'Poisson' if kind == 'poisson' else 'gamma'} arrivals at {load['rate_rps']:,.4g} req/s"
+        if kind == "gamma":
+            shape += f" (burstiness {load['burstiness']:g})"
+        if load.get("from") == "logs":
+            where = "the logs' mean arrival rate"
+    elif kind == "replay":
+        shape, where = f"the logs' own timestamps ÷ {load['speedup']:g}", ""
+    else:
+        shape = f"{load['concurrency']:,} concurrent client(s), closed loop"
+    bound = [f"{load['max_requests']:,} requests" if load.get("max_requests") else "",
+             f"{load['duration_s']:g} s" if load.get("duration_s") else ""]
+    return shape + (f" ({where})" if where else "") + "".join(f", {b}" for b in bound if b)
 
 
 def _front(timing: dict[str, Any]) -> str:

@@ -39,7 +39,9 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
               help="Prompt length of a request shape; repeat, paired in order with --max-tokens.")
 @click.option("--max-tokens", "max_tokens", type=click.IntRange(min=1), multiple=True,
               help="Output cap of a request shape; repeat, paired in order with --prompt-tokens.")
-@click.option("--json", "json_", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--json", "json_", is_flag=True,
+              help="Print one JSON object instead of tables: a capacity file, as `kvtune calibrate` writes one "
+                   "(for --capacity FILE), with the report around it.")
 def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...],
              json_: bool) -> None:
     """How many tokens, blocks and requests of given shapes fit for MODEL on given GPUs.
@@ -62,8 +64,10 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
 
     report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
     verdict = capacity_verdict(report.engine, report.capacity)
-    if json_:
-        click.echo(json.dumps({**report.to_dict(), "fits": verdict.fits, "why": verdict.why}))
+    if json_:  # the report around the capacity file's fields: a `--capacity FILE` for simulate and recommend
+        doc = report.to_dict()
+        record = {k: v for k, v in report.capacity_file().to_dict().items() if k not in doc}
+        click.echo(json.dumps({**doc, **record, "fits": verdict.fits, "why": verdict.why}))
     else:
         _print_report(report)
         if not verdict.fits:

@@ -80,7 +80,8 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
         raise OptionError(f"{_shown(given)} contradicts the recommendation's {_shown(in_file)}: check reads the "
                           f"deployment from {brief(path)}; leave {option} out, or recommend again with it",
                           field=option)
-    for name in ("kv_tokens", "vllm_log", "metrics_url", "capacity_files", "engine_log", "enforce_eager"):
+    for name in ("kv_tokens", "num_gpu_blocks", "vllm_log", "metrics_url", "capacity_files", "engine_log",
+                 "enforce_eager"):
         if typed(name):
             option = "--capacity" if name == "capacity_files" else "--" + name.replace("_", "-")
             raise OptionError(f"the recommendation already holds its capacity ({rec.capacity.source}); "

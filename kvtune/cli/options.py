@@ -92,6 +92,7 @@ class CapacityArgs:
     engine_log: str | None
     engine: str
     gpu_spec: str | None = None  # --gpu-spec FILE: a GPU the catalog does not hold
+    num_gpu_blocks: int | None = None  # the pool in blocks, as --num-gpu-blocks-override sets it
 
     @property
     def capacity_file(self) -> str | None:
@@ -108,7 +109,8 @@ class CapacityArgs:
 
         measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), vllm_log=self.vllm_log,
                                      metrics_url=self.metrics_url, capacity_file=self.capacity_file,
-                                     engine_log=self.engine_log, engine=self.engine)
+                                     engine_log=self.engine_log, engine=self.engine,
+                                     num_gpu_blocks=self.num_gpu_blocks)
         return plan(model, gpu=resolve_gpu(self.gpu, self.gpu_spec, self.gpu_memory), gpu_memory=self.gpu_memory,
                     tp=self.tp, pp=self.pp,
                     gpu_memory_utilization=self.gpu_memory_utilization,
@@ -172,6 +174,8 @@ capacity_options = grouped("capacity", CapacityArgs, [
                       "max_total_num_tokens line, TensorRT-LLM's 'Allocated … for max tokens in paged KV cache (N)')."),
     click.option("--engine", type=click.Choice(ENGINE_NAMES), default="vllm", show_default=True,
                  help="The serving engine: its memory model, defaults and launch files."),
+    click.option("--num-gpu-blocks", type=click.IntRange(min=1), metavar="N",
+                 help="Known KV capacity in blocks of --block-size (as vLLM's --num-gpu-blocks-override sets it)."),
 ])
 
 

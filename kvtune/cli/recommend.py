@@ -112,7 +112,7 @@ class PolicyArgs:
         if remedy is not None:
             remedies.append(remedy)
         estimate = dataclasses.replace(capacity, kv_tokens=None, vllm_log=None, metrics_url=None, capacity_files=(),
-                                       engine_log=None)
+                                       engine_log=None, num_gpu_blocks=None)
         measured = estimate != capacity
         tries = []
         if plan.kv.bytes_per_element >= 2:
@@ -195,9 +195,6 @@ class ObjectiveArgs:
                 raise OptionError("without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
                                   "model's); e2e needs --objective goodput, which simulates it", field="slo")
             return {"slo": slo}
-        if capacity.capacity_file is None:
-            raise OptionError("--objective simulates the engine: give --capacity FILE from `kvtune calibrate` "
-                              "(its `timing`, or --gpu for a roofline estimate)", field="--capacity")
         from kvtune.bench.report import parse_slo
 
         return {"objective": self.objective, "slo": parse_slo(self.slo) if self.slo else None,

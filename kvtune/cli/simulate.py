@@ -18,13 +18,17 @@ from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.userfiles import brief
 
 if TYPE_CHECKING:
+    from kvtune.capacity.measured import MeasuredCapacity
     from kvtune.gateway.config import GatewayRoute
+    from kvtune.hardware import Gpu
 
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
 `kvtune bench --json` mean the same and are computed by the same functions:
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
-                   concurrency, speedup, max_requests, duration_s, retry, max_retries}
+                   concurrency, speedup, from: option|logs|default (without --rate/--concurrency:
+                   the logs' mean arrival rate; logs without timestamps: one client, said on
+                   stderr), max_requests, duration_s, retry, max_retries}
   workload        {routes, seed, clamped: {reason: requests}}
   notes           the files the logs' reading left out (kvtune's own outputs, --exclude)
   requests        {sent, completed, failed: {429, 4xx, … as bench}, retries, retry_wait_s (seconds the
@@ -41,7 +45,10 @@ JSON_FIELDS = """\b
                    {c0..c4}, http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
                    measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
-                   {value, from: option|capacity-file|engine-default}}, admission: {kind:
+                   {value, from: option|capacity-file|estimate|engine-default}}, capacity: {from:
+                   capacity-file|estimate|option, file; without a file: model, gpu,
+                   tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype, engine_version,
+                   gpu_memory_utilization, kv_cache_tokens}, admission: {kind:
                    direct|gateway, …the gateway's budget, route, cap, queue, route_header (each
                    request's route in it, with --route-header)}, rule: vllm|sglang|
                    trtllm-gne|trtllm-maxutil (whose scheduler), retry {max_retries,
@@ -55,9 +62,10 @@ Exit codes: 0 done, 2 bad input (nothing written).
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    """Overrides of the engine settings the capacity file implies, and the roofline's inputs."""
+    """Overrides of the engine settings the capacity file implies, the roofline's inputs, and,
+    without a capacity file, the deployment kvtune estimates the pool for (as `kvtune capacity`)."""
 
-    capacity_path: str
+    capacity_path: str | None
     gateway_path: str | None
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
@@ -66,13 +74,59 @@ class EngineArgs:
     route_header: str | None
     endpoint: str
     engine_name: str = "vllm"
+    tp: int | None = None
+    pp: int | None = None
+    engine_version: str | None = None
+    kv_cache_dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: str | None = None
+    kv_tokens: str | None = None
+    num_gpu_blocks: int | None = None
     gpu_spec: str | None = None
+
+    def check(self) -> None:
+        """Options that mean nothing beside a capacity file, or beside each other: one line, exit 2."""
+        if self.capacity_path is not None:
+            for flag, value in (("--kv-tokens", self.kv_tokens), ("--num-gpu-blocks", self.num_gpu_blocks),
+                                ("--gpu-memory-utilization", self.gpu_memory_utilization),
+                                ("--kv-cache-dtype", self.kv_cache_dtype), ("--max-model-len", self.max_model_len),
+                                ("--engine-version", self.engine_version), ("--pp", self.pp)):
+                if value is not None:
+                    raise OptionError("the capacity file holds the pool and the settings it was measured at: give "
+                                      f"{flag} without --capacity (kvtune estimates the pool), or --capacity alone",
+                                      field=flag)
+            return
+        if self.kv_tokens is not None and self.num_gpu_blocks is not None:
+            raise OptionError("give the pool once: --kv-tokens or --num-gpu-blocks", field="--num-gpu-blocks")
+        if self.model is None or (self.gpu is None and self.gpu_spec is None):
+            missing = "--model" if self.model is None else "--gpu"
+            raise OptionError("give --capacity FILE (`kvtune calibrate`, `kvtune capacity --json`), or --model and "
+                              "--gpu (or --gpu-spec) to simulate on kvtune's capacity estimate and roofline step time",
+                              field=missing)
+        if self.engine_name != "vllm" and self.kv_tokens is None and self.num_gpu_blocks is None:
+            raise OptionError(f"kvtune estimates vLLM's pool; for --engine {self.engine_name} give the pool "
+                              "(--kv-tokens, --num-gpu-blocks) or --capacity FILE", field="--engine")
+
+    def plan(self, gpu: Gpu | None):  # -> kvtune.planning.Plan
+        """The deployment without a capacity file, planned as `kvtune capacity` and `recommend` plan it."""
+        from kvtune.cli.options import parse_count
+        from kvtune.planning import measured_capacity, plan
+
+        assert self.model is not None
+        measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "--kv-tokens"),
+                                     num_gpu_blocks=self.num_gpu_blocks)
+        return plan(self.model, gpu=gpu, tp=self.tp or 1, pp=self.pp or 1,
+                    gpu_memory_utilization=self.gpu_memory_utilization,
+                    max_model_len=parse_count(self.max_model_len, "--max-model-len"),
+                    max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
+                    measured=measured, engine_version=self.engine_version)
 
 
 _engine_options = [
-    click.option("--capacity", "capacity_path", required=True, metavar="FILE",
-                 help="A capacity file from `kvtune calibrate` (blocks, block size, max_model_len; `timing` "
-                      "from `calibrate --timing`)."),
+    click.option("--capacity", "capacity_path", metavar="FILE",
+                 help="A capacity file from `kvtune calibrate` or `kvtune capacity --json` (blocks, block size, "
+                      "max_model_len; `timing` from `calibrate --timing`).  [default: kvtune's estimate for "
+                      "--model on --gpu]"),
     click.option("--gateway", "gateway_path", metavar="FILE",
                  help="gateway.yaml: run the gateway's own admission (ledger, route caps, queue, Retry-After) "
                       "in front of the engine.  [default: straight to vLLM]"),
@@ -80,11 +134,28 @@ _engine_options = [
                  help="Override the engine's max_num_seqs.  [default: the capacity file's, else vLLM's]"),
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1), metavar="N",
                  help="Override the engine's max_num_batched_tokens.  [default: the capacity file's, else vLLM's]"),
-    click.option("--model", help="Model (preset, config.json, hub id) for the silicon-data or roofline step "
-                                 "time when the capacity file has no `timing`."),
-    click.option("--gpu", help="GPU from the catalog for the silicon-data or roofline step time (and vLLM's "
-                               "GPU defaults)."),
+    click.option("--model", help="Model (preset, config.json, hub id): the capacity estimate's without --capacity, "
+                                 "and the silicon-data or roofline step time's when the capacity file has no "
+                                 "`timing`."),
+    click.option("--gpu", help="GPU from the catalog for the capacity estimate and the silicon-data or roofline step "
+                               "time (and vLLM's GPU defaults)."),
     click.option("--gpu-spec", "gpu_spec", metavar="FILE", help=GPU_SPEC_HELP),
+    click.option("--tp", type=click.IntRange(min=1), metavar="N",
+                 help="Tensor-parallel size of the estimate and the roofline.  [default: 1]"),
+    click.option("--pp", type=click.IntRange(min=1), metavar="N",
+                 help="Pipeline-parallel size of the estimate.  [default: 1]"),
+    click.option("--engine-version", metavar="TEXT",
+                 help="The vLLM release whose memory profiler and defaults the estimate follows, as `kvtune "
+                      "capacity --engine-version`."),
+    click.option("--kv-cache-dtype", help="vLLM's --kv-cache-dtype for the estimate (auto, fp8, …).  [default: auto]"),
+    click.option("--gpu-memory-utilization", type=click.FloatRange(min=0, max=1, min_open=True), metavar="F",
+                 help="vLLM's fraction of each GPU's memory for the estimate.  [default: vLLM's]"),
+    click.option("--max-model-len", metavar="N", help="Context length of the estimated engine.  [default: the "
+                                                      "model's]"),
+    click.option("--kv-tokens", metavar="N", help="The pool in tokens, when you know it (vLLM's 'GPU KV cache size' "
+                                                  "line), instead of the estimate."),
+    click.option("--num-gpu-blocks", type=click.IntRange(min=1), metavar="N",
+                 help="The pool in blocks, when you know it (--num-gpu-blocks-override), instead of the estimate."),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="The path requests are sent to, as `kvtune bench --endpoint`: picks the gateway's route."),
     click.option("--route-header", metavar="NAME",
@@ -121,9 +192,13 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     send for the same profile and seed, straight to the engine or through the gateway's own
     admission code (--gateway). Without a calibrated `timing`, --model and --gpu give
     aiconfigurator-core's silicon data for that GPU, else a roofline estimate, labelled as such.
+    Without --capacity, the pool is kvtune's estimate for --model on --gpu (as `kvtune capacity`
+    computes it) or the --kv-tokens / --num-gpu-blocks you know; without --rate or
+    --concurrency, the load is the logs' mean arrival rate.
 
     \b
     Example:
+        kvtune simulate logs.jsonl --model llama-3.1-8b --gpu H100-80GB --tp 2 --requests 500
         kvtune calibrate http://127.0.0.1:8000 --timing --out capacity.json
         kvtune simulate --profile profile.json --capacity capacity.json --rate 5 --requests 500
         kvtune simulate --profile profile.json --capacity capacity.json --gateway deploy/gateway.yaml \\
@@ -131,7 +206,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     """
     from kvtune.bench.report import parse_slo
     from kvtune.capacity.measured import read_capacity_file
-    from kvtune.sim.setup import engine_setup, timing_setup
+    from kvtune.sim.setup import CAPACITY, engine_setup, offline_capacity, timing_setup
 
     slo_ = parse_slo(slo) if slo else None
     load.check(logs)
@@ -139,16 +214,32 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         raise OptionError("give --profile or LOGS, not both", field="--profile")
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
-    measured = read_capacity_file(engine.capacity_path)
+    engine.check()
     gpu = resolve_gpu(engine.gpu, engine.gpu_spec)
     spec = None
-    if measured.timing is None and engine.model is not None and gpu is not None:
-        from kvtune.model.sources import resolve_model
+    labels = None
+    if engine.capacity_path is not None:
+        measured = read_capacity_file(engine.capacity_path)
+        capacity_info: dict[str, Any] = {"from": CAPACITY, "file": engine.capacity_path}
+        if measured.timing is None and engine.model is not None and gpu is not None:
+            from kvtune.model.sources import resolve_model
 
-        spec = resolve_model(engine.model)
-    timing = timing_setup(measured, spec=spec, gpu=gpu, engine=engine.engine_name)
+            spec = resolve_model(engine.model)
+    else:
+        plan = engine.plan(gpu)
+        spec = plan.spec
+        measured, labels = offline_capacity(plan)
+        report = plan.report
+        capacity_info = {"from": labels["num_blocks"], "file": None, "model": report.model, "gpu": report.gpu,
+                         "tensor_parallel_size": report.tensor_parallel_size,
+                         "pipeline_parallel_size": report.pipeline_parallel_size,
+                         "kv_cache_dtype": report.kv_cache_dtype, "engine_version": report.engine_version,
+                         "gpu_memory_utilization": plan.gpu_memory_utilization.value,
+                         "kv_cache_tokens": report.capacity.kv_cache_tokens}
+    timing = timing_setup(measured, spec=spec, gpu=gpu, tp=_tensor_parallel_size(engine, measured),
+                          engine=engine.engine_name, engine_version=engine.engine_version)
     setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
-                         max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu)
+                         max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu, recorded_from=labels)
     admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
 
     from kvtune.sim.run import run_simulation
@@ -159,8 +250,9 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     from kvtune.sim.rules import engine_rule
 
     run = run_simulation(traffic, setup, timing, admission=admission, slo=slo_, context=context,
-                         admission_info=admission_info, rule=engine_rule(engine.engine_name),
-                         time_bounded_closed_loop=load.concurrency is not None and load.max_requests is None)
+                         admission_info=admission_info, rule=engine_rule(engine.engine_name), capacity=capacity_info,
+                         time_bounded_closed_loop=context["load"]["concurrency"] is not None
+                         and load.max_requests is None)
     text = json.dumps(run.report, indent=2)
     if out_dir is not None:
         from pathlib import Path
@@ -181,6 +273,16 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         from kvtune.cli._simulate_view import render_simulation
 
         render_simulation(run.report, run.timeline, output_console())
+
+
+def _tensor_parallel_size(engine: EngineArgs, measured: MeasuredCapacity) -> int:
+    """The roofline's tensor-parallel size: --tp, else the capacity file's (`kvtune capacity --json`
+    states it), else 1; a --tp the file contradicts is refused (its pool is per GPU at its own)."""
+    recorded = measured.tensor_parallel_size
+    if engine.tp is not None and recorded is not None and engine.tp != recorded:
+        raise OptionError(f"the capacity file's pool is per GPU at tensor-parallel size {recorded}, not {engine.tp}: "
+                          f"leave --tp out, or write the file again with --tp {engine.tp}", field="--tp")
+    return engine.tp or recorded or 1
 
 
 def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tuple[Any, dict[str, Any], Any]:
@@ -270,7 +372,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
 
         from kvtune.bench.loads import LoadShape
 
-        load_info = LoadShape.replay([], load.speedup).to_dict()
+        load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
         route_names = sorted({r for r, _, _ in rows})
     else:
         from kvtune.bench.workload import select_routes
@@ -291,14 +393,21 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
             if r.prompt.total == 0:
                 raise InputError(f"route {brief(r.route)} logs no prompt lengths; a simulation needs them",
                                  field="--route")
-        shape = load.shape()
+        from kvtune.sim.traffic import LOAD_OPTION, default_load
+
+        if load.rate is not None or load.concurrency is not None:
+            shape, load_from = load.shape(), LOAD_OPTION
+        else:  # the logs' own arrival rate, never silently one request at a time
+            shape, load_from, fallback = default_load(profile, routes, burstiness=load.burstiness)
+            if fallback is not None:
+                click.echo(f"note: {fallback}", err=True)
 
         def traffic(n: int | None) -> Any:
             return profile_traffic(profile, routes, shape, seed=seed, max_requests=load.max_requests,
                                    duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
                                    cap=cap, closed_n=n)
 
-        load_info = shape.to_dict()
+        load_info = {**shape.to_dict(), "from": load_from}
         route_names = [r.route for r in chosen]
     from kvtune.sim.engine import CLIENT_RETRY
 

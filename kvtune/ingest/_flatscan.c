@@ -823,15 +823,159 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Dense counting for kvtune.profile.counting: counts[row·stride + value (+ half where cut)] += 1
+ * over a batch, in one pass and without the GIL, so a profile's counting runs beside the reader
+ * thread's decoding instead of taking turns with it. numpy needs two passes and a temporary
+ * (the key array, then np.add.at, which holds the GIL) for the same counts.
+ */
+
+static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->itemsize != 8 || view->format == NULL || (strcmp(view->format, "q") != 0 &&
+                                                        strcmp(view->format, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous int64 buffer", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(add_counts_doc,
+"add_counts(counts, rows, stride, values, cut, half) -> None\n\n"
+"counts[rows[i]*stride + values[i] + (half if cut[i] else 0)] += 1 for every i, without the GIL.\n"
+"counts, rows, values: contiguous int64 buffers (counts writable); cut: a bool buffer or None.\n"
+"A key outside counts raises ValueError (the rows before it are counted: a caller's bug).");
+
+static PyObject *add_counts(PyObject *module, PyObject *args)
+{
+    PyObject *counts_obj, *rows_obj, *values_obj, *cut_obj;
+    long long stride, half;
+    Py_buffer counts = {0}, rows = {0}, values = {0}, cut = {0};
+    PyObject *result = NULL;
+    int bad = 0;
+    (void)module;
+
+    if (!PyArg_ParseTuple(args, "OOLOOL:add_counts", &counts_obj, &rows_obj, &stride, &values_obj, &cut_obj, &half))
+        return NULL;
+    if (int64_buffer(counts_obj, &counts, 1, "counts") < 0)
+        return NULL;
+    if (int64_buffer(rows_obj, &rows, 0, "rows") < 0)
+        goto done;
+    if (int64_buffer(values_obj, &values, 0, "values") < 0)
+        goto done;
+    if (cut_obj != Py_None && PyObject_GetBuffer(cut_obj, &cut, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    Py_ssize_t n = rows.len / 8, size = counts.len / 8;
+    if (values.len / 8 != n || (cut.buf != NULL && cut.len != n)) {
+        PyErr_SetString(PyExc_ValueError, "rows, values and cut must have one entry per row");
+        goto done;
+    }
+    const int64_t *r = rows.buf, *v = values.buf;
+    const unsigned char *c = cut.buf;
+    int64_t *out = counts.buf;
+    Py_BEGIN_ALLOW_THREADS
+    /* one pass: a key outside counts stops the count there (a caller's bug, as np.add.at's
+       IndexError is; the branch is never taken, so it costs next to nothing) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t key = (uint64_t)(r[i] * stride + v[i] + (c != NULL && c[i] ? half : 0));
+        if (key >= (uint64_t)size) {
+            bad = 1;
+            break;
+        }
+        out[key]++;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad)
+        PyErr_SetString(PyExc_ValueError, "add_counts: a key falls outside counts");
+    else
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&counts);
+    if (rows.buf) PyBuffer_Release(&rows);
+    if (values.buf) PyBuffer_Release(&values);
+    if (cut.buf) PyBuffer_Release(&cut);
+    return result;
+}
+
+PyDoc_STRVAR(add_pair_counts_doc,
+"add_pair_counts(counts, rows, stride, first, second, table, scale) -> None\n\n"
+"counts[rows[i]*stride + table[first[i]]*scale + table[second[i]]] += 1 for every i, without\n"
+"the GIL (the joint histogram's cells: table maps a count to its bin, int32). first and second\n"
+"must index table; a value outside it or a key outside counts raises ValueError.");
+
+static PyObject *add_pair_counts(PyObject *module, PyObject *args)
+{
+    PyObject *counts_obj, *rows_obj, *first_obj, *second_obj, *table_obj;
+    long long stride, scale;
+    Py_buffer counts = {0}, rows = {0}, first = {0}, second = {0}, table = {0};
+    PyObject *result = NULL;
+    int bad = 0;
+    (void)module;
+
+    if (!PyArg_ParseTuple(args, "OOLOOOL:add_pair_counts", &counts_obj, &rows_obj, &stride, &first_obj, &second_obj,
+                          &table_obj, &scale))
+        return NULL;
+    if (int64_buffer(counts_obj, &counts, 1, "counts") < 0)
+        return NULL;
+    if (int64_buffer(rows_obj, &rows, 0, "rows") < 0 || int64_buffer(first_obj, &first, 0, "first") < 0 ||
+        int64_buffer(second_obj, &second, 0, "second") < 0)
+        goto done;
+    if (PyObject_GetBuffer(table_obj, &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto done;
+    if (table.itemsize != 4 || table.format == NULL || strcmp(table.format, "i") != 0) {
+        PyErr_SetString(PyExc_TypeError, "table: expected a contiguous int32 buffer");
+        goto done;
+    }
+    Py_ssize_t n = rows.len / 8, size = counts.len / 8, bins = table.len / 4;
+    if (first.len / 8 != n || second.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "rows, first and second must have one entry per row");
+        goto done;
+    }
+    const int64_t *r = rows.buf, *a = first.buf, *b = second.buf;
+    const int32_t *t = table.buf;
+    int64_t *out = counts.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {  /* one pass, stopping at the first bad value (see add_counts) */
+        if ((uint64_t)a[i] >= (uint64_t)bins || (uint64_t)b[i] >= (uint64_t)bins) {
+            bad = 1;
+            break;
+        }
+        uint64_t key = (uint64_t)(r[i] * stride + (int64_t)t[a[i]] * scale + t[b[i]]);
+        if (key >= (uint64_t)size) {
+            bad = 1;
+            break;
+        }
+        out[key]++;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad)
+        PyErr_SetString(PyExc_ValueError, "add_pair_counts: a value falls outside table or a key outside counts");
+    else
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&counts);
+    if (rows.buf) PyBuffer_Release(&rows);
+    if (first.buf) PyBuffer_Release(&first);
+    if (second.buf) PyBuffer_Release(&second);
+    if (table.buf) PyBuffer_Release(&table);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan_block", scan_block, METH_VARARGS, scan_block_doc},
+    {"add_counts", add_counts, METH_VARARGS, add_counts_doc},
+    {"add_pair_counts", add_pair_counts, METH_VARARGS, add_pair_counts_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvtune.ingest._flatscan",
-    .m_doc = "Strict, GIL-free scan of flat JSONL blocks (see kvtune.ingest.flatscan).",
+    .m_doc = "Strict, GIL-free scan of flat JSONL blocks (see kvtune.ingest.flatscan) and dense counting "
+             "(kvtune.profile.counting).",
     .m_size = 0,
     .m_methods = methods,
 };

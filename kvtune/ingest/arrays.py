@@ -146,6 +146,41 @@ def string_array(items: list[str]) -> pa.StringArray:
     )
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_PY_TYPES: dict[pa.DataType, type] = {pa.int64(): int, pa.float64(): float, pa.bool_(): bool, pa.string(): str}
+
+
+def from_pylist(values: list[Any], typ: pa.DataType) -> pa.Array:
+    """pa.array(values, typ), the same array, built from buffers where every value is None or of
+    typ's own Python type (int64 in range, float, bool, str): pa.array first asks whether a list
+    is a pandas object, which imports pandas where it is installed (~0.2 s of a profile of
+    OpenAI-style logs, whose rows take this path). Anything else goes to pa.array as before."""
+    expected = _PY_TYPES.get(typ)
+    n = len(values)
+    present = [v for v in values if v is not None]
+    if expected is None or not n or any(type(v) is not expected for v in present):
+        return pa.array(values, typ)
+    mask = None if len(present) == n else np.fromiter((v is not None for v in values), bool, n)
+    if expected is str:
+        try:
+            encoded = [b"" if v is None else v.encode() for v in values]
+        except UnicodeEncodeError:  # a lone surrogate: pa.array's own error
+            return pa.array(values, typ)
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        validity = None if mask is None else pa.py_buffer(np.packbits(mask, bitorder="little"))
+        return pa.Array.from_buffers(pa.string(), n, [validity, pa.py_buffer(offsets),
+                                                       pa.py_buffer(b"".join(encoded))])
+    if expected is int and not all(_INT64_MIN <= v <= _INT64_MAX for v in present):
+        return pa.array(values, typ)
+    if expected is bool:
+        return pa.Array.from_buffers(pa.bool_(), n, [
+            None if mask is None else pa.py_buffer(np.packbits(mask, bitorder="little")),
+            pa.py_buffer(np.packbits(np.fromiter((v is True for v in values), bool, n), bitorder="little"))])
+    dtype = np.int64 if expected is int else np.float64
+    return numeric_array(np.fromiter((0 if v is None else v for v in values), dtype, n), mask)
+
+
 def dictionary(indices: NDArray[np.integer[Any]], names: list[str], mask: Mask | None = None) -> pa.DictionaryArray:
     """dictionary<int32, string> from numpy codes into `names`; `mask` marks the valid rows."""
     codes = numeric_array(indices.astype(np.int32, copy=False), mask)

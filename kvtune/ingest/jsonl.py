@@ -14,7 +14,6 @@ import io
 import json
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -28,6 +27,8 @@ from kvtune.ingest.remote import RemoteFile
 from kvtune.ingest.schemas._fields import MALFORMED_JSON, RowError, is_unicode
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import pyarrow.json as pj
 
 BLOCK_BYTES = 4 << 20  # JSONL bytes per pyarrow parse
@@ -317,6 +318,8 @@ def _in_order(
 ) -> Iterator[tuple[Future[_Result], _Block, int]]:
     """(future of work(block), block, position) for each block, in file order, with the next
     blocks already running on one thread per CPU; a consumer that stops early cancels the rest."""
+    from concurrent.futures import ThreadPoolExecutor  # here: Parquet and CSV reading skip its import
+
     workers = reader_threads()
     pending: deque[tuple[Future[_Result], _Block, int]] = deque()
     with ThreadPoolExecutor(workers) as pool:

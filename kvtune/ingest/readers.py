@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, flatscan
+from kvtune.ingest import FileInfo, IngestOptions, IngestStats, OnError, arrays, flatscan
 from kvtune.ingest.columns import _TYPES, Records
 from kvtune.ingest.jsonl import JsonlPaths
 from kvtune.ingest.partitions import partition_keys, prune
@@ -347,7 +347,7 @@ class _Sink:
         for t in (*_TYPES,):
             values = [r.get(t) for r in rows]
             if any(v is not None for v in values):
-                cols[t] = pa.array(values, _TYPES[t])
+                cols[t] = arrays.from_pylist(values, _TYPES[t])
         sink_plan = FilePlan(self.plan.path, self.plan.container, self.plan.adapter)  # units done
         batch = self.reader._finalize(sink_plan, cols, len(rows), lambda i: where[i])
         if batch is not None:

@@ -18,12 +18,10 @@ that copy is what the readers (and `--workers` processes) open, under the URL as
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -298,6 +296,9 @@ def _answers_ranges(fs: Any, url: str, name: str, size: int) -> bool:
 def _downloaded(fs: Any, url: str, name: str) -> RemoteFile:
     """The file streamed once into a temporary local file (removed when kvtune exits), opened by
     the readers as the URL: for a web server without Range support."""
+    import atexit  # only for a URL downloaded whole: local inputs skip these imports
+    import tempfile
+
     from fsspec.implementations.local import LocalFileSystem
 
     handle, local = tempfile.mkstemp(prefix="kvtune-", suffix="-" + urlsplit(url).path.rsplit("/", 1)[-1][-64:])

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from pathlib import Path
@@ -86,6 +85,8 @@ def _looks_like_path(source: str) -> bool:
 
 def _unknown(name: str) -> UnknownNameError:
     names = preset_names()
+    import difflib  # only for a name that is not known
+
     close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else f"presets: {', '.join(names)}"
     return UnknownNameError(

@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtune.bench.report import Slo
+from kvtune.capacity.measured import CapacitySource
 from kvtune.deploy.read import DeployedRoute
-from kvtune.errors import KvtuneError, OptionError
+from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
@@ -68,6 +69,7 @@ from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
 from kvtune.sim.scheduler import EngineSettings
+from kvtune.sim.traffic import logged_rate
 
 if TYPE_CHECKING:
     from kvtune.sim.results import SimResult
@@ -192,26 +194,31 @@ def objective_load(profile: Profile, spec: ObjectiveSpec) -> Load:
         return Load(None, spec.concurrency, "option")
     if spec.rate_rps is not None:
         return Load(spec.rate_rps, None, "option")
-    arrival = profile.combined().arrival if profile.routes else None
-    rate = None if arrival is None else arrival.mean_rate_rps
-    if rate is None or not rate > 0:
+    rate = logged_rate(profile)  # as `kvtune simulate` takes it
+    if rate is None:
         raise OptionError("the logs carry no timestamps to take an arrival rate from: give --rate RPS or "
                           "--concurrency N", field="rate")
     return Load(round(rate, 6), None, "logs")
 
 
 def sim_basis(plan: Plan) -> SimBasis:
-    """The simulator's footing on the plan's measured capacity: its timing (or the roofline for
-    the plan's model and GPU) and the engine with today's defaults."""
-    from kvtune.sim.setup import engine_setup, timing_setup
+    """The simulator's footing on the plan's capacity: a measured one's timing (or the roofline
+    for the plan's model and GPU) and the engine with today's defaults; without a capacity file
+    (or with only a pool size given), the plan's own estimate, as `kvtune simulate` takes it
+    (kvtune.sim.setup.offline_capacity)."""
+    from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, timing_setup
 
     measured = plan.measured
-    if measured is None:
-        raise OptionError("an objective is simulated on a measured capacity: give --capacity FILE from "
-                          "`kvtune calibrate`", field="capacity_file")
+    labels = None
+    if measured is None or given_pool(measured):
+        if plan.gpu_model is None:
+            raise OptionError("an objective without a capacity file is simulated on the roofline step time of a "
+                              "catalog GPU: give --gpu (or --gpu-spec FILE), or --capacity FILE from "
+                              "`kvtune calibrate --timing`", field="gpu")
+        measured, labels = offline_capacity(plan)
     gpu = plan.gpu_model
     timing = timing_setup(measured, spec=plan.spec, gpu=gpu, tp=plan.kv.tensor_parallel_size)
-    engine = engine_setup(measured, gpu=gpu).settings
+    engine = engine_setup(measured, gpu=gpu, recorded_from=labels).settings
     return SimBasis(timing.model, timing.http_overhead_s, engine)
 
 
@@ -474,7 +481,11 @@ class Candidate:
 
 
 def grid_candidates(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective,
-                    grid: SearchGrid) -> list[Candidate]:
+                    grid: SearchGrid, left_out: list[str] | None = None) -> list[Candidate]:
+    """The grid's rows in table order. On an estimated pool a cell's engine settings can leave no
+    memory for KV (its max_num_seqs' sampler, replanned as vLLM profiles it): with `left_out`
+    given, such a cell is no candidate and its label and reason are appended there (the search
+    says so in its notes); without it, the CapacityError propagates."""
     basis = objective.basis
     uncapped: dict[str, int | None] = {r.route: None for r in profile.routes}
     default = recommend(profile, plan, options)
@@ -484,9 +495,15 @@ def grid_candidates(profile: Profile, plan: Plan, options: RecommendOptions, obj
     user_safety = options.safety_fraction is not None
     seen: set[tuple] = set()
     for level, safety, policy in grid.cells():
-        rec = recommend(profile, plan, dataclasses.replace(
-            options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
-            searched=not user_safety, admission=policy.admission()))
+        try:
+            rec = recommend(profile, plan, dataclasses.replace(
+                options, cap_level=None if level == TAIL_LEVEL else level, safety_fraction=safety,
+                searched=not user_safety, admission=policy.admission()))
+        except CapacityError as exc:
+            if left_out is None or plan.capacity.source is not CapacitySource.ESTIMATE:
+                raise
+            left_out.append(f"{policy.label}, caps {level}, safety {safety:g}: {exc.message}")
+            continue
         deployment = rendered_deployment(rec, basis, policy)
         key = (policy, tuple(sorted(deployment.caps.items())), deployment.budget_blocks, deployment.engine)
         if key in seen:
@@ -579,10 +596,16 @@ def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: O
     """Simulate the grid, choose the best feasible candidate, return its recommendation with the
     what-if table; InfeasibleObjectiveError (with the table) when no candidate meets the constraints."""
     grid = searched_grid(grid, options, objective)
-    candidates = grid_candidates(profile, plan, options, objective, grid)
+    left_out: list[str] = []
+    candidates = grid_candidates(profile, plan, options, objective, grid, left_out)
     draws = [draw_requests(objective, seed) for seed in objective_seeds(objective)]
-    return chosen_recommendation(objective, grid, candidates,
-                                 lambda c: (simulate_deployment(objective, c.deployment, draws), ()), progress)
+    rec = chosen_recommendation(objective, grid, candidates,
+                                lambda c: (simulate_deployment(objective, c.deployment, draws), ()), progress)
+    if not left_out:
+        return rec
+    note = (f"{len(left_out)} candidate(s) of the grid left out: on the estimated pool their engine settings leave "
+            f"no memory for KV (first: {left_out[0]})")
+    return dataclasses.replace(rec, notes=(*rec.notes, note))
 
 
 def searched_grid(grid: SearchGrid | None, options: RecommendOptions, objective: Objective) -> SearchGrid:

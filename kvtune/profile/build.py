@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtune.errors import InputError, KvtuneError
+from kvtune.profile import counting
 from kvtune.profile.histogram import (
     JOINT_EDGES,
     Histogram,
     JointHistogram,
     LogHistogram,
+    distinct,
     joint_bin,
     log_bin,
 )
@@ -187,7 +189,7 @@ class _Routes:
         g = gid[sparse]
         np.add.at(self.rows, g, 1)
         hot = g[self.rows[g] >= DENSE_ROWS]  # rows of routes that have enough now
-        ready = np.flatnonzero(np.bincount(hot, minlength=groups)) if hot.size > groups else np.unique(hot)
+        ready = np.flatnonzero(np.bincount(hot, minlength=groups)) if hot.size > groups else distinct(hot)
         ready = ready[self.slot[ready] < 0]
         if ready.size:
             for route in ready[np.argsort(-self.rows[ready], kind="stable")]:  # busiest first
@@ -266,7 +268,7 @@ class _Table:
             group = routes.gids(ids[big]) * self.halves
             if cut is not None:
                 group += cut[big]
-            for g in np.unique(group):
+            for g in distinct(group):
                 self.overflow.setdefault(int(g), []).append(Histogram.of(values[big][group == g]))
             keep = ~big
             ids, values = ids[keep], values[keep]
@@ -287,7 +289,10 @@ class _Table:
             self.add_sparse(routes.gid_of_slot[ids[wide]], values[wide], None if cut is None else cut[wide])
             ids, values = ids[~wide], values[~wide]
             cut = None if cut is None else cut[~wide]
-        self.add_keys(_keys(ids, self.halves * width, values, width, cut))
+        if counting.available():  # one pass without the GIL: counts beside the reader thread's decoding
+            counting.add_counts(self.counts, ids, self.halves * width, values, cut, width)
+        else:
+            self.add_keys(_keys(ids, self.halves * width, values, width, cut))
 
     def add_keys(self, keys: np.ndarray) -> None:
         """Count precomputed dense keys row·width + value (the table already wide enough)."""
@@ -469,7 +474,10 @@ class ProfileBuilder:
                 self._prompt.add(routes, i, p, dense, top=top)
                 self._total.add(routes, i, p + o, dense, cut if ok is None else c, top + out_top)
                 joint_cells = _JOINT_WIDTH * _JOINT_WIDTH
-                if dense and self._joint._grow(routes.slots, joint_cells) >= joint_cells:
+                wide = self._joint._grow(routes.slots, joint_cells) if dense else 0
+                if wide >= joint_cells and counting.available() and max(top, out_top) < _JOINT_TABLE_SIZE:
+                    counting.add_pair_counts(self._joint.counts, i, wide, p, o, _joint_table(1), _JOINT_WIDTH)
+                elif wide >= joint_cells:
                     # joint cell = prompt bin · width + output bin, both from lookup tables, added
                     # straight onto the route's row offset: one key array, no cell array
                     key = _keys(i, self._joint.counts.shape[1])
@@ -626,7 +634,7 @@ class ProfileBuilder:
         bounds = np.searchsorted(out, np.arange(n_out + 1))
         first = np.full(n_out, np.inf)
         last = np.full(n_out, -np.inf)
-        seen = np.unique(gid)
+        seen = distinct(gid)
         np.minimum.at(first, out_of_gid[seen], self._first_s[seen])
         np.maximum.at(last, out_of_gid[seen], self._last_s[seen])
         for r in np.flatnonzero(np.diff(bounds)):

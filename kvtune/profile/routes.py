@@ -22,7 +22,7 @@ import numpy as np
 from kvtune.errors import InputError
 from kvtune.ingest.paths import SkippedFile
 from kvtune.ingest.window import WindowReport, merge_reports
-from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram
+from kvtune.profile.histogram import MAX_SAVED_INTEGER, Histogram, JointHistogram, LogHistogram, distinct
 from kvtune.profile.logged_model import ModelSelection
 from kvtune.userfiles import brief
 
@@ -106,7 +106,7 @@ class CensoredHistogram:
     _survival: np.ndarray = field(init=False, repr=False)  # KM S(t) at each of _times
 
     def __post_init__(self) -> None:
-        times = np.union1d(self.uncensored.values, self.censored.values)
+        times = distinct(np.concatenate((self.uncensored.values, self.censored.values)))
         if self.censored.total == 0:
             survival = np.zeros(0)  # not needed: the exact nearest-rank path is used
         else:

@@ -37,10 +37,12 @@ class SimulationRun:
 def run_simulation(traffic: Callable[[int | None], Traffic], engine: EngineSetup, timing: TimingSetup, *,
                    admission: Callable[[Sequence[str]], Admission | None], slo: Slo | None, context: dict[str, Any],
                    admission_info: dict[str, Any], time_bounded_closed_loop: bool = False,
-                   retry: RetryPolicy = CLIENT_RETRY, rule: EngineRule = None) -> SimulationRun:
+                   retry: RetryPolicy = CLIENT_RETRY, rule: EngineRule = None,
+                   capacity: dict[str, Any] | None = None) -> SimulationRun:
     """Simulate `traffic(n)` (n: requests to draw for a closed loop, None: the traffic's own bound)
     on the engine whose scheduler `rule` names (kvtune.sim.rules; None: vLLM); `admission(routes)`
-    a fresh admission for requests whose routes are `routes` (one per request)."""
+    a fresh admission for requests whose routes are `routes` (one per request); `capacity` what
+    the JSON says of where the pool came from (`simulation.capacity`)."""
     n: int | None = None
     while True:
         t = traffic(n)
@@ -50,7 +52,8 @@ def run_simulation(traffic: Callable[[int | None], Traffic], engine: EngineSetup
         if not (time_bounded_closed_loop and used_all and len(t) < MAX_REQUESTS):
             break
         n = 2 * len(t)
-    simulation = {"timing": timing.to_dict(), "engine": engine.to_dict(), "admission": admission_info,
+    simulation = {"timing": timing.to_dict(), "engine": engine.to_dict(),
+                  **({} if capacity is None else {"capacity": capacity}), "admission": admission_info,
                   "rule": rule_name(rule),
                   "retry": {"max_retries": retry.max_retries, "max_wait_s": retry.max_wait_s}}
     # the unit the pool is counted in: vLLM's blocks, SGLang's tokens, TensorRT-LLM's blocks

@@ -12,11 +12,13 @@ did not apply.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtune.capacity.measured import MeasuredCapacity, blocks_from_tokens
+from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
@@ -27,13 +29,16 @@ from kvtune.steptime import FrontEndModel, StepTimeModel
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu
     from kvtune.model.spec import ModelSpec
+    from kvtune.planning import Plan
 
 OPTION, CAPACITY, DEFAULT = "option", "capacity-file", "engine-default"
+ESTIMATE = "estimate"  # kvtune's own capacity estimate (kvtune.capacity.plan), no capacity file
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSetup:
-    """The engine settings and, for each, where it came from (option, capacity-file, engine-default)."""
+    """The engine settings and, for each, where it came from (option, capacity-file, estimate,
+    engine-default)."""
 
     settings: EngineSettings
     sources: dict[str, str]
@@ -47,12 +52,19 @@ class EngineSetup:
 
 
 def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, gpu: Gpu | None = None) -> EngineSetup:
-    """The settings `measured` implies, overridden by the options given."""
+                 max_num_batched_tokens: int | None = None, gpu: Gpu | None = None,
+                 recorded_from: Mapping[str, str] | None = None) -> EngineSetup:
+    """The settings `measured` implies, overridden by the options given. `recorded_from` says
+    where a setting `measured` holds came from when that is not a capacity file (an offline
+    simulation's pool is kvtune's estimate or an option; see offline_capacity)."""
     sources: dict[str, str] = {}
+    labels = recorded_from or {}
 
-    def pick(name: str, option: int | None, recorded: int | None, default: int) -> int:
-        for value, source in ((option, OPTION), (recorded, CAPACITY), (default, DEFAULT)):
+    def recorded(name: str) -> str:
+        return labels.get(name, CAPACITY)
+
+    def pick(name: str, option: int | None, recorded_value: int | None, default: int) -> int:
+        for value, source in ((option, OPTION), (recorded_value, recorded(name)), (default, DEFAULT)):
             if value is not None:
                 sources[name] = source
                 return value
@@ -65,14 +77,14 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     if max_model_len is None:
         raise CapacityError("the capacity file gives no max_model_len; recalibrate against the server "
                             "(`kvtune calibrate URL --out FILE`)", path=measured.origin, field="max_model_len")
-    sources["max_model_len"] = CAPACITY
+    sources["max_model_len"] = recorded("max_model_len")
     num_blocks = measured.num_blocks
     if num_blocks is None and measured.kv_cache_tokens is not None:
         num_blocks = blocks_from_tokens(measured.kv_cache_tokens, block_size, max_model_len)
     if not num_blocks:
         raise CapacityError("the capacity file gives no KV blocks (num_blocks or kv_cache_tokens)",
                             path=measured.origin, field="num_blocks")
-    sources["num_blocks"] = CAPACITY
+    sources["num_blocks"] = recorded("num_blocks")
     batched_default, seqs_default = vllm.default_scheduler_limits(
         measured.device, gpu.memory_bytes if gpu is not None else None, gpu.name if gpu is not None else None)
     recorded_batched = measured.max_num_batched_tokens
@@ -81,7 +93,7 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     seqs = pick("max_num_seqs", max_num_seqs, measured.max_num_seqs, seqs_default)
     batched = pick("max_num_batched_tokens", max_num_batched_tokens, recorded_batched, batched_default)
     caching = measured.enable_prefix_caching
-    sources["enable_prefix_caching"] = DEFAULT if caching is None else CAPACITY
+    sources["enable_prefix_caching"] = DEFAULT if caching is None else recorded("enable_prefix_caching")
     try:
         settings = EngineSettings(num_blocks=num_blocks, block_size=block_size, max_num_seqs=seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_model_len,
@@ -89,6 +101,27 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     except OptionError as exc:
         raise CapacityError(exc.message, path=measured.origin, field=exc.field) from None
     return EngineSetup(settings, sources)
+
+
+def offline_capacity(plan: Plan) -> tuple[MeasuredCapacity, dict[str, str]]:
+    """The pool a simulation without a capacity file runs on, and where each of its settings came
+    from: the plan's capacity as a capacity file states it (kvtune's estimate, or the pool that
+    --kv-tokens / --num-gpu-blocks gave), without the plan's scheduler limits, which are the
+    engine's defaults for the GPU unless options set them (engine_setup)."""
+    # no file: errors about the settings name the option, not an origin
+    record = dataclasses.replace(plan.report.capacity_file(), max_num_seqs=None, max_num_batched_tokens=None,
+                                 origin=None)
+    given = plan.inputs
+    labels = {"num_blocks": ESTIMATE if plan.measured is None else OPTION,
+              "block_size": OPTION if given is not None and given.block_size is not None else DEFAULT,
+              "max_model_len": OPTION if plan.max_model_len_given is not None else DEFAULT}
+    return record, labels
+
+
+def given_pool(measured: MeasuredCapacity | None) -> bool:
+    """Whether a plan's measured capacity is only a pool size an option gave (--kv-tokens,
+    --num-gpu-blocks): the rest of the engine is then the plan's, as without one."""
+    return measured is not None and measured.source is CapacitySource.KV_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,4 +208,5 @@ def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
     return None
 
 
-__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "OPTION", "CAPACITY", "DEFAULT"]
+__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "offline_capacity", "given_pool", "OPTION",
+           "CAPACITY", "DEFAULT", "ESTIMATE"]

@@ -47,6 +47,33 @@ class Traffic:
         return len(self.workload)
 
 
+# where a simulation's load came from: an option, the logs' own arrivals, or the fallback
+LOAD_OPTION, LOAD_LOGS, LOAD_DEFAULT = "option", "logs", "default"
+
+
+def logged_rate(profile: Profile, routes: Sequence[str] = ()) -> float | None:
+    """The logs' mean arrival rate in requests/s over the routes simulated (all when none are
+    named): their requests over the span of their timestamps; None when the logs carry none."""
+    chosen = tuple(r for r in profile.routes if not routes or r.route in routes)
+    if not chosen:
+        return None
+    arrival = Profile(routes=chosen).combined().arrival
+    rate = None if arrival is None else arrival.mean_rate_rps
+    return rate if rate is not None and rate > 0 else None
+
+
+def default_load(profile: Profile, routes: Sequence[str] = (), *, burstiness: float = 1.0
+                 ) -> tuple[LoadShape, str, str | None]:
+    """The load to simulate when none is given: Poisson arrivals at the logs' mean rate; logs
+    without timestamps have none, and then one client at a time (synchronous), said in the note."""
+    rate = logged_rate(profile, routes)
+    if rate is not None:
+        return LoadShape.rate(round(rate, 6), burstiness), LOAD_LOGS, None
+    return (LoadShape.closed(1), LOAD_DEFAULT,
+            "the logs carry no timestamps to take an arrival rate from: simulating one client at a time "
+            "(--concurrency 1); give --rate R or --concurrency C for another load")
+
+
 def _synth(max_model_len: int) -> PromptSynth:
     """No prompt text: the lengths and their clamping are all a simulation needs of bench's draw."""
     return PromptSynth((), 0, "assumed", max_model_len)
@@ -119,5 +146,6 @@ def replay_traffic(rows: Sequence[tuple[str, int, int]], stamps: Sequence[float]
     return build_traffic(draws, sends, overhead_s=overhead_s, cap=cap, closed_loop=None, clamped=wl.clamped)
 
 
-__all__ = ["Traffic", "draw_profile", "send_offsets", "build_traffic", "profile_traffic", "replay_traffic",
+__all__ = ["Traffic", "logged_rate", "default_load", "LOAD_OPTION", "LOAD_LOGS", "LOAD_DEFAULT",
+           "draw_profile", "send_offsets", "build_traffic", "profile_traffic", "replay_traffic",
            "CLOSED_LOOP_FIRST_DRAW", "MAX_REQUESTS"]

@@ -1,0 +1,90 @@
+"""Start-up of kvtune's commands against a bare `import click`, each a whole process.
+
+The budget (issue 31): `kvtune kv MODEL --json` within 1.5× the time of `python -c "import click"`
+(the CLI framework alone); a command should import only what it needs. Also shown: the bare
+interpreter, `kvtune --help`, and `kvtune profile` on the smallest sample log (numpy and pyarrow
+are its floor). Runs are interleaved (one of each command per round) and the medians of --repeat
+rounds are printed with the load average and the versions, since a shared machine's noise falls
+on every command alike only when they take turns.
+
+kvtune is byte-compiled first, as pip does on install: under PYTHONDONTWRITEBYTECODE=1 an
+editable checkout would recompile every module it imports on every run (kv: ~70 ms instead of
+~55 ms here), a cost no installed kvtune pays. An editable install also imports pathlib and
+friends in `site` (its path finder) before either command runs, which flatters the ratio less
+than it seems: kvtune imports pathlib anyway.
+
+    python benchmarks/startup_bench.py            # exit 1 when kv is past the budget
+    python benchmarks/startup_bench.py --repeat 41
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGET = 1.5  # kvtune kv / import click
+
+COMMANDS = {
+    "python": ["-c", "pass"],
+    "import click": ["-c", "import click"],
+    "kvtune kv": ["-m", "kvtune", "kv", "llama-3.1-8b", "--json"],
+    "kvtune --help": ["-m", "kvtune", "--help"],
+    "kvtune profile": ["-m", "kvtune", "profile", str(REPO / "sample_logs" / "azure_style_trace.csv"), "--json", "-q"],
+}
+
+
+def _time(argv: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    import kvtune
+
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return (f"Python {sys.version.split()[0]}, kvtune {kvtune.__version__} ({commit or 'no git'}) from "
+            f"{Path(kvtune.__file__).parent}, click {version('click')}, numpy {version('numpy')}, "
+            f"pyarrow {version('pyarrow')}; {os.cpu_count()} CPUs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=21)
+    args = parser.parse_args()
+    spec = importlib.util.find_spec("kvtune")
+    if spec is not None and spec.submodule_search_locations:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *spec.submodule_search_locations], check=True,
+                       stdout=subprocess.DEVNULL)
+    for argv in COMMANDS.values():  # warm the page cache
+        _time(argv)
+    before = os.getloadavg()
+    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    for _ in range(args.repeat):
+        for name, argv in COMMANDS.items():
+            times[name].append(_time(argv))
+    after = os.getloadavg()
+    print(_versions())
+    print(f"medians of {args.repeat} interleaved runs; load average {before[0]:.2f} before, {after[0]:.2f} after")
+    median = {name: statistics.median(t) for name, t in times.items()}
+    click_s = median["import click"]
+    for name, m in median.items():
+        print(f"  {name:<16} {m * 1000:>7.1f} ms  {m / click_s:>5.2f}× import click")
+    ratio = median["kvtune kv"] / click_s
+    verdict = "within" if ratio <= BUDGET else "PAST"
+    print(f"budget: kvtune kv ≤ {BUDGET}× import click: {ratio:.2f}×, {verdict} the budget")
+    sys.exit(0 if ratio <= BUDGET else 1)
+
+
+if __name__ == "__main__":
+    main()
