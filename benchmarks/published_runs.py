@@ -11,10 +11,10 @@ The runs, their setups and printed results are in ../shared/validation/published
 - load: `--concurrency C --requests N` for closed loops (`--max-concurrency`), every request at
   t = 0 (`--replay` of a log whose timestamps are all 0) for `request_rate inf` without a
   concurrency, `--replay` of the trace for LLMServingSim.
-- capacity: a capacity file per run, written from kvtune's own estimate (`kvtune capacity MODEL
-  --gpu G --json`: its kv_cache_tokens and block size) because `simulate` still needs one; where the
-  source printed the pool (LLMServingSim's RTX 4090: 2,588 blocks × 16) that pool instead. Once
-  `simulate --model --gpu` runs without a capacity file (branch `offline`), the file goes.
+- capacity: no capacity file: `simulate --model M --gpu G` runs on kvtune's own pool estimate
+  (with the run's --kv-cache-dtype, --max-model-len and --gpu-memory-utilization where the source
+  gives them), or `--num-gpu-blocks N` where the source printed the pool (LLMServingSim's RTX 4090:
+  2,588 blocks × 16).
 - step time: whatever `simulate` picks with --model and --gpu and no calibration: aiconfigurator's
   silicon data where it covers the GPU (H100, A100, RTX PRO 6000 …), else the roofline (RTX 4090),
   as each row's `source` column says.
@@ -60,7 +60,6 @@ MODELS = {  # the CSV's model -> what kvtune simulate --model takes (presets, or
     "openai/gpt-oss-20b": "gpt-oss-20b",
 }
 GPUS = {"H100": "H100-80GB", "A100": "A100-80GB", "RTX 4090": "RTX-4090", "RTX PRO 6000": "RTX-PRO-6000"}
-MAX_MODEL_LEN = {"qwen3-8b": 40960, "Qwen3-14B": 40960, "llama-3.1-8b": 131072, "gpt-oss-20b": 131072}
 TARGETS = {"tok/s": 0.15, "ttft": 0.25, "tpot": 0.15}
 
 
@@ -175,33 +174,19 @@ def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
     return path, load
 
 
-def capacity_file(case: Case, work: Path) -> tuple[Path, str]:
-    """A capacity file: the published pool where the source printed one, else kvtune's estimate."""
+def capacity_options(case: Case) -> tuple[list[str], str]:
+    """simulate's pool options: the published pool where the source printed one, else kvtune's
+    estimate for the run's settings."""
     r = case.row
     mml_field = r["max_model_len"].strip()
-    mml = int(mml_field) if mml_field.isdigit() else MAX_MODEL_LEN.get(Path(case.model).stem, 40960)
+    options = ["--max-model-len", mml_field] if mml_field.isdigit() else []
+    if case.kv_fp8:
+        options += ["--kv-cache-dtype", "fp8"]
     if (m := re.match(r"(\d+) blocks x (\d+)", r["kv_cache_size"])) is not None:
-        blocks, block_size = int(m.group(1)), int(m.group(2))
-        source = f"published ({blocks} × {block_size})"
-    else:
-        cmd = [sys.executable, "-m", "kvtune", "capacity", case.model, "--gpu", case.gpu, "--json",
-               "--max-model-len", str(mml)]
-        if case.kv_fp8:
-            cmd += ["--kv-cache-dtype", "fp8"]
-        if (util := case.number("gpu_memory_utilization")) is not None:
-            cmd += ["--gpu-memory-utilization", str(util)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=_env())
-        if not out.stdout.strip():
-            raise RuntimeError("kvtune capacity: " + (out.stderr.strip().splitlines() or ["?"])[-1])
-        data = json.loads(out.stdout)
-        blocks, block_size = int(data["num_blocks"]), int(data["block_size"])
-        source = f"kvtune estimate ({blocks} × {block_size})"
-    cap = {"source": "metrics", "kv_cache_tokens": blocks * block_size, "num_blocks": blocks,
-           "block_size": block_size, "max_model_len": mml, "device": "GPU", "model": r["model"],
-           "kv_cache_dtype": "fp8" if case.kv_fp8 else "auto"}
-    path = work / f"{case.id}.capacity.json"
-    path.write_text(json.dumps(cap))
-    return path, source
+        return options + ["--num-gpu-blocks", m.group(1)], f"published ({m.group(1)} × {m.group(2)})"
+    if (util := case.number("gpu_memory_utilization")) is not None:
+        options += ["--gpu-memory-utilization", str(util)]
+    return options, "kvtune estimate"
 
 
 def _env() -> dict[str, str]:
@@ -210,12 +195,9 @@ def _env() -> dict[str, str]:
 
 def simulate(case: Case, work: Path) -> dict[str, object]:
     log, load = workload(case, work)
-    try:
-        cap, cap_source = capacity_file(case, work)
-    except RuntimeError as exc:
-        return {"error": str(exc), "wall_s": 0.0, "capacity": "none"}
-    cmd = [sys.executable, "-m", "kvtune", "simulate", str(log), "--capacity", str(cap), "--model", case.model,
-           "--gpu", case.gpu, "--json", *load]
+    pool, cap_source = capacity_options(case)
+    cmd = [sys.executable, "-m", "kvtune", "simulate", str(log), "--model", case.model, "--gpu", case.gpu, *pool,
+           "--json", *load]
     for field, option in (("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens")):
         if r := case.row[field].strip():
             cmd += [option, r]
@@ -229,6 +211,9 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
     duration = data["duration_s"] or math.nan
     total = (data["prompt_tokens_requested_total"] + data["output_tokens_total"]) / duration
     timing = data["simulation"]["timing"]
+    blocks = data["simulation"]["engine"]["num_blocks"]["value"]
+    if cap_source == "kvtune estimate":
+        cap_source = f"kvtune estimate ({blocks} blocks)"
     return {"tok/s": tput["output_tokens_per_s"], "total tok/s": total,
             "ttft_mean_ms": lat["ttft"]["mean"], "ttft_median_ms": lat["ttft"]["p50"],
             "tpot_mean_ms": lat["tpot"]["mean"], "itl_median_ms": lat["tpot"]["p50"],
