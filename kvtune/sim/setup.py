@@ -188,6 +188,22 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
                                     "label": f"roofline estimate for {gpu.name} ({reason})"})
 
 
+def plan_timing(plan: Plan) -> TimingSetup:
+    """The step time `simulate`, `recommend --objective` and recommend's latency bound all price a
+    plan with: its capacity file's calibrated timing, else silicon data or the roofline for its model
+    on its GPU (timing_setup), on the pool offline_capacity states when no capacity file is given.
+    OptionError when the plan names no catalog GPU and has no calibrated timing."""
+    measured = plan.measured
+    if measured is not None and measured.timing is not None:
+        return timing_setup(measured)
+    if plan.gpu_model is None:
+        raise OptionError("a step time without a calibrated capacity file needs a catalog GPU: give --gpu (or "
+                          "--gpu-spec FILE), or --capacity FILE from `kvtune calibrate --timing`", field="gpu")
+    if measured is None or given_pool(measured):
+        measured, _ = offline_capacity(plan)
+    return timing_setup(measured, spec=plan.spec, gpu=plan.gpu_model, tp=plan.kv.tensor_parallel_size)
+
+
 def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
     """The config.json `spec` was read from (a model directory, a config file, a preset) and, beside
     it in a directory, a ModelOpt hf_quant_config.json; None when there is no local file."""
@@ -208,5 +224,5 @@ def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
     return None
 
 
-__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "offline_capacity", "given_pool", "OPTION",
-           "CAPACITY", "DEFAULT", "ESTIMATE"]
+__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "plan_timing", "offline_capacity",
+           "given_pool", "OPTION", "CAPACITY", "DEFAULT", "ESTIMATE"]
