@@ -23,6 +23,7 @@ from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
+from kvtune.sim.frontend import VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
 from kvtune.sim.scheduler import EngineSettings
 from kvtune.steptime import FrontEndModel, StepTimeModel
 
@@ -179,13 +180,23 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
             except NoSiliconDataError as exc:
                 reason = str(exc)
             else:
-                return TimingSetup(model, 0.0, {"silicon": silicon_inputs.to_dict(),
-                                                "label": silicon_inputs.label})
+                return _with_api_server(model, {"silicon": silicon_inputs.to_dict(), "label": silicon_inputs.label},
+                                        engine or measured.engine)
     from kvtune.capacity.timing import roofline_step_time
 
     model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
-    return TimingSetup(model, 0.0, {"roofline": inputs.to_dict(), "fallback_reason": reason,
-                                    "label": f"roofline estimate for {gpu.name} ({reason})"})
+    return _with_api_server(model, {"roofline": inputs.to_dict(), "fallback_reason": reason,
+                                    "label": f"roofline estimate for {gpu.name} ({reason})"}, engine or measured.engine)
+
+
+def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None) -> TimingSetup:
+    """An uncalibrated step time with the API server in front of it: for vLLM, its measured server
+    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`); other engines' servers were not
+    measured, so none (`frontend_from` says so)."""
+    if engine not in (None, "vllm"):
+        return TimingSetup(model, 0.0, {**detail, "frontend_from": f"none: {engine}'s API server not measured"})
+    return TimingSetup(model, VLLM_API_SERVER_LONE_S, {**detail, "frontend_from": VLLM_API_SERVER_SOURCE},
+                       VLLM_API_SERVER)
 
 
 def plan_timing(plan: Plan) -> TimingSetup:
