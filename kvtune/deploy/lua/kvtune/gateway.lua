@@ -5,6 +5,7 @@
 local cjson = require "cjson.safe"
 local events = require "kvtune.events"
 local ledger_rates = require "kvtune.ledger"
+local reservation_math = require "kvtune.reservation"
 local statistical = require "kvtune.statistical"
 
 local _M = {}
@@ -1144,7 +1145,7 @@ function _M.new(CONFIG, POLICY)
         if n > -2^53 and n < 2^53 then return format("%d", n) end
         return format("%.0f", n)
     end
-    local function blocks_of(prompt, grow) return ceil((prompt + grow) / CONFIG.block_size) end
+    local function blocks_of(prompt, grow) return reservation_math.blocks_of(prompt, grow, CONFIG.block_size) end
     -- What a 413 was measured against (admission.py's _limit_text).
     local function limit_text()
         if CONFIG.admit_limit == CONFIG.block_budget then
@@ -1174,21 +1175,7 @@ function _M.new(CONFIG, POLICY)
                 smallest, limit_text()), { public = CONFIG.never_fits })
         end
     end
-    -- admission.forced_law: the route's law as far as the request leaves its length to it:
-    -- none (its cap) when a field may hold it there, conditioned on length >= min_tokens.
-    local function forced_law(law, r, cap)
-        if law == nil or r.forces_cap ~= nil then return nil end
-        local least = math.min(r.forced_tokens or 0, cap)
-        if least <= 0 then return law end
-        local lengths, counts = {}, {}
-        for i = 1, #law.lengths do
-            if law.lengths[i] >= least and law.counts[i] > 0 then
-                lengths[#lengths + 1], counts[#counts + 1] = law.lengths[i], law.counts[i]
-            end
-        end
-        if #lengths == 0 then return nil end
-        return { lengths = lengths, counts = counts }
-    end
+    local forced_law = reservation_math.forced_law
     -- The largest reading: copies x the sum over its sequences of ceil((prompt + cap) / block_size);
     -- and what its sequences may reach (the statistical ledger's demand: their prompts, the cap,
     -- the route's output law; none for a reading that generates nothing).
