@@ -3,6 +3,7 @@
 -- POLICY, the endpoint and field rules rendered from kvtune.render.lua_policy) and calls
 -- gateway.new(CONFIG, POLICY); the phases call the handlers it returns.
 local cjson = require "cjson.safe"
+local counting = require "kvtune.counting"
 local events = require "kvtune.events"
 local ledger_rates = require "kvtune.ledger"
 local reservation_math = require "kvtune.reservation"
@@ -215,17 +216,8 @@ function _M.new(CONFIG, POLICY)
         local text = is_str(v) and v or (v == nil or v == NULL) and "None" or type_name(v)
         return "'" .. sub(text, 1, 40) .. "'"
     end
-    -- Characters of a value as compact JSON (what the Python estimate measures): cjson writes
-    -- "/" as "\/", Python does not.
-    local function text_chars(s)
-        local _, continuation = ngx.re.gsub(s, [=[[\x80-\xbf]]=], "", "jo")
-        return #s - continuation
-    end
-    local function json_chars(v)
-        local text = cjson.encode(v) or ""
-        local _, slashes = ngx.re.gsub(text, "/", "", "jo")
-        return text_chars(text) - slashes
-    end
+    -- Characters of text and of a value as compact JSON (kvtune.counting).
+    local text_chars, json_chars = counting.text_chars, counting.json_chars
 
     -- ------------------------------------------------------------ the raw body
 
@@ -1057,7 +1049,7 @@ function _M.new(CONFIG, POLICY)
         else
             chars = 3 + json_chars(p.messages) + json_chars(next(p.args) and p.args or setmetatable({}, {}))
         end
-        return ceil(chars / CONFIG.estimate_chars_per_token) + CONFIG.estimate_margin_tokens
+        return counting.estimate(chars, CONFIG.estimate_chars_per_token, CONFIG.estimate_margin_tokens)
     end
     local function short(data)
         data = data or ""
