@@ -58,3 +58,34 @@ def test_the_package_ships_every_module_the_gateway_requires():
     assert required == {"kvtune.counting", "kvtune.events", "kvtune.ledger", "kvtune.reservation", "kvtune.statistical"}
     assert {f"lua/{name.replace('.', '/')}.lua" for name in required} < set(modules)
     assert '"deploy/lua/kvtune/*.lua"' in (REPO / "pyproject.toml").read_text(encoding="utf-8")
+
+
+def test_check_warns_when_the_lua_beside_a_deployed_nginx_conf_is_missing_or_another(tmp_path):
+    """recommend --out writes the modules beside nginx.conf; `kvtune check --deployed nginx.conf`
+    says when they are not there (nginx would not start) or are not this kvtune's."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtune.cli import cli
+
+    out = tmp_path / "deploy"
+    made = CliRunner().invoke(cli, ["recommend", str(REPO / "sample_logs"), "--model", "llama-3.1-8b", "--gpu",
+                                    "H100-80GB", "--out", str(out)])
+    assert made.exit_code == 0, made.output
+
+    def lua_findings() -> dict[str, dict]:
+        result = CliRunner().invoke(cli, ["check", str(out / "recommendation.json"), "--deployed",
+                                          str(out / "nginx.conf"), "--json"])
+        assert result.exit_code == 0, result.output  # a warning: nginx may run with another prefix
+        return {f["code"]: f for f in json.loads(result.output)["findings"] if f["code"].startswith("lua-")}
+
+    assert lua_findings() == {}
+    (out / "lua" / "kvtune" / "ledger.lua").write_text("return {}\n", encoding="utf-8")
+    (out / "lua" / "kvtune" / "gateway.lua").unlink()
+    found = lua_findings()
+    assert set(found) == {"lua-modules-missing", "lua-modules-differ"}
+    assert found["lua-modules-missing"]["severity"] == "warn"
+    assert found["lua-modules-missing"]["message"] == "lua/kvtune/gateway.lua not beside nginx.conf"
+    assert found["lua-modules-differ"]["message"] == "lua/kvtune/ledger.lua beside nginx.conf differ from this kvtune's"
+    assert found["lua-modules-missing"]["source"] == str(out / "nginx.conf")
