@@ -1,6 +1,6 @@
 """The gateway's Lua modules (kvtune/deploy/lua/kvtune/*.lua) as Lua: busted runs their unit
 specs (tests/lua/*_spec.lua: the ledger's release rate, the token estimate, the event count, the
-reservation arithmetic, the statistical ledger and its Chernoff bound) under LuaJIT, as nginx runs
+reservation arithmetic, the refusal log, the statistical ledger and its Chernoff bound) under LuaJIT, as nginx runs
 them, and luacheck lints them. nginx itself, the end-to-end proof, runs them in
 test_enforcer_parity.py and the other nginx tests."""
 
@@ -36,7 +36,7 @@ def test_busted_specs_of_the_lua_modules_pass():
     report = done.stdout + done.stderr
     assert done.returncode == 0, report
     passed = [line for line in report.splitlines() if line.startswith("ok ")]
-    assert len(passed) >= 24, report  # busted found the specs and ran them all
+    assert len(passed) >= 27, report  # busted found the specs and ran them all
     assert "not ok" not in report, report
 
 
@@ -55,7 +55,8 @@ def test_the_package_ships_every_module_the_gateway_requires():
     modules = lua_modules()
     gateway = modules["lua/kvtune/gateway.lua"]
     required = set(re.findall(r'require "(kvtune\.[a-z_]+)"', gateway))
-    assert required == {"kvtune.counting", "kvtune.events", "kvtune.ledger", "kvtune.reservation", "kvtune.statistical"}
+    assert required == {"kvtune.counting", "kvtune.events", "kvtune.ledger", "kvtune.refusals", "kvtune.reservation",
+                        "kvtune.statistical"}
     assert {f"lua/{name.replace('.', '/')}.lua" for name in required} < set(modules)
     assert '"deploy/lua/kvtune/*.lua"' in (REPO / "pyproject.toml").read_text(encoding="utf-8")
 

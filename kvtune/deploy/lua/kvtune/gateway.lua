@@ -6,6 +6,7 @@ local cjson = require "cjson.safe"
 local counting = require "kvtune.counting"
 local events = require "kvtune.events"
 local ledger_rates = require "kvtune.ledger"
+local refusal_log = require "kvtune.refusals"
 local reservation_math = require "kvtune.reservation"
 local statistical = require "kvtune.statistical"
 
@@ -74,52 +75,18 @@ function _M.new(CONFIG, POLICY)
         return cjson.encode({ error = { message = message, type = kind, param = NULL, code = code } })
     end
 
-    -- The refusal log (refusals.py's RefusalLog): each worker counts its refusals per reason
-    -- and route over REFUSAL_LOG_S and logs one line each, with the count and the last one's
-    -- blocks needed and free (or its message), on the next refusal after the window, from its
-    -- timer (watch_refusals) and when the worker exits; never a line per request.
-    local REFUSAL_LOG_S = 1
-    local refusal_tallies, refusals_since = {}, nil
-
-    local function flush_refusals(now)
-        if refusals_since == nil then return end
-        local elapsed = math.max(now - refusals_since, 0)
-        for _, t in pairs(refusal_tallies) do
-            local what
-            if t.needed then
-                what = format("needed %d blocks, %d free (last)", t.needed, t.free)
-            else
-                what = "last: " .. sub(t.message or "", 1, 200)
-            end
-            ngx.log(ngx.WARN, format("kvtune: refused %d in %.1f s: %s route=%s status=%d %s",
-                                     t.count, elapsed, t.code, t.route, t.status, what))
-        end
-        refusal_tallies, refusals_since = {}, nil
-    end
-
-    local function count_refusal(r)
-        local now = ngx.now()
-        if refusals_since ~= nil and now - refusals_since >= REFUSAL_LOG_S then flush_refusals(now) end
-        if refusals_since == nil then refusals_since = now end
-        local route = ngx.ctx.kvtune_route or "-"
-        local key = r.code .. "\0" .. route
-        local t = refusal_tallies[key]
-        if t == nil then
-            t = { count = 0, code = r.code, route = route }
-            refusal_tallies[key] = t
-        end
-        t.count, t.status, t.message, t.needed, t.free = t.count + 1, r.status, r.message, r.needed, r.free
-    end
+    -- The refusal log (kvtune.refusals): a line per reason and route each second, never one per
+    -- request.
+    local REFUSAL_LOG = refusal_log.new(1, function(line) ngx.log(ngx.WARN, line) end)
+    local function count_refusal(r) REFUSAL_LOG.count(r, ngx.ctx.kvtune_route or "-", ngx.now()) end
 
     -- init_worker_by_lua: every worker flushes its own window once it has lasted its second,
     -- and what is left when it exits (the timer runs premature then).
     function M.watch_refusals()
-        local ok, err = ngx.timer.every(REFUSAL_LOG_S / 4, function(premature)
+        local ok, err = ngx.timer.every(REFUSAL_LOG.window_s / 4, function(premature)
             ngx.update_time()
             local now = ngx.now()
-            if premature or (refusals_since ~= nil and now - refusals_since >= REFUSAL_LOG_S) then
-                flush_refusals(now)
-            end
+            if premature or REFUSAL_LOG.due(now) then REFUSAL_LOG.flush(now) end
         end)
         if not ok then ngx.log(ngx.ERR, "kvtune: cannot start the refusal log: ", err) end
     end
