@@ -1,8 +1,8 @@
 """The gateway's Lua modules (kvtune/deploy/lua/kvtune/*.lua) as Lua: busted runs their unit
 specs (tests/lua/*_spec.lua: the ledger's release rate, the token estimate, the event count, the
-reservation arithmetic, the refusal log, the statistical ledger and its Chernoff bound) under LuaJIT, as nginx runs
-them, and luacheck lints them. nginx itself, the end-to-end proof, runs them in
-test_enforcer_parity.py and the other nginx tests."""
+reservation arithmetic, the refusal log, the statistical ledger and its Chernoff bound) under
+LuaJIT, as nginx runs them, and luacheck lints them. nginx itself, the end-to-end proof, runs them
+in test_enforcer_parity.py and the other nginx tests."""
 
 from __future__ import annotations
 
