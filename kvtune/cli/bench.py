@@ -234,9 +234,9 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     """
     from kvtune.bench.client import RetryPolicy
     from kvtune.bench.loads import LoadShape
-    from kvtune.bench.report import parse_slo
     from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
     from kvtune.bench.workload import Workload, replay_rows
+    from kvtune.domain.slo import parse_slo
     from kvtune.endpoint import server_root
 
     base_url = server_root(url, field="URL")

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvtune.bench.report import Slo
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity, is_context_note
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.domain.slo import Slo
 from kvtune.endpoint import url_problem
 from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError, InputError, OptionError

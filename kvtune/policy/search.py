@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtune.bench.report import Slo
 from kvtune.capacity.measured import CapacitySource
 from kvtune.deploy.read import DeployedRoute
+from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.bench.report import Slo
+from kvtune.domain.slo import Slo
 from kvtune.errors import InputError, OptionError
 from kvtune.fields import Fields
 from kvtune.gateway.policy import GUARANTEED, MAX_FACTOR, AdmissionPolicy

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtune.bench.client import RetryPolicy
-from kvtune.bench.report import Slo
+from kvtune.domain.slo import Slo
 from kvtune.sim.admission import Admission
 from kvtune.sim.engine import CLIENT_RETRY, simulate
 from kvtune.sim.plot import Timeline, timeline
