@@ -145,7 +145,7 @@ def test_statistical_admission_reports_progress_at_its_marks(engine, timing, req
     """The statistical ledger hears each admitted request at admission and when it has generated
     18, 34, 66, ... tokens (SSE events − 3 = 16, 32, 64, ... streamed, as the live relay reports),
     at the same simulated times in both modes, which still agree to the bit."""
-    from kvtune.gateway.overflow import OutputLaw
+    from kvtune.domain.output_law import OutputLaw
     from kvtune.gateway.policy import AdmissionPolicy
     from kvtune.sim.admission import streamed_tokens_seen
 

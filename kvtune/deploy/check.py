@@ -650,8 +650,8 @@ class _Checker:
             return None
         import dataclasses
 
+        from kvtune.domain.engine_settings import EngineSettings
         from kvtune.policy.replica_search import replica_queue, split_load
-        from kvtune.sim.scheduler import EngineSettings
 
         base = self._deployment(objective, gateway)
         split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
@@ -693,9 +693,9 @@ class _Checker:
         engine file is checked), and the gateway's (default: the first) budget, route caps, output
         laws and wait queue; without a
         gateway, straight to vLLM capped by its backstop."""
+        from kvtune.domain.engine_settings import EngineSettings
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
-        from kvtune.sim.scheduler import EngineSettings
 
         base = objective.basis.engine
         engine_file = self.engines[0] if self.engines else None

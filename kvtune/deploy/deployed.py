@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.config import HealthProbe, RouteMatch
-from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.policy import AdmissionPolicy
 
 

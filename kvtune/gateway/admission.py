@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvtune.capacity.reservation import request_reserved_blocks
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.apis import Reading, Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
 from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
@@ -37,11 +39,9 @@ from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
-from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS, Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
-from kvtune.gateway.statistical import Demand
 from kvtune.gateway.upstream import UpstreamConnectError
 
 if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads what it produced

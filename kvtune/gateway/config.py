@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
+from kvtune.domain.output_law import OutputLaw, parse_output_law
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
@@ -28,7 +29,6 @@ from kvtune.gateway.endpoints import (
     classify,
     never_passthrough,
 )
-from kvtune.gateway.overflow import OutputLaw, parse_output_law
 from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
+from kvtune.domain.demand import Demand
 from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Ledger, Reservation
 from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.gateway.statistical import StatisticalLedger
 
 K = TypeVar("K", bound=Hashable)
 

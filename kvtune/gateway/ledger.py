@@ -16,10 +16,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:  # the statistical ledger's demand; kvtune.gateway.statistical builds on this module
-    from kvtune.gateway.statistical import Demand
+from kvtune.domain.demand import Demand
 
 # Releases are averaged over about this many seconds (same constant as the rendered nginx.conf).
 RATE_WINDOW_S = 30.0

@@ -43,9 +43,10 @@ import numpy as np
 
 from kvtune.capacity.measured import CapacitySource
 from kvtune.deploy.read import DeployedRoute
+from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.output_law import OutputLaw
 from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
-from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
@@ -68,7 +69,6 @@ from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
-from kvtune.sim.scheduler import EngineSettings
 from kvtune.sim.traffic import logged_rate
 
 if TYPE_CHECKING:
