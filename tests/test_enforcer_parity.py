@@ -46,9 +46,9 @@ from enforcers import (
 )
 from fake_vllm import DONE_EVENT, ROLE_EVENT
 
+from kvtune.domain.admission_policy import AdmissionPolicy
 from kvtune.gateway.config import Access, AdminAccess, ClientLimits, RefusalDetail
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
-from kvtune.gateway.policy import AdmissionPolicy
 
 pytestmark = pytest.mark.slow
 

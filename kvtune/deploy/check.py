@@ -32,10 +32,10 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
+from kvtune.domain.admission_policy import PolicyKind
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError
 from kvtune.gateway.config import HealthProbe
-from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
     ENGINE_SHORTENS,

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtune.domain.admission_policy import AdmissionPolicy
 from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.config import HealthProbe, RouteMatch
-from kvtune.gateway.policy import AdmissionPolicy
 
 
 @dataclass(frozen=True, slots=True)

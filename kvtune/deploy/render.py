@@ -25,6 +25,7 @@ from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
+from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import ServerUrl, parse_url
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
@@ -40,7 +41,6 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
-from kvtune.gateway.policy import PolicyKind
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.version import __version__
 

@@ -3,7 +3,7 @@ cap clamped to the route's, its prompt counted, and its KV blocks reserved in th
 
 sequences x ceil((prompt + cap) / block_size) blocks (kvtune.capacity.reservation) are reserved
 for the request's whole life, held against the limit gateway.yaml's `admission` policy sets
-(kvtune.gateway.policy). A request that can never fit answers 400/413 at once, before any
+(kvtune.domain.admission_policy). A request that can never fit answers 400/413 at once, before any
 count when even its cheapest reading exceeds the budget. Whether it is reserved now, waits in the
 bounded FIFO or answers 429 with Retry-After is decided by the synchronous gate
 (kvtune.gateway.gate), the same code the simulator runs; here it only meets asyncio and the clock.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
+from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.domain.output_law import OutputLaw, parse_output_law
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
@@ -29,7 +30,6 @@ from kvtune.gateway.endpoints import (
     classify,
     never_passthrough,
 )
-from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 
 SCHEMA_VERSION = 1

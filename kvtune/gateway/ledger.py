@@ -1,7 +1,7 @@
 """The block ledger: how many KV blocks admitted requests hold, and how fast they give them back.
 
 Reservations are held against `limit_blocks`: the budget itself (guaranteed), or floor(k x
-budget) for an overcommit factor k (kvtune.gateway.policy); the worst-case sum never exceeds it.
+budget) for an overcommit factor k (kvtune.domain.admission_policy); the worst-case sum never exceeds it.
 kvtune.gateway.statistical's ledger admits instead while the probability that the held sequences'
 KV outgrows the budget stays within epsilon.
 
