@@ -36,7 +36,7 @@ NOT_YET_CUT: dict[tuple[str, str], str] = {
                                              "one route type is not unified yet",
     ("kvtune.policy", "kvtune.bench.loads"): "the load shape (LoadSpec) lives in bench",
     ("kvtune.policy", "kvtune.deploy.read"): "search reads a rendered gateway.yaml back",
-    ("kvtune.policy", "kvtune.deploy.render"): "search and replicas render the route table (list[dict])",
+    ("kvtune.policy", "kvtune.deploy.render"): "search renders the route table (list[dict]) and reads it back",
     ("kvtune.deploy", "kvtune.policy.recommendation"): "the Recommendation document lives in policy",
     ("kvtune.deploy", "kvtune.policy.whatif"): "the what-if document lives in policy",
     ("kvtune.deploy", "kvtune.policy.feasibility"): "check runs policy's feasibility",
