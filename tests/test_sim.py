@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtune.bench.client import RetryPolicy
+from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.errors import OptionError
 from kvtune.sim import (
     CLIENT_RETRY,

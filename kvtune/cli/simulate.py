@@ -371,7 +371,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                                   duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
                                   cap=cap)
 
-        from kvtune.bench.loads import LoadShape
+        from kvtune.domain.load_shape import LoadShape
 
         load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
         route_names = sorted({r for r, _, _ in rows})

@@ -44,6 +44,7 @@ import numpy as np
 from kvtune.capacity.measured import CapacitySource
 from kvtune.deploy.read import DeployedRoute
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.output_law import OutputLaw
 from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
@@ -278,7 +279,6 @@ def objective_seeds(objective: Objective) -> range:
 
 def draw_requests(objective: Objective, seed: int | None = None) -> Draws:
     """Bench's draws for `seed` (default: the objective's first)."""
-    from kvtune.bench.loads import LoadShape
     from kvtune.sim.traffic import draw_profile, send_offsets
 
     seed = objective.seed if seed is None else seed

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtune.bench.client import RetryPolicy
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.errors import OptionError
 from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
 from kvtune.sim.frontend import FrontEnd
