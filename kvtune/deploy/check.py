@@ -33,6 +33,7 @@ from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
 from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError
 from kvtune.gateway.config import HealthProbe
@@ -650,7 +651,6 @@ class _Checker:
             return None
         import dataclasses
 
-        from kvtune.domain.engine_settings import EngineSettings
         from kvtune.policy.replica_search import replica_queue, split_load
 
         base = self._deployment(objective, gateway)
@@ -693,7 +693,6 @@ class _Checker:
         engine file is checked), and the gateway's (default: the first) budget, route caps, output
         laws and wait queue; without a
         gateway, straight to vLLM capped by its backstop."""
-        from kvtune.domain.engine_settings import EngineSettings
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
 
