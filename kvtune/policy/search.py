@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtune.capacity.measured import CapacitySource
-from kvtune.deploy.read import DeployedRoute
 from kvtune.domain.engine_settings import EngineSettings
 from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.output_law import OutputLaw
+from kvtune.domain.route import DeployedRoute
 from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.planning import Plan
