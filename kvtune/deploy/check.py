@@ -94,6 +94,29 @@ class CheckResult:
                 "findings": [f.to_dict() for f in self.findings], "passed": self.passed}
 
 
+def lua_module_findings(source: str, found: Mapping[str, str | None], wanted: Mapping[str, str]) -> list[Finding]:
+    """A deployed nginx.conf loads kvtune's Lua modules (`wanted`: lua/kvtune/NAME.lua -> text)
+    from lua/ under nginx's prefix, which `recommend --out` writes beside it; `found`: what is
+    beside the deployed file (None: absent). A warning, since nginx may run with another prefix:
+    a module missing there, or one that differs from this kvtune's (another version's Lua may
+    not read this nginx.conf's data)."""
+    missing = [name for name in wanted if found.get(name) is None]
+    changed = [name for name in wanted if found.get(name) is not None and found[name] != wanted[name]]
+    out = []
+    if missing:
+        out.append(Finding(Severity.WARN, "lua-modules-missing",
+                           f"{', '.join(missing)} not beside nginx.conf",
+                           "nginx.conf's gateway is kvtune's Lua modules, loaded from lua/ under nginx's prefix "
+                           "(nginx -p DIR): without them nginx does not start; copy the lua/ folder "
+                           "`kvtune recommend --out` wrote beside nginx.conf", source))
+    if changed:
+        out.append(Finding(Severity.WARN, "lua-modules-differ",
+                           f"{', '.join(changed)} beside nginx.conf differ from this kvtune's",
+                           "the modules and nginx.conf's data are rendered together: Lua from another kvtune "
+                           "version may read this nginx.conf's limits and routes differently", source))
+    return out
+
+
 def _blocks(tokens: int, block_size: int) -> int:
     return reserved_blocks(tokens, 0, block_size)
 
