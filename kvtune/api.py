@@ -26,11 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtune.domain.slo import Slo
 from kvtune.errors import KvtuneError, OptionError
 from kvtune.planning import Plan, measured_capacity, plan
 
 if TYPE_CHECKING:
-    from kvtune.bench.report import Slo
     from kvtune.deploy.check import CheckResult
     from kvtune.deploy.read import Deployed
     from kvtune.deploy.render import RenderOptions

@@ -14,8 +14,8 @@ from kvtune.deploy.check import check_deployment
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.read import load_deployed, parse_deployed
 from kvtune.deploy.render import RenderOptions, default_targets, render_files
+from kvtune.domain.admission_policy import parse_admission
 from kvtune.errors import InputError, OptionError, UnknownNameError
-from kvtune.gateway.policy import parse_admission
 
 SAMPLE_LOGS = Path(__file__).parent.parent / "sample_logs"
 

@@ -15,8 +15,10 @@ import random
 import pytest
 from lua_statistical import LuaLedger, luajit
 
-from kvtune.gateway.overflow import EXACT_WORK, OutputLaw, exact_is_cheap, interval_edges
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
+from kvtune.gateway.overflow import EXACT_WORK, exact_is_cheap, interval_edges
+from kvtune.gateway.statistical import StatisticalLedger
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,10 +24,10 @@ from kvtune.deploy.render import (
     RenderOptions,
     local_chat_tokenizer,
     lua_modules,
-    parse_upstream,
     render_files,
     write_files,
 )
+from kvtune.endpoint import parse_upstream
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation

@@ -32,10 +32,11 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
+from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError
 from kvtune.gateway.config import HealthProbe
-from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
     ENGINE_SHORTENS,
@@ -674,7 +675,6 @@ class _Checker:
         import dataclasses
 
         from kvtune.policy.replica_search import replica_queue, split_load
-        from kvtune.sim.scheduler import EngineSettings
 
         base = self._deployment(objective, gateway)
         split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
@@ -718,7 +718,6 @@ class _Checker:
         gateway, straight to vLLM capped by its backstop."""
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
-        from kvtune.sim.scheduler import EngineSettings
 
         base = objective.basis.engine
         engine_file = self.engines[0] if self.engines else None

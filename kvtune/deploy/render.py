@@ -25,7 +25,9 @@ from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
-from kvtune.endpoint import ServerUrl, parse_url
+from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.output_law import OutputLaw
+from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
@@ -39,8 +41,6 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
-from kvtune.gateway.overflow import OutputLaw
-from kvtune.gateway.policy import PolicyKind
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.version import __version__
 
@@ -221,12 +221,6 @@ def make_environment() -> jinja2.Environment:
 
 
 # ---------------------------------------------------------------- derived view of a recommendation
-
-def parse_upstream(url: str) -> ServerUrl:
-    """http(s)://host[:port][/]: the upstream is interpolated into nginx.conf and the vllm serve
-    command, so anything else (a path, a user, a query) is refused by kvtune.endpoint's one rule."""
-    return parse_url(url, field="upstream", allow_prefix=False)
-
 
 def vllm_flags(rec: Recommendation) -> list[dict]:
     """The `vllm serve` flags, each with its rule and reason (kvtune.deploy.launch.vllm)."""
@@ -609,6 +603,6 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
     "write_files", "lua_modules", "make_environment", "local_chat_tokenizer",
-    "parse_upstream", "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
+    "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
     "MAX_REPLICAS",
 ]
