@@ -12,7 +12,7 @@ upstream's /tokenize per request; what `kvtune recommend` renders when it knows 
 tokenizer; this upstream answers /tokenize in ~0.2 ms of CPU, a real vLLM takes longer),
 `tokenizer` (tokenizers + the chat template in process, exact, no round trip; what recommend
 renders when the model directory is local; the tiny test model's tokenizer from
-tests/vllm_server.py) and `estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a
+tests/support/vllm_server.py) and `estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a
 15-line pass-through aiohttp proxy without any admission logic, on aiohttp's client (the
 gateway sends governed requests through its own, kvtune.gateway.upstream). Each figure is the
 median over --runs runs. `nginx` is the rendered nginx.conf (the other enforcer, which counts with

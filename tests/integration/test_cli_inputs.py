@@ -89,7 +89,7 @@ def test_a_window_that_leaves_no_row_says_so(tmp_path):
 
 def _same_model_copy(source: Path, target: Path) -> None:
     """A copy of an OpenAI response log whose rows all name the sample logs' model: one deployment
-    serves one model, so logs naming several are refused (tests/test_cli_log_model.py)."""
+    serves one model, so logs naming several are refused (tests/integration/test_cli_log_model.py)."""
     rows = [json.loads(line) for line in source.read_text().splitlines()]
     target.write_text("".join(json.dumps({**row, "model": SAMPLE_MODEL}) + "\n" for row in rows))
 

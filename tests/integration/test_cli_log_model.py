@@ -3,7 +3,7 @@ logs naming several models are one error until `--log-model` selects one, in eve
 files serve the model the logs name; `--model` may be left out when that id resolves; `check` on a
 recommendation.json reads the deployment from the file.
 
-The mixed log is tests/mixed_models.py's: a LiteLLM SpendLogs JSONL of Llama chat rows (300) and
+The mixed log is tests/support/mixed_models.py's: a LiteLLM SpendLogs JSONL of Llama chat rows (300) and
 Qwen completions rows (200), plus 7 rows naming no model.
 """
 

@@ -328,7 +328,7 @@ def test_gateway_without_a_route_for_the_endpoint(tmp_path, profile):
 
 
 def test_the_live_calibrated_capacity_file(tmp_path, profile):
-    """The file `calibrate --timing` wrote against the CPU vLLM (tests/test_simulate_live.py)."""
+    """The file `calibrate --timing` wrote against the CPU vLLM (tests/live/test_simulate_live.py)."""
     path = DATA / "capacity-cpu-0.32-timing.json"
     data = simulate_json("--profile", profile, "--capacity", str(path), "--rate", "4", "--requests", "40")
     written = json.loads(path.read_text())["timing"]

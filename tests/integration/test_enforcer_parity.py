@@ -1,6 +1,6 @@
 """One behaviour, two enforcers: the same policy tests against `kvtune gateway` (Python, from the
 rendered gateway.yaml) and the rendered nginx.conf on a real nginx with Lua, both rendered from
-one recommendation and both in front of the same fake vLLM (tests/enforcers.py, tests/fake_vllm.py).
+one recommendation and both in front of the same fake vLLM (tests/support/enforcers.py, tests/support/fake_vllm.py).
 
 What is held the same: which paths are governed, refused or passed through; how each endpoint's
 request is read (its prompt field, its cap fields, its sequences); clamping and reservation;

@@ -1,5 +1,5 @@
 """Prompt counting for admission: every request shape, the local tokenizer with its chat template,
-the upstream's /tokenize (the fake vLLM on loopback, tests/fake_vllm.py), and the configured estimate."""
+the upstream's /tokenize (the fake vLLM on loopback, tests/support/fake_vllm.py), and the configured estimate."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Concurrent load through the Python gateway with everything going wrong at once: an upstream that
 streams slowly, fails, hangs past the read timeout or dies mid-stream; clients that disconnect
 mid-stream, read slowly, or are cancelled. A sampler watches the ledger the whole time, and the
-fake vLLM (tests/fake_vllm.py) keeps its own independent tally of the blocks its running requests
+fake vLLM (tests/support/fake_vllm.py) keeps its own independent tally of the blocks its running requests
 can grow to: ceil((prompt + max_tokens) / 16) × n each, which must never exceed the budget (k x the
 budget for overcommit). Under the statistical policy the worst cases may add up past the budget,
 which is its point; instead every admission's overflow probability, read from the ledger's own

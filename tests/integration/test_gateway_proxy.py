@@ -1,4 +1,4 @@
-"""The Python gateway in process, in front of the fake vLLM on loopback (tests/fake_vllm.py) that the
+"""The Python gateway in process, in front of the fake vLLM on loopback (tests/support/fake_vllm.py) that the
 request body steers (stream slowly, fail, hold, die mid-stream): pass-through, counting failures, the wait queue,
 upstream errors and timeouts, disconnects, metrics and graceful shutdown. The policy itself
 (clamping, 429/400/413) is held to the nginx enforcer's behaviour in test_enforcer_parity.py."""

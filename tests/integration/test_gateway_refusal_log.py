@@ -1,5 +1,5 @@
 """The gateway says what it refuses (issue #25, item 12): a real `kvtune gateway` process on
-loopback in front of tests/fake_vllm.py, its budget held full by one stream, answers N requests
+loopback in front of tests/support/fake_vllm.py, its budget held full by one stream, answers N requests
 429; its log holds one line per reason and route per second with counts that sum to N (the blocks
 needed and free named), flushed by its timer while it runs and at shutdown, never a line each."""
 

@@ -688,7 +688,7 @@ def ledger_counter(text: str, name: str) -> float:
 @pytest.mark.parametrize("policy", ["worst-case", "statistical"])
 def test_a_replica_paused_past_its_lease_holds_its_running_requests_again(redis_server, tmp_path, policy):
     """SIGSTOP gateway A, holding 6 requests, for longer than lease_s + reclaim_grace_s (0 here: the
-    window that remains; tests/test_gateway_paused_replica.py has the grace): B's heartbeat sweeps A's
+    window that remains; tests/integration/test_gateway_paused_replica.py has the grace): B's heartbeat sweeps A's
     reservations and B admits long requests into the room. SIGCONT A: its heartbeat finds the
     lease lost and holds its 6 running requests again in one script, each only if it fits now;
     those that do not are counted in /metrics and held once B's requests end. Throughout, read

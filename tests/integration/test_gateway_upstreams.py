@@ -1,5 +1,5 @@
 """Several upstreams behind one gateway, each with its own budget (kvtune.gateway.pool): over real
-HTTP on loopback in front of several fake vLLMs (tests/fake_vllm.py). Routing by free budget,
+HTTP on loopback in front of several fake vLLMs (tests/support/fake_vllm.py). Routing by free budget,
 health (a killed upstream is taken out within 2 s, one answering /health 200 again comes back),
 a request whose connection is refused going to another upstream, every reservation released
 exactly once on the upstream it was held on, the per-upstream ledger JSON and metrics; and

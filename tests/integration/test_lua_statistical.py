@@ -1,6 +1,6 @@
 """The rendered nginx.conf's statistical ledger, decision for decision against the Python one.
 
-The Lua section of the template (tests/lua_statistical.py runs it in LuaJIT through ctypes, no
+The Lua section of the template (tests/support/lua_statistical.py runs it in LuaJIT through ctypes, no
 nginx needed) and kvtune.gateway.statistical.StatisticalLedger go through the same random scripts of
 admissions, progress reports, releases and 413 checks, over budgets, block sizes, contexts, laws
 and epsilons that reach both the exact convolution and the Chernoff bound: every decision must be

@@ -1,5 +1,5 @@
 """The rendered nginx.conf's health ejection with several engine replicas, on a real nginx with Lua
-in front of two fake vLLMs on loopback (tests/fake_vllm.py): one worker probes GET /health on
+in front of two fake vLLMs on loopback (tests/support/fake_vllm.py): one worker probes GET /health on
 every replica from a Lua timer; a replica that is stopped, answers 503 or answers too late is
 taken out with its budget (its ledger entry healthy: false) and comes back on a 200; a failed
 connect when proxying takes it out at once; with every replica out a governed request answers 503

@@ -1,7 +1,7 @@
 """Passive health (issue #26, item 4), the same in both enforcers: a replica that passes GET /health
 but answers 500 to every generation frees its blocks at once, so "most free" would send it nearly
 all traffic. Both `kvtune gateway` (from the rendered gateway.yaml) and the rendered nginx.conf on a
-real nginx with Lua, in front of two fake vLLMs (tests/fake_vllm.py, `engine_status`), eject it
+real nginx with Lua, in front of two fake vLLMs (tests/support/fake_vllm.py, `engine_status`), eject it
 after health.consecutive_failures 5xx in a row, for ejection_s doubled at each ejection in a row up
 to max_ejection_s, never the last replica routed to, and route to it again once it recovers."""
 

@@ -1,6 +1,6 @@
 """`--workers N`: the profile's map step in N processes gives the bytes one process gives.
 
-The dataset (tests/parallel_dataset.py): 20 files over four Hive partitions, JSONL, CSV and
+The dataset (tests/support/parallel_dataset.py): 20 files over four Hive partitions, JSONL, CSV and
 Parquet, three routes (one censored), bad rows planted in files 3, 11 and 17.
 """
 

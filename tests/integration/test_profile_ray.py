@@ -2,7 +2,7 @@
 2 CPUs, on loopback), byte-identical to one process: with bad rows, a censored route and a
 worker killed in the middle of a task.
 
-The dataset is tests/parallel_dataset.py's: 20 files over four partitions, bad rows in files 3,
+The dataset is tests/support/parallel_dataset.py's: 20 files over four partitions, bad rows in files 3,
 11 and 17.
 """
 

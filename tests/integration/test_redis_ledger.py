@@ -1,4 +1,4 @@
-"""The shared ledger (kvtune.gateway.redis_ledger) against a real redis-server (tests/redis_server.py).
+"""The shared ledger (kvtune.gateway.redis_ledger) against a real redis-server (tests/support/redis_server.py).
 
 Every invariant is read from Redis itself by an audit script of this module (not the store's own
 code): each upstream's counter equals the sum of the reservation records, and never exceeds its budget.

@@ -1,8 +1,8 @@
 """The launch files `recommend --engine sglang|trtllm` renders, run by bash with the engines'
 binaries replaced by recording stand-ins, then parsed by what each engine itself would parse
-them with: SGLang 0.5.23's own ServerArgs parser and its environment fields (tests/sglang_parser.py,
+them with: SGLang 0.5.23's own ServerArgs parser and its environment fields (tests/support/sglang_parser.py,
 in its cached virtualenv), and TensorRT-LLM's option and YAML names and types read from its source
-(tests/trtllm_names.py; TensorRT-LLM cannot be installed here)."""
+(tests/support/trtllm_names.py; TensorRT-LLM cannot be installed here)."""
 
 from __future__ import annotations
 

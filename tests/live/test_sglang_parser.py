@@ -1,4 +1,4 @@
-"""The SGLang-parser harness (tests/sglang_parser.py) on hand-written argvs: the flags kvtune renders
+"""The SGLang-parser harness (tests/support/sglang_parser.py) on hand-written argvs: the flags kvtune renders
 round-trip with their types, bad values are refused, abbreviations are caught.
 
 SGLANG_FLAGS is the table of those flags as SGLang 0.5.23's own parser defines them (read from

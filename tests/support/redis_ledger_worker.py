@@ -1,6 +1,6 @@
-"""One gateway replica's worth of ledger traffic, as its own OS process, for tests/test_redis_ledger.py.
+"""One gateway replica's worth of ledger traffic, as its own OS process, for tests/integration/test_redis_ledger.py.
 
-    python tests/redis_ledger_worker.py CONFIG_JSON
+    python tests/support/redis_ledger_worker.py CONFIG_JSON
 
 CONFIG_JSON: {"url", "prefix", "owner", "lease_s", "budgets": {upstream: blocks}, "seed",
 "concurrency", "max_blocks", "hold_ms": [lo, hi], "grants": N (churn until N granted in all),

@@ -1,7 +1,7 @@
 """Run a rendered launch script with bash, its engine binaries replaced by recording stand-ins.
 
 Why: the argv an engine would get is what bash makes of the script (quoting, variables, "$@"), not
-what a regex reads from it; tests/test_vllm_args.py does the same for vllm-serve.sh.
+what a regex reads from it; tests/live/test_vllm_args.py does the same for vllm-serve.sh.
 
     run_with_stand_ins(script, tmp_path, programs, *, args=(), env=None) -> list[Call]
         Writes the script to tmp_path, puts a stand-in for each name in `programs` (e.g.

@@ -3,7 +3,7 @@
 Why: kvtune renders `python -m sglang.launch_server …`; only SGLang's parser can say whether each
 flag exists and what value it becomes. `scripts/setup-sglang-parser.sh` builds the virtualenv
 (sglang 0.5.23 with --no-deps, CPU torch); importing sglang costs ~2 s, so every argv of a test
-goes through ONE subprocess (tests/sglang_parser_child.py).
+goes through ONE subprocess (tests/support/sglang_parser_child.py).
 
 Interface (import as `from sglang_parser import ...`, as conftest imports vllm_server):
 

@@ -4,7 +4,7 @@ Reads {"argvs": [...], "envs": [{NAME: VALUE}, ...]} as JSON on stdin, writes on
 the path in argv[1]: the parser's actions (every option string with its dest, action kind, type,
 default, choices), for each argv the parsed values or argparse's error, and for each environment
 mapping each variable parsed by its own `sglang.srt.environ.Envs` field (EnvInt, EnvFloat, EnvBool,
-…) or the reason it cannot be. tests/sglang_parser.py is its only caller.
+…) or the reason it cannot be. tests/support/sglang_parser.py is its only caller.
 
 The parser is built as `sglang.srt.server_args.prepare_server_args` builds it (a plain
 `argparse.ArgumentParser` plus `ServerArgs.add_cli_args`), with `error`/`exit` raising instead of

