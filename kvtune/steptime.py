@@ -1,11 +1,17 @@
-"""How long one engine step takes: T_step = c0 + c1·Σnᵢ + c2·Σnᵢ·(ctxᵢ + nᵢ/2) + c3·|batch|.
+"""How long one engine step takes:
+T_step = c0 + c1·Σnᵢ + c2·Σnᵢ·(ctxᵢ + nᵢ/2) + c3·|batch| + c4·Σ(ctxᵢ + nᵢ).
 
 nᵢ is the number of tokens request i computes this step (a prefill chunk, or 1 when decoding),
 ctxᵢ the tokens it had already computed. c0 is the fixed cost of a step (launching it, reading the
-weights), c1 the cost per token computed (the matmuls), c2 the cost of attending to context (a
-decoding token reads its whole KV; a chunk of n tokens attends to ctx + n/2 on average), c3 the
-cost per request in the batch (sampling, bookkeeping). The DistServe and BLIS forms, one
-formula for prefill, decode and the mixed steps of chunked prefill (reference/scheduler-sim.md).
+weights), c1 the cost per token computed (the matmuls), c2 the attention compute per (query,
+key) pair (a chunk of n tokens attends to ctx + n/2 keys on average), c3 the cost per request in
+the batch (sampling, bookkeeping), c4 the cost of reading a request's KV once per step (ctx + n
+tokens, whatever n is). The DistServe and BLIS forms, one formula for prefill, decode and the
+mixed steps of chunked prefill (reference/scheduler-sim.md), with the KV read split from the
+attention FLOPs (c4): a decoding token's attention is bound by reading its KV (c4·ctx), a prefill
+chunk's by its FLOPs (c2·n·ctx); one c2 for both charged an 8,192-token chunk at 24k context
+as if each of its tokens read the whole KV again (11.5 s on the roofline for Qwen3-14B on H100).
+A capacity file calibrated before c4 existed has c4 = 0, and is read as before.
 
 The one home of the model: `kvtune calibrate --timing` fits it (kvtune.capacity.timing), the
 capacity file stores it, the roofline estimates it, and the simulator evaluates it. The simulator
@@ -25,14 +31,15 @@ import numpy as np
 
 from kvtune.errors import OptionError
 
-COEFFICIENTS = ("c0", "c1", "c2", "c3")
+COEFFICIENTS = ("c0", "c1", "c2", "c3", "c4")
 COEFFICIENT_UNITS: dict[str, str] = {
     "c0": "s per step",
     "c1": "s per token computed",
     "c2": "s per token computed per context token",
     "c3": "s per request in the batch",
+    "c4": "s per context token read (ctx + n per request per step)",
 }
-FORMULA = "T_step = c0 + c1*sum(n_i) + c2*sum(n_i*(ctx_i + n_i/2)) + c3*len(batch)"
+FORMULA = "T_step = c0 + c1*sum(n_i) + c2*sum(n_i*(ctx_i + n_i/2)) + c3*len(batch) + c4*sum(ctx_i + n_i)"
 TICKS_PER_S = 10**15  # femtoseconds: exact integer clock (Python ints do not overflow)
 
 
@@ -47,28 +54,31 @@ class TimingSource(enum.Enum):
     """Where a step-time model came from."""
 
     CALIBRATED = "calibrated"
+    SILICON = "silicon"  # sampled from aiconfigurator-core's measured kernels (kvtune.capacity.silicon)
     ROOFLINE = "roofline-estimate"
 
 
 def step_features(batch: Iterable[tuple[int, int]]) -> np.ndarray:
-    """[1, Σn, Σn(ctx + n/2), |batch|] for one step of (tokens computed, context already computed)."""
-    total = attention = 0.0
+    """[1, Σn, Σn(ctx + n/2), |batch|, Σ(ctx + n)] for one step of (tokens computed, context already computed)."""
+    total = attention = read = 0.0
     size = 0
     for n, ctx in batch:
         total += n
         attention += n * (ctx + n / 2)
+        read += ctx + n
         size += 1
-    return np.array([1.0, total, attention, float(size)])
+    return np.array([1.0, total, attention, float(size), read])
 
 
 @dataclass(frozen=True, slots=True)
 class StepTimeModel:
-    """The four coefficients, in seconds (units in COEFFICIENT_UNITS), and where they came from."""
+    """The coefficients, in seconds (units in COEFFICIENT_UNITS), and where they came from."""
 
     c0: float
     c1: float = 0.0
     c2: float = 0.0
     c3: float = 0.0
+    c4: float = 0.0
     source: TimingSource = TimingSource.CALIBRATED
 
     def __post_init__(self) -> None:
@@ -79,7 +89,7 @@ class StepTimeModel:
 
     @property
     def coefficients(self) -> np.ndarray:
-        return np.array([self.c0, self.c1, self.c2, self.c3])
+        return np.array([self.c0, self.c1, self.c2, self.c3, self.c4])
 
     @property
     def estimate(self) -> bool:
@@ -96,7 +106,8 @@ class StepTimeModel:
     def ticks(self) -> StepTicks:
         """The same features in integer femtoseconds, c2 halved and applied to Σ n·(2·ctx + n)."""
         ticks = StepTicks(round(self.c0 * TICKS_PER_S), round(self.c1 * TICKS_PER_S),
-                          round(self.c2 * TICKS_PER_S / 2), round(self.c3 * TICKS_PER_S))
+                          round(self.c2 * TICKS_PER_S / 2), round(self.c3 * TICKS_PER_S),
+                          round(self.c4 * TICKS_PER_S))
         if ticks.c0 <= 0 and ticks.c1 <= 0 and ticks.c3 <= 0:
             raise OptionError("a step must take time: c0, c1 or c3 must be at least a femtosecond", field="c0")
         return ticks
@@ -130,25 +141,29 @@ class StepTicks:
     c1: int
     c2_half: int
     c3: int
+    c4: int = 0
 
-    def step(self, tokens: int, attention2: int, batch: int) -> int:
-        """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch|."""
-        return self.c0 + self.c1 * tokens + self.c2_half * attention2 + self.c3 * batch
+    def step(self, tokens: int, attention2: int, batch: int, kv_read: int = 0) -> int:
+        """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch|, `kv_read` = Σ(ctx + n)."""
+        return self.c0 + self.c1 * tokens + self.c2_half * attention2 + self.c3 * batch + self.c4 * kv_read
 
     def decode_first(self, batch: int, ctx_sum: int) -> int:
         """The first of a run of pure decode steps (n = 1 each) over contexts summing to ctx_sum."""
-        return self.step(batch, 2 * ctx_sum + batch, batch)
+        return self.step(batch, 2 * ctx_sum + batch, batch, ctx_sum + batch)
+
+    def decode_growth(self, batch: int) -> int:
+        """How much longer each decode step of a run is than the one before (every context grew by one)."""
+        return (2 * self.c2_half + self.c4) * batch
 
     def decode_run(self, batch: int, ctx_sum: int, k: int) -> int:
-        """k decode steps in a row: each context grows by one, so step j costs first + j·2·c2_half·batch."""
-        growth = 2 * self.c2_half * batch
-        return k * self.decode_first(batch, ctx_sum) + growth * (k * (k - 1) // 2)
+        """k decode steps in a row: step j costs first + j·decode_growth."""
+        return k * self.decode_first(batch, ctx_sum) + self.decode_growth(batch) * (k * (k - 1) // 2)
 
     def decode_steps_before(self, batch: int, ctx_sum: int, window: int) -> int:
         """How many decode steps of a run start strictly less than `window` ticks from now."""
         if window <= 0:
             return 0
-        a, d = self.decode_first(batch, ctx_sum), 2 * self.c2_half * batch
+        a, d = self.decode_first(batch, ctx_sum), self.decode_growth(batch)
         # start_j = j·a + d·j(j−1)/2 < window; count j = 0, 1, ... (start_0 = 0 always counts)
         if d == 0:
             return (window - 1) // a + 1

@@ -24,6 +24,7 @@ import numpy as np
 from kvtune.errors import CapacityError
 from kvtune.fields import Fields
 from kvtune.kv import kv_bytes
+from kvtune.model.spec import LayerKind
 from kvtune.profile.histogram import nearest_rank_index
 from kvtune.steptime import (
     COEFFICIENT_UNITS,
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from kvtune.model.spec import ModelSpec
 
 SWEEPS = ("overhead", "prefill", "load", "decode")
+# calibrate fits c0..c3 and leaves c4 at 0: its decode sweeps see the KV read and the attention
+# FLOPs only together (n = 1), which c2 alone carries as before c4 existed
+FITTED = 4
 _MAX_SECONDS = 3600.0  # no coefficient of a real engine comes near an hour
 
 
@@ -60,7 +64,7 @@ def prefill_chunks(prompt_tokens: int, max_num_batched_tokens: int) -> list[tupl
 def lone_prefill_features(prompt_tokens: int, max_num_batched_tokens: int) -> np.ndarray:
     """Σ of step features over the chunks of one request alone, max_tokens 1: its TTFT less HTTP."""
     return sum((step_features([c]) for c in prefill_chunks(prompt_tokens, max_num_batched_tokens)),
-               start=np.zeros(4))
+               start=np.zeros(len(COEFFICIENTS)))
 
 
 def decode_features(contexts: Sequence[int]) -> np.ndarray:
@@ -79,7 +83,7 @@ def wave_decode_features(concurrency: int, prompt_tokens: int, output_tokens: in
     """
     remaining = [prompt_tokens] * concurrency  # prompt tokens still to prefill
     generated = [0] * concurrency
-    total = np.zeros(4)
+    total = np.zeros(len(COEFFICIENTS))
     gaps = 0
     while any(g < output_tokens for g in generated):
         budget = max_num_batched_tokens
@@ -111,7 +115,7 @@ def decode_weighted_features(decisions: Sequence[Any], prompt_tokens: Sequence[i
     requests it gave a token. A preempted request computes again from nothing (its cached
     prefix is not counted as context: a small underestimate of its attention)."""
     computed: dict[int, int] = {}
-    total = np.zeros(4)
+    total = np.zeros(len(COEFFICIENTS))
     weight = 0
     for d in decisions:
         for r in d.preempted:
@@ -171,7 +175,7 @@ class StepTimeFit:
     errors: dict[str, FitError]
 
     def predict(self, observation: Observation) -> float:
-        return float(observation.row @ np.array([*self.model.coefficients, self.http_overhead_s]))
+        return float(observation.row @ np.array([*self.model.coefficients[:FITTED], self.http_overhead_s]))
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -404,10 +408,11 @@ class Timing:
                 for name in FRONTEND_TERMS:
                     fe_units.string(name, optional=True)
             frontend = FrontEndModel(*(fe.number(name, maximum=_MAX_SECONDS) for name in FRONTEND_TERMS))
-        source = TimingSource(f.choice("source", tuple(s.value for s in TimingSource)))
+        source = TimingSource(f.choice("source", tuple(s.value for s in TimingSource if s is not TimingSource.SILICON)))
         c = f.obj("coefficients")
         _known(c, set(COEFFICIENTS))
-        c0, c1, c2, c3 = (c.number(name, maximum=_MAX_SECONDS) for name in COEFFICIENTS)
+        c0, c1, c2, c3 = (c.number(name, maximum=_MAX_SECONDS) for name in COEFFICIENTS[:4])
+        c4 = c.number("c4", maximum=_MAX_SECONDS, optional=True) or 0.0  # files from before c4: 0
         f.string("formula", optional=True)
         if (units := f.obj("units", optional=True)) is not None:
             _known(units, set(COEFFICIENTS))
@@ -427,7 +432,7 @@ class Timing:
             max_num_batched_tokens_from=m.choice("max_num_batched_tokens_from", BATCHED_TOKENS_FROM),
         )
         return cls(
-            model=StepTimeModel(c0, c1, c2, c3, source=source),
+            model=StepTimeModel(c0, c1, c2, c3, c4, source=source),
             http_overhead_s=f.number("http_overhead_s", maximum=_MAX_SECONDS),
             sweeps=tuple(_sweep_from_fields(s) for s in f.items("sweeps")),
             measured_against=against,
@@ -505,6 +510,7 @@ class RooflineInputs:
     matmul_dtype: str = "bf16"  # bf16 | fp8 | int8 | fp4
     matmul_dense_flops: float | None = None  # the GPU's peak in matmul_dtype (None: bf16's)
     weight_format: str | None = None  # the checkpoint's, as kvtune.weights prices it
+    attention_flops_per_pair: int = 0  # per (query, key) pair, all attending layers, whole model
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": TimingSource.ROOFLINE.value, "gpu": self.gpu,
@@ -516,22 +522,26 @@ class RooflineInputs:
                 "quantized_active_parameters": self.quantized_active_parameters,
                 "matmul_dtype": self.matmul_dtype,
                 "matmul_dense_flops": self.matmul_dense_flops or self.bf16_dense_flops,
-                "weight_format": self.weight_format}
+                "weight_format": self.weight_format,
+                "attention_flops_per_pair": self.attention_flops_per_pair}
 
 
 def roofline_coefficients(inputs: RooflineInputs) -> StepTimeModel:
-    """c0..c3 from peak bandwidth and FLOPs: a lower bound on a real engine's step, labelled an estimate.
+    """c0..c4 from peak bandwidth and FLOPs: a lower bound on a real engine's step, labelled an estimate.
 
     c0 = weight bytes / bandwidth   every step reads every weight once (memory-bound decode); a
                                     quantized checkpoint's bytes as stored (kvtune.weights)
     c1 = 2·active params / FLOPs    one multiply-add per parameter per token (compute-bound prefill):
                                     the quantized GEMMs at the GPU's peak in their dtype (FP8 W8A8
                                     on Hopper at the FP8 peak), the rest at the BF16 peak
-    c2 = KV bytes per token / bandwidth
-                                    a decoding token reads its context's KV (n = 1, so the term is
-                                    c2·ctx). For a prefill chunk the form charges that per token, while
-                                    the engine reads the KV once per chunk: long chunks are overestimated
+    c2 = attention FLOPs per (query, key) pair / BF16 FLOPs
+                                    QKᵀ and PV: 4·heads·head_dim per attending layer; what a long
+                                    prefill chunk pays on top of its matmuls
     c3 = 0                          per-request bookkeeping has no roofline
+    c4 = KV bytes per token / bandwidth
+                                    each request's KV is read once per step, decoding (n = 1: c4·ctx)
+                                    or a chunk (before c4, c2 charged a chunk's KV read once per
+                                    token: 11.5 s for an 8,192-token chunk at 24k context)
     The terms add (memory then compute) instead of overlapping: up to 2× above the ideal roofline
     where both are equal, and close to it where one dominates, as in decode and long prefills.
     """
@@ -543,8 +553,9 @@ def roofline_coefficients(inputs: RooflineInputs) -> StepTimeModel:
     return StepTimeModel(
         c0=inputs.weights_bytes_per_gpu / bw,
         c1=seconds_per_token / tp,
-        c2=inputs.kv_bytes_per_token_per_gpu / bw,
+        c2=inputs.attention_flops_per_pair / (tp * inputs.bf16_dense_flops),
         c3=0.0,
+        c4=inputs.kv_bytes_per_token_per_gpu / bw,
         source=TimingSource.ROOFLINE,
     )
 
@@ -581,8 +592,13 @@ def roofline_step_time(spec: ModelSpec, gpu: Gpu, *, tp: int = 1, kv_cache_dtype
         matmul_dtype=dtype,
         matmul_dense_flops=gpu.peak_dense_flops(dtype),
         weight_format=weights.weight_format,
+        attention_flops_per_pair=4 * spec.attention.num_heads * spec.attention.head_dim * sum(
+            kind in _ATTENDING for kind in spec.layer_kinds),
     )
     return roofline_coefficients(inputs), inputs
+
+
+_ATTENDING = {LayerKind.FULL, LayerKind.SLIDING, LayerKind.CHUNKED, LayerKind.MLA}
 
 
 __all__ = [
@@ -606,6 +622,7 @@ __all__ = [
     "fit_errors",
     "fit_frontend",
     "decode_weighted_features",
+    "FITTED",
     "FRONTEND_TERMS",
     "FRONTEND_UNITS",
     "FrontEndModel",

@@ -17,11 +17,15 @@ def _ms(stats: dict[str, Any], key: str) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
+_ESTIMATE = {"roofline-estimate": "ROOFLINE ESTIMATE", "silicon": "SILICON-DATA ESTIMATE"}
+
+
 def render_simulation(report: dict[str, Any], line: Timeline | None, console: Console) -> None:
     sim = report["simulation"]
     timing = sim["timing"]
     estimate = timing["estimate"]
-    title = "kvtune simulate" + (" — ROOFLINE ESTIMATE (no calibrated timing)" if estimate else "")
+    title = "kvtune simulate" + (f" — {_ESTIMATE.get(timing['source'], 'ESTIMATE')} (no calibrated timing)"
+                                 if estimate else "")
     admission = sim["admission"]
     route = escape_controls(str(admission.get("route")))
     where = ("straight to vLLM" if admission["kind"] == "direct" else
@@ -56,8 +60,12 @@ def render_simulation(report: dict[str, Any], line: Timeline | None, console: Co
     console.print(escape(f"Engine: {engine}."), soft_wrap=True, highlight=False)
     c = timing["coefficients"]
     console.print(escape(f"Step time ({timing['source']}): c0 {c['c0']:.3g} s + c1 {c['c1']:.3g} s/token + "
-                         f"c2 {c['c2']:.3g} s/token/context + c3 {c['c3']:.3g} s/request; "
-                         + _front(timing)), soft_wrap=True, highlight=False)
+                         f"c2 {c['c2']:.3g} s/token/context + c3 {c['c3']:.3g} s/request"
+                         + (f" + c4 {c['c4']:.3g} s/context token read" if c.get("c4") else "") + "; "
+                         + _front(timing)),
+                  soft_wrap=True, highlight=False)
+    if "label" in timing:
+        console.print(escape(f"Step-time source: {timing['label']}."), soft_wrap=True, highlight=False)
     if line is not None:
         for text in terminal_lines(line):
             console.print(escape(text), highlight=False, soft_wrap=True)

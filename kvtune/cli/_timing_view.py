@@ -9,7 +9,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtune.capacity.timing import COEFFICIENT_UNITS, COEFFICIENTS, FORMULA, FRONTEND_TERMS, FRONTEND_UNITS, Timing
+from kvtune.capacity.timing import (
+    COEFFICIENT_UNITS,
+    COEFFICIENTS,
+    FITTED,
+    FORMULA,
+    FRONTEND_TERMS,
+    FRONTEND_UNITS,
+    Timing,
+)
 
 
 class RichTimingProgress:
@@ -58,12 +66,15 @@ def _ms(value: float | None) -> str:
 
 def print_timing(timing: Timing, console: Console) -> None:
     """The coefficients and the error of the fit on each sweep."""
-    coefficients = Table(title=f"Step time ({timing.source.value}): {FORMULA}", title_justify="left")
+    model = timing.model
+    # calibrate fits c0..c3 (kvtune.capacity.timing.FITTED); c4 is shown only where a model has it
+    names = COEFFICIENTS if model.c4 else COEFFICIENTS[:FITTED]
+    formula = FORMULA if model.c4 else FORMULA.rsplit(" + c4", 1)[0]
+    coefficients = Table(title=f"Step time ({timing.source.value}): {formula}", title_justify="left")
     coefficients.add_column("coefficient")
     coefficients.add_column("value", justify="right")
     coefficients.add_column("unit")
-    model = timing.model
-    for name in COEFFICIENTS:
+    for name in names:
         coefficients.add_row(name, f"{getattr(model, name):.4g}", COEFFICIENT_UNITS[name])
     coefficients.add_row("HTTP overhead", f"{timing.http_overhead_s:.4g}", "s per request")
     if timing.frontend is not None:

@@ -41,9 +41,9 @@ JSON_FIELDS = """\b
   goodput         {slo, requests_met, attainment, requests_per_s} with --slo, else null
   server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
                    generation_tokens, num_blocks, block_size} (peaks exact, not sampled)
-  simulation      {timing: {source: calibrated|roofline-estimate, estimate, coefficients {c0..c3},
-                   http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
-                   measured_against | roofline}, engine: {num_blocks, block_size,
+  simulation      {timing: {source: calibrated|silicon|roofline-estimate, estimate, coefficients
+                   {c0..c4}, http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
+                   measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|estimate|engine-default}}, capacity: {from:
                    capacity-file|estimate|option, file; without a file: model, gpu,
@@ -135,9 +135,10 @@ _engine_options = [
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1), metavar="N",
                  help="Override the engine's max_num_batched_tokens.  [default: the capacity file's, else vLLM's]"),
     click.option("--model", help="Model (preset, config.json, hub id): the capacity estimate's without --capacity, "
-                                 "and the roofline step time's when the capacity file has no `timing`."),
-    click.option("--gpu", help="GPU from the catalog for the capacity estimate and the roofline step time (and "
-                               "vLLM's GPU defaults)."),
+                                 "and the silicon-data or roofline step time's when the capacity file has no "
+                                 "`timing`."),
+    click.option("--gpu", help="GPU from the catalog for the capacity estimate and the silicon-data or roofline step "
+                               "time (and vLLM's GPU defaults)."),
     click.option("--gpu-spec", "gpu_spec", metavar="FILE", help=GPU_SPEC_HELP),
     click.option("--tp", type=click.IntRange(min=1), metavar="N",
                  help="Tensor-parallel size of the estimate and the roofline.  [default: 1]"),
@@ -189,11 +190,11 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     A simulation of vLLM V1's scheduler (checked step by step against vLLM's own) with the
     step time `kvtune calibrate --timing` measured, serving the requests `kvtune bench` would
     send for the same profile and seed, straight to the engine or through the gateway's own
-    admission code (--gateway). Without a calibrated `timing`, --model and --gpu give a
-    roofline estimate, labelled as such. Without --capacity, the pool is kvtune's estimate
-    for --model on --gpu (as `kvtune capacity` computes it) or the --kv-tokens /
-    --num-gpu-blocks you know; without --rate or --concurrency, the load is the logs' mean
-    arrival rate.
+    admission code (--gateway). Without a calibrated `timing`, --model and --gpu give
+    aiconfigurator-core's silicon data for that GPU, else a roofline estimate, labelled as such.
+    Without --capacity, the pool is kvtune's estimate for --model on --gpu (as `kvtune capacity`
+    computes it) or the --kv-tokens / --num-gpu-blocks you know; without --rate or
+    --concurrency, the load is the logs' mean arrival rate.
 
     \b
     Example:
@@ -235,7 +236,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                          "kv_cache_dtype": report.kv_cache_dtype, "engine_version": report.engine_version,
                          "gpu_memory_utilization": plan.gpu_memory_utilization.value,
                          "kv_cache_tokens": report.capacity.kv_cache_tokens}
-    timing = timing_setup(measured, spec=spec, gpu=gpu, tp=_tensor_parallel_size(engine, measured))
+    timing = timing_setup(measured, spec=spec, gpu=gpu, tp=_tensor_parallel_size(engine, measured),
+                          engine=engine.engine_name, engine_version=engine.engine_version)
     setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
                          max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu, recorded_from=labels)
     admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
@@ -260,7 +262,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
 
         files: dict[str | os.PathLike[str], str] = {Path(out_dir) / "simulate.json": text + "\n"}
         if run.timeline is not None:
-            label = " (roofline estimate)" if timing.model.estimate else ""
+            label = {"silicon": " (silicon-data estimate)", "roofline-estimate": " (roofline estimate)"}.get(
+                timing.model.source.value, "")
             files[Path(out_dir) / "timeline.svg"] = svg(run.timeline, title=f"kvtune simulate{label}")
         write_files(files)
     if json_:

@@ -371,6 +371,7 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "estimate_margin_tokens": options.estimate_margin_tokens,
         "pair_tokens": DEFAULT_PAIR_TOKENS,
         "max_body_bytes": limits.max_body_bytes,
+        "body_deadline_s": limits.body_deadline_s,
         "passthrough": list(options.passthrough),
         "ledger_access": options.admin.ledger.value,
         "refusal_detail": options.admin.refusal_detail.value,

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
+from urllib.parse import urlsplit
 
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
@@ -581,6 +582,20 @@ MAX_LEASE_S = 3600.0
 MAX_REPLICAS_HINT = 1024
 
 
+
+def _redis_address_ok(scheme: str, url: str) -> bool:
+    """A redis(s):// URL redis-py can connect to as written: a host, a port that is one, a
+    database number (read at start, where a malformed one was a traceback)."""
+    if scheme == "unix":
+        return True
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    database = parts.path.strip("/")
+    return bool(parts.hostname) and port != 0 and (not database or database.isdigit())
+
 def _ledger(r: _Reader, top: dict) -> LedgerStore:
     """`ledger: {backend, url, key_prefix, lease_s, on_error, replicas_hint, op_timeout_s, reclaim_grace_s}`. The URL
     is never
@@ -615,6 +630,9 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
             or any(c.isspace() for c in url):
         raise r.fail("ledger.url", "expected a redis://, rediss:// or unix:// URL (not quoted here: it may "
                      "hold a password)")
+    if not _redis_address_ok(scheme.lower(), url):
+        raise r.fail("ledger.url", "expected a host, a port from 1 to 65535 and a numeric database, as in "
+                     "redis://host:6379/0 (not quoted here: it may hold a password)")
     prefix = doc.get("key_prefix", "kvtune")
     if not isinstance(prefix, str) or not prefix:
         raise r.fail("ledger.key_prefix", f"expected a non-empty string, got {brief(prefix)}")

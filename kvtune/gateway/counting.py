@@ -30,8 +30,9 @@ from kvtune.errors import InputError
 from kvtune.gateway import _json
 from kvtune.gateway.apis import Prompt
 from kvtune.gateway.config import CountingMethod, PromptCounting
+from kvtune.gateway.content_format import ContentFormat, detect_content_format
 from kvtune.gateway.upstream import UpstreamError
-from kvtune.gateway.vllm_messages import as_rendered, for_template, rename_reasoning
+from kvtune.gateway.vllm_messages import as_rendered, countable, for_template, rename_reasoning
 
 
 class PromptCountError(Exception):
@@ -229,6 +230,9 @@ class LocalTokenizerCounter:
         self.upstream = upstream
         self.template_source = chat_template or ""
         self.template = _compile_template(chat_template) if chat_template else None
+        # vLLM hands a template that loops over a message's content parts, not strings
+        self.content_format = (detect_content_format(chat_template, self.template.environment)
+                               if self.template is not None and chat_template else ContentFormat.STRING)
         # What every render starts from: the template's globals (a ChainMap that jinja would
         # flatten on every render, most of a short render's time) and the special tokens.
         self._base_vars = {**self.template.globals, **special_tokens} if self.template else {}
@@ -278,7 +282,7 @@ class LocalTokenizerCounter:
         context.update(_template_kwargs(args))
         context["add_generation_prompt"] = args.get("add_generation_prompt", True)
         context["continue_final_message"] = args.get("continue_final_message", False)
-        messages = for_template(as_rendered(prompt.messages or []), self.template_source)
+        messages = for_template(as_rendered(prompt.messages or [], self.content_format), self.template_source)
         context["messages"] = messages
         if args.get("tools") is not None:
             context["tools"] = args["tools"]
@@ -305,7 +309,7 @@ class LocalTokenizerCounter:
             return False
         if prompt.messages is None:
             return True
-        return all(isinstance(m.get("content"), (str, type(None))) for m in as_rendered(prompt.messages))
+        return countable(prompt.messages)
 
     def _count_sync(self, prompts: Sequence[Prompt]) -> list[int | None]:
         encode = self._encode
@@ -342,6 +346,8 @@ def _open_final_message(text: str, messages: list | None) -> str:
     apply_chat_template does for continue_final_message (so the model continues that message
     instead of starting a new turn): the end-of-turn tokens after it are not in the prompt."""
     final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):  # as transformers reads it: the last part that has text
+        final = next((p["text"] for p in reversed(final) if isinstance(p, dict) and "text" in p), None)
     if not isinstance(final, str):
         raise PromptRejectedError("continue_final_message needs a final message with text content")
     for needle in (final, final.strip()):

@@ -6,7 +6,9 @@ Two steps, as vLLM takes them:
                     TokenizeChatRequest lacks it): a message's deprecated `reasoning_content`
                     becomes `reasoning` unless that is set, and is removed
   as_rendered       the request's rename, then renderers/chat_utils.py parse_chat_messages:
-                    each message rebuilt from the keys vLLM keeps (role, content, an assistant's
+                    each message rebuilt from the keys vLLM keeps (role, content in the
+                    template's content format - text parts joined by newlines, or each one
+                    {"type": "text"} part; a null content "" or []: content_format -, an assistant's
                     tool_calls and reasoning - given to the template both as `reasoning` and as
                     `reasoning_content` -, a tool's tool_call_id, name, task, a developer's tools),
                     a tool message's text parts joined by newlines, and
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from kvtune.gateway.content_format import ContentFormat
 
 
 def rename_reasoning(messages: list) -> list:
@@ -40,9 +44,10 @@ def rename_reasoning(messages: list) -> list:
     return renamed
 
 
-def as_rendered(messages: list) -> list[dict]:
-    """The conversation vLLM's chat template sees for these request messages."""
-    return [_rendered(m) for m in rename_reasoning(messages)]
+def as_rendered(messages: list, content_format: ContentFormat = ContentFormat.STRING) -> list[dict]:
+    """The conversation vLLM's chat template sees for these request messages (content with parts
+    that are not text passed as sent: see countable)."""
+    return [_rendered(m, content_format) for m in rename_reasoning(messages)]
 
 
 def for_template(messages: list[dict], chat_template: str) -> list[dict]:
@@ -82,9 +87,85 @@ def _one_system_message(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(texts)}, *others]
 
 
-def _rendered(message: dict) -> dict:
+# Content parts vLLM reads as text (renderers/chat_utils.py TEXT_PART_TYPES) and the key each
+# keeps its text under; a text or refusal part without one is skipped.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+_SKIPPED_WITHOUT_TEXT = ("text", "refusal")
+# Every key of vLLM's content part types (_KNOWN_CONTENT_PART_FIELDS): the others are passed on
+# to an "openai" template beside the text.
+_PART_FIELDS = frozenset({"audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil",
+                          "image_url", "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text",
+                          "thinking", "type", "uuid", "video_embeds", "video_url"})
+# Claude Code's attribution line, which vLLM drops from a system message's text
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+class _NotText(Exception):
+    """A content part that is not text (an image, a file): only the engine renders it."""
+
+
+def _text_parts(content: Any, role: Any) -> list[tuple[str, dict]]:
+    """A message's content as vLLM parses it (_parse_chat_message_content): (text, the part's
+    other keys) for each text part; _NotText when a part is anything else."""
+    if content is None:
+        parts: list = []
+    elif isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise _NotText
+    texts: list[tuple[str, dict]] = []
+    for part in parts:
+        text: Any
+        if isinstance(part, str):
+            text, extra = part, {}
+        elif isinstance(part, dict) and "uuid" not in part and part.get("type") in _TEXT_PARTS:
+            text = part.get(_TEXT_PARTS[part["type"]])
+            if text is None and part["type"] in _SKIPPED_WITHOUT_TEXT:
+                continue
+            extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
+        else:
+            raise _NotText
+        if not isinstance(text, str):
+            raise _NotText
+        if role == "system" and text.startswith(_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        texts.append((text, extra))
+    return texts
+
+
+def _content(content: Any, role: Any, content_format: ContentFormat) -> Any:
+    """A message's content as vLLM hands it to a template of this format: its non-empty text
+    parts joined by newlines (a null content ""), or for a template that reads parts, each as a text part (a
+    string one part, a null content []). Content with parts that are not text is left as sent:
+    the engine counts it."""
+    try:
+        texts = _text_parts(content, role)
+    except _NotText:
+        return content
+    if content_format is ContentFormat.STRING:  # an empty part is dropped, not joined (no extra newline)
+        return "\n".join(text for text, _ in texts if text)
+    return [{"type": "text", "text": text, **extra} for text, extra in texts]
+
+
+def countable(messages: list) -> bool:
+    """True when every message's content is text (a string, null, or text parts): what this
+    module renders exactly as vLLM does."""
+    for message in messages:
+        try:
+            _text_parts(message.get("content") if isinstance(message, dict) else None, None)
+        except _NotText:
+            return False
+    return True
+
+
+def _rendered(message: dict, content_format: ContentFormat) -> dict:
     role = message.get("role")
-    out: dict[str, Any] = {"role": role, "content": message.get("content")}
+    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), role, content_format)}
     if role == "assistant":
         tool_calls = message.get("tool_calls")
         if tool_calls is not None:
@@ -113,8 +194,6 @@ def _rendered(message: dict) -> dict:
 
 def _tool_text(content: Any) -> Any:
     """A tool message's content given as text parts, joined as vLLM joins them."""
-    if content is None:
-        return ""
     if not isinstance(content, list):
         return content
     if any(isinstance(p, dict) and p.get("type") != "text" for p in content):
@@ -147,4 +226,4 @@ def _arguments(value: Any) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
-__all__ = ["rename_reasoning", "as_rendered", "for_template"]
+__all__ = ["ContentFormat", "rename_reasoning", "as_rendered", "for_template", "countable"]

@@ -11,7 +11,9 @@ Steady state of a full batch of N running requests, the logged traffic's mix (ca
   - the batch stays full, so the prompts of the requests that replace finished ones are prefilled
     beside the decodes: P̄/Ō prompt tokens per output token, whose attention, whatever the chunking,
     sums to P²/2 per prompt (Σ n·(ctx + n/2) over the chunks of a prompt is P²/2);
-  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3): one step, the same for every token.
+  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3 + c4·(ctx̄ + ½ + P̄/Ō)): one step, the
+  same for every token (c4: each decode reads its KV once, ctx + 1 tokens; a prompt's chunks read
+  about P, counted as if prefilled in one chunk).
 A p99 prompt arriving at that batch prefills in chunks of max_num_batched_tokens less the N − 1
 decodes beside it (vLLM V1 schedules decodes first, then chunks prefills into the rest of the
 token budget); its TTFT is those steps, queueing and the API server excluded (`--objective`
@@ -124,8 +126,11 @@ def ttft_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int, max_num
     if chunk < 1:
         return math.inf
     steps = -(-prompt // chunk)
-    decode = others * (model.c1 + model.c2 * shape.decode_context_tokens + model.c3)
-    return steps * (model.c0 + decode + model.c3) + model.c1 * prompt + model.c2 * prompt * prompt / 2
+    decode = others * (model.c1 + model.c2 * shape.decode_context_tokens + model.c3
+                       + model.c4 * (shape.decode_context_tokens + 0.5))
+    read = chunk * (steps - 1) * steps // 2 + prompt  # Σ (ctx + n) over the chunks: each reads up to its end
+    return (steps * (model.c0 + decode + model.c3) + model.c1 * prompt + model.c2 * prompt * prompt / 2
+            + model.c4 * read)
 
 
 def batch_latency(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int,
@@ -157,7 +162,8 @@ def meets(slo: Slo, latency: BatchLatency) -> bool:
 def _per_request_s(model: StepTimeModel, shape: TrafficShape) -> float:
     """What one more running request adds to every step: its decode, and its share of prefill."""
     return (model.c1 * (1 + shape.prefill_tokens_per_output)
-            + model.c2 * (shape.decode_context_tokens + shape.prefill_attention_per_output) + model.c3)
+            + model.c2 * (shape.decode_context_tokens + shape.prefill_attention_per_output) + model.c3
+            + model.c4 * (shape.decode_context_tokens + 0.5 + shape.prefill_tokens_per_output))
 
 
 def ms(seconds: float) -> str:

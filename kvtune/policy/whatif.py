@@ -182,7 +182,8 @@ class SimBasis:
         t, e = f.obj("timing"), f.obj("engine")
         source = TimingSource(t.choice("source", tuple(s.value for s in TimingSource)))
         try:
-            timing = StepTimeModel(t.number("c0"), t.number("c1"), t.number("c2"), t.number("c3"), source)
+            timing = StepTimeModel(t.number("c0"), t.number("c1"), t.number("c2"), t.number("c3"),
+                                   t.number("c4", optional=True) or 0.0, source=source)
             timing.ticks()
         except OptionError as exc:
             raise t.fail(exc.field, exc.message) from None

@@ -326,7 +326,7 @@ class _Run:
             start = self.t
             batch = sched.schedule()
             order = sched.batch_order(batch) if self.decisions is not None else None
-            self.t += ticks.step(batch.total_tokens, batch.attention2, batch.size)
+            self.t += ticks.step(batch.total_tokens, batch.attention2, batch.size, batch.kv_read)
             self.num_steps += 1
             self.events += 1
             for request in batch.admitted:
@@ -366,7 +366,7 @@ class _Run:
             self.steps.append((start / TICKS_PER_S, k, batch, batch, waiting, sched.used_after_alloc))
         if self.decisions is not None:
             step = ticks.decode_first(batch, ctx)
-            growth = 2 * ticks.c2_half * batch
+            growth = ticks.decode_growth(batch)
             scheduled = tuple((r, 1) for r in order)
             for j in range(k):
                 at = start + j * step + growth * (j * (j - 1) // 2)

@@ -86,6 +86,7 @@ class Batch:
     total_tokens: int
     attention2: int  # Σ n·(2·ctx + n), for the step-time model
     size: int
+    kv_read: int  # Σ (ctx + n) over the requests that compute this step: KV each one reads
 
 
 class Scheduler:
@@ -177,7 +178,9 @@ class Scheduler:
         self._note_peaks()
         tok = sched[:k]
         attention2 = int(np.dot(tok, 2 * comp[:k] + tok))
-        return Batch(scheduled, first_admitted, admitted, preempted, used, attention2, scheduled + len(admitted))
+        kv_read = used + int(comp[:k][tok > 0].sum())
+        return Batch(scheduled, first_admitted, admitted, preempted, used, attention2, scheduled + len(admitted),
+                     kv_read)
 
     def batch_order(self, batch: Batch) -> tuple[list[int], list[int]]:
         """(request ids, tokens) in vLLM's order; call between `schedule` and `complete`."""

@@ -4,7 +4,10 @@ The simulated engine runs with the settings the real server runs with: what `kvt
 read from it (blocks, block size, max_model_len, and max_num_seqs / max_num_batched_tokens where
 the server or its log stated them), else vLLM's defaults for its device (kvtune.engines.vllm);
 options override both. Each setting says where it came from. The step time is the capacity
-file's calibrated `timing`, else the roofline estimate for a model and GPU, labelled as such.
+file's calibrated `timing` (measured on the server itself: it wins), else the silicon data
+(aiconfigurator-core's kernels measured on that GPU for that engine, kvtune.capacity.silicon),
+else the roofline estimate for a model and GPU, labelled as such with the reason silicon data
+did not apply.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
+from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.engines import vllm
-from kvtune.errors import CapacityError, OptionError
+from kvtune.errors import CapacityError, KvtuneError, OptionError
+from kvtune.model.sources import PRESETS_DIR, load_config_file
 from kvtune.sim.scheduler import EngineSettings
 from kvtune.steptime import FrontEndModel, StepTimeModel
 
@@ -148,19 +154,58 @@ class TimingSetup:
 
 
 def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, gpu: Gpu | None = None,
-                 tp: int = 1) -> TimingSetup:
-    """The capacity file's calibrated timing; without one, the roofline for `spec` on `gpu`."""
+                 tp: int = 1, engine: str | None = None, engine_version: str | None = None,
+                 silicon: bool = True) -> TimingSetup:
+    """The capacity file's calibrated timing; without one, silicon data for `spec` on `gpu` where
+    aiconfigurator-core covers them (`silicon=False`: never), else the roofline."""
     if measured.timing is not None:
         t = measured.timing
         return TimingSetup(t.model, t.http_overhead_s, {"measured_against": t.measured_against.to_dict()},
                            t.frontend)
     if spec is None or gpu is None:
         raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --out FILE`, "
-                          "or give --model and --gpu for a roofline estimate", field="--capacity")
+                          "or give --model and --gpu for a silicon or roofline estimate", field="--capacity")
+    kv_cache_dtype = measured.kv_cache_dtype or "auto"
+    reason = "silicon data not asked for"
+    if silicon:
+        files = model_files(spec)
+        if files is None:
+            reason = f"no local config.json for {spec.name} to hand aiconfigurator-core"
+        else:
+            try:
+                model, silicon_inputs = silicon_step_time(
+                    files, gpu, tp=tp, engine=engine or measured.engine, engine_version=engine_version,
+                    kv_cache_dtype=kv_cache_dtype)
+            except NoSiliconDataError as exc:
+                reason = str(exc)
+            else:
+                return TimingSetup(model, 0.0, {"silicon": silicon_inputs.to_dict(),
+                                                "label": silicon_inputs.label})
     from kvtune.capacity.timing import roofline_step_time
 
-    model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=measured.kv_cache_dtype or "auto")
-    return TimingSetup(model, 0.0, {"roofline": inputs.to_dict()})
+    model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
+    return TimingSetup(model, 0.0, {"roofline": inputs.to_dict(), "fallback_reason": reason,
+                                    "label": f"roofline estimate for {gpu.name} ({reason})"})
+
+
+def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
+    """The config.json `spec` was read from (a model directory, a config file, a preset) and, beside
+    it in a directory, a ModelOpt hf_quant_config.json; None when there is no local file."""
+    candidates = []
+    if spec.source_dir is not None:
+        candidates.append(Path(spec.source_dir) / "config.json")
+    candidates += [Path(spec.name), PRESETS_DIR / f"{spec.name.lower()}.json"]
+    for path in candidates:
+        if path.suffix == ".json" and path.is_file():
+            try:
+                files = {"config.json": load_config_file(path)}
+                quant = path.parent / "hf_quant_config.json"
+                if spec.source_dir is not None and quant.is_file():
+                    files["hf_quant_config.json"] = load_config_file(quant)
+                return files
+            except KvtuneError:
+                return None
+    return None
 
 
 __all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "offline_capacity", "given_pool", "OPTION",

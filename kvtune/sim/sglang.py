@@ -113,12 +113,13 @@ class SGLangScheduler:
         prefill = self._form_prefill(admitted)
         if prefill:
             self._prefill, self._decoding = prefill, False
-            total = attention2 = 0
+            total = attention2 = kv_read = 0
             for _, comp, ext, _ in prefill:
                 total += ext
                 attention2 += ext * (2 * comp + ext)
+                kv_read += comp + ext
             self._note_peaks()
-            return Batch(0, 0, admitted, [], total, attention2, len(prefill))
+            return Batch(0, 0, admitted, [], total, attention2, len(prefill), kv_read)
         self._prefill = []
         retracted: list[int] = []
         if self.n:
@@ -131,7 +132,8 @@ class SGLangScheduler:
         self.free -= total_need
         self._note_peaks()
         ctx = self.ntok[:k] - 1
-        return Batch(k, k, [], retracted, k, int(_sum(2 * ctx + 1)) if k else 0, k)
+        return Batch(k, k, [], retracted, k, int(_sum(2 * ctx + 1)) if k else 0, k,
+                     int(_sum(self.ntok[:k])) if k else 0)
 
     def _decode_need(self, k: int) -> np.ndarray:
         """Tokens each running request allocates for its next decode (a page when it crosses one)."""

@@ -130,7 +130,8 @@ class TrtllmScheduler:
         self._note_peaks()
         tokens = gen + sum(c for _, _, c in chunks)
         attention2 = (int(_sum(2 * self.ntok[:gen] - 1)) if gen else 0) + sum(c * (2 * p + c) for _, p, c in chunks)
-        return Batch(gen, gen, admitted, paused, tokens, attention2, gen + len(chunks))
+        kv_read = (int(_sum(self.ntok[:gen])) if gen else 0) + sum(p + c for _, p, c in chunks)
+        return Batch(gen, gen, admitted, paused, tokens, attention2, gen + len(chunks), kv_read)
 
     def _remaining(self, r: int) -> int:
         return max(int(self.total_blocks[r]) - int(self.held_all[r]), 0)

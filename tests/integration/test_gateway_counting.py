@@ -149,14 +149,15 @@ def test_template_fields_override_chat_template_kwargs_as_vllm_032_does(model_di
 
 
 def test_content_parts_and_anthropic_requests_are_counted_by_the_engine(model_dir):
-    """vLLM reshapes list content by the template's content format and converts Anthropic
-    requests itself, so the local counter asks the engine for those (exactly), not a guess."""
+    """Parts that are not text (an image: the engine's placeholder and its processor) and
+    Anthropic requests, which vLLM converts itself, are asked of the engine (exactly), not a guess;
+    text parts are counted here (test_text_parts_are_counted_here)."""
     fake = FakeVllm(tokens=Tokens(chat=16))  # a chat costs 16 tokens more than its words
 
     async def run(client):
         local = LocalTokenizerCounter.load(str(model_dir)).with_upstream(UpstreamTokenizeCounter(client))
         parts = read_request(Api.CHAT, {"messages": [
-            {"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]})
         mixed = read_request(Api.COMPLETIONS, {"prompt": ["hello world", [1, 2]]})
         anthropic = read_request(Api.MESSAGES, {"model": "m", "max_tokens": 5, "system": "be brief",
                                                 "messages": [{"role": "user", "content": "hi"}]})
@@ -164,7 +165,7 @@ def test_content_parts_and_anthropic_requests_are_counted_by_the_engine(model_di
                 await local.count(anthropic.prompts, "m"))
 
     parts, mixed, anthropic = asyncio.run(_counted_by(fake, run))
-    assert parts.tokens == (16 + 1,) and parts.exact
+    assert parts.tokens == (16 + 0,) and parts.exact  # the fake counts the image as no word
     seen = [(c.path, c.parsed) for c in fake.count_calls]
     assert mixed.tokens == (3, 2) and [p for p, _ in seen].count("/tokenize") == 1  # text counted here
     assert anthropic.tokens == (16 + 2 + 1,)  # the engine's: "be brief" and "hi", not the local template's
@@ -175,7 +176,22 @@ def test_content_parts_and_anthropic_requests_are_counted_by_the_engine(model_di
 def test_local_counter_without_an_engine_refuses_what_it_cannot_count(model_dir):
     counter = LocalTokenizerCounter.load(str(model_dir))
     with pytest.raises(PromptCountError, match="engine's own count"):
-        count(counter, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+        count(counter, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+
+
+def test_text_parts_are_counted_here(model_dir):
+    """vLLM joins a message's text parts (text, input_text, output_text, refusal, thinking; a
+    text part without text or with an empty one skipped) by newlines for a template that reads strings, and drops
+    Claude Code's attribution line from a system message: counted in process, no engine needed
+    (before: every list content was the engine's to count, a 503 without one)."""
+    counter = LocalTokenizerCounter.load(str(model_dir))
+    parts = [{"type": "text", "text": "hello"}, "there", {"type": "refusal", "refusal": "no"}, {"type": "text"},
+             {"type": "text", "text": ""}, {"type": "input_text", "text": "how", "cache_control": {"type": "ephemeral"}}]
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cch=1\nbe brief"}]
+    prompt = read_request(Api.CHAT, {"messages": [{"role": "system", "content": system},
+                                                  {"role": "user", "content": parts}]}).prompts[0]
+    assert counter.render(prompt) == "<s><|system|>be brief<|end|><|user|>hello\nthere\nno\nhow<|end|><|assistant|>"
+    assert count(counter, {"messages": [{"role": "user", "content": parts}]}).exact
 
 
 def test_local_counter_plain_prompts_get_bos(model_dir):

@@ -36,7 +36,7 @@ def capacity_json(*args: str) -> dict:
 
 def test_simulate_runs_on_kvtunes_capacity_estimate():
     """No capacity file: the pool is `kvtune capacity`'s for the same options, each setting says
-    where it came from, the step time is the roofline for that GPU and tensor-parallel size."""
+    where it came from, the step time is silicon data for that GPU and tensor-parallel size."""
     for tp in ("1", "2"):
         expected = capacity_json("--tp", tp)
         data = run_json("simulate", CHAT, "--model", MODEL, "--gpu", GPU, "--tp", tp, "--rate", "3",
@@ -50,8 +50,8 @@ def test_simulate_runs_on_kvtunes_capacity_estimate():
         assert capacity["from"] == "estimate" and capacity["file"] is None
         assert capacity["tensor_parallel_size"] == int(tp) and capacity["gpu"] == GPU
         assert capacity["kv_cache_tokens"] == expected["kv_cache_tokens"]
-        assert data["simulation"]["timing"]["source"] == "roofline-estimate"
-        assert data["simulation"]["timing"]["roofline"]["tensor_parallel_size"] == int(tp)
+        assert data["simulation"]["timing"]["source"] == "silicon"  # the H100's aiconfigurator data (was the roofline)
+        assert data["simulation"]["timing"]["silicon"]["tensor_parallel_size"] == int(tp)
         assert data["requests"]["completed"] == 40
     # the estimate's own settings change the pool as they change `kvtune capacity`'s
     fp8 = run_json("simulate", CHAT, "--model", MODEL, "--gpu", GPU, "--kv-cache-dtype", "fp8",
@@ -107,12 +107,12 @@ def test_capacity_json_is_a_capacity_file(tmp_path):
     written = capacity_json("--tp", "2", "--max-model-len", "32768")
     cap.write_text(json.dumps(written))
     data = run_json("simulate", CHAT, "--capacity", str(cap), "--model", MODEL, "--gpu", GPU,
-                    "--rate", "3", "--requests", "20")  # the roofline at the file's --tp 2
+                    "--rate", "3", "--requests", "20")  # the step time at the file's --tp 2
     engine = data["simulation"]["engine"]
     assert engine["num_blocks"] == {"value": written["num_blocks"], "from": "capacity-file"}
     assert engine["max_model_len"] == {"value": 32768, "from": "capacity-file"}
     assert data["simulation"]["capacity"] == {"from": "capacity-file", "file": str(cap)}
-    assert data["simulation"]["timing"]["roofline"]["tensor_parallel_size"] == 2
+    assert data["simulation"]["timing"]["silicon"]["tensor_parallel_size"] == 2
     other = run("simulate", CHAT, "--capacity", str(cap), "--model", MODEL, "--gpu", GPU, "--tp", "4", "--rate", "3",
                 "--requests", "20")
     assert other.exit_code == 2 and other.output.strip().splitlines() == [
@@ -166,8 +166,8 @@ def test_recommend_objective_runs_on_the_same_estimate_as_simulate():
         assert basis[key] == engine[key]["value"], key
     assert rec["objective"]["load"] == {"rate_rps": sim["load"]["rate_rps"], "concurrency": None, "from": "logs"}
     timing = rec["objective"]["simulator"]["timing"]
-    assert timing["source"] == "roofline-estimate"
-    assert {k: timing[k] for k in ("c0", "c1", "c2", "c3")} == sim["simulation"]["timing"]["coefficients"]
+    assert timing["source"] == "silicon"
+    assert {k: timing[k] for k in ("c0", "c1", "c2", "c3", "c4")} == sim["simulation"]["timing"]["coefficients"]
     known = run_json("recommend", CHAT, *args, "--num-gpu-blocks", "6000", "--max-model-len", "32k")["recommendation"]
     assert known["objective"]["simulator"]["engine"]["num_blocks"] == 6000
     assert known["capacity"]["num_blocks"] == 6000

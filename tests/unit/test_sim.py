@@ -45,7 +45,7 @@ def engines(draw) -> EngineSettings:
 
 
 timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),
-                    c3=st.floats(0, 1e-3))
+                    c3=st.floats(0, 1e-3), c4=st.floats(0, 1e-5))
 
 
 @st.composite
@@ -256,11 +256,13 @@ def test_step_time_is_the_formula():
     assert result.duration_s == pytest.approx(timing.step_seconds([(100, 0)]), rel=1e-9)
 
 
-@given(c=st.tuples(st.floats(1e-4, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-5), st.floats(0, 1e-3)),
+@given(c=st.tuples(st.floats(1e-4, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-5), st.floats(0, 1e-3),
+                   st.floats(0, 1e-5)),
        batch=st.integers(1, 300), ctx=st.integers(0, 10**6), k=st.integers(1, 400), window=st.integers(1, 10**16))
 def test_decode_run_closed_form(c, batch, ctx, k, window):
     ticks = StepTimeModel(*c).ticks()
-    steps = [ticks.step(batch, 2 * (ctx + j * batch) + batch, batch) for j in range(k)]
+    # step j: every context grew by j; each request reads its ctx + 1 tokens of KV (c4)
+    steps = [ticks.step(batch, 2 * (ctx + j * batch) + batch, batch, ctx + j * batch + batch) for j in range(k)]
     assert ticks.decode_run(batch, ctx, k) == sum(steps)
     starts = np.cumsum([0, *steps[:-1]])
     expected = int((starts < window).sum())

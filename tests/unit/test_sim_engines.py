@@ -21,7 +21,7 @@ from kvtune.sim.sglang import SGLangScheduler
 from kvtune.sim.trtllm import TrtllmScheduler
 from kvtune.steptime import StepTimeModel
 
-TIMING = StepTimeModel(c0=0.01, c1=1e-4, c2=1e-7, c3=1e-4)
+TIMING = StepTimeModel(c0=0.01, c1=1e-4, c2=1e-7, c3=1e-4, c4=3e-8)
 
 
 def _cols(*values: int) -> np.ndarray:

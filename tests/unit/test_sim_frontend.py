@@ -189,6 +189,6 @@ def test_a_load_run_replayed_recovers_the_step_time_it_ran_with():
     itl = float(gaps.sum() / (result.requests.output_tokens[ok] - 1).sum())
     row = load_observation(replay, itl, true, engine)
     assert row is not None and row.sweep == "load" and row.http == 0
-    assert float(np.array(row.features) @ true.coefficients) == pytest.approx(itl, rel=0.02)
+    assert float(np.array(row.features) @ true.coefficients[:4]) == pytest.approx(itl, rel=0.02)
     assert wl_times == sorted(wl_times)
     assert load_observation(replay, None, true, engine) is None
