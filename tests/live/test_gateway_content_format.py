@@ -20,7 +20,7 @@ from kvtune.gateway.content_format import ContentFormat, detect_content_format
 from kvtune.gateway.counting import LocalTokenizerCounter
 from kvtune.gateway.endpoints import Api
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 REAL = {p.stem: p.read_text("utf-8") for p in sorted(TEMPLATES.glob("*.jinja"))}
 # The shapes vLLM's walk tells apart: loops over a message's content (directly, through a
 # filter, a slice, an alias of messages, a macro parameter), loops that only look like one.
