@@ -98,32 +98,6 @@ def _vllm_group(item: pytest.Item) -> tuple[int, int]:
     return TOKENIZERS.index(tokenizer), server
 
 
-# Under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup) each group runs whole on one worker,
-# in collection order: every real-vLLM test together (one server at a time, started once per
-# configuration as in a serial run), the Ray files together (one local cluster at a time), and each
-# other integration or live file whole (its module-scoped servers start once). Unit tests spread.
-_RAY_FILES = {"test_profile_ray.py", "test_profile_parallel.py", "test_cli_log_model.py"}
-
-
-def _xdist_group(item: pytest.Item) -> str | None:
-    """The worker group a test belongs to, or None where it may run on any worker."""
-    if item.get_closest_marker("vllm") is not None:
-        return "vllm"
-    path = Path(str(item.fspath))
-    if path.name in _RAY_FILES:
-        return "ray"
-    if path.parent.name in ("integration", "live"):
-        return path.stem
-    return None
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """Marks each test with its worker group (before xdist reads the marks into node ids)."""
-    group = _xdist_group(item)
-    if group is not None:
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.hookimpl(trylast=True)  # after pytest's own ordering by session-scoped parameters
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-vLLM tests last, grouped by the server they run on (see _vllm_group); the order of
