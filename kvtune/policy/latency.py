@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtune.bench.report import Slo
-from kvtune.capacity.timing import roofline_step_time
 from kvtune.errors import KvtuneError
-from kvtune.hardware import find_gpu
 from kvtune.planning import Plan
 from kvtune.profile.routes import Profile
+from kvtune.sim.setup import plan_timing
 from kvtune.steptime import StepTimeModel, TimingSource
 
 
@@ -65,23 +64,26 @@ class BatchLatency:
 
 
 def plan_step_time(plan: Plan) -> StepTime | None:
-    """The capacity file's calibrated timing, else the roofline for the plan's model on its GPU;
-    None when neither is known (a pool given in bytes or tokens, no GPU named)."""
+    """The step time `simulate` and `recommend --objective` run the plan on (kvtune.sim.setup.plan_timing:
+    the capacity file's calibrated timing, else silicon data, else the roofline for the plan's model
+    on its GPU), so the bound and the simulation agree; None when none is known (no catalog GPU)."""
     measured = plan.measured
     if measured is not None and measured.timing is not None:
         origin = measured.timing.measured_against.url
         return StepTime(measured.timing.model, f"calibrated step time (`kvtune calibrate --timing` on {origin})")
-    if plan.gpu is None:
+    if plan.gpu_model is None:
         return None
     try:
-        gpu = find_gpu(plan.gpu)
-        model, _ = roofline_step_time(plan.spec, gpu, tp=plan.kv.tensor_parallel_size,
-                                      kv_cache_dtype=plan.kv_cache_dtype.value)
-    except KvtuneError:  # a GPU given by memory only, or one with no peak FLOPs on record
+        timing = plan_timing(plan)
+    except KvtuneError:  # a GPU with no peak FLOPs on record
         return None
-    label = ("roofline estimate" if model.source is TimingSource.ROOFLINE else f"{model.source.value} step time")
-    return StepTime(model, f"{label} for {gpu.name} × {plan.kv.tensor_parallel_size} (peak bandwidth and FLOPs, "
-                           "not measured: `kvtune calibrate URL --timing` measures it)")
+    gpu = plan.gpu_model
+    if timing.model.source is TimingSource.SILICON:
+        return StepTime(timing.model, f"{timing.detail['label']} for {gpu.name} "
+                                      "(aiconfigurator-core's measured kernels, not this server: "
+                                      "`kvtune calibrate URL --timing` measures it)")
+    return StepTime(timing.model, f"roofline estimate for {gpu.name} × {plan.kv.tensor_parallel_size} (peak "
+                                  "bandwidth and FLOPs, not measured: `kvtune calibrate URL --timing` measures it)")
 
 
 def traffic_shape(profile: Profile, caps: dict[str, int]) -> TrafficShape:

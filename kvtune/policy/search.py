@@ -206,7 +206,7 @@ def sim_basis(plan: Plan) -> SimBasis:
     for the plan's model and GPU) and the engine with today's defaults; without a capacity file
     (or with only a pool size given), the plan's own estimate, as `kvtune simulate` takes it
     (kvtune.sim.setup.offline_capacity)."""
-    from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, timing_setup
+    from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, plan_timing
 
     measured = plan.measured
     labels = None
@@ -217,7 +217,7 @@ def sim_basis(plan: Plan) -> SimBasis:
                               "`kvtune calibrate --timing`", field="gpu")
         measured, labels = offline_capacity(plan)
     gpu = plan.gpu_model
-    timing = timing_setup(measured, spec=plan.spec, gpu=gpu, tp=plan.kv.tensor_parallel_size)
+    timing = plan_timing(plan)
     engine = engine_setup(measured, gpu=gpu, recorded_from=labels).settings
     return SimBasis(timing.model, timing.http_overhead_s, engine)
 

@@ -23,6 +23,7 @@ from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
+from kvtune.sim.frontend import VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
 from kvtune.sim.scheduler import EngineSettings
 from kvtune.steptime import FrontEndModel, StepTimeModel
 
@@ -179,13 +180,39 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
             except NoSiliconDataError as exc:
                 reason = str(exc)
             else:
-                return TimingSetup(model, 0.0, {"silicon": silicon_inputs.to_dict(),
-                                                "label": silicon_inputs.label})
+                return _with_api_server(model, {"silicon": silicon_inputs.to_dict(), "label": silicon_inputs.label},
+                                        engine or measured.engine)
     from kvtune.capacity.timing import roofline_step_time
 
     model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
-    return TimingSetup(model, 0.0, {"roofline": inputs.to_dict(), "fallback_reason": reason,
-                                    "label": f"roofline estimate for {gpu.name} ({reason})"})
+    return _with_api_server(model, {"roofline": inputs.to_dict(), "fallback_reason": reason,
+                                    "label": f"roofline estimate for {gpu.name} ({reason})"}, engine or measured.engine)
+
+
+def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None) -> TimingSetup:
+    """An uncalibrated step time with the API server in front of it: for vLLM, its measured server
+    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`); other engines' servers were not
+    measured, so none (`frontend_from` says so)."""
+    if engine not in (None, "vllm"):
+        return TimingSetup(model, 0.0, {**detail, "frontend_from": f"none: {engine}'s API server not measured"})
+    return TimingSetup(model, VLLM_API_SERVER_LONE_S, {**detail, "frontend_from": VLLM_API_SERVER_SOURCE},
+                       VLLM_API_SERVER)
+
+
+def plan_timing(plan: Plan) -> TimingSetup:
+    """The step time `simulate`, `recommend --objective` and recommend's latency bound all price a
+    plan with: its capacity file's calibrated timing, else silicon data or the roofline for its model
+    on its GPU (timing_setup), on the pool offline_capacity states when no capacity file is given.
+    OptionError when the plan names no catalog GPU and has no calibrated timing."""
+    measured = plan.measured
+    if measured is not None and measured.timing is not None:
+        return timing_setup(measured)
+    if plan.gpu_model is None:
+        raise OptionError("a step time without a calibrated capacity file needs a catalog GPU: give --gpu (or "
+                          "--gpu-spec FILE), or --capacity FILE from `kvtune calibrate --timing`", field="gpu")
+    if measured is None or given_pool(measured):
+        measured, _ = offline_capacity(plan)
+    return timing_setup(measured, spec=plan.spec, gpu=plan.gpu_model, tp=plan.kv.tensor_parallel_size)
 
 
 def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
@@ -208,5 +235,5 @@ def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
     return None
 
 
-__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "offline_capacity", "given_pool", "OPTION",
-           "CAPACITY", "DEFAULT", "ESTIMATE"]
+__all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "plan_timing", "offline_capacity",
+           "given_pool", "OPTION", "CAPACITY", "DEFAULT", "ESTIMATE"]

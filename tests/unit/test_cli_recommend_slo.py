@@ -22,7 +22,9 @@ from kvtune.weights import weights_for
 REPO = Path(__file__).resolve().parents[2]
 LOGS = str(REPO / "sample_logs")
 H100 = ["--model", "llama-3.1-8b", "--gpu", "H100-80GB"]
-ROOFLINE = "roofline estimate for H100-80GB × 1 (peak bandwidth and FLOPs, not measured"
+# recommend's bound runs on the step time simulate runs: an H100 without a calibrated capacity file is
+# priced by aiconfigurator's silicon data, as in `simulate --gpu` (it was the roofline before)
+SILICON = "silicon data (aiconfigurator-core 0.12.0): h100_sxm, vllm 0.24.0 measurements, TP 1 for H100-80GB"
 CALIBRATED = "calibrated step time (`kvtune calibrate --timing` on http://127.0.0.1:53629)"
 
 
@@ -50,7 +52,7 @@ def test_without_an_slo_the_reason_states_the_tpot_of_the_rendered_batch():
     seqs = out["recommendation"]["settings"]["max_num_seqs"]
     assert seqs["value"] == 1752  # what the budget admits, unchanged without an SLO
     assert "at 1,752 running, each output token takes" in seqs["reason"]
-    assert f"(the predicted TPOT of a full batch, by the {ROOFLINE}" in seqs["reason"]
+    assert f"(the predicted TPOT of a full batch, by the {SILICON}" in seqs["reason"]
     assert "--slo tpot=MS bounds it" in seqs["reason"]
     # 1,752 requests decoding at once: hundreds of ms per token (2.49 s before the step form's c4, when
     # the roofline priced the replacement prompts' attention as a KV read per prompt token)
@@ -75,7 +77,7 @@ def test_slo_tpot_bounds_max_num_seqs_and_the_pool_is_estimated_at_it(tmp_path):
     assert seqs["reason"].startswith(f"the most requests that run at once within TPOT ≤ 50 ms: at {seqs['value']:,} "
                                      "the predicted TPOT ")
     assert predicted_ms(seqs["reason"], "TPOT") <= 50
-    assert f"by the {ROOFLINE}" in seqs["reason"]
+    assert f"by the {SILICON}" in seqs["reason"]
     serve = load_deployed(str(out_dir / "vllm-serve.sh"))
     assert serve.max_num_seqs == seqs["value"]
     # the memory fixed point holds at the bounded count: the rendered flags re-estimate to the printed pool
@@ -117,6 +119,23 @@ def test_the_simulator_runs_the_bounded_batch_at_the_predicted_tpot(log):
     assert simulated <= 1.2
 
 
+def test_offline_the_bound_and_the_simulator_share_the_silicon_step_time(log):
+    """Without a capacity file the bound is priced by the silicon data `simulate --gpu` runs (it was
+    the roofline, whose TPOT the simulation did not reproduce): simulating the rendered batch full
+    gives the TPOT the reason states."""
+    code, out, _ = recommend(log, *H100, "--slo", "tpot=20")
+    assert code == 0
+    seqs = out["recommendation"]["settings"]["max_num_seqs"]
+    assert seqs["rule"] == "max-num-seqs-slo" and f"by the {SILICON}" in seqs["reason"]
+    predicted, n = predicted_ms(seqs["reason"], "TPOT"), seqs["value"]
+    sim = CliRunner().invoke(cli, ["simulate", log, *H100, "--max-num-seqs", str(n), "--concurrency", str(2 * n),
+                                   "--requests", "600", "--json"], catch_exceptions=False)
+    assert sim.exit_code == 0, sim.output
+    result = json.loads(sim.stdout)
+    assert result["simulation"]["timing"]["source"] == "silicon"
+    assert result["latency_ms"]["tpot"]["mean"] == pytest.approx(predicted, rel=0.05)
+
+
 def test_slo_ttft_bounds_the_batch():
     # (these TTFT tests' thresholds were 3,500 / 3,350 / 300 ms while the roofline priced a prefill
     # chunk's attention as a KV read per token; the p99 prompt's 12,663 tokens now prefill in ~0.25 s)
@@ -128,14 +147,15 @@ def test_slo_ttft_bounds_the_batch():
 
 
 def test_slo_ttft_one_request_misses_in_chunks_raises_the_token_budget():
-    """The p99 prompt (12,663 tokens) takes two 8,192-token steps; one 16,384-token step meets it."""
-    code, out, _ = recommend(LOGS, *H100, "--slo", "ttft=258")
+    """The p99 prompt (12,663 tokens) takes two 8,192-token steps; one 16,384-token step meets it
+    (ttft=258 on the roofline; 280 on the silicon data: two chunks 283.87 ms alone)."""
+    code, out, _ = recommend(LOGS, *H100, "--slo", "ttft=280")
     assert code == 0
     settings = out["recommendation"]["settings"]
     batched = settings["max_num_batched_tokens"]
     assert (batched["value"], batched["rule"]) == (16384, "batched-tokens-ttft-slo")
-    assert batched["reason"].startswith("the p99 prompt (12,663 tokens) prefills in one step, as TTFT ≤ 258 ms needs")
-    assert predicted_ms(settings["max_num_seqs"]["reason"], "TTFT of a p99 prompt") <= 258
+    assert batched["reason"].startswith("the p99 prompt (12,663 tokens) prefills in one step, as TTFT ≤ 280 ms needs")
+    assert predicted_ms(settings["max_num_seqs"]["reason"], "TTFT of a p99 prompt") <= 280
 
 
 def test_an_slo_no_batch_meets_is_refused_with_a_fix(tmp_path):
@@ -145,7 +165,7 @@ def test_an_slo_no_batch_meets_is_refused_with_a_fix(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("Error: this deployment cannot serve the logged traffic: no batch meets TPOT ≤ 3 ms: "
                                "one request alone is predicted at TPOT ")
-    assert ROOFLINE in lines[0]
+    assert SILICON in lines[0]
     assert lines[1].startswith("Fix: fits with --tp ")  # each GPU reads a share of the weights per step
     assert lines[2] == "Nothing was written."
     assert not out_dir.exists()

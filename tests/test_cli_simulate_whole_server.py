@@ -1,0 +1,53 @@
+"""The whole server, not only the forward pass (issue 27 item 2): an uncalibrated `simulate` puts
+vLLM's API server in front of the engine (kvtune.sim.frontend.VLLM_API_SERVER, measured by
+`kvtune calibrate --timing` on vLLM's own OpenAI server) and names where that figure came from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from kvtune.cli import cli
+
+MODEL, GPU = "llama-3.1-8b", "H100-80GB"
+BURST = 200
+REQUEST_S = 0.00269  # the measured serial work per request (kvtune/sim/frontend.py)
+
+
+def burst_log(tmp_path: Path, requests: int = BURST) -> str:
+    """`requests` short chat requests all sent at t = 0, one output token each."""
+    path = tmp_path / "burst.jsonl"
+    row = {"route": "/v1/chat/completions", "prompt_tokens": 16, "output_tokens": 1, "finish_reason": "length",
+           "timestamp_s": 0.0}
+    path.write_text("".join(json.dumps(row) + "\n" for _ in range(requests)))
+    return str(path)
+
+
+def simulate(log: str, *args: str) -> dict:
+    result = CliRunner().invoke(cli, ["simulate", log, "--model", MODEL, "--gpu", GPU, "--replay", "--json", *args],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_a_burst_queues_behind_vllms_api_server(tmp_path):
+    """200 requests at once: the engine prefills their 3,200 tokens in one step or two (tens of ms),
+    but vLLM's API server takes them in one by one on one process, and the first tokens it streams
+    queue behind that work: the first tokens come after 200 requests' serial work (0.54 s); on the
+    forward pass alone every TTFT was under 0.1 s."""
+    data = simulate(burst_log(tmp_path))
+    timing = data["simulation"]["timing"]
+    assert timing["source"] == "silicon"
+    assert timing["frontend"] == {"request_s": REQUEST_S, "token_s": 0.0}
+    assert "vLLM 0.32.0's OpenAI API server" in timing["frontend_from"]
+    ttft = data["latency_ms"]["ttft"]
+    assert ttft["p50"] >= BURST * REQUEST_S * 1000
+
+
+def test_another_engines_server_is_not_priced_as_vllms(tmp_path):
+    """SGLang's server was not measured: no front end, and the output says why."""
+    timing = simulate(burst_log(tmp_path, 20), "--engine", "sglang", "--num-gpu-blocks", "20000")["simulation"]["timing"]
+    assert timing["frontend"] is None
+    assert timing["frontend_from"].startswith("none: sglang's API server not measured")
