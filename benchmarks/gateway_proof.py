@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "benchmarks")]
 
 from live import start_gateway, stop_gateway  # noqa: E402
 from sim_validation import (  # noqa: E402
