@@ -26,12 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtune.domain.slo import Slo
 from kvtune.errors import KvtuneError, OptionError
 from kvtune.planning import Plan, measured_capacity, plan
 
 if TYPE_CHECKING:
-    from kvtune.bench.report import Slo
     from kvtune.deploy.check import CheckResult
+    from kvtune.deploy.read import Deployed
     from kvtune.deploy.render import RenderOptions
     from kvtune.policy.recommendation import Recommendation
     from kvtune.profile.routes import Profile
@@ -264,12 +265,37 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
     >>> result.passed, [f.code for f in result.findings]                # doctest: +SKIP
     (True, [])
     """
+    from kvtune.deploy.check import lua_module_findings
+    from kvtune.deploy.read import DeployedKind, load_deployed
+    from kvtune.deploy.render import lua_modules
+
+    files = [load_deployed(p) for p in deployed]
+    result = _check_loaded(rec, files, max_truncation)
+    beside = [f for p, d in zip(deployed, files, strict=True) if d.kind is DeployedKind.NGINX
+              for f in lua_module_findings(d.source, _lua_beside(Path(p).parent), lua_modules())]
+    return dataclasses.replace(result, findings=(*result.findings, *beside)) if beside else result
+
+
+def _lua_beside(folder: Path) -> dict[str, str | None]:
+    """The Lua modules nginx.conf loads, as found in `folder` (None: absent or unreadable)."""
+    from kvtune.deploy.render import lua_modules
+
+    found: dict[str, str | None] = {}
+    for name in lua_modules():
+        try:
+            found[name] = (folder / name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            found[name] = None
+    return found
+
+
+def _check_loaded(rec: Recommendation, files: list[Deployed], max_truncation: float | None) -> CheckResult:
+    """check's findings for loaded files: the pool recomputed from an engine file's flags where
+    the recommendation's capacity was an estimate."""
     from kvtune.deploy.check import Finding, Severity, check_deployment
-    from kvtune.deploy.read import load_deployed
     from kvtune.model import resolve_model
     from kvtune.weights import weights_for
 
-    files = [load_deployed(p) for p in deployed]
     engines = [d for d in files if d.is_engine]
     if rec.capacity.source != "estimate" or not engines:
         return check_deployment(files, rec, max_truncation=max_truncation)

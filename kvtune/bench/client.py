@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from kvtune.domain.retry_policy import RetryPolicy
+
 _loads: Callable[[bytes | str], Any]
 try:  # optional: a faster parser when present; the stdlib is the baseline
     from orjson import loads as _loads
@@ -31,7 +33,6 @@ __all__ = [
     "FAILURE_KINDS",
     "SSEDecoder",
     "Target",
-    "RetryPolicy",
     "RequestSpec",
     "RequestResult",
     "send_request",
@@ -56,6 +57,9 @@ class Outcome(enum.Enum):
 
 
 FAILURE_KINDS = tuple(o.value for o in Outcome if o is not Outcome.OK)
+
+#: No retries: what send_request does unless told otherwise.
+NO_RETRY = RetryPolicy()
 
 
 class SSEDecoder:
@@ -114,16 +118,6 @@ class Target:
     def url(self) -> str:
         path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
         return self.base_url + path
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """Retry 429 (and 503 that carries Retry-After) up to `max_retries` times, waiting as told."""
-
-    enabled: bool = False
-    max_retries: int = 3
-    default_wait_s: float = 1.0
-    max_wait_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +265,7 @@ async def send_request(
     spec: RequestSpec,
     *,
     timeout_s: float,
-    retry: RetryPolicy = RetryPolicy(),
+    retry: RetryPolicy = NO_RETRY,
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> RequestResult:
     """Send one streamed request (retrying 429 if asked), record its timings and outcome.

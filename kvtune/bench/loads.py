@@ -10,69 +10,15 @@ and/or a duration; sending stops at the first bound reached, in-flight requests 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["LoadKind", "LoadShape", "arrival_offsets", "drive"]
+from kvtune.domain.load_shape import LoadShape
 
-
-class LoadKind(enum.Enum):
-    SYNCHRONOUS = "synchronous"  # closed loop, one request at a time
-    CONCURRENT = "concurrent"  # closed loop, C in flight
-    POISSON = "poisson"  # open loop, exponential gaps
-    GAMMA = "gamma"  # open loop, gamma gaps of shape B (vLLM's --burstiness)
-    REPLAY = "replay"  # open loop, the logs' own timestamps
-
-
-@dataclass(frozen=True, slots=True)
-class LoadShape:
-    """What the sender does, and at what rate, concurrency or speed."""
-
-    kind: LoadKind
-    rate_rps: float | None = None
-    burstiness: float = 1.0
-    concurrency: int | None = None
-    speedup: float = 1.0
-    offsets_s: tuple[float, ...] | None = None  # replay: send times from the start, already sped up
-
-    @classmethod
-    def rate(cls, rate_rps: float, burstiness: float = 1.0) -> LoadShape:
-        if not rate_rps > 0 or not burstiness > 0:
-            raise ValueError("rate and burstiness must be positive")
-        return cls(LoadKind.POISSON if burstiness == 1.0 else LoadKind.GAMMA, rate_rps=rate_rps, burstiness=burstiness)
-
-    @classmethod
-    def closed(cls, concurrency: int) -> LoadShape:
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
-        return cls(LoadKind.SYNCHRONOUS if concurrency == 1 else LoadKind.CONCURRENT, concurrency=concurrency)
-
-    @classmethod
-    def replay(cls, timestamps_s: Sequence[float], speedup: float = 1.0) -> LoadShape:
-        """Send times from log timestamps (any origin, any order), divided by `speedup`."""
-        if not speedup > 0:
-            raise ValueError("speedup must be positive")
-        ts = np.sort(np.asarray(timestamps_s, dtype=np.float64))
-        offsets = (ts - ts[0]) / speedup if ts.size else ts
-        return cls(LoadKind.REPLAY, speedup=speedup, offsets_s=tuple(offsets.tolist()))
-
-    @property
-    def open_loop(self) -> bool:
-        return self.concurrency is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind.value,
-            "rate_rps": self.rate_rps,
-            "burstiness": self.burstiness if self.rate_rps is not None else None,
-            "concurrency": self.concurrency,
-            "speedup": self.speedup if self.kind is LoadKind.REPLAY else None,
-        }
+__all__ = ["arrival_offsets", "drive"]
 
 
 def arrival_offsets(shape: LoadShape, rng: np.random.Generator, block: int = 4096) -> Iterator[float]:

@@ -24,70 +24,25 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtune.bench.client import FAILURE_KINDS, RequestResult
 from kvtune.capacity.reservation import reserved_blocks
-from kvtune.errors import OptionError
+from kvtune.domain.slo import Slo
 from kvtune.policy.recommendation import Recommendation
 from kvtune.profile.histogram import nearest_rank_index
 
-__all__ = ["Slo", "parse_slo", "latency_stats", "throughput", "goodput", "summarize", "verdict", "PERCENTILES"]
+__all__ = ["slo_met", "latency_stats", "throughput", "goodput", "summarize", "verdict", "PERCENTILES"]
 
 PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
-SLO_KEYS = ("ttft", "tpot", "e2e")
 
 
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """Latency objectives in ms; None = not constrained."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-
-    def met(self, r: RequestResult) -> bool:
-        """OK, whole (not cut by a length limit short of what it asked for) and within every
-        objective; a TPOT objective holds trivially for one-token answers."""
-        return self.meets(r.ok and not _truncated(r), r.ttft_ms, r.tpot_ms, r.e2e_ms)
-
-    def meets(self, ok: bool, ttft_ms: float | None, tpot_ms: float | None, e2e_ms: float | None) -> bool:
-        """`met` for a request known by its figures (a simulated one)."""
-        if not ok:
-            return False
-        if self.ttft_ms is not None and (ttft_ms is None or ttft_ms > self.ttft_ms):
-            return False
-        if self.tpot_ms is not None and tpot_ms is not None and tpot_ms > self.tpot_ms:
-            return False
-        return not (self.e2e_ms is not None and (e2e_ms is None or e2e_ms > self.e2e_ms))
-
-    def to_dict(self) -> dict[str, float | None]:
-        return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms}
-
-
-def parse_slo(text: str) -> Slo:
-    """'ttft=500,tpot=50,e2e=10000' (ms) → Slo; a bad key or value is a KvtuneError."""
-    values: dict[str, float] = {}
-    for part in text.split(","):
-        key, sep, raw = part.strip().partition("=")
-        key = key.strip().lower().removesuffix("_ms")
-        if not sep or key not in SLO_KEYS:
-            raise OptionError(f"expected KEY=MS pairs with keys {', '.join(SLO_KEYS)}, got {part.strip()!r}",
-                              field="slo")
-        try:
-            value = float(raw.strip().removesuffix("ms"))
-        except ValueError:
-            raise OptionError(f"{key}: expected milliseconds, got {raw.strip()!r}", field="slo") from None
-        if not math.isfinite(value) or value <= 0:
-            raise OptionError(f"{key}: expected a positive number of milliseconds, got {raw.strip()!r}",
-                              field="slo")
-        if key in values:
-            raise OptionError(f"{key} given twice", field="slo")
-        values[key] = value
-    return Slo(values.get("ttft"), values.get("tpot"), values.get("e2e"))
+def slo_met(slo: Slo, r: RequestResult) -> bool:
+    """OK, whole (not cut by a length limit short of what it asked for) and within every
+    objective of `slo`."""
+    return slo.meets(r.ok and not _truncated(r), r.ttft_ms, r.tpot_ms, r.e2e_ms)
 
 
 def latency_stats(values: Sequence[float] | np.ndarray, counts: np.ndarray | None = None
@@ -203,7 +158,7 @@ def summarize(
         "server": None if server is None else dict(server),
     }
     if slo is not None:
-        summary["goodput"] = goodput(slo, sum(slo.met(r) for r in results), len(results), duration_s)
+        summary["goodput"] = goodput(slo, sum(slo_met(slo, r) for r in results), len(results), duration_s)
     return summary
 
 

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvtune.bench.client import RequestResult, RequestSpec, RetryPolicy, Target, send_request
-from kvtune.bench.loads import LoadShape, drive
-from kvtune.bench.report import Slo, summarize, verdict
+from kvtune.bench.client import RequestResult, RequestSpec, Target, send_request
+from kvtune.bench.loads import drive
+from kvtune.bench.report import summarize, verdict
 from kvtune.bench.scrape import MetricsScraper, MetricsSnapshot
 from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, check_prompts
 from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
+from kvtune.domain.load_shape import LoadShape
+from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.domain.slo import Slo
 from kvtune.endpoint import get
 from kvtune.errors import EndpointError
 from kvtune.version import __version__

@@ -16,7 +16,7 @@ from kvtune.errors import InputError, OptionError
 from kvtune.userfiles import brief
 
 if TYPE_CHECKING:
-    from kvtune.bench.loads import LoadShape
+    from kvtune.domain.load_shape import LoadShape
 
 JSON_FIELDS = """\b
 --json / --out write one object:
@@ -93,7 +93,7 @@ class LoadArgs:
 
     def shape(self) -> LoadShape:
         """The open- or closed-loop shape (replay shapes come from the logs' timestamps)."""
-        from kvtune.bench.loads import LoadShape
+        from kvtune.domain.load_shape import LoadShape
 
         if self.rate is not None:
             return LoadShape.rate(self.rate, self.burstiness)
@@ -232,11 +232,11 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         kvtune bench http://127.0.0.1:8000 --profile profile.json --rate 5 --duration 60 \\
             --slo ttft=500,tpot=50 --expect deploy/recommendation.json --out results.json
     """
-    from kvtune.bench.client import RetryPolicy
-    from kvtune.bench.loads import LoadShape
-    from kvtune.bench.report import parse_slo
     from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
     from kvtune.bench.workload import Workload, replay_rows
+    from kvtune.domain.load_shape import LoadShape
+    from kvtune.domain.retry_policy import RetryPolicy
+    from kvtune.domain.slo import parse_slo
     from kvtune.endpoint import server_root
 
     base_url = server_root(url, field="URL")

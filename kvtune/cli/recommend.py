@@ -188,14 +188,14 @@ class ObjectiveArgs:
                 raise OptionError("only applies with --objective throughput|goodput", field=given[0])
             if self.slo is None:
                 return {}
-            from kvtune.bench.report import parse_slo
+            from kvtune.domain.slo import parse_slo
 
             slo = parse_slo(self.slo)
             if slo.tpot_ms is None and slo.ttft_ms is None:
                 raise OptionError("without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
                                   "model's); e2e needs --objective goodput, which simulates it", field="slo")
             return {"slo": slo}
-        from kvtune.bench.report import parse_slo
+        from kvtune.domain.slo import parse_slo
 
         return {"objective": self.objective, "slo": parse_slo(self.slo) if self.slo else None,
                 "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,

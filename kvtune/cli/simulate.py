@@ -205,8 +205,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         kvtune simulate --profile profile.json --capacity capacity.json --gateway deploy/gateway.yaml \\
             --rate 5 --requests 500 --slo ttft=500,e2e=10000 --out sim/
     """
-    from kvtune.bench.report import parse_slo
     from kvtune.capacity.measured import read_capacity_file
+    from kvtune.domain.slo import parse_slo
     from kvtune.sim.setup import CAPACITY, engine_setup, offline_capacity, timing_setup
 
     slo_ = parse_slo(slo) if slo else None
@@ -371,7 +371,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
                                   duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
                                   cap=cap)
 
-        from kvtune.bench.loads import LoadShape
+        from kvtune.domain.load_shape import LoadShape
 
         load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
         route_names = sorted({r for r, _, _ in rows})

@@ -32,10 +32,11 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
+from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError
 from kvtune.gateway.config import HealthProbe
-from kvtune.gateway.policy import PolicyKind
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
     ENGINE_SHORTENS,
@@ -91,6 +92,29 @@ class CheckResult:
     def to_dict(self) -> dict:
         return {"deployed": {d.source: d.to_dict() for d in self.deployed},
                 "findings": [f.to_dict() for f in self.findings], "passed": self.passed}
+
+
+def lua_module_findings(source: str, found: Mapping[str, str | None], wanted: Mapping[str, str]) -> list[Finding]:
+    """A deployed nginx.conf loads kvtune's Lua modules (`wanted`: lua/kvtune/NAME.lua -> text)
+    from lua/ under nginx's prefix, which `recommend --out` writes beside it; `found`: what is
+    beside the deployed file (None: absent). A warning, since nginx may run with another prefix:
+    a module missing there, or one that differs from this kvtune's (another version's Lua may
+    not read this nginx.conf's data)."""
+    missing = [name for name in wanted if found.get(name) is None]
+    changed = [name for name in wanted if found.get(name) is not None and found[name] != wanted[name]]
+    out = []
+    if missing:
+        out.append(Finding(Severity.WARN, "lua-modules-missing",
+                           f"{', '.join(missing)} not beside nginx.conf",
+                           "nginx.conf's gateway is kvtune's Lua modules, loaded from lua/ under nginx's prefix "
+                           "(nginx -p DIR): without them nginx does not start; copy the lua/ folder "
+                           "`kvtune recommend --out` wrote beside nginx.conf", source))
+    if changed:
+        out.append(Finding(Severity.WARN, "lua-modules-differ",
+                           f"{', '.join(changed)} beside nginx.conf differ from this kvtune's",
+                           "the modules and nginx.conf's data are rendered together: Lua from another kvtune "
+                           "version may read this nginx.conf's limits and routes differently", source))
+    return out
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -651,7 +675,6 @@ class _Checker:
         import dataclasses
 
         from kvtune.policy.replica_search import replica_queue, split_load
-        from kvtune.sim.scheduler import EngineSettings
 
         base = self._deployment(objective, gateway)
         split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
@@ -695,7 +718,6 @@ class _Checker:
         gateway, straight to vLLM capped by its backstop."""
         from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
         from kvtune.policy.whatif import Policy, PolicyKind
-        from kvtune.sim.scheduler import EngineSettings
 
         base = objective.basis.engine
         engine_file = self.engines[0] if self.engines else None

@@ -14,26 +14,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtune.gateway.config import HealthProbe, RouteMatch
-from kvtune.gateway.overflow import OutputLaw
-from kvtune.gateway.policy import AdmissionPolicy
-
-
-@dataclass(frozen=True, slots=True)
-class DeployedRoute:
-    name: str
-    path: str | None
-    model: str | None
-    max_new_tokens: int
-    path_prefix: str | None = None
-    output_law: OutputLaw | None = None  # output_histogram: what the statistical policy bets on
-    header: str | None = None  # match.header (lower-case) and the value it selects
-    value: str | None = None
-
-    def matches(self, path: str | None, model: str | None, headers: Mapping[str, str] | None = None) -> bool:
-        """Same rule as the gateways (gateway_config.RouteMatch)."""
-        match = RouteMatch(self.path, self.model, self.path_prefix, self.header, self.value)
-        return match.matches(path, model, headers)
+from kvtune.domain.admission_policy import AdmissionPolicy
+from kvtune.domain.route import DeployedRoute
+from kvtune.gateway.config import HealthProbe
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,4 +103,4 @@ class Deployed:
         return data
 
 
-__all__ = ["Deployed", "DeployedKind", "DeployedRoute", "DeployedUpstream"]
+__all__ = ["Deployed", "DeployedKind", "DeployedUpstream"]

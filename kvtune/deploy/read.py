@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.deploy.command_line import MAX_INTEGER
-from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedRoute, DeployedUpstream
+from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedUpstream
 from kvtune.deploy.launch import launchers
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.domain.admission_policy import AdmissionPolicy, parse_admission
+from kvtune.domain.route import DeployedRoute
 from kvtune.errors import InputError
 from kvtune.gateway.config import HealthProbe
-from kvtune.gateway.policy import AdmissionPolicy, parse_admission
 from kvtune.userfiles import brief
 
 

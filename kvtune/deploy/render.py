@@ -25,7 +25,9 @@ from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
-from kvtune.endpoint import ServerUrl, parse_url
+from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.output_law import OutputLaw
+from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
 from kvtune.gateway.config import (
@@ -39,8 +41,6 @@ from kvtune.gateway.config import (
     default_max_body_bytes,
 )
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
-from kvtune.gateway.overflow import OutputLaw
-from kvtune.gateway.policy import PolicyKind
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.version import __version__
 
@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation, RouteRecommendation
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
+# The gateway's Lua modules (kvtune/*.lua): nginx.conf holds their data and loads them from
+# lua/ under nginx's prefix, so they are written beside it (LUA_FOLDER/kvtune/NAME.lua).
+LUA_DIR = Path(__file__).parent / "lua"
+LUA_FOLDER = "lua"
 # output file name -> template name
 # the files every recommendation renders, whichever engine it is for; each engine's launch files
 # (kvtune.deploy.launch) come first
@@ -217,12 +221,6 @@ def make_environment() -> jinja2.Environment:
 
 
 # ---------------------------------------------------------------- derived view of a recommendation
-
-def parse_upstream(url: str) -> ServerUrl:
-    """http(s)://host[:port][/]: the upstream is interpolated into nginx.conf and the vllm serve
-    command, so anything else (a path, a user, a query) is refused by kvtune.endpoint's one rule."""
-    return parse_url(url, field="upstream", allow_prefix=False)
-
 
 def vllm_flags(rec: Recommendation) -> list[dict]:
     """The `vllm serve` flags, each with its rule and reason (kvtune.deploy.launch.vllm)."""
@@ -580,22 +578,31 @@ def hardware_title(rec: Recommendation, options: RenderOptions) -> str:
     return f"{replicas} replicas × {one}" if replicas > 1 else one
 
 
+def lua_modules() -> dict[str, str]:
+    """The gateway's Lua modules as nginx.conf loads them: relative path under nginx's prefix
+    (lua/kvtune/gateway.lua, ...) -> text, from the installed package."""
+    return {f"{LUA_FOLDER}/{path.relative_to(LUA_DIR).as_posix()}": path.read_text(encoding="utf-8")
+            for path in sorted(LUA_DIR.rglob("*.lua"))}
+
+
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
     """Write every file into out_dir or none (kvtune.writer: targets checked first, staged,
-    replaced together, put back if a rename fails); names must be plain file names."""
+    replaced together, put back if a rename fails); names must be plain file names. An
+    nginx.conf brings the Lua modules it loads (lua_modules), so the folder deploys whole."""
     from kvtune.writer import write_files as write_all
 
     target = Path(out_dir)
     for name in files:
         if Path(name).name != name or name in ("", ".", ".."):
             raise OptionError(f"refusing to write {name!r}: not a plain file name")
-    return write_all({target / name: text for name, text in files.items()},
+    modules = lua_modules() if "nginx.conf" in files else {}
+    return write_all({target / name: text for name, text in {**files, **modules}.items()},
                      executable=[target / name for name in files if name in EXECUTABLE])
 
 
 __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
-    "write_files", "make_environment", "local_chat_tokenizer",
-    "parse_upstream", "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
+    "write_files", "lua_modules", "make_environment", "local_chat_tokenizer",
+    "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
     "MAX_REPLICAS",
 ]

@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvtune.domain.admission_policy import AdmissionPolicy, PolicyKind
 from kvtune.errors import InputError
 from kvtune.gateway.config import Access, AdminAccess, GatewayConfig, RefusalDetail
 from kvtune.gateway.metrics import GatewayMetrics
-from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.shared import SharedLedger
 

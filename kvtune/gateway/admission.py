@@ -3,7 +3,7 @@ cap clamped to the route's, its prompt counted, and its KV blocks reserved in th
 
 sequences x ceil((prompt + cap) / block_size) blocks (kvtune.capacity.reservation) are reserved
 for the request's whole life, held against the limit gateway.yaml's `admission` policy sets
-(kvtune.gateway.policy). A request that can never fit answers 400/413 at once, before any
+(kvtune.domain.admission_policy). A request that can never fit answers 400/413 at once, before any
 count when even its cheapest reading exceeds the budget. Whether it is reserved now, waits in the
 bounded FIFO or answers 429 with Retry-After is decided by the synchronous gate
 (kvtune.gateway.gate), the same code the simulator runs; here it only meets asyncio and the clock.
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvtune.capacity.reservation import request_reserved_blocks
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.apis import Reading, Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
 from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
@@ -37,11 +39,9 @@ from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
-from kvtune.gateway.overflow import OutputLaw
 from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS, Reason, Refused, Rejection
 from kvtune.gateway.rewrite import rewrite
-from kvtune.gateway.statistical import Demand
 from kvtune.gateway.upstream import UpstreamConnectError
 
 if TYPE_CHECKING:  # intake is the server side (aiohttp); admission only reads what it produced

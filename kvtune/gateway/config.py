@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
+from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.domain.output_law import OutputLaw, parse_output_law
+from kvtune.domain.route import RouteMatch
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
@@ -28,8 +31,6 @@ from kvtune.gateway.endpoints import (
     classify,
     never_passthrough,
 )
-from kvtune.gateway.overflow import OutputLaw, parse_output_law
-from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.userfiles import CONFIG_MAX_BYTES, brief
 
 SCHEMA_VERSION = 1
@@ -54,37 +55,6 @@ HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: What a route header value may hold: printable ASCII, no comma (a header sent twice may arrive
 #: joined by one), no space at either end (both enforcers strip them); at most MAX_ROUTE_HEADER_VALUE.
 ROUTE_HEADER_VALUE = re.compile(rf"[!-+\--~](?:[ !-+\--~]{{0,{MAX_ROUTE_HEADER_VALUE - 2}}}[!-+\--~])?")
-
-
-@dataclass(frozen=True, slots=True)
-class RouteMatch:
-    """A request belongs to a route when every given key matches; none given matches everything.
-    `path` is literal (a `*` in it is just a character); only `path_prefix`, which a user writes
-    in their own config, matches a family of paths. `header` (a lower-case name) and `value`:
-    the request carries that header once with exactly that value (a group such as a team, set by
-    a trusted layer in front: a client that sets it itself picks its own cap)."""
-
-    path: str | None = None
-    model: str | None = None
-    path_prefix: str | None = None
-    header: str | None = None
-    value: str | None = None
-
-    def matches(self, path: str | None, model: str | None, headers: Mapping[str, str] | None = None) -> bool:
-        """Exact path, path prefix, model equality and the header's exact value (`headers`: the
-        request's route headers by lower-case name, absent or empty ones left out); a request
-        without a known path never matches a route that names one."""
-        if self.path is not None and path != self.path:
-            return False
-        if self.path_prefix is not None and (path is None or not path.startswith(self.path_prefix)):
-            return False
-        if not self.header_matches(headers):
-            return False
-        return self.model is None or self.model == model
-
-    def header_matches(self, headers: Mapping[str, str] | None) -> bool:
-        """No header named, or the request's value of it is exactly `value`."""
-        return self.header is None or (headers is not None and headers.get(self.header) == self.value)
 
 
 @dataclass(frozen=True, slots=True)

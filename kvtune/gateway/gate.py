@@ -13,7 +13,7 @@ simulated time. The rules:
   * Retry-After is the ledger's estimate from its release rate, clamped to [min_s, max_s].
 The reservation's size is `sequence_blocks` (kvtune.capacity.reservation's rule), its output
 cap `route_cap`; a reservation larger than what the ledger holds reservations against (the budget,
-or floor(k x budget) under an overcommit factor: kvtune.gateway.policy) can never be admitted (413).
+or floor(k x budget) under an overcommit factor: kvtune.domain.admission_policy) can never be admitted (413).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvtune.capacity.reservation import request_reserved_blocks
+from kvtune.domain.admission_policy import AdmissionPolicy, PolicyKind
+from kvtune.domain.demand import Demand
 from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, Ledger, Reservation
-from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.gateway.refusals import Reason
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.gateway.statistical import StatisticalLedger
 
 K = TypeVar("K", bound=Hashable)
 

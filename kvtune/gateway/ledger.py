@@ -1,7 +1,7 @@
 """The block ledger: how many KV blocks admitted requests hold, and how fast they give them back.
 
 Reservations are held against `limit_blocks`: the budget itself (guaranteed), or floor(k x
-budget) for an overcommit factor k (kvtune.gateway.policy); the worst-case sum never exceeds it.
+budget) for an overcommit factor k (kvtune.domain.admission_policy); the worst-case sum never exceeds it.
 kvtune.gateway.statistical's ledger admits instead while the probability that the held sequences'
 KV outgrows the budget stays within epsilon.
 
@@ -16,10 +16,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:  # the statistical ledger's demand; kvtune.gateway.statistical builds on this module
-    from kvtune.gateway.statistical import Demand
+from kvtune.domain.demand import Demand
 
 # Releases are averaged over about this many seconds (same constant as the rendered nginx.conf).
 RATE_WINDOW_S = 30.0

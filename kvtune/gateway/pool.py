@@ -41,10 +41,11 @@ import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 
+from kvtune.domain.demand import Demand
 from kvtune.gateway.config import GatewayConfig, GatewayUpstream
 from kvtune.gateway.gate import ledger_for
 from kvtune.gateway.ledger import BlockLedger, LedgerSnapshot, Reservation
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.gateway.statistical import StatisticalLedger
 
 #: Builds one upstream's ledger: the in-memory one (local_ledger), or a shared store's.
 LedgerFactory = Callable[[GatewayConfig, GatewayUpstream], BlockLedger]

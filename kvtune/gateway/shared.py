@@ -31,12 +31,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from kvtune.domain.admission_policy import PolicyKind
 from kvtune.errors import InputError, LedgerUnavailableError
 from kvtune.gateway.config import GatewayConfig, OnLedgerError
 from kvtune.gateway.engines import engine_identity, resolved_addresses
 from kvtune.gateway.gate import ledger_for
 from kvtune.gateway.ledger import BlockLedger, LedgerSnapshot, Reservation
-from kvtune.gateway.policy import PolicyKind
 from kvtune.gateway.redis_ledger import EngineName, InFlight, RedisLedger
 from kvtune.gateway.redis_statistical import RedisStatisticalLedger, encode_rows
 from kvtune.gateway.refusals import Reason, Rejection

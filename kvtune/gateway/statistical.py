@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, LedgerSnapshot, Reservation
 from kvtune.gateway.overflow import (
     THETAS,
-    OutputLaw,
     SequenceRows,
     chernoff_tail,
     combine,
@@ -31,16 +31,6 @@ from kvtune.gateway.overflow import (
     rows_distribution,
     sequence_rows,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """What an admitted request's sequences may reach, for the statistical ledger."""
-
-    prompts: tuple[int, ...]  # prompt tokens of each sequence the engine runs (copies included)
-    cap: int  # output tokens each may generate at most
-    law: OutputLaw | None = None  # its route's output law; None: every sequence reaches its cap
-
 
 #: Removals after which the running sums of log-moments are added up afresh (float drift).
 RESUM_EVERY = 1024
@@ -240,4 +230,4 @@ def _fixed_rows(blocks: int, rows: int) -> SequenceRows:
     return SequenceRows(values, np.ones(1), log_mgf, blocks)
 
 
-__all__ = ["Demand", "StatisticalLedger"]
+__all__ = ["StatisticalLedger"]

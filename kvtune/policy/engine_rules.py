@@ -11,9 +11,9 @@ that bets on the output distribution they are set to bet the same way.
 
 from __future__ import annotations
 
+from kvtune.domain.admission_policy import AdmissionPolicy, PolicyKind
 from kvtune.engines import sglang, trtllm
 from kvtune.errors import OptionError
-from kvtune.gateway.policy import AdmissionPolicy, PolicyKind
 from kvtune.policy.recommendation import Decision
 
 # kvtune's --kv-cache-dtype names (vLLM's) -> each engine's spelling of the same cache layout

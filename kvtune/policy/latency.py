@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtune.bench.report import Slo
+from kvtune.domain.slo import Slo
 from kvtune.errors import KvtuneError
 from kvtune.planning import Plan
 from kvtune.profile.routes import Profile

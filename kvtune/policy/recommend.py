@@ -14,16 +14,16 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvtune.bench.report import Slo
 from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity, is_context_note
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy
+from kvtune.domain.slo import Slo
 from kvtune.endpoint import url_problem
 from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.gateway.config import HEADER_NAME, MAX_ROUTE_HEADER_VALUE, ROUTE_HEADER_VALUE
 from kvtune.gateway.endpoints import why_not_a_route_path
-from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
 from kvtune.kv import KvBytes
 from kvtune.model.config import HUB_ID
 from kvtune.planning import Plan, replan

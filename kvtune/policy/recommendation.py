@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
-from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.policy.feasibility import Verdict, verdict
 from kvtune.profile.routes import CensoredHistogram, TailClass
 from kvtune.userfiles import brief

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.errors import KvtuneError
 from kvtune.planning import Plan
 from kvtune.policy import rules
@@ -69,7 +70,6 @@ from kvtune.policy.search import (
 )
 from kvtune.policy.whatif import Objective, PolicyKind, Predicted, ReplicaBasis, ReplicaRow
 from kvtune.profile.routes import Profile
-from kvtune.sim.scheduler import EngineSettings
 
 
 @dataclass(frozen=True, slots=True)

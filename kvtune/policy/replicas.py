@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from kvtune.capacity.plan import Capacity
+from kvtune.endpoint import parse_upstream
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.planning import Plan
 from kvtune.policy import rules
@@ -53,8 +54,6 @@ def _measured(capacity: Capacity, name: str) -> object:
 def _origin_url(capacity: Capacity) -> str | None:
     """The server a capacity file says it was read from (`origin`, as `kvtune calibrate` writes
     it), as the gateway's upstream URL; None when it names no http(s) server (a log, by hand)."""
-    from kvtune.deploy.render import parse_upstream
-
     origin = capacity.measured.origin if capacity.measured is not None else None
     if not origin:
         return None

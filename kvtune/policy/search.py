@@ -41,11 +41,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtune.bench.report import Slo
 from kvtune.capacity.measured import CapacitySource
-from kvtune.deploy.read import DeployedRoute
+from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.load_shape import LoadShape
+from kvtune.domain.output_law import OutputLaw
+from kvtune.domain.route import DeployedRoute
+from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
-from kvtune.gateway.overflow import OutputLaw
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
 from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
@@ -68,7 +70,6 @@ from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
-from kvtune.sim.scheduler import EngineSettings
 from kvtune.sim.traffic import logged_rate
 
 if TYPE_CHECKING:
@@ -278,7 +279,6 @@ def objective_seeds(objective: Objective) -> range:
 
 def draw_requests(objective: Objective, seed: int | None = None) -> Draws:
     """Bench's draws for `seed` (default: the objective's first)."""
-    from kvtune.bench.loads import LoadShape
     from kvtune.sim.traffic import draw_profile, send_offsets
 
     seed = objective.seed if seed is None else seed

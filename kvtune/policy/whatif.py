@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.bench.report import Slo
+from kvtune.domain.admission_policy import GUARANTEED, MAX_FACTOR, AdmissionPolicy
+from kvtune.domain.admission_policy import PolicyKind as AdmissionKind
+from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.slo import Slo
 from kvtune.errors import InputError, OptionError
 from kvtune.fields import Fields
-from kvtune.gateway.policy import GUARANTEED, MAX_FACTOR, AdmissionPolicy
-from kvtune.gateway.policy import PolicyKind as AdmissionKind
 from kvtune.profile.routes import Profile
-from kvtune.sim.scheduler import EngineSettings
 from kvtune.steptime import StepTimeModel, TimingSource
 
 

@@ -14,12 +14,12 @@ Step times come from kvtune.steptime.StepTimeModel (calibrated, or a roofline es
     results.py    SimResult: per request, per step, totals
 """
 
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.sim.admission import Admission, DirectAdmission, LedgerAdmission, Verdict, VerdictKind, Wakeup
 from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
 from kvtune.sim.requests import Outcome, SimRequest, Workload
 from kvtune.sim.results import Decision, RequestColumns, RequestResult, SimResult, StepSeries
 from kvtune.sim.rules import ENGINE_NAMES, CapacityPolicy, SGLangRule, TrtllmRule, engine_rule
-from kvtune.sim.scheduler import EngineSettings
 
 __all__ = [
     "simulate", "CLIENT_RETRY", "ClosedLoop", "EngineSettings", "SimRequest", "Workload", "Outcome",

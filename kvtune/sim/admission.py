@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.config import GatewayConfig, GatewayRoute
 from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Reservation
-from kvtune.gateway.overflow import OutputLaw, next_mark
-from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.gateway.overflow import next_mark
+from kvtune.gateway.statistical import StatisticalLedger
 
 
 class VerdictKind(enum.Enum):

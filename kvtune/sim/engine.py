@@ -37,14 +37,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtune.bench.client import RetryPolicy
+from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.errors import OptionError
 from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
 from kvtune.sim.frontend import FrontEnd
 from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
 from kvtune.sim.rules import EngineRule, SGLangRule, TrtllmRule
-from kvtune.sim.scheduler import EngineSettings, Scheduler
+from kvtune.sim.scheduler import Scheduler
 from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
 # Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from kvtune.bench.client import FAILURE_KINDS
-from kvtune.bench.report import Slo, goodput, latency_stats, throughput
+from kvtune.bench.report import goodput, latency_stats, throughput
+from kvtune.domain.slo import Slo
 from kvtune.sim.requests import Outcome
 from kvtune.sim.results import OUTCOMES, SimResult
 from kvtune.sim.traffic import Traffic

@@ -2,7 +2,7 @@
 
 All of them share the event loop (kvtune.sim.engine), the step-time model and SimResult; a rule
 only decides, each step, who runs, who is admitted and who is evicted. The engine settings
-(kvtune.sim.scheduler.EngineSettings) size every engine the same way: its KV pool holds
+(kvtune.domain.engine_settings.EngineSettings) size every engine the same way: its KV pool holds
 usable_blocks × block_size tokens, max_num_seqs is SGLang's --max-running-requests and
 TensorRT-LLM's --max_batch_size, max_num_batched_tokens SGLang's --chunked-prefill-size and
 TensorRT-LLM's --max_num_tokens, max_model_len SGLang's --context-length and TensorRT-LLM's

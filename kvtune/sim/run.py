@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.bench.client import RetryPolicy
-from kvtune.bench.report import Slo
+from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.domain.slo import Slo
 from kvtune.sim.admission import Admission
 from kvtune.sim.engine import CLIENT_RETRY, simulate
 from kvtune.sim.plot import Timeline, timeline

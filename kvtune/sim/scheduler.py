@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtune.errors import OptionError
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.sim.blocks import BlockPool
 from kvtune.steptime import StepTicks
 
@@ -44,35 +44,6 @@ def most_steps(fits: Callable[[int], bool], steps: int) -> int:
         else:
             hi = mid
     return lo
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSettings:
-    """The engine settings that change scheduling; num_blocks counts the null block, as vLLM reports it."""
-
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise OptionError(f"must be at least 1, got {getattr(self, name)}", field=name)
-        if self.long_prefill_token_threshold < 0:
-            raise OptionError(f"must be ≥ 0, got {self.long_prefill_token_threshold}",
-                              field="long_prefill_token_threshold")
-        if -(-self.max_model_len // self.block_size) > self.usable_blocks:
-            raise OptionError(f"{self.max_model_len:,} tokens need {-(-self.max_model_len // self.block_size):,} "
-                              f"blocks but only {self.usable_blocks:,} are usable: vLLM refuses to start",
-                              field="max_model_len")
-
-    @property
-    def usable_blocks(self) -> int:
-        return self.num_blocks - 1
 
 
 @dataclass(slots=True)
@@ -345,4 +316,4 @@ _sum, _min, _max = np.add.reduce, np.minimum.reduce, np.maximum.reduce
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
-__all__ = ["EngineSettings", "Scheduler", "Batch", "most_steps"]
+__all__ = ["Scheduler", "Batch", "most_steps"]

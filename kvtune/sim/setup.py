@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
 from kvtune.sim.frontend import VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
-from kvtune.sim.scheduler import EngineSettings
 from kvtune.steptime import FrontEndModel, StepTimeModel
 
 if TYPE_CHECKING:

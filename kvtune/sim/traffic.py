@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtune.bench.loads import LoadShape, arrival_offsets
+from kvtune.bench.loads import arrival_offsets
 from kvtune.bench.workload import PromptSynth
 from kvtune.bench.workload import Workload as BenchWorkload
+from kvtune.domain.load_shape import LoadShape
 from kvtune.profile.routes import Profile
 from kvtune.sim.engine import ClosedLoop
 from kvtune.sim.requests import Workload

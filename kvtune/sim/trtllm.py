@@ -34,8 +34,9 @@ import heapq
 
 import numpy as np
 
+from kvtune.domain.engine_settings import EngineSettings
 from kvtune.sim.rules import CapacityPolicy, TrtllmRule
-from kvtune.sim.scheduler import Batch, EngineSettings, most_steps
+from kvtune.sim.scheduler import Batch, most_steps
 from kvtune.steptime import StepTicks
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -13,16 +13,8 @@ from fake_vllm import TEMPLATED, FakeVllm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtune.bench.client import (
-    Outcome,
-    RequestSpec,
-    RetryPolicy,
-    SSEDecoder,
-    Target,
-    build_body,
-    parse_retry_after,
-    send_request,
-)
+from kvtune.bench.client import Outcome, RequestSpec, SSEDecoder, Target, build_body, parse_retry_after, send_request
+from kvtune.domain.retry_policy import RetryPolicy
 
 # ---------------------------------------------------------------------------------------------
 # SSE decoding

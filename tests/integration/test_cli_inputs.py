@@ -226,8 +226,9 @@ def test_a_glob_over_a_directory_recommend_wrote_into_reads_only_the_logs(tmp_pa
         r = kvtune("recommend", str(logs / "chat.jsonl"), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                    "--engine", engine, "--out", str(logs))
         assert r.exit_code == 0, r.output
-    rendered = sorted(p.name for p in logs.iterdir() if p.name not in ("chat.jsonl", "trace.csv"))
+    rendered = sorted(p.name for p in logs.iterdir() if p.name not in ("chat.jsonl", "trace.csv") and p.is_file())
     assert len(rendered) == 9  # gateway.yaml, nginx.conf, recommendation.json, report.{html,md}, 4 launch files
+    assert (logs / "lua" / "kvtune" / "gateway.lua").is_file()  # nginx.conf's Lua: a folder, which * does not read
     r = kvtune("profile", str(logs / "*"), "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)

@@ -11,11 +11,12 @@ import pytest
 from click.testing import CliRunner
 from fake_vllm import TEMPLATED, FakeVllm
 
-from kvtune.bench.loads import LoadShape, arrival_offsets
+from kvtune.bench.loads import arrival_offsets
 from kvtune.bench.workload import PromptSynth, Workload
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_capacity_file
 from kvtune.capacity.timing import FitError, MeasuredAgainst, SweepReport, Timing
 from kvtune.cli import cli
+from kvtune.domain.load_shape import LoadShape
 from kvtune.profile.build import load_profile, save_profile
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile

@@ -46,9 +46,9 @@ from enforcers import (
 )
 from fake_vllm import DONE_EVENT, ROLE_EVENT
 
+from kvtune.domain.admission_policy import AdmissionPolicy
 from kvtune.gateway.config import Access, AdminAccess, ClientLimits, RefusalDetail
 from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, OPERATOR, UNCOUNTABLE
-from kvtune.gateway.policy import AdmissionPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -1014,7 +1014,8 @@ def statistical(request, tmp_path, upstream):
 def _oracle(epsilon: float = EPSILON):
     """The Python StatisticalLedger with the chat route's law, as gateway.yaml renders it."""
     from kvtune.deploy.render import route_output_law
-    from kvtune.gateway.statistical import Demand, StatisticalLedger
+    from kvtune.domain.demand import Demand
+    from kvtune.gateway.statistical import StatisticalLedger
 
     rec = small_rec(0, chat_lengths=CHAT_LENGTHS)
     law = route_output_law(next(r for r in rec.routes if r.cap == CHAT_CAP))
@@ -1121,7 +1122,7 @@ def test_statistical_prices_a_forced_length_at_what_it_forces(kind, case, tmp_pa
 def test_min_tokens_conditions_the_law_between_guaranteed_and_the_histogram():
     """The oracle of the cases above: min_tokens 20 on CHAT_LENGTHS keeps the 24 and 64 bins (6
     admitted), 48 only the cap's bin (guaranteed's 5); the plain law admits 7."""
-    from kvtune.gateway.statistical import Demand
+    from kvtune.domain.demand import Demand
 
     plain = _oracle()[1](0).law
     counts = {}

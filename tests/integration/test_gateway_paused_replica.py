@@ -31,10 +31,11 @@ from ledger_race import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtune.gateway.overflow import OutputLaw
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.redis_ledger import InFlight, RedisLedger
 from kvtune.gateway.redis_statistical import RedisStatisticalLedger, encode_rows
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.gateway.statistical import StatisticalLedger
 
 ROUTES = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64}]
 BUDGET = 100

@@ -1,6 +1,6 @@
 """The rendered nginx.conf's statistical ledger, decision for decision against the Python one.
 
-The Lua section of the template (tests/support/lua_statistical.py runs it in LuaJIT through ctypes, no
+The Lua module kvtune/statistical.lua (tests/support/lua_statistical.py runs it in LuaJIT through ctypes, no
 nginx needed) and kvtune.gateway.statistical.StatisticalLedger go through the same random scripts of
 admissions, progress reports, releases and 413 checks, over budgets, block sizes, contexts, laws
 and epsilons that reach both the exact convolution and the Chernoff bound: every decision must be
@@ -15,8 +15,10 @@ import random
 import pytest
 from lua_statistical import LuaLedger, luajit
 
-from kvtune.gateway.overflow import EXACT_WORK, OutputLaw, exact_is_cheap, interval_edges
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
+from kvtune.gateway.overflow import EXACT_WORK, exact_is_cheap, interval_edges
+from kvtune.gateway.statistical import StatisticalLedger
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,23 +174,27 @@ LUA_GLOBALS = {"ngx", "require", "ipairs", "pairs", "next", "type", "tostring", 
 @pytest.mark.parametrize("admission", [{"policy": "guaranteed"}, {"policy": "statistical", "epsilon": 0.01}])
 def test_the_rendered_lua_reads_no_stray_globals(admission):
     """Every name the Lua reads is a local or one of Lua's and nginx's own: a local used before
-    its declaration (a nil global at run time) fails here, not in production."""
+    its declaration (a nil global at run time) fails here, not in production. nginx.conf's own
+    Lua (the data and the wiring) and each module it loads."""
     import json
     from pathlib import Path
 
     from lua_statistical import globals_used
 
-    from kvtune.deploy.render import render_files
+    from kvtune.deploy.render import lua_modules, render_files
     from kvtune.policy.recommendation import Recommendation
 
     doc = json.loads((Path(__file__).parents[1] / "data" / "recommendation.json").read_text(encoding="utf-8"))
     doc["admission"] = admission
     conf = render_files(Recommendation.from_dict(doc), targets=["nginx.conf"])["nginx.conf"]
     start = conf.index("init_by_lua_block {") + len("init_by_lua_block {")
-    end = conf.index('package.loaded["kvtune_gateway"] = M') + len('package.loaded["kvtune_gateway"] = M')
-    reads, writes = globals_used(conf[start:end])
-    assert reads <= LUA_GLOBALS, reads - LUA_GLOBALS
-    assert writes == set()
+    end = conf.index('.new(CONFIG, POLICY)') + len('.new(CONFIG, POLICY)')
+    chunks = {"nginx.conf": conf[start:end], **lua_modules()}
+    assert set(chunks) > {"nginx.conf", "lua/kvtune/gateway.lua", "lua/kvtune/statistical.lua"}
+    for name, chunk in chunks.items():
+        reads, writes = globals_used(chunk)
+        assert reads <= LUA_GLOBALS, (name, reads - LUA_GLOBALS)
+        assert writes == set(), name
 
 
 def test_streamed_events_are_counted_over_the_whole_stream_however_it_is_chunked():
@@ -211,14 +217,12 @@ def test_streamed_events_are_counted_over_the_whole_stream_however_it_is_chunked
 
 
 def test_the_body_filter_counts_events_as_the_relay_does():
-    """The body filter's count_events, cut out of the template and run by LuaJIT, against
+    """The body filter's count_events (kvtune/events.lua), run by LuaJIT, against
     relay.EventCounter over random streams and chunkings."""
-    from kvtune.deploy.render import make_environment
+    from lua_statistical import PACKAGE_PATH
+
     from kvtune.gateway.relay import EventCounter
 
-    env = make_environment()
-    text = env.loader.get_source(env, "nginx.conf.j2")[0]
-    source = text[text.index("        local function count_events"):text.index("        function M.body()")]
     rng = random.Random(5)
     cases, expected = [], []
     for _ in range(300):
@@ -232,8 +236,8 @@ def test_the_body_filter_counts_events_as_the_relay_does():
         expected.append([counter.add(c) for c in chunks])
         cases.append("{" + ", ".join('"' + "".join(f"\\{b}" for b in c) + '"' for c in chunks) + "}")
     chunk = "\n".join([
-        "local find, byte = string.find, string.byte",
-        source,
+        PACKAGE_PATH,
+        "local count_events = require('kvtune.events').count_events",
         "local out = {}",
         f"for _, chunks in ipairs({{ {', '.join(cases)} }}) do",
         "  local ctx, n, seen = { newline = false }, 0, {}",

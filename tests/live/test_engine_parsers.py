@@ -15,7 +15,7 @@ import trtllm_names
 import yaml
 
 import kvtune
-from kvtune.gateway.policy import parse_admission
+from kvtune.domain.admission_policy import parse_admission
 
 SAMPLE_LOGS = Path(__file__).parents[2] / "sample_logs"
 

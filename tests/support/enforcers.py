@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 from fake_vllm import ENGINE_PATHS, FakeVllm
 
+from kvtune.deploy.render import lua_modules
 from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parents[1] / "data"
@@ -207,6 +208,9 @@ class Nginx(_Client):
         (prefix / "logs").mkdir(parents=True, exist_ok=True)
         self.conf = prefix / "nginx.conf"
         self.conf.write_text(conf_text, encoding="utf-8")
+        for name, text in lua_modules().items():  # as recommend --out writes them beside nginx.conf
+            (prefix / name).parent.mkdir(parents=True, exist_ok=True)
+            (prefix / name).write_text(text, encoding="utf-8")
         self.proc: subprocess.Popen | None = None
 
     def args(self, *extra: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The rendered nginx.conf's statistical ledger (its Lua, cut out of the template) run by LuaJIT
+"""The rendered nginx.conf's statistical ledger (its Lua module, kvtune/statistical.lua) run by LuaJIT
 in this process through ctypes, without nginx: test_lua_statistical.py drives it and the Python
 StatisticalLedger through the same scripted operations and compares every decision.
 
@@ -16,10 +16,11 @@ import ctypes.util
 from typing import Any
 
 from kvtune.deploy.filters import lua_string
-from kvtune.deploy.render import make_environment
+from kvtune.deploy.render import LUA_DIR
 
-BEGIN = "-- ------------------------------------------------------------ statistical admission"
-END = "-- ------------------------------------------------------------ admission"
+# package.path that finds the gateway's modules (require "kvtune.statistical"), as nginx.conf's
+# lua_package_path finds them under its prefix.
+PACKAGE_PATH = f"package.path = {str(LUA_DIR / '?.lua')!r} .. ';' .. package.path"
 
 
 def luajit() -> ctypes.CDLL | None:
@@ -38,12 +39,6 @@ def luajit() -> ctypes.CDLL | None:
             lib.lua_close.argtypes = [ctypes.c_void_p]
             return lib
     return None
-
-
-def statistical_source() -> str:
-    """The statistical section of the nginx.conf template's Lua, as rendered."""
-    text = make_environment().loader.get_source(make_environment(), "nginx.conf.j2")[0]
-    return text[text.index(BEGIN):text.index(END)]
 
 
 def _demand(demand: Any) -> str:
@@ -82,10 +77,9 @@ class LuaLedger:
             elif kind == "probability":
                 lines.append("out[#out + 1] = string.format('%.17g', STAT.overflow_probability(0))")
         chunk = "\n".join([
-            "local ffi = require 'ffi'",
-            "local ceil, huge = math.ceil, math.huge",
+            PACKAGE_PATH,
             f"local CONFIG = {self.config}",
-            statistical_source(),
+            "local STAT = require('kvtune.statistical').new(CONFIG)",
             "local out, entries = {}, {}",
             "local function admit(blocks, demand)",
             "  local e = STAT.try_reserve(blocks, demand, 0)",

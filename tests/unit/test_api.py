@@ -34,8 +34,10 @@ def test_the_readme_script_writes_the_bytes_the_cli_writes(tmp_path):
                           "--gpu", "H100-80GB", "--out", "cli/"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
-    by_api = {p.name: p.read_bytes() for p in (tmp_path / "deploy").iterdir()}
-    by_cli = {p.name: p.read_bytes() for p in (tmp_path / "cli").iterdir()}
+    def files(folder: Path) -> dict[str, bytes]:  # with nginx.conf's Lua modules under lua/
+        return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    by_api, by_cli = files(tmp_path / "deploy"), files(tmp_path / "cli")
     assert sorted(by_api) == sorted(by_cli) and len(by_api) >= 5
     for name in by_cli:
         assert by_api[name] == by_cli[name], name

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from kvtune.bench.loads import LoadKind, LoadShape, arrival_offsets, drive
+from kvtune.bench.loads import arrival_offsets, drive
+from kvtune.domain.load_shape import LoadKind, LoadShape
 
 
 def offsets(shape: LoadShape, n: int, seed: int = 0) -> np.ndarray:

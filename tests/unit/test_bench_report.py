@@ -7,7 +7,8 @@ import pytest
 from recs import make_rec
 
 from kvtune.bench.client import Outcome, RequestResult
-from kvtune.bench.report import latency_stats, parse_slo, summarize, verdict
+from kvtune.bench.report import latency_stats, summarize, verdict
+from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
 
 

@@ -128,12 +128,16 @@ def test_offline_the_bound_and_the_simulator_share_the_silicon_step_time(log):
     seqs = out["recommendation"]["settings"]["max_num_seqs"]
     assert seqs["rule"] == "max-num-seqs-slo" and f"by the {SILICON}" in seqs["reason"]
     predicted, n = predicted_ms(seqs["reason"], "TPOT"), seqs["value"]
+    # vLLM's API server stands in front of an uncalibrated simulation and hands the engine one
+    # request per 2.69 ms: the batch fills over the first ~0.7 s and drains at the end, so the run
+    # is long (4,000 requests) and the typical request (p50) is the one that ran in a full batch
     sim = CliRunner().invoke(cli, ["simulate", log, *H100, "--max-num-seqs", str(n), "--concurrency", str(2 * n),
-                                   "--requests", "600", "--json"], catch_exceptions=False)
+                                   "--requests", "4000", "--json"], catch_exceptions=False)
     assert sim.exit_code == 0, sim.output
     result = json.loads(sim.stdout)
     assert result["simulation"]["timing"]["source"] == "silicon"
-    assert result["latency_ms"]["tpot"]["mean"] == pytest.approx(predicted, rel=0.05)
+    assert result["server"]["running_peak"] == n and result["server"]["preemptions"] == 0
+    assert result["latency_ms"]["tpot"]["p50"] == pytest.approx(predicted, rel=0.05)
 
 
 def test_slo_ttft_bounds_the_batch():

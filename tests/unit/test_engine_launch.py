@@ -14,8 +14,8 @@ from kvtune.deploy.check import check_deployment
 from kvtune.deploy.launch import launcher
 from kvtune.deploy.read import load_deployed, parse_deployed
 from kvtune.deploy.render import RenderOptions, default_targets, render_files
+from kvtune.domain.admission_policy import parse_admission
 from kvtune.errors import InputError, OptionError, UnknownNameError
-from kvtune.gateway.policy import parse_admission
 
 SAMPLE_LOGS = Path(__file__).parents[2] / "sample_logs"
 
@@ -203,7 +203,7 @@ def test_the_cli_renders_the_engine_release_it_was_told(tmp_path):
     script = (tmp_path / "sglang-serve.sh").read_text(encoding="utf-8")
     assert script.splitlines()[1].startswith("# Rendered by kvtune") and "SGLang 0.4.6 serving" in script
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "recommendation.json", "report.html", "report.md"])
+        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "lua", "recommendation.json", "report.html", "report.md"])
     result = CliRunner().invoke(cli, ["recommend", str(SAMPLE_LOGS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                                       "--engine", "trtllm", "--out", str(tmp_path / "t")])
     assert result.exit_code == 0, result.output  # no --gateway-tokenizer: the engine's files all the same

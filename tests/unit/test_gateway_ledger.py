@@ -116,8 +116,9 @@ def test_retry_after_counts_only_the_shortfall():
 def test_statistical_retry_after_waits_for_the_requests_own_blocks_at_most():
     """The statistical ledger's reserved_blocks (every held worst case) exceeds the budget by
     design: Retry-After counts at most the refused request's own blocks, not that excess."""
-    from kvtune.gateway.overflow import OutputLaw
-    from kvtune.gateway.statistical import Demand, StatisticalLedger
+    from kvtune.domain.demand import Demand
+    from kvtune.domain.output_law import OutputLaw
+    from kvtune.gateway.statistical import StatisticalLedger
 
     clock = Clock()
     ledger = StatisticalLedger(20, epsilon=0.05, block_size=16, max_model_len=512, clock=clock)

@@ -13,11 +13,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtune.domain.demand import Demand
+from kvtune.domain.output_law import OutputLaw
 from kvtune.errors import InputError
 from kvtune.gateway.config import parse_gateway_config
 from kvtune.gateway.ledger import BlockLedger
 from kvtune.gateway.overflow import (
-    OutputLaw,
     chernoff_tail,
     exact_is_cheap,
     interval_edges,
@@ -26,7 +27,7 @@ from kvtune.gateway.overflow import (
     row_distribution,
     sequence_rows,
 )
-from kvtune.gateway.statistical import Demand, StatisticalLedger
+from kvtune.gateway.statistical import StatisticalLedger
 
 
 def true_overflow(seqs: list[tuple[int, int, OutputLaw, int]], block_size: int, capacity: int) -> float:

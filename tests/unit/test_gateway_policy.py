@@ -1,4 +1,4 @@
-"""kvtune.gateway.policy: gateway.yaml's and recommendation.json's `admission`, read strictly, and
+"""kvtune.domain.admission_policy: gateway.yaml's and recommendation.json's `admission`, read strictly, and
 what each policy holds worst-case reservations against."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, PolicyKind
 from kvtune.errors import InputError
 from kvtune.gateway.config import parse_gateway_config
-from kvtune.gateway.policy import GUARANTEED, AdmissionPolicy, PolicyKind
 from kvtune.policy.recommendation import Recommendation
 
 DATA = Path(__file__).parents[1] / "data"

@@ -23,10 +23,11 @@ from kvtune.deploy.render import (
     TARGETS,
     RenderOptions,
     local_chat_tokenizer,
-    parse_upstream,
+    lua_modules,
     render_files,
     write_files,
 )
+from kvtune.endpoint import parse_upstream
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
 from kvtune.policy.recommendation import Recommendation
@@ -392,13 +393,17 @@ def test_write_files_is_all_or_nothing(tmp_path, monkeypatch):
     files = render_files(rec())
     out = tmp_path / "out"
     written = write_files(out, files)
-    assert sorted(p.name for p in written) == sorted(files)
+    # nginx.conf brings the Lua modules it loads, under lua/ beside it
+    modules = lua_modules()
+    assert sorted(p.relative_to(out).as_posix() for p in written) == sorted([*files, *modules])
+    assert {name: (out / name).read_text(encoding="utf-8") for name in modules} == modules
     assert os.stat(out / "vllm-serve.sh").st_mode & stat.S_IXUSR
     assert not os.stat(out / "gateway.yaml").st_mode & stat.S_IXUSR
-    assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no temp folder left
+    assert not os.stat(out / "lua" / "kvtune" / "gateway.lua").st_mode & stat.S_IXUSR
+    assert sorted(p.name for p in out.iterdir()) == sorted([*files, "lua"])  # no temp folder left
 
     # a failure while writing leaves the previous files intact and nothing half-written
-    before = {p.name: p.read_text() for p in out.iterdir()}
+    before = {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*") if p.is_file()}
     changed = {name: "new " + text for name, text in files.items()}
     real_chmod = os.chmod
     calls = []
@@ -413,7 +418,8 @@ def test_write_files_is_all_or_nothing(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="disk full"):  # an OSError is one error line naming the file
         write_files(out, changed)
     monkeypatch.undo()
-    assert {p.name: p.read_text() for p in out.iterdir()} == before  # no staging folder left either
+    assert {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted([*files, "lua"])  # no staging folder left either
 
 
 def test_write_files_refuses_paths():

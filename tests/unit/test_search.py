@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from objective_logs import CPU_CAPACITY, MODEL, objective_log
 
 import kvtune
-from kvtune.bench.report import Slo
 from kvtune.deploy.check import Severity
+from kvtune.domain.slo import Slo
 from kvtune.errors import InputError, OptionError
 from kvtune.policy.recommendation import Recommendation
 from kvtune.policy.search import GUARANTEED, InfeasibleObjectiveError, SearchGrid

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtune.bench.client import RetryPolicy
+from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.errors import OptionError
 from kvtune.sim import (
     CLIENT_RETRY,
@@ -145,8 +145,8 @@ def test_statistical_admission_reports_progress_at_its_marks(engine, timing, req
     """The statistical ledger hears each admitted request at admission and when it has generated
     18, 34, 66, ... tokens (SSE events − 3 = 16, 32, 64, ... streamed, as the live relay reports),
     at the same simulated times in both modes, which still agree to the bit."""
-    from kvtune.gateway.overflow import OutputLaw
-    from kvtune.gateway.policy import AdmissionPolicy
+    from kvtune.domain.admission_policy import AdmissionPolicy
+    from kvtune.domain.output_law import OutputLaw
     from kvtune.sim.admission import streamed_tokens_seen
 
     output_law = OutputLaw(tuple(10 * (i + 1) for i in range(len(law))), tuple(law))
@@ -190,7 +190,7 @@ def test_the_simulated_relay_reports_what_the_live_one_does():
 
 
 def test_only_the_statistical_ledger_asks_for_progress():
-    from kvtune.gateway.policy import AdmissionPolicy
+    from kvtune.domain.admission_policy import AdmissionPolicy
     from kvtune.sim.admission import DirectAdmission
 
     def asks(policy) -> bool:

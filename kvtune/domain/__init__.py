@@ -1,0 +1,16 @@
+"""The floor: plain shared types every feature package may import.
+
+Frozen dataclasses and their strict (de)serialisation; no I/O, and no import of a feature
+package (bench, policy, sim, gateway, deploy, …), so a type used by several of them lives here
+rather than in one of them, and the feature packages never import each other for a type
+(tests/unit/test_import_layers.py checks it):
+
+  slo              Slo, parse_slo: latency objectives (bench, sim, policy)
+  admission_policy AdmissionPolicy, parse_admission: which policy a gateway enforces
+  output_law       OutputLaw, parse_output_law: a route's output lengths (the bound's maths stays
+                   in kvtune.gateway.overflow)
+  demand           Demand: what an admitted request may reach, for every ledger
+  engine_settings  EngineSettings: the engine limits that change scheduling
+  load_shape       LoadKind, LoadShape: the load a sender puts on a server
+  retry_policy     RetryPolicy: how a client retries a 429
+"""
