@@ -166,7 +166,7 @@ def main() -> None:
         serve(args.serve)
         return
 
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     from vllm_server import write_tiny_model  # the tokenizer vLLM's random dataset needs
 
     port = free_port()

@@ -12,7 +12,7 @@ upstream's /tokenize per request; what `kvtune recommend` renders when it knows 
 tokenizer; this upstream answers /tokenize in ~0.2 ms of CPU, a real vLLM takes longer),
 `tokenizer` (tokenizers + the chat template in process, exact, no round trip; what recommend
 renders when the model directory is local; the tiny test model's tokenizer from
-tests/vllm_server.py) and `estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a
+tests/support/vllm_server.py) and `estimate` (characters / 3 + margin); beside them `bare-aiohttp`, a
 15-line pass-through aiohttp proxy without any admission logic, on aiohttp's client (the
 gateway sends governed requests through its own, kvtune.gateway.upstream). Each figure is the
 median over --runs runs. `nginx` is the rendered nginx.conf (the other enforcer, which counts with
@@ -171,7 +171,7 @@ def start_upstream(cpus: set[int] | None = None) -> tuple[Proc, str]:
 
 def tiny_tokenizer(workdir: Path) -> Path:
     """The test bed's tiny model directory (tokenizer.json + chat template in tokenizer_config.json)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from vllm_server import write_tiny_model
 
     return write_tiny_model(workdir / "tiny-model")
@@ -180,7 +180,7 @@ def tiny_tokenizer(workdir: Path) -> Path:
 def bench_rec(upstream: str, policy: str):
     """The recommendation nginx.conf is rendered from, the same gateway as the YAML below: block
     size 16, context 4096, chat capped at 64 (with STAT_LENGTHS as its law), a catch-all at 64."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from enforcers import base_rec
 
     from kvtune.policy.recommendation import Recommendation

@@ -11,7 +11,7 @@ with its KV cache squeezed, fed a real trace four ways, measured and simulated s
 
 The trace is the Azure LLM inference conversation trace, scaled into the tiny model's context
 (benchmarks/sim_validation.py's scaling), served with the real Mistral-7B v0.1 SentencePiece
-tokenizer (tests/vllm_server.py, tokenizer="mistral-v1"). Arrivals are open-loop Poisson at
+tokenizer (tests/support/vllm_server.py, tokenizer="mistral-v1"). Arrivals are open-loop Poisson at
 --loads × the capacity measured in a closed loop, for every seed; clients honour Retry-After
 (`kvtune bench --retry`, as the simulated clients do). Goodput counts requests meeting --slo.
 
@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "benchmarks")]
 
 from live import start_gateway, stop_gateway  # noqa: E402
 from sim_validation import (  # noqa: E402

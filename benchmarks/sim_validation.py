@@ -51,7 +51,7 @@ import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "benchmarks")]
 TRACES_DIR = REPO.parent / "shared" / "traces"
 
 from live import metric, start_gateway, stop_gateway  # noqa: E402

@@ -4,7 +4,7 @@ The measurements are `tests/data/vllm-startups.csv`, the usable rows of
 `../shared/reference/vllm-startups.csv` (each row cites its GitHub issue, PR or blog post). This
 file says how kvtune reads each row: which preset stands for the model, which vLLM release's
 memory model applies, what the row leaves to vLLM's defaults, and where a figure is derived
-rather than printed. `tests/test_startup_estimates.py` asserts on the same table.
+rather than printed. `tests/unit/test_startup_estimates.py` asserts on the same table.
 
     python benchmarks/startup_estimates.py          # the per-row table and the medians
     python benchmarks/startup_estimates.py --json

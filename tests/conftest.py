@@ -56,7 +56,7 @@ def model_dir(tmp_path):
     return tmp_path
 
 
-# --- a real vLLM on CPU (tests/vllm_server.py documents the interface) -------------------------
+# --- a real vLLM on CPU (tests/support/vllm_server.py documents the interface) -------------------------
 
 
 @pytest.fixture(scope="session")
@@ -178,7 +178,7 @@ def vllm_server_each_tokenizer(vllm_factory, vllm_model_dir_for, vllm_tokenizer)
                         kv_cache_memory_bytes=2 * 1024**2)
 
 
-# --- a real redis-server on loopback (tests/redis_server.py documents the interface) -----------
+# --- a real redis-server on loopback (tests/support/redis_server.py documents the interface) -----------
 
 
 @pytest.fixture

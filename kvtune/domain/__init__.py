@@ -3,7 +3,7 @@
 Frozen dataclasses and their strict (de)serialisation; no I/O, and no import of a feature
 package (bench, policy, sim, gateway, deploy, …), so a type used by several of them lives here
 rather than in one of them, and the feature packages never import each other for a type
-(tests/test_import_layers.py checks it):
+(tests/unit/test_import_layers.py checks it):
 
   slo              Slo, parse_slo: latency objectives (bench, sim, policy)
   admission_policy AdmissionPolicy, parse_admission: which policy a gateway enforces

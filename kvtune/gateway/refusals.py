@@ -4,7 +4,7 @@ Pure data, no aiohttp: intake, the body and API readers, admission and the relay
 and the relay turns one into an OpenAI-style error response (kvtune.gateway.relay.
 refusal_response). The reasons are a closed set: each one's value is the JSON answer's
 `error.code`, the `reason` label of `kvtune_gateway_rejected` on /metrics and the word in the
-log line; the rendered nginx.conf answers with the same ones (tests/test_enforcer_parity.py).
+log line; the rendered nginx.conf answers with the same ones (tests/integration/test_enforcer_parity.py).
 
     Rejection          an answer the gateway gives itself (4xx/5xx)
     Refused            a Rejection of a request already matched to a route (the metrics' label)

@@ -13,7 +13,7 @@ simulation of the gateway's router (a reservation to the replica where it fits w
 free budget, ties by fewest in flight): under load, the only regime where the settings differ,
 that router keeps every replica's budget full and hands each the requests it frees budget for,
 which is its budget's share when the replicas run at the same speed (the spread the live
-gateway's pool is tested for: tests/test_gateway_upstreams.py, load in proportion to budgets);
+gateway's pool is tested for: tests/integration/test_gateway_upstreams.py, load in proportion to budgets);
 below it no replica is near its budget and the split changes nothing. A split also keeps each
 replica's simulation whole (the event loop's fast path jumps many decode steps at once, which a
 router consulted at every arrival would cut at every other replica's step), so the grid costs

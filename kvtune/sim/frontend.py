@@ -26,7 +26,7 @@ from kvtune.steptime import TICKS_PER_S, FrontEndModel
 # `kvtune calibrate --timing` against vLLM 0.32.0's own OpenAI server (vllm/entrypoints/openai,
 # the same Python code path as on a GPU host: HTTP, tokenizing, the IPC hand-off to the engine core,
 # the first streamed chunk), CPU build, tiny model, /v1/completions (no chat template), on kvtune's
-# 2-core test machine, 2026-12-07 (tests/test_timing_live.py, `pytest -s` prints it): a lone
+# 2-core test machine, 2026-12-07 (tests/live/test_timing_live.py, `pytest -s` prints it): a lone
 # request spends 3.57 ms outside the engine's steps, 2.69 ms of it serial work per request that
 # queues (near-empty bursts); per streamed token the work hid behind the engine's steps (0).
 # A server CPU core is no slower than this shared one, so these are upper figures for the API
@@ -34,7 +34,7 @@ from kvtune.steptime import TICKS_PER_S, FrontEndModel
 VLLM_API_SERVER = FrontEndModel(request_s=0.00269, token_s=0.0)
 VLLM_API_SERVER_LONE_S = 0.00357  # http_overhead_s: what a lone request spends outside the steps
 VLLM_API_SERVER_SOURCE = ("kvtune calibrate --timing on vLLM 0.32.0's OpenAI API server (CPU build, "
-                          "tests/test_timing_live.py, 2026-12-07), not this deployment's")
+                          "tests/live/test_timing_live.py, 2026-12-07), not this deployment's")
 
 
 class FrontEnd:

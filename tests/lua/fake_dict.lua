@@ -1,5 +1,5 @@
 -- An in-memory stand-in for ngx.shared.DICT (get/set/incr), for unit tests outside nginx; the
--- real shared dict is exercised end to end by the nginx tests (tests/test_enforcer_parity.py).
+-- real shared dict is exercised end to end by the nginx tests (tests/integration/test_enforcer_parity.py).
 local FakeDict = {}
 FakeDict.__index = FakeDict
 
