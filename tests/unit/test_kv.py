@@ -33,6 +33,8 @@ SHARED = [
     ("Qwen2-7B-Instruct.json", 57344, "gqa", 28, 14336),
     # 36 × 8 × (128+128) × 2 = 147456; tp=16 → 36 × 1 × 256 × 2 = 18432
     ("Qwen3-8B.json", 147456, "gqa", 16, 18432),
+    # 2 × 40 layers × 8 KV heads × 128 × 2 B; 40 query heads split at most 8 ways here: one KV head a GPU
+    ("Qwen3-14B.json", 163840, "gqa", 8, 20480),
     # head_dim 256 ≠ 3584/16: 42 × 8 × (256+256) × 2 = 344064; tp=16 → 42 × 1 × 512 × 2 = 43008
     ("gemma-2-9b-it.json", 344064, "gqa", 16, 43008),
     # text_config: 62 × 16 × (128+128) × 2 = 507904; tp=32 > 16 → 62 × 1 × 256 × 2 = 31744
