@@ -212,7 +212,9 @@ def plan_timing(plan: Plan) -> TimingSetup:
                           "--gpu-spec FILE), or --capacity FILE from `kvtune calibrate --timing`", field="gpu")
     if measured is None or given_pool(measured):
         measured, _ = offline_capacity(plan)
-    return timing_setup(measured, spec=plan.spec, gpu=plan.gpu_model, tp=plan.kv.tensor_parallel_size)
+    # the plan's engine and release, as `simulate --engine --engine-version` hands them over
+    return timing_setup(measured, spec=plan.spec, gpu=plan.gpu_model, tp=plan.kv.tensor_parallel_size,
+                        engine=plan.engine, engine_version=plan.inputs.engine_version if plan.inputs else None)
 
 
 def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
