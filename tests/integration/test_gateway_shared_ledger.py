@@ -89,6 +89,7 @@ async def gateway(config_doc: dict):
 
 # ---------------------------------------------------------------- the race
 
+@pytest.mark.quiet
 def test_three_gateways_never_admit_past_the_budget_together(redis_server):
     budget = 100
     client = redis.Redis.from_url(redis_server.url)
@@ -190,6 +191,7 @@ def stat_sums(client: redis.Redis, upstream: str) -> tuple[int, list[float]]:
     return int(worst or 0), np.frombuffer(rows or b"", dtype="<f8").tolist()
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("policy", ["worst-case", "statistical"])
 def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_else(redis_server, tmp_path, policy):
     """SIGKILL one of two gateway processes holding 3 of 7 requests: within lease_s + 1 s its 30
@@ -246,6 +248,7 @@ def test_a_killed_replica_loses_its_reservations_within_the_lease_and_nobody_els
             stop_processes(procs)
 
 
+@pytest.mark.quiet
 def test_three_gateway_processes_never_admit_past_the_budget_together(redis_server, tmp_path):
     budget = 60
     client = redis.Redis.from_url(redis_server.url)
@@ -282,6 +285,7 @@ def test_three_gateway_processes_never_admit_past_the_budget_together(redis_serv
         assert reserved(client, fake.url) == 0 and owner_hashes(client) == {}  # each retired on SIGTERM
 
 
+@pytest.mark.quiet
 def test_three_gateway_processes_two_upstreams_5000_requests_stay_within_each_budget(redis_server, tmp_path):
     """Issue #15's race: 3 `kvtune gateway` processes, one Redis, 2 upstreams of different budgets;
     5,000 requests with clients going away, slow readers, 500s, cut streams, and the second
@@ -609,6 +613,7 @@ def test_statistical_replicas_on_redis_price_a_forced_length_at_its_cap(redis_se
     asyncio.run(run())
 
 
+@pytest.mark.quiet
 def test_three_statistical_gateway_processes_keep_the_shared_bound_within_epsilon(redis_server, tmp_path):
     """The race under `statistical`: 3 `kvtune gateway` processes on one Redis, 2,000 whole
     (non-streamed: no progress updates, so nothing but admissions raises the bound) requests, 150
@@ -697,6 +702,7 @@ def ledger_counter(text: str, name: str) -> float:
     raise AssertionError(f"kvtune_gateway_ledger_{name} is not exposed")
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("policy", ["worst-case", "statistical"])
 def test_a_replica_paused_past_its_lease_holds_its_running_requests_again(redis_server, tmp_path, policy):
     """SIGSTOP gateway A, holding 6 requests, for longer than lease_s + reclaim_grace_s (0 here: the
