@@ -3,10 +3,13 @@
 #   scripts/test.sh                       every tier, as CI does (below)
 #   scripts/test.sh --fast [PYTEST ARGS]  tests/unit only: pure, no server or engine
 #   scripts/test.sh PYTEST ARGS           one pytest with those arguments
-# The whole suite runs as two pytest processes side by side: tests/live (the real vLLM, one server
-# at a time, mostly waiting on the engine) and every other test, whose servers are small; each
-# prints its own report, the live tier's after the rest. Then the tests marked `quiet` (a wall-clock
-# claim of processes racing: a lease, a deadline) run alone on the host the others no longer load.
+# The whole suite runs as three pytest processes side by side, one per tier: tests/live (the real
+# vLLM, one server at a time), tests/integration (nginx, Redis, Ray, gateways and fake servers on
+# loopback) and every other test (tests/unit, pure). The two tiers with servers mostly wait on them
+# (the integration tier measured ~15 % of one core), so a tier beside them costs their wall time
+# little: the unit tier no longer queues behind the integration tier. Each tier prints its own
+# report, in that order: unit, integration, live. Then the tests marked `quiet` (a wall-clock claim
+# of processes racing: a lease, a deadline) run alone on the host the others no longer load.
 # Exit: the first failure's status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,20 +23,27 @@ if [[ $# -gt 0 ]]; then
 fi
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-python -m pytest tests/live -m "not quiet" --basetemp "$scratch/tmp" >"$scratch/live.log" 2>&1 &
+# Each tier its own --basetemp: pytest numbers and prunes its default one, which two processes share.
+python -m pytest tests/live -m "not quiet" --basetemp "$scratch/live" >"$scratch/live.log" 2>&1 &
 live_pid=$!
+python -m pytest tests/integration -m "not quiet" --basetemp "$scratch/integration" >"$scratch/integration.log" 2>&1 &
+integration_pid=$!
 set +e
-python -m pytest tests --ignore=tests/live -m "not quiet"
-rest=$?
+python -m pytest tests --ignore=tests/live --ignore=tests/integration -m "not quiet" --basetemp "$scratch/unit"
+unit=$?
+wait "$integration_pid"
+integration=$?
 wait "$live_pid"
 live=$?
+echo "=== tests/integration (run beside the tier above) ==="
+cat "$scratch/integration.log"
 echo "=== tests/live (run beside the tiers above) ==="
 cat "$scratch/live.log"
 echo "=== tests marked quiet (run alone) ==="
-python -m pytest tests -m quiet
+python -m pytest tests -m quiet --basetemp "$scratch/quiet"
 quiet=$?
 set -e
-for status in "$rest" "$live" "$quiet"; do
+for status in "$unit" "$integration" "$live" "$quiet"; do
     if [[ $status -ne 0 ]]; then
         exit "$status"
     fi
