@@ -3,13 +3,15 @@
 #   scripts/test.sh                       every tier, as CI does (below)
 #   scripts/test.sh --fast [PYTEST ARGS]  tests/unit only: pure, no server or engine
 #   scripts/test.sh PYTEST ARGS           one pytest with those arguments
-# The whole suite runs as three pytest processes side by side, one per tier: tests/live (the real
-# vLLM, one server at a time), tests/integration (nginx, Redis, Ray, gateways and fake servers on
-# loopback) and every other test (tests/unit, pure). The two tiers with servers mostly wait on them
-# (the integration tier's 1,444 tests measured 183 s of CPU, their servers' included), so the unit
-# tier no longer queues behind the integration tier for CPU it mostly leaves idle. Each tier prints
-# its own report, in that order: unit, integration, live. Then the tests marked `quiet` (a wall-clock claim
-# of processes racing: a lease, a deadline) run alone on the host the others no longer load.
+# The whole suite runs as three pytest processes side by side: the tests that start a real vLLM
+# (marker `vllm`, tests/live: one server at a time), the other tests with servers (tests/integration:
+# nginx, Redis, Ray, gateways and fake servers on loopback; and tests/live's SGLang parser, vLLM's
+# argument parser and route tables, which start no engine) and every other test (tests/unit, pure).
+# The two with servers mostly wait on them (the integration tier's 1,444 tests measured 183 s of
+# CPU, their servers' included), so the unit tier no longer queues behind the integration tier for
+# CPU it mostly leaves idle, and the engine's tests start no later than the parsers'. Each prints
+# its own report, in that order: unit, servers, vLLM. Then the tests marked `quiet` (a wall-clock
+# claim of processes racing: a lease, a deadline) run alone on the host the others no longer load.
 # KVTUNE_VLLM_LOCK=FILE: the live tier waits for flock on FILE first (a machine shared by several
 # people, each allowed one vLLM at a time); unset, it starts at once.
 # Exit: the first failure's status.
@@ -30,9 +32,12 @@ lock=()
 if [[ -n ${KVTUNE_VLLM_LOCK:-} ]]; then
     lock=(flock "$KVTUNE_VLLM_LOCK")
 fi
-"${lock[@]}" python -m pytest tests/live -m "not quiet" --basetemp "$scratch/live" >"$scratch/live.log" 2>&1 &
+# tests/integration and tests/live split by the marker: every test of theirs runs in one of the two.
+"${lock[@]}" python -m pytest tests/live tests/integration -m "vllm and not quiet" --basetemp "$scratch/live" \
+    >"$scratch/live.log" 2>&1 &
 live_pid=$!
-python -m pytest tests/integration -m "not quiet" --basetemp "$scratch/integration" >"$scratch/integration.log" 2>&1 &
+python -m pytest tests/integration tests/live -m "not vllm and not quiet" --basetemp "$scratch/integration" \
+    >"$scratch/integration.log" 2>&1 &
 integration_pid=$!
 set +e
 python -m pytest tests --ignore=tests/live --ignore=tests/integration -m "not quiet" --basetemp "$scratch/unit"
@@ -41,9 +46,9 @@ wait "$integration_pid"
 integration=$?
 wait "$live_pid"
 live=$?
-echo "=== tests/integration (run beside the tier above) ==="
+echo "=== tests/integration and tests/live but the vLLM tests (run beside the tier above) ==="
 cat "$scratch/integration.log"
-echo "=== tests/live (run beside the tiers above) ==="
+echo "=== the vLLM tests (run beside the tiers above) ==="
 cat "$scratch/live.log"
 echo "=== tests marked quiet (run alone) ==="
 python -m pytest tests -m quiet --basetemp "$scratch/quiet"
