@@ -8,11 +8,12 @@
 # nginx, Redis, Ray, gateways and fake servers on loopback; and tests/live's SGLang parser, vLLM's
 # argument parser and route tables, which start no engine) and every other test (tests/unit, pure).
 # The two with servers mostly wait on them (the integration tier's 1,444 tests measured 183 s of
-# CPU, their servers' included), so the unit tier no longer queues behind the integration tier for
-# CPU it mostly leaves idle, and the engine's tests start no later than the parsers'. Each prints
+# CPU, with the servers they started and stopped; Ray's daemons aside), so the unit tier no longer
+# queues behind the integration tier for CPU it mostly leaves idle, and the engine's tests start no
+# later than the parsers'. Each prints
 # its own report, in that order: unit, servers, vLLM. Then the tests marked `quiet` (a wall-clock
 # claim of processes racing: a lease, a deadline) run alone on the host the others no longer load.
-# KVTUNE_VLLM_LOCK=FILE: the live tier waits for flock on FILE first (a machine shared by several
+# KVTUNE_VLLM_LOCK=FILE: the vLLM tests wait for flock on FILE first (a machine shared by several
 # people, each allowed one vLLM at a time); unset, it starts at once.
 # Exit: the first failure's status.
 set -euo pipefail
