@@ -326,25 +326,29 @@ def _layer_notes(spec: ModelSpec, kv: KvBytes) -> list[str]:
     return notes
 
 
-def plan_capacity(
-    spec: ModelSpec,
-    kv: KvBytes,
-    weights: WeightsEstimate,
-    *,
-    gpu_name: str | None = None,
-    gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    block_size: int | None = None,
-    shapes: tuple[RequestShape, ...] = (),
-    measured: MeasuredCapacity | None = None,
-    enforce_eager: bool = False,
-    engine_version: str | None = None,
-    engine: str = "vllm",
-    max_kv_tokens: int | None = None,
-    max_num_seqs: int | None = None,
-) -> CapacityReport:
+@dataclass(frozen=True, slots=True)
+class CapacityInputs:
+    """What the capacity is planned from besides the model and its KV cost: the weights, the GPU
+    resolved to its memory, the engine settings and a measurement (kvtune.planning.replan
+    repeats it at other scheduler limits)."""
+
+    weights: WeightsEstimate
+    gpu_name: str | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    shapes: tuple[RequestShape, ...] = ()
+    measured: MeasuredCapacity | None = None
+    enforce_eager: bool = False
+    engine: str = "vllm"
+    engine_version: str | None = None
+    max_kv_tokens: int | None = None
+    max_num_seqs: int | None = None
+
+
+def plan_capacity(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
     Defaults follow `vllm serve` of `engine_version` (None: the current release): its
@@ -359,6 +363,12 @@ def plan_capacity(
     the sequence count the profile's dummy sampler runs at (vLLM), or SGLang's
     --max-running-requests / TensorRT-LLM's max_batch_size.
     """
+    weights, measured, engine, engine_version = inputs.weights, inputs.measured, inputs.engine, inputs.engine_version
+    gpu_name, gpu_memory_bytes, gpu_memory_utilization = inputs.gpu_name, inputs.gpu_memory_bytes, \
+        inputs.gpu_memory_utilization
+    max_model_len, max_num_batched_tokens, block_size = inputs.max_model_len, inputs.max_num_batched_tokens, \
+        inputs.block_size
+    max_num_seqs, max_kv_tokens, shapes = inputs.max_num_seqs, inputs.max_kv_tokens, inputs.shapes
     release = memory_model(engine_version if engine == "vllm" else None)  # vLLM's memory model by release
     tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
     notes: list[str] = []
@@ -417,7 +427,7 @@ def plan_capacity(
             max_num_seqs=seqs,
             tp=tp,
             pp=pp,
-            enforce_eager=enforce_eager,
+            enforce_eager=inputs.enforce_eager,
             engine_version=engine_version,
         )
         assumptions.extend(overhead.assumptions)
@@ -485,5 +495,6 @@ __all__ = [
     "estimate_capacity",
     "measured_capacity",
     "CapacityReport",
+    "CapacityInputs",
     "plan_capacity",
 ]
