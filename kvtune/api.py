@@ -180,21 +180,28 @@ def recommend(
             rec = dataclasses.replace(rec, feasibility=_with_remedies(rec.feasibility, profiled, (plan_, deployment),
                                                                       policy, releases, measured.given))
         return rec
-    own = None
-    if objective is None or objective.goal is None:  # each replica's engine limits: the rules on its own pool
-        check_replicas([(f, p.capacity) for f, p in plans], rec)
-        by_plan = {id(plan_): rec}
-        for f, p in plans:
-            if id(p) not in by_plan:
-                try:
-                    by_plan[id(p)] = _rules_or_search(profiled, p, policy, None, None, releases)
-                except KvtuneError as exc:
-                    if exc.path is None:
-                        exc.path = f
-                    raise
-        own = [by_plan[id(p)] for _, p in plans]
+    searched = objective is not None and objective.goal is not None
+    own = None if searched else _own_limits(profiled, plans, (plan_, rec), policy, releases)
     return per_replica(rec, [(f, p.capacity) for f, p in plans], urls, own=own,
                        from_origin=len(measured.capacity_files) > 1)
+
+
+def _own_limits(profile: Profile, plans: list[tuple[str, Plan]], primary: tuple[Plan, Recommendation],
+                policy: Policy, releases: tuple[str, str | None]) -> list[Recommendation]:
+    """Each replica's engine limits without a search: the rules on its own plan, once per file
+    (`primary`: the smallest's plan and its recommendation); an error names the replica's file."""
+    rec = primary[1]
+    check_replicas([(f, p.capacity) for f, p in plans], rec)
+    by_plan = {id(primary[0]): rec}
+    for f, p in plans:
+        if id(p) not in by_plan:
+            try:
+                by_plan[id(p)] = _rules_or_search(profile, p, policy, None, None, releases)
+            except KvtuneError as exc:
+                if exc.path is None:
+                    exc.path = f
+                raise
+    return [by_plan[id(p)] for _, p in plans]
 
 
 def _read(profile: Profile | Callable[[], Profile]) -> Profile:
