@@ -67,6 +67,10 @@ class Deployed:
     flags: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # environment the script sets for the engine
     options: dict[str, Any] = field(default_factory=dict)  # engine settings beyond flags (TensorRT-LLM YAML)
+    # a Kubernetes container (kvtune.deploy.k8s_read): the GPUs it asks for (resources.limits
+    # nvidia.com/gpu) and whether /dev/shm is a memory emptyDir; None: not read from a manifest
+    gpus: int | None = None
+    shm_mounted: bool | None = None
     # gateway / nginx
     upstream: str | None = None
     # one engine's budget: with several upstreams, the largest (what the simulator runs)
