@@ -12,15 +12,13 @@ import re
 import shlex
 from typing import Any
 
-import yaml
-
 from kvtune.deploy.command_line import MAX_INTEGER
 from kvtune.deploy.deployed import Deployed
 from kvtune.deploy.launch import vllm as vllm_launch
 from kvtune.deploy.markers import K8S_GATEWAY_CONFIG_KEY as GATEWAY_CONFIG_KEY
 from kvtune.deploy.markers import K8S_GPU_RESOURCE as GPU_RESOURCE
 from kvtune.errors import InputError
-from kvtune.userfiles import brief
+from kvtune.userfiles import brief, parse_yaml_documents
 
 _KIND = re.compile(r"^kind:\s*\S", re.M)
 _API_VERSION = re.compile(r"^apiVersion:\s*\S", re.M)
@@ -32,16 +30,18 @@ def looks_like_manifests(text: str) -> bool:
 
 
 def _documents(text: str, source: str) -> list[dict]:
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise InputError(f"not YAML: {getattr(exc, 'problem', None) or exc}", path=source,
-                         line=None if mark is None else mark.line + 1) from exc
+    """The stream's documents, read strictly (kvtune.userfiles: no anchors, aliases or YAML 1.1
+    numbers); empty ones (a trailing `---`) skipped."""
+    docs = [d for d in parse_yaml_documents(text, path=source) if d is not None]
     for i, doc in enumerate(docs):
         if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str):
             raise InputError("expected a Kubernetes object with a kind", path=source, field=f"document {i + 1}")
     return docs
+
+
+def _list(value: Any) -> list:
+    """A field that should be a list, or [] (what the schema would refuse is not kvtune's to judge)."""
+    return value if isinstance(value, list) else []
 
 
 def _name(doc: dict) -> str:
@@ -90,7 +90,7 @@ def _gpus(container: dict, where: str, source: str) -> int | None:
 
 def _env(container: dict) -> dict[str, str]:
     out = {}
-    for item in container.get("env") or []:
+    for item in _list(container.get("env")):
         if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("value"), str):
             out[item["name"]] = item["value"]
     return out
@@ -98,11 +98,11 @@ def _env(container: dict) -> dict[str, str]:
 
 def _shm_mounted(doc: dict, container: dict) -> bool:
     """Whether /dev/shm is a memory emptyDir (what NCCL between the pod's GPUs needs)."""
-    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-    memory = {v.get("name") for v in spec.get("volumes") or [] if isinstance(v, dict)
+    spec = doc["spec"]["template"]["spec"]  # _containers found the containers there
+    memory = {v.get("name") for v in _list(spec.get("volumes")) if isinstance(v, dict)
               and isinstance(v.get("emptyDir"), dict) and v["emptyDir"].get("medium") == "Memory"}
     return any(isinstance(m, dict) and m.get("mountPath") == "/dev/shm" and m.get("name") in memory
-               for m in container.get("volumeMounts") or [])
+               for m in _list(container.get("volumeMounts")))
 
 
 def _engine(doc: dict, source: str) -> Deployed | None:

@@ -177,3 +177,37 @@ def test_files_holding_no_engine_or_more_than_one(rendered, tmp_path):
     result = check(rendered, service)
     assert result.exit_code == 2
     assert "no vLLM Deployment and no ConfigMap holding gateway.yaml" in result.output
+
+
+def _container(d: dict) -> dict:
+    return d["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: _container(d).update(env=5),
+    lambda d: _container(d).update(volumeMounts=7),
+    lambda d: d["spec"]["template"]["spec"].update(volumes="x"),
+    lambda d: d["spec"]["template"]["spec"].update(containers={}),
+    lambda d: d.update(spec=[]),
+    lambda d: _container(d).update(args=[True]),
+    lambda d: _container(d).update(command=None),
+    lambda d: _container(d)["resources"]["limits"].update({"nvidia.com/gpu": -1}),
+    lambda d: d.update(kind=5),
+])
+def test_hostile_manifests_are_an_error_line_or_a_verdict_never_a_traceback(rendered, tmp_path, change):
+    vllm = copy(rendered, tmp_path, "vllm.yaml")
+    edit_documents(vllm, lambda d: change(d) if d.get("kind") == "Deployment" else None)
+    result = CliRunner().invoke(cli, ["check", str(rendered / "recommendation.json"), "--deployed", str(vllm)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert result.exit_code in (0, 1, 2), result.output
+    if result.exit_code == 2:
+        assert result.output.startswith(f"Error: {vllm}"), result.output
+
+
+def test_yaml_anchors_are_refused_as_in_every_file_kvtune_reads(rendered, tmp_path):
+    vllm = copy(rendered, tmp_path, "vllm.yaml")
+    text = vllm.read_text().replace("  labels: {", "  labels: &labels {", 1)
+    vllm.write_text(text.replace("    matchLabels: {", "    matchLabels: *labels\n    x: {", 1))
+    result = check(rendered, vllm)
+    assert result.exit_code == 2
+    assert result.output.startswith(f"Error: {vllm}:") and "unsupported YAML" in result.output

@@ -146,3 +146,21 @@ def test_replicas_get_a_service_each_and_gateways_share_redis(scaled):
 def test_other_engines_get_no_manifests(tmp_path):
     out = recommend(tmp_path, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "sglang")
     assert not (out / "k8s").exists() and (out / "estimates.json").is_file()
+
+
+def test_recommend_gates_the_manifests_it_renders(tmp_path):
+    """recommend's own check (check_rendered) reads the manifests back: a rendered Deployment whose
+    args drifted from the recommendation would be refused, not written."""
+    import kvtune
+    from kvtune.deploy.check import check_rendered
+
+    out = recommend(tmp_path, "--model", "llama-3.1-8b", "--gpu", "H100-80GB")
+    rec = kvtune.load_recommendation(out / "recommendation.json")
+    files = kvtune.render(rec, check=False)
+    assert check_rendered(files, rec).passed
+    files["k8s/vllm.yaml"] = files["k8s/vllm.yaml"].replace('- "--max-num-seqs"\n            - "1752"',
+                                                            '- "--max-num-seqs"\n            - "999"')
+    result = check_rendered(files, rec)
+    assert not result.passed
+    assert [(f.code, f.source) for f in result.findings] == [
+        ("drift", "k8s/vllm.yaml: Deployment/kvtune-vllm: containers[0].args")]
