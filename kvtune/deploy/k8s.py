@@ -77,9 +77,17 @@ def _engine_name(index: int, replicas: int) -> str:
 
 
 def _pod_flags(rec: Recommendation) -> list[Line]:
-    """vllm-serve.sh's flags, listening on every interface of the pod."""
-    return [Line("--host", "0.0.0.0", "kubernetes", "in a pod vLLM listens on every interface; its Service reaches it")
-            if line.name == "--host" else line for line in vllm_launch.flags(rec)]
+    """vllm-serve.sh's flags, listening on every interface of the pod, on the port its Service
+    sends to."""
+    out = []
+    for line in vllm_launch.flags(rec):
+        if line.name == "--host":
+            line = Line("--host", "0.0.0.0", "kubernetes", "in a pod vLLM listens on every interface; its Service "
+                        "reaches it")
+        elif line.name == "--port":
+            line = Line("--port", line.value, "kubernetes", "the port the Service sends to (the upstream's)")
+        out.append(line)
+    return out
 
 
 def _own_flags(rec: Recommendation, index: int) -> list[Line]:
@@ -92,6 +100,13 @@ def _own_flags(rec: Recommendation, index: int) -> list[Line]:
     pairs = list(zip(words[::2], words[1::2], strict=True))
     return [Line(name, value, "replica", "its own capacity") for name, value in pairs
             if name not in ("--host", "--port")]
+
+
+def vllm_image(version: str) -> str:
+    """vLLM's image for a release: its tags are v0.8.5, v0.11.0, so a minor version (0.33) is
+    its first release (v0.33.0)."""
+    parts = version.lstrip("v").split(".")
+    return f"vllm/vllm-openai:v{'.'.join(parts if len(parts) > 2 else [*parts, '0'][:3])}"
 
 
 def _shm(gpus: int) -> dict[str, str]:
@@ -130,6 +145,9 @@ def render_manifests(rec: Recommendation, options: RenderOptions | None = None,
     options = options or RenderOptions()
     k8s = k8s or K8sOptions()
     if rec.engine.name != vllm_launch.ENGINE:
+        if k8s.gateway_replicas != 1:
+            raise OptionError("only a vLLM recommendation is rendered as Kubernetes manifests, whose gateway "
+                              "Deployment this sizes", field="--gateway-replicas")
         return {}
     if not 1 <= k8s.gateway_replicas <= MAX_GATEWAY_REPLICAS:
         raise OptionError(f"must be from 1 to {MAX_GATEWAY_REPLICAS}, got {k8s.gateway_replicas}",
@@ -143,7 +161,7 @@ def render_manifests(rec: Recommendation, options: RenderOptions | None = None,
     common = {
         "rec": rec, "kvtune_version": __version__, "served_model": rec.served_model or rec.model,
         "namespace": k8s.namespace, "gpus": gpus, "port": port, "flags": _pod_flags(rec),
-        "vllm_image": k8s.vllm_image or f"vllm/vllm-openai:v{rec.engine.version.lstrip('v')}",
+        "vllm_image": k8s.vllm_image or vllm_image(rec.engine.version),
         "shm": _shm(gpus), "startup": _startup(weights),
         "weights_title": "an unknown size" if weights is None else f"{weights / 2**30:,.1f} GiB",
     }

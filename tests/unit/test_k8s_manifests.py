@@ -89,7 +89,7 @@ def test_the_container_runs_vllm_serve_sh_args_listening_on_the_pod(one):
     vllm = container(by_kind(one / "k8s" / "vllm.yaml", "Deployment"))
     assert vllm["command"] == ["vllm", "serve"]
     assert vllm["args"] == expected
-    assert vllm["image"] == "vllm/vllm-openai:v0.33"
+    assert vllm["image"] == "vllm/vllm-openai:v0.33.0"  # vLLM's tags: v0.11.0, v0.8.5
     assert vllm["ports"] == [{"name": "http", "containerPort": 8000}]
 
 
@@ -146,6 +146,11 @@ def test_replicas_get_a_service_each_and_gateways_share_redis(scaled):
 def test_other_engines_get_no_manifests(tmp_path):
     out = recommend(tmp_path, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "sglang")
     assert not (out / "k8s").exists() and (out / "estimates.json").is_file()
+    refused = CliRunner().invoke(cli, ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--engine",
+                                       "sglang", "--gateway-replicas", "2", "--out", str(tmp_path / "refused")])
+    assert refused.exit_code == 2 and not (tmp_path / "refused").exists()
+    assert refused.output.strip() == ("Error: --gateway-replicas: only a vLLM recommendation is rendered as "
+                                      "Kubernetes manifests, whose gateway Deployment this sizes")
 
 
 def test_recommend_gates_the_manifests_it_renders(tmp_path):
