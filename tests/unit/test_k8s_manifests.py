@@ -169,3 +169,32 @@ def test_recommend_gates_the_manifests_it_renders(tmp_path):
     assert not result.passed
     assert [(f.code, f.source) for f in result.findings] == [
         ("drift", "k8s/vllm.yaml: Deployment/kvtune-vllm: containers[0].args")]
+
+
+def test_measured_replicas_keep_their_own_budgets_and_limits(tmp_path):
+    """--capacity per replica: each Deployment's args end with its own engine limits (vllm-serve.sh's
+    header lists them; the last of a repeated flag wins), and the ConfigMap keeps each budget."""
+    import json
+
+    files = []
+    for name, blocks in (("a.json", 2000), ("b.json", 3001)):
+        path = tmp_path / name
+        path.write_text(json.dumps({"source": "metrics", "num_blocks": blocks, "block_size": 16,
+                                    "kv_cache_tokens": blocks * 16, "max_model_len": 8192}))
+        files += ["--capacity", str(path)]
+    logs = REPO / "tests" / "data" / "logs" / "kvtune.jsonl"  # prompts that fit the replicas' 8,192-token context
+    made = CliRunner().invoke(cli, ["recommend", str(logs), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", *files,
+                                    "--out", str(tmp_path / "deploy")], catch_exceptions=False)
+    assert made.exit_code == 0, made.output
+    out = tmp_path / "deploy"
+    config = yaml.safe_load(by_kind(out / "k8s" / "gateway.yaml", "ConfigMap")["data"]["gateway.yaml"])
+    assert config["upstreams"] == [{"url": "http://kvtune-vllm-0:8000", "block_budget": 1799},
+                                   {"url": "http://kvtune-vllm-1:8000", "block_budget": 2700}]
+    header = [line for line in (out / "vllm-serve.sh").read_text().splitlines() if "./vllm-serve.sh --host" in line]
+    owns = [line.split("./vllm-serve.sh ", 1)[1].split()[4:] for line in header]  # after --host H --port P
+    assert owns == [[], ["--max-num-seqs", "32"]]  # the larger replica runs more sequences
+    for i, own in enumerate(owns):
+        args = container(by_kind(out / "k8s" / f"vllm-{i}.yaml", "Deployment"))["args"]
+        assert args[len(args) - len(own):] == own and args[len(args) - len(own) - 2] == "--override-generation-config"
+        for doc in documents(out / "k8s" / f"vllm-{i}.yaml"):
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
