@@ -126,6 +126,8 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
         kvtune check sample_logs/ --model llama-3.1-8b --gpu H100-80GB \\
             --deployed deploy/vllm-serve.sh --deployed deploy/gateway.yaml
         kvtune check deploy/recommendation.json --deployed deploy/vllm-serve.sh
+        kvtune check deploy/recommendation.json --deployed deploy/k8s/vllm.yaml \\
+            --deployed deploy/k8s/gateway.yaml
     """
     import kvtune
 
