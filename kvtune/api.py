@@ -259,13 +259,21 @@ def _exported_files(rec: Recommendation, options: RenderOptions, k8s: K8sOptions
 
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
     """Write the files into out_dir all or nothing (every target checked first, then replaced
-    together; a failed rename puts the previous files back).
+    together; a failed rename puts the previous files back). A manifest kvtune rendered into
+    out_dir/k8s/ earlier that these files leave behind is refused (OptionError), since applying
+    the folder would deploy it too.
 
     >>> kvtune.write_files("deploy/", kvtune.render(rec))               # doctest: +SKIP
     [PosixPath('deploy/gateway.yaml'), ...]
     """
+    from kvtune.deploy.k8s import stale_manifests
     from kvtune.deploy.render import write_files as write
 
+    stale = stale_manifests(out_dir, files)
+    if stale:
+        raise OptionError(f"{stale[0]} is a manifest an earlier recommend rendered and this one would not: "
+                          "`kubectl apply -f k8s/` would deploy it beside the new ones; remove it (or the k8s/ "
+                          "folder) or write to another --out", field="--out")
     return write(out_dir, files)
 
 

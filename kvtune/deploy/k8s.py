@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -195,6 +198,27 @@ def render_manifests(rec: Recommendation, options: RenderOptions | None = None,
     return files
 
 
+def stale_manifests(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
+    """Manifests kvtune rendered into out_dir/k8s/ earlier that this set of files would leave
+    behind (vllm-0.yaml after --replicas 2, then one replica; redis.yaml after one gateway
+    replica): `kubectl apply -f k8s/` would deploy them beside the new ones."""
+    folder = Path(out_dir) / FOLDER
+    if not folder.is_dir():
+        return []
+    stale = []
+    for path in sorted(folder.glob("*.yaml")):
+        if f"{FOLDER}/{path.name}" in files or not path.is_file() or path.is_symlink():
+            continue
+        try:
+            with path.open(encoding="utf-8") as f:
+                first = f.readline()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if first.startswith("# Rendered by kvtune"):
+            stale.append(path)
+    return stale
+
+
 def _ledger_block(gateway_replicas: int) -> str:
     """gateway.yaml's `ledger`: the Redis every gateway replica shares (k8s/redis.yaml's Service)."""
     return (f"# {gateway_replicas} gateway replicas share one ledger in Redis (k8s/redis.yaml), so together they\n"
@@ -207,5 +231,5 @@ def _ledger_block(gateway_replicas: int) -> str:
             "  on_error: reject\n")
 
 
-__all__ = ["K8sOptions", "render_manifests", "vllm_files", "FOLDER", "GATEWAY_FILE", "REDIS_FILE",
-           "GATEWAY_CONFIG_KEY", "GPU_RESOURCE", "MAX_GATEWAY_REPLICAS"]
+__all__ = ["K8sOptions", "render_manifests", "stale_manifests", "vllm_image", "vllm_files", "FOLDER", "GATEWAY_FILE",
+           "REDIS_FILE", "GATEWAY_CONFIG_KEY", "GPU_RESOURCE", "MAX_GATEWAY_REPLICAS"]

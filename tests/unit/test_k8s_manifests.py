@@ -198,3 +198,21 @@ def test_measured_replicas_keep_their_own_budgets_and_limits(tmp_path):
         assert args[len(args) - len(own):] == own and args[len(args) - len(own) - 2] == "--override-generation-config"
         for doc in documents(out / "k8s" / f"vllm-{i}.yaml"):
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_manifest_an_earlier_run_left_is_refused_not_left_behind(tmp_path):
+    """--replicas 2 wrote k8s/vllm-0.yaml and vllm-1.yaml; one replica next into the same folder
+    would leave them for `kubectl apply -f k8s/` to deploy: refused, nothing written."""
+    args = ["recommend", LOGS, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--out", str(tmp_path)]
+    recommend(tmp_path, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--replicas", "2")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 2
+    assert again.output.startswith(f"Error: --out: {tmp_path / 'k8s' / 'vllm-0.yaml'} is a manifest an earlier "
+                                   "recommend rendered and this one would not")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    (tmp_path / "k8s" / "vllm-0.yaml").unlink()
+    (tmp_path / "k8s" / "vllm-1.yaml").unlink()
+    (tmp_path / "k8s" / "notes.yaml").write_text("# mine\n")  # not kvtune's: left alone
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == ["gateway.yaml", "notes.yaml", "vllm.yaml"]
