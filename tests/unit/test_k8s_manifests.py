@@ -216,3 +216,23 @@ def test_a_manifest_an_earlier_run_left_is_refused_not_left_behind(tmp_path):
     (tmp_path / "k8s" / "notes.yaml").write_text("# mine\n")  # not kvtune's: left alone
     assert CliRunner().invoke(cli, args).exit_code == 0
     assert sorted(p.name for p in (tmp_path / "k8s").iterdir()) == ["gateway.yaml", "notes.yaml", "vllm.yaml"]
+
+
+def test_hostile_names_from_logs_stay_data():
+    """Route names and a model id from the logs (quotes, $(…), newlines, NUL, Jinja, U+2028) reach the
+    manifests only through their escaping: every document still validates, the ConfigMap's
+    gateway.yaml reads back to the same routes, and the container's model is the logged one."""
+    from test_render import NASTY, hostile_rec
+
+    from kvtune.deploy.k8s import render_manifests
+
+    rec = hostile_rec()
+    files = render_manifests(rec)
+    for text in files.values():
+        for doc in yaml.safe_load_all(text):
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    config_map = next(d for d in yaml.safe_load_all(files["k8s/gateway.yaml"]) if d["kind"] == "ConfigMap")
+    config = parse_gateway_config(yaml.safe_load(config_map["data"]["gateway.yaml"]), path="k8s/gateway.yaml")
+    assert [r.name for r in config.routes[:-1]] == NASTY
+    deployment = next(d for d in yaml.safe_load_all(files["k8s/vllm.yaml"]) if d["kind"] == "Deployment")
+    assert container(deployment)["args"][0] == rec.served_model
