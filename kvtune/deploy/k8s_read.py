@@ -112,7 +112,9 @@ def _engine(doc: dict, source: str) -> Deployed | None:
     for i, container in enumerate(_containers(doc, where, source)):
         here = f"{_name(doc)}: containers[{i}]"
         words = _words(container, here, source)
-        text = shlex.join(words)
+        # `command: ["/bin/sh", "-c"]`, `args: ["vllm serve MODEL ..."]` (vLLM's own Kubernetes guide): the script
+        text = words[2] if len(words) == 3 and words[1] == "-c" and words[0].rsplit("/", 1)[-1] in _SHELLS \
+            else shlex.join(words)
         if vllm_launch.recognise(text, source):
             found.append((container, here, text))
     if not found:
@@ -137,6 +139,7 @@ def _gateway(doc: dict, source: str, parse_gateway: Any) -> Deployed | None:
     return parse_gateway(text, where)
 
 
+_SHELLS = ("sh", "bash", "dash")
 _WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,20 @@ def test_yaml_anchors_are_refused_as_in_every_file_kvtune_reads(rendered, tmp_pa
     result = check(rendered, vllm)
     assert result.exit_code == 2
     assert result.output.startswith(f"Error: {vllm}:") and "unsupported YAML" in result.output
+
+
+def test_a_deployment_written_as_vllms_own_guide_writes_it(rendered, tmp_path):
+    """vLLM's Kubernetes guide runs `command: ["/bin/sh", "-c"]` with the whole `vllm serve …` line as
+    one arg: read as that script."""
+    vllm = copy(rendered, tmp_path, "vllm.yaml")
+
+    def as_a_shell_line(doc: dict) -> None:
+        if doc["kind"] == "Deployment":
+            c = doc["spec"]["template"]["spec"]["containers"][0]
+            args = [a.replace("0.92", "0.80") for a in c["args"]]
+            c["command"], c["args"] = ["/bin/sh", "-c"], ["vllm serve " + " ".join(map(shlex.quote, args))]
+
+    edit_documents(vllm, as_a_shell_line)
+    result = check(rendered, vllm, rendered / "k8s" / "gateway.yaml")
+    assert result.exit_code == 1, result.output
+    assert "shrunk by gpu_memory_utilization 0.8 (at the recommended 0.92" in result.output
