@@ -357,7 +357,8 @@ class _Checker:
     def check_k8s_resources(self, d: Deployed) -> None:
         """A Kubernetes container (kvtune.deploy.k8s_read) asks for one GPU per rank: vLLM starts
         tensor_parallel_size × pipeline_parallel_size workers, one on each GPU it sees, and fails
-        with fewer; more are paid for and idle. Several ranks talk through /dev/shm (NCCL)."""
+        with fewer; more are paid for and idle. Several ranks talk through /dev/shm (NCCL). The
+        gateway keeps one budget per upstream, so one Deployment is one engine: one pod."""
         assert d.gpus is not None
         tp, pp = d.tensor_parallel_size or 1, d.pipeline_parallel_size or 1
         if d.gpus != tp * pp:
@@ -366,6 +367,17 @@ class _Checker:
                      f"pipeline_parallel_size {pp} needs {tp * pp} GPUs",
                      "vLLM runs one worker per GPU of the pod: with fewer it does not start, with more the rest "
                      f"idle; ask for {tp * pp}", d.source, "gpus")
+        if d.pods == 0:
+            self.add(Severity.WARN, "pods-share-one-upstream",
+                     "spec.replicas 0: no vLLM pod runs, and the gateway's upstream refuses every request",
+                     "scale the Deployment to 1", d.source)
+        elif d.pods is not None and d.pods > 1:
+            self.add(Severity.WARN, "pods-share-one-upstream",
+                     f"spec.replicas {d.pods}: {d.pods} vLLM pods behind one Service, which the gateway sees as one "
+                     "upstream with one engine's budget",
+                     "the gateway reserves per engine: pods behind one Service share one budget, so each is filled to "
+                     "a fraction of its KV; render one Deployment per engine with recommend --replicas N "
+                     "(k8s/vllm-0.yaml, …)", d.source)
         if tp * pp > 1 and not d.shm_mounted:
             self.add(Severity.WARN, "no-shm",
                      f"/dev/shm is not a memory emptyDir, and {tp * pp} GPUs' ranks exchange through it",

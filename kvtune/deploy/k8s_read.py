@@ -88,6 +88,15 @@ def _gpus(container: dict, where: str, source: str) -> int | None:
     return count
 
 
+def _pods(doc: dict, source: str) -> int:
+    """spec.replicas (1 when unset, as Kubernetes reads it)."""
+    value = doc["spec"].get("replicas", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INTEGER:
+        raise InputError(f"expected a whole number of pods, got {brief(value)}", path=source,
+                         field=f"{_name(doc)}: spec.replicas")
+    return value
+
+
 def _env(container: dict) -> dict[str, str]:
     out = {}
     for item in _list(container.get("env")):
@@ -125,7 +134,7 @@ def _engine(doc: dict, source: str) -> Deployed | None:
     container, here, text = found[0]
     read = vllm_launch.read(text, f"{source}: {here}.args")
     return dataclasses.replace(read, gpus=_gpus(container, here, source), env=_env(container),
-                               shm_mounted=_shm_mounted(doc, container))
+                               shm_mounted=_shm_mounted(doc, container), pods=_pods(doc, source))
 
 
 def _gateway(doc: dict, source: str, parse_gateway: Any) -> Deployed | None:

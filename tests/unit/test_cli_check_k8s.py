@@ -229,3 +229,14 @@ def test_a_deployment_written_as_vllms_own_guide_writes_it(rendered, tmp_path):
     result = check(rendered, vllm, rendered / "k8s" / "gateway.yaml")
     assert result.exit_code == 1, result.output
     assert "shrunk by gpu_memory_utilization 0.8 (at the recommended 0.92" in result.output
+
+
+@pytest.mark.parametrize(("pods", "message"), [
+    (3, "spec.replicas 3: 3 vLLM pods behind one Service, which the gateway sees as one upstream"),
+    (0, "spec.replicas 0: no vLLM pod runs"),
+])
+def test_a_scaled_engine_deployment_is_one_upstream(rendered, tmp_path, pods, message):
+    vllm = copy(rendered, tmp_path, "vllm.yaml")
+    edit_documents(vllm, lambda d: d["spec"].update(replicas=pods) if d["kind"] == "Deployment" else None)
+    result = check(rendered, vllm, rendered / "k8s" / "gateway.yaml")
+    assert f"WARN pods-share-one-upstream [{vllm}: {ENGINE_DOC}]: {message}" in result.output
