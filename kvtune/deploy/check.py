@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.reservation import reserved_blocks
-from kvtune.deploy.k8s import FOLDER as K8S_FOLDER
-from kvtune.deploy.k8s import GATEWAY_FILE
 from kvtune.deploy.launch import launcher
+from kvtune.deploy.markers import K8S_FOLDER
+from kvtune.deploy.markers import K8S_GATEWAY_FILE as GATEWAY_FILE
 from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind, parse_deployed
 from kvtune.deploy.slices import slice_blocks

@@ -28,7 +28,7 @@ import yaml
 from kvtune.deploy.filters import yaml_scalar
 from kvtune.deploy.launch import Line
 from kvtune.deploy.launch import vllm as vllm_launch
-from kvtune.deploy.markers import K8S_GATEWAY_CONFIG_KEY, K8S_GPU_RESOURCE
+from kvtune.deploy.markers import K8S_FOLDER, K8S_GATEWAY_CONFIG_KEY, K8S_GATEWAY_FILE, K8S_GPU_RESOURCE
 from kvtune.deploy.render import RenderOptions, make_environment, render_gateway_yaml
 from kvtune.endpoint import parse_url
 from kvtune.errors import OptionError
@@ -37,8 +37,8 @@ from kvtune.version import __version__
 if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
 
-FOLDER = "k8s"
-GATEWAY_FILE = f"{FOLDER}/gateway.yaml"
+FOLDER = K8S_FOLDER
+GATEWAY_FILE = K8S_GATEWAY_FILE
 REDIS_FILE = f"{FOLDER}/redis.yaml"
 GATEWAY_CONFIG_KEY = K8S_GATEWAY_CONFIG_KEY  # the ConfigMap's data key, mounted at /etc/kvtune/gateway.yaml
 GPU_RESOURCE = K8S_GPU_RESOURCE

@@ -23,7 +23,7 @@ import numpy as np
 from kvtune.deploy.charts import capacity_segments, histogram_bars, what_if_scatter
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
-from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.deploy.markers import K8S_FOLDER, NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.output_law import OutputLaw
@@ -599,7 +599,7 @@ def lua_modules() -> dict[str, str]:
 
 
 #: The one folder `recommend --out` writes files into (kvtune.deploy.k8s: the Kubernetes manifests).
-SUBFOLDERS = ("k8s",)
+SUBFOLDERS = (K8S_FOLDER,)
 
 
 def _plain_name(name: str) -> bool:
