@@ -1,6 +1,8 @@
 """Options shared by several commands, each group one decorator that hands the command one typed
 object: `capacity_options` → `capacity: CapacityArgs` (capacity, recommend, check), `log_options` →
-`log: LogArgs` (profile, recommend, check, bench). Each object knows the library call it feeds.
+`log: LogArgs` (profile, recommend, check, bench). Each object knows the library call it feeds:
+CapacityArgs turns into kvtune.api's Deployment and Measurement. The policy and objective groups
+live in policy_options.py, the load group in load_options.py: no command imports another.
 """
 
 from __future__ import annotations
