@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
 from kvtune.controls import escape_controls
 from kvtune.errors import InputError, OptionError
@@ -140,7 +141,8 @@ class TargetArgs:
 
 
 target_options = grouped("target", TargetArgs, [
-    click.option("--model", help="Served model name.  [default: the first of /v1/models]"),
+    click.option("--request-model", "model", metavar="NAME",
+                 help="The `model` field of each request: the served model name.  [default: the first of /v1/models]"),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="/v1/chat/completions or /v1/completions."),
     click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
@@ -198,7 +200,7 @@ class OutputArgs:
 
 
 output_options = grouped("output", OutputArgs, [
-    click.option("--out", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE."),
+    click.option("--save", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE."),
     click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table."),
     click.option("--requests-log", type=click.Path(), metavar="FILE",
                  help="One JSON line per request (timings, tokens, outcome; never text)."),
@@ -206,7 +208,10 @@ output_options = grouped("output", OutputArgs, [
 ])
 
 
-@click.command(epilog=JSON_FIELDS)
+@click.command(cls=SectionedCommand, epilog=JSON_FIELDS)
+@quiet_option()
+@renamed("--model", "--request-model", "model")
+@renamed("--out", "--save", "out_path", type=click.Path(), metavar="FILE")
 @click.argument("url")
 @click.argument("logs", nargs=-1)
 @traffic_source_options

@@ -7,13 +7,16 @@ import json
 
 import click
 
+from kvtune.cli._vocabulary import quiet_option, renamed
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import OptionError
 
 
 @click.command()
+@quiet_option()
+@renamed("--out", "--save", "out", type=click.Path(), metavar="FILE")
 @click.argument("url", required=False)
-@click.option("--out", "out", type=click.Path(),
+@click.option("--save", "out", type=click.Path(), metavar="FILE",
               help="Write the capacity file here (atomically), for `kvtune recommend --capacity FILE`.")
 @click.option("--json", "json_", is_flag=True, help="Print the capacity as one JSON object instead of a table.")
 @click.option("--engine", type=click.Choice(ENGINE_NAMES), default="vllm", show_default=True,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option, warn_if_given
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, grouped, log_options
 from kvtune.controls import escape_controls
 from kvtune.engines import ENGINE_TITLES, engine_facts
@@ -243,7 +244,9 @@ policy_options = grouped("policy", PolicyArgs, [
                  "name, else the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
                  help="The engine server the gateway configs point at."),
-    click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),
+    click.option("--vllm-version", metavar="TEXT", hidden=True,
+                 callback=warn_if_given("--vllm-version", "--engine-version"),
+                 help="The older name of --engine-version."),
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,
@@ -296,7 +299,8 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 """
 
 
-@click.command(epilog=OBJECTIVE_HELP)
+@click.command(cls=SectionedCommand, epilog=OBJECTIVE_HELP)
+@quiet_option()
 @click.argument("logs", nargs=-1, required=True)
 @policy_options
 @capacity_options
@@ -342,8 +346,9 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 @click.option("--gateway-replicas", type=click.IntRange(1, 64), default=1, show_default=True, metavar="N",
               help="Gateway replicas in k8s/gateway.yaml's Deployment; above 1 they share the Redis ledger "
                    "k8s/redis.yaml runs (vLLM only: the Kubernetes manifests).")
-@click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none): "
-              "the engine's launch files, the gateway configs, the reports, estimates.json/.yaml and, for vLLM, "
+@click.option("--out", "out_dir", type=click.Path(), metavar="DIR",
+              help="Write the deploy files into DIR (all of them, or none): the engine's launch files, the "
+              "gateway configs, the reports, estimates.json/.yaml and, for vLLM, "
               "the Kubernetes manifests in DIR/k8s/.")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
