@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from kvtune.domain.load_shape import LoadShape
 
 JSON_FIELDS = """\b
---json / --out write one object:
+--json / --save write one object:
   target          {url, endpoint, model, max_model_len, ignore_eos, length_control}
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, timeout_s, max_connections, retry}
@@ -235,7 +235,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     \b
     Example:
         kvtune bench http://127.0.0.1:8000 --profile profile.json --rate 5 --duration 60 \\
-            --slo ttft=500,tpot=50 --expect deploy/recommendation.json --out results.json
+            --slo ttft=500,tpot=50 --expect deploy/recommendation.json --save results.json
     """
     from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
     from kvtune.bench.workload import Workload, replay_rows
@@ -316,7 +316,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
     from kvtune.writer import OutputFiles
 
-    # --out and --requests-log are staged before the run (a bad target fails now, not after it)
+    # --save and --requests-log are staged before the run (a bad target fails now, not after it)
     # and written together at the end, or not at all
     with OutputFiles() as outputs:
         out_file = outputs.open(output.out_path) if output.out_path else None

@@ -53,11 +53,11 @@ def calibrate(url: str | None, out: str | None, json_: bool, engine: str, engine
 
     \b
     Example:
-        kvtune calibrate http://127.0.0.1:8000 --out capacity.json
-        kvtune calibrate http://127.0.0.1:30000 --engine sglang --out capacity.json
-        kvtune calibrate --engine trtllm --engine-log trtllm-serve.log --out capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --save capacity.json
+        kvtune calibrate http://127.0.0.1:30000 --engine sglang --save capacity.json
+        kvtune calibrate --engine trtllm --engine-log trtllm-serve.log --save capacity.json
         kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
-        kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --out capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --save capacity.json
     """
     from kvtune.capacity.measured import calibrate as run_calibrate
     from kvtune.capacity.measured import write_capacity_file
@@ -155,5 +155,5 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
         console.print(f"Wrote {out}; use it with: kvtune recommend LOGS --model MODEL --capacity {out}",
                       soft_wrap=True, markup=False)
     else:
-        console.print("Pass --out FILE to save it for: kvtune recommend LOGS --model MODEL --capacity FILE",
+        console.print("Pass --save FILE to keep it for: kvtune recommend LOGS --model MODEL --capacity FILE",
                       soft_wrap=True)

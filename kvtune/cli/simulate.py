@@ -202,7 +202,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     \b
     Example:
         kvtune simulate logs.jsonl --model llama-3.1-8b --gpu H100-80GB --tp 2 --requests 500
-        kvtune calibrate http://127.0.0.1:8000 --timing --out capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --timing --save capacity.json
         kvtune simulate --profile profile.json --capacity capacity.json --rate 5 --requests 500
         kvtune simulate --profile profile.json --capacity capacity.json --gateway deploy/gateway.yaml \\
             --rate 5 --requests 500 --slo ttft=500,e2e=10000 --out sim/
