@@ -153,16 +153,19 @@ OTHER = "Other options"
 def help_sections(command: str, params: Iterable[click.Parameter]) -> list[tuple[str, list[click.Parameter]]]:
     """The command's options by section, in HELP_SECTIONS' order; one not listed is under OTHER."""
     sections = HELP_SECTIONS.get(command, {})
-    placed: dict[str, list[click.Parameter]] = {title: [] for title in (*sections, OTHER)}
+    other = OTHER if sections else "Options"  # a short command keeps click's one list
+    placed: dict[str, list[click.Parameter]] = {title: [] for title in (*sections, other)}
     for param in params:
         if not isinstance(param, click.Option):
             continue
         is_help = "--help" in param.opts
         title = next((t for t, names in sections.items() if param.name in names),
-                     list(sections)[-1] if is_help and sections else OTHER)
+                     list(sections)[-1] if is_help and sections else other)
         placed[title].append(param)
     for title, names in sections.items():
         placed[title].sort(key=lambda p: names.index(p.name) if p.name in names else len(names))
+    # decorated last, -q would come first: shown with the output options, before --help
+    placed[other].sort(key=lambda p: (p.name == "quiet") + 2 * ("--help" in p.opts))
     return [(title, found) for title, found in placed.items() if found]
 
 

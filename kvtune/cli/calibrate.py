@@ -7,12 +7,12 @@ import json
 
 import click
 
-from kvtune.cli._vocabulary import quiet_option, renamed
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import OptionError
 
 
-@click.command()
+@click.command(cls=SectionedCommand)
 @quiet_option()
 @renamed("--out", "--save", "out", type=click.Path(), metavar="FILE")
 @click.argument("url", required=False)

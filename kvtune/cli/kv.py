@@ -6,12 +6,12 @@ import json
 
 import click
 
-from kvtune.cli._vocabulary import model_argument, quiet_option
+from kvtune.cli._vocabulary import SectionedCommand, model_argument, quiet_option
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import resolve_model
 
 
-@click.command()
+@click.command(cls=SectionedCommand)
 @quiet_option()
 @model_argument("config.json, model directory, preset name or hub id")
 @click.option("--tp", "tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
