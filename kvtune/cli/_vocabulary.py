@@ -15,8 +15,6 @@ from typing import Any
 
 import click
 
-from kvtune.cli.options import CapacityArgs, LogArgs
-
 
 def deprecation_line(old: str, new: str) -> str:
     """What an old spelling prints on stderr, once per run."""
@@ -97,15 +95,15 @@ def model_argument(what: str) -> Callable:
     return decorate
 
 
-# --help sections of the long commands: section -> parameter names, in the order shown. Options of
-# `log_options` are inputs and of `capacity_options` the deployment unless named here.
-_LOG = tuple(LogArgs.__dataclass_fields__)
-_DEPLOYMENT = tuple(CapacityArgs.__dataclass_fields__)
+# --help sections of the long commands: section -> parameter names, in the order shown; _LOG and
+# _DEPLOYMENT stand for every option of `log_options` and `capacity_options` (cli/options.py, read
+# only when help is formatted: `kvtune kv` need not import it).
+_LOG, _DEPLOYMENT = "<log_options>", "<capacity_options>"
 _OUTPUT = ("out_dir", "out_path", "save_path", "out", "json_", "requests_log", "progress", "quiet")
 HELP_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "recommend": {
-        "Inputs": _LOG,
-        "Deployment": ("model", "served_model", "upstream", "vllm_version", *_DEPLOYMENT, "route_header",
+        "Inputs": (_LOG,),
+        "Deployment": ("model", "served_model", "upstream", "vllm_version", _DEPLOYMENT, "route_header",
                        "gateway_tokenizer", "replicas", "nginx_replicas", "gateway_replicas", "health_interval",
                        "health_timeout", "health_path", "health_failures", "health_ejection",
                        "health_max_ejection", "health_max_ejected_share"),
@@ -114,13 +112,13 @@ HELP_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "Output": _OUTPUT,
     },
     "check": {
-        "Inputs": ("deployed_paths", *_LOG),
-        "Deployment": ("model", "served_model", "upstream", "vllm_version", *_DEPLOYMENT, "route_header"),
+        "Inputs": ("deployed_paths", _LOG),
+        "Deployment": ("model", "served_model", "upstream", "vllm_version", _DEPLOYMENT, "route_header"),
         "Policy": ("safety_fraction", "max_truncation", "slo"),
         "Output": _OUTPUT,
     },
     "simulate": {
-        "Inputs": ("profile_path", "routes", *_LOG),
+        "Inputs": ("profile_path", "routes", _LOG),
         "Deployment": ("model", "gpu", "gpu_spec", "tp", "pp", "engine_name", "engine_version", "capacity_path",
                        "kv_tokens", "num_gpu_blocks", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
                        "max_num_seqs", "max_num_batched_tokens", "gateway_path", "endpoint", "route_header"),
@@ -129,7 +127,7 @@ HELP_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "Output": _OUTPUT,
     },
     "bench": {
-        "Inputs": ("profile_path", "routes", *_LOG),
+        "Inputs": ("profile_path", "routes", _LOG),
         "Requests": ("model", "old_model", "endpoint", "timeout_s", "retry", "max_retries", "ignore_eos",
                      "length_control", "eos_token_id", "api_key", "max_connections", "metrics_url",
                      "scrape_interval"),
@@ -138,12 +136,12 @@ HELP_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "Output": _OUTPUT,
     },
     "capacity": {
-        "Deployment": ("model_option", *_DEPLOYMENT),
+        "Deployment": ("model_option", _DEPLOYMENT),
         "Request shapes": ("prompt_tokens", "max_tokens"),
         "Output": _OUTPUT,
     },
     "profile": {
-        "Inputs": (*_LOG, "merge", "trace_max_is_cap"),
+        "Inputs": (_LOG, "merge", "trace_max_is_cap"),
         "Output": _OUTPUT,
     },
 }
@@ -152,7 +150,7 @@ OTHER = "Other options"
 
 def help_sections(command: str, params: Iterable[click.Parameter]) -> list[tuple[str, list[click.Parameter]]]:
     """The command's options by section, in HELP_SECTIONS' order; one not listed is under OTHER."""
-    sections = HELP_SECTIONS.get(command, {})
+    sections = {title: _expanded(names) for title, names in HELP_SECTIONS.get(command, {}).items()}
     other = OTHER if sections else "Options"  # a short command keeps click's one list
     placed: dict[str, list[click.Parameter]] = {title: [] for title in (*sections, other)}
     for param in params:
@@ -167,6 +165,14 @@ def help_sections(command: str, params: Iterable[click.Parameter]) -> list[tuple
     # decorated last, -q would come first: shown with the output options, before --help
     placed[other].sort(key=lambda p: (p.name == "quiet") + 2 * ("--help" in p.opts))
     return [(title, found) for title, found in placed.items() if found]
+
+
+def _expanded(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The names with _LOG and _DEPLOYMENT replaced by their groups' parameter names."""
+    from kvtune.cli.options import CapacityArgs, LogArgs  # start-up time: see _LOG
+
+    groups = {_LOG: tuple(LogArgs.__dataclass_fields__), _DEPLOYMENT: tuple(CapacityArgs.__dataclass_fields__)}
+    return tuple(name for given in names for name in groups.get(given, (given,)))
 
 
 class SectionedCommand(click.Command):
