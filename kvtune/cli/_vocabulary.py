@@ -3,6 +3,9 @@ every command shares — MODEL or -m/--model, --save FILE, -q/--quiet — old sp
 aliases for one release, and `--help` of the long commands in sections.
 
 Each piece is a decorator over a command's declaration, so a command body keeps its parameters.
+The sections are one table here read by a small click.Command subclass rather than the
+click-option-group library, whose `optgroup.option` would redeclare every option, where the
+shared groups (log_options, capacity_options) sit in different sections in different commands.
 """
 
 from __future__ import annotations
