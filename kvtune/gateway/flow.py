@@ -251,6 +251,15 @@ class FlowGate(Generic[K]):
         self._enqueue(state, key, blocks, demand, now)
         return None
 
+    def track(self, reservation: Reservation, demand: Demand | None, band: int, flow: str) -> None:
+        """A reservation made beside the gate (a sticky upstream's, while nobody waits): the
+        forecast knows it, and it counts as admitted at once."""
+        self._admitted(reservation, demand, self._clock())
+        state = self._flow(band, flow, create=True)
+        counts = state.counts if state is not None else self._bands[band].other
+        counts.admitted += 1
+        counts.observe_wait(0.0)
+
     def release(self, reservation: Reservation) -> Sequence[tuple[K, Reservation]]:
         """Give the blocks back (once) and serve whoever waits: the (key, reservation) granted."""
         if reservation.release():
