@@ -26,6 +26,7 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.flow_control import Band, FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
@@ -402,6 +403,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
+        # gateway.yaml `flow:` (recommend --flow-control), which replaces `queue:`; None: the FIFO queue
+        "flow": flow_section(rec),
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
@@ -418,6 +421,22 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def flow_section(rec: Recommendation) -> dict | None:
+    """gateway.yaml's `flow:` (docs/guides/flow-control.md) as recommend sized it, with each value's
+    Decision under `decisions` for the comments; None without --flow-control."""
+    s = rec.settings
+    keys = ("gateway_flow_token_time_s", "gateway_flow_interactive_deadline_s", "gateway_flow_batch_deadline_s",
+            "gateway_flow_max_waiting", "gateway_flow_max_waiting_per_flow")
+    decisions = [d for k in keys if (d := s.get(k)) is not None]
+    if len(decisions) < len(keys):
+        return None
+    token, interactive, batch, waiting, per_flow = decisions
+    section = FlowControl(token_time_s=token.fraction, bands=(Band("interactive", interactive.fraction),
+                                                            Band("batch", batch.fraction)),
+                          max_waiting=waiting.tokens, max_waiting_per_flow=per_flow.tokens).to_dict()
+    return {"section": section, "decisions": decisions}
 
 
 def _health(probe: HealthProbe) -> dict:
