@@ -402,6 +402,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
+        # gateway.yaml `flow:` (recommend --flow-control), which replaces `queue:`; None: the FIFO queue
+        "flow": flow_section(rec),
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
@@ -418,6 +420,16 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def flow_section(rec: Recommendation) -> dict | None:
+    """The rendered `flow:` and the Decisions behind it (for the comments); None without it."""
+    from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
+
+    flow = flow_control_of(rec)
+    if flow is None:
+        return None
+    return {"section": flow.to_dict(), "decisions": [rec.settings[k] for k in FLOW_SETTINGS]}
 
 
 def _health(probe: HealthProbe) -> dict:
