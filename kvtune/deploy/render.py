@@ -26,6 +26,7 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
@@ -110,6 +111,10 @@ class RenderOptions:
     # With several engine replicas: how each is probed, taken out and brought back (gateway.yaml
     # `health`); gateway.yaml and nginx.conf render the same probe.
     health: HealthProbe = HealthProbe()
+    # gateway.yaml `flow:` (docs/guides/flow-control.md): the flow-control queue both gateways
+    # render; None: none. route_bands: a route's band by route name (routes[].band).
+    flow: FlowControl | None = None
+    route_bands: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 #: The most engine replicas one gateway.yaml lists.
@@ -331,8 +336,43 @@ def lua_statistical(rec: Recommendation) -> dict | None:
     }
 
 
+def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: list[dict]) -> dict | None:
+    """gateway.yaml's `flow:` for the Lua in nginx.conf (kvtune.flow), None without one; each
+    route's band is set on `routes` (a band the flow lacks is refused, as gateway.yaml's reader
+    refuses it)."""
+    names = {r["name"] for r in routes}
+    for name, band in route_bands.items():
+        if name not in names:
+            raise OptionError(f"route_bands names {name!r}, which is no route")
+        if flow is None or flow.band_index(band) is None:
+            raise OptionError(f"route {name!r} names band {band!r}, which flow.bands lacks")
+    for r in routes:
+        r["band"] = route_bands.get(r["name"])
+    if flow is None:
+        return None
+    from kvtune.gateway import relay  # aiohttp: only where a flow is rendered
+
+    return {
+        "token_time_s": flow.token_time_s,
+        "bands": [{"name": b.name, "deadline_s": b.deadline_s} for b in flow.bands],
+        "default_band": flow.bands[flow.default_band_index].name,
+        # header names as ngx.req.get_headers keys them
+        "band_header": flow.band_header.lower(),
+        "flow_header": flow.flow_header.lower(),
+        "default_weight": flow.default_weight,
+        "weights": dict(flow.weights),
+        "max_waiting": flow.max_waiting,
+        "max_waiting_per_flow": flow.max_waiting_per_flow,
+        "max_flows": flow.max_flows,
+        "metrics_flows": flow.metrics_flows,
+        # the events of a stream that carry no token (relay.py): the tokens streamed so far
+        "events_without_tokens": relay.EVENTS_WITHOUT_TOKENS,
+    }
+
+
 def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
+    flow = lua_flow(options.flow, options.route_bands, routes)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
     for route in rec.routes:
@@ -377,6 +417,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "never_fits": NEVER_FITS,
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
+        "flow": flow,
+        "metrics_access": options.admin.metrics.value,
     }
     nginx_slice = None
     if options.nginx_replicas != 1:
