@@ -189,9 +189,10 @@ function _M.new(cfg)
             if w == nil then break end
             local reservation = try_reserve(w)
             if reservation == nil then break end
+            local S = f.S
             remove(w)
-            b.V = f.S
-            f.F = f.S + w.blocks / f.weight
+            b.V = S
+            f.F = S + w.blocks / f.weight
             if #f.waiters > 0 then f.S = f.F end
             w.reservation, w.waited_s = reservation, max(0, now - w.arrived)
             f.c.admitted = f.c.admitted + 1
