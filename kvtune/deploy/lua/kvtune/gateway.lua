@@ -2144,7 +2144,7 @@ function _M.new(CONFIG, POLICY)
         end
         local series = FLOW.series()
         local out = {}
-        local function family(name, kind, help, each)
+        local function family(name, kind, help, each)  -- a counter's family is named without _total
             out[#out + 1] = "# HELP " .. name .. " " .. help
             out[#out + 1] = "# TYPE " .. name .. " " .. kind
             for _, x in ipairs(series) do each(x, format('band="%s",flow="%s"', label(x.band), label(x.flow))) end
@@ -2152,14 +2152,14 @@ function _M.new(CONFIG, POLICY)
         family("kvtune_gateway_flow_waiting", "gauge", "Requests waiting in the flow-control queue.", function(x, l)
             out[#out + 1] = format("kvtune_gateway_flow_waiting{%s} %d", l, x.waiting)
         end)
-        family("kvtune_gateway_flow_admitted_total", "counter", "Requests admitted, at once or after a wait.",
+        family("kvtune_gateway_flow_admitted", "counter", "Requests admitted, at once or after a wait.",
                function(x, l) out[#out + 1] = format("kvtune_gateway_flow_admitted_total{%s} %d", l, x.c.admitted) end)
-        family("kvtune_gateway_flow_shed_total", "counter", "Requests answered 429 at arrival.", function(x, l)
+        family("kvtune_gateway_flow_shed", "counter", "Requests answered 429 at arrival.", function(x, l)
             for _, reason in ipairs({ "deadline_unreachable", "queue_full" }) do
                 out[#out + 1] = format('kvtune_gateway_flow_shed_total{%s,reason="%s"} %d', l, reason, x.c.shed[reason])
             end
         end)
-        family("kvtune_gateway_flow_timed_out_total", "counter", "Waiters that reached their deadline.",
+        family("kvtune_gateway_flow_timed_out", "counter", "Waiters that reached their deadline.",
                function(x, l) out[#out + 1] = format("kvtune_gateway_flow_timed_out_total{%s} %d", l, x.c.timed_out) end)
         family("kvtune_gateway_flow_wait_seconds", "histogram", "Time admitted requests waited (0 when at once).",
                function(x, l)
