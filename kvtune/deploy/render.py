@@ -360,7 +360,8 @@ def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: l
         "band_header": flow.band_header.lower(),
         "flow_header": flow.flow_header.lower(),
         "default_weight": flow.default_weight,
-        "weights": dict(flow.weights),
+        # (flow id, weight) pairs: a flow id is no Lua name, and check's reader takes name = value only
+        "weights": [[name, weight] for name, weight in flow.weights.items()],
         "max_waiting": flow.max_waiting,
         "max_waiting_per_flow": flow.max_waiting_per_flow,
         "max_flows": flow.max_flows,

@@ -123,7 +123,7 @@ describe("kvtune.flow's queue", function()
 
     it("shares by weight", function()
         local L = ledger(1)
-        local Q = flow.new(config({ weights = { heavy = 3 } }))
+        local Q = flow.new(config({ weights = { { "heavy", 3 } } }))
         local hold = { blocks = 1, band = 1, flow = "x" }
         Q.offer(hold, 0, L.try_reserve, L.free, L.list)
         for i = 1, 6 do
@@ -158,7 +158,7 @@ describe("kvtune.flow's queue", function()
 
     it("counts the blocks ahead as the spec does: earlier bands, its flow, the others' fair share", function()
         local L = ledger(0)
-        local Q = flow.new(config({ weights = { b = 2 } }))
+        local Q = flow.new(config({ weights = { { "b", 2 } } }))
         Q.offer({ blocks = 7, band = 1, flow = "hi" }, 0, L.try_reserve, L.free, L.list)
         Q.offer({ blocks = 3, band = 2, flow = "a" }, 0, L.try_reserve, L.free, L.list)
         Q.offer({ blocks = 20, band = 2, flow = "b" }, 0, L.try_reserve, L.free, L.list)

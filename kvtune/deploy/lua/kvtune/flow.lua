@@ -98,7 +98,8 @@ function _M.new(cfg)
                      other = counters() }
         band_index[b.name] = i
     end
-    local weights = cfg.weights or {}
+    local weights = {}  -- cfg.weights: { flow id, weight } pairs
+    for _, pair in ipairs(cfg.weights or {}) do weights[pair[1]] = pair[2] end
     local seq, touch = 0, 0
 
     function Q.band_of(name) return band_index[name] end
