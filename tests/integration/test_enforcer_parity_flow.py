@@ -321,3 +321,27 @@ def test_a_flow_without_its_header_is_the_api_keys_hash(kind, tmp_path, upstream
         assert "sk-tenant-one" not in json.dumps(server.ledger())
     finally:
         server.stop()
+
+
+def test_a_heavier_flow_gets_its_weights_share(kind, tmp_path, upstream):
+    """Tenant A of weight 3 and tenant B of weight 1 waiting, each request the whole budget: A is
+    served three times for B's once (finish tags grow by blocks / weight)."""
+    server = _start(kind, tmp_path, upstream, _flow(weights={"A": 3.0}))
+    try:
+        t, box = _hold_all(server, upstream)
+        threads = []
+        marks = [("a1", "A"), ("a2", "A"), ("a3", "A"), ("a4", "A"), ("b1", "B"), ("b2", "B")]
+        for i, (mark, tenant) in enumerate(marks):
+            threads.append(in_thread(server.request, "/v1/chat/completions", _marked(mark), "POST", 30,
+                                     {"X-Kvtune-Flow": tenant}))
+            _waiting(server, i + 1)
+        upstream.release()
+        for thread, answer in threads:
+            thread.join(30)
+            assert answer["result"][0] == 200, answer["result"]
+        t.join(10)
+        assert _served_order(upstream, {m for m, _ in marks}) == ["a1", "b1", "a2", "a3", "a4", "b2"]
+        assert server.wait_drained()["reserved"] == 0
+    finally:
+        upstream.release()
+        server.stop()

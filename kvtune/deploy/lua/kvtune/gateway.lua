@@ -1853,26 +1853,27 @@ function _M.new(CONFIG, POLICY)
         if not ok then ngx.log(ngx.ERR, "kvtune: cannot start the flow-control timer: ", err) end
     end
 
-    -- A header's first value, spaces and tabs at either end stripped.
-    local function first_header(name)
-        local value = ngx.req.get_headers(0)[name]
+    -- A header's first value among `headers` (ngx.req.get_headers), spaces and tabs at either
+    -- end stripped.
+    local function first_header(headers, name)
+        local value = headers[name]
         if type(value) == "table" then value = value[1] end
         if type(value) ~= "string" then return nil end
         return (value:gsub("^[ \t]+", ""):gsub("[ \t]+$", ""))
     end
     -- The band: the band header's value when it names a band exactly, else the route's band,
     -- else the default band.
-    local function band_of(route)
-        local named = FLOW_CONFIG and first_header(FLOW_CONFIG.band_header)
+    local function band_of(headers, route)
+        local named = first_header(headers, FLOW_CONFIG.band_header)
         if named and FLOW.band_of(named) then return FLOW.band_of(named) end
         return FLOW.band_of(route and route.band or FLOW_CONFIG.default_band)
     end
     -- The flow: the flow header's value (1 to 128 printable ASCII characters), else key- and the
     -- first 16 hex digits of SHA-1 of the bearer token, else anonymous.
-    local function flow_of()
-        local named = first_header(FLOW_CONFIG.flow_header)
+    local function flow_of(headers)
+        local named = first_header(headers, FLOW_CONFIG.flow_header)
         if named and #named >= 1 and #named <= 128 and not find(named, "[^\32-\126]") then return named end
-        local auth = first_header("authorization")
+        local auth = first_header(headers, "authorization")
         local space = auth and find(auth, " ", 1, true)
         if space and sub(auth, 1, space - 1):lower() == "bearer" then
             local token = sub(auth, space + 1):gsub("^[ \t]+", ""):gsub("[ \t]+$", "")
@@ -1897,7 +1898,8 @@ function _M.new(CONFIG, POLICY)
     -- Reserve now, wait for its turn, or 429 at once: (held) or (nil, refusal).
     local function admit_in_turn(blocks, demand, route, ends)
         local now = ngx.now()
-        local w = { blocks = blocks, demand = demand, ends = ends, band = band_of(route), flow = flow_of() }
+        local headers = ngx.req.get_headers(0)
+        local w = { blocks = blocks, demand = demand, ends = ends, band = band_of(headers, route), flow = flow_of(headers) }
         local verdict, reason, wait_s = FLOW.offer(w, now, try_reserve_for, free_blocks, running)
         if verdict == "admitted" then return w.reservation end
         if verdict == "shed" then return nil, turned(reason, blocks, wait_s) end
