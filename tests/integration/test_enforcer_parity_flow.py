@@ -104,8 +104,12 @@ def test_a_request_that_cannot_make_its_deadline_is_shed_at_arrival(kind, tmp_pa
         assert box["result"][0] == 200 and answer["result"][0] == 200
         ledger = server.wait_drained()
         assert (ledger["reserved"], ledger["inflight"], ledger["waiting"]) == (0, 0, 0)
-        assert {b["name"]: (b["admitted"], b["shed"], b["timed_out"]) for b in ledger["flow"]["bands"]} == {
-            "interactive": (1, 1, 0), "batch": (1, 0, 0)}
+        zero = {"waiting": 0, "admitted": 0, "shed": 0, "timed_out": 0}
+        assert ledger["flow"] == {"token_time_s": 0.25, "waiting": 0, "flows": 2, "bands": [
+            {"name": "interactive", "deadline_s": 2, "waiting": 0, "admitted": 1, "shed": 1, "timed_out": 0,
+             "flows": [{"flow": "anonymous", "waiting": 0, "admitted": 1, "shed": 1, "timed_out": 0}], "other": zero},
+            {"name": "batch", "deadline_s": 30, "waiting": 0, "admitted": 1, "shed": 0, "timed_out": 0,
+             "flows": [{"flow": "anonymous", "waiting": 0, "admitted": 1, "shed": 0, "timed_out": 0}], "other": zero}]}
         metrics = _metrics(server)
         assert metrics["kvtune_gateway_flow_shed_total", (("band", "interactive"), ("flow", "anonymous"),
                                                           ("reason", "deadline_unreachable"))] == 1
@@ -265,6 +269,7 @@ def test_a_waiter_whose_client_leaves_is_taken_out_and_never_forwarded(kind, tmp
         assert ledger["reserved"] == BUDGET
         band = _band(ledger, "interactive")
         assert (band["timed_out"], band["shed"]) == (0, 0)  # a client gone is counted nowhere
+        assert _band(ledger, "batch")["flows"] == []  # a list, empty, in both
         upstream.release()
         t.join(10)
         ledger = server.wait_drained()
