@@ -204,7 +204,7 @@ def bench_rec(upstream: str, policy: str):
 
 def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,
                 cpus: set[int] | None = None) -> tuple[Proc, str]:
-    from kvtune.deploy.render import RenderOptions, render_files
+    from kvtune.deploy.render import RenderOptions, lua_modules, render_files
 
     port = _free_port()
     prefix = workdir / f"nginx-{policy}"
@@ -213,6 +213,9 @@ def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,
                         options=RenderOptions(listen_port=port, nginx_worker_processes=str(workers),
                                               nginx_user="root" if os.geteuid() == 0 else None))["nginx.conf"]
     (prefix / "nginx.conf").write_text(conf)
+    for name, text in lua_modules().items():  # the Lua nginx.conf loads, beside it as recommend --out writes it
+        (prefix / name).parent.mkdir(parents=True, exist_ok=True)
+        (prefix / name).write_text(text)
     proc = Proc(["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "logs" / "error.log"),
                  "-g", "daemon off;"], cpus, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
