@@ -124,6 +124,7 @@ def recommend(
     progress: Callable[[int, int], None] | None = None,
     compare_engines: bool = False,
     replicas: Sequence[tuple[str, Plan]] = (),
+    flow_control: bool = False,
 ) -> Recommendation:
     """Caps per route, a KV block budget and vLLM settings from the traffic and the plan; every
     number says which rule produced it. `route_by` must be what the profile's routes were named by;
@@ -145,6 +146,8 @@ def recommend(
     every engine replica behind the gateway as (capacity file, its plan), `plan` being the
     smallest's: each row is simulated on all of them, each on its share of the load with its own
     budget and engine limits (kvtune.policy.replica_search); without one, the rules alone.
+    `flow_control` renders gateway.yaml `flow:` (docs/guides/flow-control.md) instead of the FIFO
+    queue, its bands' deadlines from `slo` (which must give ttft).
 
     >>> rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB"), max_truncation=0.01)
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule      # doctest: +SKIP
@@ -171,7 +174,10 @@ def recommend(
         logged_model=one_logged_model(profile.models, profile.log_model),
         engine=engine, engine_version=release if engine != "vllm" else engine_version,
         slo=slo if objective is None else None,  # with an objective, the simulation judges it (goodput)
+        flow_control=slo if flow_control else None,
     )
+    if flow_control and (slo is None or slo.ttft_ms is None):
+        raise OptionError("flow control takes its interactive band's deadline from the SLO's ttft", field="slo")
     if options.engine != plan.engine:
         raise OptionError(f"the plan follows {plan.engine}'s memory model and defaults; plan it with "
                           f"engine={options.engine!r} too", field="engine")

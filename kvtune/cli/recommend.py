@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import click
 
@@ -175,6 +176,7 @@ class ObjectiveArgs:
     requests: int
     seed: int
     compare_engines: bool = False
+    flow_control: bool = False
 
     def wanted(self, capacity: CapacityArgs) -> dict:
         """kvtune.recommend's objective keywords; {} without --objective (and then no other of these)."""
@@ -187,20 +189,28 @@ class ObjectiveArgs:
             if given:
                 raise OptionError("only applies with --objective throughput|goodput", field=given[0])
             if self.slo is None:
-                return {}
+                return self._flow(None)
             from kvtune.domain.slo import parse_slo
 
             slo = parse_slo(self.slo)
             if slo.tpot_ms is None and slo.ttft_ms is None:
                 raise OptionError("without --objective, bounds max_num_seqs by tpot and ttft (the step-time "
                                   "model's); e2e needs --objective goodput, which simulates it", field="slo")
-            return {"slo": slo}
+            return {"slo": slo, **self._flow(slo)}
         from kvtune.domain.slo import parse_slo
 
-        return {"objective": self.objective, "slo": parse_slo(self.slo) if self.slo else None,
+        objective_slo = parse_slo(self.slo) if self.slo else None
+        return {"objective": self.objective, "slo": objective_slo, **self._flow(objective_slo),
                 "max_preemption_rate": self.max_preemption_rate, "max_429_share": self.max_429_share,
                 "rate_rps": self.rate, "concurrency": self.concurrency, "requests": self.requests,
                 "seed": self.seed, "compare_engines": self.compare_engines}
+
+    def _flow(self, slo: Any) -> dict:
+        if not self.flow_control:
+            return {}
+        if slo is None or slo.ttft_ms is None:
+            raise OptionError("takes its interactive band's deadline from --slo ttft=MS", field="--flow-control")
+        return {"flow_control": True}
 
 
 objective_options = grouped("objective", ObjectiveArgs, [
@@ -231,6 +241,10 @@ objective_options = grouped("objective", ObjectiveArgs, [
                  help="Add reference rows for the same traffic on SGLang (as rendered, and its defaults) and "
                       "TensorRT-LLM (GUARANTEED_NO_EVICT, MAX_UTILIZATION), each simulated with its own "
                       "admission rule."),
+    click.option("--flow-control", is_flag=True,
+                 help="Render gateway.yaml's flow-control queue (priority bands, fair flows, 429 at once for a "
+                      "request that cannot make its deadline) instead of the FIFO queue: the interactive band's "
+                      "deadline is --slo's ttft, the batch band's its e2e (else 10x ttft)."),
 ])
 
 

@@ -26,7 +26,7 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
-from kvtune.domain.flow_control import FlowControl
+from kvtune.domain.flow_control import Band, FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
@@ -112,7 +112,8 @@ class RenderOptions:
     # `health`); gateway.yaml and nginx.conf render the same probe.
     health: HealthProbe = HealthProbe()
     # gateway.yaml `flow:` (docs/guides/flow-control.md): the flow-control queue both gateways
-    # render; None: none. route_bands: a route's band by route name (routes[].band).
+    # render, in place of what recommend --flow-control sized; None: that (or none). route_bands:
+    # a route's band by route name (routes[].band).
     flow: FlowControl | None = None
     route_bands: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -373,7 +374,8 @@ def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: l
 
 def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
-    flow = lua_flow(options.flow, options.route_bands, routes)
+    gateway_flow = flow_section(rec, options)
+    flow = lua_flow(gateway_flow["flow"] if gateway_flow else None, options.route_bands, routes)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
     for route in rec.routes:
@@ -445,6 +447,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
+        # gateway.yaml `flow:` (recommend --flow-control), which replaces `queue:`; None: the FIFO queue
+        "flow": gateway_flow,
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
@@ -461,6 +465,25 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> dict | None:
+    """gateway.yaml's `flow:` (docs/guides/flow-control.md) as recommend sized it, with each value's
+    Decision under `decisions` for the comments; None without --flow-control. RenderOptions.flow,
+    when given, is rendered instead (no decisions), in gateway.yaml and nginx.conf alike."""
+    if options is not None and options.flow is not None:
+        return {"section": options.flow.to_dict(), "decisions": [], "flow": options.flow}
+    s = rec.settings
+    keys = ("gateway_flow_token_time_s", "gateway_flow_interactive_deadline_s", "gateway_flow_batch_deadline_s",
+            "gateway_flow_max_waiting", "gateway_flow_max_waiting_per_flow")
+    decisions = [d for k in keys if (d := s.get(k)) is not None]
+    if len(decisions) < len(keys):
+        return None
+    token, interactive, batch, waiting, per_flow = decisions
+    flow = FlowControl(token_time_s=token.fraction, bands=(Band("interactive", interactive.fraction),
+                                                         Band("batch", batch.fraction)),
+                       max_waiting=waiting.tokens, max_waiting_per_flow=per_flow.tokens)
+    return {"section": flow.to_dict(), "decisions": decisions, "flow": flow}
 
 
 def _health(probe: HealthProbe) -> dict:

@@ -55,6 +55,12 @@ SETTINGS: dict[str, tuple[str, float, float]] = {
     "capacity_scheduler_policy": ("str", 0, 0),  # TensorRT-LLM
     "gateway_queue_max_waiting": ("int", 0, MAX_INTEGER),
     "gateway_queue_timeout_s": ("number", 0, MAX_INTEGER),
+    # flow control (recommend --flow-control; absent otherwise): gateway.yaml `flow:` replaces `queue:`
+    "gateway_flow_token_time_s": ("number", 0, MAX_INTEGER),
+    "gateway_flow_interactive_deadline_s": ("number", 0, MAX_INTEGER),
+    "gateway_flow_batch_deadline_s": ("number", 0, MAX_INTEGER),
+    "gateway_flow_max_waiting": ("int", 0, MAX_INTEGER),
+    "gateway_flow_max_waiting_per_flow": ("int", 1, MAX_INTEGER),
     "served_model": ("str", 0, 0),  # the id the files serve and why (absent in files written before it)
 }
 # Settings every recommendation has (the others may be null: they do not apply to the engine).

@@ -311,12 +311,6 @@ def start_enforcer(kind: str, rec: dict, prefix: Path, **options) -> Nginx | PyG
         text = render_files(rec, targets=["gateway.yaml"], options=RenderOptions(listen_port=0, **options))
         doc = yaml.safe_load(text["gateway.yaml"])
         doc.pop("queue", None)  # nginx.conf has no FIFO queue: the two answer a full budget alike only without it
-        flow = options.get("flow")
-        if flow is not None and "flow" not in doc:  # flow control, as both render it (RenderOptions.flow)
-            doc["flow"] = flow.to_dict()
-            for route in doc["routes"]:
-                if route["name"] in options.get("route_bands", {}):
-                    route["band"] = options["route_bands"][route["name"]]
         return PyGateway(yaml.safe_dump(doc)).start()
     for attempt in range(3):
         port = nginx_port()

@@ -60,3 +60,38 @@ def test_without_flow_control_nothing_changes():
 def test_a_route_band_the_flow_lacks_is_refused(route_bands, flow, message):
     with pytest.raises(OptionError, match=message):
         _conf(flow=flow, route_bands=route_bands)
+
+
+def test_recommend_flow_control_renders_the_same_queue_into_nginx_conf(tmp_path):
+    """`recommend --flow-control --out`: nginx.conf's flow table is gateway.yaml's flow: (bands,
+    deadlines, token time, bounds), so the two enforcers deployed from one run queue alike."""
+    from click.testing import CliRunner
+
+    from kvtune.cli import cli
+    from kvtune.gateway.config import load_gateway_config
+
+    repo = Path(__file__).resolve().parents[2]
+    result = CliRunner().invoke(cli, ["recommend", str(repo / "sample_logs"), "--model", "llama-3.1-8b", "--gpu",
+                                      "H100-80GB", "--slo", "ttft=2000,tpot=50,e2e=30000", "--flow-control",
+                                      "--out", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    flow = load_gateway_config(tmp_path / "gateway.yaml").flow
+    assert flow is not None
+    conf = (tmp_path / "nginx.conf").read_text(encoding="utf-8")
+    assert "worker_processes 1;" in conf and "lua_check_client_abort on;" in conf
+    assert f"token_time_s = {flow.token_time_s!r}," in conf
+    assert f"max_waiting = {flow.max_waiting}," in conf and f"max_waiting_per_flow = {flow.max_waiting_per_flow}," in conf
+    for band in flow.bands:
+        assert f'{{ name = "{band.name}", deadline_s = {band.deadline_s!r} }},' in conf
+
+
+def test_render_options_flow_reaches_gateway_yaml_too():
+    from kvtune.gateway.config import parse_gateway_config
+
+    text = render_files(_rec(), targets=["gateway.yaml"],
+                        options=RenderOptions(flow=FLOW, route_bands={"/v1/completions": "batch"}))["gateway.yaml"]
+    import yaml
+
+    config = parse_gateway_config(yaml.safe_load(text), path="gateway.yaml")
+    assert config.flow == FLOW
+    assert {r.name: r.band for r in config.routes}["/v1/completions"] == "batch"
