@@ -350,3 +350,41 @@ def test_a_heavier_flow_gets_its_weights_share(kind, tmp_path, upstream):
     finally:
         upstream.release()
         server.stop()
+
+
+def test_with_two_engine_replicas_a_waiter_is_served_by_a_release_on_either(kind, tmp_path):
+    """Replicas of 60 and 90 blocks, both held full: a waiter queues (the forecast reads both
+    replicas' requests), is served on the one that releases, and every replica's ledger drains."""
+    from kvtune.policy.recommendation import Recommendation
+
+    with small_fake() as a, small_fake() as b:
+        doc = json.loads(small_rec(a.port, chat_lengths=CHAT_LENGTHS).to_json())
+        doc["upstreams"] = [{"url": a.url, "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
+                            {"url": b.url, "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
+        rec = Recommendation.from_dict(doc, path="rec")
+        server = start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="2", flow=_flow(),
+                                nginx_user="root" if os.geteuid() == 0 else None)
+        try:
+            a.hold()
+            b.hold()
+            on_b, on_b_box = in_thread(server.request, "/v1/chat/completions", chat(1376, x_mode="hold"))  # 90
+            server.wait_ledger(90)
+            on_a, on_a_box = in_thread(server.request, "/v1/chat/completions", chat(896, x_mode="hold"))  # 60
+            server.wait_ledger(150)
+            waiter, answer = in_thread(server.request, "/v1/chat/completions", chat(5, x_id="waiter"), "POST", 30)
+            ledger = _waiting(server, 1)
+            assert [u["reserved"] for u in ledger["upstreams"]] == [60, 90]
+            a.release()
+            on_a.join(10)
+            waiter.join(10)
+            assert answer["result"][0] == 200 and on_a_box["result"][0] == 200
+            assert [c.get("x_id") for c in a.seen][-1] == "waiter"
+            b.release()
+            on_b.join(10)
+            ledger = server.wait_drained()
+            assert [(u["reserved"], u["inflight"]) for u in ledger["upstreams"]] == [(0, 0), (0, 0)]
+            assert (ledger["reserved"], ledger["waiting"]) == (0, 0)
+        finally:
+            a.release()
+            b.release()
+            server.stop()
