@@ -14,6 +14,7 @@ the fake engine sees them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ import time
 import pytest
 from enforcers import BUDGET, chat, in_thread, small_fake, small_rec, start_enforcer
 
+from kvtune.domain.admission_policy import AdmissionPolicy
 from kvtune.domain.flow_control import Band, FlowControl
 from kvtune.gateway.config import AdminAccess, RefusalDetail
 
@@ -39,8 +41,10 @@ def upstream():
         yield fake
 
 
-def _start(kind, tmp_path, upstream, flow: FlowControl, **extra):
+def _start(kind, tmp_path, upstream, flow: FlowControl, admission: AdmissionPolicy | None = None, **extra):
     rec = small_rec(upstream.port, chat_lengths=CHAT_LENGTHS)
+    if admission is not None:
+        rec = dataclasses.replace(rec, admission=admission)
     return start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="2", flow=flow,
                           nginx_user="root" if os.geteuid() == 0 else None,
                           admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER), **extra)
@@ -388,3 +392,26 @@ def test_with_two_engine_replicas_a_waiter_is_served_by_a_release_on_either(kind
             a.release()
             b.release()
             server.stop()
+
+
+def test_under_the_statistical_policy_a_refused_request_waits_its_turn(kind, tmp_path, upstream):
+    """admission: statistical with flow control: the holder's 96 prompt blocks and its law leave no
+    room a bound of 0.01 accepts for a 100-word chat, which waits (nothing is free while the worst
+    cases fill the budget, and the holder is expected to end within 0.2 s) and is served when the
+    holder ends."""
+    server = _start(kind, tmp_path, upstream, _flow(), AdmissionPolicy.statistical(0.01))
+    try:
+        t, box = _hold_all(server, upstream)
+        waiter, answer = in_thread(server.request, "/v1/chat/completions", chat(100, x_id="after"), "POST", 30)
+        ledger = _waiting(server, 1)
+        assert ledger["policy"] == "statistical" and ledger["reserved"] == BUDGET
+        upstream.release()
+        t.join(10)
+        waiter.join(10)
+        assert box["result"][0] == answer["result"][0] == 200
+        ledger = server.wait_drained()
+        assert (ledger["reserved"], ledger["inflight"], ledger["waiting"]) == (0, 0, 0)
+        assert _band(ledger, "interactive")["admitted"] == 2
+    finally:
+        upstream.release()
+        server.stop()
