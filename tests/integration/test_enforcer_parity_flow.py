@@ -415,3 +415,25 @@ def test_under_the_statistical_policy_a_refused_request_waits_its_turn(kind, tmp
     finally:
         upstream.release()
         server.stop()
+
+
+@pytest.mark.parametrize("path, priority, band", [
+    ("/v1/chat/completions", None, "interactive"),       # the default band
+    ("/v1/chat/completions", "batch", "batch"),
+    ("/v1/chat/completions", " batch\t", "batch"),        # spaces and tabs around it stripped
+    ("/v1/chat/completions", "Batch", "interactive"),     # names are exact: unknown, so the route's
+    ("/v1/chat/completions", "", "interactive"),
+    ("/v1/completions", None, "batch"),                   # the route's band
+    ("/v1/completions", "interactive", "interactive"),    # the header names one: it wins
+    ("/v1/completions", "bulk", "batch"),                 # an unknown value: the route's
+])
+def test_the_band_is_the_headers_else_the_routes_else_the_default(kind, tmp_path, upstream, path, priority, band):
+    server = _start(kind, tmp_path, upstream, _flow(), route_bands={"/v1/completions": "batch"})
+    try:
+        body = chat(5) if path == "/v1/chat/completions" else {"model": "m", "prompt": "w w w"}
+        headers = {} if priority is None else {"X-Kvtune-Priority": priority}
+        assert server.request(path, body, headers=headers)[0] == 200
+        admitted = {b["name"]: b["admitted"] for b in server.ledger()["flow"]["bands"]}
+        assert admitted == {"interactive": int(band == "interactive"), "batch": int(band == "batch")}
+    finally:
+        server.stop()
