@@ -437,3 +437,21 @@ def test_the_band_is_the_headers_else_the_routes_else_the_default(kind, tmp_path
         assert admitted == {"interactive": int(band == "interactive"), "batch": int(band == "batch")}
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("value, flow", [
+    ("tenant-a", "tenant-a"),
+    ("  tenant-a\t", "tenant-a"),                 # stripped
+    ("t" * 128, "t" * 128),
+    ("t" * 129, "anonymous"),                     # too long
+    ("a\tb", "anonymous"),                        # a tab inside is no printable ASCII
+    ("é".encode().decode("latin-1"), "anonymous"),  # nor is UTF-8
+    ("", "anonymous"),
+])
+def test_the_flow_headers_value_names_the_flow_when_it_is_printable_ascii(kind, tmp_path, upstream, value, flow):
+    server = _start(kind, tmp_path, upstream, _flow())
+    try:
+        assert server.request("/v1/chat/completions", chat(5), headers={"X-Kvtune-Flow": value})[0] == 200
+        assert [f["flow"] for f in _band(server.ledger(), "interactive")["flows"]] == [flow]
+    finally:
+        server.stop()
