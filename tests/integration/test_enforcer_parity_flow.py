@@ -310,28 +310,6 @@ def test_queue_bounds_answer_queue_full(kind, tmp_path, upstream):
         server.stop()
 
 
-@pytest.mark.parametrize("authorization, flow", [
-    ("Bearer sk-tenant-one", "key-"),
-    ("bearer   sk-tenant-one  ", "key-"),   # the scheme in any case, the token stripped
-    ("Basic dXNlcjpwYXNz", "anonymous"),
-    (None, "anonymous"),
-])
-def test_a_flow_without_its_header_is_the_api_keys_hash(kind, tmp_path, upstream, authorization, flow):
-    import hashlib
-
-    server = _start(kind, tmp_path, upstream, _flow())
-    try:
-        headers = {} if authorization is None else {"Authorization": authorization}
-        assert server.request("/v1/chat/completions", chat(5), headers=headers)[0] == 200
-        names = [f["flow"] for f in _band(server.ledger(), "interactive")["flows"]]
-        if flow == "key-":
-            flow = "key-" + hashlib.sha1(b"sk-tenant-one").hexdigest()[:16]
-        assert names == [flow]
-        assert "sk-tenant-one" not in json.dumps(server.ledger())
-    finally:
-        server.stop()
-
-
 def test_a_heavier_flow_gets_its_weights_share(kind, tmp_path, upstream):
     """Tenant A of weight 3 and tenant B of weight 1 waiting, each request the whole budget: A is
     served three times for B's once (finish tags grow by blocks / weight)."""
@@ -417,6 +395,32 @@ def test_under_the_statistical_policy_a_refused_request_waits_its_turn(kind, tmp
         server.stop()
 
 
+@pytest.fixture(scope="module", params=["python", "nginx"])
+def shared(request, tmp_path_factory):
+    """One enforcer per kind for the header cases (the chat route in the default band, completions
+    in batch), read by the difference each request makes to the ledger's counts."""
+    with small_fake() as fake:
+        server = _start(request.param, tmp_path_factory.mktemp("flow"), fake, _flow(),
+                        route_bands={"/v1/completions": "batch"})
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def _admitted(server) -> dict[tuple[str, str], int]:
+    return {(b["name"], f["flow"]): f["admitted"] for b in server.ledger()["flow"]["bands"] for f in b["flows"]}
+
+
+def _one_more(server, path: str, headers: dict) -> set[tuple[str, str]]:
+    """The (band, flow) whose admitted count one request of `path` raised."""
+    before = _admitted(server)
+    body = chat(5) if path == "/v1/chat/completions" else {"model": "m", "prompt": "w w w"}
+    assert server.request(path, body, headers=headers)[0] == 200
+    after = _admitted(server)
+    return {key for key, n in after.items() if n != before.get(key, 0)}
+
+
 @pytest.mark.parametrize("path, priority, band", [
     ("/v1/chat/completions", None, "interactive"),       # the default band
     ("/v1/chat/completions", "batch", "batch"),
@@ -427,16 +431,9 @@ def test_under_the_statistical_policy_a_refused_request_waits_its_turn(kind, tmp
     ("/v1/completions", "interactive", "interactive"),    # the header names one: it wins
     ("/v1/completions", "bulk", "batch"),                 # an unknown value: the route's
 ])
-def test_the_band_is_the_headers_else_the_routes_else_the_default(kind, tmp_path, upstream, path, priority, band):
-    server = _start(kind, tmp_path, upstream, _flow(), route_bands={"/v1/completions": "batch"})
-    try:
-        body = chat(5) if path == "/v1/chat/completions" else {"model": "m", "prompt": "w w w"}
-        headers = {} if priority is None else {"X-Kvtune-Priority": priority}
-        assert server.request(path, body, headers=headers)[0] == 200
-        admitted = {b["name"]: b["admitted"] for b in server.ledger()["flow"]["bands"]}
-        assert admitted == {"interactive": int(band == "interactive"), "batch": int(band == "batch")}
-    finally:
-        server.stop()
+def test_the_band_is_the_headers_else_the_routes_else_the_default(shared, path, priority, band):
+    headers = {} if priority is None else {"X-Kvtune-Priority": priority}
+    assert _one_more(shared, path, headers) == {(band, "anonymous")}
 
 
 @pytest.mark.parametrize("value, flow", [
@@ -448,10 +445,22 @@ def test_the_band_is_the_headers_else_the_routes_else_the_default(kind, tmp_path
     ("é".encode().decode("latin-1"), "anonymous"),  # nor is UTF-8
     ("", "anonymous"),
 ])
-def test_the_flow_headers_value_names_the_flow_when_it_is_printable_ascii(kind, tmp_path, upstream, value, flow):
-    server = _start(kind, tmp_path, upstream, _flow())
-    try:
-        assert server.request("/v1/chat/completions", chat(5), headers={"X-Kvtune-Flow": value})[0] == 200
-        assert [f["flow"] for f in _band(server.ledger(), "interactive")["flows"]] == [flow]
-    finally:
-        server.stop()
+def test_the_flow_headers_value_names_the_flow_when_it_is_printable_ascii(shared, value, flow):
+    assert _one_more(shared, "/v1/chat/completions", {"X-Kvtune-Flow": value}) == {("interactive", flow)}
+
+
+@pytest.mark.parametrize("authorization, flow", [
+    ("Bearer sk-tenant-one", "key-"),
+    ("bearer   sk-tenant-one  ", "key-"),   # the scheme in any case, the token stripped
+    ("Basic dXNlcjpwYXNz", "anonymous"),
+    ("Bearer", "anonymous"),
+    (None, "anonymous"),
+])
+def test_a_flow_without_its_header_is_the_api_keys_hash(shared, authorization, flow):
+    import hashlib
+
+    if flow == "key-":
+        flow = "key-" + hashlib.sha1(b"sk-tenant-one").hexdigest()[:16]
+    headers = {} if authorization is None else {"Authorization": authorization}
+    assert _one_more(shared, "/v1/chat/completions", headers) == {("interactive", flow)}
+    assert "sk-tenant-one" not in json.dumps(shared.ledger())
