@@ -26,7 +26,7 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
-from kvtune.domain.flow_control import Band, FlowControl
+from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
@@ -468,22 +468,17 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
 
 
 def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> dict | None:
-    """gateway.yaml's `flow:` (docs/guides/flow-control.md) as recommend sized it, with each value's
-    Decision under `decisions` for the comments; None without --flow-control. RenderOptions.flow,
-    when given, is rendered instead (no decisions), in gateway.yaml and nginx.conf alike."""
+    """The rendered `flow:` and the Decisions behind it (for the comments); None without it.
+    RenderOptions.flow, when given, is rendered instead (no decisions), in gateway.yaml and
+    nginx.conf alike."""
+    from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
+
     if options is not None and options.flow is not None:
         return {"section": options.flow.to_dict(), "decisions": [], "flow": options.flow}
-    s = rec.settings
-    keys = ("gateway_flow_token_time_s", "gateway_flow_interactive_deadline_s", "gateway_flow_batch_deadline_s",
-            "gateway_flow_max_waiting", "gateway_flow_max_waiting_per_flow")
-    decisions = [d for k in keys if (d := s.get(k)) is not None]
-    if len(decisions) < len(keys):
+    flow = flow_control_of(rec)
+    if flow is None:
         return None
-    token, interactive, batch, waiting, per_flow = decisions
-    flow = FlowControl(token_time_s=token.fraction, bands=(Band("interactive", interactive.fraction),
-                                                         Band("batch", batch.fraction)),
-                       max_waiting=waiting.tokens, max_waiting_per_flow=per_flow.tokens)
-    return {"section": flow.to_dict(), "decisions": decisions, "flow": flow}
+    return {"section": flow.to_dict(), "decisions": [rec.settings[k] for k in FLOW_SETTINGS], "flow": flow}
 
 
 def _health(probe: HealthProbe) -> dict:

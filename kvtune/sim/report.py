@@ -108,8 +108,8 @@ def sim_report(result: SimResult, traffic: Traffic, *, slo: Slo | None, context:
 
 
 def by_route(result: SimResult, traffic: Traffic) -> dict[str, Any]:
-    """Each route's requests: completed, 429s, TTFT (as latency_ms.ttft). With flow control's
-    bands on routes, each band's TTFT."""
+    """Each route's requests: completed, 429s, retried, TTFT (as latency_ms.ttft, and of the
+    requests admitted at their first try). With flow control's bands on routes, each band's TTFT."""
     r = result.requests
     ok = r.outcome == _OK
     ttft = (r.first_token_s - (r.arrival_s - traffic.overhead_s)) * 1000
@@ -117,9 +117,12 @@ def by_route(result: SimResult, traffic: Traffic) -> dict[str, Any]:
     out = {}
     for name in traffic.routes:
         mine = names == name
+        first_try = mine & ok & (r.retries == 0)
         out[name] = {"sent": int((mine & (r.outcome != _NOT_SENT)).sum()), "completed": int((mine & ok).sum()),
                      "http_429": int((mine & (r.outcome == _429)).sum()),
-                     "ttft_ms": latency_stats(ttft[mine & ok])}
+                     "retried": int((mine & (r.retries > 0)).sum()),
+                     "ttft_ms": latency_stats(ttft[mine & ok]),
+                     "ttft_ms_first_try": latency_stats(ttft[first_try])}
     return out
 
 
