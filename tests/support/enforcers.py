@@ -310,7 +310,7 @@ def start_enforcer(kind: str, rec: dict, prefix: Path, **options) -> Nginx | PyG
 
         text = render_files(rec, targets=["gateway.yaml"], options=RenderOptions(listen_port=0, **options))
         doc = yaml.safe_load(text["gateway.yaml"])
-        doc.pop("queue", None)  # nginx.conf has no FIFO queue: the two answer a full budget alike only without it
+        doc.pop("queue", None)  # nginx.conf has no wait queue: the two answer a full budget alike only without it
         return PyGateway(yaml.safe_dump(doc)).start()
     for attempt in range(3):
         port = nginx_port()
