@@ -37,7 +37,8 @@ takes them out), with the same --held requests. nginx and the bare proxy have no
 are not run under either. `flow` is guaranteed with the flow-control queue on (gateway.yaml
 `flow:`, two bands, flows by API key: each admission also keeps its flow's state and its entry in
 the forecast's table) and `statistical-flow` statistical with it, the --held requests included;
-the Python gateway only (nginx's flow control is measured with nginx).
+nginx runs them with the same flow: rendered into nginx.conf (one worker, as flow control always
+runs).
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
 gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
@@ -209,15 +210,24 @@ def bench_rec(upstream: str, policy: str):
 
 def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,
                 cpus: set[int] | None = None) -> tuple[Proc, str]:
-    from kvtune.deploy.render import RenderOptions, render_files
+    from kvtune.deploy.render import RenderOptions, lua_modules, render_files
 
     port = _free_port()
     prefix = workdir / f"nginx-{policy}"
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
-    conf = render_files(bench_rec(upstream, policy), targets=["nginx.conf"],
-                        options=RenderOptions(listen_port=port, nginx_worker_processes=str(workers),
+    from kvtune.domain.flow_control import Band, FlowControl
+
+    flow = None
+    if policy.endswith("flow"):  # the same flow: as the Python gateway's YAML below
+        flow = FlowControl(token_time_s=FLOW["token_time_s"],
+                           bands=tuple(Band(b["name"], b["deadline_s"]) for b in FLOW["bands"]))
+    conf = render_files(bench_rec(upstream, policy.removesuffix("-flow") if flow else policy), targets=["nginx.conf"],
+                        options=RenderOptions(listen_port=port, nginx_worker_processes=str(workers), flow=flow,
                                               nginx_user="root" if os.geteuid() == 0 else None))["nginx.conf"]
     (prefix / "nginx.conf").write_text(conf)
+    for name, text in lua_modules().items():  # the Lua nginx.conf loads, beside it as recommend --out writes it
+        (prefix / name).parent.mkdir(parents=True, exist_ok=True)
+        (prefix / name).write_text(text)
     proc = Proc(["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "logs" / "error.log"),
                  "-g", "daemon off;"], cpus, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -519,7 +529,8 @@ def main() -> int:
     # each gateway under each policy; the bare proxy has no policy, nginx no shared ledger
     methods = [m if p == "guaranteed" or m == "bare-aiohttp" else f"{m}@{p}" for p in policies for m in plain
                if not (m == "bare-aiohttp" and p != policies[0])
-               and not ((p.startswith("redis") or p.endswith("flow")) and m in ("nginx", "bare-aiohttp"))]
+               and not (p.startswith("redis") and m in ("nginx", "bare-aiohttp"))
+               and not (p.endswith("flow") and m == "bare-aiohttp")]
     pins = parse_pin(args.pin)
     if "client" in pins:
         os.sched_setaffinity(0, pins["client"])
