@@ -111,7 +111,7 @@ HELP_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
                        "health_timeout", "health_path", "health_failures", "health_ejection",
                        "health_max_ejection", "health_max_ejected_share"),
         "Policy": ("safety_fraction", "max_truncation", "objective", "slo", "max_preemption_rate",
-                   "max_429_share", "rate", "concurrency", "requests", "seed", "compare_engines"),
+                   "max_429_share", "flow_control", "rate", "concurrency", "requests", "seed", "compare_engines"),
         "Output": _OUTPUT,
     },
     "check": {
