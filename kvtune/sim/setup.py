@@ -88,7 +88,7 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     max_model_len = measured.max_model_len or (against.max_model_len if against else None)
     if max_model_len is None:
         raise CapacityError("the capacity file gives no max_model_len; recalibrate against the server "
-                            "(`kvtune calibrate URL --out FILE`)", path=measured.origin, field="max_model_len")
+                            "(`kvtune calibrate URL --save FILE`)", path=measured.origin, field="max_model_len")
     sources["max_model_len"] = recorded("max_model_len")
     num_blocks = measured.num_blocks
     if num_blocks is None and measured.kv_cache_tokens is not None:
@@ -175,7 +175,7 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
         return TimingSetup(t.model, t.http_overhead_s, {"measured_against": t.measured_against.to_dict()},
                            t.frontend)
     if spec is None or gpu is None:
-        raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --out FILE`, "
+        raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --save FILE`, "
                           "or give --model and --gpu for a silicon or roofline estimate", field="--capacity")
     kv_cache_dtype = measured.kv_cache_dtype or "auto"
     reason = "silicon data not asked for"
