@@ -1,0 +1,300 @@
+"""kvtune's admission inside a real LiteLLM proxy (kvtune.integrations.litellm), in front of the
+fake vLLM (tests/support/fake_vllm.py), with kvtune's own gateway beside it on the same gateway.yaml.
+
+What is held: what LiteLLM forwards is what was counted and capped (one case per way LiteLLM's
+own parameter handling could carry a larger cap or more sequences past the hook); the hook refuses
+what kvtune's gateway refuses, with the same status, reason and Retry-After (a shared parity
+table); under concurrent load with streams cut by the engine and clients that leave, the ledger
+never passes the budget (the hook's own peak, and the fake engine's independent tally of what the
+forwarded bodies can grow to) and drains to 0; hostile bodies (test_gateway_fuzz's generators)
+leave nothing held. One proxy for the module: it takes ~20-40 s to start on a loaded host."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import re
+from collections import Counter
+
+import aiohttp
+import pytest
+import yaml
+from enforcers import PyGateway, blocks, chat, words
+from fake_vllm import FakeVllm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from litellm_proxy import LitellmProxy, litellm_config
+
+pytestmark = pytest.mark.slow
+if importlib.util.find_spec("litellm") is None:  # not imported here: importing it outside the proxy fetches a cost map
+    pytest.fail("the litellm extra is required for this test: pip install 'kvtune[litellm]'")
+
+BUDGET, BLOCK, CONTEXT, CHAT_CAP, DEFAULT_CAP, TEAM_CAP = 100, 16, 2048, 64, 32, 24
+EXAMPLES = int(os.environ.get("KVTUNE_FUZZ_EXAMPLES", "1500")) // 10
+
+
+def gateway_doc(upstream: str) -> dict:
+    return {
+        "version": 1, "upstream": upstream, "block_size": BLOCK, "block_budget": BUDGET, "max_model_len": CONTEXT,
+        "routes": [{"name": "team", "match": {"path": "/v1/chat/completions", "header": "X-Team", "value": "a"},
+                    "max_new_tokens": TEAM_CAP},
+                   {"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": CHAT_CAP},
+                   {"name": "default", "max_new_tokens": DEFAULT_CAP}],
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """The fake engine, the LiteLLM proxy with the hook (models "m", and "m-default" whose
+    deployment sets max_tokens and extra_body of its own), and kvtune's gateway, one gateway.yaml."""
+    with FakeVllm(model="m", max_model_len=CONTEXT, itl_s=0.002) as fake:
+        doc = gateway_doc(fake.url)
+        config = litellm_config(fake.url, "m")
+        config["model_list"].append({"model_name": "m-default", "litellm_params": {
+            "model": "hosted_vllm/m", "api_base": f"{fake.url}/v1", "max_tokens": 1500,
+            "extra_body": {"max_tokens": 1500, "n": 3}}})
+        gateway = PyGateway(yaml.safe_dump({**doc, "listen": {"host": "127.0.0.1", "port": 0}})).start()
+        try:
+            with LitellmProxy(tmp_path_factory.mktemp("litellm"), doc, fake.url, config=config) as proxy:
+                yield proxy, gateway, fake
+        finally:
+            gateway.stop()
+
+
+def _last_forwarded(fake: FakeVllm) -> dict:
+    return fake.engine_calls[-1].parsed
+
+
+# ---------------------------------------------------------------- what LiteLLM forwards
+
+# (why, body, the cap every forwarded cap field must carry, the sequences forwarded)
+BYPASSES = [
+    ("no cap: the route's written", chat(3), CHAT_CAP, 1),
+    ("a cap above the route's", chat(3, max_tokens=5000), CHAT_CAP, 1),
+    ("max_completion_tokens alone, above the cap", chat(3, max_completion_tokens=900), CHAT_CAP, 1),
+    ("the client's smaller cap kept in both fields", chat(3, max_tokens=9, max_completion_tokens=700), 9, 1),
+    ("extra_body.max_tokens beside a small max_tokens (LiteLLM spreads extra_body over the top level: "
+     "1000 is what the engine would read)", chat(3, max_tokens=5, extra_body={"max_tokens": 1000}), CHAT_CAP, 1),
+    ("extra_body.max_completion_tokens", chat(3, extra_body={"max_completion_tokens": 1000}), CHAT_CAP, 1),
+    ("min_tokens above the cap, at the top level (forwarded as an unknown member)",
+     chat(3, min_tokens=500, ignore_eos=True), CHAT_CAP, 1),
+    ("min_tokens above the cap in extra_body", chat(3, extra_body={"min_tokens": 500}), CHAT_CAP, 1),
+    ("n in extra_body counts its sequences", chat(3, extra_body={"n": 2}), CHAT_CAP, 2),
+    ("best_of at the top level counts its sequences", chat(3, best_of=3), CHAT_CAP, 3),
+    ("the team route by its header", chat(3, max_tokens=500), TEAM_CAP, 1),
+]
+
+
+@pytest.mark.parametrize("why, body, cap, sequences", BYPASSES, ids=[b[0][:40] for b in BYPASSES])
+def test_what_litellm_forwards_is_what_was_capped(stack, why, body, cap, sequences):
+    proxy, _, fake = stack
+    headers = {"X-Team": "a"} if "team" in why else None
+    status, headers_back, answer = proxy.request("/v1/chat/completions", body, headers=headers)
+    assert status == 200, answer[:300]
+    assert headers_back.get("x-kvtune-max-tokens") == str(cap)
+    sent = _last_forwarded(fake)
+    assert "extra_body" not in sent
+    caps = {k: sent[k] for k in ("max_tokens", "max_completion_tokens") if k in sent}
+    assert caps and set(caps.values()) == {cap}, sent
+    assert sent.get("min_tokens", 0) <= cap
+    assert max(sent.get("n", 1), sent.get("best_of", 1)) == sequences
+    assert proxy.wait_drained()["reserved"] == 0
+
+
+def test_a_deployment_default_cannot_raise_the_cap_or_the_sequences(stack):
+    """m-default's litellm_params set max_tokens 1500 and extra_body {max_tokens 1500, n 3}: the
+    request is admitted and forwarded as the client sent it, capped (the deployment hook)."""
+    proxy, _, fake = stack
+    status, _, answer = proxy.request("/v1/chat/completions", {**chat(3), "model": "m-default"})
+    assert status == 200, answer[:300]
+    sent = _last_forwarded(fake)
+    assert sent.get("max_tokens") == CHAT_CAP and sent.get("n", 1) == 1, sent
+
+
+def test_thinking_is_counted_as_the_reasoning_effort_litellm_forwards(stack):
+    proxy, _, fake = stack
+    status, _, answer = proxy.request("/v1/chat/completions",
+                                      chat(3, thinking={"type": "enabled", "budget_tokens": 100}))
+    assert status == 200, answer[:300]
+    sent = _last_forwarded(fake)
+    assert "thinking" not in sent and sent["reasoning_effort"] == "minimal"
+    counted = fake.tokenize_calls[-1]
+    assert counted["chat_template_kwargs"]["reasoning_effort"] == "minimal", counted
+
+
+# ---------------------------------------------------------------- parity with kvtune's gateway
+
+# (case, path, body, status) each answered alike by the hook and kvtune's gateway
+PARITY = [
+    ("admitted", "/v1/chat/completions", chat(10), 200),
+    ("admitted completions", "/v1/completions", {"model": "m", "prompt": words(5), "max_tokens": 400}, 200),
+    ("prompt past the context", "/v1/chat/completions", chat(2100), 400),
+    ("never fits: n x blocks over the budget", "/v1/chat/completions", chat(10, n=30), 413),
+    ("never fits through extra_body.n", "/v1/chat/completions", chat(10, extra_body={"n": 30}), 413),
+    ("negative max_tokens", "/v1/chat/completions", chat(3, max_tokens=-1), 400),
+    ("n of 0", "/v1/chat/completions", chat(3, n=0), 400),
+    ("max_tokens not a number", "/v1/chat/completions", chat(3, max_tokens="x"), 400),
+    ("messages not a list", "/v1/chat/completions", {"model": "m", "messages": "w w"}, 400),
+    ("embeddings reserve their input", "/v1/embeddings", {"model": "m", "input": words(40)}, 200),
+]
+
+
+def _reason(status: int, headers: dict, answer: bytes) -> str | None:
+    """The refusal's reason: the gateway's error code, the hook's X-Kvtune-Refused header."""
+    if status < 400:
+        return None
+    if "x-kvtune-refused" in headers:
+        return headers["x-kvtune-refused"]
+    return json.loads(answer)["error"]["code"]
+
+
+@pytest.mark.parametrize("case, path, body, status", PARITY, ids=[p[0] for p in PARITY])
+def test_the_hook_refuses_what_kvtunes_gateway_refuses(stack, case, path, body, status):
+    proxy, gateway, _ = stack
+    via_gateway = body if "extra_body" not in body else {**{k: v for k, v in body.items() if k != "extra_body"},
+                                                         **body["extra_body"]}
+    g_status, g_headers, g_answer = gateway.request(path, via_gateway)
+    l_status, l_headers, l_answer = proxy.request(path, body)
+    g_headers = {k.lower(): v for k, v in g_headers.items()}
+    assert (g_status, l_status) == (status, status), (g_answer[:300], l_answer[:300])
+    assert _reason(l_status, l_headers, l_answer) == _reason(g_status, g_headers, g_answer)
+    assert proxy.wait_drained()["reserved"] == 0
+
+
+def test_a_full_budget_is_a_429_with_retry_after_through_litellm(stack):
+    """A held stream keeps 80 blocks; the next request needs 30: 429 with Retry-After at the
+    client, as kvtune's gateway answers it; the stream's end gives the blocks back."""
+    proxy, gateway, fake = stack
+    hold = chat(1200, max_tokens=64, stream=True, x_mode="hold_stream")  # ceil(1264 / 16) = 79 blocks
+    assert blocks(1200, 64) == 79
+
+    async def run(base: str, headers: dict, ledger) -> tuple[int, dict, int]:
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.post(f"{base}/v1/chat/completions", json=hold) as held:
+                await held.content.readline()
+                while ledger()["reserved"] != 79:
+                    await asyncio.sleep(0.02)
+                async with session.post(f"{base}/v1/chat/completions", json=chat(420, max_tokens=64)) as refused:
+                    answer = (refused.status, {k.lower(): v for k, v in refused.headers.items()})
+                fake.release()
+                await held.read()
+            fake.hold()
+            return *answer, 0
+
+    l_status, l_headers, _ = asyncio.run(run(proxy.url, proxy.headers, proxy.ledger))
+    g_status, g_headers, _ = asyncio.run(run(f"http://127.0.0.1:{gateway.port}", {}, gateway.ledger))
+    assert (l_status, g_status) == (429, 429)
+    assert l_headers["x-kvtune-refused"] == "kv_budget_exhausted"
+    assert int(l_headers["retry-after"]) >= 1 and int(g_headers["retry-after"]) >= 1
+    assert proxy.wait_drained()["reserved"] == 0
+
+
+# ---------------------------------------------------------------- the ledger under load
+
+LOAD_REQUESTS, LOAD_CONCURRENCY = 160, 24
+
+
+async def _one(session: aiohttp.ClientSession, base: str, rng: random.Random, tally: Counter) -> None:
+    kind = rng.choice(["whole", "stream", "stream", "cut", "error_mid_stream", "abort", "abort_whole", "500"])
+    body = chat(rng.randint(5, 400), max_tokens=rng.choice([None, 20, 64, 4000]), stream=kind not in
+                ("whole", "abort_whole", "500"), x_delay=0.004)
+    if body["max_tokens"] is None:
+        del body["max_tokens"]
+    if kind in ("cut", "error_mid_stream"):
+        body["x_mode"] = "die" if kind == "cut" else kind
+    elif kind == "500":
+        body["x_mode"] = "500"
+    try:
+        async with asyncio.timeout(30):
+            async with session.post(f"{base}/v1/chat/completions", json=body) as response:
+                tally[f"{kind}:{response.status}"] += 1
+                if kind == "abort" and response.status == 200:
+                    await response.content.readline()
+                    response.close()  # the client leaves mid-stream
+                    return
+                if kind == "abort_whole":
+                    return  # leaves before reading the answer
+                await response.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        tally[f"{kind}:{type(exc).__name__}"] += 1
+
+
+def test_the_ledger_holds_exactly_under_load_with_aborts_and_cut_streams(stack):
+    proxy, _, fake = stack
+    fake.peak_running_blocks = fake.running_blocks
+    rng = random.Random(30)
+    tally: Counter = Counter()
+    peaks: list[int] = []
+
+    async def run() -> None:
+        limit = asyncio.Semaphore(LOAD_CONCURRENCY)
+        connector = aiohttp.TCPConnector(limit=LOAD_CONCURRENCY * 2)
+        async with aiohttp.ClientSession(headers=proxy.headers, connector=connector) as session:
+            async def bounded() -> None:
+                async with limit:
+                    await _one(session, proxy.url, rng, tally)
+
+            async def sample() -> None:
+                while True:
+                    peaks.append(proxy.ledger()["reserved"])
+                    await asyncio.sleep(0.1)
+
+            sampler = asyncio.create_task(sample())
+            async with asyncio.TaskGroup() as group:
+                for _ in range(LOAD_REQUESTS):
+                    group.create_task(bounded())
+            sampler.cancel()
+
+    asyncio.run(run())
+    ledger = proxy.wait_drained(30)
+    metrics = proxy.metrics()
+    peak = int(float(re.search(r"^kvtune_gateway_reserved_blocks_peak (\S+)$", metrics, re.M).group(1)))
+    print(f"\nLiteLLM hook under load: {LOAD_REQUESTS} requests, {sorted(tally.items())}; peak reserved {peak} "
+          f"of {BUDGET} (sampled {max(peaks, default=0)}), engine tally peak {fake.peak_running_blocks}; final "
+          f"reserved {ledger['reserved']}, inflight {ledger['inflight']}")
+    assert ledger["reserved"] == 0 and ledger["inflight"] == 0, ledger
+    assert peak <= BUDGET and fake.peak_running_blocks <= BUDGET
+    assert sum(n for k, n in tally.items() if k.endswith(":429")) > 0  # the budget was full at times
+    assert sum(n for k, n in tally.items() if k.endswith(":200")) > LOAD_REQUESTS // 5
+
+
+# ---------------------------------------------------------------- hostile bodies
+
+def test_hostile_bodies_leave_nothing_held(stack):
+    """test_gateway_fuzz's bodies through LiteLLM: whatever LiteLLM and the hook answer, nothing
+    stays held, and the hook never fails with an exception of its own (the proxy logs none)."""
+    from test_gateway_fuzz import bodies
+
+    proxy, _, _ = stack
+    statuses: Counter = Counter()
+    log_from = len(proxy.log_text())
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize="KVTUNE_FUZZ_RANDOM" not in os.environ,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]), body=bodies())
+    def one(path, body):
+        status, _, _ = proxy.request(path, body)
+        statuses[status] += 1
+
+    one()
+    ledger = proxy.wait_drained()
+    assert ledger["reserved"] == 0 and ledger["inflight"] == 0, (ledger, statuses)
+    raised = _raised_in_kvtune(proxy.log_text()[log_from:])
+    assert not raised, raised[:3]
+
+
+def _raised_in_kvtune(log: str) -> list[str]:
+    """The exceptions of the log's tracebacks whose innermost frame is kvtune's own code (an
+    exception that only passes through the hook's stream wrapper is the engine's or LiteLLM's)."""
+    out, last_file = [], None
+    for line in log.splitlines():
+        if line.startswith('  File "'):
+            last_file = line
+        elif last_file is not None and line and not line.startswith(" "):
+            if "/kvtune/" in last_file:
+                out.append(f"{last_file.strip()}: {line}")
+            last_file = None
+    return out
