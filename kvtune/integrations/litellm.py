@@ -14,7 +14,8 @@ on the body LiteLLM will forward (kvtune.integrations.litellm_forward), in LiteL
                              gateway's status, message and Retry-After, which LiteLLM answers as is
   async_pre_call_deployment_hook   after LiteLLM merged the deployment's litellm_params: the
                              admitted members written again, so a deployment default cannot
-                             raise a cap
+                             raise a cap; with several engines in gateway.yaml, api_base set to
+                             the one the blocks are held on (LiteLLM's own pick would not be)
   the release, exactly once per request, keyed by litellm_call_id: a whole answer's success or
   failure hook, a stream's iterator `finally` (its end, a cut upstream, a client that left:
   Starlette cancels the stream), and the log events as a backstop for a call that ends another way
@@ -84,6 +85,7 @@ class Held:
     body: dict[str, Any]
     cap: int | None
     route: str
+    upstream: str  # the engine its blocks are held on
 
 
 class KvtuneAdmission(CustomLogger):
@@ -111,6 +113,8 @@ class KvtuneAdmission(CustomLogger):
         if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER and tokenizer is not None:
             self._local = LocalTokenizerCounter.load(tokenizer)  # a bad tokenizer fails at start
         self._held: dict[str, Held] = {}
+        # LiteLLM's own api_base is left alone only when gateway.yaml names that one engine alone
+        self._pinned = len(self.pool.replicas) > 1 or any(r.upstream for r in config.routes)
         self._clients: list[UpstreamClient] = []
         self._runner: web.AppRunner | None = None
         self._started: asyncio.Task[None] | None = None
@@ -190,7 +194,8 @@ class KvtuneAdmission(CustomLogger):
         previous = self._held.pop(call_id, None)  # the same call admitted twice: its first hold goes back
         if previous is not None:
             self.admission.release(previous.reservation)
-        self._held[call_id] = Held(admitted.reservation, doc, admitted.cap, route)
+        upstream = admitted.upstream or self.pool.replica_of(admitted.reservation).url
+        self._held[call_id] = Held(admitted.reservation, doc, admitted.cap, route, upstream)
         self.reserved_peak = max(self.reserved_peak, self.pool.reserved_blocks)
         self.metrics.count_admitted(route, admitted.blocks)
         apply(data, doc)
@@ -239,10 +244,13 @@ class KvtuneAdmission(CustomLogger):
     async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> dict[str, Any]:
         """After LiteLLM merged the deployment's litellm_params into the call: the admitted
         members again, so what is forwarded is what was counted (a deployment's max_tokens or
-        extra_body cannot raise the cap)."""
+        extra_body cannot raise the cap). With several engines in gateway.yaml (or a route's own),
+        the call goes to the one its blocks are held on, whichever deployment LiteLLM picked."""
         held = self._held.get(str(kwargs.get("litellm_call_id")))
         if held is not None:
             apply(kwargs, held.body)
+            if self._pinned:
+                kwargs["api_base"] = f"{held.upstream.rstrip('/')}/v1"
         return kwargs
 
     async def async_post_call_response_headers_hook(self, data: dict, user_api_key_dict: Any, response: Any,

@@ -298,3 +298,36 @@ def _raised_in_kvtune(log: str) -> list[str]:
                 out.append(f"{last_file.strip()}: {line}")
             last_file = None
     return out
+
+
+# ---------------------------------------------------------------- several engines
+
+def test_with_several_engines_each_call_goes_where_its_blocks_are_held(tmp_path):
+    """gateway.yaml lists two engines of 50 blocks; LiteLLM's model_list names only the first.
+    Two held streams of 30 blocks each: the second is reserved on the second engine (the first
+    has 20 left), and the hook sends it there (api_base), not where LiteLLM's deployment points."""
+    with FakeVllm(model="m", max_model_len=CONTEXT) as first, FakeVllm(model="m", max_model_len=CONTEXT) as second:
+        doc = gateway_doc(first.url)
+        del doc["upstream"], doc["block_budget"]
+        doc["upstreams"] = [{"url": first.url, "block_budget": 50}, {"url": second.url, "block_budget": 50}]
+        held = chat(400, max_tokens=64, stream=True, x_mode="hold_stream")  # ceil(464 / 16) = 29 blocks
+
+        async def run(proxy: LitellmProxy) -> list[dict]:
+            async with aiohttp.ClientSession(headers=proxy.headers) as session:
+                streams = []
+                for _ in range(2):
+                    streams.append(await session.post(f"{proxy.url}/v1/chat/completions", json=held))
+                    await streams[-1].content.readline()
+                ledger = proxy.ledger()
+                for fake in (first, second):
+                    fake.release()
+                for stream in streams:
+                    await stream.read()
+                    stream.release()
+                return ledger["upstreams"]
+
+        with LitellmProxy(tmp_path, doc, first.url) as proxy:
+            upstreams = asyncio.run(run(proxy))
+            assert [u["reserved"] for u in upstreams] == [29, 29]
+            assert len(first.engine_calls) == 1 and len(second.engine_calls) == 1
+            assert proxy.wait_drained()["reserved"] == 0
