@@ -183,7 +183,7 @@ class KvtuneAdmission(CustomLogger):
                 raw = orjson.dumps(body)
             except TypeError as exc:
                 raise Rejection(400, Reason.INVALID_BODY, f"the request cannot be forwarded as JSON ({exc})") from None
-            incoming = self._incoming(path, data, user_api_key_dict)
+            incoming = self.incoming(path, data, user_api_key_dict)
             admitted = await self.admission.admit(incoming, raw)
         except Rejection as rejection:
             raise self._refuse(None, rejection) from None
@@ -204,7 +204,7 @@ class KvtuneAdmission(CustomLogger):
             metadata[CAP_METADATA] = admitted.cap
         return data
 
-    def _incoming(self, path: str, data: Mapping[str, Any], key: Any) -> Incoming:
+    def incoming(self, path: str, data: Mapping[str, Any], key: Any) -> Incoming:
         """The call as kvtune's intake would see it: its path's class and the route headers."""
         cfg = self.config
         first = cfg.route_paths().get(path)

@@ -331,3 +331,30 @@ def test_with_several_engines_each_call_goes_where_its_blocks_are_held(tmp_path)
             assert [u["reserved"] for u in upstreams] == [29, 29]
             assert len(first.engine_calls) == 1 and len(second.engine_calls) == 1
             assert proxy.wait_drained()["reserved"] == 0
+
+
+# ---------------------------------------------------------------- routes by the key's team
+
+def test_a_route_on_x_litellm_team_matches_the_keys_team_never_a_client_header(monkeypatch):
+    """LiteLLM's own key record (UserAPIKeyAuth) carries the team: a route header named
+    x-litellm-team matches its team_alias (else team_id); the same header sent by a client does not."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from litellm.proxy._types import UserAPIKeyAuth
+
+    from kvtune.gateway.config import parse_gateway_config
+    from kvtune.integrations.litellm import KvtuneAdmission
+
+    doc = gateway_doc("http://127.0.0.1:9")
+    doc["routes"].insert(0, {"name": "rag", "match": {"header": "x-litellm-team", "value": "rag"},
+                             "max_new_tokens": 40})
+    hook = KvtuneAdmission(parse_gateway_config(doc))
+
+    def route(key: UserAPIKeyAuth, headers: dict) -> str:
+        incoming = hook.incoming("/v1/chat/completions", {"proxy_server_request": {"headers": headers}}, key)
+        return hook.config.route_for(incoming.path, "m", incoming.route_headers).name
+
+    assert route(UserAPIKeyAuth(team_alias="rag"), {}) == "rag"
+    assert route(UserAPIKeyAuth(team_id="rag"), {}) == "rag"
+    assert route(UserAPIKeyAuth(team_id="other"), {"x-litellm-team": "rag"}) == "chat"
+    assert route(UserAPIKeyAuth(), {"X-LiteLLM-Team": "rag"}) == "chat"
+    assert route(UserAPIKeyAuth(), {"X-Team": "a"}) == "team"  # a plain header route, as in the gateway
