@@ -197,7 +197,8 @@ def test_a_full_budget_is_a_429_with_retry_after_through_litellm(stack):
 LOAD_REQUESTS, LOAD_CONCURRENCY = 160, 24
 
 
-async def _one(session: aiohttp.ClientSession, base: str, rng: random.Random, tally: Counter) -> None:
+async def _one(session: aiohttp.ClientSession, base: str, rng: random.Random, tally: Counter,
+               refused: Counter | None = None) -> None:
     kind = rng.choice(["whole", "stream", "stream", "cut", "error_mid_stream", "abort", "abort_whole", "500"])
     body = chat(rng.randint(5, 400), max_tokens=rng.choice([None, 20, 64, 4000]), stream=kind not in
                 ("whole", "abort_whole", "500"), x_delay=0.004)
@@ -211,6 +212,8 @@ async def _one(session: aiohttp.ClientSession, base: str, rng: random.Random, ta
         async with asyncio.timeout(30):
             async with session.post(f"{base}/v1/chat/completions", json=body) as response:
                 tally[f"{kind}:{response.status}"] += 1
+                if refused is not None and response.status >= 400:
+                    refused[f"{response.status} {response.headers.get('X-Kvtune-Refused')}"] += 1
                 if kind == "abort" and response.status == 200:
                     await response.content.readline()
                     response.close()  # the client leaves mid-stream
@@ -358,3 +361,47 @@ def test_a_route_on_x_litellm_team_matches_the_keys_team_never_a_client_header(m
     assert route(UserAPIKeyAuth(team_id="other"), {"x-litellm-team": "rag"}) == "chat"
     assert route(UserAPIKeyAuth(), {"X-LiteLLM-Team": "rag"}) == "chat"
     assert route(UserAPIKeyAuth(), {"X-Team": "a"}) == "team"  # a plain header route, as in the gateway
+
+
+# ---------------------------------------------------------------- LiteLLM replicas on one Redis ledger
+
+def test_two_litellm_proxies_share_one_budget_through_the_redis_ledger(tmp_path, redis_server):
+    """Two LiteLLM proxies, each with the hook on gateway.yaml `ledger: {backend: redis}`, in front
+    of one engine: load through both at once never holds more than the budget there (the fake
+    engine's own tally of the forwarded bodies), and both drain to 0."""
+    with FakeVllm(model="m", max_model_len=CONTEXT, itl_s=0.002) as fake:
+        doc = {**gateway_doc(fake.url), "ledger": {"backend": "redis", "url": redis_server.url,
+                                                   "key_prefix": "kvtune-litellm-test"}}
+        proxies = [LitellmProxy(tmp_path / f"p{i}", doc, fake.url).launch() for i in range(2)]
+        try:
+            for proxy in proxies:
+                proxy.wait_ready()
+            tally: Counter = Counter()
+            refused: Counter = Counter()
+            rng = random.Random(2)
+
+            async def run() -> None:
+                limit = asyncio.Semaphore(LOAD_CONCURRENCY)
+                async with aiohttp.ClientSession(headers=proxies[0].headers) as session:
+                    async def bounded(proxy: LitellmProxy) -> None:
+                        async with limit:
+                            await _one(session, proxy.url, rng, tally, refused)
+
+                    async with asyncio.TaskGroup() as group:
+                        for i in range(LOAD_REQUESTS):
+                            group.create_task(bounded(proxies[i % 2]))
+
+            asyncio.run(run())
+            ledgers = [proxy.wait_drained(30) for proxy in proxies]
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+    print(f"\ntwo LiteLLM proxies on one Redis ledger: {LOAD_REQUESTS} requests, {sorted(tally.items())}; "
+          f"refused {sorted(refused.items())}; engine tally peak {fake.peak_running_blocks} of {BUDGET}; final "
+          f"{[(x['reserved'], x['inflight']) for x in ledgers]}")
+    assert all(x["ledger"]["mode"] == "redis" for x in ledgers), ledgers
+    assert all(x["reserved"] == 0 and x["inflight"] == 0 for x in ledgers), ledgers
+    assert fake.peak_running_blocks <= BUDGET
+    assert sum(n for k, n in tally.items() if k.endswith(":429")) > 0
+    # a 503 of the hook's is only a Redis call past op_timeout_s on a loaded host: a refusal, never an admission
+    assert {k for k in refused if k.startswith("503")} <= {"503 ledger_unavailable"}, refused

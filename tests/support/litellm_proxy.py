@@ -64,11 +64,20 @@ class LitellmProxy:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def start(self) -> LitellmProxy:
+        return self.launch().wait_ready()
+
+    def launch(self) -> LitellmProxy:
+        """Start the process without waiting (several proxies start side by side: wait_ready each)."""
         with self.log_path.open("wb") as log:  # the child holds its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "litellm.proxy.proxy_cli", "--config", str(self.workdir / "config.yaml"),
                  "--host", "127.0.0.1", "--port", "0", "--telemetry", "False", "--num_workers", "1"],
                 cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self) -> LitellmProxy:
+        """Until uvicorn and the hook's admin endpoints both say where they listen."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")
