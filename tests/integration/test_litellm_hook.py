@@ -405,3 +405,34 @@ def test_two_litellm_proxies_share_one_budget_through_the_redis_ledger(tmp_path,
     assert sum(n for k, n in tally.items() if k.endswith(":429")) > 0
     # a 503 of the hook's is only a Redis call past op_timeout_s on a loaded host: a refusal, never an admission
     assert {k for k in refused if k.startswith("503")} <= {"503 ledger_unavailable"}, refused
+
+
+# ---------------------------------------------------------------- the flow-control queue
+
+def test_with_a_queue_a_full_budget_holds_the_call_until_blocks_are_released(tmp_path):
+    """gateway.yaml `queue`: a call that finds the budget full waits in kvtune's FIFO inside the
+    hook and is admitted when the held stream ends, instead of a 429."""
+    with FakeVllm(model="m", max_model_len=CONTEXT) as fake:
+        doc = {**gateway_doc(fake.url), "queue": {"max_waiting": 4, "timeout_s": 20}}
+        hold = chat(1200, max_tokens=64, stream=True, x_mode="hold_stream")  # 79 blocks
+
+        async def run(proxy: LitellmProxy) -> tuple[int, int]:
+            async with aiohttp.ClientSession(headers=proxy.headers) as session:
+                async with session.post(f"{proxy.url}/v1/chat/completions", json=hold) as held:
+                    await held.content.readline()
+                    waiter = asyncio.create_task(session.post(f"{proxy.url}/v1/chat/completions",
+                                                              json=chat(420, max_tokens=64)))  # 31 blocks
+                    while proxy.ledger()["waiting"] != 1:
+                        await asyncio.sleep(0.05)
+                    fake.release()
+                    await held.read()
+                response = await waiter
+                status = response.status
+                response.release()
+                return status, proxy.ledger()["waiting"]
+
+        with LitellmProxy(tmp_path, doc, fake.url) as proxy:
+            status, waiting = asyncio.run(run(proxy))
+            assert (status, waiting) == (200, 0)
+            assert "waiting" in proxy.metrics() and proxy.wait_drained()["reserved"] == 0
+            assert re.search(r"^kvtune_gateway_queue_wait_seconds_count 1\.0$", proxy.metrics(), re.M)
