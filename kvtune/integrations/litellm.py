@@ -10,8 +10,8 @@ kvtune's admission (kvtune.gateway.admission: the same reader, routes, cap, coun
 on the body LiteLLM will forward (kvtune.integrations.litellm_forward), in LiteLLM's hooks:
 
   async_pre_call_hook        read, route, clamp, count, reserve; the admitted body (caps written)
-                             goes back into the request; a refusal is an HTTPException with the
-                             gateway's status, message and Retry-After, which LiteLLM answers as is
+                             goes back into the request; a refusal is LiteLLM's ProxyException with
+                             the gateway's status, message and Retry-After, which LiteLLM answers as is
   async_pre_call_deployment_hook   after LiteLLM merged the deployment's litellm_params: the
                              admitted members written again, so a deployment default cannot
                              raise a cap; with several engines in gateway.yaml, api_base set to
@@ -40,8 +40,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
+from litellm.proxy._types import ProxyException
 from prometheus_client import Gauge
 
 from kvtune.gateway.admin import Admin
@@ -53,7 +53,7 @@ from kvtune.gateway.intake import Incoming
 from kvtune.gateway.ledger import Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.pool import UpstreamPool
-from kvtune.gateway.refusals import Reason, RefusalLog, Refused, Rejection
+from kvtune.gateway.refusals import ErrorType, Reason, RefusalLog, Refused, Rejection
 from kvtune.gateway.shared import SharedLedger
 from kvtune.gateway.upstream import UpstreamClient
 from kvtune.integrations.litellm_forward import apply, forwarded_body
@@ -224,9 +224,11 @@ class KvtuneAdmission(CustomLogger):
         route = cfg.path_route(path, groups) if first is not None else None
         return Incoming(path, endpoint, route, path, None, groups)
 
-    def _refuse(self, route: GatewayRoute | None, rejection: Rejection) -> HTTPException:
+    def _refuse(self, route: GatewayRoute | None, rejection: Rejection) -> ProxyException:
         """The gateway's refusal as LiteLLM answers it: the status, the message a client without
-        ledger access sees, Retry-After and Allow."""
+        ledger access sees, Retry-After and Allow. LiteLLM's own ProxyException, not FastAPI's
+        HTTPException: its /v1/completions wraps any other exception anew and drops its headers
+        (Retry-After with them), while every endpoint passes a ProxyException through whole."""
         self.rejected += 1
         name = route.name if route else ""
         self.metrics.count_rejected(name, rejection.reason)
@@ -238,8 +240,8 @@ class KvtuneAdmission(CustomLogger):
         if rejection.allow is not None:
             headers["Allow"] = rejection.allow
         headers["X-Kvtune-Refused"] = rejection.code
-        message = rejection.message_for(False)
-        return HTTPException(status_code=rejection.status, detail=message, headers=headers)
+        return ProxyException(rejection.message_for(False), ErrorType.of(rejection.status).value, None,
+                              code=rejection.status, headers=headers, openai_code=rejection.code)
 
     async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> dict[str, Any]:
         """After LiteLLM merged the deployment's litellm_params into the call: the admitted

@@ -127,9 +127,14 @@ def test_thinking_is_counted_as_the_reasoning_effort_litellm_forwards(stack):
 
 # ---------------------------------------------------------------- parity with kvtune's gateway
 
-# (case, path, body, status) each answered alike by the hook and kvtune's gateway
+# (case, path, body, status) each answered alike by the hook and kvtune's gateway: the status, the
+# refusal's reason, and for an admitted call the cap it was admitted with (X-Kvtune-Max-Tokens)
 PARITY = [
     ("admitted", "/v1/chat/completions", chat(10), 200),
+    ("admitted with the client's smaller cap", "/v1/chat/completions", chat(10, max_completion_tokens=7), 200),
+    ("admitted on the team route", "/v1/chat/completions", {**chat(10), "x_team": "a"}, 200),
+    ("completions past the context", "/v1/completions", {"model": "m", "prompt": words(2100)}, 400),
+    ("embeddings past the context", "/v1/embeddings", {"model": "m", "input": words(2100)}, 400),
     ("admitted completions", "/v1/completions", {"model": "m", "prompt": words(5), "max_tokens": 400}, 200),
     ("prompt past the context", "/v1/chat/completions", chat(2100), 400),
     ("never fits: n x blocks over the budget", "/v1/chat/completions", chat(10, n=30), 413),
@@ -154,19 +159,24 @@ def _reason(status: int, headers: dict, answer: bytes) -> str | None:
 @pytest.mark.parametrize("case, path, body, status", PARITY, ids=[p[0] for p in PARITY])
 def test_the_hook_refuses_what_kvtunes_gateway_refuses(stack, case, path, body, status):
     proxy, gateway, _ = stack
+    body = dict(body)
+    headers = {"X-Team": body.pop("x_team")} if "x_team" in body else None
     via_gateway = body if "extra_body" not in body else {**{k: v for k, v in body.items() if k != "extra_body"},
                                                          **body["extra_body"]}
-    g_status, g_headers, g_answer = gateway.request(path, via_gateway)
-    l_status, l_headers, l_answer = proxy.request(path, body)
+    g_status, g_headers, g_answer = gateway.request(path, via_gateway, headers=headers)
+    l_status, l_headers, l_answer = proxy.request(path, body, headers=headers)
     g_headers = {k.lower(): v for k, v in g_headers.items()}
     assert (g_status, l_status) == (status, status), (g_answer[:300], l_answer[:300])
     assert _reason(l_status, l_headers, l_answer) == _reason(g_status, g_headers, g_answer)
+    assert l_headers.get("x-kvtune-max-tokens") == g_headers.get("x-kvtune-max-tokens")
     assert proxy.wait_drained()["reserved"] == 0
 
 
 def test_a_full_budget_is_a_429_with_retry_after_through_litellm(stack):
-    """A held stream keeps 80 blocks; the next request needs 30: 429 with Retry-After at the
-    client, as kvtune's gateway answers it; the stream's end gives the blocks back."""
+    """A held stream keeps 79 blocks; a chat and a completions call needing 31 each: 429 with
+    Retry-After and the gateway's message at the client on both LiteLLM endpoints (its
+    /v1/completions drops the headers of any exception but its own ProxyException), as kvtune's
+    gateway answers them; the stream's end gives the blocks back."""
     proxy, gateway, fake = stack
     hold = chat(1200, max_tokens=64, stream=True, x_mode="hold_stream")  # ceil(1264 / 16) = 79 blocks
     assert blocks(1200, 64) == 79
@@ -177,18 +187,25 @@ def test_a_full_budget_is_a_429_with_retry_after_through_litellm(stack):
                 await held.content.readline()
                 while ledger()["reserved"] != 79:
                     await asyncio.sleep(0.02)
-                async with session.post(f"{base}/v1/chat/completions", json=chat(420, max_tokens=64)) as refused:
-                    answer = (refused.status, {k.lower(): v for k, v in refused.headers.items()})
+                answers = []
+                for path, body in (("/v1/chat/completions", chat(420, max_tokens=64)),
+                                   ("/v1/completions", {"model": "m", "prompt": words(420), "max_tokens": 64})):
+                    async with session.post(f"{base}{path}", json=body) as refused:  # 31 blocks each
+                        answers.append((refused.status, {k.lower(): v for k, v in refused.headers.items()},
+                                        await refused.json(content_type=None)))
                 fake.release()
                 await held.read()
             fake.hold()
-            return *answer, 0
+            return answers
 
-    l_status, l_headers, _ = asyncio.run(run(proxy.url, proxy.headers, proxy.ledger))
-    g_status, g_headers, _ = asyncio.run(run(f"http://127.0.0.1:{gateway.port}", {}, gateway.ledger))
-    assert (l_status, g_status) == (429, 429)
-    assert l_headers["x-kvtune-refused"] == "kv_budget_exhausted"
-    assert int(l_headers["retry-after"]) >= 1 and int(g_headers["retry-after"]) >= 1
+    through_litellm = asyncio.run(run(proxy.url, proxy.headers, proxy.ledger))
+    through_gateway = asyncio.run(run(f"http://127.0.0.1:{gateway.port}", {}, gateway.ledger))
+    for (l_status, l_headers, l_body), (g_status, g_headers, g_body) in zip(through_litellm, through_gateway,
+                                                                            strict=True):
+        assert (l_status, g_status) == (429, 429)
+        assert l_headers["x-kvtune-refused"] == g_body["error"]["code"] == "kv_budget_exhausted"
+        assert int(l_headers["retry-after"]) >= 1 and int(g_headers["retry-after"]) >= 1
+        assert l_body["error"]["message"] == g_body["error"]["message"] and l_body["error"]["type"] == "rate_limit_error"
     assert proxy.wait_drained()["reserved"] == 0
 
 
