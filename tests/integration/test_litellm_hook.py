@@ -7,7 +7,10 @@ what kvtune's gateway refuses, with the same status, reason and Retry-After (a s
 table); under concurrent load with streams cut by the engine and clients that leave, the ledger
 never passes the budget (the hook's own peak, and the fake engine's independent tally of what the
 forwarded bodies can grow to) and drains to 0; hostile bodies (test_gateway_fuzz's generators)
-leave nothing held. One proxy for the module: it takes ~20-40 s to start on a loaded host."""
+leave nothing held; with several engines a call goes where its blocks are held; two proxies share
+one Redis ledger; gateway.yaml's queue holds a call inside the hook. A LiteLLM proxy takes ~20-30 s
+to start on this 2-core host, so the module shares one for most tests and starts four more only
+where gateway.yaml must differ (several engines, queue, two on Redis): ~3.5 min in all."""
 
 from __future__ import annotations
 
@@ -123,6 +126,21 @@ def test_thinking_is_counted_as_the_reasoning_effort_litellm_forwards(stack):
     assert "thinking" not in sent and sent["reasoning_effort"] == "minimal"
     counted = fake.tokenize_calls[-1]
     assert counted["chat_template_kwargs"]["reasoning_effort"] == "minimal", counted
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": "m", "input": words(3), "max_output_tokens": 5000}),
+    ("/v1/messages", {"model": "m", "max_tokens": 5000, "messages": [{"role": "user", "content": words(3)}]}),
+])
+def test_call_types_the_hook_cannot_count_are_refused_not_passed(stack, path, body):
+    """LiteLLM serves more APIs than kvtune reads through it (responses, Anthropic messages, …):
+    each reaches the engine rewritten as LiteLLM sees fit, so the hook refuses it (501) rather than
+    let it through uncounted."""
+    proxy, _, fake = stack
+    before = len(fake.engine_calls)
+    status, headers, answer = proxy.request(path, body)
+    assert (status, headers.get("x-kvtune-refused")) == (501, "uncountable_endpoint"), answer[:300]
+    assert len(fake.engine_calls) == before
 
 
 # ---------------------------------------------------------------- parity with kvtune's gateway
