@@ -32,6 +32,7 @@ from kvtune.planning import Plan, measured_capacity, plan
 
 if TYPE_CHECKING:
     from kvtune.deploy.check import CheckResult
+    from kvtune.deploy.k8s import K8sOptions
     from kvtune.deploy.read import Deployed
     from kvtune.deploy.render import RenderOptions
     from kvtune.policy.recommendation import Recommendation
@@ -215,11 +216,14 @@ def recommend(
 
 
 def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway_tokenizer: str | None = None,
-           targets: Sequence[str] | None = None, check: bool = True) -> dict[str, str]:
+           targets: Sequence[str] | None = None, check: bool = True, k8s: K8sOptions | None = None
+           ) -> dict[str, str]:
     """The deploy files as name → text (vllm-serve.sh, gateway.yaml, nginx.conf,
-    recommendation.json, report.html, report.md). `gateway_tokenizer` is a model directory the
-    gateway counts prompts with in process (default: the upstream's /tokenize). With `check`,
-    the files are first held to `kvtune check` against `rec`: RenderCheckError if they fail.
+    recommendation.json, report.html, report.md, estimates.json/.yaml and, for vLLM, the
+    Kubernetes manifests k8s/*.yaml with `k8s`'s images and gateway replicas). `gateway_tokenizer`
+    is a model directory the gateway counts prompts with in process (default: the upstream's
+    /tokenize). With `check`, the files are first held to `kvtune check` against `rec`:
+    RenderCheckError if they fail.
 
     >>> files = kvtune.render(rec, targets=["vllm-serve.sh"])
     >>> files["vllm-serve.sh"].splitlines()[-1]                         # doctest: +SKIP
@@ -233,6 +237,8 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
     if gateway_tokenizer is not None:
         options = dataclasses.replace(options, gateway_tokenizer=gateway_tokenizer)
     files = render_files(rec, targets=targets, options=options)
+    if targets is None:
+        files.update(_exported_files(rec, options, k8s))
     if check:
         from kvtune.deploy.check import check_rendered
 
@@ -242,15 +248,32 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
     return files
 
 
+def _exported_files(rec: Recommendation, options: RenderOptions, k8s: K8sOptions | None) -> dict[str, str]:
+    """What recommend writes for other tools: estimates.json/.yaml (kvtune.deploy.estimates) and
+    the Kubernetes manifests (kvtune.deploy.k8s)."""
+    from kvtune.deploy.estimates import estimate_files
+    from kvtune.deploy.k8s import render_manifests
+
+    return {**estimate_files(rec, options), **render_manifests(rec, options, k8s)}
+
+
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
     """Write the files into out_dir all or nothing (every target checked first, then replaced
-    together; a failed rename puts the previous files back).
+    together; a failed rename puts the previous files back). A manifest kvtune rendered into
+    out_dir/k8s/ earlier that these files leave behind is refused (OptionError), since applying
+    the folder would deploy it too.
 
     >>> kvtune.write_files("deploy/", kvtune.render(rec))               # doctest: +SKIP
     [PosixPath('deploy/gateway.yaml'), ...]
     """
+    from kvtune.deploy.k8s import stale_manifests
     from kvtune.deploy.render import write_files as write
 
+    stale = stale_manifests(out_dir, files)
+    if stale:
+        raise OptionError(f"{stale[0]} is a manifest an earlier recommend rendered and this one would not: "
+                          "`kubectl apply -f k8s/` would deploy it beside the new ones; remove it (or the k8s/ "
+                          "folder) or write to another --out", field="--out")
     return write(out_dir, files)
 
 

@@ -339,13 +339,18 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
               metavar="S", help="The longest a passive ejection lasts.")
 @click.option("--health-max-ejected-share", type=click.FloatRange(min=0.0, max=1.0), default=0.5, show_default=True,
               metavar="F", help="At most this share of the replicas (one at least, never the last) ejected at once.")
-@click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none).")
+@click.option("--gateway-replicas", type=click.IntRange(1, 64), default=1, show_default=True, metavar="N",
+              help="Gateway replicas in k8s/gateway.yaml's Deployment; above 1 they share the Redis ledger "
+                   "k8s/redis.yaml runs (vLLM only: the Kubernetes manifests).")
+@click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none): "
+              "the engine's launch files, the gateway configs, the reports, estimates.json/.yaml and, for vLLM, "
+              "the Kubernetes manifests in DIR/k8s/.")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
               objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, nginx_replicas: int,
               health_interval: float, health_timeout: float, health_path: str, health_failures: int,
               health_ejection: float, health_max_ejection: float, health_max_ejected_share: float,
-              out_dir: str | None, json_: bool) -> None:
+              gateway_replicas: int, out_dir: str | None, json_: bool) -> None:
     """Recommend output caps, a KV block budget and engine settings from real traffic.
 
     LOGS are log files, directories or globs (any format `kvtune profile` reads), or one
@@ -363,6 +368,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     """
     import kvtune
     from kvtune.cli._recommend_view import search_progress
+    from kvtune.deploy.k8s import K8sOptions
     from kvtune.deploy.render import NGINX_ONE_ENGINE, RenderOptions, replica_upstreams
 
     files_given = capacity.capacity_files
@@ -403,7 +409,8 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         _refuse(rec, json_)
         return
     try:
-        files = kvtune.render(rec, options=render_options, gateway_tokenizer=counting_with)
+        files = kvtune.render(rec, options=render_options, gateway_tokenizer=counting_with,
+                              k8s=K8sOptions(gateway_replicas=gateway_replicas))
     except kvtune.RenderCheckError as exc:
         for f in exc.result.findings:
             line = f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}"

@@ -23,7 +23,7 @@ import numpy as np
 from kvtune.deploy.charts import capacity_segments, histogram_bars, what_if_scatter
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher
-from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.deploy.markers import K8S_FOLDER, NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.output_law import OutputLaw
@@ -552,6 +552,19 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     return files
 
 
+def render_gateway_yaml(rec: Recommendation, options: RenderOptions, upstream_urls: list[str]) -> str:
+    """gateway.yaml for a gateway that reaches the engines at other addresses than the
+    recommendation's upstreams (the Kubernetes Services of kvtune.deploy.k8s): the same file,
+    each upstream's URL replaced in order, its budget kept."""
+    options = gateway_counting(rec, options)
+    upstreams = _upstreams(rec, options)
+    if len(upstream_urls) != len(upstreams):
+        raise OptionError(f"{len(upstream_urls)} upstream URLs for {len(upstreams)} engine replicas", field="upstreams")
+    context = _context(dataclasses.replace(rec, upstream=upstream_urls[0]), options, nginx=False)
+    context["upstreams"] = [{**u, "url": url} for u, url in zip(upstreams, upstream_urls, strict=True)]
+    return make_environment().get_template(TARGETS["gateway.yaml"]).render(context)
+
+
 REPORT_TARGETS = ("report.html", "report.md")  # they show the launch commands rendered beside them
 
 
@@ -586,6 +599,18 @@ def lua_modules() -> dict[str, str]:
             for path in sorted(LUA_DIR.rglob("*.lua"))}
 
 
+#: The one folder `recommend --out` writes files into (kvtune.deploy.k8s: the Kubernetes manifests).
+SUBFOLDERS = (K8S_FOLDER,)
+
+
+def _plain_name(name: str) -> bool:
+    """A plain file name, or one in a folder of SUBFOLDERS (k8s/vllm.yaml)."""
+    folder, _, rest = name.rpartition("/")
+    if folder and folder not in SUBFOLDERS:
+        return False
+    return Path(rest).name == rest and rest not in ("", ".", "..")
+
+
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
     """Write every file into out_dir or none (kvtune.writer: targets checked first, staged,
     replaced together, put back if a rename fails); names must be plain file names. An
@@ -594,7 +619,7 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
 
     target = Path(out_dir)
     for name in files:
-        if Path(name).name != name or name in ("", ".", ".."):
+        if not _plain_name(name):
             raise OptionError(f"refusing to write {name!r}: not a plain file name")
     modules = lua_modules() if "nginx.conf" in files else {}
     return write_all({target / name: text for name, text in {**files, **modules}.items()},
@@ -605,5 +630,5 @@ __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
     "write_files", "lua_modules", "make_environment", "local_chat_tokenizer",
     "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
-    "MAX_REPLICAS",
+    "MAX_REPLICAS", "render_gateway_yaml", "SUBFOLDERS",
 ]
