@@ -16,9 +16,11 @@ on the body LiteLLM will forward (kvtune.integrations.litellm_forward), in LiteL
                              admitted members written again, so a deployment default cannot
                              raise a cap; with several engines in gateway.yaml, api_base set to
                              the one the blocks are held on (LiteLLM's own pick would not be)
-  the release, exactly once per request, keyed by litellm_call_id: a whole answer's success or
-  failure hook, a stream's iterator `finally` (its end, a cut upstream, a client that left:
-  Starlette cancels the stream), and the log events as a backstop for a call that ends another way
+  the release, exactly once per request: a whole answer's success hook, the failure hook, a
+  stream's iterator `finally` (its end, a cut upstream, a client that left: Starlette cancels the
+  stream). LiteLLM takes litellm_call_id from the client's x-litellm-call-id header, so a hold is
+  keyed by it but released only by the request record that carries its hold token (written in the
+  call's metadata), and a second call under the id of one in flight is refused
 
 Routes match as in the gateway (path, the client's model name, headers); a route header named
 `x-litellm-team` matches the team of the caller's LiteLLM key (team_alias, else team_id), never a
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import suppress
@@ -73,6 +76,8 @@ CALL_PATHS = {
 #: Where the admitted cap is noted in the call's metadata (LiteLLM's own, never forwarded), for
 #: the X-Kvtune-Max-Tokens answer header: the call is released before its headers are written.
 CAP_METADATA = "kvtune_max_tokens"
+#: Where the call's hold token is noted in its metadata (see KvtuneAdmission.release).
+HOLD_METADATA = "kvtune_hold"
 #: Idle connections to the engine (the prompt counts) close before vLLM's 5 s keep-alive.
 UPSTREAM_KEEPALIVE_S = 4.0
 
@@ -86,6 +91,7 @@ class Held:
     cap: int | None
     route: str
     upstream: str  # the engine its blocks are held on
+    token: str  # written in the call's metadata: only its own request record releases it
 
 
 class KvtuneAdmission(CustomLogger):
@@ -112,7 +118,8 @@ class KvtuneAdmission(CustomLogger):
         tokenizer = config.prompt_tokens.tokenizer
         if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER and tokenizer is not None:
             self._local = LocalTokenizerCounter.load(tokenizer)  # a bad tokenizer fails at start
-        self._held: dict[str, Held] = {}
+        self._held: dict[str, Held] = {}  # by litellm_call_id
+        self._admitting: set[str] = set()  # call ids being counted or queued now
         # LiteLLM's own api_base is left alone only when gateway.yaml names that one engine alone
         self._pinned = len(self.pool.replicas) > 1 or any(r.upstream for r in config.routes)
         self._clients: list[UpstreamClient] = []
@@ -172,35 +179,44 @@ class KvtuneAdmission(CustomLogger):
         """Admit the call or raise its refusal; the admitted body (caps written) replaces the
         members LiteLLM forwards."""
         await self._ensure_started()
-        call_id = str(data.get("litellm_call_id") or id(data))
+        call_id = str(data.get("litellm_call_id"))
+        metadata = data.get("metadata")
         try:
+            if call_id in self._held or call_id in self._admitting:
+                # LiteLLM takes the call id from the client's x-litellm-call-id header: a second call
+                # under the id of one in flight must neither replace nor release that one's hold
+                raise Rejection(400, Reason.INVALID_REQUEST, "x-litellm-call-id names a call already in flight")
             path = CALL_PATHS.get(str(call_type))
             if path is None:
                 raise Rejection(501, Reason.UNCOUNTABLE_ENDPOINT, f"LiteLLM's {call_type} calls are not served "
                                 "through kvtune's admission: their prompt cannot be counted")
+            if not isinstance(metadata, dict):  # the proxy gives every governed call one
+                raise Rejection(400, Reason.INVALID_REQUEST, "metadata must be an object")
             body = forwarded_body(data)
             try:
                 raw = orjson.dumps(body)
             except TypeError as exc:
                 raise Rejection(400, Reason.INVALID_BODY, f"the request cannot be forwarded as JSON ({exc})") from None
             incoming = self.incoming(path, data, user_api_key_dict)
-            admitted = await self.admission.admit(incoming, raw)
+            self._admitting.add(call_id)
+            try:
+                admitted = await self.admission.admit(incoming, raw)
+            finally:
+                self._admitting.discard(call_id)
         except Rejection as rejection:
             raise self._refuse(None, rejection) from None
         except Refused as refused:
             raise self._refuse(refused.route, refused.rejection) from None
         route = admitted.route.name if admitted.route else ""
         doc = orjson.loads(admitted.body)
-        previous = self._held.pop(call_id, None)  # the same call admitted twice: its first hold goes back
-        if previous is not None:
-            self.admission.release(previous.reservation)
         upstream = admitted.upstream or self.pool.replica_of(admitted.reservation).url
-        self._held[call_id] = Held(admitted.reservation, doc, admitted.cap, route, upstream)
+        token = secrets.token_hex(16)
+        self._held[call_id] = Held(admitted.reservation, doc, admitted.cap, route, upstream, token)
         self.reserved_peak = max(self.reserved_peak, self.pool.reserved_blocks)
         self.metrics.count_admitted(route, admitted.blocks)
         apply(data, doc)
-        metadata = data.get("metadata")
-        if isinstance(metadata, dict) and admitted.cap is not None:  # the call's record, never forwarded
+        metadata[HOLD_METADATA] = token  # the call's own record (never forwarded): what proves a release is its own
+        if admitted.cap is not None:
             metadata[CAP_METADATA] = admitted.cap
         return data
 
@@ -266,12 +282,19 @@ class KvtuneAdmission(CustomLogger):
 
     # ---------------------------------------------------------------- release, exactly once
 
-    def release(self, call_id: Any) -> bool:
-        """Give the call's blocks back; True the first time, False for a call not held (refused,
-        or already released)."""
-        held = self._held.pop(str(call_id), None)
-        if held is None:
+    def release(self, data: Any) -> bool:
+        """Give back the blocks of the call `data` is the request record of (its litellm_call_id and
+        the hold token admission wrote in its metadata); True the first time, False for a call not
+        held (refused, already released, or another call under the same id)."""
+        if not isinstance(data, Mapping):
             return False
+        call_id = str(data.get("litellm_call_id"))
+        metadata = data.get("metadata")
+        token = metadata.get(HOLD_METADATA) if isinstance(metadata, Mapping) else None
+        held = self._held.get(call_id)
+        if held is None or token is None or not secrets.compare_digest(str(token), held.token):
+            return False
+        del self._held[call_id]
         self.admission.release(held.reservation)
         return True
 
@@ -282,12 +305,12 @@ class KvtuneAdmission(CustomLogger):
 
     async def async_post_call_success_hook(self, data: dict, user_api_key_dict: Any, response: Any) -> Any:
         if not data.get("stream"):  # a stream is released when it ends (the iterator hook)
-            self.release(data.get("litellm_call_id"))
+            self.release(data)
         return None
 
     async def async_post_call_failure_hook(self, request_data: dict, original_exception: Exception,
                                            user_api_key_dict: Any, traceback_str: str | None = None) -> Any:
-        self.release(request_data.get("litellm_call_id"))
+        self.release(request_data)
         return None
 
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
@@ -298,14 +321,7 @@ class KvtuneAdmission(CustomLogger):
             async for chunk in response:
                 yield chunk
         finally:
-            self.release(request_data.get("litellm_call_id"))
-
-    async def async_log_success_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        if not kwargs.get("stream"):
-            self.release(kwargs.get("litellm_call_id"))
-
-    async def async_log_failure_event(self, kwargs: dict, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self.release(kwargs.get("litellm_call_id"))
+            self.release(request_data)
 
 
 def from_env() -> KvtuneAdmission:

@@ -227,6 +227,30 @@ def test_a_full_budget_is_a_429_with_retry_after_through_litellm(stack):
     assert proxy.wait_drained()["reserved"] == 0
 
 
+def test_a_call_id_the_client_repeats_neither_replaces_nor_releases_the_hold(stack):
+    """LiteLLM takes litellm_call_id from the client's x-litellm-call-id header. A second call
+    under the id of a stream in flight is refused (400), and its failure does not give back the
+    stream's blocks: the ledger still holds them until the stream ends."""
+    proxy, _, fake = stack
+    same = {"x-litellm-call-id": "kvtune-same-id"}
+    hold = chat(1200, max_tokens=64, stream=True, x_mode="hold_stream")  # 79 blocks
+
+    async def run() -> tuple[int, str | None, int]:
+        async with aiohttp.ClientSession(headers={**proxy.headers, **same}) as session:
+            async with session.post(f"{proxy.url}/v1/chat/completions", json=hold) as held:
+                await held.content.readline()
+                async with session.post(f"{proxy.url}/v1/chat/completions", json=chat(3)) as second:
+                    answer = (second.status, second.headers.get("X-Kvtune-Refused"))
+                reserved = proxy.ledger()["reserved"]
+                fake.release()
+                await held.read()
+        fake.hold()
+        return *answer, reserved
+
+    assert asyncio.run(run()) == (400, "invalid_request", 79)
+    assert proxy.wait_drained()["reserved"] == 0
+
+
 # ---------------------------------------------------------------- the ledger under load
 
 LOAD_REQUESTS, LOAD_CONCURRENCY = 160, 24
