@@ -7,9 +7,10 @@ import json
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
-from kvtune.cli.recommend import ObjectiveArgs, PolicyArgs, policy_options
+from kvtune.cli.policy_options import PolicyArgs, policy_options
 from kvtune.controls import escape_controls
 from kvtune.deploy.check import Severity
+from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
 from kvtune.userfiles import brief
 
@@ -133,8 +134,10 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
 
     rec = _saved_recommendation(logs)
     if rec is None:
-        bounds = None if slo is None else ObjectiveArgs(None, slo, None, None, None, None, 1, 0)
-        rec = policy.recommendation(logs, capacity, log, bounds)
+        measured = capacity.measurement()
+        deployment = capacity.deployment(policy.model)
+        rec = kvtune.recommend(lambda: log.profile(logs), deployment,
+                               policy.as_policy(log.route_by, parse_slo(slo) if slo else None), measured=measured)
     else:
         if slo is not None:
             raise OptionError("a recommendation.json holds the limits its --slo bounded: check against it "

@@ -242,7 +242,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     stays. The bound FIXED_POINT_ROUNDS only guards that argument.
 
     >>> import kvtune
-    >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.plan("llama-3.1-8b", gpu="H100-80GB"))
+    >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"))
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule          # doctest: +SKIP
     (25883, 'cap-p99-heavy-tail')
     """

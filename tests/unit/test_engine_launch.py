@@ -29,7 +29,7 @@ def recommendation(profile, engine: str, admission: str = "guaranteed"):
     from kvtune.policy.recommend import RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
 
-    plan = kvtune.plan("llama-3.1-8b", gpu="H100-80GB", engine=engine)
+    plan = kvtune.plan(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB", engine=engine))
     policy = parse_admission({"policy": admission, **({"epsilon": 0.01} if admission == "statistical" else {})},
                              lambda field, why: ValueError(f"{field}: {why}"))
     return apply_rules(profile, plan, RecommendOptions(engine=engine, admission=policy))
