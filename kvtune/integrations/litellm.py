@@ -25,8 +25,8 @@ on the body LiteLLM will forward (kvtune.integrations.litellm_forward), in LiteL
 Routes match as in the gateway (path, the client's model name, headers); a route header named
 `x-litellm-team` matches the team of the caller's LiteLLM key (team_alias, else team_id), never a
 header the client sends. The same metric names as the gateway's, and its /kvtune/ledger, are
-served on gateway.yaml's listen address: LiteLLM's own /metrics is its Prometheus callback (an
-enterprise feature) with a registry kvtune does not own.
+served on gateway.yaml's listen address: LiteLLM's own /metrics belongs to its `prometheus`
+callback (configured separately, its names its own), not to kvtune.
 """
 
 from __future__ import annotations
@@ -216,6 +216,7 @@ class KvtuneAdmission(CustomLogger):
         self.metrics.count_admitted(route, admitted.blocks)
         apply(data, doc)
         metadata[HOLD_METADATA] = token  # the call's own record (never forwarded): what proves a release is its own
+        metadata.pop(CAP_METADATA, None)  # what a client sent there is no cap of kvtune's
         if admitted.cap is not None:
             metadata[CAP_METADATA] = admitted.cap
         return data
