@@ -3,6 +3,7 @@ turns into kvtune.api's Policy and Objective (kvtune.domain.choices)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import click
@@ -10,6 +11,7 @@ import click
 from kvtune.cli.options import grouped
 from kvtune.domain.choices import Objective, Policy
 from kvtune.domain.slo import Slo, parse_slo
+from kvtune.errors import OptionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class ObjectiveArgs:
     requests: int
     seed: int
     compare_engines: bool = False
+    flow_control: bool = False
 
     def as_objective(self) -> Objective:
         """These options as kvtune.api's Objective (goal None without --objective: kvtune.api then
@@ -59,6 +62,15 @@ class ObjectiveArgs:
 
     def parsed_slo(self) -> Slo | None:
         return parse_slo(self.slo) if self.slo else None
+
+    def with_flow(self, policy: Policy) -> Policy:
+        """The policy with --flow-control, which takes its band deadlines from --slo's ttft."""
+        if not self.flow_control:
+            return policy
+        slo = self.parsed_slo()
+        if slo is None or slo.ttft_ms is None:
+            raise OptionError("takes its interactive band's deadline from --slo ttft=MS", field="--flow-control")
+        return dataclasses.replace(policy, flow_control=True)
 
 
 objective_options = grouped("objective", ObjectiveArgs, [
@@ -89,6 +101,11 @@ objective_options = grouped("objective", ObjectiveArgs, [
                  help="Add reference rows for the same traffic on SGLang (as rendered, and its defaults) and "
                       "TensorRT-LLM (GUARANTEED_NO_EVICT, MAX_UTILIZATION), each simulated with its own "
                       "admission rule."),
+    click.option("--flow-control", is_flag=True,
+                 help="Render gateway.yaml's flow-control queue (priority bands, fair flows, 429 at once for a "
+                      "request that cannot make its deadline) instead of the FIFO queue: the interactive band's "
+                      "deadline is --slo's ttft, the batch band's its e2e (else 10x ttft); with --objective, "
+                      "each gateway row is also simulated with it."),
 ])
 
 

@@ -153,7 +153,8 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
             rec = kvtune.recommend(lambda: log.profile(logs), deployment,
-                                   policy.as_policy(log.route_by, objective.bound()), objective.as_objective(),
+                                   objective.with_flow(policy.as_policy(log.route_by, objective.bound())),
+                                   objective.as_objective(),
                                    measured=measured, progress=progress)
     except InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)

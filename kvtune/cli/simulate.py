@@ -337,6 +337,8 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
             "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
             "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s},
             "route_header": header}
+    if config.flow is not None:
+        info["flow"] = config.flow.to_dict()
     return fresh, info, cap
 
 
