@@ -52,6 +52,7 @@ from kvtune.gateway.admission import Admission
 from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute, load_gateway_config
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import Endpoint, PathClass, classify
+from kvtune.gateway.flow import FlowGate, flow_of
 from kvtune.gateway.intake import Incoming
 from kvtune.gateway.ledger import Reservation
 from kvtune.gateway.metrics import GatewayMetrics
@@ -106,13 +107,18 @@ class KvtuneAdmission(CustomLogger):
         self.shared = SharedLedger(config, self.pool) if config.ledger.shared else None
         self.admission.shared = self.shared
         self.metrics.add_ledger_gauges(self.shared)
+        # gateway.yaml `flow:`: the flow-control queue (bands, fair shares) in place of the FIFO
+        gate = self.admission.queue.gate
+        self.flow_gate = gate if isinstance(gate, FlowGate) else None
+        if self.flow_gate is not None:
+            self.metrics.add_flow(self.flow_gate)
         self.reserved_peak = 0
         Gauge("kvtune_gateway_reserved_blocks_peak", "The most KV blocks reserved at once since the hook started.",
               registry=self.metrics.registry).set_function(lambda: self.reserved_peak)
         self.rejected = 0
         self.refusals = RefusalLog()
         self.admin = Admin(config, self.pool, self.metrics, rejected=lambda: self.rejected,
-                           waiting=lambda: self.admission.waiting, shared=self.shared)
+                           waiting=lambda: self.admission.waiting, shared=self.shared, flow=self.flow_gate)
         self._fixed_counter = counter
         self._local: LocalTokenizerCounter | None = None
         tokenizer = config.prompt_tokens.tokenizer
@@ -239,7 +245,12 @@ class KvtuneAdmission(CustomLogger):
             if value:
                 groups[name] = value
         route = cfg.path_route(path, groups) if first is not None else None
-        return Incoming(path, endpoint, route, path, None, groups)
+        flow = cfg.flow
+        if flow is None:
+            return Incoming(path, endpoint, route, path, None, groups)
+        # flow control: the band header's value, and the flow (its header, else the key's hash)
+        return Incoming(path, endpoint, route, path, None, groups, sent.get(flow.band_header.lower()),
+                        flow_of(sent.get(flow.flow_header.lower()), sent.get("authorization")))
 
     def _refuse(self, route: GatewayRoute | None, rejection: Rejection) -> ProxyException:
         """The gateway's refusal as LiteLLM answers it: the status, the message a client without

@@ -495,3 +495,40 @@ def test_with_a_queue_a_full_budget_holds_the_call_until_blocks_are_released(tmp
             assert (status, waiting) == (200, 0)
             assert "waiting" in proxy.metrics() and proxy.wait_drained()["reserved"] == 0
             assert re.search(r"^kvtune_gateway_queue_wait_seconds_count 1\.0$", proxy.metrics(), re.M)
+
+
+# ---------------------------------------------------------------- flow control
+
+def test_flow_control_holds_a_batch_call_and_serves_it_when_blocks_free(tmp_path):
+    """gateway.yaml `flow:` (the flow-control queue: bands, fair shares, deadlines) runs inside the
+    hook as in the gateway: with the budget held by a stream, a batch-band call (the band header,
+    read from the request LiteLLM received) waits and is admitted when the stream ends, and
+    /kvtune/ledger reports the queue under `flow`."""
+    with FakeVllm(model="m", max_model_len=CONTEXT) as fake:
+        doc = {**gateway_doc(fake.url), "flow": {"token_time_s": 0.01, "bands": [
+            {"name": "interactive", "deadline_s": 2}, {"name": "batch", "deadline_s": 30}]}}
+        hold = chat(1200, max_tokens=64, stream=True, x_mode="hold_stream")  # 79 blocks
+
+        async def run(proxy: LitellmProxy) -> tuple[int, dict]:
+            async with aiohttp.ClientSession(headers=proxy.headers) as session:
+                async with session.post(f"{proxy.url}/v1/chat/completions", json=hold) as held:
+                    await held.content.readline()
+                    waiter = asyncio.create_task(session.post(
+                        f"{proxy.url}/v1/chat/completions", json=chat(420, max_tokens=64),
+                        headers={"x-kvtune-priority": "batch"}))  # 31 blocks
+                    while proxy.ledger()["waiting"] != 1:
+                        await asyncio.sleep(0.05)
+                    flow = proxy.ledger()["flow"]
+                    fake.release()
+                    await held.read()
+                response = await waiter
+                status = response.status
+                response.release()
+                return status, flow
+
+        with LitellmProxy(tmp_path, doc, fake.url) as proxy:
+            status, flow = asyncio.run(run(proxy))
+            assert status == 200, flow
+            assert flow, flow
+            assert proxy.wait_drained()["reserved"] == 0
+            assert "kvtune_gateway_flow_" in proxy.metrics()
