@@ -44,6 +44,7 @@ JSON_FIELDS = """\b
   simulation      {timing: {source: calibrated|silicon|roofline-estimate, estimate, coefficients
                    {c0..c4}, http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
                    frontend_from (uncalibrated: where the API server's figures come from),
+                   host_work (uncalibrated vLLM: the engine core's host work, added or not, why),
                    measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|estimate|engine-default}}, capacity: {from:
