@@ -274,6 +274,17 @@ def _check_objective(objective: Objective | None, policy: Policy) -> None:
         raise OptionError(f"{objective.goal!r} is not one of {', '.join(GOALS)}", field="objective")
 
 
+def _flow_slo(policy: Policy, objective: Objective | None) -> Slo | None:
+    """The SLO flow control's bands take their deadlines from (policy.flow_control), else None."""
+    if not policy.flow_control:
+        return None
+    slo = policy.slo or (objective.slo if objective is not None else None)
+    if slo is None or slo.ttft_ms is None:
+        raise OptionError("flow control takes its interactive band's deadline from the SLO's ttft",
+                          field="flow_control")
+    return slo
+
+
 def _rules_or_search(profile: Profile, plan: Plan, policy: Policy, objective: Objective | None,
                      progress: Callable[[int, int], None] | None, releases: tuple[str, str | None],
                      replicas: Sequence[tuple[str, Plan]] = ()) -> Recommendation:
@@ -291,6 +302,7 @@ def _rules_or_search(profile: Profile, plan: Plan, policy: Policy, objective: Ob
         route_header=policy.route_header, served_model=policy.served_model,
         logged_model=_logged(profile), engine=plan.engine, engine_version=engine_version,
         slo=None if searching else policy.slo,  # with an objective, the simulation judges it (goodput)
+        flow_control=_flow_slo(policy, objective),
     )
     if not searching:
         return apply_rules(profile, plan, options)

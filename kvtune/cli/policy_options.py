@@ -3,13 +3,16 @@ turns into kvtune.api's Policy and Objective (kvtune.domain.choices)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import click
 
+from kvtune.cli._vocabulary import warn_if_given
 from kvtune.cli.options import grouped
 from kvtune.domain.choices import Objective, Policy
 from kvtune.domain.slo import Slo, parse_slo
+from kvtune.errors import OptionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class ObjectiveArgs:
     requests: int
     seed: int
     compare_engines: bool = False
+    flow_control: bool = False
 
     def as_objective(self) -> Objective:
         """These options as kvtune.api's Objective (goal None without --objective: kvtune.api then
@@ -59,6 +63,15 @@ class ObjectiveArgs:
 
     def parsed_slo(self) -> Slo | None:
         return parse_slo(self.slo) if self.slo else None
+
+    def with_flow(self, policy: Policy) -> Policy:
+        """The policy with --flow-control, which takes its band deadlines from --slo's ttft."""
+        if not self.flow_control:
+            return policy
+        slo = self.parsed_slo()
+        if slo is None or slo.ttft_ms is None:
+            raise OptionError("takes its interactive band's deadline from --slo ttft=MS", field="--flow-control")
+        return dataclasses.replace(policy, flow_control=True)
 
 
 objective_options = grouped("objective", ObjectiveArgs, [
@@ -89,6 +102,11 @@ objective_options = grouped("objective", ObjectiveArgs, [
                  help="Add reference rows for the same traffic on SGLang (as rendered, and its defaults) and "
                       "TensorRT-LLM (GUARANTEED_NO_EVICT, MAX_UTILIZATION), each simulated with its own "
                       "admission rule."),
+    click.option("--flow-control", is_flag=True,
+                 help="Render gateway.yaml's flow-control queue (priority bands, fair flows, 429 at once for a "
+                      "request that cannot make its deadline) instead of the FIFO queue: the interactive band's "
+                      "deadline is --slo's ttft, the batch band's its e2e (else 10x ttft); with --objective, "
+                      "each gateway row is also simulated with it."),
 ])
 
 
@@ -101,7 +119,9 @@ policy_options = grouped("policy", PolicyArgs, [
                  "name, else the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
                  help="The engine server the gateway configs point at."),
-    click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),
+    click.option("--vllm-version", metavar="TEXT", hidden=True,
+                 callback=warn_if_given("--vllm-version", "--engine-version"),
+                 help="The older name of --engine-version."),
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,

@@ -26,6 +26,7 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import K8S_FOLDER, NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
@@ -58,6 +59,7 @@ LUA_FOLDER = "lua"
 COMMON_TARGETS: dict[str, str] = {
     "gateway.yaml": "gateway.yaml.j2",
     "nginx.conf": "nginx.conf.j2",
+    "litellm-config.yaml": "litellm-config.yaml.j2",  # gateway.yaml enforced inside a LiteLLM proxy
     "recommendation.json": "",  # json.dumps, no template
     "report.html": "report.html.j2",
     "report.md": "report.md.j2",
@@ -110,6 +112,11 @@ class RenderOptions:
     # With several engine replicas: how each is probed, taken out and brought back (gateway.yaml
     # `health`); gateway.yaml and nginx.conf render the same probe.
     health: HealthProbe = HealthProbe()
+    # gateway.yaml `flow:` (docs/guides/flow-control.md): the flow-control queue both gateways
+    # render, in place of what recommend --flow-control sized; None: that (or none). route_bands:
+    # a route's band by route name (routes[].band).
+    flow: FlowControl | None = None
+    route_bands: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 #: The most engine replicas one gateway.yaml lists.
@@ -331,8 +338,45 @@ def lua_statistical(rec: Recommendation) -> dict | None:
     }
 
 
+def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: list[dict]) -> dict | None:
+    """gateway.yaml's `flow:` for the Lua in nginx.conf (kvtune.flow), None without one; each
+    route's band is set on `routes` (a band the flow lacks is refused, as gateway.yaml's reader
+    refuses it)."""
+    names = {r["name"] for r in routes}
+    for name, band in route_bands.items():
+        if name not in names:
+            raise OptionError(f"route_bands names {name!r}, which is no route")
+        if flow is None or flow.band_index(band) is None:
+            raise OptionError(f"route {name!r} names band {band!r}, which flow.bands lacks")
+    for r in routes:
+        r["band"] = route_bands.get(r["name"])
+    if flow is None:
+        return None
+    from kvtune.gateway import relay  # aiohttp: only where a flow is rendered
+
+    return {
+        "token_time_s": flow.token_time_s,
+        "bands": [{"name": b.name, "deadline_s": b.deadline_s} for b in flow.bands],
+        "default_band": flow.bands[flow.default_band_index].name,
+        # header names as ngx.req.get_headers keys them
+        "band_header": flow.band_header.lower(),
+        "flow_header": flow.flow_header.lower(),
+        "default_weight": flow.default_weight,
+        # (flow id, weight) pairs: a flow id is no Lua name, and check's reader takes name = value only
+        "weights": [[name, weight] for name, weight in flow.weights.items()],
+        "max_waiting": flow.max_waiting,
+        "max_waiting_per_flow": flow.max_waiting_per_flow,
+        "max_flows": flow.max_flows,
+        "metrics_flows": flow.metrics_flows,
+        # the events of a stream that carry no token (relay.py): the tokens streamed so far
+        "events_without_tokens": relay.EVENTS_WITHOUT_TOKENS,
+    }
+
+
 def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
+    gateway_flow = flow_section(rec, options)
+    flow = lua_flow(gateway_flow["flow"] if gateway_flow else None, options.route_bands, routes)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
     for route in rec.routes:
@@ -377,6 +421,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "never_fits": NEVER_FITS,
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
+        "flow": flow,
+        "metrics_access": options.admin.metrics.value,
     }
     nginx_slice = None
     if options.nginx_replicas != 1:
@@ -402,6 +448,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
+        # gateway.yaml `flow:` (recommend --flow-control), which replaces `queue:`; None: the FIFO queue
+        "flow": gateway_flow,
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
@@ -418,6 +466,20 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> dict | None:
+    """The rendered `flow:` and the Decisions behind it (for the comments); None without it.
+    RenderOptions.flow, when given, is rendered instead (no decisions), in gateway.yaml and
+    nginx.conf alike."""
+    from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
+
+    if options is not None and options.flow is not None:
+        return {"section": options.flow.to_dict(), "decisions": [], "flow": options.flow}
+    flow = flow_control_of(rec)
+    if flow is None:
+        return None
+    return {"section": flow.to_dict(), "decisions": [rec.settings[k] for k in FLOW_SETTINGS], "flow": flow}
 
 
 def _health(probe: HealthProbe) -> dict:

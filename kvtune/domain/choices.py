@@ -19,7 +19,9 @@ class Policy:
     """The rules' inputs a person decides. `route_by` must be what the profile's routes were named
     by; with a log field, `route_header` names the request header that carries each group.
     `slo` bounds max_num_seqs by the step-time model's TPOT/TTFT (without an objective).
-    `vllm_version` is the older name of Deployment.engine_version (both given must agree)."""
+    `vllm_version` is the older name of Deployment.engine_version (both given must agree).
+    `flow_control` renders gateway.yaml `flow:` (docs/guides/flow-control.md) instead of the FIFO
+    queue, its bands' deadlines from the SLO (`slo`, or the objective's), which must give ttft."""
 
     served_model: str | None = None
     upstream: str = DEFAULT_UPSTREAM
@@ -29,6 +31,7 @@ class Policy:
     route_header: str | None = None
     slo: Slo | None = None
     vllm_version: str | None = None
+    flow_control: bool = False
 
 
 @dataclass(frozen=True, slots=True)
