@@ -360,7 +360,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     load_info: dict[str, Any]
     notes: list[str]
     if load.replay:
-        from kvtune.bench.workload import replay_rows
+        from kvtune.workload.draw import replay_rows
 
         rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
         for note in notes:
@@ -376,11 +376,11 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
         route_names = sorted({r for r, _, _ in rows})
     else:
-        from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
+        from kvtune.workload.draw import select_routes
 
         profile = (fold_routes(load_profile(profile_path), log.max_routes) if profile_path
                    else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,

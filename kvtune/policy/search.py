@@ -234,7 +234,7 @@ def build_objective(profile: Profile, plan: Plan, spec: ObjectiveSpec) -> Object
 
 
 def traffic_profile(profile: Profile) -> Profile:
-    """Only what the requests are drawn from (kvtune.bench.workload.PairSampler: output and
+    """Only what the requests are drawn from (kvtune.workload.draw.PairSampler: output and
     prompt lengths, their joint histogram) and what truncation is estimated from."""
     return Profile(routes=tuple(dataclasses.replace(
         r, total=CensoredHistogram.empty(), max_tokens=Histogram.empty(), finish_reasons={}, models={},

@@ -27,11 +27,6 @@ FLOOR_MAY_IMPORT = ("kvtune.domain", "kvtune.errors", "kvtune.userfiles")
 #: ever shrinks. (importing package, imported module prefix): why it is still there.
 NOT_YET_CUT: dict[tuple[str, str], str] = {
     ("kvtune.bench", "kvtune.policy.recommendation"): "bench's verdict reads a Recommendation document",
-    ("kvtune.bench", "kvtune.sim"): "bench.timing fits step times by simulating (function-local)",
-    ("kvtune.sim", "kvtune.bench.client"): "sim's results are bench's RequestResult / FAILURE_KINDS",
-    ("kvtune.sim", "kvtune.bench.report"): "sim's report uses bench's latency_stats / goodput / throughput",
-    ("kvtune.sim", "kvtune.bench.loads"): "sim draws arrivals with bench's arrival_offsets",
-    ("kvtune.sim", "kvtune.bench.workload"): "the workload drawing lives in bench",
     ("kvtune.sim", "kvtune.gateway.config"): "the simulated gateway runs on GatewayConfig / GatewayRoute: the "
                                              "one route type is not unified yet",
     ("kvtune.policy", "kvtune.deploy.render"): "search renders the route table (list[dict]) and reads it back",
