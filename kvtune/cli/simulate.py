@@ -19,7 +19,7 @@ from kvtune.userfiles import brief
 
 if TYPE_CHECKING:
     from kvtune.capacity.measured import MeasuredCapacity
-    from kvtune.gateway.config import GatewayRoute
+    from kvtune.domain.route import Route
     from kvtune.hardware import Gpu
 
 JSON_FIELDS = """\b
@@ -294,6 +294,7 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
         if engine.route_header is not None:
             raise OptionError("only with --gateway: the header its routes match on", field="--route-header")
         return lambda routes: DirectAdmission(), {"kind": "direct"}, None
+    from kvtune.deploy.gateway_admission import gateway_admission
     from kvtune.gateway.config import load_gateway_config
     from kvtune.gateway.gate import route_cap
 
@@ -301,9 +302,9 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
     path = "/v1/chat/completions" if engine.endpoint == "chat" else "/v1/completions"
     served = config.model or model
     header = _route_header(engine, config.route_headers)
-    chosen: dict[str | None, GatewayRoute] = {}
+    chosen: dict[str | None, Route] = {}
 
-    def route_of(name: str | None) -> GatewayRoute:
+    def route_of(name: str | None) -> Route:
         """The route a request of the traffic's route `name` matches: by its header, with --route-header."""
         if name not in chosen:
             found = config.route_for(path, served, None if header is None or name is None else {header: name})
@@ -321,13 +322,13 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
 
     def fresh(routes: Sequence[str]) -> LedgerAdmission:
         if header is None:
-            return LedgerAdmission.from_config(config, route)
-        return LedgerAdmission.from_config(config, route, [route_of(r) for r in routes])
+            return gateway_admission(config, route)
+        return gateway_admission(config, route, [route_of(r) for r in routes])
 
     def cap(name: str, prompt_tokens: int, max_tokens: int) -> int:
         return route_cap(route_of(name if header is not None else None).max_new_tokens, (max_tokens,))
 
-    # one engine is simulated: the first upstream's budget (LedgerAdmission.from_config)
+    # one engine is simulated: the first upstream's budget (kvtune.deploy.gateway_admission)
     info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.upstreams[0].block_budget,
             "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
             "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,

@@ -34,6 +34,7 @@ from kvtune.deploy.read import Deployed, DeployedKind
 from kvtune.deploy.slices import slice_blocks
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError
 from kvtune.gateway.config import HealthProbe
@@ -45,7 +46,7 @@ from kvtune.policy.feasibility import (
     max_model_len_remedy,
     verdict,
 )
-from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
+from kvtune.policy.recommendation import Recommendation, RouteRecommendation
 
 if TYPE_CHECKING:
     from kvtune.capacity.plan import Capacity
@@ -244,7 +245,7 @@ class _Checker:
         """(recommended route, the cap the deployment applies to its traffic or None if uncapped)."""
         out = []
         for route in self.rec.routes:
-            match = route.match or Match()
+            match = route.match or RouteMatch()
             if d.is_gateway:
                 hit = d.route_for(match.path, match.model, match.headers)
                 out.append((route, hit.max_new_tokens if hit else None))

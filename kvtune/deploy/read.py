@@ -20,7 +20,7 @@ from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedUpstream
 from kvtune.deploy.launch import launchers
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.domain.admission_policy import AdmissionPolicy, parse_admission
-from kvtune.domain.route import DeployedRoute
+from kvtune.domain.route import Route, RouteMatch
 from kvtune.errors import InputError
 from kvtune.gateway.config import HealthProbe
 from kvtune.userfiles import brief
@@ -44,8 +44,7 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
         max_model_len=config.max_model_len, upstream=config.upstream,
         block_budget=max(u.block_budget for u in config.upstreams),
         upstreams=tuple(DeployedUpstream(u.url, u.block_budget) for u in config.upstreams),
-        routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix,
-                                   r.output_law, r.match.header, r.match.value) for r in config.routes),
+        routes=config.routes,
         admission=config.admission, queue_max_waiting=config.queue_max_waiting,
         queue_timeout_s=config.queue_timeout_s,
         health=config.health if len(config.upstreams) > 1 else None,
@@ -195,9 +194,10 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
             raise InputError("a route matches a header and its value, both or neither", path=source,
                              field=f"CONFIG.routes[{i + 1}].{'value' if raw.get('header') else 'header'}")
         header = raw.get("header")
-        routes.append(DeployedRoute(raw.get("name") or f"route {i + 1}", raw.get("path"), raw.get("model"),
-                                    integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix"),
-                                    header=None if header is None else header.lower(), value=raw.get("value")))
+        route_match = RouteMatch(raw.get("path"), raw.get("model"), raw.get("path_prefix"),
+                                 None if header is None else header.lower(), raw.get("value"))
+        routes.append(Route(raw.get("name") or f"route {i + 1}", route_match,
+                            integer("max_new_tokens", raw, f"routes[{i + 1}].")))
     upstream = re.search(r"upstream\s+kvtune_upstream\s*\{\s*server\s+([^\s;]+)", text)
     upstreams = []
     raw_upstreams = config.get("upstreams", [])
@@ -306,5 +306,5 @@ def load_deployed(path: str | os.PathLike[str]) -> Deployed:
                           read_sibling=read_sibling)
 
 
-__all__ = ["Deployed", "DeployedKind", "DeployedRoute", "SiblingReader", "parse_deployed", "parse_vllm_command",
+__all__ = ["Deployed", "DeployedKind", "SiblingReader", "parse_deployed", "parse_vllm_command",
            "load_deployed"]

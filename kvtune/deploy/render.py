@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jinja2
-import numpy as np
 
 from kvtune.deploy.charts import capacity_segments, histogram_bars, what_if_scatter
 from kvtune.deploy.filters import FILTERS
@@ -26,7 +25,6 @@ from kvtune.deploy.launch import launcher
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
-from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
@@ -40,12 +38,13 @@ from kvtune.gateway.config import (
     HealthProbe,
     default_max_body_bytes,
 )
-from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
+from kvtune.policy.route_table import route_decisions
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation, RouteRecommendation
+    from kvtune.policy.recommendation import Recommendation
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # The gateway's Lua modules (kvtune/*.lua): nginx.conf holds their data and loads them from
@@ -66,7 +65,6 @@ LAUNCH_TARGETS: dict[str, str] = {name: engine for engine in ENGINE_NAMES for na
 TARGETS: dict[str, str] = {**{name: launcher(LAUNCH_TARGETS[name]).FILES[name] for name in LAUNCH_TARGETS},
                            **COMMON_TARGETS}
 EXECUTABLE = frozenset(launcher(engine).SCRIPT for engine in ENGINE_NAMES)
-CATCH_ALL_ROUTE = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,41 +228,19 @@ def vllm_flags(rec: Recommendation) -> list[dict]:
             for line in vllm.flags(rec)]
 
 
-def route_output_law(route: RouteRecommendation) -> OutputLaw:
-    """The route's measured output lengths as the statistical policy reads them: binned, truncated
-    at its cap, and every cut-off (censored) response counted at the cap, since it ran at least
-    that long as far as anyone knows."""
-    lengths = route.output_lengths
-    values = np.concatenate([lengths.uncensored.values, np.full(lengths.censored.values.size, route.cap)])
-    counts = np.concatenate([lengths.uncensored.counts, lengths.censored.counts])
-    return OutputLaw.from_samples(values, counts, route.cap)
-
-
 def gateway_routes(rec: Recommendation) -> list[dict]:
-    """The gateway's route table: one route per recommended route, in order, then a catch-all
-    capped at the backstop so no request is ever uncapped."""
+    """The gateway's route table (kvtune.policy.route_table) as the templates write it, each
+    route with the rule and reason of its cap."""
     routes = []
-    for route in rec.routes:
-        if route.match is None:
-            continue  # routes from a field no gateway sees: the catch-all below serves them
-        path = route.match.path or None
+    for route, decision in route_decisions(rec):
+        m = route.match
         routes.append({
-            "name": str(route.route) or "(unnamed)",
-            "path": path,
-            "model": route.match.model or None,
-            "header": route.match.header,
-            "value": route.match.value,
-            # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
-            "api": "any" if path is not None and path not in GENERATE else None,
-            "max_new_tokens": route.cap,
-            "output_histogram": route_output_law(route).to_dict(),
-            "rule": route.max_new_tokens.rule,
-            "reason": route.max_new_tokens.reason,
+            "name": route.name, "path": m.path, "model": m.model, "header": m.header, "value": m.value,
+            "api": None if route.api is None else route.api.value,
+            "max_new_tokens": route.max_new_tokens,
+            "output_histogram": None if route.output_law is None else route.output_law.to_dict(),
+            "rule": decision.rule, "reason": decision.reason,
         })
-    backstop = rec.setting("max_new_tokens_backstop")
-    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "header": None, "value": None, "api": None,
-                   "max_new_tokens": backstop.tokens, "output_histogram": None,
-                   "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
 
 

@@ -17,15 +17,14 @@ from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
-from kvtune.domain.output_law import OutputLaw, parse_output_law
-from kvtune.domain.route import RouteMatch
+from kvtune.domain.output_law import parse_output_law
+from kvtune.domain.route import Api, Route, RouteMatch
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
     DEFAULT_PASSTHROUGH,
     GENERATE,
     ROUTE_APIS,
-    Api,
     PathClass,
     canonical_path,
     classify,
@@ -55,21 +54,6 @@ HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: What a route header value may hold: printable ASCII, no comma (a header sent twice may arrive
 #: joined by one), no space at either end (both enforcers strip them); at most MAX_ROUTE_HEADER_VALUE.
 ROUTE_HEADER_VALUE = re.compile(rf"[!-+\--~](?:[ !-+\--~]{{0,{MAX_ROUTE_HEADER_VALUE - 2}}}[!-+\--~])?")
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayRoute:
-    name: str
-    match: RouteMatch
-    max_new_tokens: int
-    upstream: str | None = None
-    # For a literal path that is not one of vLLM's endpoints: the API its requests speak (how
-    # they are counted; `any` charges every prompt field) and the path they are forwarded to.
-    api: Api | None = None
-    upstream_path: str | None = None
-    # The route's measured output lengths (output_histogram), which the statistical policy bets
-    # on; None: its requests are assumed to reach their cap.
-    output_law: OutputLaw | None = None
 
 
 DEFAULT_PAIR_TOKENS = 128
@@ -258,7 +242,7 @@ class GatewayConfig:
     upstreams: tuple[GatewayUpstream, ...]
     block_size: int
     max_model_len: int
-    routes: tuple[GatewayRoute, ...]
+    routes: tuple[Route, ...]
     host: str = "127.0.0.1"
     port: int = 8080
     model: str | None = None
@@ -294,11 +278,11 @@ class GatewayConfig:
         on the upstream with the largest budget: no request larger than this is ever admitted."""
         return self.admission.limit_blocks(max(u.block_budget for u in self.upstreams))
 
-    def route_for(self, path: str, model: str | None, headers: Mapping[str, str] | None = None) -> GatewayRoute | None:
+    def route_for(self, path: str, model: str | None, headers: Mapping[str, str] | None = None) -> Route | None:
         """The first route, in file order, whose match accepts the request."""
         return next((r for r in self.routes if r.match.matches(path, model, headers)), None)
 
-    def path_route(self, path: str, headers: Mapping[str, str] | None = None) -> GatewayRoute | None:
+    def path_route(self, path: str, headers: Mapping[str, str] | None = None) -> Route | None:
         """For a literal route path that is no vLLM endpoint: the first route naming it whose
         header (if any) the request carries; None sends it to route_for."""
         return next((r for r in self.routes if r.match.path == path and r.match.header_matches(headers)), None)
@@ -308,9 +292,9 @@ class GatewayConfig:
         """The request headers routes match on (lower-case names, each once, in file order)."""
         return tuple(dict.fromkeys(r.match.header for r in self.routes if r.match.header is not None))
 
-    def route_paths(self) -> dict[str, GatewayRoute]:
+    def route_paths(self) -> dict[str, Route]:
         """Literal route paths that are not vLLM endpoints: each makes its path governed."""
-        out: dict[str, GatewayRoute] = {}
+        out: dict[str, Route] = {}
         for r in self.routes:
             if r.match.path is not None and r.match.path not in GENERATE:
                 out.setdefault(r.match.path, r)
@@ -666,7 +650,7 @@ def _health(r: _Reader, value: Any) -> HealthProbe:
                                                   "health.max_ejected_share", 0.0, 1.0))
 
 
-def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
+def _route(r: _Reader, raw: Any, where: str) -> Route:
     item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path",
                                   "output_histogram"}, {"name", "max_new_tokens"})
     match_doc = r.mapping(item.get("match", {}), f"{where}.match", {"path", "path_prefix", "model", "header", "value"})
@@ -710,7 +694,7 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
             elif target.path_class is not PathClass.UNKNOWN:
                 raise r.fail(f"{where}.upstream_path", f"{upstream_path} is not a generation endpoint")
         api = api or Api.ANY
-    return GatewayRoute(
+    return Route(
         name=r.string(item["name"], f"{where}.name"),
         match=RouteMatch(path=path, model=r.string(match_doc.get("model"), f"{where}.match.model", optional=True),
                          path_prefix=prefix, header=header, value=value),

@@ -36,9 +36,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvtune.domain.route import Route
 from kvtune.gateway.admin import Admin
 from kvtune.gateway.admission import Admission
-from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute
+from kvtune.gateway.config import CountingMethod, GatewayConfig
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.intake import Incoming, Intake
@@ -282,7 +283,7 @@ class Gateway:
                 self._take_out(replica, str(exc))
         raise RuntimeError("unreachable: the last attempt answers whatever happens")
 
-    def _reject(self, request: web.Request, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
+    def _reject(self, request: web.Request, route: Route | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
         name = route.name if route else ""
         self.metrics.count_rejected(name, rejection.reason)

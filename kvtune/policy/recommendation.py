@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
@@ -198,28 +199,6 @@ class Binned:
 
 
 @dataclass(frozen=True, slots=True)
-class Match:
-    """What a gateway matches a route on (none: every request): a path, a model, or a request
-    header's exact value (`header`, lower-case, naming the group it carries)."""
-
-    path: str | None = None
-    model: str | None = None
-    header: str | None = None
-    value: str | None = None
-
-    @property
-    def headers(self) -> dict[str, str] | None:
-        """The request headers a request of this route carries, as the gateways' matches read them."""
-        return None if self.header is None or self.value is None else {self.header: self.value}
-
-    def to_dict(self) -> dict:
-        out = {"path": self.path, "model": self.model}
-        if self.header is not None:
-            out |= {"header": self.header, "value": self.value}
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class RouteConcurrency:
     admitted: int
     worst_case: int
@@ -237,7 +216,7 @@ class RouteRecommendation:
     """One route's cap with what it costs: its reservations over the route's real prompts."""
 
     route: str
-    match: Match | None  # None: a field no gateway sees names the route; the catch-all serves it
+    match: RouteMatch | None  # None: a field no gateway sees names the route; the catch-all serves it
     requests: int
     share: float
     tail: TailClass
@@ -280,8 +259,9 @@ class RouteRecommendation:
     @classmethod
     def read(cls, f: Fields) -> RouteRecommendation:
         m = f.obj("match", optional=True)
-        match = None if m is None else Match(m.string("path", optional=True), m.string("model", optional=True),
-                                             m.string("header", optional=True), m.string("value", optional=True))
+        match = None if m is None else RouteMatch(
+            path=m.string("path", optional=True), model=m.string("model", optional=True),
+            header=m.string("header", optional=True), value=m.string("value", optional=True))
         prompt = f.obj("prompt_tokens", optional=True)
         requested = f.obj("requested_max_tokens", optional=True)
         lengths = f.obj("output_lengths")
@@ -701,6 +681,6 @@ def _ratio(a: int, b: int) -> float | None:
 
 __all__ = [
     "Recommendation", "UpstreamBudget", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested",
-    "Binned", "Match", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
+    "Binned", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
     "Concurrency", "load_recommendation", "looks_like_recommendation", "SCHEMA_VERSION", "SETTINGS",
 ]

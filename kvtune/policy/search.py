@@ -8,7 +8,7 @@ blocks, or the one --safety-fraction), then every other policy the gateway enfor
 at ε = 0.001, 0.01, 0.05; overcommit k = 1.25, 1.5, 2, 3) at every cap level on the 0.9 budget,
 then the gateway reserving the whole context (the other reference row); identical candidates
 once. Each candidate is `recommend()` at that level with that admission policy, so its engine
-settings, and for statistical each route's output law (kvtune.deploy.render.route_output_law),
+settings, and for statistical each route's output law (kvtune.policy.route_table.route_output_law),
 are the ones its files would deploy. All rows serve the same requests: bench's draws for each
 seed at the objective's load, each capped by its row's route caps; a row's figures are the mean
 over the objective's seeds (DEFAULT_SEEDS, seed, seed + 1, ...). Clients do not announce their
@@ -45,12 +45,13 @@ from kvtune.capacity.measured import CapacitySource
 from kvtune.domain.engine_settings import EngineSettings
 from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.output_law import OutputLaw
-from kvtune.domain.route import DeployedRoute
+from kvtune.domain.route import Route, RouteMatch
 from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
-from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
+from kvtune.policy.recommendation import Recommendation, RouteRecommendation
+from kvtune.policy.route_table import route_table
 from kvtune.policy.rules import CAP_PERCENTILE
 from kvtune.policy.whatif import (
     ENGINE_ROWS,
@@ -419,35 +420,30 @@ def predicted_of(objective: Objective, deployment: Deployment, result: SimResult
 # ---------------------------------------------------------------- candidates
 
 
-def route_caps(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, int | None]:
+def route_caps(table: Sequence[Route], routes: Sequence[RouteRecommendation]) -> dict[str, int | None]:
     """Each logged route's output cap under a gateway's route table, matched as the gateways
     (and `kvtune check`) match it: the first route that matches its path or model; none, uncapped."""
     return {name: None if hit is None else hit.max_new_tokens for name, hit in _matched(table, routes).items()}
 
 
-def route_laws(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, OutputLaw | None]:
+def route_laws(table: Sequence[Route], routes: Sequence[RouteRecommendation]) -> dict[str, OutputLaw | None]:
     """Each logged route's output law under a gateway's route table (its output_histogram),
     matched as route_caps matches; None where the matching route carries none."""
     return {name: None if hit is None else hit.output_law for name, hit in _matched(table, routes).items()}
 
 
-def _matched(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, DeployedRoute | None]:
-    out: dict[str, DeployedRoute | None] = {}
+def _matched(table: Sequence[Route], routes: Sequence[RouteRecommendation]) -> dict[str, Route | None]:
+    out: dict[str, Route | None] = {}
     for route in routes:
-        match = route.match or Match()
+        match = route.match or RouteMatch()
         out[route.route] = next((r for r in table if r.matches(match.path, match.model, match.headers)), None)
     return out
 
 
 def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) -> Deployment:
     """What the files rendered from `rec` deploy: its engine settings on the measured pool, the
-    route table gateway.yaml carries (kvtune.deploy.render.gateway_routes), its budget."""
-    from kvtune.deploy.render import gateway_routes
-
-    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"], header=r["header"], value=r["value"],
-                           output_law=None if (h := r.get("output_histogram")) is None
-                           else OutputLaw(tuple(h["lengths"]), tuple(h["counts"])))
-             for r in gateway_routes(rec)]
+    route table gateway.yaml carries (kvtune.policy.route_table), its budget."""
+    table = route_table(rec)
     return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks,
                       route_laws(table, rec.routes), *rendered_queue(rec))
 

@@ -1013,7 +1013,7 @@ def statistical(request, tmp_path, upstream):
 
 def _oracle(epsilon: float = EPSILON):
     """The Python StatisticalLedger with the chat route's law, as gateway.yaml renders it."""
-    from kvtune.deploy.render import route_output_law
+    from kvtune.policy.route_table import route_output_law
     from kvtune.domain.demand import Demand
     from kvtune.gateway.statistical import StatisticalLedger
 

@@ -27,9 +27,6 @@ FLOOR_MAY_IMPORT = ("kvtune.domain", "kvtune.errors", "kvtune.userfiles")
 #: ever shrinks. (importing package, imported module prefix): why it is still there.
 NOT_YET_CUT: dict[tuple[str, str], str] = {
     ("kvtune.bench", "kvtune.policy.recommendation"): "bench's verdict reads a Recommendation document",
-    ("kvtune.sim", "kvtune.gateway.config"): "the simulated gateway runs on GatewayConfig / GatewayRoute: the "
-                                             "one route type is not unified yet",
-    ("kvtune.policy", "kvtune.deploy.render"): "search renders the route table (list[dict]) and reads it back",
     ("kvtune.deploy", "kvtune.policy.recommendation"): "the Recommendation document lives in policy",
     ("kvtune.deploy", "kvtune.policy.whatif"): "the what-if document lives in policy",
     ("kvtune.deploy", "kvtune.policy.feasibility"): "check runs policy's feasibility",
@@ -151,11 +148,21 @@ def test_shared_types_come_from_the_floor() -> None:
                  "Demand": "kvtune/gateway/statistical.py", "EngineSettings": "kvtune/sim/scheduler.py",
                  "AdmissionPolicy": "kvtune/gateway/policy.py",
                  "LoadShape": "kvtune/bench/loads.py", "RetryPolicy": "kvtune/bench/client.py",
-                 "RouteMatch": "kvtune/gateway/config.py", "DeployedRoute": "kvtune/deploy/deployed.py"}
+                 "RouteMatch": "kvtune/gateway/config.py", "Route": "kvtune/deploy/deployed.py",
+                 "Api": "kvtune/gateway/endpoints.py"}
     for name, home in old_homes.items():
         old = ROOT.parent / home
         assert not old.exists() or f"class {name}" not in old.read_text(encoding="utf-8"), name
         assert any(f"class {name}" in p.read_text(encoding="utf-8") for p in (ROOT / "domain").glob("*.py")), name
+
+
+def test_one_route_type() -> None:
+    """A route is kvtune.domain.route.Route (matching with RouteMatch) in every layer: the gateway's
+    GatewayRoute, deploy's DeployedRoute and the recommendation's Match are gone."""
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        assert not classes & {"GatewayRoute", "DeployedRoute", "Match"}, path
 
 
 def test_not_yet_cut_lists_only_edges_that_exist() -> None:
