@@ -15,29 +15,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtune import userfiles
 from kvtune.deploy.command_line import MAX_INTEGER
 from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedUpstream
-from kvtune.deploy.launch import launchers
+from kvtune.deploy.launch import launchers, vllm
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.domain.admission_policy import AdmissionPolicy, parse_admission
 from kvtune.domain.route import Route, RouteMatch
 from kvtune.errors import InputError
-from kvtune.gateway.config import HealthProbe
-from kvtune.userfiles import brief
+from kvtune.gateway.config import HealthProbe, parse_gateway_config
+from kvtune.userfiles import brief, parse_yaml
 
 
 def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
     """A `vllm serve` (or api_server) command line, as typed or inside a shell script."""
-    from kvtune.deploy.launch import vllm
-
     return vllm.read(text, source)
 
 
 # ---------------------------------------------------------------- gateway.yaml
 
 def _deployed_from_gateway(data: Any, source: str) -> Deployed:
-    from kvtune.gateway.config import parse_gateway_config
-
     config = parse_gateway_config(data, path=source)
     return Deployed(
         kind=DeployedKind.GATEWAY, source=source, model=config.model, block_size=config.block_size,
@@ -269,8 +266,6 @@ SiblingReader = Callable[[str], str] | None
 def parse_deployed(text: str, *, source: str = "<deployed>", read_sibling: SiblingReader = None) -> Deployed:
     """Recognise the file by its content: kvtune's nginx.conf, a gateway.yaml, or an engine's
     launch command (each launch module recognises its own)."""
-    from kvtune.userfiles import parse_yaml
-
     if NGINX_CONFIG_BEGIN in text or re.search(r"^\s*http\s*\{", text, re.M):
         return _deployed_from_nginx(text, source)
     try:
@@ -293,8 +288,6 @@ def parse_deployed(text: str, *, source: str = "<deployed>", read_sibling: Sibli
 def load_deployed(path: str | os.PathLike[str]) -> Deployed:
     """Read a deployed file: a regular file of UTF-8 text, at most CONFIG_MAX_BYTES (kvtune.userfiles).
     A file the script names (`"$(dirname "$0")/x.yaml"` or a relative path) is read from beside it."""
-    from kvtune import userfiles
-
     here = Path(path).parent
 
     def read_sibling(named: str) -> str:

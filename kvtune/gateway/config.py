@@ -30,7 +30,7 @@ from kvtune.gateway.endpoints import (
     classify,
     never_passthrough,
 )
-from kvtune.userfiles import CONFIG_MAX_BYTES, brief
+from kvtune.userfiles import CONFIG_MAX_BYTES, brief, load_yaml
 
 SCHEMA_VERSION = 1
 
@@ -798,6 +798,4 @@ def _admin(r: _Reader, value: Any) -> AdminAccess:
 def load_gateway_config(path: str | Path) -> GatewayConfig:
     """Read and validate a gateway.yaml file: a regular file of at most CONFIG_MAX_BYTES, YAML
     without anchors, aliases or duplicate keys (kvtune.userfiles)."""
-    from kvtune.userfiles import load_yaml
-
     return parse_gateway_config(load_yaml(path, max_bytes=CONFIG_MAX_BYTES), path=str(path))

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvtune.gateway.pool import Replica, UpstreamPool
 from kvtune.gateway.refusals import Reason
+from kvtune.gateway.shared import MODES
 from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
@@ -95,8 +96,6 @@ class GatewayMetrics:
     def add_ledger_gauges(self, shared: SharedLedger | None) -> None:
         """kvtune_gateway_ledger_mode{mode}: 1 for the mode admission runs in now (memory; redis;
         local or unavailable while Redis does not answer), with the shared store's own counts."""
-        from kvtune.gateway.shared import MODES
-
         r = self.registry
         mode = Gauge("kvtune_gateway_ledger_mode", "1 for how reservations are recorded now: memory (this process), "
                      "redis (shared), local (Redis unavailable: a static slice of each budget), unavailable "

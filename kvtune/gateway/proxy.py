@@ -40,6 +40,7 @@ from kvtune.domain.route import Route
 from kvtune.gateway.admin import Admin
 from kvtune.gateway.admission import Admission
 from kvtune.gateway.config import CountingMethod, GatewayConfig
+from kvtune.gateway.connections import listen
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.intake import Incoming, Intake
@@ -335,8 +336,6 @@ async def serve(config: GatewayConfig, *, stop: asyncio.Event,
     """Serve until `stop` is set, then drain: stop accepting, give in-flight streams up to
     drain_timeout_s to finish, cancel the rest (their reservations release in `finally`).
     `app` is make_app(config) unless given (tests keep a handle on its Gateway)."""
-    from kvtune.gateway.connections import listen
-
     app = app if app is not None else make_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
                            access_log=None)

@@ -17,14 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtune import userfiles
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
 from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.policy.feasibility import Verdict, verdict
+from kvtune.policy.whatif import Predicted, read_what_if
 from kvtune.profile.routes import CensoredHistogram, TailClass
-from kvtune.userfiles import brief
+from kvtune.userfiles import brief, read_head
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
@@ -422,8 +424,6 @@ class UpstreamBudget:
 
     @classmethod
     def read(cls, f: Fields) -> UpstreamBudget:
-        from kvtune.policy.whatif import Predicted
-
         known = {"url", "block_budget", "num_blocks", "capacity_file", "max_num_seqs", "max_num_batched_tokens",
                  "predicted", "kv_cache_memory_bytes"}
         unknown = sorted(str(k) for k in set(f.data) - known)
@@ -572,7 +572,6 @@ class Recommendation:
         concurrency = f.obj("concurrency")
         routes = tuple(RouteRecommendation.read(r) for r in f.items("routes", nonempty=True))
         notes = f.strings("notes", optional=True) or []
-        from kvtune.policy.whatif import read_what_if
 
         searched = read_what_if(f)
         if searched is not None and {r.route for r in searched[0].traffic.routes} != {r.route for r in routes}:
@@ -644,8 +643,6 @@ _MARKER = b'"kvtune_version"'  # the second key kvtune writes; JSON logs do not 
 def looks_like_recommendation(path: str | os.PathLike[str]) -> bool:
     """A regular file whose first 4 KiB carry kvtune's version key (cheap; the rest is not read),
     so `check recommendation.json` is not taken for a log file."""
-    from kvtune.userfiles import read_head
-
     head = read_head(path, 4096)
     return head is not None and _MARKER in head
 
@@ -653,8 +650,6 @@ def looks_like_recommendation(path: str | os.PathLike[str]) -> bool:
 def load_recommendation(path: str | os.PathLike[str], *, field: str | None = None) -> Recommendation:
     """Read and check a recommendation.json written by `kvtune recommend --out` (a regular file,
     strict JSON, at most userfiles.RECOMMENDATION_MAX_BYTES). `field` names the option it came in."""
-    from kvtune import userfiles
-
     data = userfiles.load_json(path, max_bytes=userfiles.RECOMMENDATION_MAX_BYTES, field=field)
     try:
         return Recommendation.from_dict(data, path=os.fspath(path))

@@ -70,8 +70,13 @@ from kvtune.policy.whatif import (
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
+from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
+from kvtune.sim.report import summarize_sim
+from kvtune.sim.requests import Outcome, Workload
+from kvtune.sim.results import OUTCOMES
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
-from kvtune.sim.traffic import logged_rate
+from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, plan_timing
+from kvtune.sim.traffic import Traffic, draw_profile, logged_rate, send_offsets
 
 if TYPE_CHECKING:
     from kvtune.sim.results import SimResult
@@ -208,8 +213,6 @@ def sim_basis(plan: Plan) -> SimBasis:
     for the plan's model and GPU) and the engine with today's defaults; without a capacity file
     (or with only a pool size given), the plan's own estimate, as `kvtune simulate` takes it
     (kvtune.sim.setup.offline_capacity)."""
-    from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, plan_timing
-
     measured = plan.measured
     labels = None
     if measured is None or given_pool(measured):
@@ -280,8 +283,6 @@ def objective_seeds(objective: Objective) -> range:
 
 def draw_requests(objective: Objective, seed: int | None = None) -> Draws:
     """Bench's draws for `seed` (default: the objective's first)."""
-    from kvtune.sim.traffic import draw_profile, send_offsets
-
     seed = objective.seed if seed is None else seed
     load, n = objective.load, objective.requests
     sends = None
@@ -373,10 +374,6 @@ def simulate_run(objective: Objective, deployment: Deployment, draws: Draws,
                  concurrency: int | None = None) -> tuple[SimResult, Traffic]:
     """One seed's requests served on `deployment` (a closed loop of `concurrency` clients,
     default the objective's), as the simulator returns them."""
-    from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
-    from kvtune.sim.requests import Workload
-    from kvtune.sim.traffic import Traffic
-
     overhead = objective.basis.http_overhead_s
     cap = np.array([-1 if (c := deployment.caps.get(r)) is None else c for r in draws.route], dtype=np.int64)
     output = np.where(cap > 0, np.minimum(draws.output, cap), draws.output)
@@ -394,10 +391,6 @@ def simulate_run(objective: Objective, deployment: Deployment, draws: Draws,
 
 def predicted_of(objective: Objective, deployment: Deployment, result: SimResult, traffic: Traffic) -> Predicted:
     """A run's figures as the what-if table shows them."""
-    from kvtune.sim.report import summarize_sim
-    from kvtune.sim.requests import Outcome
-    from kvtune.sim.results import OUTCOMES
-
     summary = summarize_sim(result, traffic, slo=objective.slo)
     r = result.requests
     sent_mask = r.outcome != OUTCOMES.index(Outcome.NOT_SENT)

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from kvtune.errors import InputError, UnknownNameError
+from kvtune.ingest import read_logs
 from kvtune.profile.histogram import JOINT_EDGES, Histogram
+from kvtune.profile.logged_model import ModelSelection, one_logged_model, same_model
 from kvtune.profile.routes import Profile, RouteProfile, skipped_file_notes
 from kvtune.userfiles import brief
 from kvtune.workload.requests import RequestSpec
@@ -245,9 +247,6 @@ def replay_rows(paths: Sequence[str], options: Any, routes: Sequence[str]
     it; logs naming several without it are an error, as for a profile: kvtune.profile.logged_model).
     None at all: one InputError naming the inputs and why each row went (ingest's skip reasons, then
     the fields missing here)."""
-    from kvtune.ingest import read_logs
-    from kvtune.profile.logged_model import ModelSelection, one_logged_model, same_model
-
     batches, stats = read_logs(list(paths), options)
     keep_routes = set(routes)
     triples: list[tuple[str, int, int]] = []
