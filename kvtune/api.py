@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from kvtune.domain.slo import Slo
 from kvtune.errors import KvtuneError, OptionError
 from kvtune.planning import Plan, measured_capacity, plan
+from kvtune.profile import MAX_ROUTES as DEFAULT_MAX_ROUTES
 
 if TYPE_CHECKING:
     from kvtune.deploy.check import CheckResult
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from kvtune.policy.recommendation import Recommendation
     from kvtune.profile.routes import Profile
 
-DEFAULT_MAX_ROUTES = 2000  # kvtune.profile.build.MAX_ROUTES, without importing numpy here
 
 
 class RenderCheckError(KvtuneError):

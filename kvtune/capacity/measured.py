@@ -31,10 +31,10 @@ from typing import Any
 
 from kvtune import userfiles
 from kvtune.capacity.timing import Timing
+from kvtune.domain.fields import MAX_INTEGER, Fields
 from kvtune.endpoint import get_ok, server_root
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError, OptionError
-from kvtune.fields import Fields
 from kvtune.userfiles import brief
 from kvtune.writer import write_text
 
@@ -221,7 +221,7 @@ REPORT_FIELDS = frozenset({
 # written only when known (engine: when not vLLM), so capacity files from before they were
 # recorded read back equal
 _SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
-_MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
+_MAX_FIELD = MAX_INTEGER  # exact in a double: what JSON readers and the rendered files agree on
 # (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
 _FIELD_RANGES: dict[str, tuple[float, float]] = {
     "max_concurrency": (0, _MAX_FIELD),

@@ -14,15 +14,14 @@ from typing import Any
 
 import click
 
+from kvtune.domain.fields import MAX_INTEGER as MAX_COUNT  # counts above it are typos
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import KvtuneError, OptionError
 from kvtune.hardware import GPUS, Gpu, find_gpu
+from kvtune.profile import MAX_ROUTES
 
 GPU_NAMES = tuple(GPUS)
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
-#: kvtune.profile.build.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
-MAX_ROUTES = 2000
-MAX_COUNT = 2**53  # counts above this are typos; floats hold every integer up to here exactly
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 

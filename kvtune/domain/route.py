@@ -97,3 +97,24 @@ class Route:
 
     def matches(self, path: str | None, model: str | None, headers: Mapping[str, str] | None = None) -> bool:
         return self.match.matches(path, model, headers)
+
+    # what the route matches on, read as the route's own (a deployed route's path, say)
+    @property
+    def path(self) -> str | None:
+        return self.match.path
+
+    @property
+    def model(self) -> str | None:
+        return self.match.model
+
+    @property
+    def path_prefix(self) -> str | None:
+        return self.match.path_prefix
+
+    @property
+    def header(self) -> str | None:
+        return self.match.header
+
+    @property
+    def value(self) -> str | None:
+        return self.match.value

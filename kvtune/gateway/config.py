@@ -17,6 +17,7 @@ from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.domain.fields import MAX_INTEGER
 from kvtune.domain.output_law import parse_output_law
 from kvtune.domain.route import Api, Route, RouteMatch
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
@@ -302,9 +303,6 @@ class GatewayConfig:
 
 
 
-#: The largest integer a field may hold: exact in a double, so the rendered nginx Lua and every
-#: JSON reader see the same number.
-MAX_INTEGER = 2**53
 #: The largest upstream weight: beyond it one upstream takes everything whatever its budget.
 MAX_WEIGHT = 1000.0
 #: A day: a longer timeout (or Retry-After) is no timeout at all.

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtune import userfiles
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.domain.fields import MAX_INTEGER, Fields
 from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
-from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.policy.feasibility import Verdict, verdict
 from kvtune.policy.whatif import Predicted, read_what_if
 from kvtune.profile.routes import CensoredHistogram, TailClass

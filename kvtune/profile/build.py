@@ -24,7 +24,7 @@ import numpy as np
 from kvtune import userfiles
 from kvtune.errors import InputError, KvtuneError
 from kvtune.ingest.window import WindowReport
-from kvtune.profile import counting
+from kvtune.profile import MAX_ROUTES, counting
 from kvtune.profile.histogram import (
     JOINT_EDGES,
     Histogram,
@@ -73,10 +73,6 @@ DENSE_ROWS = 4096
 #: wide one (128k-token prompts) cannot grow dense rows without bound.
 DENSE_TABLE_BYTES = 128 << 20
 
-#: Routes a profile keeps by default; the rest (the least busy) fold into `*`. A deployment
-#: serves a few dozen routes; thousands mean the route key holds ids (/v1/users/123/...), and
-#: a gateway config or nginx.conf with a location per id would be neither readable nor useful.
-MAX_ROUTES = 2000
 
 _SECOND_BITS = 38  # arrival keys: (route << _SECOND_BITS) | whole second; 2^38 s is past year 9999
 _MAX_ARRIVAL_ROUTES = 1 << (63 - _SECOND_BITS)

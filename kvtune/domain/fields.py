@@ -16,7 +16,8 @@ from typing import Any, Literal, overload
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
 
-# Integers stay exact in a double (what JSON readers, the rendered Lua and YAML agree on).
+#: The largest integer any file or option kvtune reads may hold: exact in a double, so JSON
+#: readers, YAML, the rendered Lua and numpy all see the same number. Named once, here.
 MAX_INTEGER = 2**53
 _MISSING = object()
 
