@@ -8,16 +8,15 @@ so a typo fails when the file is read, not at the first request.
 from __future__ import annotations
 
 import enum
-import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
-from kvtune.domain.fields import MAX_INTEGER
+from kvtune.domain.fields import MAX_INTEGER, is_finite_number, is_integer, is_number, not_one_of
 from kvtune.domain.output_law import parse_output_law
 from kvtune.domain.route import Api, Route, RouteMatch
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
@@ -339,7 +338,7 @@ class _Reader:
         return value
 
     def integer(self, value: Any, where: str, minimum: int, maximum: int = MAX_INTEGER) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_integer(value):
             raise self.fail(where, f"expected an integer, got {brief(value)}")
         if value < minimum:
             raise self.fail(where, f"must be at least {minimum}, got {brief(value)}")
@@ -349,9 +348,9 @@ class _Reader:
 
     def number(self, value: Any, where: str, minimum: float, maximum: float = MAX_SECONDS) -> float:
         """A finite int or float in range; the default maximum is for durations, the other numbers'."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise self.fail(where, f"expected a number, got {brief(value)}")
-        if isinstance(value, float) and not math.isfinite(value):
+        if not is_finite_number(value):
             raise self.fail(where, f"expected a finite number, got {brief(value)}")
         if value < minimum:
             raise self.fail(where, f"must be at least {minimum:g}, got {brief(value)}")
@@ -369,6 +368,13 @@ class _Reader:
             return None
         if not isinstance(value, str) or not value:
             raise self.fail(where, f"expected a non-empty string, got {brief(value)}")
+        return value
+
+    def choice(self, value: Any, where: str, choices: Iterable[str]) -> str:
+        """One of `choices` (a closed set of words: an enum's values, say)."""
+        problem = not_one_of(value, choices)
+        if problem:
+            raise self.fail(where, problem)
         return value
 
     def host(self, value: Any, where: str) -> str:
@@ -411,9 +417,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
                          {"method", "tokenizer", "chars_per_token", "margin_tokens", "pair_tokens"})
 
     given = counting.get("method", CountingMethod.UPSTREAM_TOKENIZE.value)
-    if given not in PROMPT_COUNT_METHODS:
-        raise r.fail("prompt_tokens.method", f"{brief(given)} is not one of {', '.join(PROMPT_COUNT_METHODS)}")
-    method = CountingMethod(given)
+    method = CountingMethod(r.choice(given, "prompt_tokens.method", PROMPT_COUNT_METHODS))
     prompt_counting = PromptCounting(
         method=method,
         tokenizer=r.string(counting.get("tokenizer"), "prompt_tokens.tokenizer", optional=True),
@@ -563,9 +567,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
                          "the Redis URL goes in ledger.url")
     names = {b.value: b for b in LedgerBackend}
     given = doc.get("backend", LedgerBackend.MEMORY.value)
-    if not isinstance(given, str) or given not in names:
-        raise r.fail("ledger.backend", f"{brief(given)} is not one of {', '.join(names)}")
-    backend = names[given]
+    backend = names[r.choice(given, "ledger.backend", names)]
     if backend is LedgerBackend.MEMORY:
         for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s", "reclaim_grace_s"):
             if key in doc:
@@ -593,8 +595,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
                      "at most 128 characters)")
     on_error = doc.get("on_error", OnLedgerError.REJECT.value)
     errors = {e.value: e for e in OnLedgerError}
-    if not isinstance(on_error, str) or on_error not in errors:
-        raise r.fail("ledger.on_error", f"{brief(on_error)} is not one of {', '.join(errors)}")
+    r.choice(on_error, "ledger.on_error", errors)
     if errors[on_error] is OnLedgerError.LOCAL and "replicas_hint" not in doc:
         raise r.fail("ledger.replicas_hint", "missing: on_error: local admits against 1/replicas_hint of "
                      "each budget, so it needs how many gateway replicas share it")
@@ -614,8 +615,7 @@ def _sticky(r: _Reader, value: Any) -> Sticky | None:
     doc = r.mapping(value, "sticky", {"by", "header"}, {"by"})
     names = {b.value: b for b in StickyBy}
     by = doc["by"]
-    if not isinstance(by, str) or by not in names:
-        raise r.fail("sticky.by", f"{brief(by)} is not one of {', '.join(names)}")
+    r.choice(by, "sticky.by", names)
     header = r.string(doc.get("header"), "sticky.header", optional=True)
     if names[by] is StickyBy.HEADER:
         if header is None:
@@ -678,9 +678,7 @@ def _route(r: _Reader, raw: Any, where: str) -> Route:
     if custom:
         names = {a.value: a for a in ROUTE_APIS}
         given = item.get("api")
-        if given is not None and (not isinstance(given, str) or given not in names):
-            raise r.fail(f"{where}.api", f"{brief(given)} is not one of {', '.join(names)}")
-        api = names[given] if given is not None else None
+        api = names[r.choice(given, f"{where}.api", names)] if given is not None else None
         if upstream_path is not None:
             _literal_path(r, upstream_path, f"{where}.upstream_path")
             target = classify(upstream_path, ())
@@ -777,18 +775,15 @@ def _admin(r: _Reader, value: Any) -> AdminAccess:
     doc = r.mapping(value, "admin", {"metrics", "ledger", "token_env", "refusal_detail"})
     metrics = doc.get("metrics", Access.LOOPBACK.value)
     ledger = doc.get("ledger", Access.LOOPBACK.value)
-    if metrics not in ADMIN_ACCESS:
-        raise r.fail("admin.metrics", f"{brief(metrics)} is not one of {', '.join(ADMIN_ACCESS)}")
-    if ledger not in ADMIN_ACCESS[:2]:
-        raise r.fail("admin.ledger", f"{brief(ledger)} is not one of loopback, token")
+    r.choice(metrics, "admin.metrics", ADMIN_ACCESS)
+    r.choice(ledger, "admin.ledger", ADMIN_ACCESS[:2])
     token_env = r.string(doc.get("token_env"), "admin.token_env", optional=True)
     if token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
         raise r.fail("admin.token_env", f"{brief(token_env)} is not an environment variable name")
     if Access.TOKEN.value in (metrics, ledger) and token_env is None:
         raise r.fail("admin.token_env", "access 'token' needs the environment variable that holds the token")
     detail = doc.get("refusal_detail", RefusalDetail.PUBLIC.value)
-    if detail not in REFUSAL_DETAILS:
-        raise r.fail("admin.refusal_detail", f"{brief(detail)} is not one of {', '.join(REFUSAL_DETAILS)}")
+    r.choice(detail, "admin.refusal_detail", REFUSAL_DETAILS)
     return AdminAccess(metrics=Access(metrics), ledger=Access(ledger), token_env=token_env,
                        refusal_detail=RefusalDetail(detail))
 
