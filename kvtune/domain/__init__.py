@@ -13,4 +13,7 @@ rather than in one of them, and the feature packages never import each other for
   engine_settings  EngineSettings: the engine limits that change scheduling
   load_shape       LoadKind, LoadShape: the load a sender puts on a server
   retry_policy     RetryPolicy: how a client retries a 429
+  route            Route, RouteMatch, Api: one route type for the gateway, deploy and policy
+  fields           Fields, MAX_INTEGER: the strict reader of kvtune's own files, and the
+                   checks every strict reader makes
 """
