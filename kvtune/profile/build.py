@@ -44,7 +44,6 @@ from kvtune.profile.routes import (
     busiest_routes,
 )
 from kvtune.userfiles import read_head
-from kvtune.writer import write_text
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -684,6 +683,8 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
     """Write the profile as JSON, whole or not at all (kvtune.writer)."""
+    from kvtune.writer import write_text  # tempfile, only when a profile is saved
+
     write_text(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
 
 

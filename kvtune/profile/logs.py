@@ -17,7 +17,6 @@ from kvtune.profile.build import (
     profile_read,
 )
 from kvtune.profile.logged_model import one_logged_model
-from kvtune.profile.on_ray import profile_on_ray
 from kvtune.profile.parallel import profile_parallel
 from kvtune.profile.routes import Profile, fold_routes
 
@@ -54,6 +53,8 @@ def profile_logs(
 
     def once(opts: IngestOptions) -> Profile:
         if ray_address is not None:
+            from kvtune.profile.on_ray import profile_on_ray  # logging (Ray's), only on a cluster
+
             return profile_on_ray(paths, opts, address=ray_address, progress=progress, max_routes=max_routes)
         if workers == 1:
             return _profile_once(paths, opts, progress, max_routes)

@@ -28,9 +28,11 @@ FLOOR_MAY_IMPORT = ("kvtune.domain", "kvtune.errors", "kvtune.userfiles")
 #: sim, policy and deploy); it may only stay empty.
 NOT_YET_CUT: dict[tuple[str, str], str] = {}
 
-#: Third-party packages worth deferring to the function that needs them (start-up time): a
+#: What is worth deferring to the function that needs it (start-up time): a third-party package,
+#: or one of the standard modules tests/unit/test_startup_imports.py keeps off the light paths. A
 #: function-local kvtune import must load at least one its module does not load already.
 STDLIB = sys.stdlib_module_names
+COSTLY_STDLIB = frozenset({"concurrent", "logging", "tempfile", "subprocess", "difflib", "ctypes", "multiprocessing"})
 
 #: Modules whose function-local imports the rule below does not judge yet: the CLI, the api and
 #: planning are being reshaped into one door (issue 28, branch api-door), which owns those files.
@@ -202,8 +204,8 @@ def _targets(node: ast.Import | ast.ImportFrom, package: list[str]) -> list[str]
 
 @functools.cache
 def _loads_at_import(module: str) -> tuple[frozenset[str], frozenset[str]]:
-    """(kvtune modules, third-party packages) that importing `module` runs at its top level: not
-    under TYPE_CHECKING, not inside a function or class."""
+    """(kvtune modules, third-party packages and costly standard ones) that importing `module`
+    runs at its top level: not under TYPE_CHECKING, not inside a function or class."""
     path = _path_of(module)
     if path is None:
         return frozenset(), frozenset()
@@ -220,7 +222,8 @@ def _loads_at_import(module: str) -> tuple[frozenset[str], frozenset[str]]:
                 kvtune_modules.update(targets)
                 if not targets and not (isinstance(node, ast.ImportFrom) and node.level):
                     names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                    third_party.update(n.split(".")[0] for n in names if n.split(".")[0] not in STDLIB)
+                    third_party.update(n.split(".")[0] for n in names
+                                       if n.split(".")[0] not in STDLIB or n.split(".")[0] in COSTLY_STDLIB)
             elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 for field in ("body", "orelse", "handlers", "finalbody"):
                     visit(getattr(node, field, None) or [])
@@ -232,8 +235,8 @@ def _loads_at_import(module: str) -> tuple[frozenset[str], frozenset[str]]:
 
 @functools.cache
 def third_party_loaded(module: str) -> frozenset[str]:
-    """Every third-party package importing `module` loads, through kvtune's modules (and the
-    packages above each, which Python runs first)."""
+    """Every third-party package (and costly standard module) importing `module` loads, through
+    kvtune's modules (and the packages above each, which Python runs first)."""
     seen: set[str] = set()
     found: set[str] = set()
     todo = [module]
@@ -251,8 +254,8 @@ def third_party_loaded(module: str) -> frozenset[str]:
 
 def test_function_local_imports_only_defer_heavy_imports() -> None:
     """A function-local import of kvtune is for start-up time, never to dodge a cycle: it loads a
-    third-party package (numpy, pyarrow, aiohttp, jinja2, …) that its module does not load
-    already, and says which in a comment."""
+    third-party package (numpy, pyarrow, aiohttp, jinja2, …) or a costly standard module
+    (logging, tempfile, …) that its module does not load already, and says which in a comment."""
     bad = []
     for path in ROOT.rglob("*.py"):
         module = module_name(path)
