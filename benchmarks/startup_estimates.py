@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from kvtune.capacity.memory import GiB  # noqa: E402
-from kvtune.capacity.plan import CapacityReport, plan_capacity  # noqa: E402
+from kvtune.capacity.plan import CapacityInputs, CapacityReport, plan_capacity  # noqa: E402
 from kvtune.errors import CapacityError  # noqa: E402
 from kvtune.hardware import GPUS  # noqa: E402
 from kvtune.kv import kv_bytes  # noqa: E402
@@ -217,10 +217,10 @@ def estimate(startup: Startup, row: dict[str, str]) -> Estimate:
         measured = round((79.22 * 0.90 - 7.48 - 3.58 - 1.26) * GiB)
     report = error = None
     try:
-        report = plan_capacity(spec, kv, weights, gpu_name=gpu_name, gpu_memory_bytes=memory,
-                               gpu_memory_utilization=utilization, max_model_len=max_len,
-                               max_num_batched_tokens=batched, enforce_eager=startup.enforce_eager,
-                               engine_version=startup.engine_version)
+        report = plan_capacity(spec, kv, CapacityInputs(
+            weights, gpu_name=gpu_name, gpu_memory_bytes=memory, gpu_memory_utilization=utilization,
+            max_model_len=max_len, max_num_batched_tokens=batched, enforce_eager=startup.enforce_eager,
+            engine_version=startup.engine_version))
     except CapacityError as exc:
         error = exc
     return Estimate(startup, row["source"], row["model"], gpu, measured, report, error)

@@ -5,8 +5,8 @@ The Python API (kvtune.api) runs the same pipeline as `kvtune recommend`:
     import kvtune
 
     profile = kvtune.profile_logs(["sample_logs/"])             # logs -> per-route histograms
-    plan = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")         # model + GPUs -> KV capacity
-    rec = kvtune.recommend(profile, plan)                       # -> caps, budget, settings
+    deployment = kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB")  # model + GPUs + engine
+    rec = kvtune.recommend(profile, deployment)                 # -> caps, budget, settings
     kvtune.write_files("deploy/", kvtune.render(rec))           # -> vllm-serve.sh, gateway.yaml, ...
     result = kvtune.check(rec, ["deploy/vllm-serve.sh", "deploy/gateway.yaml"])
 
@@ -21,7 +21,8 @@ from kvtune.version import __version__
 
 __all__ = [
     "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
-    "check", "load_recommendation", "RenderCheckError", "Plan", "__version__",
+    "check", "load_recommendation", "RenderCheckError", "Plan", "Deployment", "Measurement", "Policy", "Objective",
+    "Slo", "LogReading", "__version__",
 ]
 
 

@@ -14,21 +14,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
+from kvtune.capacity.engine_memory import default_fraction
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.capacity.memory import memory_model
-from kvtune.capacity.plan import Capacity, CapacityReport, plan_capacity
+from kvtune.capacity.plan import Capacity, CapacityInputs, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
+from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.hardware import Gpu, find_gpu, parse_memory_size
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
 from kvtune.weights import weights_for
-
-if TYPE_CHECKING:
-    from kvtune.weights import WeightsEstimate
 
 T = TypeVar("T", float, str)
 
@@ -57,27 +56,6 @@ class Basis(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
-class CapacityInputs:
-    """What the capacity was planned from besides the model (kvtune.capacity.plan.plan_capacity's
-    arguments): `replan` repeats it at other scheduler limits."""
-
-    weights: WeightsEstimate
-    gpu_name: str | None
-    gpu_memory_bytes: int | None
-    gpu_memory_utilization: float | None
-    max_model_len: int | None
-    max_num_batched_tokens: int | None
-    block_size: int | None
-    shapes: tuple[RequestShape, ...]
-    measured: MeasuredCapacity | None
-    enforce_eager: bool
-    engine: str
-    engine_version: str | None
-    max_kv_tokens: int | None
-    max_num_seqs: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
     """A model on a deployment: spec, KV cost, capacity, and the settings behind the capacity."""
 
@@ -96,6 +74,7 @@ class Plan:
     # the longest context every engine replica holds, when one launch file runs several (None: this plan's pool)
     replica_context_tokens: int | None = None
     gpu_model: Gpu | None = None  # the catalog entry or --gpu-spec GPU named by `gpu` (None: memory given)
+    deployment: Deployment | None = None  # what was planned (None: a plan built by hand)
 
     @property
     def capacity(self) -> Capacity:
@@ -106,29 +85,13 @@ class Plan:
         return self.report.capacity.measured
 
 
-def plan(
-    model: str,
-    *,
-    gpu: str | Gpu | None = None,
-    gpu_memory: str | int | None = None,
-    tp: int = 1,
-    pp: int = 1,
-    gpu_memory_utilization: float | None = None,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    block_size: int | None = None,
-    kv_cache_dtype: str | None = None,
-    enforce_eager: bool = False,
-    measured: MeasuredCapacity | None = None,
-    shapes: tuple[RequestShape, ...] = (),
-    engine: str = "vllm",
-    engine_version: str | None = None,
-    max_kv_tokens: int | None = None,
-) -> Plan:
+def plan(deployment: Deployment, *, measured: MeasuredCapacity | Measurement | None = None,
+         shapes: tuple[RequestShape, ...] = ()) -> Plan:
     """Resolve the model and the hardware, take a measured capacity's basis, plan the capacity.
 
-    `gpu` names a catalog GPU (`H100-80GB`) or is one (a --gpu-spec file's, kvtune.gpu_spec);
-    `gpu_memory` gives memory instead (`80GB` or bytes).
+    The deployment's `gpu` names a catalog GPU (`H100-80GB`), its `gpu_spec` a --gpu-spec file
+    (kvtune.gpu_spec), or its `gpu_memory` gives memory instead (`80GB` or bytes); `measured` is
+    a capacity already read, or the `Measurement` to read it from (kvtune.domain.deployment).
     Settings left None take the measurement's value, else the engine's default. `engine_version` is the
     release ('0.6.3', '0.19.0'; None: the current one) whose defaults and memory profiler the
     estimate follows: vLLM's by release; SGLang's (0.5.23) and TensorRT-LLM's (1.2) memory models
@@ -136,62 +99,63 @@ def plan(
     follows that engine's memory model and defaults (kvtune.capacity.engine_memory),
     gpu_memory_utilization is its fraction (mem_fraction_static, free_gpu_memory_fraction),
     max_kv_tokens its --max-total-tokens / kv_cache_config.max_tokens, and the measurement
-    must be that engine's.
+    must be that engine's. `shapes` are request shapes whose fit the capacity reports.
 
-    >>> p = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
+    >>> p = kvtune.plan(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"))
     >>> p.capacity.block_size, p.gpu_memory_utilization.value
     (16, 0.92)
     """
-    if gpu and gpu_memory is not None:
+    d = deployment
+    if d.model is None:
+        raise OptionError("name the model to plan (a preset, config.json, model directory or hub id)", field="model")
+    if isinstance(measured, Measurement):
+        measured = read_measurement(measured, d.engine)
+    found = resolve_gpu(d.gpu, d.gpu_spec, d.gpu_memory)
+    if found is not None and d.gpu_memory is not None:
         raise CapacityError("give a GPU model or a memory size, not both", field="gpu_memory")
-    gpu_name = memory_bytes = found = None
-    if gpu:
-        found = gpu if isinstance(gpu, Gpu) else find_gpu(gpu)
+    gpu_name = memory_bytes = None
+    if found is not None:
         gpu_name, memory_bytes = found.name, found.memory_bytes
-    elif gpu_memory is not None:
-        memory_bytes = gpu_memory if isinstance(gpu_memory, int) else parse_memory_size(gpu_memory, field="gpu_memory")
+    elif d.gpu_memory is not None:
+        memory_bytes = (d.gpu_memory if isinstance(d.gpu_memory, int)
+                        else parse_memory_size(d.gpu_memory, field="gpu_memory"))
 
+    engine, tp, pp = d.engine, d.tp, d.pp
     if engine not in ENGINE_NAMES:
         raise OptionError(f"unknown engine {engine!r} (known: {', '.join(ENGINE_NAMES)})", field="engine")
     if measured is not None and measured.engine != engine:
         raise PlanError(f"the capacity was measured on {ENGINE_TITLES[measured.engine]} ({_where(measured)}), "
                         f"not {ENGINE_TITLES.get(engine, engine)}: pass `engine` {measured.engine}", field="engine")
-    utilization = (_basis("gpu_memory_utilization", gpu_memory_utilization,
+    utilization = (_basis("gpu_memory_utilization", d.gpu_memory_utilization,
                           measured.gpu_memory_utilization if measured else None,
-                          vllm.default_gpu_memory_utilization(memory_model(engine_version).version), measured)
+                          vllm.default_gpu_memory_utilization(memory_model(d.engine_version).version), measured)
                    if engine == "vllm" else None)
-    dtype = _basis("kv_cache_dtype", kv_cache_dtype, measured.kv_cache_dtype if measured else None,
+    dtype = _basis("kv_cache_dtype", d.kv_cache_dtype, measured.kv_cache_dtype if measured else None,
                    DEFAULT_KV_CACHE_DTYPE, measured)
-    if measured is not None and measured.block_size is not None and block_size is not None \
-            and block_size != measured.block_size:
+    if measured is not None and measured.block_size is not None and d.block_size is not None \
+            and d.block_size != measured.block_size:
         raise PlanError(f"the capacity was measured at block size {measured.block_size} ({_where(measured)}); "
-                        f"block size {block_size} would not have its {measured.num_blocks or '?'} blocks",
+                        f"block size {d.block_size} would not have its {measured.num_blocks or '?'} blocks",
                         field="block_size")
 
-    spec = resolve_model(model)
+    spec = resolve_model(d.model)
     if utilization is None:  # the engine's default fraction depends on the GPU and the model
-        from kvtune.capacity.engine_memory import default_fraction
-
-        utilization = _basis("gpu_memory_utilization", gpu_memory_utilization,
+        utilization = _basis("gpu_memory_utilization", d.gpu_memory_utilization,
                              measured.gpu_memory_utilization if measured else None,
                              default_fraction(engine, memory_bytes, tp=tp, pp=pp, spec=spec,
-                                              chunked_prefill_size=max_num_batched_tokens), measured)
+                                              chunked_prefill_size=d.max_num_batched_tokens), measured)
     kv = kv_bytes(spec, kv_cache_dtype=dtype.value, tp=tp, pp=pp)
     inputs = CapacityInputs(
         weights=weights_for(spec), gpu_name=gpu_name, gpu_memory_bytes=memory_bytes,
         # an engine's own default is derived again there, where its assumptions say how
         gpu_memory_utilization=None if engine != "vllm" and utilization.source == "default" else utilization.value,
-        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-        shapes=shapes, measured=measured, enforce_eager=enforce_eager, engine=engine, engine_version=engine_version,
-        max_kv_tokens=max_kv_tokens,
+        max_model_len=d.max_model_len, max_num_batched_tokens=d.max_num_batched_tokens, block_size=d.block_size,
+        shapes=shapes, measured=measured, enforce_eager=d.enforce_eager, engine=engine,
+        engine_version=d.engine_version, max_kv_tokens=d.max_kv_tokens,
     )
-    return Plan(model, spec, kv, _planned(spec, kv, inputs), gpu_name, memory_bytes, utilization, dtype,
-                measured.kv_cache_memory_bytes if measured else None, engine, inputs, max_model_len, gpu_model=found)
-
-
-def _planned(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs) -> CapacityReport:
-    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs) if f.name != "weights"}
-    return plan_capacity(spec, kv, inputs.weights, **fields)
+    return Plan(d.model, spec, kv, plan_capacity(spec, kv, inputs), gpu_name, memory_bytes, utilization, dtype,
+                measured.kv_cache_memory_bytes if measured else None, engine, inputs, d.max_model_len,
+                gpu_model=found, deployment=d)
 
 
 def replan(p: Plan, *, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
@@ -201,7 +165,32 @@ def replan(p: Plan, *, max_num_seqs: int, max_num_batched_tokens: int) -> Plan:
     if p.inputs is None:
         raise ValueError("a plan built by hand cannot be replanned")
     inputs = dataclasses.replace(p.inputs, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    return dataclasses.replace(p, report=_planned(p.spec, p.kv, inputs), inputs=inputs)
+    return dataclasses.replace(p, report=plan_capacity(p.spec, p.kv, inputs), inputs=inputs)
+
+
+def resolve_gpu(gpu: str | None, gpu_spec: str | None, gpu_memory: str | int | None = None) -> Gpu | None:
+    """The GPU `gpu` names in the catalog or a `gpu_spec` file describes (one of them; None: neither)."""
+    if gpu_spec is None:
+        return None if gpu is None else find_gpu(gpu)
+    if gpu is not None or gpu_memory is not None:
+        raise OptionError("give `gpu_spec` FILE or " + ("`gpu`" if gpu is not None else "`gpu_memory`") +
+                          ", not both: the file names the GPU and its memory", field="gpu_spec")
+    from kvtune.gpu_spec import read_gpu_spec  # reads YAML: only for a --gpu-spec
+
+    return read_gpu_spec(gpu_spec)
+
+
+def read_measurement(measurement: Measurement, engine: str = "vllm") -> MeasuredCapacity | None:
+    """The one measured capacity `measurement` points at, read (None: none); several capacity
+    files (one per engine replica) are for kvtune.api.recommend's replicas, not one plan."""
+    if len(measurement.capacity_files) > 1:
+        raise OptionError("give one capacity file here; several (one per engine replica) only "
+                          "`kvtune recommend` takes", field="capacity_files")
+    return measured_capacity(kv_tokens=measurement.kv_tokens, vllm_log=measurement.vllm_log,
+                             metrics_url=measurement.metrics_url,
+                             capacity_file=next(iter(measurement.capacity_files), None),
+                             engine_log=measurement.engine_log, engine=engine,
+                             num_gpu_blocks=measurement.num_gpu_blocks)
 
 
 def _basis(name: str, given: T | None, reported: T | None, default: T, measured: MeasuredCapacity | None) -> Basis[T]:
@@ -277,5 +266,6 @@ def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = No
     return None
 
 
-__all__ = ["Plan", "Basis", "CapacityInputs", "PlanError", "plan", "replan", "measured_capacity",
+__all__ = ["Plan", "Basis", "CapacityInputs", "PlanError", "plan", "replan", "measured_capacity", "read_measurement",
+           "resolve_gpu", "Deployment", "Measurement",
            "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_KV_CACHE_DTYPE"]

@@ -49,6 +49,7 @@ __all__ = [
     "read_text",
     "load_yaml",
     "parse_yaml",
+    "parse_yaml_documents",
     "load_json",
     "parse_json",
 ]
@@ -212,6 +213,10 @@ class _Loader(Protocol):
 
     def get_single_data(self) -> Any: ...
 
+    def check_data(self) -> bool: ...
+
+    def get_data(self) -> Any: ...
+
     def dispose(self) -> None: ...
 
 
@@ -319,11 +324,28 @@ def _strict_loader() -> Callable[[str], _Loader]:
 
 def parse_yaml(text: str, *, path: str) -> Any:
     """One YAML document, strictly (see the module docstring); errors name the file and line."""
+    return _parse_yaml(text, path, lambda loader: loader.get_single_data())
+
+
+def parse_yaml_documents(text: str, *, path: str) -> list[Any]:
+    """Every document of a multi-document YAML stream (`---` between them, as Kubernetes manifests
+    are written), each read as strictly as parse_yaml reads one."""
+
+    def every(loader: _Loader) -> list[Any]:
+        documents = []
+        while loader.check_data():
+            documents.append(loader.get_data())
+        return documents
+
+    return _parse_yaml(text, path, every)
+
+
+def _parse_yaml(text: str, path: str, read: Callable[[_Loader], Any]) -> Any:
     import yaml
 
     loader = _strict_loader()(text)
     try:
-        data = loader.get_single_data()
+        data = read(loader)
     except _RefusedYAML as exc:
         raise InputError(f"unsupported YAML: {exc.problem}", path=path, line=exc.line) from None
     except yaml.YAMLError as exc:

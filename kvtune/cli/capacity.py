@@ -60,9 +60,12 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
         kvtune capacity llama-3.1-8b --gpu H100-80GB --engine sglang
         kvtune capacity llama-3.1-8b --engine trtllm --engine-log trtllm-serve.log
     """
+    import kvtune
     from kvtune.policy.feasibility import capacity_verdict
 
-    report = capacity.plan(model, shapes=_shapes(prompt_tokens, max_tokens)).report
+    shapes = _shapes(prompt_tokens, max_tokens)
+    measured = capacity.measurement()
+    report = kvtune.plan(capacity.deployment(model), measured=measured, shapes=shapes).report
     verdict = capacity_verdict(report.engine, report.capacity)
     if json_:  # the report around the capacity file's fields: a `--capacity FILE` for simulate and recommend
         doc = report.to_dict()

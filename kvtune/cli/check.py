@@ -7,9 +7,10 @@ import json
 import click
 
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
-from kvtune.cli.recommend import ObjectiveArgs, PolicyArgs, policy_options
+from kvtune.cli.policy_options import PolicyArgs, policy_options
 from kvtune.controls import escape_controls
 from kvtune.deploy.check import Severity
+from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
 from kvtune.userfiles import brief
 
@@ -100,8 +101,9 @@ def _shown(value) -> str:
 @click.command()
 @click.argument("logs", nargs=-1, required=True)
 @click.option("--deployed", "deployed_paths", multiple=True, required=True, type=click.Path(), metavar="FILE",
-              help="A vllm serve command line or script, a gateway.yaml, or an nginx.conf rendered by "
-                   "kvtune. Repeat to check an engine and its gateway together.")
+              help="A vllm serve command line or script, a gateway.yaml, an nginx.conf rendered by "
+                   "kvtune, or a Kubernetes manifest (a vLLM Deployment, a ConfigMap holding gateway.yaml). "
+                   "Repeat to check an engine and its gateway together.")
 @policy_options
 @capacity_options
 @log_options
@@ -125,13 +127,17 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
         kvtune check sample_logs/ --model llama-3.1-8b --gpu H100-80GB \\
             --deployed deploy/vllm-serve.sh --deployed deploy/gateway.yaml
         kvtune check deploy/recommendation.json --deployed deploy/vllm-serve.sh
+        kvtune check deploy/recommendation.json --deployed deploy/k8s/vllm.yaml \\
+            --deployed deploy/k8s/gateway.yaml
     """
     import kvtune
 
     rec = _saved_recommendation(logs)
     if rec is None:
-        bounds = None if slo is None else ObjectiveArgs(None, slo, None, None, None, None, 1, 0)
-        rec = policy.recommendation(logs, capacity, log, bounds)
+        measured = capacity.measurement()
+        deployment = capacity.deployment(policy.model)
+        rec = kvtune.recommend(lambda: log.profile(logs), deployment,
+                               policy.as_policy(log.route_by, parse_slo(slo) if slo else None), measured=measured)
     else:
         if slo is not None:
             raise OptionError("a recommendation.json holds the limits its --slo bounded: check against it "
@@ -143,9 +149,11 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
     if json_:
         click.echo(json.dumps({**result.to_dict(), "notes": list(rec.notes)}, indent=2))
     else:
+        # a Kubernetes manifest's findings name the document they come from (k8s/vllm.yaml: Deployment/...)
+        documents = any(d.source not in deployed_paths for d in deployed)
         for finding in result.findings:
             label, color = _STYLE[finding.severity]
-            where = f" [{finding.source}]" if finding.source and len(deployed) > 1 else ""
+            where = f" [{finding.source}]" if finding.source and (len(deployed) > 1 or documents) else ""
             detail = escape_controls(f"{finding.code}{where}: {finding.message}")
             click.echo(f"{click.style(label, fg=color, bold=True)} {detail}")
             click.echo(escape_controls(f"     why: {finding.why}"))

@@ -1,6 +1,8 @@
 """Options shared by several commands, each group one decorator that hands the command one typed
 object: `capacity_options` → `capacity: CapacityArgs` (capacity, recommend, check), `log_options` →
-`log: LogArgs` (profile, recommend, check, bench). Each object knows the library call it feeds.
+`log: LogArgs` (profile, recommend, check, bench). Each object knows the library call it feeds:
+CapacityArgs turns into kvtune.api's Deployment and Measurement. The policy and objective groups
+live in policy_options.py, the load group in load_options.py: no command imports another.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import Any
 
 import click
 
+from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.domain.fields import MAX_INTEGER as MAX_COUNT  # counts above it are typos
+from kvtune.domain.log_reading import DEFAULT_MAX_ROUTES as MAX_ROUTES
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import KvtuneError, OptionError
-from kvtune.hardware import GPUS, Gpu, find_gpu
-from kvtune.profile import MAX_ROUTES
+from kvtune.hardware import GPUS
 
 GPU_NAMES = tuple(GPUS)
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -93,43 +96,20 @@ class CapacityArgs:
     gpu_spec: str | None = None  # --gpu-spec FILE: a GPU the catalog does not hold
     num_gpu_blocks: int | None = None  # the pool in blocks, as --num-gpu-blocks-override sets it
 
-    @property
-    def capacity_file(self) -> str | None:
-        """The one --capacity FILE (None: not given); several only `recommend` takes, one per replica."""
-        if len(self.capacity_files) > 1:
-            raise OptionError("give one capacity file here; several (one per engine replica) only "
-                              "`kvtune recommend` takes", field="--capacity")
-        return self.capacity_files[0] if self.capacity_files else None
+    def measurement(self) -> Measurement:
+        """Where these options say the measured capacity comes from (kvtune.api's Measurement)."""
+        return Measurement(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), num_gpu_blocks=self.num_gpu_blocks,
+                           vllm_log=self.vllm_log, engine_log=self.engine_log, metrics_url=self.metrics_url,
+                           capacity_files=self.capacity_files)
 
-    def plan(self, model: str, shapes: tuple = ()):  # -> kvtune.planning.Plan
-        """The plan these options describe (kvtune.plan), the measured capacity read first (an
-        --engine-log or --metrics-url as the engine's)."""
-        from kvtune.planning import measured_capacity, plan
-
-        measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "kv_tokens"), vllm_log=self.vllm_log,
-                                     metrics_url=self.metrics_url, capacity_file=self.capacity_file,
-                                     engine_log=self.engine_log, engine=self.engine,
-                                     num_gpu_blocks=self.num_gpu_blocks)
-        return plan(model, gpu=resolve_gpu(self.gpu, self.gpu_spec, self.gpu_memory), gpu_memory=self.gpu_memory,
-                    tp=self.tp, pp=self.pp,
-                    gpu_memory_utilization=self.gpu_memory_utilization,
-                    max_model_len=parse_count(self.max_model_len, "max_model_len"),
-                    max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
-                    block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
-                    enforce_eager=self.enforce_eager, measured=measured, shapes=shapes, engine=self.engine,
-                    engine_version=self.engine_version)
-
-
-def resolve_gpu(gpu: str | None, gpu_spec: str | None, gpu_memory: str | None = None) -> Gpu | None:
-    """The GPU --gpu names in the catalog or a --gpu-spec FILE describes (one of them; None: neither)."""
-    if gpu_spec is None:
-        return None if gpu is None else find_gpu(gpu, field="--gpu")
-    if gpu is not None or gpu_memory is not None:
-        raise OptionError("give --gpu-spec FILE or " + ("--gpu" if gpu is not None else "--gpu-memory") +
-                          ", not both: the file names the GPU and its memory", field="--gpu-spec")
-    from kvtune.gpu_spec import read_gpu_spec
-
-    return read_gpu_spec(gpu_spec)
+    def deployment(self, model: str | None, replicas: int = 1) -> Deployment:
+        """The deployment these options describe (kvtune.api's Deployment; model None: the logs')."""
+        return Deployment(model=model, gpu=self.gpu, gpu_memory=self.gpu_memory, tp=self.tp, pp=self.pp,
+                          engine=self.engine, engine_version=self.engine_version, kv_cache_dtype=self.kv_cache_dtype,
+                          block_size=self.block_size, max_model_len=parse_count(self.max_model_len, "max_model_len"),
+                          gpu_memory_utilization=self.gpu_memory_utilization,
+                          max_num_batched_tokens=parse_count(self.max_num_batched_tokens, "max_num_batched_tokens"),
+                          enforce_eager=self.enforce_eager, gpu_spec=self.gpu_spec, replicas=replicas)
 
 
 GPU_HELP = ("GPU model from the catalog: " + ", ".join(GPU_NAMES) + " (any case; h100, a100 … work). "

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvtune.cli.bench import LoadArgs, load_options
-from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, resolve_gpu, traffic_source_options
+from kvtune.cli.load_options import LoadArgs, load_options
+from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, traffic_source_options
 from kvtune.controls import escape_controls
+from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.errors import InputError, OptionError
 from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.userfiles import brief
@@ -20,7 +21,6 @@ from kvtune.userfiles import brief
 if TYPE_CHECKING:
     from kvtune.capacity.measured import MeasuredCapacity
     from kvtune.domain.route import Route
-    from kvtune.hardware import Gpu
 
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
@@ -108,19 +108,21 @@ class EngineArgs:
             raise OptionError(f"kvtune estimates vLLM's pool; for --engine {self.engine_name} give the pool "
                               "(--kv-tokens, --num-gpu-blocks) or --capacity FILE", field="--engine")
 
-    def plan(self, gpu: Gpu | None):  # -> kvtune.planning.Plan
-        """The deployment without a capacity file, planned as `kvtune capacity` and `recommend` plan it."""
+    def plan(self):  # -> kvtune.planning.Plan
+        """The deployment without a capacity file, planned as `kvtune capacity` and `recommend` plan it
+        (vLLM's pool: another engine's is given, --kv-tokens or --num-gpu-blocks)."""
+        import kvtune
         from kvtune.cli.options import parse_count
-        from kvtune.planning import measured_capacity, plan
 
         assert self.model is not None
-        measured = measured_capacity(kv_tokens=parse_count(self.kv_tokens, "--kv-tokens"),
-                                     num_gpu_blocks=self.num_gpu_blocks)
-        return plan(self.model, gpu=gpu, tp=self.tp or 1, pp=self.pp or 1,
-                    gpu_memory_utilization=self.gpu_memory_utilization,
-                    max_model_len=parse_count(self.max_model_len, "--max-model-len"),
-                    max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_dtype=self.kv_cache_dtype,
-                    measured=measured, engine_version=self.engine_version)
+        measured = Measurement(kv_tokens=parse_count(self.kv_tokens, "--kv-tokens"),
+                               num_gpu_blocks=self.num_gpu_blocks)
+        return kvtune.plan(Deployment(self.model, gpu=self.gpu, gpu_spec=self.gpu_spec, tp=self.tp or 1,
+                                      pp=self.pp or 1, gpu_memory_utilization=self.gpu_memory_utilization,
+                                      max_model_len=parse_count(self.max_model_len, "--max-model-len"),
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      kv_cache_dtype=self.kv_cache_dtype, engine_version=self.engine_version),
+                           measured=measured)
 
 
 _engine_options = [
@@ -215,6 +217,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         raise OptionError("give --profile or LOGS, not both", field="--profile")
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
+    from kvtune.planning import resolve_gpu
+
     engine.check()
     gpu = resolve_gpu(engine.gpu, engine.gpu_spec)
     spec = None
@@ -227,7 +231,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
 
             spec = resolve_model(engine.model)
     else:
-        plan = engine.plan(gpu)
+        plan = engine.plan()
         spec = plan.spec
         measured, labels = offline_capacity(plan)
         report = plan.report
@@ -334,6 +338,8 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
             "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
             "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s},
             "route_header": header}
+    if config.flow is not None:
+        info["flow"] = config.flow.to_dict()
     return fresh, info, cap
 
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.deploy.launch import launcher
+from kvtune.deploy.markers import K8S_FOLDER
+from kvtune.deploy.markers import K8S_GATEWAY_FILE as GATEWAY_FILE
 from kvtune.deploy.pool import POOL_FIELDS, deployed_capacity, enforce_eager
 from kvtune.deploy.read import Deployed, DeployedKind, parse_deployed
 from kvtune.deploy.slices import slice_blocks
@@ -347,6 +349,8 @@ class _Checker:
                              f"--{flag} does not exist in vLLM {engine.version} (V1 engine)",
                              "vLLM refuses to start on an unknown flag; V1 preempts by recompute only",
                              d.source, flag.replace("-", "_"))
+        if d.gpus is not None:
+            self.check_k8s_resources(d)
         if d.kind is DeployedKind.TRTLLM:
             self.check_trtllm_cap(d)
         else:
@@ -354,6 +358,36 @@ class _Checker:
         if d.kind is DeployedKind.SGLANG:
             self.check_sglang_estimate(d)
         self.check_preemption(d)
+
+    def check_k8s_resources(self, d: Deployed) -> None:
+        """A Kubernetes container (kvtune.deploy.k8s_read) asks for one GPU per rank: vLLM starts
+        tensor_parallel_size × pipeline_parallel_size workers, one on each GPU it sees, and fails
+        with fewer; more are paid for and idle. Several ranks talk through /dev/shm (NCCL). The
+        gateway keeps one budget per upstream, so one Deployment is one engine: one pod."""
+        assert d.gpus is not None
+        tp, pp = d.tensor_parallel_size or 1, d.pipeline_parallel_size or 1
+        if d.gpus != tp * pp:
+            self.add(Severity.RISK, "gpu-count-mismatch",
+                     f"resources.limits[nvidia.com/gpu] {d.gpus}, but tensor_parallel_size {tp} x "
+                     f"pipeline_parallel_size {pp} needs {tp * pp} GPUs",
+                     "vLLM runs one worker per GPU of the pod: with fewer it does not start, with more the rest "
+                     f"idle; ask for {tp * pp}", d.source, "gpus")
+        if d.pods == 0:
+            self.add(Severity.WARN, "pods-share-one-upstream",
+                     "spec.replicas 0: no vLLM pod runs, and the gateway's upstream refuses every request",
+                     "scale the Deployment to 1", d.source)
+        elif d.pods is not None and d.pods > 1:
+            self.add(Severity.WARN, "pods-share-one-upstream",
+                     f"spec.replicas {d.pods}: {d.pods} vLLM pods behind one Service, which the gateway sees as one "
+                     "upstream with one engine's budget",
+                     "the gateway reserves per engine: pods behind one Service share one budget, so each is filled to "
+                     "a fraction of its KV; render one Deployment per engine with recommend --replicas N "
+                     "(k8s/vllm-0.yaml, …)", d.source)
+        if tp * pp > 1 and not d.shm_mounted:
+            self.add(Severity.WARN, "no-shm",
+                     f"/dev/shm is not a memory emptyDir, and {tp * pp} GPUs' ranks exchange through it",
+                     "NCCL and vLLM's workers share memory in /dev/shm; a container's default 64 MiB fails them "
+                     "at start or under load: mount an emptyDir with medium: Memory there", d.source)
 
     def check_backstop(self, d: Deployed) -> None:
         """vLLM's --override-generation-config or SGLang's SGLANG_MAX_NEW_TOKENS_LIMIT caps what
@@ -809,11 +843,26 @@ def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult
     engine = [parse_deployed(files[n], source=n, read_sibling=sibling) for n in (script,) if n in files]
     gateways = [parse_deployed(files[n], source=n) for n in ("gateway.yaml", "nginx.conf") if n in files]
     results = [check_deployment([*engine, g], rec) for g in gateways] or [check_deployment(engine, rec)]
+    results += _rendered_manifests(files, rec)
     faults = []
     for f in dict.fromkeys(f for r in results for f in r.findings):
         if f.code == "drift" or (f.severity is Severity.RISK and f.code not in INHERENT_RISKS):
             faults.append(Finding(Severity.RISK, f.code, f.message, f.why, f.source))
     return CheckResult((*engine, *gateways), tuple(faults))
+
+
+def _rendered_manifests(files: Mapping[str, str], rec: Recommendation) -> list[CheckResult]:
+    """The rendered Kubernetes manifests (kvtune.deploy.k8s), checked as deployed: each vLLM
+    Deployment with the gateway's ConfigMap. Measured replicas carry their own engine limits
+    after the shared flags, which differ from the recommendation's by design: their gateway is
+    checked alone."""
+    if GATEWAY_FILE not in files:
+        return []
+    gateway = parse_deployed(files[GATEWAY_FILE], source=GATEWAY_FILE)
+    engines = [n for n in files if n.startswith(f"{K8S_FOLDER}/vllm")]
+    if rec.upstreams:
+        return [check_deployment([gateway], rec)]
+    return [check_deployment([parse_deployed(files[n], source=n), gateway], rec) for n in engines]
 
 
 def check_deployment(deployed: Sequence[Deployed], rec: Recommendation, *,

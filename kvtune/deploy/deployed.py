@@ -67,6 +67,12 @@ class Deployed:
     flags: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # environment the script sets for the engine
     options: dict[str, Any] = field(default_factory=dict)  # engine settings beyond flags (TensorRT-LLM YAML)
+    # a Kubernetes container (kvtune.deploy.k8s_read): the GPUs it asks for (resources.limits
+    # nvidia.com/gpu), whether /dev/shm is a memory emptyDir, and how many pods run it; None: not
+    # read from a manifest
+    gpus: int | None = None
+    shm_mounted: bool | None = None
+    pods: int | None = None  # the workload's spec.replicas: pods behind one Service, one upstream
     # gateway / nginx
     upstream: str | None = None
     # one engine's budget: with several upstreams, the largest (what the simulator runs)

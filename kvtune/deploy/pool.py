@@ -13,7 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kvtune.capacity.memory import num_blocks_for
-from kvtune.capacity.plan import CapacityReport, capacity_from_blocks, plan_capacity
+from kvtune.capacity.plan import CapacityInputs, CapacityReport, capacity_from_blocks, plan_capacity
 from kvtune.deploy.deployed import Deployed, DeployedKind
 from kvtune.kv import kv_bytes
 
@@ -48,12 +48,13 @@ def deployed_capacity(engine: Deployed, spec: ModelSpec, weights: WeightsEstimat
         dtype = _KV_DTYPE_NAMES.get(dtype, "auto" if dtype in ("auto", "bfloat16", "float16") else dtype)
     kv = kv_bytes(spec, kv_cache_dtype=dtype, tp=engine.tensor_parallel_size or 1,
                   pp=engine.pipeline_parallel_size or 1)
-    report = plan_capacity(
-        spec, kv, weights, gpu_name=gpu, gpu_memory_bytes=gpu_memory_bytes,
+    report = plan_capacity(spec, kv, CapacityInputs(
+        weights=weights, gpu_name=gpu, gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=engine.max_model_len,
-        max_num_batched_tokens=engine.max_num_batched_tokens, block_size=engine.block_size,
-        enforce_eager=enforce_eager(engine), engine_version=engine_version if name == "vllm" else None,
-        engine=name, max_kv_tokens=engine.kv_cache_tokens, max_num_seqs=engine.max_num_seqs)
+        max_num_batched_tokens=engine.max_num_batched_tokens, block_size=engine.block_size, shapes=(),
+        measured=None, enforce_eager=enforce_eager(engine), engine=name,
+        engine_version=engine_version if name == "vllm" else None, max_kv_tokens=engine.kv_cache_tokens,
+        max_num_seqs=engine.max_num_seqs))
     if engine.kind is not DeployedKind.VLLM:
         return report
     c = report.capacity

@@ -1,5 +1,6 @@
 """Read what is deployed: an engine's launch command (vLLM, SGLang, TensorRT-LLM, each read by its
-launch module in kvtune.deploy.launch), a gateway.yaml, or an nginx.conf rendered by kvtune, into
+launch module in kvtune.deploy.launch), a gateway.yaml, an nginx.conf rendered by kvtune, or
+Kubernetes manifests (kvtune.deploy.k8s_read: a vLLM Deployment, a ConfigMap holding gateway.yaml), into
 one plain record (kvtune.deploy.deployed) that `kvtune check` compares with a recommendation.
 
 The nginx.conf is read from the Lua table that nginx itself runs (between the kvtune:config
@@ -18,6 +19,7 @@ from typing import Any
 from kvtune import userfiles
 from kvtune.deploy.command_line import MAX_INTEGER
 from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedUpstream
+from kvtune.deploy.k8s_read import looks_like_manifests, read_manifests
 from kvtune.deploy.launch import launchers, vllm
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.domain.admission_policy import AdmissionPolicy, parse_admission
@@ -46,6 +48,14 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
         queue_timeout_s=config.queue_timeout_s,
         health=config.health if len(config.upstreams) > 1 else None,
     )
+
+
+def _gateway_text(text: str, source: str) -> Deployed:
+    """A gateway.yaml given as text (a Kubernetes ConfigMap's, kvtune.deploy.k8s_read)."""
+    data = parse_yaml(text, path=source)
+    if not isinstance(data, dict) or "routes" not in data:
+        raise InputError("not a gateway.yaml: no routes", path=source)
+    return _deployed_from_gateway(data, source)
 
 
 # ---------------------------------------------------------------- nginx.conf (kvtune's Lua table)
@@ -268,6 +278,8 @@ def parse_deployed(text: str, *, source: str = "<deployed>", read_sibling: Sibli
     launch command (each launch module recognises its own)."""
     if NGINX_CONFIG_BEGIN in text or re.search(r"^\s*http\s*\{", text, re.M):
         return _deployed_from_nginx(text, source)
+    if looks_like_manifests(text):
+        return read_manifests(text, source, _gateway_text)
     try:
         data, as_yaml = parse_yaml(text, path=source), None
     except InputError as exc:  # a shell script is rarely YAML; say why only if nothing else fits

@@ -22,9 +22,10 @@ import jinja2
 from kvtune.deploy.charts import capacity_segments, histogram_bars, what_if_scatter
 from kvtune.deploy.filters import FILTERS
 from kvtune.deploy.launch import launcher, vllm
-from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
+from kvtune.deploy.markers import K8S_FOLDER, NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
+from kvtune.domain.flow_control import FlowControl
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
@@ -44,6 +45,7 @@ from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, canonical_path
 from kvtune.gateway.ledger import RATE_WINDOW_S
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.ingest.tokenize import read_chat_template
+from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
 from kvtune.policy.route_table import route_decisions
 from kvtune.policy.whatif import TABLE_NOTE, Goal, headline, objective_line, replica_cells, table_cells
 from kvtune.policy.whatif import PolicyKind as WhatIfKind
@@ -115,6 +117,11 @@ class RenderOptions:
     # With several engine replicas: how each is probed, taken out and brought back (gateway.yaml
     # `health`); gateway.yaml and nginx.conf render the same probe.
     health: HealthProbe = HealthProbe()
+    # gateway.yaml `flow:` (docs/guides/flow-control.md): the flow-control queue both gateways
+    # render, in place of what recommend --flow-control sized; None: that (or none). route_bands:
+    # a route's band by route name (routes[].band).
+    flow: FlowControl | None = None
+    route_bands: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 #: The most engine replicas one gateway.yaml lists.
@@ -305,8 +312,45 @@ def lua_statistical(rec: Recommendation) -> dict | None:
     }
 
 
+def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: list[dict]) -> dict | None:
+    """gateway.yaml's `flow:` for the Lua in nginx.conf (kvtune.flow), None without one; each
+    route's band is set on `routes` (a band the flow lacks is refused, as gateway.yaml's reader
+    refuses it)."""
+    names = {r["name"] for r in routes}
+    for name, band in route_bands.items():
+        if name not in names:
+            raise OptionError(f"route_bands names {name!r}, which is no route")
+        if flow is None or flow.band_index(band) is None:
+            raise OptionError(f"route {name!r} names band {band!r}, which flow.bands lacks")
+    for r in routes:
+        r["band"] = route_bands.get(r["name"])
+    if flow is None:
+        return None
+    from kvtune.gateway import relay  # aiohttp: only where a flow is rendered
+
+    return {
+        "token_time_s": flow.token_time_s,
+        "bands": [{"name": b.name, "deadline_s": b.deadline_s} for b in flow.bands],
+        "default_band": flow.bands[flow.default_band_index].name,
+        # header names as ngx.req.get_headers keys them
+        "band_header": flow.band_header.lower(),
+        "flow_header": flow.flow_header.lower(),
+        "default_weight": flow.default_weight,
+        # (flow id, weight) pairs: a flow id is no Lua name, and check's reader takes name = value only
+        "weights": [[name, weight] for name, weight in flow.weights.items()],
+        "max_waiting": flow.max_waiting,
+        "max_waiting_per_flow": flow.max_waiting_per_flow,
+        "max_flows": flow.max_flows,
+        "metrics_flows": flow.metrics_flows,
+        # the events of a stream that carry no token (relay.py): the tokens streamed so far
+        "events_without_tokens": relay.EVENTS_WITHOUT_TOKENS,
+    }
+
+
 def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
+    gateway_flow = flow_section(rec, options)
+    flow = lua_flow(gateway_flow["flow"] if gateway_flow else None, options.route_bands, routes)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
     for route in rec.routes:
@@ -351,6 +395,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "never_fits": NEVER_FITS,
         "token_env": options.admin.token_env,
         "statistical": lua_statistical(rec),
+        "flow": flow,
+        "metrics_access": options.admin.metrics.value,
     }
     nginx_slice = None
     if options.nginx_replicas != 1:
@@ -376,6 +422,8 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "upstreams": upstreams,
         "queue": {"max_waiting": rec.settings.get("gateway_queue_max_waiting"),
                   "timeout_s": rec.settings.get("gateway_queue_timeout_s")},
+        # gateway.yaml `flow:` (recommend --flow-control), which replaces `queue:`; None: the FIFO queue
+        "flow": gateway_flow,
         "report_routes": report_routes,
         "settings_rows": setting_rows,
         "segments": capacity_segments(rec),
@@ -392,6 +440,18 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
         "config_begin": NGINX_CONFIG_BEGIN,
         "config_end": NGINX_CONFIG_END,
     }
+
+
+def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> dict | None:
+    """The rendered `flow:` and the Decisions behind it (for the comments); None without it.
+    RenderOptions.flow, when given, is rendered instead (no decisions), in gateway.yaml and
+    nginx.conf alike."""
+    if options is not None and options.flow is not None:
+        return {"section": options.flow.to_dict(), "decisions": [], "flow": options.flow}
+    flow = flow_control_of(rec)
+    if flow is None:
+        return None
+    return {"section": flow.to_dict(), "decisions": [rec.settings[k] for k in FLOW_SETTINGS], "flow": flow}
 
 
 def _health(probe: HealthProbe) -> dict:
@@ -520,6 +580,19 @@ def render_files(rec: Recommendation, *, targets: Iterable[str] | None = None,
     return files
 
 
+def render_gateway_yaml(rec: Recommendation, options: RenderOptions, upstream_urls: list[str]) -> str:
+    """gateway.yaml for a gateway that reaches the engines at other addresses than the
+    recommendation's upstreams (the Kubernetes Services of kvtune.deploy.k8s): the same file,
+    each upstream's URL replaced in order, its budget kept."""
+    options = gateway_counting(rec, options)
+    upstreams = _upstreams(rec, options)
+    if len(upstream_urls) != len(upstreams):
+        raise OptionError(f"{len(upstream_urls)} upstream URLs for {len(upstreams)} engine replicas", field="upstreams")
+    context = _context(dataclasses.replace(rec, upstream=upstream_urls[0]), options, nginx=False)
+    context["upstreams"] = [{**u, "url": url} for u, url in zip(upstreams, upstream_urls, strict=True)]
+    return make_environment().get_template(TARGETS["gateway.yaml"]).render(context)
+
+
 REPORT_TARGETS = ("report.html", "report.md")  # they show the launch commands rendered beside them
 
 
@@ -554,13 +627,25 @@ def lua_modules() -> dict[str, str]:
             for path in sorted(LUA_DIR.rglob("*.lua"))}
 
 
+#: The one folder `recommend --out` writes files into (kvtune.deploy.k8s: the Kubernetes manifests).
+SUBFOLDERS = (K8S_FOLDER,)
+
+
+def _plain_name(name: str) -> bool:
+    """A plain file name, or one in a folder of SUBFOLDERS (k8s/vllm.yaml)."""
+    folder, _, rest = name.rpartition("/")
+    if folder and folder not in SUBFOLDERS:
+        return False
+    return Path(rest).name == rest and rest not in ("", ".", "..")
+
+
 def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> list[Path]:
     """Write every file into out_dir or none (kvtune.writer: targets checked first, staged,
     replaced together, put back if a rename fails); names must be plain file names. An
     nginx.conf brings the Lua modules it loads (lua_modules), so the folder deploys whole."""
     target = Path(out_dir)
     for name in files:
-        if Path(name).name != name or name in ("", ".", ".."):
+        if not _plain_name(name):
             raise OptionError(f"refusing to write {name!r}: not a plain file name")
     modules = lua_modules() if "nginx.conf" in files else {}
     return write_all({target / name: text for name, text in {**files, **modules}.items()},
@@ -571,5 +656,5 @@ __all__ = [
     "RenderOptions", "TARGETS", "COMMON_TARGETS", "LAUNCH_TARGETS", "default_targets", "render_files",
     "write_files", "lua_modules", "make_environment", "local_chat_tokenizer",
     "vllm_flags", "upstream_budgets", "gateway_routes", "replica_upstreams", "NGINX_ONE_ENGINE",
-    "MAX_REPLICAS",
+    "MAX_REPLICAS", "render_gateway_yaml", "SUBFOLDERS",
 ]

@@ -85,7 +85,7 @@ class Route:
     endpoints, the API its requests speak (how they are counted; `any` charges every prompt
     field) and the path they are forwarded to. `output_law`: the route's measured output lengths
     (output_histogram), which the statistical policy bets on; None: its requests are assumed to
-    reach their cap."""
+    reach their cap. `band`: the flow-control band its requests wait in; None: the default."""
 
     name: str
     match: RouteMatch
@@ -94,6 +94,8 @@ class Route:
     api: Api | None = None
     upstream_path: str | None = None
     output_law: OutputLaw | None = None
+    # The flow-control band its requests wait in (gateway.yaml `flow:`); None: flow.default_band.
+    band: str | None = None
 
     def matches(self, path: str | None, model: str | None, headers: Mapping[str, str] | None = None) -> bool:
         return self.match.matches(path, model, headers)

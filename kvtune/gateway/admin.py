@@ -16,6 +16,7 @@ from aiohttp import web
 from kvtune.domain.admission_policy import AdmissionPolicy, PolicyKind
 from kvtune.errors import InputError
 from kvtune.gateway.config import Access, AdminAccess, GatewayConfig, RefusalDetail
+from kvtune.gateway.flow import FlowGate
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.shared import SharedLedger
@@ -29,13 +30,14 @@ class Admin:
 
     def __init__(self, config: GatewayConfig, ledger: UpstreamPool, metrics: GatewayMetrics, *,
                  rejected: Callable[[], int], waiting: Callable[[], int],
-                 shared: SharedLedger | None = None) -> None:
+                 shared: SharedLedger | None = None, flow: FlowGate | None = None) -> None:
         self.access: AdminAccess = config.admin
         self.ledger = ledger
         self.metrics = metrics
         self._rejected = rejected
         self._waiting = waiting
         self._shared = shared
+        self._flow = flow  # the flow-control queue, whose counts /kvtune/ledger shows under `flow`
         self._routes = [r.name for r in config.routes]
         self._policy = config.admission
         self._token: bytes | None = None
@@ -117,6 +119,7 @@ class Admin:
             **ledger_policy(self._policy, snap.limit_blocks, snap.overflow_probability),
             "upstreams": upstreams,
             **extra,
+            **({"flow": self._flow.report()} if self._flow is not None else {}),
         })
 
     def add_routes(self, router: web.UrlDispatcher) -> None:

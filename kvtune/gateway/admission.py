@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvtune.capacity.reservation import request_reserved_blocks
 from kvtune.domain.demand import Demand
+from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.domain.route import Route
 from kvtune.gateway.apis import Reading, Request, read_request
@@ -37,6 +38,7 @@ from kvtune.gateway.counting import (
     PromptRejectedError,
 )
 from kvtune.gateway.endpoints import PathClass
+from kvtune.gateway.flow import ANONYMOUS, FlowGate, band_of
 from kvtune.gateway.gate import AdmissionGate, Turned, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Ledger, Reservation
 from kvtune.gateway.metrics import GatewayMetrics
@@ -56,15 +58,22 @@ SHARED_POLL_S = 0.05
 
 
 class WaitQueue:
-    """The admission gate (kvtune.gateway.gate) in real time: a waiter is an asyncio future that a
+    """The admission gate in real time: today's FIFO (kvtune.gateway.gate), or with gateway.yaml
+    `flow:` the flow-control queue (kvtune.gateway.flow). A waiter is an asyncio future that a
     release resolves synchronously, already holding its reservation; its timeout is asyncio's."""
 
     def __init__(self, ledger: Ledger, *, max_waiting: int, timeout_s: float, retry_after_min_s: int = 1,
-                 retry_after_max_s: int = 60) -> None:
+                 retry_after_max_s: int = 60, flow: FlowControl | None = None) -> None:
         self.ledger = ledger
-        self.gate: AdmissionGate[int] = AdmissionGate(ledger, max_waiting=max_waiting, timeout_s=timeout_s,
-                                                      retry_after_min_s=retry_after_min_s,
-                                                      retry_after_max_s=retry_after_max_s, gone=self._gone)
+        self.gate: AdmissionGate[int] | FlowGate[int]
+        self.flow = flow
+        if flow is None:
+            self.gate = AdmissionGate(ledger, max_waiting=max_waiting, timeout_s=timeout_s,
+                                      retry_after_min_s=retry_after_min_s, retry_after_max_s=retry_after_max_s,
+                                      gone=self._gone)
+        else:
+            self.gate = FlowGate(ledger, flow, retry_after_min_s=retry_after_min_s,
+                                 retry_after_max_s=retry_after_max_s, clock=time.monotonic, gone=self._gone)
         self._futures: dict[int, asyncio.Future[Reservation]] = {}
         self._keys = itertools.count()
 
@@ -72,30 +81,48 @@ class WaitQueue:
     def waiting(self) -> int:
         return self.gate.waiting
 
-    def offer(self, blocks: int, demand: Demand | None = None) -> tuple[int, Reservation | Turned | None]:
+    def offer(self, blocks: int, demand: Demand | None = None, *, band: int = 0,
+              flow: str = ANONYMOUS) -> tuple[int, Reservation | Turned | None]:
         """The gate's answer now, and the key to `wait` under when it is None (queued)."""
         key = next(self._keys)
-        return key, self.gate.offer(key, blocks, 0.0, demand)
+        gate = self.gate
+        if isinstance(gate, FlowGate):
+            return key, gate.offer(key, blocks, time.monotonic(), demand, band=band, flow=flow)
+        return key, gate.offer(key, blocks, 0.0, demand)
 
     async def wait(self, key: int, blocks: int) -> Reservation | Turned:
-        """The reservation once every earlier waiter is served and `blocks` fit; a 429 on timeout."""
+        """The reservation once the gate serves it; a 429 (queue_timeout) at its deadline."""
+        gate = self.gate
+        if isinstance(gate, FlowGate):
+            deadline = gate.deadline_of(key)
+            timeout_s = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        else:
+            timeout_s = gate.timeout_s
         fut: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
         self._futures[key] = fut
         granted: Reservation | None = None
+        turned: Turned | None = None
+        timed_out = False
         try:
-            async with asyncio.timeout(self.gate.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 granted = await fut
         except TimeoutError:
-            pass
+            timed_out = True
         finally:
             if granted is None:
                 self._futures.pop(key, None)
                 if fut.done() and not fut.cancelled():
-                    self._grant(self.gate.release(fut.result()))  # granted as we left: give it straight back
+                    self._grant(gate.release(fut.result()))  # granted as we left: give it straight back
                 else:
                     fut.cancel()
-                    self._grant(self.gate.leave(key))
-        return granted if granted is not None else self.gate.turn(blocks, Reason.QUEUE_TIMEOUT)
+                    if timed_out and isinstance(gate, FlowGate):
+                        more, turned = gate.time_out(key, time.monotonic())
+                        self._grant(more)
+                    else:
+                        self._grant(gate.leave(key))
+        if granted is not None:
+            return granted
+        return turned if turned is not None else gate.turn(blocks, Reason.QUEUE_TIMEOUT)
 
     def release(self, reservation: Reservation) -> None:
         """Give the blocks back and resolve the waiters that now fit; never awaits."""
@@ -130,6 +157,8 @@ class Admitted:
     body: bytes
     reservation: Reservation
     demand: Demand | None = None
+    band: int = 0  # flow control: the band and flow it waited in (a second reservation uses them again)
+    flow: str = ANONYMOUS
 
 
 def forced_law(law: OutputLaw | None, reading: Reading, cap: int) -> OutputLaw | None:
@@ -152,7 +181,8 @@ class Admission:
         self.pool = pool
         self.metrics = metrics
         self.queue = WaitQueue(pool, max_waiting=config.queue_max_waiting, timeout_s=config.queue_timeout_s,
-                               retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s)
+                               retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
+                               flow=config.flow)
         pool.on_capacity = self.queue.wake
         self.counters: Mapping[str, PromptCounter] = {}
         self.shared: SharedLedger | None = None  # set by the gateway under ledger.backend: redis
@@ -196,10 +226,30 @@ class Admission:
             blocks, demand = self._blocks(asked, cap, counts.tokens, counts.exact, route)
             forwarded = rewrite(body, asked, cap) if cap is not None else raw
             target = incoming.target((route.upstream_path if route else None) or incoming.path)
-            reservation = await self.reserve(blocks, demand, self._sticky_key(incoming, doc))
+            band, flow = self._band_and_flow(incoming, route)
+            reservation = await self.reserve(blocks, demand, self._sticky_key(incoming, doc), band=band, flow=flow)
         except Rejection as rejection:
             raise Refused(route, rejection) from None
-        return Admitted(route, upstream, target, blocks, cap, forwarded, reservation, demand)
+        return Admitted(route, upstream, target, blocks, cap, forwarded, reservation, demand, band, flow)
+
+    def _band_and_flow(self, incoming: Incoming, route: Route | None) -> tuple[int, str]:
+        """The flow-control band and flow of a request (docs/guides/flow-control.md)."""
+        flow = self.config.flow
+        if flow is None:
+            return 0, ANONYMOUS
+        return band_of(flow, incoming.priority, route.band if route is not None else None), incoming.flow
+
+    def progress_of(self, reservation: Reservation) -> Callable[[int], None]:
+        """What the relay tells as the request streams: its reservation (the statistical ledger
+        conditions on it) and, under flow control, the forecast's table of admitted requests."""
+        gate = self.queue.gate
+        if not isinstance(gate, FlowGate):
+            return reservation.progress
+
+        def progress(tokens: int) -> None:
+            reservation.progress(tokens)
+            gate.progress(reservation, tokens)
+        return progress
 
     def release(self, reservation: Reservation) -> None:
         """Give an admitted request's blocks back (once, later calls do nothing) and hand them to
@@ -317,13 +367,14 @@ class Admission:
         user = doc.get("user")
         return user if isinstance(user, str) and user else None
 
-    async def reserve(self, blocks: int, demand: Demand | None, sticky: str | None = None) -> Reservation:
+    async def reserve(self, blocks: int, demand: Demand | None, sticky: str | None = None, *, band: int = 0,
+                      flow: str = ANONYMOUS) -> Reservation:
         """The gate's decision; a 429 (kv_budget_exhausted, queue_full, queue_timeout) raised.
         Also a request's second reservation, when its first upstream refused the connection.
         With a sticky key, its upstream first (when nobody waits: FIFO still holds), then by
         free budget. With a shared ledger, every local grant is confirmed there (`_reserve_shared`)."""
         if self.shared is None:
-            return await self._reserve_local(blocks, demand, sticky)
+            return await self._reserve_local(blocks, demand, sticky, band, flow)
         return await self._reserve_shared(blocks, demand, sticky)
 
     async def _reserve_shared(self, blocks: int, demand: Demand | None, sticky: str | None) -> Reservation:
@@ -383,13 +434,16 @@ class Admission:
             held = None
         return None
 
-    async def _reserve_local(self, blocks: int, demand: Demand | None, sticky: str | None) -> Reservation:
+    async def _reserve_local(self, blocks: int, demand: Demand | None, sticky: str | None, band: int = 0,
+                             flow: str = ANONYMOUS) -> Reservation:
         queue = self.queue
         if sticky is not None and not queue.waiting:
             reservation = self.pool.affine(sticky).ledger.try_reserve(blocks, demand)
             if reservation is not None:
+                if isinstance(queue.gate, FlowGate):
+                    queue.gate.track(reservation, demand, band, flow)
                 return reservation
-        key, got = queue.offer(blocks, demand)
+        key, got = queue.offer(blocks, demand, band=band, flow=flow)
         if got is None:  # queued
             started = time.monotonic()
             got = await queue.wait(key, blocks)

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.domain.fields import MAX_INTEGER, is_finite_number, is_integer, is_number, not_one_of
+from kvtune.domain.flow_control import DEFAULT_BAND_HEADER, DEFAULT_FLOW_HEADER, MAX_BANDS, Band, FlowControl
 from kvtune.domain.output_law import parse_output_law
 from kvtune.domain.route import Api, Route, RouteMatch
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
@@ -261,6 +262,7 @@ class GatewayConfig:
     health: HealthProbe = field(default_factory=HealthProbe)
     sticky: Sticky | None = None  # off by default
     ledger: LedgerStore = field(default_factory=LedgerStore)
+    flow: FlowControl | None = None  # the flow-control queue (docs/guides/flow-control.md); None: `queue:`
 
     @property
     def upstream(self) -> str:
@@ -404,7 +406,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         data, "",
         {"version", "listen", "upstream", "engine_id", "upstreams", "model", "block_size", "block_budget",
          "max_model_len", "prompt_tokens", "retry_after", "queue", "timeouts", "routes", "passthrough", "limits",
-         "admin", "admission", "health", "sticky", "ledger"},
+         "admin", "admission", "health", "sticky", "ledger", "flow"},
         {"version", "block_size", "max_model_len", "routes"},
     )
     if r.integer(top["version"], "version", 1) != SCHEMA_VERSION:
@@ -462,7 +464,9 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
         health=_health(r, top.get("health", {})),
         sticky=_sticky(r, top.get("sticky")),
         ledger=_ledger(r, top),
+        flow=None if top.get("flow") is None else _flow(r, top["flow"]),
     )
+    _check_flow(r, config, top)
     if config.retry_after_max_s < config.retry_after_min_s:
         raise r.fail("retry_after.max_s", "must be at least retry_after.min_s")
     for i, route in enumerate(config.routes):
@@ -648,9 +652,80 @@ def _health(r: _Reader, value: Any) -> HealthProbe:
                                                   "health.max_ejected_share", 0.0, 1.0))
 
 
+BAND_NAME = re.compile(r"[a-z0-9_-]{1,32}")
+MAX_WEIGHT = 1_000_000.0
+MAX_DEADLINE_S = 86_400.0
+
+
+def _flow(r: _Reader, value: Any) -> FlowControl:
+    """gateway.yaml `flow:` (docs/guides/flow-control.md, Configuration)."""
+    doc = r.mapping(value, "flow", {"token_time_s", "bands", "default_band", "band_header", "flow_header",
+                                    "default_weight", "weights", "max_waiting", "max_waiting_per_flow", "max_flows",
+                                    "metrics_flows"}, {"token_time_s", "bands"})
+    raw_bands = doc["bands"]
+    if not isinstance(raw_bands, list) or not 1 <= len(raw_bands) <= MAX_BANDS:
+        raise r.fail("flow.bands", f"expected a list of 1 to {MAX_BANDS} bands, highest priority first")
+    bands: list[Band] = []
+    for i, raw in enumerate(raw_bands):
+        where = f"flow.bands[{i}]"
+        band = r.mapping(raw, where, {"name", "deadline_s"}, {"name", "deadline_s"})
+        name = r.string(band["name"], f"{where}.name")
+        if not BAND_NAME.fullmatch(name):
+            raise r.fail(f"{where}.name", f"{brief(name)} is not a band name ([a-z0-9_-], at most 32 characters)")
+        if any(b.name == name for b in bands):
+            raise r.fail(f"{where}.name", f"band {name} is named twice")
+        bands.append(Band(name, r.number(band["deadline_s"], f"{where}.deadline_s", 0, MAX_DEADLINE_S)))
+    default_band = r.string(doc.get("default_band"), "flow.default_band", optional=True)
+    if default_band is not None and all(b.name != default_band for b in bands):
+        raise r.fail("flow.default_band", f"{brief(default_band)} is not one of flow.bands")
+    headers = {}
+    for key, default in (("band_header", DEFAULT_BAND_HEADER), ("flow_header", DEFAULT_FLOW_HEADER)):
+        header = r.string(doc.get(key, default), f"flow.{key}")
+        if not HEADER_NAME.fullmatch(header):
+            raise r.fail(f"flow.{key}", f"{brief(header)} is not a header name")
+        headers[key] = header.lower()
+    raw_weights = doc.get("weights", {})
+    if not isinstance(raw_weights, dict):
+        raise r.fail("flow.weights", f"expected a mapping of flow id to weight, got {brief(raw_weights)}")
+    weights = {}
+    for name, weight in raw_weights.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= 128:
+            raise r.fail("flow.weights", f"{brief(name)} is not a flow id (1 to 128 characters)")
+        weights[name] = r.number(weight, f"flow.weights.{name}", 1e-6, MAX_WEIGHT)
+    return FlowControl(
+        token_time_s=r.number(doc["token_time_s"], "flow.token_time_s", 1e-6, 60.0),
+        bands=tuple(bands), default_band=default_band, band_header=headers["band_header"],
+        flow_header=headers["flow_header"],
+        default_weight=r.number(doc.get("default_weight", 1.0), "flow.default_weight", 1e-6, MAX_WEIGHT),
+        weights=weights,
+        max_waiting=r.integer(doc.get("max_waiting", 1024), "flow.max_waiting", 0),
+        max_waiting_per_flow=r.integer(doc.get("max_waiting_per_flow", 64), "flow.max_waiting_per_flow", 1),
+        max_flows=r.integer(doc.get("max_flows", 1024), "flow.max_flows", 1),
+        metrics_flows=r.integer(doc.get("metrics_flows", 10), "flow.metrics_flows", 0, 1000),
+    )
+
+
+def _check_flow(r: _Reader, config: GatewayConfig, top: dict) -> None:
+    """`flow:` replaces `queue:`, is not yet run over a shared ledger, and routes name its bands."""
+    flow = config.flow
+    if flow is None:
+        for i, route in enumerate(config.routes):
+            if route.band is not None:
+                raise r.fail(f"routes[{i}].band", "a band needs the flow: section that defines it")
+        return
+    if "queue" in top:
+        raise r.fail("queue", "flow: replaces queue: (its bands' deadlines and bounds): give one of them")
+    if config.ledger.shared:
+        raise r.fail("flow", "flow control is not yet supported with ledger.backend: redis (each replica would "
+                     "forecast from its own reservations only)")
+    for i, route in enumerate(config.routes):
+        if route.band is not None and flow.band_index(route.band) is None:
+            raise r.fail(f"routes[{i}].band", f"{brief(route.band)} is not one of flow.bands")
+
+
 def _route(r: _Reader, raw: Any, where: str) -> Route:
     item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path",
-                                  "output_histogram"}, {"name", "max_new_tokens"})
+                                  "output_histogram", "band"}, {"name", "max_new_tokens"})
     match_doc = r.mapping(item.get("match", {}), f"{where}.match", {"path", "path_prefix", "model", "header", "value"})
     header, value = _route_header(r, match_doc, f"{where}.match")
     path = r.string(match_doc.get("path"), f"{where}.match.path", optional=True)
@@ -700,6 +775,7 @@ def _route(r: _Reader, raw: Any, where: str) -> Route:
         upstream_path=upstream_path,
         output_law=(None if item.get("output_histogram") is None
                     else parse_output_law(item["output_histogram"], r.fail, f"{where}.output_histogram")),
+        band=r.string(item.get("band"), f"{where}.band", optional=True),
     )
 
 

@@ -23,6 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from kvtune.domain.route import Route
 from kvtune.gateway.config import ClientLimits, GatewayConfig, StickyBy
 from kvtune.gateway.endpoints import Endpoint, PathClass, canonical_path, classify
+from kvtune.gateway.flow import ANONYMOUS, flow_of
 from kvtune.gateway.refusals import Reason, Rejection
 
 # Request encodings the gateway decodes (zlib); others are refused on governed paths (415).
@@ -41,6 +42,10 @@ class Incoming:
     sticky_header: str | None = None  # the value of gateway.yaml's sticky.header, when it keeps by one
     # The values of the headers routes match on (lower-case names; absent or empty ones left out)
     route_headers: Mapping[str, str] = field(default_factory=dict)
+    # flow control (gateway.yaml `flow:`): the band header's value, and the flow (its header's value
+    # or the API key's hash, never the key)
+    priority: str | None = None
+    flow: str = ANONYMOUS
 
     def target(self, path: str) -> str:
         """`path` with the query string of the original request target, untouched."""
@@ -94,7 +99,12 @@ class Intake:
         groups = self._groups(request) if kind is PathClass.GENERATE else {}
         route = self._config.path_route(path, groups) if first is not None else None
         key = request.headers.get(self._sticky_header) if self._sticky_header is not None else None
-        return Incoming(path, endpoint, route, raw_path, key or None, groups)
+        flow = self._config.flow
+        if flow is None or kind not in (PathClass.GENERATE, PathClass.POOL):
+            return Incoming(path, endpoint, route, raw_path, key or None, groups)
+        headers = request.headers
+        return Incoming(path, endpoint, route, raw_path, key or None, groups, headers.get(flow.band_header),
+                        flow_of(headers.get(flow.flow_header), headers.get("Authorization")))
 
     def _groups(self, request: web.Request) -> dict[str, str]:
         """The headers routes match on; one sent twice is refused, since the two enforcers (and the

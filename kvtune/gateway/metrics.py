@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtune.domain.flow_control import WAIT_BUCKETS_S
+from kvtune.gateway.flow import OTHER, FlowCounts, FlowGate
 from kvtune.gateway.pool import Replica, UpstreamPool
 from kvtune.gateway.refusals import Reason
 from kvtune.gateway.shared import MODES
@@ -169,8 +171,55 @@ class GatewayMetrics:
             child = self._rejected[(route, reason)] = self.rejected.labels(route, reason.value)
         child.inc()
 
+    def add_flow(self, gate: FlowGate) -> None:
+        """kvtune_gateway_flow_*{band, flow}: the flow-control queue's counts, read at scrape time."""
+        self.registry.register(_FlowCounters(gate))
+
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _FlowCounters(Collector):
+    """Per band and flow (the band's metrics_flows flows with the most traffic, the rest as
+    `other`): waiting, admitted, shed at arrival, timed out, the wait (docs/guides/flow-control.md)."""
+
+    def __init__(self, gate: FlowGate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        gate = self.gate
+        waiting = GaugeMetricFamily("kvtune_gateway_flow_waiting", "Requests waiting in the flow-control queue.",
+                                    labels=["band", "flow"])
+        admitted = CounterMetricFamily("kvtune_gateway_flow_admitted", "Requests admitted, at once or after a wait.",
+                                       labels=["band", "flow"])
+        shed = CounterMetricFamily("kvtune_gateway_flow_shed", "Requests answered 429 at arrival.",
+                                   labels=["band", "flow", "reason"])
+        timed_out = CounterMetricFamily("kvtune_gateway_flow_timed_out",
+                                        "Waiters whose band's deadline passed (429 queue_timeout).",
+                                        labels=["band", "flow"])
+        wait = HistogramMetricFamily("kvtune_gateway_flow_wait_seconds",
+                                     "Time admitted requests waited (0 when admitted at once).",
+                                     labels=["band", "flow"])
+        for index, band in enumerate(gate.band_names):
+            top, other = gate.top_flows(index)
+            by_flow = gate.waiting_by_flow(index)
+            named = {f.name for f in top}
+            rows: list[tuple[str, FlowCounts, int]] = [(f.name, f.counts, by_flow.get(f.name, 0)) for f in top]
+            rows.append((OTHER, other, sum(n for name, n in by_flow.items() if name not in named)))
+            for name, counts, n in rows:
+                labels = [band, name]
+                waiting.add_metric(labels, n)
+                admitted.add_metric(labels, counts.admitted)
+                shed.add_metric([*labels, "deadline_unreachable"], counts.shed_deadline)
+                shed.add_metric([*labels, "queue_full"], counts.shed_full)
+                timed_out.add_metric(labels, counts.timed_out)
+                buckets = counts.wait_buckets or [0] * (len(WAIT_BUCKETS_S) + 1)
+                running, cumulative = 0, []
+                for edge, count in zip([*map(str, WAIT_BUCKETS_S), "+Inf"], buckets, strict=True):
+                    running += count
+                    cumulative.append((edge, running))
+                wait.add_metric(labels, cumulative, counts.wait_sum_s)
+        yield from (waiting, admitted, shed, timed_out, wait)
 
 
 class _LeaseCounters(Collector):

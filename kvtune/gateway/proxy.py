@@ -43,6 +43,7 @@ from kvtune.gateway.config import CountingMethod, GatewayConfig
 from kvtune.gateway.connections import listen
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
+from kvtune.gateway.flow import FlowGate
 from kvtune.gateway.intake import Incoming, Intake
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.pool import LedgerFactory, Replica, UpstreamPool, local_ledger
@@ -90,6 +91,9 @@ class Gateway:
         self.shared = SharedLedger(config, self.pool) if config.ledger.shared else None
         self.admission.shared = self.shared
         self.metrics.add_ledger_gauges(self.shared)
+        flow_gate = self.admission.queue.gate if isinstance(self.admission.queue.gate, FlowGate) else None
+        if flow_gate is not None:
+            self.metrics.add_flow(flow_gate)
         # A local tokenizer loads now, so a bad tokenizer fails at start.
         self._fixed_counter = counter
         self._local: LocalTokenizerCounter | None = None
@@ -97,7 +101,7 @@ class Gateway:
         if counter is None and config.prompt_tokens.method is CountingMethod.TOKENIZER and tokenizer is not None:
             self._local = LocalTokenizerCounter.load(tokenizer)
         self.admin = Admin(config, self.pool, self.metrics, rejected=lambda: self.rejected,
-                           waiting=lambda: self.admission.waiting, shared=self.shared)
+                           waiting=lambda: self.admission.waiting, shared=self.shared, flow=flow_gate)
         self._up: _Upstreams | None = None
         self._watch: asyncio.Task | None = None
         self._readmits: dict[int, asyncio.TimerHandle] = {}  # passive health: by replica, its ejection's end
@@ -253,7 +257,7 @@ class Gateway:
                     self.metrics.count_sent(replica.url)
                     response = await self.relay.send(request, self._client(admitted.upstream or replica.url),
                                                      "POST", admitted.target, admitted.body, extra,
-                                                     progress=reservation.progress, unsent=unsent)
+                                                     progress=self.admission.progress_of(reservation), unsent=unsent)
                 except UpstreamConnectError as exc:
                     self._take_out(replica, str(exc))  # first: the blocks released go to the others
                     self._outcome(replica, CONNECT_FAILED)
@@ -264,7 +268,8 @@ class Gateway:
                         self._outcome(replica, response.status)
                     return response
                 try:
-                    reservation = await self.admission.reserve(admitted.blocks, admitted.demand)
+                    reservation = await self.admission.reserve(admitted.blocks, admitted.demand, band=admitted.band,
+                                                                flow=admitted.flow)
                 except Rejection as rejection:
                     return self._reject(request, admitted.route, rejection)
             raise RuntimeError("unreachable: the last attempt answers whatever happens")

@@ -56,6 +56,7 @@ class Reason(enum.Enum):
     KV_BUDGET_EXHAUSTED = "kv_budget_exhausted"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    DEADLINE_UNREACHABLE = "deadline_unreachable"  # flow control: the forecast wait passes the band's deadline
     LEDGER_UNAVAILABLE = "ledger_unavailable"  # the gateways' shared ledger (Redis) does not answer
     # the upstream (kvtune.gateway.relay)
     UPSTREAM_TIMEOUT = "upstream_timeout"

@@ -80,6 +80,9 @@ class RecommendOptions:
     # Latency objectives the scheduler limits must meet by the step-time model (kvtune.policy.latency):
     # max_num_seqs (and max_num_batched_tokens, for TTFT) bounded so the predicted TPOT/TTFT do.
     slo: Slo | None = None
+    # gateway.yaml `flow:` (docs/guides/flow-control.md) sized from these objectives (their ttft
+    # the interactive band's deadline); None: today's FIFO queue
+    flow_control: Slo | None = None
 
     def __post_init__(self) -> None:
         if self.safety_fraction is not None and not 0 < self.safety_fraction <= 1:
@@ -242,7 +245,7 @@ def recommend(profile: Profile, plan: Plan, options: RecommendOptions | None = N
     stays. The bound FIXED_POINT_ROUNDS only guards that argument.
 
     >>> import kvtune
-    >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.plan("llama-3.1-8b", gpu="H100-80GB"))
+    >>> rec = kvtune.recommend(kvtune.load_profile("profile.json"), kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"))
     >>> rec.block_budget.value, rec.routes[0].max_new_tokens.rule          # doctest: +SKIP
     (25883, 'cap-p99-heavy-tail')
     """
@@ -348,6 +351,8 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
         verdict = _slo_verdict(verdict, options.slo, step, profile, routes, settings)
     settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
     settings["gateway_queue_timeout_s"] = rules.queue_timeout_s()
+    if options.flow_control is not None:
+        settings.update(_flow_settings(options.flow_control, step, profile, routes, settings, admitted))
     if not measured:
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
@@ -538,6 +543,30 @@ def _slo_words(slo: Slo) -> str:
     parts = [f"{name} ≤ {value:g} ms" for name, value in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms))
              if value is not None]
     return " and ".join(parts)
+
+
+def _flow_settings(slo: Slo, step: latency.StepTime | None, profile: Profile, routes: list[RouteRecommendation],
+                   settings: dict[str, Decision | None], admitted: int) -> dict[str, Decision]:
+    """gateway.yaml `flow:` from the SLO and the predicted latency of the rendered batch."""
+    if slo.ttft_ms is None:
+        raise OptionError("flow control takes its interactive band's deadline from --slo ttft=MS", field="flow_control")
+    if step is None:
+        raise OptionError("flow control forecasts with the step time, and this deployment has none: give --gpu or "
+                          "--capacity FILE from `kvtune calibrate URL --timing`", field="flow_control")
+    seqs, batched = settings["max_num_seqs"], settings["max_num_batched_tokens"]
+    if seqs is None or batched is None:
+        raise OptionError("flow control is sized on vLLM's batch limits (max_num_seqs, max_num_batched_tokens)",
+                          field="flow_control")
+    caps = {r.route: r.cap for r in routes}
+    at = latency.batch_latency(step.model, latency.traffic_shape(profile, caps), seqs.tokens, batched.tokens)
+    total = output = 0.0
+    for route in profile.routes:
+        o = route.output.observed
+        if o.total:
+            output += float(np.minimum(o.values.astype(np.float64), caps[route.route]) @ o.counts)
+            total += o.total
+    mean_output = output / total if total else 0.0
+    return rules.flow_control(slo.ttft_ms, slo.e2e_ms, at.tpot_s, at.ttft_s, admitted, mean_output)
 
 
 def _slo_verdict(verdict: feasibility.Verdict, slo: Slo, step: latency.StepTime, profile: Profile,

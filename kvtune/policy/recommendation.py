@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtune import userfiles
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
 from kvtune.domain.fields import MAX_INTEGER, Fields
+from kvtune.domain.flow_control import Band, FlowControl
 from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
@@ -58,6 +59,12 @@ SETTINGS: dict[str, tuple[str, float, float]] = {
     "capacity_scheduler_policy": ("str", 0, 0),  # TensorRT-LLM
     "gateway_queue_max_waiting": ("int", 0, MAX_INTEGER),
     "gateway_queue_timeout_s": ("number", 0, MAX_INTEGER),
+    # flow control (recommend --flow-control; absent otherwise): gateway.yaml `flow:` replaces `queue:`
+    "gateway_flow_token_time_s": ("number", 0, MAX_INTEGER),
+    "gateway_flow_interactive_deadline_s": ("number", 0, MAX_INTEGER),
+    "gateway_flow_batch_deadline_s": ("number", 0, MAX_INTEGER),
+    "gateway_flow_max_waiting": ("int", 0, MAX_INTEGER),
+    "gateway_flow_max_waiting_per_flow": ("int", 1, MAX_INTEGER),
     "served_model": ("str", 0, 0),  # the id the files serve and why (absent in files written before it)
 }
 # Settings every recommendation has (the others may be null: they do not apply to the engine).
@@ -674,8 +681,27 @@ def _ratio(a: int, b: int) -> float | None:
     return None if b == 0 else round(a / b, 3)
 
 
+
+
+def flow_control_of(rec: Recommendation) -> FlowControl | None:
+    """gateway.yaml's `flow:` (docs/guides/flow-control.md) as recommend --flow-control sized it;
+    None without it."""
+    s = rec.settings
+    decisions = [d for k in FLOW_SETTINGS if (d := s.get(k)) is not None]
+    if len(decisions) < len(FLOW_SETTINGS):
+        return None
+    token, interactive, batch, waiting, per_flow = decisions
+    return FlowControl(token_time_s=token.fraction, bands=(Band("interactive", interactive.fraction),
+                                                           Band("batch", batch.fraction)),
+                       max_waiting=waiting.tokens, max_waiting_per_flow=per_flow.tokens)
+
+
+FLOW_SETTINGS = ("gateway_flow_token_time_s", "gateway_flow_interactive_deadline_s", "gateway_flow_batch_deadline_s",
+                 "gateway_flow_max_waiting", "gateway_flow_max_waiting_per_flow")
+
 __all__ = [
     "Recommendation", "UpstreamBudget", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested",
     "Binned", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
     "Concurrency", "load_recommendation", "looks_like_recommendation", "SCHEMA_VERSION", "SETTINGS",
+    "FLOW_SETTINGS", "flow_control_of",
 ]

@@ -174,6 +174,49 @@ def queue_timeout_s() -> Decision:
                     f"bounds the time a request spends queued in front of vLLM (whose own queue is unbounded)")
 
 
+#: Flow control's batch band waits this many times the interactive TTFT target (when --slo gives
+#: no e2e), at least FLOW_BATCH_MIN_S.
+FLOW_BATCH_FACTOR = 10.0
+FLOW_BATCH_MIN_S = 10.0
+
+
+def flow_control(ttft_ms: float, e2e_ms: float | None, tpot_s: float, ttft_s: float, admitted: int,
+                 mean_output_tokens: float) -> dict[str, Decision]:
+    """gateway.yaml `flow:` (docs/guides/flow-control.md): the interactive band's deadline is the
+    TTFT target, the batch band's the e2e target (else 10x TTFT, at least 10 s); the forecast's
+    per-token time is the predicted TPOT of the rendered batch; the queue holds what the budget
+    serves within the batch deadline (service rate = admitted / (TTFT + mean output x TPOT))."""
+    interactive = ttft_ms / 1000
+    batch = e2e_ms / 1000 if e2e_ms is not None else max(FLOW_BATCH_MIN_S, FLOW_BATCH_FACTOR * interactive)
+    batch = max(batch, interactive)
+    service_s = ttft_s + mean_output_tokens * tpot_s
+    rate = admitted / service_s if service_s > 0 else float(admitted)
+    waiting = max(1, math.ceil(rate * batch))
+    per_flow = max(1, math.ceil(waiting / 2))
+    return {
+        "gateway_flow_token_time_s": Decision(
+            round(max(tpot_s, 1e-6), 6), "flow-token-time",
+            f"the forecast prices each token a request still has to generate at the predicted TPOT of the rendered "
+            f"batch, {tpot_s * 1000:.3g} ms"),
+        "gateway_flow_interactive_deadline_s": Decision(
+            round(interactive, 3), "flow-deadline-ttft",
+            f"the interactive band (the default) must be admitted within the TTFT target {ttft_ms:g} ms: a request "
+            f"whose forecast wait is longer is answered 429 deadline_unreachable at once"),
+        "gateway_flow_batch_deadline_s": Decision(
+            round(batch, 3), "flow-deadline-batch",
+            "the batch band (header x-kvtune-priority: batch) waits up to the e2e target" if e2e_ms is not None
+            else f"the batch band (header x-kvtune-priority: batch) waits up to {FLOW_BATCH_FACTOR:g}x the TTFT "
+                 f"target, at least {FLOW_BATCH_MIN_S:g} s"),
+        "gateway_flow_max_waiting": Decision(
+            waiting, "flow-queue-service-rate",
+            f"the budget serves about {rate:.3g} requests/s ({admitted} at once, each ~{service_s:.3g} s): more "
+            f"waiters than it serves within the batch deadline ({batch:g} s) could not make it"),
+        "gateway_flow_max_waiting_per_flow": Decision(
+            per_flow, "flow-queue-per-flow",
+            "one flow (tenant) may hold half the queue, so a flood leaves room for the others"),
+    }
+
+
 def worst_case_reservation_blocks(context_tokens: int, block_size: int) -> int:
     """An unset max_tokens lets a request grow to the whole context: ceil(context / block_size)."""
     return reserved_blocks(context_tokens, 0, block_size)

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvtune.capacity.measured import CapacitySource
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.output_law import OutputLaw
 from kvtune.domain.route import Route, RouteMatch
@@ -50,7 +51,7 @@ from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
-from kvtune.policy.recommendation import Recommendation, RouteRecommendation
+from kvtune.policy.recommendation import Recommendation, RouteRecommendation, flow_control_of
 from kvtune.policy.route_table import route_table
 from kvtune.policy.rules import CAP_PERCENTILE
 from kvtune.policy.whatif import (
@@ -264,6 +265,7 @@ class Deployment:
     queue_max_waiting: int = 0
     queue_timeout_s: float = 30.0
     rule: EngineRule = None  # the engine's scheduling rule (kvtune.sim.rules; None: vLLM)
+    flow: FlowControl | None = None  # gateway.yaml flow: (the flow-control queue) instead of the FIFO queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +309,7 @@ def _admission(d: Deployment, routes: Sequence[str]) -> Admission | None:
     return LedgerAdmission(d.budget_blocks, block_size=d.engine.block_size, max_model_len=d.engine.max_model_len,
                            retry_after_min_s=RETRY_AFTER_MIN_S, retry_after_max_s=RETRY_AFTER_MAX_S,
                            queue_max_waiting=d.queue_max_waiting, queue_timeout_s=d.queue_timeout_s,
-                           policy=d.policy.admission(), request_laws=laws)
+                           policy=d.policy.admission(), request_laws=laws, flow=d.flow)
 
 
 def truncation_share(traffic: Profile, caps: Mapping[str, int | None]) -> float:
@@ -499,6 +501,10 @@ def grid_candidates(profile: Profile, plan: Plan, options: RecommendOptions, obj
             continue
         seen.add(key)
         out.append(Candidate(policy, level, safety, deployment, rec))
+        flow = flow_control_of(rec)
+        if flow is not None:  # recommend --flow-control: the same row with the flow-control queue beside it
+            out.append(Candidate(dataclasses.replace(policy, flow=True), level, safety,
+                                 dataclasses.replace(deployment, flow=flow), rec))
     out.append(Candidate(worst, None, default.safety_fraction.fraction,
                          Deployment(basis.engine, uncapped, worst, default.budget_blocks,
                                     queue_max_waiting=rendered_queue(default)[0],

@@ -64,16 +64,19 @@ class Policy:
     factor: float | None = None  # overcommit
     epsilon: float | None = None  # statistical
     engine: str | None = None  # engine: a key of ENGINE_ROWS
+    flow: bool = False  # the gateway's flow-control queue (gateway.yaml flow:) instead of the FIFO one
 
     @property
     def label(self) -> str:
         if self.kind is PolicyKind.ENGINE:
             return ENGINE_ROWS.get(self.engine or "", str(self.engine))
         if self.kind is PolicyKind.OVERCOMMIT:
-            return f"overcommit ×{self.factor:g}"
-        if self.kind is PolicyKind.STATISTICAL:
-            return f"statistical ε={self.epsilon:g}"
-        return self.kind.value
+            base = f"overcommit ×{self.factor:g}"
+        elif self.kind is PolicyKind.STATISTICAL:
+            base = f"statistical ε={self.epsilon:g}"
+        else:
+            base = self.kind.value
+        return f"{base} + flow control" if self.flow else base
 
     @property
     def reference(self) -> bool:
@@ -102,6 +105,8 @@ class Policy:
         out: dict[str, Any] = {"kind": self.kind.value, "factor": self.factor, "epsilon": self.epsilon}
         if self.engine is not None:
             out["engine"] = self.engine
+        if self.flow:
+            out["flow_control"] = True
         return out
 
     @classmethod
@@ -116,7 +121,8 @@ class Policy:
             raise f.fail("factor", "an overcommit policy has a factor, no other policy has one")
         if (epsilon is not None) != (kind is PolicyKind.STATISTICAL):
             raise f.fail("epsilon", "a statistical policy has an epsilon, no other policy has one")
-        return cls(kind, factor, epsilon, engine)
+        flow = f.boolean("flow_control", optional=True) or False
+        return cls(kind, factor, epsilon, engine, flow)
 
 
 @dataclass(frozen=True, slots=True)

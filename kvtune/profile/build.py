@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtune import userfiles
+from kvtune.domain.log_reading import DEFAULT_MAX_ROUTES as MAX_ROUTES
 from kvtune.errors import InputError, KvtuneError
 from kvtune.ingest.window import WindowReport
-from kvtune.profile import MAX_ROUTES, counting
+from kvtune.profile import counting
 from kvtune.profile.histogram import (
     JOINT_EDGES,
     Histogram,

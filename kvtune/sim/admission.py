@@ -16,7 +16,9 @@ from typing import Protocol
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy
 from kvtune.domain.demand import Demand
+from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
+from kvtune.gateway.flow import ANONYMOUS, FlowGate
 from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Reservation
 from kvtune.gateway.overflow import next_mark
@@ -115,23 +117,35 @@ class LedgerAdmission:
     Progress: every simulated request streams, and the statistical ledger hears what the live
     gateway would report (streamed_tokens_seen: SSE events − 3, a little below the tokens
     generated), at its marks 16, 32, 64, ... of reported tokens. The live gateway does not wake
-    its queue on progress, so neither does this."""
+    its queue on progress, so neither does this.
+
+    With `flow` (gateway.yaml `flow:`), the queue is the flow-control one (kvtune.gateway.flow):
+    request i waits in band `request_bands[i]` (else `band`) and flow `request_flows[i]`."""
 
     def __init__(self, budget_blocks: int, *, block_size: int, max_model_len: int, retry_after_min_s: int = 1,
                  retry_after_max_s: int = 60, queue_max_waiting: int = 0, queue_timeout_s: float = 30.0,
                  route_max_new_tokens: int | None = None, policy: AdmissionPolicy = GUARANTEED,
                  output_law: OutputLaw | None = None,
                  request_laws: Sequence[OutputLaw | None] | None = None,
-                 request_caps: Sequence[int | None] | None = None) -> None:
+                 request_caps: Sequence[int | None] | None = None, flow: FlowControl | None = None,
+                 band: int = 0, request_bands: Sequence[int] | None = None,
+                 request_flows: Sequence[str] | None = None) -> None:
         self._now_s = 0.0
         self.policy = policy
         self.output_law = output_law
         self.request_laws = request_laws
         self.ledger = ledger_for(policy, budget_blocks, block_size=block_size, max_model_len=max_model_len,
                                  clock=lambda: self._now_s)
-        self.gate: AdmissionGate[int] = AdmissionGate(self.ledger, max_waiting=queue_max_waiting,
-                                                      timeout_s=queue_timeout_s, retry_after_min_s=retry_after_min_s,
-                                                      retry_after_max_s=retry_after_max_s)
+        self.gate: AdmissionGate[int] | FlowGate[int]
+        if flow is None:
+            self.gate = AdmissionGate(self.ledger, max_waiting=queue_max_waiting, timeout_s=queue_timeout_s,
+                                      retry_after_min_s=retry_after_min_s, retry_after_max_s=retry_after_max_s)
+        else:
+            self.gate = FlowGate(self.ledger, flow, retry_after_min_s=retry_after_min_s,
+                                 retry_after_max_s=retry_after_max_s, clock=lambda: self._now_s)
+        self.band = band
+        self.request_bands = request_bands
+        self.request_flows = request_flows
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.route_max_new_tokens = route_max_new_tokens
@@ -161,7 +175,13 @@ class LedgerAdmission:
         demand = Demand((min(prompt_tokens, self.max_model_len),), self.cap(prompt_tokens, max_tokens, request), law)
         if self.gate.never_fits(blocks, demand):
             return Verdict(VerdictKind.REFUSE)
-        got = self.gate.offer(request, blocks, now_s, demand)
+        gate = self.gate
+        if isinstance(gate, FlowGate):
+            band = self.band if self.request_bands is None else self.request_bands[request]
+            flow = ANONYMOUS if self.request_flows is None else self.request_flows[request]
+            got = gate.offer(request, blocks, now_s, demand, band=band, flow=flow)
+        else:
+            got = gate.offer(request, blocks, now_s, demand)
         if got is None:
             return QUEUED
         if isinstance(got, Turned):
@@ -202,6 +222,8 @@ class LedgerAdmission:
         self._now_s = now_s
         seen = streamed_tokens_seen(generated_tokens)
         reservation.progress(seen)
+        if isinstance(self.gate, FlowGate):
+            self.gate.progress(reservation, seen)
         return next_mark(seen) + STREAM_EVENTS_WITHOUT_TOKENS - STREAM_EVENTS_BEFORE_TOKENS
 
     @property

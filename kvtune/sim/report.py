@@ -102,8 +102,28 @@ def sim_report(result: SimResult, traffic: Traffic, *, slo: Slo | None, context:
             "requests_not_sent": int((r.outcome == _NOT_SENT).sum()),
             "admission_waiting_peak": result.admission_waiting_peak,
             "preempted_requests": int((r.preemptions > 0).sum()),
+            **({"by_route": by_route(result, traffic)} if len(traffic.routes) > 1 else {}),
         },
     }
 
 
-__all__ = ["summarize_sim", "sim_report"]
+def by_route(result: SimResult, traffic: Traffic) -> dict[str, Any]:
+    """Each route's requests: completed, 429s, retried, TTFT (as latency_ms.ttft, and of the
+    requests admitted at their first try). With flow control's bands on routes, each band's TTFT."""
+    r = result.requests
+    ok = r.outcome == _OK
+    ttft = (r.first_token_s - (r.arrival_s - traffic.overhead_s)) * 1000
+    names = np.asarray(traffic.route, dtype=object)
+    out = {}
+    for name in traffic.routes:
+        mine = names == name
+        first_try = mine & ok & (r.retries == 0)
+        out[name] = {"sent": int((mine & (r.outcome != _NOT_SENT)).sum()), "completed": int((mine & ok).sum()),
+                     "http_429": int((mine & (r.outcome == _429)).sum()),
+                     "retried": int((mine & (r.retries > 0)).sum()),
+                     "ttft_ms": latency_stats(ttft[mine & ok]),
+                     "ttft_ms_first_try": latency_stats(ttft[first_try])}
+    return out
+
+
+__all__ = ["by_route", "summarize_sim", "sim_report"]

@@ -243,12 +243,12 @@ def test_the_python_api_takes_exclude_and_reports_the_files_not_read(tmp_path):
     from kvtune.errors import InputError
 
     logs = _log_dir_with_kvtune_outputs(tmp_path)
-    profile = kvtune.profile_logs([logs], exclude=["openai_*"])
+    profile = kvtune.profile_logs([logs], kvtune.LogReading(exclude=("openai_*",)))
     assert profile.requests == 2400
     assert [f.reason for f in profile.skipped_files] == ["--exclude openai_*", *(
         f"kvtune's own output: {what}" for what in OWN.values())]
     with pytest.raises(InputError, match="no usable row"):
-        kvtune.profile_logs([logs], exclude=["*.jsonl"])
+        kvtune.profile_logs([logs], kvtune.LogReading(exclude=("*.jsonl",)))
 
 
 def test_bench_against_a_server_says_which_files_kvtune_wrote(tmp_path):

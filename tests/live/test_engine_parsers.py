@@ -40,7 +40,7 @@ def recommendation(profile, engine: str, admission: str, plan: dict):
 
     policy = parse_admission({"policy": admission, **({"epsilon": 0.01} if admission == "statistical" else {})},
                              lambda field, why: ValueError(f"{field}: {why}"))
-    return apply_rules(profile, kvtune.plan("llama-3.1-8b", engine=engine, **plan),
+    return apply_rules(profile, kvtune.plan(kvtune.Deployment("llama-3.1-8b", engine=engine, **plan)),
                        RecommendOptions(engine=engine, admission=policy))
 
 

@@ -65,24 +65,24 @@ def test_every_exported_name_resolves_and_is_documented():
 ])
 def test_bad_recommend_options_name_the_field(changes, field, message):
     profile = kvtune.profile_logs([ROOT / "sample_logs"])
-    plan = kvtune.plan("llama-3.1-8b", gpu="H100-80GB")
+    plan = kvtune.plan(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"))
     with pytest.raises(KvtuneError) as caught:
-        kvtune.recommend(profile, plan, **changes)
+        kvtune.recommend(profile, plan, kvtune.Policy(**changes))
     assert caught.value.field == field and message in str(caught.value)
 
 
 def test_profile_logs_takes_the_on_error_words(tmp_path):
     path = tmp_path / "logs.jsonl"
     path.write_text('{"route": "/a", "output_tokens": 5}\n{oops\n')
-    assert kvtune.profile_logs([path], on_error="skip").skipped == {"malformed JSON": 1}
+    assert kvtune.profile_logs([path], kvtune.LogReading(on_error="skip")).skipped == {"malformed JSON": 1}
     with pytest.raises(KvtuneError, match=r":2: malformed JSON"):
-        kvtune.profile_logs([path], on_error="fail")
+        kvtune.profile_logs([path], kvtune.LogReading(on_error="fail"))
     with pytest.raises(KvtuneError) as caught:
-        kvtune.profile_logs([path], on_error="stop")
+        kvtune.profile_logs([path], kvtune.LogReading(on_error="stop"))
     assert caught.value.field == "on_error" and "use skip or fail" in str(caught.value)
 
 
 def test_recommend_follows_the_release_the_plan_assumed():
     profile = kvtune.profile_logs([str(Path(__file__).parents[1] / "data" / "logs" / "kvtune.jsonl")])
-    rec = kvtune.recommend(profile, kvtune.plan("llama-3.1-8b", gpu="H100-80GB", engine_version="0.6.3"))
+    rec = kvtune.recommend(profile, kvtune.plan(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB", engine_version="0.6.3")))
     assert (rec.engine.version, rec.engine.v1) == ("0.6.3", False)

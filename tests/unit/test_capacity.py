@@ -18,7 +18,13 @@ from kvtune.capacity.memory import (
     num_blocks_for,
     profile_limits,
 )
-from kvtune.capacity.plan import capacity_from_blocks, estimate_capacity, measured_capacity, plan_capacity
+from kvtune.capacity.plan import (
+    CapacityInputs,
+    capacity_from_blocks,
+    estimate_capacity,
+    measured_capacity,
+    plan_capacity,
+)
 from kvtune.capacity.reservation import RequestShape, fit_request, reserved_blocks
 from kvtune.errors import CapacityError, InputError, OptionError
 from kvtune.hardware import GPUS
@@ -225,8 +231,9 @@ def llama():
 def test_plan_on_h100_is_consistent_arithmetic(llama):
     h100 = GPUS["H100-80GB"]
     weights = estimate_from_parameters(llama)
-    report = plan_capacity(llama, kv_bytes(llama), weights, gpu_name=h100.name, gpu_memory_bytes=h100.memory_bytes,
-                           shapes=(RequestShape(200, 4000), RequestShape(3000, 200)))
+    report = plan_capacity(llama, kv_bytes(llama), CapacityInputs(
+        weights, gpu_name=h100.name, gpu_memory_bytes=h100.memory_bytes,
+        shapes=(RequestShape(200, 4000), RequestShape(3000, 200))))
     c = report.capacity
     m = c.memory
     assert m.requested_memory_bytes == -(-h100.memory_bytes * 92 // 100)  # ceil(85,520,809,984 × 0.92)
@@ -242,13 +249,13 @@ def test_plan_on_h100_is_consistent_arithmetic(llama):
 
 def test_plan_needs_memory_or_a_measurement(llama):
     with pytest.raises(OptionError, match="give `gpu` or `gpu_memory`"):
-        plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama))
+        plan_capacity(llama, kv_bytes(llama), CapacityInputs(estimate_from_parameters(llama)))
 
 
 def test_plan_keeps_a_measurement_when_the_estimate_says_nothing_fits(llama):
     measured = MeasuredCapacity(source=CapacitySource.KV_TOKENS, kv_cache_tokens=1600)
-    report = plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama), gpu_memory_bytes=8 * GiB,
-                           max_model_len=1024, measured=measured)
+    report = plan_capacity(llama, kv_bytes(llama), CapacityInputs(
+        estimate_from_parameters(llama), gpu_memory_bytes=8 * GiB, max_model_len=1024, measured=measured))
     assert report.capacity.num_blocks == 100 and report.capacity.memory is None
     assert any("the estimate disagrees" in n for n in report.capacity.notes)
 
@@ -256,14 +263,14 @@ def test_plan_keeps_a_measurement_when_the_estimate_says_nothing_fits(llama):
 def test_plan_uses_cpu_block_size_for_a_cpu_log(llama):
     measured = MeasuredCapacity(source=CapacitySource.VLLM_LOG, kv_cache_tokens=4096, max_model_len=512,
                                 device="CPU")
-    c = plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama), measured=measured).capacity
+    c = plan_capacity(llama, kv_bytes(llama), CapacityInputs(estimate_from_parameters(llama), measured=measured)).capacity
     assert (c.block_size, c.num_blocks, c.max_model_len, c.max_concurrency_at_max_model_len) == (128, 32, 512, 8.0)
 
 
 def test_plan_notes_sliding_window_layers():
     spec = resolve_model("gpt-oss-20b")
-    report = plan_capacity(spec, kv_bytes(spec), estimate_from_parameters(spec),
-                           gpu_memory_bytes=GPUS["H100-80GB"].memory_bytes)
+    report = plan_capacity(spec, kv_bytes(spec), CapacityInputs(
+        estimate_from_parameters(spec), gpu_memory_bytes=GPUS["H100-80GB"].memory_bytes))
     assert any("sliding-window" in n and "window 128" in n for n in report.capacity.notes)
 
 
@@ -297,8 +304,8 @@ def test_reservations_never_oversubscribe(prompt, cap, usable, block_size):
 
 def test_plan_notes_mla_block_size():
     spec = resolve_model("deepseek-v3")
-    report = plan_capacity(spec, kv_bytes(spec, tp=8), estimate_from_parameters(spec),
-                           gpu_memory_bytes=GPUS["H200"].memory_bytes)
+    report = plan_capacity(spec, kv_bytes(spec, tp=8), CapacityInputs(
+        estimate_from_parameters(spec), gpu_memory_bytes=GPUS["H200"].memory_bytes))
     assert any(n.startswith("MLA:") for n in report.capacity.notes)
     # MLA is replicated on every TP rank: 61 layers × (512 + 64) × 2 B = 70,272 B per token per GPU
     assert report.capacity.kv_bytes_per_token_per_gpu == 70_272
@@ -346,16 +353,16 @@ def test_v0_profiles_max_model_len_and_charges_no_cuda_graphs():
 
 
 def test_every_part_of_the_estimate_names_the_release(llama):
-    report = plan_capacity(llama, kv_bytes(llama, tp=2), estimate_from_parameters(llama),
-                           gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB",
-                           max_model_len=8192, engine_version="0.6.3")
+    report = plan_capacity(llama, kv_bytes(llama, tp=2), CapacityInputs(
+        estimate_from_parameters(llama), gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB",
+        max_model_len=8192, engine_version="0.6.3"))
     assert report.engine_version == "0.6.3" and report.to_dict()["engine_version"] == "0.6.3"
     assert report.max_num_batched_tokens == 8192 and report.max_num_seqs == 256
     assert any(a.startswith("memory model: vLLM 0.6.3 (V0)") for a in report.assumptions)
     assert any("max(max_model_len, 2,048)" in a and "vLLM 0.6.3 (V0)" in a for a in report.assumptions)
     assert any("measure the capacity" in a for a in report.assumptions)  # whole-device profiler at TP 2
-    current = plan_capacity(llama, kv_bytes(llama), estimate_from_parameters(llama),
-                            gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB")
+    current = plan_capacity(llama, kv_bytes(llama), CapacityInputs(
+        estimate_from_parameters(llama), gpu_memory_bytes=GPUS["A100-80GB"].memory_bytes, gpu_name="A100-80GB"))
     assert current.engine_version == "0.33" and any("vLLM 0.33 (V1)" in a for a in current.assumptions)
 
 

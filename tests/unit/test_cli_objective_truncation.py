@@ -141,7 +141,7 @@ def test_check_holds_a_deployment_to_the_truncation_bound(log, tmp_path):
 def test_a_grid_without_the_tail_level_is_held_to_the_tail_rule(tmp_path):
     # the library's search on a narrowed grid (no tail-rule row to read the bound from)
     profile = kvtune.profile_logs([objective_log(tmp_path / "log.jsonl")])
-    plan = kvtune.plan(MODEL, measured=kvtune.measured_capacity(capacity_file=CPU_CAPACITY))
+    plan = kvtune.plan(kvtune.Deployment(MODEL), measured=kvtune.measured_capacity(capacity_file=CPU_CAPACITY))
     grid = SearchGrid(cap_levels=("p90", "p99"), safety_fractions=(0.9,), policies=(GUARANTEED,))
     rec = recommend_for_objective(profile, plan, RecommendOptions(),
                                   ObjectiveSpec(Goal.THROUGHPUT, concurrency=8, requests=50, seeds=1), grid=grid)

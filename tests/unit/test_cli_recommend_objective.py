@@ -153,3 +153,18 @@ def test_logs_without_timestamps_need_a_load(tmp_path):
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
         "Error: --rate: the logs carry no timestamps to take an arrival rate from: give --rate RPS or --concurrency N"]
+
+
+def test_flow_control_rows_beside_each_fifo_row(log, tmp_path):
+    """recommend --objective --flow-control (issue 29): every gateway row of the grid is simulated
+    twice, with today's FIFO queue and with the flow-control queue it renders, side by side."""
+    result = recommend(log, "--objective", "goodput", "--slo", "ttft=2000,e2e=20000", "--flow-control", "--rate",
+                       "6", "--out", str(tmp_path / "deploy"), "--json")
+    assert result.exit_code in (0, 1), result.output
+    rows = json.loads(result.stdout)["recommendation"]["what_if"]
+    fifo = [r for r in rows if r["policy"]["kind"] in ("guaranteed", "statistical", "overcommit")
+            and not r["policy"].get("flow_control")]
+    flow = [r for r in rows if r["policy"].get("flow_control")]
+    assert fifo and len(flow) == len(fifo)
+    assert all(r["predicted"]["goodput_rps"] is not None for r in flow)
+    assert {r["policy"]["kind"] for r in flow} == {r["policy"]["kind"] for r in fifo}

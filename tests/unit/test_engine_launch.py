@@ -29,7 +29,7 @@ def recommendation(profile, engine: str, admission: str = "guaranteed"):
     from kvtune.policy.recommend import RecommendOptions
     from kvtune.policy.recommend import recommend as apply_rules
 
-    plan = kvtune.plan("llama-3.1-8b", gpu="H100-80GB", engine=engine)
+    plan = kvtune.plan(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB", engine=engine))
     policy = parse_admission({"policy": admission, **({"epsilon": 0.01} if admission == "statistical" else {})},
                              lambda field, why: ValueError(f"{field}: {why}"))
     return apply_rules(profile, plan, RecommendOptions(engine=engine, admission=policy))
@@ -51,7 +51,8 @@ def findings(result) -> set[str]:
 def test_sglang_script_carries_every_setting_with_its_rule(profile, tmp_path):
     rec = recommendation(profile, "sglang")
     files = rendered(rec, tmp_path)
-    assert sorted(files) == sorted(default_targets(rec))
+    # the engine's files, then what other tools read: estimates.json/.yaml (no Kubernetes manifests: vLLM only)
+    assert sorted(files) == sorted([*default_targets(rec), "estimates.json", "estimates.yaml"])
     assert "sglang-serve.sh" in files and "vllm-serve.sh" not in files
     script = files["sglang-serve.sh"]
     assert "exec python3 -m sglang.launch_server" in script
@@ -203,10 +204,12 @@ def test_the_cli_renders_the_engine_release_it_was_told(tmp_path):
     script = (tmp_path / "sglang-serve.sh").read_text(encoding="utf-8")
     assert script.splitlines()[1].startswith("# Rendered by kvtune") and "SGLang 0.4.6 serving" in script
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "lua", "recommendation.json", "report.html", "report.md"])
+        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "lua", "recommendation.json", "report.html", "report.md",
+         "estimates.json", "estimates.yaml"])
     result = CliRunner().invoke(cli, ["recommend", str(SAMPLE_LOGS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                                       "--engine", "trtllm", "--out", str(tmp_path / "t")])
     assert result.exit_code == 0, result.output  # no --gateway-tokenizer: the engine's files all the same
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == sorted(
-        ["trtllm-serve.sh", "trtllm-llm-api.yaml", "gateway.yaml", "recommendation.json", "report.html", "report.md"])
+        ["trtllm-serve.sh", "trtllm-llm-api.yaml", "gateway.yaml", "recommendation.json", "report.html", "report.md",
+         "estimates.json", "estimates.yaml"])
     assert "Note: nginx.conf is not rendered for TensorRT-LLM: its server has no /tokenize" in result.stderr

@@ -20,6 +20,7 @@ from kvtune.capacity.engine_memory import (
     trtllm_memory,
 )
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.domain.deployment import Deployment
 from kvtune.engines import sglang
 from kvtune.errors import CapacityError
 from kvtune.hardware import GiB, MiB, find_gpu
@@ -128,7 +129,7 @@ def test_sglang_weights_that_do_not_fit():
 def test_sglang_default_fraction_too_small_for_the_weights_says_what_to_raise():
     # an L4 (23,034 MiB): SGLang derives 0.684; 0.684 × 21.49 GiB free = 14.70 GiB < 14.96 GiB of weights
     with pytest.raises(CapacityError) as info:
-        plan("llama-3.1-8b", gpu="L4", engine="sglang")
+        plan(Deployment("llama-3.1-8b", gpu="L4", engine="sglang"))
     assert str(info.value) == (
         "SGLang leaves no KV pool: weights 14.96 GiB per GPU against 14.70 GiB (21.49 GiB free × "
         "mem_fraction_static 0.684); raise mem_fraction_static (`gpu_memory_utilization`) above 0.696, or use "
@@ -201,7 +202,7 @@ def test_trtllm_blocks_fit_the_budget(weights, fraction, per_block):
 
 
 def test_plan_with_sglang():
-    p = plan("llama-3.1-8b", gpu="H100-80GB", engine="sglang")
+    p = plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="sglang"))
     assert (p.engine, p.capacity.block_size, p.capacity.kv_cache_tokens, p.capacity.source) == (
         "sglang", 1, 412_220, CapacitySource.ESTIMATE)
     assert (p.gpu_memory_utilization.value, p.gpu_memory_utilization.source) == (0.83, "default")
@@ -209,13 +210,13 @@ def test_plan_with_sglang():
 
 
 def test_plan_with_trtllm():
-    p = plan("llama-3.1-8b", gpu="H100-80GB", engine="trtllm", gpu_memory_utilization=0.9)
+    p = plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="trtllm", gpu_memory_utilization=0.9))
     assert (p.capacity.block_size, p.capacity.num_blocks, p.capacity.kv_cache_tokens) == (32, 14_350, 459_200)
     assert p.gpu_memory_utilization.source == "given"
 
 
 def test_plan_default_engine_is_vllm_unchanged():
-    p = plan("llama-3.1-8b", gpu="H100-80GB")
+    p = plan(Deployment("llama-3.1-8b", gpu="H100-80GB"))
     assert (p.engine, p.capacity.block_size, p.gpu_memory_utilization.value, p.report.engine) == (
         "vllm", 16, 0.92, "vllm")
 
@@ -224,10 +225,10 @@ def test_plan_refuses_a_measurement_from_another_engine():
     measured = MeasuredCapacity(source=CapacitySource.SGLANG_LOG, engine="sglang", kv_cache_tokens=300_000,
                                 origin="sglang.log")
     with pytest.raises(PlanError) as info:
-        plan("llama-3.1-8b", gpu="H100-80GB", measured=measured)
+        plan(Deployment("llama-3.1-8b", gpu="H100-80GB"), measured=measured)
     assert str(info.value) == ("engine: the capacity was measured on SGLang (sglang.log), not vLLM: "
                                "pass `engine` sglang")
-    p = plan("llama-3.1-8b", gpu="H100-80GB", measured=measured, engine="sglang")
+    p = plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="sglang"), measured=measured)
     assert (p.capacity.num_blocks, p.capacity.block_size, p.capacity.estimated_num_blocks) == (300_000, 1, 412_220)
 
 
@@ -235,8 +236,8 @@ def test_plan_keeps_a_measured_sglang_fraction():
     measured = MeasuredCapacity(source=CapacitySource.SGLANG_SERVER, engine="sglang", kv_cache_tokens=412_220,
                                 num_blocks=412_220, block_size=1, gpu_memory_utilization=0.83, origin="u")
     with pytest.raises(PlanError):
-        plan("llama-3.1-8b", gpu="H100-80GB", measured=measured, engine="sglang", gpu_memory_utilization=0.9)
-    assert plan("llama-3.1-8b", gpu="H100-80GB", measured=measured, engine="sglang").gpu_memory_utilization.source \
+        plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="sglang", gpu_memory_utilization=0.9), measured=measured)
+    assert plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="sglang"), measured=measured).gpu_memory_utilization.source \
         == "measured"
 
 
@@ -246,9 +247,9 @@ def test_default_fraction():
 
 
 def test_a_pool_smaller_than_one_request_in_the_engines_words():
-    sglang_note = plan("llama-3.1-8b", gpu="H100-80GB", engine="sglang", max_kv_tokens=100_000).capacity.notes
+    sglang_note = plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="sglang", max_kv_tokens=100_000)).capacity.notes
     assert "SGLang caps each request at 99,999 tokens (the pool − 1), below max_model_len 131,072" in sglang_note
-    trt = plan("llama-3.1-8b", gpu="H100-80GB", engine="trtllm", max_kv_tokens=100_000).capacity
+    trt = plan(Deployment("llama-3.1-8b", gpu="H100-80GB", engine="trtllm", max_kv_tokens=100_000)).capacity
     assert (trt.num_blocks, trt.kv_cache_tokens) == (3125, 100_000)
     assert "TensorRT-LLM lowers max_seq_len to the pool's 100,000 tokens, below 131,072" in trt.notes
 

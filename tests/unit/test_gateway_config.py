@@ -459,3 +459,40 @@ def test_yaml_numbers_other_than_plain_decimal_are_refused(tmp_path, written):
     with pytest.raises(InputError) as info:
         load_gateway_config(path)
     assert str(info.value).startswith(f"{path}:3: unsupported YAML: the number '{written}' is not plain decimal")
+
+
+FLOW = {"token_time_s": 0.02, "bands": [{"name": "interactive", "deadline_s": 2}, {"name": "batch", "deadline_s": 60}]}
+
+
+def test_flow_section_reads_with_its_defaults_and_routes_name_bands():
+    doc = _doc(flow=FLOW)
+    doc["routes"][0]["band"] = "batch"
+    config = parse_gateway_config(doc)
+    flow = config.flow
+    assert flow is not None and [b.name for b in flow.bands] == ["interactive", "batch"]
+    assert (flow.band_header, flow.flow_header, flow.max_waiting, flow.max_waiting_per_flow, flow.max_flows,
+            flow.metrics_flows, flow.default_weight, flow.default_band_index) == (
+        "x-kvtune-priority", "x-kvtune-flow", 1024, 64, 1024, 10, 1.0, 0)
+    assert config.routes[0].band == "batch" and config.routes[1].band is None
+    assert parse_gateway_config(_doc()).flow is None  # absent: today's queue
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    ({"flow": FLOW, "queue": {"max_waiting": 4}}, "queue", "replaces queue"),
+    ({"flow": {**FLOW, "bands": []}}, "flow.bands", "1 to 8"),
+    ({"flow": {**FLOW, "bands": [{"name": "A", "deadline_s": 1}]}}, "flow.bands[0].name", "band name"),
+    ({"flow": {**FLOW, "bands": [{"name": "a", "deadline_s": 1}] * 2}}, "flow.bands[1].name", "twice"),
+    ({"flow": {**FLOW, "bands": [{"name": "a", "deadline_s": -1}]}}, "flow.bands[0].deadline_s", "at least 0"),
+    ({"flow": {**FLOW, "default_band": "x"}}, "flow.default_band", "not one of"),
+    ({"flow": {**FLOW, "token_time_s": 0}}, "flow.token_time_s", "at least"),
+    ({"flow": {**FLOW, "weights": {"t": 0}}}, "flow.weights.t", "at least"),
+    ({"flow": {"bands": FLOW["bands"]}}, "flow.token_time_s", "missing"),
+    ({"flow": {**FLOW, "band_header": "bad header"}}, "flow.band_header", "header name"),
+    ({"routes": [{"name": "x", "max_new_tokens": 10, "band": "interactive"}]}, "routes[0].band", "flow:"),
+    ({"flow": FLOW, "routes": [{"name": "x", "max_new_tokens": 10, "band": "gold"}]}, "routes[0].band", "not one of"),
+    ({"flow": FLOW, "ledger": {"backend": "redis", "url": "redis://127.0.0.1:6379"}}, "flow", "not yet supported"),
+])
+def test_flow_errors_name_the_field(overrides, field, words):
+    with pytest.raises(InputError) as info:
+        parse_gateway_config(_doc(**overrides), path="gw.yaml")
+    assert info.value.field == field and words in str(info.value)

@@ -1,6 +1,7 @@
 """The gateway's Lua modules (kvtune/deploy/lua/kvtune/*.lua) as Lua: busted runs their unit
 specs (tests/lua/*_spec.lua: the ledger's release rate, the token estimate, the event count, the
-reservation arithmetic, the refusal log, the statistical ledger and its Chernoff bound) under
+reservation arithmetic, the refusal log, the statistical ledger and its Chernoff bound, the
+flow-control queue and its forecast) under
 LuaJIT, as nginx runs them, and luacheck lints them. nginx itself, the end-to-end proof, runs them
 in test_enforcer_parity.py and the other nginx tests."""
 
@@ -36,7 +37,7 @@ def test_busted_specs_of_the_lua_modules_pass():
     report = done.stdout + done.stderr
     assert done.returncode == 0, report
     passed = [line for line in report.splitlines() if line.startswith("ok ")]
-    assert len(passed) >= 27, report  # busted found the specs and ran them all
+    assert len(passed) >= 40, report  # busted found the specs and ran them all
     assert "not ok" not in report, report
 
 
@@ -55,8 +56,8 @@ def test_the_package_ships_every_module_the_gateway_requires():
     modules = lua_modules()
     gateway = modules["lua/kvtune/gateway.lua"]
     required = set(re.findall(r'require "(kvtune\.[a-z_]+)"', gateway))
-    assert required == {"kvtune.counting", "kvtune.events", "kvtune.ledger", "kvtune.refusals", "kvtune.reservation",
-                        "kvtune.statistical"}
+    assert required == {"kvtune.counting", "kvtune.events", "kvtune.flow", "kvtune.ledger", "kvtune.refusals",
+                        "kvtune.reservation", "kvtune.statistical"}
     assert {f"lua/{name.replace('.', '/')}.lua" for name in required} < set(modules)
     assert '"deploy/lua/kvtune/*.lua"' in (REPO / "pyproject.toml").read_text(encoding="utf-8")
 

@@ -12,6 +12,7 @@ import pytest
 from conftest import TRACES
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.domain.deployment import Deployment
 from kvtune.domain.route import RouteMatch
 from kvtune.planning import plan, replan
 from kvtune.policy.recommend import RecommendOptions, recommend
@@ -38,7 +39,7 @@ def _profile(frames: dict[str, pd.DataFrame], censored_at: int | None = None):
 
 def _h100_llama(measured: MeasuredCapacity | None = None):
     """Llama-3.1-8B on one H100, as `kvtune.plan` plans it, and the default policy options."""
-    p = plan("llama-3.1-8b", gpu="H100-80GB", measured=measured)
+    p = plan(Deployment("llama-3.1-8b", gpu="H100-80GB"), measured=measured)
     return p, p.capacity, RecommendOptions()
 
 

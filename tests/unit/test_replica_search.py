@@ -18,7 +18,6 @@ from kvtune.cli import cli
 from kvtune.policy import rules
 from kvtune.policy.recommendation import Recommendation
 from kvtune.policy.replica_search import interleave, split_clients, split_draws
-from kvtune.policy.replicas import per_replica
 
 
 def replica_file(directory: Path, name: str, num_blocks: int, port: int, **extra) -> str:
@@ -53,13 +52,13 @@ def files(tmp_path_factory) -> dict[str, str]:
 
 
 def searched(files, *names: str, **kwargs) -> Recommendation:
+    """The recommendation kvtune.api makes for one engine replica per named capacity file (the
+    first the smallest), each upstream with its budget (kvtune.policy.replicas.per_replica)."""
     profile = kvtune.profile_logs([files["log"]])
-    plans = [(files[n], kvtune.plan(MODEL, measured=kvtune.measured_capacity(capacity_file=files[n])))
-             for n in names]
     kwargs.setdefault("concurrency", 32)
-    rec = kvtune.recommend(profile, plans[0][1], objective="throughput", requests=300, max_preemption_rate=0.01,
-                           replicas=plans, **kwargs)
-    return per_replica(rec, [(f, p.capacity) for f, p in plans], ["http://127.0.0.1:8000", "http://127.0.0.1:8001"])
+    return kvtune.recommend(profile, kvtune.Deployment(MODEL, replicas=len(names)),
+                            objective=kvtune.Objective("throughput", requests=300, max_preemption_rate=0.01, **kwargs),
+                            measured=kvtune.Measurement(capacity_files=tuple(files[n] for n in names)))
 
 
 @pytest.fixture(scope="module")

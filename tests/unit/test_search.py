@@ -30,12 +30,15 @@ def profile(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan():
-    return kvtune.plan(MODEL, measured=kvtune.measured_capacity(capacity_file=CPU_CAPACITY))
+    return kvtune.plan(kvtune.Deployment(MODEL), measured=kvtune.measured_capacity(capacity_file=CPU_CAPACITY))
 
 
 def search(profile, plan, **kwargs) -> Recommendation:
     kwargs.setdefault("requests", 300)
-    return kvtune.recommend(profile, plan, objective=kwargs.pop("objective", "throughput"), **kwargs)
+    progress = kwargs.pop("progress", None)
+    policy = kvtune.Policy(max_truncation=kwargs.pop("max_truncation", None))
+    objective = kvtune.Objective(kwargs.pop("objective", "throughput"), **kwargs)
+    return kvtune.recommend(profile, plan, policy, objective, progress=progress)
 
 
 def metric(row: WhatIfRow, goal: Goal) -> float:
@@ -167,22 +170,22 @@ def test_bad_objective_options(profile, plan, kwargs, field, message):
 
 
 def test_options_without_an_objective_are_refused(profile, plan):
-    with pytest.raises(OptionError, match="only applies with an objective") as exc:
-        kvtune.recommend(profile, plan, max_preemption_rate=0.1)
+    with pytest.raises(OptionError, match="only applies with `objective`") as exc:
+        kvtune.recommend(profile, plan, objective=kvtune.Objective(None, max_preemption_rate=0.1))
     assert exc.value.field == "max_preemption_rate"
 
 
 def test_an_estimated_capacity_is_simulated_on_its_estimate(profile):
     """Offline (issue 27 item 3): no measured capacity is the plan's own estimate and the roofline
     for its GPU (it was refused before); a plan with no catalog GPU has no step time."""
-    plan = kvtune.plan(MODEL, gpu="H100-80GB", max_model_len=4096)
+    plan = kvtune.plan(kvtune.Deployment(MODEL, gpu="H100-80GB", max_model_len=4096))
     rec = search(profile, plan, rate_rps=2, requests=30)
     assert rec.objective is not None and rec.objective.basis.engine.num_blocks == plan.capacity.num_blocks
     assert rec.objective.basis.timing.estimate
     # overcommit ×3's max_num_seqs leaves the estimate no KV (its sampler): left out, and said so
     assert any(n.startswith("3 candidate(s) of the grid left out: on the estimated pool") for n in rec.notes)
     with pytest.raises(OptionError, match="give --gpu \\(or --gpu-spec FILE\\), or --capacity FILE"):
-        search(profile, kvtune.plan(MODEL, gpu_memory="80GB", max_model_len=4096), rate_rps=2)
+        search(profile, kvtune.plan(kvtune.Deployment(MODEL, gpu_memory="80GB", max_model_len=4096)), rate_rps=2)
 
 
 def test_a_preemption_budget_of_zero_keeps_only_the_guaranteed_policy(objective):
@@ -454,5 +457,5 @@ def test_compare_engines_adds_a_reference_row_per_engine_that_reads_back(profile
 
 
 def test_compare_engines_only_applies_with_an_objective(profile, plan):
-    with pytest.raises(OptionError, match="only applies with an objective"):
-        kvtune.recommend(profile, plan, compare_engines=True)
+    with pytest.raises(OptionError, match="only applies with `objective`"):
+        kvtune.recommend(profile, plan, objective=kvtune.Objective(None, compare_engines=True))

@@ -5,6 +5,7 @@
 local cjson = require "cjson.safe"
 local counting = require "kvtune.counting"
 local events = require "kvtune.events"
+local flow_queue = require "kvtune.flow"
 local ledger_rates = require "kvtune.ledger"
 local refusal_log = require "kvtune.refusals"
 local reservation_math = require "kvtune.reservation"
@@ -1139,7 +1140,7 @@ function _M.new(CONFIG, POLICY)
     -- and what its sequences may reach (the statistical ledger's demand: their prompts, the cap,
     -- the route's output law; none for a reading that generates nothing).
     local function reservation(asked, cap, tokens, exact, route)
-        local largest, demand, chosen = 0, nil, false
+        local largest, demand, chosen, law, single, grown = 0, nil, false, nil, false, nil
         for _, r in ipairs(asked.readings) do
             local grow = r.generates and cap or 0
             local total, prompts = 0, {}
@@ -1157,6 +1158,9 @@ function _M.new(CONFIG, POLICY)
             total = r.copies * total
             if total > largest or not chosen then
                 largest, chosen, demand = total, true, nil
+                -- what the forecast reads (kvtune.flow): its law, and whether one stream is one sequence
+                law = grow ~= 0 and forced_law(route and route.law, r, grow) or nil
+                single, grown = #prompts == 1 and r.copies == 1, grow ~= 0 and grow or nil
                 if grow ~= 0 and STAT then
                     local all = {}
                     for _ = 1, r.copies do
@@ -1173,7 +1177,7 @@ function _M.new(CONFIG, POLICY)
                 "this request needs %d KV blocks but %s: it can never be admitted",
                 largest, limit_text()), { public = CONFIG.never_fits })
         end
-        return math.max(largest, 1), nil, demand
+        return math.max(largest, 1), nil, demand, { law = law, single = single, cap = grown }
     end
 
     -- The body with every cap field the readings read set to `cap` (the first one added
@@ -1376,6 +1380,8 @@ function _M.new(CONFIG, POLICY)
 
     -- ------------------------------------------------------------ statistical admission (kvtune.statistical)
     STAT = statistical.new(CONFIG)
+    -- the flow-control queue (kvtune.flow), when gateway.yaml has a flow: section
+    local FLOW = CONFIG.flow and flow_queue.new(CONFIG.flow)
 
     -- ------------------------------------------------------------ admission
 
@@ -1788,6 +1794,129 @@ function _M.new(CONFIG, POLICY)
         return nil
     end
 
+    -- ------------------------------------------------------------ flow control (kvtune.flow)
+    -- gateway.yaml's flow: section (docs/guides/flow-control.md). The queue lives in this
+    -- worker's memory: a config with flow control runs one nginx worker (nginx.conf's header),
+    -- so every request meets the same order and the order needs no lock. A waiter sleeps on its
+    -- own ngx.semaphore in the access phase; whoever may have made room (a release in the log
+    -- phase, a waiter leaving, the wake timer for an upstream coming back) serves the waiters
+    -- that now fit, reserving for them, and posts their semaphores.
+    local FLOW_CONFIG = CONFIG.flow
+    local semaphore = require "ngx.semaphore"
+    -- The admitted requests, each as the forecast reads it (kvtune.flow.forecast_s): its
+    -- blocks, cap, law, admission time and streamed tokens; the log phase's ctx.kvtune.
+    local ADMITTED, admitted_seq = {}, 0
+
+    -- The ledger's try_reserve for a request of the queue: its held record, or nil.
+    local function try_reserve_for(w)
+        local full, entry, where = reserve(w.blocks, w.demand)
+        if full then return nil end
+        admitted_seq = admitted_seq + 1
+        local held = { blocks = w.blocks, entry = entry, upstream = where, cap = w.ends.cap, law = w.ends.law,
+                       single = w.ends.single, admitted_at = ngx.now(), seq = admitted_seq }
+        ADMITTED[held] = true
+        return held
+    end
+    local function post(granted)
+        for _, w in ipairs(granted) do w.sema:post(1) end
+    end
+    -- The ledger's limit less its reserved blocks, as /kvtune/ledger shows them.
+    local function free_blocks()
+        if CONFIG.upstreams then
+            local limit = 0
+            for i, u in ipairs(CONFIG.upstreams) do
+                if is_up(i) then limit = limit + u.admit_limit end
+            end
+            return math.max(0, limit - (ledger:get("held") or 0))
+        end
+        return math.max(0, CONFIG.admit_limit - (ledger:get("held") or 0))
+    end
+    local function running()
+        local out = {}
+        for ctx in pairs(ADMITTED) do out[#out + 1] = ctx end
+        return out
+    end
+    local function retry_of(wait_s)
+        return math.max(CONFIG.retry_after_min_s, math.min(CONFIG.retry_after_max_s, ceil(wait_s)))
+    end
+    local function wake_now()
+        if FLOW and FLOW.waiting > 0 then post(FLOW.wake(try_reserve_for, ngx.now())) end
+    end
+
+    -- init_worker_by_lua: room may appear without a release here (an upstream back, an old
+    -- worker's reservations given back after a reload): the waiters are served a few times a
+    -- second as well.
+    function M.watch_flow()
+        local ok, err = ngx.timer.every(0.1, function(premature)
+            if not premature then wake_now() end
+        end)
+        if not ok then ngx.log(ngx.ERR, "kvtune: cannot start the flow-control timer: ", err) end
+    end
+
+    -- A header's first value among `headers` (ngx.req.get_headers), spaces and tabs at either
+    -- end stripped.
+    local function first_header(headers, name)
+        local value = headers[name]
+        if type(value) == "table" then value = value[1] end
+        if type(value) ~= "string" then return nil end
+        return (value:gsub("^[ \t]+", ""):gsub("[ \t]+$", ""))
+    end
+    -- The band: the band header's value when it names a band exactly, else the route's band,
+    -- else the default band.
+    local function band_of(headers, route)
+        local named = first_header(headers, FLOW_CONFIG.band_header)
+        if named and FLOW.band_of(named) then return FLOW.band_of(named) end
+        return FLOW.band_of(route and route.band or FLOW_CONFIG.default_band)
+    end
+    -- The flow: the flow header's value (1 to 128 printable ASCII characters), else key- and the
+    -- first 16 hex digits of SHA-1 of the bearer token, else anonymous.
+    local function flow_of(headers)
+        local named = first_header(headers, FLOW_CONFIG.flow_header)
+        if named and #named >= 1 and #named <= 128 and not find(named, "[^\32-\126]") then return named end
+        local auth = first_header(headers, "authorization")
+        local space = auth and find(auth, " ", 1, true)
+        if space and sub(auth, 1, space - 1):lower() == "bearer" then
+            local token = sub(auth, space + 1):gsub("^[ \t]+", ""):gsub("[ \t]+$", "")
+            if token ~= "" then
+                local digest = sub(ngx.sha1_bin(token), 1, 8)
+                return "key-" .. (digest:gsub(".", function(c) return format("%02x", byte(c)) end))
+            end
+        end
+        return "anonymous"
+    end
+
+    local function turned(code, blocks, wait_s)
+        local held = ledger:get("held") or 0
+        return refusal(429, code, format("KV budget full: %d blocks needed, %d of %d reserved; retry later",
+                                         blocks, held, CONFIG.admit_limit),
+                       { retry_after = retry_of(wait_s), public = CONFIG.budget_full, needed = blocks,
+                         free = math.max(CONFIG.admit_limit - held, 0) })
+    end
+
+    local function gone() return ngx.exit(499) end  -- the log phase takes it out of the queue
+
+    -- Reserve now, wait for its turn, or 429 at once: (held) or (nil, refusal).
+    local function admit_in_turn(blocks, demand, route, ends)
+        local now = ngx.now()
+        local headers = ngx.req.get_headers(0)
+        local w = { blocks = blocks, demand = demand, ends = ends, band = band_of(headers, route), flow = flow_of(headers) }
+        local verdict, reason, wait_s = FLOW.offer(w, now, try_reserve_for, free_blocks, running)
+        if verdict == "admitted" then return w.reservation end
+        if verdict == "shed" then return nil, turned(reason, blocks, wait_s) end
+        -- it waits: granted by whoever makes room, or out at its deadline or when its client
+        -- leaves (the log phase: out of the queue, or its grant given back, once)
+        ngx.ctx.kvtune_waiter = w
+        w.sema = semaphore.new()
+        ngx.on_abort(gone)  -- lua_check_client_abort: a client that leaves does not wait on
+        w.sema:wait(math.max(0.001, w.deadline - now))
+        w.taken = true
+        if w.reservation then return w.reservation end
+        FLOW.leave(w, "timeout")
+        wake_now()
+        local left = ngx.now()
+        return nil, turned("queue_timeout", blocks, FLOW.wait_s(w.band, w.flow, blocks, left, free_blocks, running))
+    end
+
     local function governed(req)
         local raw, err, decoded = read_body()
         if err then return err end
@@ -1822,15 +1951,24 @@ function _M.new(CONFIG, POLICY)
         end
         local tokens, exact, failed = count(asked, model and cjson.encode(model) or "null")
         if failed then return failed end
-        local blocks, over, demand = reservation(asked, cap, tokens, exact, route)
+        local blocks, over, demand, ends = reservation(asked, cap, tokens, exact, route)
         if over then return over end
         local forwarded = raw
         if cap ~= nil then forwarded = rewrite(body, asked, cap) end
-        local full, entry, where = reserve(blocks, demand)
-        if full then return full end
-        if where then ngx.var.kvtune_upstream = CONFIG.upstreams[where].name end
-        -- Admitted: from here the log phase gives the blocks back, once.
-        ngx.ctx.kvtune = { blocks = blocks, cap = cap, entry = entry, upstream = where }
+        if FLOW then
+            local held, full = admit_in_turn(blocks, demand, route, ends)
+            if full then return full end
+            if held.upstream then ngx.var.kvtune_upstream = CONFIG.upstreams[held.upstream].name end
+            -- Admitted: from here the log phase gives the blocks back, once.
+            held.cap_header = cap
+            ngx.ctx.kvtune = held
+        else
+            local full, entry, where = reserve(blocks, demand)
+            if full then return full end
+            if where then ngx.var.kvtune_upstream = CONFIG.upstreams[where].name end
+            -- Admitted: from here the log phase gives the blocks back, once.
+            ngx.ctx.kvtune = { blocks = blocks, cap_header = cap, entry = entry, upstream = where }
+        end
         forward_body(forwarded, decoded, forwarded ~= raw)
         return nil
     end
@@ -1875,12 +2013,13 @@ function _M.new(CONFIG, POLICY)
         local ctx = ngx.ctx.kvtune
         if ctx then
             if shows_detail() then ngx.header["X-Kvtune-Reserved-Blocks"] = format("%d", ctx.blocks) end
-            if ctx.cap then ngx.header["X-Kvtune-Max-Tokens"] = format("%d", ctx.cap) end
+            if ctx.cap_header then ngx.header["X-Kvtune-Max-Tokens"] = format("%d", ctx.cap_header) end
             -- statistical: a single-sequence request answered with an event stream reports
             -- the tokens it streams (relay.py's progress)
+            -- (flow control: the forecast reads them too)
             local entry = ctx.entry
             local content_type = ngx.header["Content-Type"]
-            if entry and entry.next_mark and type(content_type) == "string"
+            if ((entry and entry.next_mark) or (FLOW and ctx.single)) and type(content_type) == "string"
                     and find(content_type, "text/event-stream", 1, true) == 1 then
                 ctx.events, ctx.newline = 0, false
             end
@@ -1901,16 +2040,48 @@ function _M.new(CONFIG, POLICY)
         local chunk = ngx.arg[1]
         if chunk == nil or #chunk == 0 then return end
         ctx.events = ctx.events + count_events(ctx, chunk)
-        STAT.progress(ctx.entry, math.max(0, ctx.events - CONFIG.statistical.events_without_tokens))
+        local streamed = math.max(0, ctx.events - (CONFIG.statistical or CONFIG.flow).events_without_tokens)
+        ctx.streamed = streamed
+        if ctx.entry then STAT.progress(ctx.entry, streamed) end
+    end
+
+    -- The blocks of one admitted request back to the ledger (on the upstream they were reserved
+    -- on), then whoever waits and now fits is served.
+    local function give_back(held)
+        ADMITTED[held] = nil
+        local i = held.upstream
+        if i then
+            ledger:incr("held:" .. i, -held.blocks, 0)
+            ledger:incr("reserved:" .. i, -held.blocks, 0)
+            ledger:incr("inflight:" .. i, -1, 0)
+        else
+            ledger:incr("reserved", -held.blocks, 0)
+        end
+        ledger:incr("held", -held.blocks, 0)
+        ledger:incr("inflight", -1, 0)
+        note_release(held.blocks)
+        if held.entry then STAT.release(held.entry) end
+        wake_now()
     end
 
     -- Runs in the log phase, which nginx enters once per request, also after a client abort.
     function M.release()
+        local waiter = ngx.ctx.kvtune_waiter
+        if waiter and not waiter.taken then
+            -- the client went away while it waited: out of the queue, or the reservation granted
+            -- to it meanwhile given back, once
+            waiter.taken = true
+            if waiter.queued then
+                FLOW.leave(waiter, "gone")
+                wake_now()
+            end
+            if waiter.reservation then give_back(waiter.reservation) end
+        end
         local ctx = ngx.ctx.kvtune
         if not ctx or ctx.released then return end
         ctx.released = true
-        if ctx.upstream then  -- on the upstream it was reserved on
-            local i = ctx.upstream
+        local i = ctx.upstream
+        if i then
             -- passive health: nginx could not connect to it (502/504, no connect time); out
             -- first, so the blocks given back are not offered to it again (proxy.py)
             local status = ngx.var.upstream_status
@@ -1921,19 +2092,8 @@ function _M.new(CONFIG, POLICY)
             if HEALTH and answered ~= 499 then  -- 499: the client left, nothing learnt
                 record_outcome(i, answered >= 500, answered)
             end
-            ledger:incr("held:" .. i, -ctx.blocks, 0)
-            ledger:incr("reserved:" .. i, -ctx.blocks, 0)
-            ledger:incr("inflight:" .. i, -1, 0)
-            ledger:incr("held", -ctx.blocks, 0)
-            ledger:incr("inflight", -1, 0)
-            note_release(ctx.blocks)
-            return
         end
-        ledger:incr("held", -ctx.blocks, 0)
-        ledger:incr("reserved", -ctx.blocks, 0)
-        ledger:incr("inflight", -1, 0)
-        note_release(ctx.blocks)
-        if ctx.entry then STAT.release(ctx.entry) end
+        give_back(ctx)
     end
 
     -- A client asking for one of the internal locations: the 404 of any path not served.
@@ -1956,6 +2116,65 @@ function _M.new(CONFIG, POLICY)
         if not read_only() then return end
         ngx.header["Content-Type"] = "application/json; charset=utf-8"
         ngx.print('{"status": "ok"}')
+    end
+
+    -- cjson writes an empty table as {}: a list that may be empty is this marker until encoded.
+    local EMPTY_ARRAY = "\1kvtune-empty-array\1"
+    local function with_empty_arrays(text)
+        return (text:gsub('"\\u0001kvtune%-empty%-array\\u0001"', "[]"))
+    end
+    -- /kvtune/ledger's "flow" member (docs/guides/flow-control.md), absent without flow control.
+    local function flow_json()
+        if not FLOW then return nil end
+        local out = FLOW.snapshot()
+        for _, b in ipairs(out.bands) do
+            if #b.flows == 0 then b.flows = EMPTY_ARRAY end
+        end
+        return out
+    end
+
+    -- /metrics (flow control): the queue per band and flow, as Prometheus text.
+    local function label(v) return (v:gsub("\\", "\\\\"):gsub('"', '\\"'):gsub("\n", "\\n")) end
+    local function le(bound)
+        if bound == floor(bound) then return format("%d.0", bound) end
+        return format("%g", bound)
+    end
+    function M.metrics()
+        if not read_only() then return end
+        if CONFIG.metrics_access == "token" and not same_secret(ngx.var.http_authorization or "", ADMIN_TOKEN or "\0") then
+            return ngx.exit(ngx.HTTP_FORBIDDEN)
+        end
+        local series = FLOW.series()
+        local out = {}
+        local function family(name, kind, help, each)  -- a counter's family is named without _total
+            out[#out + 1] = "# HELP " .. name .. " " .. help
+            out[#out + 1] = "# TYPE " .. name .. " " .. kind
+            for _, x in ipairs(series) do each(x, format('band="%s",flow="%s"', label(x.band), label(x.flow))) end
+        end
+        family("kvtune_gateway_flow_waiting", "gauge", "Requests waiting in the flow-control queue.", function(x, l)
+            out[#out + 1] = format("kvtune_gateway_flow_waiting{%s} %d", l, x.waiting)
+        end)
+        family("kvtune_gateway_flow_admitted", "counter", "Requests admitted, at once or after a wait.",
+               function(x, l) out[#out + 1] = format("kvtune_gateway_flow_admitted_total{%s} %d", l, x.c.admitted) end)
+        family("kvtune_gateway_flow_shed", "counter", "Requests answered 429 at arrival.", function(x, l)
+            for _, reason in ipairs({ "deadline_unreachable", "queue_full" }) do
+                out[#out + 1] = format('kvtune_gateway_flow_shed_total{%s,reason="%s"} %d', l, reason, x.c.shed[reason])
+            end
+        end)
+        family("kvtune_gateway_flow_timed_out", "counter", "Waiters that reached their deadline.",
+               function(x, l) out[#out + 1] = format("kvtune_gateway_flow_timed_out_total{%s} %d", l, x.c.timed_out) end)
+        family("kvtune_gateway_flow_wait_seconds", "histogram", "Time admitted requests waited (0 when at once).",
+               function(x, l)
+            for i, bound in ipairs(flow_queue.WAIT_BUCKETS_S) do
+                out[#out + 1] = format('kvtune_gateway_flow_wait_seconds_bucket{%s,le="%s"} %d', l, le(bound),
+                                       x.c.wait_buckets[i])
+            end
+            out[#out + 1] = format('kvtune_gateway_flow_wait_seconds_bucket{%s,le="+Inf"} %d', l, x.c.wait_count)
+            out[#out + 1] = format("kvtune_gateway_flow_wait_seconds_count{%s} %d", l, x.c.wait_count)
+            out[#out + 1] = format("kvtune_gateway_flow_wait_seconds_sum{%s} %.17g", l, x.c.wait_sum)
+        end)
+        ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+        ngx.print(concat(out, "\n"), "\n")
     end
 
     function M.ledger()
@@ -1981,25 +2200,27 @@ function _M.new(CONFIG, POLICY)
                            ejection_s = ledger:get("ejection_s:" .. i) or 0 }
                 if up then budget, limit = budget + u.block_budget, limit + u.admit_limit end
             end
-            ngx.print(cjson.encode({
+            ngx.print(with_empty_arrays(cjson.encode({
                 reserved = ledger:get("held") or 0, budget = budget, inflight = ledger:get("inflight") or 0,
                 -- admin.py's EVERY_UPSTREAM_DOWN
                 budget_note = not any_up and "every upstream is down (health check failed or connection refused): "
                     .. "no budget is usable until one answers its health check with 200" or NULL,
-                rejected = ledger:get("rejected") or 0, waiting = 0,
+                rejected = ledger:get("rejected") or 0, waiting = FLOW and FLOW.waiting or 0,
                 release_rate_blocks_per_s = release_rate(ngx.now()) or 0, routes = names,
                 policy = CONFIG.policy, factor = CONFIG.policy == "overcommit" and CONFIG.factor or NULL,
                 epsilon = NULL, limit = limit, overflow_probability = NULL, upstreams = ups,
-            }))
+                flow = flow_json(),
+            })))
             return
         end
-        ngx.print(cjson.encode({
+        ngx.print(with_empty_arrays(cjson.encode({
             reserved = ledger:get("held") or 0,
             budget = CONFIG.block_budget,
             budget_note = NULL,
             inflight = ledger:get("inflight") or 0,
             rejected = ledger:get("rejected") or 0,
-            waiting = 0,
+            waiting = FLOW and FLOW.waiting or 0,
+            flow = flow_json(),
             release_rate_blocks_per_s = release_rate(ngx.now()) or 0,
             routes = names,
             -- admin.py's ledger_policy
@@ -2008,7 +2229,7 @@ function _M.new(CONFIG, POLICY)
             epsilon = STAT and STAT.epsilon or NULL,
             limit = STAT and NULL or CONFIG.admit_limit,
             overflow_probability = STAT and STAT.overflow_probability(ledger:get("held") or 0) or NULL,
-        }))
+        })))
     end
 
     return M
