@@ -501,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"vLLM up: {server.num_blocks} blocks x {server.block_size}; scaled {trace.summary()}")
             capacity = work / "capacity.json"
             _kvtune("calibrate", server.url, "--timing", "--timing-budget-s", str(args.timing_budget_s),
-                    "--vllm-log", str(server.log_path), "--out", str(capacity), "--json")
+                    "--vllm-log", str(server.log_path), "--save", str(capacity), "--json")
             metrics = server.url + "/metrics"
             cap_run = measure(server.url, metrics, profile, concurrency=args.capacity_concurrency,
                               requests=args.capacity_requests, seed=1000, slo=args.slo)

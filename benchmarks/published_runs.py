@@ -15,6 +15,8 @@ The runs, their setups and printed results are in ../shared/validation/published
   (with the run's --kv-cache-dtype, --max-model-len and --gpu-memory-utilization where the source
   gives them), or `--num-gpu-blocks N` where the source printed the pool (LLMServingSim's RTX 4090:
   2,588 blocks × 16).
+- release: `--engine-version` the run's vLLM (its defaults, e.g. gpu_memory_utilization 0.9 before
+  0.20, and whether its scheduler overlaps the forward pass: kvtune.sim.host).
 - step time: whatever `simulate` picks with --model and --gpu and no calibration: aiconfigurator's
   silicon data where it covers the GPU (H100, A100, RTX PRO 6000 …), else the roofline (RTX 4090),
   as each row's `source` column says.
@@ -81,6 +83,12 @@ class Case:
             if self.row["gpu"].startswith(key):
                 return name
         raise KeyError(self.row["gpu"])
+
+    @property
+    def vllm_version(self) -> str | None:
+        """The release the run served with (its defaults and scheduling are that release's)."""
+        m = re.match(r"\d+(?:\.\d+)+", self.row["vllm_version"].strip())
+        return m.group(0) if m else None
 
     @property
     def kv_fp8(self) -> bool:
@@ -201,6 +209,8 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
     for field, option in (("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens")):
         if r := case.row[field].strip():
             cmd += [option, r]
+    if version := case.vllm_version:
+        cmd += ["--engine-version", version]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     wall = time.perf_counter() - t0

@@ -337,7 +337,7 @@ def start_bed(args: argparse.Namespace, work: Path, log: Any) -> Bed:
     try:
         capacity = work / "capacity.json"
         _kvtune("calibrate", server.url, "--timing", "--timing-budget-s", str(args.timing_budget_s),
-                "--vllm-log", str(server.log_path), "--out", str(capacity), "--json")
+                "--vllm-log", str(server.log_path), "--save", str(capacity), "--json")
         timing = json.loads(capacity.read_text())["timing"]
         log(f"calibrated in {time.monotonic() - t0:.0f} s: {timing['coefficients']}, "
             f"front end {timing.get('frontend')}")

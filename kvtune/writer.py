@@ -1,6 +1,6 @@
 """Writing output files all or nothing: the one writer behind every file a command writes.
 
-`write_files({path: text, ...})` (recommend --out, profile --save, calibrate --out) and
+`write_files({path: text, ...})` (recommend --out, profile --save, calibrate --save) and
 `OutputFiles` (the same, filled while a command runs: bench's --requests-log streams into its
 staged file, --out joins it at the end) work in three steps:
 

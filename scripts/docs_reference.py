@@ -16,6 +16,7 @@ import click
 import kvtune
 from kvtune import api
 from kvtune.cli import COMMANDS, cli
+from kvtune.cli._vocabulary import help_sections
 
 CLI_MARKER = "<!-- kvtune: cli-reference -->"
 API_MARKER = "<!-- kvtune: api-reference -->"
@@ -68,15 +69,18 @@ def _default(value: Any) -> str:
 
 
 def cli_reference() -> str:
-    """Markdown for every command: its summary, its --help verbatim and a table of its options."""
+    """Markdown for every command: its summary, its --help verbatim and a table of its options, in
+    --help's order with the section each is listed under."""
     parts = [f"kvtune {kvtune.__version__}: `kvtune --help` lists the commands below; each section is "
              "generated from the command itself when the site is built.\n",
              "```text\n" + cli.get_help(_context(cli, "kvtune")) + "\n```\n"]
     for name, (_, _, summary) in COMMANDS.items():
         parts.append(f"## `kvtune {name}`\n\n{summary}\n")
         parts.append("```text\n" + command_help(name) + "\n```\n")
-        rows = [_option_row(option) for option in visible_options(name)]
-        parts.append("| option | value | default | meaning |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        rows = [_option_row(option) + f" {title} |"
+                for title, options in help_sections(name, visible_options(name)) for option in options]
+        parts.append("| option | value | default | meaning | in --help |\n|---|---|---|---|---|\n" + "\n".join(rows) +
+                     "\n")
     return "\n".join(parts)
 
 

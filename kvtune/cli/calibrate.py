@@ -7,13 +7,16 @@ import json
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import OptionError
 
 
-@click.command()
+@click.command(cls=SectionedCommand)
+@quiet_option()
+@renamed("--out", "--save", "out", type=click.Path(), metavar="FILE")
 @click.argument("url", required=False)
-@click.option("--out", "out", type=click.Path(),
+@click.option("--save", "out", type=click.Path(), metavar="FILE",
               help="Write the capacity file here (atomically), for `kvtune recommend --capacity FILE`.")
 @click.option("--json", "json_", is_flag=True, help="Print the capacity as one JSON object instead of a table.")
 @click.option("--engine", type=click.Choice(ENGINE_NAMES), default="vllm", show_default=True,
@@ -50,11 +53,11 @@ def calibrate(url: str | None, out: str | None, json_: bool, engine: str, engine
 
     \b
     Example:
-        kvtune calibrate http://127.0.0.1:8000 --out capacity.json
-        kvtune calibrate http://127.0.0.1:30000 --engine sglang --out capacity.json
-        kvtune calibrate --engine trtllm --engine-log trtllm-serve.log --out capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --save capacity.json
+        kvtune calibrate http://127.0.0.1:30000 --engine sglang --save capacity.json
+        kvtune calibrate --engine trtllm --engine-log trtllm-serve.log --save capacity.json
         kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
-        kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --out capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --save capacity.json
     """
     from kvtune.capacity.measured import calibrate as run_calibrate
     from kvtune.capacity.measured import write_capacity_file
@@ -152,5 +155,5 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
         console.print(f"Wrote {out}; use it with: kvtune recommend LOGS --model MODEL --capacity {out}",
                       soft_wrap=True, markup=False)
     else:
-        console.print("Pass --out FILE to save it for: kvtune recommend LOGS --model MODEL --capacity FILE",
+        console.print("Pass --save FILE to keep it for: kvtune recommend LOGS --model MODEL --capacity FILE",
                       soft_wrap=True)

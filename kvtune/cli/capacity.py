@@ -6,6 +6,7 @@ import json
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, model_argument, quiet_option
 from kvtune.cli.options import CapacityArgs, capacity_options
 from kvtune.errors import OptionError
 
@@ -32,8 +33,9 @@ def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
     return tuple(RequestShape(p, m) for p, m in zip(prompt_tokens, max_tokens, strict=True))
 
 
-@click.command()
-@click.argument("model")
+@click.command(cls=SectionedCommand)
+@quiet_option()
+@model_argument("config.json, model directory, preset name or hub id")
 @capacity_options
 @click.option("--prompt-tokens", "prompt_tokens", type=click.IntRange(min=1), multiple=True,
               help="Prompt length of a request shape; repeat, paired in order with --max-tokens.")

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.policy_options import PolicyArgs, policy_options
 from kvtune.controls import escape_controls
@@ -98,7 +99,8 @@ def _shown(value) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-@click.command()
+@click.command(cls=SectionedCommand)
+@quiet_option()
 @click.argument("logs", nargs=-1, required=True)
 @click.option("--deployed", "deployed_paths", multiple=True, required=True, type=click.Path(), metavar="FILE",
               help="A vllm serve command line or script, a gateway.yaml, an nginx.conf rendered by "

@@ -6,12 +6,14 @@ import json
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, model_argument, quiet_option
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import resolve_model
 
 
-@click.command()
-@click.argument("model")
+@click.command(cls=SectionedCommand)
+@quiet_option()
+@model_argument("config.json, model directory, preset name or hub id")
 @click.option("--tp", "tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--pp", "pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size.")
 @click.option(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import click
 
+from kvtune.cli._vocabulary import warn_if_given
 from kvtune.cli.options import grouped
 from kvtune.domain.choices import Objective, Policy
 from kvtune.domain.slo import Slo, parse_slo
@@ -118,7 +119,9 @@ policy_options = grouped("policy", PolicyArgs, [
                  "name, else the model's hub id]"),
     click.option("--upstream", default="http://127.0.0.1:8000", show_default=True,
                  help="The engine server the gateway configs point at."),
-    click.option("--vllm-version", metavar="TEXT", help="The older name of --engine-version."),
+    click.option("--vllm-version", metavar="TEXT", hidden=True,
+                 callback=warn_if_given("--vllm-version", "--engine-version"),
+                 help="The older name of --engine-version."),
     click.option("--safety-fraction", type=float,
                  help="Share of usable KV blocks the gateway may reserve.  [default: 0.9]"),
     click.option("--max-truncation", type=float,

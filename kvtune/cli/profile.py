@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import LogArgs, log_options
 from kvtune.errors import InputError
 
@@ -41,7 +42,8 @@ JSON_FIELDS = """\b
 """
 
 
-@click.command(epilog=JSON_FIELDS)
+@click.command(cls=SectionedCommand, epilog=JSON_FIELDS)
+@quiet_option(passed=True)
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...")
 @log_options
 @click.option("--trace-max-is-cap", is_flag=True,
@@ -50,7 +52,6 @@ JSON_FIELDS = """\b
               help="Write the profile (histograms, mergeable) to FILE as JSON.")
 @click.option("--merge", is_flag=True, help="PATHs may be saved profiles: merge them exactly (with any logs given).")
 @click.option("--json", "json_", is_flag=True, help="Print one JSON object (fields below) instead of tables.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_path: str | None, merge: bool,
             json_: bool, quiet: bool) -> None:
     """Per-route output and prompt length distributions from request logs.

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.policy_options import ObjectiveArgs, PolicyArgs, objective_options, policy_options
 from kvtune.controls import escape_controls
@@ -53,7 +54,8 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 """
 
 
-@click.command(epilog=OBJECTIVE_HELP)
+@click.command(cls=SectionedCommand, epilog=OBJECTIVE_HELP)
+@quiet_option()
 @click.argument("logs", nargs=-1, required=True)
 @policy_options
 @capacity_options
@@ -99,9 +101,10 @@ written) or the rendered files would fail `kvtune check`, 2 bad input.
 @click.option("--gateway-replicas", type=click.IntRange(1, 64), default=1, show_default=True, metavar="N",
               help="Gateway replicas in k8s/gateway.yaml's Deployment; above 1 they share the Redis ledger "
                    "k8s/redis.yaml runs (vLLM only: the Kubernetes manifests).")
-@click.option("--out", "out_dir", type=click.Path(), help="Write the deploy files into DIR (all of them, or none): "
-              "the engine's launch files, the gateway configs, the reports, estimates.json/.yaml and, for vLLM, "
-              "the Kubernetes manifests in DIR/k8s/.")
+@click.option("--out", "out_dir", type=click.Path(), metavar="DIR",
+              help="Write the deploy files into DIR (all of them, or none): the engine's launch files, the "
+              "gateway configs, the reports, estimates.json/.yaml and, for vLLM, the Kubernetes manifests in "
+              "DIR/k8s/.")
 @click.option("--json", "json_", is_flag=True, help="Print the recommendation and rendered files as one JSON object.")
 def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log: LogArgs,
               objective: ObjectiveArgs, gateway_tokenizer: str | None, replicas: int | None, nginx_replicas: int,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.load_options import LoadArgs, load_options
 from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, traffic_source_options
 from kvtune.controls import escape_controls
@@ -44,6 +45,7 @@ JSON_FIELDS = """\b
   simulation      {timing: {source: calibrated|silicon|roofline-estimate, estimate, coefficients
                    {c0..c4}, http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
                    frontend_from (uncalibrated: where the API server's figures come from),
+                   host_work (uncalibrated vLLM: the engine core's host work, added or not, why),
                    measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
                    {value, from: option|capacity-file|estimate|engine-default}}, capacity: {from:
@@ -137,9 +139,9 @@ _engine_options = [
                  help="Override the engine's max_num_seqs.  [default: the capacity file's, else vLLM's]"),
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1), metavar="N",
                  help="Override the engine's max_num_batched_tokens.  [default: the capacity file's, else vLLM's]"),
-    click.option("--model", help="Model (preset, config.json, hub id): the capacity estimate's without --capacity, "
-                                 "and the silicon-data or roofline step time's when the capacity file has no "
-                                 "`timing`."),
+    click.option("-m", "--model", help="Model (preset, config.json, hub id): the capacity estimate's without "
+                                       "--capacity, and the silicon-data or roofline step time's when the "
+                                       "capacity file has no `timing`."),
     click.option("--gpu", help="GPU from the catalog for the capacity estimate and the silicon-data or roofline step "
                                "time (and vLLM's GPU defaults)."),
     click.option("--gpu-spec", "gpu_spec", metavar="FILE", help=GPU_SPEC_HELP),
@@ -174,7 +176,8 @@ _engine_options = [
 engine_args = grouped("engine", EngineArgs, _engine_options)
 
 
-@click.command(epilog=JSON_FIELDS)
+@click.command(cls=SectionedCommand, epilog=JSON_FIELDS)
+@quiet_option()
 @click.argument("logs", nargs=-1)
 @traffic_source_options
 @log_options
@@ -202,7 +205,7 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     \b
     Example:
         kvtune simulate logs.jsonl --model llama-3.1-8b --gpu H100-80GB --tp 2 --requests 500
-        kvtune calibrate http://127.0.0.1:8000 --timing --out capacity.json
+        kvtune calibrate http://127.0.0.1:8000 --timing --save capacity.json
         kvtune simulate --profile profile.json --capacity capacity.json --rate 5 --requests 500
         kvtune simulate --profile profile.json --capacity capacity.json --gateway deploy/gateway.yaml \\
             --rate 5 --requests 500 --slo ttft=500,e2e=10000 --out sim/

@@ -66,6 +66,7 @@ LUA_FOLDER = "lua"
 COMMON_TARGETS: dict[str, str] = {
     "gateway.yaml": "gateway.yaml.j2",
     "nginx.conf": "nginx.conf.j2",
+    "litellm-config.yaml": "litellm-config.yaml.j2",  # gateway.yaml enforced inside a LiteLLM proxy
     "recommendation.json": "",  # json.dumps, no template
     "report.html": "report.html.j2",
     "report.md": "report.md.j2",

@@ -654,7 +654,7 @@ def chosen_recommendation(objective: Objective, grid: SearchGrid, candidates: Se
              f"{objective.seeds_label}: {grid.describe()}; {len(rows)} rows simulated"]
     if objective.basis.timing.estimate:
         notes.append("the what-if figures rest on a roofline step-time estimate, not a calibration: run "
-                     "`kvtune calibrate URL --timing --out FILE` and pass it with --capacity")
+                     "`kvtune calibrate URL --timing --save FILE` and pass it with --capacity")
     return dataclasses.replace(rec, objective=objective, what_if=rows, notes=(*rec.notes, *notes))
 
 

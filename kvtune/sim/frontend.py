@@ -31,7 +31,16 @@ from kvtune.steptime import TICKS_PER_S, FrontEndModel
 # queues (near-empty bursts); per streamed token the work hid behind the engine's steps (0).
 # A server CPU core is no slower than this shared one, so these are upper figures for the API
 # server itself; they are not fitted to any published GPU run.
-VLLM_API_SERVER = FrontEndModel(request_s=0.00269, token_s=0.0)
+# Per streamed token: benchmarks/host_overheads.py on vLLM 0.32.0's CPU build (2026-12-07), the API
+# server's CPU time over 24 bursts of 16 to 512 /v1/chat/completions streams decoding at once, is
+# 1.18 ms per request + 51.3 µs per SSE chunk + 12.6 µs per token (non-negative least squares).
+# Only the per-token part is serial work every token pays: the output processor and detokenizer
+# run once per token, but a stream whose client lags gets its tokens merged into one chunk
+# (vLLM's RequestOutputCollector), so the chunk's 51.3 µs shrinks per token exactly when the
+# server is busy (10 of the 24 bursts merged: 1,328 chunks for 8,320 tokens). token_s is 12.6 µs:
+# ~79,000 tokens/s of one process, so streaming does not bound a GPU's output rate; the per-request
+# figure measured here (1.18 ms) is below the calibrated 2.69 ms, which stays.
+VLLM_API_SERVER = FrontEndModel(request_s=0.00269, token_s=0.0000126)
 VLLM_API_SERVER_LONE_S = 0.00357  # http_overhead_s: what a lone request spends outside the steps
 VLLM_API_SERVER_SOURCE = ("kvtune calibrate --timing on vLLM 0.32.0's OpenAI API server (CPU build, "
                           "tests/live/test_timing_live.py, 2026-12-07), not this deployment's")

@@ -7,7 +7,10 @@ options override both. Each setting says where it came from. The step time is th
 file's calibrated `timing` (measured on the server itself: it wins), else the silicon data
 (aiconfigurator-core's kernels measured on that GPU for that engine, kvtune.capacity.silicon),
 else the roofline estimate for a model and GPU, labelled as such with the reason silicon data
-did not apply.
+did not apply. Those two price the GPU's forward pass only; for vLLM the rest of the server goes
+around them: its API server (kvtune.sim.frontend) and, in releases that schedule between forward
+passes, the engine core's host work per running sequence (kvtune.sim.host). A calibrated step
+time measured all of it and gets nothing added.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
+from kvtune.capacity.memory import memory_model
 from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.capacity.timing import roofline_step_time
 from kvtune.domain.engine_settings import EngineSettings
@@ -26,6 +30,13 @@ from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
 from kvtune.sim.frontend import VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
+from kvtune.sim.host import (
+    FIRST_ASYNC_SCHEDULING_VERSION,
+    VLLM_ENGINE_HOST,
+    VLLM_ENGINE_HOST_SOURCE,
+    adds_to_step,
+    with_host_work,
+)
 from kvtune.steptime import FrontEndModel, StepTimeModel
 
 if TYPE_CHECKING:
@@ -78,7 +89,7 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     max_model_len = measured.max_model_len or (against.max_model_len if against else None)
     if max_model_len is None:
         raise CapacityError("the capacity file gives no max_model_len; recalibrate against the server "
-                            "(`kvtune calibrate URL --out FILE`)", path=measured.origin, field="max_model_len")
+                            "(`kvtune calibrate URL --save FILE`)", path=measured.origin, field="max_model_len")
     sources["max_model_len"] = recorded("max_model_len")
     num_blocks = measured.num_blocks
     if num_blocks is None and measured.kv_cache_tokens is not None:
@@ -165,7 +176,7 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
         return TimingSetup(t.model, t.http_overhead_s, {"measured_against": t.measured_against.to_dict()},
                            t.frontend)
     if spec is None or gpu is None:
-        raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --out FILE`, "
+        raise OptionError("the capacity file has no `timing`: run `kvtune calibrate URL --timing --save FILE`, "
                           "or give --model and --gpu for a silicon or roofline estimate", field="--capacity")
     kv_cache_dtype = measured.kv_cache_dtype or "auto"
     reason = "silicon data not asked for"
@@ -182,21 +193,34 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
                 reason = str(exc)
             else:
                 return _with_api_server(model, {"silicon": silicon_inputs.to_dict(), "label": silicon_inputs.label},
-                                        engine or measured.engine)
+                                        engine or measured.engine, engine_version)
 
     model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
     return _with_api_server(model, {"roofline": inputs.to_dict(), "fallback_reason": reason,
-                                    "label": f"roofline estimate for {gpu.name} ({reason})"}, engine or measured.engine)
+                                    "label": f"roofline estimate for {gpu.name} ({reason})"}, engine or measured.engine,
+                            engine_version)
 
 
-def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None) -> TimingSetup:
-    """An uncalibrated step time with the API server in front of it: for vLLM, its measured server
-    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`); other engines' servers were not
-    measured, so none (`frontend_from` says so)."""
+def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None,
+                     engine_version: str | None = None) -> TimingSetup:
+    """An uncalibrated step time with the whole server around it: for vLLM, its measured API server
+    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`) and, in releases that schedule
+    between forward passes, the engine core's host work per step (kvtune.sim.host, `host_work`);
+    other engines' servers were not measured, so none (`frontend_from` says so)."""
     if engine not in (None, "vllm"):
-        return TimingSetup(model, 0.0, {**detail, "frontend_from": f"none: {engine}'s API server not measured"})
-    return TimingSetup(model, VLLM_API_SERVER_LONE_S, {**detail, "frontend_from": VLLM_API_SERVER_SOURCE},
-                       VLLM_API_SERVER)
+        return TimingSetup(model, 0.0, {**detail, "frontend_from": f"none: {engine}'s API server not measured",
+                                        "host_work": None})
+    release = memory_model(engine_version, field="--engine-version")
+    if adds_to_step(None if engine_version is None else release.version):
+        model = with_host_work(model, VLLM_ENGINE_HOST)
+        host = {**VLLM_ENGINE_HOST.to_dict(), "added": True, "from": VLLM_ENGINE_HOST_SOURCE,
+                "why": f"{release.label} schedules between forward passes (async scheduling is the default "
+                       f"from {'.'.join(map(str, FIRST_ASYNC_SCHEDULING_VERSION))})"}
+    else:
+        host = {**VLLM_ENGINE_HOST.to_dict(), "added": False, "from": VLLM_ENGINE_HOST_SOURCE,
+                "why": f"{release.label} schedules the next step while the GPU runs this one (async scheduling)"}
+    return TimingSetup(model, VLLM_API_SERVER_LONE_S, {**detail, "frontend_from": VLLM_API_SERVER_SOURCE,
+                                                       "host_work": host}, VLLM_API_SERVER)
 
 
 def plan_timing(plan: Plan) -> TimingSetup:

@@ -47,7 +47,7 @@ def test_json_report_has_every_documented_field(fake, profile_path, tmp_path):
     url = fake.url
     out, log = tmp_path / "results.json", tmp_path / "requests.jsonl"
     r = run(url, "--profile", profile_path, "--concurrency", "4", "--requests", "30", "--json",
-            "--out", str(out), "--requests-log", str(log), "--slo", "ttft=5000,tpot=1000", "--scrape-interval", "0.1")
+            "--save", str(out), "--requests-log", str(log), "--slo", "ttft=5000,tpot=1000", "--scrape-interval", "0.1")
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data == json.loads(out.read_text())
@@ -212,11 +212,11 @@ def test_bad_expect_file_exits_2(profile_path, tmp_path):
 
 
 def test_outputs_are_checked_before_the_run_and_written_together(fake, profile_path, tmp_path):
-    """A bad --out fails before any request is sent; a good pair is written whole, together."""
+    """A bad --save fails before any request is sent; a good pair is written whole, together."""
     url = fake.url
     (tmp_path / "results.json").mkdir()
     r = CliRunner().invoke(cli, ["bench", url, "--profile", profile_path, "--requests", "5", "--json",
-                                 "--out", str(tmp_path / "results.json"), "--requests-log", str(tmp_path / "log.jsonl")])
+                                 "--save", str(tmp_path / "results.json"), "--requests-log", str(tmp_path / "log.jsonl")])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"Error: {tmp_path / 'results.json'}: refusing to replace a directory")
     assert fake.generation_tokens == 0 and not (tmp_path / "log.jsonl").exists()

@@ -38,7 +38,7 @@ def test_json_and_the_capacity_file(tmp_path):
     out = tmp_path / "sub" / "capacity.json"
     with serving(ROUTES) as fake:
         base = fake.url
-        result = run(f"{base}/metrics", "--out", str(out), "--json")
+        result = run(f"{base}/metrics", "--save", str(out), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert {k: data[k] for k in ("model", "max_model_len", "block_size", "num_blocks", "kv_cache_tokens",
@@ -54,7 +54,7 @@ def test_json_and_the_capacity_file(tmp_path):
 def test_table_for_people(tmp_path):
     with serving(ROUTES) as fake:
         base = fake.url
-        result = run(base, "--out", str(tmp_path / "c.json"))
+        result = run(base, "--save", str(tmp_path / "c.json"))
     assert result.exit_code == 0, result.output
     assert "KV capacity of tiny" in result.stdout
     for row in (("source", "metrics"), ("read from", base), ("num_blocks", "32"), ("kv_cache_tokens", "4,096"), ("block_size", "128"),
@@ -69,7 +69,7 @@ def test_without_out_nothing_is_written(tmp_path, monkeypatch):
         base = fake.url
         result = run(base)
     assert result.exit_code == 0
-    assert "Pass --out FILE" in result.stdout
+    assert "Pass --save FILE" in result.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -94,7 +94,7 @@ def test_a_log_from_another_server_is_refused():
 
 
 def test_log_alone(tmp_path):
-    result = run("--vllm-log", str(LOG), "--json", "--out", str(tmp_path / "c.json"))
+    result = run("--vllm-log", str(LOG), "--json", "--save", str(tmp_path / "c.json"))
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert (data["source"], data["kv_cache_tokens"], data["max_model_len"], data["device"]) == ("vllm-log", 4096, 512, "CPU")
@@ -105,7 +105,7 @@ def test_recommend_uses_the_file(tmp_path):
     cap = tmp_path / "capacity.json"
     with serving(ROUTES) as fake:
         base = fake.url
-        assert run(base, "--out", str(cap)).exit_code == 0
+        assert run(base, "--save", str(cap)).exit_code == 0
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
@@ -190,14 +190,14 @@ def test_missing_log():
 def test_help_names_the_command():
     result = CliRunner().invoke(cli, ["--help"])
     assert "calibrate" in result.stdout
-    assert "kvtune calibrate http://127.0.0.1:8000 --out capacity.json" in run("--help").stdout
+    assert "kvtune calibrate http://127.0.0.1:8000 --save capacity.json" in run("--help").stdout
 
 
 def test_out_onto_a_directory_or_link_is_one_line(tmp_path):
     (tmp_path / "cap").mkdir()
     (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
     for target, word in ((tmp_path / "cap", "a directory"), (tmp_path / "link.json", "a symbolic link")):
-        result = run("--vllm-log", str(LOG), "--json", "--out", str(target))
+        result = run("--vllm-log", str(LOG), "--json", "--save", str(target))
         assert result.exit_code == 2, result.output
         assert result.stderr == f"Error: {target}: refusing to replace {word} with a file: remove it or choose another path\n"
     assert not (tmp_path / "elsewhere.json").exists()
@@ -212,7 +212,7 @@ def test_recommend_renders_the_dtype_and_utilization_calibrate_measured(tmp_path
     cap = tmp_path / "capacity.json"
     routes = {**ROUTES, "/metrics": (200, "text/plain; version=0.0.4", metrics)}
     with serving(routes) as fake:
-        assert run(fake.url, "--out", str(cap)).exit_code == 0
+        assert run(fake.url, "--save", str(cap)).exit_code == 0
     assert {k: json.loads(cap.read_text())[k] for k in ("kv_cache_dtype", "gpu_memory_utilization")} == {
         "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}
     result = CliRunner().invoke(cli, ["recommend", str(SHORT_LOG),  # requests the 3,968-token pool holds

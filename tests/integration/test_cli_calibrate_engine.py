@@ -33,7 +33,7 @@ def run(*args: str):
 def test_sglang_json_and_capacity_file(tmp_path):
     out = tmp_path / "capacity.json"
     with FakeVllm(routes=SGLANG_ROUTES, routes_only=True) as fake:
-        result = run(fake.url, "--engine", "sglang", "--out", str(out), "--json")
+        result = run(fake.url, "--engine", "sglang", "--save", str(out), "--json")
         base = fake.url
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -76,7 +76,7 @@ def test_sglang_cross_check_that_agrees(tmp_path):
 
 def test_trtllm_from_its_log(tmp_path):
     out = tmp_path / "c.json"
-    result = run("--engine", "trtllm", "--engine-log", str(TRTLLM_LOG), "--out", str(out), "--json")
+    result = run("--engine", "trtllm", "--engine-log", str(TRTLLM_LOG), "--save", str(out), "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert (data["engine"], data["source"], data["num_blocks"], data["block_size"], data["kv_cache_tokens"],

@@ -90,7 +90,7 @@ def test_sglang_server_through_metrics_url():
 def test_capacity_file_brings_its_engine(tmp_path):
     out = tmp_path / "c.json"
     result = CliRunner().invoke(cli, ["calibrate", "--engine", "trtllm", "--engine-log",
-                                      str(DATA / "trtllm-1.2-startup.log"), "--out", str(out), "--json"])
+                                      str(DATA / "trtllm-1.2-startup.log"), "--save", str(out), "--json"])
     assert result.exit_code == 0, result.output
     d = run_json("llama-3.1-8b", "--gpu", "H100-80GB", "--engine", "trtllm", "--capacity", str(out))
     assert (d["engine"], d["source"], d["num_blocks"], d["block_size"]) == ("trtllm", "trtllm-log", 14_350, 32)

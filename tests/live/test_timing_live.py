@@ -34,7 +34,7 @@ def _calibrate(server, out):
     started = time.perf_counter()
     result = CliRunner().invoke(cli, ["calibrate", server.url, "--timing", "--timing-budget-s",
                                       str(BUDGET_S), "--vllm-log", str(server.log_path),
-                                      "--out", str(out), "--json"], catch_exceptions=False)
+                                      "--save", str(out), "--json"], catch_exceptions=False)
     return result, time.perf_counter() - started
 
 

@@ -94,7 +94,7 @@ def _calibrate(*args: str) -> dict:
 def test_calibrate_equals_what_the_server_logged_and_reports(vllm_server_each_tokenizer, tmp_path):
     vllm_server = vllm_server_each_tokenizer
     cap = tmp_path / "capacity.json"
-    data = _calibrate(vllm_server.url, "--out", str(cap), "--vllm-log", str(vllm_server.log_path))
+    data = _calibrate(vllm_server.url, "--save", str(cap), "--vllm-log", str(vllm_server.log_path))
     logged = logged_kv_cache_tokens(vllm_server.log_text())
     labels = cache_config_labels(vllm_server.metrics_text())
     assert data["kv_cache_tokens"] == logged == int(labels["kv_cache_size_tokens"]) == 4096

@@ -204,12 +204,12 @@ def test_the_cli_renders_the_engine_release_it_was_told(tmp_path):
     script = (tmp_path / "sglang-serve.sh").read_text(encoding="utf-8")
     assert script.splitlines()[1].startswith("# Rendered by kvtune") and "SGLang 0.4.6 serving" in script
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "lua", "recommendation.json", "report.html", "report.md",
-         "estimates.json", "estimates.yaml"])
+        ["sglang-serve.sh", "gateway.yaml", "nginx.conf", "litellm-config.yaml", "lua", "recommendation.json",
+         "report.html", "report.md", "estimates.json", "estimates.yaml"])
     result = CliRunner().invoke(cli, ["recommend", str(SAMPLE_LOGS), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                                       "--engine", "trtllm", "--out", str(tmp_path / "t")])
     assert result.exit_code == 0, result.output  # no --gateway-tokenizer: the engine's files all the same
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == sorted(
-        ["trtllm-serve.sh", "trtllm-llm-api.yaml", "gateway.yaml", "recommendation.json", "report.html", "report.md",
-         "estimates.json", "estimates.yaml"])
+        ["trtllm-serve.sh", "trtllm-llm-api.yaml", "gateway.yaml", "litellm-config.yaml", "recommendation.json",
+         "report.html", "report.md", "estimates.json", "estimates.yaml"])
     assert "Note: nginx.conf is not rendered for TensorRT-LLM: its server has no /tokenize" in result.stderr

@@ -160,6 +160,23 @@ def test_parse_upstream_refuses_what_it_cannot_render():
 
 # ---------------------------------------------------------------- targets
 
+def test_litellm_config_wires_the_hook_to_the_rendered_engine_and_gateway_yaml():
+    """litellm-config.yaml: the served model on the engine (hosted_vllm, api_base its /v1), kvtune's
+    callback, and gateway.yaml's caps named in its header; hostile route names stay comments."""
+    r = rec()
+    files = render_files(r, targets=["litellm-config.yaml", "gateway.yaml"])
+    doc = yaml.safe_load(files["litellm-config.yaml"])
+    gateway = parse_gateway_config(yaml.safe_load(files["gateway.yaml"]))
+    served = r.served_model or r.model
+    assert doc == {"model_list": [{"model_name": served, "litellm_params": {
+        "model": f"hosted_vllm/{served}", "api_base": f"{gateway.upstream.rstrip('/')}/v1"}}],
+        "litellm_settings": {"callbacks": "kvtune.integrations.litellm.proxy_handler"}}
+    for route in gateway.routes:
+        assert f"#   {route.name}: max_new_tokens {route.max_new_tokens}" in files["litellm-config.yaml"]
+    hostile = yaml.safe_load(render_files(hostile_rec(), targets=["litellm-config.yaml"])["litellm-config.yaml"])
+    assert set(hostile) == {"model_list", "litellm_settings"}
+
+
 def test_render_files_gives_every_target_and_refuses_unknown():
     files = render_files(rec())
     assert set(files) == {"vllm-serve.sh", *COMMON_TARGETS}  # a vLLM recommendation: vLLM's launch file
