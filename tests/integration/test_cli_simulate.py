@@ -321,7 +321,7 @@ def test_table_plot_and_out_dir(tmp_path, profile):
 
 @pytest.mark.parametrize("case, extra, message", [
     ("no-timing", [], "Error: --capacity: the capacity file has no `timing`: run `kvtune calibrate URL --timing "
-                      "--out FILE`, or give --model and --gpu for a silicon or roofline estimate"),
+                      "--save FILE`, or give --model and --gpu for a silicon or roofline estimate"),
     ("slo", ["--slo", "ttft=fast"], "Error: --slo: ttft: expected milliseconds, got 'fast'"),
     ("shapes", ["--concurrency", "3"], "Error: --concurrency: give one load shape, not --rate and --concurrency"),
     ("no-blocks", [], "a measured capacity needs kv_cache_tokens or num_blocks"),
