@@ -28,7 +28,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from kvtune import api
+        from kvtune import api  # numpy and the whole library: `import kvtune` stays light
 
         return getattr(api, name)
     raise AttributeError(f"module 'kvtune' has no attribute {name!r}")

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 
 from kvtune import userfiles
+from kvtune.domain.fields import Fields
 from kvtune.errors import OptionError
-from kvtune.fields import Fields
 from kvtune.hardware import GB, MATMUL_DTYPES, Gpu, parse_memory_size
 from kvtune.userfiles import brief
 

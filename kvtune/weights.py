@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtune import userfiles
 from kvtune.errors import InputError
 from kvtune.model import ATTENTION_KINDS, Attention, LayerKind, LinearAttention, Mamba, Mamba1, Mla, ModelSpec, Moe
 from kvtune.model.spec import QUANTIZABLE_PARTS, Quantization
@@ -315,8 +316,6 @@ def read_checkpoint_bytes(model_dir: str | os.PathLike[str]) -> tuple[int, Weigh
     directory = Path(model_dir)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        from kvtune import userfiles
-
         data = userfiles.load_json(index, max_bytes=userfiles.MODEL_FILE_MAX_BYTES, strict=False)
         metadata = data.get("metadata") if isinstance(data, dict) else None
         total = metadata.get("total_size") if isinstance(metadata, dict) else None

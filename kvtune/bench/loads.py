@@ -11,31 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 
 from kvtune.domain.load_shape import LoadShape
+from kvtune.workload.arrivals import arrival_offsets
 
-__all__ = ["arrival_offsets", "drive"]
-
-
-def arrival_offsets(shape: LoadShape, rng: np.random.Generator, block: int = 4096) -> Iterator[float]:
-    """Send offsets in seconds from the start, increasing; endless for rate shapes."""
-    if shape.offsets_s is not None:
-        yield from shape.offsets_s
-        return
-    assert shape.rate_rps is not None
-    b = shape.burstiness
-    t = 0.0
-    while True:
-        gaps = rng.gamma(shape=b, scale=1.0 / (shape.rate_rps * b), size=block)
-        times = t + np.cumsum(gaps)
-        # the first request goes at t = 0, as a sender starts; then the gaps
-        yield t
-        yield from times[:-1].tolist()
-        t = float(times[-1])
+__all__ = ["drive"]
 
 
 async def drive(

@@ -13,25 +13,25 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvtune.bench.client import RequestResult, RequestSpec, Target, send_request
+from kvtune.bench.client import Target, send_request
 from kvtune.bench.loads import drive
+from kvtune.bench.prompts import calibrate_prompts, check_prompts
 from kvtune.bench.report import summarize, verdict
 from kvtune.bench.scrape import MetricsScraper, MetricsSnapshot
-from kvtune.bench.workload import PromptSynth, Workload, calibrate_prompts, check_prompts
 from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
 from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.domain.slo import Slo
 from kvtune.endpoint import get
 from kvtune.errors import EndpointError
+from kvtune.policy.recommendation import Recommendation
 from kvtune.version import __version__
-
-if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation
+from kvtune.workload.draw import PromptSynth, Workload
+from kvtune.workload.requests import RequestResult, RequestSpec
 
 __all__ = ["BenchConfig", "BenchProgress", "BenchRecorder", "run_bench"]
 

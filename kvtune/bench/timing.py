@@ -39,10 +39,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtune.bench.client import RequestResult, RequestSpec, Target, send_request
+from kvtune import userfiles
+from kvtune.bench.client import Target, send_request
+from kvtune.bench.prompts import calibrate_prompts
 from kvtune.bench.scrape import sum_samples
-from kvtune.bench.workload import PromptSynth, calibrate_prompts
-from kvtune.capacity.measured import METRICS_MAX_BYTES, MeasuredCapacity
+from kvtune.capacity.measured import METRICS_MAX_BYTES, MeasuredCapacity, scheduler_limits_from_log
 from kvtune.capacity.measured import calibrate as calibrate_capacity
 from kvtune.capacity.timing import (
     FitError,
@@ -62,7 +63,11 @@ from kvtune.capacity.timing import (
 from kvtune.endpoint import get, server_root
 from kvtune.engines import vllm
 from kvtune.errors import EndpointError, KvtuneError
+from kvtune.sim import Workload, simulate
+from kvtune.sim.setup import engine_setup
 from kvtune.version import __version__
+from kvtune.workload.draw import PromptSynth
+from kvtune.workload.requests import RequestResult, RequestSpec
 
 __all__ = ["DecodeCell", "TimingPlan", "TimingProgress", "plan_timing", "batched_tokens_from_log",
            "calibrate_timing", "DEFAULT_BUDGET_S"]
@@ -266,8 +271,6 @@ def _server_check(before: dict[str, float] | None, after: dict[str, float] | Non
 
 def batched_tokens_from_log(text: str) -> int | None:
     """max_num_batched_tokens as a vLLM startup log states it (the last start in the log wins)."""
-    from kvtune.capacity.measured import scheduler_limits_from_log
-
     return scheduler_limits_from_log(text)[1]
 
 
@@ -494,8 +497,6 @@ def load_observation(replay: Sequence[tuple[float, int, int]], engine_itl_s: flo
     """The load sweep as one decode observation: its steps replayed in the simulator (with the
     step time fitted so far, which decides only who shares a step), their features weighted by
     the tokens each gave to a decoding request, against the engine's mean inter-token gap."""
-    from kvtune.sim import Workload, simulate
-
     if not replay or engine_itl_s is None or not engine_itl_s > 0:
         return None
     offsets = np.array([max(0.0, t) for t, _, _ in replay])
@@ -545,8 +546,6 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
     root = server_root(url, field="URL")
     log_text = None
     if vllm_log is not None:
-        from kvtune import userfiles
-
         log_text = userfiles.read_text(vllm_log, max_bytes=userfiles.VLLM_LOG_MAX_BYTES, field="--vllm-log",
                                        errors="replace")
     started = time.perf_counter()
@@ -631,8 +630,6 @@ async def calibrate_timing(url: str, *, vllm_log: str | None = None, timeout_s: 
 
 
 def _load_row(sweep: _Sweep, fit: StepTimeFit, measured: MeasuredCapacity, budget_tokens: int) -> Observation | None:
-    from kvtune.sim.setup import engine_setup
-
     try:
         setup = engine_setup(dataclasses.replace(measured, max_num_batched_tokens=budget_tokens))
     except KvtuneError:

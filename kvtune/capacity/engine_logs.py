@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from kvtune import userfiles
 from kvtune.capacity.measured import (
     METRICS_MAX_BYTES,
     MODELS_MAX_BYTES,
@@ -33,7 +34,10 @@ from kvtune.capacity.measured import (
     CapacitySource,
     MeasuredCapacity,
     ServedModel,
+    calibrate,
+    fetch_capacity,
     parse_models_body,
+    parse_vllm_log,
     read_vllm_log,
 )
 from kvtune.endpoint import get, get_ok, server_root
@@ -131,8 +135,6 @@ _LOG_PARSERS = {"sglang": parse_sglang_log, "trtllm": parse_trtllm_log}
 def parse_engine_log(engine: str, text: str, *, path: str = "<log>") -> MeasuredCapacity:
     """The last capacity in `engine`'s startup log (vLLM's through kvtune.capacity.measured)."""
     if engine == "vllm":
-        from kvtune.capacity.measured import parse_vllm_log
-
         return parse_vllm_log(text, path=path)
     return _LOG_PARSERS[_engine(engine)](text, path=path)
 
@@ -140,8 +142,6 @@ def parse_engine_log(engine: str, text: str, *, path: str = "<log>") -> Measured
 def read_engine_log(engine: str, path: str | os.PathLike[str]) -> MeasuredCapacity:
     """Read `engine`'s startup log file (at most VLLM_LOG_MAX_BYTES, encoding errors replaced) and
     parse it."""
-    from kvtune import userfiles
-
     if engine == "vllm":
         return read_vllm_log(path)
     _engine(engine)
@@ -347,8 +347,6 @@ async def fetch_engine_capacity(engine: str, url: str, *, timeout_s: float = TIM
                                 field: str | None = None) -> MeasuredCapacity:
     """The capacity the running `engine` at `url` reports."""
     if engine == "vllm":
-        from kvtune.capacity.measured import fetch_capacity
-
         return await fetch_capacity(url, timeout_s=timeout_s, field=field)
     if _engine(engine) == "sglang":
         return await fetch_sglang_capacity(url, timeout_s=timeout_s, field=field)
@@ -381,8 +379,6 @@ async def calibrate_engine(engine: str, url: str | None, *, engine_log: str | No
     """`kvtune calibrate --engine ENGINE`: the capacity from a live server, a startup log, or both
     cross-checked."""
     if engine == "vllm":
-        from kvtune.capacity.measured import calibrate
-
         return await calibrate(url, vllm_log=engine_log, timeout_s=timeout_s)
     _engine(engine)
     if url is None and engine_log is None:

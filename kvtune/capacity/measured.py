@@ -29,12 +29,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtune import userfiles
 from kvtune.capacity.timing import Timing
+from kvtune.domain.fields import MAX_INTEGER, Fields
 from kvtune.endpoint import get_ok, server_root
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import CapacityError, EndpointError, InputError, KvtuneError, OptionError
-from kvtune.fields import Fields
 from kvtune.userfiles import brief
+from kvtune.writer import write_text
 
 TIMEOUT_S = 10.0  # for each of a server's answers
 METRICS_MAX_BYTES = 16 * 1024**2
@@ -219,7 +221,7 @@ REPORT_FIELDS = frozenset({
 # written only when known (engine: when not vLLM), so capacity files from before they were
 # recorded read back equal
 _SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
-_MAX_FIELD = 2**53  # exact in a double: what JSON readers and the rendered files agree on
+_MAX_FIELD = MAX_INTEGER  # exact in a double: what JSON readers and the rendered files agree on
 # (minimum, maximum) where 0..2**53 is not the range; the dataclass checks what must be positive
 _FIELD_RANGES: dict[str, tuple[float, float]] = {
     "max_concurrency": (0, _MAX_FIELD),
@@ -306,8 +308,6 @@ def parse_vllm_log(text: str, *, path: str = "<log>") -> MeasuredCapacity:
 def read_vllm_log(path: str | os.PathLike[str]) -> MeasuredCapacity:
     """Read a startup log file (a regular file of at most VLLM_LOG_MAX_BYTES; encoding errors
     replaced, as logs hold whatever the server printed) and parse it."""
-    from kvtune import userfiles
-
     text = userfiles.read_text(path, max_bytes=userfiles.VLLM_LOG_MAX_BYTES, field="--vllm-log", errors="replace")
     return parse_vllm_log(text, path=str(path))
 
@@ -516,16 +516,12 @@ async def calibrate(url: str | None, *, vllm_log: str | None = None,
 def read_capacity_file(path: str | os.PathLike[str]) -> MeasuredCapacity:
     """A capacity file as `write_capacity_file` (and `kvtune calibrate`) writes it: a regular file of
     strict JSON, at most CAPACITY_MAX_BYTES."""
-    from kvtune import userfiles
-
     data = userfiles.load_json(path, max_bytes=userfiles.CAPACITY_MAX_BYTES)
     return MeasuredCapacity.from_dict(data, path=str(path))
 
 
 def write_capacity_file(path: str | os.PathLike[str], measured: MeasuredCapacity) -> None:
     """Write `measured` as JSON, whole or not at all (kvtune.writer)."""
-    from kvtune.writer import write_text
-
     write_text(path, json.dumps(measured.to_dict(), indent=2) + "\n")
 
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtune.domain.fields import Fields
 from kvtune.errors import CapacityError
-from kvtune.fields import Fields
 from kvtune.kv import kv_bytes
 from kvtune.model.spec import LayerKind
 from kvtune.profile.histogram import nearest_rank_index

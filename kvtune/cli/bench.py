@@ -189,11 +189,11 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
             --slo ttft=500,tpot=50 --expect deploy/recommendation.json --save results.json
     """
     from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
-    from kvtune.bench.workload import Workload, replay_rows
     from kvtune.domain.load_shape import LoadShape
     from kvtune.domain.retry_policy import RetryPolicy
     from kvtune.domain.slo import parse_slo
     from kvtune.endpoint import server_root
+    from kvtune.workload.draw import Workload, replay_rows
 
     base_url = server_root(url, field="URL")
     slo = parse_slo(judge.slo) if judge.slo else None
@@ -222,11 +222,11 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         def build(synth):
             return Workload.from_rows(rows, synth, seed)
     else:
-        from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
+        from kvtune.workload.draw import select_routes
 
         max_routes = log.max_routes
         profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path

@@ -17,15 +17,14 @@ from typing import Any
 import click
 
 from kvtune.domain.deployment import Deployment, Measurement
+from kvtune.domain.fields import MAX_INTEGER as MAX_COUNT  # counts above it are typos
+from kvtune.domain.log_reading import DEFAULT_MAX_ROUTES as MAX_ROUTES
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import KvtuneError, OptionError
 from kvtune.hardware import GPUS
 
 GPU_NAMES = tuple(GPUS)
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
-#: kvtune.profile.build.MAX_ROUTES, written out so that `--help` does not import numpy (a test ties them)
-MAX_ROUTES = 2000
-MAX_COUNT = 2**53  # counts above this are typos; floats hold every integer up to here exactly
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 

@@ -21,7 +21,7 @@ from kvtune.userfiles import brief
 
 if TYPE_CHECKING:
     from kvtune.capacity.measured import MeasuredCapacity
-    from kvtune.gateway.config import GatewayRoute
+    from kvtune.domain.route import Route
 
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
@@ -301,6 +301,7 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
         if engine.route_header is not None:
             raise OptionError("only with --gateway: the header its routes match on", field="--route-header")
         return lambda routes: DirectAdmission(), {"kind": "direct"}, None
+    from kvtune.deploy.gateway_admission import gateway_admission
     from kvtune.gateway.config import load_gateway_config
     from kvtune.gateway.gate import route_cap
 
@@ -308,9 +309,9 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
     path = "/v1/chat/completions" if engine.endpoint == "chat" else "/v1/completions"
     served = config.model or model
     header = _route_header(engine, config.route_headers)
-    chosen: dict[str | None, GatewayRoute] = {}
+    chosen: dict[str | None, Route] = {}
 
-    def route_of(name: str | None) -> GatewayRoute:
+    def route_of(name: str | None) -> Route:
         """The route a request of the traffic's route `name` matches: by its header, with --route-header."""
         if name not in chosen:
             found = config.route_for(path, served, None if header is None or name is None else {header: name})
@@ -328,13 +329,13 @@ def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tup
 
     def fresh(routes: Sequence[str]) -> LedgerAdmission:
         if header is None:
-            return LedgerAdmission.from_config(config, route)
-        return LedgerAdmission.from_config(config, route, [route_of(r) for r in routes])
+            return gateway_admission(config, route)
+        return gateway_admission(config, route, [route_of(r) for r in routes])
 
     def cap(name: str, prompt_tokens: int, max_tokens: int) -> int:
         return route_cap(route_of(name if header is not None else None).max_new_tokens, (max_tokens,))
 
-    # one engine is simulated: the first upstream's budget (LedgerAdmission.from_config)
+    # one engine is simulated: the first upstream's budget (kvtune.deploy.gateway_admission)
     info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.upstreams[0].block_budget,
             "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
             "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
@@ -369,7 +370,7 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     load_info: dict[str, Any]
     notes: list[str]
     if load.replay:
-        from kvtune.bench.workload import replay_rows
+        from kvtune.workload.draw import replay_rows
 
         rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
         for note in notes:
@@ -385,11 +386,11 @@ def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
         route_names = sorted({r for r, _, _ in rows})
     else:
-        from kvtune.bench.workload import select_routes
         from kvtune.cli._profile_view import render_folded, render_skipped_files
         from kvtune.profile.build import load_profile
         from kvtune.profile.logs import load_profile_or_logs
         from kvtune.profile.routes import fold_routes
+        from kvtune.workload.draw import select_routes
 
         profile = (fold_routes(load_profile(profile_path), log.max_routes) if profile_path
                    else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,

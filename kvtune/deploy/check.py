@@ -36,8 +36,9 @@ from kvtune.deploy.read import Deployed, DeployedKind, parse_deployed
 from kvtune.deploy.slices import slice_blocks
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
-from kvtune.errors import CapacityError
+from kvtune.errors import CapacityError, OptionError
 from kvtune.gateway.config import HealthProbe
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
@@ -47,7 +48,11 @@ from kvtune.policy.feasibility import (
     max_model_len_remedy,
     verdict,
 )
-from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation
+from kvtune.policy.recommendation import Recommendation, RouteRecommendation
+from kvtune.policy.replica_search import replica_queue, simulate_replicas, split_load
+from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws, simulate_deployment, violations
+from kvtune.policy.whatif import Policy
+from kvtune.policy.whatif import PolicyKind as WhatIfKind
 
 if TYPE_CHECKING:
     from kvtune.capacity.plan import Capacity
@@ -246,7 +251,7 @@ class _Checker:
         """(recommended route, the cap the deployment applies to its traffic or None if uncapped)."""
         out = []
         for route in self.rec.routes:
-            match = route.match or Match()
+            match = route.match or RouteMatch()
             if d.is_gateway:
                 hit = d.route_for(match.path, match.model, match.headers)
                 out.append((route, hit.max_new_tokens if hit else None))
@@ -667,16 +672,12 @@ class _Checker:
         objective = self.rec.objective
         if objective is None:
             return
-        from kvtune.errors import OptionError
-        from kvtune.policy.search import simulate_deployment, violations
 
         try:
             replicas = self._replica_deployments(objective)
             if replicas is None:
                 predicted = simulate_deployment(objective, self._deployment(objective))
             else:
-                from kvtune.policy.replica_search import simulate_replicas
-
                 predicted = simulate_replicas(objective, *replicas)[0]
         except OptionError as exc:
             self.add(Severity.RISK, "objective-unsimulated", f"the deployment cannot run: {exc.message}",
@@ -707,8 +708,6 @@ class _Checker:
         if gateway is None:
             return None
         import dataclasses
-
-        from kvtune.policy.replica_search import replica_queue, split_load
 
         base = self._deployment(objective, gateway)
         split = split_load(objective, [r.basis.engine.num_blocks - 1 for r in objective.replicas])
@@ -750,9 +749,6 @@ class _Checker:
         engine file is checked), and the gateway's (default: the first) budget, route caps, output
         laws and wait queue; without a
         gateway, straight to vLLM capped by its backstop."""
-        from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws
-        from kvtune.policy.whatif import Policy, PolicyKind
-
         base = objective.basis.engine
         engine_file = self.engines[0] if self.engines else None
         if engine_file is None:
@@ -772,7 +768,7 @@ class _Checker:
                               route_laws(gateway.routes, self.rec.routes), gateway.queue_max_waiting or 0,
                               30.0 if gateway.queue_timeout_s is None else gateway.queue_timeout_s)
         backstop = engine_file.max_new_tokens if engine_file is not None else None
-        return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(PolicyKind.DIRECT), None)
+        return Deployment(engine, {r.route: backstop for r in self.rec.routes}, Policy(WhatIfKind.DIRECT), None)
 
     def check_feasibility(self) -> None:
         """Each failed condition of the feasibility verdict (kvtune.policy.feasibility) is a risk: the
@@ -837,9 +833,6 @@ def check_rendered(files: Mapping[str, str], rec: Recommendation) -> CheckResult
     that drifts from the recommendation, or carries a risk the recommendation does not (a route
     shadowed by another, a cap below the recommended one), is a rendering fault: `passed` is
     False and nothing should be written."""
-    from kvtune.deploy.launch import launcher
-    from kvtune.deploy.read import parse_deployed
-
     def sibling(name: str) -> str:
         named = name.rsplit("/", 1)[-1]
         if named not in files:

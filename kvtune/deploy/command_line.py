@@ -13,10 +13,9 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvtune.domain.fields import MAX_INTEGER
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
-
-MAX_INTEGER = 2**53  # exact in a double, like every integer kvtune reads back
 
 _SEPARATORS = frozenset({"\n", ";", "&&", "||", "|", "&", ";;", "(", ")"})
 _ASSIGNMENT = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>.*)", re.S)
@@ -116,7 +115,7 @@ def human_int(text: Any, where: str, source: str) -> int | None:
 
 
 def integer(text: Any, where: str, source: str, minimum: int = 1) -> int:
-    """A whole number as typed (digits, optionally signed), from `minimum` to 2**53."""
+    """A whole number as typed (digits, optionally signed), from `minimum` to MAX_INTEGER (2**53)."""
     if isinstance(text, bool) or not re.fullmatch(r"[-+]?\d{1,16}", str(text).strip()):
         raise InputError(f"expected an integer, got {brief(text)}", path=source, field=where)
     return in_range(int(str(text)), minimum, where, source)

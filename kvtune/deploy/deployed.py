@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtune.domain.admission_policy import AdmissionPolicy
-from kvtune.domain.route import DeployedRoute
+from kvtune.domain.route import Route
 from kvtune.gateway.config import HealthProbe
 
 
@@ -81,7 +81,7 @@ class Deployed:
     # stand in front of the engine (kvtune.deploy.slices)
     gateway_replicas: int = 1
     upstreams: tuple[DeployedUpstream, ...] = ()  # gateway.yaml's, each with its budget (one or more)
-    routes: tuple[DeployedRoute, ...] = ()
+    routes: tuple[Route, ...] = ()
     admission: AdmissionPolicy | None = None  # the gateway's admission policy
     queue_max_waiting: int | None = None  # gateway.yaml's wait queue (nginx.conf has none)
     queue_timeout_s: float | None = None
@@ -97,14 +97,16 @@ class Deployed:
         return self.kind.is_engine
 
     def route_for(self, path: str | None, model: str | None,
-                  headers: Mapping[str, str] | None = None) -> DeployedRoute | None:
+                  headers: Mapping[str, str] | None = None) -> Route | None:
         return next((r for r in self.routes if r.matches(path, model, headers)), None)
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["kind"] = self.kind.value
         # each route's output law stays out: gateway.yaml itself carries it, and it is long
-        data["routes"] = [{k: v for k, v in asdict(r).items() if k != "output_law"} for r in self.routes]
+        data["routes"] = [{"name": r.name, "path": r.match.path, "model": r.match.model,
+                           "max_new_tokens": r.max_new_tokens, "path_prefix": r.match.path_prefix,
+                           "header": r.match.header, "value": r.match.value} for r in self.routes]
         data["admission"] = None if self.admission is None else self.admission.to_dict()
         return data
 

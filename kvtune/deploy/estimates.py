@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from kvtune.deploy.render import CATCH_ALL_ROUTE, RenderOptions, upstream_budgets
+from kvtune.deploy.render import RenderOptions, upstream_budgets
+from kvtune.policy.route_table import CATCH_ALL_ROUTE
 from kvtune.version import __version__
 
 if TYPE_CHECKING:

@@ -16,38 +16,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtune import userfiles
 from kvtune.deploy.command_line import MAX_INTEGER
 from kvtune.deploy.deployed import Deployed, DeployedKind, DeployedUpstream
 from kvtune.deploy.k8s_read import looks_like_manifests, read_manifests
-from kvtune.deploy.launch import launchers
+from kvtune.deploy.launch import launchers, vllm
 from kvtune.deploy.markers import NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.domain.admission_policy import AdmissionPolicy, parse_admission
-from kvtune.domain.route import DeployedRoute
+from kvtune.domain.route import Route, RouteMatch
 from kvtune.errors import InputError
-from kvtune.gateway.config import HealthProbe
-from kvtune.userfiles import brief
+from kvtune.gateway.config import HealthProbe, parse_gateway_config
+from kvtune.userfiles import brief, parse_yaml
 
 
 def parse_vllm_command(text: str, *, source: str = "<command>") -> Deployed:
     """A `vllm serve` (or api_server) command line, as typed or inside a shell script."""
-    from kvtune.deploy.launch import vllm
-
     return vllm.read(text, source)
 
 
 # ---------------------------------------------------------------- gateway.yaml
 
 def _deployed_from_gateway(data: Any, source: str) -> Deployed:
-    from kvtune.gateway.config import parse_gateway_config
-
     config = parse_gateway_config(data, path=source)
     return Deployed(
         kind=DeployedKind.GATEWAY, source=source, model=config.model, block_size=config.block_size,
         max_model_len=config.max_model_len, upstream=config.upstream,
         block_budget=max(u.block_budget for u in config.upstreams),
         upstreams=tuple(DeployedUpstream(u.url, u.block_budget) for u in config.upstreams),
-        routes=tuple(DeployedRoute(r.name, r.match.path, r.match.model, r.max_new_tokens, r.match.path_prefix,
-                                   r.output_law, r.match.header, r.match.value) for r in config.routes),
+        routes=config.routes,
         admission=config.admission, queue_max_waiting=config.queue_max_waiting,
         queue_timeout_s=config.queue_timeout_s,
         health=config.health if len(config.upstreams) > 1 else None,
@@ -56,8 +52,6 @@ def _deployed_from_gateway(data: Any, source: str) -> Deployed:
 
 def _gateway_text(text: str, source: str) -> Deployed:
     """A gateway.yaml given as text (a Kubernetes ConfigMap's, kvtune.deploy.k8s_read)."""
-    from kvtune.userfiles import parse_yaml
-
     data = parse_yaml(text, path=source)
     if not isinstance(data, dict) or "routes" not in data:
         raise InputError("not a gateway.yaml: no routes", path=source)
@@ -207,9 +201,10 @@ def _deployed_from_nginx(text: str, source: str) -> Deployed:
             raise InputError("a route matches a header and its value, both or neither", path=source,
                              field=f"CONFIG.routes[{i + 1}].{'value' if raw.get('header') else 'header'}")
         header = raw.get("header")
-        routes.append(DeployedRoute(raw.get("name") or f"route {i + 1}", raw.get("path"), raw.get("model"),
-                                    integer("max_new_tokens", raw, f"routes[{i + 1}]."), raw.get("path_prefix"),
-                                    header=None if header is None else header.lower(), value=raw.get("value")))
+        route_match = RouteMatch(raw.get("path"), raw.get("model"), raw.get("path_prefix"),
+                                 None if header is None else header.lower(), raw.get("value"))
+        routes.append(Route(raw.get("name") or f"route {i + 1}", route_match,
+                            integer("max_new_tokens", raw, f"routes[{i + 1}].")))
     upstream = re.search(r"upstream\s+kvtune_upstream\s*\{\s*server\s+([^\s;]+)", text)
     upstreams = []
     raw_upstreams = config.get("upstreams", [])
@@ -281,8 +276,6 @@ SiblingReader = Callable[[str], str] | None
 def parse_deployed(text: str, *, source: str = "<deployed>", read_sibling: SiblingReader = None) -> Deployed:
     """Recognise the file by its content: kvtune's nginx.conf, a gateway.yaml, or an engine's
     launch command (each launch module recognises its own)."""
-    from kvtune.userfiles import parse_yaml
-
     if NGINX_CONFIG_BEGIN in text or re.search(r"^\s*http\s*\{", text, re.M):
         return _deployed_from_nginx(text, source)
     if looks_like_manifests(text):
@@ -307,8 +300,6 @@ def parse_deployed(text: str, *, source: str = "<deployed>", read_sibling: Sibli
 def load_deployed(path: str | os.PathLike[str]) -> Deployed:
     """Read a deployed file: a regular file of UTF-8 text, at most CONFIG_MAX_BYTES (kvtune.userfiles).
     A file the script names (`"$(dirname "$0")/x.yaml"` or a relative path) is read from beside it."""
-    from kvtune import userfiles
-
     here = Path(path).parent
 
     def read_sibling(named: str) -> str:
@@ -320,5 +311,5 @@ def load_deployed(path: str | os.PathLike[str]) -> Deployed:
                           read_sibling=read_sibling)
 
 
-__all__ = ["Deployed", "DeployedKind", "DeployedRoute", "SiblingReader", "parse_deployed", "parse_vllm_command",
+__all__ = ["Deployed", "DeployedKind", "SiblingReader", "parse_deployed", "parse_vllm_command",
            "load_deployed"]

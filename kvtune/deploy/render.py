@@ -18,19 +18,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jinja2
-import numpy as np
 
 from kvtune.deploy.charts import capacity_segments, histogram_bars, what_if_scatter
 from kvtune.deploy.filters import FILTERS
-from kvtune.deploy.launch import launcher
+from kvtune.deploy.launch import launcher, vllm
 from kvtune.deploy.markers import K8S_FOLDER, NGINX_CONFIG_BEGIN, NGINX_CONFIG_END
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.flow_control import FlowControl
-from kvtune.domain.output_law import OutputLaw
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
+from kvtune.gateway import apis, endpoints, overflow, statistical
 from kvtune.gateway.config import (
     ADMIN_ACCESS,
     DEFAULT_PAIR_TOKENS,
@@ -41,12 +40,20 @@ from kvtune.gateway.config import (
     HealthProbe,
     default_max_body_bytes,
 )
-from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, GENERATE
+from kvtune.gateway.counting import TOKENIZE_CONCURRENCY
+from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, canonical_path
+from kvtune.gateway.ledger import RATE_WINDOW_S
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
+from kvtune.ingest.tokenize import read_chat_template
+from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
+from kvtune.policy.route_table import route_decisions
+from kvtune.policy.whatif import TABLE_NOTE, Goal, headline, objective_line, replica_cells, table_cells
+from kvtune.policy.whatif import PolicyKind as WhatIfKind
 from kvtune.version import __version__
+from kvtune.writer import write_files as write_all
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation, RouteRecommendation
+    from kvtune.policy.recommendation import Recommendation
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # The gateway's Lua modules (kvtune/*.lua): nginx.conf holds their data and loads them from
@@ -68,7 +75,6 @@ LAUNCH_TARGETS: dict[str, str] = {name: engine for engine in ENGINE_NAMES for na
 TARGETS: dict[str, str] = {**{name: launcher(LAUNCH_TARGETS[name]).FILES[name] for name in LAUNCH_TARGETS},
                            **COMMON_TARGETS}
 EXECUTABLE = frozenset(launcher(engine).SCRIPT for engine in ENGINE_NAMES)
-CATCH_ALL_ROUTE = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,8 +198,6 @@ def local_chat_tokenizer(spec: str | os.PathLike[str] | None) -> str | None:
     exactly in process: tokenizer.json and a chat template (tokenizer_config.json's
     chat_template, or chat_template.jinja). None otherwise: a hub id, a preset name, a folder
     without a template."""
-    from kvtune.ingest.tokenize import read_chat_template  # what the gateway itself will read
-
     if not spec:
         return None
     path = Path(spec).expanduser()
@@ -231,47 +235,23 @@ def make_environment() -> jinja2.Environment:
 
 def vllm_flags(rec: Recommendation) -> list[dict]:
     """The `vllm serve` flags, each with its rule and reason (kvtune.deploy.launch.vllm)."""
-    from kvtune.deploy.launch import vllm
-
     return [{"flag": line.name, "value": line.value, "rule": line.rule, "reason": line.reason}
             for line in vllm.flags(rec)]
 
 
-def route_output_law(route: RouteRecommendation) -> OutputLaw:
-    """The route's measured output lengths as the statistical policy reads them: binned, truncated
-    at its cap, and every cut-off (censored) response counted at the cap, since it ran at least
-    that long as far as anyone knows."""
-    lengths = route.output_lengths
-    values = np.concatenate([lengths.uncensored.values, np.full(lengths.censored.values.size, route.cap)])
-    counts = np.concatenate([lengths.uncensored.counts, lengths.censored.counts])
-    return OutputLaw.from_samples(values, counts, route.cap)
-
-
 def gateway_routes(rec: Recommendation) -> list[dict]:
-    """The gateway's route table: one route per recommended route, in order, then a catch-all
-    capped at the backstop so no request is ever uncapped."""
+    """The gateway's route table (kvtune.policy.route_table) as the templates write it, each
+    route with the rule and reason of its cap."""
     routes = []
-    for route in rec.routes:
-        if route.match is None:
-            continue  # routes from a field no gateway sees: the catch-all below serves them
-        path = route.match.path or None
+    for route, decision in route_decisions(rec):
+        m = route.match
         routes.append({
-            "name": str(route.route) or "(unnamed)",
-            "path": path,
-            "model": route.match.model or None,
-            "header": route.match.header,
-            "value": route.match.value,
-            # a path that is no vLLM endpoint: gateway.yaml says how its requests are read
-            "api": "any" if path is not None and path not in GENERATE else None,
-            "max_new_tokens": route.cap,
-            "output_histogram": route_output_law(route).to_dict(),
-            "rule": route.max_new_tokens.rule,
-            "reason": route.max_new_tokens.reason,
+            "name": route.name, "path": m.path, "model": m.model, "header": m.header, "value": m.value,
+            "api": None if route.api is None else route.api.value,
+            "max_new_tokens": route.max_new_tokens,
+            "output_histogram": None if route.output_law is None else route.output_law.to_dict(),
+            "rule": decision.rule, "reason": decision.reason,
         })
-    backstop = rec.setting("max_new_tokens_backstop")
-    routes.append({"name": CATCH_ALL_ROUTE, "path": None, "model": None, "header": None, "value": None, "api": None,
-                   "max_new_tokens": backstop.tokens, "output_histogram": None,
-                   "rule": backstop.rule, "reason": "catch-all: " + backstop.reason})
     return routes
 
 
@@ -281,10 +261,6 @@ def lua_policy() -> dict:
     refuses or passes to the chat template, and the counting constants. Rendered from the
     constants the gateway itself runs on (kvtune.gateway.endpoints, apis, counting, ledger), so
     the two enforcers cannot drift apart; only the readers' logic is written twice."""
-    from kvtune.gateway import apis, endpoints
-    from kvtune.gateway.counting import TOKENIZE_CONCURRENCY
-    from kvtune.gateway.ledger import RATE_WINDOW_S
-
     def caps(fields: tuple) -> list[dict]:
         return [{"key": f.key, **({"parent": f.parent} if f.parent else {})} for f in fields]
 
@@ -323,8 +299,7 @@ def lua_policy() -> dict:
 def lua_statistical(rec: Recommendation) -> dict | None:
     """The statistical policy's epsilon and kvtune.gateway.overflow's constants for the Lua in
     nginx.conf (None for the other policies), rendered from the values the Python ledger runs on."""
-    from kvtune.gateway import overflow, relay, statistical
-
+    from kvtune.gateway import relay  # for one constant: relay imports aiohttp, which rendering does not need
     if rec.admission.kind is not PolicyKind.STATISTICAL:
         return None
     return {
@@ -472,8 +447,6 @@ def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> d
     """The rendered `flow:` and the Decisions behind it (for the comments); None without it.
     RenderOptions.flow, when given, is rendered instead (no decisions), in gateway.yaml and
     nginx.conf alike."""
-    from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
-
     if options is not None and options.flow is not None:
         return {"section": options.flow.to_dict(), "decisions": [], "flow": options.flow}
     flow = flow_control_of(rec)
@@ -485,8 +458,6 @@ def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> d
 def _health(probe: HealthProbe) -> dict:
     """The health probe as both gateways' files write it, and whether it is gateway.yaml's default
     (then gateway.yaml leaves it out). Held to gateway.yaml's own bounds, which parse it back."""
-    from kvtune.gateway.endpoints import canonical_path
-
     if not (probe.interval_s >= 0.05 and probe.timeout_s >= 0.01):
         raise OptionError("the health probe's interval_s must be at least 0.05 and timeout_s at least 0.01",
                           field="health")
@@ -506,7 +477,6 @@ def _what_if(rec: Recommendation) -> dict | None:
     """The report's what-if section (`recommend --objective`), or None."""
     if rec.what_if is None or rec.objective is None:
         return None
-    from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, replica_cells, table_cells
 
     chosen = rec.chosen
     return {"headline": headline(rec.what_if, rec.objective), "objective": objective_line(rec.objective),
@@ -519,14 +489,12 @@ def _what_if(rec: Recommendation) -> dict | None:
 def _what_if_plot(rec: Recommendation) -> dict:
     """The what-if rows as marks: output tokens/s against TTFT p99 (against goodput when that is
     the objective), the chosen row and direct-to-vLLM labelled, infeasible rows greyed with why."""
-    from kvtune.policy.whatif import Goal, PolicyKind, table_cells
-
     assert rec.what_if is not None and rec.objective is not None
     goodput = rec.objective.goal is Goal.GOODPUT
     points = []
     for cells, row in zip(table_cells(rec.what_if), rec.what_if, strict=True):
         p = row.predicted
-        direct = row.policy.kind is PolicyKind.DIRECT
+        direct = row.policy.kind is WhatIfKind.DIRECT
         kind = ("chosen" if row.chosen else "infeasible" if row.violations else "direct" if direct
                 else "reference" if row.reference else "ok")
         tag = f"chosen (#{cells['index']})" if row.chosen else f"direct to vLLM (#{cells['index']})" if direct else None
@@ -676,8 +644,6 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
     """Write every file into out_dir or none (kvtune.writer: targets checked first, staged,
     replaced together, put back if a rename fails); names must be plain file names. An
     nginx.conf brings the Lua modules it loads (lua_modules), so the folder deploys whole."""
-    from kvtune.writer import write_files as write_all
-
     target = Path(out_dir)
     for name in files:
         if not _plain_name(name):

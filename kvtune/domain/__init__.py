@@ -17,4 +17,7 @@ rather than in one of them, and the feature packages never import each other for
                    measured capacity comes from (kvtune.api, planning, the CLI)
   choices          Policy, Objective: the rules' choices and the objective a search meets (kvtune.api)
   log_reading      LogReading: how logs are read into a profile (kvtune.api.profile_logs)
+  route            Route, RouteMatch, Api: one route type for the gateway, deploy and policy
+  fields           Fields, MAX_INTEGER: the strict reader of kvtune's own files, and the
+                   checks every strict reader makes
 """

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtune.domain.fields import not_one_of
 from kvtune.userfiles import brief
 
 #: The largest overcommit factor accepted: beyond it the budget means nothing.
@@ -108,8 +109,9 @@ def parse_admission(value: Any, fail: Callable[[str, str], Exception], where: st
     given = value.get("policy")
     if given is None:
         raise fail(f"{where}.policy", f"missing (one of {', '.join(POLICY_NAMES)})")
-    if not isinstance(given, str) or given not in POLICY_NAMES:
-        raise fail(f"{where}.policy", f"{brief(given)} is not one of {', '.join(POLICY_NAMES)}")
+    problem = not_one_of(given, POLICY_NAMES)
+    if problem:
+        raise fail(f"{where}.policy", problem)
     kind = PolicyKind(given)
     allowed = _KEYS[kind]
     for key in value:

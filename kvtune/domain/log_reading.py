@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 
 __all__ = ["LogReading", "DEFAULT_MAX_ROUTES"]
 
-DEFAULT_MAX_ROUTES = 2000  # kvtune.profile.build.MAX_ROUTES, without importing numpy here (a test ties them)
+#: Routes a profile keeps by default; the rest (the least busy) fold into `*`. A deployment
+#: serves a few dozen routes; thousands mean the route key holds ids (/v1/users/123/...), and
+#: a gateway config or nginx.conf with a location per id would be neither readable nor useful.
+#: Named once, here on the floor: kvtune.profile, kvtune.api and the CLI (without numpy) read it.
+DEFAULT_MAX_ROUTES = 2000
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtune.domain.fields import MAX_INTEGER
+
 __all__ = ["MAX_BINS", "RENDERED_BINS", "OutputLaw", "parse_output_law"]
 
 #: Most bins an output_histogram may carry (the renderer writes RENDERED_BINS).
@@ -114,7 +116,7 @@ def parse_output_law(raw: Any, fail: Any, where: str) -> OutputLaw:
         if len(value) > MAX_BINS:
             raise fail(f"{where}.{key}", f"at most {MAX_BINS} bins, got {len(value)}")
         for i, item in enumerate(value):
-            if isinstance(item, bool) or not isinstance(item, int) or item < 0 or item > 2**53:
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0 or item > MAX_INTEGER:
                 raise fail(f"{where}.{key}[{i}]", "expected a non-negative integer")
         lists[key] = value
     lengths, counts = lists["lengths"], lists["counts"]

@@ -26,9 +26,10 @@ from kvtune.capacity.reservation import request_reserved_blocks
 from kvtune.domain.demand import Demand
 from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
+from kvtune.domain.route import Route
 from kvtune.gateway.apis import Reading, Request, read_request
 from kvtune.gateway.body import BodyError, parse_body
-from kvtune.gateway.config import GatewayConfig, GatewayRoute, StickyBy
+from kvtune.gateway.config import GatewayConfig, StickyBy
 from kvtune.gateway.counting import (
     PromptCount,
     PromptCounter,
@@ -148,7 +149,7 @@ class Admitted:
     replica_of), the body it forwards. Its reservation must be given back once, through
     Admission.release. `upstream` is a route's own upstream (one upstream only), else None."""
 
-    route: GatewayRoute | None
+    route: Route | None
     upstream: str | None
     target: str
     blocks: int
@@ -231,7 +232,7 @@ class Admission:
             raise Refused(route, rejection) from None
         return Admitted(route, upstream, target, blocks, cap, forwarded, reservation, demand, band, flow)
 
-    def _band_and_flow(self, incoming: Incoming, route: GatewayRoute | None) -> tuple[int, str]:
+    def _band_and_flow(self, incoming: Incoming, route: Route | None) -> tuple[int, str]:
         """The flow-control band and flow of a request (docs/guides/flow-control.md)."""
         flow = self.config.flow
         if flow is None:
@@ -258,7 +259,7 @@ class Admission:
             self.shared.release(reservation)
 
     @staticmethod
-    def _cap(route: GatewayRoute, asked: Request) -> int:
+    def _cap(route: Route, asked: Request) -> int:
         """The route's cap, or the client's own when it asked for less in any field the engine
         may read: every present cap field is then written with this one value."""
         return route_cap(route.max_new_tokens, (reading.requested_cap for reading in asked.readings))
@@ -269,7 +270,7 @@ class Admission:
         return [p.token_count or 0 for p in asked.prompts]
 
     def _blocks(self, asked: Request, cap: int | None, tokens: tuple[int, ...], exact: bool,
-                route: GatewayRoute | None) -> tuple[int, Demand | None]:
+                route: Route | None) -> tuple[int, Demand | None]:
         """The reservation: the largest of the readings, each the sum over its sequences of
         ceil((prompt + cap) / block_size), times its copies; 400 for a prompt past the context,
         413 for what can never be admitted. With it, what the largest reading's sequences may

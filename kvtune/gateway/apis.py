@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtune.domain.route import Api
 from kvtune.gateway.body import BodyError
-from kvtune.gateway.endpoints import Api
 from kvtune.gateway.refusals import Reason
 
 # n / best_of and the caps must be integers in [1, MAX_COUNT): a larger or odd number is a 400.

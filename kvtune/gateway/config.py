@@ -8,31 +8,30 @@ so a typo fails when the file is read, not at the first request.
 from __future__ import annotations
 
 import enum
-import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.domain.fields import MAX_INTEGER, is_finite_number, is_integer, is_number, not_one_of
 from kvtune.domain.flow_control import DEFAULT_BAND_HEADER, DEFAULT_FLOW_HEADER, MAX_BANDS, Band, FlowControl
-from kvtune.domain.output_law import OutputLaw, parse_output_law
-from kvtune.domain.route import RouteMatch
+from kvtune.domain.output_law import parse_output_law
+from kvtune.domain.route import Api, Route, RouteMatch
 from kvtune.endpoint import MAX_PORT, host_problem, parse_url, url_problem
 from kvtune.errors import InputError
 from kvtune.gateway.endpoints import (
     DEFAULT_PASSTHROUGH,
     GENERATE,
     ROUTE_APIS,
-    Api,
     PathClass,
     canonical_path,
     classify,
     never_passthrough,
 )
-from kvtune.userfiles import CONFIG_MAX_BYTES, brief
+from kvtune.userfiles import CONFIG_MAX_BYTES, brief, load_yaml
 
 SCHEMA_VERSION = 1
 
@@ -56,23 +55,6 @@ HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: What a route header value may hold: printable ASCII, no comma (a header sent twice may arrive
 #: joined by one), no space at either end (both enforcers strip them); at most MAX_ROUTE_HEADER_VALUE.
 ROUTE_HEADER_VALUE = re.compile(rf"[!-+\--~](?:[ !-+\--~]{{0,{MAX_ROUTE_HEADER_VALUE - 2}}}[!-+\--~])?")
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayRoute:
-    name: str
-    match: RouteMatch
-    max_new_tokens: int
-    upstream: str | None = None
-    # For a literal path that is not one of vLLM's endpoints: the API its requests speak (how
-    # they are counted; `any` charges every prompt field) and the path they are forwarded to.
-    api: Api | None = None
-    upstream_path: str | None = None
-    # The route's measured output lengths (output_histogram), which the statistical policy bets
-    # on; None: its requests are assumed to reach their cap.
-    output_law: OutputLaw | None = None
-    # The flow-control band its requests wait in (gateway.yaml `flow:`); None: flow.default_band.
-    band: str | None = None
 
 
 DEFAULT_PAIR_TOKENS = 128
@@ -261,7 +243,7 @@ class GatewayConfig:
     upstreams: tuple[GatewayUpstream, ...]
     block_size: int
     max_model_len: int
-    routes: tuple[GatewayRoute, ...]
+    routes: tuple[Route, ...]
     host: str = "127.0.0.1"
     port: int = 8080
     model: str | None = None
@@ -298,11 +280,11 @@ class GatewayConfig:
         on the upstream with the largest budget: no request larger than this is ever admitted."""
         return self.admission.limit_blocks(max(u.block_budget for u in self.upstreams))
 
-    def route_for(self, path: str, model: str | None, headers: Mapping[str, str] | None = None) -> GatewayRoute | None:
+    def route_for(self, path: str, model: str | None, headers: Mapping[str, str] | None = None) -> Route | None:
         """The first route, in file order, whose match accepts the request."""
         return next((r for r in self.routes if r.match.matches(path, model, headers)), None)
 
-    def path_route(self, path: str, headers: Mapping[str, str] | None = None) -> GatewayRoute | None:
+    def path_route(self, path: str, headers: Mapping[str, str] | None = None) -> Route | None:
         """For a literal route path that is no vLLM endpoint: the first route naming it whose
         header (if any) the request carries; None sends it to route_for."""
         return next((r for r in self.routes if r.match.path == path and r.match.header_matches(headers)), None)
@@ -312,9 +294,9 @@ class GatewayConfig:
         """The request headers routes match on (lower-case names, each once, in file order)."""
         return tuple(dict.fromkeys(r.match.header for r in self.routes if r.match.header is not None))
 
-    def route_paths(self) -> dict[str, GatewayRoute]:
+    def route_paths(self) -> dict[str, Route]:
         """Literal route paths that are not vLLM endpoints: each makes its path governed."""
-        out: dict[str, GatewayRoute] = {}
+        out: dict[str, Route] = {}
         for r in self.routes:
             if r.match.path is not None and r.match.path not in GENERATE:
                 out.setdefault(r.match.path, r)
@@ -322,9 +304,6 @@ class GatewayConfig:
 
 
 
-#: The largest integer a field may hold: exact in a double, so the rendered nginx Lua and every
-#: JSON reader see the same number.
-MAX_INTEGER = 2**53
 #: The largest upstream weight: beyond it one upstream takes everything whatever its budget.
 MAX_WEIGHT = 1000.0
 #: A day: a longer timeout (or Retry-After) is no timeout at all.
@@ -361,7 +340,7 @@ class _Reader:
         return value
 
     def integer(self, value: Any, where: str, minimum: int, maximum: int = MAX_INTEGER) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_integer(value):
             raise self.fail(where, f"expected an integer, got {brief(value)}")
         if value < minimum:
             raise self.fail(where, f"must be at least {minimum}, got {brief(value)}")
@@ -371,9 +350,9 @@ class _Reader:
 
     def number(self, value: Any, where: str, minimum: float, maximum: float = MAX_SECONDS) -> float:
         """A finite int or float in range; the default maximum is for durations, the other numbers'."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise self.fail(where, f"expected a number, got {brief(value)}")
-        if isinstance(value, float) and not math.isfinite(value):
+        if not is_finite_number(value):
             raise self.fail(where, f"expected a finite number, got {brief(value)}")
         if value < minimum:
             raise self.fail(where, f"must be at least {minimum:g}, got {brief(value)}")
@@ -391,6 +370,13 @@ class _Reader:
             return None
         if not isinstance(value, str) or not value:
             raise self.fail(where, f"expected a non-empty string, got {brief(value)}")
+        return value
+
+    def choice(self, value: Any, where: str, choices: Iterable[str]) -> str:
+        """One of `choices` (a closed set of words: an enum's values, say)."""
+        problem = not_one_of(value, choices)
+        if problem:
+            raise self.fail(where, problem)
         return value
 
     def host(self, value: Any, where: str) -> str:
@@ -433,9 +419,7 @@ def parse_gateway_config(data: Any, *, path: str = "gateway.yaml") -> GatewayCon
                          {"method", "tokenizer", "chars_per_token", "margin_tokens", "pair_tokens"})
 
     given = counting.get("method", CountingMethod.UPSTREAM_TOKENIZE.value)
-    if given not in PROMPT_COUNT_METHODS:
-        raise r.fail("prompt_tokens.method", f"{brief(given)} is not one of {', '.join(PROMPT_COUNT_METHODS)}")
-    method = CountingMethod(given)
+    method = CountingMethod(r.choice(given, "prompt_tokens.method", PROMPT_COUNT_METHODS))
     prompt_counting = PromptCounting(
         method=method,
         tokenizer=r.string(counting.get("tokenizer"), "prompt_tokens.tokenizer", optional=True),
@@ -587,9 +571,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
                          "the Redis URL goes in ledger.url")
     names = {b.value: b for b in LedgerBackend}
     given = doc.get("backend", LedgerBackend.MEMORY.value)
-    if not isinstance(given, str) or given not in names:
-        raise r.fail("ledger.backend", f"{brief(given)} is not one of {', '.join(names)}")
-    backend = names[given]
+    backend = names[r.choice(given, "ledger.backend", names)]
     if backend is LedgerBackend.MEMORY:
         for key in ("url", "key_prefix", "lease_s", "on_error", "replicas_hint", "op_timeout_s", "reclaim_grace_s"):
             if key in doc:
@@ -617,8 +599,7 @@ def _ledger(r: _Reader, top: dict) -> LedgerStore:
                      "at most 128 characters)")
     on_error = doc.get("on_error", OnLedgerError.REJECT.value)
     errors = {e.value: e for e in OnLedgerError}
-    if not isinstance(on_error, str) or on_error not in errors:
-        raise r.fail("ledger.on_error", f"{brief(on_error)} is not one of {', '.join(errors)}")
+    r.choice(on_error, "ledger.on_error", errors)
     if errors[on_error] is OnLedgerError.LOCAL and "replicas_hint" not in doc:
         raise r.fail("ledger.replicas_hint", "missing: on_error: local admits against 1/replicas_hint of "
                      "each budget, so it needs how many gateway replicas share it")
@@ -638,8 +619,7 @@ def _sticky(r: _Reader, value: Any) -> Sticky | None:
     doc = r.mapping(value, "sticky", {"by", "header"}, {"by"})
     names = {b.value: b for b in StickyBy}
     by = doc["by"]
-    if not isinstance(by, str) or by not in names:
-        raise r.fail("sticky.by", f"{brief(by)} is not one of {', '.join(names)}")
+    r.choice(by, "sticky.by", names)
     header = r.string(doc.get("header"), "sticky.header", optional=True)
     if names[by] is StickyBy.HEADER:
         if header is None:
@@ -743,7 +723,7 @@ def _check_flow(r: _Reader, config: GatewayConfig, top: dict) -> None:
             raise r.fail(f"routes[{i}].band", f"{brief(route.band)} is not one of flow.bands")
 
 
-def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
+def _route(r: _Reader, raw: Any, where: str) -> Route:
     item = r.mapping(raw, where, {"name", "match", "max_new_tokens", "upstream", "api", "upstream_path",
                                   "output_histogram", "band"}, {"name", "max_new_tokens"})
     match_doc = r.mapping(item.get("match", {}), f"{where}.match", {"path", "path_prefix", "model", "header", "value"})
@@ -773,9 +753,7 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
     if custom:
         names = {a.value: a for a in ROUTE_APIS}
         given = item.get("api")
-        if given is not None and (not isinstance(given, str) or given not in names):
-            raise r.fail(f"{where}.api", f"{brief(given)} is not one of {', '.join(names)}")
-        api = names[given] if given is not None else None
+        api = names[r.choice(given, f"{where}.api", names)] if given is not None else None
         if upstream_path is not None:
             _literal_path(r, upstream_path, f"{where}.upstream_path")
             target = classify(upstream_path, ())
@@ -787,7 +765,7 @@ def _route(r: _Reader, raw: Any, where: str) -> GatewayRoute:
             elif target.path_class is not PathClass.UNKNOWN:
                 raise r.fail(f"{where}.upstream_path", f"{upstream_path} is not a generation endpoint")
         api = api or Api.ANY
-    return GatewayRoute(
+    return Route(
         name=r.string(item["name"], f"{where}.name"),
         match=RouteMatch(path=path, model=r.string(match_doc.get("model"), f"{where}.match.model", optional=True),
                          path_prefix=prefix, header=header, value=value),
@@ -873,18 +851,15 @@ def _admin(r: _Reader, value: Any) -> AdminAccess:
     doc = r.mapping(value, "admin", {"metrics", "ledger", "token_env", "refusal_detail"})
     metrics = doc.get("metrics", Access.LOOPBACK.value)
     ledger = doc.get("ledger", Access.LOOPBACK.value)
-    if metrics not in ADMIN_ACCESS:
-        raise r.fail("admin.metrics", f"{brief(metrics)} is not one of {', '.join(ADMIN_ACCESS)}")
-    if ledger not in ADMIN_ACCESS[:2]:
-        raise r.fail("admin.ledger", f"{brief(ledger)} is not one of loopback, token")
+    r.choice(metrics, "admin.metrics", ADMIN_ACCESS)
+    r.choice(ledger, "admin.ledger", ADMIN_ACCESS[:2])
     token_env = r.string(doc.get("token_env"), "admin.token_env", optional=True)
     if token_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
         raise r.fail("admin.token_env", f"{brief(token_env)} is not an environment variable name")
     if Access.TOKEN.value in (metrics, ledger) and token_env is None:
         raise r.fail("admin.token_env", "access 'token' needs the environment variable that holds the token")
     detail = doc.get("refusal_detail", RefusalDetail.PUBLIC.value)
-    if detail not in REFUSAL_DETAILS:
-        raise r.fail("admin.refusal_detail", f"{brief(detail)} is not one of {', '.join(REFUSAL_DETAILS)}")
+    r.choice(detail, "admin.refusal_detail", REFUSAL_DETAILS)
     return AdminAccess(metrics=Access(metrics), ledger=Access(ledger), token_env=token_env,
                        refusal_detail=RefusalDetail(detail))
 
@@ -892,6 +867,4 @@ def _admin(r: _Reader, value: Any) -> AdminAccess:
 def load_gateway_config(path: str | Path) -> GatewayConfig:
     """Read and validate a gateway.yaml file: a regular file of at most CONFIG_MAX_BYTES, YAML
     without anchors, aliases or duplicate keys (kvtune.userfiles)."""
-    from kvtune.userfiles import load_yaml
-
     return parse_gateway_config(load_yaml(path, max_bytes=CONFIG_MAX_BYTES), path=str(path))

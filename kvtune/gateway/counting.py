@@ -33,6 +33,7 @@ from kvtune.gateway.config import CountingMethod, PromptCounting
 from kvtune.gateway.content_format import ContentFormat, detect_content_format
 from kvtune.gateway.upstream import UpstreamError
 from kvtune.gateway.vllm_messages import as_rendered, countable, for_template, rename_reasoning
+from kvtune.ingest.tokenize import chat_template_of, hub_file, load_tokenizer, read_chat_template
 
 
 class PromptCountError(Exception):
@@ -242,8 +243,6 @@ class LocalTokenizerCounter:
     def load(cls, spec: str, *, upstream: UpstreamTokenizeCounter | None = None) -> LocalTokenizerCounter:
         """From a tokenizer.json, a model directory, or a hub id (tokenizer_config.json beside it
         supplies the chat template and bos/eos tokens)."""
-        from kvtune.ingest.tokenize import chat_template_of, hub_file, load_tokenizer, read_chat_template
-
         try:
             tokenizer = load_tokenizer(spec)
         except InputError as exc:  # name the gateway.yaml key, not the profile command's option

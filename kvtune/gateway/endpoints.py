@@ -21,24 +21,8 @@ import enum
 import re
 from dataclasses import dataclass
 
+from kvtune.domain.route import Api
 from kvtune.engines import sglang, vllm
-
-
-class Api(enum.Enum):
-    """The field rules a request is read by: where its prompt is, which fields cap its output."""
-
-    CHAT = "chat"                # messages (+ tools, documents, template fields); max_tokens, max_completion_tokens
-    CHAT_BATCH = "chat-batch"    # messages: a list of conversations, one output each
-    COMPLETIONS = "completions"  # prompt: text, texts, token ids or lists of them; max_tokens
-    RESPONSES = "responses"      # input + instructions; max_output_tokens
-    MESSAGES = "messages"        # Anthropic: messages + system + tools; max_tokens
-    INVOCATIONS = "invocations"  # SageMaker: vLLM tries chat, then completions, then pooling
-    TOKENS = "tokens"            # token_ids; sampling_params.max_tokens (/inference/v1/generate)
-    ANY = "any"                  # a route path that is not a vLLM endpoint: every prompt field counts
-    EMBED = "embed"              # pooling: input (or messages)
-    SCORE = "score"              # pooling pairs: data_1/data_2, text_1/text_2, queries/documents|items
-    RERANK = "rerank"            # pooling pairs: query x documents
-    COHERE_EMBED = "cohere-embed"  # pooling: texts / inputs
 
 
 class PathClass(enum.Enum):

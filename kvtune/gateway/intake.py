@@ -20,7 +20,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvtune.gateway.config import ClientLimits, GatewayConfig, GatewayRoute, StickyBy
+from kvtune.domain.route import Route
+from kvtune.gateway.config import ClientLimits, GatewayConfig, StickyBy
 from kvtune.gateway.endpoints import Endpoint, PathClass, canonical_path, classify
 from kvtune.gateway.flow import ANONYMOUS, flow_of
 from kvtune.gateway.refusals import Reason, Rejection
@@ -36,7 +37,7 @@ class Incoming:
 
     path: str
     endpoint: Endpoint
-    route: GatewayRoute | None
+    route: Route | None
     raw_path: str
     sticky_header: str | None = None  # the value of gateway.yaml's sticky.header, when it keeps by one
     # The values of the headers routes match on (lower-case names; absent or empty ones left out)

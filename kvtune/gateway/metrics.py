@@ -18,6 +18,7 @@ from kvtune.domain.flow_control import WAIT_BUCKETS_S
 from kvtune.gateway.flow import OTHER, FlowCounts, FlowGate
 from kvtune.gateway.pool import Replica, UpstreamPool
 from kvtune.gateway.refusals import Reason
+from kvtune.gateway.shared import MODES
 from kvtune.gateway.statistical import StatisticalLedger
 
 if TYPE_CHECKING:
@@ -97,8 +98,6 @@ class GatewayMetrics:
     def add_ledger_gauges(self, shared: SharedLedger | None) -> None:
         """kvtune_gateway_ledger_mode{mode}: 1 for the mode admission runs in now (memory; redis;
         local or unavailable while Redis does not answer), with the shared store's own counts."""
-        from kvtune.gateway.shared import MODES
-
         r = self.registry
         mode = Gauge("kvtune_gateway_ledger_mode", "1 for how reservations are recorded now: memory (this process), "
                      "redis (shared), local (Redis unavailable: a static slice of each budget), unavailable "

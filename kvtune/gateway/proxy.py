@@ -36,9 +36,11 @@ from typing import Any
 
 from aiohttp import web
 
+from kvtune.domain.route import Route
 from kvtune.gateway.admin import Admin
 from kvtune.gateway.admission import Admission
-from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute
+from kvtune.gateway.config import CountingMethod, GatewayConfig
+from kvtune.gateway.connections import listen
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import PathClass
 from kvtune.gateway.flow import FlowGate
@@ -287,7 +289,7 @@ class Gateway:
                 self._take_out(replica, str(exc))
         raise RuntimeError("unreachable: the last attempt answers whatever happens")
 
-    def _reject(self, request: web.Request, route: GatewayRoute | None, rejection: Rejection) -> web.Response:
+    def _reject(self, request: web.Request, route: Route | None, rejection: Rejection) -> web.Response:
         self.rejected += 1
         name = route.name if route else ""
         self.metrics.count_rejected(name, rejection.reason)
@@ -339,8 +341,6 @@ async def serve(config: GatewayConfig, *, stop: asyncio.Event,
     """Serve until `stop` is set, then drain: stop accepting, give in-flight streams up to
     drain_timeout_s to finish, cancel the rest (their reservations release in `finally`).
     `app` is make_app(config) unless given (tests keep a handle on its Gateway)."""
-    from kvtune.gateway.connections import listen
-
     app = app if app is not None else make_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
                            access_log=None)

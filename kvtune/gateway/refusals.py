@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtune.gateway.config import GatewayRoute
+    from kvtune.domain.route import Route
 
 
 class Reason(enum.Enum):
@@ -106,7 +106,7 @@ class Rejection(Exception):
 class Refused(Exception):
     """A Rejection of a request already matched to a route (for the metrics' route label)."""
 
-    def __init__(self, route: GatewayRoute | None, rejection: Rejection) -> None:
+    def __init__(self, route: Route | None, rejection: Rejection) -> None:
         super().__init__(rejection.message)
         self.route, self.rejection = route, rejection
 

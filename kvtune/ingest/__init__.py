@@ -154,7 +154,7 @@ def read_logs(
     batches ahead in a background thread (progress is then called from that thread), so reading
     overlaps with whatever the caller does with each batch.
     """
-    from kvtune.ingest.readers import open_logs
+    from kvtune.ingest.readers import open_logs  # pyarrow, only when logs are read
 
     return open_logs(paths, options, progress=progress, prefetch=prefetch)
 

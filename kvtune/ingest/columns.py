@@ -29,6 +29,7 @@ from kvtune.ingest.schemas._fields import (
     NEGATIVE_TOKENS,
     TOO_MANY_TOKENS,
 )
+from kvtune.ingest.window import NO_TIMESTAMP
 
 if TYPE_CHECKING:
     from kvtune.ingest.plan import FilePlan
@@ -185,8 +186,6 @@ class ColumnChecks(abc.ABC):
     ) -> tuple[dict[str, pa.Array], int]:
         """The rows inside --since/--until: a row without a timestamp is a bad row (NO_TIMESTAMP),
         one outside the window is counted in `stats.outside_window`."""
-        from kvtune.ingest.window import NO_TIMESTAMP
-
         window = self.options.window
         assert window is not None
         times = cols.get("timestamp_s")

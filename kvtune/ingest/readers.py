@@ -49,6 +49,7 @@ from kvtune.ingest.schemas._fields import (
 )
 from kvtune.ingest.schemas.openai import batch_input_entry
 from kvtune.ingest.tabular import TabularPaths
+from kvtune.ingest.tokenize import count_tokens, load_tokenizer
 
 SINK_ROWS = 32768  # rows per batch on the slow path
 _TEXT_COLUMNS = (*STR_TARGETS, *TEXT_TARGETS, "_route")
@@ -90,8 +91,6 @@ def open_plans(
     row groups, per task: rows keep the file's own numbers either way)."""
     tokenizer = None
     if options.tokenizer:
-        from kvtune.ingest.tokenize import load_tokenizer
-
         tokenizer = load_tokenizer(options.tokenizer)
     stats = IngestStats(files=[FileInfo(str(p.path), p.format, partitions=partition_keys(p.path)) for p in plans],
                         pruned=[str(p) for p in pruned], skipped_files=list(skipped_files))
@@ -332,8 +331,6 @@ class _Sink:
         self.rows, self.where = [], []
         tok = self.reader.tokenizer
         if tok is not None:
-            from kvtune.ingest.tokenize import count_tokens
-
             for target, text_key in (("output_tokens", "output_text"), ("prompt_tokens", "prompt_text")):
                 need = [i for i, r in enumerate(rows) if r.get(target) is None and r.get(text_key)]
                 counts = count_tokens(tok, [rows[i][text_key] for i in need])

@@ -47,9 +47,10 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException
 from prometheus_client import Gauge
 
+from kvtune.domain.route import Route
 from kvtune.gateway.admin import Admin
 from kvtune.gateway.admission import Admission
-from kvtune.gateway.config import CountingMethod, GatewayConfig, GatewayRoute, load_gateway_config
+from kvtune.gateway.config import CountingMethod, GatewayConfig, load_gateway_config
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptCounter, make_counter
 from kvtune.gateway.endpoints import Endpoint, PathClass, classify
 from kvtune.gateway.flow import FlowGate, flow_of
@@ -252,7 +253,7 @@ class KvtuneAdmission(CustomLogger):
         return Incoming(path, endpoint, route, path, None, groups, sent.get(flow.band_header.lower()),
                         flow_of(sent.get(flow.flow_header.lower()), sent.get("authorization")))
 
-    def _refuse(self, route: GatewayRoute | None, rejection: Rejection) -> ProxyException:
+    def _refuse(self, route: Route | None, rejection: Rejection) -> ProxyException:
         """The gateway's refusal as LiteLLM answers it: the status, the message a client without
         ledger access sees, Retry-After and Allow. LiteLLM's own ProxyException, not FastAPI's
         HTTPException: its /v1/completions wraps any other exception anew and drops its headers

@@ -1,6 +1,6 @@
 """Typed reads from a config.json dict; every error names the file and the field path.
 
-Not kvtune.fields.Fields, which reads kvtune's own files strictly: configs come from many
+Not kvtune.domain.fields.Fields, which reads kvtune's own files strictly: configs come from many
 writers, so a key has aliases, a whole float is an integer, and errors are ModelConfigErrors.
 """
 

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvtune import userfiles
 from kvtune.errors import InputError, KvtuneError, OptionError, UnknownNameError
 from kvtune.model.config import HUB_ID, parse_model_spec
 from kvtune.model.quantization import parse_modelopt_file
@@ -20,8 +21,6 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a config.json: a regular file of at most MODEL_FILE_MAX_BYTES (kvtune.userfiles).
     Python's json accepts the Infinity/NaN literals some real configs hold, so this reader does too."""
-    from kvtune import userfiles
-
     p = Path(path)
     data = userfiles.load_json(p, max_bytes=userfiles.MODEL_FILE_MAX_BYTES, strict=False)
     if not isinstance(data, dict):

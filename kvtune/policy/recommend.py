@@ -18,6 +18,7 @@ from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity, is_context_note
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy
+from kvtune.domain.route import RouteMatch
 from kvtune.domain.slo import Slo
 from kvtune.endpoint import url_problem
 from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
@@ -38,7 +39,6 @@ from kvtune.policy.recommendation import (
     Hardware,
     KvCost,
     Lengths,
-    Match,
     MeasuredBasis,
     Recommendation,
     Requested,
@@ -119,18 +119,18 @@ class RecommendOptions:
             raise OptionError("a searched budget needs its safety fraction", field="safety_fraction")
 
 
-def _route_match(route: str, route_by: str, route_header: str | None = None) -> Match | None:
+def _route_match(route: str, route_by: str, route_header: str | None = None) -> RouteMatch | None:
     """What a gateway matches this route on: its path, model or the value of the header that
     carries its group; everything for the unnamed route `*`; None when a logged path is no
     literal request path a gateway could govern (the catch-all serves them)."""
     if route == "*":
-        return Match()
+        return RouteMatch()
     if route_header is not None:
-        return Match(header=route_header.lower(), value=route)
+        return RouteMatch(header=route_header.lower(), value=route)
     key = ROUTE_BY_MATCH.get(route_by)
     if key is None or (key == "path" and why_not_a_route_path(route) is not None):
         return None
-    return Match(path=route) if key == "path" else Match(model=route)
+    return RouteMatch(path=route) if key == "path" else RouteMatch(model=route)
 
 
 def _enforceable_groups(profile: Profile, options: RecommendOptions) -> None:
@@ -334,7 +334,7 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
         for route, cap, reservations in drafts
     ]
     # Gateways match routes in order: specific matches first, catch-alls (no key) after them.
-    order = sorted(range(len(routes)), key=lambda i: routes[i].match is None or routes[i].match == Match())
+    order = sorted(range(len(routes)), key=lambda i: routes[i].match is None or routes[i].match == RouteMatch())
     routes = [routes[i] for i in order]
     reservations = [drafts[i][2] for i in order]
     mean_reservation = sum(r.share * r.reservation_blocks.mean for r in routes)

@@ -17,14 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvtune import userfiles
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, parse_admission
+from kvtune.domain.fields import MAX_INTEGER, Fields
 from kvtune.domain.flow_control import Band, FlowControl
+from kvtune.domain.route import RouteMatch
 from kvtune.engines import ENGINE_NAMES
 from kvtune.errors import InputError
-from kvtune.fields import MAX_INTEGER, Fields
 from kvtune.policy.feasibility import Verdict, verdict
+from kvtune.policy.whatif import Predicted, read_what_if
 from kvtune.profile.routes import CensoredHistogram, TailClass
-from kvtune.userfiles import brief
+from kvtune.userfiles import brief, read_head
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
@@ -205,28 +208,6 @@ class Binned:
 
 
 @dataclass(frozen=True, slots=True)
-class Match:
-    """What a gateway matches a route on (none: every request): a path, a model, or a request
-    header's exact value (`header`, lower-case, naming the group it carries)."""
-
-    path: str | None = None
-    model: str | None = None
-    header: str | None = None
-    value: str | None = None
-
-    @property
-    def headers(self) -> dict[str, str] | None:
-        """The request headers a request of this route carries, as the gateways' matches read them."""
-        return None if self.header is None or self.value is None else {self.header: self.value}
-
-    def to_dict(self) -> dict:
-        out = {"path": self.path, "model": self.model}
-        if self.header is not None:
-            out |= {"header": self.header, "value": self.value}
-        return out
-
-
-@dataclass(frozen=True, slots=True)
 class RouteConcurrency:
     admitted: int
     worst_case: int
@@ -244,7 +225,7 @@ class RouteRecommendation:
     """One route's cap with what it costs: its reservations over the route's real prompts."""
 
     route: str
-    match: Match | None  # None: a field no gateway sees names the route; the catch-all serves it
+    match: RouteMatch | None  # None: a field no gateway sees names the route; the catch-all serves it
     requests: int
     share: float
     tail: TailClass
@@ -287,8 +268,9 @@ class RouteRecommendation:
     @classmethod
     def read(cls, f: Fields) -> RouteRecommendation:
         m = f.obj("match", optional=True)
-        match = None if m is None else Match(m.string("path", optional=True), m.string("model", optional=True),
-                                             m.string("header", optional=True), m.string("value", optional=True))
+        match = None if m is None else RouteMatch(
+            path=m.string("path", optional=True), model=m.string("model", optional=True),
+            header=m.string("header", optional=True), value=m.string("value", optional=True))
         prompt = f.obj("prompt_tokens", optional=True)
         requested = f.obj("requested_max_tokens", optional=True)
         lengths = f.obj("output_lengths")
@@ -449,8 +431,6 @@ class UpstreamBudget:
 
     @classmethod
     def read(cls, f: Fields) -> UpstreamBudget:
-        from kvtune.policy.whatif import Predicted
-
         known = {"url", "block_budget", "num_blocks", "capacity_file", "max_num_seqs", "max_num_batched_tokens",
                  "predicted", "kv_cache_memory_bytes"}
         unknown = sorted(str(k) for k in set(f.data) - known)
@@ -599,7 +579,6 @@ class Recommendation:
         concurrency = f.obj("concurrency")
         routes = tuple(RouteRecommendation.read(r) for r in f.items("routes", nonempty=True))
         notes = f.strings("notes", optional=True) or []
-        from kvtune.policy.whatif import read_what_if
 
         searched = read_what_if(f)
         if searched is not None and {r.route for r in searched[0].traffic.routes} != {r.route for r in routes}:
@@ -671,8 +650,6 @@ _MARKER = b'"kvtune_version"'  # the second key kvtune writes; JSON logs do not 
 def looks_like_recommendation(path: str | os.PathLike[str]) -> bool:
     """A regular file whose first 4 KiB carry kvtune's version key (cheap; the rest is not read),
     so `check recommendation.json` is not taken for a log file."""
-    from kvtune.userfiles import read_head
-
     head = read_head(path, 4096)
     return head is not None and _MARKER in head
 
@@ -680,8 +657,6 @@ def looks_like_recommendation(path: str | os.PathLike[str]) -> bool:
 def load_recommendation(path: str | os.PathLike[str], *, field: str | None = None) -> Recommendation:
     """Read and check a recommendation.json written by `kvtune recommend --out` (a regular file,
     strict JSON, at most userfiles.RECOMMENDATION_MAX_BYTES). `field` names the option it came in."""
-    from kvtune import userfiles
-
     data = userfiles.load_json(path, max_bytes=userfiles.RECOMMENDATION_MAX_BYTES, field=field)
     try:
         return Recommendation.from_dict(data, path=os.fspath(path))
@@ -726,7 +701,7 @@ FLOW_SETTINGS = ("gateway_flow_token_time_s", "gateway_flow_interactive_deadline
 
 __all__ = [
     "Recommendation", "UpstreamBudget", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested",
-    "Binned", "Match", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
+    "Binned", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
     "Concurrency", "load_recommendation", "looks_like_recommendation", "SCHEMA_VERSION", "SETTINGS",
     "FLOW_SETTINGS", "flow_control_of",
 ]

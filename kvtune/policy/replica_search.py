@@ -70,6 +70,9 @@ from kvtune.policy.search import (
 )
 from kvtune.policy.whatif import Objective, PolicyKind, Predicted, ReplicaBasis, ReplicaRow
 from kvtune.profile.routes import Profile
+from kvtune.sim.requests import Workload
+from kvtune.sim.results import RequestColumns
+from kvtune.sim.traffic import Traffic
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,10 +274,6 @@ def _nothing(objective: Objective, deployment: Deployment) -> Predicted:
 def _total(objective: Objective, deployment: Deployment, runs: list, parts: Sequence[Predicted]) -> Predicted:
     """One seed's figures for the whole deployment: its rates the sums of the replicas', its
     shares and latency percentiles over all of its requests."""
-    from kvtune.sim.requests import Workload
-    from kvtune.sim.results import RequestColumns
-    from kvtune.sim.traffic import Traffic
-
     if not runs:
         return _nothing(objective, deployment)
     results = [r for r, _ in runs]

@@ -8,7 +8,7 @@ blocks, or the one --safety-fraction), then every other policy the gateway enfor
 at ε = 0.001, 0.01, 0.05; overcommit k = 1.25, 1.5, 2, 3) at every cap level on the 0.9 budget,
 then the gateway reserving the whole context (the other reference row); identical candidates
 once. Each candidate is `recommend()` at that level with that admission policy, so its engine
-settings, and for statistical each route's output law (kvtune.deploy.render.route_output_law),
+settings, and for statistical each route's output law (kvtune.policy.route_table.route_output_law),
 are the ones its files would deploy. All rows serve the same requests: bench's draws for each
 seed at the objective's load, each capped by its row's route caps; a row's figures are the mean
 over the objective's seeds (DEFAULT_SEEDS, seed, seed + 1, ...). Clients do not announce their
@@ -46,12 +46,13 @@ from kvtune.domain.engine_settings import EngineSettings
 from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.output_law import OutputLaw
-from kvtune.domain.route import DeployedRoute
+from kvtune.domain.route import Route, RouteMatch
 from kvtune.domain.slo import Slo
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.planning import Plan
 from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
-from kvtune.policy.recommendation import Match, Recommendation, RouteRecommendation, flow_control_of
+from kvtune.policy.recommendation import Recommendation, RouteRecommendation, flow_control_of
+from kvtune.policy.route_table import route_table
 from kvtune.policy.rules import CAP_PERCENTILE
 from kvtune.policy.whatif import (
     ENGINE_ROWS,
@@ -70,8 +71,13 @@ from kvtune.policy.whatif import (
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
+from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
+from kvtune.sim.report import summarize_sim
+from kvtune.sim.requests import Outcome, Workload
+from kvtune.sim.results import OUTCOMES
 from kvtune.sim.rules import EngineRule, SGLangRule, engine_rule
-from kvtune.sim.traffic import logged_rate
+from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, plan_timing
+from kvtune.sim.traffic import Traffic, draw_profile, logged_rate, send_offsets
 
 if TYPE_CHECKING:
     from kvtune.sim.results import SimResult
@@ -208,8 +214,6 @@ def sim_basis(plan: Plan) -> SimBasis:
     for the plan's model and GPU) and the engine with today's defaults; without a capacity file
     (or with only a pool size given), the plan's own estimate, as `kvtune simulate` takes it
     (kvtune.sim.setup.offline_capacity)."""
-    from kvtune.sim.setup import engine_setup, given_pool, offline_capacity, plan_timing
-
     measured = plan.measured
     labels = None
     if measured is None or given_pool(measured):
@@ -235,7 +239,7 @@ def build_objective(profile: Profile, plan: Plan, spec: ObjectiveSpec) -> Object
 
 
 def traffic_profile(profile: Profile) -> Profile:
-    """Only what the requests are drawn from (kvtune.bench.workload.PairSampler: output and
+    """Only what the requests are drawn from (kvtune.workload.draw.PairSampler: output and
     prompt lengths, their joint histogram) and what truncation is estimated from."""
     return Profile(routes=tuple(dataclasses.replace(
         r, total=CensoredHistogram.empty(), max_tokens=Histogram.empty(), finish_reasons={}, models={},
@@ -281,8 +285,6 @@ def objective_seeds(objective: Objective) -> range:
 
 def draw_requests(objective: Objective, seed: int | None = None) -> Draws:
     """Bench's draws for `seed` (default: the objective's first)."""
-    from kvtune.sim.traffic import draw_profile, send_offsets
-
     seed = objective.seed if seed is None else seed
     load, n = objective.load, objective.requests
     sends = None
@@ -374,10 +376,6 @@ def simulate_run(objective: Objective, deployment: Deployment, draws: Draws,
                  concurrency: int | None = None) -> tuple[SimResult, Traffic]:
     """One seed's requests served on `deployment` (a closed loop of `concurrency` clients,
     default the objective's), as the simulator returns them."""
-    from kvtune.sim.engine import CLIENT_RETRY, ClosedLoop, simulate
-    from kvtune.sim.requests import Workload
-    from kvtune.sim.traffic import Traffic
-
     overhead = objective.basis.http_overhead_s
     cap = np.array([-1 if (c := deployment.caps.get(r)) is None else c for r in draws.route], dtype=np.int64)
     output = np.where(cap > 0, np.minimum(draws.output, cap), draws.output)
@@ -395,10 +393,6 @@ def simulate_run(objective: Objective, deployment: Deployment, draws: Draws,
 
 def predicted_of(objective: Objective, deployment: Deployment, result: SimResult, traffic: Traffic) -> Predicted:
     """A run's figures as the what-if table shows them."""
-    from kvtune.sim.report import summarize_sim
-    from kvtune.sim.requests import Outcome
-    from kvtune.sim.results import OUTCOMES
-
     summary = summarize_sim(result, traffic, slo=objective.slo)
     r = result.requests
     sent_mask = r.outcome != OUTCOMES.index(Outcome.NOT_SENT)
@@ -421,35 +415,30 @@ def predicted_of(objective: Objective, deployment: Deployment, result: SimResult
 # ---------------------------------------------------------------- candidates
 
 
-def route_caps(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, int | None]:
+def route_caps(table: Sequence[Route], routes: Sequence[RouteRecommendation]) -> dict[str, int | None]:
     """Each logged route's output cap under a gateway's route table, matched as the gateways
     (and `kvtune check`) match it: the first route that matches its path or model; none, uncapped."""
     return {name: None if hit is None else hit.max_new_tokens for name, hit in _matched(table, routes).items()}
 
 
-def route_laws(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, OutputLaw | None]:
+def route_laws(table: Sequence[Route], routes: Sequence[RouteRecommendation]) -> dict[str, OutputLaw | None]:
     """Each logged route's output law under a gateway's route table (its output_histogram),
     matched as route_caps matches; None where the matching route carries none."""
     return {name: None if hit is None else hit.output_law for name, hit in _matched(table, routes).items()}
 
 
-def _matched(table: Sequence[DeployedRoute], routes: Sequence[RouteRecommendation]) -> dict[str, DeployedRoute | None]:
-    out: dict[str, DeployedRoute | None] = {}
+def _matched(table: Sequence[Route], routes: Sequence[RouteRecommendation]) -> dict[str, Route | None]:
+    out: dict[str, Route | None] = {}
     for route in routes:
-        match = route.match or Match()
+        match = route.match or RouteMatch()
         out[route.route] = next((r for r in table if r.matches(match.path, match.model, match.headers)), None)
     return out
 
 
 def rendered_deployment(rec: Recommendation, basis: SimBasis, policy: Policy) -> Deployment:
     """What the files rendered from `rec` deploy: its engine settings on the measured pool, the
-    route table gateway.yaml carries (kvtune.deploy.render.gateway_routes), its budget."""
-    from kvtune.deploy.render import gateway_routes
-
-    table = [DeployedRoute(r["name"], r["path"], r["model"], r["max_new_tokens"], header=r["header"], value=r["value"],
-                           output_law=None if (h := r.get("output_histogram")) is None
-                           else OutputLaw(tuple(h["lengths"]), tuple(h["counts"])))
-             for r in gateway_routes(rec)]
+    route table gateway.yaml carries (kvtune.policy.route_table), its budget."""
+    table = route_table(rec)
     return Deployment(recommended_engine(rec, basis), route_caps(table, rec.routes), policy, rec.budget_blocks,
                       route_laws(table, rec.routes), *rendered_queue(rec))
 

@@ -18,9 +18,9 @@ from typing import Any
 from kvtune.domain.admission_policy import GUARANTEED, MAX_FACTOR, AdmissionPolicy
 from kvtune.domain.admission_policy import PolicyKind as AdmissionKind
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.fields import Fields
 from kvtune.domain.slo import Slo
 from kvtune.errors import InputError, OptionError
-from kvtune.fields import Fields
 from kvtune.profile.routes import Profile
 from kvtune.steptime import StepTimeModel, TimingSource
 

@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtune import userfiles
+from kvtune.domain.log_reading import DEFAULT_MAX_ROUTES as MAX_ROUTES
 from kvtune.errors import InputError, KvtuneError
+from kvtune.ingest.window import WindowReport
 from kvtune.profile import counting
 from kvtune.profile.histogram import (
     JOINT_EDGES,
@@ -41,6 +44,7 @@ from kvtune.profile.routes import (
     RouteProfile,
     busiest_routes,
 )
+from kvtune.userfiles import read_head
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -69,10 +73,6 @@ DENSE_ROWS = 4096
 #: wide one (128k-token prompts) cannot grow dense rows without bound.
 DENSE_TABLE_BYTES = 128 << 20
 
-#: Routes a profile keeps by default; the rest (the least busy) fold into `*`. A deployment
-#: serves a few dozen routes; thousands mean the route key holds ids (/v1/users/123/...), and
-#: a gateway config or nginx.conf with a location per id would be neither readable nor useful.
-MAX_ROUTES = 2000
 
 _SECOND_BITS = 38  # arrival keys: (route << _SECOND_BITS) | whole second; 2^38 s is past year 9999
 _MAX_ARRIVAL_ROUTES = 1 << (63 - _SECOND_BITS)
@@ -369,7 +369,7 @@ class _Vocab:
         """
         import pyarrow as pa
 
-        from kvtune.ingest import arrays
+        from kvtune.ingest import arrays  # pyarrow, only when logs are read
 
         if isinstance(column, pa.ChunkedArray):
             column = column.combine_chunks()
@@ -390,7 +390,7 @@ class _Vocab:
 
 def _censored(column: pa.Array) -> np.ndarray | None:
     """The censored flags, or None when no row is censored (the common case: one cheap pass)."""
-    from kvtune.ingest import arrays
+    from kvtune.ingest import arrays  # pyarrow, only when logs are read
 
     if column.true_count == 0:
         return None
@@ -434,7 +434,7 @@ class ProfileBuilder:
         self._last_s = np.zeros(0)
 
     def add_batch(self, batch: pa.RecordBatch) -> None:
-        from kvtune.ingest import arrays
+        from kvtune.ingest import arrays  # pyarrow, only when logs are read
 
         if self.log_model is not None:
             batch = self._select_model(batch)
@@ -665,7 +665,6 @@ def profile_read(batches: Iterable[pa.RecordBatch], stats: IngestStats, options:
                       skipped_files=tuple(stats.skipped_files))
     if options.window is None:
         return profile
-    from kvtune.ingest.window import WindowReport
 
     return replace(profile, window=WindowReport.of(options.window, len(stats.pruned), stats.outside_window))
 
@@ -673,8 +672,6 @@ def profile_read(batches: Iterable[pa.RecordBatch], stats: IngestStats, options:
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read a saved profile (a regular file of strict JSON, at most PROFILE_MAX_BYTES); any problem
     is an InputError naming the file and field."""
-    from kvtune import userfiles
-
     where = str(path)
     data = userfiles.load_json(path, max_bytes=userfiles.PROFILE_MAX_BYTES)
     try:
@@ -687,15 +684,13 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
     """Write the profile as JSON, whole or not at all (kvtune.writer)."""
-    from kvtune.writer import write_text
+    from kvtune.writer import write_text  # tempfile, only when a profile is saved
 
     write_text(path, json.dumps(profile.to_dict(), separators=(",", ":")) + "\n")
 
 
 def is_saved_profile(path: str | os.PathLike[str]) -> bool:
     """A regular .json file whose first bytes announce a kvtune profile (cheap: reads 256 bytes)."""
-    from kvtune.userfiles import read_head
-
     if Path(path).suffix.lower() != ".json":
         return False
     head = read_head(path, 256)

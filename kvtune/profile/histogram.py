@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtune.domain.fields import MAX_INTEGER
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
 
@@ -61,7 +62,7 @@ def distinct(values: np.ndarray) -> np.ndarray:
 
 #: Bounds on what a saved histogram may hold: each value and each histogram's total count stay
 #: exact in a double, so int64 sums cannot overflow and every reader sees the same number.
-MAX_SAVED_INTEGER = 2**53
+MAX_SAVED_INTEGER = MAX_INTEGER
 
 
 def _int_list(data: Mapping[str, Any], key: str, where: str, maximum: int = MAX_SAVED_INTEGER) -> np.ndarray:

@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtune.domain.fields import MAX_INTEGER
 from kvtune.errors import InputError, OptionError
 
 __all__ = ["ModelSelection", "same_model", "models_by_rows", "one_logged_model", "describe_models"]
 
 #: The option that selects a model, as errors name it.
 OPTION = "--log-model"
-_MAX_ROWS = 2**53  # as saved histograms bound their counts
+_MAX_ROWS = MAX_INTEGER  # as saved histograms bound their counts
 
 
 def same_model(a: str, b: str) -> bool:

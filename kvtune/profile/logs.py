@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtune.errors import InputError
+from kvtune.ingest import IngestOptions, read_logs
 from kvtune.profile.build import (
     MAX_ROUTES,
     PREFETCH_BATCHES,
@@ -16,6 +17,7 @@ from kvtune.profile.build import (
     profile_read,
 )
 from kvtune.profile.logged_model import one_logged_model
+from kvtune.profile.parallel import profile_parallel
 from kvtune.profile.routes import Profile, fold_routes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,12 +53,11 @@ def profile_logs(
 
     def once(opts: IngestOptions) -> Profile:
         if ray_address is not None:
-            from kvtune.profile.on_ray import profile_on_ray
+            from kvtune.profile.on_ray import profile_on_ray  # logging (Ray's), only on a cluster
 
             return profile_on_ray(paths, opts, address=ray_address, progress=progress, max_routes=max_routes)
         if workers == 1:
             return _profile_once(paths, opts, progress, max_routes)
-        from kvtune.profile.parallel import profile_parallel
 
         return profile_parallel(paths, opts, workers=workers, progress=progress, max_routes=max_routes)
 
@@ -100,8 +101,6 @@ def require_rows(profile: Profile, paths: Sequence[str]) -> Profile:
 
 def _profile_once(paths: Sequence[str], options: IngestOptions, progress: ProgressCallback | None,
                   max_routes: int | None) -> Profile:
-    from kvtune.ingest import read_logs
-
     batches, stats = read_logs(list(paths), options, progress=progress, prefetch=PREFETCH_BATCHES)
     return profile_read(batches, stats, options, max_routes)
 
@@ -116,8 +115,6 @@ def load_profile_or_logs(
     if len(paths) == 1 and is_saved_profile(paths[0]):
         return fold_routes(load_profile(paths[0]), max_routes)
     if options is None:
-        from kvtune.ingest import IngestOptions
-
         options = IngestOptions()
     return profile_logs(paths, options, progress=progress, max_routes=max_routes, workers=workers,
                         ray_address=ray_address)

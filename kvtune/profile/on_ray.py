@@ -54,7 +54,7 @@ def profile_on_ray(paths: Sequence[str], options: IngestOptions, *, address: str
                    progress: Callable[[int, int], None] | None = None, max_routes: int | None) -> Profile:
     """Profile logs with the map step as Ray tasks on the cluster at `address` ("" starts a local
     one); the same bytes as one process."""
-    from kvtune.ingest.readers import plan_logs
+    from kvtune.ingest.readers import plan_logs  # pyarrow, only when logs are read
 
     plans, pruned, skipped = plan_logs(paths, options)
     if not plans:  # every file excluded or kvtune's own: nothing for the cluster to read

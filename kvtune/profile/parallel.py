@@ -28,7 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from kvtune.profile.build import profile_read
+from kvtune.ingest import set_threads
+from kvtune.ingest.remote import RemoteFile
+from kvtune.ingest.window import WindowReport
+from kvtune.profile.build import PREFETCH_BATCHES, profile_read
 from kvtune.profile.routes import InputFile, Profile, fold_routes, merge_profiles
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,8 +91,6 @@ def auto_workers(plans: Sequence[FilePlan]) -> int:
 def parallel_safe(plans: Sequence[FilePlan]) -> bool:
     """Whether the plans may be read apart: no Batch API inputs (joined across files by
     custom_id) and no memory:// files (in this process's memory only)."""
-    from kvtune.ingest.remote import RemoteFile
-
     return not any(p.format == "openai-batch-input" or (isinstance(p.path, RemoteFile)
                                                           and p.path.url.startswith("memory:"))
                    for p in plans)
@@ -125,7 +126,7 @@ def split(plans: Sequence[FilePlan], workers: int) -> list[Task]:
 
 def profile_part(task: Task, options: IngestOptions) -> Profile:
     """One task's part, profiled with every route kept (runs in a worker process or Ray task)."""
-    from kvtune.ingest.readers import open_plans
+    from kvtune.ingest.readers import open_plans  # pyarrow, only when logs are read
 
     batches, stats = open_plans([task.plan], options)
     return profile_read(batches, stats, options, max_routes=None)
@@ -148,8 +149,6 @@ def merge_parts(tasks: Sequence[Task], parts: Sequence[Profile], pruned: int, sk
         last = task.index
     merged = replace(merged, inputs=tuple(inputs), skipped_files=tuple(skipped))
     if options.window is not None:
-        from kvtune.ingest.window import WindowReport
-
         outside = merged.window.outside_rows if merged.window is not None else 0
         merged = replace(merged, window=WindowReport.of(options.window, pruned, outside))
     return fold_routes(merged, max_routes)
@@ -165,7 +164,7 @@ def profile_parallel(
 ) -> Profile:
     """Profile logs with the map step in `workers` local processes (None: `auto_workers`); the
     same bytes as one process. An input that pays for no second process is read here."""
-    from kvtune.ingest.readers import plan_logs
+    from kvtune.ingest.readers import plan_logs  # pyarrow, only when logs are read
 
     plans, pruned, skipped = plan_logs(paths, options)
     count = auto_workers(plans) if workers is None else workers
@@ -179,8 +178,7 @@ def profile_parallel(
 def in_process(plans: Sequence[FilePlan], pruned: Sequence[LogFile], skipped: Sequence[SkippedFile],
                options: IngestOptions, progress: ProgressCallback | None, max_routes: int | None) -> Profile:
     """The planned files read here, in this process (an input that pays for no second one)."""
-    from kvtune.ingest.readers import open_plans
-    from kvtune.profile.build import PREFETCH_BATCHES
+    from kvtune.ingest.readers import open_plans  # pyarrow, only when logs are read
 
     batches, stats = open_plans(plans, options, pruned=pruned, skipped_files=skipped, progress=progress,
                                 prefetch=PREFETCH_BATCHES)
@@ -220,6 +218,4 @@ def _run_local(tasks: Sequence[Task], options: IngestOptions, workers: int,
 
 def _worker_init(threads: int) -> None:
     """A worker process's share of the cores for its reader's threads (`ingest.set_threads`)."""
-    from kvtune.ingest import set_threads
-
     set_threads(threads)

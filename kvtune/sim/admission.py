@@ -18,8 +18,7 @@ from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy
 from kvtune.domain.demand import Demand
 from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.output_law import OutputLaw
-from kvtune.gateway.config import GatewayConfig, GatewayRoute
-from kvtune.gateway.flow import ANONYMOUS, FlowGate, band_of
+from kvtune.gateway.flow import ANONYMOUS, FlowGate
 from kvtune.gateway.gate import AdmissionGate, Turned, ledger_for, route_cap, sequence_blocks
 from kvtune.gateway.ledger import Reservation
 from kvtune.gateway.overflow import next_mark
@@ -153,28 +152,6 @@ class LedgerAdmission:
         self.request_caps = request_caps
         self._held: dict[int, Reservation] = {}
         self.conditions_on_progress = isinstance(self.ledger, StatisticalLedger) and self.ledger.epsilon > 0
-
-    @classmethod
-    def from_config(cls, config: GatewayConfig, route: GatewayRoute | None,
-                    request_routes: Sequence[GatewayRoute | None] | None = None) -> LedgerAdmission:
-        """The admission a gateway.yaml deploys, for requests that match `route` (or request i
-        `request_routes[i]`)."""
-        # one engine: the first upstream's budget (each upstream of several has its own)
-        flow = config.flow
-        bands = None
-        if flow is not None and request_routes is not None:
-            bands = [band_of(flow, None, None if r is None else r.band) for r in request_routes]
-        return cls(config.upstreams[0].block_budget, block_size=config.block_size, max_model_len=config.max_model_len,
-                   retry_after_min_s=config.retry_after_min_s, retry_after_max_s=config.retry_after_max_s,
-                   queue_max_waiting=config.queue_max_waiting, queue_timeout_s=config.queue_timeout_s,
-                   route_max_new_tokens=None if route is None else route.max_new_tokens,
-                   policy=config.admission, output_law=None if route is None else route.output_law,
-                   request_laws=None if request_routes is None
-                   else [None if r is None else r.output_law for r in request_routes],
-                   request_caps=None if request_routes is None
-                   else [None if r is None else r.max_new_tokens for r in request_routes],
-                   flow=flow, band=0 if flow is None else band_of(flow, None, None if route is None else route.band),
-                   request_bands=bands)
 
     def cap(self, prompt_tokens: int, max_tokens: int | None, request: int | None = None) -> int:
         """The output cap the gateway reserves for (and writes into the forwarded request)."""

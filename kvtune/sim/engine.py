@@ -46,6 +46,8 @@ from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
 from kvtune.sim.rules import EngineRule, SGLangRule, TrtllmRule
 from kvtune.sim.scheduler import Scheduler
+from kvtune.sim.sglang import SGLangScheduler
+from kvtune.sim.trtllm import TrtllmScheduler
 from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
 # Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,
@@ -408,11 +410,8 @@ def _scheduler(rule: EngineRule, settings: EngineSettings, prompt: np.ndarray, e
     limit = settings.max_model_len - prompt - (1 if isinstance(rule, SGLangRule) else 0)
     max_new = np.maximum(np.where(caps >= 0, np.minimum(caps, limit), limit), end - prompt)
     if isinstance(rule, SGLangRule):
-        from kvtune.sim.sglang import SGLangScheduler
-
         return SGLangScheduler(settings, rule, prompt, end, max_new)
     assert isinstance(rule, TrtllmRule)
-    from kvtune.sim.trtllm import TrtllmScheduler
 
     return TrtllmScheduler(settings, rule, prompt, end, max_new)
 

@@ -1,7 +1,7 @@
 """A simulation's results in `kvtune bench --json`'s fields, computed by bench's own functions.
 
 Where a field means the same thing it has the same name and the same computation
-(kvtune.bench.report: latency_stats' nearest rank, throughput, goodput, Slo): requests,
+(kvtune.workload.stats: latency_stats' nearest rank, throughput, goodput, Slo): requests,
 duration_s, output_tokens_total, latency_ms {ttft, itl, tpot, e2e}, throughput, goodput, server.
 A simulated request streams no tokens one by one, so its inter-token gaps are its mean gap
 ((e2e − TTFT) / (tokens − 1)) repeated for each gap: `itl` is tpot weighted by gaps. What only a
@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtune.bench.client import FAILURE_KINDS
-from kvtune.bench.report import goodput, latency_stats, throughput
 from kvtune.domain.slo import Slo
 from kvtune.sim.requests import Outcome
 from kvtune.sim.results import OUTCOMES, SimResult
 from kvtune.sim.traffic import Traffic
 from kvtune.version import __version__
+from kvtune.workload.requests import FAILURE_KINDS
+from kvtune.workload.stats import goodput, latency_stats, throughput
 
 _OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in (Outcome.OK, Outcome.HTTP_429, Outcome.REJECTED,
                                                                 Outcome.NOT_SENT))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, blocks_from_tokens
 from kvtune.capacity.memory import memory_model
 from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
+from kvtune.capacity.timing import roofline_step_time
 from kvtune.domain.engine_settings import EngineSettings
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
@@ -193,7 +194,6 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
             else:
                 return _with_api_server(model, {"silicon": silicon_inputs.to_dict(), "label": silicon_inputs.label},
                                         engine or measured.engine, engine_version)
-    from kvtune.capacity.timing import roofline_step_time
 
     model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
     return _with_api_server(model, {"roofline": inputs.to_dict(), "fallback_reason": reason,

@@ -1,8 +1,8 @@
 """The traffic a simulation serves, drawn exactly as `kvtune bench` draws it.
 
-Lengths come from bench's own sampler (kvtune.bench.workload.Workload.draw, same seed, same
+Lengths come from bench's own sampler (kvtune.workload.draw.Workload.draw, same seed, same
 route mix, same clamping to max_model_len) and send times from bench's own load shapes
-(kvtune.bench.loads.arrival_offsets with the seed + 1 stream bench uses), bounded the way
+(kvtune.workload.arrivals.arrival_offsets with the seed + 1 stream bench uses), bounded the way
 bench's driver bounds a run: at most --requests, none sent at or after --duration. So for a seed
 the simulated requests are the benchmarked ones. A closed loop (--concurrency) has no send times
 up front: the engine's ClosedLoop sends each client's next request when its previous one ends.
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtune.bench.loads import arrival_offsets
-from kvtune.bench.workload import PromptSynth
-from kvtune.bench.workload import Workload as BenchWorkload
 from kvtune.domain.load_shape import LoadShape
 from kvtune.profile.routes import Profile
 from kvtune.sim.engine import ClosedLoop
 from kvtune.sim.requests import Workload
+from kvtune.workload.arrivals import arrival_offsets
+from kvtune.workload.draw import PromptSynth
+from kvtune.workload.draw import Workload as BenchWorkload
 
 # a closed loop bounded by time alone draws this many requests first, then twice as many, ...
 CLOSED_LOOP_FIRST_DRAW = 4096

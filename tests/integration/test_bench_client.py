@@ -13,8 +13,9 @@ from fake_vllm import TEMPLATED, FakeVllm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtune.bench.client import Outcome, RequestSpec, SSEDecoder, Target, build_body, parse_retry_after, send_request
+from kvtune.bench.client import SSEDecoder, Target, build_body, parse_retry_after, send_request
 from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.workload.requests import Outcome, RequestSpec
 
 # ---------------------------------------------------------------------------------------------
 # SSE decoding

@@ -9,21 +9,18 @@ import numpy as np
 import pytest
 from fake_vllm import TEMPLATED, FakeVllm
 
-from kvtune.bench.workload import (
+from kvtune.bench.prompts import (
     CALIBRATION_MAX_CALLS,
     GROUP_SIZE,
     LEADS,
     SAMPLE_UNITS,
-    WORDS,
-    PairSampler,
-    PromptSynth,
-    Workload,
     calibrate_prompts,
     check_prompts,
 )
 from kvtune.errors import KvtuneError
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
+from kvtune.workload.draw import WORDS, PairSampler, PromptSynth, Workload
 
 
 def route(name: str, prompts, outputs, *, joint: bool = True, censored=None) -> RouteProfile:
@@ -141,7 +138,7 @@ async def _calibrate(server: FakeVllm, endpoint: str, tokenizer=None):
         url = server.url
         s = await calibrate_prompts(session, url, "fake", endpoint, tokenizer=tokenizer)
         rng = np.random.default_rng(0)
-        from kvtune.bench.client import RequestSpec
+        from kvtune.workload.requests import RequestSpec
 
         specs = [RequestSpec(i, "r", n, 1, s.text(n, rng)) for i, n in enumerate([5, 17, 300])]
         check = await check_prompts(session, url, "fake", endpoint, specs) if "/tokenize" not in server.missing else None

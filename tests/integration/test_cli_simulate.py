@@ -11,8 +11,6 @@ import pytest
 from click.testing import CliRunner
 from fake_vllm import TEMPLATED, FakeVllm
 
-from kvtune.bench.loads import arrival_offsets
-from kvtune.bench.workload import PromptSynth, Workload
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_capacity_file
 from kvtune.capacity.timing import FitError, MeasuredAgainst, SweepReport, Timing
 from kvtune.cli import cli
@@ -22,6 +20,8 @@ from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
 from kvtune.sim.traffic import profile_traffic
 from kvtune.steptime import StepTimeModel
+from kvtune.workload.arrivals import arrival_offsets
+from kvtune.workload.draw import PromptSynth, Workload
 
 DATA = Path(__file__).parents[1] / "data"
 # what `kvtune bench --json` reports that a simulation can know, with the same meaning
@@ -321,7 +321,7 @@ def test_table_plot_and_out_dir(tmp_path, profile):
 
 @pytest.mark.parametrize("case, extra, message", [
     ("no-timing", [], "Error: --capacity: the capacity file has no `timing`: run `kvtune calibrate URL --timing "
-                      "--out FILE`, or give --model and --gpu for a silicon or roofline estimate"),
+                      "--save FILE`, or give --model and --gpu for a silicon or roofline estimate"),
     ("slo", ["--slo", "ttft=fast"], "Error: --slo: ttft: expected milliseconds, got 'fast'"),
     ("shapes", ["--concurrency", "3"], "Error: --concurrency: give one load shape, not --rate and --concurrency"),
     ("no-blocks", [], "a measured capacity needs kv_cache_tokens or num_blocks"),

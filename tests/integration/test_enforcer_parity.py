@@ -1013,9 +1013,9 @@ def statistical(request, tmp_path, upstream):
 
 def _oracle(epsilon: float = EPSILON):
     """The Python StatisticalLedger with the chat route's law, as gateway.yaml renders it."""
-    from kvtune.deploy.render import route_output_law
     from kvtune.domain.demand import Demand
     from kvtune.gateway.statistical import StatisticalLedger
+    from kvtune.policy.route_table import route_output_law
 
     rec = small_rec(0, chat_lengths=CHAT_LENGTHS)
     law = route_output_law(next(r for r in rec.routes if r.cap == CHAT_CAP))

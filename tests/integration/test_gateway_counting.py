@@ -9,6 +9,7 @@ import json
 import pytest
 from fake_vllm import FakeVllm, Tokens
 
+from kvtune.domain.route import Api
 from kvtune.errors import InputError
 from kvtune.gateway.apis import Prompt, read_request
 from kvtune.gateway.body import BodyError
@@ -24,7 +25,6 @@ from kvtune.gateway.counting import (
     make_counter,
     tokenize_payload,
 )
-from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
 
 

@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from conftest import CHAT_TEMPLATE, REPO
 
 from kvtune.cli import cli
+from kvtune.domain.route import Api
 from kvtune.gateway.apis import read_request
 from kvtune.gateway.counting import LocalTokenizerCounter
-from kvtune.gateway.endpoints import Api
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the checkpoint the sample logs name, which the files serve
 SHA = "0123456789abcdef0123456789abcdef01234567"

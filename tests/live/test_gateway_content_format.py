@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvtune.domain.route import Api
 from kvtune.gateway.apis import read_request
 from kvtune.gateway.content_format import ContentFormat, detect_content_format
 from kvtune.gateway.counting import LocalTokenizerCounter
-from kvtune.gateway.endpoints import Api
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 REAL = {p.stem: p.read_text("utf-8") for p in sorted(TEMPLATES.glob("*.jinja"))}

@@ -9,6 +9,7 @@ import ast
 import pytest
 from vllm_server import venv_python
 
+from kvtune.domain.route import Api
 from kvtune.engines import sglang, vllm
 from kvtune.gateway.endpoints import (
     DEFAULT_PASSTHROUGH,
@@ -17,7 +18,6 @@ from kvtune.gateway.endpoints import (
     OTHER_KNOWN,
     POOL,
     UNCOUNTABLE,
-    Api,
     PathClass,
     canonical_path,
     classify,

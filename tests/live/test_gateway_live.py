@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 
+from kvtune.domain.route import Api
 from kvtune.gateway.apis import read_request
 from kvtune.gateway.counting import LocalTokenizerCounter, UpstreamTokenizeCounter
-from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtune.domain.route import Api
 from kvtune.gateway.apis import read_request
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptRejectedError, UpstreamTokenizeCounter
-from kvtune.gateway.endpoints import Api
 from kvtune.gateway.upstream import UpstreamClient
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -29,7 +29,7 @@ MAX_PARAMETERS = 8
 
 
 def _capacity_file(tmp_path: Path, name: str, num_blocks: int, origin: str | None = None) -> str:
-    """A capacity file as `kvtune calibrate URL --out FILE` writes it for one engine replica."""
+    """A capacity file as `kvtune calibrate URL --save FILE` writes it for one engine replica."""
     path = tmp_path / name
     path.write_text(json.dumps({"source": "metrics", "num_blocks": num_blocks, "block_size": 16,
                                 "kv_cache_tokens": num_blocks * 16, "max_model_len": 8192,

@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from kvtune.bench.loads import arrival_offsets, drive
+from kvtune.bench.loads import drive
 from kvtune.domain.load_shape import LoadKind, LoadShape
+from kvtune.workload.arrivals import arrival_offsets
 
 
 def offsets(shape: LoadShape, n: int, seed: int = 0) -> np.ndarray:

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from recs import make_rec
 
-from kvtune.bench.client import Outcome, RequestResult
-from kvtune.bench.report import latency_stats, summarize, verdict
+from kvtune.bench.report import summarize, verdict
 from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
+from kvtune.workload.requests import Outcome, RequestResult
+from kvtune.workload.stats import latency_stats
 
 
 def result(i=0, route="/r", *, outcome=Outcome.OK, prompt=100, asked=50, got=50, ttft=100.0, e2e=1100.0,

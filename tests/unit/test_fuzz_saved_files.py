@@ -212,7 +212,7 @@ def test_check_with_a_damaged_recommendation(real, data):
 
 def _bench_summary(rec: Any) -> tuple[dict, list]:
     """What a bench run hands the verdict: a server that answered /metrics, a few results."""
-    from kvtune.bench.client import Outcome, RequestResult
+    from kvtune.workload.requests import Outcome, RequestResult
 
     results = []
     for i, route in enumerate(["/v1/chat/completions", "/v1/summarize", "/other"]):

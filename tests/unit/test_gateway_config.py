@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtune.domain.route import Api
 from kvtune.errors import InputError
 from kvtune.gateway.config import load_gateway_config, parse_gateway_config
-from kvtune.gateway.endpoints import Api
 
 
 def _doc(**overrides):

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtune.cli import cli
+from kvtune.domain.fields import Fields
 from kvtune.errors import KvtuneError
-from kvtune.fields import Fields
 from kvtune.gpu_spec import gpu_from_fields, read_gpu_spec
 from kvtune.hardware import GPUS, MATMUL_DTYPES, find_gpu
 

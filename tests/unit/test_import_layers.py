@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,30 +23,30 @@ ROOT = Path(kvtune.__file__).parent
 #: (which imports only kvtune.errors) for brief(), the bounded repr in its error lines.
 FLOOR_MAY_IMPORT = ("kvtune.domain", "kvtune.errors", "kvtune.userfiles")
 
-#: Edges between packages not yet cut (issue 28's floor is not finished): each closes a cycle
-#: between bench, sim, policy and deploy, or breaks a rule below. The lead sees this list; it only
-#: ever shrinks. (importing package, imported module prefix): why it is still there.
-NOT_YET_CUT: dict[tuple[str, str], str] = {
-    ("kvtune.bench", "kvtune.policy.recommendation"): "bench's verdict reads a Recommendation document",
-    ("kvtune.bench", "kvtune.sim"): "bench.timing fits step times by simulating (function-local)",
-    ("kvtune.sim", "kvtune.bench.client"): "sim's results are bench's RequestResult / FAILURE_KINDS",
-    ("kvtune.sim", "kvtune.bench.report"): "sim's report uses bench's latency_stats / goodput / throughput",
-    ("kvtune.sim", "kvtune.bench.loads"): "sim draws arrivals with bench's arrival_offsets",
-    ("kvtune.sim", "kvtune.bench.workload"): "the workload drawing lives in bench",
-    ("kvtune.sim", "kvtune.gateway.config"): "the simulated gateway runs on GatewayConfig / GatewayRoute: the "
-                                             "one route type is not unified yet",
-    ("kvtune.policy", "kvtune.deploy.render"): "search renders the route table (list[dict]) and reads it back",
-    ("kvtune.deploy", "kvtune.policy.recommendation"): "the Recommendation document lives in policy",
-    ("kvtune.deploy", "kvtune.policy.whatif"): "the what-if document lives in policy",
-    ("kvtune.deploy", "kvtune.policy.feasibility"): "check runs policy's feasibility",
-    ("kvtune.deploy", "kvtune.policy.search"): "check runs policy's search (function-local)",
-    ("kvtune.deploy", "kvtune.policy.replica_search"): "check runs policy's replica search (function-local)",
-}
+#: Edges between packages not yet cut: (importing package, imported module prefix): why it is
+#: still there. Empty since issue 28's floor was finished (13 edges closed cycles between bench,
+#: sim, policy and deploy); it may only stay empty.
+NOT_YET_CUT: dict[tuple[str, str], str] = {}
+
+#: What is worth deferring to the function that needs it (start-up time): a third-party package,
+#: or one of the standard modules tests/unit/test_startup_imports.py keeps off the light paths. A
+#: function-local kvtune import must load at least one its module does not load already.
+STDLIB = sys.stdlib_module_names
+COSTLY_STDLIB = frozenset({"concurrent", "logging", "tempfile", "subprocess", "difflib", "ctypes", "multiprocessing"})
+
+#: Modules whose function-local imports the rule below does not judge yet: the CLI, the api and
+#: planning are being reshaped into one door (issue 28, branch api-door), which owns those files.
+DEFERRAL_NOT_YET_JUDGED = ("kvtune.cli", "kvtune.api", "kvtune.planning")
 
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def imported(path: Path) -> Iterator[str]:
@@ -62,7 +63,9 @@ def imported(path: Path) -> Iterator[str]:
             else:
                 target = node.module or ""
             if target.split(".")[0] == "kvtune":
-                yield target
+                # `from kvtune.pkg import module` imports that module, not only the package's face
+                submodules = [f"{target}.{a.name}" for a in node.names if is_module(f"{target}.{a.name}")]
+                yield from submodules or [target]
 
 
 @functools.cache
@@ -156,11 +159,21 @@ def test_shared_types_come_from_the_floor() -> None:
                  "Demand": "kvtune/gateway/statistical.py", "EngineSettings": "kvtune/sim/scheduler.py",
                  "AdmissionPolicy": "kvtune/gateway/policy.py",
                  "LoadShape": "kvtune/bench/loads.py", "RetryPolicy": "kvtune/bench/client.py",
-                 "RouteMatch": "kvtune/gateway/config.py", "DeployedRoute": "kvtune/deploy/deployed.py"}
+                 "RouteMatch": "kvtune/gateway/config.py", "Route": "kvtune/deploy/deployed.py",
+                 "Api": "kvtune/gateway/endpoints.py"}
     for name, home in old_homes.items():
         old = ROOT.parent / home
         assert not old.exists() or f"class {name}" not in old.read_text(encoding="utf-8"), name
         assert any(f"class {name}" in p.read_text(encoding="utf-8") for p in (ROOT / "domain").glob("*.py")), name
+
+
+def test_one_route_type() -> None:
+    """A route is kvtune.domain.route.Route (matching with RouteMatch) in every layer: the gateway's
+    GatewayRoute, deploy's DeployedRoute and the recommendation's Match are gone."""
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        assert not classes & {"GatewayRoute", "DeployedRoute", "Match"}, path
 
 
 def test_not_yet_cut_lists_only_edges_that_exist() -> None:
@@ -170,3 +183,105 @@ def test_not_yet_cut_lists_only_edges_that_exist() -> None:
              if not any(package_of(s) == key[0] and (t == key[1] or t.startswith(key[1] + "."))
                         for s, t in present)]
     assert stale == []
+
+
+def _path_of(module: str) -> Path | None:
+    path = ROOT.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py") if path.with_suffix(".py").exists() else \
+        path / "__init__.py" if (path / "__init__.py").exists() else None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, package: list[str]) -> list[str]:
+    """The kvtune modules an import statement loads (`from kvtune.pkg import module`: the module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "kvtune"]
+    base = package[:len(package) - node.level + 1] if node.level else []
+    target = ".".join(base + ([node.module] if node.module else []))
+    if target.split(".")[0] != "kvtune":
+        return []
+    return [f"{target}.{a.name}" for a in node.names if _path_of(f"{target}.{a.name}")] or [target]
+
+
+@functools.cache
+def _loads_at_import(module: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(kvtune modules, third-party packages and costly standard ones) that importing `module`
+    runs at its top level: not under TYPE_CHECKING, not inside a function or class."""
+    path = _path_of(module)
+    if path is None:
+        return frozenset(), frozenset()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    kvtune_modules: set[str] = set()
+    third_party: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                targets = _targets(node, package)
+                kvtune_modules.update(targets)
+                if not targets and not (isinstance(node, ast.ImportFrom) and node.level):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    third_party.update(n.split(".")[0] for n in names
+                                       if n.split(".")[0] not in STDLIB or n.split(".")[0] in COSTLY_STDLIB)
+            elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                for field in ("body", "orelse", "handlers", "finalbody"):
+                    visit(getattr(node, field, None) or [])
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    third_party.discard("__future__")
+    return frozenset(kvtune_modules), frozenset(third_party)
+
+
+@functools.cache
+def third_party_loaded(module: str) -> frozenset[str]:
+    """Every third-party package (and costly standard module) importing `module` loads, through
+    kvtune's modules (and the packages above each, which Python runs first)."""
+    seen: set[str] = set()
+    found: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for m in [".".join(parts[:i]) for i in range(2, len(parts) + 1)]:
+            if m not in seen:
+                seen.add(m)
+                kvtune_modules, third_party = _loads_at_import(m)
+                found |= third_party
+                todo.extend(kvtune_modules - seen)
+    return frozenset(found)
+
+
+def test_function_local_imports_only_defer_heavy_imports() -> None:
+    """A function-local import of kvtune is for start-up time, never to dodge a cycle: it loads a
+    third-party package (numpy, pyarrow, aiohttp, jinja2, …) or a costly standard module
+    (logging, tempfile, …) that its module does not load already, and says which in a comment."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        module = module_name(path)
+        if module.startswith(DEFERRAL_NOT_YET_JUDGED):
+            continue
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        source = path.read_text(encoding="utf-8")
+        lines = source.splitlines()
+        for function in ast.walk(ast.parse(source)):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Import | ast.ImportFrom):
+                    continue
+                for target in _targets(node, package):
+                    deferred = third_party_loaded(target) - third_party_loaded(module)
+                    if not deferred or "#" not in lines[node.end_lineno - 1]:
+                        bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {target} defers {sorted(deferred)}")
+    assert bad == []
+
+
+def test_no_module_cycle_even_through_function_local_imports() -> None:
+    """Every import counted (function-local ones too), modules form no cycle: hoisting any
+    function-local import to the top of its module would not make one."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges():
+        if not source.startswith(target + "."):  # a package's face importing its own modules
+            graph.setdefault(source, set()).add(target)
+    assert cycles(graph) == []

@@ -13,9 +13,9 @@ from conftest import TRACES
 
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.domain.deployment import Deployment
+from kvtune.domain.route import RouteMatch
 from kvtune.planning import plan, replan
 from kvtune.policy.recommend import RecommendOptions, recommend
-from kvtune.policy.recommendation import Match
 from kvtune.profile.build import ProfileBuilder
 from kvtune.profile.routes import TailClass
 
@@ -173,8 +173,8 @@ def test_catch_all_routes_come_after_specific_ones():
     plan_, capacity, options = _h100_llama()
     rec = recommend(_profile({"*": conv, "/v1/code": code}), plan_, options)
     assert [r.route for r in rec.routes] == ["/v1/code", "*"]
-    assert rec.routes[0].match == Match(path="/v1/code")
-    assert rec.routes[1].match == Match()
+    assert rec.routes[0].match == RouteMatch(path="/v1/code")
+    assert rec.routes[1].match == RouteMatch()
 
 
 def test_routes_from_a_field_are_matched_on_their_header_or_refused():
@@ -195,8 +195,8 @@ def test_routes_from_a_field_are_matched_on_their_header_or_refused():
         recommend(profile, plan_, RecommendOptions(**{**fields, "route_by": "metadata.team"}))
     rec = recommend(profile, plan_, RecommendOptions(**{**fields, "route_by": "metadata.team",
                                                         "route_header": "X-Team"}))
-    assert [r.match for r in rec.routes] == [Match(header="x-team", value="team-a"),
-                                             Match(header="x-team", value="team-b")]
+    assert [r.match for r in rec.routes] == [RouteMatch(header="x-team", value="team-a"),
+                                             RouteMatch(header="x-team", value="team-b")]
     assert not any("cannot match" in n for n in rec.notes)
     gateway = parse_gateway_config(yaml.safe_load(render_files(rec, targets=["gateway.yaml"])["gateway.yaml"]))
     assert [r.name for r in gateway.routes] == ["team-a", "team-b", "default"]

@@ -19,7 +19,7 @@ from kvtune.deploy.launch import Line
 from kvtune.deploy.launch.vllm import engine_settings, setting_lines, upstream_lines
 from kvtune.engines import trtllm
 from kvtune.errors import InputError
-from kvtune.userfiles import brief
+from kvtune.userfiles import brief, parse_yaml
 
 if TYPE_CHECKING:
     import jinja2
@@ -108,8 +108,6 @@ def recognise(text: str, source: str) -> bool:
 
 
 def _options(text: str, where: str) -> dict[str, Any]:
-    from kvtune.userfiles import parse_yaml
-
     data = parse_yaml(text, path=where)
     if data is None:
         return {}

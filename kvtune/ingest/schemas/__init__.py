@@ -6,7 +6,7 @@ ones (kvtune flat rows), following the reference doc §2.13.
 
 from __future__ import annotations
 
-from kvtune.ingest.schemas._base import Adapter, Flat
+from kvtune.ingest.schemas._base import REGISTRY, Adapter, Flat
 from kvtune.ingest.schemas.gateways import HELICONE, LANGFUSE, LITELLM_PAYLOAD, LITELLM_SPEND
 from kvtune.ingest.schemas.native import KVTUNE
 from kvtune.ingest.schemas.openai import (
@@ -40,7 +40,8 @@ ADAPTERS: tuple[Adapter, ...] = (
     KVTUNE,
 )
 
-BY_NAME: dict[str, Adapter] = {a.name: a for a in ADAPTERS}
+REGISTRY.update({a.name: a for a in ADAPTERS})
+BY_NAME: dict[str, Adapter] = REGISTRY
 
 # --format names and what each reads; "fields" = only the --field mapping, no detection.
 FORMATS: dict[str, str] = {a.name: a.description for a in ADAPTERS}

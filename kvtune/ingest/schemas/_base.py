@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtune.ingest.schemas._fields import (
+    BAD_TEXT,
     FAILED,
     RowError,
     as_float,
@@ -19,6 +20,7 @@ from kvtune.ingest.schemas._fields import (
     as_str,
     as_time,
     dig,
+    show,
 )
 
 # Row keys an adapter may fill: the output COLUMNS (route is the adapter's natural route, if any),
@@ -67,11 +69,14 @@ class Adapter:
             yield from self.rows(record)
 
 
+#: The registered adapters by name: kvtune.ingest.schemas fills it (Python runs that package
+#: before this module of it, so a worker unpickling an adapter finds it filled).
+REGISTRY: dict[str, Adapter] = {}
+
+
 def adapter_named(name: str) -> Adapter:
     """The registered adapter of this name (how a pickled adapter comes back)."""
-    from kvtune.ingest.schemas import BY_NAME
-
-    return BY_NAME[name]
+    return REGISTRY[name]
 
 
 def flat_rows(flat: Flat, record: Mapping[str, Any]) -> Iterator[Row | RowError]:
@@ -104,8 +109,6 @@ def convert_flat(flat: Flat, record: Mapping[str, Any]) -> Row:
 
 
 def as_bool(value: Any, field: str) -> bool | None:
-    from kvtune.ingest.schemas._fields import BAD_TEXT, show
-
     if value is None or value == "":
         return None
     if isinstance(value, bool):

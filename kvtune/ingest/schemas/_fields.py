@@ -13,11 +13,13 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from kvtune.domain.fields import MAX_INTEGER
+
 INT64_MAX = 2**63 - 1
 #: Prompt and output counts above this are not token counts of any request: the largest integer
 #: a float64 (a JSON number in most tools) holds exactly, so sums such as prompt + output stay
 #: exact and far inside int64. max_tokens may be larger (clients send 2^63 - 1 for "no limit").
-MAX_TOKEN_COUNT = 2**53
+MAX_TOKEN_COUNT = MAX_INTEGER
 #: Timestamps are seconds since 1970 (or from a trace's start) up to the end of year 9999, the
 #: last time Python's datetime and every log viewer can show; anything else is not a time.
 MAX_TIME_S = 253_402_300_799.0

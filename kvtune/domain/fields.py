@@ -10,15 +10,41 @@ and a quoted value is at most ~80 characters long.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal, overload
 
 from kvtune.errors import InputError
 from kvtune.userfiles import brief
 
-# Integers stay exact in a double (what JSON readers, the rendered Lua and YAML agree on).
+#: The largest integer any file or option kvtune reads may hold: exact in a double, so JSON
+#: readers, YAML, the rendered Lua and numpy all see the same number. Named once, here.
 MAX_INTEGER = 2**53
 _MISSING = object()
+
+
+# The checks every strict reader of kvtune makes (this one, of kvtune's own JSON files, and
+# kvtune.gateway.config's of a hand-written gateway.yaml): values are validated, never coerced.
+
+def is_integer(value: Any) -> bool:
+    """An int that is not a bool (YAML and JSON `true` are not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or float that is not a bool (finite or not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    return is_number(value) and not (isinstance(value, float) and not math.isfinite(value))
+
+
+def not_one_of(value: Any, choices: Iterable[str]) -> str | None:
+    """Why `value` is none of `choices` (strings), or None when it is one."""
+    choices = tuple(choices)
+    if isinstance(value, str) and value in choices:
+        return None
+    return f"{brief(value)} is not one of {', '.join(choices)}"
 
 
 class Fields:
@@ -70,7 +96,7 @@ class Fields:
         value = self._get(key, optional)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_integer(value):
             raise self.fail(key, f"expected an integer, got {brief(value)}")
         if not minimum <= value <= maximum:
             raise self.fail(key, f"must be in {minimum}..{maximum}, got {brief(value)}")
@@ -88,8 +114,7 @@ class Fields:
         value = self._get(key, optional)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (isinstance(value, float) and not math.isfinite(value)):
+        if not is_finite_number(value):
             raise self.fail(key, f"expected a finite number, got {brief(value)}")
         if not minimum <= value <= maximum:
             raise self.fail(key, f"must be in {minimum:g}..{maximum:g}, got {brief(value)}")
@@ -126,8 +151,9 @@ class Fields:
 
     def choice(self, key: str, choices: tuple[str, ...], *, optional: bool = False) -> str | None:
         value = self._get(key, optional)
-        if value is not None and (not isinstance(value, str) or value not in choices):
-            raise self.fail(key, f"{brief(value)} is not one of {', '.join(choices)}")
+        problem = None if value is None else not_one_of(value, choices)
+        if problem:
+            raise self.fail(key, problem)
         return value
 
     @overload
@@ -195,4 +221,4 @@ class Fields:
         return value
 
 
-__all__ = ["Fields", "MAX_INTEGER"]
+__all__ = ["Fields", "MAX_INTEGER", "is_integer", "is_number", "is_finite_number", "not_one_of"]
