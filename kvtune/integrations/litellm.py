@@ -59,6 +59,7 @@ from kvtune.gateway.ledger import Reservation
 from kvtune.gateway.metrics import GatewayMetrics
 from kvtune.gateway.pool import UpstreamPool
 from kvtune.gateway.refusals import ErrorType, Reason, RefusalLog, Refused, Rejection
+from kvtune.gateway.relay import events_seen_tokens
 from kvtune.gateway.shared import SharedLedger
 from kvtune.gateway.upstream import UpstreamClient
 from kvtune.integrations.litellm_forward import apply, forwarded_body
@@ -299,17 +300,24 @@ class KvtuneAdmission(CustomLogger):
         """Give back the blocks of the call `data` is the request record of (its litellm_call_id and
         the hold token admission wrote in its metadata); True the first time, False for a call not
         held (refused, already released, or another call under the same id)."""
-        if not isinstance(data, Mapping):
+        held = self._own_hold(data)
+        if held is None:
             return False
-        call_id = str(data.get("litellm_call_id"))
-        metadata = data.get("metadata")
-        token = metadata.get(HOLD_METADATA) if isinstance(metadata, Mapping) else None
-        held = self._held.get(call_id)
-        if held is None or token is None or not secrets.compare_digest(str(token), held.token):
-            return False
-        del self._held[call_id]
+        del self._held[str(data.get("litellm_call_id"))]
         self.admission.release(held.reservation)
         return True
+
+    def _own_hold(self, data: Any) -> Held | None:
+        """The hold of the call `data` is the request record of: its litellm_call_id, proven by the
+        hold token admission wrote in its metadata (a client chooses the id, never the token)."""
+        if not isinstance(data, Mapping):
+            return None
+        metadata = data.get("metadata")
+        token = metadata.get(HOLD_METADATA) if isinstance(metadata, Mapping) else None
+        held = self._held.get(str(data.get("litellm_call_id")))
+        if held is None or token is None or not secrets.compare_digest(str(token), held.token):
+            return None
+        return held
 
     @property
     def held(self) -> int:
@@ -329,9 +337,18 @@ class KvtuneAdmission(CustomLogger):
     async def async_post_call_streaming_iterator_hook(self, user_api_key_dict: Any, response: Any,
                                                       request_data: dict) -> AsyncGenerator[Any, None]:
         """The stream as LiteLLM sends it; its blocks go back when it ends however it ends (done,
-        cut by the engine, or cancelled by a client that left)."""
+        cut by the engine, or cancelled by a client that left). Each chunk is told to the
+        reservation as the gateway's relay tells each event (kvtune.gateway.relay.events_seen_tokens:
+        at least one token a chunk but the first), so the statistical ledger and the flow-control
+        forecast condition on a LiteLLM stream's progress as on the gateway's own."""
+        held = self._own_hold(request_data)
+        progress = self.admission.progress_of(held.reservation) if held is not None else None
+        chunks = 0
         try:
             async for chunk in response:
+                if progress is not None:
+                    chunks += 1
+                    progress(events_seen_tokens(chunks))
                 yield chunk
         finally:
             self.release(request_data)

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import re
+import time
 from collections import Counter
 
 import aiohttp
@@ -532,3 +533,52 @@ def test_flow_control_holds_a_batch_call_and_serves_it_when_blocks_free(tmp_path
             assert flow, flow
             assert proxy.wait_drained()["reserved"] == 0
             assert "kvtune_gateway_flow_" in proxy.metrics()
+
+
+def test_a_streams_chunks_are_told_to_the_flow_forecast_as_the_gateways_events_are(monkeypatch):
+    """The hook's stream iterator tells each chunk to the reservation as the gateway's relay tells
+    each event (at least one token a chunk, the first three aside): the flow-control forecast for a
+    call that does not fit shortens by token_time_s for each token the stream is known to have
+    reached, and the stream's end gives its blocks back once. The hook is driven directly, without a
+    proxy: what is tested is what it does with the chunks LiteLLM hands it."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from litellm.proxy._types import UserAPIKeyAuth
+
+    from kvtune.gateway.config import parse_gateway_config
+    from kvtune.gateway.flow import ANONYMOUS
+    from kvtune.gateway.relay import EVENTS_WITHOUT_TOKENS
+    from kvtune.integrations.litellm import KvtuneAdmission
+
+    tau, chunks = 10.0, 13  # a token time long enough that time since admission adds nothing
+    with FakeVllm(model="m", max_model_len=CONTEXT) as fake:
+        doc = {**gateway_doc(fake.url), "listen": {"host": "127.0.0.1", "port": 0},
+               "flow": {"token_time_s": tau, "bands": [{"name": "interactive", "deadline_s": 1000}]}}
+        hook = KvtuneAdmission(parse_gateway_config(doc))
+        gate = hook.flow_gate
+        assert gate is not None
+
+        async def run() -> tuple[list[float], int, int]:
+            data = {**chat(1200, max_tokens=CHAT_CAP, stream=True), "litellm_call_id": "c1", "metadata": {},
+                    "proxy_server_request": {"headers": {}}}
+            await hook.async_pre_call_hook(UserAPIKeyAuth(), None, data, "acompletion")
+            assert hook.pool.reserved_blocks == blocks(1200, CHAT_CAP)  # 80 of 100: 50 more do not fit
+
+            def forecast() -> float:
+                return gate.forecast_s(50, 0, ANONYMOUS, time.monotonic())
+
+            async def stream():
+                for _ in range(chunks):
+                    yield {"choices": [{"delta": {"content": "w"}}]}
+
+            seen = [forecast()]
+            async for _ in hook.async_post_call_streaming_iterator_hook(UserAPIKeyAuth(), stream(), data):
+                seen.append(forecast())
+            held, reserved = hook.held, hook.pool.reserved_blocks
+            await hook.close()
+            return seen, held, reserved
+
+        seen, held, reserved = asyncio.run(run())
+    told = [max(0, n - EVENTS_WITHOUT_TOKENS) for n in range(chunks + 1)]  # tokens known once n chunks passed
+    assert seen == pytest.approx([(CHAT_CAP - t) * tau for t in told], abs=1e-6), seen
+    assert seen[-1] < seen[0]
+    assert (held, reserved) == (0, 0)
