@@ -108,7 +108,8 @@ def _log_dir_with_kvtune_outputs(tmp_path: Path) -> Path:
     return logs
 
 
-OWN = {"capacity.json": "written by kvtune calibrate", "recommendation.json": "written by kvtune recommend --out",
+OWN = {"capacity.json": "written by kvtune calibrate", "estimates.json": "written by kvtune recommend --out",
+       "recommendation.json": "written by kvtune recommend --out",
        "week.json": "written by kvtune profile --save"}
 
 
@@ -121,7 +122,7 @@ def test_files_kvtune_wrote_into_a_log_directory_are_skipped_with_a_note(tmp_pat
     assert out["requests"] == alone["requests"] == 2403 and out["routes"] == alone["routes"]
     assert out["skipped_files"] == [{"path": str(logs / name), "reason": f"kvtune's own output: {what}"}
                                     for name, what in OWN.items()]
-    note = ("skipped 3 files kvtune wrote (not logs): "
+    note = ("skipped 4 files kvtune wrote (not logs): "
             + ", ".join(f"{logs / name} ({what})" for name, what in OWN.items())
             + "; --exclude GLOB leaves any file out by name")
     assert out["notes"] == [note]
@@ -159,7 +160,7 @@ def test_exclude_matches_the_relative_path_and_the_base_name(tmp_path):
         str(logs / n) for n in ("openai_chat.jsonl", *OWN))
     everything = kvtune("profile", str(logs), "--exclude", "*")
     assert everything.exit_code == 2
-    assert everything.stderr.startswith(f"Error: {logs}: no usable row: 5 files not read (left out 5 files matching ")
+    assert everything.stderr.startswith(f"Error: {logs}: no usable row: 6 files not read (left out 6 files matching ")
 
 
 def test_exclude_and_own_outputs_in_a_store_and_over_http(tmp_path):
@@ -202,7 +203,7 @@ def test_a_replay_and_check_say_which_files_kvtune_wrote(tmp_path, deployed):
     logs = _log_dir_with_kvtune_outputs(tmp_path)
     r = kvtune("simulate", str(logs), "--replay", "--capacity", str(CAPACITY), "--requests", "5", "--json")
     assert r.exit_code == 0, r.output
-    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 3 files kvtune wrote (not logs): ")]
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 4 files kvtune wrote (not logs): ")]
     assert len(notes) == 1
     assert json.loads(r.stdout)["notes"] == [notes[0].removeprefix("note: ")]
     by_profile = kvtune("simulate", str(logs), "--capacity", str(CAPACITY), "--requests", "5", "--json")
@@ -222,20 +223,24 @@ def test_a_glob_over_a_directory_recommend_wrote_into_reads_only_the_logs(tmp_pa
     logs.mkdir()
     shutil.copy(SAMPLES / "openai_chat_pairs.jsonl", logs / "chat.jsonl")
     shutil.copy(SAMPLES / "azure_style_trace.csv", logs / "trace.csv")
-    for engine in ("vllm", "sglang", "trtllm"):
+    # vLLM last: its run writes k8s/ manifests, which a later run for another engine refuses to leave
+    # behind (`kubectl apply -f k8s/` would deploy them beside it)
+    for engine in ("sglang", "trtllm", "vllm"):
         r = kvtune("recommend", str(logs / "chat.jsonl"), "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
                    "--engine", engine, "--out", str(logs))
         assert r.exit_code == 0, r.output
     rendered = sorted(p.name for p in logs.iterdir() if p.name not in ("chat.jsonl", "trace.csv") and p.is_file())
-    assert len(rendered) == 9  # gateway.yaml, nginx.conf, recommendation.json, report.{html,md}, 4 launch files
+    # gateway.yaml, nginx.conf, recommendation.json, report.{html,md}, 4 launch files, estimates.{json,yaml},
+    # litellm-config.yaml
+    assert len(rendered) == 12
     assert (logs / "lua" / "kvtune" / "gateway.lua").is_file()  # nginx.conf's Lua: a folder, which * does not read
     r = kvtune("profile", str(logs / "*"), "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert [i["path"] for i in out["inputs"]] == [str(logs / "chat.jsonl"), str(logs / "trace.csv")]
     assert sorted(Path(f["path"]).name for f in out["skipped_files"]) == rendered
-    assert out["notes"][0].startswith("skipped 9 files kvtune wrote (not logs): ")
-    assert out["notes"][0].endswith(" and 4 more; --exclude GLOB leaves any file out by name")
+    assert out["notes"][0].startswith("skipped 12 files kvtune wrote (not logs): ")
+    assert out["notes"][0].endswith(" and 7 more; --exclude GLOB leaves any file out by name")
 
 
 def test_the_python_api_takes_exclude_and_reports_the_files_not_read(tmp_path):
@@ -260,7 +265,7 @@ def test_bench_against_a_server_says_which_files_kvtune_wrote(tmp_path):
         for extra in ((), ("--replay", "--speedup", "1000")):
             r = kvtune("bench", fake.url, str(logs), "--requests", "3", "--json", *extra)
             assert r.exit_code == 0, r.output
-            note = next(ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 3 files kvtune wrote"))
+            note = next(ln for ln in r.stderr.splitlines() if ln.startswith("note: skipped 4 files kvtune wrote"))
             assert json.loads(r.stdout)["notes"] == [note.removeprefix("note: ")]
 
 
