@@ -149,6 +149,7 @@ def pause_past_the_lease(redis_url: str, tmp_path, grace_s: float) -> dict[str, 
     return out
 
 
+@pytest.mark.quiet
 def test_a_paused_replica_keeps_its_room_within_the_grace_and_is_fenced_until_it_registers(redis_server, tmp_path):
     got = pause_past_the_lease(redis_server.url, tmp_path, grace_s=10.0)
     print(f"paused within the grace: B admitted {got['admitted_b']} of 7, ledger peak {got['ledger_peak']}, engine "
@@ -165,6 +166,7 @@ def test_a_paused_replica_keeps_its_room_within_the_grace_and_is_fenced_until_it
     assert "lapsed" in got["log"] and "6 held still" in got["log"]
 
 
+@pytest.mark.quiet
 @pytest.mark.parametrize("grace_s", [0.0])
 def test_past_the_grace_the_engine_is_over_budget_until_the_pause_ends(redis_server, tmp_path, grace_s):
     """The window that remains: a pause longer than lease_s + reclaim_grace_s. The ledger still
@@ -179,6 +181,7 @@ def test_past_the_grace_the_engine_is_over_budget_until_the_pause_ends(redis_ser
     assert got["a"]["reregister_over_total"] == 3
 
 
+@pytest.mark.quiet
 def test_a_lapsed_owner_is_fenced_until_it_registers_again(redis_server):
     """Store level: an owner whose lease lapsed (within the grace) admits nothing under its old
     epoch; its next reserve registers it again first (its reservation held still), and a second
@@ -204,6 +207,7 @@ def test_a_lapsed_owner_is_fenced_until_it_registers_again(redis_server):
     asyncio.run(run())
 
 
+@pytest.mark.quiet
 def test_a_lapsed_statistical_owner_keeps_its_rows_within_the_grace(redis_server):
     """Statistical, store level: a holds 23 alike requests (the most the bound admits: epsilon
     0.01, budget 200) and its lease lapses within the grace: b admits nothing into its room (its
