@@ -126,6 +126,8 @@ def pause_past_the_lease(redis_url: str, tmp_path, grace_s: float) -> dict[str, 
                         or gateway_log(paused).count("lapsed (epoch") <= lapses:
                     assert time.monotonic() < deadline, seen
                     await asyncio.sleep(0.05)
+                # read again: the snapshot above may predate the registration whose log line ended the wait
+                seen = await metrics()
                 out["a"] = {k: seen[k] - base.get(k, 0) if k.endswith("_total") else seen[k] for k in seen}
                 out["b_statuses"] = sorted(s for s, _ in await asyncio.gather(*long))
                 # A admits again once registered: one more of its requests, then all end

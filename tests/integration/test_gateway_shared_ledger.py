@@ -506,12 +506,13 @@ def test_refused_on_one_upstream_tries_the_next(redis_server):
 def test_overcommit_holds_every_replica_to_k_times_the_budget(redis_server):
     async def run():
         async with FakeVllm() as fake:
-            cfg = doc([{"url": fake.url, "block_budget": 20}], {"url": redis_server.url},
+            # op_timeout_s above the default: the claim is the limit, not Redis' latency on a loaded host
+            cfg = doc([{"url": fake.url, "block_budget": 20}], {"url": redis_server.url, "op_timeout_s": 4},
                       admission={"policy": "overcommit", "factor": 1.5})
             async with gateway(cfg) as (a, _), gateway(cfg) as (b, _), aiohttp.ClientSession() as session:
                 held = [asyncio.create_task(post(session, base + "/v1/chat/completions", ten_blocks(x_mode="hold")))
                         for base in (a, b, a)]
-                await wait_for(lambda: fake.active == 3)  # 30 = floor(1.5 x 20)
+                await wait_for(lambda: fake.active == 3, timeout=20)  # 30 = floor(1.5 x 20)
                 for base in (a, b):
                     status, _ = await post(session, base + "/v1/chat/completions", ten_blocks())
                     assert status == 429
