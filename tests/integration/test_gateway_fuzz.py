@@ -117,12 +117,11 @@ def bodies(draw) -> bytes:
     return raw
 
 
-@pytest.fixture(scope="module")
-def enforcers(tmp_path_factory):
+def both_enforcers(tmp_path_factory, **options):
+    """The Python gateway and nginx in front of one small fake engine, the team recommendation's
+    gateway under the fuzz suite's client limits and `options`; yields ({kind: server}, upstream)."""
     limits = ClientLimits(max_body_bytes=256 * 1024, header_timeout_s=5, body_timeout_s=5)
-    options = {"nginx_worker_processes": "1", "limits": limits, "nginx_user": "root" if os.geteuid() == 0 else None,
-               # X-Kvtune-Reserved-Blocks on each admitted answer, which the parity property reads
-               "admin": AdminAccess(refusal_detail=RefusalDetail.LEDGER)}
+    options = {"limits": limits, "nginx_user": "root" if os.geteuid() == 0 else None, **options}
     servers = {}
     with small_fake() as upstream:
         rec = team_rec(upstream.port)
@@ -133,6 +132,13 @@ def enforcers(tmp_path_factory):
         finally:
             for server in servers.values():
                 server.stop()
+
+
+@pytest.fixture(scope="module")
+def enforcers(tmp_path_factory):
+    # X-Kvtune-Reserved-Blocks on each admitted answer, which the parity property reads
+    yield from both_enforcers(tmp_path_factory, nginx_worker_processes="1",
+                              admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
 
 
 @pytest.mark.parametrize("kind", ["python", "nginx"])
@@ -207,19 +213,7 @@ def flow_enforcers(tmp_path_factory):
 
     flow = FlowControl(token_time_s=0.01, bands=(Band("interactive", 0.3), Band("batch", 1.0)),
                        weights={"A": 3.0}, max_waiting=12, max_waiting_per_flow=2, max_flows=6, metrics_flows=3)
-    limits = ClientLimits(max_body_bytes=256 * 1024, header_timeout_s=5, body_timeout_s=5)
-    options = {"nginx_worker_processes": "2", "limits": limits, "nginx_user": "root" if os.geteuid() == 0 else None,
-               "flow": flow}
-    servers = {}
-    with small_fake() as upstream:
-        rec = team_rec(upstream.port)
-        try:
-            for kind in ("python", "nginx"):
-                servers[kind] = start_enforcer(kind, rec, tmp_path_factory.mktemp("nginx"), **options)
-            yield servers, upstream
-        finally:
-            for server in servers.values():
-                server.stop()
+    yield from both_enforcers(tmp_path_factory, nginx_worker_processes="2", flow=flow)
 
 
 def _abandoned(server, path: str, body: bytes, headers: dict) -> None:
