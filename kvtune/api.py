@@ -525,15 +525,16 @@ def _check_loaded(rec: Recommendation, files: list[Deployed], max_truncation: fl
     return check_deployment(files, rec, max_truncation=max_truncation, spec=spec, weights=weights_for(spec))
 
 
-def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:
+def load_recommendation(path: str | os.PathLike[str], *, field: str | None = None) -> Recommendation:
     """A recommendation.json written by `kvtune recommend --out`, read back strictly: a missing
-    or mistyped field is an InputError naming the file and the field's path.
+    or mistyped field is an InputError naming the file and the field's path (after `field`, the
+    option it came in, when given).
 
     >>> rec = kvtune.load_recommendation("deploy/recommendation.json")  # doctest: +SKIP
     >>> rec.settings["max_model_len"].value                             # doctest: +SKIP
     131072
     """
-    return load_recommendation_file(path)
+    return load_recommendation_file(path, field=field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -788,7 +789,7 @@ async def benchmark(
 
     judged = expectations or Expectations()
     base_url = server_root(target.url, field="URL")
-    expect = load_recommendation_file(judged.expect, field="--expect") if judged.expect else None
+    expect = load_recommendation(judged.expect, field="--expect") if judged.expect else None
     replay = isinstance(workload, LogReplay)
     if replay:
         load = dataclasses.replace(load, replay=True)

@@ -23,7 +23,9 @@ from kvtune.domain.bench_target import BenchTarget, Expectations
 from kvtune.domain.log_reading import LogReplay
 from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.domain.slo import parse_slo
+from kvtune.endpoint import server_root
 from kvtune.errors import OptionError
+from kvtune.policy.recommendation import Recommendation
 from kvtune.profile.routes import Profile
 from kvtune.writer import OutputFiles
 
@@ -67,6 +69,12 @@ Peaks are sampled every --scrape-interval; counters are exact before/after delta
 \b
 Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 bad input.
 """
+
+
+def _parse_expect(path: str) -> Recommendation:
+    """The recommendation.json a verdict checks against, read back strictly (kvtune.api.benchmark
+    reads it again: this checks it in the order the options are judged, before the logs)."""
+    return api.load_recommendation(path, field="--expect")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +204,10 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         kvtune bench http://127.0.0.1:8000 --profile profile.json --rate 5 --duration 60 \\
             --slo ttft=500,tpot=50 --expect deploy/recommendation.json --save results.json
     """
+    server_root(url, field="URL")  # the URL's own error first, as kvtune.api.benchmark checks it
     expectations = judge.expectations()
+    if expectations.expect is not None:
+        _parse_expect(expectations.expect)
     load.check(logs)
     if profile_path and logs:
         raise OptionError("give --profile or LOGS, not both", field="--profile")

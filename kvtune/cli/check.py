@@ -17,7 +17,7 @@ from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
 from kvtune.gpu_spec import read_gpu_spec
 from kvtune.hardware import find_gpu, parse_memory_size
-from kvtune.policy.recommendation import load_recommendation, looks_like_recommendation
+from kvtune.policy.recommendation import looks_like_recommendation
 from kvtune.userfiles import brief
 
 _STYLE = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Severity.INFO: ("info", "blue")}
@@ -28,7 +28,7 @@ def _saved_recommendation(paths: tuple[str, ...]):
     strictly), or None."""
     if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
-    return load_recommendation(paths[0])
+    return api.load_recommendation(paths[0])
 
 
 def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityArgs) -> None:
