@@ -31,7 +31,6 @@ stage themselves, since this module loads what they need not: numpy, tempfile).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,32 +39,28 @@ from typing import TYPE_CHECKING, Any
 
 from kvtune import kv
 from kvtune.capacity.engine_logs import calibrate_engine
-from kvtune.capacity.measured import MeasuredCapacity, read_capacity_file
+from kvtune.capacity.measured import MeasuredCapacity
 from kvtune.capacity.measured import calibrate as calibrate_vllm
 from kvtune.capacity.memory import memory_model
 from kvtune.capacity.plan import CapacityReport
 from kvtune.capacity.reservation import RequestShape
-from kvtune.deploy.gateway_admission import gateway_admission
 from kvtune.deploy.read import Deployed, DeployedKind, load_deployed
 from kvtune.domain.bench_target import BenchTarget, Expectations
 from kvtune.domain.choices import GOALS, Objective, Policy
 from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.domain.load_shape import Load, LoadShape
 from kvtune.domain.log_reading import LogReading, LogReplay
-from kvtune.domain.route import Route
 from kvtune.domain.simulated_server import SimulatedServer
 from kvtune.domain.slo import Slo
 from kvtune.endpoint import host_problem, server_root, url_problem
 from kvtune.engines.vllm import CURRENT_VERSION as CURRENT_VLLM_VERSION
 from kvtune.errors import InputError, KvtuneError, OptionError
 from kvtune.gateway.config import GatewayConfig, load_gateway_config
-from kvtune.gateway.gate import route_cap
-from kvtune.ingest import IngestOptions, parse_on_error
+from kvtune.ingest import options_for
 from kvtune.ingest.tokenize import load_tokenizer
-from kvtune.ingest.window import Window
 from kvtune.model import resolve_model
 from kvtune.model.sources import check_logged_architecture, model_for_logged_id
-from kvtune.planning import Plan, measured_capacity, plan, resolve_gpu
+from kvtune.planning import Plan, measured_capacity, plan
 from kvtune.policy import feasibility
 from kvtune.policy.recommendation import Recommendation
 from kvtune.policy.recommendation import load_recommendation as load_recommendation_file
@@ -76,11 +71,6 @@ from kvtune.profile.build import load_profile as load_saved_profile
 from kvtune.profile.logged_model import one_logged_model
 from kvtune.profile.logs import load_profile_or_logs
 from kvtune.profile.routes import Profile, fold_routes
-from kvtune.sim.admission import Admission, DirectAdmission
-from kvtune.sim.engine import CLIENT_RETRY
-from kvtune.sim.plot import Timeline, svg
-from kvtune.sim.rules import engine_rule
-from kvtune.sim.traffic import LOAD_OPTION, Traffic, default_load, profile_traffic, replay_traffic
 from kvtune.userfiles import brief
 from kvtune.weights import weights_for
 from kvtune.workload.draw import PromptSynth, Workload, replay_rows, select_routes
@@ -92,12 +82,8 @@ if TYPE_CHECKING:
     from kvtune.deploy.k8s import K8sOptions
     from kvtune.deploy.render import RenderOptions
     from kvtune.kv import KvBytes
-    from kvtune.model.spec import ModelSpec
     from kvtune.policy.feasibility import Verdict
-
-#: A gateway's output cap for a request: (route, prompt tokens, max_tokens) -> the tokens it may produce.
-RouteCap = Callable[[str, int, int], int]
-
+    from kvtune.simulation import Simulation
 
 class RenderCheckError(KvtuneError):
     """Rendered files that would fail `kvtune check` against the recommendation they came from."""
@@ -130,15 +116,10 @@ def profile_logs(
     [('meta-llama/Llama-3.1-8B-Instruct', 2474)]
     """
     r = reading or LogReading()
-    return load_profile_or_logs([os.fspath(p) for p in paths], _ingest_options(r), progress=progress,
+    return load_profile_or_logs([os.fspath(p) for p in paths], options_for(r), progress=progress,
                                 max_routes=r.max_routes, workers=workers, ray_address=ray_address)
 
 
-def _ingest_options(r: LogReading) -> IngestOptions:
-    """How kvtune.ingest reads the logs `r` describes (its window parsed: InputError when since is not before until)."""
-    return IngestOptions(format=r.format, fields=dict(r.fields), route_by=r.route_by, tokenizer=r.tokenizer,
-                         on_error=parse_on_error(r.on_error), strict=r.strict, assume_cap=r.assume_cap,
-                         window=Window.parse(r.since, r.until), exclude=tuple(r.exclude), log_model=r.log_model)
 
 
 def load_profile(path: str | os.PathLike[str], *, max_routes: int | None = None) -> Profile:
@@ -537,26 +518,6 @@ def load_recommendation(path: str | os.PathLike[str], *, field: str | None = Non
     return load_recommendation_file(path, field=field)
 
 
-@dataclass(frozen=True, slots=True)
-class Simulation:
-    """What `kvtune simulate` predicts: `report` is its --json object (simulate.json), `timeline`
-    the KV use and running/waiting requests over time, `timing_source` where the step time came
-    from (calibrated, silicon, roofline-estimate)."""
-
-    report: dict[str, Any]
-    timeline: Timeline | None
-    timing_source: str
-
-    def files(self) -> dict[str, str]:
-        """simulate.json and timeline.svg, as `kvtune simulate --out DIR` writes them."""
-        files = {"simulate.json": json.dumps(self.report, indent=2) + "\n"}
-        if self.timeline is not None:
-            label = {"silicon": " (silicon-data estimate)", "roofline-estimate": " (roofline estimate)"}.get(
-                self.timing_source, "")
-            files["timeline.svg"] = svg(self.timeline, title=f"kvtune simulate{label}")
-        return files
-
-
 def simulate(
     workload: Profile | Callable[[], Profile] | LogReplay,
     deployment: Deployment,
@@ -585,178 +546,10 @@ def simulate(
     >>> sim.report["throughput"]["output_tokens_per_s"]                    # doctest: +SKIP
     412.7
     """
-    from kvtune.sim.run import run_simulation  # logging (silicon data): only for a simulation
-    from kvtune.sim.setup import CAPACITY, engine_setup, offline_capacity, timing_setup  # logging: as above
+    from kvtune.simulation import run_simulate  # logging (silicon data): only for a simulation
 
-    server, load = server or SimulatedServer(), load or Load()
-    if isinstance(workload, LogReplay):
-        load = dataclasses.replace(load, replay=True)
-    load.check(from_logs=isinstance(workload, LogReplay))
-    note = on_note or (lambda _: None)
-    gpu = resolve_gpu(deployment.gpu, deployment.gpu_spec)
-    spec: ModelSpec | None = None
-    labels: dict[str, str] | None = None  # where an offline pool's settings came from
-    capacity_info: dict[str, Any]
-    if server.capacity_file is not None:
-        capacity = read_capacity_file(server.capacity_file)
-        capacity_info = {"from": CAPACITY, "file": server.capacity_file}
-        if capacity.timing is None and deployment.model is not None and gpu is not None:
-            spec = resolve_model(deployment.model)
-        tp = _tensor_parallel_size(server.tensor_parallel_size, capacity)
-    else:
-        # kvtune estimates vLLM's pool; another engine's is the measurement's count, simulated by its rule
-        planned = plan(dataclasses.replace(deployment, engine="vllm"), measured=measured or Measurement())
-        spec, tp = planned.spec, deployment.tp
-        capacity, labels = offline_capacity(planned)
-        report = planned.report
-        capacity_info = {"from": labels["num_blocks"], "file": None, "model": report.model, "gpu": report.gpu,
-                         "tensor_parallel_size": report.tensor_parallel_size,
-                         "pipeline_parallel_size": report.pipeline_parallel_size,
-                         "kv_cache_dtype": report.kv_cache_dtype, "engine_version": report.engine_version,
-                         "gpu_memory_utilization": planned.gpu_memory_utilization.value,
-                         "kv_cache_tokens": report.capacity.kv_cache_tokens}
-    timing = timing_setup(capacity, spec=spec, gpu=gpu, tp=tp, engine=deployment.engine,
-                          engine_version=deployment.engine_version)
-    setup = engine_setup(capacity, max_num_seqs=server.max_num_seqs,
-                         max_num_batched_tokens=deployment.max_num_batched_tokens, gpu=gpu, recorded_from=labels)
-    admission, admission_info, cap = _admission(server, setup.settings.max_model_len, capacity.model)
-    bounds = (setup.settings.max_model_len, timing.fixed_delay_s, cap)
-    if isinstance(workload, LogReplay):
-        traffic, context = _replay_traffic(workload, load, bounds, note)
-    else:
-        traffic, context = _profile_traffic(_read(workload), routes, load, bounds, note)
-    run = run_simulation(traffic, setup, timing, admission=admission, slo=slo, context=context,
-                         admission_info=admission_info, rule=engine_rule(deployment.engine), capacity=capacity_info,
-                         time_bounded_closed_loop=context["load"]["concurrency"] is not None
-                         and load.max_requests is None)
-    return Simulation(run.report, run.timeline, timing.model.source.value)
-
-
-def _tensor_parallel_size(given: int | None, capacity: MeasuredCapacity) -> int:
-    """The roofline's tensor-parallel size beside a capacity file: the one given, else the file's
-    (`kvtune capacity --json` states it), else 1; one the file contradicts is refused (its pool is
-    per GPU at its own)."""
-    recorded = capacity.tensor_parallel_size
-    if given is not None and recorded is not None and given != recorded:
-        raise OptionError(f"the capacity file's pool is per GPU at tensor-parallel size {recorded}, not {given}: "
-                          f"leave --tp out, or write the file again with --tp {given}", field="tp")
-    return given or recorded or 1
-
-
-def _admission(server: SimulatedServer, max_model_len: int, model: str | None
-               ) -> tuple[Callable[[Sequence[str]], Admission | None], dict[str, Any], RouteCap | None]:
-    """(a factory of fresh admissions, what the JSON says of it, the gateway's output cap or None)."""
-    if server.gateway is None:
-        if server.route_header is not None:
-            raise OptionError("only with --gateway: the header its routes match on", field="route_header")
-        return lambda routes: DirectAdmission(), {"kind": "direct"}, None
-    config = load_gateway_config(server.gateway)
-    path = "/v1/chat/completions" if server.endpoint == "chat" else "/v1/completions"
-    served = config.model or model
-    header = _route_header(server, config.route_headers)
-    chosen: dict[str | None, Route] = {}
-
-    def route_of(name: str | None) -> Route:
-        """The route a request of the traffic's route `name` matches: by its header, with a route_header."""
-        if name not in chosen:
-            found = config.route_for(path, served, None if header is None or name is None else {header: name})
-            if found is None:
-                raise OptionError(f"no route of {brief(server.gateway)} serves {path} for model {served!r}"
-                                  + ("" if name is None or header is None else f" and {header} {brief(name)}")
-                                  + ": the gateway would answer 404 to every request", field="--gateway")
-            chosen[name] = found
-        return chosen[name]
-
-    route = route_of(None)
-    if config.max_model_len > max_model_len:
-        raise OptionError(f"the gateway's max_model_len {config.max_model_len:,} exceeds the engine's "
-                          f"{max_model_len:,}", field="--gateway")
-
-    def fresh(routes: Sequence[str]) -> Admission:
-        if header is None:
-            return gateway_admission(config, route)
-        return gateway_admission(config, route, [route_of(r) for r in routes])
-
-    def cap(name: str, prompt_tokens: int, max_tokens: int) -> int:
-        return route_cap(route_of(name if header is not None else None).max_new_tokens, (max_tokens,))
-
-    # one engine is simulated: the first upstream's budget (kvtune.deploy.gateway_admission)
-    info = {"kind": "gateway", "config": str(server.gateway), "block_budget": config.upstreams[0].block_budget,
-            "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
-            "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
-            "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s},
-            "route_header": header}
-    if config.flow is not None:
-        info["flow"] = config.flow.to_dict()
-    return fresh, info, cap
-
-
-def _route_header(server: SimulatedServer, headers: tuple[str, ...]) -> str | None:
-    """The header each simulated request carries its route in (lower case): the server's
-    route_header, which must be one the gateway's routes match on; a gateway that routes on one
-    needs it named."""
-    if server.route_header is None:
-        if headers:
-            raise OptionError(f"{brief(server.gateway)} caps routes by the {headers[0]} header: name it "
-                              f"(--route-header {headers[0]}) so that each simulated request carries its "
-                              f"--route-by group there", field="route_header")
-        return None
-    header = server.route_header.lower()
-    if header not in headers:
-        raise OptionError(f"no route of {brief(server.gateway)} matches the {brief(header)} header"
-                          + (f" (its routes match {', '.join(headers)})" if headers else ""), field="route_header")
-    return header
-
-
-def _replay_traffic(replay: LogReplay, load: Load, bounds: tuple[int, float, RouteCap | None],
-                    note: Callable[[str], None]) -> tuple[Callable[[int | None], Traffic], dict[str, Any]]:
-    """(traffic(n) for the simulation, the load and workload context of the JSON) of a replay."""
-    max_model_len, overhead_s, cap = bounds
-    rows, stamps, notes = replay_rows(replay.logs, _ingest_options(replay.reading), replay.routes)
-    for line in notes:
-        note(line)
-
-    def traffic(n: int | None) -> Traffic:
-        return replay_traffic(rows, stamps, speedup=load.speedup, seed=load.seed, max_requests=load.max_requests,
-                              duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
-                              cap=cap)
-
-    load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
-    return traffic, _context(load, load_info, sorted({r for r, _, _ in rows}), notes)
-
-
-def _profile_traffic(profile: Profile, routes: Sequence[str], load: Load,
-                     bounds: tuple[int, float, RouteCap | None], note: Callable[[str], None]
-                     ) -> tuple[Callable[[int | None], Traffic], dict[str, Any]]:
-    """(traffic(n) for the simulation, the load and workload context of the JSON) drawn from a profile."""
-    max_model_len, overhead_s, cap = bounds
-    chosen = select_routes(profile, routes)
-    for r in chosen:
-        if r.prompt.total == 0:
-            raise InputError(f"route {brief(r.route)} logs no prompt lengths; a simulation needs them",
-                             field="--route")
-    if load.given:
-        shape, load_from = load.shape(), LOAD_OPTION
-    else:  # the logs' own arrival rate, never silently one request at a time
-        shape, load_from, fallback = default_load(profile, routes, burstiness=load.burstiness)
-        if fallback is not None:
-            note(fallback)
-
-    def traffic(n: int | None) -> Traffic:
-        return profile_traffic(profile, routes, shape, seed=load.seed, max_requests=load.max_requests,
-                               duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
-                               cap=cap, closed_n=n)
-
-    return traffic, _context(load, {**shape.to_dict(), "from": load_from}, [r.route for r in chosen], profile.notes)
-
-
-def _context(load: Load, load_info: dict[str, Any], routes: list[str], notes: list[str]) -> dict[str, Any]:
-    return {
-        "load": {**load_info, "max_requests": load.max_requests, "duration_s": load.duration_s, "retry": True,
-                 "max_retries": CLIENT_RETRY.max_retries},
-        "workload": {"routes": routes, "seed": load.seed},
-        "notes": notes,  # the files the logs' reading left out
-    }
+    return run_simulate(workload, deployment, server or SimulatedServer(), load or Load(), slo,
+                        measured=measured, routes=routes, on_note=on_note)
 
 
 async def benchmark(
@@ -799,7 +592,7 @@ async def benchmark(
     notes: list[str]  # on the files the logs' reading left out; the report's notes
     build: Callable[[PromptSynth], Workload]
     if isinstance(workload, LogReplay):
-        rows, stamps, notes = replay_rows(workload.logs, _ingest_options(workload.reading), workload.routes)
+        rows, stamps, notes = replay_rows(workload.logs, options_for(workload.reading), workload.routes)
         for line in notes:
             (on_note or (lambda _: None))(line)
         shape = LoadShape.replay(stamps, load.speedup)
@@ -944,7 +737,7 @@ def gateway_config(path: str | Path, *, upstream: str | None = None, host: str |
 __all__ = [
     "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
     "check", "load_recommendation", "RenderCheckError", "Plan", "Deployment", "Measurement", "Policy", "Objective",
-    "Slo", "LogReading", "simulate", "Simulation", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
+    "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
     "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config",
     "is_saved_profile",
 ]
