@@ -323,6 +323,10 @@ class Predicted:
     truncation_share: float
     sent: int
     completed: int
+    # the most KV blocks the engine held at once, and the requests the gateway held back (retried
+    # after a 429, or the most waiting in its queue at once); None: not known (files written before)
+    kv_peak_blocks: int | None = None
+    held_back: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"output_tokens_per_s": self.output_tokens_per_s, "requests_per_s": self.requests_per_s,
@@ -330,7 +334,9 @@ class Predicted:
                 "ttft_ms": {"p50": self.ttft_p50_ms, "p99": self.ttft_p99_ms},
                 "e2e_ms": {"p50": self.e2e_p50_ms, "p99": self.e2e_p99_ms},
                 "preemption_rate": self.preemption_rate, "share_429": self.share_429,
-                "truncation_share": self.truncation_share, "sent": self.sent, "completed": self.completed}
+                "truncation_share": self.truncation_share, "sent": self.sent, "completed": self.completed,
+                **({} if self.kv_peak_blocks is None else {"kv_peak_blocks": self.kv_peak_blocks}),
+                **({} if self.held_back is None else {"held_back": self.held_back})}
 
     @classmethod
     def read(cls, f: Fields) -> Predicted:
@@ -339,7 +345,23 @@ class Predicted:
                    ttft.number("p50", optional=True), ttft.number("p99", optional=True),
                    e2e.number("p50", optional=True), e2e.number("p99", optional=True),
                    f.number("preemption_rate", maximum=1), f.number("share_429", maximum=1),
-                   f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"))
+                   f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"),
+                   f.integer("kv_peak_blocks", optional=True), f.integer("held_back", optional=True))
+
+
+def compute_bound_note(predicted: Predicted, budget_blocks: int | None, ttft_target_ms: float | None) -> str | None:
+    """A flow-control row's note when the engine, not KV, was short: its KV peak stayed under the
+    gateway's budget and the gateway held no request back, while TTFT p99 missed the target, so
+    requests waited inside vLLM for compute (prefill), where no KV gate shortens the wait. None
+    otherwise (the gate acted: it may help), or when a figure is unknown."""
+    peak, held, ttft = predicted.kv_peak_blocks, predicted.held_back, predicted.ttft_p99_ms
+    if budget_blocks is None or ttft_target_ms is None or peak is None or held is None or ttft is None:
+        return None
+    if peak >= budget_blocks or held > 0 or ttft <= ttft_target_ms:
+        return None
+    return (f"compute-bound: KV peaked at {peak:,} of the {budget_blocks:,}-block budget and the gateway held no "
+            f"request back, while TTFT p99 {ttft:,.0f} ms missed the {ttft_target_ms:,.0f} ms target: requests "
+            "wait inside vLLM for compute, which no KV gate (flow control included) shortens")
 
 
 # each constraint (its option's name) as a row's verdict names it
@@ -569,4 +591,4 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
 
 __all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE", "Goal", "GOALS",
            "PolicyKind", "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted",
-           "Violation", "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if"]
+           "Violation", "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if", "compute_bound_note"]
