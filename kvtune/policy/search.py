@@ -369,7 +369,8 @@ def mean_predicted(runs: Sequence[Predicted]) -> Predicted:
         sent=sum(p.sent for p in runs), completed=sum(p.completed for p in runs),
         kv_peak_blocks=None if any(p.kv_peak_blocks is None for p in runs) else max(
             p.kv_peak_blocks or 0 for p in runs),
-        held_back=None if any(p.held_back is None for p in runs) else max(p.held_back or 0 for p in runs))
+        waiting_peak=None if any(p.waiting_peak is None for p in runs) else max(p.waiting_peak or 0 for p in runs),
+        running_peak=None if any(p.running_peak is None for p in runs) else max(p.running_peak or 0 for p in runs))
 
 
 def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -> Predicted:
@@ -413,7 +414,7 @@ def predicted_of(objective: Objective, deployment: Deployment, result: SimResult
         share_429=round(summary["requests"]["failed"]["429"] / sent, 6) if sent else 0.0,
         truncation_share=truncation_share(objective.traffic, deployment.caps),
         sent=sent, completed=summary["requests"]["completed"], kv_peak_blocks=result.blocks_used_peak,
-        held_back=int((r.retries[sent_mask] > 0).sum()) + result.admission_waiting_peak,
+        waiting_peak=result.waiting_peak, running_peak=result.running_peak,
     )
 
 
