@@ -90,3 +90,14 @@ def test_vllm_0_11_admits_long_prompts_past_the_pool_where_0_19_queues_them(tmp_
 def test_the_160_gib_tier_starts_in_0_28(version, limits):
     """A B200 (180 GB): `get_batch_defaults` has a ≥ 160 GiB tier from 0.28.0; before, the ≥ 70 GiB one."""
     assert default_batch_limits(178 * GiB, "B200", version) == limits
+
+
+@pytest.mark.parametrize(("version", "batched"), [("0.24.0", "8,192"), ("0.28.0", "16,384")])
+def test_capacity_profiles_a_b200_at_its_releases_default_budget(version, batched):
+    """`kvtune capacity` sizes the profile run with the release's default budget: 8,192 tokens on a
+    B200 before 0.28 (no ≥ 160 GiB tier yet), 16,384 from it."""
+    result = CliRunner().invoke(cli, ["capacity", "--model", MODEL, "--gpu", "B200", "--engine-version", version,
+                                      "--json"], catch_exceptions=False)
+    data = json.loads(result.stdout)
+    assert any(line.startswith(f"max_num_batched_tokens {batched}: vllm serve's default")
+               for line in data["assumptions"])
