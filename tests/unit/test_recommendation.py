@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from kvtune.cli import cli
 from kvtune.errors import InputError
-from kvtune.policy.recommendation import Recommendation, load_recommendation
+from kvtune.policy.recommendation import load_recommendation, read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 GOOD = json.loads((DATA / "recommendation.json").read_text())
@@ -25,7 +25,7 @@ UPSTREAM = {"url": "http://10.0.0.7:8000", "block_budget": 1799, "num_blocks": 2
 
 
 def parse_recommendation(data, *, path):
-    return Recommendation.from_dict(data, path=path)
+    return read_recommendation(data, path=path)
 
 
 def damaged(edit) -> dict:
@@ -81,9 +81,9 @@ def test_damaged_fields_are_named(edit, field, words, tmp_path):
 
 
 def test_per_upstream_budgets_read_back_and_a_file_without_them_has_none():
-    assert Recommendation.from_dict(GOOD, path="r.json").upstreams == ()
+    assert read_recommendation(GOOD, path="r.json").upstreams == ()
     with_them = damaged(lambda r: r.update(upstreams=[UPSTREAM]))
-    rec = Recommendation.from_dict(with_them, path="r.json")
+    rec = read_recommendation(with_them, path="r.json")
     assert [u.to_dict() for u in rec.upstreams] == [UPSTREAM]
     assert rec.to_dict()["upstreams"] == [UPSTREAM]
 
