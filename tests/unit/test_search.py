@@ -269,7 +269,7 @@ def _damaged(searched: Recommendation, edit) -> str:
 @pytest.mark.parametrize(("edit", "expected"), [
     (lambda d: d.pop("objective"), "r.json: objective: missing: a what-if table and its objective come together"),
     (lambda d: d["what_if"][0].update(chosen=True), "r.json: what_if[0].chosen: a reference or infeasible row cannot"),
-    (lambda d: d["what_if"][0]["predicted"].update(share_429="lots"), "r.json: what_if[0].predicted.share_429: expected a finite number"),
+    (lambda d: d["what_if"][0]["predicted"].update(share_429="lots"), "r.json: what_if[0].predicted.share_429: expected a number, got 'lots'"),
     (lambda d: d["what_if"][0].update(feasible=not d["what_if"][0]["feasible"]), "r.json: what_if[0].feasible: is "),
     (lambda d: d["what_if"][0]["policy"].update(kind="yolo"), "r.json: what_if[0].policy.kind: 'yolo' is not one of"),
     (lambda d: d["objective"].update(kind="latency"), "r.json: objective.kind: 'latency' is not one of"),
