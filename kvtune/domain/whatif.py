@@ -342,6 +342,11 @@ class Predicted:
     truncation_share: float
     sent: int
     completed: int
+    # the engine's peaks: KV blocks held, requests in its waiting queue and running at once;
+    # None: not known (files written before them)
+    kv_peak_blocks: int | None = None
+    waiting_peak: int | None = None
+    running_peak: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"output_tokens_per_s": self.output_tokens_per_s, "requests_per_s": self.requests_per_s,
@@ -349,7 +354,10 @@ class Predicted:
                 "ttft_ms": {"p50": self.ttft_p50_ms, "p99": self.ttft_p99_ms},
                 "e2e_ms": {"p50": self.e2e_p50_ms, "p99": self.e2e_p99_ms},
                 "preemption_rate": self.preemption_rate, "share_429": self.share_429,
-                "truncation_share": self.truncation_share, "sent": self.sent, "completed": self.completed}
+                "truncation_share": self.truncation_share, "sent": self.sent, "completed": self.completed,
+                **({} if self.kv_peak_blocks is None else {"kv_peak_blocks": self.kv_peak_blocks}),
+                **({} if self.waiting_peak is None else {"waiting_peak": self.waiting_peak}),
+                **({} if self.running_peak is None else {"running_peak": self.running_peak})}
 
     @classmethod
     def read(cls, f: Fields) -> Predicted:
@@ -358,7 +366,9 @@ class Predicted:
                    ttft.number("p50", optional=True), ttft.number("p99", optional=True),
                    e2e.number("p50", optional=True), e2e.number("p99", optional=True),
                    f.number("preemption_rate", maximum=1), f.number("share_429", maximum=1),
-                   f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"))
+                   f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"),
+                   f.integer("kv_peak_blocks", optional=True), f.integer("waiting_peak", optional=True),
+                   f.integer("running_peak", optional=True))
 
 
 # each constraint (its option's name) as a row's verdict names it

@@ -586,14 +586,18 @@ def _flow(doc: Fields) -> FlowControl:
     if not isinstance(raw_bands, list) or not 1 <= len(raw_bands) <= MAX_BANDS:
         raise doc.fail("bands", f"expected a list of 1 to {MAX_BANDS} bands, highest priority first")
     bands: list[Band] = []
-    for item in doc.items("bands"):
-        band = item.only({"name", "deadline_s"}, {"name", "deadline_s"})
+    for i, item in enumerate(doc.items("bands")):
+        band = item.only({"name", "deadline_s", "reserve_blocks"}, {"name", "deadline_s"})
         name = band.string("name", nonempty=True)
         if not BAND_NAME.fullmatch(name):
             raise band.fail("name", f"{brief(name)} is not a band name ([a-z0-9_-], at most 32 characters)")
         if any(b.name == name for b in bands):
             raise band.fail("name", f"band {name} is named twice")
-        bands.append(Band(name, _number(band, "deadline_s", 0, MAX_DEADLINE_S)))
+        reserve = band.integer("reserve_blocks", default=0)
+        if reserve and i == len(raw_bands) - 1:
+            raise band.fail("reserve_blocks", "the last band has no band below it to hold back: give the "
+                            "reserve to the band it protects")
+        bands.append(Band(name, _number(band, "deadline_s", 0, MAX_DEADLINE_S), reserve))
     default_band = doc.string("default_band", optional=True, nonempty=True)
     if default_band is not None and all(b.name != default_band for b in bands):
         raise doc.fail("default_band", f"{brief(default_band)} is not one of flow.bands")
@@ -638,6 +642,11 @@ def _check_flow(top: Fields, config: GatewayConfig) -> None:
     if config.ledger.shared:
         raise top.fail("flow", "flow control is not yet supported with ledger.backend: redis (each replica would "
                        "forecast from its own reservations only)")
+    budget = min(u.block_budget for u in config.upstreams)
+    if flow.reserve_blocks >= budget:
+        last = max(i for i, b in enumerate(flow.bands) if b.reserve_blocks)
+        raise top.fail(f"flow.bands[{last}].reserve_blocks", f"the bands' reserves add up to {flow.reserve_blocks} "
+                       f"blocks, not below the block budget {budget}: the last band could never be admitted")
     for i, route in enumerate(config.routes):
         if route.band is not None and flow.band_index(route.band) is None:
             raise top.fail(f"routes[{i}].band", f"{brief(route.band)} is not one of flow.bands")

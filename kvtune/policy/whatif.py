@@ -10,6 +10,27 @@ from typing import Any
 from kvtune.domain.whatif import Objective, PolicyKind, Predicted, WhatIfRow
 
 
+def compute_bound_note(predicted: Predicted, budget_blocks: int | None, ttft_target_ms: float | None) -> str | None:
+    """A flow-control row's note when the engine, not KV, was short: its KV peak stayed under the
+    gateway's budget while vLLM's own waiting queue reached at least half its running batch
+    (requests the gateway had admitted waited inside vLLM with KV to spare: for compute, prefill)
+    and TTFT p99 missed the target, where no KV gate shortens the wait. None otherwise, or when a
+    figure is unknown. (A gateway whose ledger is full holds requests back in front of vLLM, whose
+    queue then stays short: on the Azure conversation trace at 150 % vLLM's waiting peak is 18-30
+    of 333-386 running; on the code trace 109-122 of 139-145.)"""
+    peak, waiting, running, ttft = (predicted.kv_peak_blocks, predicted.waiting_peak, predicted.running_peak,
+                                    predicted.ttft_p99_ms)
+    if budget_blocks is None or ttft_target_ms is None or peak is None or waiting is None or running is None \
+            or ttft is None:
+        return None
+    if peak >= budget_blocks or 2 * waiting < running or ttft <= ttft_target_ms:
+        return None
+    return (f"compute-bound: vLLM queued up to {waiting:,} requests beside {running:,} running while KV peaked at "
+            f"{peak:,} of the {budget_blocks:,}-block budget, and TTFT p99 {ttft:,.0f} ms missed the "
+            f"{ttft_target_ms:,.0f} ms target: they wait inside vLLM for compute, which no KV gate (flow control "
+            "included) shortens")
+
+
 def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value:,.0f}"
 
@@ -90,4 +111,4 @@ def objective_line(objective: Objective) -> str:
             f"{objective.load.label}, {objective.requests:,} requests, {objective.seeds_label} ({timing})")
 
 
-__all__ = ["headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE"]
+__all__ = ["headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE", "compute_bound_note"]
