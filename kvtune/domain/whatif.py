@@ -216,8 +216,10 @@ class SimBasis:
         except OptionError as exc:
             raise t.fail(exc.field, exc.message) from None
         try:
+            # the search simulates the current release, whose admission needs the whole prompt's blocks
             engine = EngineSettings(**{k: e.integer(k, minimum=1) for k in ENGINE_FIELDS},
-                                    enable_prefix_caching=e.boolean("enable_prefix_caching"))
+                                    enable_prefix_caching=e.boolean("enable_prefix_caching"),
+                                    reserve_full_sequence=True)
         except OptionError as exc:
             raise e.fail(exc.field, exc.message) from None
         return cls(timing, t.number("http_overhead_s"), engine)

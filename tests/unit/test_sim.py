@@ -41,7 +41,8 @@ def engines(draw) -> EngineSettings:
     return EngineSettings(num_blocks=blocks, block_size=bs, max_num_seqs=draw(st.integers(1, 8)),
                           max_num_batched_tokens=draw(st.integers(4, 96)), max_model_len=mml,
                           enable_prefix_caching=draw(st.booleans()),
-                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])))
+                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])),
+                          reserve_full_sequence=draw(st.booleans()))
 
 
 timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),
