@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.step_time import StepTicks
 from kvtune.sim.blocks import BlockPool
-from kvtune.steptime import StepTicks
 
 
 def most_steps(fits: Callable[[int], bool], steps: int) -> int:

@@ -26,6 +26,7 @@ from kvtune.capacity.memory import memory_model
 from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.capacity.timing import roofline_step_time
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.step_time import FrontEndModel, StepTimeModel
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
@@ -37,7 +38,6 @@ from kvtune.sim.host import (
     adds_to_step,
     with_host_work,
 )
-from kvtune.steptime import FrontEndModel, StepTimeModel
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.sim import EngineSettings, SimRequest, simulate
-from kvtune.steptime import StepTimeModel
 
 pytestmark = pytest.mark.vllm
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.domain.step_time import TICKS_PER_S, StepTimeModel
 from kvtune.errors import OptionError
 from kvtune.sim import (
     CLIENT_RETRY,
@@ -28,7 +29,6 @@ from kvtune.sim import (
 )
 from kvtune.sim.blocks import BlockPool
 from kvtune.sim.results import OUTCOMES
-from kvtune.steptime import TICKS_PER_S, StepTimeModel
 
 # --- strategies -------------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvtune.cli import cli
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.engines.vllm import default_batch_limits, reserves_full_sequence
 from kvtune.hardware import GiB
 from kvtune.sim import EngineSettings, SimRequest, simulate
-from kvtune.steptime import StepTimeModel
 
 MODEL, GPU = "llama-3.1-8b", "H100-80GB"
 
