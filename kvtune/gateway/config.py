@@ -574,7 +574,8 @@ def _health(doc: Fields) -> HealthProbe:
 
 
 BAND_NAME = re.compile(r"[a-z0-9_-]{1,32}")
-MAX_WEIGHT = 1_000_000.0
+#: The largest flow weight (a flow's share of the queue, not an upstream's).
+MAX_FLOW_WEIGHT = 1_000_000.0
 MAX_DEADLINE_S = 86_400.0
 FLOW_KEYS = frozenset({"token_time_s", "bands", "default_band", "band_header", "flow_header", "default_weight",
                        "weights", "max_waiting", "max_waiting_per_flow", "max_flows", "metrics_flows"})
@@ -615,12 +616,12 @@ def _flow(doc: Fields) -> FlowControl:
     for name in raw_weights:
         if not isinstance(name, str) or not 1 <= len(name) <= 128:
             raise doc.fail("weights", f"{brief(name)} is not a flow id (1 to 128 characters)")
-        weights[name] = _number(by_flow, name, 1e-6, MAX_WEIGHT)
+        weights[name] = _number(by_flow, name, 1e-6, MAX_FLOW_WEIGHT)
     return FlowControl(
         token_time_s=_number(doc, "token_time_s", 1e-6, 60.0),
         bands=tuple(bands), default_band=default_band, band_header=headers["band_header"],
         flow_header=headers["flow_header"],
-        default_weight=_number(doc, "default_weight", 1e-6, MAX_WEIGHT, default=1.0),
+        default_weight=_number(doc, "default_weight", 1e-6, MAX_FLOW_WEIGHT, default=1.0),
         weights=weights,
         max_waiting=doc.integer("max_waiting", default=1024),
         max_waiting_per_flow=doc.integer("max_waiting_per_flow", minimum=1, default=64),
