@@ -50,8 +50,10 @@ from kvtune.domain.choices import GOALS, Objective, Policy
 from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.domain.load_shape import Load, LoadShape
 from kvtune.domain.log_reading import LogReading, LogReplay
+from kvtune.domain.recommendation import Recommendation
 from kvtune.domain.simulated_server import SimulatedServer
 from kvtune.domain.slo import Slo
+from kvtune.domain.whatif import ENGINE_ROWS, Goal
 from kvtune.endpoint import host_problem, server_root, url_problem
 from kvtune.engines.vllm import CURRENT_VERSION as CURRENT_VLLM_VERSION
 from kvtune.errors import InputError, KvtuneError, OptionError
@@ -62,10 +64,8 @@ from kvtune.model import resolve_model
 from kvtune.model.sources import check_logged_architecture, model_for_logged_id
 from kvtune.planning import Plan, measured_capacity, plan
 from kvtune.policy import feasibility
-from kvtune.policy.recommendation import Recommendation
 from kvtune.policy.recommendation import load_recommendation as load_recommendation_file
 from kvtune.policy.replicas import check_replicas, check_same_deployment, per_replica, smallest, with_replica_context
-from kvtune.policy.whatif import ENGINE_ROWS, Goal
 from kvtune.profile.build import is_saved_profile
 from kvtune.profile.build import load_profile as load_saved_profile
 from kvtune.profile.logged_model import one_logged_model
@@ -81,8 +81,8 @@ if TYPE_CHECKING:
     from kvtune.deploy.check import CheckResult
     from kvtune.deploy.k8s import K8sOptions
     from kvtune.deploy.render import RenderOptions
+    from kvtune.domain.feasibility import Verdict
     from kvtune.kv import KvBytes
-    from kvtune.policy.feasibility import Verdict
     from kvtune.simulation import Simulation
 
 class RenderCheckError(KvtuneError):

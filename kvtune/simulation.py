@@ -106,7 +106,8 @@ def run_simulate(
     timing = timing_setup(capacity, spec=spec, gpu=gpu, tp=tp, engine=deployment.engine,
                           engine_version=deployment.engine_version)
     setup = engine_setup(capacity, max_num_seqs=server.max_num_seqs,
-                         max_num_batched_tokens=deployment.max_num_batched_tokens, gpu=gpu, recorded_from=labels)
+                         max_num_batched_tokens=deployment.max_num_batched_tokens, gpu=gpu, recorded_from=labels,
+                         engine_version=deployment.engine_version)
     admission, admission_info, cap = _admission(server, setup.settings.max_model_len, capacity.model)
     bounds = (setup.settings.max_model_len, timing.fixed_delay_s, cap)
     if isinstance(workload, LogReplay):

@@ -12,11 +12,12 @@ from rich.table import Table
 from kvtune.cli._console import output_console, shown
 from kvtune.cli._progress import transient_bar
 from kvtune.deploy.render import upstream_budgets
-from kvtune.policy.whatif import TABLE_NOTE, Objective, WhatIfRow, headline, objective_line, table_cells
+from kvtune.domain.whatif import Objective, WhatIfRow
+from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, table_cells
 
 if TYPE_CHECKING:
     from kvtune.deploy.render import RenderOptions
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 
 def _gib(value: int | None) -> str:

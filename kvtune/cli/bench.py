@@ -21,11 +21,11 @@ from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_opt
 from kvtune.controls import escape_controls
 from kvtune.domain.bench_target import BenchTarget, Expectations
 from kvtune.domain.log_reading import LogReplay
+from kvtune.domain.recommendation import Recommendation
 from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.domain.slo import parse_slo
 from kvtune.endpoint import server_root
 from kvtune.errors import OptionError
-from kvtune.policy.recommendation import Recommendation
 from kvtune.profile.routes import Profile
 from kvtune.writer import OutputFiles
 

@@ -46,9 +46,10 @@ JSON_FIELDS = """\b
                    frontend_from (uncalibrated: where the API server's figures come from),
                    host_work (uncalibrated vLLM: the engine core's host work, added or not, why),
                    measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
-                   max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
-                   {value, from: option|capacity-file|estimate|engine-default}}, capacity: {from:
-                   capacity-file|estimate|option, file; without a file: model, gpu,
+                   max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
+                   reserve_full_sequence (admission needs the whole prompt's blocks, vLLM ≥ 0.19, or
+                   its first chunk's): each {value, from: option|capacity-file|estimate|engine-default}},
+                   capacity: {from: capacity-file|estimate|option, file; without a file: model, gpu,
                    tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype, engine_version,
                    gpu_memory_utilization, kv_cache_tokens}, admission: {kind:
                    direct|gateway, …the gateway's budget, route, cap, queue, route_header (each
