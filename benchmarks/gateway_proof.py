@@ -308,7 +308,8 @@ def two_bands(args: argparse.Namespace, work: Path, model: tuple[str, ...], log:
                         str(args.gpu_capacity_requests))["throughput"]["requests_per_s"]
     load = max(args.loads)
     out: dict[str, Any] = {"load": load, "interactive_share": args.interactive_share, "capacity_rps": cap,
-                           "deadlines_s": {b["name"]: b["deadline_s"] for b in flow["bands"]}, "rows": {}}
+                           "deadlines_s": {b["name"]: b["deadline_s"] for b in flow["bands"]},
+                           "reserve_blocks": {b["name"]: b.get("reserve_blocks", 0) for b in flow["bands"]}, "rows": {}}
     for row, extra in (("direct", ()), ("statistical_flow", ("--gateway", str(gateway), "--route-header",
                                                              ROUTE_HEADER))):
         per_seed = [_simulate_gpu(profile, *extra, "--rate", f"{load * cap:.6g}", "--requests",
@@ -322,7 +323,9 @@ def two_bands(args: argparse.Namespace, work: Path, model: tuple[str, ...], log:
                            "completed": _mean([g["completed"] if g else None for g in got]),
                            "retried": _mean([g["retried"] if g else None for g in got]),
                            "ttft_p99_first_try_ms": _mean([g["ttft_ms_first_try"]["p99"] if g else None for g in got]),
-                           "http_429": _mean([g["http_429"] if g else None for g in got])}
+                           "http_429": _mean([g["http_429"] if g else None for g in got]),
+                           "goodput_rps": _mean([g["slo_met"] / r["duration_s"] if g and r["duration_s"] else None
+                                                 for g, r in zip(got, per_seed, strict=True)])}
         out["rows"][row] = {"bands": bands, **{c: _mean([row_figures(r)[c] for r in per_seed]) for c in COLUMNS}}
         log(f"GPU two bands {load:.0%} {row}: " + ", ".join(f"{b} TTFT p99 {v['ttft_p99_ms']}"
                                                               for b, v in bands.items()))
@@ -350,14 +353,18 @@ def gpu_markdown(gpu: dict[str, Any]) -> str:
     two = gpu["two_bands"]
     lines.append("")
     lines.append(f"two bands at {two['load']:.0%} (azure-conv, {two['interactive_share']:.0%} interactive; "
-                 f"deadlines {two['deadlines_s']}):")
+                 f"deadlines {two['deadlines_s']}; reserves {two.get('reserve_blocks')} blocks):")
+    direct_tps = two["rows"].get("direct", {}).get("output_tokens_per_s")
     for row, r in two["rows"].items():
+        ratio = r["output_tokens_per_s"] / direct_tps if direct_tps and r["output_tokens_per_s"] is not None else None
         lines.append(f"  {row}: " + "; ".join(f"{b} TTFT p50 / p99 {_f(v['ttft_p50_ms'], '.0f')} / "
                                                f"{_f(v['ttft_p99_ms'], '.0f')} ms (p99 of those admitted at the "
                                                f"first try {_f(v['ttft_p99_first_try_ms'], '.0f')} ms), retried "
-                                               f"{_f(v['retried'], '.0f')}, 429s {_f(v['http_429'], '.1f')}"
+                                               f"{_f(v['retried'], '.0f')}, 429s {_f(v['http_429'], '.1f')}, goodput "
+                                               f"{_f(v.get('goodput_rps'), '.2f')} req/s"
                                                for b, v in r["bands"].items())
-                     + f"; goodput {_f(r['goodput_rps'], '.2f')} req/s")
+                     + f"; goodput {_f(r['goodput_rps'], '.2f')} req/s; out tok/s "
+                       f"{_f(r['output_tokens_per_s'], '.0f')} ({_f(ratio, '.2f')}x direct)")
     return "\n".join(lines)
 
 

@@ -26,11 +26,14 @@ and the load average are printed beside it so a figure can be read for what it i
 kvtune is byte-compiled first (`compileall`), as pip does on install: an editable checkout under
 PYTHONDONTWRITEBYTECODE=1 would otherwise recompile its modules on every run (~0.1 s), which no
 installed kvtune pays. With --small-rows it also profiles a smaller file, to show kvtune's memory
-does not grow with rows. Outputs here are uncensored (finish_reason only stop), so kvtune's
-Kaplan–Meier percentiles are the plain nearest-rank ones that DuckDB and pandas compute.
+does not grow with rows; the format parquet-1rg is the Parquet file rewritten as one row group,
+where neither tool can give each core row groups of its own. Outputs here are uncensored
+(finish_reason only stop), so kvtune's Kaplan–Meier percentiles are the plain nearest-rank ones
+that DuckDB and pandas compute.
 
     python benchmarks/profile_bench.py                          # 10M Parquet, 3M JSONL, medians of 5
     python benchmarks/profile_bench.py --tools kvtune,duckdb --formats parquet --repeat 9
+    python benchmarks/profile_bench.py --formats parquet,parquet-1rg --small-rows 10000   # + one row group, 10k rows
 """
 
 from __future__ import annotations
@@ -63,6 +66,23 @@ CHUNK_ROWS = 1_000_000
 
 def _paths(rows: int, data_dir: Path) -> tuple[Path, Path]:
     return data_dir / f"flat-{rows}.parquet", data_dir / f"flat-{rows}.jsonl"
+
+
+def _one_group_path(rows: int, data_dir: Path) -> Path:
+    return data_dir / f"flat-{rows}-one-group.parquet"
+
+
+def one_group(rows: int, data_dir: Path) -> Path:
+    """flat-ROWS.parquet rewritten as a single row group (skipped when already there): the case
+    where neither kvtune nor DuckDB can give each core its own row groups."""
+    import pyarrow.parquet as pq
+
+    path = _one_group_path(rows, data_dir)
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(pq.read_table(_paths(rows, data_dir)[0]), tmp, row_group_size=rows)
+        tmp.rename(path)
+    return path
 
 
 def generate(rows: int, data_dir: Path, seed: int = 7, jsonl: bool = True) -> tuple[Path, Path]:
@@ -116,9 +136,12 @@ DUCKDB_ONE_LINER = (
 
 
 def command(tool: str, path: str) -> list[str]:
-    """The command line that runs `tool` on `path`; kvtune-wN is kvtune with --workers N."""
-    if tool == "kvtune" or tool.startswith("kvtune-w"):
-        workers = tool.removeprefix("kvtune-w") if tool != "kvtune" else "1"
+    """The command line that runs `tool` on `path`: kvtune as a user types it (--workers left at
+    its default, auto: one process below 256 MiB); kvtune-wN is kvtune with --workers N."""
+    if tool == "kvtune":
+        return [sys.executable, "-m", "kvtune", "profile", path, "--json", "--quiet"]
+    if tool.startswith("kvtune-w"):
+        workers = tool.removeprefix("kvtune-w")
         return [sys.executable, "-m", "kvtune", "profile", path, "--json", "--quiet", "--workers", workers]
     if tool == "duckdb":
         return [sys.executable, "-c", DUCKDB_ONE_LINER, path]
@@ -310,6 +333,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_generate":
         generate(int(sys.argv[2]), Path(sys.argv[3]), jsonl=sys.argv[4] == "jsonl")
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_one_group":
+        one_group(int(sys.argv[2]), Path(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000, help="rows of the Parquet file")
     parser.add_argument("--jsonl-rows", type=int, default=3_000_000, help="rows of the JSONL file")
@@ -317,7 +343,8 @@ def main() -> None:
                         help="also profile this many rows with kvtune (memory vs rows); 0 = skip")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvtune-bench")
-    parser.add_argument("--formats", default="parquet,jsonl")
+    parser.add_argument("--formats", default="parquet,jsonl",
+                        help="parquet, jsonl, parquet-1rg (the Parquet rows as one row group)")
     parser.add_argument("--tools", default="kvtune,duckdb,duckdb-full,pandas",
                         help="kvtune, kvtune-wN (--workers N; kvtune-wauto), duckdb (the quantile_disc one-liner), "
                              "duckdb-full (the profile's statistics), pandas")
@@ -333,7 +360,7 @@ def main() -> None:
     t = time.perf_counter()
     # generate in a child so this process stays small
     jobs: dict[int, bool] = {}  # rows -> whether a JSONL file of them is needed
-    if "parquet" in formats:
+    if "parquet" in formats or "parquet-1rg" in formats:
         jobs[args.rows] = jobs.get(args.rows, False)
     if "jsonl" in formats:
         jobs[args.jsonl_rows] = True
@@ -342,8 +369,11 @@ def main() -> None:
     for rows, jsonl in jobs.items():
         subprocess.run([sys.executable, __file__, "_generate", str(rows), str(args.data_dir),
                         "jsonl" if jsonl else "parquet"], check=True)
-    files = {"parquet": _paths(args.rows, args.data_dir)[0], "jsonl": _paths(args.jsonl_rows, args.data_dir)[1]}
-    rows_of = {"parquet": args.rows, "jsonl": args.jsonl_rows}
+    if "parquet-1rg" in formats:
+        subprocess.run([sys.executable, __file__, "_one_group", str(args.rows), str(args.data_dir)], check=True)
+    files = {"parquet": _paths(args.rows, args.data_dir)[0], "jsonl": _paths(args.jsonl_rows, args.data_dir)[1],
+             "parquet-1rg": _one_group_path(args.rows, args.data_dir)}
+    rows_of = {"parquet": args.rows, "jsonl": args.jsonl_rows, "parquet-1rg": args.rows}
     print(versions())
     print(f"{os.cpu_count()} CPUs; data ready in {time.perf_counter() - t:.1f} s; medians of {args.repeat} "
           f"interleaved runs, each a whole process; {_load()}")
@@ -373,6 +403,8 @@ def main() -> None:
     if args.small_rows and "kvtune" in tools:
         print(f"\nkvtune memory vs rows (peak RSS MiB, median of {args.repeat})")
         for fmt in formats:
+            if fmt == "parquet-1rg":
+                continue
             small = _paths(args.small_rows, args.data_dir)[0 if fmt == "parquet" else 1]
             a = measure_all(["kvtune"], small, args.repeat)["kvtune"]
             b = measure_all(["kvtune"], files[fmt], args.repeat)["kvtune"]

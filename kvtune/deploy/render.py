@@ -46,7 +46,7 @@ from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, canonical_path
 from kvtune.gateway.ledger import RATE_WINDOW_S
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.ingest.tokenize import read_chat_template
-from kvtune.policy.recommendation import FLOW_SETTINGS, flow_control_of
+from kvtune.policy.recommendation import FLOW_RESERVE_SETTING, FLOW_SETTINGS, flow_control_of
 from kvtune.policy.route_table import route_decisions
 from kvtune.policy.whatif import TABLE_NOTE, Goal, headline, objective_line, replica_cells, table_cells
 from kvtune.policy.whatif import PolicyKind as WhatIfKind
@@ -335,7 +335,7 @@ def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: l
 
     return {
         "token_time_s": flow.token_time_s,
-        "bands": [{"name": b.name, "deadline_s": b.deadline_s} for b in flow.bands],
+        "bands": [{"name": b.name, "deadline_s": b.deadline_s, "reserve_blocks": b.reserve_blocks} for b in flow.bands],
         "default_band": flow.bands[flow.default_band_index].name,
         # header names as ngx.req.get_headers keys them
         "band_header": flow.band_header.lower(),
@@ -355,7 +355,7 @@ def lua_flow(flow: FlowControl | None, route_bands: Mapping[str, str], routes: l
 def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True) -> dict:
     routes = gateway_routes(rec)
     gateway_flow = flow_section(rec, options)
-    flow = lua_flow(gateway_flow["flow"] if gateway_flow else None, options.route_bands, routes)
+    flow = lua_flow(gateway_flow["flow"] if gateway_flow else None, _route_bands(options, gateway_flow, routes), routes)
     upstream = parse_upstream(rec.upstream)
     report_routes = []
     for route in rec.routes:
@@ -447,6 +447,15 @@ def _context(rec: Recommendation, options: RenderOptions, *, nginx: bool = True)
     }
 
 
+def _route_bands(options: RenderOptions, gateway_flow: dict | None, routes: list[dict]) -> Mapping[str, str]:
+    """RenderOptions.route_bands; without them, a route named like a band of the flow is in that
+    band (what recommend sized the reserve on: docs/guides/flow-control.md, The reserve)."""
+    if options.route_bands or gateway_flow is None:
+        return options.route_bands
+    flow: FlowControl = gateway_flow["flow"]
+    return {r["name"]: r["name"] for r in routes if flow.band_index(r["name"]) is not None}
+
+
 def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> dict | None:
     """The rendered `flow:` and the Decisions behind it (for the comments); None without it.
     RenderOptions.flow, when given, is rendered instead (no decisions), in gateway.yaml and
@@ -456,7 +465,8 @@ def flow_section(rec: Recommendation, options: RenderOptions | None = None) -> d
     flow = flow_control_of(rec)
     if flow is None:
         return None
-    return {"section": flow.to_dict(), "decisions": [rec.settings[k] for k in FLOW_SETTINGS], "flow": flow}
+    decisions = [d for k in (*FLOW_SETTINGS, FLOW_RESERVE_SETTING) if (d := rec.settings.get(k)) is not None]
+    return {"section": flow.to_dict(), "decisions": decisions, "flow": flow}
 
 
 def _health(probe: HealthProbe) -> dict:

@@ -21,10 +21,12 @@ WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 
 @dataclass(frozen=True, slots=True)
 class Band:
-    """A priority band: its name and its TTFT target (a request must be admitted within it)."""
+    """A priority band: its name, its TTFT target (a request must be admitted within it) and the
+    blocks of each upstream's ledger the bands after it may not take (trunk reservation)."""
 
     name: str
     deadline_s: float
+    reserve_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,20 @@ class FlowControl:
             raise ValueError(f"default_band {self.default_band!r} is not a band")
         if self.token_time_s <= 0:
             raise ValueError("token_time_s must be positive")
+        if any(b.reserve_blocks < 0 for b in self.bands):
+            raise ValueError("reserve_blocks must be at least 0")
+        if self.bands[-1].reserve_blocks:
+            raise ValueError("the last band has no band below it to hold back: its reserve_blocks must be 0")
+
+    def kept_blocks(self, band: int) -> int:
+        """K_b: the blocks a request of band `band` must leave free, the reserves of the bands
+        before it (docs/guides/flow-control.md, The reserve); 0 for the first band."""
+        return sum(b.reserve_blocks for b in self.bands[:band])
+
+    @property
+    def reserve_blocks(self) -> int:
+        """All bands' reserves together: what the last band keeps free."""
+        return sum(b.reserve_blocks for b in self.bands)
 
     def band_index(self, name: str | None) -> int | None:
         """The position of the band called `name` (0 = highest priority), None if there is none."""
@@ -72,7 +88,9 @@ class FlowControl:
     def to_dict(self) -> dict:
         """As gateway.yaml writes it."""
         out: dict = {"token_time_s": self.token_time_s,
-                     "bands": [{"name": b.name, "deadline_s": b.deadline_s} for b in self.bands]}
+                     "bands": [{"name": b.name, "deadline_s": b.deadline_s}
+                               | ({"reserve_blocks": b.reserve_blocks} if b.reserve_blocks else {})
+                               for b in self.bands]}
         if self.default_band is not None:
             out["default_band"] = self.default_band
         out.update(band_header=self.band_header, flow_header=self.flow_header, default_weight=self.default_weight)

@@ -438,7 +438,8 @@ class Admission:
                              flow: str = ANONYMOUS) -> Reservation:
         queue = self.queue
         if sticky is not None and not queue.waiting:
-            reservation = self.pool.affine(sticky).ledger.try_reserve(blocks, demand)
+            keep = queue.gate.kept_blocks(band) if isinstance(queue.gate, FlowGate) else 0
+            reservation = self.pool.affine(sticky).ledger.try_reserve(blocks, demand, keep)
             if reservation is not None:
                 if isinstance(queue.gate, FlowGate):
                     queue.gate.track(reservation, demand, band, flow)

@@ -668,13 +668,17 @@ def _flow(r: _Reader, value: Any) -> FlowControl:
     bands: list[Band] = []
     for i, raw in enumerate(raw_bands):
         where = f"flow.bands[{i}]"
-        band = r.mapping(raw, where, {"name", "deadline_s"}, {"name", "deadline_s"})
+        band = r.mapping(raw, where, {"name", "deadline_s", "reserve_blocks"}, {"name", "deadline_s"})
         name = r.string(band["name"], f"{where}.name")
         if not BAND_NAME.fullmatch(name):
             raise r.fail(f"{where}.name", f"{brief(name)} is not a band name ([a-z0-9_-], at most 32 characters)")
         if any(b.name == name for b in bands):
             raise r.fail(f"{where}.name", f"band {name} is named twice")
-        bands.append(Band(name, r.number(band["deadline_s"], f"{where}.deadline_s", 0, MAX_DEADLINE_S)))
+        reserve = r.integer(band.get("reserve_blocks", 0), f"{where}.reserve_blocks", 0)
+        if reserve and i == len(raw_bands) - 1:
+            raise r.fail(f"{where}.reserve_blocks", "the last band has no band below it to hold back: give the "
+                         "reserve to the band it protects")
+        bands.append(Band(name, r.number(band["deadline_s"], f"{where}.deadline_s", 0, MAX_DEADLINE_S), reserve))
     default_band = r.string(doc.get("default_band"), "flow.default_band", optional=True)
     if default_band is not None and all(b.name != default_band for b in bands):
         raise r.fail("flow.default_band", f"{brief(default_band)} is not one of flow.bands")
@@ -718,6 +722,11 @@ def _check_flow(r: _Reader, config: GatewayConfig, top: dict) -> None:
     if config.ledger.shared:
         raise r.fail("flow", "flow control is not yet supported with ledger.backend: redis (each replica would "
                      "forecast from its own reservations only)")
+    budget = min(u.block_budget for u in config.upstreams)
+    if flow.reserve_blocks >= budget:
+        last = max(i for i, b in enumerate(flow.bands) if b.reserve_blocks)
+        raise r.fail(f"flow.bands[{last}].reserve_blocks", f"the bands' reserves add up to {flow.reserve_blocks} "
+                     f"blocks, not below the block budget {budget}: the last band could never be admitted")
     for i, route in enumerate(config.routes):
         if route.band is not None and flow.band_index(route.band) is None:
             raise r.fail(f"routes[{i}].band", f"{brief(route.band)} is not one of flow.bands")

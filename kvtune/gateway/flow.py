@@ -24,7 +24,7 @@ from kvtune.domain.demand import Demand
 from kvtune.domain.flow_control import WAIT_BUCKETS_S, FlowControl
 from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.gate import Turned
-from kvtune.gateway.ledger import Ledger, Reservation
+from kvtune.gateway.ledger import Ledger, Reservation, kept_blocks
 from kvtune.gateway.refusals import Reason
 
 K = TypeVar("K", bound=Hashable)
@@ -206,6 +206,7 @@ class FlowGate(Generic[K]):
         self._clock = clock
         self._gone = gone
         self._bands = [_Band(b.name, b.deadline_s) for b in flow.bands]
+        self._kept = [flow.kept_blocks(i) for i in range(len(flow.bands))]  # K_b (The reserve)
         self._flows: OrderedDict[tuple[int, str], _Flow] = OrderedDict()  # LRU: least recent first
         self._by_key: dict[K, _Waiter[K]] = {}
         self._deadlines: list[tuple[float, int, K]] = []  # a heap; entries of waiters gone are skipped
@@ -226,11 +227,15 @@ class FlowGate(Generic[K]):
     def deadline_s(self, band: int) -> float:
         return self._bands[band].deadline_s
 
+    def kept_blocks(self, band: int) -> int:
+        """K_b: the blocks a request of this band leaves free for the bands above it."""
+        return self._kept[band]
+
     def offer(self, key: K, blocks: int, now: float, demand: Demand | None = None, *, band: int = 0,
               flow: str = ANONYMOUS) -> Reservation | Turned | None:
         """A reservation now; None when the request now waits under `key`; or a 429."""
         if not any(b.waiting for b in self._bands[:band + 1]):
-            reservation = self.ledger.try_reserve(blocks, demand)
+            reservation = self.ledger.try_reserve(blocks, demand, self._kept[band])
             if reservation is not None:
                 self._admitted(reservation, demand, now)
                 state = self._flow(band, flow, create=True)
@@ -286,10 +291,10 @@ class FlowGate(Generic[K]):
             if gone is not None and gone(waiter.key):  # cancelled, its finally not yet run
                 self._remove(waiter)
                 continue
-            reservation = self.ledger.try_reserve(waiter.blocks, waiter.demand)
+            state = waiter.flow
+            reservation = self.ledger.try_reserve(waiter.blocks, waiter.demand, self._kept[state.band])
             if reservation is None:
                 break
-            state = waiter.flow
             band = self._bands[state.band]
             self._remove(waiter)
             band.vtime = state.start
@@ -364,8 +369,9 @@ class FlowGate(Generic[K]):
         for name, state in self._bands[band].waiting.items():
             if name != flow:
                 ahead += min(state.waiting_blocks, math.ceil((own_blocks + blocks) * state.weight / own_weight))
-        free = max(0, self.ledger.limit_blocks - self.ledger.reserved_blocks)
-        need = ahead + blocks - free
+        limit = self.ledger.limit_blocks
+        free = max(0, limit - self.ledger.reserved_blocks)
+        need = ahead + blocks + kept_blocks(self._kept[band], limit, blocks) - free
         if need <= 0 or not self._held:
             return 0.0
         tau = self.config.token_time_s
@@ -466,6 +472,7 @@ class FlowGate(Generic[K]):
             for f in top:
                 total.add(f.counts)
             bands.append({"name": band.name, "deadline_s": band.deadline_s,
+                          "reserve_blocks": self.config.bands[i].reserve_blocks, "kept_blocks": self._kept[i],
                           "waiting": sum(len(f.waiters) for f in band.waiting.values()),
                           **_counts_json(total),
                           "flows": [{"flow": f.name, "waiting": len(f.waiters), **_counts_json(f.counts)}

@@ -71,6 +71,13 @@ class LedgerSnapshot:
     overflow_probability: float | None = None  # statistical: P(the held KV outgrows the budget)
 
 
+def kept_blocks(keep_blocks: int, limit_blocks: int, blocks: int) -> int:
+    """k: the blocks a reservation of `blocks` leaves free for higher bands on a ledger of limit L,
+    min(K_b, max(0, L - blocks)), so that a request too large to fit beside the reserve is still
+    admitted into an empty ledger (docs/guides/flow-control.md, The reserve)."""
+    return min(keep_blocks, max(0, limit_blocks - blocks))
+
+
 class Ledger(Protocol):
     """What the admission gate (kvtune.gateway.gate) reserves through: one BlockLedger, or the
     pool of every upstream's (kvtune.gateway.pool)."""
@@ -79,7 +86,7 @@ class Ledger(Protocol):
     def reserved_blocks(self) -> int: ...
     @property
     def limit_blocks(self) -> int: ...
-    def try_reserve(self, blocks: int, demand: Demand | None = None) -> Reservation | None: ...
+    def try_reserve(self, blocks: int, demand: Demand | None = None, keep_blocks: int = 0) -> Reservation | None: ...
     def never_fits(self, blocks: int, demand: Demand | None = None) -> bool: ...
     def retry_after_s(self, blocks: int, *, min_s: int, max_s: int) -> int: ...
 
@@ -123,12 +130,14 @@ class BlockLedger:
         """No ledger state could ever admit it (413): more blocks than the limit."""
         return blocks > self.limit_blocks
 
-    def try_reserve(self, blocks: int, demand: Demand | None = None) -> Reservation | None:
-        """Hold `blocks` if they fit in what is free now, else None (nothing is held). `demand`
-        (what the request's sequences may reach) matters only to the statistical ledger."""
+    def try_reserve(self, blocks: int, demand: Demand | None = None, keep_blocks: int = 0) -> Reservation | None:
+        """Hold `blocks` if they fit in what is free now, leaving `keep_blocks` free beside them
+        (flow control's reserve for higher bands, clamped by kept_blocks), else None (nothing is
+        held). `demand` (what the request's sequences may reach) matters only to the statistical
+        ledger."""
         if blocks < 1:
             raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
-        if not self.fits(blocks):
+        if not self.fits(blocks + kept_blocks(keep_blocks, self.limit_blocks, blocks)):
             return None
         self._reserved += blocks
         self._inflight += 1
@@ -180,4 +189,4 @@ class BlockLedger:
                               self.release_rate() or 0.0, self.limit_blocks)
 
 
-__all__ = ["BlockLedger", "Ledger", "Reservation", "LedgerSnapshot", "RATE_WINDOW_S"]
+__all__ = ["BlockLedger", "Ledger", "Reservation", "LedgerSnapshot", "RATE_WINDOW_S", "kept_blocks"]

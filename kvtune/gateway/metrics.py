@@ -200,7 +200,11 @@ class _FlowCounters(Collector):
         wait = HistogramMetricFamily("kvtune_gateway_flow_wait_seconds",
                                      "Time admitted requests waited (0 when admitted at once).",
                                      labels=["band", "flow"])
+        kept = GaugeMetricFamily("kvtune_gateway_flow_kept_blocks",
+                                 "Blocks a band's requests leave free for the bands above it (its reserve).",
+                                 labels=["band"])
         for index, band in enumerate(gate.band_names):
+            kept.add_metric([band], gate.kept_blocks(index))
             top, other = gate.top_flows(index)
             by_flow = gate.waiting_by_flow(index)
             named = {f.name for f in top}
@@ -219,7 +223,7 @@ class _FlowCounters(Collector):
                     running += count
                     cumulative.append((edge, running))
                 wait.add_metric(labels, cumulative, counts.wait_sum_s)
-        yield from (waiting, admitted, shed, timed_out, wait)
+        yield from (waiting, admitted, shed, timed_out, wait, kept)
 
 
 class _LeaseCounters(Collector):

@@ -200,13 +200,14 @@ class UpstreamPool:
 
     # ---------------------------------------------------------------- what the gate asks
 
-    def try_reserve(self, blocks: int, demand: Demand | None = None) -> Reservation | None:
-        """Hold `blocks` on the routable replica with the most free budget where they fit."""
+    def try_reserve(self, blocks: int, demand: Demand | None = None, keep_blocks: int = 0) -> Reservation | None:
+        """Hold `blocks` on the routable replica with the most free budget where they fit (each
+        leaving `keep_blocks` of its own free: flow control's reserve)."""
         if len(self.replicas) == 1:
-            return self.replicas[0].ledger.try_reserve(blocks, demand)
+            return self.replicas[0].ledger.try_reserve(blocks, demand, keep_blocks)
         order = sorted(self.routable(), key=lambda r: (-r.score, r.ledger.inflight_requests, r.index))
         for replica in order:
-            reservation = replica.ledger.try_reserve(blocks, demand)
+            reservation = replica.ledger.try_reserve(blocks, demand, keep_blocks)
             if reservation is not None:
                 return reservation
         return None

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvtune.domain.demand import Demand
 from kvtune.domain.output_law import OutputLaw
-from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, LedgerSnapshot, Reservation
+from kvtune.gateway.ledger import RATE_WINDOW_S, BlockLedger, LedgerSnapshot, Reservation, kept_blocks
 from kvtune.gateway.overflow import (
     THETAS,
     SequenceRows,
@@ -131,21 +131,26 @@ class StatisticalLedger(BlockLedger):
                                   max_model_len=self.edges[-1][1], clock=self._clock)
         return empty.overflow_probability(alone) > self.epsilon
 
-    def try_reserve(self, blocks: int, demand: Demand | None = None) -> Reservation | None:
+    def try_reserve(self, blocks: int, demand: Demand | None = None, keep_blocks: int = 0) -> Reservation | None:
+        """Hold it while the bound stays within epsilon; `keep_blocks` (flow control's reserve for
+        higher bands) enters the bound as a reservation of that many blocks without a demand, beside
+        it and never held: P(peak KV > budget - k) <= epsilon."""
         if blocks < 1:
             raise ValueError(f"a reservation needs at least 1 block, got {blocks}")
         rows = self._rows_of(blocks, demand)
+        keep = kept_blocks(keep_blocks, self.budget_blocks, blocks)
         if self.epsilon == 0.0:
-            if self._reserved + blocks > self.budget_blocks:
+            if self._reserved + blocks + keep > self.budget_blocks:
                 return None
             probability = 0.0
         else:
+            extra = rows + [_fixed_rows(keep, self.rows)] if keep else rows
             # the bound is never below the exact probability: within epsilon, the exact one is too
-            probability = self.chernoff_bound(rows)
+            probability = self.chernoff_bound(extra)
             if probability > self.epsilon:
                 if self.chernoff_only:
                     return None
-                probability = self.overflow_probability(rows)
+                probability = self.overflow_probability(extra)
                 if probability > self.epsilon:
                     return None
         self._reserved += blocks

@@ -26,7 +26,11 @@ from kvtune.ingest.schemas._fields import MALFORMED_CSV, RowError
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
-PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 19  # rows per Parquet batch: a row group within these
+#: Rows per Parquet batch: a row group within these. Small enough that a batch's columns and the
+#: profile's temporaries stay in cache and reuse the same freed memory: on 10M rows in row groups of 1M,
+#: 2^17 rather than 2^19 held peak RSS at 226 MiB instead of 281, and CPU 0.93 s instead of 1.08
+#: (fewer page faults: sys 0.10 s instead of 0.24; medians of 7 whole processes on a loaded 2-core machine).
+PARQUET_MIN_BATCH, PARQUET_MAX_BATCH = 1 << 16, 1 << 17
 CSV_BLOCK_BYTES = 4 << 20  # CSV bytes per pyarrow batch
 
 

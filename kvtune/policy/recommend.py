@@ -352,7 +352,7 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
     settings["gateway_queue_max_waiting"] = rules.queue_max_waiting(admitted)
     settings["gateway_queue_timeout_s"] = rules.queue_timeout_s()
     if options.flow_control is not None:
-        settings.update(_flow_settings(options.flow_control, step, profile, routes, settings, admitted))
+        settings.update(_flow_settings(options.flow_control, step, profile, routes, settings, admitted, budget_blocks))
     if not measured:
         notes.append("KV capacity is an estimate; measure it (--vllm-log, --metrics-url, --capacity from "
                      "`kvtune calibrate`) before trusting the budget to the block")
@@ -546,7 +546,7 @@ def _slo_words(slo: Slo) -> str:
 
 
 def _flow_settings(slo: Slo, step: latency.StepTime | None, profile: Profile, routes: list[RouteRecommendation],
-                   settings: dict[str, Decision | None], admitted: int) -> dict[str, Decision]:
+                   settings: dict[str, Decision | None], admitted: int, budget_blocks: int) -> dict[str, Decision]:
     """gateway.yaml `flow:` from the SLO and the predicted latency of the rendered batch."""
     if slo.ttft_ms is None:
         raise OptionError("flow control takes its interactive band's deadline from --slo ttft=MS", field="flow_control")
@@ -566,7 +566,35 @@ def _flow_settings(slo: Slo, step: latency.StepTime | None, profile: Profile, ro
             output += float(np.minimum(o.values.astype(np.float64), caps[route.route]) @ o.counts)
             total += o.total
     mean_output = output / total if total else 0.0
-    return rules.flow_control(slo.ttft_ms, slo.e2e_ms, at.tpot_s, at.ttft_s, admitted, mean_output)
+    out = rules.flow_control(slo.ttft_ms, slo.e2e_ms, at.tpot_s, at.ttft_s, admitted, mean_output)
+    out["gateway_flow_interactive_reserve_blocks"] = _flow_reserve(routes, profile, caps, at, admitted, mean_output,
+                                                                   budget_blocks)
+    return out
+
+
+def _flow_reserve(routes: list[RouteRecommendation], profile: Profile, caps: dict[str, int],
+                  at: latency.BatchLatency, admitted: int, mean_output: float, budget_blocks: int) -> Decision:
+    """The interactive band's reserve from its traffic (rules.flow_reserve_blocks): routes named
+    batch are the batch band, the rest the default (interactive) one."""
+    interactive = [r for r in routes if r.route != rules.FLOW_BATCH_ROUTE]
+    batch = [r for r in routes if r.route == rules.FLOW_BATCH_ROUTE]
+    share = sum(r.share for r in interactive) / (sum(r.share for r in routes) or 1.0)
+    if not batch:
+        share = 1.0
+    served_s = at.ttft_s + mean_output * at.tpot_s
+    rate = admitted / served_s if served_s > 0 else float(admitted)
+    weight = sum(r.share for r in interactive)
+    mean_blocks = sum(r.share * r.reservation_blocks.mean for r in interactive) / weight if weight else 0.0
+    names = {r.route for r in interactive}
+    output = total = 0.0
+    for route in profile.routes:
+        o = route.output.observed
+        if route.route in names and o.total:
+            output += float(np.minimum(o.values.astype(np.float64), caps[route.route]) @ o.counts)
+            total += o.total
+    hold_s = at.ttft_s + (output / total if total else 0.0) * at.tpot_s
+    largest = max((r.reservation_blocks.max for r in batch), default=0)
+    return rules.flow_reserve_blocks(share, rate, hold_s, mean_blocks, budget_blocks, largest)
 
 
 def _slo_verdict(verdict: feasibility.Verdict, slo: Slo, step: latency.StepTime, profile: Profile,

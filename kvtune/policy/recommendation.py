@@ -65,6 +65,7 @@ SETTINGS: dict[str, tuple[str, float, float]] = {
     "gateway_flow_batch_deadline_s": ("number", 0, MAX_INTEGER),
     "gateway_flow_max_waiting": ("int", 0, MAX_INTEGER),
     "gateway_flow_max_waiting_per_flow": ("int", 1, MAX_INTEGER),
+    "gateway_flow_interactive_reserve_blocks": ("int", 0, MAX_INTEGER),  # absent in files written before it
     "served_model": ("str", 0, 0),  # the id the files serve and why (absent in files written before it)
 }
 # Settings every recommendation has (the others may be null: they do not apply to the engine).
@@ -691,17 +692,21 @@ def flow_control_of(rec: Recommendation) -> FlowControl | None:
     if len(decisions) < len(FLOW_SETTINGS):
         return None
     token, interactive, batch, waiting, per_flow = decisions
-    return FlowControl(token_time_s=token.fraction, bands=(Band("interactive", interactive.fraction),
-                                                           Band("batch", batch.fraction)),
+    reserve = s.get(FLOW_RESERVE_SETTING)
+    return FlowControl(token_time_s=token.fraction,
+                       bands=(Band("interactive", interactive.fraction, 0 if reserve is None else reserve.tokens),
+                              Band("batch", batch.fraction)),
                        max_waiting=waiting.tokens, max_waiting_per_flow=per_flow.tokens)
 
 
 FLOW_SETTINGS = ("gateway_flow_token_time_s", "gateway_flow_interactive_deadline_s", "gateway_flow_batch_deadline_s",
                  "gateway_flow_max_waiting", "gateway_flow_max_waiting_per_flow")
+#: The interactive band's reserve (optional: recommendations written before it have none).
+FLOW_RESERVE_SETTING = "gateway_flow_interactive_reserve_blocks"
 
 __all__ = [
     "Recommendation", "UpstreamBudget", "RouteRecommendation", "Decision", "Distribution", "Lengths", "Requested",
     "Binned", "RouteConcurrency", "Engine", "Hardware", "KvCost", "CapacitySummary", "MeasuredBasis",
     "Concurrency", "load_recommendation", "looks_like_recommendation", "SCHEMA_VERSION", "SETTINGS",
-    "FLOW_SETTINGS", "flow_control_of",
+    "FLOW_SETTINGS", "FLOW_RESERVE_SETTING", "flow_control_of",
 ]

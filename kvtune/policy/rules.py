@@ -217,6 +217,54 @@ def flow_control(ttft_ms: float, e2e_ms: float | None, tpot_s: float, ttft_s: fl
     }
 
 
+#: The quantile of the Poisson count of interactive requests in service the reserve covers.
+FLOW_RESERVE_QUANTILE = 0.99
+#: Routes in the batch band when recommend sizes the reserve (the others are interactive, the
+#: default band): a route named like the band.
+FLOW_BATCH_ROUTE = "batch"
+
+
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest n with P(Poisson(mean) <= n) >= q, the terms summed in log space (no underflow
+    of e^-mean for a large mean: the terms below 1e-308 are negligible in the sum anyway)."""
+    if mean <= 0:
+        return 0
+    k, log_term, cdf = 0, -mean, math.exp(-mean)
+    log_mean = math.log(mean)
+    while cdf < q:
+        k += 1
+        log_term += log_mean - math.log(k)
+        cdf += math.exp(log_term)
+    return k
+
+
+def flow_reserve_blocks(interactive_share: float, rate_rps: float, hold_s: float, mean_blocks: float,
+                        budget_blocks: int, largest_batch_blocks: int) -> Decision:
+    """The interactive band's reserve (docs/guides/flow-control.md, The reserve): the blocks its own
+    requests occupy at once by Little's law, at the FLOW_RESERVE_QUANTILE of a Poisson count (the
+    requests in service of a Poisson stream are Poisson with mean rate x holding time, whatever the
+    holding time's law: M/G/inf), times their mean reservation; at most the budget less the largest
+    batch reservation, so that one still fits beside it. 0 when the profile has no batch route."""
+    if interactive_share >= 1.0 or interactive_share <= 0.0:
+        return Decision(0, "flow-reserve-little",
+                        "no reserve: the profile has no route named batch, so it cannot tell the interactive "
+                        "band's traffic from the batch band's (set flow.bands[0].reserve_blocks by hand)"
+                        if interactive_share >= 1.0 else "no reserve: no interactive traffic in the profile")
+    in_service = interactive_share * rate_rps * hold_s
+    count = poisson_quantile(in_service, FLOW_RESERVE_QUANTILE)
+    blocks = math.ceil(count * mean_blocks)
+    ceiling = max(0, budget_blocks - largest_batch_blocks)
+    value = min(blocks, ceiling)
+    return Decision(
+        value, "flow-reserve-little",
+        f"batch leaves {value} blocks free for interactive arrivals: {interactive_share:.0%} of the "
+        f"{rate_rps:.3g} requests/s the budget serves, each holding ~{mean_blocks:.3g} blocks for ~{hold_s:.3g} s, "
+        f"are {in_service:.3g} in service on average (Little's law), at most {count} at the "
+        f"{FLOW_RESERVE_QUANTILE:.0%} point of a Poisson count"
+        + (f"; capped at the budget less the largest batch reservation ({largest_batch_blocks})"
+           if blocks > ceiling else ""))
+
+
 def worst_case_reservation_blocks(context_tokens: int, block_size: int) -> int:
     """An unset max_tokens lets a request grow to the whole context: ceil(context / block_size)."""
     return reserved_blocks(context_tokens, 0, block_size)

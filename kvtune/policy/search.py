@@ -67,6 +67,7 @@ from kvtune.policy.whatif import (
     SimBasis,
     Violation,
     WhatIfRow,
+    compute_bound_note,
 )
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
@@ -365,7 +366,11 @@ def mean_predicted(runs: Sequence[Predicted]) -> Predicted:
         goodput_rps=mean("goodput_rps"), ttft_p50_ms=mean("ttft_p50_ms"), ttft_p99_ms=mean("ttft_p99_ms"),
         e2e_p50_ms=mean("e2e_p50_ms"), e2e_p99_ms=mean("e2e_p99_ms"), preemption_rate=share("preemption_rate"),
         share_429=share("share_429"), truncation_share=share("truncation_share"),
-        sent=sum(p.sent for p in runs), completed=sum(p.completed for p in runs))
+        sent=sum(p.sent for p in runs), completed=sum(p.completed for p in runs),
+        kv_peak_blocks=None if any(p.kv_peak_blocks is None for p in runs) else max(
+            p.kv_peak_blocks or 0 for p in runs),
+        waiting_peak=None if any(p.waiting_peak is None for p in runs) else max(p.waiting_peak or 0 for p in runs),
+        running_peak=None if any(p.running_peak is None for p in runs) else max(p.running_peak or 0 for p in runs))
 
 
 def _simulate_once(objective: Objective, deployment: Deployment, draws: Draws) -> Predicted:
@@ -408,7 +413,8 @@ def predicted_of(objective: Objective, deployment: Deployment, result: SimResult
         preemption_rate=round(int((r.preemptions[sent_mask] > 0).sum()) / sent, 6) if sent else 0.0,
         share_429=round(summary["requests"]["failed"]["429"] / sent, 6) if sent else 0.0,
         truncation_share=truncation_share(objective.traffic, deployment.caps),
-        sent=sent, completed=summary["requests"]["completed"],
+        sent=sent, completed=summary["requests"]["completed"], kv_peak_blocks=result.blocks_used_peak,
+        waiting_peak=result.waiting_peak, running_peak=result.running_peak,
     )
 
 
@@ -586,6 +592,14 @@ def _why(objective: Objective, i: int, chosen: int | None, predicted: list[Predi
     return f"within the constraints; {metric} {value:,.2f} < the chosen row's {best:,.2f}"
 
 
+def _flow_note(objective: Objective, policy: Policy, predicted: Predicted, budget_blocks: int | None) -> str:
+    """A flow-control row whose engine was compute-bound says that flow control cannot help it."""
+    if not policy.flow:
+        return ""
+    note = compute_bound_note(predicted, budget_blocks, None if objective.slo is None else objective.slo.ttft_ms)
+    return "" if note is None else f"; {note}"
+
+
 def search(profile: Profile, plan: Plan, options: RecommendOptions, objective: Objective, *,
            grid: SearchGrid | None = None, progress: Progress | None = None) -> Recommendation:
     """Simulate the grid, choose the best feasible candidate, return its recommendation with the
@@ -638,7 +652,8 @@ def chosen_recommendation(objective: Objective, grid: SearchGrid, candidates: Se
         safety_fraction=c.safety_fraction, max_num_seqs=c.deployment.engine.max_num_seqs,
         max_num_batched_tokens=c.deployment.engine.max_num_batched_tokens, predicted=predicted[i],
         violations=broken[i], chosen=i == chosen,
-        why=_why(objective, i, chosen, predicted, broken[i], c.rec is None, len(feasible)), replicas=parts[i])
+        why=_why(objective, i, chosen, predicted, broken[i], c.rec is None, len(feasible))
+        + _flow_note(objective, c.policy, predicted[i], budgets[i]), replicas=parts[i])
         for i, c in enumerate(candidates))
     if chosen is None:
         closest = min((i for i, c in enumerate(candidates) if c.rec is not None),

@@ -323,6 +323,11 @@ class Predicted:
     truncation_share: float
     sent: int
     completed: int
+    # the engine's peaks: KV blocks held, requests in its waiting queue and running at once;
+    # None: not known (files written before them)
+    kv_peak_blocks: int | None = None
+    waiting_peak: int | None = None
+    running_peak: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"output_tokens_per_s": self.output_tokens_per_s, "requests_per_s": self.requests_per_s,
@@ -330,7 +335,10 @@ class Predicted:
                 "ttft_ms": {"p50": self.ttft_p50_ms, "p99": self.ttft_p99_ms},
                 "e2e_ms": {"p50": self.e2e_p50_ms, "p99": self.e2e_p99_ms},
                 "preemption_rate": self.preemption_rate, "share_429": self.share_429,
-                "truncation_share": self.truncation_share, "sent": self.sent, "completed": self.completed}
+                "truncation_share": self.truncation_share, "sent": self.sent, "completed": self.completed,
+                **({} if self.kv_peak_blocks is None else {"kv_peak_blocks": self.kv_peak_blocks}),
+                **({} if self.waiting_peak is None else {"waiting_peak": self.waiting_peak}),
+                **({} if self.running_peak is None else {"running_peak": self.running_peak})}
 
     @classmethod
     def read(cls, f: Fields) -> Predicted:
@@ -339,7 +347,30 @@ class Predicted:
                    ttft.number("p50", optional=True), ttft.number("p99", optional=True),
                    e2e.number("p50", optional=True), e2e.number("p99", optional=True),
                    f.number("preemption_rate", maximum=1), f.number("share_429", maximum=1),
-                   f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"))
+                   f.number("truncation_share", maximum=1), f.integer("sent"), f.integer("completed"),
+                   f.integer("kv_peak_blocks", optional=True), f.integer("waiting_peak", optional=True),
+                   f.integer("running_peak", optional=True))
+
+
+def compute_bound_note(predicted: Predicted, budget_blocks: int | None, ttft_target_ms: float | None) -> str | None:
+    """A flow-control row's note when the engine, not KV, was short: its KV peak stayed under the
+    gateway's budget while vLLM's own waiting queue reached at least half its running batch
+    (requests the gateway had admitted waited inside vLLM with KV to spare: for compute, prefill)
+    and TTFT p99 missed the target, where no KV gate shortens the wait. None otherwise, or when a
+    figure is unknown. (A gateway whose ledger is full holds requests back in front of vLLM, whose
+    queue then stays short: on the Azure conversation trace at 150 % vLLM's waiting peak is 18-30
+    of 333-386 running; on the code trace 109-122 of 139-145.)"""
+    peak, waiting, running, ttft = (predicted.kv_peak_blocks, predicted.waiting_peak, predicted.running_peak,
+                                    predicted.ttft_p99_ms)
+    if budget_blocks is None or ttft_target_ms is None or peak is None or waiting is None or running is None \
+            or ttft is None:
+        return None
+    if peak >= budget_blocks or 2 * waiting < running or ttft <= ttft_target_ms:
+        return None
+    return (f"compute-bound: vLLM queued up to {waiting:,} requests beside {running:,} running while KV peaked at "
+            f"{peak:,} of the {budget_blocks:,}-block budget, and TTFT p99 {ttft:,.0f} ms missed the "
+            f"{ttft_target_ms:,.0f} ms target: they wait inside vLLM for compute, which no KV gate (flow control "
+            "included) shortens")
 
 
 # each constraint (its option's name) as a row's verdict names it
@@ -569,4 +600,4 @@ def read_what_if(f: Fields) -> tuple[Objective, tuple[WhatIfRow, ...]] | None:
 
 __all__ = ["MAX_SEEDS", "headline", "objective_line", "table_cells", "replica_cells", "TABLE_NOTE", "Goal", "GOALS",
            "PolicyKind", "POLICY_KINDS", "ENGINE_ROWS", "Policy", "Load", "SimBasis", "Objective", "Predicted",
-           "Violation", "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if"]
+           "Violation", "ReplicaBasis", "ReplicaRow", "WhatIfRow", "read_what_if", "compute_bound_note"]

@@ -175,14 +175,16 @@ class _Routes:
         self.gid_of_slot = np.zeros(0, np.int64)
         self.slots = 0
 
-    def ids(self, gid: np.ndarray, tables: Sequence[_Table]) -> tuple[np.ndarray, bool]:
-        """(id per row, whether every row's route is dense) for a batch's global route ids."""
+    def ids(self, gid: np.ndarray, tables: Sequence[_Table],
+            known: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+        """(id per row, whether every row's route is dense) for a batch's global route ids; `known`:
+        the rows' slots when the caller has them already (`slots_of`)."""
         groups = len(self.vocab.ids)
         if self.slot.size < groups:
             grow = max(groups, 2 * self.slot.size) - self.slot.size
             self.slot = np.concatenate([self.slot, np.full(grow, -1, np.int64)])
             self.rows = np.concatenate([self.rows, np.zeros(grow, np.int64)])
-        ids = self.slot[gid]
+        ids = self.slot[gid] if known is None else known
         if ids.min() >= 0:
             return ids, True
         sparse = ids < 0
@@ -203,6 +205,14 @@ class _Routes:
             if not sparse.any():
                 return ids, True
         return np.where(sparse, -gid - 1, ids), False
+
+    def slots_of(self, codes: np.ndarray, mapping: np.ndarray) -> np.ndarray | None:
+        """Each row's dense slot (−1: sparse) straight from its dictionary code, slot[mapping][codes]:
+        one take of the rows instead of global ids, then slots; None when the dictionary names a
+        route past the slots kept so far."""
+        if int(mapping.max()) >= self.slot.size:
+            return None
+        return self.slot[mapping][codes]
 
     def gids(self, ids: np.ndarray) -> np.ndarray:
         """The global route id of each row id."""
@@ -367,6 +377,14 @@ class _Vocab:
         Works on the dictionary: only its few values go through Python, the rows are one take,
         or none when the dictionary lists the names in id order (the usual case: one file).
         """
+        codes, mapping, valid = self.dictionary_codes(column)
+        if np.array_equal(mapping, np.arange(mapping.size)):
+            return codes, valid
+        return mapping[codes], valid
+
+    def dictionary_codes(self, column: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(dictionary code per row, with nulls as 0; global id of each code, int64; valid mask or
+        None): global ids are mapping[codes], taken only where a caller needs them."""
         import pyarrow as pa
 
         from kvtune.ingest import arrays  # pyarrow, only when logs are read
@@ -379,9 +397,7 @@ class _Vocab:
             column = pc.dictionary_encode(column)
         mapping = np.array([self.id(str(s)) for s in column.dictionary.to_pylist()] or [0], np.int64)
         codes, valid = arrays.codes(column.indices)
-        if np.array_equal(mapping, np.arange(mapping.size)):
-            return codes, valid
-        return mapping[codes], valid
+        return codes, mapping, valid
 
     @property
     def names(self) -> list[str]:
@@ -443,20 +459,30 @@ class ProfileBuilder:
             return
         # columns a log format never fills arrive all-null: skip them without touching the data
         names = {name for name, col in zip(batch.schema.names, batch.columns, strict=True) if col.null_count < n}
-        vocab = self._routes.vocab
+        routes = self._routes
+        vocab = routes.vocab
+        ids = slots = gid = None  # gid: global route id per row, int64, taken only where needed
         if "route" in names:
-            gid, valid = vocab.encode(batch.column("route"))
-            if valid is not None:
-                gid[~valid] = vocab.id("*")
+            codes, mapping, valid = vocab.dictionary_codes(batch.column("route"))
+            slots = routes.slots_of(codes, mapping) if valid is None else None
+            if slots is not None and slots.min() >= 0:  # the usual case: every row's route dense already
+                ids = slots
+            if ids is None or "timestamp_s" in names:
+                gid = codes if np.array_equal(mapping, np.arange(mapping.size)) else mapping[codes]
+                if valid is not None:
+                    gid[~valid] = vocab.id("*")
+                gid = gid.astype(np.int64, copy=False)  # once: every table's key starts from it
         else:
             gid = np.full(n, vocab.id("*"), np.int64)
-        gid = gid.astype(np.int64, copy=False)  # once: every table's key starts from it
 
         output, out_valid = arrays.ints(batch.column("output_tokens"))
         if out_valid is not None or output.min() < 0:
             raise ValueError("output_tokens must be non-null and non-negative (ingest skips such rows)")
-        ids, dense = self._routes.ids(gid, self._tables)
-        routes = self._routes
+        if ids is not None:
+            dense = True
+        else:
+            assert gid is not None
+            ids, dense = routes.ids(gid, self._tables, slots)
         out_top = int(output.max())
         cut = _censored(batch.column("censored")) if "censored" in names else None
         self._output.add(routes, ids, output, dense, cut, out_top)
@@ -505,6 +531,7 @@ class ProfileBuilder:
                 table.add(routes, i, c.astype(np.int64, copy=False), dense, top=len(labels.ids) - 1)
 
         if "timestamp_s" in names:
+            assert gid is not None
             self._add_arrivals(gid, arrays.floats(batch.column("timestamp_s")))
         for column, table in (("latency_ms", self._latency), ("ttft_ms", self._ttft)):
             if column in names:

@@ -72,14 +72,27 @@ def summarize_sim(result: SimResult, traffic: Traffic, *, slo: Slo | None) -> di
         },
     }
     if slo is not None:
-        # an answer the gateway's cap cut short of what its client asked for is no answer met
-        whole = ok & (tokens >= traffic.requested_output)
-        met = sum(slo.meets(bool(o), None if np.isnan(a) else float(a), None if np.isnan(b) else float(b),
-                            None if np.isnan(c) else float(c))
-                  for o, a, b, c in zip(whole.tolist(), ttft.tolist(), tpot.tolist(), e2e.tolist(), strict=True)
-                  if o)
-        summary["goodput"] = goodput(slo, met, int(sent.sum()), duration_s)
+        summary["goodput"] = goodput(slo, int(slo_met(result, traffic, slo).sum()), int(sent.sum()), duration_s)
     return summary
+
+
+def slo_met(result: SimResult, traffic: Traffic, slo: Slo) -> np.ndarray:
+    """Per request: did it meet `slo` (goodput's count)? An answer the gateway's cap cut short of
+    what its client asked for is no answer met."""
+    r = result.requests
+    ok = r.outcome == _OK
+    send_s = r.arrival_s - traffic.overhead_s
+    ttft = (r.first_token_s - send_s) * 1000
+    e2e = (r.finish_s - send_s) * 1000
+    tokens = r.output_tokens
+    multi = ok & (tokens >= 2)
+    tpot = np.full(len(r), np.nan)
+    tpot[multi] = (e2e[multi] - ttft[multi]) / (tokens[multi] - 1)
+    whole = ok & (tokens >= traffic.requested_output)
+    return np.fromiter((o and slo.meets(True, None if np.isnan(a) else float(a), None if np.isnan(b) else float(b),
+                                        None if np.isnan(c) else float(c))
+                        for o, a, b, c in zip(whole.tolist(), ttft.tolist(), tpot.tolist(), e2e.tolist(), strict=True)),
+                       dtype=bool, count=len(r))
 
 
 def sim_report(result: SimResult, traffic: Traffic, *, slo: Slo | None, context: dict[str, Any],
@@ -102,15 +115,17 @@ def sim_report(result: SimResult, traffic: Traffic, *, slo: Slo | None, context:
             "requests_not_sent": int((r.outcome == _NOT_SENT).sum()),
             "admission_waiting_peak": result.admission_waiting_peak,
             "preempted_requests": int((r.preemptions > 0).sum()),
-            **({"by_route": by_route(result, traffic)} if len(traffic.routes) > 1 else {}),
+            **({"by_route": by_route(result, traffic, slo)} if len(traffic.routes) > 1 else {}),
         },
     }
 
 
-def by_route(result: SimResult, traffic: Traffic) -> dict[str, Any]:
+def by_route(result: SimResult, traffic: Traffic, slo: Slo | None = None) -> dict[str, Any]:
     """Each route's requests: completed, 429s, retried, TTFT (as latency_ms.ttft, and of the
-    requests admitted at their first try). With flow control's bands on routes, each band's TTFT."""
+    requests admitted at their first try), and with an SLO how many met it (its goodput's count).
+    With flow control's bands on routes, each band's TTFT and goodput."""
     r = result.requests
+    met = None if slo is None else slo_met(result, traffic, slo)
     ok = r.outcome == _OK
     ttft = (r.first_token_s - (r.arrival_s - traffic.overhead_s)) * 1000
     names = np.asarray(traffic.route, dtype=object)
@@ -122,8 +137,9 @@ def by_route(result: SimResult, traffic: Traffic) -> dict[str, Any]:
                      "http_429": int((mine & (r.outcome == _429)).sum()),
                      "retried": int((mine & (r.retries > 0)).sum()),
                      "ttft_ms": latency_stats(ttft[mine & ok]),
-                     "ttft_ms_first_try": latency_stats(ttft[first_try])}
+                     "ttft_ms_first_try": latency_stats(ttft[first_try]),
+                     **({} if met is None else {"slo_met": int((mine & met).sum())})}
     return out
 
 
-__all__ = ["by_route", "summarize_sim", "sim_report"]
+__all__ = ["by_route", "slo_met", "summarize_sim", "sim_report"]

@@ -362,3 +362,34 @@ def test_the_live_calibrated_capacity_file(tmp_path, profile):
     assert timing["http_overhead_s"] == written["http_overhead_s"]
     assert timing["measured_against"]["num_blocks"] == 32
     assert data["server"]["num_blocks"] == 32 and data["server"]["block_size"] == 128
+
+
+def test_two_bands_report_each_bands_goodput_and_the_reserve(tmp_path):
+    """simulate --gateway with two bands on routes (--route-header) and --slo: each route's
+    `slo_met` in simulation.by_route (the band's goodput count) adds up to goodput's requests_met,
+    and the gateway.yaml recommend --flow-control sized runs with its interactive reserve."""
+    import csv
+
+    logs = tmp_path / "two-band.jsonl"
+    repo = Path(__file__).resolve().parents[2]
+    with open(repo / "sample_logs" / "azure_style_trace.csv") as f, open(logs, "w") as out:
+        for i, row in enumerate(csv.DictReader(f)):
+            out.write(json.dumps({"route": "interactive" if i % 10 < 3 else "batch", "model": "m",
+                                  "prompt_tokens": int(row["ContextTokens"]),
+                                  "output_tokens": int(row["GeneratedTokens"])}) + "\n")
+    runner = CliRunner()
+    profile = tmp_path / "profile.json"
+    model = ["--model", "llama-3.1-8b", "--gpu", "H100-80GB"]
+    assert runner.invoke(cli, ["profile", str(logs), "--route-by", "route", "--save", str(profile), "-q"]).exit_code == 0
+    done = runner.invoke(cli, ["recommend", str(logs), *model, "--route-by", "route", "--route-header",
+                               "x-kvtune-route", "--slo", "ttft=2000,e2e=20000", "--flow-control", "--out",
+                               str(tmp_path / "deploy")], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    data = simulate_json("--profile", str(profile), *model, "--gateway", str(tmp_path / "deploy" / "gateway.yaml"),
+                         "--route-header", "x-kvtune-route", "--rate", "30", "--requests", "400", "--slo",
+                         "ttft=2000,e2e=20000")
+    bands = data["simulation"]["admission"]["flow"]["bands"]
+    assert bands[0]["name"] == "interactive" and bands[0]["reserve_blocks"] > 0
+    by_route = data["simulation"]["by_route"]
+    assert set(by_route) == {"interactive", "batch"}
+    assert sum(r["slo_met"] for r in by_route.values()) == data["goodput"]["requests_met"] > 0

@@ -110,9 +110,11 @@ def test_a_request_that_cannot_make_its_deadline_is_shed_at_arrival(kind, tmp_pa
         assert (ledger["reserved"], ledger["inflight"], ledger["waiting"]) == (0, 0, 0)
         zero = {"waiting": 0, "admitted": 0, "shed": 0, "timed_out": 0}
         assert ledger["flow"] == {"token_time_s": 0.25, "waiting": 0, "flows": 2, "bands": [
-            {"name": "interactive", "deadline_s": 2, "waiting": 0, "admitted": 1, "shed": 1, "timed_out": 0,
+            {"name": "interactive", "deadline_s": 2, "reserve_blocks": 0, "kept_blocks": 0, "waiting": 0,
+             "admitted": 1, "shed": 1, "timed_out": 0,
              "flows": [{"flow": "anonymous", "waiting": 0, "admitted": 1, "shed": 1, "timed_out": 0}], "other": zero},
-            {"name": "batch", "deadline_s": 30, "waiting": 0, "admitted": 1, "shed": 0, "timed_out": 0,
+            {"name": "batch", "deadline_s": 30, "reserve_blocks": 0, "kept_blocks": 0, "waiting": 0,
+             "admitted": 1, "shed": 0, "timed_out": 0,
              "flows": [{"flow": "anonymous", "waiting": 0, "admitted": 1, "shed": 0, "timed_out": 0}], "other": zero}]}
         metrics = _metrics(server)
         assert metrics["kvtune_gateway_flow_shed_total", (("band", "interactive"), ("flow", "anonymous"),
@@ -227,6 +229,45 @@ def test_lower_band_waiters_never_hold_back_a_higher_bands_arrival(kind, tmp_pat
         assert half_box["result"][0] == big_box["result"][0] == small_box["result"][0] == 200
         assert _served_order(upstream, {"interactive", "big", "small"}) == ["interactive", "big", "small"]
         assert server.wait_drained()["reserved"] == 0
+    finally:
+        upstream.release()
+        server.stop()
+
+
+def test_a_batch_request_is_refused_the_reserve_while_an_interactive_one_is_admitted_into_it(kind, tmp_path,
+                                                                                            upstream):
+    """Trunk reservation (The reserve): interactive keeps 30 of the 100 blocks from batch. With 50
+    held, a batch request of 30 (it would leave 20 free) waits; an interactive one of 50 is admitted
+    at once, to the last block; when it ends the batch one still waits (50 + 30 would leave 20), and
+    is served once the holder ends. The ledger and /metrics show the reserve; every reservation is
+    given back once."""
+    flow = FlowControl(token_time_s=0.01, bands=(Band("interactive", 5.0, reserve_blocks=30), Band("batch", 10.0)))
+    server = _start(kind, tmp_path, upstream, flow)
+    try:
+        upstream.hold()
+        half, half_box = in_thread(server.request, "/v1/chat/completions", chat(736, x_mode="hold"))  # 50 blocks
+        server.wait_ledger(50)
+        batch, batch_box = in_thread(server.request, "/v1/chat/completions", chat(416, x_id="batch"), "POST", 30,
+                                     {"X-Kvtune-Priority": "batch"})  # 30 blocks
+        ledger = _waiting(server, 1)
+        assert ledger["reserved"] == 50
+        assert [(b["reserve_blocks"], b["kept_blocks"]) for b in ledger["flow"]["bands"]] == [(30, 0), (0, 30)]
+        status, _, body = server.request("/v1/chat/completions", chat(736, x_id="interactive"))  # 50: all that is left
+        assert status == 200, body
+        time.sleep(0.3)  # a release and a few of nginx's wake timers later: still waiting
+        ledger = _waiting(server, 1)
+        assert ledger["reserved"] == 50 and _served_order(upstream, {"batch", "interactive"}) == ["interactive"]
+        metrics = _metrics(server)
+        assert metrics["kvtune_gateway_flow_kept_blocks", (("band", "batch"),)] == 30
+        assert metrics["kvtune_gateway_flow_kept_blocks", (("band", "interactive"),)] == 0
+        upstream.release()
+        for thread in (half, batch):
+            thread.join(20)
+        assert half_box["result"][0] == batch_box["result"][0] == 200
+        assert _served_order(upstream, {"batch", "interactive"}) == ["interactive", "batch"]
+        ledger = server.wait_drained()
+        assert (ledger["reserved"], ledger["inflight"], ledger["waiting"]) == (0, 0, 0)
+        assert [(b["admitted"], b["shed"], b["timed_out"]) for b in ledger["flow"]["bands"]] == [(2, 0, 0), (1, 0, 0)]
     finally:
         upstream.release()
         server.stop()

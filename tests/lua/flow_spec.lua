@@ -1,11 +1,13 @@
 -- kvtune.flow: the flow-control queue (docs/guides/flow-control.md) on a ledger of plain blocks.
 local flow = require "kvtune.flow"
 
--- A ledger of `limit` blocks: try_reserve admits what fits, release gives it back.
+-- A ledger of `limit` blocks: try_reserve admits what fits leaving w.keep free beside it (at
+-- most limit - blocks, as the ledgers clamp it), release gives it back.
 local function ledger(limit)
     local L = { limit = limit, reserved = 0, running = {} }
     function L.try_reserve(w)
-        if L.reserved + w.blocks > L.limit then return nil end
+        local keep = math.min(w.keep or 0, math.max(0, L.limit - w.blocks))
+        if L.reserved + w.blocks + keep > L.limit then return nil end
         L.reserved = L.reserved + w.blocks
         local held = { blocks = w.blocks, cap = w.cap, law = w.law, admitted_at = w.now or 0, seq = #L.running + 1 }
         L.running[#L.running + 1] = held
@@ -17,7 +19,7 @@ local function ledger(limit)
             if r == held then table.remove(L.running, i) break end
         end
     end
-    function L.free() return math.max(0, L.limit - L.reserved) end
+    function L.free() return math.max(0, L.limit - L.reserved), L.limit end
     function L.list() return L.running end
     return L
 end
@@ -227,5 +229,66 @@ describe("kvtune.flow's queue", function()
         assert.are.equal(0, band.shed)
         L.release(hold.reservation)
         assert.are.same({}, Q.wake(L.try_reserve, 1))
+    end)
+end)
+
+describe("kvtune.flow's reserve (trunk reservation)", function()
+    local function reserved_config()
+        return config({ bands = { { name = "interactive", deadline_s = 1000, reserve_blocks = 3 },
+                                  { name = "batch", deadline_s = 1000 } } })
+    end
+
+    it("keeps the bands above's reserves free from a lower band: K_b", function()
+        local Q = flow.new(config({ bands = { { name = "a", deadline_s = 1, reserve_blocks = 2 },
+                                              { name = "b", deadline_s = 1, reserve_blocks = 5 },
+                                              { name = "c", deadline_s = 1 } } }))
+        assert.are.same({ 0, 2, 7 }, { Q.kept(1), Q.kept(2), Q.kept(3) })
+        local snap = Q.snapshot()
+        assert.are.same({ 2, 5, 0 }, { snap.bands[1].reserve_blocks, snap.bands[2].reserve_blocks,
+                                       snap.bands[3].reserve_blocks })
+        assert.are.same({ 0, 2, 7 }, { snap.bands[1].kept_blocks, snap.bands[2].kept_blocks,
+                                       snap.bands[3].kept_blocks })
+    end)
+
+    it("refuses a batch request the reserve while an interactive one is admitted into it", function()
+        local L = ledger(10)
+        local Q = flow.new(reserved_config())
+        assert.are.equal("admitted", Q.offer({ blocks = 5, band = 2, flow = "x" }, 0, L.try_reserve, L.free, L.list))
+        -- 5 held: a batch request of 3 would leave 2 free, under the reserve of 3: it waits
+        local batch = { blocks = 3, band = 2, flow = "x" }
+        assert.are.equal("queued", Q.offer(batch, 0, L.try_reserve, L.free, L.list))
+        -- the top band takes the reserve, to the last block
+        local top = { blocks = 5, band = 1, flow = "y" }
+        assert.are.equal("admitted", Q.offer(top, 0, L.try_reserve, L.free, L.list))
+        assert.are.equal(10, L.reserved)
+        L.release(top.reservation)
+        -- 5 held, 5 free: the batch waiter still leaves only 2: served only once 6 are free
+        assert.are.equal(0, #Q.wake(L.try_reserve, 1))
+        L.release(L.running[1])
+        local granted = Q.wake(L.try_reserve, 2)
+        assert.are.equal(1, #granted)
+        assert.are.equal(batch, granted[1])
+        assert.are.equal(3, L.reserved)
+    end)
+
+    it("lets a request too large for the reserve into an empty ledger", function()
+        local L = ledger(10)
+        local Q = flow.new(reserved_config())
+        -- 9 blocks beside a reserve of 3 never fit: it keeps min(3, 10 - 9) = 1
+        local big = { blocks = 9, band = 2, flow = "x" }
+        assert.are.equal("admitted", Q.offer(big, 0, L.try_reserve, L.free, L.list))
+        L.release(big.reservation)
+        assert.are.equal("admitted", Q.offer({ blocks = 1, band = 1, flow = "y" }, 0, L.try_reserve, L.free, L.list))
+        assert.are.equal("queued", Q.offer({ blocks = 9, band = 2, flow = "x" }, 0, L.try_reserve, L.free, L.list))
+    end)
+
+    it("forecasts the blocks a lower band must leave free", function()
+        local L = ledger(10)
+        local Q = flow.new(reserved_config())
+        Q.offer({ blocks = 8, band = 1, flow = "x", cap = 20 }, 0, L.try_reserve, L.free, L.list)  -- ends in 2 s
+        -- interactive, 2 blocks: 2 free, it would not wait
+        assert.are.equal(0, Q.wait_s(1, "y", 2, 0, L.free, L.list))
+        -- batch, 2 blocks: 2 + 3 kept - 2 free = 3 to free: the holder's end
+        assert.are.near(2, Q.wait_s(2, "y", 2, 0, L.free, L.list), 1e-12)
     end)
 end)

@@ -90,6 +90,20 @@ describe("kvtune.statistical", function()
         assert.is_truthy(stat.try_reserve(blocks(100), demand(100), 0))
     end)
 
+    it("keeps flow control's reserve as a budget that much smaller", function()
+        -- P(peak KV + k > budget) = P(peak KV > budget - k): 30 kept of 100 admit what 70 admit
+        for _, epsilon in ipairs({ 0, 0.01, 0.2 }) do
+            local kept, smaller, n = ledger(100, epsilon, 2000000), ledger(70, epsilon, 2000000), 0
+            while kept.try_reserve(blocks(100), demand(100), 0, 30) do
+                assert.is_truthy(smaller.try_reserve(blocks(100), demand(100), 0))
+                n = n + 1
+            end
+            assert.is_nil(smaller.try_reserve(blocks(100), demand(100), 0))
+            assert.is_true(n >= 1)
+            assert.is_truthy(kept.try_reserve(blocks(100), demand(100), 0))  -- nothing kept: the top band
+        end
+    end)
+
     it("counts other workers' blocks at their worst case", function()
         local stat = ledger(100, 0.01, 2000000)
         assert.is_nil(stat.try_reserve(blocks(100), demand(100), 100))  -- 100 held elsewhere

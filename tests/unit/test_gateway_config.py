@@ -491,8 +491,60 @@ def test_flow_section_reads_with_its_defaults_and_routes_name_bands():
     ({"routes": [{"name": "x", "max_new_tokens": 10, "band": "interactive"}]}, "routes[0].band", "flow:"),
     ({"flow": FLOW, "routes": [{"name": "x", "max_new_tokens": 10, "band": "gold"}]}, "routes[0].band", "not one of"),
     ({"flow": FLOW, "ledger": {"backend": "redis", "url": "redis://127.0.0.1:6379"}}, "flow", "not yet supported"),
+    ({"flow": {**FLOW, "bands": [{**FLOW["bands"][0], "reserve_blocks": -1}, FLOW["bands"][1]]}},
+     "flow.bands[0].reserve_blocks", "at least 0"),
+    ({"flow": {**FLOW, "bands": [{**FLOW["bands"][0], "reserve_blocks": 1.5}, FLOW["bands"][1]]}},
+     "flow.bands[0].reserve_blocks", "expected an integer"),
+    ({"flow": {**FLOW, "bands": [FLOW["bands"][0], {**FLOW["bands"][1], "reserve_blocks": 10}]}},
+     "flow.bands[1].reserve_blocks", "the last band has no band below it"),
+    ({"flow": {**FLOW, "bands": [{**FLOW["bands"][0], "reserve_blocks": 1000}, FLOW["bands"][1]]}},
+     "flow.bands[0].reserve_blocks", "add up to 1000 blocks, not below the block budget 1000"),
 ])
 def test_flow_errors_name_the_field(overrides, field, words):
     with pytest.raises(InputError) as info:
         parse_gateway_config(_doc(**overrides), path="gw.yaml")
     assert info.value.field == field and words in str(info.value)
+
+
+def test_a_bands_reserve_reads_back_as_written():
+    """flow.bands[].reserve_blocks (docs/guides/flow-control.md, The reserve): read, K_b derived,
+    and FlowControl.to_dict writes what the reader reads back."""
+    import yaml
+
+    flow = {**FLOW, "bands": [{**FLOW["bands"][0], "reserve_blocks": 120}, FLOW["bands"][1]]}
+    config = parse_gateway_config(_doc(flow=flow))
+    assert config.flow is not None
+    assert [b.reserve_blocks for b in config.flow.bands] == [120, 0]
+    assert [config.flow.kept_blocks(i) for i in range(2)] == [0, 120]
+    written = yaml.safe_load(yaml.safe_dump(config.flow.to_dict()))
+    assert written["bands"] == [{"name": "interactive", "deadline_s": 2, "reserve_blocks": 120},
+                                {"name": "batch", "deadline_s": 60}]  # none written where there is none
+    assert parse_gateway_config(_doc(flow=written)).flow == config.flow
+
+
+def test_a_reserve_error_names_the_file_and_field(tmp_path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text("version: 1\nupstream: http://127.0.0.1:8000\nblock_size: 16\nblock_budget: 100\n"
+                    "max_model_len: 1000\nroutes: [{name: x, max_new_tokens: 5}]\nflow:\n  token_time_s: 0.02\n"
+                    "  bands:\n    - {name: interactive, deadline_s: 2, reserve_blocks: 100}\n"
+                    "    - {name: batch, deadline_s: 60}\n")
+    with pytest.raises(InputError) as info:
+        load_gateway_config(path)
+    # the reader's field errors name the file and the field (no line: gateway.yaml's reader keeps none)
+    assert str(info.value) == (f"{path}: flow.bands[0].reserve_blocks: the bands' reserves add up to 100 blocks, "
+                               "not below the block budget 100: the last band could never be admitted")
+
+
+def test_the_reserves_together_must_stay_below_every_upstreams_budget():
+    doc = {k: v for k, v in _doc().items() if k not in ("upstream", "block_budget")}
+    doc["upstreams"] = [{"url": "http://127.0.0.1:8000", "block_budget": 1000},
+                        {"url": "http://127.0.0.1:8001", "block_budget": 50}]
+    bands = [{"name": "a", "deadline_s": 1, "reserve_blocks": 30}, {"name": "b", "deadline_s": 1, "reserve_blocks": 19},
+             {"name": "c", "deadline_s": 1}]
+    config = parse_gateway_config({**doc, "flow": {**FLOW, "bands": bands}})
+    assert config.flow is not None and config.flow.kept_blocks(2) == 49
+    bands[1]["reserve_blocks"] = 20
+    with pytest.raises(InputError) as info:
+        parse_gateway_config({**doc, "flow": {**FLOW, "bands": bands}})
+    assert info.value.field == "flow.bands[1].reserve_blocks"
+    assert "add up to 50 blocks, not below the block budget 50" in str(info.value)

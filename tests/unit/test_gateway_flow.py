@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +17,10 @@ from kvtune.gateway.flow import FlowGate, band_of, flow_of, forecast_wait_s, tok
 from kvtune.gateway.gate import AdmissionGate, Turned
 from kvtune.gateway.ledger import BlockLedger, Reservation
 from kvtune.gateway.refusals import Reason
+from kvtune.gateway.statistical import StatisticalLedger
 
 TWO_BANDS = (Band("interactive", 2.0), Band("batch", 1000.0))
+RESERVED = (Band("interactive", 1000.0, reserve_blocks=3), Band("batch", 1000.0))
 
 
 class Clock:
@@ -251,3 +254,115 @@ def test_under_any_interleaving_the_ledger_drains_to_zero(ops):
     clock.now += 100
     g.expire(clock.now)
     assert g.ledger.reserved_blocks == 0 and g.held_count == 0 and g.waiting == 0
+
+
+def test_a_batch_request_is_refused_the_reserve_while_an_interactive_one_is_admitted_into_it():
+    """Trunk reservation (docs/guides/flow-control.md, The reserve): interactive keeps 3 of 10
+    blocks from batch; the top band takes the last block."""
+    g, clock = gate(budget=10, bands=RESERVED)
+    first = g.offer("b1", 5, 0.0, band=1)
+    assert isinstance(first, Reservation)
+    assert g.offer("b2", 3, 0.0, band=1) is None  # 5 + 3 leaves 2 free, under the reserve: it waits
+    top = g.offer("i1", 5, 0.0, band=0)
+    assert isinstance(top, Reservation) and g.ledger.reserved_blocks == 10  # into the reserve, to the last block
+    assert g.release(top) == []  # 5 free again, but b2 would leave 2: it still waits
+    assert g.release(top) == []  # released once
+    granted = g.release(first)
+    assert [key for key, _ in granted] == ["b2"] and g.ledger.reserved_blocks == 3
+    assert g.offer("b3", 4, 0.0, band=1) is not None  # 3 + 4 leaves 3: admitted at once
+    band = g.report()["bands"]
+    assert [(b["reserve_blocks"], b["kept_blocks"]) for b in band] == [(3, 0), (0, 3)]
+
+
+def test_the_reserve_never_holds_back_the_top_band_and_a_large_request_still_fits_an_empty_ledger():
+    g, clock = gate(budget=10, bands=RESERVED)
+    big = g.offer("b", 9, 0.0, band=1)  # 9 beside 3 never fits: it keeps min(3, 10 - 9) = 1
+    assert isinstance(big, Reservation)
+    assert isinstance(g.offer("i", 1, 0.0, band=0), Reservation)  # the top band: everything
+    assert g.offer("b2", 9, 0.0, band=1) is None
+
+
+def test_the_forecast_counts_the_blocks_a_lower_band_leaves_free():
+    g, clock = gate(budget=10, bands=RESERVED, token_time_s=0.1)
+    assert isinstance(g.offer("hold", 8, 0.0, demand(20), band=0), Reservation)  # ends in 20 x 0.1 = 2 s
+    assert g.forecast_s(2, 0, "x", 0.0) == 0.0  # interactive: 2 free, no wait
+    assert g.forecast_s(2, 1, "x", 0.0) == 2.0  # batch: 2 + 3 kept - 2 free = 3 to free
+
+
+def test_the_ledgers_keep_blocks_free_beside_a_reservation():
+    ledger = BlockLedger(10)
+    assert ledger.try_reserve(3) is not None
+    assert ledger.try_reserve(4, keep_blocks=5) is None  # 3 + 4 + 5 > 10
+    assert ledger.try_reserve(2, keep_blocks=5) is not None  # 3 + 2 + 5 = 10
+    assert BlockLedger(10).try_reserve(6, keep_blocks=5) is not None  # k = min(5, 10 - 6) = 4
+    assert BlockLedger(10).try_reserve(10, keep_blocks=5) is not None  # min(5, 10 - 10) = 0
+    overcommit = BlockLedger(10, limit_blocks=15)  # the limit, not the budget
+    assert overcommit.try_reserve(10, keep_blocks=5) is not None
+    assert overcommit.try_reserve(1, keep_blocks=5) is None
+
+
+def test_the_statistical_ledger_keeps_the_reserve_as_a_budget_that_much_smaller():
+    """P(peak KV + k > budget) is P(peak KV > budget - k): with 30 blocks kept, a ledger of 100
+    admits what one of 70 admits, at any epsilon."""
+    law = OutputLaw((16, 64, 512), (70, 20, 10))
+    want = Demand((100,), 512, law)
+    blocks = -(-(100 + 512) // 16)
+    for epsilon in (0.0, 0.01, 0.2):
+        kept = StatisticalLedger(100, epsilon=epsilon, block_size=16, max_model_len=1024)
+        smaller = StatisticalLedger(70, epsilon=epsilon, block_size=16, max_model_len=1024)
+        n = 0
+        while kept.try_reserve(blocks, want, keep_blocks=30) is not None:
+            assert smaller.try_reserve(blocks, want) is not None
+            n += 1
+        assert smaller.try_reserve(blocks, want) is None and n >= 1
+        assert kept.try_reserve(blocks, want) is not None  # the top band: no reserve kept
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["offer", "release", "tick", "leave"]), st.integers(1, 6),
+                          st.integers(0, 1), st.sampled_from(["a", "b"])), max_size=60))
+def test_the_lower_band_never_holds_the_reserve_and_the_ledger_drains(ops):
+    g, clock = gate(budget=12, bands=(Band("hi", 0.5, reserve_blocks=3), Band("lo", 3.0)), token_time_s=0.05,
+                    max_waiting=6, max_waiting_per_flow=3)
+    held: dict[int, Reservation] = {}
+    band_of_key: dict[int, int] = {}
+    waiting: set[int] = set()
+
+    def granted(pairs):
+        for key, r in pairs:
+            waiting.discard(key)
+            held[key] = r
+
+    for n, (op, blocks, band, flow) in enumerate(ops):
+        if op == "offer":
+            band_of_key[n] = band
+            got = g.offer(n, blocks, clock.now, demand(blocks * 4), band=band, flow=flow)
+            if got is None:
+                waiting.add(n)
+            elif isinstance(got, Reservation):
+                held[n] = got
+        elif op == "release" and held:
+            key = sorted(held)[blocks % len(held)]
+            granted(g.release(held.pop(key)))
+        elif op == "tick":
+            clock.now += 0.25 * blocks
+            more, turned = g.expire(clock.now)
+            granted(more)
+            waiting.difference_update(key for key, _ in turned)
+        elif op == "leave" and waiting:
+            key = sorted(waiting)[blocks % len(waiting)]
+            waiting.discard(key)
+            granted(g.leave(key))
+        # every request is at most 6 blocks, so the lower band keeps all 3: it holds at most 9
+        assert sum(r.blocks for k, r in held.items() if band_of_key[k] == 1) <= 12 - 3
+        assert g.ledger.reserved_blocks == sum(r.blocks for r in held.values()) <= 12
+    while held:
+        granted(g.release(held.pop(next(iter(held)))))
+    clock.now += 100
+    g.expire(clock.now)
+    assert g.ledger.reserved_blocks == 0 and g.held_count == 0 and g.waiting == 0
+
+
+def test_the_last_band_cannot_hold_a_reserve():
+    with pytest.raises(ValueError, match="last band"):
+        FlowControl(token_time_s=0.1, bands=(Band("a", 1.0), Band("b", 1.0, reserve_blocks=1)))

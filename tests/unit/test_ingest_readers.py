@@ -299,6 +299,23 @@ def test_parquet_float_counts_go_row_by_row(tmp_path):
     assert stats.examples["token count not an integer"] == f"{tmp_path / 'f.parquet'}:2: output_tokens: not an integer: 2.5"
 
 
+@pytest.mark.parametrize("group_rows", [300_000, 1_000])
+def test_parquet_batches_are_bounded_in_rows_whatever_the_row_groups(tmp_path, group_rows):
+    """Rows per batch stay within 2^17 (a small row group is a batch of its own), so the memory a
+    batch holds does not follow a writer's row groups: a big row group is read in pieces, the rows
+    in their order."""
+    rows = 300_000
+    table = pa.table({"route": ["/a", "/b", "/c"] * (rows // 3), "output_tokens": list(range(rows))})
+    pq.write_table(table, tmp_path / "g.parquet", row_group_size=group_rows)
+    it, stats = read_logs([str(tmp_path / "g.parquet")], IngestOptions())
+    sizes, outputs = [], []
+    for batch in it:
+        sizes.append(batch.num_rows)
+        outputs.extend(batch.column("output_tokens").to_pylist())
+    assert max(sizes) == min(group_rows, 1 << 17) and sum(sizes) == rows
+    assert outputs == list(range(rows)) and stats.rows_ok == rows
+
+
 def test_progress_reaches_total(tmp_path):
     src = _native_table(2000)
     _write_jsonl(src, tmp_path / "a.jsonl")

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from conftest import REPO
 
 from kvtune.cli import cli
-from kvtune.profile import counting
+from kvtune.profile import build, counting
 
 pytestmark = pytest.mark.skipif(not counting.available(), reason="kvtune.ingest._flatscan not built: numpy counts")
 
@@ -124,3 +124,44 @@ def test_a_key_outside_the_counts_is_refused():
     assert not counts.any()  # both stopped at their first row
     counting.add_counts(counts, np.array([0, 1]), 4, np.array([1, 3]), np.array([False, True]), 0)
     assert counts.tolist() == [[0, 1, 0, 0], [0, 0, 0, 1]]
+
+
+
+def test_rows_of_dense_routes_take_their_slots_straight_from_the_codes(tmp_path, monkeypatch):
+    """A batch whose rows all have dense routes takes their slots in one take of the dictionary
+    codes (`_Routes.slots_of`), not through global ids: the same bytes as through global ids, on
+    rows with rare (sparse) routes early on, a route turning dense midway, null routes and prompts,
+    censored rows and arrivals."""
+    rng = np.random.default_rng(7)
+    rows = 400_000
+    route = np.array([f"/v1/r{i}" for i in range(4)], dtype=object)[rng.integers(0, 4, rows)]
+    early = np.arange(rows) < 100_000
+    rare = early & (rng.random(rows) < 0.01)
+    route[rare] = [f"/rare/{i}" for i in rng.integers(0, 40, int(rare.sum()))]
+    route[(np.arange(rows) > 250_000) & (rng.random(rows) < 0.03)] = "/v1/late"
+    table = pa.table({
+        "route": pa.array(route.astype(str), mask=early & (rng.random(rows) < 0.001)),
+        "prompt_tokens": pa.array(rng.integers(1, 9000, rows), mask=rng.random(rows) < 0.02),
+        "output_tokens": rng.integers(0, 3000, rows),
+        "finish_reason": np.where(rng.random(rows) < 0.05, "length", "stop"),
+        "timestamp_s": 1_700_000_000 + np.sort(rng.integers(0, 3600_000, rows)) / 1000,
+    })
+    path = tmp_path / "routes.parquet"
+    pq.write_table(table, path, row_group_size=50_000)
+    straight: list[bool] = []
+    slots_of = build._Routes.slots_of
+
+    def recorded(self, codes, mapping):
+        slots = slots_of(self, codes, mapping)
+        straight.append(slots is not None and slots.min() >= 0)
+        return slots
+
+    with monkeypatch.context() as m:
+        m.setattr(build._Routes, "slots_of", recorded)
+        fast = _profile([str(path)], tmp_path / "fast.json", kernels=True, monkeypatch=monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(build._Routes, "slots_of", lambda self, codes, mapping: None)
+        slow = _profile([str(path)], tmp_path / "slow.json", kernels=True, monkeypatch=monkeypatch)
+    assert fast[:2] == slow[:2]
+    assert True in straight and False in straight  # both ways ran
+    assert json.loads(fast[0])["requests"] == rows

@@ -37,7 +37,7 @@ def test_flow_control_runs_one_worker_watches_aborts_and_serves_metrics():
     assert "location = /metrics {" in conf
     assert 'require("kvtune_gateway").watch_flow()' in conf
     assert 'weights = { { "tenant \\034a\\034", 4.0 } },' in conf
-    assert '{ name = "batch", deadline_s = 60.0 },' in conf
+    assert '{ name = "batch", deadline_s = 60.0, reserve_blocks = 0 },' in conf
     assert "max_waiting_per_flow = 8," in conf
     assert 'band = "batch"' in conf and "band = nil" in conf
     # check reads the deployed file as before
@@ -82,7 +82,8 @@ def test_recommend_flow_control_renders_the_same_queue_into_nginx_conf(tmp_path)
     assert f"token_time_s = {flow.token_time_s!r}," in conf
     assert f"max_waiting = {flow.max_waiting}," in conf and f"max_waiting_per_flow = {flow.max_waiting_per_flow}," in conf
     for band in flow.bands:
-        assert f'{{ name = "{band.name}", deadline_s = {band.deadline_s!r} }},' in conf
+        assert (f'{{ name = "{band.name}", deadline_s = {band.deadline_s!r}, '
+                f'reserve_blocks = {band.reserve_blocks} }},') in conf
 
 
 def test_render_options_flow_reaches_gateway_yaml_too():
@@ -95,3 +96,18 @@ def test_render_options_flow_reaches_gateway_yaml_too():
     config = parse_gateway_config(yaml.safe_load(text), path="gateway.yaml")
     assert config.flow == FLOW
     assert {r.name: r.band for r in config.routes}["/v1/completions"] == "batch"
+
+
+def test_a_bands_reserve_renders_into_both_files_and_reads_back():
+    """flow.bands[].reserve_blocks (The reserve): gateway.yaml reads back the FlowControl rendered,
+    nginx.conf's band table carries the same reserve."""
+    import yaml
+
+    from kvtune.gateway.config import parse_gateway_config
+
+    flow = FlowControl(token_time_s=0.02, bands=(Band("interactive", 2.0, reserve_blocks=40), Band("batch", 60.0)))
+    files = render_files(_rec(), targets=["gateway.yaml", "nginx.conf"], options=RenderOptions(flow=flow))
+    config = parse_gateway_config(yaml.safe_load(files["gateway.yaml"]), path="gateway.yaml")
+    assert config.flow == flow and config.flow.kept_blocks(1) == 40
+    assert '{ name = "interactive", deadline_s = 2.0, reserve_blocks = 40 },' in files["nginx.conf"]
+    assert '{ name = "batch", deadline_s = 60.0, reserve_blocks = 0 },' in files["nginx.conf"]

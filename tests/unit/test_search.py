@@ -16,11 +16,12 @@ from objective_logs import CPU_CAPACITY, MODEL, objective_log
 
 import kvtune
 from kvtune.deploy.check import Severity
+from kvtune.domain.fields import Fields
 from kvtune.domain.slo import Slo
 from kvtune.errors import InputError, OptionError
 from kvtune.policy.recommendation import Recommendation
 from kvtune.policy.search import GUARANTEED, InfeasibleObjectiveError, SearchGrid
-from kvtune.policy.whatif import Goal, Policy, PolicyKind, Predicted, WhatIfRow
+from kvtune.policy.whatif import Goal, Policy, PolicyKind, Predicted, WhatIfRow, compute_bound_note
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +252,7 @@ def test_the_what_if_table_reads_back(searched):
         "max_num_batched_tokens", "predicted", "feasible", "violations", "chosen", "why"}] * len(data["what_if"])
     assert set(data["what_if"][0]["predicted"]) == {
         "output_tokens_per_s", "requests_per_s", "goodput_rps", "ttft_ms", "e2e_ms", "preemption_rate", "share_429",
-        "truncation_share", "sent", "completed"}
+        "truncation_share", "sent", "completed", "kv_peak_blocks", "waiting_peak", "running_peak"}
     back = Recommendation.from_dict(json.loads(searched.to_json()), path="recommendation.json")
     assert back.to_json() == searched.to_json()
     assert back.chosen is not None and searched.chosen is not None and back.chosen.label == searched.chosen.label
@@ -459,3 +460,24 @@ def test_compare_engines_adds_a_reference_row_per_engine_that_reads_back(profile
 def test_compare_engines_only_applies_with_an_objective(profile, plan):
     with pytest.raises(OptionError, match="only applies with `objective`"):
         kvtune.recommend(profile, plan, objective=kvtune.Objective(None, compare_engines=True))
+
+
+def test_a_compute_bound_flow_control_row_says_flow_control_cannot_meet_the_ttft_target():
+    """The what-if note for a prefill-bound workload: the engine's KV peak under the gateway's
+    budget while TTFT p99 misses the target means requests waited inside vLLM for compute."""
+    def predicted(ttft_p99_ms: float, kv_peak_blocks: int | None, waiting: int = 120, running: int = 140) -> Predicted:
+        return Predicted(100.0, 1.0, 0.5, 500.0, ttft_p99_ms, 3.0, 4.0, 0.0, 0.0, 0.0, 100, 100, kv_peak_blocks,
+                         waiting, running)
+
+    note = compute_bound_note(predicted(9_000.0, 600), 1_000, 2_000.0)
+    assert note == ("compute-bound: vLLM queued up to 120 requests beside 140 running while KV peaked at 600 of "
+                    "the 1,000-block budget, and TTFT p99 9,000 ms missed the 2,000 ms target: they wait inside "
+                    "vLLM for compute, which no KV gate (flow control included) shortens")
+    assert compute_bound_note(predicted(9_000.0, 1_000), 1_000, 2_000.0) is None  # KV-bound: the gate helps
+    # the gateway holds them back in front of vLLM, whose queue stays short: the gate is at work
+    assert compute_bound_note(predicted(9_000.0, 600, waiting=18, running=333), 1_000, 2_000.0) is None
+    assert compute_bound_note(predicted(1_500.0, 600), 1_000, 2_000.0) is None  # the target is met
+    assert compute_bound_note(predicted(9_000.0, None), 1_000, 2_000.0) is None  # not known (older files)
+    assert compute_bound_note(predicted(9_000.0, 600), None, 2_000.0) is None  # no gateway
+    row = predicted(9_000.0, 600)
+    assert Predicted.read(Fields(json.loads(json.dumps(row.to_dict())), path="rec", where="predicted")) == row

@@ -3,7 +3,9 @@
 -- too: priority bands (strict), weighted fair sharing between the flows of a band (start and
 -- finish tags on reserved blocks), earliest deadline first within a flow, nobody overtaking the
 -- request chosen; at arrival a forecast of when its blocks will be free, and a 429 at once
--- (deadline_unreachable) when that is past its band's deadline.
+-- (deadline_unreachable) when that is past its band's deadline. Trunk reservation: a request of
+-- band b leaves K_b blocks free (the reserves of the bands before it; w.keep, which the caller's
+-- try_reserve honours), so a higher band's arrival finds room at once.
 --
 -- flow.new(cfg) -> Q. Pure Lua, no ngx: the caller passes the clock (now), the ledger's
 -- try_reserve, its free blocks and the admitted requests, so busted runs it outside nginx. One Q
@@ -93,16 +95,20 @@ end
 function _M.new(cfg)
     local Q = { waiting = 0, states = 0 }
     local bands, band_index = {}, {}
+    local kept = 0  -- K_b: the reserves of the bands before b
     for i, b in ipairs(cfg.bands) do
         bands[i] = { name = b.name, deadline_s = b.deadline_s, V = 0, flows = {}, active = {}, waiting = 0,
-                     other = counters() }
+                     other = counters(), reserve_blocks = b.reserve_blocks or 0, kept = kept }
         band_index[b.name] = i
+        kept = kept + (b.reserve_blocks or 0)
     end
     local weights = {}  -- cfg.weights: { flow id, weight } pairs
     for _, pair in ipairs(cfg.weights or {}) do weights[pair[1]] = pair[2] end
     local seq, touch = 0, 0
 
     function Q.band_of(name) return band_index[name] end
+    -- K_b of band bi: the blocks its requests leave free for the bands above it.
+    function Q.kept(bi) return bands[bi].kept end
     function Q.weight_of(id) return weights[id] or cfg.default_weight end
 
     -- ------------------------------------------------------------ flow states (bounded, LRU)
@@ -223,17 +229,22 @@ function _M.new(cfg)
     end
 
     -- The forecast wait of a request of `blocks` in band bi, flow `id`, were it to wait now:
-    -- free(), the ledger's free blocks; running(), the admitted requests.
+    -- free(), the ledger's free blocks and its limit; running(), the admitted requests. It must
+    -- leave k = min(K_b, max(0, limit - blocks)) blocks free beside it.
     function Q.wait_s(bi, id, blocks, now, free, running)
-        return _M.forecast_s(running(), Q.ahead(bi, id, blocks) + blocks - free(), now, cfg.token_time_s)
+        local f, limit = free()
+        local k = min(bands[bi].kept, max(0, limit - blocks))
+        return _M.forecast_s(running(), Q.ahead(bi, id, blocks) + blocks + k - f, now, cfg.token_time_s)
     end
 
-    -- A request that arrives: w = { blocks, band (its index), flow (its id) }. Returns
+    -- A request that arrives: w = { blocks, band (its index), flow (its id) }; try_reserve(w)
+    -- must leave w.keep blocks free beside it (clamped as the ledger clamps). Returns
     --   "admitted"                  reserved at once (w.reservation)
     --   "queued"                    it waits (w.deadline); wake grants it, or leave takes it out
     --   "shed", reason, wait_s      429 at once: "queue_full" or "deadline_unreachable"
     function Q.offer(w, now, try_reserve, free, running)
         local b = bands[w.band]
+        w.keep = b.kept  -- what try_reserve(w) leaves free beside it
         if not waits_before(w.band) then
             local reservation = try_reserve(w)
             if reservation ~= nil then
@@ -314,6 +325,7 @@ function _M.new(cfg)
             for _, f in pairs(b.flows) do add_counters(all, f.c) end
             local entry = row(all, b.waiting)
             entry.name, entry.deadline_s, entry.flows = b.name, b.deadline_s, {}
+            entry.reserve_blocks, entry.kept_blocks = b.reserve_blocks, b.kept
             for k, f in ipairs(top) do
                 local r = row(f.c, #f.waiters)
                 r.flow = f.id

@@ -1716,7 +1716,7 @@ function _M.new(CONFIG, POLICY)
     -- reservation added, checked against that upstream's limit and rolled back when over;
     -- fits nowhere: 429 with the Retry-After of the upstream nearest to room; none in: 503.
     -- Returns nil, nil, the upstream's index.
-    local function reserve_on_one(blocks)
+    local function reserve_on_one(blocks, keep)
         local order = {}
         for i, u in ipairs(CONFIG.upstreams) do
             if is_up(i) then
@@ -1737,7 +1737,7 @@ function _M.new(CONFIG, POLICY)
             if not reserved then
                 return refusal(503, "ledger_unavailable", "the gateway ledger failed: " .. tostring(err))
             end
-            if reserved <= u.admit_limit then
+            if reserved + math.min(keep, math.max(0, u.admit_limit - blocks)) <= u.admit_limit then
                 ledger:incr("held:" .. i, blocks, 0)
                 ledger:incr("inflight:" .. i, 1, 0)
                 ledger:incr("held", blocks, 0)
@@ -1758,10 +1758,13 @@ function _M.new(CONFIG, POLICY)
     end
 
     -- Reserve atomically: add first, check, roll back when over. "held" counts only admitted
-    -- reservations, so it never exceeds admit_limit even while a rollback is in flight.
-    local function reserve(blocks, demand)
+    -- reservations, so it never exceeds admit_limit even while a rollback is in flight. `keep`:
+    -- flow control's reserve for higher bands, the blocks left free beside it (at most the limit
+    -- less its own, docs/guides/flow-control.md, The reserve).
+    local function reserve(blocks, demand, keep)
+        keep = keep or 0
         if STAT then  -- one worker: the check and the add cannot interleave with another request
-            local entry = STAT.try_reserve(blocks, demand, ledger:get("held") or 0)
+            local entry = STAT.try_reserve(blocks, demand, ledger:get("held") or 0, keep)
             if not entry then
                 local held = ledger:get("held") or 0
                 -- at most its own blocks: "held" counts every worst case and passes the budget
@@ -1776,12 +1779,12 @@ function _M.new(CONFIG, POLICY)
             ledger:incr("inflight", 1, 0)
             return nil, entry
         end
-        if CONFIG.upstreams then return reserve_on_one(blocks) end
+        if CONFIG.upstreams then return reserve_on_one(blocks, keep) end
         local reserved, err = ledger:incr("reserved", blocks, 0)
         if not reserved then
             return refusal(503, "ledger_unavailable", "the gateway ledger failed: " .. tostring(err))
         end
-        if reserved > CONFIG.admit_limit then
+        if reserved + math.min(keep, math.max(0, CONFIG.admit_limit - blocks)) > CONFIG.admit_limit then
             ledger:incr("reserved", -blocks, 0)
             local held = ledger:get("held") or 0
             local need = math.max(1, held + blocks - CONFIG.admit_limit)
@@ -1809,7 +1812,7 @@ function _M.new(CONFIG, POLICY)
 
     -- The ledger's try_reserve for a request of the queue: its held record, or nil.
     local function try_reserve_for(w)
-        local full, entry, where = reserve(w.blocks, w.demand)
+        local full, entry, where = reserve(w.blocks, w.demand, w.keep)
         if full then return nil end
         admitted_seq = admitted_seq + 1
         local held = { blocks = w.blocks, entry = entry, upstream = where, cap = w.ends.cap, law = w.ends.law,
@@ -1820,16 +1823,16 @@ function _M.new(CONFIG, POLICY)
     local function post(granted)
         for _, w in ipairs(granted) do w.sema:post(1) end
     end
-    -- The ledger's limit less its reserved blocks, as /kvtune/ledger shows them.
+    -- The ledger's limit less its reserved blocks, and the limit, as /kvtune/ledger shows them.
     local function free_blocks()
         if CONFIG.upstreams then
             local limit = 0
             for i, u in ipairs(CONFIG.upstreams) do
                 if is_up(i) then limit = limit + u.admit_limit end
             end
-            return math.max(0, limit - (ledger:get("held") or 0))
+            return math.max(0, limit - (ledger:get("held") or 0)), limit
         end
-        return math.max(0, CONFIG.admit_limit - (ledger:get("held") or 0))
+        return math.max(0, CONFIG.admit_limit - (ledger:get("held") or 0)), CONFIG.admit_limit
     end
     local function running()
         local out = {}
@@ -2173,6 +2176,11 @@ function _M.new(CONFIG, POLICY)
             out[#out + 1] = format("kvtune_gateway_flow_wait_seconds_count{%s} %d", l, x.c.wait_count)
             out[#out + 1] = format("kvtune_gateway_flow_wait_seconds_sum{%s} %.17g", l, x.c.wait_sum)
         end)
+        out[#out + 1] = "# HELP kvtune_gateway_flow_kept_blocks Blocks a band's requests leave free for the bands above it (its reserve)."
+        out[#out + 1] = "# TYPE kvtune_gateway_flow_kept_blocks gauge"
+        for i, b in ipairs(FLOW_CONFIG.bands) do
+            out[#out + 1] = format('kvtune_gateway_flow_kept_blocks{band="%s"} %d', label(b.name), FLOW.kept(i))
+        end
         ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
         ngx.print(concat(out, "\n"), "\n")
     end

@@ -9,7 +9,6 @@
 -- Pure Lua (LuaJIT's ffi for the arrays): no ngx, so it runs and is unit-tested outside nginx.
 local ffi = require "ffi"
 local ceil, huge = math.ceil, math.huge
-local unpack = unpack or table.unpack  -- luacheck: ignore 143
 
 local _M = {}
 
@@ -294,16 +293,30 @@ function _M.new(CONFIG)
         if w <= CAP then return false end
         return overflow_probability(alone, true) > EPS
     end
-    -- StatisticalLedger.try_reserve: the held entry, or nil (nothing is held).
-    function STAT.try_reserve(blocks, demand, shared_held)
+    -- The blocks flow control's reserve keeps free beside a request (StatisticalLedger.try_reserve's
+    -- keep_blocks): a reservation of that many blocks without a demand, never held.
+    local kept_rows = {}
+    local function kept(blocks)
+        if not kept_rows[blocks] then kept_rows = { [blocks] = fixed_rows(blocks) } end
+        return kept_rows[blocks]
+    end
+    -- StatisticalLedger.try_reserve: the held entry, or nil (nothing is held). keep: the blocks
+    -- to leave free beside it (flow control's reserve), at most the budget less its own.
+    function STAT.try_reserve(blocks, demand, shared_held, keep)
         local seqs = rows_of(blocks, demand)
         local probability = 0.0
+        local k = min(keep or 0, max(0, CAP - blocks))
         if EPS == 0 then
-            if max(reserved, shared_held) + blocks > CAP then return nil end
+            if max(reserved, shared_held) + blocks + k > CAP then return nil end
         else
             local extra = seqs
             local other = foreign(shared_held)
-            if #other > 0 then extra = { other[1], unpack(seqs) } end
+            if #other > 0 or k > 0 then
+                extra = {}
+                if #other > 0 then extra[1] = other[1] end
+                for _, s in ipairs(seqs) do extra[#extra + 1] = s end
+                if k > 0 then extra[#extra + 1] = kept(k) end
+            end
             probability = overflow_probability(extra, false, EPS)
             if probability > EPS then return nil end
         end
