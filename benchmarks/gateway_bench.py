@@ -189,7 +189,7 @@ def bench_rec(upstream: str, policy: str):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from enforcers import base_rec
 
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.policy.recommendation import read_recommendation
 
     rec = base_rec()
     rec["upstream"] = upstream
@@ -205,7 +205,7 @@ def bench_rec(upstream: str, policy: str):
                               "censored": {"values": [], "counts": []}}
     rec["routes"] = [chat]
     rec["admission"] = {"policy": "statistical", "epsilon": STAT_EPSILON} if statistical else {"policy": "guaranteed"}
-    return Recommendation.from_dict(rec, path="bench_rec")
+    return read_recommendation(rec, path="bench_rec")
 
 
 def start_nginx(upstream: str, policy: str, workdir: Path, workers: int,

@@ -16,7 +16,8 @@ The runs, their setups and printed results are in ../shared/validation/published
   gives them), or `--num-gpu-blocks N` where the source printed the pool (LLMServingSim's RTX 4090:
   2,588 blocks × 16).
 - release: `--engine-version` the run's vLLM (its defaults, e.g. gpu_memory_utilization 0.9 before
-  0.20, and whether its scheduler overlaps the forward pass: kvtune.sim.host).
+  0.20, whether its scheduler overlaps the forward pass: kvtune.sim.host, and whether it admits a
+  request on its whole prompt or, before 0.19, on its first chunk: kvtune.engines.vllm).
 - step time: whatever `simulate` picks with --model and --gpu and no calibration: aiconfigurator's
   silicon data where it covers the GPU (H100, A100, RTX PRO 6000 …), else the roofline (RTX 4090),
   as each row's `source` column says.
@@ -228,6 +229,9 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
             "ttft_mean_ms": lat["ttft"]["mean"], "ttft_median_ms": lat["ttft"]["p50"],
             "tpot_mean_ms": lat["tpot"]["mean"], "itl_median_ms": lat["tpot"]["p50"],
             "source": timing["source"], "label": timing.get("label", timing["source"]),
+            "preemptions": data["server"]["preemptions"],
+            "admission": "whole prompt" if data["simulation"]["engine"]["reserve_full_sequence"]["value"]
+            else "first chunk",
             "wall_s": wall, "capacity": cap_source}
 
 
@@ -276,14 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"runs": results, "summary": summary}, indent=2))
         return 0
-    print(f"{'case':34} {'tok/s':>7} {'TTFT':>7} {'TPOT':>7} {'wall':>6}  step time; capacity")
+    print(f"{'case':34} {'tok/s':>7} {'TTFT':>7} {'TPOT':>7} {'wall':>6}  step time; capacity; admission, "
+          "preemptions")
     for r in results:
         p = r["predicted"]
         if "error" in p:
             print(f"{r['case']:34} error: {p['error']}")
             continue
         cells = " ".join(f"{r['ratio'][m]:7.2f}" if r["ratio"].get(m) else f"{'—':>7}" for m in TARGETS)
-        print(f"{r['case']:34} {cells} {p['wall_s']:5.1f}s  {p['source']}; {p['capacity']}")
+        print(f"{r['case']:34} {cells} {p['wall_s']:5.1f}s  {p['source']}; {p['capacity']}; {p['admission']}, "
+              f"{p['preemptions']:,}")
     for metric in TARGETS:
         s = summary[metric]
         assert isinstance(s, dict)

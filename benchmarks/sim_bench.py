@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.sim import EngineSettings, SimResult, Workload, simulate
 from kvtune.sim.rules import ENGINE_RULES, EngineRule
-from kvtune.steptime import StepTimeModel
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 ENGINE = EngineSettings(num_blocks=28_760, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from kvtune.deploy.k8s import K8sOptions
     from kvtune.deploy.read import Deployed
     from kvtune.deploy.render import RenderOptions
-    from kvtune.policy.feasibility import Verdict
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.feasibility import Verdict
+    from kvtune.domain.recommendation import Recommendation
     from kvtune.profile.routes import Profile
 
 
@@ -307,8 +307,8 @@ def _rules_or_search(profile: Profile, plan: Plan, policy: Policy, objective: Ob
     if not searching:
         return apply_rules(profile, plan, options)
     assert objective is not None and objective.goal is not None
+    from kvtune.domain.whatif import ENGINE_ROWS, Goal
     from kvtune.policy.search import DEFAULT_REQUESTS, ObjectiveSpec, SearchGrid, recommend_for_objective
-    from kvtune.policy.whatif import ENGINE_ROWS, Goal
 
     spec = ObjectiveSpec(Goal(objective.goal), objective.slo, objective.max_preemption_rate,
                          objective.max_429_share, objective.rate_rps, objective.concurrency,

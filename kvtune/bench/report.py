@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.domain.recommendation import Recommendation
 from kvtune.domain.slo import Slo
-from kvtune.policy.recommendation import Recommendation
 from kvtune.workload.requests import FAILURE_KINDS, RequestResult
 from kvtune.workload.stats import goodput, latency_stats, throughput
 

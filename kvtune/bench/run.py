@@ -24,11 +24,11 @@ from kvtune.bench.report import summarize, verdict
 from kvtune.bench.scrape import MetricsScraper, MetricsSnapshot
 from kvtune.capacity.measured import MODELS_MAX_BYTES, parse_models_body
 from kvtune.domain.load_shape import LoadShape
+from kvtune.domain.recommendation import Recommendation
 from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.domain.slo import Slo
 from kvtune.endpoint import get
 from kvtune.errors import EndpointError
-from kvtune.policy.recommendation import Recommendation
 from kvtune.version import __version__
 from kvtune.workload.draw import PromptSynth, Workload
 from kvtune.workload.requests import RequestResult, RequestSpec

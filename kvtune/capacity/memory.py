@@ -108,7 +108,7 @@ def profile_limits(model: MemoryModel, *, max_model_len: int, max_num_batched_to
     V1 uses `vllm serve`'s default for the GPU size, capped at max_num_seqs × max_model_len.
     """
     if model.v1:
-        default_batched, default_seqs = vllm.default_batch_limits(gpu_memory_bytes, gpu_name)
+        default_batched, default_seqs = vllm.default_batch_limits(gpu_memory_bytes, gpu_name, model.version)
         seqs = max_num_seqs or default_seqs
         if max_num_batched_tokens is None:
             batched = min(seqs * max_model_len, default_batched)

@@ -5,7 +5,7 @@ measured on each GPU it covers (h100_sxm, h200_sxm, b200_sxm, a100_sxm, l40s, rt
 for vLLM, SGLang and TensorRT-LLM, and composes them into one forward pass. kvtune samples its
 step latency once over a grid of batch shapes — decode batches of 1…512 at 128…16k context,
 prefill chunks of 16…8,192 tokens after 0…24k cached — and fits the step form of
-kvtune.steptime to it (non-negative least squares on relative error), so that the simulator keeps
+kvtune.domain.step_time to it (non-negative least squares on relative error), so that the simulator keeps
 its closed-form decode runs. On Qwen3-8B / h100_sxm / vLLM the fit's median error over the grid
 is 4 %, its worst 20 % (a 16-token prefill); `fit_error` reports it for every fit.
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtune.capacity.timing import nnls
-from kvtune.steptime import COEFFICIENTS, StepTimeModel, TimingSource, step_features
+from kvtune.domain.step_time import COEFFICIENTS, StepTimeModel, TimingSource, step_features
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu

@@ -1,4 +1,4 @@
-"""Measuring and storing the step-time model (kvtune.steptime holds the model and its formula).
+"""Measuring and storing the step-time model (kvtune.domain.step_time holds the model and its formula).
 
 Two ways to get the coefficients, labelled so that every output that uses them can say which:
   calibrated          `kvtune calibrate URL --timing` fitted them to a live engine
@@ -22,11 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtune.domain.fields import Fields
-from kvtune.errors import CapacityError
-from kvtune.kv import kv_bytes
-from kvtune.model.spec import LayerKind
-from kvtune.profile.histogram import nearest_rank_index
-from kvtune.steptime import (
+from kvtune.domain.step_time import (
     COEFFICIENT_UNITS,
     COEFFICIENTS,
     FORMULA,
@@ -37,6 +33,10 @@ from kvtune.steptime import (
     TimingSource,
     step_features,
 )
+from kvtune.errors import CapacityError
+from kvtune.kv import kv_bytes
+from kvtune.model.spec import LayerKind
+from kvtune.profile.histogram import nearest_rank_index
 from kvtune.weights import active_parameters, quantization_of, weights_for
 
 if TYPE_CHECKING:
@@ -257,7 +257,7 @@ def fit_errors(fit: StepTimeFit, observations: Sequence[Observation]) -> dict[st
 
 def fit_frontend(lone_ttft_s: Sequence[float], bursts: Sequence[tuple[int, float]],
                  stream: Sequence[tuple[int, float, float]]) -> FrontEndModel | None:
-    """The API server's serial work per request and per streamed token (kvtune.steptime.FrontEndModel).
+    """The API server's serial work per request and per streamed token (kvtune.domain.step_time.FrontEndModel).
 
     lone_ttft_s  TTFTs of near-empty requests (max_tokens 1) sent one at a time
     bursts       (B, seconds from the first send to the last answer) of B near-empty requests

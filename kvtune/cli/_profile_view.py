@@ -13,8 +13,9 @@ import numpy as np
 
 from kvtune.cli._progress import transient_bar
 from kvtune.controls import escape_controls
+from kvtune.domain.tail_class import TailClass
 from kvtune.profile.histogram import Histogram
-from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, TailClass, classify_tail, summarize_plain
+from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, classify_tail, summarize_plain
 
 _BAR_WIDTH = 32
 _PROGRESS_DELAY_S = 0.5  # inputs read faster than this never show a bar

@@ -14,8 +14,8 @@ from kvtune.cli._progress import transient_bar
 
 if TYPE_CHECKING:
     from kvtune.deploy.render import RenderOptions
-    from kvtune.policy.recommendation import Recommendation
-    from kvtune.policy.whatif import Objective, WhatIfRow
+    from kvtune.domain.recommendation import Recommendation
+    from kvtune.domain.whatif import Objective, WhatIfRow
 
 
 def _gib(value: int | None) -> str:

@@ -47,9 +47,10 @@ JSON_FIELDS = """\b
                    frontend_from (uncalibrated: where the API server's figures come from),
                    host_work (uncalibrated vLLM: the engine core's host work, added or not, why),
                    measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
-                   max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: each
-                   {value, from: option|capacity-file|estimate|engine-default}}, capacity: {from:
-                   capacity-file|estimate|option, file; without a file: model, gpu,
+                   max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
+                   reserve_full_sequence (admission needs the whole prompt's blocks, vLLM ≥ 0.19, or
+                   its first chunk's): each {value, from: option|capacity-file|estimate|engine-default}},
+                   capacity: {from: capacity-file|estimate|option, file; without a file: model, gpu,
                    tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype, engine_version,
                    gpu_memory_utilization, kv_cache_tokens}, admission: {kind:
                    direct|gateway, …the gateway's budget, route, cap, queue, route_header (each
@@ -247,7 +248,8 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
     timing = timing_setup(measured, spec=spec, gpu=gpu, tp=_tensor_parallel_size(engine, measured),
                           engine=engine.engine_name, engine_version=engine.engine_version)
     setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
-                         max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu, recorded_from=labels)
+                         max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu, recorded_from=labels,
+                         engine_version=engine.engine_version)
     admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
 
     from kvtune.sim.run import run_simulation

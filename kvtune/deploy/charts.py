@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 
 def coarsen_histogram(edges: list, counts: list, max_bins: int) -> tuple[list, list]:

@@ -36,29 +36,30 @@ from kvtune.deploy.read import Deployed, DeployedKind, parse_deployed
 from kvtune.deploy.slices import slice_blocks
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.feasibility import Verdict
+from kvtune.domain.recommendation import Recommendation, RouteRecommendation
 from kvtune.domain.route import RouteMatch
+from kvtune.domain.whatif import Policy
+from kvtune.domain.whatif import PolicyKind as WhatIfKind
 from kvtune.engines import ENGINE_TITLES, sglang, trtllm, vllm
 from kvtune.errors import CapacityError, OptionError
 from kvtune.gateway.config import HealthProbe
 from kvtune.policy.feasibility import (
     ENGINE_REFUSES,
     ENGINE_SHORTENS,
-    Verdict,
     fix_line,
     max_model_len_remedy,
     verdict,
 )
-from kvtune.policy.recommendation import Recommendation, RouteRecommendation
 from kvtune.policy.replica_search import replica_queue, simulate_replicas, split_load
 from kvtune.policy.search import Deployment, recommended_engine, route_caps, route_laws, simulate_deployment, violations
-from kvtune.policy.whatif import Policy
-from kvtune.policy.whatif import PolicyKind as WhatIfKind
+from kvtune.profile.routes import CensoredHistogram
 
 if TYPE_CHECKING:
     from kvtune.capacity.plan import Capacity
+    from kvtune.domain.whatif import Objective
     from kvtune.model import ModelSpec
     from kvtune.policy.search import Deployment
-    from kvtune.policy.whatif import Objective
     from kvtune.weights import WeightsEstimate
 
 
@@ -272,8 +273,9 @@ class _Checker:
                              d.source, f"route:{name}")
                 continue
             # the same Kaplan–Meier estimate the recommendation chose its cap with
-            deployed_share = route.output_lengths.truncation_share(cap)
-            recommended_share = route.output_lengths.truncation_share(recommended)
+            lengths = CensoredHistogram.from_lengths(route.output_lengths)
+            deployed_share = lengths.truncation_share(cap)
+            recommended_share = lengths.truncation_share(recommended)
             budget = self.max_truncation if self.max_truncation is not None else recommended_share
             if cap < recommended and deployed_share > budget + 1e-9:
                 self.add(Severity.RISK, "cap-truncates",

@@ -21,7 +21,7 @@ from kvtune.policy.route_table import CATCH_ALL_ROUTE
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation, RouteRecommendation
+    from kvtune.domain.recommendation import Recommendation, RouteRecommendation
 
 FORMAT = "kvtune-estimates"
 VERSION = 1

@@ -35,7 +35,7 @@ from kvtune.errors import OptionError
 from kvtune.version import __version__
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 FOLDER = K8S_FOLDER
 GATEWAY_FILE = K8S_GATEWAY_FILE

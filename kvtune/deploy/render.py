@@ -1,4 +1,4 @@
-"""Turn a recommendation (kvtune.policy.recommendation.Recommendation) into files that deploy.
+"""Turn a recommendation (kvtune.domain.recommendation.Recommendation) into files that deploy.
 
 Every template renders through one jinja2 environment with StrictUndefined, so a missing field
 fails loudly instead of rendering an empty flag. Anything that came from logs (route names, model
@@ -27,6 +27,9 @@ from kvtune.deploy.markers import K8S_FOLDER, NGINX_CONFIG_BEGIN, NGINX_CONFIG_E
 from kvtune.deploy.slices import check_slice
 from kvtune.domain.admission_policy import PolicyKind
 from kvtune.domain.flow_control import FlowControl
+from kvtune.domain.recommendation import FLOW_RESERVE_SETTING, FLOW_SETTINGS, flow_control_of
+from kvtune.domain.whatif import Goal
+from kvtune.domain.whatif import PolicyKind as WhatIfKind
 from kvtune.endpoint import parse_upstream
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, engine_facts
 from kvtune.errors import InputError, OptionError, UnknownNameError
@@ -46,15 +49,13 @@ from kvtune.gateway.endpoints import DEFAULT_PASSTHROUGH, canonical_path
 from kvtune.gateway.ledger import RATE_WINDOW_S
 from kvtune.gateway.refusals import BUDGET_FULL, NEVER_FITS
 from kvtune.ingest.tokenize import read_chat_template
-from kvtune.policy.recommendation import FLOW_RESERVE_SETTING, FLOW_SETTINGS, flow_control_of
 from kvtune.policy.route_table import route_decisions
-from kvtune.policy.whatif import TABLE_NOTE, Goal, headline, objective_line, replica_cells, table_cells
-from kvtune.policy.whatif import PolicyKind as WhatIfKind
+from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, replica_cells, table_cells
 from kvtune.version import __version__
 from kvtune.writer import write_files as write_all
 
 if TYPE_CHECKING:
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 # The gateway's Lua modules (kvtune/*.lua): nginx.conf holds their data and loads them from

@@ -20,4 +20,16 @@ rather than in one of them, and the feature packages never import each other for
   route            Route, RouteMatch, Api: one route type for the gateway, deploy and policy
   fields           Fields, MAX_INTEGER: the strict reader of kvtune's own files, and the
                    checks every strict reader makes
+  step_time        StepTimeModel, FrontEndModel: how long an engine step takes (capacity fits
+                   it, sim evaluates it, the what-if objective records it)
+  tail_class       TailClass: light or heavy (profile decides it, the rules and
+                   recommendation.json use it)
+  censored_lengths CensoredLengths: a route's logged output lengths, plain (the Kaplan–Meier
+                   estimate over them is kvtune.profile.routes.CensoredHistogram)
+  feasibility      Reason, Verdict: whether a deployment runs the traffic (kvtune.policy.
+                   feasibility decides it)
+  whatif           the what-if table (WhatIfRow, Predicted, …) and the Objective it was searched
+                   for, generic in its traffic profile (kvtune.policy.search builds the rows)
+  recommendation   Recommendation: recommendation.json as a document (kvtune.policy.recommendation.
+                   read_recommendation reads one back: traffic reader, verdict decided again)
 """

@@ -13,7 +13,12 @@ __all__ = ["EngineSettings"]
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
-    """The engine settings that change scheduling; num_blocks counts the null block, as vLLM reports it."""
+    """The engine settings that change scheduling; num_blocks counts the null block, as vLLM reports it.
+
+    `reserve_full_sequence`: a waiting request is admitted only when its whole current sequence fits
+    in the free blocks (vLLM's `scheduler_reserve_full_isl`, the default from 0.19); False: when the
+    blocks of the chunk it computes this step fit (earlier releases), which over-admits long
+    prompts under chunked prefill and preempts them chunks later (kvtune.engines.vllm)."""
 
     num_blocks: int
     block_size: int
@@ -22,6 +27,7 @@ class EngineSettings:
     max_model_len: int
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
+    reserve_full_sequence: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

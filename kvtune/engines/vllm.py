@@ -39,6 +39,20 @@ FIRST_092_UTILIZATION_VERSION = (0, 20)
 BLOCK_SIZE = 16  # CacheConfig.DEFAULT_BLOCK_SIZE, on GPU
 CPU_BLOCK_SIZE = 128  # what the CPU attention backend picks when --block-size is not given
 MAX_MODEL_LEN_WITHOUT_CONFIG = 2048  # when a config names no context length (vLLM warns)
+# The first release whose scheduler admits a waiting request only when its whole prompt fits in the
+# free KV blocks (SchedulerConfig.scheduler_reserve_full_isl, default True: "Prevents over-admission
+# and KV cache thrashing with chunked prefill", vllm PR #37307). Read from the published sdists:
+# 0.19.0's vllm/config/scheduler.py:139 has it, 0.18.1's has not. Before it (0.11.0's
+# vllm/v1/core/sched/scheduler.py:471-483, 0.9.2's :444-452) `allocate_slots` is asked for the
+# chunk the request computes this step (num_new_tokens, at most the budget left) and the waiting
+# loop breaks only when that does not fit: a 32k-token prompt is admitted on its first 8k chunk
+# and preempted chunks later when the rest does not fit.
+FIRST_FULL_SEQUENCE_ADMISSION_VERSION = (0, 19)
+# The first release with a ≥ 160 GiB tier in `get_batch_defaults` (16384 tokens / 1024 sequences,
+# "for GPUs like B200/B300"): 0.28.0's vllm/engine/arg_utils.py:2582; 0.27.1's has only the ≥ 70 GiB
+# tier, as 0.11.0's `_set_default_args` (arg_utils.py:1606-1624: ≥ 70 GiB and not an A100 →
+# 8192/1024 for the API server, else 2048/256).
+FIRST_160GIB_TIER_VERSION = (0, 28)
 # max_num_batched_tokens and max_num_seqs on every GPU below default_batch_limits' tiers
 MAX_NUM_BATCHED_TOKENS = 2_048
 MAX_NUM_SEQS = 256
@@ -54,6 +68,12 @@ def default_gpu_memory_utilization(version: tuple[int, ...] | None = None) -> fl
     return GPU_MEMORY_UTILIZATION
 
 
+def reserves_full_sequence(version: tuple[int, ...] | None = None) -> bool:
+    """Whether release `version` (None: the current one) admits a waiting request only when its
+    whole sequence fits (FIRST_FULL_SEQUENCE_ADMISSION_VERSION), not on its first chunk."""
+    return version is None or version >= FIRST_FULL_SEQUENCE_ADMISSION_VERSION
+
+
 def default_block_size(device: str | None) -> int:
     """The block size vLLM picks on `device` ("GPU", "CPU", ... as its startup log names it)."""
     return CPU_BLOCK_SIZE if is_cpu(device) else BLOCK_SIZE
@@ -64,22 +84,26 @@ def is_cpu(device: str | None) -> bool:
 
 
 def default_scheduler_limits(device: str | None, memory_bytes: int | None = None,
-                             device_name: str | None = None) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) `vllm serve` picks on `device` ("CPU", "GPU", ...);
-    a GPU of unknown memory gets the tier below 70 GiB."""
+                             device_name: str | None = None,
+                             version: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) `vllm serve` picks on `device` ("CPU", "GPU", ...) in
+    release `version` (None: the current one); a GPU of unknown memory gets the tier below 70 GiB."""
     if is_cpu(device):
         return CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS
-    return default_batch_limits(memory_bytes or 0, device_name)
+    return default_batch_limits(memory_bytes or 0, device_name, version)
 
 
-def default_batch_limits(memory_bytes: int, device_name: str | None) -> tuple[int, int]:
-    """`vllm serve`'s (max_num_batched_tokens, max_num_seqs) for a GPU of `memory_bytes`.
+def default_batch_limits(memory_bytes: int, device_name: str | None,
+                         version: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """`vllm serve`'s (max_num_batched_tokens, max_num_seqs) for a GPU of `memory_bytes` in release
+    `version` (None: the current one).
 
-    From `EngineArgs.get_batch_defaults`: ≥160 GiB → 16384/1024; ≥70 GiB and not an A100 or
-    GB10 → 8192/1024; any other GPU → 2048/256. An unknown name counts as "not an A100".
+    From `EngineArgs.get_batch_defaults`: ≥160 GiB → 16384/1024 (from FIRST_160GIB_TIER_VERSION);
+    ≥70 GiB and not an A100 or GB10 → 8192/1024; any other GPU → 2048/256. An unknown name counts
+    as "not an A100".
     """
     name = (device_name or "").lower()
-    if memory_bytes >= 160 * GiB:
+    if memory_bytes >= 160 * GiB and (version is None or version >= FIRST_160GIB_TIER_VERSION):
         return 16_384, 1_024
     if memory_bytes >= 70 * GiB and "a100" not in name and "gb10" not in name:
         return 8_192, 1_024
@@ -205,7 +229,8 @@ __all__ = [
     "HAS_TOKENIZE",
     "CURRENT_VERSION", "FIRST_V1_DEFAULT_VERSION", "FIRST_CUDA_GRAPH_ESTIMATE_VERSION", "V0_SWAP_SPACE_GIB",
     "GPU_MEMORY_UTILIZATION", "OLD_GPU_MEMORY_UTILIZATION", "FIRST_092_UTILIZATION_VERSION",
-    "default_gpu_memory_utilization", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
+    "default_gpu_memory_utilization", "FIRST_FULL_SEQUENCE_ADMISSION_VERSION", "reserves_full_sequence",
+    "FIRST_160GIB_TIER_VERSION", "BLOCK_SIZE", "CPU_BLOCK_SIZE", "MAX_MODEL_LEN_WITHOUT_CONFIG",
     "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "CPU_MAX_NUM_BATCHED_TOKENS", "CPU_MAX_NUM_SEQS",
     "default_block_size", "default_batch_limits", "default_scheduler_limits", "is_cpu",
     "CHUNKED_PREFILL_LINE", "non_default_arg_line",

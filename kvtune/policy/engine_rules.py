@@ -12,9 +12,9 @@ that bets on the output distribution they are set to bet the same way.
 from __future__ import annotations
 
 from kvtune.domain.admission_policy import AdmissionPolicy, PolicyKind
+from kvtune.domain.recommendation import Decision
 from kvtune.engines import sglang, trtllm
 from kvtune.errors import OptionError
-from kvtune.policy.recommendation import Decision
 
 # kvtune's --kv-cache-dtype names (vLLM's) -> each engine's spelling of the same cache layout
 SGLANG_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",

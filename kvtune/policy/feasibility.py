@@ -11,7 +11,7 @@ A deployment is infeasible when
   - the budget admits no logged request (the smallest logged reservation is above it), or
   - the pool is smaller than the budget the gateway admits to.
 
-Pure: plain numbers in, a frozen `Verdict` out. The pool is whichever the caller holds (the
+Pure: plain numbers in, a frozen `Verdict` (kvtune.domain.feasibility) out. The pool is whichever the caller holds (the
 recommendation's, or one recomputed from deployed flags).
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtune.capacity.plan import Capacity
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.domain.feasibility import Reason, Verdict
 from kvtune.engines import ENGINE_TITLES
 
 # what each engine does with a max_model_len one request cannot fill
@@ -34,53 +34,6 @@ POOL_BELOW_BUDGET = "pool-below-budget"
 REQUEST_DOES_NOT_FIT = "request-does-not-fit"  # `kvtune capacity`'s asked request shapes
 SLO_UNMET = "slo-unmet"  # `recommend --slo`: even one request alone misses it (kvtune.policy.latency)
 CODES = (ENGINE_REFUSES, ENGINE_SHORTENS, BUDGET_ADMITS_NOTHING, POOL_BELOW_BUDGET, REQUEST_DOES_NOT_FIT, SLO_UNMET)
-
-
-@dataclass(frozen=True, slots=True)
-class Reason:
-    """One failed condition: its code (a `check` finding's code) and what it means, numbers filled in."""
-
-    code: str
-    text: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"code": self.code, "text": self.text}
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """Whether the deployment runs the logged traffic; when not, why and one line that would fix it."""
-
-    engine: str
-    pool_blocks: int
-    block_size: int
-    max_model_len: int
-    budget_blocks: int | None = None
-    smallest_reservation_blocks: int | None = None
-    longest_request_tokens: int | None = None  # the longest logged prompt + its route's cap
-    reasons: tuple[Reason, ...] = ()
-    fix: str | None = None
-
-    @property
-    def fits(self) -> bool:
-        return not self.reasons
-
-    @property
-    def why(self) -> str | None:
-        """The reasons as one sentence (None when it fits)."""
-        return "; ".join(r.text for r in self.reasons) or None
-
-    @property
-    def longest_held_tokens(self) -> int:
-        return longest_held_tokens(self.engine, self.pool_blocks, self.block_size)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"fits": self.fits, "why": self.why, "reasons": [r.to_dict() for r in self.reasons],
-                "fix": self.fix, "engine": self.engine, "pool_blocks": self.pool_blocks,
-                "block_size": self.block_size, "max_model_len": self.max_model_len,
-                "longest_held_tokens": self.longest_held_tokens, "budget_blocks": self.budget_blocks,
-                "smallest_reservation_blocks": self.smallest_reservation_blocks,
-                "longest_request_tokens": self.longest_request_tokens}
 
 
 def longest_held_tokens(engine: str, pool_blocks: int, block_size: int) -> int:
@@ -133,8 +86,9 @@ def verdict(engine: str, *, pool_blocks: int, block_size: int, max_model_len: in
         reasons.append(Reason(POOL_BELOW_BUDGET,
                               f"the pool has {usable:,} usable blocks, below the {budget_blocks:,}-block budget the "
                               "gateway admits to: the engine preempts what the gateway promised"))
-    return Verdict(engine, pool_blocks, block_size, max_model_len, budget_blocks, smallest_reservation_blocks,
-                   longest_request_tokens, tuple(reasons), None if not reasons else fix)
+    return Verdict(engine, pool_blocks, block_size, max_model_len, longest_held_tokens(engine, pool_blocks, block_size),
+                   budget_blocks, smallest_reservation_blocks, longest_request_tokens, tuple(reasons),
+                   None if not reasons else fix)
 
 
 def capacity_verdict(engine: str, capacity: Capacity) -> Verdict:
@@ -189,6 +143,6 @@ def fallback_fix(v: Verdict) -> str:
     return "needs a larger KV pool: more GPUs (--tp), a larger GPU or fp8 KV (--kv-cache-dtype fp8)"
 
 
-__all__ = ["Reason", "Verdict", "Remedy", "verdict", "capacity_verdict", "fix_line", "longest_held_tokens",
+__all__ = ["Remedy", "verdict", "capacity_verdict", "fix_line", "longest_held_tokens",
            "max_model_len_remedy", "fallback_fix", "CODES", "ENGINE_REFUSES", "ENGINE_SHORTENS",
            "BUDGET_ADMITS_NOTHING", "POOL_BELOW_BUDGET", "REQUEST_DOES_NOT_FIT", "SLO_UNMET"]

@@ -1,5 +1,5 @@
 """What a batch does to each token's latency: the TPOT and TTFT a rendered max_num_seqs and
-max_num_batched_tokens imply, from the step-time model the simulator uses (kvtune.steptime), and
+max_num_batched_tokens imply, from the step-time model the simulator uses (kvtune.domain.step_time), and
 the largest batch that keeps them within an SLO.
 
 The budget alone would admit every short request it has blocks for (1,752 on an H100 for the
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtune.domain.slo import Slo
+from kvtune.domain.step_time import StepTimeModel, TimingSource
 from kvtune.errors import KvtuneError
 from kvtune.planning import Plan
 from kvtune.profile.routes import Profile
 from kvtune.sim.setup import plan_timing
-from kvtune.steptime import StepTimeModel, TimingSource
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,18 +18,8 @@ from kvtune.capacity.measured import CapacitySource
 from kvtune.capacity.plan import Capacity, is_context_note
 from kvtune.capacity.reservation import reserved_blocks
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy
-from kvtune.domain.route import RouteMatch
-from kvtune.domain.slo import Slo
-from kvtune.endpoint import url_problem
-from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
-from kvtune.errors import CapacityError, InputError, OptionError
-from kvtune.gateway.config import HEADER_NAME, MAX_ROUTE_HEADER_VALUE, ROUTE_HEADER_VALUE
-from kvtune.gateway.endpoints import why_not_a_route_path
-from kvtune.kv import KvBytes
-from kvtune.model.config import HUB_ID
-from kvtune.planning import Plan, replan
-from kvtune.policy import engine_rules, feasibility, latency, rules
-from kvtune.policy.recommendation import (
+from kvtune.domain.feasibility import Reason, Verdict
+from kvtune.domain.recommendation import (
     SETTINGS,
     Binned,
     CapacitySummary,
@@ -45,9 +35,21 @@ from kvtune.policy.recommendation import (
     RouteConcurrency,
     RouteRecommendation,
 )
+from kvtune.domain.route import RouteMatch
+from kvtune.domain.slo import Slo
+from kvtune.endpoint import url_problem
+from kvtune.engines import ENGINE_NAMES, sglang, trtllm, vllm
+from kvtune.errors import CapacityError, InputError, OptionError
+from kvtune.gateway.config import HEADER_NAME, MAX_ROUTE_HEADER_VALUE, ROUTE_HEADER_VALUE
+from kvtune.gateway.endpoints import why_not_a_route_path
+from kvtune.kv import KvBytes
+from kvtune.model.config import HUB_ID
+from kvtune.planning import Plan, replan
+from kvtune.policy import engine_rules, feasibility, latency, rules
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import Profile, RouteProfile
 from kvtune.userfiles import brief
+from kvtune.version import __version__
 
 HISTOGRAM_BINS = 40
 # The cap levels the what-if search tries, as percentiles of each route's output tokens.
@@ -222,7 +224,7 @@ def _route_recommendation(route: RouteProfile, cap: Decision, reservations: _Res
         reservation_blocks=dist,
         concurrency=RouteConcurrency(rules.admitted_concurrency(budget_blocks, dist.mean), worst_concurrency),
         output_histogram=_output_histogram(route, cap_tokens),
-        output_lengths=route.output,
+        output_lengths=route.output.lengths(),
     )
 
 
@@ -373,6 +375,7 @@ def _recommend_at(profile: Profile, plan: Plan, options: RecommendOptions,
         routes=tuple(routes),
         concurrency=Concurrency(admitted, worst_concurrency, mean_reservation, worst_blocks, context_tokens),
         settings=settings,
+        kvtune_version=__version__,
         notes=tuple(notes),
         admission=options.admission,
         feasibility=verdict,
@@ -597,8 +600,8 @@ def _flow_reserve(routes: list[RouteRecommendation], profile: Profile, caps: dic
     return rules.flow_reserve_blocks(share, rate, hold_s, mean_blocks, budget_blocks, largest)
 
 
-def _slo_verdict(verdict: feasibility.Verdict, slo: Slo, step: latency.StepTime, profile: Profile,
-                 routes: list[RouteRecommendation], settings: dict[str, Decision | None]) -> feasibility.Verdict:
+def _slo_verdict(verdict: Verdict, slo: Slo, step: latency.StepTime, profile: Profile,
+                 routes: list[RouteRecommendation], settings: dict[str, Decision | None]) -> Verdict:
     """The verdict, refusing settings whose predicted TPOT/TTFT miss the SLO: only when no batch
     meets it, since the limits are bounded to meet it otherwise."""
     if slo.tpot_ms is None and slo.ttft_ms is None:
@@ -615,7 +618,7 @@ def _slo_verdict(verdict: feasibility.Verdict, slo: Slo, step: latency.StepTime,
     if slo.ttft_ms is not None and at.ttft_s * 1000 > slo.ttft_ms:
         missed.append(f"TTFT of a p99 prompt ({shape.p99_prompt_tokens:,} tokens) {latency.ms(at.ttft_s)} > "
                       f"{slo.ttft_ms:g} ms")
-    reason = feasibility.Reason(feasibility.SLO_UNMET,
+    reason = Reason(feasibility.SLO_UNMET,
                                 f"no batch meets {_slo_words(slo)}: one request alone is predicted at "
                                 f"{', '.join(missed)} (by the {step.source})")
     fix = feasibility.fix_line([], fallback=f"a faster GPU or a larger --tp, or --slo {_slo_fix(slo, at)}")

@@ -42,11 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.recommendation import Recommendation
+from kvtune.domain.whatif import Objective, PolicyKind, Predicted, ReplicaBasis, ReplicaRow
 from kvtune.errors import KvtuneError
 from kvtune.planning import Plan
 from kvtune.policy import rules
 from kvtune.policy.recommend import RecommendOptions, recommend
-from kvtune.policy.recommendation import Recommendation
 from kvtune.policy.replicas import check_replica
 from kvtune.policy.search import (
     TAIL_LEVEL,
@@ -68,7 +69,6 @@ from kvtune.policy.search import (
     simulate_run,
     truncation_share,
 )
-from kvtune.policy.whatif import Objective, PolicyKind, Predicted, ReplicaBasis, ReplicaRow
 from kvtune.profile.routes import Profile
 from kvtune.sim.requests import Workload
 from kvtune.sim.results import RequestColumns

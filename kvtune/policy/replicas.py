@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from kvtune.capacity.plan import Capacity
+from kvtune.domain.recommendation import Recommendation, UpstreamBudget
 from kvtune.endpoint import parse_upstream
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.planning import Plan
 from kvtune.policy import rules
-from kvtune.policy.recommendation import Recommendation, UpstreamBudget
 
 
 def smallest(capacities: Sequence[Capacity]) -> int:

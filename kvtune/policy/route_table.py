@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvtune.domain.output_law import OutputLaw
+from kvtune.domain.recommendation import Decision, Recommendation, RouteRecommendation
 from kvtune.domain.route import Api, Route, RouteMatch
 from kvtune.gateway.endpoints import GENERATE
-from kvtune.policy.recommendation import Decision, Recommendation, RouteRecommendation
+from kvtune.profile.routes import CensoredHistogram
 
 __all__ = ["CATCH_ALL_ROUTE", "route_output_law", "route_table", "route_decisions"]
 
@@ -21,7 +22,7 @@ def route_output_law(route: RouteRecommendation) -> OutputLaw:
     """The route's measured output lengths as the statistical policy reads them: binned, truncated
     at its cap, and every cut-off (censored) response counted at the cap, since it ran at least
     that long as far as anyone knows."""
-    lengths = route.output_lengths
+    lengths = CensoredHistogram.from_lengths(route.output_lengths)
     values = np.concatenate([lengths.uncensored.values, np.full(lengths.censored.values.size, route.cap)])
     counts = np.concatenate([lengths.uncensored.counts, lengths.censored.counts])
     return OutputLaw.from_samples(values, counts, route.cap)

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from kvtune.capacity.reservation import reserved_blocks
+from kvtune.domain.recommendation import Decision, Distribution
+from kvtune.domain.tail_class import TailClass
 from kvtune.engines import vllm
-from kvtune.policy.recommendation import Decision, Distribution
 from kvtune.profile.histogram import Histogram
-from kvtune.profile.routes import TailClass
 
 DEFAULT_SAFETY_FRACTION = 0.9
 CURRENT_VLLM_VERSION = vllm.CURRENT_VERSION

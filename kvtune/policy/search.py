@@ -46,15 +46,10 @@ from kvtune.domain.engine_settings import EngineSettings
 from kvtune.domain.flow_control import FlowControl
 from kvtune.domain.load_shape import LoadShape
 from kvtune.domain.output_law import OutputLaw
+from kvtune.domain.recommendation import Recommendation, RouteRecommendation, flow_control_of
 from kvtune.domain.route import Route, RouteMatch
 from kvtune.domain.slo import Slo
-from kvtune.errors import CapacityError, KvtuneError, OptionError
-from kvtune.planning import Plan
-from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
-from kvtune.policy.recommendation import Recommendation, RouteRecommendation, flow_control_of
-from kvtune.policy.route_table import route_table
-from kvtune.policy.rules import CAP_PERCENTILE
-from kvtune.policy.whatif import (
+from kvtune.domain.whatif import (
     ENGINE_ROWS,
     MAX_SEEDS,
     Goal,
@@ -67,8 +62,13 @@ from kvtune.policy.whatif import (
     SimBasis,
     Violation,
     WhatIfRow,
-    compute_bound_note,
 )
+from kvtune.errors import CapacityError, KvtuneError, OptionError
+from kvtune.planning import Plan
+from kvtune.policy.recommend import CAP_LEVELS, RecommendOptions, recommend
+from kvtune.policy.route_table import route_table
+from kvtune.policy.rules import CAP_PERCENTILE
+from kvtune.policy.whatif import compute_bound_note
 from kvtune.profile.histogram import Histogram
 from kvtune.profile.routes import CensoredHistogram, Profile
 from kvtune.sim.admission import Admission, LedgerAdmission
@@ -152,7 +152,7 @@ class SearchGrid:
     """The candidates simulated, besides the two reference rows: guaranteed at every cap level ×
     safety fraction; each other policy (statistical ε, overcommit k) at every cap level on the
     default budget (`overcommit_safety`: they bet on the recommended budget, ε or k is their own
-    axis). `engines` (keys of kvtune.policy.whatif.ENGINE_ROWS) adds a reference row per
+    axis). `engines` (keys of kvtune.domain.whatif.ENGINE_ROWS) adds a reference row per
     engine rule after the direct one: the same requests straight to SGLang or TensorRT-LLM."""
 
     cap_levels: tuple[str, ...] = DEFAULT_CAP_LEVELS

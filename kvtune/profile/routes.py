@@ -10,7 +10,6 @@ without censoring they are exactly numpy's nearest-rank (`inverted_cdf`) percent
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -19,6 +18,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvtune.domain.censored_lengths import CensoredLengths, LengthCounts
+from kvtune.domain.tail_class import TailClass
 from kvtune.errors import InputError
 from kvtune.ingest.paths import SkippedFile
 from kvtune.ingest.window import WindowReport, merge_reports
@@ -32,7 +33,6 @@ __all__ = [
     "Quantile",
     "LengthSummary",
     "CensoredHistogram",
-    "TailClass",
     "Tail",
     "classify_tail",
     "Arrival",
@@ -218,6 +218,15 @@ class CensoredHistogram:
     def to_dict(self) -> dict[str, Any]:
         return {"uncensored": self.uncensored.to_dict(), "censored": self.censored.to_dict()}
 
+    def lengths(self) -> CensoredLengths:
+        """The counts as plain data (what recommendation.json carries per route)."""
+        return CensoredLengths(_plain(self.uncensored), _plain(self.censored))
+
+    @classmethod
+    def from_lengths(cls, lengths: CensoredLengths) -> CensoredHistogram:
+        """The estimate over plain counts (a recommendation's route, read back)."""
+        return cls(_histogram(lengths.uncensored), _histogram(lengths.censored))
+
     @classmethod
     def from_dict(cls, data: Any, where: str) -> CensoredHistogram:
         if not isinstance(data, Mapping):
@@ -226,6 +235,14 @@ class CensoredHistogram:
             Histogram.from_dict(data.get("uncensored"), f"{where}.uncensored"),
             Histogram.from_dict(data.get("censored"), f"{where}.censored"),
         )
+
+
+def _plain(histogram: Histogram) -> LengthCounts:
+    return LengthCounts(tuple(histogram.values.tolist()), tuple(histogram.counts.tolist()))
+
+
+def _histogram(counts: LengthCounts) -> Histogram:
+    return Histogram(np.asarray(counts.values, np.int64), np.asarray(counts.counts, np.int64))
 
 
 def summarize_plain(histogram: Histogram) -> LengthSummary:
@@ -245,14 +262,6 @@ TAIL_RULE = (
     f"p99/p50 > {_EXP_P99_OVER_P50:.2f} or p99.9/p99 > {_EXP_P999_OVER_P99:.2f} "
     f"(the second with ≥ {_MIN_REQUESTS_FOR_P999} requests)"
 )
-
-
-class TailClass(enum.Enum):
-    """How an output distribution's tail decays against an exponential's (TAIL_RULE); the values
-    are the words profile and recommendation JSON use."""
-
-    LIGHT = "light"
-    HEAVY = "heavy"
 
 
 @dataclass(frozen=True, slots=True)

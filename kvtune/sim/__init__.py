@@ -1,7 +1,7 @@
 """A discrete-event simulation of vLLM V1's scheduler (or SGLang's, or TensorRT-LLM's), with the
 gateway's admission in front.
 
-Step times come from kvtune.steptime.StepTimeModel (calibrated, or a roofline estimate).
+Step times come from kvtune.domain.step_time.StepTimeModel (calibrated, or a roofline estimate).
 
     requests.py   what is served: SimRequest, Workload (columns), Outcome
     blocks.py     BlockPool: free blocks and the free-queue order prefix caching sees

@@ -5,7 +5,7 @@ decoding, all fit the token budget and the waiting head cannot be admitted, the 
 identical but for one more token of context each; the loop then jumps k steps at once, k being
 the first of: a request finishing, the free blocks no longer covering the block boundaries the
 requests cross (computed per request in closed form), the next arrival/retry/deadline. The time
-of k steps is an arithmetic series (kvtune.steptime.StepTicks.decode_run). `fast=False` takes every step
+of k steps is an arithmetic series (kvtune.domain.step_time.StepTicks.decode_run). `fast=False` takes every step
 one at a time through the same scheduler: the reference the fast path is tested against.
 
 An admission that conditions on progress (the statistical ledger) says after how many generated
@@ -39,6 +39,7 @@ import numpy as np
 
 from kvtune.domain.engine_settings import EngineSettings
 from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel, StepTimeModel
 from kvtune.errors import OptionError
 from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
 from kvtune.sim.frontend import FrontEnd
@@ -48,7 +49,6 @@ from kvtune.sim.rules import EngineRule, SGLangRule, TrtllmRule
 from kvtune.sim.scheduler import Scheduler
 from kvtune.sim.sglang import SGLangScheduler
 from kvtune.sim.trtllm import TrtllmScheduler
-from kvtune.steptime import TICKS_PER_S, FrontEndModel, StepTimeModel
 
 # Clients retry a 429 as `kvtune bench --retry` does: up to RetryPolicy.max_retries times,
 # waiting Retry-After capped at max_wait_s.

@@ -3,7 +3,7 @@
 vLLM's OpenAI server is one asyncio process: it parses each request, renders its chat template
 and tokenizes it before the engine sees it, and detokenizes and streams every output token after
 the engine computed it. On a few shared cores that work is not free, and it is serial: a burst
-of arrivals or a busy stream delays everyone behind it. kvtune.steptime.FrontEndModel gives the
+of arrivals or a busy stream delays everyone behind it. kvtune.domain.step_time.FrontEndModel gives the
 costs (`request_s` per request, `token_s` per token); this is their queue, kept as a fluid
 backlog of work (integer ticks, as the engine's clock) so a run of k decode steps costs one
 update, not k.
@@ -20,7 +20,7 @@ update, not k.
 
 from __future__ import annotations
 
-from kvtune.steptime import TICKS_PER_S, FrontEndModel
+from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel
 
 # vLLM's API server when nothing calibrated it (a simulation on silicon data or the roofline):
 # `kvtune calibrate --timing` against vLLM 0.32.0's own OpenAI server (vllm/entrypoints/openai,

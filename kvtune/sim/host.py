@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.errors import OptionError
-from kvtune.steptime import StepTimeModel
 
 # the first vLLM release whose scheduler overlaps the forward pass by default: vllm PR #27614
 # ("[Core] Enable async scheduling by default", opened 2025-10-27) came after 0.11.0 (2025-10-02);

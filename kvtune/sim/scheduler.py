@@ -8,7 +8,9 @@ What it reproduces, in `Scheduler.schedule()` order:
     until it fits or the request itself was the victim, which ends the running pass;
   * no admission in a step that preempted; otherwise waiting requests FCFS while budget is left
     and fewer than max_num_seqs run, stopping at the first whose whole current sequence
-    (prompt + generated, `scheduler_reserve_full_isl`) does not fit in the free blocks;
+    (prompt + generated, `scheduler_reserve_full_isl`, vLLM ≥ 0.19) does not fit in the free
+    blocks, or, with `reserve_full_sequence` off (earlier releases: 0.11.0's `allocate_slots`
+    is asked for the chunk alone), whose chunk's new blocks do not;
   * a preempted request loses its blocks and computed tokens, keeps its generated tokens, goes to
     the front of waiting, and on resume recomputes prompt + generated minus its prefix-cache hit;
   * after the step (`update_from_output`) a request whose computed tokens reached its length
@@ -29,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.step_time import StepTicks
 from kvtune.sim.blocks import BlockPool
-from kvtune.steptime import StepTicks
 
 
 def most_steps(fits: Callable[[int], bool], steps: int) -> int:
@@ -203,10 +205,11 @@ class Scheduler:
         s, pool, waiting = self.settings, self.pool, self.waiting
         bs, mml = s.block_size, s.max_model_len
         start = budget
+        full = s.reserve_full_sequence
         while budget > 0 and waiting and self.n < s.max_num_seqs:
             r = waiting[0]
             nt = int(self.ntok_all[r])
-            if (min(nt, mml) + bs - 1) // bs > pool.free:  # the whole current sequence must fit
+            if full and (min(nt, mml) + bs - 1) // bs > pool.free:  # the whole current sequence must fit
                 break
             hit = min(pool.cached(r), (nt - 1) // bs) if pool.caching else 0
             computed = hit * bs
@@ -215,6 +218,10 @@ class Scheduler:
                 new = threshold
             new = min(new, budget)
             blocks = (computed + new + bs - 1) // bs
+            # before 0.19 only this step's chunk must fit: its new blocks and the cached hit it takes
+            # out of the free queue (get_num_blocks_to_allocate counts evictable hits)
+            if not full and blocks > pool.free:
+                break
             if hit:
                 pool.touch(r, hit)
             pool.take(blocks - hit)
@@ -226,6 +233,19 @@ class Scheduler:
             budget -= new
             admitted.append(r)
         return start - budget
+
+    def _head_blocks(self, budget: int) -> int:
+        """At least the free blocks the waiting head needs to be admitted with `budget` tokens left,
+        for as long as the pool only fills: its whole sequence's, or (without
+        `reserve_full_sequence`) its first chunk's as if it had no cached prefix (a hit is evicted,
+        never gained, and without it the chunk needs fewer blocks than `_admit` counts with it)."""
+        s, bs = self.settings, self.settings.block_size
+        nt = min(int(self.ntok_all[self.waiting[0]]), s.max_model_len)
+        if s.reserve_full_sequence:
+            return (nt + bs - 1) // bs
+        if 0 < s.long_prefill_token_threshold < nt:
+            nt = s.long_prefill_token_threshold
+        return (min(nt, budget) + bs - 1) // bs
 
     def complete(self) -> tuple[np.ndarray, np.ndarray]:
         """The step ran: advance computed tokens, sample, finish. Returns (first-token ids, finished ids)."""
@@ -274,8 +294,7 @@ class Scheduler:
         head = bool(self.waiting) and k < s.max_num_seqs and k < s.max_num_batched_tokens
         full = 0
         if head:
-            nt = int(self.ntok_all[self.waiting[0]])
-            full = (min(nt, s.max_model_len) + bs - 1) // bs
+            full = self._head_blocks(s.max_num_batched_tokens - k)
             if full <= free - k:  # fits whatever the running requests take first
                 return 0, 0, 0, _EMPTY
         comp, ntok, held = self.comp[:k], self.ntok[:k], self.held[:k]

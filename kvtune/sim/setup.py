@@ -26,6 +26,7 @@ from kvtune.capacity.memory import memory_model
 from kvtune.capacity.silicon import NoSiliconDataError, silicon_step_time
 from kvtune.capacity.timing import roofline_step_time
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.step_time import FrontEndModel, StepTimeModel
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
@@ -37,7 +38,6 @@ from kvtune.sim.host import (
     adds_to_step,
     with_host_work,
 )
-from kvtune.steptime import FrontEndModel, StepTimeModel
 
 if TYPE_CHECKING:
     from kvtune.hardware import Gpu
@@ -60,16 +60,18 @@ class EngineSetup:
         s = self.settings
         values = {"num_blocks": s.num_blocks, "block_size": s.block_size, "max_num_seqs": s.max_num_seqs,
                   "max_num_batched_tokens": s.max_num_batched_tokens, "max_model_len": s.max_model_len,
-                  "enable_prefix_caching": s.enable_prefix_caching}
+                  "enable_prefix_caching": s.enable_prefix_caching,
+                  "reserve_full_sequence": s.reserve_full_sequence}
         return {name: {"value": value, "from": self.sources[name]} for name, value in values.items()}
 
 
 def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, gpu: Gpu | None = None,
-                 recorded_from: Mapping[str, str] | None = None) -> EngineSetup:
+                 recorded_from: Mapping[str, str] | None = None, engine_version: str | None = None) -> EngineSetup:
     """The settings `measured` implies, overridden by the options given. `recorded_from` says
     where a setting `measured` holds came from when that is not a capacity file (an offline
-    simulation's pool is kvtune's estimate or an option; see offline_capacity)."""
+    simulation's pool is kvtune's estimate or an option; see offline_capacity). `engine_version`
+    (None: the current release) picks the release's defaults and admission rule."""
     sources: dict[str, str] = {}
     labels = recorded_from or {}
 
@@ -98,8 +100,10 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
         raise CapacityError("the capacity file gives no KV blocks (num_blocks or kv_cache_tokens)",
                             path=measured.origin, field="num_blocks")
     sources["num_blocks"] = recorded("num_blocks")
+    release = None if engine_version is None else memory_model(engine_version, field="--engine-version").version
     batched_default, seqs_default = vllm.default_scheduler_limits(
-        measured.device, gpu.memory_bytes if gpu is not None else None, gpu.name if gpu is not None else None)
+        measured.device, gpu.memory_bytes if gpu is not None else None, gpu.name if gpu is not None else None,
+        release)
     recorded_batched = measured.max_num_batched_tokens
     if recorded_batched is None and against is not None and against.max_num_batched_tokens_from != "engine-default":
         recorded_batched = against.max_num_batched_tokens
@@ -107,10 +111,12 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     batched = pick("max_num_batched_tokens", max_num_batched_tokens, recorded_batched, batched_default)
     caching = measured.enable_prefix_caching
     sources["enable_prefix_caching"] = DEFAULT if caching is None else recorded("enable_prefix_caching")
+    sources["reserve_full_sequence"] = DEFAULT  # the release's admission rule (kvtune.engines.vllm)
     try:
         settings = EngineSettings(num_blocks=num_blocks, block_size=block_size, max_num_seqs=seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_model_len,
-                                  enable_prefix_caching=True if caching is None else caching)
+                                  enable_prefix_caching=True if caching is None else caching,
+                                  reserve_full_sequence=vllm.reserves_full_sequence(release))
     except OptionError as exc:
         raise CapacityError(exc.message, path=measured.origin, field=exc.field) from None
     return EngineSetup(settings, sources)

@@ -35,9 +35,9 @@ import heapq
 import numpy as np
 
 from kvtune.domain.engine_settings import EngineSettings
+from kvtune.domain.step_time import StepTicks
 from kvtune.sim.rules import CapacityPolicy, TrtllmRule
 from kvtune.sim.scheduler import Batch, most_steps
-from kvtune.steptime import StepTicks
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _sum, _min = np.add.reduce, np.minimum.reduce

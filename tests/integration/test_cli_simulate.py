@@ -15,11 +15,11 @@ from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_cap
 from kvtune.capacity.timing import FitError, MeasuredAgainst, SweepReport, Timing
 from kvtune.cli import cli
 from kvtune.domain.load_shape import LoadShape
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.profile.build import load_profile, save_profile
 from kvtune.profile.histogram import Histogram, JointHistogram, joint_bin
 from kvtune.profile.routes import CensoredHistogram, Profile, RouteProfile
 from kvtune.sim.traffic import profile_traffic
-from kvtune.steptime import StepTimeModel
 from kvtune.workload.arrivals import arrival_offsets
 from kvtune.workload.draw import PromptSynth, Workload
 

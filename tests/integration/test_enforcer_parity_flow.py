@@ -26,6 +26,7 @@ from enforcers import BUDGET, chat, in_thread, small_fake, small_rec, start_enfo
 from kvtune.domain.admission_policy import AdmissionPolicy
 from kvtune.domain.flow_control import Band, FlowControl
 from kvtune.gateway.config import AdminAccess, RefusalDetail
+from kvtune.policy.recommendation import read_recommendation
 
 pytestmark = pytest.mark.slow
 
@@ -378,13 +379,12 @@ def test_a_heavier_flow_gets_its_weights_share(kind, tmp_path, upstream):
 def test_with_two_engine_replicas_a_waiter_is_served_by_a_release_on_either(kind, tmp_path):
     """Replicas of 60 and 90 blocks, both held full: a waiter queues (the forecast reads both
     replicas' requests), is served on the one that releases, and every replica's ledger drains."""
-    from kvtune.policy.recommendation import Recommendation
 
     with small_fake() as a, small_fake() as b:
         doc = json.loads(small_rec(a.port, chat_lengths=CHAT_LENGTHS).to_json())
         doc["upstreams"] = [{"url": a.url, "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
                             {"url": b.url, "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
-        rec = Recommendation.from_dict(doc, path="rec")
+        rec = read_recommendation(doc, path="rec")
         server = start_enforcer(kind, rec, tmp_path / "nginx", nginx_worker_processes="2", flow=_flow(),
                                 nginx_user="root" if os.geteuid() == 0 else None)
         try:

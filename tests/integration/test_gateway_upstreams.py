@@ -47,8 +47,8 @@ class CountingLedger(BlockLedger):
         self.granted = 0
         self.given_back = 0
 
-    def try_reserve(self, blocks, demand=None):
-        reservation = super().try_reserve(blocks, demand)
+    def try_reserve(self, blocks, demand=None, keep_blocks=0):
+        reservation = super().try_reserve(blocks, demand, keep_blocks)
         self.granted += reservation is not None
         return reservation
 

@@ -19,6 +19,7 @@ from kvtune.domain.demand import Demand
 from kvtune.domain.output_law import OutputLaw
 from kvtune.gateway.overflow import EXACT_WORK, exact_is_cheap, interval_edges
 from kvtune.gateway.statistical import StatisticalLedger
+from kvtune.policy.recommendation import read_recommendation
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -182,11 +183,10 @@ def test_the_rendered_lua_reads_no_stray_globals(admission):
     from lua_statistical import globals_used
 
     from kvtune.deploy.render import lua_modules, render_files
-    from kvtune.policy.recommendation import Recommendation
 
     doc = json.loads((Path(__file__).parents[1] / "data" / "recommendation.json").read_text(encoding="utf-8"))
     doc["admission"] = admission
-    conf = render_files(Recommendation.from_dict(doc), targets=["nginx.conf"])["nginx.conf"]
+    conf = render_files(read_recommendation(doc), targets=["nginx.conf"])["nginx.conf"]
     start = conf.index("init_by_lua_block {") + len("init_by_lua_block {")
     end = conf.index('.new(CONFIG, POLICY)') + len('.new(CONFIG, POLICY)')
     chunks = {"nginx.conf": conf[start:end], **lua_modules()}

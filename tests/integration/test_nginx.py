@@ -9,14 +9,14 @@ import subprocess
 from enforcers import HOSTILE, HOSTILE_MODEL, Nginx, base_rec
 
 from kvtune.deploy.render import RenderOptions, render_files
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 
 def test_rendered_nginx_conf_passes_nginx_t(tmp_path):
     rec = base_rec()
     rec["routes"][0]["route"] = HOSTILE
     rec["routes"][0]["match"]["model"] = HOSTILE_MODEL
-    conf = render_files(Recommendation.from_dict(rec), targets=["nginx.conf"],
+    conf = render_files(read_recommendation(rec), targets=["nginx.conf"],
                         options=RenderOptions(listen_port=18080))  # -t binds nothing
     server = Nginx(tmp_path, conf["nginx.conf"], 0)
     result = subprocess.run(server.args("-t"), capture_output=True, text=True, timeout=30)
@@ -26,7 +26,7 @@ def test_rendered_nginx_conf_passes_nginx_t(tmp_path):
 
 def test_nginx_t_catches_a_broken_config(tmp_path):
     """The check above can fail: a misspelled directive is refused."""
-    conf = render_files(Recommendation.from_dict(base_rec()), targets=["nginx.conf"])["nginx.conf"]
+    conf = render_files(read_recommendation(base_rec()), targets=["nginx.conf"])["nginx.conf"]
     server = Nginx(tmp_path, conf.replace("proxy_buffering off;", "proxy_bufering off;"), 0)
     result = subprocess.run(server.args("-t"), capture_output=True, text=True, timeout=30)
     assert result.returncode != 0

@@ -21,7 +21,7 @@ from fake_vllm import FakeVllm
 
 from kvtune.gateway.admin import EVERY_UPSTREAM_DOWN
 from kvtune.gateway.config import HealthProbe
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DEFAULT = HealthProbe()  # gateway.yaml's: every 1 s, within 1 s
 FAST = HealthProbe(interval_s=0.2, timeout_s=0.2)
@@ -36,7 +36,7 @@ def nginx_over(a: FakeVllm, b: FakeVllm, prefix: Path, health: HealthProbe = DEF
     urls = [f.url if host is None else f"http://{host}:{f.port}" for f in (a, b)]
     doc["upstreams"] = [{"url": urls[0], "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
                         {"url": urls[1], "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
-    rec = Recommendation.from_dict(doc, path="rec")
+    rec = read_recommendation(doc, path="rec")
     server = start_enforcer("nginx", rec, prefix, nginx_worker_processes=workers, health=health,
                             nginx_user="root" if os.geteuid() == 0 else None)
     try:
@@ -177,7 +177,7 @@ def test_one_upstream_is_never_probed_and_the_probe_options_are_checked(tmp_path
     from kvtune.deploy.render import RenderOptions, render_files
     from kvtune.errors import OptionError
 
-    rec = Recommendation.from_dict(rec_dict())
+    rec = read_recommendation(rec_dict())
     one = render_files(rec, targets=["nginx.conf"])["nginx.conf"]
     # every worker starts the refusal log's timer; only several upstreams start the probe's
     assert 'require("kvtune_gateway").watch_health()' not in one and "health = {" not in one
@@ -185,7 +185,7 @@ def test_one_upstream_is_never_probed_and_the_probe_options_are_checked(tmp_path
     # https engines named by host name, a probe of its own: rendered alike in gateway.yaml
     doc = {**rec_dict(), "upstream": "https://localhost:8443"}
     probe = HealthProbe(interval_s=0.5, timeout_s=0.25, path="/ping")
-    files = render_files(Recommendation.from_dict(doc), targets=["nginx.conf", "gateway.yaml"],
+    files = render_files(read_recommendation(doc), targets=["nginx.conf", "gateway.yaml"],
                          options=RenderOptions(replicas=2, health=probe, listen_port=18080))
     conf = files["nginx.conf"]
     assert "GET /ping every 0.5 s" in conf and "one deadline of 0.25 s" in conf

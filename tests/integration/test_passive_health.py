@@ -21,7 +21,7 @@ from enforcers import chat, small_fake, small_rec, start_enforcer
 from fake_vllm import FakeVllm
 
 from kvtune.gateway.config import HealthProbe
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def over(kind: str, a: FakeVllm, b: FakeVllm, prefix: Path, health: HealthProbe)
     doc = json.loads(small_rec(a.port).to_json())
     doc["upstreams"] = [{"url": a.url, "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
                         {"url": b.url, "block_budget": 90, "num_blocks": 100, "capacity_file": "b.json"}]
-    rec = Recommendation.from_dict(doc, path="rec")
+    rec = read_recommendation(doc, path="rec")
     server = start_enforcer(kind, rec, prefix, nginx_worker_processes="2", health=health,
                             nginx_user="root" if os.geteuid() == 0 else None)
     try:

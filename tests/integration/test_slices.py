@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvtune.deploy.slices import MAX_NGINX_REPLICAS, blocks_for_context, check_slice, slice_blocks
 from kvtune.errors import OptionError
 from kvtune.gateway.config import AdminAccess, RefusalDetail
+from kvtune.policy.recommendation import read_recommendation
 
 
 @given(st.integers(0, 10**12), st.integers(1, MAX_NGINX_REPLICAS))
@@ -44,11 +45,10 @@ def _rec(budget: int = 26999):
 
     from recs import rec_dict
 
-    from kvtune.policy.recommendation import Recommendation
 
     doc = rec_dict()
     doc["block_budget"]["value"] = budget
-    return Recommendation.from_dict(json_.loads(json_.dumps(doc)), path="recommendation.json")
+    return read_recommendation(json_.loads(json_.dumps(doc)), path="recommendation.json")
 
 
 def test_three_nginx_replicas_render_a_third_each_with_the_trade_off_in_the_header_and_check_reads_it_back():
@@ -95,12 +95,11 @@ def test_real_nginx_holds_only_its_slice_and_refuses_what_is_bigger_than_it(tmp_
 
     from enforcers import chat, small_fake, small_rec, start_enforcer, words
 
-    from kvtune.policy.recommendation import Recommendation
 
     with small_fake() as fake:
         doc = json_.loads(small_rec(fake.port).to_json())
         doc["block_budget"]["value"], doc["capacity"]["num_blocks"] = 400, 450
-        rec = Recommendation.from_dict(doc, path="rec")
+        rec = read_recommendation(doc, path="rec")
         server = start_enforcer("nginx", rec, tmp_path / "nginx", nginx_replicas=3, nginx_worker_processes="1",
                                 nginx_user="root" if os.geteuid() == 0 else None,
                                 admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
@@ -126,13 +125,12 @@ def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_wh
 
     from enforcers import chat, small_fake, small_rec, start_enforcer
 
-    from kvtune.policy.recommendation import Recommendation
 
     with small_fake() as a, small_fake() as b, ThreadPoolExecutor(24) as pool:
         doc = json_.loads(small_rec(a.port).to_json())
         doc["upstreams"] = [{"url": a.url.rstrip("/"), "block_budget": 60, "num_blocks": 70, "capacity_file": "a.json"},
                             {"url": b.url.rstrip("/"), "block_budget": 30, "num_blocks": 40, "capacity_file": "b.json"}]
-        rec = Recommendation.from_dict(doc, path="rec")
+        rec = read_recommendation(doc, path="rec")
         server = start_enforcer("nginx", rec, tmp_path / "nginx", nginx_worker_processes="2",
                                 nginx_user="root" if os.geteuid() == 0 else None)
         try:
@@ -183,11 +181,10 @@ def test_two_measured_engines_sliced_for_three_nginx_render_each_slice_and_check
     from kvtune.deploy.check import Severity, check_deployment
     from kvtune.deploy.read import parse_deployed
     from kvtune.deploy.render import RenderOptions, render_files
-    from kvtune.policy.recommendation import Recommendation
 
     upstreams = [{"url": "http://10.0.0.7:8000", "block_budget": 26999, "num_blocks": 30000, "capacity_file": "a.json"},
                  {"url": "http://10.0.0.8:8000", "block_budget": 40499, "num_blocks": 45000, "capacity_file": "b.json"}]
-    rec = Recommendation.from_dict({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
+    rec = read_recommendation({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
     text = render_files(rec, targets=["nginx.conf"], options=RenderOptions(nginx_replicas=3))["nginx.conf"]
     assert "#   http://10.0.0.7:8000: budget 8999 blocks (a.json), this nginx's slice of floor(26999 / 3)" in text
     assert "#   http://10.0.0.8:8000: budget 13499 blocks (b.json), this nginx's slice of floor(40499 / 3)" in text

@@ -30,6 +30,7 @@ from kvtune.domain.route import Api
 from kvtune.gateway.apis import read_request
 from kvtune.gateway.counting import LocalTokenizerCounter, PromptRejectedError, UpstreamTokenizeCounter
 from kvtune.gateway.upstream import UpstreamClient
+from kvtune.policy.recommendation import read_recommendation
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -196,7 +197,6 @@ def nginx(engine, tmp_path_factory):
     from recs import make_rec_dict
 
     from kvtune.gateway.config import AdminAccess, RefusalDetail
-    from kvtune.policy.recommendation import Recommendation
 
     server, _ = engine
     doc = make_rec_dict(budget=100_000, num_blocks=100_001, block_size=1, routes=[("/v1/chat/completions", 1, 0.0)])
@@ -204,7 +204,7 @@ def nginx(engine, tmp_path_factory):
     doc["settings"]["max_model_len"]["value"] = server.max_model_len
     # the reservation is read from X-Kvtune-Reserved-Blocks, which only admin.refusal_detail: ledger
     # shows (to a loopback client, as the ledger)
-    gateway = start_enforcer("nginx", Recommendation.from_dict(doc, path="render test"), tmp_path_factory.mktemp("nginx"),
+    gateway = start_enforcer("nginx", read_recommendation(doc, path="render test"), tmp_path_factory.mktemp("nginx"),
                              admin=AdminAccess(refusal_detail=RefusalDetail.LEDGER))
     try:
         yield server, gateway

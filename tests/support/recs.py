@@ -1,6 +1,6 @@
 """Recommendations for tests, built from tests/data/recommendation.json (a file recommend wrote,
 trimmed) with the fields a test cares about changed, then read back strictly as recommend's
-own output is: `Recommendation.from_dict` holds every edit to the file's schema."""
+own output is: `read_recommendation` holds every edit to the file's schema."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import copy
 import json
 from pathlib import Path
 
-from kvtune.policy.recommendation import Recommendation
+from kvtune.domain.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -44,4 +45,4 @@ def make_rec_dict(*, budget: int | None = None, num_blocks: int | None = None, b
 
 
 def make_rec(**changes) -> Recommendation:
-    return Recommendation.from_dict(make_rec_dict(**changes), path="test recommendation")
+    return read_recommendation(make_rec_dict(**changes), path="test recommendation")

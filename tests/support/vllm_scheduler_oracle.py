@@ -9,8 +9,9 @@ length gets one sampled token, the others (mid-prompt chunks) get none, as the m
 
 IN.json: {"model_dir": str, "traces": [{"name", "num_blocks", "block_size", "max_num_seqs",
           "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-          "long_prefill_token_threshold", "requests": [{"arrival_step", "prompt_tokens",
-          "output_tokens"}]}]}
+          "long_prefill_token_threshold", "reserve_full_isl" (optional, default true: vLLM's
+          scheduler_reserve_full_isl; false admits on the first chunk, as releases before 0.19),
+          "requests": [{"arrival_step", "prompt_tokens", "output_tokens"}]}]}
 OUT.json: {"traces": [{"name", "steps": [{"step", "scheduled": [[index, tokens], ...],
            "preempted": [index, ...], "finished": [index, ...]}]}]}
 
@@ -43,6 +44,7 @@ def _scheduler(trace: dict, model_dir: str):
         long_prefill_token_threshold=trace["long_prefill_token_threshold"],
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        scheduler_reserve_full_isl=trace.get("reserve_full_isl", True),
     )
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=mml, dtype="float32")
     cache_config = CacheConfig(block_size=bs, enable_prefix_caching=trace["enable_prefix_caching"])

@@ -12,15 +12,17 @@ from recs import rec_dict
 from kvtune.deploy.check import Severity, check_deployment
 from kvtune.deploy.read import DeployedKind, load_deployed, parse_deployed, parse_vllm_command
 from kvtune.deploy.render import render_files
+from kvtune.domain.recommendation import Recommendation
 from kvtune.errors import InputError
 from kvtune.hardware import GPUS
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
+from kvtune.profile.routes import CensoredHistogram
 
 DATA = Path(__file__).parents[1] / "data"
 
 
 def rec() -> Recommendation:
-    return Recommendation.from_dict(rec_dict(), path="recommendation.json")
+    return read_recommendation(rec_dict(), path="recommendation.json")
 
 
 def codes(result, severity=None) -> list[str]:
@@ -82,7 +84,7 @@ def test_rendered_files_read_back_exactly():
     d = rec_dict()
     d["routes"][0]["route"] = "we\"ird ]] $(x)\nname é"
     d["routes"][0]["match"]["model"] = "m']]\\"
-    r = Recommendation.from_dict(d)
+    r = read_recommendation(d)
     files = render_files(r)
     nginx = parse_deployed(files["nginx.conf"], source="nginx.conf")
     gateway = parse_deployed(files["gateway.yaml"], source="gateway.yaml")
@@ -154,8 +156,8 @@ def test_truncation_share_is_the_routes_kaplan_meier_estimate():
     chat["output_lengths"] = {"uncensored": {"values": [10, 20], "counts": [50, 30]},
                               "censored": {"values": [15], "counts": [20]}}
     chat["max_new_tokens"]["value"] = 20
-    r = Recommendation.from_dict(d)
-    assert r.routes[0].output_lengths.truncation_share(15) == pytest.approx(0.5)
+    r = read_recommendation(d)
+    assert CensoredHistogram.from_lengths(r.routes[0].output_lengths).truncation_share(15) == pytest.approx(0.5)
     routes = [{"name": "chat", "match": {"path": "/v1/chat/completions"}, "max_new_tokens": 15},
               {"name": "default", "max_new_tokens": 700}]
     result = check_deployment([parse_deployed(gateway_yaml(routes=routes))], r)
@@ -219,7 +221,7 @@ def test_preemption_risk_uses_vllms_default_max_num_seqs_for_the_gpu():
     for gpu, seqs in (("A100-80GB", 256), ("H100-80GB", 1024), ("L4", 256)):
         edited = rec_dict()
         edited["hardware"].update(gpu=gpu, gpu_memory_bytes=GPUS[gpu].memory_bytes)
-        planned = Recommendation.from_dict(edited)
+        planned = read_recommendation(edited)
         message = next(f.message for f in check_deployment([without_flag], planned).findings
                        if f.code == "preemption-risk")
         assert message.startswith(f"max_num_seqs {seqs} (default) × 14512 tokens"), (gpu, message)
@@ -239,7 +241,7 @@ def test_v1_refuses_v0_flags():
     assert codes(result, "risk").count("invalid-flag") == 2
     edited = rec_dict()
     edited["engine"] = {"name": "vllm", "version": "0.6", "v1": False}
-    old = Recommendation.from_dict(edited)
+    old = read_recommendation(edited)
     assert "invalid-flag" not in codes(check_deployment([parse_deployed(GOOD_VLLM + " --preemption-mode swap")], old))
 
 

@@ -13,9 +13,9 @@ from objective_logs import CPU_CAPACITY, MODEL, objective_log, reasoning_log
 
 import kvtune
 from kvtune.cli import cli
+from kvtune.domain.whatif import Goal
 from kvtune.policy.recommend import RecommendOptions
 from kvtune.policy.search import GUARANTEED, ObjectiveSpec, SearchGrid, recommend_for_objective, tail_rule_truncation
-from kvtune.policy.whatif import Goal
 
 QWEN = "/work/shared/configs/Qwen3-8B.json"
 

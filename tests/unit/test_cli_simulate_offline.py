@@ -186,7 +186,7 @@ def test_a_saturated_long_prompt_trace_gives_the_queue_its_step_time_implies(tmp
     the roofline's step time charging a chunk's KV read per token; its fix is the step model's.)"""
     from kvtune.capacity.measured import CapacitySource, MeasuredCapacity, write_capacity_file
     from kvtune.capacity.timing import FitError, MeasuredAgainst, SweepReport, Timing
-    from kvtune.steptime import StepTimeModel
+    from kvtune.domain.step_time import StepTimeModel
 
     c0, c1 = 0.02, 5.8e-5  # 1.86 s per 32k-token prefill, as aiconfigurator-core prices it on an H100
     sweep = SweepReport(name="decode", requests=1, completed=1, prompt_tokens=(32, 32), output_tokens=(8, 8),

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtune.policy import feasibility
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 
 @given(st.sampled_from(["vllm", "sglang", "trtllm"]), st.integers(0, 5000), st.sampled_from([1, 16, 32, 128]),
@@ -34,7 +34,7 @@ def test_the_verdict_reads_back_from_recommendation_json(tmp_path):
     v = feasibility.verdict("vllm", pool_blocks=204, block_size=16, max_model_len=131072, budget_blocks=182,
                             smallest_reservation_blocks=8, longest_request_tokens=32885, fix="fits with --tp 4")
     data["feasibility"] = v.to_dict()
-    rec = Recommendation.from_dict(data)
+    rec = read_recommendation(data)
     assert rec.feasibility == v and rec.to_dict()["feasibility"] == v.to_dict()
     del data["feasibility"]  # a file written before the field: no verdict
-    assert Recommendation.from_dict(data).feasibility is None
+    assert read_recommendation(data).feasibility is None

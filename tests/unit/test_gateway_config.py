@@ -548,3 +548,14 @@ def test_the_reserves_together_must_stay_below_every_upstreams_budget():
         parse_gateway_config({**doc, "flow": {**FLOW, "bands": bands}})
     assert info.value.field == "flow.bands[1].reserve_blocks"
     assert "add up to 50 blocks, not below the block budget 50" in str(info.value)
+
+
+def test_an_upstream_weight_past_1000_is_refused_while_a_flow_weight_may_be_larger():
+    """Two limits named alike: the flow weights' (10^6) once rebound the upstream weights' (1000)."""
+    doc = {k: v for k, v in _doc().items() if k not in ("upstream", "block_budget")}
+    doc["upstreams"] = [{"url": "http://127.0.0.1:8000", "block_budget": 100, "weight": 1001},
+                        {"url": "http://127.0.0.1:8001", "block_budget": 100}]
+    with pytest.raises(InputError, match=r"upstreams\[0\]\.weight: must be at most 1000, got 1001"):
+        parse_gateway_config(doc, path="gateway.yaml")
+    doc["upstreams"][0]["weight"] = 1000
+    assert parse_gateway_config(doc, path="gateway.yaml").upstreams[0].weight == 1000

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvtune.domain.admission_policy import GUARANTEED, AdmissionPolicy, PolicyKind
 from kvtune.errors import InputError
 from kvtune.gateway.config import parse_gateway_config
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 GATEWAY = {"version": 1, "upstream": "http://127.0.0.1:8000", "block_size": 16, "block_budget": 100,
@@ -91,7 +91,7 @@ def _rec_doc() -> dict:
 def test_recommendation_admission_round_trips(policy):
     doc = _rec_doc()
     doc["admission"] = policy.to_dict()
-    rec = Recommendation.from_dict(doc, path="r.json")
+    rec = read_recommendation(doc, path="r.json")
     assert rec.admission == policy
     assert rec.to_dict() == doc
 
@@ -99,7 +99,7 @@ def test_recommendation_admission_round_trips(policy):
 def test_a_recommendation_written_before_admission_reads_as_guaranteed():
     doc = _rec_doc()
     del doc["admission"]
-    rec = Recommendation.from_dict(doc, path="old.json")
+    rec = read_recommendation(doc, path="old.json")
     assert rec.admission == GUARANTEED
     assert rec.to_dict()["admission"] == {"policy": "guaranteed"}
 
@@ -112,7 +112,7 @@ def test_a_damaged_recommendation_admission_names_the_field(admission, field):
     doc = _rec_doc()
     doc["admission"] = admission
     with pytest.raises(InputError) as info:
-        Recommendation.from_dict(copy.deepcopy(doc), path="r.json")
+        read_recommendation(copy.deepcopy(doc), path="r.json")
     assert info.value.field == field
 
 

@@ -160,7 +160,12 @@ def test_shared_types_come_from_the_floor() -> None:
                  "AdmissionPolicy": "kvtune/gateway/policy.py",
                  "LoadShape": "kvtune/bench/loads.py", "RetryPolicy": "kvtune/bench/client.py",
                  "RouteMatch": "kvtune/gateway/config.py", "Route": "kvtune/deploy/deployed.py",
-                 "Api": "kvtune/gateway/endpoints.py"}
+                 "Api": "kvtune/gateway/endpoints.py",
+                 # the documents (issue 28, branch floor-docs): recommendation.json, the what-if
+                 # table, the verdict, and the types they embed
+                 "Recommendation": "kvtune/policy/recommendation.py", "WhatIfRow": "kvtune/policy/whatif.py",
+                 "Predicted": "kvtune/policy/whatif.py", "Verdict": "kvtune/policy/feasibility.py",
+                 "TailClass": "kvtune/profile/routes.py", "StepTimeModel": "kvtune/steptime.py"}
     for name, home in old_homes.items():
         old = ROOT.parent / home
         assert not old.exists() or f"class {name}" not in old.read_text(encoding="utf-8"), name

@@ -14,6 +14,7 @@ from conftest import TRACES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtune.domain.tail_class import TailClass
 from kvtune.errors import InputError
 from kvtune.profile.build import ProfileBuilder, is_saved_profile, load_profile, save_profile
 from kvtune.profile.histogram import Histogram
@@ -22,7 +23,6 @@ from kvtune.profile.routes import (
     CensoredHistogram,
     Profile,
     Quantile,
-    TailClass,
     classify_tail,
     merge_profiles,
     summarize_plain,

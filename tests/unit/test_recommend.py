@@ -14,10 +14,10 @@ from conftest import TRACES
 from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
 from kvtune.domain.deployment import Deployment
 from kvtune.domain.route import RouteMatch
+from kvtune.domain.tail_class import TailClass
 from kvtune.planning import plan, replan
 from kvtune.policy.recommend import RecommendOptions, recommend
 from kvtune.profile.build import ProfileBuilder
-from kvtune.profile.routes import TailClass
 
 
 def _azure(name: str) -> pd.DataFrame:

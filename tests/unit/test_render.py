@@ -28,10 +28,11 @@ from kvtune.deploy.render import (
     render_files,
     write_files,
 )
+from kvtune.domain.recommendation import Recommendation
 from kvtune.endpoint import parse_upstream
 from kvtune.errors import InputError, KvtuneError
 from kvtune.gateway.config import CountingMethod, load_gateway_config, parse_gateway_config
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 NASTY = [
@@ -52,7 +53,7 @@ def rec_dict() -> dict:
 
 
 def rec() -> Recommendation:
-    return Recommendation.from_dict(rec_dict(), path="recommendation.json")
+    return read_recommendation(rec_dict(), path="recommendation.json")
 
 
 def hostile_rec() -> Recommendation:
@@ -71,7 +72,7 @@ def hostile_rec() -> Recommendation:
     r["served_model"] = NASTY[1] + NASTY[3]
     r["notes"] = list(NASTY)
     r["settings"]["max_model_len"]["reason"] = NASTY[3] + NASTY[5]
-    return Recommendation.from_dict(r)
+    return read_recommendation(r)
 
 
 def test_a_second_render_compiles_no_template(monkeypatch):
@@ -200,7 +201,7 @@ def test_render_files_gives_every_target_and_refuses_unknown():
     with pytest.raises(KvtuneError, match="launches SGLang, but the recommendation is for vLLM"):
         render_files(rec(), targets=["sglang-serve.sh"])
     assert json.loads(files["recommendation.json"]) == rec().to_dict()
-    assert Recommendation.from_dict(json.loads(files["recommendation.json"])).to_dict() == rec().to_dict()
+    assert read_recommendation(json.loads(files["recommendation.json"])).to_dict() == rec().to_dict()
     assert set(render_files(rec(), targets=["gateway.yaml"])) == {"gateway.yaml"}
     with pytest.raises(KvtuneError, match="unknown render target"):
         render_files(rec(), targets=["docker-compose.yml"])
@@ -210,11 +211,11 @@ def test_missing_field_is_a_clear_error():
     r = rec_dict()
     del r["concurrency"]["admitted"]
     with pytest.raises(InputError, match="recommendation.json: concurrency.admitted: missing"):
-        Recommendation.from_dict(r, path="recommendation.json")
+        read_recommendation(r, path="recommendation.json")
     r = rec_dict()
     del r["settings"]["max_new_tokens_backstop"]
     with pytest.raises(InputError, match="settings.max_new_tokens_backstop: missing"):
-        Recommendation.from_dict(r, path="recommendation.json")
+        read_recommendation(r, path="recommendation.json")
 
 
 def test_gateway_yaml_loads_and_reproduces_the_recommendation(tmp_path):
@@ -253,7 +254,7 @@ def test_the_admission_policy_reaches_gateway_yaml_and_nginx_conf(admission):
 
     doc = rec_dict()
     doc["admission"] = admission
-    r = Recommendation.from_dict(doc)
+    r = read_recommendation(doc)
     config = parse_gateway_config(yaml.safe_load(render_files(r, targets=["gateway.yaml"])["gateway.yaml"]))
     assert config.admission == r.admission
     assert set(render_files(r)) == {"vllm-serve.sh", *COMMON_TARGETS}  # nginx.conf enforces every policy too
@@ -278,7 +279,7 @@ def test_nginx_conf_carries_the_statistical_constants_and_route_laws():
 
     doc = rec_dict()
     doc["admission"] = {"policy": "statistical", "epsilon": 0.001}
-    r = Recommendation.from_dict(doc)
+    r = read_recommendation(doc)
     conf = render_files(r, targets=["nginx.conf"])["nginx.conf"]
     block = conf[conf.index("local CONFIG =") + len("local CONFIG ="):]
     config = _LuaReader(block, "nginx.conf").value()
@@ -500,7 +501,7 @@ def test_replicas_render_upstreams_on_consecutive_ports_each_with_the_budget():
 def test_replicas_measured_each_render_their_own_budgets_and_no_nginx_conf():
     upstreams = [{"url": "http://10.0.0.7:8000", "block_budget": 1799, "num_blocks": 2000, "capacity_file": "a.json"},
                  {"url": "http://10.0.0.8:8000", "block_budget": 2700, "num_blocks": 3001, "capacity_file": "b.json"}]
-    measured = Recommendation.from_dict({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
+    measured = read_recommendation({**rec_dict(), "upstreams": upstreams}, path="recommendation.json")
     files = render_files(measured)  # RenderOptions' replicas=1 does not hide them
     conf = parse_deployed(files["nginx.conf"], source="nginx.conf")
     assert [(u.url, u.block_budget) for u in conf.upstreams] == [(u["url"], u["block_budget"]) for u in upstreams]
@@ -512,7 +513,7 @@ def test_replicas_measured_each_render_their_own_budgets_and_no_nginx_conf():
 
 
 def test_nginx_conf_for_several_statistical_replicas_is_refused_with_the_reason():
-    statistical = Recommendation.from_dict({**rec_dict(), "admission": {"policy": "statistical", "epsilon": 0.01}},
+    statistical = read_recommendation({**rec_dict(), "admission": {"policy": "statistical", "epsilon": 0.01}},
                                            path="recommendation.json")
     assert "nginx.conf" not in render_files(statistical, options=RenderOptions(replicas=2))
     with pytest.raises(KvtuneError) as caught:

@@ -13,8 +13,9 @@ import pytest
 from kvtune.deploy.read import parse_deployed
 from kvtune.deploy.render import RenderOptions, render_files
 from kvtune.domain.flow_control import Band, FlowControl
+from kvtune.domain.recommendation import Recommendation
 from kvtune.errors import OptionError
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 
 DATA = Path(__file__).parents[1] / "data"
 FLOW = FlowControl(token_time_s=0.02, bands=(Band("interactive", 2.0), Band("batch", 60.0)),
@@ -22,7 +23,7 @@ FLOW = FlowControl(token_time_s=0.02, bands=(Band("interactive", 2.0), Band("bat
 
 
 def _rec() -> Recommendation:
-    return Recommendation.from_dict(json.loads((DATA / "recommendation.json").read_text(encoding="utf-8")))
+    return read_recommendation(json.loads((DATA / "recommendation.json").read_text(encoding="utf-8")))
 
 
 def _conf(**options) -> str:

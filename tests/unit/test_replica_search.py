@@ -15,8 +15,9 @@ from objective_logs import CPU_CAPACITY, MODEL, objective_log
 
 import kvtune
 from kvtune.cli import cli
+from kvtune.domain.recommendation import Recommendation
 from kvtune.policy import rules
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 from kvtune.policy.replica_search import interleave, split_clients, split_draws
 
 
@@ -137,7 +138,7 @@ def test_the_document_reads_back_and_the_files_pass_check(two, tmp_path):
     assert [r["capacity_file"] for r in doc["objective"]["replicas"]] == [u.capacity_file for u in two.upstreams]
     assert all("replicas" in row for row in doc["what_if"])
     assert "predicted" in doc["upstreams"][1] and doc["upstreams"][1]["max_num_seqs"] == two.upstreams[1].max_num_seqs
-    again = Recommendation.from_dict(json.loads(json.dumps(doc)))
+    again = read_recommendation(json.loads(json.dumps(doc)))
     assert again.to_dict() == doc
     files = kvtune.render(two)  # held to `kvtune check`, which simulates both replicas again
     script = files["vllm-serve.sh"]

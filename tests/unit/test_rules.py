@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtune.domain.tail_class import TailClass
 from kvtune.policy import rules
-from kvtune.profile.routes import TailClass
 
 
 def test_weighted_distribution_is_nearest_rank():

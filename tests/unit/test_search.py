@@ -17,11 +17,13 @@ from objective_logs import CPU_CAPACITY, MODEL, objective_log
 import kvtune
 from kvtune.deploy.check import Severity
 from kvtune.domain.fields import Fields
+from kvtune.domain.recommendation import Recommendation
 from kvtune.domain.slo import Slo
+from kvtune.domain.whatif import Goal, Policy, PolicyKind, Predicted, WhatIfRow
 from kvtune.errors import InputError, OptionError
-from kvtune.policy.recommendation import Recommendation
+from kvtune.policy.recommendation import read_recommendation
 from kvtune.policy.search import GUARANTEED, InfeasibleObjectiveError, SearchGrid
-from kvtune.policy.whatif import Goal, Policy, PolicyKind, Predicted, WhatIfRow, compute_bound_note
+from kvtune.policy.whatif import compute_bound_note
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +255,7 @@ def test_the_what_if_table_reads_back(searched):
     assert set(data["what_if"][0]["predicted"]) == {
         "output_tokens_per_s", "requests_per_s", "goodput_rps", "ttft_ms", "e2e_ms", "preemption_rate", "share_429",
         "truncation_share", "sent", "completed", "kv_peak_blocks", "waiting_peak", "running_peak"}
-    back = Recommendation.from_dict(json.loads(searched.to_json()), path="recommendation.json")
+    back = read_recommendation(json.loads(searched.to_json()), path="recommendation.json")
     assert back.to_json() == searched.to_json()
     assert back.chosen is not None and searched.chosen is not None and back.chosen.label == searched.chosen.label
 
@@ -262,14 +264,14 @@ def _damaged(searched: Recommendation, edit) -> str:
     data = copy.deepcopy(searched.to_dict())
     edit(data)
     with pytest.raises(InputError) as exc:
-        Recommendation.from_dict(data, path="r.json")
+        read_recommendation(data, path="r.json")
     return str(exc.value)
 
 
 @pytest.mark.parametrize(("edit", "expected"), [
     (lambda d: d.pop("objective"), "r.json: objective: missing: a what-if table and its objective come together"),
     (lambda d: d["what_if"][0].update(chosen=True), "r.json: what_if[0].chosen: a reference or infeasible row cannot"),
-    (lambda d: d["what_if"][0]["predicted"].update(share_429="lots"), "r.json: what_if[0].predicted.share_429: expected a finite number"),
+    (lambda d: d["what_if"][0]["predicted"].update(share_429="lots"), "r.json: what_if[0].predicted.share_429: expected a number, got 'lots'"),
     (lambda d: d["what_if"][0].update(feasible=not d["what_if"][0]["feasible"]), "r.json: what_if[0].feasible: is "),
     (lambda d: d["what_if"][0]["policy"].update(kind="yolo"), "r.json: what_if[0].policy.kind: 'yolo' is not one of"),
     (lambda d: d["objective"].update(kind="latency"), "r.json: objective.kind: 'latency' is not one of"),
@@ -292,7 +294,7 @@ def test_exactly_one_row_is_chosen(searched):
 def test_files_without_an_objective_stay_valid(searched):
     data = searched.to_dict()
     del data["objective"], data["what_if"]
-    rec = Recommendation.from_dict(data)
+    rec = read_recommendation(data)
     assert rec.what_if is None and rec.objective is None and "what_if" not in rec.to_dict()
 
 
@@ -420,7 +422,7 @@ def test_an_objective_without_seeds_reads_back_as_one_seed(searched):
     data = copy.deepcopy(searched.to_dict())
     assert data["objective"]["seeds"] == 3
     del data["objective"]["seeds"]  # files written before rows were averaged over seeds
-    back = Recommendation.from_dict(data)
+    back = read_recommendation(data)
     assert back.objective is not None and back.objective.seeds == 1
     assert back.objective.seeds_label == "seed 0"
 
@@ -428,9 +430,9 @@ def test_an_objective_without_seeds_reads_back_as_one_seed(searched):
 def test_compare_engines_adds_a_reference_row_per_engine_that_reads_back(profile, plan):
     """--compare-engines: after direct to vLLM, one row per engine rule on the same requests,
     never chosen; the capped ones carry the default recommendation's caps; the file reads back."""
+    from kvtune.domain.whatif import ENGINE_ROWS
     from kvtune.policy.recommend import RecommendOptions
     from kvtune.policy.search import ObjectiveSpec, recommend_for_objective
-    from kvtune.policy.whatif import ENGINE_ROWS
 
     spec = ObjectiveSpec(Goal.THROUGHPUT, concurrency=16, requests=100, seeds=1, compare_engines=True)
     rec = recommend_for_objective(profile, plan, RecommendOptions(), spec,
@@ -446,15 +448,15 @@ def test_compare_engines_adds_a_reference_row_per_engine_that_reads_back(profile
     assert dict(by_name["trtllm-gne"].caps) == dict(guaranteed.caps)
     assert by_name["trtllm-gne"].predicted.preemption_rate == 0.0  # GUARANTEED_NO_EVICT never evicts
     assert all(r.predicted.completed > 0 for r in engines)
-    back = Recommendation.from_dict(json.loads(rec.to_json()), path="recommendation.json")
+    back = read_recommendation(json.loads(rec.to_json()), path="recommendation.json")
     assert back.to_json() == rec.to_json()
     data = rec.to_dict()
     data["what_if"][1]["policy"]["engine"] = "tgi"
     with pytest.raises(InputError, match=r"what_if\[1\].policy.engine: 'tgi' is not one of"):
-        Recommendation.from_dict(data, path="r.json")
+        read_recommendation(data, path="r.json")
     data["what_if"][1]["policy"].pop("engine")
     with pytest.raises(InputError, match="an engine row names its engine"):
-        Recommendation.from_dict(data, path="r.json")
+        read_recommendation(data, path="r.json")
 
 
 def test_compare_engines_only_applies_with_an_objective(profile, plan):

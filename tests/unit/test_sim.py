@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.domain.step_time import TICKS_PER_S, StepTimeModel
 from kvtune.errors import OptionError
 from kvtune.sim import (
     CLIENT_RETRY,
@@ -28,7 +29,6 @@ from kvtune.sim import (
 )
 from kvtune.sim.blocks import BlockPool
 from kvtune.sim.results import OUTCOMES
-from kvtune.steptime import TICKS_PER_S, StepTimeModel
 
 # --- strategies -------------------------------------------------------------------------------
 
@@ -41,7 +41,8 @@ def engines(draw) -> EngineSettings:
     return EngineSettings(num_blocks=blocks, block_size=bs, max_num_seqs=draw(st.integers(1, 8)),
                           max_num_batched_tokens=draw(st.integers(4, 96)), max_model_len=mml,
                           enable_prefix_caching=draw(st.booleans()),
-                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])))
+                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 16])),
+                          reserve_full_sequence=draw(st.booleans()))
 
 
 timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),

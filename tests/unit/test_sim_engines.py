@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtune.domain.step_time import StepTimeModel
 from kvtune.errors import OptionError
 from kvtune.sim import EngineSettings, SimRequest, Workload, simulate
 from kvtune.sim.results import OUTCOMES
 from kvtune.sim.rules import ENGINE_NAMES, CapacityPolicy, SGLangRule, TrtllmRule, engine_rule
 from kvtune.sim.sglang import SGLangScheduler
 from kvtune.sim.trtllm import TrtllmScheduler
-from kvtune.steptime import StepTimeModel
 
 TIMING = StepTimeModel(c0=0.01, c1=1e-4, c2=1e-7, c3=1e-4, c4=3e-8)
 

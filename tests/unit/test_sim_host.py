@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from test_timing import _capacity, _timing
 
 from kvtune.cli import cli
+from kvtune.domain.step_time import StepTimeModel, TimingSource
 from kvtune.errors import OptionError
 from kvtune.sim.host import VLLM_ENGINE_HOST, HostWork, adds_to_step, with_host_work
 from kvtune.sim.setup import timing_setup
-from kvtune.steptime import StepTimeModel, TimingSource
 
 MODEL, GPU = "llama-3.1-8b", "H100-80GB"
 

@@ -223,18 +223,18 @@ def test_an_old_capacity_file_without_timing_is_still_valid(tmp_path):
 
 
 @pytest.mark.parametrize("edit, field, words", [
-    (lambda t: t["coefficients"].update(c1=-1), "timing.coefficients.c1", "must be in 0..3600, got -1"),
+    (lambda t: t["coefficients"].update(c1=-1), "timing.coefficients.c1", "must be at least 0, got -1"),
     (lambda t: t["coefficients"].pop("c3"), "timing.coefficients.c3", "missing"),
-    (lambda t: t["coefficients"].update(c0="fast"), "timing.coefficients.c0", "expected a finite number, got 'fast'"),
+    (lambda t: t["coefficients"].update(c0="fast"), "timing.coefficients.c0", "expected a number, got 'fast'"),
     (lambda t: t.update(source="guess"), "timing.source", "'guess' is not one of calibrated, roofline-estimate"),
     (lambda t: t.update(extra=1), "timing.extra", "unknown field"),
     (lambda t: t["sweeps"][0].update(name="warmup"), "timing.sweeps[0].name", "'warmup' is not one of"),
     (lambda t: t["sweeps"][0].update(prompt_tokens=[5]), "timing.sweeps[0].prompt_tokens",
      "expected [minimum, maximum], got [5]"),
     (lambda t: t["sweeps"][0]["error"].update(median=True), "timing.sweeps[0].error.median",
-     "expected a finite number, got True"),
+     "expected a number, got True"),
     (lambda t: t["measured_against"].update(max_num_batched_tokens=0), "timing.measured_against.max_num_batched_tokens",
-     "must be in 1..9007199254740992, got 0"),
+     "must be at least 1, got 0"),
     (lambda t: t.update(sweeps="all"), "timing.sweeps", "expected a list, got 'all'"),
 ])
 def test_a_malformed_timing_is_one_line_naming_file_and_field(tmp_path, edit, field, words):

@@ -24,7 +24,7 @@ from kvtune.errors import InputError
 if TYPE_CHECKING:
     import jinja2
 
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 ENGINE = "sglang"
 SCRIPT = "sglang-serve.sh"

@@ -24,7 +24,7 @@ from kvtune.userfiles import brief, parse_yaml
 if TYPE_CHECKING:
     import jinja2
 
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 ENGINE = "trtllm"
 SCRIPT = "trtllm-serve.sh"

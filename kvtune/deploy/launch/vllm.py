@@ -18,7 +18,7 @@ from kvtune.userfiles import brief
 if TYPE_CHECKING:
     import jinja2
 
-    from kvtune.policy.recommendation import Recommendation
+    from kvtune.domain.recommendation import Recommendation
 
 ENGINE = "vllm"
 SCRIPT = "vllm-serve.sh"

@@ -1,0 +1,93 @@
+"""The shape of vLLM's TTFT under a burst, measured on the CPU vLLM: a queue, or a delay all pay?
+
+Why: the published 1,000-request runs of vLLM 0.11 (docs/validation.md) have p99 ÷ median TTFT
+of 1.25 and 1.42, where a FIFO queue (kvtune's model of the API server) gives ~2: every request
+seems to wait for the whole burst's server work before any first token is streamed. vLLM's API
+server is the same asyncio code on the CPU build as on a GPU host, so the shape is measured here:
+B streaming /v1/chat/completions sent at once (as `vllm bench serve` sends them: temperature 0,
+one shared session, no connection limit), 2 tokens each, on a 1-layer hidden-64 model whose
+forward pass is negligible, so the TTFT is the server's. Per burst: median, p90, p99 of TTFT from
+each request's send, p99 ÷ median, the first TTFT, and D = median − (p99 − median) ÷ 0.98 (the
+delay common to all requests if the rest were a FIFO queue: D + i·w).
+
+    flock /tmp/kvtune-vllm.lock python benchmarks/ttft_shape.py [--batches 128,512] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from vllm_server import start_vllm, stop_vllm, synth_prompt, write_tiny_model
+
+
+async def _burst(url: str, batch: int) -> list[float]:
+    """Each request's TTFT (s): its send to the first SSE chunk that has `choices`."""
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": synth_prompt(8)}], "max_tokens": 2,
+               "temperature": 0.0, "stream": True}
+    connector = aiohttp.TCPConnector(limit=0)
+
+    async def one(session: aiohttp.ClientSession) -> float:
+        start = time.perf_counter()
+        first = float("nan")
+        async with session.post(f"{url}/v1/chat/completions", json=payload) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if first != first and line.startswith(b"data: {") and b'"choices"' in line:
+                    first = time.perf_counter() - start
+        return first
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector) as session:
+        return list(await asyncio.gather(*(one(session) for _ in range(batch))))
+
+
+def _shape(ttft: list[float]) -> dict[str, float]:
+    t = np.sort(np.array(ttft))
+    med, p90, p99 = (float(np.percentile(t, q)) for q in (50, 90, 99))
+    return {"first_s": float(t[0]), "median_s": med, "p90_s": p90, "p99_s": p99, "p99_over_median": p99 / med,
+            "common_delay_s": med - (p99 - med) / 0.98, "span_s": float(t[-1] - t[0])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="128,512")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(Path(tmp) / "tiny-1", num_layers=1)
+        blocks = max(batches) + 64
+        server = start_vllm(model, max_model_len=256, kv_cache_memory_bytes=blocks * 128 * 2 * 32 * 2 * 2,
+                            extra_args=["--max-num-seqs", str(max(batches)), "--max-num-batched-tokens", "8192"])
+        try:
+            asyncio.run(_burst(server.url, 4))  # warm up
+            for batch in batches:
+                for _ in range(args.repeats):
+                    rows.append({"batch": batch, **_shape(asyncio.run(_burst(server.url, batch)))})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+        finally:
+            stop_vllm(server)
+    if args.json:
+        print(json.dumps({"measured": "vLLM 0.32.0 CPU build, kvtune's 2-core shared machine", "rows": rows},
+                         indent=2))
+    else:
+        for r in rows:
+            print(f"B={r['batch']:4}: first {r['first_s'] * 1e3:7.1f} ms, median {r['median_s'] * 1e3:7.1f}, "
+                  f"p99 {r['p99_s'] * 1e3:7.1f}, p99/median {r['p99_over_median']:.2f}, "
+                  f"common delay {r['common_delay_s'] * 1e3:7.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
