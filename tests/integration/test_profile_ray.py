@@ -1,6 +1,6 @@
 """`--ray [ADDRESS]`: the profile's map step as tasks on a real Ray cluster (`ray start --head`,
-2 CPUs, on loopback), byte-identical to one process: with bad rows, a censored route and a
-worker killed in the middle of a task.
+2 CPUs, on loopback), byte-identical to one process: with bad rows, a censored route, a worker
+killed in the middle of a task, and `--log-model`'s selection made in each task.
 
 The dataset is tests/support/parallel_dataset.py's: 20 files over four partitions, bad rows in files 3,
 11 and 17.
@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import mixed_models
 import pytest
 from http_files import FileServer
 from parallel_dataset import BAD, write_dataset
@@ -85,6 +86,20 @@ def test_a_cluster_gives_the_bytes_of_one_process_printed_and_saved(dataset, sin
     summary = json.loads(proc.stdout)
     assert summary["skipped"]["count"] == len(BAD)
     assert any(r["censored"]["count"] for r in summary["routes"])
+
+
+def test_the_selection_happens_in_each_ray_task_with_the_same_bytes_as_one_process(cluster, tmp_path):
+    """tests/support/mixed_models.py's two-model log in three files: `--log-model` is applied in
+    every task on the cluster, as in one process (moved here from test_cli_log_model.py to run on
+    this module's cluster instead of starting a local one of its own: the start was ~1 min of CPU)."""
+    mixed_models.write_parts(tmp_path / "logs", parts=3)
+
+    def profile(*extra: str) -> str:
+        proc = _kvtune("profile", str(tmp_path / "logs"), "--json", "-q", "--log-model", mixed_models.QWEN, *extra)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert profile(f"--ray={cluster}") == profile("--workers", "1")
 
 
 def test_workers_read_urls_themselves_with_ranged_reads(dataset, cluster):

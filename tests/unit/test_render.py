@@ -24,6 +24,7 @@ from kvtune.deploy.render import (
     RenderOptions,
     local_chat_tokenizer,
     lua_modules,
+    make_environment,
     render_files,
     write_files,
 )
@@ -72,6 +73,20 @@ def hostile_rec() -> Recommendation:
     r["notes"] = list(NASTY)
     r["settings"]["max_model_len"]["reason"] = NASTY[3] + NASTY[5]
     return read_recommendation(r)
+
+
+def test_a_second_render_compiles_no_template(monkeypatch):
+    """One environment per process keeps the compiled templates: compiling them was ~90 % of a
+    render's CPU, paid again by every recommend --out and every enforcer a test starts."""
+    render_files(rec(), targets=list(COMMON_TARGETS))  # whatever compiled before, these are compiled now
+    env = make_environment()
+    compiled: list[str | None] = []
+    compile_ = env.compile
+    monkeypatch.setattr(env, "compile", lambda source, name=None, *a, **k: compiled.append(name) or
+                        compile_(source, name, *a, **k))
+    again = render_files(rec(), targets=list(COMMON_TARGETS))
+    assert make_environment() is env and compiled == []
+    assert again == render_files(rec(), targets=list(COMMON_TARGETS))
 
 
 # ---------------------------------------------------------------- filters
