@@ -22,7 +22,9 @@ from kvtune.version import __version__
 __all__ = [
     "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
     "check", "load_recommendation", "RenderCheckError", "Plan", "Deployment", "Measurement", "Policy", "Objective",
-    "Slo", "LogReading", "__version__",
+    "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
+    "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config", "is_saved_profile",
+    "__version__",
 ]
 
 

@@ -6,11 +6,18 @@
                                                       │
     deployed files ───────────────────────────────check──▶ CheckResult (what `kvtune check` gates on)
 
+    Profile or LogReplay + Deployment + SimulatedServer + Load ──simulate──▶ Simulation (`kvtune simulate`)
+    Profile or LogReplay + BenchTarget + Load + Expectations ──benchmark──▶ results (`kvtune bench`)
+    a running engine or its startup log ──calibrate──▶ MeasuredCapacity (`kvtune calibrate`)
+    Deployment ──capacity_fit──▶ CapacityFit (`kvtune capacity`); ──kv_bytes──▶ KvBytes (`kvtune kv`)
+    gateway.yaml ──gateway_config──▶ GatewayConfig (what `kvtune gateway` serves)
+
 Each stage takes and returns typed objects; `load_profile` and `load_recommendation` read the
 saved ones back strictly. Errors are `kvtune.errors.KvtuneError` subclasses naming the file and
 the field. The deployment, policy and objective are values of the floor (kvtune.domain), passed
 whole. This module is the CLI's only door: each command turns its options into those values,
-makes one call here, and renders what comes back.
+makes one call here, and renders what comes back (`kvtune kv` and `kvtune profile` call their
+stage themselves, since this module loads what they need not: numpy, tempfile).
 
 >>> import kvtune
 >>> profile = kvtune.profile_logs(["sample_logs/"])
@@ -26,30 +33,57 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvtune import kv
+from kvtune.capacity.engine_logs import calibrate_engine
+from kvtune.capacity.measured import MeasuredCapacity
+from kvtune.capacity.measured import calibrate as calibrate_vllm
 from kvtune.capacity.memory import memory_model
+from kvtune.capacity.plan import CapacityReport
+from kvtune.capacity.reservation import RequestShape
+from kvtune.deploy.read import Deployed, DeployedKind, load_deployed
+from kvtune.domain.bench_target import BenchTarget, Expectations
 from kvtune.domain.choices import GOALS, Objective, Policy
 from kvtune.domain.deployment import Deployment, Measurement
-from kvtune.domain.log_reading import LogReading
+from kvtune.domain.load_shape import Load, LoadShape
+from kvtune.domain.log_reading import LogReading, LogReplay
+from kvtune.domain.recommendation import Recommendation
+from kvtune.domain.simulated_server import SimulatedServer
 from kvtune.domain.slo import Slo
+from kvtune.domain.whatif import ENGINE_ROWS, Goal
+from kvtune.endpoint import host_problem, server_root, url_problem
 from kvtune.engines.vllm import CURRENT_VERSION as CURRENT_VLLM_VERSION
-from kvtune.errors import KvtuneError, OptionError
+from kvtune.errors import InputError, KvtuneError, OptionError
+from kvtune.gateway.config import GatewayConfig, load_gateway_config
+from kvtune.ingest import options_for
+from kvtune.ingest.tokenize import load_tokenizer
+from kvtune.model import resolve_model
 from kvtune.model.sources import check_logged_architecture, model_for_logged_id
 from kvtune.planning import Plan, measured_capacity, plan
+from kvtune.policy import feasibility
+from kvtune.policy.recommendation import load_recommendation as load_recommendation_file
 from kvtune.policy.replicas import check_replicas, check_same_deployment, per_replica, smallest, with_replica_context
+from kvtune.profile.build import is_saved_profile
+from kvtune.profile.build import load_profile as load_saved_profile
 from kvtune.profile.logged_model import one_logged_model
+from kvtune.profile.logs import load_profile_or_logs
+from kvtune.profile.routes import Profile, fold_routes
+from kvtune.userfiles import brief
+from kvtune.weights import weights_for
+from kvtune.workload.draw import PromptSynth, Workload, replay_rows, select_routes
 
 if TYPE_CHECKING:
+    from kvtune.bench.run import BenchRecorder
+    from kvtune.bench.timing import TimingProgress
     from kvtune.deploy.check import CheckResult
     from kvtune.deploy.k8s import K8sOptions
-    from kvtune.deploy.read import Deployed
     from kvtune.deploy.render import RenderOptions
     from kvtune.domain.feasibility import Verdict
-    from kvtune.domain.recommendation import Recommendation
-    from kvtune.profile.routes import Profile
-
+    from kvtune.kv import KvBytes
+    from kvtune.simulation import Simulation
 
 class RenderCheckError(KvtuneError):
     """Rendered files that would fail `kvtune check` against the recommendation they came from."""
@@ -81,27 +115,22 @@ def profile_logs(
     >>> [(r.route, r.output.quantile(0.99).value_tokens) for r in profile.routes][:1]  # doctest: +SKIP
     [('meta-llama/Llama-3.1-8B-Instruct', 2474)]
     """
-    from kvtune.ingest import IngestOptions, parse_on_error
-    from kvtune.profile.logs import load_profile_or_logs
-
     r = reading or LogReading()
-    options = IngestOptions(format=r.format, fields=dict(r.fields), route_by=r.route_by, tokenizer=r.tokenizer,
-                            on_error=parse_on_error(r.on_error), strict=r.strict, assume_cap=r.assume_cap,
-                            exclude=tuple(r.exclude))
-    return load_profile_or_logs([os.fspath(p) for p in paths], options, progress=progress, max_routes=r.max_routes,
-                                workers=workers, ray_address=ray_address)
+    return load_profile_or_logs([os.fspath(p) for p in paths], options_for(r), progress=progress,
+                                max_routes=r.max_routes, workers=workers, ray_address=ray_address)
 
 
-def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """A profile saved by `kvtune profile --save` (strict: a damaged file names its field).
+
+
+def load_profile(path: str | os.PathLike[str], *, max_routes: int | None = None) -> Profile:
+    """A profile saved by `kvtune profile --save` (strict: a damaged file names its field), its
+    routes beyond `max_routes` (the least busy) folded into `*` (None: as saved).
 
     >>> profile = kvtune.load_profile("profile.json")          # doctest: +SKIP
     >>> profile.requests                                        # doctest: +SKIP
     12000
     """
-    from kvtune.profile.build import load_profile as load
-
-    return load(path)
+    return fold_routes(load_saved_profile(path), max_routes)
 
 
 def recommend(
@@ -290,8 +319,8 @@ def _rules_or_search(profile: Profile, plan: Plan, policy: Policy, objective: Ob
                      replicas: Sequence[tuple[str, Plan]] = ()) -> Recommendation:
     """The rules on one plan, or with a goal the simulated search (on every replica's plan, `plan`
     being the smallest's). `releases`: (the vLLM release the rules assume, the engine's release)."""
-    from kvtune.policy.recommend import RecommendOptions
-    from kvtune.policy.recommend import recommend as apply_rules
+    from kvtune.policy.recommend import RecommendOptions  # logging (silicon data): only to recommend
+    from kvtune.policy.recommend import recommend as apply_rules  # logging: only to recommend
 
     searching = objective is not None and objective.goal is not None
     vllm_version, engine_version = releases
@@ -307,8 +336,12 @@ def _rules_or_search(profile: Profile, plan: Plan, policy: Policy, objective: Ob
     if not searching:
         return apply_rules(profile, plan, options)
     assert objective is not None and objective.goal is not None
-    from kvtune.domain.whatif import ENGINE_ROWS, Goal
-    from kvtune.policy.search import DEFAULT_REQUESTS, ObjectiveSpec, SearchGrid, recommend_for_objective
+    from kvtune.policy.search import (
+        DEFAULT_REQUESTS,
+        ObjectiveSpec,
+        SearchGrid,
+        recommend_for_objective,
+    )  # logging (silicon data): only for a search
 
     spec = ObjectiveSpec(Goal(objective.goal), objective.slo, objective.max_preemption_rate,
                          objective.max_429_share, objective.rate_rps, objective.concurrency,
@@ -321,7 +354,7 @@ def _rules_or_search(profile: Profile, plan: Plan, policy: Policy, objective: Ob
         return by_rules  # no row of the grid can run: every row has this pool and max_model_len
     if not replicas:
         return recommend_for_objective(profile, plan, options, spec, progress=progress)
-    from kvtune.policy.replica_search import replicas_for, search_replicas
+    from kvtune.policy.replica_search import replicas_for, search_replicas  # logging: only for a search
 
     primary = next(i for i, (_, p) in enumerate(replicas) if p is plan)
     grid = SearchGrid(engines=tuple(ENGINE_ROWS)) if objective.compare_engines else None
@@ -335,8 +368,6 @@ def _with_remedies(verdict: Verdict, profile: Profile, planned: tuple[Plan, Depl
     larger tp (up to 8 GPUs) would make the whole recommendation feasible, each tried by
     recommending again on the changed deployment (the memory estimate: a measured pool is measured
     at the settings it was taken with, so the estimate needs a GPU or its memory)."""
-    from kvtune.policy import feasibility
-
     plan_, deployment = planned
     remedies = []
     remedy = feasibility.max_model_len_remedy(verdict, plan_.max_model_len_given)
@@ -376,9 +407,7 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
     >>> files["vllm-serve.sh"].splitlines()[-1]                         # doctest: +SKIP
     'exec vllm serve meta-llama/Llama-3.1-8B-Instruct ... "$@"'
     """
-    import dataclasses
-
-    from kvtune.deploy.render import RenderOptions, render_files
+    from kvtune.deploy.render import RenderOptions, render_files  # jinja2: only to render
 
     options = options or RenderOptions()
     if gateway_tokenizer is not None:
@@ -387,7 +416,7 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
     if targets is None:
         files.update(_exported_files(rec, options, k8s))
     if check:
-        from kvtune.deploy.check import check_rendered
+        from kvtune.deploy.check import check_rendered  # logging: only to check
 
         result = check_rendered(files, rec)
         if not result.passed:
@@ -398,8 +427,8 @@ def render(rec: Recommendation, *, options: RenderOptions | None = None, gateway
 def _exported_files(rec: Recommendation, options: RenderOptions, k8s: K8sOptions | None) -> dict[str, str]:
     """What recommend writes for other tools: estimates.json/.yaml (kvtune.deploy.estimates) and
     the Kubernetes manifests (kvtune.deploy.k8s)."""
-    from kvtune.deploy.estimates import estimate_files
-    from kvtune.deploy.k8s import render_manifests
+    from kvtune.deploy.estimates import estimate_files  # jinja2, yaml: only to render
+    from kvtune.deploy.k8s import render_manifests  # jinja2, yaml: only to render
 
     return {**estimate_files(rec, options), **render_manifests(rec, options, k8s)}
 
@@ -413,8 +442,8 @@ def write_files(out_dir: str | os.PathLike[str], files: Mapping[str, str]) -> li
     >>> kvtune.write_files("deploy/", kvtune.render(rec))               # doctest: +SKIP
     [PosixPath('deploy/gateway.yaml'), ...]
     """
-    from kvtune.deploy.k8s import stale_manifests
-    from kvtune.deploy.render import write_files as write
+    from kvtune.deploy.k8s import stale_manifests  # jinja2, yaml: only to write deploy files
+    from kvtune.deploy.render import write_files as write  # jinja2: only to write deploy files
 
     stale = stale_manifests(out_dir, files)
     if stale:
@@ -435,9 +464,8 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
     >>> result.passed, [f.code for f in result.findings]                # doctest: +SKIP
     (True, [])
     """
-    from kvtune.deploy.check import lua_module_findings
-    from kvtune.deploy.read import DeployedKind, load_deployed
-    from kvtune.deploy.render import lua_modules
+    from kvtune.deploy.check import lua_module_findings  # logging: only to check
+    from kvtune.deploy.render import lua_modules  # jinja2: only to check
 
     files = [load_deployed(p) for p in deployed]
     result = _check_loaded(rec, files, max_truncation)
@@ -448,7 +476,7 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
 
 def _lua_beside(folder: Path) -> dict[str, str | None]:
     """The Lua modules nginx.conf loads, as found in `folder` (None: absent or unreadable)."""
-    from kvtune.deploy.render import lua_modules
+    from kvtune.deploy.render import lua_modules  # jinja2: only to check
 
     found: dict[str, str | None] = {}
     for name in lua_modules():
@@ -462,9 +490,7 @@ def _lua_beside(folder: Path) -> dict[str, str | None]:
 def _check_loaded(rec: Recommendation, files: list[Deployed], max_truncation: float | None) -> CheckResult:
     """check's findings for loaded files: the pool recomputed from an engine file's flags where
     the recommendation's capacity was an estimate."""
-    from kvtune.deploy.check import Finding, Severity, check_deployment
-    from kvtune.model import resolve_model
-    from kvtune.weights import weights_for
+    from kvtune.deploy.check import Finding, Severity, check_deployment  # logging: only to check
 
     engines = [d for d in files if d.is_engine]
     if rec.capacity.source != "estimate" or not engines:
@@ -480,21 +506,238 @@ def _check_loaded(rec: Recommendation, files: list[Deployed], max_truncation: fl
     return check_deployment(files, rec, max_truncation=max_truncation, spec=spec, weights=weights_for(spec))
 
 
-def load_recommendation(path: str | os.PathLike[str]) -> Recommendation:
+def load_recommendation(path: str | os.PathLike[str], *, field: str | None = None) -> Recommendation:
     """A recommendation.json written by `kvtune recommend --out`, read back strictly: a missing
-    or mistyped field is an InputError naming the file and the field's path.
+    or mistyped field is an InputError naming the file and the field's path (after `field`, the
+    option it came in, when given).
 
     >>> rec = kvtune.load_recommendation("deploy/recommendation.json")  # doctest: +SKIP
     >>> rec.settings["max_model_len"].value                             # doctest: +SKIP
     131072
     """
-    from kvtune.policy.recommendation import load_recommendation as load
+    return load_recommendation_file(path, field=field)
 
-    return load(path)
+
+def simulate(
+    workload: Profile | Callable[[], Profile] | LogReplay,
+    deployment: Deployment,
+    server: SimulatedServer | None = None,
+    load: Load | None = None,
+    slo: Slo | None = None,
+    *,
+    measured: Measurement | None = None,
+    routes: Sequence[str] = (),
+    on_note: Callable[[str], None] | None = None,
+) -> Simulation:
+    """Throughput, latency, preemptions and 429s of the traffic on a deployment: what `kvtune
+    simulate` predicts (kvtune.sim: the engine's scheduler step by step, the gateway's own
+    admission in front with `server.gateway`).
+
+    `workload` is a profile (or a function reading one: called once the engine is set up), whose
+    `routes` the requests are drawn from, or a LogReplay of logs sent at their own timestamps.
+    The pool is `server.capacity_file`'s, else kvtune's estimate for the deployment's model on
+    its GPU (vLLM's; another engine's is given: `measured` kv_tokens or num_gpu_blocks); the step
+    time is the file's calibrated `timing`, else silicon data or the roofline for the model and
+    GPU. Without a rate or concurrency in `load`, the logs' mean arrival rate; `on_note` hears
+    what the run should tell (a load taken by default, files the replay left out).
+
+    >>> sim = kvtune.simulate(profile, kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"),
+    ...                       load=kvtune.Load(rate_rps=3, max_requests=200))   # doctest: +SKIP
+    >>> sim.report["throughput"]["output_tokens_per_s"]                    # doctest: +SKIP
+    412.7
+    """
+    from kvtune.simulation import run_simulate  # logging (silicon data): only for a simulation
+
+    return run_simulate(workload, deployment, server or SimulatedServer(), load or Load(), slo,
+                        measured=measured, routes=routes, on_note=on_note)
+
+
+async def benchmark(
+    workload: Profile | Callable[[], Profile] | LogReplay,
+    target: BenchTarget,
+    load: Load,
+    expectations: Expectations | None = None,
+    *,
+    routes: Sequence[str] = (),
+    recorder: BenchRecorder | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Replay the traffic against a live OpenAI-compatible server, scrape its /metrics, judge:
+    what `kvtune bench` runs, as its results JSON (`kvtune bench --help` lists the fields;
+    `notes` last: the files the logs' reading left out).
+
+    `workload` is a profile (or a function reading one: called once the options are checked)
+    whose `routes` the requests are drawn from, or a LogReplay of logs sent at their own
+    timestamps. `recorder` keeps each result as it arrives (an interrupted run keeps what it saw)
+    and streams it to a requests log or a progress view; `on_note` hears the replay's notes.
+    The verdict (`report["verdict"]`, None without `expectations`) fails on an SLO missed or a
+    server that contradicts the recommendation.
+
+    >>> target, load = kvtune.BenchTarget("http://127.0.0.1:8000"), kvtune.Load(rate_rps=5, max_requests=100)
+    >>> report = asyncio.run(kvtune.benchmark(profile, target, load))   # doctest: +SKIP
+    >>> report["requests"]["completed"]                                 # doctest: +SKIP
+    100
+    """
+    from kvtune.bench.run import BenchConfig, run_bench  # orjson, aiohttp: only for a live run
+
+    judged = expectations or Expectations()
+    base_url = server_root(target.url, field="URL")
+    expect = load_recommendation(judged.expect, field="--expect") if judged.expect else None
+    replay = isinstance(workload, LogReplay)
+    if replay:
+        load = dataclasses.replace(load, replay=True)
+    load.check(from_logs=replay)
+    target.check()
+    tokenizer = load_tokenizer(target.tokenizer) if target.tokenizer else None
+    notes: list[str]  # on the files the logs' reading left out; the report's notes
+    build: Callable[[PromptSynth], Workload]
+    if isinstance(workload, LogReplay):
+        rows, stamps, notes = replay_rows(workload.logs, options_for(workload.reading), workload.routes)
+        for line in notes:
+            (on_note or (lambda _: None))(line)
+        shape = LoadShape.replay(stamps, load.speedup)
+
+        def build(synth: PromptSynth) -> Workload:
+            return Workload.from_rows(rows, synth, load.seed)
+    else:
+        profile = _read(workload)
+        notes = profile.notes
+        for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
+            if r.prompt.total == 0:
+                raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",
+                                 field="--route")
+        shape = load.shape()
+
+        def build(synth: PromptSynth) -> Workload:
+            return Workload.from_profile(profile, routes, synth, load.seed)
+
+    config = BenchConfig(
+        base_url=base_url, load=shape, max_requests=load.max_requests, duration_s=load.duration_s,
+        endpoint=target.endpoint, model=target.model, ignore_eos=target.ignore_eos,
+        length_control=target.length_control, eos_token_id=target.eos_token_id, timeout_s=target.timeout_s,
+        retry=target.retry, slo=judged.slo, metrics_url=target.metrics_url, scrape_interval_s=target.scrape_interval_s,
+        max_connections=target.max_connections, seed=load.seed, api_key=target.api_key, expect=expect,
+        slo_attainment=judged.slo_attainment,
+    )
+    report = await run_bench(config, build, tokenizer=tokenizer, recorder=recorder)
+    return {**report, "notes": notes}
+
+
+def kv_bytes(deployment: Deployment) -> KvBytes:
+    """KV-cache bytes per token of the deployment's model, by layer kind, under its tp and pp, in
+    its KV dtype: what `kvtune kv` shows (that command calls kvtune.kv itself: it starts without
+    the library this module loads).
+
+    >>> kvtune.kv_bytes(kvtune.Deployment("llama-3.1-70b", tp=4, kv_cache_dtype="fp8")).kv_bytes_per_token
+    163840
+    """
+    if deployment.model is None:
+        raise OptionError("name the model (a preset, config.json, model directory or hub id)", field="model")
+    return kv.kv_bytes(resolve_model(deployment.model), kv_cache_dtype=deployment.kv_cache_dtype or "auto",
+                       tp=deployment.tp, pp=deployment.pp)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityFit:
+    """What `kvtune capacity` reports: the plan's capacity report, and whether one request at
+    max_model_len (and one of each asked shape) fits the pool (`verdict.fits`, `verdict.why`)."""
+
+    report: CapacityReport
+    verdict: Verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        """`kvtune capacity --json`: the report around a capacity file's fields (a `--capacity FILE`
+        for simulate and recommend), and the verdict."""
+        doc = self.report.to_dict()
+        record = {k: v for k, v in self.report.capacity_file().to_dict().items() if k not in doc}
+        return {**doc, **record, "fits": self.verdict.fits, "why": self.verdict.why}
+
+
+def capacity_fit(deployment: Deployment, measured: Measurement | None = None,
+             shapes: Sequence[RequestShape] = ()) -> CapacityFit:
+    """How many tokens, blocks and requests of `shapes` fit on the deployment (its `measured`
+    capacity, else the memory estimate), and whether it can serve one request at max_model_len.
+
+    >>> fit = kvtune.capacity_fit(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"))
+    >>> fit.verdict.fits, fit.report.capacity.block_size
+    (True, 16)
+    """
+    report = plan(deployment, measured=measured or Measurement(), shapes=tuple(shapes)).report
+    return CapacityFit(report, feasibility.capacity_verdict(report.engine, report.capacity))
+
+
+async def calibrate(
+    url: str | None,
+    engine: str = "vllm",
+    *,
+    engine_log: str | None = None,
+    timeout_s: float = 10.0,
+    timing: bool = False,
+    timing_budget_s: float | None = None,
+    max_num_batched_tokens: int | None = None,
+    progress: TimingProgress | None = None,
+) -> MeasuredCapacity:
+    """The KV capacity a running engine really has (vLLM's /v1/models and /metrics, SGLang's
+    /server_info, or a startup log `engine_log`, cross-checked against the server when both are
+    given): what `kvtune calibrate` saves for `--capacity FILE`. With `timing` (vLLM only) it
+    also sends bounded sweeps of requests for `timing_budget_s` (default 300) and fits the step
+    time simulate uses; `progress` hears each sweep.
+
+    >>> measured = asyncio.run(kvtune.calibrate("http://127.0.0.1:8000"))   # doctest: +SKIP
+    >>> measured.num_blocks, measured.block_size                            # doctest: +SKIP
+    (27153, 16)
+    """
+    if engine != "vllm":
+        if timing:
+            raise OptionError("measures vLLM only; leave --engine at vllm", field="timing")
+        _refuse_timing_options(timing_budget_s, max_num_batched_tokens)
+        return await calibrate_engine(engine, url, engine_log=engine_log, timeout_s=timeout_s)
+    if timing:
+        if url is None:
+            raise OptionError("needs the server's URL: it sends requests to measure step times", field="timing")
+        from kvtune.bench.timing import calibrate_timing  # orjson, logging: only for the sweeps
+
+        budget = {} if timing_budget_s is None else {"budget_s": timing_budget_s}
+        return await calibrate_timing(url, vllm_log=engine_log, timeout_s=timeout_s, **budget,
+                                      max_num_batched_tokens=max_num_batched_tokens, progress=progress)
+    _refuse_timing_options(timing_budget_s, max_num_batched_tokens)
+    return await calibrate_vllm(url, vllm_log=engine_log, timeout_s=timeout_s)
+
+
+def _refuse_timing_options(timing_budget_s: float | None, max_num_batched_tokens: int | None) -> None:
+    for name, value in (("timing_budget_s", timing_budget_s), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value is not None:
+            raise OptionError("only applies with --timing", field=name)
+
+
+def gateway_config(path: str | Path, *, upstream: str | None = None, host: str | None = None,
+                   port: int | None = None) -> GatewayConfig:
+    """gateway.yaml read strictly, with the address to listen on and (for one upstream) its URL
+    overridden: the config `kvtune gateway` serves (kvtune.gateway.proxy.serve runs it).
+
+    >>> config = kvtune.gateway_config("deploy/gateway.yaml", port=8080)   # doctest: +SKIP
+    >>> config.block_budget, config.port                                  # doctest: +SKIP
+    (25884, 8080)
+    """
+    config = load_gateway_config(path)
+    for field, problem in (("upstream", upstream is not None and url_problem(upstream)),
+                           ("host", host is not None and host_problem(host))):
+        if problem:
+            raise InputError(problem, field=field)
+    upstreams = config.upstreams
+    if upstream is not None:
+        if len(upstreams) > 1:
+            raise InputError(f"{os.fspath(path)} names {len(upstreams)} upstreams, each with its own budget: "
+                             "edit its upstreams: instead", field="upstream")
+        upstreams = (dataclasses.replace(upstreams[0], url=upstream),)
+    return dataclasses.replace(config, upstreams=upstreams, host=host or config.host,
+                               port=config.port if port is None else port)
 
 
 __all__ = [
     "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
     "check", "load_recommendation", "RenderCheckError", "Plan", "Deployment", "Measurement", "Policy", "Objective",
-    "Slo", "LogReading",
+    "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
+    "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config",
+    "is_saved_profile",
 ]

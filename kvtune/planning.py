@@ -11,19 +11,28 @@ them (`PlanError` names the setting, the caller's value and the measured one).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvtune.capacity.engine_logs import fetch_engine_capacity, read_engine_log
 from kvtune.capacity.engine_memory import default_fraction
-from kvtune.capacity.measured import CapacitySource, MeasuredCapacity
+from kvtune.capacity.measured import (
+    CapacitySource,
+    MeasuredCapacity,
+    fetch_capacity,
+    read_capacity_file,
+    read_vllm_log,
+)
 from kvtune.capacity.memory import memory_model
 from kvtune.capacity.plan import Capacity, CapacityInputs, CapacityReport, plan_capacity
 from kvtune.capacity.reservation import RequestShape
 from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES, vllm
 from kvtune.errors import CapacityError, OptionError
+from kvtune.gpu_spec import read_gpu_spec
 from kvtune.hardware import Gpu, find_gpu, parse_memory_size
 from kvtune.kv import KvBytes, kv_bytes
 from kvtune.model import ModelSpec, resolve_model
@@ -175,8 +184,6 @@ def resolve_gpu(gpu: str | None, gpu_spec: str | None, gpu_memory: str | int | N
     if gpu is not None or gpu_memory is not None:
         raise OptionError("give `gpu_spec` FILE or " + ("`gpu`" if gpu is not None else "`gpu_memory`") +
                           ", not both: the file names the GPU and its memory", field="gpu_spec")
-    from kvtune.gpu_spec import read_gpu_spec  # reads YAML: only for a --gpu-spec
-
     return read_gpu_spec(gpu_spec)
 
 
@@ -240,28 +247,14 @@ def measured_capacity(*, kv_tokens: int | None = None, vllm_log: str | None = No
         return MeasuredCapacity(source=CapacitySource.KV_TOKENS, origin="num_gpu_blocks", num_blocks=num_gpu_blocks,
                                 engine=engine)
     if engine_log is not None:
-        from kvtune.capacity.engine_logs import read_engine_log
-
         return read_engine_log(engine, engine_log)
     if metrics_url is not None and engine != "vllm":
-        import asyncio
-
-        from kvtune.capacity.engine_logs import fetch_engine_capacity
-
         return asyncio.run(fetch_engine_capacity(engine, metrics_url, field="metrics_url"))
     if vllm_log is not None:
-        from kvtune.capacity.measured import read_vllm_log
-
         return read_vllm_log(vllm_log)
     if metrics_url is not None:
-        import asyncio
-
-        from kvtune.capacity.measured import fetch_capacity
-
         return asyncio.run(fetch_capacity(metrics_url, field="metrics_url"))
     if capacity_file is not None:
-        from kvtune.capacity.measured import read_capacity_file
-
         return read_capacity_file(capacity_file)
     return None
 

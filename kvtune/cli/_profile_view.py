@@ -15,6 +15,7 @@ from kvtune.cli._progress import transient_bar
 from kvtune.controls import escape_controls
 from kvtune.domain.tail_class import TailClass
 from kvtune.profile.histogram import Histogram
+from kvtune.profile.logged_model import describe_models, models_by_rows
 from kvtune.profile.routes import TAIL_RULE, Profile, RouteProfile, classify_tail, summarize_plain
 
 _BAR_WIDTH = 32
@@ -29,7 +30,7 @@ def render_profile(profile: Profile, *, file=None) -> None:
     """Print the per-route table, one histogram per route, and the inputs read."""
     from rich.table import Table
 
-    from kvtune.cli._console import output_console, shown
+    from kvtune.cli._console import output_console, shown  # rich: only for the tables
 
     console = output_console(file, highlight=False)
     if not profile.routes:
@@ -72,7 +73,7 @@ def _tail_label(summary) -> str:
 
 
 def _render_route_details(console, route: RouteProfile) -> None:
-    from kvtune.cli._console import shown
+    from kvtune.cli._console import shown  # rich: only for the tables
 
     console.print(f"[bold]{shown(route.route)}[/bold]: output tokens")
     for label, bar, share in _bar_rows(route.output.observed):
@@ -140,7 +141,6 @@ def render_skipped_files(profile: Profile, *, file=None) -> None:
 def render_models(profile: Profile, *, file=None) -> None:
     """One line on stderr naming the logged models (several: each with its rows) and what --log-model
     left out, so a mixed log is visible before `recommend` refuses it."""
-    from kvtune.profile.logged_model import describe_models, models_by_rows
 
     named = models_by_rows(profile.models)
     selection = profile.log_model

@@ -11,11 +11,13 @@ from rich.table import Table
 
 from kvtune.cli._console import output_console, shown
 from kvtune.cli._progress import transient_bar
+from kvtune.deploy.render import upstream_budgets
+from kvtune.domain.whatif import Objective, WhatIfRow
+from kvtune.policy.whatif import TABLE_NOTE, headline, objective_line, table_cells
 
 if TYPE_CHECKING:
     from kvtune.deploy.render import RenderOptions
     from kvtune.domain.recommendation import Recommendation
-    from kvtune.domain.whatif import Objective, WhatIfRow
 
 
 def _gib(value: int | None) -> str:
@@ -38,8 +40,6 @@ def search_progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None
 
 def show_what_if(rows: tuple[WhatIfRow, ...], objective: Objective, console: Console | None = None) -> None:
     """The what-if table: one row per simulated configuration, the chosen one marked."""
-    from kvtune.policy.whatif import TABLE_NOTE, objective_line, table_cells
-
     console = console or output_console()
     console.print(objective_line(objective))
     table = Table(title="What if (simulated)", title_justify="left", pad_edge=False)
@@ -75,8 +75,6 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
         f"{cap.block_size} tokens ({cap.source}), budget {rec.budget_blocks:,} blocks"
     )
     if rec.what_if is not None and rec.objective is not None:
-        from kvtune.policy.whatif import headline
-
         console.print(f"[bold green]{headline(rec.what_if, rec.objective)}[/bold green]")
         show_what_if(rec.what_if, rec.objective, console)
     else:
@@ -120,8 +118,6 @@ def show_recommendation(rec: Recommendation, written: list[str], console: Consol
 def show_upstream_budgets(rec: Recommendation, options: RenderOptions) -> None:
     """The engine upstreams' budgets (several replicas), and each nginx's static slice of them
     under --nginx-replicas."""
-    from kvtune.deploy.render import upstream_budgets
-
     m = options.nginx_replicas
     rows = upstream_budgets(rec, options)
     simulated = all(r["predicted"] is not None for r in rows)

@@ -6,19 +6,28 @@ import asyncio
 import json
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
+from rich.console import Console
 
+from kvtune import api
+from kvtune.bench.run import BenchRecorder
+from kvtune.cli._bench_view import RichBenchProgress, render_summary
+from kvtune.cli._console import output_console
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.cli.load_options import LoadArgs, load_options
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
 from kvtune.controls import escape_controls
-from kvtune.errors import InputError, OptionError
-from kvtune.userfiles import brief
-
-if TYPE_CHECKING:
-    pass
+from kvtune.domain.bench_target import BenchTarget, Expectations
+from kvtune.domain.log_reading import LogReplay
+from kvtune.domain.recommendation import Recommendation
+from kvtune.domain.retry_policy import RetryPolicy
+from kvtune.domain.slo import parse_slo
+from kvtune.endpoint import server_root
+from kvtune.errors import OptionError
+from kvtune.profile.routes import Profile
+from kvtune.writer import OutputFiles
 
 JSON_FIELDS = """\b
 --json / --save write one object:
@@ -62,11 +71,10 @@ Exit codes: 0 done (verdict passed or none asked), 1 a verdict check failed, 2 b
 """
 
 
-def _parse_expect(path: str):
-    """The recommendation.json a verdict checks against, read back strictly."""
-    from kvtune.policy.recommendation import load_recommendation
-
-    return load_recommendation(path, field="--expect")
+def _parse_expect(path: str) -> Recommendation:
+    """The recommendation.json a verdict checks against, read back strictly (kvtune.api.benchmark
+    reads it again: this checks it in the order the options are judged, before the logs)."""
+    return api.load_recommendation(path, field="--expect")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +94,14 @@ class TargetArgs:
     max_connections: int | None
     api_key: str | None
 
-    def check(self) -> None:
-        if self.length_control == "min-tokens" and self.eos_token_id is None:
-            raise OptionError("--length-control min-tokens needs the model's EOS token id", field="--eos-token-id")
+    def as_target(self, url: str, tokenizer: str | None) -> BenchTarget:
+        """The target kvtune.api.bench takes (its checks are BenchTarget.check's)."""
+        return BenchTarget(url, model=self.model, endpoint=self.endpoint, timeout_s=self.timeout_s,
+                           retry=RetryPolicy(enabled=self.retry, max_retries=self.max_retries),
+                           ignore_eos=self.ignore_eos, length_control=self.length_control,
+                           eos_token_id=self.eos_token_id, metrics_url=self.metrics_url,
+                           scrape_interval_s=self.scrape_interval, max_connections=self.max_connections,
+                           api_key=self.api_key, tokenizer=tokenizer)
 
 
 target_options = grouped("target", TargetArgs, [
@@ -129,6 +142,9 @@ class JudgeArgs:
     slo: str | None
     slo_attainment: float
     expect_path: str | None
+
+    def expectations(self) -> Expectations:
+        return Expectations(parse_slo(self.slo) if self.slo else None, self.slo_attainment, self.expect_path)
 
 
 judge_options = grouped("judge", JudgeArgs, [
@@ -188,84 +204,32 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         kvtune bench http://127.0.0.1:8000 --profile profile.json --rate 5 --duration 60 \\
             --slo ttft=500,tpot=50 --expect deploy/recommendation.json --save results.json
     """
-    from kvtune.bench.run import BenchConfig, BenchRecorder, run_bench
-    from kvtune.domain.load_shape import LoadShape
-    from kvtune.domain.retry_policy import RetryPolicy
-    from kvtune.domain.slo import parse_slo
-    from kvtune.endpoint import server_root
-    from kvtune.workload.draw import Workload, replay_rows
-
-    base_url = server_root(url, field="URL")
-    slo = parse_slo(judge.slo) if judge.slo else None
-    expect = _parse_expect(judge.expect_path) if judge.expect_path else None
+    server_root(url, field="URL")  # the URL's own error first, as kvtune.api.benchmark checks it
+    expectations = judge.expectations()
+    if expectations.expect is not None:
+        _parse_expect(expectations.expect)
     load.check(logs)
     if profile_path and logs:
         raise OptionError("give --profile or LOGS, not both", field="--profile")
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
-    target.check()
-
-    ingest = log.ingest()
-    tokenizer = None
-    if log.tokenizer:
-        from kvtune.ingest.tokenize import load_tokenizer
-
-        tokenizer = load_tokenizer(log.tokenizer)
-
     notes: list[str] = []  # on the files the logs' reading left out; --json's notes
-    if load.replay:
-        rows, stamps, notes = replay_rows(logs, ingest, routes)
-        for note in notes:
-            click.echo(escape_controls(f"note: {note}"), err=True)
-        shape = LoadShape.replay(stamps, load.speedup)
 
-        def build(synth):
-            return Workload.from_rows(rows, synth, seed)
-    else:
-        from kvtune.cli._profile_view import render_folded, render_skipped_files
-        from kvtune.profile.build import load_profile
-        from kvtune.profile.logs import load_profile_or_logs
-        from kvtune.profile.routes import fold_routes
-        from kvtune.workload.draw import select_routes
+    def note(line: str) -> None:
+        notes.append(line)
+        click.echo(escape_controls(f"note: {line}"), err=True)
 
-        max_routes = log.max_routes
-        profile = (fold_routes(load_profile(profile_path), max_routes) if profile_path
-                   else load_profile_or_logs(list(logs), ingest, max_routes=max_routes, workers=log.workers,
-                                              ray_address=log.ray_address))
-        log.logged_model(profile)  # one model's traffic: several without --log-model is an error
-        render_folded(profile, max_routes)
-        render_skipped_files(profile)
-        notes = profile.notes
-        for r in select_routes(profile, routes):  # fail on bad routes or an empty profile before connecting
-            if r.prompt.total == 0:
-                raise InputError(f"route {brief(r.route)} logs no prompt lengths; a benchmark needs them",
-                                 field="--route")
-        shape = load.shape()
+    def read_profile() -> Profile:
+        profile = log.traffic_profile(logs, profile_path)
+        notes.extend(profile.notes)
+        return profile
 
-        def build(synth):
-            return Workload.from_profile(profile, routes, synth, seed)
-
-    config = BenchConfig(
-        base_url=base_url, load=shape, max_requests=load.max_requests, duration_s=load.duration_s,
-        endpoint=target.endpoint, model=target.model, ignore_eos=target.ignore_eos,
-        length_control=target.length_control, eos_token_id=target.eos_token_id, timeout_s=target.timeout_s,
-        retry=RetryPolicy(enabled=target.retry, max_retries=target.max_retries), slo=slo,
-        metrics_url=target.metrics_url, scrape_interval_s=target.scrape_interval,
-        max_connections=target.max_connections, seed=seed, api_key=target.api_key, expect=expect,
-        slo_attainment=judge.slo_attainment,
-    )
-
-    from rich.console import Console
-
+    workload = LogReplay(logs, log.reading(), routes) if load.replay else read_profile
     err = Console(stderr=True)
     show = output.progress if output.progress is not None else err.is_terminal
     progress = None
     if show:
-        from kvtune.cli._bench_view import RichBenchProgress
-
         progress = RichBenchProgress(err)
-
-    from kvtune.writer import OutputFiles
 
     # --save and --requests-log are staged before the run (a bad target fails now, not after it)
     # and written together at the end, or not at all
@@ -274,13 +238,14 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         log_file = outputs.open(output.requests_log) if output.requests_log else None
         recorder = BenchRecorder(requests_log=log_file, progress=progress)
         try:
-            report = asyncio.run(run_bench(config, build, tokenizer=tokenizer, recorder=recorder))
+            report = asyncio.run(api.benchmark(workload, target.as_target(url, log.tokenizer), load.as_load(seed),
+                                           expectations, routes=routes, recorder=recorder, on_note=note))
         except KeyboardInterrupt:
-            report = recorder.report(server=None, slo=slo, expect=None, interrupted=True)
+            report = recorder.report(server=None, slo=expectations.slo, expect=None, interrupted=True)
             _emit({**report, "notes": notes}, output, outputs, out_file)
             click.echo("interrupted: partial results written", err=True)
             sys.exit(130)
-        _emit({**report, "notes": notes}, output, outputs, out_file)
+        _emit(report, output, outputs, out_file)
     verdict = report.get("verdict")
     if verdict is not None and not verdict["passed"]:
         sys.exit(1)
@@ -294,7 +259,4 @@ def _emit(report: dict[str, Any], output: OutputArgs, outputs: Any, out_file: An
     if output.json_:
         click.echo(text)
     else:
-        from kvtune.cli._bench_view import render_summary
-        from kvtune.cli._console import output_console
-
         render_summary(report, output_console())

@@ -7,9 +7,13 @@ import json
 
 import click
 
+from kvtune import api
+from kvtune.capacity.measured import write_capacity_file
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import OptionError
+
+DEFAULT_TIMING_BUDGET_S = 300.0  # kvtune.bench.timing.DEFAULT_BUDGET_S (a test ties them)
 
 
 @click.command(cls=SectionedCommand)
@@ -32,7 +36,7 @@ from kvtune.errors import OptionError
               help="Also measure the engine's step time (overhead, prefill, load and decode sweeps against URL) "
                    "and fit T_step = c0 + c1·Σn + c2·Σn·(ctx + n/2) + c3·batch into the file's `timing` object, "
                    "with the API server's serial work per request and per streamed token (`frontend`).")
-@click.option("--timing-budget-s", "timing_budget_s", type=click.FloatRange(min=5), default=300.0,
+@click.option("--timing-budget-s", "timing_budget_s", type=click.FloatRange(min=5), default=DEFAULT_TIMING_BUDGET_S,
               show_default=True, help="Seconds the --timing sweeps may take in all.")
 @click.option("--max-num-batched-tokens", "max_num_batched_tokens", type=click.IntRange(min=1),
               help="The server's --max-num-batched-tokens, for --timing's prefill chunks; default: read from "
@@ -59,50 +63,29 @@ def calibrate(url: str | None, out: str | None, json_: bool, engine: str, engine
         kvtune recommend logs.jsonl --model meta-llama/Llama-3.1-8B --capacity capacity.json
         kvtune calibrate http://127.0.0.1:8000 --timing --timing-budget-s 120 --save capacity.json
     """
-    from kvtune.capacity.measured import calibrate as run_calibrate
-    from kvtune.capacity.measured import write_capacity_file
-
     if vllm_log is not None:
         if engine_log is not None:
             raise OptionError("give the startup log once, as --engine-log", field="--vllm-log")
         if engine != "vllm":
             raise OptionError(f"is for a vLLM log; give the {engine} log as --engine-log", field="--vllm-log")
-    vllm_log = vllm_log or engine_log
-    if engine != "vllm":
-        if timing:
-            raise OptionError("measures vLLM only; leave --engine at vllm", field="--timing")
-        from kvtune.capacity.engine_logs import calibrate_engine
-
-        _refuse_timing_options(timing_budget_s, max_num_batched_tokens)
-        measured = asyncio.run(calibrate_engine(engine, url, engine_log=engine_log, timeout_s=timeout_s))
-    elif timing:
-        if url is None:
-            raise OptionError("needs the server's URL: it sends requests to measure step times", field="--timing")
+    startup_log = vllm_log or engine_log
+    progress = None
+    if engine == "vllm" and timing and url is not None and not json_:
         from rich.console import Console
 
-        from kvtune.bench.timing import calibrate_timing
-        from kvtune.cli._timing_view import RichTimingProgress
+        from kvtune.cli._timing_view import RichTimingProgress  # rich: only for the live view
 
-        progress = None if json_ else RichTimingProgress(Console(stderr=True, highlight=False))
-        measured = asyncio.run(calibrate_timing(url, vllm_log=vllm_log, timeout_s=timeout_s,
-                                                budget_s=timing_budget_s,
-                                                max_num_batched_tokens=max_num_batched_tokens, progress=progress))
-    else:
-        _refuse_timing_options(timing_budget_s, max_num_batched_tokens)
-        measured = asyncio.run(run_calibrate(url, vllm_log=vllm_log, timeout_s=timeout_s))
+        progress = RichTimingProgress(Console(stderr=True, highlight=False))
+    measured = asyncio.run(api.calibrate(
+        url, engine, engine_log=startup_log, timeout_s=timeout_s, timing=timing,
+        timing_budget_s=None if timing_budget_s == DEFAULT_TIMING_BUDGET_S else timing_budget_s,
+        max_num_batched_tokens=max_num_batched_tokens, progress=progress))
     if out is not None:
         write_capacity_file(out, measured)
     if json_:
         click.echo(json.dumps(measured.to_dict()))
     else:
-        _print_table(measured, out=out, cross_checked=url is not None and (vllm_log or engine_log) is not None)
-
-
-def _refuse_timing_options(timing_budget_s: float, max_num_batched_tokens: int | None) -> None:
-    for name, given in (("--timing-budget-s", timing_budget_s != 300.0),
-                        ("--max-num-batched-tokens", max_num_batched_tokens is not None)):
-        if given:
-            raise OptionError("only applies with --timing", field=name)
+        _print_table(measured, out=out, cross_checked=url is not None and startup_log is not None)
 
 
 def _fmt(value) -> str:
@@ -120,7 +103,7 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvtune.cli._console import output_console
+    from kvtune.cli._console import output_console  # rich: only for the table
 
     table = Table(title=f"KV capacity of {escape(m.model or 'the server')}", title_justify="left")
     table.add_column("field")
@@ -146,7 +129,7 @@ def _print_table(m, *, out: str | None, cross_checked: bool) -> None:
     console = output_console(highlight=False)
     console.print(table)
     if m.timing is not None:
-        from kvtune.cli._timing_view import print_timing
+        from kvtune.cli._timing_view import print_timing  # rich: only for the table
 
         print_timing(m.timing, console)
     if cross_checked:

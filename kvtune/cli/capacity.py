@@ -6,6 +6,9 @@ import json
 
 import click
 
+from kvtune import api
+from kvtune.capacity.engine_memory import EngineMemory
+from kvtune.capacity.reservation import RequestShape
 from kvtune.cli._vocabulary import SectionedCommand, model_argument, quiet_option
 from kvtune.cli.options import CapacityArgs, capacity_options
 from kvtune.errors import OptionError
@@ -13,8 +16,6 @@ from kvtune.errors import OptionError
 
 def _shapes(prompt_tokens: tuple[int, ...], max_tokens: tuple[int, ...]):
     """Pair the i-th --prompt-tokens with the i-th --max-tokens; a single value pairs with all."""
-    from kvtune.capacity.reservation import RequestShape
-
     if not prompt_tokens and not max_tokens:
         return ()
     if not prompt_tokens or not max_tokens:
@@ -62,19 +63,13 @@ def capacity(model: str, capacity: CapacityArgs, prompt_tokens: tuple[int, ...],
         kvtune capacity llama-3.1-8b --gpu H100-80GB --engine sglang
         kvtune capacity llama-3.1-8b --engine trtllm --engine-log trtllm-serve.log
     """
-    import kvtune
-    from kvtune.policy.feasibility import capacity_verdict
-
     shapes = _shapes(prompt_tokens, max_tokens)
-    measured = capacity.measurement()
-    report = kvtune.plan(capacity.deployment(model), measured=measured, shapes=shapes).report
-    verdict = capacity_verdict(report.engine, report.capacity)
+    fit = api.capacity_fit(capacity.deployment(model), capacity.measurement(), shapes)
+    verdict = fit.verdict
     if json_:  # the report around the capacity file's fields: a `--capacity FILE` for simulate and recommend
-        doc = report.to_dict()
-        record = {k: v for k, v in report.capacity_file().to_dict().items() if k not in doc}
-        click.echo(json.dumps({**doc, **record, "fits": verdict.fits, "why": verdict.why}))
+        click.echo(json.dumps(fit.to_dict()))
     else:
-        _print_report(report)
+        _print_report(fit.report)
         if not verdict.fits:
             click.echo(f"Does not fit: {verdict.why}", err=True)
     if not verdict.fits:
@@ -89,8 +84,7 @@ def _print_report(report) -> None:
     """Rich tables for people; rich is imported only here so `--json` stays fast."""
     from rich.table import Table
 
-    from kvtune.capacity.engine_memory import EngineMemory
-    from kvtune.cli._console import output_console
+    from kvtune.cli._console import output_console  # rich: only for the tables
 
     c = report.capacity
     console = output_console()

@@ -5,14 +5,19 @@ from __future__ import annotations
 import json
 
 import click
+from click.core import ParameterSource
 
+from kvtune import api
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option
-from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
+from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options, parse_count
 from kvtune.cli.policy_options import PolicyArgs, policy_options
 from kvtune.controls import escape_controls
 from kvtune.deploy.check import Severity
 from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
+from kvtune.gpu_spec import read_gpu_spec
+from kvtune.hardware import find_gpu, parse_memory_size
+from kvtune.policy.recommendation import looks_like_recommendation
 from kvtune.userfiles import brief
 
 _STYLE = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Severity.INFO: ("info", "blue")}
@@ -21,11 +26,9 @@ _STYLE = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Sev
 def _saved_recommendation(paths: tuple[str, ...]):
     """A recommendation.json written by `kvtune recommend --out` instead of logs (read back
     strictly), or None."""
-    from kvtune.policy.recommendation import load_recommendation, looks_like_recommendation
-
     if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
-    return load_recommendation(paths[0])
+    return api.load_recommendation(paths[0])
 
 
 def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityArgs) -> None:
@@ -34,12 +37,6 @@ def _file_contradictions(rec, path: str, policy: PolicyArgs, capacity: CapacityA
     the command line that says otherwise is one error line naming it, not silently overridden nor
     obeyed. Options the file has no value for (a measured capacity) would change what the file
     already decided."""
-    from click.core import ParameterSource
-
-    from kvtune.cli.options import parse_count
-    from kvtune.gpu_spec import read_gpu_spec
-    from kvtune.hardware import find_gpu, parse_memory_size
-
     ctx = click.get_current_context()
 
     def typed(name: str) -> bool:
@@ -132,20 +129,18 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
         kvtune check deploy/recommendation.json --deployed deploy/k8s/vllm.yaml \\
             --deployed deploy/k8s/gateway.yaml
     """
-    import kvtune
-
     rec = _saved_recommendation(logs)
     if rec is None:
         measured = capacity.measurement()
         deployment = capacity.deployment(policy.model)
-        rec = kvtune.recommend(lambda: log.profile(logs), deployment,
+        rec = api.recommend(lambda: log.profile(logs), deployment,
                                policy.as_policy(log.route_by, parse_slo(slo) if slo else None), measured=measured)
     else:
         if slo is not None:
             raise OptionError("a recommendation.json holds the limits its --slo bounded: check against it "
                               "without --slo", field="--slo")
         _file_contradictions(rec, logs[0], policy, capacity)
-    result = kvtune.check(rec, deployed_paths, max_truncation=policy.max_truncation)
+    result = api.check(rec, deployed_paths, max_truncation=policy.max_truncation)
     deployed = result.deployed
 
     if json_:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
+import signal
 
 import click
 
+from kvtune import api
 from kvtune.errors import InputError
+from kvtune.gateway.proxy import loop_factory, serve
 
 
 @click.command()
@@ -26,26 +29,7 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     Example:
         kvtune gateway --config out/gateway.yaml --upstream http://127.0.0.1:8000 --port 8080
     """
-    import asyncio
-    import signal
-
-    from kvtune.endpoint import host_problem, url_problem
-    from kvtune.gateway.config import load_gateway_config
-    from kvtune.gateway.proxy import loop_factory, serve
-
-    config = load_gateway_config(config_path)
-    for flag, problem in (("--upstream", upstream is not None and url_problem(upstream)),
-                          ("--host", host is not None and host_problem(host))):
-        if problem:
-            raise InputError(problem, field=flag)
-    upstreams = config.upstreams
-    if upstream is not None:
-        if len(upstreams) > 1:
-            raise InputError(f"{config_path} names {len(upstreams)} upstreams, each with its own budget: "
-                             "edit its upstreams: instead", field="--upstream")
-        upstreams = (dataclasses.replace(upstreams[0], url=upstream),)
-    config = dataclasses.replace(config, upstreams=upstreams, host=host or config.host,
-                                 port=config.port if port is None else port)
+    config = api.gateway_config(config_path, upstream=upstream, host=host, port=port)
 
     async def run() -> None:
         stop = asyncio.Event()

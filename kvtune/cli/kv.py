@@ -30,6 +30,7 @@ def kv(model: str, tp: int, pp: int, kv_cache_dtype: str, json_: bool) -> None:
     Example:
         kvtune kv llama-3.1-70b --tp 4 --kv-cache-dtype fp8
     """
+    # kvtune.api.kv_bytes computes the same; kv starts without the library kvtune.api loads (numpy, …)
     result = kv_bytes(resolve_model(model), kv_cache_dtype=kv_cache_dtype, tp=tp, pp=pp)
     if json_:
         click.echo(json.dumps(result.to_dict()))
@@ -41,7 +42,7 @@ def _print_table(result: KvBytes) -> None:
     """A rich table for people; rich is imported only here so `--json` stays fast."""
     from rich.table import Table
 
-    from kvtune.cli._console import output_console
+    from kvtune.cli._console import output_console  # rich: only for the table
 
     title = (f"{result.model}: {result.attention.upper()}, {result.num_kv_heads} KV heads × "
              f"head_dim {result.head_dim}, kv-cache dtype {result.kv_cache_dtype} "

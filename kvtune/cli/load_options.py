@@ -4,15 +4,11 @@ one `load: LoadArgs` object both commands take."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import click
 
 from kvtune.cli.options import grouped
-from kvtune.errors import OptionError
-
-if TYPE_CHECKING:
-    from kvtune.domain.load_shape import LoadShape
+from kvtune.domain.load_shape import Load, LoadShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,25 +23,17 @@ class LoadArgs:
     max_requests: int | None
     duration_s: float | None
 
+    def as_load(self, seed: int = 0) -> Load:
+        """The load kvtune.api takes (its checks are Load.check's)."""
+        return Load(rate_rps=self.rate, burstiness=self.burstiness, concurrency=self.concurrency, replay=self.replay,
+                    speedup=self.speedup, max_requests=self.max_requests, duration_s=self.duration_s, seed=seed)
+
     def check(self, logs: tuple[str, ...]) -> None:
-        given = {"--rate": self.rate is not None, "--concurrency": self.concurrency is not None,
-                 "--replay": self.replay}
-        shapes = [name for name, on in given.items() if on]
-        if len(shapes) > 1:
-            raise OptionError(f"give one load shape, not {' and '.join(shapes)}", field=shapes[1])
-        if self.replay and not logs:
-            raise OptionError("--replay needs LOGS with per-request timestamps (a profile keeps none)",
-                              field="--replay")
-        if not self.replay and self.max_requests is None and self.duration_s is None:
-            raise OptionError("a run must be bounded: give --requests N and/or --duration S", field="--requests")
+        self.as_load().check(from_logs=bool(logs))
 
     def shape(self) -> LoadShape:
         """The open- or closed-loop shape (replay shapes come from the logs' timestamps)."""
-        from kvtune.domain.load_shape import LoadShape
-
-        if self.rate is not None:
-            return LoadShape.rate(self.rate, self.burstiness)
-        return LoadShape.closed(self.concurrency or 1)
+        return self.as_load().shape()
 
 
 load_options = grouped("load", LoadArgs, [

@@ -19,9 +19,12 @@ import click
 from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.domain.fields import MAX_INTEGER as MAX_COUNT  # counts above it are typos
 from kvtune.domain.log_reading import DEFAULT_MAX_ROUTES as MAX_ROUTES
+from kvtune.domain.log_reading import LogReading
 from kvtune.engines import ENGINE_NAMES, vllm
 from kvtune.errors import KvtuneError, OptionError
 from kvtune.hardware import GPUS
+from kvtune.ingest import FORMATS, IngestOptions, OnError
+from kvtune.profile.logged_model import one_logged_model
 
 GPU_NAMES = tuple(GPUS)
 _COUNT = re.compile(r"(?P<num>\d+(?:\.\d+)?)(?P<suffix>[kKmMgG]?)")
@@ -159,8 +162,6 @@ capacity_options = grouped("capacity", CapacityArgs, [
 
 
 def _format_help() -> str:
-    from kvtune.ingest import FORMATS
-
     return "Force a log format instead of detecting it: " + ", ".join(FORMATS) + "."
 
 
@@ -183,12 +184,10 @@ class LogArgs:
     exclude: tuple[str, ...] = ()  # --exclude GLOB, repeated: files not to read
     log_model: str | None = None  # only the rows naming this logged model (kvtune.profile.logged_model)
 
-    def ingest(self):  # -> kvtune.ingest.IngestOptions
-        """The ingest options; the process is about to read logs, so malloc is tuned for it."""
-        from kvtune.allocator import tune_for_streaming
-        from kvtune.errors import KvtuneError
-        from kvtune.ingest import IngestOptions, OnError
-        from kvtune.ingest.window import Window
+    def ingest(self) -> IngestOptions:
+        """The ingest options (`kvtune profile`'s); the process is about to read logs, so malloc is tuned for it."""
+        from kvtune.allocator import tune_for_streaming  # ctypes: only to read logs
+        from kvtune.ingest.window import Window  # numpy: only to read logs
 
         try:
             window = Window.parse(self.since, self.until)
@@ -202,16 +201,44 @@ class LogArgs:
                              assume_cap=self.assume_cap, window=window, exclude=self.exclude,
                              log_model=self.log_model)
 
+    def reading(self) -> LogReading:
+        """How to read the logs, as kvtune.api takes it (--since/--until checked here: click's
+        one line); the process is about to read logs, so malloc is tuned for it."""
+        from kvtune.allocator import tune_for_streaming  # ctypes: only to read logs
+        from kvtune.ingest.window import Window  # numpy: only to read logs
+
+        try:
+            Window.parse(self.since, self.until)
+        except KvtuneError as exc:  # since not before until
+            raise click.BadParameter(exc.message, param_hint=f"'{exc.field}'") from None
+        tune_for_streaming()
+        return LogReading(format=self.format_, fields=parse_fields(self.fields), route_by=self.route_by,
+                          tokenizer=self.tokenizer, on_error=self.on_error, strict=self.strict,
+                          assume_cap=self.assume_cap, max_routes=self.max_routes, exclude=self.exclude,
+                          since=self.since, until=self.until, log_model=self.log_model)
+
+    def traffic_profile(self, logs: tuple[str, ...], profile_path: str | None):  # -> kvtune.profile.routes.Profile
+        """The profile `bench` and `simulate` draw requests from: a saved one (--profile), else LOGS
+        read; of one logged model; a fold beyond --max-routes and the files left out said on stderr."""
+        from kvtune import api  # numpy and the library: only for a command that reads traffic
+        from kvtune.cli._profile_view import render_folded, render_skipped_files  # numpy: as above
+
+        reading = self.reading()  # --since/--until checked, as for logs
+        profile = (api.load_profile(profile_path, max_routes=self.max_routes) if profile_path
+                   else api.profile_logs(logs, reading, workers=self.workers, ray_address=self.ray_address))
+        self.logged_model(profile)  # one model's traffic: several without --log-model is an error
+        render_folded(profile, self.max_routes)
+        render_skipped_files(profile)
+        return profile
+
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
         """Logs (or one saved profile) profiled, of one logged model (`logged_model`); a fold beyond
         --max-routes is said on stderr."""
-        from kvtune.cli._profile_view import render_folded, render_skipped_files
-        from kvtune.profile.build import is_saved_profile
-        from kvtune.profile.logs import load_profile_or_logs
+        from kvtune import api  # numpy and the library: only for a command that reads logs
+        from kvtune.cli._profile_view import render_folded, render_skipped_files  # numpy: as above
 
-        self.window_for_logs([p for p in paths if is_saved_profile(p)])
-        profile = load_profile_or_logs(list(paths), self.ingest(), max_routes=self.max_routes,
-                                       workers=self.workers, ray_address=self.ray_address)
+        self.window_for_logs([p for p in paths if api.is_saved_profile(p)])
+        profile = api.profile_logs(paths, self.reading(), workers=self.workers, ray_address=self.ray_address)
         self.logged_model(profile)
         render_folded(profile, self.max_routes)
         render_skipped_files(profile)
@@ -220,8 +247,6 @@ class LogArgs:
     def logged_model(self, profile) -> str | None:  # profile: kvtune.profile.routes.Profile
         """The one model the profile's rows name (None: none names one); several without
         --log-model, or a --log-model no row names, are one error line."""
-        from kvtune.profile.logged_model import one_logged_model
-
         return one_logged_model(profile.models, profile.log_model, self.log_model)
 
     def window_for_logs(self, saved: list[str]) -> None:
@@ -245,7 +270,7 @@ def _instant(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     """--since/--until: an ISO date or datetime, checked when the command line is parsed."""
     if value is None:
         return None
-    from kvtune.ingest.window import parse_instant
+    from kvtune.ingest.window import parse_instant  # numpy: only when --since/--until is given
 
     try:
         parse_instant(value, "--" + str(param.name))
@@ -270,7 +295,7 @@ def _workers(ctx: click.Context, param: click.Parameter, value: str) -> int | No
 def _ray_address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
-    from kvtune.profile.on_ray import check_address
+    from kvtune.profile.on_ray import check_address  # logging, numpy: only with --ray
 
     try:
         return check_address(value)

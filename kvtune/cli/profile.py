@@ -7,9 +7,24 @@ import sys
 
 import click
 
+from kvtune.cli._profile_view import (
+    progress_bar,
+    render_folded,
+    render_models,
+    render_profile,
+    render_skipped,
+    render_skipped_files,
+    render_window,
+)
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import LogArgs, log_options
 from kvtune.errors import InputError
+
+# kvtune.api.profile_logs reads logs the same way; profile calls kvtune.profile itself, since
+# kvtune.api loads what profiling does not need (tempfile: tests/unit/test_startup_imports.py)
+from kvtune.profile.build import is_saved_profile, load_profile, save_profile
+from kvtune.profile.logs import profile_logs
+from kvtune.profile.routes import fold_routes, merge_profiles
 
 JSON_FIELDS = """\b
 --json prints one object:
@@ -67,10 +82,6 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         kvtune profile 's3://my-logs/2026-11-*/*.parquet' --json
         kvtune profile --merge week1.json week2.json
     """
-    from kvtune.profile.build import is_saved_profile, load_profile
-    from kvtune.profile.logs import profile_logs
-    from kvtune.profile.routes import fold_routes, merge_profiles
-
     strict = log.strict
     if log.assume_cap is not None and trace_max_is_cap:
         raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
@@ -82,8 +93,6 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     parts = [load_profile(p) for p in saved]
     if logs:
         options = log.ingest()
-        from kvtune.cli._profile_view import progress_bar
-
         with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
             parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap,
                                       max_routes=log.max_routes, workers=log.workers, ray_address=log.ray_address))
@@ -94,21 +103,13 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
     if log.log_model is not None:  # a NAME no row names is an error; several models are shown, not refused
         log.logged_model(result)
     if save_path:
-        from kvtune.profile.build import save_profile
-
         save_profile(result, save_path)
-    from kvtune.cli._profile_view import render_folded, render_skipped_files
-
     if json_:
         click.echo(json.dumps(result.summary_dict()))
     else:
-        from kvtune.cli._profile_view import render_profile, render_skipped, render_window
-
         render_profile(result)
         render_skipped(result)
         render_window(result)
-    from kvtune.cli._profile_view import render_models
-
     render_models(result)
     render_folded(result, log.max_routes)
     render_skipped_files(result)

@@ -7,19 +7,23 @@ import sys
 
 import click
 
+from kvtune import api
+from kvtune.cli._recommend_view import search_progress, show_recommendation, show_upstream_budgets, show_what_if
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.policy_options import ObjectiveArgs, PolicyArgs, objective_options, policy_options
 from kvtune.controls import escape_controls
+from kvtune.deploy.k8s import K8sOptions
+from kvtune.deploy.render import NGINX_ONE_ENGINE, RenderOptions, local_chat_tokenizer
 from kvtune.engines import ENGINE_TITLES, engine_facts
 from kvtune.errors import OptionError
+from kvtune.gateway.config import HealthProbe
+from kvtune.policy.search import InfeasibleObjectiveError
 
 
 def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) -> str | None:
     """The model directory gateway.yaml counts prompts with (None: the upstream's /tokenize):
     the one given, else the first candidate that holds a tokenizer and a chat template."""
-    from kvtune.deploy.render import local_chat_tokenizer
-
     if given == "upstream":
         return None
     if given is not None:
@@ -126,11 +130,6 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
             --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """
-    import kvtune
-    from kvtune.cli._recommend_view import search_progress
-    from kvtune.deploy.k8s import K8sOptions
-    from kvtune.deploy.render import NGINX_ONE_ENGINE, RenderOptions
-
     files_given = capacity.capacity_files
     if replicas is None:
         replicas = max(1, len(files_given))
@@ -142,9 +141,6 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
                           "--gateway-tokenizer out (the served model's tokenizer, by its hub id) or give a model "
                           "directory", field="--gateway-tokenizer")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
-    from kvtune.gateway.config import HealthProbe
-    from kvtune.policy.search import InfeasibleObjectiveError
-
     render_options = RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas,
                                    health=HealthProbe(health_interval, health_timeout, health_path,
                                                       consecutive_failures=health_failures,
@@ -155,7 +151,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
     deployment = capacity.deployment(policy.model, replicas)
     try:
         with search_progress(objective.objective is not None and sys.stderr.isatty()) as progress:
-            rec = kvtune.recommend(lambda: log.profile(logs), deployment,
+            rec = api.recommend(lambda: log.profile(logs), deployment,
                                    objective.with_flow(policy.as_policy(log.route_by, objective.bound())),
                                    objective.as_objective(),
                                    measured=measured, progress=progress)
@@ -166,9 +162,9 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         _refuse(rec, json_)
         return
     try:
-        files = kvtune.render(rec, options=render_options, gateway_tokenizer=counting_with,
+        files = api.render(rec, options=render_options, gateway_tokenizer=counting_with,
                               k8s=K8sOptions(gateway_replicas=gateway_replicas))
-    except kvtune.RenderCheckError as exc:
+    except api.RenderCheckError as exc:
         for f in exc.result.findings:
             line = f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}"
             click.echo(escape_controls(line), err=True)
@@ -181,16 +177,12 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
                    "estimate)", err=True)
     if replicas > 1 and "nginx.conf" not in files and rec.admission.kind.value == "statistical":
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
-    written = kvtune.write_files(out_dir, files) if out_dir else []
+    written = api.write_files(out_dir, files) if out_dir else []
     if json_:
         click.echo(json.dumps({"recommendation": rec.to_dict(), "files": files}, indent=2))
         return
-    from kvtune.cli._recommend_view import show_recommendation
-
     show_recommendation(rec, [str(p) for p in written])
     if nginx_replicas > 1 or replicas > 1:
-        from kvtune.cli._recommend_view import show_upstream_budgets
-
         show_upstream_budgets(rec, render_options)
 
 
@@ -213,8 +205,6 @@ def _infeasible(exc, json_: bool) -> None:
         click.echo(json.dumps({"recommendation": None, "objective": objective,
                                "what_if": [r.to_dict() for r in exc.rows], "error": str(exc)}, indent=2))
     else:
-        from kvtune.cli._recommend_view import show_what_if
-
         show_what_if(exc.rows, exc.objective)
     click.echo(escape_controls(f"Error: {exc}"), err=True)
     click.get_current_context().exit(1)

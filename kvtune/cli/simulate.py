@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
 
 import click
 
+from kvtune import api
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.load_options import LoadArgs, load_options
-from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, traffic_source_options
+from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, parse_count, traffic_source_options
 from kvtune.controls import escape_controls
 from kvtune.domain.deployment import Deployment, Measurement
-from kvtune.errors import InputError, OptionError
+from kvtune.domain.log_reading import LogReplay
+from kvtune.domain.simulated_server import SimulatedServer
+from kvtune.domain.slo import parse_slo
+from kvtune.errors import OptionError
+from kvtune.profile.routes import Profile
 from kvtune.sim.rules import ENGINE_NAMES
-from kvtune.userfiles import brief
-
-if TYPE_CHECKING:
-    from kvtune.capacity.measured import MeasuredCapacity
-    from kvtune.domain.route import Route
+from kvtune.writer import write_files
 
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
@@ -111,21 +110,24 @@ class EngineArgs:
             raise OptionError(f"kvtune estimates vLLM's pool; for --engine {self.engine_name} give the pool "
                               "(--kv-tokens, --num-gpu-blocks) or --capacity FILE", field="--engine")
 
-    def plan(self):  # -> kvtune.planning.Plan
-        """The deployment without a capacity file, planned as `kvtune capacity` and `recommend` plan it
-        (vLLM's pool: another engine's is given, --kv-tokens or --num-gpu-blocks)."""
-        import kvtune
-        from kvtune.cli.options import parse_count
+    def deployment(self) -> Deployment:
+        """The deployment these options describe (beside a capacity file, only its model, GPU and
+        engine: `check` refused the rest)."""
+        return Deployment(self.model, gpu=self.gpu, gpu_spec=self.gpu_spec, tp=self.tp or 1, pp=self.pp or 1,
+                          engine=self.engine_name, engine_version=self.engine_version,
+                          kv_cache_dtype=self.kv_cache_dtype, gpu_memory_utilization=self.gpu_memory_utilization,
+                          max_model_len=parse_count(self.max_model_len, "--max-model-len"),
+                          max_num_batched_tokens=self.max_num_batched_tokens)
 
-        assert self.model is not None
-        measured = Measurement(kv_tokens=parse_count(self.kv_tokens, "--kv-tokens"),
-                               num_gpu_blocks=self.num_gpu_blocks)
-        return kvtune.plan(Deployment(self.model, gpu=self.gpu, gpu_spec=self.gpu_spec, tp=self.tp or 1,
-                                      pp=self.pp or 1, gpu_memory_utilization=self.gpu_memory_utilization,
-                                      max_model_len=parse_count(self.max_model_len, "--max-model-len"),
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      kv_cache_dtype=self.kv_cache_dtype, engine_version=self.engine_version),
-                           measured=measured)
+    def measurement(self) -> Measurement:
+        """The pool these options give in tokens or blocks (none: the estimate or the capacity file)."""
+        return Measurement(kv_tokens=parse_count(self.kv_tokens, "--kv-tokens"), num_gpu_blocks=self.num_gpu_blocks)
+
+    def server(self) -> SimulatedServer:
+        """The capacity file, gateway, limits and request path these options name."""
+        return SimulatedServer(capacity_file=self.capacity_path, gateway=self.gateway_path,
+                               max_num_seqs=self.max_num_seqs, endpoint=self.endpoint, route_header=self.route_header,
+                               tensor_parallel_size=self.tp if self.capacity_path is not None else None)
 
 
 _engine_options = [
@@ -211,226 +213,34 @@ def simulate(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str,
         kvtune simulate --profile profile.json --capacity capacity.json --gateway deploy/gateway.yaml \\
             --rate 5 --requests 500 --slo ttft=500,e2e=10000 --out sim/
     """
-    from kvtune.capacity.measured import read_capacity_file
-    from kvtune.domain.slo import parse_slo
-    from kvtune.sim.setup import CAPACITY, engine_setup, offline_capacity, timing_setup
-
     slo_ = parse_slo(slo) if slo else None
     load.check(logs)
     if profile_path and logs:
         raise OptionError("give --profile or LOGS, not both", field="--profile")
     if not profile_path and not logs:
         raise OptionError("give LOGS or --profile FILE for the workload", field="LOGS")
-    from kvtune.planning import resolve_gpu
-
     engine.check()
-    gpu = resolve_gpu(engine.gpu, engine.gpu_spec)
-    spec = None
-    labels = None
-    if engine.capacity_path is not None:
-        measured = read_capacity_file(engine.capacity_path)
-        capacity_info: dict[str, Any] = {"from": CAPACITY, "file": engine.capacity_path}
-        if measured.timing is None and engine.model is not None and gpu is not None:
-            from kvtune.model.sources import resolve_model
 
-            spec = resolve_model(engine.model)
-    else:
-        plan = engine.plan()
-        spec = plan.spec
-        measured, labels = offline_capacity(plan)
-        report = plan.report
-        capacity_info = {"from": labels["num_blocks"], "file": None, "model": report.model, "gpu": report.gpu,
-                         "tensor_parallel_size": report.tensor_parallel_size,
-                         "pipeline_parallel_size": report.pipeline_parallel_size,
-                         "kv_cache_dtype": report.kv_cache_dtype, "engine_version": report.engine_version,
-                         "gpu_memory_utilization": plan.gpu_memory_utilization.value,
-                         "kv_cache_tokens": report.capacity.kv_cache_tokens}
-    timing = timing_setup(measured, spec=spec, gpu=gpu, tp=_tensor_parallel_size(engine, measured),
-                          engine=engine.engine_name, engine_version=engine.engine_version)
-    setup = engine_setup(measured, max_num_seqs=engine.max_num_seqs,
-                         max_num_batched_tokens=engine.max_num_batched_tokens, gpu=gpu, recorded_from=labels,
-                         engine_version=engine.engine_version)
-    admission, admission_info, cap = _admission(engine, setup.settings.max_model_len, measured.model)
+    def read_profile() -> Profile:  # once the engine is set up: its errors come first
+        return log.traffic_profile(logs, profile_path)
 
-    from kvtune.sim.run import run_simulation
-
-    mml = setup.settings.max_model_len
-    overhead = timing.fixed_delay_s
-    traffic, context = _traffic(logs, profile_path, routes, log, load, seed, mml, overhead, cap)
-    from kvtune.sim.rules import engine_rule
-
-    run = run_simulation(traffic, setup, timing, admission=admission, slo=slo_, context=context,
-                         admission_info=admission_info, rule=engine_rule(engine.engine_name), capacity=capacity_info,
-                         time_bounded_closed_loop=context["load"]["concurrency"] is not None
-                         and load.max_requests is None)
-    text = json.dumps(run.report, indent=2)
+    workload = LogReplay(logs, log.reading(), routes) if load.replay else read_profile
+    result = api.simulate(workload, engine.deployment(), engine.server(), load.as_load(seed), slo_,
+                          measured=engine.measurement(), routes=routes, on_note=_note)
+    text = json.dumps(result.report, indent=2)
     if out_dir is not None:
-        from pathlib import Path
-
-        from kvtune.sim.plot import svg
-        from kvtune.writer import write_files
-
-        files: dict[str | os.PathLike[str], str] = {Path(out_dir) / "simulate.json": text + "\n"}
-        if run.timeline is not None:
-            label = {"silicon": " (silicon-data estimate)", "roofline-estimate": " (roofline estimate)"}.get(
-                timing.model.source.value, "")
-            files[Path(out_dir) / "timeline.svg"] = svg(run.timeline, title=f"kvtune simulate{label}")
-        write_files(files)
+        write_files({Path(out_dir) / name: body for name, body in result.files().items()})
     if json_:
         click.echo(text)
     else:
-        from kvtune.cli._console import output_console
-        from kvtune.cli._simulate_view import render_simulation
+        from kvtune.cli._console import output_console  # rich: only for the table
+        from kvtune.cli._simulate_view import render_simulation  # rich: only for the table
 
-        render_simulation(run.report, run.timeline, output_console())
-
-
-def _tensor_parallel_size(engine: EngineArgs, measured: MeasuredCapacity) -> int:
-    """The roofline's tensor-parallel size: --tp, else the capacity file's (`kvtune capacity --json`
-    states it), else 1; a --tp the file contradicts is refused (its pool is per GPU at its own)."""
-    recorded = measured.tensor_parallel_size
-    if engine.tp is not None and recorded is not None and engine.tp != recorded:
-        raise OptionError(f"the capacity file's pool is per GPU at tensor-parallel size {recorded}, not {engine.tp}: "
-                          f"leave --tp out, or write the file again with --tp {engine.tp}", field="--tp")
-    return engine.tp or recorded or 1
+        render_simulation(result.report, result.timeline, output_console())
 
 
-def _admission(engine: EngineArgs, max_model_len: int, model: str | None) -> tuple[Any, dict[str, Any], Any]:
-    """(a factory of fresh admissions, what the JSON says of it, the gateway's output cap or None)."""
-    from kvtune.sim.admission import DirectAdmission, LedgerAdmission
-
-    if engine.gateway_path is None:
-        if engine.route_header is not None:
-            raise OptionError("only with --gateway: the header its routes match on", field="--route-header")
-        return lambda routes: DirectAdmission(), {"kind": "direct"}, None
-    from kvtune.deploy.gateway_admission import gateway_admission
-    from kvtune.gateway.config import load_gateway_config
-    from kvtune.gateway.gate import route_cap
-
-    config = load_gateway_config(engine.gateway_path)
-    path = "/v1/chat/completions" if engine.endpoint == "chat" else "/v1/completions"
-    served = config.model or model
-    header = _route_header(engine, config.route_headers)
-    chosen: dict[str | None, Route] = {}
-
-    def route_of(name: str | None) -> Route:
-        """The route a request of the traffic's route `name` matches: by its header, with --route-header."""
-        if name not in chosen:
-            found = config.route_for(path, served, None if header is None or name is None else {header: name})
-            if found is None:
-                raise OptionError(f"no route of {brief(engine.gateway_path)} serves {path} for model {served!r}"
-                                  + ("" if name is None or header is None else f" and {header} {brief(name)}")
-                                  + ": the gateway would answer 404 to every request", field="--gateway")
-            chosen[name] = found
-        return chosen[name]
-
-    route = route_of(None)
-    if config.max_model_len > max_model_len:
-        raise OptionError(f"the gateway's max_model_len {config.max_model_len:,} exceeds the engine's "
-                          f"{max_model_len:,}", field="--gateway")
-
-    def fresh(routes: Sequence[str]) -> LedgerAdmission:
-        if header is None:
-            return gateway_admission(config, route)
-        return gateway_admission(config, route, [route_of(r) for r in routes])
-
-    def cap(name: str, prompt_tokens: int, max_tokens: int) -> int:
-        return route_cap(route_of(name if header is not None else None).max_new_tokens, (max_tokens,))
-
-    # one engine is simulated: the first upstream's budget (kvtune.deploy.gateway_admission)
-    info = {"kind": "gateway", "config": str(engine.gateway_path), "block_budget": config.upstreams[0].block_budget,
-            "block_size": config.block_size, "route": route.name, "max_new_tokens": route.max_new_tokens,
-            "queue_max_waiting": config.queue_max_waiting, "queue_timeout_s": config.queue_timeout_s,
-            "retry_after": {"min_s": config.retry_after_min_s, "max_s": config.retry_after_max_s},
-            "route_header": header}
-    if config.flow is not None:
-        info["flow"] = config.flow.to_dict()
-    return fresh, info, cap
-
-
-def _route_header(engine: EngineArgs, headers: tuple[str, ...]) -> str | None:
-    """The header each simulated request carries its route in (lower case): --route-header, which
-    must be one the gateway's routes match on; a gateway that routes on one needs it named."""
-    if engine.route_header is None:
-        if headers:
-            raise OptionError(f"{brief(engine.gateway_path)} caps routes by the {headers[0]} header: name it "
-                              f"(--route-header {headers[0]}) so that each simulated request carries its "
-                              f"--route-by group there", field="--route-header")
-        return None
-    header = engine.route_header.lower()
-    if header not in headers:
-        raise OptionError(f"no route of {brief(engine.gateway_path)} matches the {brief(header)} header"
-                          + (f" (its routes match {', '.join(headers)})" if headers else ""), field="--route-header")
-    return header
-
-
-def _traffic(logs: tuple[str, ...], profile_path: str | None, routes: tuple[str, ...], log: LogArgs,
-             load: LoadArgs, seed: int, max_model_len: int, overhead_s: float, cap: Any) -> tuple[Any, dict[str, Any]]:
-    """(traffic(n) for the simulation, the load and workload context of the JSON)."""
-    from kvtune.sim.traffic import profile_traffic, replay_traffic
-
-    load_info: dict[str, Any]
-    notes: list[str]
-    if load.replay:
-        from kvtune.workload.draw import replay_rows
-
-        rows, stamps, notes = replay_rows(logs, log.ingest(), routes)
-        for note in notes:
-            click.echo(escape_controls(f"note: {note}"), err=True)
-
-        def traffic(n: int | None) -> Any:
-            return replay_traffic(rows, stamps, speedup=load.speedup, seed=seed, max_requests=load.max_requests,
-                                  duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
-                                  cap=cap)
-
-        from kvtune.domain.load_shape import LoadShape
-
-        load_info = {**LoadShape.replay([], load.speedup).to_dict(), "from": "logs"}
-        route_names = sorted({r for r, _, _ in rows})
-    else:
-        from kvtune.cli._profile_view import render_folded, render_skipped_files
-        from kvtune.profile.build import load_profile
-        from kvtune.profile.logs import load_profile_or_logs
-        from kvtune.profile.routes import fold_routes
-        from kvtune.workload.draw import select_routes
-
-        profile = (fold_routes(load_profile(profile_path), log.max_routes) if profile_path
-                   else load_profile_or_logs(list(logs), log.ingest(), max_routes=log.max_routes,
-                                              workers=log.workers, ray_address=log.ray_address))
-        log.logged_model(profile)  # one model's traffic: several without --log-model is an error
-        render_folded(profile, log.max_routes)
-        render_skipped_files(profile)
-        notes = profile.notes
-        chosen = select_routes(profile, routes)
-        for r in chosen:
-            if r.prompt.total == 0:
-                raise InputError(f"route {brief(r.route)} logs no prompt lengths; a simulation needs them",
-                                 field="--route")
-        from kvtune.sim.traffic import LOAD_OPTION, default_load
-
-        if load.rate is not None or load.concurrency is not None:
-            shape, load_from = load.shape(), LOAD_OPTION
-        else:  # the logs' own arrival rate, never silently one request at a time
-            shape, load_from, fallback = default_load(profile, routes, burstiness=load.burstiness)
-            if fallback is not None:
-                click.echo(f"note: {fallback}", err=True)
-
-        def traffic(n: int | None) -> Any:
-            return profile_traffic(profile, routes, shape, seed=seed, max_requests=load.max_requests,
-                                   duration_s=load.duration_s, max_model_len=max_model_len, overhead_s=overhead_s,
-                                   cap=cap, closed_n=n)
-
-        load_info = {**shape.to_dict(), "from": load_from}
-        route_names = [r.route for r in chosen]
-    from kvtune.sim.engine import CLIENT_RETRY
-
-    context = {
-        "load": {**load_info, "max_requests": load.max_requests, "duration_s": load.duration_s, "retry": True,
-                 "max_retries": CLIENT_RETRY.max_retries},
-        "workload": {"routes": route_names, "seed": seed},
-        "notes": notes,  # the files the logs' reading left out
-    }
-    return traffic, context
+def _note(line: str) -> None:
+    click.echo(escape_controls(f"note: {line}"), err=True)
 
 
 __all__ = ["simulate", "JSON_FIELDS"]

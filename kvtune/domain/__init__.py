@@ -11,12 +11,16 @@ rather than in one of them, and the feature packages never import each other for
                    in kvtune.gateway.overflow)
   demand           Demand: what an admitted request may reach, for every ledger
   engine_settings  EngineSettings: the engine limits that change scheduling
-  load_shape       LoadKind, LoadShape: the load a sender puts on a server
+  load_shape       LoadKind, LoadShape, Load: the load a sender puts on a server, and a run's
+                   load as asked for (shape, bounds, seed: bench and simulate)
   retry_policy     RetryPolicy: how a client retries a 429
   deployment       Deployment, Measurement: the model on its GPUs and engine settings, and where its
                    measured capacity comes from (kvtune.api, planning, the CLI)
   choices          Policy, Objective: the rules' choices and the objective a search meets (kvtune.api)
-  log_reading      LogReading: how logs are read into a profile (kvtune.api.profile_logs)
+  log_reading      LogReading, LogReplay: how logs are read into a profile (kvtune.api.profile_logs),
+                   and logs replayed at their own timestamps
+  simulated_server SimulatedServer: what simulate serves the traffic on besides the deployment
+  bench_target     BenchTarget, Expectations: the server bench sends to, and what it holds the run to
   route            Route, RouteMatch, Api: one route type for the gateway, deploy and policy
   fields           Fields, MAX_INTEGER: the strict reader of kvtune's own files, and the
                    checks every strict reader makes

