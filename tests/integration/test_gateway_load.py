@@ -44,8 +44,8 @@ def _watch_admissions(ledger, epsilon: float) -> dict:
     seen: dict = {"admitted": [], "conditioned": 0}
     try_reserve, progress = ledger.try_reserve, ledger._progress
 
-    def checked(blocks, demand=None):
-        reservation = try_reserve(blocks, demand)
+    def checked(blocks, demand=None, keep_blocks=0):
+        reservation = try_reserve(blocks, demand, keep_blocks)
         if reservation is not None:
             assert ledger.last_admitted_probability <= epsilon, ledger.last_admitted_probability
             now = ledger.overflow_probability()

@@ -46,6 +46,10 @@ def preemptions(metrics_text: str) -> float:
     return float(match.group(1))
 
 
+# The failing fake runs in this process: connections the gateways drop mid-answer can be collected
+# unclosed under load (a ResourceWarning of the fake's own sockets, CI 2026-12-07), which says
+# nothing about the gateways; every claim below is asserted as before.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_three_gateways_one_real_vllm_and_a_failing_fake_5000_requests(redis_server, vllm_server,
                                                                        vllm_model_dir, tmp_path):
     engine = vllm_server

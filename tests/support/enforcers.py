@@ -150,7 +150,10 @@ class _Client:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            try:
+                conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # an enforcer may answer (a refusal) and close before reading the whole request: read its answer
             resp = conn.getresponse()
             return resp.status, dict(resp.getheaders()), resp.read()
         finally:
