@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from click.testing import CliRunner
+from sim_cli import simulate_json as simulate
+from sim_cli import uniform_log
 
-from kvtune.cli import cli
-
-MODEL, GPU = "llama-3.1-8b", "H100-80GB"
 BURST = 200
 REQUEST_S = 0.00269  # the measured serial work per request (kvtune/sim/frontend.py)
 TOKEN_S = 0.0000126  # the measured API-server work per streamed token (benchmarks/host_overheads.py)
@@ -19,18 +17,7 @@ TOKEN_S = 0.0000126  # the measured API-server work per streamed token (benchmar
 
 def burst_log(tmp_path: Path, requests: int = BURST) -> str:
     """`requests` short chat requests all sent at t = 0, one output token each."""
-    path = tmp_path / "burst.jsonl"
-    row = {"route": "/v1/chat/completions", "prompt_tokens": 16, "output_tokens": 1, "finish_reason": "length",
-           "timestamp_s": 0.0}
-    path.write_text("".join(json.dumps(row) + "\n" for _ in range(requests)))
-    return str(path)
-
-
-def simulate(log: str, *args: str) -> dict:
-    result = CliRunner().invoke(cli, ["simulate", log, "--model", MODEL, "--gpu", GPU, "--replay", "--json", *args],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return uniform_log(tmp_path / "burst.jsonl", requests, 16, 1, finish_reason="length")
 
 
 def test_a_burst_queues_behind_vllms_api_server(tmp_path):

@@ -5,20 +5,17 @@ in releases that overlap them; never added to a calibrated step time (which meas
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from sim_cli import simulate_json as _simulate
+from sim_cli import uniform_log
 from test_timing import _capacity, _timing
 
-from kvtune.cli import cli
 from kvtune.domain.step_time import StepTimeModel, TimingSource
 from kvtune.errors import OptionError
 from kvtune.sim.host import VLLM_ENGINE_HOST, HostWork, adds_to_step, with_host_work
 from kvtune.sim.setup import timing_setup
-
-MODEL, GPU = "llama-3.1-8b", "H100-80GB"
 
 
 @pytest.mark.parametrize(("version", "adds"), [
@@ -50,18 +47,7 @@ def test_host_work_refuses_a_nonsense_figure(value):
 
 
 def _decode_log(tmp_path: Path, requests: int, output_tokens: int, prompt_tokens: int = 32) -> str:
-    path = tmp_path / "decode.jsonl"
-    row = {"route": "/v1/chat/completions", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-           "finish_reason": "stop", "timestamp_s": 0.0}
-    path.write_text("".join(json.dumps(row) + "\n" for _ in range(requests)))
-    return str(path)
-
-
-def _simulate(log: str, *args: str) -> dict:
-    result = CliRunner().invoke(cli, ["simulate", log, "--model", MODEL, "--gpu", GPU, "--replay", "--json", *args],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return uniform_log(tmp_path / "decode.jsonl", requests, prompt_tokens, output_tokens)
 
 
 def test_a_synchronous_release_pays_the_host_work_in_every_decode_step(tmp_path):

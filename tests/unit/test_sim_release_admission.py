@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from sim_cli import simulate_json as _simulate
+from sim_cli import uniform_log
 
 from kvtune.cli import cli
 from kvtune.domain.step_time import StepTimeModel
@@ -18,7 +20,7 @@ from kvtune.engines.vllm import default_batch_limits, reserves_full_sequence
 from kvtune.hardware import GiB
 from kvtune.sim import EngineSettings, SimRequest, simulate
 
-MODEL, GPU = "llama-3.1-8b", "H100-80GB"
+MODEL = "llama-3.1-8b"
 
 
 @pytest.mark.parametrize(("version", "full"), [
@@ -52,18 +54,7 @@ def test_before_0_19_a_long_prompt_is_admitted_on_its_chunk_and_preempted():
 
 
 def _long_prompt_log(tmp_path: Path, requests: int, prompt_tokens: int, output_tokens: int) -> str:
-    path = tmp_path / "long.jsonl"
-    row = {"route": "/v1/chat/completions", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-           "finish_reason": "stop", "timestamp_s": 0.0}
-    path.write_text("".join(json.dumps(row) + "\n" for _ in range(requests)))
-    return str(path)
-
-
-def _simulate(log: str, *args: str) -> dict:
-    result = CliRunner().invoke(cli, ["simulate", log, "--model", MODEL, "--gpu", GPU, "--replay", "--json", *args],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return uniform_log(tmp_path / "long.jsonl", requests, prompt_tokens, output_tokens)
 
 
 def test_vllm_0_11_admits_long_prompts_past_the_pool_where_0_19_queues_them(tmp_path):
