@@ -27,10 +27,10 @@ _OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in (Outcome.OK, Outco
                                                                 Outcome.NOT_SENT))
 
 
-def summarize_sim(result: SimResult, traffic: Traffic, *, slo: Slo | None) -> dict[str, Any]:
-    """requests … server, as bench's `summarize` reports them."""
+def _latencies_ms(result: SimResult, traffic: Traffic) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per request: answered (ok), TTFT, TPOT (NaN below two tokens) and e2e in ms, counted from
+    the moment its client sent it (bench's clock)."""
     r = result.requests
-    sent = r.outcome != _NOT_SENT
     ok = r.outcome == _OK
     send_s = r.arrival_s - traffic.overhead_s
     ttft = (r.first_token_s - send_s) * 1000
@@ -39,6 +39,16 @@ def summarize_sim(result: SimResult, traffic: Traffic, *, slo: Slo | None) -> di
     multi = ok & (tokens >= 2)
     tpot = np.full(len(r), np.nan)
     tpot[multi] = (e2e[multi] - ttft[multi]) / (tokens[multi] - 1)
+    return ok, ttft, tpot, e2e
+
+
+def summarize_sim(result: SimResult, traffic: Traffic, *, slo: Slo | None) -> dict[str, Any]:
+    """requests … server, as bench's `summarize` reports them."""
+    r = result.requests
+    sent = r.outcome != _NOT_SENT
+    ok, ttft, tpot, e2e = _latencies_ms(result, traffic)
+    tokens = r.output_tokens
+    multi = ok & (tokens >= 2)
     out_total = int(tokens[ok].sum())
     failed = dict.fromkeys(FAILURE_KINDS, 0)
     failed["429"] = int((r.outcome == _429).sum())
@@ -80,15 +90,8 @@ def slo_met(result: SimResult, traffic: Traffic, slo: Slo) -> np.ndarray:
     """Per request: did it meet `slo` (goodput's count)? An answer the gateway's cap cut short of
     what its client asked for is no answer met."""
     r = result.requests
-    ok = r.outcome == _OK
-    send_s = r.arrival_s - traffic.overhead_s
-    ttft = (r.first_token_s - send_s) * 1000
-    e2e = (r.finish_s - send_s) * 1000
-    tokens = r.output_tokens
-    multi = ok & (tokens >= 2)
-    tpot = np.full(len(r), np.nan)
-    tpot[multi] = (e2e[multi] - ttft[multi]) / (tokens[multi] - 1)
-    whole = ok & (tokens >= traffic.requested_output)
+    ok, ttft, tpot, e2e = _latencies_ms(result, traffic)
+    whole = ok & (r.output_tokens >= traffic.requested_output)
     return np.fromiter((o and slo.meets(True, None if np.isnan(a) else float(a), None if np.isnan(b) else float(b),
                                         None if np.isnan(c) else float(c))
                         for o, a, b, c in zip(whole.tolist(), ttft.tolist(), tpot.tolist(), e2e.tolist(), strict=True)),
