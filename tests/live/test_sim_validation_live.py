@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SCRIPT = REPO / "benchmarks" / "sim_validation.py"
 
 
+# The measured side is a wall-clock throughput of the real vLLM: beside CI's other test process the
+# gateway row measured 91 tok/s (10 retried 429s) against 138 predicted, 51 % against the 50 % bound
+# (2026-12-07); the prediction is the same either way, so it is measured on a quiet host.
+@pytest.mark.quiet
 def test_short_validation_predicts_and_measures_both_modes(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--short", "--json", "--keep", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
