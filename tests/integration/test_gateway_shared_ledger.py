@@ -597,7 +597,8 @@ def test_statistical_replicas_on_redis_price_a_forced_length_at_its_cap(redis_se
     async def run() -> None:
         async with FakeVllm() as fake, aiohttp.ClientSession() as session:
             fake.hold()
-            shared = doc([{"url": fake.url, "block_budget": budget}], {"url": redis_server.url},
+            # op_timeout_s above the default: the claim is the price, not Redis' latency on a loaded host
+            shared = doc([{"url": fake.url, "block_budget": budget}], {"url": redis_server.url, "op_timeout_s": 4},
                          admission=statistical, routes=routes)
             async with gateway(shared) as (a, _), gateway(shared) as (b, _):
                 tasks = [asyncio.create_task(post(session, (a, b)[i % 2] + "/v1/chat/completions",
