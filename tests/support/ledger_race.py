@@ -32,19 +32,29 @@ def reserved(client: redis.Redis, url: str) -> int:
 
 class Sampler:
     """Reads each upstream's reserved blocks from Redis (one HMGET: the same instant) every 10 ms in
-    a thread of its own; `samples[url]` is the series, `peak[url]` its maximum."""
+    a thread of its own; `samples[url]` is the series, `peak[url]` its maximum. Leaving takes one
+    last sample once the thread has stopped, so `samples[url][-1]` is the state at exit, however
+    starved the thread was on a loaded host; an error of the thread's is raised there, not lost
+    with a series that silently stopped short."""
 
     def __init__(self, client: redis.Redis, *urls: str) -> None:
         self.client, self.urls = client, urls
         self.samples: dict[str, list[int]] = {url: [] for url in urls}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._error: BaseException | None = None
+
+    def _sample(self) -> None:
+        for url, value in zip(self.urls, self.client.hmget(f"{PREFIX}:reserved", self.urls), strict=True):
+            self.samples[url].append(int(value or 0))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            for url, value in zip(self.urls, self.client.hmget(f"{PREFIX}:reserved", self.urls), strict=True):
-                self.samples[url].append(int(value or 0))
-            self._stop.wait(0.01)
+        try:
+            while not self._stop.is_set():
+                self._sample()
+                self._stop.wait(0.01)
+        except BaseException as exc:  # noqa: BLE001 -- re-raised in __exit__
+            self._error = exc
 
     @property
     def peak(self) -> dict[str, int]:
@@ -54,9 +64,15 @@ class Sampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *_: object) -> None:
         self._stop.set()
         self._thread.join(5)
+        if exc_type is not None:
+            return  # the body's own failure is the one to read
+        assert not self._thread.is_alive(), "the sampler's Redis call did not return within 5 s"
+        if self._error is not None:
+            raise self._error
+        self._sample()
 
 
 async def wait_for(predicate, timeout: float = 5.0) -> float:
