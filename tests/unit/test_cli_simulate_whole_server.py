@@ -41,7 +41,7 @@ def test_a_burst_of_512_gets_its_first_tokens_together_as_on_vllm(tmp_path):
     (p99 ÷ median TTFT 1.07-1.32). The API server shares its one process among the requests in
     it, so all 512 reach the engine together after 512 × 4.83 ms and run in one batch; the FIFO
     server kvtune had handed them on one by one, 2.69 ms apart, to an engine that never ran more
-    than 2 at once (its first tokens queued behind the rest of the burst's ingress, so the TTFTs
+    than 6 at once (its first tokens queued behind the rest of the burst's ingress, so the TTFTs
     bunched there too: p99 ÷ median 1.005 at 1.38 s)."""
     data = simulate(uniform_log(tmp_path / "burst.jsonl", 512, 16, 2))
     ttft = data["latency_ms"]["ttft"]
