@@ -169,11 +169,13 @@ class _Run:
         deadline = self.admission.next_deadline_s()
         return None if deadline is None else math.ceil(deadline * TICKS_PER_S)
 
-    def _next_event(self) -> int | None:
+    def _next_event(self, engine: bool = False) -> int | None:
+        """The next event's tick; `engine`: only those that can change what the engine does (tokens
+        reaching clients do not, unless a gateway or a closed-loop client waits for them)."""
         nxt = self.arrival_tick
         if self.retries_heap and (nxt is None or self.retries_heap[0][0] < nxt):
             nxt = self.retries_heap[0][0]
-        e = None if self.fe is None else self.fe.next_tick()
+        e = None if self.fe is None else self.fe.next_tick(not engine or not self.direct or self.closed is not None)
         if e is not None and (nxt is None or e < nxt):
             nxt = e
         deadline = self._deadline_tick()
@@ -356,9 +358,7 @@ class _Run:
     def _decode_run(self, waiting: int) -> bool:
         """Jump over identical decode steps; False when not even one can be taken this way."""
         sched, ticks, fe = self.sched, self.ticks, self.fe
-        if fe is not None and fe.in_ingress:  # requests entering the server change its share
-            return False
-        nxt = self._next_event()
+        nxt = self._next_event(engine=True)
         batch = sched.n
         order = sched.rid[:batch].tolist() if self.decisions is not None else []
         until = None
@@ -382,10 +382,16 @@ class _Run:
                 done = tuple(sorted(finished.tolist())) if j == k - 1 else ()
                 self.decisions.append(Decision(at / TICKS_PER_S, scheduled, (), done))
         if fe is not None:  # all but the last step end before the next event; the last may not
-            if k > 1:
+            if k > 1 and fe.in_ingress:  # the server's share changes with its streaming: step by step
+                step, growth, end = ticks.decode_first(batch, ctx), ticks.decode_growth(batch), start
+                for j in range(k - 1):
+                    end += step + growth * j
+                    fe.emit(end, batch)
+            elif k > 1:
                 fe.emit_run(start, start + ticks.decode_first(batch, ctx), start + ticks.decode_run(batch, ctx, k - 1),
                             batch, k - 1)
-            self._deliver_due(self.t - 1)
+            if nxt is not None and nxt < self.t:  # deliveries alone can wait where they change nothing
+                self._deliver_due(self.t - 1)
         if self.marks is not None:
             self._progress()
         if fe is None:

@@ -32,6 +32,7 @@ takes them with `pop` in time order.
   emit_run(start, first_end, end, per_step, steps)
                              a run of decode steps (no request in ingress), in O(1)
   next_tick(), pop()         the next request to reach the engine or delivery to reach clients
+                             (`next_tick(deliveries=False)`: the next request only)
 """
 
 from __future__ import annotations
@@ -165,13 +166,17 @@ class FrontEnd:
         work = per_step * self.token
         self.handler = max(max(backlog_end, v0 + first_end - start) + steps * work, self.v + work)
 
-    def next_tick(self) -> int | None:
-        """When the next request reaches the engine or delivery reaches its clients, if nothing
-        else arrives before."""
-        if self.done:
+    def next_tick(self, deliveries: bool = True) -> int | None:
+        """When the next request reaches the engine or (with `deliveries`) tokens reach their
+        clients, if nothing else arrives before."""
+        if deliveries and self.done:
             return self.done[0][0]
+        if not deliveries:
+            for tick, kind, _ in self.done:
+                if kind == INGRESS:
+                    return tick
         j = self.jobs[0][0] if self.jobs else None
-        m = self.marks[0][0] if self.marks else None
+        m = self.marks[0][0] if self.marks and deliveries else None
         if j is None and m is None:
             return None
         streaming = self.handler > self.v
