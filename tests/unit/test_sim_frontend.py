@@ -19,6 +19,7 @@ from kvtune.capacity.timing import decode_weighted_features, fit_frontend, step_
 from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel, StepTimeModel
 from kvtune.errors import InputError, OptionError
 from kvtune.sim import EngineSettings, LedgerAdmission, SimRequest, simulate
+from kvtune.sim.engine import ClosedLoop
 from kvtune.sim.frontend import DELIVERY, INGRESS, Delivery, FrontEnd
 from kvtune.sim.setup import timing_setup
 
@@ -179,6 +180,21 @@ def test_with_a_front_end_fast_equals_step_by_step(engine, timing, requests, bud
     fronted = simulate(requests, engine, timing, frontend=fe)
     assert fronted.requests.output_tokens.tolist() == bare.requests.output_tokens.tolist()
     assert fronted.requests.outcome.tolist() == bare.requests.outcome.tolist()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine=engines(), timing=timings, requests=workloads(), request_s=st.sampled_from([0.0, 0.004, 0.03]),
+       token_s=st.sampled_from([0.0, 0.0005, 0.004]), clients=st.none() | st.integers(1, 6))
+def test_with_a_busy_shared_server_fast_equals_step_by_step(engine, timing, requests, request_s, token_s, clients):
+    """Requests in ingress across decode runs, tokens slowed by them, closed-loop clients waiting for
+    their deliveries: the O(1) runs still give what every step one by one gives."""
+    fe = FrontEndModel(request_s, token_s)
+    loop = None if clients is None else ClosedLoop(clients)
+    slow = simulate(requests, engine, timing, fast=False, frontend=fe, closed_loop=loop, record_decisions=True)
+    fast = simulate(requests, engine, timing, fast=True, frontend=fe, closed_loop=loop, record_decisions=True)
+    _assert_same(slow, fast)
+    assert slow.decisions == fast.decisions
+    _assert_invariants(fast, requests, engine)
 
 
 def test_fit_frontend_from_bursts_and_streams():
