@@ -93,7 +93,7 @@ def simulate(
     engine: EngineRule = None,
 ) -> SimResult:
     """Serve `workload` on a simulated engine behind `admission` (default: direct) and, with
-    `frontend`, behind the API server's serial work; `engine` picks the scheduling rule
+    `frontend`, behind the API server (kvtune.sim.frontend); `engine` picks the scheduling rule
     (kvtune.sim.rules; None: vLLM V1)."""
     wall0 = time.perf_counter()
     wl = workload if isinstance(workload, Workload) else Workload.from_requests(workload)
