@@ -36,6 +36,9 @@ COMMANDS = {
     "import click": ["-c", "import click"],
     "kvtune kv": ["-m", "kvtune", "kv", "llama-3.1-8b", "--json"],
     "kvtune --help": ["-m", "kvtune", "--help"],
+    "kvtune capacity": ["-m", "kvtune", "capacity", "llama-3.1-8b", "--gpu", "H100-80GB", "--json"],
+    "simulate --help": ["-m", "kvtune", "simulate", "--help"],
+    "recommend --help": ["-m", "kvtune", "recommend", "--help"],
     "kvtune profile": ["-m", "kvtune", "profile", str(REPO / "sample_logs" / "azure_style_trace.csv"), "--json", "-q"],
 }
 
