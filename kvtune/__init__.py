@@ -27,7 +27,7 @@ __all__ = [
     "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
     "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config", "is_saved_profile",
     "merge_profiles", "save_profile", "RenderOptions", "K8sOptions", "HealthProbe", "InfeasibleObjectiveError",
-    "__version__",
+    "BenchRecorder", "__version__",
 ]
 
 

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # what __getattr__ hands out, for type checkers and readers: 
     from kvtune.api.recommendation_file import load_recommendation
     from kvtune.api.recommending import RenderCheckError, recommend, render, write_files
     from kvtune.api.simulating import simulate
+    from kvtune.bench.run import BenchRecorder
     from kvtune.deploy.k8s import K8sOptions
     from kvtune.deploy.render import RenderOptions
     from kvtune.domain.bench_target import BenchTarget, Expectations
@@ -84,6 +85,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "kvtune.deploy.k8s": ("K8sOptions",),
     "kvtune.gateway.config": ("HealthProbe",),
     "kvtune.policy.search": ("InfeasibleObjectiveError",),
+    "kvtune.bench.run": ("BenchRecorder",),  # what benchmark records each result with
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -93,7 +95,7 @@ __all__ = [
     "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
     "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config",
     "is_saved_profile", "merge_profiles", "save_profile", "RenderOptions", "K8sOptions", "HealthProbe",
-    "InfeasibleObjectiveError",
+    "InfeasibleObjectiveError", "BenchRecorder",
 ]
 
 
