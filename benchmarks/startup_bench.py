@@ -1,9 +1,12 @@
 """Start-up of kvtune's commands against a bare `import click`, each a whole process.
 
 The budget (issue 31): `kvtune kv MODEL --json` within 1.5× the time of `python -c "import click"`
-(the CLI framework alone); a command should import only what it needs. Also shown: the bare
-interpreter, `kvtune --help`, and `kvtune profile` on the smallest sample log (numpy and pyarrow
-are its floor). Runs are interleaved (one of each command per round) and the medians of --repeat
+(the CLI framework alone); a command should import only what it needs (issue 28: kvtune.api loads
+a stage's module on first use, so each command pays for its own stage, and --help for none). Also
+shown: the bare interpreter, `kvtune --help`, `kvtune capacity --json` (the memory plan: numpy is
+its floor, through the step-time fit kvtune.capacity.timing), `simulate --help` and `recommend
+--help` (the longest option lists, no stage), and `kvtune profile` on the smallest sample log
+(numpy and pyarrow are its floor). Runs are interleaved (one of each command per round) and the medians of --repeat
 rounds are printed with the load average and the versions, since a shared machine's noise falls
 on every command alike only when they take turns.
 
