@@ -53,7 +53,7 @@ class Sampler:
             while not self._stop.is_set():
                 self._sample()
                 self._stop.wait(0.01)
-        except BaseException as exc:  # noqa: BLE001 -- re-raised in __exit__
+        except BaseException as exc:  # re-raised in __exit__
             self._error = exc
 
     @property
