@@ -18,6 +18,10 @@ than it seems: kvtune imports pathlib anyway.
 
     python benchmarks/startup_bench.py            # exit 1 when kv is past the budget
     python benchmarks/startup_bench.py --repeat 41
+    git worktree add /tmp/kvtune-main main && python benchmarks/startup_bench.py --baseline /tmp/kvtune-main
+
+--baseline DIR times DIR's kvtune (another checkout, on PYTHONPATH) in the same rounds, each of
+its commands beside this one's, so a before/after on a busy machine compares like with like.
 """
 
 from __future__ import annotations
@@ -46,10 +50,26 @@ COMMANDS = {
 }
 
 
-def _time(argv: list[str]) -> float:
+def _time(argv: list[str], kvtune_dir: str | None = None) -> float:
+    """One whole process; `kvtune_dir` put first on PYTHONPATH and run in (`-m` puts the working
+    directory first: another checkout's kvtune)."""
+    env = None if kvtune_dir is None else {**os.environ, "PYTHONPATH": kvtune_dir}
     start = time.perf_counter()
-    subprocess.run([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
+                   env=env, cwd=kvtune_dir)
     return time.perf_counter() - start
+
+
+def _compile(kvtune_dir: str | None) -> None:
+    """Byte-compile the kvtune that `kvtune_dir` (None: this interpreter's) puts first, as pip does."""
+    if kvtune_dir is not None:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(kvtune_dir) / "kvtune")], check=True,
+                       stdout=subprocess.DEVNULL)
+        return
+    spec = importlib.util.find_spec("kvtune")
+    if spec is not None and spec.submodule_search_locations:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *spec.submodule_search_locations], check=True,
+                       stdout=subprocess.DEVNULL)
 
 
 def _versions() -> str:
@@ -67,25 +87,34 @@ def _versions() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=21)
+    parser.add_argument("--baseline", metavar="DIR", help="another kvtune checkout to time in the same rounds")
     args = parser.parse_args()
-    spec = importlib.util.find_spec("kvtune")
-    if spec is not None and spec.submodule_search_locations:
-        subprocess.run([sys.executable, "-m", "compileall", "-q", *spec.submodule_search_locations], check=True,
-                       stdout=subprocess.DEVNULL)
-    for argv in COMMANDS.values():  # warm the page cache
-        _time(argv)
+    _compile(None)
+    runs = [(name, argv, None) for name, argv in COMMANDS.items()]
+    if args.baseline:
+        _compile(args.baseline)
+        runs += [(f"{name} @baseline", argv, args.baseline) for name, argv in COMMANDS.items() if "kvtune" in argv]
+    for _, argv, kvtune_dir in runs:  # warm the page cache
+        _time(argv, kvtune_dir)
     before = os.getloadavg()
-    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeat):
-        for name, argv in COMMANDS.items():
-            times[name].append(_time(argv))
+        for name, argv, kvtune_dir in runs:
+            times[name].append(_time(argv, kvtune_dir))
     after = os.getloadavg()
     print(_versions())
+    if args.baseline:
+        print(f"baseline: {args.baseline}")
     print(f"medians of {args.repeat} interleaved runs; load average {before[0]:.2f} before, {after[0]:.2f} after")
     median = {name: statistics.median(t) for name, t in times.items()}
     click_s = median["import click"]
-    for name, m in median.items():
-        print(f"  {name:<16} {m * 1000:>7.1f} ms  {m / click_s:>5.2f}× import click")
+    for name in COMMANDS:
+        m = median[name]
+        line = f"  {name:<16} {m * 1000:>7.1f} ms  {m / click_s:>5.2f}× import click"
+        if f"{name} @baseline" in median:
+            b = median[f"{name} @baseline"]
+            line += f"   baseline {b * 1000:>7.1f} ms  {b / click_s:>5.2f}×"
+        print(line)
     ratio = median["kvtune kv"] / click_s
     verdict = "within" if ratio <= BUDGET else "PAST"
     print(f"budget: kvtune kv ≤ {BUDGET}× import click: {ratio:.2f}×, {verdict} the budget")
