@@ -21,14 +21,7 @@ from typing import Any
 from kvtune import api
 from kvtune.version import __version__
 
-__all__ = [
-    "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
-    "check", "load_recommendation", "RenderCheckError", "Plan", "Deployment", "Measurement", "Policy", "Objective",
-    "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
-    "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config", "is_saved_profile",
-    "merge_profiles", "save_profile", "RenderOptions", "K8sOptions", "HealthProbe", "InfeasibleObjectiveError",
-    "BenchRecorder", "__version__",
-]
+__all__ = [*api.__all__, "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,8 @@ place in a test on a shared machine, the modules a command loads do."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -91,6 +93,18 @@ def test_capacity_loads_its_own_stage_only():
     for module in ("kvtune.sim", "kvtune.simulation", "kvtune.deploy", "kvtune.workload", "kvtune.profile.logs",
                    "pyarrow", "pandas", "jinja2", "rich"):
         assert module not in loaded
+
+
+def test_the_doors_table_is_what_type_checkers_read():
+    """kvtune.api hands each name out from the module its table names, the one its TYPE_CHECKING
+    imports name (what mypy and the import walk read), and exports all of them."""
+    from kvtune import api
+
+    tree = ast.parse((REPO / "kvtune" / "api" / "__init__.py").read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+    declared = {a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert declared == api._HOME and sorted(declared) == sorted(api.__all__)
+    assert all(getattr(api, name) is getattr(importlib.import_module(home), name) for name, home in declared.items())
 
 
 def test_the_simulated_engines_the_options_offer_are_the_simulators():
