@@ -127,7 +127,11 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
             --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """
-    from kvtune.cli._recommend_view import search_progress, show_recommendation, show_upstream_budgets  # rich: as above
+    from kvtune.cli._recommend_view import (
+        search_progress,
+        show_recommendation,
+        show_upstream_budgets,
+    )  # rich, jinja2 and the what-if table's words: only once recommend runs, not for --help
 
     files_given = capacity.capacity_files
     if replicas is None:
@@ -141,11 +145,11 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
                           "directory", field="--gateway-tokenizer")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
     render_options = api.RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas,
-                                   health=api.HealthProbe(health_interval, health_timeout, health_path,
-                                                      consecutive_failures=health_failures,
-                                                      ejection_s=health_ejection,
-                                                      max_ejection_s=health_max_ejection,
-                                                      max_ejected_share=health_max_ejected_share))
+                                       health=api.HealthProbe(health_interval, health_timeout, health_path,
+                                                              consecutive_failures=health_failures,
+                                                              ejection_s=health_ejection,
+                                                              max_ejection_s=health_max_ejection,
+                                                              max_ejected_share=health_max_ejected_share))
     measured = capacity.measurement()
     deployment = capacity.deployment(policy.model, replicas)
     try:
