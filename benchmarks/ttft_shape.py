@@ -1,8 +1,10 @@
 """The shape of vLLM's TTFT under a burst, measured on the CPU vLLM: a queue, or a delay all pay?
 
 Why: the published 1,000-request runs of vLLM 0.11 (docs/validation.md) have p99 ÷ median TTFT
-of 1.25 and 1.42, where a FIFO queue (kvtune's model of the API server) gives ~2: every request
-seems to wait for the whole burst's server work before any first token is streamed. vLLM's API
+of 1.25 and 1.42, where a FIFO queue gives ~2: every request seems to wait for the whole burst's
+server work before any first token is streamed. (What this measured prices kvtune's API server,
+kvtune.sim.frontend: one process the requests in it share, 4.83 ms each — the median over the
+bursts of `common_delay_s` ÷ B in benchmarks/results/ttft_shape-2026-12-07.json.) vLLM's API
 server is the same asyncio code on the CPU build as on a GPU host, so the shape is measured here:
 B streaming /v1/chat/completions sent at once (as `vllm bench serve` sends them: temperature 0,
 one shared session, no connection limit), 2 tokens each, on a 1-layer hidden-64 model whose

@@ -10,28 +10,22 @@ The Python API (kvtune.api) runs the same pipeline as `kvtune recommend`:
     kvtune.write_files("deploy/", kvtune.render(rec))           # -> vllm-serve.sh, gateway.yaml, ...
     result = kvtune.check(rec, ["deploy/vllm-serve.sh", "deploy/gateway.yaml"])
 
-The names load on first use, so `import kvtune` (and the CLI's startup) stays cheap.
+The names load on first use (kvtune.api loads each stage's module when one of its names is
+asked for), so `import kvtune` (and the CLI's startup) stays cheap.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvtune import api
 from kvtune.version import __version__
 
-__all__ = [
-    "profile_logs", "load_profile", "plan", "measured_capacity", "recommend", "render", "write_files",
-    "check", "load_recommendation", "RenderCheckError", "Plan", "Deployment", "Measurement", "Policy", "Objective",
-    "Slo", "LogReading", "simulate", "SimulatedServer", "Load", "LogReplay", "benchmark", "BenchTarget",
-    "Expectations", "kv_bytes", "capacity_fit", "CapacityFit", "calibrate", "gateway_config", "is_saved_profile",
-    "__version__",
-]
+__all__ = [*api.__all__, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from kvtune import api  # numpy and the whole library: `import kvtune` stays light
-
         return getattr(api, name)
     raise AttributeError(f"module 'kvtune' has no attribute {name!r}")
 

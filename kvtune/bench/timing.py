@@ -2,10 +2,11 @@
 
 Why these sweeps: each observation must be explainable as a known set of engine steps.
     overhead  a near-empty request alone, max_tokens 1: TTFT = HTTP overhead + one tiny step;
-              then bursts of BURST_SIZE of them sent together: the API server takes them in one
-              at a time, so the burst's length less a lone request's, over B − 1, is its serial
-              work per request (kvtune.capacity.timing.fit_frontend; per streamed token it is
-              read off the decode cells, the client's gap beyond the engine's)
+              then bursts of BURST_SIZE of them sent together: the API server is busy for all of
+              their work (shared among them, kvtune.sim.frontend), so the burst's length less a
+              lone request's, over B − 1, is its work per request
+              (kvtune.capacity.timing.fit_frontend; per streamed token it is read off the decode
+              cells, the client's gap beyond the engine's)
     prefill   one request at a time, max_tokens 1, prompts up to and past max_num_batched_tokens:
               TTFT = HTTP overhead + one step per chunk (kvtune.capacity.timing.prefill_chunks)
     decode    B clients in a closed loop of waves (all send together, each its next request once

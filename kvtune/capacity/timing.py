@@ -261,8 +261,9 @@ def fit_frontend(lone_ttft_s: Sequence[float], bursts: Sequence[tuple[int, float
 
     lone_ttft_s  TTFTs of near-empty requests (max_tokens 1) sent one at a time
     bursts       (B, seconds from the first send to the last answer) of B near-empty requests
-                 sent together: the server takes them in one by one, so each one after the first
-                 adds one request's work (and its one token's): (burst − lone) / (B − 1)
+                 sent together: the server is busy B requests' work whether it shares itself
+                 among them (as vLLM's does: kvtune.sim.frontend) or takes them one by one, so each
+                 one after the first adds one request's work (and its one token's): (burst − lone) / (B − 1)
     stream       (B, client's mean gap, engine's mean gap) of the decode sweep's streamed cells:
                  where the server cannot stream B tokens a step as fast as the engine makes them,
                  the client's gap exceeds the engine's by what the B tokens cost beyond the step,

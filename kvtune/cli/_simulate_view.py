@@ -100,5 +100,5 @@ def _front(timing: dict[str, Any]) -> str:
     fe = timing.get("frontend")
     if fe is None:
         return f"HTTP overhead {timing['http_overhead_s'] * 1000:.1f} ms (fixed)."
-    return (f"API server (serial, queues): {fe['request_s'] * 1000:.2f} ms/request + "
+    return (f"API server (one process its requests share): {fe['request_s'] * 1000:.2f} ms/request + "
             f"{fe['token_s'] * 1000:.3f} ms/token.")

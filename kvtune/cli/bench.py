@@ -6,28 +6,26 @@ import asyncio
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
 
 from kvtune import api
-from kvtune.bench.run import BenchRecorder
-from kvtune.cli._bench_view import RichBenchProgress, render_summary
-from kvtune.cli._console import output_console
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.cli.load_options import LoadArgs, load_options
 from kvtune.cli.options import LogArgs, grouped, log_options, traffic_source_options
 from kvtune.controls import escape_controls
 from kvtune.domain.bench_target import BenchTarget, Expectations
 from kvtune.domain.log_reading import LogReplay
-from kvtune.domain.recommendation import Recommendation
 from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.domain.slo import parse_slo
 from kvtune.endpoint import server_root
 from kvtune.errors import OptionError
-from kvtune.profile.routes import Profile
 from kvtune.writer import OutputFiles
+
+if TYPE_CHECKING:
+    from kvtune.domain.recommendation import Recommendation
+    from kvtune.profile.routes import Profile
 
 JSON_FIELDS = """\b
 --json / --save write one object:
@@ -224,6 +222,10 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
         notes.extend(profile.notes)
         return profile
 
+    from rich.console import Console
+
+    from kvtune.cli._bench_view import RichBenchProgress  # rich: only once bench runs
+
     workload = LogReplay(logs, log.reading(), routes) if load.replay else read_profile
     err = Console(stderr=True)
     show = output.progress if output.progress is not None else err.is_terminal
@@ -236,7 +238,7 @@ def bench(url: str, logs: tuple[str, ...], profile_path: str | None, routes: tup
     with OutputFiles() as outputs:
         out_file = outputs.open(output.out_path) if output.out_path else None
         log_file = outputs.open(output.requests_log) if output.requests_log else None
-        recorder = BenchRecorder(requests_log=log_file, progress=progress)
+        recorder = api.BenchRecorder(requests_log=log_file, progress=progress)
         try:
             report = asyncio.run(api.benchmark(workload, target.as_target(url, log.tokenizer), load.as_load(seed),
                                            expectations, routes=routes, recorder=recorder, on_note=note))
@@ -259,4 +261,7 @@ def _emit(report: dict[str, Any], output: OutputArgs, outputs: Any, out_file: An
     if output.json_:
         click.echo(text)
     else:
+        from kvtune.cli._bench_view import render_summary  # rich: only for the table
+        from kvtune.cli._console import output_console  # rich: only for the table
+
         render_summary(report, output_console())

@@ -8,7 +8,6 @@ import json
 import click
 
 from kvtune import api
-from kvtune.capacity.measured import write_capacity_file
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option, renamed
 from kvtune.engines import ENGINE_NAMES, ENGINE_TITLES
 from kvtune.errors import OptionError
@@ -81,6 +80,8 @@ def calibrate(url: str | None, out: str | None, json_: bool, engine: str, engine
         timing_budget_s=None if timing_budget_s == DEFAULT_TIMING_BUDGET_S else timing_budget_s,
         max_num_batched_tokens=max_num_batched_tokens, progress=progress))
     if out is not None:
+        from kvtune.capacity.measured import write_capacity_file  # numpy: only once calibrate runs
+
         write_capacity_file(out, measured)
     if json_:
         click.echo(json.dumps(measured.to_dict()))

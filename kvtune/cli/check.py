@@ -12,20 +12,20 @@ from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options, parse_count
 from kvtune.cli.policy_options import PolicyArgs, policy_options
 from kvtune.controls import escape_controls
-from kvtune.deploy.check import Severity
 from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
 from kvtune.gpu_spec import read_gpu_spec
 from kvtune.hardware import find_gpu, parse_memory_size
-from kvtune.policy.recommendation import looks_like_recommendation
 from kvtune.userfiles import brief
 
-_STYLE = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Severity.INFO: ("info", "blue")}
+_STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", "blue")}  # by a Severity's value
 
 
 def _saved_recommendation(paths: tuple[str, ...]):
     """A recommendation.json written by `kvtune recommend --out` instead of logs (read back
     strictly), or None."""
+    from kvtune.policy.recommendation import looks_like_recommendation  # numpy: only once check runs
+
     if len(paths) != 1 or not paths[0].endswith(".json") or not looks_like_recommendation(paths[0]):
         return None
     return api.load_recommendation(paths[0])
@@ -149,13 +149,13 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
         # a Kubernetes manifest's findings name the document they come from (k8s/vllm.yaml: Deployment/...)
         documents = any(d.source not in deployed_paths for d in deployed)
         for finding in result.findings:
-            label, color = _STYLE[finding.severity]
+            label, color = _STYLE[finding.severity.value]
             where = f" [{finding.source}]" if finding.source and (len(deployed) > 1 or documents) else ""
             detail = escape_controls(f"{finding.code}{where}: {finding.message}")
             click.echo(f"{click.style(label, fg=color, bold=True)} {detail}")
             click.echo(escape_controls(f"     why: {finding.why}"))
-        risks = sum(f.severity is Severity.RISK for f in result.findings)
-        warns = sum(f.severity is Severity.WARN for f in result.findings)
+        risks = sum(f.severity.value == "risk" for f in result.findings)
+        warns = sum(f.severity.value == "warn" for f in result.findings)
         verdict = "passed" if result.passed else "FAILED"
         click.echo(escape_controls(f"{verdict}: {risks} risk, {warns} warning(s) in {', '.join(deployed_paths)}"))
     if not result.passed:

@@ -9,7 +9,6 @@ import click
 
 from kvtune import api
 from kvtune.errors import InputError
-from kvtune.gateway.proxy import loop_factory, serve
 
 
 @click.command()
@@ -29,6 +28,8 @@ def gateway(config_path: str, upstream: str | None, host: str | None, port: int 
     Example:
         kvtune gateway --config out/gateway.yaml --upstream http://127.0.0.1:8000 --port 8080
     """
+    from kvtune.gateway.proxy import loop_factory, serve  # aiohttp: only once the gateway runs
+
     config = api.gateway_config(config_path, upstream=upstream, host=host, port=port)
 
     async def run() -> None:

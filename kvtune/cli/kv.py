@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 
+from kvtune import api
 from kvtune.cli._vocabulary import SectionedCommand, model_argument, quiet_option
-from kvtune.kv import KvBytes, kv_bytes
-from kvtune.model import resolve_model
+from kvtune.domain.deployment import Deployment
+
+if TYPE_CHECKING:
+    from kvtune.kv import KvBytes
 
 
 @click.command(cls=SectionedCommand)
@@ -30,8 +34,7 @@ def kv(model: str, tp: int, pp: int, kv_cache_dtype: str, json_: bool) -> None:
     Example:
         kvtune kv llama-3.1-70b --tp 4 --kv-cache-dtype fp8
     """
-    # kvtune.api.kv_bytes computes the same; kv starts without the library kvtune.api loads (numpy, …)
-    result = kv_bytes(resolve_model(model), kv_cache_dtype=kv_cache_dtype, tp=tp, pp=pp)
+    result = api.kv_bytes(Deployment(model, tp=tp, pp=pp, kv_cache_dtype=kv_cache_dtype))
     if json_:
         click.echo(json.dumps(result.to_dict()))
     else:

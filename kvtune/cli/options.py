@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from kvtune import api
 from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.domain.fields import MAX_INTEGER as MAX_COUNT  # counts above it are typos
 from kvtune.domain.log_reading import DEFAULT_MAX_ROUTES as MAX_ROUTES
@@ -220,8 +221,7 @@ class LogArgs:
     def traffic_profile(self, logs: tuple[str, ...], profile_path: str | None):  # -> kvtune.profile.routes.Profile
         """The profile `bench` and `simulate` draw requests from: a saved one (--profile), else LOGS
         read; of one logged model; a fold beyond --max-routes and the files left out said on stderr."""
-        from kvtune import api  # numpy and the library: only for a command that reads traffic
-        from kvtune.cli._profile_view import render_folded, render_skipped_files  # numpy: as above
+        from kvtune.cli._profile_view import render_folded, render_skipped_files  # numpy: only to read traffic
 
         reading = self.reading()  # --since/--until checked, as for logs
         profile = (api.load_profile(profile_path, max_routes=self.max_routes) if profile_path
@@ -234,8 +234,7 @@ class LogArgs:
     def profile(self, paths: tuple[str, ...]):  # -> kvtune.profile.routes.Profile
         """Logs (or one saved profile) profiled, of one logged model (`logged_model`); a fold beyond
         --max-routes is said on stderr."""
-        from kvtune import api  # numpy and the library: only for a command that reads logs
-        from kvtune.cli._profile_view import render_folded, render_skipped_files  # numpy: as above
+        from kvtune.cli._profile_view import render_folded, render_skipped_files  # numpy: only to read logs
 
         self.window_for_logs([p for p in paths if api.is_saved_profile(p)])
         profile = api.profile_logs(paths, self.reading(), workers=self.workers, ray_address=self.ray_address)

@@ -7,24 +7,10 @@ import sys
 
 import click
 
-from kvtune.cli._profile_view import (
-    progress_bar,
-    render_folded,
-    render_models,
-    render_profile,
-    render_skipped,
-    render_skipped_files,
-    render_window,
-)
+from kvtune import api
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import LogArgs, log_options
 from kvtune.errors import InputError
-
-# kvtune.api.profile_logs reads logs the same way; profile calls kvtune.profile itself, since
-# kvtune.api loads what profiling does not need (tempfile: tests/unit/test_startup_imports.py)
-from kvtune.profile.build import is_saved_profile, load_profile, save_profile
-from kvtune.profile.logs import profile_logs
-from kvtune.profile.routes import fold_routes, merge_profiles
 
 JSON_FIELDS = """\b
 --json prints one object:
@@ -82,28 +68,38 @@ def profile(paths: tuple[str, ...], log: LogArgs, trace_max_is_cap: bool, save_p
         kvtune profile 's3://my-logs/2026-11-*/*.parquet' --json
         kvtune profile --merge week1.json week2.json
     """
+    from kvtune.cli._profile_view import (
+        progress_bar,
+        render_folded,
+        render_models,
+        render_profile,
+        render_skipped,
+        render_skipped_files,
+        render_window,
+    )  # numpy: only once profile runs, not for --help
+
     strict = log.strict
     if log.assume_cap is not None and trace_max_is_cap:
         raise click.UsageError("--assume-cap and --trace-max-is-cap exclude each other")
-    saved = [p for p in paths if is_saved_profile(p)]
+    saved = [p for p in paths if api.is_saved_profile(p)]
     log.window_for_logs(saved)
     if saved and not merge:
         raise InputError("this is a saved profile; pass --merge to combine saved profiles", path=saved[0])
     logs = [p for p in paths if p not in saved]
-    parts = [load_profile(p) for p in saved]
+    parts = [api.load_profile(p) for p in saved]
     if logs:
-        options = log.ingest()
+        reading = log.reading()
         with progress_bar(enabled=not quiet and sys.stderr.isatty()) as progress:
-            parts.append(profile_logs(logs, options, progress=progress, trace_max_is_cap=trace_max_is_cap,
-                                      max_routes=log.max_routes, workers=log.workers, ray_address=log.ray_address))
-    result = fold_routes(merge_profiles(parts), log.max_routes)
+            parts.append(api.profile_logs(logs, reading, progress=progress, workers=log.workers,
+                                          ray_address=log.ray_address, trace_max_is_cap=trace_max_is_cap))
+    result = api.merge_profiles(parts, max_routes=log.max_routes)
     if strict and result.skipped_rows:  # from merged saved profiles; ingest already fails on its own
         reason, count = next(iter(result.skipped.items()))
         raise InputError(f"--strict: {count} row(s) skipped ({reason}) in the merged profiles")
     if log.log_model is not None:  # a NAME no row names is an error; several models are shown, not refused
         log.logged_model(result)
     if save_path:
-        save_profile(result, save_path)
+        api.save_profile(result, save_path)
     if json_:
         click.echo(json.dumps(result.summary_dict()))
     else:

@@ -8,22 +8,19 @@ import sys
 import click
 
 from kvtune import api
-from kvtune.cli._recommend_view import search_progress, show_recommendation, show_upstream_budgets, show_what_if
 from kvtune.cli._vocabulary import SectionedCommand, quiet_option
 from kvtune.cli.options import CapacityArgs, LogArgs, capacity_options, log_options
 from kvtune.cli.policy_options import ObjectiveArgs, PolicyArgs, objective_options, policy_options
 from kvtune.controls import escape_controls
-from kvtune.deploy.k8s import K8sOptions
-from kvtune.deploy.render import NGINX_ONE_ENGINE, RenderOptions, local_chat_tokenizer
 from kvtune.engines import ENGINE_TITLES, engine_facts
 from kvtune.errors import OptionError
-from kvtune.gateway.config import HealthProbe
-from kvtune.policy.search import InfeasibleObjectiveError
 
 
 def _gateway_tokenizer(given: str | None, candidates: tuple[str | None, ...]) -> str | None:
     """The model directory gateway.yaml counts prompts with (None: the upstream's /tokenize):
     the one given, else the first candidate that holds a tokenizer and a chat template."""
+    from kvtune.deploy.render import local_chat_tokenizer  # jinja2: only once recommend runs
+
     if given == "upstream":
         return None
     if given is not None:
@@ -130,6 +127,12 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         kvtune recommend sample_logs/ --model llama-3.1-8b --gpu L4 --capacity capacity.json \\
             --objective throughput --max-preemption-rate 0.01 --max-429-share 0.01 --out deploy/
     """
+    from kvtune.cli._recommend_view import (
+        search_progress,
+        show_recommendation,
+        show_upstream_budgets,
+    )  # rich, jinja2 and the what-if table's words: only once recommend runs, not for --help
+
     files_given = capacity.capacity_files
     if replicas is None:
         replicas = max(1, len(files_given))
@@ -141,12 +144,12 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
                           "--gateway-tokenizer out (the served model's tokenizer, by its hub id) or give a model "
                           "directory", field="--gateway-tokenizer")
     counting_with = _gateway_tokenizer(gateway_tokenizer, (policy.served_model, policy.model, log.tokenizer))
-    render_options = RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas,
-                                   health=HealthProbe(health_interval, health_timeout, health_path,
-                                                      consecutive_failures=health_failures,
-                                                      ejection_s=health_ejection,
-                                                      max_ejection_s=health_max_ejection,
-                                                      max_ejected_share=health_max_ejected_share))
+    render_options = api.RenderOptions(replicas=replicas, nginx_replicas=nginx_replicas,
+                                       health=api.HealthProbe(health_interval, health_timeout, health_path,
+                                                              consecutive_failures=health_failures,
+                                                              ejection_s=health_ejection,
+                                                              max_ejection_s=health_max_ejection,
+                                                              max_ejected_share=health_max_ejected_share))
     measured = capacity.measurement()
     deployment = capacity.deployment(policy.model, replicas)
     try:
@@ -155,7 +158,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
                                    objective.with_flow(policy.as_policy(log.route_by, objective.bound())),
                                    objective.as_objective(),
                                    measured=measured, progress=progress)
-    except InfeasibleObjectiveError as exc:
+    except api.InfeasibleObjectiveError as exc:
         _infeasible(exc, json_)
         return
     if rec.feasibility is not None and not rec.feasibility.fits:
@@ -163,7 +166,7 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
         return
     try:
         files = api.render(rec, options=render_options, gateway_tokenizer=counting_with,
-                              k8s=K8sOptions(gateway_replicas=gateway_replicas))
+                              k8s=api.K8sOptions(gateway_replicas=gateway_replicas))
     except api.RenderCheckError as exc:
         for f in exc.result.findings:
             line = f"Error: the rendered {f.source} would fail `kvtune check`: {f.code}: {f.message}"
@@ -176,6 +179,8 @@ def recommend(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs,
                    f"{counting_with or rec.served_model or rec.model} in process; nginx.conf only with an "
                    "estimate)", err=True)
     if replicas > 1 and "nginx.conf" not in files and rec.admission.kind.value == "statistical":
+        from kvtune.deploy.render import NGINX_ONE_ENGINE  # jinja2: only once recommend runs
+
         click.echo(f"Note: nginx.conf is not rendered for {replicas} replicas: {NGINX_ONE_ENGINE}", err=True)
     written = api.write_files(out_dir, files) if out_dir else []
     if json_:
@@ -205,6 +210,8 @@ def _infeasible(exc, json_: bool) -> None:
         click.echo(json.dumps({"recommendation": None, "objective": objective,
                                "what_if": [r.to_dict() for r in exc.rows], "error": str(exc)}, indent=2))
     else:
+        from kvtune.cli._recommend_view import show_what_if  # rich: only for the table
+
         show_what_if(exc.rows, exc.objective)
     click.echo(escape_controls(f"Error: {exc}"), err=True)
     click.get_current_context().exit(1)

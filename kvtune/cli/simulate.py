@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -15,12 +16,13 @@ from kvtune.cli.options import GPU_SPEC_HELP, LogArgs, grouped, log_options, par
 from kvtune.controls import escape_controls
 from kvtune.domain.deployment import Deployment, Measurement
 from kvtune.domain.log_reading import LogReplay
-from kvtune.domain.simulated_server import SimulatedServer
+from kvtune.domain.simulated_server import SIMULATED_ENGINES, SimulatedServer
 from kvtune.domain.slo import parse_slo
 from kvtune.errors import OptionError
-from kvtune.profile.routes import Profile
-from kvtune.sim.rules import ENGINE_NAMES
 from kvtune.writer import write_files
+
+if TYPE_CHECKING:
+    from kvtune.profile.routes import Profile
 
 JSON_FIELDS = """\b
 --json (and --out DIR's simulate.json) write one object; the fields shared with
@@ -169,7 +171,7 @@ _engine_options = [
     click.option("--route-header", metavar="NAME",
                  help="With a gateway.yaml that routes on this request header: each simulated request carries "
                       "its route (the --route-by group) in it, and gets that group's route and cap."),
-    click.option("--engine", "engine_name", type=click.Choice(ENGINE_NAMES),
+    click.option("--engine", "engine_name", type=click.Choice(SIMULATED_ENGINES),
                  default="vllm", show_default=True,
                  help="Whose scheduler to simulate: vLLM's, SGLang's (new_token_ratio estimate, retraction) "
                       "or TensorRT-LLM's (GUARANTEED_NO_EVICT, MAX_UTILIZATION), sized by the same settings."),

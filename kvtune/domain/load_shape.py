@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvtune.errors import OptionError
 
 __all__ = ["LoadKind", "LoadShape", "Load"]
@@ -49,6 +47,8 @@ class LoadShape:
     @classmethod
     def replay(cls, timestamps_s: Sequence[float], speedup: float = 1.0) -> LoadShape:
         """Send times from log timestamps (any origin, any order), divided by `speedup`."""
+        import numpy as np  # only to replay: `simulate --help` and `bench --help` start without it
+
         if not speedup > 0:
             raise ValueError("speedup must be positive")
         ts = np.sort(np.asarray(timestamps_s, dtype=np.float64))

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SimulatedServer"]
+__all__ = ["SIMULATED_ENGINES", "SimulatedServer"]
+
+#: The engines whose scheduler `kvtune simulate --engine` runs: kvtune.sim.rules.ENGINE_NAMES (a
+#: test ties them), named here so that the command's options load no simulator.
+SIMULATED_ENGINES = ("vllm", "sglang", "trtllm-gne", "trtllm-maxutil")
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,10 +115,11 @@ class StepTimeModel:
 
 @dataclass(frozen=True, slots=True)
 class FrontEndModel:
-    """vLLM's API server in front of the engine: one serial worker (an asyncio process) that does
+    """vLLM's API server in front of the engine: one process (an asyncio loop) that does
     `request_s` of work per request before the engine sees it (HTTP, chat template, tokenizing)
-    and `token_s` per output token on its way out (detokenizing, one SSE chunk). Work queues: a
-    burst of arrivals, or more tokens per second than it can stream, delays every request behind it."""
+    and `token_s` per output token on its way out (detokenizing, one SSE chunk). The requests in
+    it and its output handler share it (kvtune.sim.frontend): a burst of B arrivals reaches the
+    engine together after B × request_s, and tokens produced meanwhile stream at the handler's share."""
 
     request_s: float
     token_s: float = 0.0

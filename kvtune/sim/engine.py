@@ -16,11 +16,15 @@ the loop goes on. Other admissions ask for nothing, and the loop does not look.
 Time: a step starts when the previous one ends (synchronous scheduling, as vLLM on CPU);
 requests that arrived by then are seen by that step. An idle engine waits for the next event.
 
-With a `FrontEndModel` the API server's serial work sits between the clients and the engine
-(kvtune.sim.frontend): an admitted request reaches the engine after its share of the server's
-backlog, and a token reaches its client after the tokens queued before it; a request's first
-token and finish are when its client gets them, and the gateway releases its reservation (and a
-closed-loop client sends again) then. Without one, tokens reach clients when the step ends.
+With a `FrontEndModel` the API server sits between the clients and the engine
+(kvtune.sim.frontend, one processor its requests and its output handler share): an admitted
+request reaches the engine when its ingress work is done, and a token reaches its client when the
+output handler has streamed the tokens before it; a request's first token and finish are when its
+client gets them, and the gateway releases its reservation (and a closed-loop client sends again)
+then. When these happen depends on what arrives later, so the server's events are taken in time
+order with the others: those inside a step before its tokens are emitted, and a run of decode
+steps is taken in one piece only while no request is in ingress. Without one, tokens reach clients
+when the step ends.
 
 Arrivals are the workload's own times (open loop), or with `ClosedLoop` C clients that each send
 their next request `think_s` after the previous one ended (finished, refused, or out of
@@ -42,7 +46,7 @@ from kvtune.domain.retry_policy import RetryPolicy
 from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel, StepTimeModel
 from kvtune.errors import OptionError
 from kvtune.sim.admission import Admission, DirectAdmission, VerdictKind, Wakeup
-from kvtune.sim.frontend import FrontEnd
+from kvtune.sim.frontend import INGRESS, Delivery, FrontEnd
 from kvtune.sim.requests import SimRequest, Workload
 from kvtune.sim.results import OUTCOMES, Decision, RequestColumns, SimResult, StepSeries
 from kvtune.sim.rules import EngineRule, SGLangRule, TrtllmRule
@@ -55,7 +59,6 @@ from kvtune.sim.trtllm import TrtllmScheduler
 CLIENT_RETRY = RetryPolicy(enabled=True)
 
 _OK, _429, _REJECTED, _NOT_SENT = (OUTCOMES.index(o) for o in OUTCOMES)
-_TO_ENGINE, _DELIVERED = 0, 1  # kinds of the front end's events
 _NO_MARK = np.iinfo(np.int64).max // 2  # a request the admission wants to hear nothing more about
 
 
@@ -90,7 +93,7 @@ def simulate(
     engine: EngineRule = None,
 ) -> SimResult:
     """Serve `workload` on a simulated engine behind `admission` (default: direct) and, with
-    `frontend`, behind the API server's serial work; `engine` picks the scheduling rule
+    `frontend`, behind the API server (kvtune.sim.frontend); `engine` picks the scheduling rule
     (kvtune.sim.rules; None: vLLM V1)."""
     wall0 = time.perf_counter()
     wl = workload if isinstance(workload, Workload) else Workload.from_requests(workload)
@@ -109,10 +112,6 @@ class _Run:
                  engine: EngineRule = None) -> None:
         n = len(wl)
         self.fe = None if frontend is None else FrontEnd(frontend)
-        # (tick, order pushed, kind, request): requests reaching the engine, answers reaching
-        # their clients; ties keep the order they were pushed in (FIFO, as the server's queue)
-        self.later: list[tuple[int, int, int, int]] = []
-        self.pushed = 0
         self.delivered_at = 0
         self.wl, self.settings, self.admission, self.retry = wl, settings, admission, retry
         self.direct = type(admission) is DirectAdmission  # no deadlines, no queue: skip asking
@@ -170,23 +169,28 @@ class _Run:
         deadline = self.admission.next_deadline_s()
         return None if deadline is None else math.ceil(deadline * TICKS_PER_S)
 
-    def _next_event(self) -> int | None:
+    def _next_event(self, engine: bool = False) -> int | None:
+        """The next event's tick; `engine`: only those that can change what the engine does (tokens
+        reaching clients do not, unless a gateway or a closed-loop client waits for them)."""
         nxt = self.arrival_tick
         if self.retries_heap and (nxt is None or self.retries_heap[0][0] < nxt):
             nxt = self.retries_heap[0][0]
-        if self.later and (nxt is None or self.later[0][0] < nxt):
-            nxt = self.later[0][0]
+        e = None if self.fe is None else self.fe.next_tick(not engine or not self.direct or self.closed is not None)
+        if e is not None and (nxt is None or e < nxt):
+            nxt = e
         deadline = self._deadline_tick()
         if deadline is not None and (nxt is None or deadline < nxt):
             nxt = deadline
         return nxt
 
-    def _deliver_due(self) -> None:
-        t = self.t
+    def _deliver_due(self, until: int | None = None) -> None:
+        """Take every event due by `until` (default: now) in time order."""
+        t = self.t if until is None else until
+        fe = self.fe
         while True:
             a = self.arrival_tick
             r = self.retries_heap[0][0] if self.retries_heap else None
-            e = self.later[0][0] if self.later else None
+            e = None if fe is None else fe.next_tick()
             d = self._deadline_tick()
             if (a is not None and a <= t and (r is None or a <= r) and (e is None or a <= e)
                     and (d is None or a <= d)):
@@ -197,11 +201,16 @@ class _Run:
                 _, request = heapq.heappop(self.retries_heap)
                 self._attempt(request, r)
             elif e is not None and e <= t and (d is None or e <= d):
-                _, _, kind, request = heapq.heappop(self.later)
-                if kind == _TO_ENGINE:
-                    self._admit(request, e)
+                assert fe is not None
+                tick, kind, what = fe.pop()
+                if kind == INGRESS:
+                    assert isinstance(what, int)
+                    self._admit(what, tick)
                 else:
-                    self._delivered(request, e)
+                    assert isinstance(what, Delivery)
+                    if len(what.first):
+                        self.first_token[what.first] = tick / TICKS_PER_S
+                    self._finished(what.finished, tick)
             elif d is not None and d <= t:
                 deadline_s = self.admission.next_deadline_s() or 0.0
                 self._wakeup(self.admission.poll(max(d / TICKS_PER_S, deadline_s)), d)
@@ -285,22 +294,14 @@ class _Run:
         if self.fe is None:
             self._admit(request, tick)
         else:
-            self._later(self.fe.ingress(tick), _TO_ENGINE, request)
-
-    def _later(self, tick: int, kind: int, request: int) -> None:
-        self.pushed += 1
-        heapq.heappush(self.later, (tick, self.pushed, kind, request))
+            self.fe.ingress(tick, request)
 
     def _finished(self, finished: np.ndarray, out: int) -> None:
-        """Requests the engine finished; their clients have the last token at tick `out`."""
+        """Requests whose clients have the last token at tick `out`."""
         if not len(finished):
             return
         self.finish[finished] = out / TICKS_PER_S
         self.delivered_at = max(self.delivered_at, out)
-        if out > self.t and (not self.direct or self.closed is not None):
-            for request in finished.tolist():  # the gateway and the client see the end later
-                self._later(out, _DELIVERED, request)
-            return
         for request in finished.tolist():
             self._delivered(request, out)
 
@@ -336,9 +337,11 @@ class _Run:
                 if math.isnan(self.first_scheduled[request]):
                     self.first_scheduled[request] = start / TICKS_PER_S
             first, finished = sched.complete()
-            out = self.t if self.fe is None else self.fe.emit(self.t, sched.sampled)
-            if len(first):
-                self.first_token[first] = out / TICKS_PER_S
+            sampled = sched.sampled
+            if self.fe is not None:  # the server's events during the step come before its tokens
+                self._deliver_due(self.t - 1)
+            elif len(first):
+                self.first_token[first] = self.t / TICKS_PER_S
             if self.steps is not None:
                 self.steps.append((start / TICKS_PER_S, 1, batch.total_tokens, sched.n + len(finished), waiting,
                                    sched.used_after_alloc))
@@ -347,12 +350,15 @@ class _Run:
                                                tuple(sorted(batch.preempted)), tuple(sorted(finished.tolist()))))
             if self.marks is not None:
                 self._progress()
-            self._finished(finished, out)
+            if self.fe is None:
+                self._finished(finished, self.t)
+            else:
+                self.fe.emit(self.t, sampled, first, finished)
 
     def _decode_run(self, waiting: int) -> bool:
         """Jump over identical decode steps; False when not even one can be taken this way."""
-        sched, ticks = self.sched, self.ticks
-        nxt = self._next_event()
+        sched, ticks, fe = self.sched, self.ticks, self.fe
+        nxt = self._next_event(engine=True)
         batch = sched.n
         order = sched.rid[:batch].tolist() if self.decisions is not None else []
         until = None
@@ -375,10 +381,23 @@ class _Run:
                 at = start + j * step + growth * (j * (j - 1) // 2)
                 done = tuple(sorted(finished.tolist())) if j == k - 1 else ()
                 self.decisions.append(Decision(at / TICKS_PER_S, scheduled, (), done))
-        out = self.t if self.fe is None else self.fe.emit_run(start, self.t, k * batch, batch)
+        if fe is not None:  # all but the last step end before the next event; the last may not
+            if k > 1 and fe.in_ingress:  # the server's share changes with its streaming: step by step
+                step, growth, end = ticks.decode_first(batch, ctx), ticks.decode_growth(batch), start
+                for j in range(k - 1):
+                    end += step + growth * j
+                    fe.emit(end, batch)
+            elif k > 1:
+                fe.emit_run(start, start + ticks.decode_first(batch, ctx), start + ticks.decode_run(batch, ctx, k - 1),
+                            batch, k - 1)
+            if nxt is not None and nxt < self.t:  # deliveries alone can wait where they change nothing
+                self._deliver_due(self.t - 1)
         if self.marks is not None:
             self._progress()
-        self._finished(finished, out)
+        if fe is None:
+            self._finished(finished, self.t)
+        else:
+            fe.emit(self.t, batch, finished=finished)
         return True
 
     def result(self, wall_s: float) -> SimResult:

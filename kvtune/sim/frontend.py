@@ -1,86 +1,201 @@
-"""The API server in front of the simulated engine: one serial worker whose work queues.
+"""The API server in front of the simulated engine: one processor its requests share.
 
-vLLM's OpenAI server is one asyncio process: it parses each request, renders its chat template
-and tokenizes it before the engine sees it, and detokenizes and streams every output token after
-the engine computed it. On a few shared cores that work is not free, and it is serial: a burst
-of arrivals or a busy stream delays everyone behind it. kvtune.domain.step_time.FrontEndModel gives the
-costs (`request_s` per request, `token_s` per token); this is their queue, kept as a fluid
-backlog of work (integer ticks, as the engine's clock) so a run of k decode steps costs one
-update, not k.
+vLLM's OpenAI server is one asyncio process, and every request is its own task on its event loop:
+it renders its chat template on the loop, awaits the tokenizer (32 requests at a time on one
+thread) and only then is added to the engine; the one output handler streams what the engine
+produced, 128 outputs at a time with `await asyncio.sleep(0)` between, which puts it behind every
+task that is ready (vLLM 0.11.0: vllm/entrypoints/openai/serving_engine.py:791,
+vllm/utils/__init__.py:465-492, vllm/v1/engine/async_llm.py:445-464; docs/validation.md). The
+loop runs its ready tasks in turn, so its time is shared, not queued: B requests that arrive at
+once all finish their ingress together, after B × the work of one, and no first token is streamed
+before (measured on vLLM 0.32's server: benchmarks/ttft_shape.py). kvtune models that as
+egalitarian processor sharing among
+  - each request in ingress (`request_s` of work: HTTP, chat template, tokenizing, the hand-off
+    to the engine core), one share each, and
+  - the output handler, one share while it has tokens to stream (`token_s` per token: output
+    processing, detokenizing, the SSE chunk), its tokens served in the order produced.
+n jobs present each progress at 1/n of the server. A lone request pays `request_s`; a token
+produced while requests are in ingress is streamed at the output handler's share only.
 
-  ingress(t)          a request arrives at t: its work joins the backlog; the engine sees it
-                      when the backlog ahead of it and its own work are done
-  emit(t, n)          a step ending at t produced n tokens: they join the backlog; a token
-                      produced now reaches its client when the backlog is done
-  emit_run(t0, t1, n, last)
-                      n tokens produced evenly over [t0, t1] (a run of decode steps, `last` of
-                      them at the final step): the backlog drains meanwhile and ends no lower
-                      than the last step's tokens
+Exact in integer ticks: `v` is the service each present job has had (the processor-sharing
+virtual time) and `carry` the ticks of the server not yet credited to it (< n), so n jobs for dt
+ticks add (dt + carry) // n to v and keep the rest; a job leaves exactly when v reaches its target,
+so the server is busy exactly as long as a FIFO server with the same work (only the order
+changes). Requests and delivered tokens are marks at a value of v, fixed when made; when they
+are reached in time depends on what arrives later, so the engine's loop asks `next_tick` and
+takes them with `pop` in time order.
+
+  ingress(t, request)        a request arrives at the server at t
+  emit(t, tokens, first, finished)
+                             a step ending at t produced `tokens`; `first` (their first token)
+                             and `finished` (their last) are delivered when the handler reaches them
+  emit_run(start, first_end, end, per_step, steps)
+                             a run of decode steps (no request in ingress), in O(1)
+  next_tick(), pop()         the next request to reach the engine or delivery to reach clients
+                             (`next_tick(deliveries=False)`: the next request only)
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
 from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel
 
-# vLLM's API server when nothing calibrated it (a simulation on silicon data or the roofline):
-# `kvtune calibrate --timing` against vLLM 0.32.0's own OpenAI server (vllm/entrypoints/openai,
-# the same Python code path as on a GPU host: HTTP, tokenizing, the IPC hand-off to the engine core,
-# the first streamed chunk), CPU build, tiny model, /v1/completions (no chat template), on kvtune's
-# 2-core test machine, 2026-12-07 (tests/live/test_timing_live.py, `pytest -s` prints it): a lone
-# request spends 3.57 ms outside the engine's steps, 2.69 ms of it serial work per request that
-# queues (near-empty bursts); per streamed token the work hid behind the engine's steps (0).
-# A server CPU core is no slower than this shared one, so these are upper figures for the API
-# server itself; they are not fitted to any published GPU run.
+# vLLM's API server when nothing calibrated it (a simulation on silicon data or the roofline).
+# Per request: benchmarks/ttft_shape.py on vLLM 0.32.0's own OpenAI server (CPU build: the same
+# Python as on a GPU host), bursts of B = 128 and 512 streaming /v1/chat/completions sent at once
+# as `vllm bench serve` sends them, on kvtune's 2-core test machine, 2026-12-07
+# (benchmarks/results/ttft_shape-2026-12-07.json): the delay common to every request of a burst
+# (`common_delay_s`) ÷ B is 2.91, 4.76, 4.89 and 5.96 ms; the median over the four bursts,
+# 4.83 ms, is the ingress work one request brings to the shared server (a burst of B reaches the
+# engine after B × 4.83 ms). It is a chat request's (template included) and is not fitted to
+# any published GPU run. `kvtune calibrate --timing` against vLLM 0.32.0's /v1/completions
+# (no template; tests/live/test_timing_live.py) measured 2.69 ms from bursts of 16 and 3.57 ms
+# outside the engine's steps for a lone request (VLLM_API_SERVER_LONE_S, http_overhead_s): a
+# lone chat request now pays its 4.83 ms of ingress and no fixed delay besides.
 # Per streamed token: benchmarks/host_overheads.py on vLLM 0.32.0's CPU build (2026-12-07), the API
 # server's CPU time over 24 bursts of 16 to 512 /v1/chat/completions streams decoding at once, is
 # 1.18 ms per request + 51.3 µs per SSE chunk + 12.6 µs per token (non-negative least squares).
-# Only the per-token part is serial work every token pays: the output processor and detokenizer
+# Only the per-token part is work every token pays: the output processor and detokenizer
 # run once per token, but a stream whose client lags gets its tokens merged into one chunk
 # (vLLM's RequestOutputCollector), so the chunk's 51.3 µs shrinks per token exactly when the
 # server is busy (10 of the 24 bursts merged: 1,328 chunks for 8,320 tokens). token_s is 12.6 µs:
-# ~79,000 tokens/s of one process, so streaming does not bound a GPU's output rate; the per-request
-# figure measured here (1.18 ms) is below the calibrated 2.69 ms, which stays.
-VLLM_API_SERVER = FrontEndModel(request_s=0.00269, token_s=0.0000126)
+# ~79,000 tokens/s of one process, so streaming does not bound a GPU's output rate.
+# A server CPU core is no slower than this shared one, so these are upper figures.
+VLLM_API_SERVER = FrontEndModel(request_s=0.00483, token_s=0.0000126)
 VLLM_API_SERVER_LONE_S = 0.00357  # http_overhead_s: what a lone request spends outside the steps
-VLLM_API_SERVER_SOURCE = ("kvtune calibrate --timing on vLLM 0.32.0's OpenAI API server (CPU build, "
-                          "tests/live/test_timing_live.py, 2026-12-07), not this deployment's")
+VLLM_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py (bursts of chat requests, 4.83 ms each) and "
+                          "benchmarks/host_overheads.py (12.6 µs per token) on vLLM 0.32.0's OpenAI API "
+                          "server (CPU build, 2026-12-07), not this deployment's")
+
+INGRESS, DELIVERY = 0, 1  # kinds of what `pop` returns
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Tokens reaching their clients: the requests whose first token, and whose last, they carry."""
+
+    first: np.ndarray
+    finished: np.ndarray
 
 
 class FrontEnd:
-    """The fluid backlog of one API server; times and work in ticks."""
+    """One processor-sharing API server; times and work in ticks."""
 
-    __slots__ = ("request", "token", "backlog", "at")
+    __slots__ = ("request", "token", "at", "v", "carry", "handler", "jobs", "marks", "done")
 
     def __init__(self, model: FrontEndModel) -> None:
         self.request = round(model.request_s * TICKS_PER_S)
         self.token = round(model.token_s * TICKS_PER_S)
-        self.backlog = 0  # work not done yet, as of `at`
-        self.at = 0
+        self.at = 0  # the tick the state below is as of
+        self.v = 0  # service each present job has had (virtual time), in ticks of work
+        self.carry = 0  # ticks of the server since v last moved, not yet credited (< jobs present)
+        self.handler = 0  # the v at which the output handler has streamed all it was given
+        self.jobs: deque[tuple[int, int]] = deque()  # (v at which it reaches the engine, request)
+        self.marks: deque[tuple[int, Delivery]] = deque()  # (v at which the handler delivers it, what)
+        self.done: deque[tuple[int, int, int | Delivery]] = deque()  # (tick, kind, what): reached
 
-    def _drain(self, t: int) -> None:
-        if t > self.at:
-            self.backlog = max(0, self.backlog - (t - self.at))
-            self.at = t
+    @property
+    def in_ingress(self) -> int:
+        """Requests the server is still preparing for the engine."""
+        return len(self.jobs)
 
-    def ingress(self, t: int) -> int:
-        """When the engine receives a request that arrived at the server at `t`."""
-        self._drain(t)
-        self.backlog += self.request
-        return max(t, self.at) + self.backlog
+    def _advance(self, t: int) -> None:
+        """Serve until tick t; what is reached on the way goes to `done` with its tick."""
+        jobs, marks = self.jobs, self.marks
+        while self.at < t:
+            streaming = self.handler > self.v
+            n = len(jobs) + streaming
+            if n == 0:  # idle: nothing to serve, nothing pending
+                self.v += t - self.at
+                self.at = t
+                return
+            b = self.handler if streaming else jobs[0][0]
+            if jobs and jobs[0][0] < b:
+                b = jobs[0][0]
+            if marks and marks[0][0] < b:
+                b = marks[0][0]
+            dt = n * (b - self.v) - self.carry
+            if self.at + dt > t:
+                d = t - self.at + self.carry
+                self.v += d // n
+                self.carry = d % n
+                self.at = t
+                return
+            self.at += dt
+            self.v = b
+            self.carry = 0
+            self._reached()
 
-    def emit(self, t: int, tokens: int) -> int:
-        """When the tokens a step produced at `t` reach their clients."""
-        self._drain(t)
-        self.backlog += tokens * self.token
-        return max(t, self.at) + self.backlog
+    def _reached(self) -> None:
+        v, at = self.v, self.at
+        while self.jobs and self.jobs[0][0] <= v:
+            self.done.append((at, INGRESS, self.jobs.popleft()[1]))
+        while self.marks and self.marks[0][0] <= v:
+            self.done.append((at, DELIVERY, self.marks.popleft()[1]))
 
-    def emit_run(self, start: int, end: int, tokens: int, last: int) -> int:
-        """When the last step's tokens of a run over [start, end] reach their clients."""
-        self._drain(start)
-        work = self.backlog + tokens * self.token - (end - max(start, self.at))
-        self.backlog = max(last * self.token, work)
-        self.at = max(end, self.at)
-        return self.at + self.backlog
+    def ingress(self, t: int, request: int) -> None:
+        """A request arrives at the server at t; it reaches the engine after its share of the work."""
+        self._advance(t)
+        self.jobs.append((self.v + self.request, request))
+        if not self.request:
+            self._reached()
+
+    def emit(self, t: int, tokens: int, first: np.ndarray = _NONE, finished: np.ndarray = _NONE) -> None:
+        """A step ending at t produced `tokens`; `first` and `finished` are delivered with them."""
+        self._advance(t)
+        self.handler = max(self.handler, self.v) + tokens * self.token
+        if len(first) or len(finished):
+            self.marks.append((self.handler, Delivery(first, finished)))
+            self._reached()
+
+    def emit_run(self, start: int, first_end: int, end: int, per_step: int, steps: int) -> None:
+        """`steps` decode steps from start (the first ending at first_end, the last at end, each no
+        shorter than the one before) produced `per_step` tokens each, with no request in ingress:
+        the same state as emitting them step by step. Alone, the handler streams at the server's
+        full rate, so each step leaves max(backlog, its tokens' end); the last of those is the
+        largest at the first or the last step (step times grow, so the gaps do)."""
+        assert not self.jobs, "a run is taken in one piece only with no request in ingress"
+        self._advance(start)
+        v0, backlog_end = self.v, self.handler
+        self._advance(end)  # what was streaming before the run ends as it would have
+        work = per_step * self.token
+        self.handler = max(max(backlog_end, v0 + first_end - start) + steps * work, self.v + work)
+
+    def next_tick(self, deliveries: bool = True) -> int | None:
+        """When the next request reaches the engine or (with `deliveries`) tokens reach their
+        clients, if nothing else arrives before."""
+        if deliveries and self.done:
+            return self.done[0][0]
+        if not deliveries:
+            for tick, kind, _ in self.done:
+                if kind == INGRESS:
+                    return tick
+        j = self.jobs[0][0] if self.jobs else None
+        m = self.marks[0][0] if self.marks and deliveries else None
+        if j is None and m is None:
+            return None
+        streaming = self.handler > self.v
+        n = len(self.jobs) + streaming
+        if j is None or (m is not None and m <= j):
+            assert m is not None
+            return self.at + n * (m - self.v) - self.carry
+        if streaming and self.handler < j:  # the handler finishes first: fewer share the rest
+            return self.at + n * (self.handler - self.v) - self.carry + (n - 1) * (j - self.handler)
+        return self.at + n * (j - self.v) - self.carry
+
+    def pop(self) -> tuple[int, int, int | Delivery]:
+        """The next (tick, INGRESS, request) or (tick, DELIVERY, Delivery), in time order."""
+        if not self.done:
+            nxt = self.next_tick()
+            assert nxt is not None, "pop with nothing pending"
+            self._advance(nxt)
+        return self.done.popleft()
 
 
-__all__ = ["FrontEnd", "VLLM_API_SERVER", "VLLM_API_SERVER_LONE_S", "VLLM_API_SERVER_SOURCE"]
+__all__ = ["DELIVERY", "INGRESS", "Delivery", "FrontEnd", "VLLM_API_SERVER", "VLLM_API_SERVER_LONE_S",
+           "VLLM_API_SERVER_SOURCE"]

@@ -147,9 +147,9 @@ def given_pool(measured: MeasuredCapacity | None) -> bool:
 class TimingSetup:
     """The step-time model, what stands between the clients and the engine, and what it was
     computed from (the calibration's server, or the roofline's inputs). `http_overhead_s` is
-    what a lone request spends outside the engine's steps; with a calibrated `frontend` (the
-    API server's serial work, which queues) the part of it that is serial queues in the
-    simulation and the rest (network, hand-offs between processes: latency, not work) stays a
+    what a lone request spends outside the engine's steps; with a `frontend` (the API server's
+    work, shared among the requests in it: kvtune.sim.frontend) that part is simulated on the
+    server and the rest (network, hand-offs between processes: latency, not work) stays a
     fixed delay; a capacity file calibrated before kvtune measured the front end has only
     `http_overhead_s`, all of it a fixed delay before the engine sees each request."""
 

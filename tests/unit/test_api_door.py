@@ -288,3 +288,17 @@ def test_the_gateways_config_comes_from_python_with_its_overrides(tmp_path):
     bad = CliRunner().invoke(cli, ["gateway", "--config", str(out / "gateway.yaml"), "--upstream", "ftp://x"])
     assert caught.value.field == "upstream"
     assert bad.exit_code == 2 and bad.stderr == f"Error: --upstream: {caught.value.message}\n"
+
+
+def test_a_profile_saved_merged_and_read_with_its_cap_from_python_is_the_clis_json(tmp_path):
+    """`kvtune profile` goes through the door: --save, --merge with logs, --max-routes and
+    --trace-max-is-cap are kvtune.save_profile, merge_profiles and profile_logs' trace_max_is_cap."""
+    trace = str(ROOT / "sample_logs" / "azure_style_trace.csv")
+    saved = tmp_path / "chat.json"
+    kvtune.save_profile(kvtune.profile_logs([CHAT]), saved)
+    by_cli = _cli_json("profile", "--merge", str(saved), trace, "--max-routes", "2", "-q")
+    merged = kvtune.merge_profiles([kvtune.load_profile(saved), kvtune.profile_logs([trace])], max_routes=2)
+    assert merged.summary_dict() == by_cli and "*" in {r.route for r in merged.routes}  # folded
+    capped = kvtune.profile_logs([trace], trace_max_is_cap=True)
+    assert capped.summary_dict() == _cli_json("profile", trace, "--trace-max-is-cap", "-q")
+    assert capped.summary_dict() != kvtune.profile_logs([trace]).summary_dict()  # the cap counted cut outputs

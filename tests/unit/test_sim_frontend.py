@@ -1,5 +1,6 @@
 """The API server's front end in the simulator (kvtune.sim.frontend) and its calibration
-(kvtune.capacity.timing.fit_frontend): serial work that queues, fitted from near-empty bursts."""
+(kvtune.capacity.timing.fit_frontend): one processor its requests and its output handler share,
+priced from bursts."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from kvtune.capacity.timing import decode_weighted_features, fit_frontend, step_
 from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel, StepTimeModel
 from kvtune.errors import InputError, OptionError
 from kvtune.sim import EngineSettings, LedgerAdmission, SimRequest, simulate
-from kvtune.sim.frontend import FrontEnd
+from kvtune.sim.engine import ClosedLoop
+from kvtune.sim.frontend import DELIVERY, INGRESS, Delivery, FrontEnd
 from kvtune.sim.setup import timing_setup
 
 ENGINE = EngineSettings(num_blocks=200, block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
@@ -29,21 +31,115 @@ def _s(ticks: int) -> float:
     return ticks / TICKS_PER_S
 
 
-def test_a_burst_is_taken_in_one_at_a_time():
+MS = TICKS_PER_S // 1000
+
+
+def _drain(fe: FrontEnd) -> list[tuple[int, int, object]]:
+    """Everything the server still has to hand on, in the order (and at the ticks) it does."""
+    out = []
+    while fe.next_tick() is not None:
+        out.append(fe.pop())
+    return out
+
+
+def test_a_burst_reaches_the_engine_together_after_all_its_work():
+    """Processor sharing: ten requests at once each get a tenth of the server, so all ten finish
+    their ingress at 10 × 4 ms, none before (a FIFO server handed the first on after 4 ms)."""
     fe = FrontEnd(FrontEndModel(0.004, 0.001))
-    assert [_s(fe.ingress(0)) for _ in range(3)] == pytest.approx([0.004, 0.008, 0.012])
-    # 10 ms later the backlog is gone: the next request costs only its own work
-    assert _s(fe.ingress(round(0.022 * TICKS_PER_S))) == pytest.approx(0.026)
+    for request in range(10):
+        fe.ingress(0, request)
+    assert fe.next_tick() == 40 * MS
+    assert _drain(fe) == [(40 * MS, INGRESS, request) for request in range(10)]
 
 
-def test_tokens_wait_for_the_backlog_and_a_run_drains_it():
+def test_a_lone_request_pays_its_own_work():
+    fe = FrontEnd(FrontEndModel(0.004, 0.001))
+    fe.ingress(7 * MS, 0)
+    assert _drain(fe) == [(11 * MS, INGRESS, 0)]
+
+
+def test_two_requests_share_only_while_both_are_in():
+    """A at 0 and B at 2 ms, 4 ms of work each: A alone for 2 ms (2 ms left), then both at half
+    speed: A's last 2 ms take 4 ms (A at 6 ms), by then B has had 2 ms and finishes alone at 8 ms."""
+    fe = FrontEnd(FrontEndModel(0.004, 0.0))
+    fe.ingress(0, 0)
+    assert fe.next_tick() == 4 * MS  # if nothing else came
+    fe.ingress(2 * MS, 1)
+    assert _drain(fe) == [(6 * MS, INGRESS, 0), (8 * MS, INGRESS, 1)]
+
+
+def test_tokens_produced_during_ingress_get_the_output_handlers_share():
+    """A request in ingress (4 ms) and, 1 ms in, a step's 2 tokens (1 ms each) with a first token:
+    the output handler and the request share the server from 1 ms, so the tokens' 2 ms take 4 ms
+    (delivered at 5 ms), and the request, 3 ms served by then, ends alone at 6 ms: 6 ms of work,
+    busy 6 ms."""
+    fe = FrontEnd(FrontEndModel(0.004, 0.001))
+    fe.ingress(0, 0)
+    fe.emit(1 * MS, 2, first=np.array([5]))
+    got = _drain(fe)
+    assert [(tick, kind) for tick, kind, _ in got] == [(5 * MS, DELIVERY), (6 * MS, INGRESS)]
+    delivery = got[0][2]
+    assert isinstance(delivery, Delivery) and delivery.first.tolist() == [5] and not len(delivery.finished)
+
+
+def test_tokens_wait_for_the_tokens_before_them_and_a_run_drains_them():
     fe = FrontEnd(FrontEndModel(0.0, 0.001))
-    assert _s(fe.emit(0, 5)) == pytest.approx(0.005)
-    # 100 tokens over 50 ms: the server streams 1 per ms, so 55 ms of work end 55 ms after 0
-    assert _s(fe.emit_run(0, round(0.05 * TICKS_PER_S), 100, 10)) == pytest.approx(0.105)
-    # a light run drains it to the last step's tokens only
-    t = round(0.2 * TICKS_PER_S)
-    assert _s(fe.emit_run(round(0.105 * TICKS_PER_S), t, 20, 2)) == pytest.approx(0.202)
+    fe.emit(0, 5, finished=np.array([0]))
+    assert _drain(fe)[0][0] == 5 * MS
+    # 10 steps of 10 tokens from 5 ms to 55 ms (the first ending at 10 ms): the handler streams
+    # 1 token per ms, so the 100 tokens end 100 ms after the first step's end, and the next
+    # step's 10 tokens (at 60 ms) 10 ms after that
+    fe.emit_run(5 * MS, 10 * MS, 55 * MS, 10, 10)
+    fe.emit(60 * MS, 10, finished=np.array([1]))
+    assert _drain(fe)[0][0] == 120 * MS
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrivals=st.lists(st.tuples(st.integers(0, 60), st.booleans(), st.integers(0, 9)), min_size=1, max_size=30),
+       request_ms=st.integers(0, 7), token_ms=st.integers(0, 3))
+def test_sharing_changes_the_order_not_the_busy_period(arrivals, request_ms, token_ms):
+    """For any arrivals of requests and streamed tokens, the server is busy exactly as long as a FIFO
+    server with the same work: the last thing it hands on leaves when the FIFO server's backlog
+    ends, in time order, and everything that came in goes out."""
+    fe = FrontEnd(FrontEndModel(request_ms / 1000, token_ms / 1000))
+    fifo_end = 0
+    out: list[tuple[int, int, object]] = []
+    for i, (at_ms, is_request, tokens) in enumerate(sorted(arrivals)):
+        t = at_ms * MS
+        while (nxt := fe.next_tick()) is not None and nxt <= t:
+            out.append(fe.pop())
+        if is_request:
+            fe.ingress(t, i)
+            fifo_end = max(fifo_end, t) + request_ms * MS
+        else:
+            fe.emit(t, tokens, first=np.array([i]))
+            fifo_end = max(fifo_end, t) + tokens * token_ms * MS
+    out += _drain(fe)
+    ticks = [tick for tick, _, _ in out]
+    assert ticks == sorted(ticks)
+    assert len(out) == len(arrivals)
+    assert max(ticks) == max(fifo_end, max(at * MS for at, _, _ in arrivals))
+
+
+@settings(max_examples=200, deadline=None)
+@given(backlog=st.integers(0, 40), gap=st.integers(0, 20), first=st.integers(1, 15), growth=st.integers(0, 4),
+       steps=st.integers(1, 12), per_step=st.integers(0, 6), token_ms=st.integers(0, 4))
+def test_a_run_equals_its_steps_one_by_one(backlog, gap, first, growth, steps, per_step, token_ms):
+    """emit_run (O(1)) leaves the server as emitting each decode step's tokens at its end does,
+    for steps that grow by `growth` ms each, after a backlog of earlier tokens."""
+    ends, t = [], gap * MS
+    for j in range(steps):
+        t += (first + j * growth) * MS
+        ends.append(t)
+    one, run = (FrontEnd(FrontEndModel(0.0, token_ms / 1000)) for _ in range(2))
+    for fe in (one, run):
+        fe.emit(0, backlog, finished=np.array([0]))
+    for end in ends:
+        one.emit(end, per_step)
+    run.emit_run(gap * MS, ends[0], ends[-1], per_step, steps)
+    for fe in (one, run):
+        fe.emit(ends[-1], 0, finished=np.array([1]))
+    assert [tick for tick, _, _ in _drain(one)] == [tick for tick, _, _ in _drain(run)]
 
 
 def test_a_lone_request_pays_one_request_and_its_tokens_after_the_engine():
@@ -52,14 +148,6 @@ def test_a_lone_request_pays_one_request_and_its_tokens_after_the_engine():
     front = simulate([SimRequest(0.0, 10, 1)], ENGINE, timing, frontend=FrontEndModel(0.004, 0.001))
     assert front.requests.first_token_s[0] == pytest.approx(bare.requests.first_token_s[0] + 0.005)
     assert front.duration_s == pytest.approx(bare.duration_s + 0.005)
-
-
-def test_a_burst_queues_behind_the_front_end():
-    """Ten requests at once: each reaches the engine 4 ms after the one before it."""
-    requests = [SimRequest(0.0, 10, 20) for _ in range(10)]
-    front = simulate(requests, ENGINE, StepTimeModel(0.001), frontend=FrontEndModel(0.004, 0.0))
-    scheduled = np.sort(front.requests.first_scheduled_s)
-    assert np.diff(scheduled) == pytest.approx(np.full(9, 0.004), abs=0.0011)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -92,6 +180,21 @@ def test_with_a_front_end_fast_equals_step_by_step(engine, timing, requests, bud
     fronted = simulate(requests, engine, timing, frontend=fe)
     assert fronted.requests.output_tokens.tolist() == bare.requests.output_tokens.tolist()
     assert fronted.requests.outcome.tolist() == bare.requests.outcome.tolist()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine=engines(), timing=timings, requests=workloads(), request_s=st.sampled_from([0.0, 0.004, 0.03]),
+       token_s=st.sampled_from([0.0, 0.0005, 0.004]), clients=st.none() | st.integers(1, 6))
+def test_with_a_busy_shared_server_fast_equals_step_by_step(engine, timing, requests, request_s, token_s, clients):
+    """Requests in ingress across decode runs, tokens slowed by them, closed-loop clients waiting for
+    their deliveries: the O(1) runs still give what every step one by one gives."""
+    fe = FrontEndModel(request_s, token_s)
+    loop = None if clients is None else ClosedLoop(clients)
+    slow = simulate(requests, engine, timing, fast=False, frontend=fe, closed_loop=loop, record_decisions=True)
+    fast = simulate(requests, engine, timing, fast=True, frontend=fe, closed_loop=loop, record_decisions=True)
+    _assert_same(slow, fast)
+    assert slow.decisions == fast.decisions
+    _assert_invariants(fast, requests, engine)
 
 
 def test_fit_frontend_from_bursts_and_streams():
