@@ -7,15 +7,16 @@
 # servers, and a third process beside them (tried) made a vLLM's /tokenize take over 10 s to accept a
 # connection, failing tests that do not measure time. One process runs the tests that start a real
 # vLLM (marker `vllm`, tests/live and tests/integration: one server at a time; its worker and engine
-# core take ~1.5 cores while it serves), then, once they are done, tests/unit/test_[f-z]*.py (pure: no
+# core take ~1.5 cores while it serves), then, once they are done, tests/unit/test_[d-z]*.py (pure: no
 # server, no clock). The other runs every other test: tests/integration's small servers (nginx, Redis,
-# Ray, LiteLLM, gateways and fake engines on loopback), then tests/unit/test_[a-e]*.py. Before the
-# split (CI on ce52dfb) the vLLM process ended after 682 s and the other after 1,223 s, the second
-# core idle for the last 9 minutes; the unit files are cut where the two end together (the vLLM tests
-# and the integration tests, each beside the other, took 722 and 910 s in an earlier three-process
-# run, the unit tier 840 s). Each process prints its own report, the vLLM process's after the
+# Ray, LiteLLM, gateways and fake engines on loopback), then tests/unit/test_[a-c]*.py. The unit files
+# are cut where the two end together: CI on ccde4cb (cut at f) ended the vLLM process after 708 s and
+# the other after 773 s; test_docs.py and test_e*.py (~35 s) moved across, after the vLLM process's
+# simulate-vs-bench test lost 14 s. Each process prints its own report, the vLLM process's after the
 # other's. Then the tests marked `quiet` (a wall-clock claim of processes racing: a lease, a
-# deadline) run alone on the host the others no longer load.
+# deadline) run alone on the host the others no longer load; they live in tests/integration and
+# tests/live, and only those two tiers are collected for them (7 s of collecting the whole suite in
+# CI), as for the vLLM tests: a unit test marked either would run in no process, so one is refused.
 # KVTUNE_VLLM_LOCK=FILE: the vLLM tests wait for flock on FILE first (a machine shared by several
 # people, each allowed one vLLM at a time); unset, they start at once.
 # Exit: the first failure's status.
@@ -38,8 +39,13 @@ if [[ -n ${KVTUNE_VLLM_LOCK:-} ]]; then
 fi
 # tests/integration and tests/live split by the marker, tests/unit by file name: every test runs in
 # exactly one of the two processes.
+if marked=$(grep -nE '\bmark\s*\.\s*(quiet|vllm)\b' tests/unit/*.py); then
+    echo "tests/unit is pure: a test marked vllm or quiet belongs in tests/integration or tests/live:" >&2
+    echo "$marked" >&2
+    exit 2
+fi
 shopt -s nullglob
-after_live=(tests/unit/test_[f-z]*.py)
+after_live=(tests/unit/test_[d-z]*.py)
 shopt -u nullglob
 live_then_unit() {
     "${lock[@]}" python -m pytest tests/live tests/integration -m "vllm and not quiet" --basetemp "$scratch/live"
@@ -61,7 +67,7 @@ live=$?
 echo "=== the vLLM tests, then ${#after_live[@]} unit files (run beside the tests above) ==="
 cat "$scratch/live.log"
 echo "=== tests marked quiet (run alone) ==="
-python -m pytest tests -m quiet --basetemp "$scratch/quiet"
+python -m pytest tests/integration tests/live -m quiet --basetemp "$scratch/quiet"
 quiet=$?
 set -e
 for status in "$rest" "$live" "$quiet"; do

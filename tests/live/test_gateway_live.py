@@ -45,6 +45,13 @@ def engine(tmp_path_factory, vllm_factory, vllm_tokenizer):
     return vllm_factory(model_dir=model, max_model_len=512, kv_cache_memory_bytes=2 * 1024**2), model
 
 
+@pytest.fixture(scope="module")
+def in_process(engine) -> LocalTokenizerCounter:
+    """The gateway's in-process counter on the engine's model, loaded once per tokenizer as a
+    gateway loads it once for all its requests."""
+    return LocalTokenizerCounter.load(str(engine[1]))
+
+
 def _post(url: str, path: str, body: dict) -> dict:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -85,20 +92,20 @@ def _count(api: Api, body: dict, *, url: str, local: LocalTokenizerCounter | Non
 
 
 @pytest.mark.parametrize("extra", CHATS, ids=lambda e: json.dumps(e)[:60])
-def test_chat_counts_equal_the_engines(engine, extra):
-    server, model = engine
+def test_chat_counts_equal_the_engines(engine, in_process, extra):
+    server, _ = engine
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": 1, **extra}
     truth = _post(server.url, "/v1/chat/completions", body)["usage"]["prompt_tokens"]
-    assert _count(Api.CHAT, body, url=server.url, local=LocalTokenizerCounter.load(str(model))) == truth
+    assert _count(Api.CHAT, body, url=server.url, local=in_process) == truth
     assert _count(Api.CHAT, body, url=server.url) == truth
 
 
 @pytest.mark.parametrize("prompt", ["hello world the", ["hello world", "the a of model"], [5, 6, 7, 8]])
-def test_completion_counts_equal_the_engines(engine, prompt):
-    server, model = engine
+def test_completion_counts_equal_the_engines(engine, in_process, prompt):
+    server, _ = engine
     body = {"model": server.model, "prompt": prompt, "max_tokens": 1}
     truth = _post(server.url, "/v1/completions", body)["usage"]["prompt_tokens"]
-    assert _count(Api.COMPLETIONS, body, url=server.url, local=LocalTokenizerCounter.load(str(model))) == truth
+    assert _count(Api.COMPLETIONS, body, url=server.url, local=in_process) == truth
     assert _count(Api.COMPLETIONS, body, url=server.url) == truth
 
 
@@ -108,20 +115,20 @@ def test_completion_counts_equal_the_engines(engine, prompt):
     {"input": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"},
                {"role": "user", "content": "the cache"}]},
 ])
-def test_responses_counts_equal_the_engines(engine, body):
-    server, model = engine
+def test_responses_counts_equal_the_engines(engine, in_process, body):
+    server, _ = engine
     body = {"model": server.model, "max_output_tokens": 1, **body}
     truth = _post(server.url, "/v1/responses", body)["usage"]["input_tokens"]
-    assert _count(Api.RESPONSES, body, url=server.url, local=LocalTokenizerCounter.load(str(model))) == truth
+    assert _count(Api.RESPONSES, body, url=server.url, local=in_process) == truth
     assert _count(Api.RESPONSES, body, url=server.url) == truth
 
 
-def test_anthropic_counts_equal_the_engines(engine):
-    server, model = engine
+def test_anthropic_counts_equal_the_engines(engine, in_process):
+    server, _ = engine
     body = {"model": server.model, "max_tokens": 1, "system": "the model",
             "messages": [{"role": "user", "content": "hello world"}]}
     truth = _post(server.url, "/v1/messages", body)["usage"]["input_tokens"]
-    assert _count(Api.MESSAGES, body, url=server.url, local=LocalTokenizerCounter.load(str(model))) == truth
+    assert _count(Api.MESSAGES, body, url=server.url, local=in_process) == truth
 
 
 def test_the_gateway_reserves_what_the_engine_uses(engine, tmp_path):

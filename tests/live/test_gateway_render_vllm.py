@@ -138,6 +138,14 @@ def engine(request, tmp_path_factory, vllm_factory):
     return server, model
 
 
+@pytest.fixture(scope="module")
+def in_process(engine) -> LocalTokenizerCounter:
+    """The gateway's in-process counter on the engine's model and template, loaded once per
+    template as a gateway loads it once for all its requests (a load of Mistral-7B's tokenizer
+    costs ~0.3 s of CPU, which 120 tests paid each)."""
+    return LocalTokenizerCounter.load(str(engine[1]))
+
+
 def _usage(url: str, body: dict) -> int:
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -177,12 +185,11 @@ def _count_or_refusal(body: dict, url: str, local: LocalTokenizerCounter | None)
 
 
 @pytest.mark.parametrize("name,extra", REQUESTS, ids=[f"{n}{'+special' if e else ''}" for n, e in REQUESTS])
-def test_the_count_is_what_vllm_renders(engine, name, extra):
-    server, model = engine
+def test_the_count_is_what_vllm_renders(engine, in_process, name, extra):
+    server, _ = engine
     body = {"model": server.model, "messages": CONVERSATIONS[name], "max_tokens": 1, **extra}
     truth = _usage_or_refusal(server.url, json.loads(json.dumps(body)))
-    local = LocalTokenizerCounter.load(str(model))
-    counts = {"tokenizer": _count_or_refusal(json.loads(json.dumps(body)), server.url, local),
+    counts = {"tokenizer": _count_or_refusal(json.loads(json.dumps(body)), server.url, in_process),
               "upstream-tokenize": _count_or_refusal(json.loads(json.dumps(body)), server.url, None)}
     if truth is None:  # the engine refuses it (a template's raise_exception, a null tool content):
         return  # whatever is counted, the engine answers 400 and the reservation goes back
@@ -309,12 +316,12 @@ _requests = st.fixed_dictionaries({"messages": _conversations()},
                                             "add_generation_prompt": st.booleans()})
 
 
-def test_hypothesis_conversations_count_what_vllm_renders(engine):
+def test_hypothesis_conversations_count_what_vllm_renders(engine, in_process):
     """For every conversation vLLM accepts, both counters equal its usage.prompt_tokens: never
     fewer (an engine over its budget), never more (a refusal the engine would not make). 30
     conversations per template (KVTUNE_FUZZ_EXAMPLES raises it), about 10 s each on two cores."""
-    server, model = engine
-    local = LocalTokenizerCounter.load(str(model))
+    server, _ = engine
+    local = in_process
     accepted: list[int] = []
 
     @settings(max_examples=int(os.environ.get("KVTUNE_FUZZ_EXAMPLES", "30")), deadline=None,

@@ -1,5 +1,6 @@
 """benchmarks/sim_validation.py --short against the real vLLM (CPU): one trace, one load, direct
-and through the gateway, one seed; `kvtune simulate`'s prediction next to `kvtune bench`'s measure.
+and through the gateway, one seed, a 12 s timing calibration; `kvtune simulate`'s prediction next
+to `kvtune bench`'s measure.
 
 The harness must produce both figures for both modes; the prediction must be within 50 % of
 the measure on output throughput. The validation's tight targets (10 %, …) are printed, not

@@ -44,7 +44,7 @@ def test_simulate_predicts_the_benchmark(vllm_server, tmp_path):
     rng = np.random.default_rng(0)
     profile = profile_file(tmp_path / "profile.json", rng.integers(16, 200, 200), rng.integers(16, 160, 200))
     cap = tmp_path / "cap.json"
-    calibrated = _run("calibrate", vllm_server.url, "--timing", "--timing-budget-s", "30", "--vllm-log",
+    calibrated = _run("calibrate", vllm_server.url, "--timing", "--timing-budget-s", "12", "--vllm-log",
                       str(vllm_server.log_path), "--save", str(cap), "--json")
     print("capacity file:", json.dumps(calibrated))
     measured = _run("bench", vllm_server.url, "--profile", profile, "--rate", RATE, "--requests", REQUESTS,
