@@ -235,7 +235,7 @@ def test_flow_control_under_bursts_never_leaks_a_block_or_a_waiter(flow_enforcer
     or waiting; nginx logs no Lua error."""
     from concurrent.futures import ThreadPoolExecutor
 
-    servers, _ = flow_enforcers
+    servers, upstream = flow_enforcers
     server = servers[kind]
     one_request = st.fixed_dictionaries({
         "words": st.sampled_from([1, 400, 700, 1400, 1400]), "delay": st.sampled_from([None, 0.002, 0.005]),
@@ -283,7 +283,33 @@ def test_flow_control_under_bursts_never_leaks_a_block_or_a_waiter(flow_enforcer
         assert server.ledger()["waiting"] == 0
 
     one()
-    assert {200, 429} <= seen, seen  # the bursts did fill the queue
+    assert 200 in seen, seen
+    # Whether a burst above filled the queue depends on how fast this host sends it (in CI on a
+    # loaded host no burst did: no 429, in a full run of the ci-lean branch). A full queue is made here whatever the
+    # timing: one request holds 92 of the 100 blocks at the engine until every other answer is in,
+    # so none of three more of flow A, batch band, can be admitted: each is refused with 429 (shed
+    # at arrival, the flow's 2 places full, or its 1 s deadline passed in the queue), and once the
+    # holder is released nothing stays held or waiting.
+    chat = {"model": "m", "messages": [{"role": "user", "content": " ".join(["w"] * 1400)}], "x_chunks": 16}
+    with ThreadPoolExecutor(4) as pool:
+        holder = pool.submit(server.request, "/v1/chat/completions", json.dumps({**chat, "x_mode": "hold"}).encode(),
+                             timeout=30)
+        deadline = time.monotonic() + 10
+        while server.ledger()["reserved"] == 0:
+            assert time.monotonic() < deadline, "the holder was never admitted"
+            time.sleep(0.01)
+        flow_a = {"X-Kvtune-Priority": "batch", "X-Kvtune-Flow": "A"}
+        blocked = [pool.submit(server.request, "/v1/chat/completions", json.dumps(chat).encode(), headers=flow_a,
+                               timeout=20) for _ in range(3)]
+        statuses = [f.result()[0] for f in blocked]
+        upstream.release()
+        assert holder.result()[0] == 200
+    upstream.hold()
+    assert statuses == [429] * 3, statuses
+    seen.update(statuses)
+    drained = server.wait_drained(timeout=15)
+    assert (drained["reserved"], drained["inflight"], server.ledger()["waiting"]) == (0, 0, 0), drained
+    assert {200, 429} <= seen, seen
     flow = server.ledger()["flow"]
     assert sum(b["admitted"] for b in flow["bands"]) > 0
     assert flow["flows"] <= 6 and flow["waiting"] == 0
