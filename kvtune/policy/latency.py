@@ -11,9 +11,12 @@ Steady state of a full batch of N running requests, the logged traffic's mix (ca
   - the batch stays full, so the prompts of the requests that replace finished ones are prefilled
     beside the decodes: P̄/Ō prompt tokens per output token, whose attention, whatever the chunking,
     sums to P²/2 per prompt (Σ n·(ctx + n/2) over the chunks of a prompt is P²/2);
-  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3 + c4·(ctx̄ + ½ + P̄/Ō)): one step, the
-  same for every token (c4: each decode reads its KV once, ctx + 1 tokens; a prompt's chunks read
-  about P, counted as if prefilled in one chunk).
+  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3 + c4·(ctx̄ + ½ + P̄/Ō)) + m·(1 − e^(−(N−1)/Ō)):
+  one step, the same for every token (c4: each decode reads its KV once, ctx + 1 tokens; a prompt's
+  chunks read about P, counted as if prefilled in one chunk; m, the step time's `mixed_step_s`, is
+  paid by the steps that prefill: while a request decodes, the other N − 1 finish, and are replaced,
+  at (N − 1)/Ō per step, so with finishes counted as Poisson a share 1 − e^(−(N−1)/Ō) of its steps
+  admits at least one).
 A p99 prompt arriving at that batch prefills in chunks of max_num_batched_tokens less the N − 1
 decodes beside it (vLLM V1 schedules decodes first, then chunks prefills into the rest of the
 token budget); its TTFT is those steps, queueing and the API server excluded (`--objective`
@@ -51,6 +54,7 @@ class TrafficShape:
     prefill_tokens_per_output: float  # P̄ / Ō
     prefill_attention_per_output: float  # E[P²] / 2Ō
     p99_prompt_tokens: int
+    requests_per_output: float = 0.0  # 1 / Ō: how many requests start per output token
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,7 @@ def plan_step_time(plan: Plan) -> StepTime | None:
 def traffic_shape(profile: Profile, caps: dict[str, int]) -> TrafficShape:
     """The profile's routes mixed by their request counts, each output cut at its route's cap
     (`caps`: route → tokens); prompts and outputs independent within a route."""
-    output = prompt = context = attention = 0.0
+    output = prompt = context = attention = requests = 0.0
     for route in profile.routes:
         o = route.output.observed
         if not o.total:
@@ -103,6 +107,7 @@ def traffic_shape(profile: Profile, caps: dict[str, int]) -> TrafficShape:
         else:
             mean_p = mean_p2 = 0.0
         n = route.requests
+        requests += n
         output += n * mean_o
         prompt += n * mean_p
         context += n * (mean_p * mean_o + mean_o2 / 2)
@@ -111,12 +116,14 @@ def traffic_shape(profile: Profile, caps: dict[str, int]) -> TrafficShape:
     p99 = int(combined.quantile(0.99) or 0) if combined.total else 0
     if output <= 0:
         return TrafficShape(0.0, 0.0, 0.0, p99)
-    return TrafficShape(context / output, prompt / output, attention / output, p99)
+    return TrafficShape(context / output, prompt / output, attention / output, p99, requests / output)
 
 
 def tpot_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int) -> float:
     """Seconds per output token when `max_num_seqs` requests run at once (module docstring)."""
-    return model.c0 + max_num_seqs * _per_request_s(model, shape)
+    # the share of a request's decode steps in which one of the other N − 1 is replaced (prefills)
+    prefilling = -math.expm1(-(max_num_seqs - 1) * shape.requests_per_output)
+    return model.c0 + max_num_seqs * _per_request_s(model, shape) + model.mixed_step_s * prefilling
 
 
 def ttft_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int, max_num_batched_tokens: int) -> float:
@@ -131,8 +138,10 @@ def ttft_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int, max_num
     decode = others * (model.c1 + model.c2 * shape.decode_context_tokens + model.c3
                        + model.c4 * (shape.decode_context_tokens + 0.5))
     read = chunk * (steps - 1) * steps // 2 + prompt  # Σ (ctx + n) over the chunks: each reads up to its end
-    return (steps * (model.c0 + decode + model.c3) + model.c1 * prompt + model.c2 * prompt * prompt / 2
-            + model.c4 * read)
+    last = prompt - chunk * (steps - 1)
+    mixed = 0 if chunk == 1 else steps - (last == 1)  # chunks of more than one token: not a uniform decode
+    return (steps * (model.c0 + decode + model.c3) + mixed * model.mixed_step_s + model.c1 * prompt
+            + model.c2 * prompt * prompt / 2 + model.c4 * read)
 
 
 def batch_latency(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int,

@@ -33,9 +33,12 @@ from kvtune.model.sources import PRESETS_DIR, load_config_file
 from kvtune.sim.frontend import VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
 from kvtune.sim.host import (
     FIRST_ASYNC_SCHEDULING_VERSION,
+    VLLM_DISPATCH_PER_LAYER_S,
+    VLLM_DISPATCH_SOURCE,
     VLLM_ENGINE_HOST,
     VLLM_ENGINE_HOST_SOURCE,
     adds_to_step,
+    with_dispatch,
     with_host_work,
 )
 
@@ -199,23 +202,27 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
                 reason = str(exc)
             else:
                 return _with_api_server(model, {"silicon": silicon_inputs.to_dict(), "label": silicon_inputs.label},
-                                        engine or measured.engine, engine_version)
+                                        engine or measured.engine, engine_version, spec.num_layers)
 
     model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
     return _with_api_server(model, {"roofline": inputs.to_dict(), "fallback_reason": reason,
                                     "label": f"roofline estimate for {gpu.name} ({reason})"}, engine or measured.engine,
-                            engine_version)
+                            engine_version, spec.num_layers)
 
 
 def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None,
-                     engine_version: str | None = None) -> TimingSetup:
+                     engine_version: str | None, num_layers: int) -> TimingSetup:
     """An uncalibrated step time with the whole server around it: for vLLM, its measured API server
-    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`) and, in releases that schedule
-    between forward passes, the engine core's host work per step (kvtune.sim.host, `host_work`);
-    other engines' servers were not measured, so none (`frontend_from` says so)."""
+    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`), its host's layer-by-layer
+    dispatch of every step that is not a uniform decode (kvtune.sim.host, `dispatch`) and, in
+    releases that schedule between forward passes, the engine core's host work per step
+    (`host_work`); other engines' servers were not measured, so none (`frontend_from` says so)."""
     if engine not in (None, "vllm"):
         return TimingSetup(model, 0.0, {**detail, "frontend_from": f"none: {engine}'s API server not measured",
-                                        "host_work": None})
+                                        "host_work": None, "dispatch": None})
+    model = with_dispatch(model, num_layers)
+    detail = {**detail, "dispatch": {"per_layer_s": VLLM_DISPATCH_PER_LAYER_S, "layers": num_layers,
+                                     "mixed_step_s": model.mixed_step_s, "from": VLLM_DISPATCH_SOURCE}}
     release = memory_model(engine_version, field="--engine-version")
     if adds_to_step(None if engine_version is None else release.version):
         model = with_host_work(model, VLLM_ENGINE_HOST)

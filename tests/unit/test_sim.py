@@ -46,7 +46,7 @@ def engines(draw) -> EngineSettings:
 
 
 timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),
-                    c3=st.floats(0, 1e-3), c4=st.floats(0, 1e-5))
+                    c3=st.floats(0, 1e-3), c4=st.floats(0, 1e-5), mixed_step_s=st.just(0.0) | st.floats(0, 0.05))
 
 
 @st.composite
@@ -258,10 +258,10 @@ def test_step_time_is_the_formula():
 
 
 @given(c=st.tuples(st.floats(1e-4, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-5), st.floats(0, 1e-3),
-                   st.floats(0, 1e-5)),
+                   st.floats(0, 1e-5)), mixed=st.floats(0, 0.05),
        batch=st.integers(1, 300), ctx=st.integers(0, 10**6), k=st.integers(1, 400), window=st.integers(1, 10**16))
-def test_decode_run_closed_form(c, batch, ctx, k, window):
-    ticks = StepTimeModel(*c).ticks()
+def test_decode_run_closed_form(c, mixed, batch, ctx, k, window):
+    ticks = StepTimeModel(*c, mixed_step_s=mixed).ticks()  # decode steps are uniform: no dispatch
     # step j: every context grew by j; each request reads its ctx + 1 tokens of KV (c4)
     steps = [ticks.step(batch, 2 * (ctx + j * batch) + batch, batch, ctx + j * batch + batch) for j in range(k)]
     assert ticks.decode_run(batch, ctx, k) == sum(steps)

@@ -1,7 +1,9 @@
 """vLLM's host-side work around the forward pass (kvtune.sim.host): added to every step of an
 uncalibrated vLLM simulation in releases that schedule between forward passes (before async
 scheduling became the default), per step and per running sequence; hidden behind the forward pass
-in releases that overlap them; never added to a calibrated step time (which measured it)."""
+in releases that overlap them; never added to a calibrated step time (which measured it). And the
+host's layer-by-layer dispatch of a step that is not a uniform decode (aiconfigurator-core's
+0.8 ms per layer), added to those steps of every vLLM release, never to SGLang's or a calibration's."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from test_timing import _capacity, _timing
 
 from kvtune.domain.step_time import StepTimeModel, TimingSource
 from kvtune.errors import OptionError
-from kvtune.sim.host import VLLM_ENGINE_HOST, HostWork, adds_to_step, with_host_work
+from kvtune.sim import host
+from kvtune.sim.host import VLLM_ENGINE_HOST, HostWork, adds_to_step, with_dispatch, with_host_work
 from kvtune.sim.setup import timing_setup
 
 
@@ -71,4 +74,47 @@ def test_a_calibrated_step_time_is_not_charged_twice():
     calibrated = _capacity(_timing())
     setup = timing_setup(calibrated)
     assert setup.model == calibrated.timing.model
-    assert "host_work" not in setup.detail
+    assert "host_work" not in setup.detail and "dispatch" not in setup.detail
+    assert setup.model.mixed_step_s == 0
+
+
+def test_a_step_that_prefills_pays_the_dispatch_and_a_decode_step_does_not():
+    """aiconfigurator's figure, 0.8 ms per layer, on a step where some request computes more than
+    one token; a uniform decode batch (vLLM replays it as one CUDA graph) pays nothing more, in
+    seconds and in the simulator's integer ticks alike."""
+    base = StepTimeModel(0.005, 1e-5, 1e-8, 1e-5, 1e-8, source=TimingSource.SILICON)
+    model = with_dispatch(base, 36)
+    assert model.mixed_step_s == pytest.approx(36 * 0.8e-3) and model.source is TimingSource.SILICON
+    decode, mixed = [(1, 500)] * 64, [(1, 500)] * 63 + [(200, 0)]
+    assert model.step_seconds(decode) == base.step_seconds(decode)
+    assert model.step_seconds(mixed) == pytest.approx(base.step_seconds(mixed) + 36 * 0.8e-3)
+    assert model.step_seconds([(2, 0)]) == pytest.approx(base.step_seconds([(2, 0)]) + 36 * 0.8e-3)
+    new, old = model.ticks(), base.ticks()
+    assert new.step(64, 64 * 1001, 64, 64 * 501) == old.step(64, 64 * 1001, 64, 64 * 501)
+    assert new.step(263, 63 * 1001 + 200 * 200, 64, 63 * 501 + 200) - old.step(
+        263, 63 * 1001 + 200 * 200, 64, 63 * 501 + 200) == round(36 * 0.8e-3 * 10**15)
+    assert new.decode_run(64, 32_000, 50) == old.decode_run(64, 32_000, 50)
+    with pytest.raises(OptionError):
+        StepTimeModel(0.005, mixed_step_s=-1e-3)
+
+
+def test_a_lone_requests_first_token_waits_for_its_prefills_dispatch(tmp_path, monkeypatch):
+    """One chat request on an H100, offline: its prefill step is not a uniform decode, so its first
+    token comes Llama-3.1-8B's 32 layers × 0.8 ms later than the kernels alone; its decode steps
+    are uniform and pay nothing (TPOT unchanged); the output names the term and its source."""
+    log = _decode_log(tmp_path, 1, 50, prompt_tokens=200)
+    paid = _simulate(log, "--engine-version", "0.32.0")
+    monkeypatch.setattr(host, "VLLM_DISPATCH_PER_LAYER_S", 0.0)
+    unpaid = _simulate(log, "--engine-version", "0.32.0")
+    dispatch = paid["simulation"]["timing"]["dispatch"]
+    assert (dispatch["layers"], dispatch["per_layer_s"]) == (32, 0.8e-3)
+    assert dispatch["mixed_step_s"] == pytest.approx(0.0256) and "aiconfigurator-core" in dispatch["from"]
+    assert paid["simulation"]["timing"]["coefficients"]["mixed_step_s"] == pytest.approx(0.0256)
+    assert paid["latency_ms"]["ttft"]["p50"] - unpaid["latency_ms"]["ttft"]["p50"] == pytest.approx(25.6, abs=0.01)
+    assert paid["latency_ms"]["tpot"]["p50"] == pytest.approx(unpaid["latency_ms"]["tpot"]["p50"], abs=1e-3)
+
+
+def test_sglang_is_not_charged_vllms_dispatch(tmp_path):
+    sglang = _simulate(_decode_log(tmp_path, 1, 50, prompt_tokens=200), "--engine", "sglang", "--kv-tokens", "200000")
+    assert sglang["simulation"]["timing"]["dispatch"] is None
+    assert "mixed_step_s" not in sglang["simulation"]["timing"]["coefficients"]
