@@ -17,6 +17,12 @@ with a batch queue); with it the scheduler prepares step n + 1 while the GPU run
 host work hides behind the forward pass (as long as it is shorter, which at these sizes it is:
 512 sequences × 6.9 µs = 3.5 ms against tens of ms) and is not added.
 
+A second host cost is the launch of the model itself: a step vLLM cannot replay as one CUDA graph
+(some request computes more than one token) runs piecewise, dispatched layer by layer. It could
+not be measured here (the CPU build has no CUDA graphs); its figure is aiconfigurator-core's,
+calibrated on measured vLLM runs (VLLM_DISPATCH_PER_LAYER_S below), and it is added whatever the
+release.
+
 Scaling a CPU measurement here to a GPU host: the assumption is one server core is no slower than
 one core of this shared 2-core machine, so the figures are upper bounds of the same Python's cost;
 CPU time (not wall time) is measured, so the other engineers' load on the machine does not enter.
@@ -71,8 +77,10 @@ VLLM_ENGINE_HOST_SOURCE = ("benchmarks/host_overheads.py on vLLM 0.32.0's engine
 
 
 # A step vLLM cannot replay as one CUDA graph (any step where some request computes more than one
-# token: a prefill chunk beside the decodes; vLLM captures full graphs for uniform decode batches
-# only) runs piecewise, its host launching the model layer by layer. aiconfigurator-core 0.12.0
+# token: a prefill chunk beside the decodes) runs piecewise, its host launching the model layer by
+# layer: vLLM 0.11.0's default cudagraph_mode FULL_AND_PIECEWISE (vllm/config/compilation.py:233-250)
+# replays a full graph only for a uniform decode, longest query 1 token and one token per request
+# (vllm/v1/worker/gpu_model_runner.py:2271-2278). aiconfigurator-core 0.12.0
 # names this cost and prices it: sdk/backends/vllm_backend.py, `_prefill_dispatch_overhead_ms` =
 # 0.8 ms × the model's layers, "CPU-side dispatch overhead ... not captured in silicon benchmarks.
 # Recalibrated at ~0.8ms/layer against the full silicon corpus across hardware platforms and model

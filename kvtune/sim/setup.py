@@ -8,9 +8,10 @@ file's calibrated `timing` (measured on the server itself: it wins), else the si
 (aiconfigurator-core's kernels measured on that GPU for that engine, kvtune.capacity.silicon),
 else the roofline estimate for a model and GPU, labelled as such with the reason silicon data
 did not apply. Those two price the GPU's forward pass only; for vLLM the rest of the server goes
-around them: its API server (kvtune.sim.frontend) and, in releases that schedule between forward
-passes, the engine core's host work per running sequence (kvtune.sim.host). A calibrated step
-time measured all of it and gets nothing added.
+around them: its API server (kvtune.sim.frontend), the host's layer-by-layer dispatch of each step
+that is not a uniform decode and, in releases that schedule between forward passes, the engine
+core's host work per running sequence (both kvtune.sim.host). A calibrated step time measured all
+of it and gets nothing added.
 """
 
 from __future__ import annotations
