@@ -174,4 +174,6 @@ def test_a_modelopt_checkpoint_is_priced_with_its_hf_quant_config(tmp_path):
     one_gpu, _ = silicon_step_time({"config.json": load_config_file(quantized / "config.json"),
                                     "hf_quant_config.json": load_config_file(quantized / "hf_quant_config.json")},
                                    find_gpu("h100"))
-    assert timing["source"] == "silicon" and timing["coefficients"] == one_gpu.to_dict()
+    coefficients = dict(timing["coefficients"])
+    assert coefficients.pop("mixed_step_s") == pytest.approx(80 * 0.8e-3)  # vLLM's dispatch of its 80 layers
+    assert timing["source"] == "silicon" and coefficients == one_gpu.to_dict()
