@@ -139,8 +139,8 @@ def _cache_dir() -> Path:
 def _read_cache(key: str) -> tuple[StepTimeModel, SiliconInputs] | None:
     try:
         data = json.loads((_cache_dir() / f"{key}.json").read_text())
-        model = StepTimeModel(**{c: float(data["coefficients"][c]) for c in COEFFICIENTS},
-                              source=TimingSource.SILICON)
+        c0, c1, c2, c3, c4 = (float(data["coefficients"][c]) for c in COEFFICIENTS)
+        model = StepTimeModel(c0, c1, c2, c3, c4, source=TimingSource.SILICON)
         return model, SiliconInputs(**data["inputs"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no cache, or one from another kvtune: sample again
@@ -181,7 +181,8 @@ def _sample_and_fit(config_bytes: bytes, gpu_name: str, system: str, engine: str
     error = np.abs(rows @ x / seconds - 1)
     fit_error = {"median": round(float(np.median(error)), 4), "p90": round(float(np.percentile(error, 90)), 4),
                  "max": round(float(error.max()), 4)}
-    model = StepTimeModel(**{c: float(v) for c, v in zip(COEFFICIENTS, x, strict=True)}, source=TimingSource.SILICON)
+    c0, c1, c2, c3, c4 = (float(v) for v in x)  # COEFFICIENTS' order
+    model = StepTimeModel(c0, c1, c2, c3, c4, source=TimingSource.SILICON)
     return model, SiliconInputs(gpu_name, system, engine, engine_version, data_version, tp, kv, package_version,
                                 len(seconds), fit_error)
 

@@ -44,12 +44,13 @@ JSON_FIELDS = """\b
   server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
                    generation_tokens, num_blocks, block_size} (peaks exact, not sampled)
   simulation      {timing: {source: calibrated|silicon|roofline-estimate, estimate, coefficients
-                   {c0..c4, mixed_step_s when not 0}, http_overhead_s, frontend {request_s,
+                   {c0..c4, mixed_step_s and largest_graph_tokens when not 0}, http_overhead_s, frontend {request_s,
                    token_s} | null, fixed_delay_s, frontend_from (uncalibrated: where the API
                    server's figures come from), host_work (uncalibrated vLLM: the engine core's
                    host work, added or not, why), dispatch (uncalibrated vLLM: {per_layer_s,
-                   layers, mixed_step_s, from}: the host's layer-by-layer dispatch of each step
-                   that is not a uniform decode; null for other engines),
+                   layers, mixed_step_s, largest_cuda_graph_tokens, from}: the host's
+                   layer-by-layer dispatch of each step not replayed as one CUDA graph; null for
+                   other engines),
                    measured_against | silicon | roofline + fallback_reason, label}, engine: {num_blocks, block_size,
                    max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
                    reserve_full_sequence (admission needs the whole prompt's blocks, vLLM ≥ 0.19, or

@@ -13,10 +13,11 @@ chunk's by its FLOPs (c2·n·ctx); one c2 for both charged an 8,192-token chunk 
 as if each of its tokens read the whole KV again (11.5 s on the roofline for Qwen3-14B on H100).
 A capacity file calibrated before c4 existed has c4 = 0, and is read as before.
 
-One term is not a coefficient: `mixed_step_s`, paid by a step in which some request computes more
-than one token (a prefill chunk beside the decodes). vLLM replays a whole step as one CUDA graph
-only for a uniform decode batch; any other step runs piecewise, its host dispatching layer by
-layer (kvtune.sim.host.VLLM_DISPATCH_PER_LAYER_S). Measured kernels and the roofline leave it out,
+One term is not a coefficient: `mixed_step_s`, paid by a step vLLM cannot replay as one CUDA
+graph: one in which some request computes more than one token (a prefill chunk beside the
+decodes), which runs piecewise, or one of more tokens than its largest graph
+(`largest_graph_tokens`; 0: no limit), which runs eagerly; either way its host dispatches the
+model layer by layer (kvtune.sim.host.VLLM_DISPATCH_PER_LAYER_S). Measured kernels and the roofline leave it out,
 so it is added to their step times for vLLM; a calibrated step time measured it (inside its
 fitted coefficients) and has 0.
 
@@ -87,13 +88,16 @@ class StepTimeModel:
     c3: float = 0.0
     c4: float = 0.0
     source: TimingSource = TimingSource.CALIBRATED
-    mixed_step_s: float = 0.0  # added to a step where some request computes more than one token (module docstring)
+    mixed_step_s: float = 0.0  # added to a step vLLM does not replay as one CUDA graph (module docstring)
+    largest_graph_tokens: int = 0  # a step of more tokens runs eagerly and pays mixed_step_s too; 0: no limit
 
     def __post_init__(self) -> None:
         for name in (*COEFFICIENTS, "mixed_step_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise OptionError(f"must be a finite number ≥ 0, got {value}", field=name)
+        if self.largest_graph_tokens < 0:
+            raise OptionError(f"must be ≥ 0, got {self.largest_graph_tokens}", field="largest_graph_tokens")
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -106,22 +110,26 @@ class StepTimeModel:
 
     def step_seconds(self, batch: Iterable[tuple[int, int]]) -> float:
         """One step's time for a batch of (tokens computed this step, context already computed)."""
-        batch = list(batch)
-        mixed = self.mixed_step_s if any(n > 1 for n, _ in batch) else 0.0
-        return float(step_features(batch) @ self.coefficients) + mixed
+        features = step_features(batch)
+        tokens, size = int(features[1]), int(features[3])
+        eager = 0 < self.largest_graph_tokens < tokens
+        return float(features @ self.coefficients) + (self.mixed_step_s if tokens > size or eager else 0.0)
 
     def to_dict(self) -> dict[str, float]:
-        """The coefficients, and `mixed_step_s` where it is not 0 (a calibrated model's never is)."""
+        """The coefficients, and `mixed_step_s` with its `largest_graph_tokens` where it is not 0
+        (a calibrated model's never is)."""
         out = {name: getattr(self, name) for name in COEFFICIENTS}
         if self.mixed_step_s:
             out["mixed_step_s"] = self.mixed_step_s
+            out["largest_graph_tokens"] = self.largest_graph_tokens
         return out
 
     def ticks(self) -> StepTicks:
         """The same features in integer femtoseconds, c2 halved and applied to Σ n·(2·ctx + n)."""
         ticks = StepTicks(round(self.c0 * TICKS_PER_S), round(self.c1 * TICKS_PER_S),
                           round(self.c2 * TICKS_PER_S / 2), round(self.c3 * TICKS_PER_S),
-                          round(self.c4 * TICKS_PER_S), round(self.mixed_step_s * TICKS_PER_S))
+                          round(self.c4 * TICKS_PER_S), round(self.mixed_step_s * TICKS_PER_S),
+                          self.largest_graph_tokens)
         if ticks.c0 <= 0 and ticks.c1 <= 0 and ticks.c3 <= 0:
             raise OptionError("a step must take time: c0, c1 or c3 must be at least a femtosecond", field="c0")
         return ticks
@@ -158,13 +166,15 @@ class StepTicks:
     c3: int
     c4: int = 0
     mixed: int = 0  # StepTimeModel.mixed_step_s
+    largest_graph: int = 0  # StepTimeModel.largest_graph_tokens
 
     def step(self, tokens: int, attention2: int, batch: int, kv_read: int = 0) -> int:
         """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch| (each of them
-        computes at least one token, so Σn > |batch| exactly when one computes more: `mixed`),
-        `kv_read` = Σ(ctx + n)."""
+        computes at least one token, so Σn > |batch| exactly when one computes more: `mixed`, as
+        when Σn passes the largest graph), `kv_read` = Σ(ctx + n)."""
+        graphed = tokens == batch and not 0 < self.largest_graph < tokens
         return (self.c0 + self.c1 * tokens + self.c2_half * attention2 + self.c3 * batch + self.c4 * kv_read
-                + (self.mixed if tokens > batch else 0))
+                + (0 if graphed else self.mixed))
 
     def decode_first(self, batch: int, ctx_sum: int) -> int:
         """The first of a run of pure decode steps (n = 1 each) over contexts summing to ctx_sum."""

@@ -16,7 +16,7 @@ Steady state of a full batch of N running requests, the logged traffic's mix (ca
   chunks read about P, counted as if prefilled in one chunk; m, the step time's `mixed_step_s`, is
   paid by the steps that prefill: while a request decodes, the other N − 1 finish, and are replaced,
   at (N − 1)/Ō per step, so with finishes counted as Poisson a share 1 − e^(−(N−1)/Ō) of its steps
-  admits at least one).
+  admits at least one; by every step when N is more than vLLM's largest CUDA graph).
 A p99 prompt arriving at that batch prefills in chunks of max_num_batched_tokens less the N − 1
 decodes beside it (vLLM V1 schedules decodes first, then chunks prefills into the rest of the
 token budget); its TTFT is those steps, queueing and the API server excluded (`--objective`
@@ -121,8 +121,11 @@ def traffic_shape(profile: Profile, caps: dict[str, int]) -> TrafficShape:
 
 def tpot_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int) -> float:
     """Seconds per output token when `max_num_seqs` requests run at once (module docstring)."""
-    # the share of a request's decode steps in which one of the other N − 1 is replaced (prefills)
+    # the share of a request's decode steps in which one of the other N − 1 is replaced (prefills);
+    # all of them when N decodes are more than vLLM replays as one CUDA graph (module docstring)
     prefilling = -math.expm1(-(max_num_seqs - 1) * shape.requests_per_output)
+    if 0 < model.largest_graph_tokens < max_num_seqs:
+        prefilling = 1.0
     return model.c0 + max_num_seqs * _per_request_s(model, shape) + model.mixed_step_s * prefilling
 
 

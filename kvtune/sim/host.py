@@ -96,9 +96,32 @@ VLLM_DISPATCH_SOURCE = ("aiconfigurator-core's vLLM backend (`_prefill_dispatch_
                         "calibrated by NVIDIA on its measured vLLM runs), per step that is not a uniform decode")
 
 
-def with_dispatch(model: StepTimeModel, num_layers: int) -> StepTimeModel:
-    """The step time with vLLM's per-layer dispatch added to every step that is not a uniform decode."""
-    return replace(model, mixed_step_s=model.mixed_step_s + num_layers * VLLM_DISPATCH_PER_LAYER_S)
+# The most tokens a step vLLM replays as one CUDA graph: a larger one runs eagerly, every kernel
+# launched from the host, so it pays the dispatch too (aiconfigurator's figure for a piecewise step,
+# applied to an eager one, which launches at least as much). vLLM 0.11.0 captures sizes up to
+# min(2 × max_num_seqs, 512) (vllm/config/scheduler.py:222-227, vllm/config/__init__.py:589-613) and
+# runs a larger batch without graphs (v1/cudagraph_dispatcher.py: no key, CUDAGraphMode.NONE); a
+# uniform decode batch holds at most max_num_seqs < 2 × max_num_seqs tokens, so only the 512 binds.
+# Data-center Blackwell (compute capability 10.x) captures up to 1,024 since vllm PR #49390 (July
+# 2026), in 0.32.0's vllm/config/vllm.py (`_set_cudagraph_sizes`); kvtune counts it from 0.32, the
+# release whose source it read (the releases between the PR and 0.32 were not checked).
+VLLM_LARGEST_CUDA_GRAPH = 512
+VLLM_LARGEST_CUDA_GRAPH_BLACKWELL = 1024
+FIRST_BLACKWELL_1024_VERSION = (0, 32)
+DATACENTER_BLACKWELL = frozenset({"B200", "B300", "GB200", "GB300"})  # kvtune's catalog names, compute 10.x
+
+
+def largest_cuda_graph(gpu_name: str | None, version: tuple[int, ...] | None) -> int:
+    """The most tokens vLLM `version` (None: the current one) replays as one CUDA graph on `gpu_name`."""
+    newer = version is None or version >= FIRST_BLACKWELL_1024_VERSION
+    return VLLM_LARGEST_CUDA_GRAPH_BLACKWELL if newer and gpu_name in DATACENTER_BLACKWELL else VLLM_LARGEST_CUDA_GRAPH
+
+
+def with_dispatch(model: StepTimeModel, num_layers: int, largest_graph_tokens: int) -> StepTimeModel:
+    """The step time with vLLM's per-layer dispatch added to every step it does not replay as one
+    CUDA graph: one that is not a uniform decode, or one of more than `largest_graph_tokens`."""
+    return replace(model, mixed_step_s=model.mixed_step_s + num_layers * VLLM_DISPATCH_PER_LAYER_S,
+                   largest_graph_tokens=largest_graph_tokens)
 
 
 def adds_to_step(version: tuple[int, ...] | None) -> bool:
@@ -112,4 +135,5 @@ def with_host_work(model: StepTimeModel, host: HostWork) -> StepTimeModel:
 
 
 __all__ = ["HostWork", "VLLM_ENGINE_HOST", "VLLM_ENGINE_HOST_SOURCE", "FIRST_ASYNC_SCHEDULING_VERSION",
-           "VLLM_DISPATCH_PER_LAYER_S", "VLLM_DISPATCH_SOURCE", "adds_to_step", "with_dispatch", "with_host_work"]
+           "VLLM_DISPATCH_PER_LAYER_S", "VLLM_DISPATCH_SOURCE", "VLLM_LARGEST_CUDA_GRAPH", "largest_cuda_graph",
+           "adds_to_step", "with_dispatch", "with_host_work"]

@@ -39,6 +39,7 @@ from kvtune.sim.host import (
     VLLM_ENGINE_HOST,
     VLLM_ENGINE_HOST_SOURCE,
     adds_to_step,
+    largest_cuda_graph,
     with_dispatch,
     with_host_work,
 )
@@ -203,16 +204,16 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
                 reason = str(exc)
             else:
                 return _with_api_server(model, {"silicon": silicon_inputs.to_dict(), "label": silicon_inputs.label},
-                                        engine or measured.engine, engine_version, spec.num_layers)
+                                        engine or measured.engine, engine_version, spec.num_layers, gpu.name)
 
     model, inputs = roofline_step_time(spec, gpu, tp=tp, kv_cache_dtype=kv_cache_dtype)
     return _with_api_server(model, {"roofline": inputs.to_dict(), "fallback_reason": reason,
                                     "label": f"roofline estimate for {gpu.name} ({reason})"}, engine or measured.engine,
-                            engine_version, spec.num_layers)
+                            engine_version, spec.num_layers, gpu.name)
 
 
 def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None,
-                     engine_version: str | None, num_layers: int) -> TimingSetup:
+                     engine_version: str | None, num_layers: int, gpu_name: str) -> TimingSetup:
     """An uncalibrated step time with the whole server around it: for vLLM, its measured API server
     (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`), its host's layer-by-layer
     dispatch of every step that is not a uniform decode (kvtune.sim.host, `dispatch`) and, in
@@ -221,11 +222,14 @@ def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str |
     if engine not in (None, "vllm"):
         return TimingSetup(model, 0.0, {**detail, "frontend_from": f"none: {engine}'s API server not measured",
                                         "host_work": None, "dispatch": None})
-    model = with_dispatch(model, num_layers)
-    detail = {**detail, "dispatch": {"per_layer_s": VLLM_DISPATCH_PER_LAYER_S, "layers": num_layers,
-                                     "mixed_step_s": model.mixed_step_s, "from": VLLM_DISPATCH_SOURCE}}
     release = memory_model(engine_version, field="--engine-version")
-    if adds_to_step(None if engine_version is None else release.version):
+    version = None if engine_version is None else release.version
+    model = with_dispatch(model, num_layers, largest_cuda_graph(gpu_name, version))
+    detail = {**detail, "dispatch": {"per_layer_s": VLLM_DISPATCH_PER_LAYER_S, "layers": num_layers,
+                                     "mixed_step_s": model.mixed_step_s,
+                                     "largest_cuda_graph_tokens": model.largest_graph_tokens,
+                                     "from": VLLM_DISPATCH_SOURCE}}
+    if adds_to_step(version):
         model = with_host_work(model, VLLM_ENGINE_HOST)
         host = {**VLLM_ENGINE_HOST.to_dict(), "added": True, "from": VLLM_ENGINE_HOST_SOURCE,
                 "why": f"{release.label} schedules between forward passes (async scheduling is the default "

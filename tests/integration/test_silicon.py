@@ -176,4 +176,5 @@ def test_a_modelopt_checkpoint_is_priced_with_its_hf_quant_config(tmp_path):
                                    find_gpu("h100"))
     coefficients = dict(timing["coefficients"])
     assert coefficients.pop("mixed_step_s") == pytest.approx(80 * 0.8e-3)  # vLLM's dispatch of its 80 layers
+    assert coefficients.pop("largest_graph_tokens") == 512  # an H100's largest CUDA graph
     assert timing["source"] == "silicon" and coefficients == one_gpu.to_dict()

@@ -46,7 +46,8 @@ def engines(draw) -> EngineSettings:
 
 
 timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),
-                    c3=st.floats(0, 1e-3), c4=st.floats(0, 1e-5), mixed_step_s=st.just(0.0) | st.floats(0, 0.05))
+                    c3=st.floats(0, 1e-3), c4=st.floats(0, 1e-5), mixed_step_s=st.just(0.0) | st.floats(0, 0.05),
+                    largest_graph_tokens=st.just(0) | st.integers(1, 64))
 
 
 @st.composite
@@ -258,10 +259,11 @@ def test_step_time_is_the_formula():
 
 
 @given(c=st.tuples(st.floats(1e-4, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-5), st.floats(0, 1e-3),
-                   st.floats(0, 1e-5)), mixed=st.floats(0, 0.05),
+                   st.floats(0, 1e-5)), mixed=st.floats(0, 0.05), graph=st.integers(0, 300),
        batch=st.integers(1, 300), ctx=st.integers(0, 10**6), k=st.integers(1, 400), window=st.integers(1, 10**16))
-def test_decode_run_closed_form(c, mixed, batch, ctx, k, window):
-    ticks = StepTimeModel(*c, mixed_step_s=mixed).ticks()  # decode steps are uniform: no dispatch
+def test_decode_run_closed_form(c, mixed, graph, batch, ctx, k, window):
+    # decode steps are uniform: the dispatch only where the batch is larger than the largest graph
+    ticks = StepTimeModel(*c, mixed_step_s=mixed, largest_graph_tokens=graph).ticks()
     # step j: every context grew by j; each request reads its ctx + 1 tokens of KV (c4)
     steps = [ticks.step(batch, 2 * (ctx + j * batch) + batch, batch, ctx + j * batch + batch) for j in range(k)]
     assert ticks.decode_run(batch, ctx, k) == sum(steps)

@@ -17,7 +17,14 @@ from test_timing import _capacity, _timing
 from kvtune.domain.step_time import StepTimeModel, TimingSource
 from kvtune.errors import OptionError
 from kvtune.sim import host
-from kvtune.sim.host import VLLM_ENGINE_HOST, HostWork, adds_to_step, with_dispatch, with_host_work
+from kvtune.sim.host import (
+    VLLM_ENGINE_HOST,
+    HostWork,
+    adds_to_step,
+    largest_cuda_graph,
+    with_dispatch,
+    with_host_work,
+)
 from kvtune.sim.setup import timing_setup
 
 
@@ -83,7 +90,7 @@ def test_a_step_that_prefills_pays_the_dispatch_and_a_decode_step_does_not():
     one token; a uniform decode batch (vLLM replays it as one CUDA graph) pays nothing more, in
     seconds and in the simulator's integer ticks alike."""
     base = StepTimeModel(0.005, 1e-5, 1e-8, 1e-5, 1e-8, source=TimingSource.SILICON)
-    model = with_dispatch(base, 36)
+    model = with_dispatch(base, 36, 512)
     assert model.mixed_step_s == pytest.approx(36 * 0.8e-3) and model.source is TimingSource.SILICON
     decode, mixed = [(1, 500)] * 64, [(1, 500)] * 63 + [(200, 0)]
     assert model.step_seconds(decode) == base.step_seconds(decode)
@@ -98,6 +105,24 @@ def test_a_step_that_prefills_pays_the_dispatch_and_a_decode_step_does_not():
         StepTimeModel(0.005, mixed_step_s=-1e-3)
 
 
+def test_a_decode_batch_larger_than_vllms_largest_cuda_graph_runs_eagerly_and_pays_the_dispatch():
+    """vLLM replays uniform decode batches of up to 512 tokens as CUDA graphs (1,024 on data-center
+    Blackwell from 0.32); a larger one runs eagerly, every kernel launched from the host."""
+    base = StepTimeModel(0.005, 1e-5, 1e-8, 1e-5, 1e-8, source=TimingSource.SILICON)
+    model = with_dispatch(base, 40, largest_cuda_graph("H100-80GB", (0, 11, 0)))
+    for batch, paid in ((512, 0.0), (513, 40 * 0.8e-3)):
+        decode = [(1, 300)] * batch
+        assert model.step_seconds(decode) == pytest.approx(base.step_seconds(decode) + paid)
+        ticks, plain = model.ticks(), base.ticks()
+        assert ticks.decode_run(batch, batch * 300, 7) - plain.decode_run(batch, batch * 300, 7) == 7 * round(
+            paid * 10**15)
+    assert largest_cuda_graph("H100-80GB", None) == 512
+    assert largest_cuda_graph("B200", (0, 32, 0)) == largest_cuda_graph("GB300", None) == 1024
+    assert largest_cuda_graph("B200", (0, 31, 0)) == 512
+    with pytest.raises(OptionError):
+        StepTimeModel(0.005, largest_graph_tokens=-1)
+
+
 def test_a_lone_requests_first_token_waits_for_its_prefills_dispatch(tmp_path, monkeypatch):
     """One chat request on an H100, offline: its prefill step is not a uniform decode, so its first
     token comes Llama-3.1-8B's 32 layers × 0.8 ms later than the kernels alone; its decode steps
@@ -107,7 +132,7 @@ def test_a_lone_requests_first_token_waits_for_its_prefills_dispatch(tmp_path, m
     monkeypatch.setattr(host, "VLLM_DISPATCH_PER_LAYER_S", 0.0)
     unpaid = _simulate(log, "--engine-version", "0.32.0")
     dispatch = paid["simulation"]["timing"]["dispatch"]
-    assert (dispatch["layers"], dispatch["per_layer_s"]) == (32, 0.8e-3)
+    assert (dispatch["layers"], dispatch["per_layer_s"], dispatch["largest_cuda_graph_tokens"]) == (32, 0.8e-3, 512)
     assert dispatch["mixed_step_s"] == pytest.approx(0.0256) and "aiconfigurator-core" in dispatch["from"]
     assert paid["simulation"]["timing"]["coefficients"]["mixed_step_s"] == pytest.approx(0.0256)
     assert paid["latency_ms"]["ttft"]["p50"] - unpaid["latency_ms"]["ttft"]["p50"] == pytest.approx(25.6, abs=0.01)
