@@ -28,6 +28,7 @@ from kvtune.ingest.window import WindowReport
 from kvtune.profile import counting
 from kvtune.profile.histogram import (
     JOINT_EDGES,
+    MAX_LATENCY_MS,
     Histogram,
     JointHistogram,
     LogHistogram,
@@ -536,7 +537,7 @@ class ProfileBuilder:
         for column, table in (("latency_ms", self._latency), ("ttft_ms", self._ttft)):
             if column in names:
                 ms = arrays.floats(batch.column(column))
-                ok = np.isfinite(ms) & (ms >= 0)
+                ok = np.isfinite(ms) & (ms >= 0) & (ms <= MAX_LATENCY_MS)
                 if ok.any():
                     i, v = _where(ok, ids, ms)
                     table.add(routes, i, log_bin(v), dense)

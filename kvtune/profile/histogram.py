@@ -221,8 +221,10 @@ class Histogram:
 #: Bins per factor of e for latencies: bin i holds v with floor(LOG_BINS_PER_E * ln(1 + v)) == i,
 #: i.e. about 1% relative width, so a reported latency percentile is within ~1% of the exact one.
 LOG_BINS_PER_E = 100
-#: The bin of 1e12 ms (31 years): no latency is longer, and a larger bin's value overflows a float.
-MAX_LOG_BIN = int(LOG_BINS_PER_E * math.log1p(1e12))
+#: No latency is longer than 1e12 ms (31 years): a longer one is not a latency (the profile leaves it
+#: out, as it does a negative one), and a bin much beyond it has a value that overflows a float.
+MAX_LATENCY_MS = 1e12
+MAX_LOG_BIN = int(LOG_BINS_PER_E * math.log1p(MAX_LATENCY_MS))
 
 
 def log_bin(values_ms: np.ndarray) -> np.ndarray:

@@ -547,3 +547,15 @@ def test_an_archive_is_named_with_what_to_do(tmp_path):
     assert result.exit_code == 2
     assert result.output == (f"Error: {bz2}: bzip2-compressed, not a log file: kvtune reads gzip and zstd: "
                              "recompress it (bzip2 -dc chat.jsonl.bz2 | gzip > chat.jsonl.gz)\n")
+
+
+def test_a_latency_past_any_real_one_is_left_out_like_a_negative_one(tmp_path):
+    """A latency of 1e300 ms (the fuzzer's corrupted Parquet double) used to land in a log bin whose
+    value overflows a float: a RuntimeWarning, an Infinity in the JSON. Past 1e12 ms (31 years) it
+    is not a latency: left out, as a negative one is (every reader's rows meet in kvtune.profile.build)."""
+    path = tmp_path / "log.jsonl"
+    write_flat(path, [{"route": "/v1/chat", "output_tokens": 10, "latency_ms": ms} for ms in (120.0, 1e300, -5.0)])
+    result = run(str(path), "--json")
+    assert result.exit_code == 0, result.output
+    latency = json.loads(result.stdout)["routes"][0]["latency_ms"]
+    assert latency["requests"] == 1 and latency["p50"] == pytest.approx(120, rel=0.01)
