@@ -13,7 +13,14 @@ chunk's by its FLOPs (c2·n·ctx); one c2 for both charged an 8,192-token chunk 
 as if each of its tokens read the whole KV again (11.5 s on the roofline for Qwen3-14B on H100).
 A capacity file calibrated before c4 existed has c4 = 0, and is read as before.
 
-One term is not a coefficient: `mixed_step_s`, paid by a step vLLM cannot replay as one CUDA
+A silicon fit adds one more: `past_knee_s` per token a step computes past its first `knee_tokens`.
+A step's matmuls read the weights once whatever its tokens until their arithmetic outgrows the read
+(the GPU's ridge point, a few hundred tokens); past it each token costs its FLOPs. A straight line
+c0 + c1·Σn cannot bend there: fitted to aiconfigurator's latencies it priced an 8,192-token chunk
+11–17 % under them and a 512-token one 17–21 % over. kvtune.capacity.silicon picks the knee that fits
+best; calibrate leaves it at 0 and fits the straight line to the steps it measured.
+
+And one term is not a coefficient: `mixed_step_s`, paid by a step vLLM cannot replay as one CUDA
 graph: one in which some request computes more than one token (a prefill chunk beside the
 decodes), which runs piecewise, or one of more tokens than its largest graph
 (`largest_graph_tokens`; 0: no limit), which runs eagerly; either way its host dispatches the
@@ -90,14 +97,17 @@ class StepTimeModel:
     source: TimingSource = TimingSource.CALIBRATED
     mixed_step_s: float = 0.0  # added to a step vLLM does not replay as one CUDA graph (module docstring)
     largest_graph_tokens: int = 0  # a step of more tokens runs eagerly and pays mixed_step_s too; 0: no limit
+    past_knee_s: float = 0.0  # s per token computed past the step's first knee_tokens (module docstring)
+    knee_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in (*COEFFICIENTS, "mixed_step_s"):
+        for name in (*COEFFICIENTS, "mixed_step_s", "past_knee_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise OptionError(f"must be a finite number ≥ 0, got {value}", field=name)
-        if self.largest_graph_tokens < 0:
-            raise OptionError(f"must be ≥ 0, got {self.largest_graph_tokens}", field="largest_graph_tokens")
+        for name in ("largest_graph_tokens", "knee_tokens"):
+            if getattr(self, name) < 0:
+                raise OptionError(f"must be ≥ 0, got {getattr(self, name)}", field=name)
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -113,12 +123,16 @@ class StepTimeModel:
         features = step_features(batch)
         tokens, size = int(features[1]), int(features[3])
         eager = 0 < self.largest_graph_tokens < tokens
-        return float(features @ self.coefficients) + (self.mixed_step_s if tokens > size or eager else 0.0)
+        return (float(features @ self.coefficients) + (self.mixed_step_s if tokens > size or eager else 0.0)
+                + self.past_knee_s * max(0, tokens - self.knee_tokens))
 
     def to_dict(self) -> dict[str, float]:
         """The coefficients, and `mixed_step_s` with its `largest_graph_tokens` where it is not 0
         (a calibrated model's never is)."""
         out = {name: getattr(self, name) for name in COEFFICIENTS}
+        if self.past_knee_s:
+            out["past_knee_s"] = self.past_knee_s
+            out["knee_tokens"] = self.knee_tokens
         if self.mixed_step_s:
             out["mixed_step_s"] = self.mixed_step_s
             out["largest_graph_tokens"] = self.largest_graph_tokens
@@ -129,7 +143,7 @@ class StepTimeModel:
         ticks = StepTicks(round(self.c0 * TICKS_PER_S), round(self.c1 * TICKS_PER_S),
                           round(self.c2 * TICKS_PER_S / 2), round(self.c3 * TICKS_PER_S),
                           round(self.c4 * TICKS_PER_S), round(self.mixed_step_s * TICKS_PER_S),
-                          self.largest_graph_tokens)
+                          self.largest_graph_tokens, round(self.past_knee_s * TICKS_PER_S), self.knee_tokens)
         if ticks.c0 <= 0 and ticks.c1 <= 0 and ticks.c3 <= 0:
             raise OptionError("a step must take time: c0, c1 or c3 must be at least a femtosecond", field="c0")
         return ticks
@@ -167,6 +181,8 @@ class StepTicks:
     c4: int = 0
     mixed: int = 0  # StepTimeModel.mixed_step_s
     largest_graph: int = 0  # StepTimeModel.largest_graph_tokens
+    past_knee: int = 0  # StepTimeModel.past_knee_s
+    knee: int = 0  # StepTimeModel.knee_tokens
 
     def step(self, tokens: int, attention2: int, batch: int, kv_read: int = 0) -> int:
         """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch| (each of them
@@ -174,7 +190,7 @@ class StepTicks:
         when Σn passes the largest graph), `kv_read` = Σ(ctx + n)."""
         graphed = tokens == batch and not 0 < self.largest_graph < tokens
         return (self.c0 + self.c1 * tokens + self.c2_half * attention2 + self.c3 * batch + self.c4 * kv_read
-                + (0 if graphed else self.mixed))
+                + (0 if graphed else self.mixed) + self.past_knee * max(0, tokens - self.knee))
 
     def decode_first(self, batch: int, ctx_sum: int) -> int:
         """The first of a run of pure decode steps (n = 1 each) over contexts summing to ctx_sum."""

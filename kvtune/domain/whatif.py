@@ -213,7 +213,9 @@ class SimBasis:
             timing = StepTimeModel(t.number("c0"), t.number("c1"), t.number("c2"), t.number("c3"),
                                    t.number("c4", optional=True) or 0.0, source=source,
                                    mixed_step_s=t.number("mixed_step_s", optional=True) or 0.0,
-                                   largest_graph_tokens=t.integer("largest_graph_tokens", optional=True) or 0)
+                                   largest_graph_tokens=t.integer("largest_graph_tokens", optional=True) or 0,
+                                   past_knee_s=t.number("past_knee_s", optional=True) or 0.0,
+                                   knee_tokens=t.integer("knee_tokens", optional=True) or 0)
             timing.ticks()
         except OptionError as exc:
             raise t.fail(exc.field, exc.message) from None

@@ -11,12 +11,14 @@ Steady state of a full batch of N running requests, the logged traffic's mix (ca
   - the batch stays full, so the prompts of the requests that replace finished ones are prefilled
     beside the decodes: P̄/Ō prompt tokens per output token, whose attention, whatever the chunking,
     sums to P²/2 per prompt (Σ n·(ctx + n/2) over the chunks of a prompt is P²/2);
-  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3 + c4·(ctx̄ + ½ + P̄/Ō)) + m·(1 − e^(−(N−1)/Ō)):
+  TPOT(N) = c0 + N·(c1·(1 + P̄/Ō) + c2·(ctx̄ + E[P²]/2Ō) + c3 + c4·(ctx̄ + ½ + P̄/Ō)) + m·(1 − e^(−(N−1)/Ō))
+            + k·max(0, N·(1 + P̄/Ō) − K):
   one step, the same for every token (c4: each decode reads its KV once, ctx + 1 tokens; a prompt's
   chunks read about P, counted as if prefilled in one chunk; m, the step time's `mixed_step_s`, is
   paid by the steps that prefill: while a request decodes, the other N − 1 finish, and are replaced,
   at (N − 1)/Ō per step, so with finishes counted as Poisson a share 1 − e^(−(N−1)/Ō) of its steps
-  admits at least one; by every step when N is more than vLLM's largest CUDA graph).
+  admits at least one; by every step when N is more than vLLM's largest CUDA graph; k per token
+  past the step's knee K, a silicon fit's bend: the step computes about N·(1 + P̄/Ō) tokens).
 A p99 prompt arriving at that batch prefills in chunks of max_num_batched_tokens less the N − 1
 decodes beside it (vLLM V1 schedules decodes first, then chunks prefills into the rest of the
 token budget); its TTFT is those steps, queueing and the API server excluded (`--objective`
@@ -126,7 +128,9 @@ def tpot_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int) -> floa
     prefilling = -math.expm1(-(max_num_seqs - 1) * shape.requests_per_output)
     if 0 < model.largest_graph_tokens < max_num_seqs:
         prefilling = 1.0
-    return model.c0 + max_num_seqs * _per_request_s(model, shape) + model.mixed_step_s * prefilling
+    tokens = max_num_seqs * (1 + shape.prefill_tokens_per_output)  # a step's decodes and its share of prefill
+    return (model.c0 + max_num_seqs * _per_request_s(model, shape) + model.mixed_step_s * prefilling
+            + model.past_knee_s * max(0.0, tokens - model.knee_tokens))
 
 
 def ttft_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int, max_num_batched_tokens: int) -> float:
@@ -143,8 +147,9 @@ def ttft_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int, max_num
     read = chunk * (steps - 1) * steps // 2 + prompt  # Σ (ctx + n) over the chunks: each reads up to its end
     last = prompt - chunk * (steps - 1)
     mixed = 0 if chunk == 1 else steps - (last == 1)  # chunks of more than one token: not a uniform decode
+    past_knee = (steps - 1) * max(0, others + chunk - model.knee_tokens) + max(0, others + last - model.knee_tokens)
     return (steps * (model.c0 + decode + model.c3) + mixed * model.mixed_step_s + model.c1 * prompt
-            + model.c2 * prompt * prompt / 2 + model.c4 * read)
+            + model.c2 * prompt * prompt / 2 + model.c4 * read + model.past_knee_s * past_knee)
 
 
 def batch_latency(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int,
