@@ -9,7 +9,7 @@ kvtune.domain.step_time to it (non-negative least squares on relative error), so
 its closed-form decode runs: the straight line c0..c4 and a bend at the matmuls' knee (`past_knee_s`
 per token past `knee_tokens`, the knee of KNEES that fits the grid best). On Qwen3-14B / h100_sxm /
 vLLM the bend takes the fit's median error over the grid from 4.5 % to 2.0 %, its worst from 26 %
-to 11 %, and an 8,192-token chunk from 11–17 % under aiconfigurator's latency to within 3 %;
+to 11 %, and an 8,192-token chunk from 11–17 % under aiconfigurator's latency to within 3.5 %;
 `fit_error` reports it for every fit.
 
 The fit is cached on disk (~/.cache/kvtune/silicon, or $KVTUNE_CACHE_DIR/silicon), keyed by the

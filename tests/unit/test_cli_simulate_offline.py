@@ -167,8 +167,8 @@ def test_recommend_objective_runs_on_the_same_estimate_as_simulate():
     assert rec["objective"]["load"] == {"rate_rps": sim["load"]["rate_rps"], "concurrency": None, "from": "logs"}
     timing = rec["objective"]["simulator"]["timing"]
     assert timing["source"] == "silicon"
-    assert {k: timing[k] for k in ("c0", "c1", "c2", "c3", "c4", "mixed_step_s", "largest_graph_tokens")} == sim[
-        "simulation"]["timing"]["coefficients"]
+    assert {k: timing[k] for k in ("c0", "c1", "c2", "c3", "c4", "mixed_step_s", "largest_graph_tokens", "past_knee_s",
+                                   "knee_tokens")} == sim["simulation"]["timing"]["coefficients"]
     assert timing["mixed_step_s"] == sim["simulation"]["timing"]["dispatch"]["mixed_step_s"] > 0  # vLLM's dispatch
     known = run_json("recommend", CHAT, *args, "--num-gpu-blocks", "6000", "--max-model-len", "32k")["recommendation"]
     assert known["objective"]["simulator"]["engine"]["num_blocks"] == 6000
