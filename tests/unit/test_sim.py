@@ -47,7 +47,8 @@ def engines(draw) -> EngineSettings:
 
 timings = st.builds(StepTimeModel, c0=st.floats(1e-3, 0.05), c1=st.floats(0, 1e-3), c2=st.floats(0, 1e-5),
                     c3=st.floats(0, 1e-3), c4=st.floats(0, 1e-5), mixed_step_s=st.just(0.0) | st.floats(0, 0.05),
-                    largest_graph_tokens=st.just(0) | st.integers(1, 64))
+                    largest_graph_tokens=st.just(0) | st.integers(1, 64), past_knee_s=st.just(0.0) | st.floats(0, 1e-3),
+                    knee_tokens=st.integers(0, 256))
 
 
 @st.composite
@@ -260,10 +261,13 @@ def test_step_time_is_the_formula():
 
 @given(c=st.tuples(st.floats(1e-4, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-5), st.floats(0, 1e-3),
                    st.floats(0, 1e-5)), mixed=st.floats(0, 0.05), graph=st.integers(0, 300),
+       knee=st.tuples(st.floats(0, 1e-4), st.integers(0, 300)),
        batch=st.integers(1, 300), ctx=st.integers(0, 10**6), k=st.integers(1, 400), window=st.integers(1, 10**16))
-def test_decode_run_closed_form(c, mixed, graph, batch, ctx, k, window):
-    # decode steps are uniform: the dispatch only where the batch is larger than the largest graph
-    ticks = StepTimeModel(*c, mixed_step_s=mixed, largest_graph_tokens=graph).ticks()
+def test_decode_run_closed_form(c, mixed, graph, knee, batch, ctx, k, window):
+    # decode steps are uniform: the dispatch only where the batch is larger than the largest graph,
+    # and the knee's cost the same every step of a run (Σn is its batch)
+    ticks = StepTimeModel(*c, mixed_step_s=mixed, largest_graph_tokens=graph, past_knee_s=knee[0],
+                          knee_tokens=knee[1]).ticks()
     # step j: every context grew by j; each request reads its ctx + 1 tokens of KV (c4)
     steps = [ticks.step(batch, 2 * (ctx + j * batch) + batch, batch, ctx + j * batch + batch) for j in range(k)]
     assert ticks.decode_run(batch, ctx, k) == sum(steps)
@@ -271,6 +275,23 @@ def test_decode_run_closed_form(c, mixed, graph, batch, ctx, k, window):
     expected = int((starts < window).sum())
     got = ticks.decode_steps_before(batch, ctx, window)
     assert min(got, k) == expected
+
+
+def test_a_step_past_the_knee_pays_each_token_past_it():
+    """The silicon fit's bend: past_knee_s per token a step computes past its first knee_tokens,
+    in seconds and in the simulator's ticks alike."""
+    base = StepTimeModel(0.005, 1e-5, 1e-8, 2e-4, 1e-8)
+    bent = StepTimeModel(0.005, 1e-5, 1e-8, 2e-4, 1e-8, past_knee_s=3e-5, knee_tokens=512)
+    for batch, past in (([(400, 0), (1, 90)], 0), ([(512, 0)], 0), ([(2000, 100), (1, 50), (1, 60)], 1490)):
+        assert bent.step_seconds(batch) == pytest.approx(base.step_seconds(batch) + 3e-5 * past)
+        tokens, size = sum(n for n, _ in batch), len(batch)
+        attention2 = sum(n * (2 * ctx + n) for n, ctx in batch)
+        kv = sum(ctx + n for n, ctx in batch)
+        assert bent.ticks().step(tokens, attention2, size, kv) - base.ticks().step(tokens, attention2, size, kv) == (
+            past * round(3e-5 * 10**15))
+    assert bent.to_dict()["knee_tokens"] == 512 and "knee_tokens" not in base.to_dict()
+    with pytest.raises(OptionError):
+        StepTimeModel(0.005, knee_tokens=-1)
 
 
 def test_step_time_rejects_nonsense():
