@@ -7,7 +7,7 @@ step latency once over a grid of batch shapes — decode batches of 1…512 at 1
 prefill chunks of 16…8,192 tokens after 0…24k cached — and fits the step form of
 kvtune.domain.step_time to it (non-negative least squares on relative error), so that the simulator keeps
 its closed-form decode runs: the straight line c0..c4 and a bend at the matmuls' knee (`past_knee_s`
-per token past `knee_tokens`, the knee of KNEES that fits the grid best). On Qwen3-14B / h100_sxm /
+per token past `knee_tokens`, the knee of KNEES whose fit has the least mean relative error). On Qwen3-14B / h100_sxm /
 vLLM the bend takes the fit's median error over the grid from 4.5 % to 2.0 %, its worst from 26 %
 to 11 %, and an 8,192-token chunk from 11–17 % under aiconfigurator's latency to within 3.5 %;
 `fit_error` reports it for every fit.

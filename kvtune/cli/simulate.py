@@ -44,10 +44,11 @@ JSON_FIELDS = """\b
   server          {preemptions, kv_cache_usage_peak, running_peak, waiting_peak,
                    generation_tokens, num_blocks, block_size} (peaks exact, not sampled)
   simulation      {timing: {source: calibrated|silicon|roofline-estimate, estimate, coefficients
-                   {c0..c4, mixed_step_s and largest_graph_tokens when not 0}, http_overhead_s, frontend {request_s,
-                   token_s} | null, fixed_delay_s, frontend_from (uncalibrated: where the API
-                   server's figures come from), host_work (uncalibrated vLLM: the engine core's
-                   host work, added or not, why), dispatch (uncalibrated vLLM: {per_layer_s,
+                   {c0..c4; past_knee_s, knee_tokens, mixed_step_s, largest_graph_tokens when
+                   not 0}, http_overhead_s, frontend {request_s, token_s} | null, fixed_delay_s,
+                   frontend_from (uncalibrated: where the API server's figures come from),
+                   host_work (uncalibrated vLLM: the engine core's host work, added or not,
+                   why), dispatch (uncalibrated vLLM: {per_layer_s,
                    layers, mixed_step_s, largest_cuda_graph_tokens, from}: the host's
                    layer-by-layer dispatch of each step not replayed as one CUDA graph; null for
                    other engines),

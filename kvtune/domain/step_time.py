@@ -127,8 +127,8 @@ class StepTimeModel:
                 + self.past_knee_s * max(0, tokens - self.knee_tokens))
 
     def to_dict(self) -> dict[str, float]:
-        """The coefficients, and `mixed_step_s` with its `largest_graph_tokens` where it is not 0
-        (a calibrated model's never is)."""
+        """The coefficients, and the terms beyond them where they are not 0 (a calibrated model's
+        never are): `past_knee_s` with its `knee_tokens`, `mixed_step_s` with its `largest_graph_tokens`."""
         out = {name: getattr(self, name) for name in COEFFICIENTS}
         if self.past_knee_s:
             out["past_knee_s"] = self.past_knee_s

@@ -18,7 +18,8 @@ host work hides behind the forward pass (as long as it is shorter, which at thes
 512 sequences × 6.9 µs = 3.5 ms against tens of ms) and is not added.
 
 A second host cost is the launch of the model itself: a step vLLM cannot replay as one CUDA graph
-(some request computes more than one token) runs piecewise, dispatched layer by layer. It could
+(some request computes more than one token, or it has more tokens than the largest graph) runs
+piecewise or eagerly, dispatched layer by layer. It could
 not be measured here (the CPU build has no CUDA graphs); its figure is aiconfigurator-core's,
 calibrated on measured vLLM runs (VLLM_DISPATCH_PER_LAYER_S below), and it is added whatever the
 release.
@@ -93,7 +94,7 @@ VLLM_ENGINE_HOST_SOURCE = ("benchmarks/host_overheads.py on vLLM 0.32.0's engine
 # (aiconfigurator's backends for them add none).
 VLLM_DISPATCH_PER_LAYER_S = 0.8e-3
 VLLM_DISPATCH_SOURCE = ("aiconfigurator-core's vLLM backend (`_prefill_dispatch_overhead_ms`: 0.8 ms per layer, "
-                        "calibrated by NVIDIA on its measured vLLM runs), per step that is not a uniform decode")
+                        "calibrated by NVIDIA on its measured vLLM runs), per step not replayed as one CUDA graph")
 
 
 # The most tokens a step vLLM replays as one CUDA graph: a larger one runs eagerly, every kernel
