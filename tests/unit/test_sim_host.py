@@ -2,8 +2,9 @@
 uncalibrated vLLM simulation in releases that schedule between forward passes (before async
 scheduling became the default), per step and per running sequence; hidden behind the forward pass
 in releases that overlap them; never added to a calibrated step time (which measured it). And the
-host's layer-by-layer dispatch of a step that is not a uniform decode (aiconfigurator-core's
-0.8 ms per layer), added to those steps of every vLLM release, never to SGLang's or a calibration's."""
+host's layer-by-layer dispatch of a step vLLM does not replay as one CUDA graph (not a uniform
+decode, or past its largest graph; aiconfigurator-core's 0.8 ms per layer), added to those steps of
+every vLLM release, never to SGLang's or a calibration's."""
 
 from __future__ import annotations
 
