@@ -12,6 +12,7 @@ from kvtune.errors import OptionError
 if TYPE_CHECKING:
     from kvtune.bench.timing import TimingProgress
 
+
 async def calibrate(
     url: str | None,
     engine: str = "vllm",

@@ -16,6 +16,7 @@ from kvtune.policy import feasibility
 if TYPE_CHECKING:
     from kvtune.domain.feasibility import Verdict
 
+
 @dataclass(frozen=True, slots=True)
 class CapacityFit:
     """What `kvtune capacity` reports: the plan's capacity report, and whether one request at
@@ -33,7 +34,7 @@ class CapacityFit:
 
 
 def capacity_fit(deployment: Deployment, measured: Measurement | None = None,
-             shapes: Sequence[RequestShape] = ()) -> CapacityFit:
+                 shapes: Sequence[RequestShape] = ()) -> CapacityFit:
     """How many tokens, blocks and requests of `shapes` fit on the deployment (its `measured`
     capacity, else the memory estimate), and whether it can serve one request at max_model_len.
 

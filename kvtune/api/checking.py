@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +16,7 @@ from kvtune.weights import weights_for
 
 if TYPE_CHECKING:
     from kvtune.deploy.check import CheckResult
+
 
 def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
           max_truncation: float | None = None) -> CheckResult:
@@ -33,17 +34,16 @@ def check(rec: Recommendation, deployed: Sequence[str | os.PathLike[str]], *,
 
     files = [load_deployed(p) for p in deployed]
     result = _check_loaded(rec, files, max_truncation)
-    beside = [f for p, d in zip(deployed, files, strict=True) if d.kind is DeployedKind.NGINX
-              for f in lua_module_findings(d.source, _lua_beside(Path(p).parent), lua_modules())]
+    nginx = [(p, d) for p, d in zip(deployed, files, strict=True) if d.kind is DeployedKind.NGINX]
+    shipped = lua_modules() if nginx else {}
+    beside = [f for p, d in nginx for f in lua_module_findings(d.source, _lua_beside(Path(p).parent, shipped), shipped)]
     return dataclasses.replace(result, findings=(*result.findings, *beside)) if beside else result
 
 
-def _lua_beside(folder: Path) -> dict[str, str | None]:
-    """The Lua modules nginx.conf loads, as found in `folder` (None: absent or unreadable)."""
-    from kvtune.deploy.render import lua_modules  # jinja2: only to check
-
+def _lua_beside(folder: Path, names: Iterable[str]) -> dict[str, str | None]:
+    """The Lua modules nginx.conf loads (`names`), as found in `folder` (None: absent or unreadable)."""
     found: dict[str, str | None] = {}
-    for name in lua_modules():
+    for name in names:
         try:
             found[name] = (folder / name).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):

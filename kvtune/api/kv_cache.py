@@ -13,6 +13,7 @@ from kvtune.model import resolve_model
 if TYPE_CHECKING:
     from kvtune.kv import KvBytes
 
+
 def kv_bytes(deployment: Deployment) -> KvBytes:
     """KV-cache bytes per token of the deployment's model, by layer kind, under its tp and pp, in
     its KV dtype: what `kvtune kv` shows.

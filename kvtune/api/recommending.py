@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvtune.deploy.render import RenderOptions
     from kvtune.domain.feasibility import Verdict
 
+
 class RenderCheckError(KvtuneError):
     """Rendered files that would fail `kvtune check` against the recommendation they came from."""
 

@@ -18,8 +18,6 @@ from kvtune.gpu_spec import read_gpu_spec
 from kvtune.hardware import find_gpu, parse_memory_size
 from kvtune.userfiles import brief
 
-_STYLE = {"risk": ("RISK", "red"), "warn": ("WARN", "yellow"), "info": ("info", "blue")}  # by a Severity's value
-
 
 def _saved_recommendation(paths: tuple[str, ...]):
     """A recommendation.json written by `kvtune recommend --out` instead of logs (read back
@@ -146,16 +144,19 @@ def check(logs: tuple[str, ...], policy: PolicyArgs, capacity: CapacityArgs, log
     if json_:
         click.echo(json.dumps({**result.to_dict(), "notes": list(rec.notes)}, indent=2))
     else:
+        from kvtune.deploy.check import Severity  # loaded by api.check already: nothing more at start-up
+
         # a Kubernetes manifest's findings name the document they come from (k8s/vllm.yaml: Deployment/...)
         documents = any(d.source not in deployed_paths for d in deployed)
+        style = {Severity.RISK: ("RISK", "red"), Severity.WARN: ("WARN", "yellow"), Severity.INFO: ("info", "blue")}
         for finding in result.findings:
-            label, color = _STYLE[finding.severity.value]
+            label, color = style[finding.severity]
             where = f" [{finding.source}]" if finding.source and (len(deployed) > 1 or documents) else ""
             detail = escape_controls(f"{finding.code}{where}: {finding.message}")
             click.echo(f"{click.style(label, fg=color, bold=True)} {detail}")
             click.echo(escape_controls(f"     why: {finding.why}"))
-        risks = sum(f.severity.value == "risk" for f in result.findings)
-        warns = sum(f.severity.value == "warn" for f in result.findings)
+        risks = sum(f.severity is Severity.RISK for f in result.findings)
+        warns = sum(f.severity is Severity.WARN for f in result.findings)
         verdict = "passed" if result.passed else "FAILED"
         click.echo(escape_controls(f"{verdict}: {risks} risk, {warns} warning(s) in {', '.join(deployed_paths)}"))
     if not result.passed:

@@ -85,6 +85,13 @@ def step_features(batch: Iterable[tuple[int, int]]) -> np.ndarray:
     return np.array([1.0, total, attention, float(size), read])
 
 
+def replays_one_graph(tokens: int, batch: int, largest_graph_tokens: int) -> bool:
+    """Whether vLLM runs a step of `tokens` = Σn over `batch` requests (each computing at least
+    one) as one CUDA graph: a uniform decode (Σn = |batch|) no larger than its largest graph
+    (0: no limit). Any other step pays `mixed_step_s` (module docstring)."""
+    return tokens == batch and not 0 < largest_graph_tokens < tokens
+
+
 @dataclass(frozen=True, slots=True)
 class StepTimeModel:
     """The coefficients, in seconds (units in COEFFICIENT_UNITS), and where they came from."""
@@ -122,8 +129,8 @@ class StepTimeModel:
         """One step's time for a batch of (tokens computed this step, context already computed)."""
         features = step_features(batch)
         tokens, size = int(features[1]), int(features[3])
-        eager = 0 < self.largest_graph_tokens < tokens
-        return (float(features @ self.coefficients) + (self.mixed_step_s if tokens > size or eager else 0.0)
+        graphed = replays_one_graph(tokens, size, self.largest_graph_tokens)
+        return (float(features @ self.coefficients) + (0.0 if graphed else self.mixed_step_s)
                 + self.past_knee_s * max(0, tokens - self.knee_tokens))
 
     def to_dict(self) -> dict[str, float]:
@@ -185,10 +192,9 @@ class StepTicks:
     knee: int = 0  # StepTimeModel.knee_tokens
 
     def step(self, tokens: int, attention2: int, batch: int, kv_read: int = 0) -> int:
-        """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch| (each of them
-        computes at least one token, so Σn > |batch| exactly when one computes more: `mixed`, as
-        when Σn passes the largest graph), `kv_read` = Σ(ctx + n)."""
-        graphed = tokens == batch and not 0 < self.largest_graph < tokens
+        """One step: `tokens` = Σn, `attention2` = Σ n·(2·ctx + n), `batch` = |batch| (`mixed` unless
+        it replays one CUDA graph: replays_one_graph), `kv_read` = Σ(ctx + n)."""
+        graphed = replays_one_graph(tokens, batch, self.largest_graph)
         return (self.c0 + self.c1 * tokens + self.c2_half * attention2 + self.c3 * batch + self.c4 * kv_read
                 + (0 if graphed else self.mixed) + self.past_knee * max(0, tokens - self.knee))
 
@@ -224,4 +230,4 @@ class StepTicks:
 
 
 __all__ = ["COEFFICIENTS", "COEFFICIENT_UNITS", "FORMULA", "TICKS_PER_S", "TimingSource", "StepTimeModel",
-           "StepTicks", "step_features", "FRONTEND_TERMS", "FRONTEND_UNITS", "FrontEndModel"]
+           "StepTicks", "step_features", "replays_one_graph", "FRONTEND_TERMS", "FRONTEND_UNITS", "FrontEndModel"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtune.domain.slo import Slo
-from kvtune.domain.step_time import StepTimeModel, TimingSource
+from kvtune.domain.step_time import StepTimeModel, TimingSource, replays_one_graph
 from kvtune.errors import KvtuneError
 from kvtune.planning import Plan
 from kvtune.profile.routes import Profile
@@ -126,7 +126,7 @@ def tpot_s(model: StepTimeModel, shape: TrafficShape, max_num_seqs: int) -> floa
     # the share of a request's decode steps in which one of the other N − 1 is replaced (prefills);
     # all of them when N decodes are more than vLLM replays as one CUDA graph (module docstring)
     prefilling = -math.expm1(-(max_num_seqs - 1) * shape.requests_per_output)
-    if 0 < model.largest_graph_tokens < max_num_seqs:
+    if not replays_one_graph(max_num_seqs, max_num_seqs, model.largest_graph_tokens):
         prefilling = 1.0
     tokens = max_num_seqs * (1 + shape.prefill_tokens_per_output)  # a step's decodes and its share of prefill
     return (model.c0 + max_num_seqs * _per_request_s(model, shape) + model.mixed_step_s * prefilling

@@ -9,7 +9,7 @@ file's calibrated `timing` (measured on the server itself: it wins), else the si
 else the roofline estimate for a model and GPU, labelled as such with the reason silicon data
 did not apply. Those two price the GPU's forward pass only; for vLLM the rest of the server goes
 around them: its API server (kvtune.sim.frontend), the host's layer-by-layer dispatch of each step
-that is not a uniform decode and, in releases that schedule between forward passes, the engine
+it does not replay as one CUDA graph and, in releases that schedule between forward passes, the engine
 core's host work per running sequence (both kvtune.sim.host). A calibrated step time measured all
 of it and gets nothing added.
 """
@@ -216,7 +216,7 @@ def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str |
                      engine_version: str | None, num_layers: int, gpu_name: str) -> TimingSetup:
     """An uncalibrated step time with the whole server around it: for vLLM, its measured API server
     (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`), its host's layer-by-layer
-    dispatch of every step that is not a uniform decode (kvtune.sim.host, `dispatch`) and, in
+    dispatch of every step it does not replay as one CUDA graph (kvtune.sim.host, `dispatch`) and, in
     releases that schedule between forward passes, the engine core's host work per step
     (`host_work`); other engines' servers were not measured, so none (`frontend_from` says so)."""
     if engine not in (None, "vllm"):
