@@ -25,6 +25,9 @@ from kvtune.policy.recommendation import read_recommendation
 
 DEFAULT = HealthProbe()  # gateway.yaml's: every 1 s, within 1 s
 FAST = HealthProbe(interval_s=0.2, timeout_s=0.2)
+# for a test whose claim is what an answer said: on a loaded host the fake may take longer than
+# 0.2 s to answer, and "no answer within 0.2 s" would take the upstream out first
+PATIENT = HealthProbe(interval_s=0.2, timeout_s=2.0)
 
 
 @contextmanager
@@ -90,7 +93,7 @@ def test_a_stopped_upstream_is_taken_out_within_2s_and_used_again_once_it_is_bac
 
 
 def test_an_upstream_answering_health_503_is_out_until_it_answers_200(tmp_path):
-    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", FAST) as server:
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", PATIENT) as server:
         b.health_status = 503
         _, ledger = wait_health(server, [True, False], timeout=2)
         assert ledger["upstreams"][1]["why"] == "GET /health answered 503"
@@ -160,7 +163,7 @@ def test_a_refused_connection_when_proxying_takes_the_upstream_out_at_once(tmp_p
 
 
 def test_upstreams_named_by_host_name_are_probed_at_the_addresses_the_name_resolves_to(tmp_path):
-    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", FAST, workers="1",
+    with small_fake() as a, small_fake() as b, nginx_over(a, b, tmp_path / "nginx", PATIENT, workers="1",
                                                           host="localhost") as server:
         b.health_status = 503
         _, ledger = wait_health(server, [True, False], timeout=2)
