@@ -25,8 +25,10 @@ from kvtune.policy.recommendation import read_recommendation
 
 pytestmark = pytest.mark.slow
 
-# Probes every 0.2 s (they pass: /health answers 200 throughout); ejections of 1 s, no back-off.
-FLAT = HealthProbe(interval_s=0.2, timeout_s=0.2, consecutive_failures=5, ejection_s=1.0, max_ejection_s=1.0)
+# Probes every 0.2 s (they pass: /health answers 200 throughout); ejections of 1 s, no back-off. The
+# probes' deadline is 1 s, not 0.2 s: these tests' claims are passive ejections, and on a loaded host
+# a fake that answers /health past 0.2 s would take an upstream out beside them (a 503 in CI).
+FLAT = HealthProbe(interval_s=0.2, timeout_s=1.0, consecutive_failures=5, ejection_s=1.0, max_ejection_s=1.0)
 
 
 @contextmanager
@@ -115,7 +117,7 @@ def test_a_replica_answering_500_is_ejected_and_gets_traffic_again_once_it_recov
 @pytest.mark.parametrize("kind", ["python", "nginx"])
 def test_ejections_in_a_row_double_up_to_the_max(tmp_path, kind):
     # 0.5 s, then 1 s, then 2 s: over 3 s, three ejections at most (six without the back-off)
-    health = HealthProbe(interval_s=0.2, timeout_s=0.2, consecutive_failures=5, ejection_s=0.5, max_ejection_s=2.0)
+    health = HealthProbe(interval_s=0.2, timeout_s=1.0, consecutive_failures=5, ejection_s=0.5, max_ejection_s=2.0)
     with small_fake() as a, small_fake() as b, over(kind, a, b, tmp_path / "nginx", health) as server:
         b.engine_status = 500
         lengths: dict[int, float] = {}  # each ejection's length, by its number
@@ -152,7 +154,7 @@ def test_the_last_replica_routed_to_is_never_ejected(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["python", "nginx"])
 def test_consecutive_failures_0_turns_passive_health_off(tmp_path, kind):
     # the failure the issue measured: the broken replica, always the most free, takes nearly everything
-    off = HealthProbe(interval_s=0.2, timeout_s=0.2, consecutive_failures=0)
+    off = HealthProbe(interval_s=0.2, timeout_s=1.0, consecutive_failures=0)
     with small_fake() as a, small_fake() as b, over(kind, a, b, tmp_path / "nginx", off) as server:
         b.engine_status = 500
         statuses = load(server, 1.5)
