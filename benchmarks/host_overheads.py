@@ -40,7 +40,7 @@ _STEPS = re.compile(r"^vllm:iteration_tokens_total_count\{[^}]*\} ([\d.e+]+)", r
 _HZ = 100  # clock ticks per second of /proc/PID/stat (os.sysconf("SC_CLK_TCK") on Linux)
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _HZ
 
@@ -107,9 +107,9 @@ def measure(layers: int, batches: list[int], short: int, long: int, repeats: int
         for batch in batches:
             for _, tokens in ((r, t) for r in range(repeats) for t in (short, long)):
                 s0 = _steps(server.metrics_text())
-                c0 = {role: _cpu_s(pid) for role, pid in roles.items()}
+                c0 = {role: process_cpu_s(pid) for role, pid in roles.items()}
                 wall, chunks, client_cpu = asyncio.run(_burst(server.url, batch, tokens))
-                c1 = {role: _cpu_s(pid) for role, pid in roles.items()}
+                c1 = {role: process_cpu_s(pid) for role, pid in roles.items()}
                 steps = _steps(server.metrics_text()) - s0
                 cpu = {role: c1[role] - c0[role] for role in roles}
                 rows.append({"layers": layers, "batch": batch, "tokens": tokens, "steps": steps, "chunks": chunks,

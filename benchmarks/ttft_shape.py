@@ -10,9 +10,20 @@ B streaming /v1/chat/completions sent at once (as `vllm bench serve` sends them:
 one shared session, no connection limit), 2 tokens each, on a 1-layer hidden-64 model whose
 forward pass is negligible, so the TTFT is the server's. Per burst: median, p90, p99 of TTFT from
 each request's send, p99 ÷ median, the first TTFT, and D = median − (p99 − median) ÷ 0.98 (the
-delay common to all requests if the rest were a FIFO queue: D + i·w).
+delay common to all requests if the rest were a FIFO queue: D + i·w). And the API server's own CPU
+time over the burst ÷ B (`api_cpu_per_request_s`, /proc/PID/stat): wall-clock figures on this
+2-core machine share it with the client, the engine core (which busy-polls) and the other
+engineers' work, so D ÷ B is the server's work only on an idle machine; its CPU time is not moved
+by the others' load (a server CPU core is assumed no slower than this one).
 
-    flock /tmp/kvtune-vllm.lock python benchmarks/ttft_shape.py [--batches 128,512] [--json]
+`--request sharegpt` sends what the published ShareGPT runs send instead of an 8-word prompt under
+a one-line template: a ~230-token English message (their mean prompt) rendered through Qwen3's
+own chat template (tests/data/chat_templates/qwen3-4b-thinking-2507.jinja, whose message loop is
+Qwen3-8B's) and tokenized by a real 32,000-token SentencePiece vocabulary (Mistral v0.1's;
+Qwen's own tokenizer is not reachable offline), so that the server's per-request work includes a
+real template and a real tokenizer on a real-length prompt.
+
+    flock /tmp/kvtune-vllm.lock python benchmarks/ttft_shape.py [--batches 128,512] [--request tiny|sharegpt] [--json]
 """
 
 from __future__ import annotations
@@ -29,12 +40,47 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overheads import process_cpu_s
 from vllm_server import start_vllm, stop_vllm, synth_prompt, write_tiny_model
 
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_TEMPLATE = REPO / "tests" / "data" / "chat_templates" / "qwen3-4b-thinking-2507.jinja"
+# ~230 tokens of ordinary English under Mistral's vocabulary (ShareGPT's mean prompt in the
+# published runs: 23,260 tokens over 100 prompts), the same text for every request
+SHAREGPT_LIKE = (
+    "I have been running a small web service for a few months and the traffic is growing faster than "
+    "I expected. Right now everything runs on one virtual machine with four cores and sixteen gigabytes "
+    "of memory, and the database lives on the same machine. Last week the response times went up to "
+    "several seconds during the busiest hour, and two customers wrote to complain. I am thinking about "
+    "moving the database to its own server, adding a cache in front of the most common queries, and "
+    "putting a load balancer in front of two copies of the application. I have never done any of this "
+    "before, so I would like to understand the order in which I should make these changes, what each one "
+    "will cost me in time and money, and how I can measure whether it helped. Could you also explain what "
+    "I should monitor so that I notice the next slowdown before my customers do, and which mistakes people "
+    "usually make the first time they split an application across several machines?"
+)
 
-async def _burst(url: str, batch: int) -> list[float]:
+
+def _message(request: str) -> str:
+    return SHAREGPT_LIKE if request == "sharegpt" else synth_prompt(8)
+
+
+def _model(dir: Path, request: str) -> Path:
+    """The 1-layer model; for `sharegpt`, with Mistral's tokenizer and Qwen3's chat template."""
+    if request != "sharegpt":
+        return write_tiny_model(dir, num_layers=1)
+    model = write_tiny_model(dir, num_layers=1, tokenizer="mistral-v1")
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = QWEN3_TEMPLATE.read_text()
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return model
+
+
+async def _burst(url: str, batch: int, request: str = "tiny") -> list[float]:
     """Each request's TTFT (s): its send to the first SSE chunk that has `choices`."""
-    payload = {"model": "tiny", "messages": [{"role": "user", "content": synth_prompt(8)}], "max_tokens": 2,
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": _message(request)}], "max_tokens": 2,
                "temperature": 0.0, "stream": True}
     connector = aiohttp.TCPConnector(limit=0)
 
@@ -63,31 +109,40 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="128,512")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--request", choices=["tiny", "sharegpt"], default="tiny",
+                    help="an 8-word prompt under a one-line template, or a ShareGPT-length one under Qwen3's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_tiny_model(Path(tmp) / "tiny-1", num_layers=1)
-        blocks = max(batches) + 64
-        server = start_vllm(model, max_model_len=256, kv_cache_memory_bytes=blocks * 128 * 2 * 32 * 2 * 2,
+        model = _model(Path(tmp) / "tiny-1", args.request)
+        per_request = 1 if args.request == "tiny" else 4  # blocks of 128 tokens: the prompt and 2 outputs
+        blocks = per_request * max(batches) + 64
+        server = start_vllm(model, max_model_len=256 * per_request,
+                            kv_cache_memory_bytes=blocks * 128 * 2 * 32 * 2 * 2,
                             extra_args=["--max-num-seqs", str(max(batches)), "--max-num-batched-tokens", "8192"])
         try:
-            asyncio.run(_burst(server.url, 4))  # warm up
+            asyncio.run(_burst(server.url, 4, args.request))  # warm up
             for batch in batches:
                 for _ in range(args.repeats):
-                    rows.append({"batch": batch, **_shape(asyncio.run(_burst(server.url, batch)))})
+                    cpu0 = process_cpu_s(server.pid)
+                    ttft = asyncio.run(_burst(server.url, batch, args.request))
+                    cpu = (process_cpu_s(server.pid) - cpu0) / batch
+                    rows.append({"batch": batch, **_shape(ttft), "api_cpu_per_request_s": cpu})
                     print(json.dumps(rows[-1]), file=sys.stderr)
         finally:
             stop_vllm(server)
     if args.json:
-        print(json.dumps({"measured": "vLLM 0.32.0 CPU build, kvtune's 2-core shared machine", "rows": rows},
+        print(json.dumps({"measured": "vLLM 0.32.0 CPU build, kvtune's 2-core shared machine",
+                          "request": args.request, "rows": rows},
                          indent=2))
     else:
         for r in rows:
             print(f"B={r['batch']:4}: first {r['first_s'] * 1e3:7.1f} ms, median {r['median_s'] * 1e3:7.1f}, "
                   f"p99 {r['p99_s'] * 1e3:7.1f}, p99/median {r['p99_over_median']:.2f}, "
-                  f"common delay {r['common_delay_s'] * 1e3:7.1f} ms")
+                  f"common delay {r['common_delay_s'] * 1e3:7.1f} ms, "
+                  f"API server CPU {r['api_cpu_per_request_s'] * 1e3:5.2f} ms per request")
     return 0
 
 

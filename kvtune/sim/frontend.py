@@ -45,17 +45,26 @@ import numpy as np
 from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel
 
 # vLLM's API server when nothing calibrated it (a simulation on silicon data or the roofline).
-# Per request: benchmarks/ttft_shape.py on vLLM 0.32.0's own OpenAI server (CPU build: the same
-# Python as on a GPU host), bursts of B = 128 and 512 streaming /v1/chat/completions sent at once
-# as `vllm bench serve` sends them, on kvtune's 2-core test machine, 2026-12-07
-# (benchmarks/results/ttft_shape-2026-12-07.json): the delay common to every request of a burst
-# (`common_delay_s`) ÷ B is 2.91, 4.76, 4.89 and 5.96 ms; the median over the four bursts,
-# 4.83 ms, is the ingress work one request brings to the shared server (a burst of B reaches the
-# engine after B × 4.83 ms). It is a chat request's (template included) and is not fitted to
-# any published GPU run. `kvtune calibrate --timing` against vLLM 0.32.0's /v1/completions
-# (no template; tests/live/test_timing_live.py) measured 2.69 ms from bursts of 16 and 3.57 ms
-# outside the engine's steps for a lone request (VLLM_API_SERVER_LONE_S, http_overhead_s): a
-# lone chat request now pays its 4.83 ms of ingress and no fixed delay besides.
+# Per request: benchmarks/ttft_shape.py --request sharegpt on vLLM 0.32.0's own OpenAI server (CPU
+# build: the same Python as on a GPU host), bursts of B = 128 and 512 streaming
+# /v1/chat/completions sent at once as `vllm bench serve` sends them, each a ~230-token English
+# message (the published ShareGPT runs' mean prompt) rendered through Qwen3's own chat template
+# and a real 32,000-token SentencePiece tokenizer, on kvtune's 2-core test machine, 2026-12-07
+# (benchmarks/results/ttft_shape-2026-12-07-sharegpt.json): the API server process's CPU time over
+# a burst ÷ B is 2.40-2.81 ms over 12 bursts, median 2.51 ms, of which 2 × 12.6 µs is the two
+# tokens each streamed (token_s below): 2.49 ms is the ingress work one request brings to the
+# shared server (a burst of B reaches the engine after B × 2.49 ms). CPU time, not wall time: the
+# figure this replaced, 4.83 ms, was the wall-clock delay a burst of 8-word requests under a
+# one-line template had in common ÷ B, measured while the machine ran at load ~11, and wall time
+# there is shared with the client, the busy-polling engine core and the other engineers' work (the
+# same 8-word bursts at load ~1: 1.49 ms wall, 1.43 ms of server CPU per request,
+# benchmarks/results/ttft_shape-2026-12-07-tiny-idle.json). It is not fitted to any published GPU
+# run. A server CPU core is assumed no slower than this one.
+# A lone request: `kvtune calibrate --timing` against vLLM 0.32.0's /v1/completions
+# (tests/live/test_timing_live.py) measured 3.57 ms outside the engine's steps
+# (VLLM_API_SERVER_LONE_S, the http_overhead_s of kvtune.sim.setup.TimingSetup); the part beyond
+# the ingress work above (1.07 ms: the hand-offs between processes, latency rather than work) stays
+# a fixed delay before the engine sees each request.
 # Per streamed token: benchmarks/host_overheads.py on vLLM 0.32.0's CPU build (2026-12-07), the API
 # server's CPU time over 24 bursts of 16 to 512 /v1/chat/completions streams decoding at once, is
 # 1.18 ms per request + 51.3 µs per SSE chunk + 12.6 µs per token (non-negative least squares).
@@ -64,10 +73,10 @@ from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel
 # (vLLM's RequestOutputCollector), so the chunk's 51.3 µs shrinks per token exactly when the
 # server is busy (10 of the 24 bursts merged: 1,328 chunks for 8,320 tokens). token_s is 12.6 µs:
 # ~79,000 tokens/s of one process, so streaming does not bound a GPU's output rate.
-# A server CPU core is no slower than this shared one, so these are upper figures.
-VLLM_API_SERVER = FrontEndModel(request_s=0.00483, token_s=0.0000126)
+VLLM_API_SERVER = FrontEndModel(request_s=0.00249, token_s=0.0000126)
 VLLM_API_SERVER_LONE_S = 0.00357  # http_overhead_s: what a lone request spends outside the steps
-VLLM_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py (bursts of chat requests, 4.83 ms each) and "
+VLLM_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py (bursts of ShareGPT-length chat requests under Qwen3's "
+                          "template, 2.49 ms of server CPU each) and "
                           "benchmarks/host_overheads.py (12.6 µs per token) on vLLM 0.32.0's OpenAI API "
                           "server (CPU build, 2026-12-07), not this deployment's")
 

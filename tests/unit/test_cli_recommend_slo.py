@@ -129,11 +129,11 @@ def test_offline_the_bound_and_the_simulator_share_the_silicon_step_time(log):
     assert seqs["rule"] == "max-num-seqs-slo" and f"by the {SILICON}" in seqs["reason"]
     predicted, n = predicted_ms(seqs["reason"], "TPOT"), seqs["value"]
     # vLLM's API server stands in front of an uncalibrated simulation and shares its process among
-    # the requests in it (4.83 ms of work each): 8n clients sending once each, all at t = 0, all
-    # reach the engine together (after ~10 s), which then runs a full batch of n until only the
+    # the requests in it (2.49 ms of work each): 8n clients sending once each, all at t = 0, all
+    # reach the engine together (after ~5 s), which then runs a full batch of n until only the
     # last n are left, so the typical request (p50) ran in a full batch. (Closed-loop clients that
     # send again would keep ~200 short requests/s passing through the API server, most of its
-    # capacity at 4.83 ms each: its streaming then slows the tokens, not the step time asserted here.)
+    # capacity at 2.49 ms each: its streaming then slows the tokens, not the step time asserted here.)
     sim = CliRunner().invoke(cli, ["simulate", log, *H100, "--max-num-seqs", str(n), "--concurrency", str(8 * n),
                                    "--requests", str(8 * n), "--json"], catch_exceptions=False)
     assert sim.exit_code == 0, sim.output

@@ -12,7 +12,7 @@ from sim_cli import simulate_json as simulate
 from sim_cli import uniform_log
 
 BURST = 200
-REQUEST_S = 0.00483  # the measured ingress work per chat request (kvtune/sim/frontend.py)
+REQUEST_S = 0.00249  # the measured ingress work per chat request (kvtune/sim/frontend.py)
 TOKEN_S = 0.0000126  # the measured API-server work per streamed token (benchmarks/host_overheads.py)
 
 
@@ -24,7 +24,7 @@ def burst_log(tmp_path: Path, requests: int = BURST) -> str:
 def test_a_burst_queues_behind_vllms_api_server(tmp_path):
     """200 requests at once: the engine prefills their 3,200 tokens in one step or two (tens of ms),
     but vLLM's API server prepares them on one process, and the first tokens it streams wait for
-    that work: the first tokens come after 200 requests' ingress work (0.97 s); on the forward
+    that work: the first tokens come after 200 requests' ingress work (0.50 s); on the forward
     pass alone every TTFT was under 0.1 s."""
     data = simulate(burst_log(tmp_path))
     timing = data["simulation"]["timing"]
@@ -37,9 +37,10 @@ def test_a_burst_queues_behind_vllms_api_server(tmp_path):
 
 def test_a_burst_of_512_gets_its_first_tokens_together_as_on_vllm(tmp_path):
     """512 chat requests sent at once, 2 tokens each (benchmarks/ttft_shape.py's burst): on vLLM's
-    own server no request had a first token before 2.0-2.3 s, and then all within 0.5-0.9 s
-    (p99 ÷ median TTFT 1.07-1.32). The API server shares its one process among the requests in
-    it, so all 512 reach the engine together after 512 × 4.83 ms and run in one batch; the FIFO
+    own server, idle but for the burst, no request had a first token before 0.43-0.52 s, and the
+    median came at 0.78-0.88 s (p99 ÷ median TTFT 1.05-1.24). The API server shares its one
+    process among the requests in it, so all 512 reach the engine together after 512 × 2.49 ms
+    and run in one batch; the FIFO
     server kvtune had handed them on one by one, 2.69 ms apart, to an engine that never ran more
     than 6 at once (its first tokens queued behind the rest of the burst's ingress, so the TTFTs
     bunched there too: p99 ÷ median 1.005 at 1.38 s)."""
