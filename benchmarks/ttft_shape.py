@@ -3,8 +3,9 @@
 Why: the published 1,000-request runs of vLLM 0.11 (docs/validation.md) have p99 ÷ median TTFT
 of 1.25 and 1.42, where a FIFO queue gives ~2: every request seems to wait for the whole burst's
 server work before any first token is streamed. (What this measured prices kvtune's API server,
-kvtune.sim.frontend: one process the requests in it share, 4.83 ms each — the median over the
-bursts of `common_delay_s` ÷ B in benchmarks/results/ttft_shape-2026-12-07.json.) vLLM's API
+kvtune.sim.frontend: one process the requests in it share, 2.49 ms each — the median over the
+bursts of `api_cpu_per_request_s` in benchmarks/results/ttft_shape-2026-12-07-sharegpt.json, less
+the two tokens' streaming; ttft_shape-2026-12-07.json is the first run's shape, at load ~11.) vLLM's API
 server is the same asyncio code on the CPU build as on a GPU host, so the shape is measured here:
 B streaming /v1/chat/completions sent at once (as `vllm bench serve` sends them: temperature 0,
 one shared session, no connection limit), 2 tokens each, on a 1-layer hidden-64 model whose
