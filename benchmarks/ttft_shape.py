@@ -15,7 +15,11 @@ delay common to all requests if the rest were a FIFO queue: D + i·w). And the A
 time over the burst ÷ B (`api_cpu_per_request_s`, /proc/PID/stat): wall-clock figures on this
 2-core machine share it with the client, the engine core (which busy-polls) and the other
 engineers' work, so D ÷ B is the server's work only on an idle machine; its CPU time is not moved
-by the others' load (a server CPU core is assumed no slower than this one).
+by the others' load (a server CPU core is assumed no slower than this one). And the part of the
+mean TTFT spent outside the engine (`outside_engine_s`, over all the bursts of one size: the mean
+TTFT less the engine's own queue and prefill time per request, vllm:request_queue_time_seconds and
+vllm:request_prefill_time_seconds from /metrics): with `--batches 1`, what a lone request spends
+in the API server and the hand-offs between processes.
 
 `--request sharegpt` sends what the published ShareGPT runs send instead of an 8-word prompt under
 a one-line template: a ~230-token English message (their mean prompt) rendered through Qwen3's
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import tempfile
 import time
@@ -46,6 +51,7 @@ from host_overheads import process_cpu_s
 from vllm_server import start_vllm, stop_vllm, synth_prompt, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
+_ENGINE_TIME = re.compile(r"^vllm:request_(?:queue|prefill)_time_seconds_sum\{[^}]*\} ([\d.e+-]+)", re.MULTILINE)
 QWEN3_TEMPLATE = REPO / "tests" / "data" / "chat_templates" / "qwen3-4b-thinking-2507.jinja"
 # ~230 tokens of ordinary English under Mistral's vocabulary (ShareGPT's mean prompt in the
 # published runs: 23,260 tokens over 100 prompts), the same text for every request
@@ -99,6 +105,11 @@ async def _burst(url: str, batch: int, request: str = "tiny") -> list[float]:
         return list(await asyncio.gather(*(one(session) for _ in range(batch))))
 
 
+def _engine_s(metrics: str) -> float:
+    """The engine's queue and prefill seconds, summed over every request so far."""
+    return sum(float(v) for v in _ENGINE_TIME.findall(metrics))
+
+
 def _shape(ttft: list[float]) -> dict[str, float]:
     t = np.sort(np.array(ttft))
     med, p90, p99 = (float(np.percentile(t, q)) for q in (50, 90, 99))
@@ -126,12 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(_burst(server.url, 4, args.request))  # warm up
             for batch in batches:
-                for _ in range(args.repeats):
+                engine0, group, ttfts = _engine_s(server.metrics_text()), [], []
+                for _ in range(args.repeats):  # /metrics around the bursts: it costs the server CPU
                     cpu0 = process_cpu_s(server.pid)
                     ttft = asyncio.run(_burst(server.url, batch, args.request))
                     cpu = (process_cpu_s(server.pid) - cpu0) / batch
-                    rows.append({"batch": batch, **_shape(ttft), "api_cpu_per_request_s": cpu})
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+                    group.append({"batch": batch, **_shape(ttft), "api_cpu_per_request_s": cpu})
+                    ttfts += ttft
+                    print(json.dumps(group[-1]), file=sys.stderr)
+                outside = float(np.mean(ttfts)) - (_engine_s(server.metrics_text()) - engine0) / len(ttfts)
+                rows += [{**row, "outside_engine_s": outside} for row in group]
         finally:
             stop_vllm(server)
     if args.json:
@@ -143,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"B={r['batch']:4}: first {r['first_s'] * 1e3:7.1f} ms, median {r['median_s'] * 1e3:7.1f}, "
                   f"p99 {r['p99_s'] * 1e3:7.1f}, p99/median {r['p99_over_median']:.2f}, "
                   f"common delay {r['common_delay_s'] * 1e3:7.1f} ms, "
-                  f"API server CPU {r['api_cpu_per_request_s'] * 1e3:5.2f} ms per request")
+                  f"API server CPU {r['api_cpu_per_request_s'] * 1e3:5.2f} ms per request, "
+                  f"outside the engine {r['outside_engine_s'] * 1e3:5.2f} ms")
     return 0
 
 

@@ -60,11 +60,18 @@ from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel
 # same 8-word bursts at load ~1: 1.49 ms wall, 1.43 ms of server CPU per request,
 # benchmarks/results/ttft_shape-2026-12-07-tiny-idle.json). It is not fitted to any published GPU
 # run. A server CPU core is assumed no slower than this one.
-# A lone request: `kvtune calibrate --timing` against vLLM 0.32.0's /v1/completions
-# (tests/live/test_timing_live.py) measured 3.57 ms outside the engine's steps
-# (VLLM_API_SERVER_LONE_S, the http_overhead_s of kvtune.sim.setup.TimingSetup); the part beyond
-# the ingress work above (1.07 ms: the hand-offs between processes, latency rather than work) stays
-# a fixed delay before the engine sees each request.
+# A lone request costs the server more than its share of a burst: what bursts amortize (the event
+# loop's wake-ups, the tokenizer's batch of one, the hand-offs to and from the engine core) it pays
+# alone. The same ttft_shape.py with --batches 1 (60 lone ShareGPT-length chat requests one after
+# another, six runs, benchmarks/results/ttft_shape-2026-12-07-sharegpt-lone.json): the API server's
+# CPU time per lone request is 5.0-5.83 ms, median 5.67 ms (VLLM_API_SERVER_LONE_S, the
+# http_overhead_s of kvtune.sim.setup.TimingSetup); the part beyond the ingress work above (3.17 ms)
+# stays a fixed delay before the engine sees each request. It counts the request's work after its
+# first token too (a second token, the last chunks), and not the hand-offs' latency or the client:
+# the wall time outside the engine (the mean TTFT less vLLM's own queue and prefill time, from its
+# /metrics) was 6.7-8.3 ms, median 7.12 ms, with this client and the busy-polling engine core
+# beside the server on two cores. The figure it replaces, 3.57 ms, was `kvtune calibrate --timing`
+# on /v1/completions, no chat template (tests/live/test_timing_live.py).
 # Per streamed token: benchmarks/host_overheads.py on vLLM 0.32.0's CPU build (2026-12-07), the API
 # server's CPU time over 24 bursts of 16 to 512 /v1/chat/completions streams decoding at once, is
 # 1.18 ms per request + 51.3 µs per SSE chunk + 12.6 µs per token (non-negative least squares).
@@ -74,7 +81,7 @@ from kvtune.domain.step_time import TICKS_PER_S, FrontEndModel
 # server is busy (10 of the 24 bursts merged: 1,328 chunks for 8,320 tokens). token_s is 12.6 µs:
 # ~79,000 tokens/s of one process, so streaming does not bound a GPU's output rate.
 VLLM_API_SERVER = FrontEndModel(request_s=0.00249, token_s=0.0000126)
-VLLM_API_SERVER_LONE_S = 0.00357  # http_overhead_s: what a lone request spends outside the steps
+VLLM_API_SERVER_LONE_S = 0.00567  # http_overhead_s: what a lone request spends outside the steps
 VLLM_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py (bursts of ShareGPT-length chat requests under Qwen3's "
                           "template, 2.49 ms of server CPU each) and "
                           "benchmarks/host_overheads.py (12.6 µs per token) on vLLM 0.32.0's OpenAI API "
