@@ -74,3 +74,24 @@ def test_another_engines_server_is_not_priced_as_vllms(tmp_path):
     timing = simulate(burst_log(tmp_path, 20), "--engine", "sglang", "--num-gpu-blocks", "20000")["simulation"]["timing"]
     assert timing["frontend"] is None
     assert timing["frontend_from"].startswith("none: sglang's API server not measured")
+
+
+def test_vllm_0_11_0_parses_the_template_on_every_request_and_is_priced_by_its_own_server(tmp_path):
+    """0.11.0 alone parses the chat template per request (kvtune/sim/frontend.py): its burst reaches
+    the engine after B × 16.55 ms, its lone request 22.33 ms after its send; the releases beside it
+    (0.11.1 caches the parse, 0.10.2 has none) keep 0.32.0's figures."""
+    from kvtune.sim.frontend import VLLM_0_11_0_API_SERVER, VLLM_API_SERVER, vllm_api_server
+
+    assert vllm_api_server((0, 11, 0))[0] == VLLM_0_11_0_API_SERVER == vllm_api_server((0, 11))[0]
+    for other in [(0, 11, 1), (0, 10, 2), (0, 9, 2), (0, 32, 0), None]:
+        assert vllm_api_server(other)[0] == VLLM_API_SERVER
+    burst = simulate(burst_log(tmp_path), "--engine-version", "0.11.0")
+    timing = burst["simulation"]["timing"]
+    assert timing["frontend"] == VLLM_0_11_0_API_SERVER.to_dict()
+    assert "vLLM 0.11.0's OpenAI API server" in timing["frontend_from"]
+    assert burst["latency_ms"]["ttft"]["p50"] >= BURST * VLLM_0_11_0_API_SERVER.request_s * 1000
+    newer = simulate(burst_log(tmp_path), "--engine-version", "0.11.1")["latency_ms"]["ttft"]["p50"]
+    assert newer < BURST * VLLM_0_11_0_API_SERVER.request_s * 1000 / 2
+    lone = simulate(burst_log(tmp_path, 1), "--engine-version", "0.11.0")
+    assert lone["simulation"]["timing"]["http_overhead_s"] == 0.02233
+    assert lone["latency_ms"]["ttft"]["p50"] >= 22.33
