@@ -98,15 +98,19 @@ VLLM_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py (bursts of ShareGPT-length c
 # build it pins not being reachable here; 2026-12-07,
 # benchmarks/results/ttft_shape-2026-12-07-vllm-0.11.0.json): 16.09-16.88 ms of server CPU per
 # ShareGPT-length chat request in bursts of 128 and 512 (median 16.58 ms, less the two tokens'
-# 25 µs), and 21.2-26.7 ms per lone request (median of three runs of 60: 22.33 ms). The per-token
-# figure was not measured on 0.11.0 and is 0.32's. It is Qwen3's template: a shorter template parses
-# faster (an 8-word request under a one-line template: 2.5-3.9 ms per request of a burst on 0.11.0).
-VLLM_0_11_0_API_SERVER = FrontEndModel(request_s=0.01655, token_s=0.0000126)
+# 25 µs), and 21.2-26.7 ms per lone request (median of three runs of 60: 22.33 ms). It is Qwen3's
+# template: a shorter template parses faster (an 8-word request under a one-line template: 2.5-3.9 ms
+# per request of a burst on 0.11.0). Per streamed token: benchmarks/host_overheads.py on the same
+# 0.11.0 build (benchmarks/results/host_overheads-2026-12-07-vllm-0.11.0.json) fits 3.32 ms per
+# request + 81.4 µs per token + 0 per SSE chunk: 0.11.0 sent a chunk per token in every burst
+# (33,183 chunks for 32,768 tokens at B = 512: its output handler, not the stream, lags, so nothing
+# merges), so the chunk's cost is in the token's and every token pays it.
+VLLM_0_11_0_API_SERVER = FrontEndModel(request_s=0.01655, token_s=0.0000814)
 VLLM_0_11_0_API_SERVER_LONE_S = 0.02233
-VLLM_0_11_0_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py on vLLM 0.11.0's OpenAI API server (CPU build, "
-                                 "2026-12-07): 16.55 ms of server CPU per ShareGPT-length chat request under "
-                                 "Qwen3's template, which 0.11.0 alone parses on every request; 12.6 µs per "
-                                 "token as on 0.32.0; not this deployment's")
+VLLM_0_11_0_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py and host_overheads.py on vLLM 0.11.0's OpenAI API "
+                                 "server (CPU build, 2026-12-07): 16.55 ms of server CPU per ShareGPT-length chat "
+                                 "request under Qwen3's template, which 0.11.0 alone parses on every request, and "
+                                 "81.4 µs per streamed token; not this deployment's")
 PARSES_TEMPLATE_PER_REQUEST = (0, 11, 0)  # the one release that does (above)
 
 
@@ -114,8 +118,8 @@ def vllm_api_server(version: tuple[int, ...] | None) -> tuple[FrontEndModel, flo
     """vLLM `version`'s API server (None: the current release): its work per request and token,
     what a lone request spends outside the engine's steps, and where the figures come from. 0.11.0
     has its own measurement; every other release is priced by 0.32.0's, whose chat path they share
-    (the template's analysis cached or absent), a choice for the releases between that were not
-    measured."""
+    in the part that differs (the template's analysis cached or absent), a choice for the releases
+    between that were not measured."""
     if version is not None and (tuple(version) + (0, 0, 0))[:3] == PARSES_TEMPLATE_PER_REQUEST:
         return VLLM_0_11_0_API_SERVER, VLLM_0_11_0_API_SERVER_LONE_S, VLLM_0_11_0_API_SERVER_SOURCE
     return VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
