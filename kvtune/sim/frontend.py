@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -114,15 +115,23 @@ VLLM_0_11_0_API_SERVER_SOURCE = ("benchmarks/ttft_shape.py and host_overheads.py
 PARSES_TEMPLATE_PER_REQUEST = (0, 11, 0)  # the one release that does (above)
 
 
-def vllm_api_server(version: tuple[int, ...] | None) -> tuple[FrontEndModel, float, str]:
-    """vLLM `version`'s API server (None: the current release): its work per request and token,
-    what a lone request spends outside the engine's steps, and where the figures come from. 0.11.0
-    has its own measurement; every other release is priced by 0.32.0's, whose chat path they share
-    in the part that differs (the template's analysis cached or absent), a choice for the releases
-    between that were not measured."""
+class MeasuredApiServer(NamedTuple):
+    """One release's API server as measured: its work per request and token, what a lone request
+    spends outside the engine's steps (http_overhead_s), and where the figures come from."""
+
+    model: FrontEndModel
+    lone_s: float
+    source: str
+
+
+def vllm_api_server(version: tuple[int, ...] | None) -> MeasuredApiServer:
+    """vLLM `version`'s API server (None: the current release). 0.11.0 has its own measurement;
+    every other release is priced by 0.32.0's, whose chat path they share in the part that differs
+    (the template's analysis cached or absent), a choice for the releases between that were not
+    measured."""
     if version is not None and (tuple(version) + (0, 0, 0))[:3] == PARSES_TEMPLATE_PER_REQUEST:
-        return VLLM_0_11_0_API_SERVER, VLLM_0_11_0_API_SERVER_LONE_S, VLLM_0_11_0_API_SERVER_SOURCE
-    return VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE
+        return MeasuredApiServer(VLLM_0_11_0_API_SERVER, VLLM_0_11_0_API_SERVER_LONE_S, VLLM_0_11_0_API_SERVER_SOURCE)
+    return MeasuredApiServer(VLLM_API_SERVER, VLLM_API_SERVER_LONE_S, VLLM_API_SERVER_SOURCE)
 
 INGRESS, DELIVERY = 0, 1  # kinds of what `pop` returns
 _NONE = np.zeros(0, dtype=np.int64)
@@ -251,4 +260,4 @@ class FrontEnd:
 
 
 __all__ = ["DELIVERY", "INGRESS", "Delivery", "FrontEnd", "VLLM_API_SERVER", "VLLM_API_SERVER_LONE_S",
-           "VLLM_API_SERVER_SOURCE", "VLLM_0_11_0_API_SERVER", "vllm_api_server"]
+           "VLLM_API_SERVER_SOURCE", "VLLM_0_11_0_API_SERVER", "MeasuredApiServer", "vllm_api_server"]

@@ -237,8 +237,9 @@ def _with_api_server(model: StepTimeModel, detail: dict[str, Any], engine: str |
     else:
         host = {**VLLM_ENGINE_HOST.to_dict(), "added": False, "from": VLLM_ENGINE_HOST_SOURCE,
                 "why": f"{release.label} schedules the next step while the GPU runs this one (async scheduling)"}
-    server, lone_s, server_from = vllm_api_server(version)
-    return TimingSetup(model, lone_s, {**detail, "frontend_from": server_from, "host_work": host}, server)
+    server = vllm_api_server(version)
+    return TimingSetup(model, server.lone_s, {**detail, "frontend_from": server.source, "host_work": host},
+                       server.model)
 
 
 def plan_timing(plan: Plan) -> TimingSetup:

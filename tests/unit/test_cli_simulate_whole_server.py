@@ -82,9 +82,9 @@ def test_vllm_0_11_0_parses_the_template_on_every_request_and_is_priced_by_its_o
     (0.11.1 caches the parse, 0.10.2 has none) keep 0.32.0's figures."""
     from kvtune.sim.frontend import VLLM_0_11_0_API_SERVER, VLLM_API_SERVER, vllm_api_server
 
-    assert vllm_api_server((0, 11, 0))[0] == VLLM_0_11_0_API_SERVER == vllm_api_server((0, 11))[0]
+    assert vllm_api_server((0, 11, 0)).model == VLLM_0_11_0_API_SERVER == vllm_api_server((0, 11)).model
     for other in [(0, 11, 1), (0, 10, 2), (0, 9, 2), (0, 32, 0), None]:
-        assert vllm_api_server(other)[0] == VLLM_API_SERVER
+        assert vllm_api_server(other).model == VLLM_API_SERVER
     burst = simulate(burst_log(tmp_path), "--engine-version", "0.11.0")
     timing = burst["simulation"]["timing"]
     assert timing["frontend"] == VLLM_0_11_0_API_SERVER.to_dict()
