@@ -483,9 +483,23 @@ vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",engine
             server = self._runner.server
             await self._runner.cleanup()
             self._runner = None
-            if server is not None:  # connections accepted as the socket closed, under load
-                await asyncio.sleep(0.05)
-                await server.shutdown(0.1)
+            if server is not None:  # connections accepted as the socket closed, under load: on a
+                # loaded host one can register after a first shutdown, so until none is left
+                for _ in range(20):
+                    await asyncio.sleep(0.05)
+                    await server.shutdown(0.1)
+                    if not server.connections:
+                        break
+
+    async def _stop_own_loop(self) -> None:
+        """Stop, then cancel and await what is still pending on the fake's own loop (an accept half
+        done as it closed), so that no socket outlives the loop to be found unclosed later."""
+        await self._stop()
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=1.0)
 
     async def __aenter__(self) -> FakeVllm:
         await self._start()
@@ -508,7 +522,7 @@ vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",engine
     def __exit__(self, *exc: object) -> None:
         loop = self._loop
         try:
-            asyncio.run_coroutine_threadsafe(self._stop(), loop).result(15)
+            asyncio.run_coroutine_threadsafe(self._stop_own_loop(), loop).result(15)
         finally:
             self._close_thread(loop)
 
