@@ -26,6 +26,8 @@ from kvtune.userfiles import brief
 FIELDS = ("name", "memory", "bandwidth_gb_s", "dense_tflops", "vendor")
 #: No device streams 1 PB/s or multiplies at 1 EFLOPS: a larger figure is a unit slip (GB/s given in B/s).
 MAX_BANDWIDTH_GB_S = 1_000_000.0
+#: Nor streams less than 1 GB/s (a smaller figure is TB/s given as GB/s, or one that rounds to 0 B/s).
+MIN_BANDWIDTH_GB_S = 1.0
 MAX_TFLOPS = 1_000_000.0
 #: A spec file is a handful of lines.
 GPU_SPEC_MAX_BYTES = 64 * 1024
@@ -45,8 +47,8 @@ def gpu_from_fields(f: Fields) -> Gpu:
     except OptionError as exc:  # re-raised with the file's name
         raise f.fail("memory", exc.message) from None
     bandwidth = f.number("bandwidth_gb_s", maximum=MAX_BANDWIDTH_GB_S)
-    if bandwidth <= 0:
-        raise f.fail("bandwidth_gb_s", f"must be positive, got {brief(bandwidth)}")
+    if not bandwidth >= MIN_BANDWIDTH_GB_S:
+        raise f.fail("bandwidth_gb_s", f"must be at least {MIN_BANDWIDTH_GB_S:g} GB/s, got {brief(bandwidth)}")
     tflops = f.obj("dense_tflops")
     _known(tflops, MATMUL_DTYPES)
     peaks: dict[str, float | None] = {}

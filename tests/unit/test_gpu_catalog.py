@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtune.cli import cli
@@ -134,7 +134,7 @@ def test_gpu_spec_with_gpu_is_refused():
     ("name: X\nmemory: 80GB\nbandwidth_gb_s: 3900\ndense_tflops: {fp8: 835}\n", "dense_tflops.bf16: missing"),
     ("name: X\nmemory: 80GB\nbandwidth_gb_s: 3900\ndense_tflops: {bf16: 835, fp16: 835}\n",
      "dense_tflops.fp16: unknown field (known: bf16, fp8, int8, int4, fp4)"),
-    ("name: X\nmemory: 80GB\nbandwidth_gb_s: 0\ndense_tflops: {bf16: 835}\n", "bandwidth_gb_s: must be positive, got 0"),
+    ("name: X\nmemory: 80GB\nbandwidth_gb_s: 0\ndense_tflops: {bf16: 835}\n", "bandwidth_gb_s: must be at least 1 GB/s, got 0"),
     ("name: X\nmemory: 80GB\nbandwidth_gb_s: 3350000000000\ndense_tflops: {bf16: 835}\n",
      "bandwidth_gb_s: must be at most 1e+06, got 3350000000000"),
     ("memory: 80GB\nbandwidth_gb_s: 3900\ndense_tflops: {bf16: 835}\n", "name: missing"),
@@ -157,6 +157,7 @@ _good = {"name": "G", "memory": "80GB", "bandwidth_gb_s": 3000, "dense_tflops": 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from([*_good, "vendor", "extra"]), _values, max_size=6),
        st.sampled_from([*_good, "vendor"]))
+@example({"bandwidth_gb_s": 2.225073858507203e-309}, "bandwidth_gb_s")  # found: 0 B/s once converted
 def test_any_spec_object_is_a_gpu_or_one_input_error(data, keep):
     """Fuzzed spec objects (good ones with one field broken, or anything): a Gpu with positive
     figures, or a KvtuneError naming a field, never another exception."""
