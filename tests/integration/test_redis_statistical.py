@@ -45,7 +45,10 @@ async def _replay(url: str, ops) -> tuple[int, float]:
     py = StatisticalLedger(BUDGET, epsilon=EPSILON, block_size=16, max_model_len=2048)
     compared, worst_rel = 0, 0.0
     held = []
-    async with RedisStatisticalLedger(url, epsilon=EPSILON, key_prefix=f"p{next(_prefixes)}") as store:
+    # a 2 s deadline per Redis call, not the gateway's 0.5 s: this compares decisions, and on a loaded
+    # host a call past 0.5 s failed it with "timed out" (CI, hypothesis: flaky on the first call)
+    async with RedisStatisticalLedger(url, epsilon=EPSILON, key_prefix=f"p{next(_prefixes)}",
+                                      op_timeout_s=2.0) as store:
         await store.set_budgets({"u": BUDGET})
         sent = {}
         py.on_progress = lambda r: sent.__setitem__(id(r), py.held_rows(r))
