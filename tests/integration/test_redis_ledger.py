@@ -129,8 +129,8 @@ def test_upstreams_have_their_own_budgets(redis_server):
 
 def test_two_owners_share_one_budget_and_release_only_their_own(redis_server):
     async def go():
-        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t")
-        b = RedisLedger(redis_server.url, owner="gw-b", key_prefix="t")
+        a = RedisLedger(redis_server.url, owner="gw-a", key_prefix="t", op_timeout_s=2)
+        b = RedisLedger(redis_server.url, owner="gw-b", key_prefix="t", op_timeout_s=2)
         await a.start()
         await b.start()
         try:
