@@ -84,12 +84,7 @@ def _model(dir: Path, request: str) -> Path:
     """The 1-layer model; for `sharegpt`, with Mistral's tokenizer and Qwen3's chat template."""
     if request != "sharegpt":
         return write_tiny_model(dir, num_layers=1)
-    model = write_tiny_model(dir, num_layers=1, tokenizer="mistral-v1")
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = QWEN3_TEMPLATE.read_text()
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
-    return model
+    return write_tiny_model(dir, num_layers=1, tokenizer="mistral-v1", chat_template=QWEN3_TEMPLATE.read_text())
 
 
 async def _burst(url: str, batch: int, request: str = "tiny") -> list[float]:

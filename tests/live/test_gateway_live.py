@@ -38,10 +38,7 @@ def engine(tmp_path_factory, vllm_factory, vllm_tokenizer):
     from vllm_server import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp(f"gateway-live-{vllm_tokenizer}") / "model",
-                             tokenizer=vllm_tokenizer)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+                             tokenizer=vllm_tokenizer, chat_template=TEMPLATE)
     return vllm_factory(model_dir=model, max_model_len=512, kv_cache_memory_bytes=2 * 1024**2), model
 
 

@@ -127,10 +127,8 @@ def engine(request, tmp_path_factory, vllm_factory):
     tokenizer_config.json, which the in-process counter reads, and passed as --chat-template)."""
     from vllm_server import write_tiny_model
 
-    model = write_tiny_model(tmp_path_factory.mktemp(f"render-{request.param}") / "model", tokenizer="mistral-v1")
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATES[request.param]
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = write_tiny_model(tmp_path_factory.mktemp(f"render-{request.param}") / "model", tokenizer="mistral-v1",
+                             chat_template=TEMPLATES[request.param])
     template = model / "chat_template.jinja"
     template.write_text(TEMPLATES[request.param], "utf-8")
     server = vllm_factory(model_dir=model, max_model_len=2048, kv_cache_memory_bytes=4 * 1024**2,

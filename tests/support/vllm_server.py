@@ -231,8 +231,10 @@ def write_tiny_model(
     num_attention_heads: int | None = None,
     max_position_embeddings: int = 4096,
     vocab_size: int | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """A Llama directory vLLM serves with --load-format dummy; see the module docstring for token rules."""
+    """A Llama directory vLLM serves with --load-format dummy; see the module docstring for token rules.
+    `chat_template` replaces the tokenizer's own (a real model's, from tests/data/chat_templates)."""
     if head_dim < 32:
         raise ValueError("vLLM's CPU attention needs head_dim ≥ 32 (it dies on the first request otherwise)")
     if tokenizer not in TOKENIZERS:
@@ -282,7 +284,7 @@ def write_tiny_model(
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_position_embeddings,
-        "chat_template": template,
+        "chat_template": template if chat_template is None else chat_template,
     }
     generation_config = {"bos_token_id": bos_id, "eos_token_id": eos_id}
     for name, data in (("config.json", config), ("tokenizer_config.json", tokenizer_config),
