@@ -50,20 +50,132 @@ from pathlib import Path
 
 import numpy as np
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, as the runs are simulated: no model hub is asked
 REPO = Path(__file__).resolve().parents[1]
 VALIDATION = Path(os.environ.get("KVTUNE_VALIDATION_DIR", REPO.parent / "shared" / "validation"))
 if not VALIDATION.is_dir():
     VALIDATION = Path("/work/shared/validation")
 
-MODELS = {  # the CSV's model -> what kvtune simulate --model takes (presets, or the validation configs)
-    "Qwen/Qwen3-8B": "qwen3-8b",
+MODELS = {  # the CSV's model -> what kvtune simulate --model takes where the id alone does not say
     "Qwen/Qwen3-14B": str(VALIDATION / "configs" / "Qwen3-14B.json"),
-    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.1-8B (exact HF id not stated)": "llama-3.1-8b",
-    "openai/gpt-oss-20b": "gpt-oss-20b",
 }
-GPUS = {"H100": "H100-80GB", "A100": "A100-80GB", "RTX 4090": "RTX-4090", "RTX PRO 6000": "RTX-PRO-6000"}
 TARGETS = {"tok/s": 0.15, "ttft": 0.25, "tpot": 0.15}
+
+# A checkpoint's name or the CSV's dtype_quant saying how its weights are stored, for a config that
+# does not: the quantization_config vLLM would read from such a checkpoint (kvtune.model.quantization).
+QUANTIZATION_CONFIGS = (
+    (re.compile(r"\bfp8\b|-fp8", re.I), {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+    (re.compile(r"\bawq\b|-awq", re.I), {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}),
+    (re.compile(r"\bgptq\b|-gptq", re.I), {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}),
+)
+# Checkpoints whose config.json is another's, layer for layer (Meta's Llama 3.3 70B is Llama 3.1 70B's
+# architecture, retrained): the name they are kept under here.
+ARCHITECTURE_TWINS = {"llama-3.3-70b": "llama-3.1-70b"}
+_CHECKPOINT_SUFFIXES = re.compile(r"(-(instruct|chat|it|hf|base|fp8|fp8-dynamic|awq|gptq|int4|int8|w8a8|w4a16))+$",
+                                  re.I)
+
+
+def _first_number(text: str) -> float | None:
+    """The first figure in a free-text cell ("0.9 (default)", "model default (131072)", "1,024")."""
+    m = re.search(r"\d[\d,]*(?:\.\d+)?|\.\d+", text)
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def _integer(text: str) -> int | None:
+    value = _first_number(text)
+    return None if value is None or value != int(value) else int(value)
+
+
+def _base_names(name: str) -> list[str]:
+    """The names a checkpoint's config may be kept under, most specific first: less its tuning and
+    quantization suffixes (Llama-3.1-70B-Instruct-FP8 → llama-3.1-70b), "Meta-Llama" as "Llama",
+    and less a trailing release (Mistral-7B-Instruct-v0.3 → mistral-7b-v0.3, mistral-7b)."""
+    name = re.sub(r"^meta-(?=llama)", "", name.casefold())  # Meta-Llama-3.1-70B: Llama-3.1-70B's older name
+    tuned = re.compile(r"-(instruct|chat|it|hf|base)(?=-|$)")
+    names = [_CHECKPOINT_SUFFIXES.sub("", name), _CHECKPOINT_SUFFIXES.sub("", tuned.sub("", name))]
+    names += [re.sub(r"-v\d+(\.\d+)*$", "", n) for n in names]
+    names += [ARCHITECTURE_TWINS[n] for n in names if n in ARCHITECTURE_TWINS]
+    return list(dict.fromkeys(n for n in names if n))
+
+
+def model_source(row: dict[str, str], work: Path) -> tuple[str, str]:
+    """(kvtune simulate's --model, how it was found) for the CSV's model and dtype_quant: the
+    checkpoint's own config.json where aiconfigurator-core ships a copy, else kvtune's preset of its
+    name (less -Instruct, -FP8 … suffixes), else a config the validation directory or
+    ../shared/configs holds under that name, else what kvtune finds for a logged model id (a
+    preset's hub id, the Hugging Face cache). A quantized checkpoint (FP8, AWQ, GPTQ by its name or
+    dtype_quant) whose config says nothing of it gets vLLM's quantization_config for that format,
+    so its weights are not priced at 16 bits."""
+    from kvtune.errors import KvtuneError
+    from kvtune.model.sources import PRESETS_DIR, bundled_hub_config, model_for_logged_id
+
+    named = row["model"].strip()
+    hub_id = re.split(r"\s*\(", named)[0].strip()
+    names = _base_names(hub_id.split("/")[-1])
+    source, how = MODELS.get(named), "the table in published_runs.py"
+    if source is None and bundled_hub_config(hub_id) is not None:
+        source, how = hub_id, f"{hub_id}'s config.json as aiconfigurator-core ships it"
+    for base in names if source is None else ():
+        if (PRESETS_DIR / f"{base}.json").is_file():
+            source, how = base, f"preset {base}"
+            break
+    for folder in (VALIDATION / "configs", VALIDATION.parent / "configs") if source is None else ():
+        found = [p for p in sorted(folder.glob("*.json")) if p.stem.casefold() in names]
+        if found:
+            source, how = str(found[0]), f"{found[0].parent.name}/{found[0].name}"
+            break
+    if source is None:
+        try:
+            source = model_for_logged_id(hub_id)
+            how = f"kvtune's model for {hub_id!r}"
+        except KvtuneError as exc:
+            raise LookupError(f"no config for model {named!r}: {exc}") from None
+    stated = f"{hub_id} {row.get('dtype_quant', '')}"
+    for pattern, quantization in QUANTIZATION_CONFIGS:
+        if not pattern.search(stated):
+            continue
+        path = Path(source) if source.endswith(".json") else PRESETS_DIR / f"{source}.json"
+        if not path.is_file():
+            break
+        config = json.loads(path.read_text())
+        if "quantization_config" in config:
+            break
+        config["quantization_config"] = quantization
+        written = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', hub_id)}-{quantization['quant_method']}.json"
+        written.write_text(json.dumps(config))
+        source, how = str(written), f"{how} + {quantization['quant_method']} quantization_config"
+        break
+    return source, how
+
+
+def gpu_name(text: str) -> str:
+    """The catalog GPU for the CSV's free-text gpu ("H100 SXM 80GB", "A100 80GB (form factor …)",
+    "RTX 4090 24GB (…)", "NVIDIA A100-SXM4-40GB"): the longest run of its words that names one, and
+    where the text states a memory size, the entry of that family with that size."""
+    from kvtune.errors import KvtuneError
+    from kvtune.hardware import GPUS, find_gpu
+
+    lead = re.split(r"\s*\(", text)[0].strip()  # nvidia-smi's "NVIDIA A100-SXM4-40GB" too
+    words = re.split(r"[\s_-]+", re.sub(r"^(nvidia|amd|geforce)\s+", "", lead, flags=re.I))
+    found = None
+    for span in [words[i:i + k] for k in range(len(words), 0, -1) for i in range(len(words) - k + 1)]:
+        try:
+            found = find_gpu(" ".join(span))
+            break
+        except KvtuneError:
+            continue
+    if found is None:
+        raise LookupError(f"no catalog GPU for {text!r}")
+    stated = re.search(r"(\d+)\s*GB\b", text)
+    if stated and abs(found.memory_gib - int(stated.group(1))) > 0.12 * int(stated.group(1)):
+        family = found.name.split("-")[0]
+        same = [g for g in GPUS.values() if g.name.split("-")[0] == family
+                and abs(g.memory_gib - int(stated.group(1))) <= 0.12 * int(stated.group(1))]
+        if not same:
+            raise LookupError(f"no catalog {family} with {stated.group(1)} GB for {text!r}")
+        found = same[0]
+    return found.name
 
 
 @dataclass
@@ -75,15 +187,8 @@ class Case:
         return self.row["case_id"]
 
     @property
-    def model(self) -> str:
-        return MODELS[self.row["model"]]
-
-    @property
     def gpu(self) -> str:
-        for key, name in GPUS.items():
-            if self.row["gpu"].startswith(key):
-                return name
-        raise KeyError(self.row["gpu"])
+        return gpu_name(self.row["gpu"])
 
     @property
     def vllm_version(self) -> str | None:
@@ -93,14 +198,19 @@ class Case:
 
     @property
     def kv_fp8(self) -> bool:
-        return self.row["kv_cache_dtype"].startswith("fp8")
+        return self.row["kv_cache_dtype"].strip().lower().startswith("fp8")
 
     def number(self, field: str) -> float | None:
-        value = self.row.get(field, "").strip()
+        """A printed result: the cell's figure where the cell is one (commas allowed)."""
+        value = self.row.get(field, "").strip().replace(",", "")
         try:
             return float(value)
         except ValueError:
             return None
+
+    def setting(self, field: str) -> int | None:
+        """A setup cell's integer, from free text ("model default (131072)", "2 (TP)"); None if absent."""
+        return _integer(self.row.get(field, ""))
 
 
 def _derived(notes: str, what: str) -> float | None:
@@ -142,58 +252,93 @@ def _sharegpt(mean_in: float, mean_out: float, seed: int = 1) -> np.ndarray:
 SHAREGPT_MEANS = (217.393, 201.648)  # GS-Q14 sharegpt's published totals ÷ 1000: the GSREF rows' workload
 
 
-def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
-    """The log to simulate and the load options."""
+def _spread(text: str) -> float:
+    """A random dataset's length spread as a fraction either side: "±15%" → 0.15, vLLM bench's
+    `--random-range-ratio 0.3` → 0.3; 0 for fixed lengths."""
+    if (m := re.search(r"±\s*(\d+(?:\.\d+)?)\s*%", text)) is not None:
+        return float(m.group(1)) / 100
+    if (m := re.search(r"range[-_ ]ratio[ =]+(\d*\.?\d+)", text, re.I)) is not None:
+        return float(m.group(1))
+    return 0.0
+
+
+def lengths(case: Case) -> list[tuple[int, int]]:
+    """(prompt, output) tokens per request of the run's dataset (see the module's docstring)."""
     r = case.row
-    n = int(float(r["num_prompts"]))
-    rows: list[dict[str, object]] = []
-    concurrency = r["max_concurrency"].strip()
-    load: list[str]
+    n = case.setting("num_prompts")
+    if not n:
+        raise LookupError("no num_prompts")
+    totals = (case.number("total_input_tokens"), case.number("total_output_tokens"))
+    if r["dataset"].strip().lower().startswith("sharegpt"):
+        means = (totals[0] / n, totals[1] / n) if totals[0] and totals[1] else SHAREGPT_MEANS
+        drawn = _sharegpt(*means)
+        return [(int(p), int(o)) for p, o in (drawn if case.setting("max_concurrency") else drawn[:n])]
+    if totals[0] and totals[1]:  # as printed: a few outputs stop early, and the template adds tokens
+        mean_in, mean_out = totals[0] / n, totals[1] / n
+    else:
+        mean_in, mean_out = _first_number(r["input_len"]), _first_number(r["output_len"])  # type: ignore[assignment]
+    if not mean_in or not mean_out:
+        raise LookupError(f"no prompt/output lengths for dataset {r['dataset']!r}")
+    spread = _spread(" ".join(r.get(f, "") for f in ("dataset", "input_len", "output_len", "bench_cmd")))
+    if not spread:
+        return [(round(mean_in), max(1, round(mean_out)))] * n
+    rng = np.random.default_rng(0)
+    return [(int(mean_in * rng.uniform(1 - spread, 1 + spread)),
+             max(1, int(mean_out * rng.uniform(1 - spread, 1 + spread)))) for _ in range(n)]
+
+
+def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
+    """The log to simulate and the load options: a closed loop (`max_concurrency`), an open loop at
+    the printed `request_rate` (Poisson, or gamma gaps where a burstiness is printed), else every
+    request at t = 0; LLMServingSim's runs replay their own trace."""
+    r = case.row
     if case.id.startswith("LSS-"):
         return VALIDATION / "llmss_4090_replay.jsonl", ["--replay"]
-    dataset = r["dataset"]
-    if dataset == "sharegpt":
-        totals = (case.number("total_input_tokens"), case.number("total_output_tokens"))
-        means = (totals[0] / n, totals[1] / n) if totals[0] and totals[1] else SHAREGPT_MEANS
-        lengths = _sharegpt(*means)
-        if concurrency:  # closed loop: simulate draws from the whole distribution
-            lengths_used = lengths
-        else:
-            lengths_used = lengths[:n]
-        rows = [{"prompt_tokens": int(p), "output_tokens": int(o)} for p, o in lengths_used]
-    elif dataset == "random":
-        mean_in = (case.number("total_input_tokens") or 0) / n
-        mean_out = (case.number("total_output_tokens") or 0) / n
-        rows = [{"prompt_tokens": round(mean_in), "output_tokens": max(1, round(mean_out))}] * n
-    else:  # the vLLM blog: ~20,000 in / ~2,000 out, ±15 %
-        rng = np.random.default_rng(0)
-        rows = [{"prompt_tokens": int(20000 * rng.uniform(0.85, 1.15)),
-                 "output_tokens": int(2000 * rng.uniform(0.85, 1.15))} for _ in range(n)]
-    path = work / f"{case.id}.jsonl"
+    n = case.setting("num_prompts")
+    concurrency = case.setting("max_concurrency")
+    rate_text = r["request_rate"].strip().lower()
+    rate = None if not rate_text or rate_text.startswith("inf") else _first_number(rate_text)
+    at_once = not concurrency and not rate
+    path = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', case.id)}.jsonl"
     with path.open("w") as f:
-        for row in rows:
-            record = {"route": "/v1/chat/completions", **row, "finish_reason": "stop"}
-            if not concurrency:
+        for prompt, output in lengths(case):
+            record: dict[str, object] = {"route": "/v1/chat/completions", "prompt_tokens": prompt,
+                                         "output_tokens": output, "finish_reason": "stop"}
+            if at_once:
                 record["timestamp_s"] = 0.0
             f.write(json.dumps(record) + "\n")
     if concurrency:
-        load = ["--concurrency", concurrency, "--requests", str(n)]
-    else:
-        load = ["--replay"]
-    return path, load
+        return path, ["--concurrency", str(concurrency), "--requests", str(n)]
+    if rate:
+        load = ["--rate", repr(rate), "--requests", str(n)]
+        if (m := re.search(r"burstiness[ =]+(\d*\.?\d+)", f"{rate_text} {r.get('bench_cmd', '')}", re.I)):
+            load += ["--burstiness", m.group(1)]
+        return path, load
+    return path, ["--replay"]
 
 
 def capacity_options(case: Case) -> tuple[list[str], str]:
-    """simulate's pool options: the published pool where the source printed one, else kvtune's
-    estimate for the run's settings."""
+    """simulate's engine options: TP, the run's max_model_len, KV dtype, gpu_memory_utilization and
+    batch limits where printed, and the published pool where the source printed one (in blocks or
+    tokens), else kvtune's estimate for the run's settings."""
     r = case.row
-    mml_field = r["max_model_len"].strip()
-    options = ["--max-model-len", mml_field] if mml_field.isdigit() else []
+    options: list[str] = []
+    if (tp := case.setting("tp")) and tp > 1:
+        options += ["--tp", str(tp)]
+    if mml := case.setting("max_model_len"):
+        options += ["--max-model-len", str(mml)]
     if case.kv_fp8:
         options += ["--kv-cache-dtype", "fp8"]
-    if (m := re.match(r"(\d+) blocks x (\d+)", r["kv_cache_size"])) is not None:
+    for field, option in (("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens")):
+        if value := case.setting(field):
+            options += [option, str(value)]
+    size = r.get("kv_cache_size", "").replace(",", "")
+    if (m := re.match(r"\s*(\d+) blocks x (\d+)", size)) is not None:
         return options + ["--num-gpu-blocks", m.group(1)], f"published ({m.group(1)} × {m.group(2)})"
-    if (util := case.number("gpu_memory_utilization")) is not None:
+    if (m := re.search(r"(\d+)\s*tokens", size)) is not None:
+        return options + ["--kv-tokens", m.group(1)], f"published ({int(m.group(1)):,} tokens)"
+    util = _first_number(r.get("gpu_memory_utilization", ""))
+    if util is not None and 0 < util <= 1:
         options += ["--gpu-memory-utilization", str(util)]
     return options, "kvtune estimate"
 
@@ -203,13 +348,15 @@ def _env() -> dict[str, str]:
 
 
 def simulate(case: Case, work: Path) -> dict[str, object]:
-    log, load = workload(case, work)
+    try:
+        log, load = workload(case, work)
+        model, model_from = model_source(case.row, work)
+        gpu = case.gpu
+    except LookupError as exc:
+        return {"error": str(exc), "wall_s": 0.0, "capacity": "—"}
     pool, cap_source = capacity_options(case)
-    cmd = [sys.executable, "-m", "kvtune", "simulate", str(log), "--model", case.model, "--gpu", case.gpu, *pool,
+    cmd = [sys.executable, "-m", "kvtune", "simulate", str(log), "--model", model, "--gpu", gpu, *pool,
            "--json", *load]
-    for field, option in (("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens")):
-        if r := case.row[field].strip():
-            cmd += [option, r]
     if version := case.vllm_version:
         cmd += ["--engine-version", version]
     t0 = time.perf_counter()
@@ -229,6 +376,7 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
             "ttft_mean_ms": lat["ttft"]["mean"], "ttft_median_ms": lat["ttft"]["p50"],
             "tpot_mean_ms": lat["tpot"]["mean"], "itl_median_ms": lat["tpot"]["p50"],
             "source": timing["source"], "label": timing.get("label", timing["source"]),
+            "model": f"{model_from}", "gpu": gpu,
             "preemptions": data["server"]["preemptions"],
             "admission": "whole prompt" if data["simulation"]["engine"]["reserve_full_sequence"]["value"]
             else "first chunk",

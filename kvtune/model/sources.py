@@ -94,7 +94,8 @@ def _unknown(name: str) -> UnknownNameError:
 
 
 def _from_hub(repo_id: str) -> ModelSpec:
-    """config.json from the Hugging Face hub, or from the local cache when offline."""
+    """config.json from the Hugging Face hub, or from the local cache when offline, or else the copy
+    aiconfigurator-core ships (bundled_hub_config)."""
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as exc:  # pragma: no cover - a declared dependency
@@ -102,6 +103,9 @@ def _from_hub(repo_id: str) -> ModelSpec:
     try:
         local = hf_hub_download(repo_id, "config.json")
     except Exception as exc:  # every hub failure is a user-facing one
+        bundled = bundled_hub_config(repo_id)
+        if bundled is not None:
+            return _from_bundled(repo_id, *bundled)
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         reason = ("offline (HF_HUB_OFFLINE=1) and not in the local Hugging Face cache" if offline
                   else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}")
@@ -113,6 +117,39 @@ def _from_hub(repo_id: str) -> ModelSpec:
         ) from exc
     return parse_model_spec(load_config_file(local), name=repo_id, source_dir=str(Path(local).parent), path=local,
                             serve_id=repo_id)
+
+
+#: aiconfigurator-core (the silicon step times' package) ships the config.json of ~120 hub models it
+#: prices, as `<owner>--<name>_config.json`, a ModelOpt checkpoint's hf_quant_config.json beside it
+#: as `<owner>--<name>_hf_quant_config.json`: copies of the hub's files, read when the hub is not.
+BUNDLED_CONFIGS_PACKAGE = "aiconfigurator_core"
+
+
+def bundled_hub_config(repo_id: str) -> tuple[Path, Path | None] | None:
+    """aiconfigurator-core's copy of `repo_id`'s config.json (and its hf_quant_config.json, if any),
+    found by name without importing the package; None where it is not installed or has no copy."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(BUNDLED_CONFIGS_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model_configs"
+    stem = repo_id.replace("/", "--").casefold()
+    files = {p.name.casefold(): p for p in folder.glob("*.json")} if folder.is_dir() else {}
+    config = files.get(f"{stem}_config.json")
+    return None if config is None else (config, files.get(f"{stem}_hf_quant_config.json"))
+
+
+def _from_bundled(repo_id: str, config: Path, quant: Path | None) -> ModelSpec:
+    spec = parse_model_spec(load_config_file(config), name=repo_id, path=str(config), serve_id=repo_id)
+    if quant is None or spec.quantization_config is not None:
+        return spec
+    scheme = parse_modelopt_file(load_config_file(quant), path=str(quant), num_layers=spec.num_layers)
+    return spec if scheme is None else dataclasses.replace(
+        spec, quantization="modelopt", quantization_bits=scheme.weight_bits, quantization_config=scheme)
 
 
 def _preset_for_hub_id(repo_id: str) -> str | None:

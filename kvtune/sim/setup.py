@@ -30,7 +30,7 @@ from kvtune.domain.engine_settings import EngineSettings
 from kvtune.domain.step_time import FrontEndModel, StepTimeModel
 from kvtune.engines import vllm
 from kvtune.errors import CapacityError, KvtuneError, OptionError
-from kvtune.model.sources import PRESETS_DIR, load_config_file
+from kvtune.model.sources import PRESETS_DIR, bundled_hub_config, load_config_file
 from kvtune.sim.frontend import vllm_api_server
 from kvtune.sim.host import (
     FIRST_ASYNC_SCHEDULING_VERSION,
@@ -261,8 +261,16 @@ def plan_timing(plan: Plan) -> TimingSetup:
 
 
 def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
-    """The config.json `spec` was read from (a model directory, a config file, a preset) and, beside
-    it in a directory, a ModelOpt hf_quant_config.json; None when there is no local file."""
+    """The config.json `spec` was read from (a model directory, a config file, a preset, the copy
+    aiconfigurator-core ships of a hub model's) and, beside it, a ModelOpt hf_quant_config.json;
+    None when there is no local file."""
+    if spec.source_dir is None and (bundled := bundled_hub_config(spec.name)) is not None:
+        config, quant = bundled
+        try:
+            return {"config.json": load_config_file(config),
+                    **({} if quant is None else {"hf_quant_config.json": load_config_file(quant)})}
+        except KvtuneError:
+            return None
     candidates = []
     if spec.source_dir is not None:
         candidates.append(Path(spec.source_dir) / "config.json")

@@ -343,3 +343,23 @@ def test_fuzzed_configs_give_a_spec_or_a_kvtune_error(config):
     except KvtuneError:
         return
     assert spec.num_layers >= 1 and spec.attention.num_kv_heads >= 1 and len(spec.layer_kinds) == spec.num_layers
+
+
+def test_hub_id_offline_reads_the_copy_aiconfigurator_ships(monkeypatch, tmp_path):
+    """Offline and not in the Hugging Face cache, a hub model whose config.json aiconfigurator-core
+    ships (as owner--name_config.json, a ModelOpt hf_quant_config.json beside it) is read from there."""
+    pytest.importorskip("aiconfigurator_core")
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    modelopt = resolve_model("nvidia/Llama-3.1-70B-Instruct-FP8")
+    assert (modelopt.name, modelopt.num_layers, modelopt.quantization, modelopt.quantization_bits) == (
+        "nvidia/Llama-3.1-70B-Instruct-FP8", 80, "modelopt", 8)
+    from kvtune.sim.setup import model_files  # what the silicon step time is sampled from: the same files
+
+    assert set(model_files(modelopt) or {}) == {"config.json", "hf_quant_config.json"}
+    fp8 = resolve_model("qwen/qwen3-32b-fp8")  # the hub's ids are not case-sensitive
+    assert (fp8.num_layers, fp8.quantization, fp8.quantization_bits) == (64, "fp8", 8)
+    with pytest.raises(KvtuneError, match="not in the local Hugging Face cache"):
+        resolve_model("nobody/no-such-model")

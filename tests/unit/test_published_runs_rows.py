@@ -1,0 +1,145 @@
+"""benchmarks/published_runs.py reads each published run from free text (the CSV keeps every cell
+as its source printed it): which catalog GPU, which model config, which load and which pool. The
+runs kept aside to judge the simulator are read by the same code, so a row of another GPU, model,
+parallelism or load must become the simulation it describes, or an error row saying why — never a
+silently different setup (a 40 GB A100 priced as the 80 GB one, a Poisson load sent at t = 0, an
+FP8 checkpoint priced at 16 bits)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("published_runs", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+runs = _load()
+COLUMNS = ("case_id gpu num_gpus tp vllm_version model dtype_quant kv_cache_dtype max_model_len max_num_seqs "
+           "max_num_batched_tokens gpu_memory_utilization kv_cache_size dataset input_len output_len num_prompts "
+           "request_rate max_concurrency bench_cmd total_input_tokens total_output_tokens").split()
+
+
+def row(**cells: str) -> dict[str, str]:
+    return dict.fromkeys(COLUMNS, "") | {"case_id": "X", "num_prompts": "100", "request_rate": "inf"} | cells
+
+
+@pytest.mark.parametrize(("text", "gpu"), [
+    ("H100 SXM 80GB", "H100-80GB"),
+    ("H100 (implied: 'All Hopper experiments run on a single H100 GPU')", "H100-80GB"),
+    ("A100 80GB (form factor not stated)", "A100-80GB"),
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"),  # nvidia-smi's name: the 40 GB part, not the first A100
+    ("A100 SXM4 40GB", "A100-40GB"),
+    ("H200 141GB", "H200"),
+    ("NVIDIA H100 PCIe", "H100-PCIe"),
+    ("RTX 4090 24GB (meta.json hardware.device_name 'NVIDIA GeForce RTX 4090', 25,250,627,584 B)", "RTX-4090"),
+    ("RTX PRO 6000 (Blackwell, 96 GB per the simulator config)", "RTX-PRO-6000"),
+    ("AMD Instinct MI300X", "MI300X"),
+    ("NVIDIA L40S", "L40S"),
+])
+def test_a_gpu_cell_names_its_catalog_entry(text, gpu):
+    assert runs.gpu_name(text) == gpu
+
+
+@pytest.mark.parametrize("text", ["Tesla T4", "H100 NVL 94GB"])
+def test_a_gpu_the_catalog_lacks_is_an_error_not_another_gpu(text):
+    with pytest.raises(LookupError, match="no catalog"):
+        runs.gpu_name(text)
+
+
+@pytest.mark.parametrize(("model", "quant", "source", "method"), [
+    ("Qwen/Qwen3-8B", "bf16", "Qwen/Qwen3-8B", None),  # the checkpoint's own config, shipped by aiconfigurator
+    ("meta-llama/Llama-3.1-70B-Instruct", "bf16", "llama-3.1-70b", None),
+    ("meta-llama/Llama-3.3-70B-Instruct", "bf16", "llama-3.1-70b", None),  # the same layers
+    ("mistralai/Mistral-7B-Instruct-v0.1", "bf16", "mistral-7b", None),
+    ("google/gemma-2-9b-it", "bf16", "gemma-2-9b", None),
+    ("nvidia/Llama-3.1-70B-Instruct-FP8", "fp8", "nvidia/Llama-3.1-70B-Instruct-FP8", None),  # its own ModelOpt file
+    ("neuralmagic/Meta-Llama-3.1-70B-Instruct-FP8", "fp8 (W8A8)", "*.json", "fp8"),
+    ("Qwen/Qwen3-8B-AWQ", "AWQ int4", "*.json", "awq"),
+])
+def test_a_model_cell_becomes_a_config_with_its_weights_format(tmp_path, model, quant, source, method):
+    pytest.importorskip("aiconfigurator_core")
+    found, how = runs.model_source(row(model=model, dtype_quant=quant), tmp_path)
+    if method is None:
+        assert found == source, how
+    else:  # a preset's layers with the quantization_config vLLM would read from that checkpoint
+        assert found.endswith(".json") and Path(found).parent == tmp_path, how
+        assert json.loads(Path(found).read_text())["quantization_config"]["quant_method"] == method
+
+
+def test_a_model_with_no_config_here_is_an_error_row(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(LookupError, match="no config for model 'acme/unknown-7b'"):
+        runs.model_source(row(model="acme/unknown-7b"), tmp_path)
+
+
+def test_loads_are_the_printed_ones(tmp_path):
+    at_once = runs.workload(runs.Case(row(dataset="random", input_len="1024", output_len="128")), tmp_path)
+    assert at_once[1] == ["--replay"]
+    assert all(json.loads(line)["timestamp_s"] == 0.0 for line in at_once[0].read_text().splitlines())
+    poisson = runs.workload(runs.Case(row(dataset="random", input_len="1024", output_len="128",
+                                          request_rate="0.5 (Poisson)")), tmp_path)
+    assert poisson[1] == ["--rate", "0.5", "--requests", "100"]
+    gamma = runs.workload(runs.Case(row(dataset="random", input_len="1024", output_len="128", request_rate="4",
+                                        bench_cmd="vllm bench serve --request-rate 4 --burstiness 0.5")), tmp_path)
+    assert gamma[1] == ["--rate", "4.0", "--requests", "100", "--burstiness", "0.5"]
+    closed = runs.workload(runs.Case(row(dataset="random", input_len="1024", output_len="128",
+                                         max_concurrency="16")), tmp_path)
+    assert closed[1] == ["--concurrency", "16", "--requests", "100"]
+
+
+def test_lengths_follow_the_printed_totals_else_the_nominal_lengths_and_their_spread():
+    totals = runs.Case(row(dataset="random", input_len="2000", output_len="100", num_prompts="500",
+                           total_input_tokens="998175", total_output_tokens="50000"))
+    assert set(runs.lengths(totals)) == {(1996, 100)}
+    spread = runs.lengths(runs.Case(row(dataset="random", input_len="1024", output_len="128",
+                                        bench_cmd="vllm bench serve --random-range-ratio 0.5")))
+    prompts = [p for p, _ in spread]
+    assert 512 <= min(prompts) < 700 and 1350 < max(prompts) <= 1536
+    blog = runs.lengths(runs.Case(row(dataset="random (±15% length variance)", input_len="~20000 (±15%)",
+                                      output_len="~2000 (±15%)")))
+    assert all(17000 <= p <= 23000 and 1700 <= o <= 2300 for p, o in blog)
+    with pytest.raises(LookupError, match="no prompt/output lengths"):
+        runs.lengths(runs.Case(row(dataset="sonnet")))
+
+
+def test_setup_cells_become_engine_options():
+    options, pool = runs.capacity_options(runs.Case(row(
+        tp="2", max_model_len="model default (131072)", kv_cache_dtype="fp8 (E4M3)", max_num_seqs="256",
+        max_num_batched_tokens="2,048", kv_cache_size="GPU KV cache size: 321,520 tokens")))
+    assert options == ["--tp", "2", "--max-model-len", "131072", "--kv-cache-dtype", "fp8", "--max-num-seqs", "256",
+                       "--max-num-batched-tokens", "2048", "--kv-tokens", "321520"]
+    assert pool == "published (321,520 tokens)"
+    options, pool = runs.capacity_options(runs.Case(row(gpu_memory_utilization="0.95 (set)")))
+    assert (options, pool) == (["--gpu-memory-utilization", "0.95"], "kvtune estimate")
+
+
+def test_every_given_run_reads_to_a_setup(tmp_path):
+    """The 17 runs of ../shared/validation each resolve to a GPU, a model and a load."""
+    pytest.importorskip("aiconfigurator_core")
+    path = runs.VALIDATION / "published-vllm-runs.csv"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here")
+    with path.open() as f:
+        cases = [runs.Case(r) for r in csv.DictReader(f)]
+    assert len(cases) >= 17
+    for case in cases:
+        assert case.gpu
+        assert runs.model_source(case.row, tmp_path)[0]
+        assert runs.workload(case, tmp_path)[1]
