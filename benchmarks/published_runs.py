@@ -1,20 +1,27 @@
-"""`kvtune simulate` against 17 published vLLM runs on real GPUs: predicted ÷ published, run by run.
+"""`kvtune simulate` against published vLLM runs on real GPUs: predicted ÷ published, run by run.
 
 The runs, their setups and printed results are in ../shared/validation/published-vllm-runs.csv
-(its README says where each comes from). Each is replayed offline, with no GPU and no server:
+(its README says where each comes from; $KVTUNE_VALIDATION_DIR names another directory holding a
+CSV of the same columns and mk_sharegpt.py). Each is replayed offline, with no GPU and no server:
 
 - workload: ShareGPT runs draw lengths from `mk_sharegpt.py` (lognormal, filtered as vLLM's
   ShareGPT sampler filters, matched to the published input/output totals; the dataset itself is not
   here); `random` runs use the published per-request means (input total ÷ prompts, output total ÷
-  prompts: a few outputs stopped early); the vLLM blog's ±15 % runs draw uniformly in ±15 %; the
-  LLMServingSim runs replay their own trace (`llmss_4090_replay.jsonl`, arrival times included).
-- load: `--concurrency C --requests N` for closed loops (`--max-concurrency`), every request at
-  t = 0 (`--replay` of a log whose timestamps are all 0) for `request_rate inf` without a
-  concurrency, `--replay` of the trace for LLMServingSim.
+  prompts: a few outputs stopped early), else the nominal lengths, drawn uniformly within a printed
+  spread (±15 %, `--random-range-ratio`); the LLMServingSim runs replay their own trace
+  (`llmss_4090_replay.jsonl`, arrival times included).
+- load: `--concurrency C --requests N` for closed loops (`--max-concurrency`), `--rate R` (Poisson,
+  or gamma with a printed burstiness) for a numeric `request_rate`, every request at t = 0
+  (`--replay` of a log whose timestamps are all 0) for `request_rate inf` without a concurrency.
+- setup: the catalog GPU the free-text `gpu` names (its stated memory picks the 40 or 80 GB part),
+  `--tp`, the model's config (the checkpoint's own where aiconfigurator-core ships a copy, else
+  kvtune's preset of its base name, else `configs/`; a quantized checkpoint's format from its name
+  or `dtype_quant` where the config says none), the printed batch limits. A row this cannot read
+  (a GPU or model with no data here) prints as an error naming why.
 - capacity: no capacity file: `simulate --model M --gpu G` runs on kvtune's own pool estimate
   (with the run's --kv-cache-dtype, --max-model-len and --gpu-memory-utilization where the source
-  gives them), or `--num-gpu-blocks N` where the source printed the pool (LLMServingSim's RTX 4090:
-  2,588 blocks × 16).
+  gives them), or `--num-gpu-blocks N` / `--kv-tokens N` where the source printed the pool
+  (LLMServingSim's RTX 4090: 2,588 blocks × 16).
 - release: `--engine-version` the run's vLLM (its defaults, e.g. gpu_memory_utilization 0.9 before
   0.20, whether its scheduler overlaps the forward pass: kvtune.sim.host, and whether it admits a
   request on its whole prompt or, before 0.19, on its first chunk: kvtune.engines.vllm).
@@ -249,6 +256,8 @@ def _sharegpt(mean_in: float, mean_out: float, seed: int = 1) -> np.ndarray:
     return mk_sharegpt.fit(mean_in, mean_out, seed=seed)
 
 
+# LLMServingSim's workload file: llmss_4090_replay.jsonl holds its requests as the RTX 4090 run sent them
+LLMSS_WORKLOAD = "sharegpt-llama-3.1-8b-300-sps10.jsonl"
 SHAREGPT_MEANS = (217.393, 201.648)  # GS-Q14 sharegpt's published totals ÷ 1000: the GSREF rows' workload
 
 
@@ -290,10 +299,12 @@ def lengths(case: Case) -> list[tuple[int, int]]:
 def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
     """The log to simulate and the load options: a closed loop (`max_concurrency`), an open loop at
     the printed `request_rate` (Poisson, or gamma gaps where a burstiness is printed), else every
-    request at t = 0; LLMServingSim's runs replay their own trace."""
+    request at t = 0; runs of LLMServingSim's workload replay its trace."""
     r = case.row
-    if case.id.startswith("LSS-"):
+    if LLMSS_WORKLOAD in r["dataset"]:
         return VALIDATION / "llmss_4090_replay.jsonl", ["--replay"]
+    if "per request" in r["input_len"]:
+        raise LookupError(f"no trace here for the per-request lengths of {r['dataset'][:80]!r}")
     n = case.setting("num_prompts")
     concurrency = case.setting("max_concurrency")
     rate_text = r["request_rate"].strip().lower()

@@ -143,3 +143,14 @@ def test_every_given_run_reads_to_a_setup(tmp_path):
         assert case.gpu
         assert runs.model_source(case.row, tmp_path)[0]
         assert runs.workload(case, tmp_path)[1]
+
+
+def test_a_trace_workload_replays_its_trace_and_another_trace_is_an_error_row(tmp_path):
+    dataset = ("other: ShareGPT-derived trace (workloads/sharegpt-llama-3.1-8b-300-sps10.jsonl; shibing624/"
+               "sharegpt_gpt4, min input 256, min output 512)")
+    log, load = runs.workload(runs.Case(row(case_id="LSS-X", dataset=dataset, input_len="per request (in "
+                                            "requests.jsonl)", request_rate="10 (Poisson)")), tmp_path)
+    assert (log.name, load) == ("llmss_4090_replay.jsonl", ["--replay"])
+    with pytest.raises(LookupError, match="no trace here"):
+        runs.workload(runs.Case(row(dataset="other: trace (workloads/another.jsonl)",
+                                    input_len="per request (in requests.jsonl)")), tmp_path)
