@@ -328,10 +328,22 @@ def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
     return path, ["--replay"]
 
 
-def capacity_options(case: Case) -> tuple[list[str], str]:
+BLOCK_SIZE = 16  # vLLM's default KV block on GPUs
+
+
+def kv_bytes_per_token(model: str, case: Case) -> int:
+    """KV bytes per token per GPU of `model` at the run's KV dtype and TP (`kvtune kv --json`)."""
+    cmd = [sys.executable, "-m", "kvtune", "kv", model, "--json", "--tp", str(case.setting("tp") or 1),
+           "--kv-cache-dtype", "fp8" if case.kv_fp8 else "auto"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=True)
+    return int(json.loads(out.stdout)["kv_bytes_per_token_per_gpu"])
+
+
+def capacity_options(case: Case, model: str | None = None) -> tuple[list[str], str]:
     """simulate's engine options: TP, the run's max_model_len, KV dtype, gpu_memory_utilization and
-    batch limits where printed, and the published pool where the source printed one (in blocks or
-    tokens), else kvtune's estimate for the run's settings."""
+    batch limits where printed, and the published pool where the source printed one (in blocks, in
+    tokens, or vLLM's "Available KV cache memory" in GiB, as whole blocks of `model`'s KV), else
+    kvtune's estimate for the run's settings."""
     r = case.row
     options: list[str] = []
     if (tp := case.setting("tp")) and tp > 1:
@@ -348,6 +360,9 @@ def capacity_options(case: Case) -> tuple[list[str], str]:
         return options + ["--num-gpu-blocks", m.group(1)], f"published ({m.group(1)} × {m.group(2)})"
     if (m := re.search(r"(\d+)\s*tokens", size)) is not None:
         return options + ["--kv-tokens", m.group(1)], f"published ({int(m.group(1)):,} tokens)"
+    if (m := re.search(r"(\d+(?:\.\d+)?)\s*GiB", size)) is not None and model is not None:
+        blocks = int(float(m.group(1)) * 2**30 // (BLOCK_SIZE * kv_bytes_per_token(model, case)))
+        return options + ["--num-gpu-blocks", str(blocks)], f"published ({m.group(1)} GiB = {blocks} × {BLOCK_SIZE})"
     util = _first_number(r.get("gpu_memory_utilization", ""))
     if util is not None and 0 < util <= 1:
         options += ["--gpu-memory-utilization", str(util)]
@@ -365,7 +380,7 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
         gpu = case.gpu
     except LookupError as exc:
         return {"error": str(exc), "wall_s": 0.0, "capacity": "—"}
-    pool, cap_source = capacity_options(case)
+    pool, cap_source = capacity_options(case, model)
     cmd = [sys.executable, "-m", "kvtune", "simulate", str(log), "--model", model, "--gpu", gpu, *pool,
            "--json", *load]
     if version := case.vllm_version:

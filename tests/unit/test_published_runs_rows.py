@@ -154,3 +154,11 @@ def test_a_trace_workload_replays_its_trace_and_another_trace_is_an_error_row(tm
     with pytest.raises(LookupError, match="no trace here"):
         runs.workload(runs.Case(row(dataset="other: trace (workloads/another.jsonl)",
                                     input_len="per request (in requests.jsonl)")), tmp_path)
+
+
+def test_a_pool_printed_in_gib_becomes_whole_blocks_of_the_models_kv():
+    case = runs.Case(row(tp="2", kv_cache_dtype="fp8", kv_cache_size="Available KV cache memory: 40.5 GiB"))
+    options, pool = runs.capacity_options(case, "llama-3.1-70b")
+    # Llama-3.1-70B: 80 layers × 8 KV heads × 128 × 2 (K and V) × 1 B (fp8) ÷ TP 2 = 81,920 B per token
+    assert options[-2:] == ["--num-gpu-blocks", str(int(40.5 * 2**30 // (16 * 81_920)))]
+    assert pool == f"published (40.5 GiB = {int(40.5 * 2**30 // (16 * 81_920))} × 16)"
