@@ -177,7 +177,7 @@ def model_for_logged_id(logged: str | None) -> str:
     In order: a preset whose hub id is the logged id ignoring case, or its base model's (the id
     less an -Instruct/-Chat suffix; an id without an owner is compared with the hub id's name);
     a local model directory or config.json (engines log the path they loaded); a hub id whose
-    config.json the Hugging Face cache (or hub) holds."""
+    config.json the Hugging Face cache (or hub) holds, or aiconfigurator-core ships a copy of."""
     if logged is None:
         raise OptionError("the logs name no model: give --model (a preset, config.json, model directory or "
                           "hub id)", field="--model")
