@@ -121,6 +121,7 @@ def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_wh
     import json as json_
     import os
     import socket
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from enforcers import chat, small_fake, small_rec, start_enforcer
@@ -144,6 +145,10 @@ def test_real_nginx_spreads_by_free_budget_over_two_engines_and_releases_once_wh
             ups = server.ledger()["upstreams"]
             # free 60 vs 30: six go to a; at 30 each the tie goes to b (fewer in flight); then a again
             assert [(u["budget"], u["reserved"], u["inflight"]) for u in ups] == [(60, 35, 7), (30, 5, 1)]
+            # the ledger reserves before nginx proxies: the engines see each request a moment later
+            deadline = time.monotonic() + 10
+            while (a.active, b.active) != (7, 1) and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert (a.active, b.active) == (7, 1)
             for i in range(8, 18):
                 pending.append(held(i))
