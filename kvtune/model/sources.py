@@ -66,10 +66,15 @@ def resolve_model(source: str) -> ModelSpec:
 def with_modelopt_file(spec: ModelSpec) -> ModelSpec:
     """A ModelOpt checkpoint keeps its scheme in hf_quant_config.json beside config.json (whose own
     quantization_config is then absent): read it, as vLLM does, when the config names none."""
-    if spec.source_dir is None or spec.quantization_config is not None:
+    if spec.source_dir is None:
         return spec
-    path = Path(spec.source_dir) / "hf_quant_config.json"
-    if not path.is_file():
+    return _with_modelopt(spec, Path(spec.source_dir) / "hf_quant_config.json")
+
+
+def _with_modelopt(spec: ModelSpec, path: Path | None) -> ModelSpec:
+    """`spec` with the ModelOpt scheme of the hf_quant_config.json at `path`, where there is one and
+    the config names no quantization itself."""
+    if path is None or spec.quantization_config is not None or not path.is_file():
         return spec
     scheme = parse_modelopt_file(load_config_file(path), path=str(path), num_layers=spec.num_layers)
     if scheme is None:
@@ -145,11 +150,7 @@ def bundled_hub_config(repo_id: str) -> tuple[Path, Path | None] | None:
 
 def _from_bundled(repo_id: str, config: Path, quant: Path | None) -> ModelSpec:
     spec = parse_model_spec(load_config_file(config), name=repo_id, path=str(config), serve_id=repo_id)
-    if quant is None or spec.quantization_config is not None:
-        return spec
-    scheme = parse_modelopt_file(load_config_file(quant), path=str(quant), num_layers=spec.num_layers)
-    return spec if scheme is None else dataclasses.replace(
-        spec, quantization="modelopt", quantization_bits=scheme.weight_bits, quantization_config=scheme)
+    return _with_modelopt(spec, quant)
 
 
 def _preset_for_hub_id(repo_id: str) -> str | None:
