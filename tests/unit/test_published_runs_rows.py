@@ -8,26 +8,14 @@ FP8 checkpoint priced at 16 bits)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("published_runs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-runs = _load()
+runs = load_script(SCRIPT)
 COLUMNS = ("case_id gpu num_gpus tp vllm_version model dtype_quant kv_cache_dtype max_model_len max_num_seqs "
            "max_num_batched_tokens gpu_memory_utilization kv_cache_size dataset input_len output_len num_prompts "
            "request_rate max_concurrency bench_cmd total_input_tokens total_output_tokens").split()

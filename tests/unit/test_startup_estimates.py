@@ -7,12 +7,11 @@ issue #14, and each failed startup to a failed estimate.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 from kvtune.errors import CapacityError
 
@@ -24,16 +23,7 @@ MEDIAN_GOAL = 0.10
 ROW_TOLERANCE = 0.20
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("startup_estimates", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script(SCRIPT)
 RESULTS = {r.startup.label or r.startup.key.strip(): r for r in bench.estimates()}
 POSITIVE = [k for k, r in RESULTS.items() if not r.startup.negative]
 
