@@ -215,6 +215,11 @@ class Case:
         except ValueError:
             return None
 
+    @property
+    def requests(self) -> int | None:
+        """Requests the run sent: its num_prompts, else the successful requests it printed."""
+        return self.setting("num_prompts") or self.setting("successful_requests")
+
     def setting(self, field: str) -> int | None:
         """A setup cell's integer, from free text ("model default (131072)", "2 (TP)"); None if absent."""
         return _integer(self.row.get(field, ""))
@@ -274,9 +279,9 @@ def _spread(text: str) -> float:
 def lengths(case: Case) -> list[tuple[int, int]]:
     """(prompt, output) tokens per request of the run's dataset (see the module's docstring)."""
     r = case.row
-    n = case.setting("num_prompts")
+    n = case.requests
     if not n:
-        raise LookupError("no num_prompts")
+        raise LookupError("no num_prompts (nor successful_requests)")
     totals = (case.number("total_input_tokens"), case.number("total_output_tokens"))
     if r["dataset"].strip().lower().startswith("sharegpt"):
         means = (totals[0] / n, totals[1] / n) if totals[0] and totals[1] else SHAREGPT_MEANS
@@ -305,7 +310,7 @@ def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
         return VALIDATION / "llmss_4090_replay.jsonl", ["--replay"]
     if "per request" in r["input_len"]:
         raise LookupError(f"no trace here for the per-request lengths of {r['dataset'][:80]!r}")
-    n = case.setting("num_prompts")
+    n = case.requests
     concurrency = case.setting("max_concurrency")
     rate_text = r["request_rate"].strip().lower()
     rate = None if not rate_text or rate_text.startswith("inf") else _first_number(rate_text)

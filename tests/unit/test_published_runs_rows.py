@@ -150,3 +150,9 @@ def test_a_pool_printed_in_gib_becomes_whole_blocks_of_the_models_kv():
     # Llama-3.1-70B: 80 layers × 8 KV heads × 128 × 2 (K and V) × 1 B (fp8) ÷ TP 2 = 81,920 B per token
     assert options[-2:] == ["--num-gpu-blocks", str(int(40.5 * 2**30 // (16 * 81_920)))]
     assert pool == f"published (40.5 GiB = {int(40.5 * 2**30 // (16 * 81_920))} × 16)"
+
+
+def test_a_run_without_num_prompts_sends_its_successful_requests():
+    case = runs.Case(row(num_prompts="", successful_requests="250", dataset="random", input_len="512",
+                         output_len="64"))
+    assert len(runs.lengths(case)) == 250
