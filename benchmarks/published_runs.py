@@ -380,6 +380,10 @@ def _env() -> dict[str, str]:
 
 def simulate(case: Case, work: Path) -> dict[str, object]:
     try:
+        gpus, tp = case.setting("num_gpus") or 1, case.setting("tp") or 1
+        if gpus > tp:  # kvtune simulates one engine of `tp` GPUs
+            raise LookupError(f"{gpus} GPUs at TP {tp}: a run over several engines (data or pipeline "
+                              "parallel) is not replayed")
         log, load = workload(case, work)
         model, model_from = model_source(case.row, work)
         gpu = case.gpu

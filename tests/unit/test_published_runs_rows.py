@@ -156,3 +156,9 @@ def test_a_run_without_num_prompts_sends_its_successful_requests():
     case = runs.Case(row(num_prompts="", successful_requests="250", dataset="random", input_len="512",
                          output_len="64"))
     assert len(runs.lengths(case)) == 250
+
+
+def test_a_run_over_more_gpus_than_its_tp_is_an_error_row_not_one_engine(tmp_path):
+    result = runs.simulate(runs.Case(row(gpu="H100 SXM 80GB", num_gpus="8", tp="4", model="Qwen/Qwen3-8B",
+                                         dataset="random", input_len="512", output_len="64")), tmp_path)
+    assert result["error"] == "8 GPUs at TP 4: a run over several engines (data or pipeline parallel) is not replayed"
