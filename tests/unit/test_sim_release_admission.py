@@ -92,3 +92,11 @@ def test_capacity_profiles_a_b200_at_its_releases_default_budget(version, batche
     data = json.loads(result.stdout)
     assert any(line.startswith(f"max_num_batched_tokens {batched}: vllm serve's default")
                for line in data["assumptions"])
+
+
+@pytest.mark.parametrize(("version", "limits"), [((0, 8, 5), (8192, 1024)), ((0, 9, 0, 1), (2048, 256)),
+                                                 ((0, 9, 2), (2048, 256)), (None, (2048, 256))])
+def test_an_a100_80gb_keeps_the_small_defaults_from_0_9(version, limits):
+    """vllm PR #17885 (in 0.9.0.1's arg_utils.py, not 0.8.5's) keeps an A100 on 2048/256 whatever its
+    memory; before it, an 80 GB A100 got the ≥ 70 GiB tier."""
+    assert default_batch_limits(80 * GiB, "A100-80GB", version) == limits
