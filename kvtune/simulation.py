@@ -34,7 +34,7 @@ from kvtune.sim.engine import CLIENT_RETRY
 from kvtune.sim.plot import Timeline, svg
 from kvtune.sim.rules import engine_rule
 from kvtune.sim.run import run_simulation
-from kvtune.sim.setup import CAPACITY, engine_setup, offline_capacity, timing_setup
+from kvtune.sim.setup import CAPACITY, engine_setup, offline_capacity, timing_setup, v0_release_note
 from kvtune.sim.traffic import LOAD_OPTION, Traffic, default_load, profile_traffic, replay_traffic
 from kvtune.userfiles import brief
 from kvtune.workload.draw import replay_rows, select_routes
@@ -108,6 +108,8 @@ def run_simulate(
     setup = engine_setup(capacity, max_num_seqs=server.max_num_seqs,
                          max_num_batched_tokens=deployment.max_num_batched_tokens, gpu=gpu, recorded_from=labels,
                          engine_version=deployment.engine_version)
+    if (v0 := v0_release_note(deployment.engine, deployment.engine_version, setup.settings)) is not None:
+        note(v0)
     admission, admission_info, cap = _admission(server, setup.settings.max_model_len, capacity.model)
     bounds = (setup.settings.max_model_len, timing.fixed_delay_s, cap)
     if isinstance(workload, LogReplay):

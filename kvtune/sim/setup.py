@@ -127,6 +127,22 @@ def engine_setup(measured: MeasuredCapacity, *, max_num_seqs: int | None = None,
     return EngineSetup(settings, sources)
 
 
+def v0_release_note(engine: str, engine_version: str | None, settings: EngineSettings) -> str | None:
+    """What to tell a simulation of a vLLM release that ran its V0 engine by default (before
+    vllm.FIRST_V1_DEFAULT_VERSION): kvtune simulates V1's scheduler, with V1's defaults unless given."""
+    if engine != "vllm" or engine_version is None:
+        return None
+    release = memory_model(engine_version, field="--engine-version")
+    if release.version is None or release.version >= vllm.FIRST_V1_DEFAULT_VERSION:
+        return None
+    first_v1 = ".".join(map(str, vllm.FIRST_V1_DEFAULT_VERSION))
+    return (f"vLLM {engine_version} ran its V0 engine by default (V1 from {first_v1}), whose scheduler kvtune does "
+            "not simulate (V0 runs a prefill step apart from the decodes unless chunked prefill is on, which it "
+            "turns on by itself only past 32K of context; max_num_seqs 256): this is V1's scheduler with "
+            f"max_num_seqs {settings.max_num_seqs:,} and max_num_batched_tokens {settings.max_num_batched_tokens:,}; "
+            "give --max-num-seqs and --max-num-batched-tokens as that server ran")
+
+
 def offline_capacity(plan: Plan) -> tuple[MeasuredCapacity, dict[str, str]]:
     """The pool a simulation without a capacity file runs on, and where each of its settings came
     from: the plan's capacity as a capacity file states it (kvtune's estimate, or the pool that
@@ -289,4 +305,4 @@ def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
 
 
 __all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "plan_timing", "offline_capacity",
-           "given_pool", "OPTION", "CAPACITY", "DEFAULT", "ESTIMATE"]
+           "v0_release_note", "given_pool", "OPTION", "CAPACITY", "DEFAULT", "ESTIMATE"]

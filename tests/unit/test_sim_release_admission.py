@@ -100,3 +100,21 @@ def test_an_a100_80gb_keeps_the_small_defaults_from_0_9(version, limits):
     """vllm PR #17885 (in 0.9.0.1's arg_utils.py, not 0.8.5's) keeps an A100 on 2048/256 whatever its
     memory; before it, an 80 GB A100 got the ≥ 70 GiB tier."""
     assert default_batch_limits(80 * GiB, "A100-80GB", version) == limits
+
+
+@pytest.mark.parametrize(("version", "warned"), [("0.6.3", True), ("0.7.3", True), ("0.8.5", False),
+                                                 ("0.11.0", False)])
+def test_a_release_that_ran_v0_says_its_scheduler_is_not_simulated(tmp_path, version, warned):
+    """Before 0.8 vLLM ran its V0 engine by default: its own scheduler and defaults, which kvtune does
+    not simulate; the simulation says so, with the V1 limits it used, rather than pass them as that
+    release's."""
+    log = uniform_log(tmp_path / "log.jsonl", 4, 100, 10)
+    result = CliRunner().invoke(cli, ["simulate", log, "--model", MODEL, "--gpu", "H100-80GB", "--replay", "--json",
+                                      "--engine-version", version], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["requests"]["completed"] == 4
+    line = (f"note: vLLM {version} ran its V0 engine by default (V1 from 0.8), whose scheduler kvtune does not "
+            "simulate")
+    assert (line in result.stderr) is warned
+    if warned:
+        assert "this is V1's scheduler with max_num_seqs 1,024 and max_num_batched_tokens 8,192" in result.stderr
