@@ -415,7 +415,8 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
             "preemptions": data["server"]["preemptions"],
             "admission": "whole prompt" if data["simulation"]["engine"]["reserve_full_sequence"]["value"]
             else "first chunk",
-            "wall_s": wall, "capacity": cap_source}
+            "wall_s": wall, "capacity": cap_source,
+            "notes": [line.removeprefix("note: ") for line in out.stderr.splitlines() if line.startswith("note: ")]}
 
 
 def ratios(case: Case, predicted: dict[str, object]) -> dict[str, float | None]:
@@ -473,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r['ratio'][m]:7.2f}" if r["ratio"].get(m) else f"{'—':>7}" for m in TARGETS)
         print(f"{r['case']:34} {cells} {p['wall_s']:5.1f}s  {p['source']}; {p['capacity']}; {p['admission']}, "
               f"{p['preemptions']:,}")
+        for line in p["notes"]:  # what simulate said of the setup (e.g. a release whose scheduler it does not run)
+            print(f"{'':34} note: {line}")
     for metric in TARGETS:
         s = summary[metric]
         assert isinstance(s, dict)
