@@ -19,7 +19,10 @@ import pytest
 from enforcers import chat, running
 from fake_vllm import FakeVllm
 
-pytestmark = pytest.mark.slow
+# quiet: what each run exercised (> 10 answered, > 5 refused, > 3 cut …) is a share of 300 timed
+# clients against a 0.4 s read timeout in one event loop; beside CI's vLLM tier the loop was starved
+# (a /tokenize connect past 10 s, 6 answered): the budget's bounds hold either way, the coverage not
+pytestmark = [pytest.mark.slow, pytest.mark.quiet]
 
 BUDGET = 100
 BLOCK = 16
