@@ -63,10 +63,6 @@ VALIDATION = Path(os.environ.get("KVTUNE_VALIDATION_DIR", REPO.parent / "shared"
 if not VALIDATION.is_dir():
     VALIDATION = Path("/work/shared/validation")
 
-MODELS = {  # the CSV's model -> what kvtune simulate --model takes where the id alone does not say
-    "Qwen/Qwen3-14B": str(VALIDATION / "configs" / "Qwen3-14B.json"),
-    "meta-llama/Llama-3.1-8B (exact HF id not stated)": "llama-3.1-8b",
-}
 TARGETS = {"tok/s": 0.15, "ttft": 0.25, "tpot": 0.15}
 
 # A checkpoint's name or the CSV's dtype_quant saying how its weights are stored, for a config that
@@ -120,8 +116,8 @@ def model_source(row: dict[str, str], work: Path) -> tuple[str, str]:
     named = row["model"].strip()
     hub_id = re.split(r"\s*\(", named)[0].strip()
     names = _base_names(hub_id.split("/")[-1])
-    source, how = MODELS.get(named), "the table in published_runs.py"
-    if source is None and bundled_hub_config(hub_id) is not None:
+    source, how = None, ""
+    if bundled_hub_config(hub_id) is not None:
         source, how = hub_id, f"{hub_id}'s config.json as aiconfigurator-core ships it"
     for base in names if source is None else ():
         if (PRESETS_DIR / f"{base}.json").is_file():
@@ -142,7 +138,10 @@ def model_source(row: dict[str, str], work: Path) -> tuple[str, str]:
     for pattern, quantization in QUANTIZATION_CONFIGS:
         if not pattern.search(stated):
             continue
-        path = Path(source) if source.endswith(".json") else PRESETS_DIR / f"{source}.json"
+        bundled = bundled_hub_config(source)
+        if bundled is not None and bundled[1] is not None:
+            break  # a ModelOpt checkpoint: its hf_quant_config.json says how it is stored
+        path = Path(source) if source.endswith(".json") else bundled[0] if bundled else PRESETS_DIR / f"{source}.json"
         if not path.is_file():
             break
         config = json.loads(path.read_text())

@@ -162,3 +162,12 @@ def test_a_run_over_more_gpus_than_its_tp_is_an_error_row_not_one_engine(tmp_pat
     result = runs.simulate(runs.Case(row(gpu="H100 SXM 80GB", num_gpus="8", tp="4", model="Qwen/Qwen3-8B",
                                          dataset="random", input_len="512", output_len="64")), tmp_path)
     assert result["error"] == "8 GPUs at TP 4: a run over several engines (data or pipeline parallel) is not replayed"
+
+
+def test_a_16_bit_checkpoint_served_quantized_is_priced_at_its_served_format(tmp_path):
+    """`vllm serve Qwen/Qwen3-8B --quantization fp8` quantizes the bf16 checkpoint as it loads: the
+    checkpoint's own config (aiconfigurator-core's copy) gets the fp8 quantization_config."""
+    pytest.importorskip("aiconfigurator_core")
+    found, how = runs.model_source(row(model="Qwen/Qwen3-8B", dtype_quant="fp8 (--quantization fp8)"), tmp_path)
+    assert json.loads(Path(found).read_text())["quantization_config"]["quant_method"] == "fp8", how
+    assert json.loads(Path(found).read_text())["num_hidden_layers"] == 36
