@@ -57,7 +57,6 @@ from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, as the runs are simulated: no model hub is asked
 REPO = Path(__file__).resolve().parents[1]
 VALIDATION = Path(os.environ.get("KVTUNE_VALIDATION_DIR", REPO.parent / "shared" / "validation"))
 if not VALIDATION.is_dir():
@@ -440,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="only runs whose case_id starts with one of these (comma-separated)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, as the runs are simulated: no model hub is asked
     with (VALIDATION / "published-vllm-runs.csv").open() as f:
         cases = [Case(row) for row in csv.DictReader(f)]
     prefixes = [p for p in args.cases.split(",") if p]
