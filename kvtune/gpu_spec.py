@@ -46,9 +46,7 @@ def gpu_from_fields(f: Fields) -> Gpu:
         memory = parse_memory_size(raw_memory, field=f.field("memory"))
     except OptionError as exc:  # re-raised with the file's name
         raise f.fail("memory", exc.message) from None
-    bandwidth = f.number("bandwidth_gb_s", maximum=MAX_BANDWIDTH_GB_S)
-    if not bandwidth >= MIN_BANDWIDTH_GB_S:
-        raise f.fail("bandwidth_gb_s", f"must be at least {MIN_BANDWIDTH_GB_S:g} GB/s, got {brief(bandwidth)}")
+    bandwidth = f.number("bandwidth_gb_s", minimum=MIN_BANDWIDTH_GB_S, maximum=MAX_BANDWIDTH_GB_S)
     tflops = f.obj("dense_tflops")
     _known(tflops, MATMUL_DTYPES)
     peaks: dict[str, float | None] = {}
