@@ -280,28 +280,22 @@ def model_files(spec: ModelSpec) -> dict[str, dict[str, Any]] | None:
     """The config.json `spec` was read from (a model directory, a config file, a preset, the copy
     aiconfigurator-core ships of a hub model's) and, beside it, a ModelOpt hf_quant_config.json;
     None when there is no local file."""
-    if spec.source_dir is None and (bundled := bundled_hub_config(spec.name)) is not None:
-        config, quant = bundled
-        try:
-            return {"config.json": load_config_file(config),
-                    **({} if quant is None else {"hf_quant_config.json": load_config_file(quant)})}
-        except KvtuneError:
+    found = bundled_hub_config(spec.name) if spec.source_dir is None else None
+    if found is None:
+        candidates = [Path(spec.name), PRESETS_DIR / f"{spec.name.lower()}.json"]
+        if spec.source_dir is not None:
+            candidates.insert(0, Path(spec.source_dir) / "config.json")
+        config = next((path for path in candidates if path.suffix == ".json" and path.is_file()), None)
+        if config is None:
             return None
-    candidates = []
-    if spec.source_dir is not None:
-        candidates.append(Path(spec.source_dir) / "config.json")
-    candidates += [Path(spec.name), PRESETS_DIR / f"{spec.name.lower()}.json"]
-    for path in candidates:
-        if path.suffix == ".json" and path.is_file():
-            try:
-                files = {"config.json": load_config_file(path)}
-                quant = path.parent / "hf_quant_config.json"
-                if spec.source_dir is not None and quant.is_file():
-                    files["hf_quant_config.json"] = load_config_file(quant)
-                return files
-            except KvtuneError:
-                return None
-    return None
+        beside = config.parent / "hf_quant_config.json"
+        found = config, beside if spec.source_dir is not None and beside.is_file() else None
+    config, quant = found
+    try:
+        return {"config.json": load_config_file(config),
+                **({} if quant is None else {"hf_quant_config.json": load_config_file(quant)})}
+    except KvtuneError:
+        return None
 
 
 __all__ = ["EngineSetup", "TimingSetup", "engine_setup", "timing_setup", "plan_timing", "offline_capacity",
