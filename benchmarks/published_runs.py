@@ -335,11 +335,12 @@ BLOCK_SIZE = 16  # vLLM's default KV block on GPUs
 
 
 def kv_bytes_per_token(model: str, case: Case) -> int:
-    """KV bytes per token per GPU of `model` at the run's KV dtype and TP (`kvtune kv --json`)."""
-    cmd = [sys.executable, "-m", "kvtune", "kv", model, "--json", "--tp", str(case.setting("tp") or 1),
-           "--kv-cache-dtype", "fp8" if case.kv_fp8 else "auto"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=True)
-    return int(json.loads(out.stdout)["kv_bytes_per_token_per_gpu"])
+    """KV bytes per token per GPU of `model` at the run's KV dtype and TP (kvtune.kv, as `kvtune kv`)."""
+    from kvtune.kv import kv_bytes
+    from kvtune.model.sources import resolve_model
+
+    return kv_bytes(resolve_model(model), kv_cache_dtype="fp8" if case.kv_fp8 else "auto",
+                    tp=case.setting("tp") or 1).kv_bytes_per_token_per_gpu
 
 
 def capacity_options(case: Case, model: str | None = None) -> tuple[list[str], str]:
