@@ -343,7 +343,7 @@ def kv_bytes_per_token(model: str, case: Case) -> int:
                     tp=case.setting("tp") or 1).kv_bytes_per_token_per_gpu
 
 
-def capacity_options(case: Case, model: str | None = None) -> tuple[list[str], str]:
+def capacity_options(case: Case, model: str) -> tuple[list[str], str]:
     """simulate's engine options: TP, the run's max_model_len, KV dtype, gpu_memory_utilization and
     batch limits where printed, and the published pool where the source printed one (in blocks, in
     tokens, or vLLM's "Available KV cache memory" in GiB, as whole blocks of `model`'s KV), else
@@ -364,7 +364,7 @@ def capacity_options(case: Case, model: str | None = None) -> tuple[list[str], s
         return options + ["--num-gpu-blocks", m.group(1)], f"published ({m.group(1)} × {m.group(2)})"
     if (m := re.search(r"(\d+)\s*tokens", size)) is not None:
         return options + ["--kv-tokens", m.group(1)], f"published ({int(m.group(1)):,} tokens)"
-    if (m := re.search(r"(\d+(?:\.\d+)?)\s*GiB", size)) is not None and model is not None:
+    if (m := re.search(r"(\d+(?:\.\d+)?)\s*GiB", size)) is not None:
         blocks = int(float(m.group(1)) * 2**30 // (BLOCK_SIZE * kv_bytes_per_token(model, case)))
         return options + ["--num-gpu-blocks", str(blocks)], f"published ({m.group(1)} GiB = {blocks} × {BLOCK_SIZE})"
     util = _first_number(r.get("gpu_memory_utilization", ""))
@@ -410,7 +410,7 @@ def simulate(case: Case, work: Path) -> dict[str, object]:
             "ttft_mean_ms": lat["ttft"]["mean"], "ttft_median_ms": lat["ttft"]["p50"],
             "tpot_mean_ms": lat["tpot"]["mean"], "itl_median_ms": lat["tpot"]["p50"],
             "source": timing["source"], "label": timing.get("label", timing["source"]),
-            "model": f"{model_from}", "gpu": gpu,
+            "model": model_from, "gpu": gpu,
             "preemptions": data["server"]["preemptions"],
             "admission": "whole prompt" if data["simulation"]["engine"]["reserve_full_sequence"]["value"]
             else "first chunk",
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="only runs whose case_id starts with one of these (comma-separated)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # offline, as the runs are simulated: no model hub is asked
+    os.environ["HF_HUB_OFFLINE"] = "1"  # offline, as the runs are simulated (and _env): no model hub is asked
     with (VALIDATION / "published-vllm-runs.csv").open() as f:
         cases = [Case(row) for row in csv.DictReader(f)]
     prefixes = [p for p in args.cases.split(",") if p]

@@ -110,11 +110,11 @@ def test_lengths_follow_the_printed_totals_else_the_nominal_lengths_and_their_sp
 def test_setup_cells_become_engine_options():
     options, pool = runs.capacity_options(runs.Case(row(
         tp="2", max_model_len="model default (131072)", kv_cache_dtype="fp8 (E4M3)", max_num_seqs="256",
-        max_num_batched_tokens="2,048", kv_cache_size="GPU KV cache size: 321,520 tokens")))
+        max_num_batched_tokens="2,048", kv_cache_size="GPU KV cache size: 321,520 tokens")), "llama-3.1-8b")
     assert options == ["--tp", "2", "--max-model-len", "131072", "--kv-cache-dtype", "fp8", "--max-num-seqs", "256",
                        "--max-num-batched-tokens", "2048", "--kv-tokens", "321520"]
     assert pool == "published (321,520 tokens)"
-    options, pool = runs.capacity_options(runs.Case(row(gpu_memory_utilization="0.95 (set)")))
+    options, pool = runs.capacity_options(runs.Case(row(gpu_memory_utilization="0.95 (set)")), "llama-3.1-8b")
     assert (options, pool) == (["--gpu-memory-utilization", "0.95"], "kvtune estimate")
 
 
