@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.py
 runs = load_script(SCRIPT)
 COLUMNS = ("case_id gpu num_gpus tp vllm_version model dtype_quant kv_cache_dtype max_model_len max_num_seqs "
            "max_num_batched_tokens gpu_memory_utilization kv_cache_size dataset input_len output_len num_prompts "
-           "request_rate max_concurrency bench_cmd total_input_tokens total_output_tokens").split()
+           "request_rate max_concurrency bench_cmd total_input_tokens total_output_tokens ttft_mean_ms ttft_median_ms").split()
 
 
 def row(**cells: str) -> dict[str, str]:
@@ -171,3 +171,48 @@ def test_a_16_bit_checkpoint_served_quantized_is_priced_at_its_served_format(tmp
     found, how = runs.model_source(row(model="Qwen/Qwen3-8B", dtype_quant="fp8 (--quantization fp8)"), tmp_path)
     assert json.loads(Path(found).read_text())["quantization_config"]["quant_method"] == "fp8", how
     assert json.loads(Path(found).read_text())["num_hidden_layers"] == 36
+
+
+def test_the_ttft_floor_is_every_earlier_prompts_linear_layers_at_the_gpus_peak():
+    """N prompts sent at once, served first come first served: the mean TTFT is at least
+    (N + 1) / 2 prompts' prefill, each token 2 FLOPs per linear-layer parameter at the peak."""
+    from kvtune.hardware import find_gpu
+    from kvtune.model.sources import resolve_model
+    from kvtune.weights import count_parameters
+
+    case = runs.Case(row(gpu="H100 SXM 80GB", dataset="random", input_len="1000", output_len="10", num_prompts="3"))
+    count = count_parameters(resolve_model("llama-3.1-8b"))
+    linear = count.total - count.embedding - count.lm_head - count.norms
+    assert 6.9e9 < linear < 7.0e9  # Llama-3.1-8B's 32 layers of attention and MLP projections
+    expected = 2 * 1000 * 2 * linear / find_gpu("H100-80GB").bf16_dense_flops * 1000
+    assert runs.ttft_floor_ms(case, "llama-3.1-8b") == pytest.approx(expected)
+    two_gpus = runs.Case(case.row | {"tp": "2"})
+    assert runs.ttft_floor_ms(two_gpus, "llama-3.1-8b") == pytest.approx(expected / 2)
+    # a request of a closed loop or an open one waits for no earlier prompt: no floor worth stating
+    assert runs.ttft_floor_ms(runs.Case(case.row | {"max_concurrency": "8"}), "llama-3.1-8b") is None
+    assert runs.ttft_floor_ms(runs.Case(case.row | {"request_rate": "2.5"}), "llama-3.1-8b") is None
+
+
+def test_a_row_whose_published_ttft_is_under_its_floor_says_the_run_was_not_its_setup():
+    case = runs.Case(row(gpu="A100 80GB", dataset="random", input_len="1000", output_len="10", num_prompts="3",
+                         ttft_mean_ms="50"))
+    floor = runs.ttft_floor_ms(case, "llama-3.1-8b")
+    assert floor is not None and floor > 50  # 89 ms: 2 prompts of 1,000 tokens at 312 TFLOP/s
+    why = runs.beyond_setup(case, floor)
+    assert why is not None and "published mean TTFT 50 ms" in why and "A100-80GB" in why
+    assert runs.beyond_setup(runs.Case(case.row | {"ttft_mean_ms": f"{floor * 1.01}"}), floor) is None
+    # a median is not held to a floor on the mean
+    assert runs.beyond_setup(runs.Case(case.row | {"ttft_mean_ms": "", "ttft_median_ms": "100"}), floor) is None
+
+
+def test_of_the_given_runs_only_the_a100s_ttft_is_beyond_its_stated_setup(tmp_path):
+    """GSREF-Q8-A100-bf16 publishes a mean TTFT of 3.41 s for 1,000 ShareGPT prompts sent at once to
+    Qwen3-8B on one A100: their linear layers alone need 4.7 s on average at its 312 TFLOP/s peak."""
+    pytest.importorskip("aiconfigurator_core")
+    path = runs.VALIDATION / "published-vllm-runs.csv"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here")
+    with path.open() as f:
+        cases = [runs.Case(r) for r in csv.DictReader(f)]
+    beyond = [c.id for c in cases if runs.beyond_setup(c, runs.ttft_floor_ms(c, runs.model_source(c.row, tmp_path)[0]))]
+    assert beyond == ["GSREF-Q8-A100-bf16"]
