@@ -420,9 +420,11 @@ def beyond_setup(case: Case, floor_ms: float | None) -> str | None:
     pub = published(case)["ttft"]
     if floor_ms is None or pub is None or pub[0] != "ttft_mean_ms" or pub[1] >= floor_ms:
         return None
+    tp = case.setting("tp") or 1
+    gpus = f"{tp} × {case.gpu}'s" if tp > 1 else f"the {case.gpu}'s"
     return (f"published mean TTFT {pub[1]:,.0f} ms is under the {floor_ms:,.0f} ms its stated setup needs at "
-            f"least ({case.requests:,} prompts sent at once, each prompt token's linear layers at the "
-            f"{case.gpu}'s peak FLOPs, first come first served): the run was not the setup the row states")
+            f"least ({case.requests:,} prompts sent at once, each prompt token's linear layers at {gpus} "
+            "peak FLOPs, first come first served): the run was not the setup the row states")
 
 
 def _env() -> dict[str, str]:
