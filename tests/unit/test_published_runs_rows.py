@@ -118,14 +118,19 @@ def test_setup_cells_become_engine_options():
     assert (options, pool) == (["--gpu-memory-utilization", "0.95"], "kvtune estimate")
 
 
-def test_every_given_run_reads_to_a_setup(tmp_path):
-    """The 17 runs of ../shared/validation each resolve to a GPU, a model and a load."""
+def given_cases() -> list:
+    """The runs of ../shared/validation (skips where it or aiconfigurator-core is not here)."""
     pytest.importorskip("aiconfigurator_core")
     path = runs.VALIDATION / "published-vllm-runs.csv"
     if not path.is_file():
         pytest.skip(f"{path} is not here")
     with path.open() as f:
-        cases = [runs.Case(r) for r in csv.DictReader(f)]
+        return [runs.Case(r) for r in csv.DictReader(f)]
+
+
+def test_every_given_run_reads_to_a_setup(tmp_path):
+    """The 17 runs of ../shared/validation each resolve to a GPU, a model and a load."""
+    cases = given_cases()
     assert len(cases) >= 17
     for case in cases:
         assert case.gpu
@@ -208,11 +213,6 @@ def test_a_row_whose_published_ttft_is_under_its_floor_says_the_run_was_not_its_
 def test_of_the_given_runs_only_the_a100s_ttft_is_beyond_its_stated_setup(tmp_path):
     """GSREF-Q8-A100-bf16 publishes a mean TTFT of 3.41 s for 1,000 ShareGPT prompts sent at once to
     Qwen3-8B on one A100: their linear layers alone need 4.7 s on average at its 312 TFLOP/s peak."""
-    pytest.importorskip("aiconfigurator_core")
-    path = runs.VALIDATION / "published-vllm-runs.csv"
-    if not path.is_file():
-        pytest.skip(f"{path} is not here")
-    with path.open() as f:
-        cases = [runs.Case(r) for r in csv.DictReader(f)]
+    cases = given_cases()
     beyond = [c.id for c in cases if runs.beyond_setup(c, runs.ttft_floor_ms(c, runs.model_source(c.row, tmp_path)[0]))]
     assert beyond == ["GSREF-Q8-A100-bf16"]
