@@ -67,6 +67,11 @@ def test_counted_output_tokens_equal_the_server_counter(vllm_server_each_tokeniz
           f"{prompts['calibration_calls']} calibration calls, lengths {sorted({x['prompt_tokens'] for x in rows})[-3:]}")
 
 
+# quiet: its premise is 16 requests in the engine at once. Beside CI's loaded tiers (the run on d426441)
+# the server's API process, starved, handed them on over 9 s (most first tokens seen at 9.16 s, each
+# response in one chunk, no running request in any /metrics scrape): each finished before the next
+# came, vLLM preempted none, and the bench rightly passed an expectation of none.
+@pytest.mark.quiet
 @pytest.mark.parametrize("vllm_tokenizer", ["word"], indirect=True)  # with the other word tests
 def test_squeezed_kv_preempts_and_fails_an_expectation_of_none(vllm_server_each_tokenizer, tmp_path):
     vllm_server = vllm_server_each_tokenizer
