@@ -144,9 +144,9 @@ def enforcers(tmp_path_factory):
 # quiet: each of its 1,500 requests is on a new connection that the gateway closes unanswered when no
 # request head arrives within client_header_timeout (5 s, the suite's client limits: a bound this test
 # keeps). Beside CI's loaded tiers (the run on b243f4b: 28.9 s, against 8.5 s alone) nginx closed one
-# POST /score with an empty body unanswered, and answered it when Hypothesis sent it again, with
-# nothing in its error log the test checks: most likely the test's own client, starved between
-# connecting and sending, as the vLLM bench client of the same run was for 9 s.
+# POST /score with an empty body unanswered, and answered it when Hypothesis sent it again: most
+# likely the test's own client, starved between connecting and sending, as the first run of that day
+# starved vLLM's API server for 9 s.
 @pytest.mark.quiet
 @pytest.mark.parametrize("kind", ["python", "nginx"])
 def test_hostile_requests_never_get_a_500_and_never_leak_blocks(enforcers, kind):
