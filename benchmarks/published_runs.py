@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import os
@@ -264,13 +265,18 @@ def published(case: Case) -> dict[str, tuple[str, float] | None]:
     return out
 
 
+@functools.cache
 def _sharegpt(mean_in: float, mean_out: float, seed: int = 1) -> np.ndarray:
+    """mk_sharegpt's lengths for these means (~0.9 s a fit): drawn once per means, read-only, as the
+    GSREF rows share their means and a run's workload and its TTFT floor read the same lengths."""
     sys.path.insert(0, str(VALIDATION))
     try:
         import mk_sharegpt  # the validation directory's own generator
     finally:
         sys.path.pop(0)
-    return mk_sharegpt.fit(mean_in, mean_out, seed=seed)
+    drawn = mk_sharegpt.fit(mean_in, mean_out, seed=seed)
+    drawn.setflags(write=False)
+    return drawn
 
 
 # LLMServingSim's workload file: llmss_4090_replay.jsonl holds its requests as the RTX 4090 run sent them
@@ -323,13 +329,13 @@ def workload(case: Case, work: Path) -> tuple[Path, list[str]]:
     if "per request" in r["input_len"]:
         raise LookupError(f"no trace here for the per-request lengths of {r['dataset'][:80]!r}")
     n = case.requests
-    concurrency, rate = case.setting("max_concurrency"), case.rate
+    concurrency, rate, at_once = case.setting("max_concurrency"), case.rate, case.arrives_at_once
     path = work / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', case.id)}.jsonl"
     with path.open("w") as f:
         for prompt, output in lengths(case):
             record: dict[str, object] = {"route": "/v1/chat/completions", "prompt_tokens": prompt,
                                          "output_tokens": output, "finish_reason": "stop"}
-            if case.arrives_at_once:
+            if at_once:
                 record["timestamp_s"] = 0.0
             f.write(json.dumps(record) + "\n")
     if concurrency:
